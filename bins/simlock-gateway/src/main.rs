@@ -1,0 +1,3 @@
+//! The simlock gateway daemon: composition only.
+
+fn main() {}

@@ -1,0 +1,3 @@
+//! The simlock worker daemon: composition only.
+
+fn main() {}

@@ -1,0 +1,3 @@
+//! The simlock command-line interface.
+
+fn main() {}

@@ -1,0 +1,1 @@
+//! The gateway half of the relay: GatewayRelay.

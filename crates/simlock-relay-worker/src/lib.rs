@@ -1,0 +1,1 @@
+//! The worker half of the relay: relay targets and relay.request.

@@ -1,0 +1,1 @@
+//! NDJSON framing, the server Session and the WireClient that speak the simlock contract.

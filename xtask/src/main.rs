@@ -1,0 +1,3 @@
+//! Project automation: ci, e2e, bench, fleet.
+
+fn main() {}
