@@ -1,0 +1,329 @@
+//! Frames: a call, its result or error, and a push. One JSON object per line or text message.
+//!
+//! ```text
+//! call    {"id": 1, "type": "lease.request", "payload": {...}}
+//! result  {"id": 1, "ok": true, "payload": {...}}
+//! error   {"id": 1, "ok": false, "error": {"code": "...", "message": "...", "details": {...}}}
+//! push    {"push": "progress", "payload": {"requestId": 1, ...}}
+//! ```
+//!
+//! An error answering a line that is not a frame carries `"id": null`.
+
+use std::fmt;
+
+use serde::de::Error as _;
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+use serde_json::{Map, Number, Value};
+
+use crate::error::{ContractError, ErrorBody, ErrorCode};
+
+/// A call's id: a string or a number, chosen by the caller and echoed in the answer.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum FrameId {
+    /// A numeric id (the simlock client counts from 1).
+    Num(Number),
+    /// A string id.
+    Str(String),
+}
+
+impl FrameId {
+    /// The id as an unsigned integer, when it is one.
+    pub fn as_u64(&self) -> Option<u64> {
+        match self {
+            Self::Num(n) => n.as_u64(),
+            Self::Str(_) => None,
+        }
+    }
+}
+
+impl From<u64> for FrameId {
+    fn from(n: u64) -> Self {
+        Self::Num(n.into())
+    }
+}
+
+impl From<&str> for FrameId {
+    fn from(s: &str) -> Self {
+        Self::Str(s.to_owned())
+    }
+}
+
+impl fmt::Display for FrameId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Num(n) => write!(f, "{n}"),
+            Self::Str(s) => write!(f, "{s:?}"),
+        }
+    }
+}
+
+impl From<FrameId> for Value {
+    fn from(id: FrameId) -> Self {
+        match id {
+            FrameId::Num(n) => Self::Number(n),
+            FrameId::Str(s) => Self::String(s),
+        }
+    }
+}
+
+/// A call: the client asks the daemon to run an operation.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Call {
+    /// The caller's id for this call.
+    pub id: FrameId,
+    /// The operation's name.
+    #[serde(rename = "type")]
+    pub op: String,
+    /// The operation's input; absent means `{}`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub payload: Option<Value>,
+}
+
+/// Why a line is not a call frame; answered `BAD_FRAME` with `id: null`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum BadFrame {
+    /// The line is not JSON.
+    #[error("Invalid JSON frame")]
+    InvalidJson,
+    /// The line is JSON, but not an object with a string or number id and a string type.
+    #[error("Request frame requires string or number id and string type")]
+    NotACall,
+    /// The line is longer than the reader accepts.
+    #[error("Frame exceeds the maximum line length of {0} bytes")]
+    TooLong(usize),
+}
+
+impl From<BadFrame> for ContractError {
+    fn from(bad: BadFrame) -> Self {
+        Self::new(ErrorCode::BadFrame, bad.to_string())
+    }
+}
+
+impl Call {
+    /// Parses one line as a call frame.
+    ///
+    /// # Errors
+    /// [`BadFrame`] when the line is not JSON, or not an object with a string or number `id`
+    /// and a string `type`.
+    pub fn parse(line: &[u8]) -> Result<Self, BadFrame> {
+        let value: Value = serde_json::from_slice(line).map_err(|_| BadFrame::InvalidJson)?;
+        let Value::Object(mut object) = value else {
+            return Err(BadFrame::NotACall);
+        };
+        let id = match object.remove("id") {
+            Some(Value::Number(n)) => FrameId::Num(n),
+            Some(Value::String(s)) => FrameId::Str(s),
+            _ => return Err(BadFrame::NotACall),
+        };
+        let Some(Value::String(op)) = object.remove("type") else {
+            return Err(BadFrame::NotACall);
+        };
+        let payload = object.remove("payload").filter(|p| !p.is_null());
+        Ok(Self { id, op, payload })
+    }
+}
+
+/// A result or an error answering one call.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Reply {
+    /// The id of the call answered; `None` only for `BAD_FRAME`.
+    pub id: Option<FrameId>,
+    /// The result's payload, or the error.
+    pub outcome: Result<Value, ErrorBody>,
+}
+
+impl Reply {
+    /// A result.
+    pub fn ok(id: FrameId, payload: Value) -> Self {
+        Self {
+            id: Some(id),
+            outcome: Ok(payload),
+        }
+    }
+
+    /// An error.
+    pub fn err(id: Option<FrameId>, error: &ContractError) -> Self {
+        Self {
+            id,
+            outcome: Err(error.to_body()),
+        }
+    }
+}
+
+impl Serialize for Reply {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        #[derive(Serialize)]
+        struct Wire<'a> {
+            id: &'a Option<FrameId>,
+            ok: bool,
+            #[serde(skip_serializing_if = "Option::is_none")]
+            payload: Option<&'a Value>,
+            #[serde(skip_serializing_if = "Option::is_none")]
+            error: Option<&'a ErrorBody>,
+        }
+        let wire = match &self.outcome {
+            Ok(payload) => Wire {
+                id: &self.id,
+                ok: true,
+                payload: Some(payload),
+                error: None,
+            },
+            Err(error) => Wire {
+                id: &self.id,
+                ok: false,
+                payload: None,
+                error: Some(error),
+            },
+        };
+        wire.serialize(serializer)
+    }
+}
+
+impl<'de> Deserialize<'de> for Reply {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        struct Wire {
+            id: Option<FrameId>,
+            ok: bool,
+            #[serde(default)]
+            payload: Option<Value>,
+            #[serde(default)]
+            error: Option<ErrorBody>,
+        }
+        let wire = Wire::deserialize(deserializer)?;
+        let outcome = if wire.ok {
+            Ok(wire.payload.unwrap_or_else(|| Value::Object(Map::new())))
+        } else {
+            Err(wire.error.ok_or_else(|| D::Error::missing_field("error"))?)
+        };
+        Ok(Self {
+            id: wire.id,
+            outcome,
+        })
+    }
+}
+
+/// A push: the daemon tells the client something outside a reply.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PushFrame {
+    /// The push kind.
+    pub push: String,
+    /// Its payload; request-scoped kinds carry `requestId`, the frame id of their call.
+    pub payload: Value,
+}
+
+impl PushFrame {
+    /// The frame id of the call this push belongs to, for request-scoped kinds.
+    pub fn request_id(&self) -> Option<FrameId> {
+        self.payload
+            .get("requestId")
+            .cloned()
+            .and_then(|v| serde_json::from_value(v).ok())
+    }
+}
+
+/// What a client reads: a reply or a push.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Inbound {
+    /// A result or error for a call.
+    Reply(Reply),
+    /// A push.
+    Push(PushFrame),
+}
+
+impl Inbound {
+    /// Parses one line a daemon sent.
+    ///
+    /// # Errors
+    /// A message when the line is neither a reply nor a push.
+    pub fn parse(line: &[u8]) -> Result<Self, String> {
+        let value: Value =
+            serde_json::from_slice(line).map_err(|e| format!("invalid JSON: {e}"))?;
+        if value.get("push").is_some() {
+            serde_json::from_value(value)
+                .map(Self::Push)
+                .map_err(|e| format!("invalid push: {e}"))
+        } else if value.get("ok").is_some() {
+            serde_json::from_value(value)
+                .map(Self::Reply)
+                .map_err(|e| format!("invalid reply: {e}"))
+        } else {
+            Err("neither a reply nor a push".to_owned())
+        }
+    }
+}
+
+/// Serialises a frame as one line, newline included.
+///
+/// # Errors
+/// Only when a payload cannot be serialised (a map with non-string keys), which our types never build.
+pub fn to_line<T: Serialize>(frame: &T) -> Result<String, serde_json::Error> {
+    let mut line = serde_json::to_string(frame)?;
+    line.push('\n');
+    Ok(line)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn a_call_parses_with_either_id_kind() {
+        let call = Call::parse(br#"{"id":7,"type":"status.get","payload":{}}"#).unwrap();
+        assert_eq!(call.id, FrameId::from(7));
+        assert_eq!(call.op, "status.get");
+        let call = Call::parse(br#"{"id":"a","type":"status.get"}"#).unwrap();
+        assert_eq!(call.id, FrameId::from("a"));
+        assert_eq!(call.payload, None);
+    }
+
+    #[test]
+    fn lines_that_are_not_calls_are_bad_frames() {
+        assert_eq!(Call::parse(b"{nope"), Err(BadFrame::InvalidJson));
+        assert_eq!(Call::parse(b"[1]"), Err(BadFrame::NotACall));
+        assert_eq!(Call::parse(br#"{"type":"x"}"#), Err(BadFrame::NotACall));
+        assert_eq!(Call::parse(br#"{"id":1}"#), Err(BadFrame::NotACall));
+        assert_eq!(
+            Call::parse(br#"{"id":true,"type":"x"}"#),
+            Err(BadFrame::NotACall)
+        );
+        assert_eq!(
+            Call::parse(br#"{"id":1,"type":2}"#),
+            Err(BadFrame::NotACall)
+        );
+    }
+
+    #[test]
+    fn replies_serialise_in_the_original_shape() {
+        let ok = Reply::ok(FrameId::from(1), json!({"a": 1}));
+        assert_eq!(
+            serde_json::to_value(&ok).unwrap(),
+            json!({"id": 1, "ok": true, "payload": {"a": 1}})
+        );
+        let err = Reply::err(
+            None,
+            &ContractError::new(ErrorCode::BadFrame, "Invalid JSON frame"),
+        );
+        assert_eq!(
+            serde_json::to_value(&err).unwrap(),
+            json!({"id": null, "ok": false, "error": {"code": "BAD_FRAME", "message": "Invalid JSON frame"}})
+        );
+    }
+
+    #[test]
+    fn inbound_tells_replies_from_pushes() {
+        let push = Inbound::parse(br#"{"push":"started","payload":{"requestId":3}}"#).unwrap();
+        let Inbound::Push(push) = push else {
+            panic!("not a push")
+        };
+        assert_eq!(push.request_id(), Some(FrameId::from(3)));
+        assert!(matches!(
+            Inbound::parse(br#"{"id":1,"ok":true}"#),
+            Ok(Inbound::Reply(_))
+        ));
+        assert!(Inbound::parse(br#"{"id":1}"#).is_err());
+        assert!(Inbound::parse(br#"{"id":1,"ok":false}"#).is_err());
+    }
+}

@@ -1,0 +1,570 @@
+//! The shapes operations and pushes carry: devices, leases, requests, catalogs, capacity,
+//! status, worker views, tokens and events.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::ids::{DeviceId, EventId, LeaseId, RequestId, TokenId};
+use crate::protocol::ProtocolRange;
+
+/// A device platform.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Platform {
+    /// iOS simulators.
+    Ios,
+    /// Android emulators.
+    Android,
+}
+
+impl Platform {
+    /// Both platforms, in a fixed order.
+    pub const ALL: [Self; 2] = [Self::Ios, Self::Android];
+
+    /// The wire name.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Self::Ios => "ios",
+            Self::Android => "android",
+        }
+    }
+}
+
+impl std::fmt::Display for Platform {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// What a device is: platform, model and OS version.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct DeviceSpec {
+    /// Its platform.
+    pub platform: Platform,
+    /// Its model, as the worker's catalog names it.
+    pub model: String,
+    /// Its OS version (runtime).
+    pub os_version: String,
+}
+
+/// Where a device is in its life.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DeviceState {
+    /// Being created.
+    Provisioning,
+    /// Created and starting up.
+    Booting,
+    /// Running and free.
+    Ready,
+    /// Running and leased.
+    Leased,
+    /// Being wiped after a lease.
+    Reclaiming,
+    /// Created but not running.
+    Shutdown,
+    /// Gone.
+    Deleted,
+}
+
+impl DeviceState {
+    /// Whether the device occupies a running slot (ready, leased or reclaiming).
+    pub const fn is_running(self) -> bool {
+        matches!(self, Self::Ready | Self::Leased | Self::Reclaiming)
+    }
+}
+
+/// A device as a worker reports it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Device {
+    /// Its id.
+    pub id: DeviceId,
+    /// What it is.
+    pub spec: DeviceSpec,
+    /// Its state.
+    pub state: DeviceState,
+    /// The driver's own id for it (a UDID, an AVD serial).
+    pub driver_device_id: String,
+    /// When it was created, ms since the epoch.
+    pub created_at: i64,
+    /// When its last lease ended.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_lease_ended_at: Option<i64>,
+    /// The worker holding it (gateway views only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub worker_id: Option<String>,
+}
+
+/// The worker a gateway lease lives on.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct WorkerRef {
+    /// The worker's id.
+    pub id: String,
+    /// Its label.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub label: Option<String>,
+}
+
+/// A lease.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct LeaseRecord {
+    /// Its id.
+    pub id: LeaseId,
+    /// The leased device.
+    pub device_id: DeviceId,
+    /// Who the lease is for (one lease per requester).
+    pub requester_id: String,
+    /// Who may renew and release it: the principal that asked, or the gateway's `owner`.
+    pub owner_id: String,
+    /// When it was granted, ms since the epoch.
+    pub granted_at: i64,
+    /// Its width: each renewal without `ttlMs` extends it by this much.
+    pub ttl_ms: u64,
+    /// When it expires unless renewed, ms since the epoch.
+    pub ttl_deadline: i64,
+    /// When it was last renewed (or granted).
+    pub last_renewed_at: i64,
+    /// Whether the requester chose the id.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub id_chosen_by_requester: bool,
+    /// The worker it lives on (gateway answers only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub worker: Option<WorkerRef>,
+    /// The worker it lives on, as an id (gateway lists only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub worker_id: Option<String>,
+}
+
+/// The device part of a grant.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct GrantDevice {
+    /// Its id.
+    pub id: DeviceId,
+    /// The driver's id for it.
+    pub driver_device_id: String,
+    /// What it is.
+    pub spec: DeviceSpec,
+    /// How to reach it, when the driver knows (an adb serial, a host:port).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub address: Option<String>,
+}
+
+/// How long the parts of getting a device took or are expected to take.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct GrantTiming {
+    /// Expected provisioning time.
+    pub estimated_provision_ms: u64,
+    /// Expected boot time.
+    pub estimated_boot_ms: u64,
+    /// Expected reclaim time.
+    pub estimated_reclaim_ms: u64,
+    /// Expected time until ready, from the request.
+    pub estimated_ready_ms: u64,
+}
+
+/// What `lease.request` answers.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct LeaseGrant {
+    /// The device.
+    pub device: GrantDevice,
+    /// Environment variables that point tools at the device.
+    pub environment: BTreeMap<String, String>,
+    /// The lease.
+    pub lease: LeaseRecord,
+    /// Timing.
+    pub timing: GrantTiming,
+}
+
+/// What a request asked for.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct RequestedDevice {
+    /// The platform.
+    pub platform: Platform,
+    /// A model or alias, if one was named.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
+    /// An exact OS version, if one was named.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub os_version: Option<String>,
+    /// Capabilities the serving worker must have.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub requires: Vec<String>,
+}
+
+/// Where a waiting request is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum WaitStage {
+    /// In the queue.
+    Queued,
+    /// Picked; a device is being made ready.
+    Starting,
+}
+
+/// A request that has no lease yet.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct WaitingRequest {
+    /// Its id.
+    pub id: RequestId,
+    /// For whom.
+    pub requester_id: String,
+    /// What it asks for.
+    pub spec: RequestedDevice,
+    /// When it arrived, ms since the epoch.
+    pub created_at: i64,
+    /// Where it is.
+    pub stage: WaitStage,
+    /// Its 1-based place in the queue.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub queue_position: Option<u32>,
+    /// The worker it waits on (gateway lists only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub worker_id: Option<String>,
+}
+
+/// What one platform offers on a worker (or, on a gateway, across workers).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PlatformCatalog {
+    /// The platform.
+    pub platform: Platform,
+    /// Model names.
+    pub models: Vec<String>,
+    /// Runtimes (OS versions).
+    pub runtimes: Vec<String>,
+    /// The runtime used when a request names none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub default_runtime: Option<String>,
+    /// Which runtimes each model runs.
+    pub model_runtimes: BTreeMap<String, Vec<String>>,
+    /// Other names each model answers to.
+    pub model_aliases: BTreeMap<String, Vec<String>>,
+    /// Which workers serve each model (gateway only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model_workers: Option<BTreeMap<String, Vec<String>>>,
+    /// Which workers serve each runtime (gateway only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub runtime_workers: Option<BTreeMap<String, Vec<String>>>,
+}
+
+impl PlatformCatalog {
+    /// The catalog's own name for `requested` (a model name or alias, ASCII case-insensitive).
+    pub fn resolve_model(&self, requested: &str) -> Option<&str> {
+        self.models.iter().map(String::as_str).find(|model| {
+            model.eq_ignore_ascii_case(requested)
+                || self.model_aliases.get(*model).is_some_and(|aliases| {
+                    aliases
+                        .iter()
+                        .any(|alias| alias.eq_ignore_ascii_case(requested))
+                })
+        })
+    }
+}
+
+/// Running slots of one platform.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PlatformCapacity {
+    /// Devices running (ready, leased, reclaiming).
+    pub running: u32,
+    /// The most that may run.
+    pub max_running: u32,
+    /// Slots held for devices being provisioned or booted.
+    pub reserved: u32,
+    /// Running devices nobody leases.
+    pub warm: u32,
+    /// Whether more run than may.
+    pub over_limit: bool,
+    /// Whether one more device would be refused for RAM.
+    pub at_ram_budget: bool,
+}
+
+impl PlatformCapacity {
+    /// Slots free now: `maxRunning − running − reserved`, at least 0.
+    pub const fn free(&self) -> u32 {
+        self.max_running
+            .saturating_sub(self.running)
+            .saturating_sub(self.reserved)
+    }
+}
+
+/// Running slots across platforms.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct GlobalCapacity {
+    /// Devices running.
+    pub running: u32,
+    /// The most that may run.
+    pub max_running: u32,
+    /// Reserved slots.
+    pub reserved: u32,
+    /// Idle running devices.
+    pub warm: u32,
+    /// Whether more run than may.
+    pub over_limit: bool,
+}
+
+/// A worker's capacity.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Capacity {
+    /// iOS.
+    pub ios: PlatformCapacity,
+    /// Android.
+    pub android: PlatformCapacity,
+    /// Both.
+    pub global: GlobalCapacity,
+}
+
+impl Capacity {
+    /// The capacity of one platform.
+    pub const fn platform(&self, platform: Platform) -> &PlatformCapacity {
+        match platform {
+            Platform::Ios => &self.ios,
+            Platform::Android => &self.android,
+        }
+    }
+}
+
+/// Whether a worker can serve a capability now.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct CapabilityStatus {
+    /// The capability's name.
+    pub name: String,
+    /// Whether it is available.
+    pub available: bool,
+    /// Why not, when it is not.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+}
+
+/// A daemon's health.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Health {
+    /// Start-up has not converged yet.
+    Starting,
+    /// Serving.
+    Running,
+    /// Start-up failed.
+    Failed,
+}
+
+/// Which daemon answers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Mode {
+    /// A worker owns devices.
+    Worker,
+    /// A gateway fronts workers.
+    Gateway,
+}
+
+/// The daemon part of `status.get`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct DaemonInfo {
+    /// Its health.
+    pub health: Health,
+    /// Worker or gateway.
+    pub mode: Mode,
+    /// Its version.
+    pub version: String,
+    /// Its instance id.
+    pub instance_id: String,
+}
+
+/// A tool found on the host.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ToolFact {
+    /// The platform it serves.
+    pub platform: Platform,
+    /// Its name.
+    pub name: String,
+    /// Its version.
+    pub version: String,
+}
+
+/// Facts about the daemon's machine.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct HostFacts {
+    /// OS family.
+    pub os: String,
+    /// OS version, when known.
+    pub os_version: String,
+    /// CPU architecture.
+    pub arch: String,
+    /// Device tools found (at most 32).
+    pub tools: Vec<ToolFact>,
+}
+
+/// How a worker's uplink stands, as the gateway sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Connection {
+    /// Uplink up and the protocol agrees.
+    Connected,
+    /// Uplink down.
+    Disconnected,
+    /// Uplink up, but no protocol version in common.
+    Incompatible,
+}
+
+/// The two ranges of an incompatible worker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProtocolPair {
+    /// The gateway's range.
+    pub gateway: ProtocolRange,
+    /// The worker's range.
+    pub worker: ProtocolRange,
+}
+
+/// The lease limits a worker reported.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct LeaseLimits {
+    /// The default width.
+    pub default_ttl_ms: u64,
+    /// The most a request or renewal may ask.
+    pub max_ttl_ms: u64,
+}
+
+/// A gateway's view of one worker.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct WorkerView {
+    /// The worker's instance id.
+    pub id: String,
+    /// Its label.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub label: Option<String>,
+    /// How its uplink stands.
+    pub connection: Connection,
+    /// Whether it takes no new leases.
+    pub drained: bool,
+    /// When the gateway last heard from it, ms since the epoch.
+    pub last_seen_at: i64,
+    /// Its health.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub health: Option<Health>,
+    /// Its version.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub version: Option<String>,
+    /// Both ranges, when incompatible.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub protocol: Option<ProtocolPair>,
+    /// Its capacity.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub capacity: Option<Capacity>,
+    /// Its lease limits.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lease: Option<LeaseLimits>,
+    /// Its queue depth.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub queue_depth: Option<u32>,
+    /// Its leases.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub leases: Option<Vec<LeaseRecord>>,
+    /// Its devices.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub devices: Option<Vec<Device>>,
+    /// Its catalog.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub catalog: Option<Vec<PlatformCatalog>>,
+    /// When the catalog was read.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub catalog_read_at: Option<i64>,
+    /// Its host.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host: Option<HostFacts>,
+    /// Its waiting requests.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub waiting: Option<Vec<WaitingRequest>>,
+    /// What it can serve.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub capabilities: Option<Vec<CapabilityStatus>>,
+}
+
+/// A token's record; the secret is never stored or listed.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct TokenRecord {
+    /// Its id.
+    pub id: TokenId,
+    /// Its role.
+    pub role: TokenRole,
+    /// Its label.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub label: Option<String>,
+    /// When it was created, ms since the epoch.
+    pub created_at: i64,
+}
+
+/// What a token may do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TokenRole {
+    /// Leases for itself.
+    Agent,
+    /// Operates the daemon (admin sessions).
+    Operator,
+    /// Joins a worker to a gateway (uplink only).
+    Worker,
+}
+
+impl TokenRole {
+    /// The wire name.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Self::Agent => "agent",
+            Self::Operator => "operator",
+            Self::Worker => "worker",
+        }
+    }
+}
+
+/// One event as the bus records it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct EventEnvelope {
+    /// Its id, kept when relayed.
+    pub id: EventId,
+    /// Its sequence number on the daemon that recorded it.
+    pub seq: u64,
+    /// When it happened, ms since the epoch.
+    pub timestamp: i64,
+    /// Its name (`lease.granted`, …).
+    pub event: String,
+    /// What happened.
+    pub payload: Value,
+    /// Which module emitted it.
+    pub module: String,
+}
+
+/// Why a lease ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum LeaseEndReason {
+    /// Released by its holder.
+    Explicit,
+    /// Released by an operator (`release-all`).
+    Killed,
+    /// Its device was lost.
+    DeviceLost,
+    /// Its TTL passed.
+    Expired,
+}

@@ -1,0 +1,236 @@
+//! Pushes: what a daemon tells a client outside a reply.
+//!
+//! Request-scoped pushes (`progress`, `started`, `output`, `relay-head`) carry `requestId`, the
+//! frame id of their call, and reach only that call. Lease-scoped pushes (`lease-lost`,
+//! `device-unhealthy`, `device-recovered`) reach the lease owner's connections. `event` reaches
+//! the subscribed connection.
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::frame::{FrameId, PushFrame};
+use crate::ids::{DeviceId, SubscriptionId};
+use crate::model::{EventEnvelope, LeaseEndReason};
+
+/// Where a lease request is, for its `progress` pushes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "stage", rename_all = "lowercase")]
+pub enum Progress {
+    /// Waiting in the queue.
+    #[serde(rename_all = "camelCase")]
+    Queued {
+        /// 1-based place in the queue.
+        queue_position: u32,
+    },
+    /// A device is being created.
+    #[serde(rename_all = "camelCase")]
+    Provisioning {
+        /// Expected time to finish.
+        eta_ms: u64,
+    },
+    /// A device is starting.
+    #[serde(rename_all = "camelCase")]
+    Booting {
+        /// Expected time to finish.
+        eta_ms: u64,
+    },
+    /// A device is being wiped for this request.
+    #[serde(rename_all = "camelCase")]
+    Reclaiming {
+        /// Expected time to finish.
+        eta_ms: u64,
+    },
+}
+
+/// Which stream an `output` chunk came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OutputStream {
+    /// Standard output.
+    Stdout,
+    /// Standard error.
+    Stderr,
+}
+
+/// Why a leased device is unhealthy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum UnhealthyReason {
+    /// The device stopped running.
+    Crashed,
+}
+
+/// Every push, typed.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "push", content = "payload", rename_all = "kebab-case")]
+pub enum Push {
+    /// Lease request progress.
+    #[serde(rename_all = "camelCase")]
+    Progress {
+        /// The call's frame id.
+        request_id: FrameId,
+        /// Where it is.
+        progress: Progress,
+    },
+    /// `device.exec`: the process exists; output follows.
+    #[serde(rename_all = "camelCase")]
+    Started {
+        /// The call's frame id.
+        request_id: FrameId,
+    },
+    /// `device.exec` output, unsplit and unbuffered.
+    #[serde(rename_all = "camelCase")]
+    Output {
+        /// The call's frame id.
+        request_id: FrameId,
+        /// Which stream.
+        stream: OutputStream,
+        /// The text.
+        chunk: String,
+    },
+    /// A lease ended without its owner releasing it.
+    #[serde(rename_all = "camelCase")]
+    LeaseLost {
+        /// The lease.
+        lease_id: String,
+        /// Its device.
+        device_id: DeviceId,
+        /// Why.
+        reason: LeaseEndReason,
+    },
+    /// A leased device crashed; simlock is recovering it.
+    #[serde(rename_all = "camelCase")]
+    DeviceUnhealthy {
+        /// The lease.
+        lease_id: String,
+        /// Its device.
+        device_id: DeviceId,
+        /// Why.
+        reason: UnhealthyReason,
+    },
+    /// A leased device recovered.
+    #[serde(rename_all = "camelCase")]
+    DeviceRecovered {
+        /// The lease.
+        lease_id: String,
+        /// Its device.
+        device_id: DeviceId,
+        /// How many attempts it took.
+        attempts: u32,
+    },
+    /// An event, for a subscribed connection.
+    #[serde(rename_all = "camelCase")]
+    Event {
+        /// The subscription.
+        subscription_id: SubscriptionId,
+        /// The event.
+        event: EventEnvelope,
+    },
+    /// The head of a relayed response; its body follows on the relay's channel.
+    #[serde(rename_all = "camelCase")]
+    RelayHead {
+        /// The `relay.request` call's frame id.
+        request_id: FrameId,
+        /// The status, 100–599 but never 101.
+        status: u16,
+        /// Response headers, `[name, value]`.
+        headers: Vec<(String, String)>,
+    },
+}
+
+impl Push {
+    /// The push kind's wire name.
+    pub const fn kind(&self) -> &'static str {
+        match self {
+            Self::Progress { .. } => "progress",
+            Self::Started { .. } => "started",
+            Self::Output { .. } => "output",
+            Self::LeaseLost { .. } => "lease-lost",
+            Self::DeviceUnhealthy { .. } => "device-unhealthy",
+            Self::DeviceRecovered { .. } => "device-recovered",
+            Self::Event { .. } => "event",
+            Self::RelayHead { .. } => "relay-head",
+        }
+    }
+
+    /// The frame id of the call a request-scoped push belongs to.
+    pub const fn request_id(&self) -> Option<&FrameId> {
+        match self {
+            Self::Progress { request_id, .. }
+            | Self::Started { request_id }
+            | Self::Output { request_id, .. }
+            | Self::RelayHead { request_id, .. } => Some(request_id),
+            Self::LeaseLost { .. }
+            | Self::DeviceUnhealthy { .. }
+            | Self::DeviceRecovered { .. }
+            | Self::Event { .. } => None,
+        }
+    }
+
+    /// The push as a frame.
+    ///
+    /// # Errors
+    /// Never for our types; kept fallible because serialisation is.
+    pub fn to_frame(&self) -> Result<PushFrame, serde_json::Error> {
+        serde_json::from_value(serde_json::to_value(self)?)
+    }
+
+    /// Reads a push frame back into its type.
+    ///
+    /// # Errors
+    /// A message naming the kind when the payload breaks the push's schema.
+    pub fn from_frame(frame: &PushFrame) -> Result<Self, String> {
+        let value = serde_json::json!({ "push": frame.push, "payload": frame.payload });
+        let push: Self = serde_json::from_value(value)
+            .map_err(|e| format!("invalid {} push: {e}", frame.push))?;
+        if let Self::RelayHead { status, .. } = &push
+            && (!(100..=599).contains(status) || *status == 101)
+        {
+            return Err(format!("invalid relay-head push: status {status}"));
+        }
+        Ok(push)
+    }
+
+    /// The payload alone.
+    ///
+    /// # Errors
+    /// Never for our types.
+    pub fn payload(&self) -> Result<Value, serde_json::Error> {
+        Ok(self.to_frame()?.payload)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn pushes_have_the_original_shape() {
+        let push = Push::Progress {
+            request_id: 7.into(),
+            progress: Progress::Queued { queue_position: 2 },
+        };
+        assert_eq!(
+            serde_json::to_value(&push).unwrap(),
+            json!({"push": "progress", "payload": {"requestId": 7, "progress": {"stage": "queued", "queuePosition": 2}}})
+        );
+        let frame = push.to_frame().unwrap();
+        assert_eq!(frame.push, "progress");
+        assert_eq!(Push::from_frame(&frame).unwrap(), push);
+    }
+
+    #[test]
+    fn a_relay_head_with_status_101_is_invalid() {
+        let frame = PushFrame {
+            push: "relay-head".into(),
+            payload: json!({"requestId": 1, "status": 101, "headers": []}),
+        };
+        assert!(Push::from_frame(&frame).is_err());
+        let frame = PushFrame {
+            push: "relay-head".into(),
+            payload: json!({"requestId": 1, "status": 204, "headers": [["a", "b"]]}),
+        };
+        assert!(Push::from_frame(&frame).is_ok());
+    }
+}
