@@ -1,6 +1,13 @@
 //! Property tests: every frame kind survives serialise → parse unchanged, and arbitrary bytes
 //! never panic the frame parsers.
 
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    reason = "test helpers fail the test by panicking"
+)]
+
 use proptest::prelude::*;
 use serde_json::{Value, json};
 use simlock_contract::frame::to_line;

@@ -1,0 +1,360 @@
+//! The client side of a connection: calls matched to replies by id, each call's pushes routed
+//! to it, and every pending call failed `DAEMON_CONNECTION_LOST` when the connection goes.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use bytes::Bytes;
+use futures::{SinkExt, StreamExt};
+use parking_lot::Mutex;
+use serde_json::Value;
+use simlock_contract::{
+    Call, ContractError, FrameId, Hello, HelloReply, Inbound, Operation, PushFrame, Reply,
+    frame::to_line,
+};
+use tokio::sync::{mpsc, oneshot};
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, warn};
+
+use crate::codec::Line;
+use crate::transport::Transport;
+
+/// Calls queued for the writer.
+const OUT_QUEUE: usize = 64;
+/// Pushes not tied to a call (lease notices, events) waiting for the holder of the receiver.
+const UNSOLICITED_QUEUE: usize = 1024;
+
+type ReplyResult = Result<Value, ContractError>;
+
+struct Pending {
+    reply: oneshot::Sender<ReplyResult>,
+    pushes: Option<mpsc::Sender<PushFrame>>,
+}
+
+struct Inner {
+    next_id: AtomicU64,
+    pending: Mutex<HashMap<u64, Pending>>,
+    out: mpsc::Sender<Bytes>,
+    closed: CancellationToken,
+}
+
+impl Inner {
+    fn fail_all(&self) {
+        let pending: Vec<_> = self.pending.lock().drain().collect();
+        for (_, call) in pending {
+            let _ = call.reply.send(Err(ContractError::connection_lost()));
+        }
+    }
+}
+
+/// A client connection to a daemon (or, on a gateway, to a worker over its uplink).
+#[derive(Clone)]
+pub struct WireClient {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for WireClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WireClient")
+            .field("closed", &self.inner.closed.is_cancelled())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Pushes that belong to no call: `lease-lost`, `device-unhealthy`, `device-recovered`, `event`.
+/// Read it, or drop it to discard them; a held receiver that is never read stalls the connection.
+pub type Unsolicited = mpsc::Receiver<PushFrame>;
+
+/// What a call in flight yields.
+#[derive(Debug)]
+pub enum CallEvent {
+    /// A push for this call (every push that preceded the reply comes before it).
+    Push(PushFrame),
+    /// The reply; nothing follows it.
+    Reply(ReplyResult),
+}
+
+/// A call in flight with its own pushes. Dropping it abandons the call: its reply and pushes
+/// are discarded.
+pub struct CallHandle {
+    id: u64,
+    pushes: mpsc::Receiver<PushFrame>,
+    reply: Option<oneshot::Receiver<ReplyResult>>,
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for CallHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CallHandle")
+            .field("id", &self.id)
+            .finish_non_exhaustive()
+    }
+}
+
+impl CallHandle {
+    /// The call's frame id.
+    pub const fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// The next push or the reply. After the reply, answers the reply's terminal
+    /// `DAEMON_CONNECTION_LOST` if called again.
+    pub async fn next(&mut self) -> CallEvent {
+        let Some(reply) = self.reply.as_mut() else {
+            return CallEvent::Reply(Err(ContractError::connection_lost()));
+        };
+        tokio::select! {
+            biased;
+            Some(push) = self.pushes.recv() => CallEvent::Push(push),
+            outcome = reply => {
+                // Pushes the reader routed before the reply are still queued: hand them out first.
+                if let Ok(push) = self.pushes.try_recv() {
+                    let outcome = outcome.unwrap_or_else(|_| Err(ContractError::connection_lost()));
+                    let (tx, rx) = oneshot::channel();
+                    let _ = tx.send(outcome);
+                    self.reply = Some(rx);
+                    return CallEvent::Push(push);
+                }
+                self.reply = None;
+                CallEvent::Reply(outcome.unwrap_or_else(|_| Err(ContractError::connection_lost())))
+            }
+        }
+    }
+
+    /// Waits for the reply, discarding pushes.
+    ///
+    /// # Errors
+    /// The call's error, or `DAEMON_CONNECTION_LOST`.
+    pub async fn finish(mut self) -> ReplyResult {
+        loop {
+            if let CallEvent::Reply(outcome) = self.next().await {
+                return outcome;
+            }
+        }
+    }
+}
+
+impl Drop for CallHandle {
+    fn drop(&mut self) {
+        self.inner.pending.lock().remove(&self.id);
+    }
+}
+
+impl WireClient {
+    /// Starts a client over `transport`; returns it and the receiver of unsolicited pushes.
+    pub fn new(transport: Transport) -> (Self, Unsolicited) {
+        let Transport {
+            mut lines,
+            mut sink,
+        } = transport;
+        let (out_tx, mut out_rx) = mpsc::channel::<Bytes>(OUT_QUEUE);
+        let (unsolicited_tx, unsolicited_rx) = mpsc::channel(UNSOLICITED_QUEUE);
+        let inner = Arc::new(Inner {
+            next_id: AtomicU64::new(1),
+            pending: Mutex::new(HashMap::new()),
+            out: out_tx,
+            closed: CancellationToken::new(),
+        });
+
+        let writer_closed = inner.closed.clone();
+        tokio::spawn(async move {
+            loop {
+                let line = tokio::select! {
+                    () = writer_closed.cancelled() => break,
+                    line = out_rx.recv() => line,
+                };
+                let Some(line) = line else { break };
+                if let Err(e) = sink.send(line).await {
+                    debug!(error = %e, "client write failed");
+                    break;
+                }
+            }
+            writer_closed.cancel();
+            let _ = sink.close().await;
+        });
+
+        let reader = inner.clone();
+        tokio::spawn(async move {
+            loop {
+                let line = tokio::select! {
+                    () = reader.closed.cancelled() => break,
+                    line = lines.next() => line,
+                };
+                match line {
+                    Some(Ok(Line::Frame(bytes))) => route(&reader, &unsolicited_tx, &bytes).await,
+                    Some(Ok(Line::TooLong)) => {
+                        warn!("the daemon sent a line over the client's limit; closing");
+                        break;
+                    }
+                    Some(Err(e)) => {
+                        debug!(error = %e, "client read failed");
+                        break;
+                    }
+                    None => break,
+                }
+            }
+            reader.closed.cancel();
+            reader.fail_all();
+        });
+
+        (Self { inner }, unsolicited_rx)
+    }
+
+    /// Whether the connection has ended.
+    pub fn is_closed(&self) -> bool {
+        self.inner.closed.is_cancelled()
+    }
+
+    /// Resolves when the connection ends.
+    pub async fn closed(&self) {
+        self.inner.closed.cancelled().await;
+    }
+
+    /// Ends the connection; pending calls fail `DAEMON_CONNECTION_LOST`.
+    pub fn close(&self) {
+        self.inner.closed.cancel();
+        self.inner.fail_all();
+    }
+
+    /// Starts a call whose pushes the caller wants, holding at most `push_capacity` unread
+    /// pushes before the connection's reader waits (backpressure).
+    ///
+    /// # Errors
+    /// `DAEMON_CONNECTION_LOST` when the connection has ended.
+    pub async fn begin(
+        &self,
+        op: &str,
+        payload: Value,
+        push_capacity: usize,
+    ) -> Result<CallHandle, ContractError> {
+        let (push_tx, push_rx) = mpsc::channel(push_capacity.max(1));
+        self.start(op, payload, Some(push_tx), push_rx).await
+    }
+
+    async fn start(
+        &self,
+        op: &str,
+        payload: Value,
+        pushes: Option<mpsc::Sender<PushFrame>>,
+        push_rx: mpsc::Receiver<PushFrame>,
+    ) -> Result<CallHandle, ContractError> {
+        if self.is_closed() {
+            return Err(ContractError::connection_lost());
+        }
+        let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
+        let call = Call {
+            id: FrameId::from(id),
+            op: op.to_owned(),
+            payload: Some(payload),
+        };
+        let line = to_line(&call).map_err(|e| ContractError::internal(e.to_string()))?;
+        // A daemon answers an oversized line `BAD_FRAME` with no id, which no call could match:
+        // refuse it here instead of waiting for an answer that cannot be routed.
+        if line.len() - 1 > simlock_contract::bounds::MAX_CALL_LINE {
+            return Err(ContractError::bad_request(format!(
+                "payload: the {op} call is {} bytes, over the {} byte limit of a call line",
+                line.len() - 1,
+                simlock_contract::bounds::MAX_CALL_LINE
+            )));
+        }
+        let (reply_tx, reply_rx) = oneshot::channel();
+        self.inner.pending.lock().insert(
+            id,
+            Pending {
+                reply: reply_tx,
+                pushes,
+            },
+        );
+        let handle = CallHandle {
+            id,
+            pushes: push_rx,
+            reply: Some(reply_rx),
+            inner: self.inner.clone(),
+        };
+        if self.inner.out.send(Bytes::from(line)).await.is_err() || self.is_closed() {
+            return Err(ContractError::connection_lost());
+        }
+        Ok(handle)
+    }
+
+    /// Calls `op` and waits for its reply, discarding its pushes.
+    ///
+    /// # Errors
+    /// The daemon's error, or `DAEMON_CONNECTION_LOST`.
+    pub async fn call_value(&self, op: &str, payload: Value) -> Result<Value, ContractError> {
+        let (_, push_rx) = mpsc::channel(1);
+        self.start(op, payload, None, push_rx).await?.finish().await
+    }
+
+    /// Calls a typed operation.
+    ///
+    /// # Errors
+    /// The daemon's error, `DAEMON_CONNECTION_LOST`, or `INTERNAL` when the output does not
+    /// match the operation's output type.
+    pub async fn call<O: Operation>(&self, input: &O::Input) -> Result<O::Output, ContractError> {
+        let payload =
+            serde_json::to_value(input).map_err(|e| ContractError::internal(e.to_string()))?;
+        let value = self.call_value(O::NAME, payload).await?;
+        decode_output::<O>(value)
+    }
+
+    /// Sends `hello`.
+    ///
+    /// # Errors
+    /// The daemon's refusal (`PROTOCOL_VERSION_UNSUPPORTED`, `ADMIN_AUTHENTICATION_FAILED`, …).
+    pub async fn hello(&self, hello: &Hello) -> Result<HelloReply, ContractError> {
+        let payload =
+            serde_json::to_value(hello).map_err(|e| ContractError::internal(e.to_string()))?;
+        let value = self.call_value("hello", payload).await?;
+        serde_json::from_value(value)
+            .map_err(|e| ContractError::internal(format!("invalid hello reply: {e}")))
+    }
+}
+
+/// Reads an operation's output, `INTERNAL` when it does not match.
+///
+/// # Errors
+/// `INTERNAL` naming the operation.
+pub fn decode_output<O: Operation>(value: Value) -> Result<O::Output, ContractError> {
+    serde_json::from_value(value)
+        .map_err(|e| ContractError::internal(format!("invalid {} output: {e}", O::NAME)))
+}
+
+async fn route(inner: &Inner, unsolicited: &mpsc::Sender<PushFrame>, bytes: &[u8]) {
+    match Inbound::parse(bytes) {
+        Ok(Inbound::Reply(reply)) => deliver_reply(inner, reply),
+        Ok(Inbound::Push(push)) => {
+            let scoped = push.payload.get("requestId").is_some();
+            if scoped {
+                let target = push
+                    .request_id()
+                    .and_then(|id| id.as_u64())
+                    .and_then(|id| inner.pending.lock().get(&id).and_then(|p| p.pushes.clone()));
+                if let Some(target) = target {
+                    // Waits while the caller is behind: backpressure reaches the daemon.
+                    let _ = target.send(push).await;
+                }
+            } else if !unsolicited.is_closed() {
+                let _ = unsolicited.send(push).await;
+            }
+        }
+        Err(e) => {
+            warn!(error = %e, "dropping a line from the daemon that is neither a reply nor a push")
+        }
+    }
+}
+
+fn deliver_reply(inner: &Inner, reply: Reply) {
+    let Some(id) = reply.id.as_ref().and_then(FrameId::as_u64) else {
+        if let Err(body) = &reply.outcome {
+            warn!(code = %body.code, message = %body.message, "the daemon refused a line");
+        }
+        return;
+    };
+    let Some(pending) = inner.pending.lock().remove(&id) else {
+        return;
+    };
+    let outcome = reply.outcome.map_err(ContractError::from_body);
+    let _ = pending.reply.send(outcome);
+}

@@ -1,0 +1,527 @@
+//! Session and client tests over a real unix socket pair (and, where time matters, an
+//! in-memory pipe with paused time).
+
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    reason = "test helpers fail the test by panicking"
+)]
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use futures::FutureExt;
+use futures::future::BoxFuture;
+use parking_lot::Mutex;
+use serde_json::{Value, json};
+use simlock_contract::push::Push;
+use simlock_contract::{ContractError, ErrorCode, Hello, PROTOCOL_RANGE, ProtocolRange, Role};
+use simlock_wire::{
+    CallContext, CallEvent, Identity, Origin, Service, SessionConfig, Transport, WireClient, serve,
+};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::net::UnixStream;
+use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::sync::Notify;
+
+/// A service with a few test operations.
+#[derive(Default)]
+struct TestService {
+    gates: Mutex<HashMap<String, Arc<Notify>>>,
+    pushed: Arc<AtomicUsize>,
+    closed_connections: AtomicUsize,
+}
+
+impl TestService {
+    fn gate(&self, name: &str) -> Arc<Notify> {
+        self.gates
+            .lock()
+            .entry(name.to_owned())
+            .or_default()
+            .clone()
+    }
+}
+
+impl Service for TestService {
+    fn greet(&self, _origin: Origin, hello: &Hello) -> Result<Identity, ContractError> {
+        let role = match hello.credential.as_deref() {
+            None => Role::Agent,
+            Some("admin-secret") => Role::Admin,
+            Some(_) => {
+                return Err(ContractError::new(
+                    ErrorCode::AdminAuthenticationFailed,
+                    "Invalid admin credential",
+                ));
+            }
+        };
+        Ok(Identity {
+            role,
+            principal: hello
+                .principal
+                .clone()
+                .unwrap_or_else(|| "anonymous".into()),
+        })
+    }
+
+    fn dispatch(
+        &self,
+        ctx: CallContext,
+        op: String,
+        payload: Option<Value>,
+    ) -> BoxFuture<'static, Result<Value, ContractError>> {
+        let payload = payload.unwrap_or(Value::Null);
+        match op.as_str() {
+            "echo" => async move { Ok(payload) }.boxed(),
+            "twice" => async move { Ok(json!({"a": payload["s"], "b": payload["s"]})) }.boxed(),
+            "whoami" => {
+                let identity = ctx.conn.identity();
+                async move { Ok(json!({"principal": identity.map(|i| i.principal)})) }.boxed()
+            }
+            "wait" => {
+                let gate = self.gate(payload["gate"].as_str().unwrap_or_default());
+                async move {
+                    gate.notified().await;
+                    Ok(payload)
+                }
+                .boxed()
+            }
+            "pushy" => {
+                let count = payload["count"].as_u64().unwrap_or(0);
+                let pushed = self.pushed.clone();
+                async move {
+                    for _ in 0..count {
+                        ctx.push(&Push::Started {
+                            request_id: ctx.id.clone(),
+                        })
+                        .await
+                        .map_err(|_| ContractError::connection_lost())?;
+                        pushed.fetch_add(1, Ordering::SeqCst);
+                    }
+                    Ok(json!({"pushed": count}))
+                }
+                .boxed()
+            }
+            "daemon.stop" => async move { Ok(json!({"stopping": true})) }.boxed(),
+            _ => async move {
+                Err(ContractError::new(
+                    ErrorCode::UnknownRequest,
+                    format!("Unknown request type: {op}"),
+                ))
+            }
+            .boxed(),
+        }
+    }
+
+    fn closed(&self, _conn: &Arc<simlock_wire::Connection>) {
+        self.closed_connections.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+fn config() -> SessionConfig {
+    SessionConfig {
+        range: PROTOCOL_RANGE,
+        version: "test".into(),
+    }
+}
+
+/// The raw client end of a socket pair whose server end runs a session.
+struct Raw {
+    reader: BufReader<OwnedReadHalf>,
+    writer: OwnedWriteHalf,
+}
+
+impl Raw {
+    async fn send_line(&mut self, line: &str) {
+        self.writer.write_all(line.as_bytes()).await.unwrap();
+        self.writer.write_all(b"\n").await.unwrap();
+    }
+
+    async fn send(&mut self, frame: Value) {
+        self.send_line(&frame.to_string()).await;
+    }
+
+    /// The next line, or `None` at end of stream. Bounded so a broken session fails, not hangs.
+    async fn recv(&mut self) -> Option<Value> {
+        let mut line = String::new();
+        let n = tokio::time::timeout(Duration::from_secs(30), self.reader.read_line(&mut line))
+            .await
+            .expect("the session answered within the bound")
+            .unwrap();
+        (n > 0).then(|| serde_json::from_str(&line).unwrap())
+    }
+
+    async fn hello(&mut self) {
+        self.send(
+            json!({"id": 0, "type": "hello", "payload": {"protocolVersion": 1, "principal": "p1"}}),
+        )
+        .await;
+        let reply = self.recv().await.unwrap();
+        assert_eq!(reply["ok"], true, "{reply}");
+    }
+}
+
+fn start(service: Arc<TestService>) -> Raw {
+    let (server, client) = UnixStream::pair().unwrap();
+    let (r, w) = server.into_split();
+    tokio::spawn(serve(
+        Transport::server_io(r, w),
+        Origin::Socket,
+        service,
+        config(),
+    ));
+    let (r, w) = client.into_split();
+    Raw {
+        reader: BufReader::new(r),
+        writer: w,
+    }
+}
+
+#[tokio::test]
+async fn a_bad_frame_answers_bad_frame_with_a_null_id_and_the_connection_lives_on() {
+    let mut raw = start(Arc::default());
+    for bad in ["{nope", "[1,2]", r#"{"type":"echo"}"#, r#"{"id":1}"#] {
+        raw.send_line(bad).await;
+        let reply = raw.recv().await.unwrap();
+        assert_eq!(reply["id"], Value::Null);
+        assert_eq!(reply["ok"], false);
+        assert_eq!(reply["error"]["code"], "BAD_FRAME", "{bad}");
+    }
+    raw.hello().await;
+    raw.send(json!({"id": 2, "type": "echo", "payload": {"a": 1}}))
+        .await;
+    assert_eq!(
+        raw.recv().await.unwrap(),
+        json!({"id": 2, "ok": true, "payload": {"a": 1}})
+    );
+}
+
+#[tokio::test]
+async fn a_call_line_at_1_mib_is_read_and_one_past_it_answers_bad_frame() {
+    let mut raw = start(Arc::default());
+    raw.hello().await;
+    let max = simlock_contract::bounds::MAX_CALL_LINE;
+    let frame = |pad: usize| {
+        format!(
+            r#"{{"id":5,"type":"echo","payload":{{"pad":"{}"}}}}"#,
+            "x".repeat(pad)
+        )
+    };
+    let overhead = frame(0).len();
+    let at_limit = frame(max - overhead);
+    assert_eq!(at_limit.len(), max);
+    raw.send_line(&at_limit).await;
+    let reply = raw.recv().await.unwrap();
+    assert_eq!(reply["ok"], true);
+    assert_eq!(
+        reply["payload"]["pad"].as_str().unwrap().len(),
+        max - overhead
+    );
+    raw.send_line(&frame(max - overhead + 1)).await;
+    let reply = raw.recv().await.unwrap();
+    assert_eq!(reply["id"], Value::Null);
+    assert_eq!(reply["error"]["code"], "BAD_FRAME");
+    raw.send(json!({"id": 6, "type": "echo", "payload": {}}))
+        .await;
+    assert_eq!(raw.recv().await.unwrap()["id"], 6);
+}
+
+#[tokio::test]
+async fn a_first_call_that_is_not_hello_answers_handshake_required_and_closes() {
+    let service = Arc::new(TestService::default());
+    let mut raw = start(service.clone());
+    raw.send(json!({"id": 1, "type": "echo", "payload": {}}))
+        .await;
+    let reply = raw.recv().await.unwrap();
+    assert_eq!(reply["id"], 1);
+    assert_eq!(reply["error"]["code"], "HANDSHAKE_REQUIRED");
+    assert_eq!(reply["error"]["message"], "First message must be hello");
+    assert_eq!(
+        raw.recv().await,
+        None,
+        "the session closes after HANDSHAKE_REQUIRED"
+    );
+    assert_eq!(service.closed_connections.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test]
+async fn a_bad_hello_or_credential_is_refused_and_closes() {
+    let mut raw = start(Arc::default());
+    raw.send(json!({"id": 1, "type": "hello", "payload": {"clientVersion": "x"}}))
+        .await;
+    let reply = raw.recv().await.unwrap();
+    assert_eq!(reply["error"]["code"], "BAD_REQUEST");
+    assert_eq!(raw.recv().await, None);
+
+    let mut raw = start(Arc::default());
+    raw.send(
+        json!({"id": 1, "type": "hello", "payload": {"protocolVersion": 1, "credential": "guess"}}),
+    )
+    .await;
+    let reply = raw.recv().await.unwrap();
+    assert_eq!(reply["error"]["code"], "ADMIN_AUTHENTICATION_FAILED");
+    assert_eq!(raw.recv().await, None);
+}
+
+#[tokio::test]
+async fn a_mismatched_range_stays_open_and_refuses_everything_but_daemon_stop() {
+    let mut raw = start(Arc::default());
+    raw.send(json!({"id": 1, "type": "hello", "payload": {"protocolRange": {"min": 2, "max": 3}}}))
+        .await;
+    let reply = raw.recv().await.unwrap();
+    assert_eq!(reply["error"]["code"], "PROTOCOL_VERSION_UNSUPPORTED");
+    assert_eq!(
+        reply["error"]["details"]["client"],
+        json!({"min": 2, "max": 3})
+    );
+    assert_eq!(
+        reply["error"]["details"]["daemon"],
+        json!({"min": 1, "max": 1})
+    );
+    raw.send(json!({"id": 2, "type": "echo", "payload": {}}))
+        .await;
+    let reply = raw.recv().await.unwrap();
+    assert_eq!(reply["id"], 2);
+    assert_eq!(reply["error"]["code"], "PROTOCOL_VERSION_UNSUPPORTED");
+    raw.send(json!({"id": 3, "type": "daemon.stop", "payload": {}}))
+        .await;
+    assert_eq!(
+        raw.recv().await.unwrap(),
+        json!({"id": 3, "ok": true, "payload": {"stopping": true}})
+    );
+}
+
+#[tokio::test]
+async fn hello_negotiates_the_highest_common_version_and_reports_the_identity() {
+    let mut raw = start(Arc::default());
+    raw.send(json!({"id": "h", "type": "hello", "payload": {"protocolRange": {"min": 1, "max": 9}, "principal": "agent-7", "credential": "admin-secret"}})).await;
+    let reply = raw.recv().await.unwrap();
+    assert_eq!(reply["id"], "h");
+    assert_eq!(reply["payload"]["protocolVersion"], 1);
+    assert_eq!(reply["payload"]["role"], "admin");
+    assert_eq!(reply["payload"]["principal"], "agent-7");
+    raw.send(json!({"id": 2, "type": "hello", "payload": {"protocolVersion": 1}}))
+        .await;
+    assert_eq!(raw.recv().await.unwrap()["error"]["code"], "BAD_REQUEST");
+}
+
+#[tokio::test]
+async fn two_concurrent_calls_are_answered_out_of_order() {
+    let service = Arc::new(TestService::default());
+    let mut raw = start(service.clone());
+    raw.hello().await;
+    raw.send(json!({"id": 1, "type": "wait", "payload": {"gate": "a"}}))
+        .await;
+    raw.send(json!({"id": 2, "type": "echo", "payload": {"second": true}}))
+        .await;
+    assert_eq!(
+        raw.recv().await.unwrap()["id"],
+        2,
+        "the second call answers while the first waits"
+    );
+    service.gate("a").notify_one();
+    assert_eq!(
+        raw.recv().await.unwrap(),
+        json!({"id": 1, "ok": true, "payload": {"gate": "a"}})
+    );
+}
+
+#[tokio::test]
+async fn pushes_carry_their_call_id_and_reach_only_their_own_call() {
+    let mut raw = start(Arc::default());
+    raw.hello().await;
+    raw.send(json!({"id": 10, "type": "pushy", "payload": {"count": 3}}))
+        .await;
+    raw.send(json!({"id": 11, "type": "pushy", "payload": {"count": 5}}))
+        .await;
+    let mut seen: HashMap<u64, usize> = HashMap::new();
+    let mut replies = 0;
+    while replies < 2 {
+        let frame = raw.recv().await.unwrap();
+        if frame.get("push").is_some() {
+            assert_eq!(frame["push"], "started");
+            *seen
+                .entry(frame["payload"]["requestId"].as_u64().unwrap())
+                .or_default() += 1;
+        } else {
+            let id = frame["id"].as_u64().unwrap();
+            let expected = if id == 10 { 3 } else { 5 };
+            assert_eq!(
+                seen.get(&id).copied().unwrap_or(0),
+                expected,
+                "every push of call {id} precedes its reply"
+            );
+            replies += 1;
+        }
+    }
+
+    // Through the client, each call's handle sees only its own pushes.
+    let (server, client) = UnixStream::pair().unwrap();
+    let (r, w) = server.into_split();
+    tokio::spawn(serve(
+        Transport::server_io(r, w),
+        Origin::Socket,
+        Arc::new(TestService::default()),
+        config(),
+    ));
+    let (r, w) = client.into_split();
+    let (client, _unsolicited) = WireClient::new(Transport::client_io(r, w));
+    client.hello(&hello()).await.unwrap();
+    let mut a = client.begin("pushy", json!({"count": 4}), 8).await.unwrap();
+    let mut b = client.begin("pushy", json!({"count": 7}), 8).await.unwrap();
+    let (count_a, count_b) = tokio::join!(count_pushes(&mut a), count_pushes(&mut b));
+    assert_eq!((count_a, count_b), (4, 7));
+}
+
+async fn count_pushes(handle: &mut simlock_wire::CallHandle) -> usize {
+    let mut count = 0;
+    loop {
+        match handle.next().await {
+            CallEvent::Push(push) => {
+                assert_eq!(
+                    push.request_id().and_then(|id| id.as_u64()),
+                    Some(handle.id())
+                );
+                count += 1;
+            }
+            CallEvent::Reply(reply) => {
+                assert_eq!(reply.unwrap()["pushed"], count);
+                return count;
+            }
+        }
+    }
+}
+
+fn hello() -> Hello {
+    Hello {
+        client_version: None,
+        protocol_version: None,
+        protocol_range: Some(ProtocolRange { min: 1, max: 1 }),
+        principal: Some("tester".into()),
+        credential: None,
+    }
+}
+
+#[tokio::test]
+async fn the_client_reads_lines_longer_than_the_servers_cap() {
+    let (server, client) = UnixStream::pair().unwrap();
+    let (r, w) = server.into_split();
+    tokio::spawn(serve(
+        Transport::server_io(r, w),
+        Origin::Socket,
+        Arc::new(TestService::default()),
+        config(),
+    ));
+    let (r, w) = client.into_split();
+    let (client, _) = WireClient::new(Transport::client_io(r, w));
+    client.hello(&hello()).await.unwrap();
+    // The call line stays under 1 MiB; the reply carries it twice, past 1 MiB.
+    let big = "y".repeat(700 * 1024);
+    let reply = client.call_value("twice", json!({"s": big})).await.unwrap();
+    assert_eq!(reply["a"].as_str().unwrap().len(), big.len());
+    assert_eq!(reply["b"].as_str().unwrap().len(), big.len());
+}
+
+#[tokio::test]
+async fn the_client_refuses_a_call_line_over_1_mib_without_sending_it() {
+    let (server, client) = UnixStream::pair().unwrap();
+    let (r, w) = server.into_split();
+    tokio::spawn(serve(
+        Transport::server_io(r, w),
+        Origin::Socket,
+        Arc::new(TestService::default()),
+        config(),
+    ));
+    let (r, w) = client.into_split();
+    let (client, _) = WireClient::new(Transport::client_io(r, w));
+    client.hello(&hello()).await.unwrap();
+    let big = "y".repeat(simlock_contract::bounds::MAX_CALL_LINE);
+    let err = client
+        .call_value("echo", json!({"s": big}))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code, ErrorCode::BadRequest);
+    assert!(err.message.starts_with("payload:"), "{}", err.message);
+    // The connection is untouched.
+    assert_eq!(
+        client.call_value("echo", json!({"ok": 1})).await.unwrap(),
+        json!({"ok": 1})
+    );
+}
+
+#[tokio::test]
+async fn losing_the_connection_fails_every_pending_call() {
+    let service = Arc::new(TestService::default());
+    let (server, client) = UnixStream::pair().unwrap();
+    let (r, w) = server.into_split();
+    let session = tokio::spawn(serve(
+        Transport::server_io(r, w),
+        Origin::Socket,
+        service,
+        config(),
+    ));
+    let (r, w) = client.into_split();
+    let (client, _) = WireClient::new(Transport::client_io(r, w));
+    client.hello(&hello()).await.unwrap();
+    let first = client
+        .begin("wait", json!({"gate": "never"}), 1)
+        .await
+        .unwrap();
+    let second = client
+        .begin("wait", json!({"gate": "never"}), 1)
+        .await
+        .unwrap();
+    session.abort();
+    let (a, b) = tokio::join!(first.finish(), second.finish());
+    assert_eq!(a.unwrap_err().code, ErrorCode::DaemonConnectionLost);
+    assert_eq!(b.unwrap_err().code, ErrorCode::DaemonConnectionLost);
+    assert_eq!(
+        client.call_value("echo", json!({})).await.unwrap_err().code,
+        ErrorCode::DaemonConnectionLost
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_push_waits_while_the_reader_does_not_read() {
+    let service = Arc::new(TestService::default());
+    let pushed = service.pushed.clone();
+    let (server, client) = tokio::io::duplex(4096);
+    let (r, w) = tokio::io::split(server);
+    tokio::spawn(serve(
+        Transport::server_io(r, w),
+        Origin::Socket,
+        service,
+        config(),
+    ));
+    let (r, mut w) = tokio::io::split(client);
+    w.write_all(b"{\"id\":0,\"type\":\"hello\",\"payload\":{\"protocolVersion\":1}}\n")
+        .await
+        .unwrap();
+    w.write_all(b"{\"id\":1,\"type\":\"pushy\",\"payload\":{\"count\":10000}}\n")
+        .await
+        .unwrap();
+    // With time paused, the clock moves only once every task is blocked: the pusher is stuck.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let stuck_at = pushed.load(Ordering::SeqCst);
+    assert!(
+        stuck_at < 10_000,
+        "pushes were queued without bound ({stuck_at})"
+    );
+    assert!(
+        stuck_at >= 64,
+        "the writer queue should absorb some pushes ({stuck_at})"
+    );
+    // Reading everything lets the pusher finish.
+    let mut reader = BufReader::new(r);
+    let mut line = String::new();
+    loop {
+        line.clear();
+        reader.read_line(&mut line).await.unwrap();
+        if line.contains("\"pushed\":10000") {
+            break;
+        }
+    }
+    assert_eq!(pushed.load(Ordering::SeqCst), 10_000);
+}

@@ -1,0 +1,153 @@
+//! `cargo xtask bench [link|relay|all]`: runs the benchmarks and collects the final
+//! `<name> key=value ...` line each one prints.
+
+use std::process::ExitCode;
+
+use anyhow::Result;
+use clap::ValueEnum;
+
+use crate::{cmd, metadata::Workspace};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub(crate) enum Which {
+    /// simlock-link's channel throughput and latency over an in-memory pair.
+    Link,
+    /// The relay path through a gateway and a worker over loopback sockets.
+    Relay,
+    /// Every benchmark that exists.
+    All,
+}
+
+/// A benchmark: the package and `[[bench]]` target that run it. Its result line starts with `name`.
+struct Bench {
+    name: &'static str,
+    package: &'static str,
+    target: &'static str,
+}
+
+const BENCHES: &[Bench] = &[
+    Bench {
+        name: "link",
+        package: "simlock-link",
+        target: "link",
+    },
+    Bench {
+        name: "relay",
+        package: "simlock-e2e",
+        target: "relay",
+    },
+];
+
+pub(crate) fn run(which: Which) -> Result<ExitCode> {
+    let workspace = Workspace::load()?;
+    let selected = BENCHES.iter().filter(|bench| match which {
+        Which::Link => bench.name == "link",
+        Which::Relay => bench.name == "relay",
+        Which::All => true,
+    });
+    let mut results = Vec::new();
+    let mut failed = Vec::new();
+    let mut unavailable = Vec::new();
+    for bench in selected {
+        let missing = match workspace.package(bench.package) {
+            None => Some(format!("package `{}` does not exist yet", bench.package)),
+            Some(package) if !package.has_target("bench", bench.target) => Some(format!(
+                "package `{}` has no bench target `{}` yet",
+                bench.package, bench.target
+            )),
+            Some(_) => None,
+        };
+        if let Some(why) = missing {
+            println!("bench {}: not yet available: {why}", bench.name);
+            unavailable.push(bench.name);
+            continue;
+        }
+        let command = cmd::cargo([
+            "bench",
+            "--locked",
+            "-p",
+            bench.package,
+            "--bench",
+            bench.target,
+        ]);
+        println!("== bench {}: {}", bench.name, cmd::display(&command));
+        let (status, lines) = cmd::status_with_lines(command)?;
+        if !status.success() {
+            eprintln!("bench {}: failed ({status})", bench.name);
+            failed.push(bench.name);
+            continue;
+        }
+        match result_line(bench.name, &lines) {
+            Some(line) => results.push(line.to_owned()),
+            None => {
+                eprintln!(
+                    "bench {}: finished without a final `{} key=value ...` line",
+                    bench.name, bench.name
+                );
+                failed.push(bench.name);
+            }
+        }
+    }
+
+    if which == Which::All {
+        println!();
+        println!("== bench results");
+        for line in &results {
+            println!("{line}");
+        }
+        for name in &unavailable {
+            println!("{name} (not yet available)");
+        }
+        for name in &failed {
+            println!("{name} (FAILED)");
+        }
+    }
+    let ok = failed.is_empty() && (which == Which::All || unavailable.is_empty());
+    Ok(if ok {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}
+
+/// The last line of the form `<name> key=value ...` (at least one `key=value`, nothing else).
+fn result_line<'a>(name: &str, lines: &'a [String]) -> Option<&'a str> {
+    lines.iter().rev().map(String::as_str).find(|line| {
+        let mut words = line.split_whitespace();
+        words.next() == Some(name) && {
+            let mut pairs = words.peekable();
+            pairs.peek().is_some()
+                && pairs.all(|pair| pair.split_once('=').is_some_and(|(key, _)| !key.is_empty()))
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::result_line;
+
+    #[test]
+    fn the_last_result_line_is_collected() {
+        let lines: Vec<String> = [
+            "     Running benches/link.rs",
+            "link warmup=1",
+            "link channels=64 mib_per_s=812.5 p99_us=41",
+            "some trailing note",
+        ]
+        .map(str::to_owned)
+        .to_vec();
+        assert_eq!(
+            result_line("link", &lines),
+            Some("link channels=64 mib_per_s=812.5 p99_us=41")
+        );
+        assert_eq!(result_line("relay", &lines), None);
+    }
+
+    #[test]
+    fn lines_that_are_not_key_value_pairs_are_skipped() {
+        let lines: Vec<String> = ["link ok", "link", "linked a=1", "link =1"]
+            .map(str::to_owned)
+            .to_vec();
+        assert_eq!(result_line("link", &lines), None);
+    }
+}
