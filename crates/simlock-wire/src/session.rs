@@ -189,6 +189,17 @@ pub trait Service: Send + Sync + 'static {
         payload: Option<Value>,
     ) -> BoxFuture<'static, Result<Value, ContractError>>;
 
+    /// `hello` succeeded on `conn`: its identity is set and calls follow.
+    fn greeted(&self, conn: &Arc<Connection>) {
+        let _ = conn;
+    }
+
+    /// A call the session answered itself without dispatching it (a protocol mismatch), so the
+    /// service can release anything it claims for such a call when its line is read.
+    fn refused(&self, ctx: CallContext, op: &str, payload: Option<Value>) {
+        let _ = (ctx, op, payload);
+    }
+
     /// The connection ended. Calls still running go on; their pushes are dropped.
     fn closed(&self, conn: &Arc<Connection>) {
         let _ = conn;
@@ -302,6 +313,11 @@ pub async fn serve(
             State::Mismatched(_) if call.op == "daemon.stop" => spawn_call(&conn, &*service, call),
             State::Mismatched(client) => {
                 let err = version_unsupported(client, config.range, &config.version);
+                let ctx = CallContext {
+                    conn: conn.clone(),
+                    id: call.id.clone(),
+                };
+                service.refused(ctx, &call.op, call.payload);
                 conn.reply(&Reply::err(Some(call.id), &err)).await;
             }
         }
@@ -338,6 +354,7 @@ async fn greet(
         }
     };
     *conn.identity.lock() = Some(identity.clone());
+    service.greeted(conn);
     match client.negotiate(config.range) {
         Some(version) => {
             let reply = HelloReply {

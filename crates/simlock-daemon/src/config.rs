@@ -1,0 +1,760 @@
+//! Configuration: built-in defaults ← `$SIMLOCK_HOME/config.toml` ← `SIMLOCK_*` environment ←
+//! command-line flags. Keys keep the original's names (`lease.maxTtlMs`, `gateway.url`, …).
+//! Unknown keys are warned about; a bad value fails start-up naming the key.
+//!
+//! An environment variable names a key in upper snake case with `__` between sections:
+//! `SIMLOCK_LEASE__MAX_TTL_MS=60000` sets `lease.maxTtlMs`.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
+
+use figment::Figment;
+use figment::providers::{Format, Serialized, Toml};
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+use simlock_contract::model::{Mode, Platform};
+
+/// Environment variables that are not config keys.
+const NOT_CONFIG_ENV: &[&str] = &[
+    "SIMLOCK_HOME",
+    "SIMLOCK_AGENT_ID",
+    "SIMLOCK_URL",
+    "SIMLOCK_TOKEN",
+    "SIMLOCK_LOG",
+];
+
+/// The whole configuration of a daemon.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct Config {
+    /// Lease limits.
+    pub lease: LeaseConfig,
+    /// The HTTP listener.
+    pub http: HttpConfig,
+    /// How many devices may run (worker).
+    pub capacity: CapacityConfig,
+    /// When idle devices are shut down and deleted (worker).
+    pub idle: IdleConfig,
+    /// `device.exec` (worker).
+    pub exec: ExecConfig,
+    /// The built-in virtual devices (worker).
+    #[serde(rename = "virtual")]
+    pub virtual_devices: VirtualConfig,
+    /// The uplink (worker: where to dial) and the fleet (gateway).
+    pub gateway: GatewayConfig,
+    /// The event ring buffer.
+    pub event_buffer: EventBufferConfig,
+    /// Logging.
+    pub log: LogConfig,
+    /// Capabilities this worker offers, besides those its modules report (worker).
+    pub capabilities: Vec<String>,
+}
+
+/// `lease.*`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct LeaseConfig {
+    /// The width of a lease whose request names none: 15 min.
+    pub default_ttl_ms: u64,
+    /// The most a request or renewal may ask: 4 h.
+    pub max_ttl_ms: u64,
+    /// How long a settled request is remembered (idempotency, HTTP polls): 10 min.
+    pub request_retention_ms: u64,
+    /// At most this many request records are kept.
+    pub max_request_records: u32,
+}
+
+impl Default for LeaseConfig {
+    fn default() -> Self {
+        Self {
+            default_ttl_ms: 900_000,
+            max_ttl_ms: 14_400_000,
+            request_retention_ms: 600_000,
+            max_request_records: 10_000,
+        }
+    }
+}
+
+/// `http.*`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct HttpConfig {
+    /// Serve `/v1` over HTTP. Default: off on a worker, always on a gateway.
+    pub enabled: Option<bool>,
+    /// The address to listen on.
+    pub host: String,
+    /// The port (0 picks a free one).
+    pub port: u16,
+}
+
+impl Default for HttpConfig {
+    fn default() -> Self {
+        Self {
+            enabled: None,
+            host: "127.0.0.1".into(),
+            port: 4700,
+        }
+    }
+}
+
+/// How running slots are counted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CapacityStrategy {
+    /// Derived from the machine's CPUs and RAM.
+    Resource,
+    /// A fixed number.
+    Fixed,
+}
+
+/// `capacity.*`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct CapacityConfig {
+    /// `resource` (default) or `fixed`.
+    pub strategy: CapacityStrategy,
+    /// `fixed`: devices that may run at once, both platforms together (default 2).
+    pub max_running: u32,
+    /// Per-platform caps (`fixed` defaults each to `maxRunning`).
+    pub ios: PlatformLimit,
+    /// Per-platform caps.
+    pub android: PlatformLimit,
+    /// `resource`: RAM one iOS device takes (1.5 GiB).
+    pub ios_bytes_per_device: u64,
+    /// `resource`: RAM one Android device takes (4 GiB).
+    pub android_bytes_per_device: u64,
+}
+
+impl Default for CapacityConfig {
+    fn default() -> Self {
+        Self {
+            strategy: CapacityStrategy::Resource,
+            max_running: 2,
+            ios: PlatformLimit::default(),
+            android: PlatformLimit::default(),
+            ios_bytes_per_device: 1536 * 1024 * 1024,
+            android_bytes_per_device: 4 * 1024 * 1024 * 1024,
+        }
+    }
+}
+
+/// A per-platform cap.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct PlatformLimit {
+    /// Devices of this platform that may run at once.
+    pub max_running: Option<u32>,
+}
+
+/// `idle.*`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct IdleConfig {
+    /// An unleased running device is shut down after this long (10 min).
+    pub shutdown_after_ms: u64,
+    /// An unleased device is deleted after this long (1 h).
+    pub delete_after_ms: u64,
+}
+
+impl Default for IdleConfig {
+    fn default() -> Self {
+        Self {
+            shutdown_after_ms: 600_000,
+            delete_after_ms: 3_600_000,
+        }
+    }
+}
+
+/// One tool `device.exec` may run.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ToolConfig {
+    /// The program.
+    pub command: String,
+    /// Arguments put before the caller's.
+    #[serde(default)]
+    pub args: Vec<String>,
+}
+
+/// `exec.*`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct ExecConfig {
+    /// A run is stopped after this long (10 min): SIGTERM, then SIGKILL 10 s later.
+    pub timeout_ms: u64,
+    /// The tools exec may run, by the name callers use. None by default.
+    pub tools: BTreeMap<String, ToolConfig>,
+}
+
+impl Default for ExecConfig {
+    fn default() -> Self {
+        Self {
+            timeout_ms: 600_000,
+            tools: BTreeMap::new(),
+        }
+    }
+}
+
+/// One model of the virtual catalog.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct VirtualModel {
+    /// The platform.
+    pub platform: Platform,
+    /// The model's name.
+    pub name: String,
+    /// Other names it answers to.
+    #[serde(default)]
+    pub aliases: Vec<String>,
+    /// The runtimes (OS versions) it runs.
+    pub runtimes: Vec<String>,
+}
+
+/// `virtual.*`: the built-in virtual devices.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct VirtualConfig {
+    /// How long creating a device takes.
+    pub provision_ms: u64,
+    /// How long booting takes.
+    pub boot_ms: u64,
+    /// How long wiping after a lease takes.
+    pub reclaim_ms: u64,
+    /// The catalog; the default has three iOS models on two runtimes and two Android models
+    /// on two API levels.
+    pub models: Vec<VirtualModel>,
+}
+
+impl Default for VirtualConfig {
+    fn default() -> Self {
+        let model = |platform, name: &str, aliases: &[&str], runtimes: &[&str]| VirtualModel {
+            platform,
+            name: name.into(),
+            aliases: aliases.iter().map(|a| (*a).into()).collect(),
+            runtimes: runtimes.iter().map(|r| (*r).into()).collect(),
+        };
+        Self {
+            provision_ms: 1_500,
+            boot_ms: 1_000,
+            reclaim_ms: 500,
+            models: vec![
+                model(
+                    Platform::Ios,
+                    "iPhone 16",
+                    &["iphone16", "iphone"],
+                    &["18.2", "17.5"],
+                ),
+                model(Platform::Ios, "iPhone 16 Pro", &["iphone16pro"], &["18.2"]),
+                model(
+                    Platform::Ios,
+                    "iPad Air 11-inch (M2)",
+                    &["ipad", "ipad-air"],
+                    &["18.2", "17.5"],
+                ),
+                model(
+                    Platform::Android,
+                    "Pixel 8",
+                    &["pixel8", "pixel"],
+                    &["34", "35"],
+                ),
+                model(Platform::Android, "Pixel 9", &["pixel9"], &["35"]),
+            ],
+        }
+    }
+}
+
+/// `gateway.*`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct GatewayConfig {
+    /// Worker: the gateway's base URL, `ws://` or `wss://`.
+    pub url: Option<String>,
+    /// Worker: the join token (a gateway token of role `worker`).
+    pub token: Option<String>,
+    /// Worker: a label for people.
+    pub label: Option<String>,
+    /// Gateway: the routing policy (only `warm-then-free`).
+    pub routing: String,
+    /// Gateway: how long a disconnected worker's view is kept (24 h).
+    pub disconnected_retention_ms: u64,
+    /// Gateway: backstop for a forwarded exec (11 min).
+    pub exec_timeout_ms: u64,
+    /// Gateway: bound on a forwarded lease request (5 min).
+    pub lease_request_timeout_ms: u64,
+}
+
+impl Default for GatewayConfig {
+    fn default() -> Self {
+        Self {
+            url: None,
+            token: None,
+            label: None,
+            routing: "warm-then-free".into(),
+            disconnected_retention_ms: 86_400_000,
+            exec_timeout_ms: 660_000,
+            lease_request_timeout_ms: 300_000,
+        }
+    }
+}
+
+/// `eventBuffer.*`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct EventBufferConfig {
+    /// Events kept for replay (1000).
+    pub capacity: u32,
+}
+
+impl Default for EventBufferConfig {
+    fn default() -> Self {
+        Self { capacity: 1000 }
+    }
+}
+
+/// `log.*`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct LogConfig {
+    /// A tracing filter (`info`, `simlock=debug`, …).
+    pub level: String,
+}
+
+impl Default for LogConfig {
+    fn default() -> Self {
+        Self {
+            level: "info".into(),
+        }
+    }
+}
+
+/// Why configuration could not be loaded; start-up fails with it.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// A value could not be read; the message names the key.
+    #[error("configuration: {0}")]
+    Invalid(String),
+    /// The file could not be read.
+    #[error("configuration file {path}: {source}")]
+    File {
+        /// The file.
+        path: String,
+        /// Why.
+        source: std::io::Error,
+    },
+}
+
+/// A loaded configuration and what was noticed while loading it.
+#[derive(Debug, Clone)]
+pub struct Loaded {
+    /// The configuration.
+    pub config: Config,
+    /// Unknown keys, and keys this daemon mode ignores.
+    pub warnings: Vec<String>,
+}
+
+/// Keys a gateway reads; every other key is warned about and ignored there.
+const GATEWAY_SECTIONS: &[&str] = &["lease", "http", "gateway", "eventBuffer", "log"];
+/// Keys only a gateway reads.
+const GATEWAY_ONLY_KEYS: &[&str] = &[
+    "gateway.routing",
+    "gateway.disconnectedRetentionMs",
+    "gateway.execTimeoutMs",
+    "gateway.leaseRequestTimeoutMs",
+];
+/// Keys only a worker reads.
+const WORKER_ONLY_KEYS: &[&str] = &["gateway.url", "gateway.token", "gateway.label"];
+/// Keys holding maps whose entries are the user's own names.
+const OPEN_MAPS: &[&str] = &["exec.tools"];
+
+/// Loads the configuration of a daemon of `mode` from `home`, the environment `env` and the
+/// flags `overrides` (dotted keys, e.g. `http.port`).
+///
+/// # Errors
+/// A file that cannot be read or parsed, a value of the wrong type (naming the key), or a
+/// combination that cannot work (naming the keys).
+pub fn load(
+    home: &Path,
+    mode: Mode,
+    env: impl IntoIterator<Item = (String, String)>,
+    overrides: &[(String, Value)],
+) -> Result<Loaded, ConfigError> {
+    let path = home.join("config.toml");
+    let mut figment = Figment::from(Serialized::defaults(Config::default()));
+    let mut provided: Vec<Value> = Vec::new();
+    match std::fs::read_to_string(&path) {
+        Ok(text) => {
+            let table: Value = Figment::from(Toml::string(&text)).extract().map_err(|e| {
+                ConfigError::Invalid(format!("{}: {}", path.display(), describe(&e)))
+            })?;
+            provided.push(table);
+            figment = figment.merge(Toml::string(&text));
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(source) => {
+            return Err(ConfigError::File {
+                path: path.display().to_string(),
+                source,
+            });
+        }
+    }
+    let env_table = env_overlay(env);
+    if env_table.as_object().is_some_and(|o| !o.is_empty()) {
+        figment = figment.merge(Serialized::defaults(env_table.clone()));
+        provided.push(env_table);
+    }
+    let mut flags = Value::Object(Map::new());
+    for (key, value) in overrides {
+        insert_dotted(&mut flags, key, value.clone());
+    }
+    if flags.as_object().is_some_and(|o| !o.is_empty()) {
+        figment = figment.merge(Serialized::defaults(flags.clone()));
+        provided.push(flags);
+    }
+    let config: Config = figment
+        .extract()
+        .map_err(|e| ConfigError::Invalid(describe(&e)))?;
+
+    let known = known_keys();
+    let mut warnings = Vec::new();
+    let mut seen = BTreeSet::new();
+    for table in &provided {
+        let mut keys = Vec::new();
+        leaf_keys(table, "", &mut keys);
+        for key in keys {
+            if !seen.insert(key.clone()) {
+                continue;
+            }
+            if !known
+                .iter()
+                .any(|k| key == *k || OPEN_MAPS.iter().any(|m| key.starts_with(&format!("{m}."))))
+            {
+                warnings.push(format!("unknown configuration key {key} is ignored"));
+            } else if mode == Mode::Gateway
+                && (!GATEWAY_SECTIONS
+                    .iter()
+                    .any(|s| key.starts_with(&format!("{s}.")))
+                    || WORKER_ONLY_KEYS.contains(&key.as_str()))
+            {
+                warnings.push(format!("{key} is a worker setting; a gateway ignores it"));
+            } else if mode == Mode::Worker && GATEWAY_ONLY_KEYS.contains(&key.as_str()) {
+                warnings.push(format!("{key} is a gateway setting; a worker ignores it"));
+            }
+        }
+    }
+    validate(&config, mode)?;
+    Ok(Loaded { config, warnings })
+}
+
+/// Checks combinations no single value's type can.
+///
+/// # Errors
+/// A message naming the keys.
+pub fn validate(config: &Config, mode: Mode) -> Result<(), ConfigError> {
+    let bad = |msg: String| Err(ConfigError::Invalid(msg));
+    if config.lease.default_ttl_ms == 0 || config.lease.max_ttl_ms == 0 {
+        return bad("lease.defaultTtlMs and lease.maxTtlMs must be above 0".into());
+    }
+    if config.lease.default_ttl_ms > config.lease.max_ttl_ms {
+        return bad(format!(
+            "lease.defaultTtlMs ({}) is above lease.maxTtlMs ({})",
+            config.lease.default_ttl_ms, config.lease.max_ttl_ms
+        ));
+    }
+    if config.lease.max_ttl_ms > simlock_contract::bounds::MAX_TTL_MS {
+        return bad(format!(
+            "lease.maxTtlMs is above {} (31 days)",
+            simlock_contract::bounds::MAX_TTL_MS
+        ));
+    }
+    if config.event_buffer.capacity == 0 {
+        return bad("eventBuffer.capacity must be above 0".into());
+    }
+    match mode {
+        Mode::Gateway => {
+            if config.http.enabled == Some(false) {
+                return bad("http.enabled cannot be false on a gateway: workers and agents reach it over HTTP".into());
+            }
+            if config.gateway.routing != "warm-then-free" {
+                return bad(format!(
+                    "gateway.routing: unknown policy {:?} (only warm-then-free)",
+                    config.gateway.routing
+                ));
+            }
+        }
+        Mode::Worker => {
+            match (&config.gateway.url, &config.gateway.token) {
+                (Some(url), Some(_))
+                    if !(url.starts_with("ws://") || url.starts_with("wss://")) =>
+                {
+                    return bad(format!(
+                        "gateway.url must start with ws:// or wss://, got {url}"
+                    ));
+                }
+                (Some(_), None) | (None, Some(_)) => {
+                    return bad("gateway.url and gateway.token must be set together".into());
+                }
+                _ => {}
+            }
+            if config.capacity.strategy == CapacityStrategy::Fixed
+                && config.capacity.max_running == 0
+            {
+                return bad("capacity.maxRunning must be above 0".into());
+            }
+            if config.idle.delete_after_ms < config.idle.shutdown_after_ms {
+                return bad("idle.deleteAfterMs is below idle.shutdownAfterMs".into());
+            }
+            for cap in &config.capabilities {
+                if !simlock_contract::bounds::is_capability_name(cap) {
+                    return bad(format!(
+                        "capabilities: {cap:?} is not a capability name (^[a-z][a-z0-9-]{{0,63}}$)"
+                    ));
+                }
+            }
+            if config.virtual_devices.models.is_empty() {
+                return bad("virtual.models is empty: a worker needs at least one model".into());
+            }
+            for model in &config.virtual_devices.models {
+                if model.runtimes.is_empty() {
+                    return bad(format!("virtual.models: {} has no runtimes", model.name));
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+fn describe(error: &figment::Error) -> String {
+    let mut parts = Vec::new();
+    for e in error.clone() {
+        let key = e.path.join(".");
+        let what = e.kind.to_string();
+        if key.is_empty() {
+            parts.push(what)
+        } else {
+            parts.push(format!("{key}: {what}"))
+        }
+    }
+    parts.join("; ")
+}
+
+/// `SIMLOCK_LEASE__MAX_TTL_MS=5` → `{"lease": {"maxTtlMs": 5}}`. Values read as JSON when they
+/// parse as JSON (numbers, booleans, arrays), else as strings.
+fn env_overlay(env: impl IntoIterator<Item = (String, String)>) -> Value {
+    let mut table = Value::Object(Map::new());
+    for (name, raw) in env {
+        let Some(rest) = name.strip_prefix("SIMLOCK_") else {
+            continue;
+        };
+        if NOT_CONFIG_ENV.contains(&name.as_str()) || rest.is_empty() {
+            continue;
+        }
+        let key: Vec<String> = rest.split("__").map(camel_from_upper_snake).collect();
+        let value = serde_json::from_str(&raw).unwrap_or(Value::String(raw));
+        insert_dotted(&mut table, &key.join("."), value);
+    }
+    table
+}
+
+fn camel_from_upper_snake(part: &str) -> String {
+    let mut out = String::new();
+    let mut upper = false;
+    for c in part.chars() {
+        if c == '_' {
+            upper = true;
+        } else if upper {
+            out.extend(c.to_uppercase());
+            upper = false;
+        } else {
+            out.extend(c.to_lowercase());
+        }
+    }
+    out
+}
+
+fn insert_dotted(table: &mut Value, key: &str, value: Value) {
+    let mut node = table;
+    let parts: Vec<&str> = key.split('.').collect();
+    for (i, part) in parts.iter().enumerate() {
+        let Value::Object(map) = node else { return };
+        if i + 1 == parts.len() {
+            map.insert((*part).to_owned(), value);
+            return;
+        }
+        node = map
+            .entry((*part).to_owned())
+            .or_insert_with(|| Value::Object(Map::new()));
+    }
+}
+
+fn leaf_keys(value: &Value, prefix: &str, out: &mut Vec<String>) {
+    match value {
+        Value::Object(map) if !map.is_empty() => {
+            for (key, child) in map {
+                let path = if prefix.is_empty() {
+                    key.clone()
+                } else {
+                    format!("{prefix}.{key}")
+                };
+                if OPEN_MAPS.contains(&path.as_str()) {
+                    out.push(path);
+                    continue;
+                }
+                leaf_keys(child, &path, out);
+            }
+        }
+        _ => out.push(prefix.to_owned()),
+    }
+}
+
+fn known_keys() -> Vec<String> {
+    let mut keys = Vec::new();
+    if let Ok(defaults) = serde_json::to_value(Config::default()) {
+        leaf_keys(&defaults, "", &mut keys);
+    }
+    // Optional keys that the defaults leave out.
+    keys.extend(
+        [
+            "http.enabled",
+            "gateway.url",
+            "gateway.token",
+            "gateway.label",
+            "capacity.ios.maxRunning",
+            "capacity.android.maxRunning",
+        ]
+        .map(String::from),
+    );
+    keys
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    fn load_with(toml: &str, env: &[(&str, &str)], mode: Mode) -> Result<Loaded, ConfigError> {
+        let dir = tempfile::tempdir().unwrap();
+        if !toml.is_empty() {
+            std::fs::write(dir.path().join("config.toml"), toml).unwrap();
+        }
+        let env = env.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned()));
+        load(dir.path(), mode, env, &[])
+    }
+
+    #[test]
+    fn defaults_load_without_a_file() {
+        let loaded = load_with("", &[], Mode::Worker).unwrap();
+        assert_eq!(loaded.config, Config::default());
+        assert!(loaded.warnings.is_empty());
+        assert_eq!(loaded.config.lease.max_ttl_ms, 14_400_000);
+    }
+
+    #[test]
+    fn layers_override_in_order() {
+        let loaded = load_with(
+            "[lease]\nmaxTtlMs = 7200000\ndefaultTtlMs = 60000\n[http]\nport = 1",
+            &[("SIMLOCK_HTTP__PORT", "2"), ("SIMLOCK_HOME", "/x")],
+            Mode::Worker,
+        )
+        .unwrap();
+        assert_eq!(loaded.config.lease.max_ttl_ms, 7_200_000);
+        assert_eq!(loaded.config.http.port, 2);
+        let dir = tempfile::tempdir().unwrap();
+        let flags = [("http.port".to_owned(), json!(3))];
+        let loaded = load(
+            dir.path(),
+            Mode::Worker,
+            [("SIMLOCK_HTTP__PORT".to_owned(), "2".to_owned())],
+            &flags,
+        )
+        .unwrap();
+        assert_eq!(loaded.config.http.port, 3);
+    }
+
+    #[test]
+    fn unknown_keys_warn_and_mode_foreign_keys_warn() {
+        let loaded = load_with(
+            "[lease]\nmaxTtlMS = 5\n[idle]\nshutdownAfterMs = 1000\ndeleteAfterMs = 2000",
+            &[],
+            Mode::Gateway,
+        )
+        .unwrap();
+        assert!(
+            loaded.warnings.iter().any(|w| w.contains("lease.maxTtlMS")),
+            "{:?}",
+            loaded.warnings
+        );
+        assert!(
+            loaded
+                .warnings
+                .iter()
+                .any(|w| w.contains("idle.shutdownAfterMs is a worker setting")),
+            "{:?}",
+            loaded.warnings
+        );
+        let loaded = load_with(
+            "[exec.tools.echo]\ncommand = \"/bin/echo\"",
+            &[],
+            Mode::Worker,
+        )
+        .unwrap();
+        assert!(loaded.warnings.is_empty(), "{:?}", loaded.warnings);
+        assert_eq!(loaded.config.exec.tools["echo"].command, "/bin/echo");
+    }
+
+    #[test]
+    fn a_bad_value_fails_naming_the_key() {
+        let err = load_with("[lease]\nmaxTtlMs = \"soon\"", &[], Mode::Worker)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("lease.maxTtlMs"), "{err}");
+        let err = load_with("", &[("SIMLOCK_HTTP__PORT", "many")], Mode::Worker)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("http.port"), "{err}");
+        let err = load_with(
+            "[lease]\ndefaultTtlMs = 5000000\nmaxTtlMs = 60000",
+            &[],
+            Mode::Worker,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.contains("lease.defaultTtlMs") && err.contains("lease.maxTtlMs"),
+            "{err}"
+        );
+        let err = load_with(
+            "[gateway]\nurl = \"http://gw\"\ntoken = \"slk_x\"",
+            &[],
+            Mode::Worker,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("gateway.url"), "{err}");
+        let err = load_with("[gateway]\nurl = \"ws://gw\"", &[], Mode::Worker)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("gateway.token"), "{err}");
+        let err = load_with("[http]\nenabled = false", &[], Mode::Gateway)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("http.enabled"), "{err}");
+        let err = load_with("capabilities = [\"Bad\"]", &[], Mode::Worker)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("capabilities"), "{err}");
+    }
+
+    #[test]
+    fn environment_names_map_to_camel_case_keys() {
+        let table = env_overlay([
+            ("SIMLOCK_LEASE__MAX_TTL_MS".to_owned(), "60000".to_owned()),
+            ("SIMLOCK_GATEWAY__URL".to_owned(), "ws://x".to_owned()),
+            ("OTHER".to_owned(), "1".to_owned()),
+        ]);
+        assert_eq!(
+            table,
+            json!({"lease": {"maxTtlMs": 60000}, "gateway": {"url": "ws://x"}})
+        );
+    }
+}

@@ -1,0 +1,234 @@
+//! The event bus: facts emitted after they are committed, kept in a ring buffer, and pushed to
+//! subscribed connections. Observers only: nothing in simlock drives work from an event.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use parking_lot::Mutex;
+use serde_json::Value;
+use simlock_contract::ids::{EventId, SubscriptionId};
+use simlock_contract::model::EventEnvelope;
+use simlock_contract::ops::{
+    EventsReplay, EventsSubscribe, EventsUnsubscribe, ReplayOutput, SubscribeOutput,
+};
+use simlock_contract::{ContractError, Push};
+use tokio::sync::broadcast;
+use tokio_util::sync::CancellationToken;
+use tracing::warn;
+
+use crate::clock::SharedClock;
+use crate::context::CallCtx;
+use crate::pipeline::Router;
+
+/// The bus of one daemon.
+pub struct EventBus {
+    ring: Mutex<VecDeque<EventEnvelope>>,
+    capacity: usize,
+    seq: AtomicU64,
+    live: broadcast::Sender<EventEnvelope>,
+    clock: SharedClock,
+}
+
+impl std::fmt::Debug for EventBus {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EventBus")
+            .field("capacity", &self.capacity)
+            .finish_non_exhaustive()
+    }
+}
+
+impl EventBus {
+    /// A bus keeping the last `capacity` events.
+    pub fn new(capacity: usize, clock: SharedClock) -> Arc<Self> {
+        Arc::new(Self {
+            ring: Mutex::new(VecDeque::with_capacity(capacity.min(4096))),
+            capacity: capacity.max(1),
+            seq: AtomicU64::new(1),
+            live: broadcast::channel(capacity.clamp(16, 4096)).0,
+            clock,
+        })
+    }
+
+    /// Records a fact that just committed.
+    pub fn emit(&self, event: &str, module: &str, payload: Value) -> EventEnvelope {
+        let envelope = EventEnvelope {
+            id: EventId::mint(),
+            seq: 0,
+            timestamp: self.clock.now_ms(),
+            event: event.to_owned(),
+            payload,
+            module: module.to_owned(),
+        };
+        self.record(envelope)
+    }
+
+    /// Records an event that happened elsewhere (a worker's, on the gateway), keeping its id and
+    /// timestamp; it gets this bus's next sequence number.
+    pub fn relay(&self, envelope: EventEnvelope) -> EventEnvelope {
+        self.record(envelope)
+    }
+
+    fn record(&self, mut envelope: EventEnvelope) -> EventEnvelope {
+        let mut ring = self.ring.lock();
+        envelope.seq = self.seq.fetch_add(1, Ordering::SeqCst);
+        if ring.len() == self.capacity {
+            ring.pop_front();
+        }
+        ring.push_back(envelope.clone());
+        // Sent under the lock so followers see events in sequence order.
+        let _ = self.live.send(envelope.clone());
+        envelope
+    }
+
+    /// Follows events from now on.
+    pub fn follow(&self) -> broadcast::Receiver<EventEnvelope> {
+        self.live.subscribe()
+    }
+
+    /// The buffered events at or after `since_ts` (all of them without it), oldest first.
+    pub fn replay(&self, since_ts: Option<i64>) -> Vec<EventEnvelope> {
+        self.ring
+            .lock()
+            .iter()
+            .filter(|e| since_ts.is_none_or(|since| e.timestamp >= since))
+            .cloned()
+            .collect()
+    }
+}
+
+/// The connection subscriptions of one daemon.
+#[derive(Default)]
+struct Subscriptions {
+    next: AtomicU64,
+    by_connection: Mutex<HashMap<u64, (SubscriptionId, CancellationToken)>>,
+}
+
+/// Registers `events.subscribe`, `events.unsubscribe` and `events.replay`.
+pub fn register(router: &mut Router, bus: &Arc<EventBus>) {
+    let subscriptions = Arc::new(Subscriptions::default());
+    let (bus_sub, subs) = (bus.clone(), subscriptions.clone());
+    router.handle::<EventsSubscribe, _, _>(move |ctx: CallCtx, _| {
+        let outcome = subscribe(&bus_sub, &subs, &ctx);
+        async move { outcome }
+    });
+    let subs = subscriptions;
+    router.handle::<EventsUnsubscribe, _, _>(move |ctx: CallCtx, _| {
+        if let Some(id) = ctx.connection_id()
+            && let Some((_, cancel)) = subs.by_connection.lock().remove(&id)
+        {
+            cancel.cancel();
+        }
+        async move {
+            Ok(SubscribeOutput {
+                subscribed: false,
+                subscription_id: None,
+            })
+        }
+    });
+    let bus_replay = bus.clone();
+    router.handle::<EventsReplay, _, _>(move |_, input| {
+        let events = bus_replay.replay(input.since_ts);
+        async move { Ok(ReplayOutput { events }) }
+    });
+}
+
+fn subscribe(
+    bus: &Arc<EventBus>,
+    subs: &Subscriptions,
+    ctx: &CallCtx,
+) -> Result<SubscribeOutput, ContractError> {
+    let Some(conn) = ctx.connection().cloned() else {
+        return Err(ContractError::bad_request(
+            "events.subscribe needs a connection; over HTTP follow GET /v1/events/stream",
+        ));
+    };
+    let id = SubscriptionId::from_raw(format!(
+        "sub_{}",
+        subs.next.fetch_add(1, Ordering::SeqCst) + 1
+    ));
+    let cancel = CancellationToken::new();
+    // A second subscribe replaces the first.
+    if let Some((_, old)) = subs
+        .by_connection
+        .lock()
+        .insert(conn.id(), (id.clone(), cancel.clone()))
+    {
+        old.cancel();
+    }
+    let mut live = bus.follow();
+    let closed = conn.closed();
+    let subscription_id = id.clone();
+    tokio::spawn(async move {
+        loop {
+            let event = tokio::select! {
+                () = cancel.cancelled() => break,
+                () = closed.cancelled() => break,
+                event = live.recv() => event,
+            };
+            match event {
+                Ok(event) => conn.push_detached(&Push::Event {
+                    subscription_id: subscription_id.clone(),
+                    event,
+                }),
+                Err(broadcast::error::RecvError::Lagged(missed)) => {
+                    warn!(
+                        connection = conn.id(),
+                        missed, "an event subscriber fell behind and missed events"
+                    );
+                }
+                Err(broadcast::error::RecvError::Closed) => break,
+            }
+        }
+    });
+    Ok(SubscribeOutput {
+        subscribed: true,
+        subscription_id: Some(id),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+    use crate::clock::TokioClock;
+
+    #[tokio::test]
+    async fn the_ring_keeps_the_newest_events_in_order() {
+        let bus = EventBus::new(3, TokioClock::starting_at(100).shared());
+        for n in 0..5 {
+            bus.emit("test.fact", "test", json!({ "n": n }));
+        }
+        let events = bus.replay(None);
+        let ns: Vec<_> = events
+            .iter()
+            .map(|e| e.payload["n"].as_i64().unwrap())
+            .collect();
+        assert_eq!(ns, [2, 3, 4]);
+        let seqs: Vec<_> = events.iter().map(|e| e.seq).collect();
+        assert_eq!(seqs, [3, 4, 5]);
+        assert!(events.iter().all(|e| e.id.as_str().starts_with("evt_")));
+    }
+
+    #[tokio::test]
+    async fn relayed_events_keep_their_id_and_timestamp() {
+        let bus = EventBus::new(10, TokioClock::starting_at(100).shared());
+        let mut follower = bus.follow();
+        let original = EventEnvelope {
+            id: EventId::from_raw("evt_remote"),
+            seq: 41,
+            timestamp: 7,
+            event: "lease.granted".into(),
+            payload: json!({}),
+            module: "lease-lifecycle".into(),
+        };
+        let relayed = bus.relay(original);
+        assert_eq!(
+            (relayed.id.as_str(), relayed.timestamp, relayed.seq),
+            ("evt_remote", 7, 1)
+        );
+        assert_eq!(follower.recv().await.unwrap(), relayed);
+        assert_eq!(bus.replay(Some(8)), vec![]);
+    }
+}
