@@ -27,7 +27,7 @@ pub use capabilities::Capabilities;
 pub use clock::{Clock, SharedClock, TokioClock};
 pub use context::{CallCtx, CallOrigin};
 pub use events::EventBus;
-pub use pipeline::{Pipeline, Router, StartupGate};
+pub use pipeline::{Pipeline, Router, Shutdown, StartupGate};
 pub use presence::Presence;
 pub use store::Database;
 pub use tokens::TokenStore;

@@ -109,6 +109,52 @@ struct Entry {
     prepare: Option<PrepareHook>,
 }
 
+/// Asks a daemon to stop (`daemon.stop`, a signal) and lets its owner wait for that.
+#[derive(Debug, Clone)]
+pub struct Shutdown {
+    requested: watch::Sender<bool>,
+}
+
+impl Default for Shutdown {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Shutdown {
+    /// Nothing requested yet.
+    pub fn new() -> Self {
+        Self {
+            requested: watch::Sender::new(false),
+        }
+    }
+
+    /// Asks the daemon to stop.
+    pub fn request(&self) {
+        self.requested.send_replace(true);
+    }
+
+    /// Whether a stop was requested.
+    pub fn is_requested(&self) -> bool {
+        *self.requested.borrow()
+    }
+
+    /// Resolves once a stop was requested.
+    pub async fn requested(&self) {
+        let mut rx = self.requested.subscribe();
+        let _ = rx.wait_for(|requested| *requested).await;
+    }
+}
+
+/// Registers `daemon.stop`: answers `{stopping: true}` and asks the daemon to stop.
+pub fn register_daemon_ops(router: &mut Router, shutdown: &Shutdown) {
+    let shutdown = shutdown.clone();
+    router.handle::<simlock_contract::ops::DaemonStop, _, _>(move |_, _| {
+        shutdown.request();
+        async move { Ok(simlock_contract::ops::DaemonStopOutput { stopping: true }) }
+    });
+}
+
 /// The handlers of one daemon, by operation name.
 #[derive(Default)]
 pub struct Router {
@@ -235,7 +281,7 @@ pub struct Pipeline {
     router: Router,
     gate: StartupGate,
     stopping: AtomicBool,
-    stop_requested: watch::Sender<bool>,
+    shutdown: Shutdown,
     version: String,
     greeter: Arc<dyn Greeter>,
     presence: Presence,
@@ -251,10 +297,11 @@ impl std::fmt::Debug for Pipeline {
 }
 
 impl Pipeline {
-    /// A pipeline over `router`, parking calls on `gate`.
+    /// A pipeline over `router`, parking calls on `gate`; `shutdown` is the daemon's.
     pub fn new(
         router: Router,
         gate: StartupGate,
+        shutdown: Shutdown,
         version: String,
         greeter: Arc<dyn Greeter>,
         presence: Presence,
@@ -263,7 +310,7 @@ impl Pipeline {
             router,
             gate,
             stopping: AtomicBool::new(false),
-            stop_requested: watch::Sender::new(false),
+            shutdown,
             version,
             greeter,
             presence,
@@ -291,15 +338,9 @@ impl Pipeline {
         self.stopping.load(Ordering::SeqCst)
     }
 
-    /// Asks the daemon's owner to stop (what `daemon.stop` does).
-    pub fn request_stop(&self) {
-        self.stop_requested.send_replace(true);
-    }
-
-    /// Resolves once a stop was requested.
-    pub async fn stop_requested(&self) {
-        let mut rx = self.stop_requested.subscribe();
-        let _ = rx.wait_for(|requested| *requested).await;
+    /// The daemon's shutdown handle.
+    pub const fn shutdown(&self) -> &Shutdown {
+        &self.shutdown
     }
 
     /// Runs `hook` whenever a wire connection ends (after its calls were told).
