@@ -17,6 +17,8 @@ pub mod config;
 pub mod context;
 pub mod events;
 pub mod home;
+pub mod http;
+pub mod metrics;
 pub mod pipeline;
 pub mod presence;
 pub mod socket;

@@ -1,0 +1,124 @@
+//! Bodies and small response helpers: JSON in with a size cap, JSON and errors out, and
+//! server-sent events.
+
+use std::convert::Infallible;
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures::{Stream, StreamExt};
+use http::{HeaderValue, Response, StatusCode, header};
+use http_body_util::combinators::UnsyncBoxBody;
+use http_body_util::{BodyExt, Full, Limited, StreamBody};
+use hyper::body::{Frame, Incoming};
+use serde::Serialize;
+use serde_json::{Map, Value};
+use simlock_contract::{ContractError, ErrorCode};
+
+/// An error a body may carry.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+/// Every response body the host sends.
+pub type Body = UnsyncBoxBody<Bytes, BoxError>;
+
+/// The largest JSON body a route reads: the same 1 MiB as a call line.
+pub const MAX_JSON_BODY: usize = simlock_contract::bounds::MAX_CALL_LINE;
+/// How often an idle event stream sends a comment so proxies keep it open.
+pub const KEEPALIVE: Duration = Duration::from_secs(15);
+
+/// A body holding `bytes`.
+pub fn full(bytes: impl Into<Bytes>) -> Body {
+    Full::new(bytes.into()).map_err(|never: Infallible| match never {}).boxed_unsync()
+}
+
+/// An empty body.
+pub fn empty() -> Body {
+    full(Bytes::new())
+}
+
+/// A JSON response.
+pub fn json<T: Serialize>(status: StatusCode, value: &T) -> Response<Body> {
+    match serde_json::to_vec(value) {
+        Ok(bytes) => {
+            let mut response = Response::new(full(bytes));
+            *response.status_mut() = status;
+            response.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+            response
+        }
+        Err(e) => error(&ContractError::internal(format!("response could not be encoded: {e}"))),
+    }
+}
+
+/// An error response: the code's status, `{"error": {code, message, ...details}}`, and
+/// `Retry-After` for `NO_CAPACITY`.
+pub fn error(err: &ContractError) -> Response<Body> {
+    error_with_status(err, StatusCode::from_u16(err.code.http_status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR))
+}
+
+/// An error response with an explicit status.
+pub fn error_with_status(err: &ContractError, status: StatusCode) -> Response<Body> {
+    let mut body = Map::new();
+    body.insert("code".into(), Value::String(err.code.as_str().into()));
+    body.insert("message".into(), Value::String(err.message.clone()));
+    if let Some(Value::Object(details)) = &err.details {
+        for (k, v) in details {
+            body.entry(k.clone()).or_insert_with(|| v.clone());
+        }
+    }
+    let mut wrapper = Map::new();
+    wrapper.insert("error".into(), Value::Object(body));
+    let mut response = json(status, &Value::Object(wrapper));
+    if err.code == ErrorCode::NoCapacity {
+        response.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("5"));
+    }
+    response
+}
+
+/// Reads a JSON object body of at most [`MAX_JSON_BODY`] bytes; an empty body reads as `{}`.
+///
+/// # Errors
+/// `BAD_REQUEST` for a body too large, not JSON, or not an object.
+pub async fn read_json(body: Incoming) -> Result<Value, ContractError> {
+    let bytes = Limited::new(body, MAX_JSON_BODY)
+        .collect()
+        .await
+        .map_err(|e| {
+            if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() {
+                ContractError::bad_request(format!("body: larger than {MAX_JSON_BODY} bytes"))
+            } else {
+                ContractError::bad_request(format!("body: {e}"))
+            }
+        })?
+        .to_bytes();
+    if bytes.iter().all(u8::is_ascii_whitespace) {
+        return Ok(Value::Object(Map::new()));
+    }
+    match serde_json::from_slice::<Value>(&bytes) {
+        Ok(value @ Value::Object(_)) => Ok(value),
+        Ok(_) => Err(ContractError::bad_request("body: must be a JSON object")),
+        Err(e) => Err(ContractError::bad_request(format!("body: invalid JSON: {e}"))),
+    }
+}
+
+/// One server-sent event.
+pub fn sse_event(name: &str, data: &Value) -> Bytes {
+    Bytes::from(format!("event: {name}\ndata: {data}\n\n"))
+}
+
+/// A `text/event-stream` response over `events`, with a keepalive comment after each idle
+/// [`KEEPALIVE`]. The response ends when `events` ends.
+pub fn sse<S>(events: S) -> Response<Body>
+where
+    S: Stream<Item = Bytes> + Send + 'static,
+{
+    let frames = futures::stream::unfold(Box::pin(events), |mut events| async move {
+        let bytes = tokio::select! {
+            next = events.next() => next?,
+            () = tokio::time::sleep(KEEPALIVE) => Bytes::from_static(b": keepalive\n\n"),
+        };
+        Some((Ok::<_, BoxError>(Frame::data(bytes)), events))
+    });
+    let mut response = Response::new(StreamBody::new(frames).boxed_unsync());
+    let headers = response.headers_mut();
+    headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
+    headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    response
+}

@@ -1,0 +1,500 @@
+//! The HTTP host: `/v1` routes over the one pipeline, bearer tokens, long-poll and
+//! server-sent events, plus mounts other crates add (the gateway's `/v1/uplink`, the
+//! agent-device front). Every route maps to an operation; see `docs/HTTP-API.md`.
+
+pub mod body;
+pub mod requests;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures::future::BoxFuture;
+use futures::{FutureExt, StreamExt};
+use http::{Method, Request, Response, StatusCode};
+use hyper::body::Incoming;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use serde_json::{Map, Value, json};
+use simlock_contract::model::LeaseRecord;
+use simlock_contract::ops::LeaseListOutput;
+use simlock_contract::{ContractError, ErrorCode, Push, Role};
+use tokio::net::TcpListener;
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, info, warn};
+
+use self::body::{Body, error, error_with_status, json as json_response, read_json, sse, sse_event};
+use self::requests::{RequestBook, Submitted};
+use crate::auth::{HttpCaller, bearer};
+use crate::clock::SharedClock;
+use crate::context::CallCtx;
+use crate::events::EventBus;
+use crate::metrics::Metrics;
+use crate::pipeline::Pipeline;
+use crate::tokens::TokenStore;
+
+/// How long a connection may take to send its request head.
+const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long open connections get to finish when the daemon stops.
+const DRAIN_GRACE: Duration = Duration::from_secs(5);
+
+/// Routes another crate serves on the same listener (it authenticates them itself).
+pub trait Mount: Send + Sync + 'static {
+    /// Whether this mount serves `path`.
+    fn matches(&self, path: &str) -> bool;
+    /// Serves one request.
+    fn serve(&self, request: Request<Incoming>) -> BoxFuture<'static, Response<Body>>;
+}
+
+/// Everything the routes need.
+pub struct HttpApp {
+    /// The daemon's pipeline.
+    pub pipeline: Arc<Pipeline>,
+    /// Bearer tokens.
+    pub tokens: Arc<TokenStore>,
+    /// Events, for the replay and stream routes.
+    pub bus: Arc<EventBus>,
+    /// Time.
+    pub clock: SharedClock,
+    /// Lease requests made over HTTP.
+    pub requests: Arc<RequestBook>,
+    /// Metrics for `/v1/metrics`.
+    pub metrics: Metrics,
+    /// Extra routes.
+    pub mounts: Vec<Arc<dyn Mount>>,
+}
+
+impl std::fmt::Debug for HttpApp {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HttpApp").field("mounts", &self.mounts.len()).finish_non_exhaustive()
+    }
+}
+
+/// Binds the listener.
+///
+/// # Errors
+/// When the address cannot be bound.
+pub async fn bind(host: &str, port: u16) -> std::io::Result<TcpListener> {
+    TcpListener::bind((host, port)).await
+}
+
+/// Serves HTTP on `listener` until `shutdown`, then gives open connections a short grace.
+pub fn serve_http(listener: TcpListener, app: Arc<HttpApp>, shutdown: CancellationToken) -> JoinHandle<()> {
+    tokio::spawn(async move {
+        if let Ok(addr) = listener.local_addr() {
+            info!(%addr, "listening for HTTP");
+        }
+        let mut connections = tokio::task::JoinSet::new();
+        loop {
+            let accepted = tokio::select! {
+                () = shutdown.cancelled() => break,
+                accepted = listener.accept() => accepted,
+            };
+            let (stream, peer) = match accepted {
+                Ok(found) => found,
+                Err(e) => {
+                    warn!(error = %e, "HTTP accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            };
+            let _ = stream.set_nodelay(true);
+            let app = app.clone();
+            let shutdown = shutdown.clone();
+            connections.spawn(serve_connection(stream, peer, app, shutdown));
+            while connections.try_join_next().is_some() {}
+        }
+        let _ = tokio::time::timeout(DRAIN_GRACE, async { while connections.join_next().await.is_some() {} }).await;
+        connections.abort_all();
+    })
+}
+
+async fn serve_connection(stream: tokio::net::TcpStream, peer: SocketAddr, app: Arc<HttpApp>, shutdown: CancellationToken) {
+    let service = service_fn(move |request| {
+        let app = app.clone();
+        async move { Ok::<_, std::convert::Infallible>(route(&app, request).await) }
+    });
+    let mut builder = hyper::server::conn::http1::Builder::new();
+    builder.timer(TokioTimer::new()).header_read_timeout(HEADER_READ_TIMEOUT);
+    let connection = builder.serve_connection(TokioIo::new(stream), service).with_upgrades();
+    tokio::pin!(connection);
+    tokio::select! {
+        outcome = connection.as_mut() => {
+            if let Err(e) = outcome {
+                debug!(%peer, error = %e, "HTTP connection ended with an error");
+            }
+        }
+        () = shutdown.cancelled() => {
+            connection.as_mut().graceful_shutdown();
+            let _ = connection.await;
+        }
+    }
+}
+
+fn not_found(method: &Method, path: &str) -> Response<Body> {
+    let err = ContractError::new(ErrorCode::UnknownRequest, format!("No route {method} {path}"));
+    error_with_status(&err, StatusCode::NOT_FOUND)
+}
+
+async fn route(app: &Arc<HttpApp>, request: Request<Incoming>) -> Response<Body> {
+    let path = request.uri().path().to_owned();
+    if let Some(mount) = app.mounts.iter().find(|m| m.matches(&path)) {
+        return mount.serve(request).await;
+    }
+    let method = request.method().clone();
+    if method == Method::GET && path == "/v1/healthz" {
+        return json_response(StatusCode::OK, &json!({ "ok": true }));
+    }
+    let Some(rest) = path.strip_prefix("/v1/") else {
+        return not_found(&method, &path);
+    };
+    let authorization = request.headers().get(http::header::AUTHORIZATION).and_then(|v| v.to_str().ok());
+    let caller = match bearer(&app.tokens, authorization) {
+        Ok(caller) => caller,
+        Err(err) => return error(&err),
+    };
+    let segments: Vec<String> = rest.split('/').map(String::from).collect();
+    let segments: Vec<&str> = segments.iter().map(String::as_str).collect();
+    let query = request.uri().query().unwrap_or("").to_owned();
+    match (&method, segments.as_slice()) {
+        (&Method::GET, ["status"]) => op(app, &caller, "status.get", json!({})).await,
+        (&Method::GET, ["catalog"]) => {
+            let mut payload = Map::new();
+            if let Some(platform) = query_param(&query, "platform") {
+                payload.insert("platform".into(), Value::String(platform));
+            }
+            op(app, &caller, "catalog.get", Value::Object(payload)).await
+        }
+        (&Method::GET, ["config"]) => op(app, &caller, "config.get", json!({})).await,
+        (&Method::POST, ["lease-requests"]) => submit_request(app, &caller, request).await,
+        (&Method::GET, ["lease-requests"]) => op(app, &caller, "list.get", json!({"kind": "requests"})).await,
+        (&Method::GET, ["lease-requests", id]) => {
+            let wait = query_param(&query, "wait").and_then(|w| w.parse::<f64>().ok()).unwrap_or(0.0);
+            let wait = Duration::from_secs_f64(wait.clamp(0.0, requests::MAX_WAIT.as_secs_f64()));
+            match app.requests.poll(id, caller.token.id.as_str(), caller.role, wait).await {
+                Ok(view) => json_response(StatusCode::OK, &json!({ "request": view })),
+                Err(err) => error(&err),
+            }
+        }
+        (&Method::GET, ["lease-requests", id, "events"]) => request_events(app, &caller, id),
+        (&Method::DELETE, ["lease-requests", id]) => {
+            match app.requests.cancel(&app.pipeline, id, caller.token.id.as_str(), caller.role).await {
+                Ok(()) => no_content(),
+                Err(err) => error(&err),
+            }
+        }
+        (&Method::GET, ["leases"]) => op(app, &caller, "lease.list", json!({})).await,
+        (&Method::DELETE, ["leases"]) => op(app, &caller, "lease.release-all", json!({})).await,
+        (&Method::GET, ["leases", id]) => match visible_lease(app, &caller, id).await {
+            Ok(lease) => json_response(StatusCode::OK, &json!({ "lease": lease })),
+            Err(err) => error(&err),
+        },
+        (&Method::POST, ["leases", id, "renew"]) => {
+            let id = (*id).to_owned();
+            with_body(request, move |mut body| {
+                body.insert("leaseId".into(), Value::String(id));
+                async move { op(app, &caller, "lease.renew", Value::Object(body)).await }
+            })
+            .await
+        }
+        (&Method::DELETE, ["leases", id]) => op(app, &caller, "lease.release", json!({ "leaseId": id })).await,
+        (&Method::POST, ["leases", id, "exec"]) => {
+            let id = (*id).to_owned();
+            with_body(request, move |mut body| {
+                body.insert("leaseId".into(), Value::String(id));
+                async move { exec(app, &caller, Value::Object(body)).await }
+            })
+            .await
+        }
+        (&Method::GET, ["leases", id, "events"]) => lease_events(app, &caller, id).await,
+        (&Method::GET, ["devices"]) => op(app, &caller, "list.get", json!({"kind": "devices"})).await,
+        (&Method::GET, ["events"]) => {
+            let since = match query_param(&query, "since").map(|s| parse_since(&s)) {
+                None => None,
+                Some(Ok(ms)) => Some(app.clock.now_ms().saturating_sub(ms)),
+                Some(Err(err)) => return error(&err),
+            };
+            op(app, &caller, "events.replay", since.map_or_else(|| json!({}), |ts| json!({ "sinceTs": ts }))).await
+        }
+        (&Method::GET, ["events", "stream"]) => event_stream(app, &caller),
+        (&Method::GET, ["tokens"]) => op(app, &caller, "token.list", json!({})).await,
+        (&Method::POST, ["tokens"]) => {
+            let response = with_body(request, |body| async move { op(app, &caller, "token.create", Value::Object(body)).await }).await;
+            created(response)
+        }
+        (&Method::DELETE, ["tokens", id]) => op(app, &caller, "token.revoke", json!({ "id": id })).await,
+        (&Method::GET, ["workers"]) => op(app, &caller, "worker.list", json!({})).await,
+        (&Method::POST, ["workers", id, "drain"]) => op(app, &caller, "worker.drain", json!({ "workerId": id })).await,
+        (&Method::DELETE, ["workers", id, "drain"]) => op(app, &caller, "worker.undrain", json!({ "workerId": id })).await,
+        (&Method::DELETE, ["workers", id]) => op(app, &caller, "worker.remove", json!({ "workerId": id })).await,
+        (&Method::POST, ["daemon", "stop"]) => op(app, &caller, "daemon.stop", json!({})).await,
+        (&Method::POST, ["ops", name]) => {
+            let name = (*name).to_owned();
+            with_body(request, move |body| async move { op(app, &caller, &name, Value::Object(body)).await }).await
+        }
+        (&Method::GET, ["metrics"]) => {
+            if caller.role != Role::Admin {
+                return error(&ContractError::forbidden("/v1/metrics requires an operator token"));
+            }
+            let mut response = Response::new(body::full(app.metrics.render()));
+            response.headers_mut().insert(
+                http::header::CONTENT_TYPE,
+                http::HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
+            );
+            response
+        }
+        _ => not_found(&method, &path),
+    }
+}
+
+fn caller_ctx(caller: &HttpCaller, pushes: Option<mpsc::Sender<Push>>) -> CallCtx {
+    CallCtx::http(caller.token.id.to_string(), caller.role, pushes)
+}
+
+/// Runs `name` with `payload` and answers its output or error.
+async fn op(app: &HttpApp, caller: &HttpCaller, name: &str, payload: Value) -> Response<Body> {
+    match app.pipeline.call(caller_ctx(caller, None), name, Some(payload)).await {
+        Ok(value) => json_response(StatusCode::OK, &value),
+        Err(err) => error(&err),
+    }
+}
+
+async fn with_body<F, Fut>(request: Request<Incoming>, then: F) -> Response<Body>
+where
+    F: FnOnce(Map<String, Value>) -> Fut,
+    Fut: Future<Output = Response<Body>>,
+{
+    match read_json(request.into_body()).await {
+        Ok(Value::Object(body)) => then(body).await,
+        Ok(_) => error(&ContractError::bad_request("body: must be a JSON object")),
+        Err(err) => error(&err),
+    }
+}
+
+fn no_content() -> Response<Body> {
+    let mut response = Response::new(body::empty());
+    *response.status_mut() = StatusCode::NO_CONTENT;
+    response
+}
+
+fn created(mut response: Response<Body>) -> Response<Body> {
+    if response.status() == StatusCode::OK {
+        *response.status_mut() = StatusCode::CREATED;
+    }
+    response
+}
+
+fn query_param(query: &str, name: &str) -> Option<String> {
+    query.split('&').filter_map(|pair| pair.split_once('=')).find(|(k, _)| *k == name).map(|(_, v)| v.to_owned())
+}
+
+/// `30s`, `5m`, `2h`, `1d`, `500ms`, or a number of ms.
+fn parse_since(text: &str) -> Result<i64, ContractError> {
+    let bad = || ContractError::bad_request(format!("since: {text:?} is not a duration like 30s, 5m, 2h, 1d or 500ms"));
+    let (number, unit) = text.find(|c: char| !c.is_ascii_digit()).map_or((text, ""), |at| text.split_at(at));
+    let n: i64 = number.parse().map_err(|_| bad())?;
+    let factor = match unit {
+        "" | "ms" => 1,
+        "s" => 1_000,
+        "m" => 60_000,
+        "h" => 3_600_000,
+        "d" => 86_400_000,
+        _ => return Err(bad()),
+    };
+    n.checked_mul(factor).ok_or_else(bad)
+}
+
+/// The HTTP body of a lease request and the operation input it maps to.
+const REQUEST_KEYS: &[(&str, &str)] = &[
+    ("platform", "platform"),
+    ("device", "model"),
+    ("os", "osVersion"),
+    ("ttlMs", "ttlMs"),
+    ("timeoutMs", "timeoutMs"),
+    ("noWait", "noWait"),
+    ("requires", "requires"),
+    ("leaseId", "leaseId"),
+];
+
+async fn submit_request(app: &Arc<HttpApp>, caller: &HttpCaller, request: Request<Incoming>) -> Response<Body> {
+    let idempotency_key = request.headers().get("idempotency-key").and_then(|v| v.to_str().ok()).map(String::from);
+    let body = match read_json(request.into_body()).await {
+        Ok(Value::Object(body)) => body,
+        Ok(_) => return error(&ContractError::bad_request("body: must be a JSON object")),
+        Err(err) => return error(&err),
+    };
+    let mut payload = Map::new();
+    for (key, value) in body {
+        let Some((_, mapped)) = REQUEST_KEYS.iter().find(|(k, _)| *k == key) else {
+            let known: Vec<&str> = REQUEST_KEYS.iter().map(|(k, _)| *k).collect();
+            return error(&ContractError::bad_request(format!("{key}: unknown field, expected one of {known:?}")));
+        };
+        payload.insert((*mapped).to_owned(), value);
+    }
+    if let Some(key) = idempotency_key {
+        payload.insert("idempotencyKey".into(), Value::String(key));
+    }
+    let principal = caller.token.id.to_string();
+    match app.requests.submit(&app.pipeline, principal, caller.role, Value::Object(payload)).await {
+        Submitted::Accepted(view) => {
+            let mut response = json_response(StatusCode::CREATED, &json!({ "request": view }));
+            if let Ok(location) = http::HeaderValue::from_str(&format!("/v1/lease-requests/{}", view.id)) {
+                response.headers_mut().insert(http::header::LOCATION, location);
+            }
+            response
+        }
+        Submitted::Refused(err) => error(&err),
+    }
+}
+
+fn request_events(app: &Arc<HttpApp>, caller: &HttpCaller, id: &str) -> Response<Body> {
+    let rx = match app.requests.view(id, caller.token.id.as_str(), caller.role) {
+        Ok(rx) => rx,
+        Err(err) => return error(&err),
+    };
+    let events = futures::stream::unfold((rx, None, false), |(mut rx, last, done)| async move {
+        if done {
+            return None;
+        }
+        loop {
+            let view = rx.borrow_and_update().clone();
+            if last != Some((view.state, view.queue_position, view.eta_seconds)) {
+                let value = serde_json::to_value(&view).unwrap_or(Value::Null);
+                let bytes = sse_event(view.state.as_str(), &value);
+                let settled = view.state.is_settled();
+                return Some((bytes, (rx, Some((view.state, view.queue_position, view.eta_seconds)), settled)));
+            }
+            if rx.changed().await.is_err() {
+                return None;
+            }
+        }
+    });
+    sse(events)
+}
+
+async fn visible_lease(app: &HttpApp, caller: &HttpCaller, id: &str) -> Result<LeaseRecord, ContractError> {
+    let value = app.pipeline.call(caller_ctx(caller, None), "lease.list", Some(json!({}))).await?;
+    let list: LeaseListOutput =
+        serde_json::from_value(value).map_err(|e| ContractError::internal(format!("invalid lease.list output: {e}")))?;
+    list.leases.into_iter().find(|lease| lease.id.as_str() == id).ok_or_else(|| ContractError::unknown_lease(id))
+}
+
+async fn lease_events(app: &Arc<HttpApp>, caller: &HttpCaller, id: &str) -> Response<Body> {
+    // Follow first, then check the lease, so nothing between the two is missed.
+    let notices = app.pipeline.presence().follow();
+    if let Err(err) = visible_lease(app, caller, id).await {
+        return error(&err);
+    }
+    let (owner, admin, id) = (caller.token.id.to_string(), caller.role == Role::Admin, id.to_owned());
+    let events = futures::stream::unfold((notices, false), move |(mut rx, done)| {
+        let (owner, id) = (owner.clone(), id.clone());
+        async move {
+            if done {
+                return None;
+            }
+            loop {
+                let notice = match rx.recv().await {
+                    Ok(notice) => notice,
+                    Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => continue,
+                    Err(tokio::sync::broadcast::error::RecvError::Closed) => return None,
+                };
+                let lease = match &notice.push {
+                    Push::LeaseLost { lease_id, .. }
+                    | Push::DeviceUnhealthy { lease_id, .. }
+                    | Push::DeviceRecovered { lease_id, .. } => lease_id.clone(),
+                    Push::Progress { .. }
+                    | Push::Started { .. }
+                    | Push::Output { .. }
+                    | Push::Event { .. }
+                    | Push::RelayHead { .. } => continue,
+                };
+                if lease != id || (notice.owner != owner && !admin) {
+                    continue;
+                }
+                let payload = notice.push.payload().unwrap_or(Value::Null);
+                let end = matches!(notice.push, Push::LeaseLost { .. });
+                return Some((sse_event(notice.push.kind(), &payload), (rx, end)));
+            }
+        }
+    });
+    sse(events)
+}
+
+async fn exec(app: &Arc<HttpApp>, caller: &HttpCaller, payload: Value) -> Response<Body> {
+    let (tx, mut rx) = mpsc::channel::<Push>(16);
+    let call = app.pipeline.call(caller_ctx(caller, Some(tx)), "device.exec", Some(payload));
+    let mut call = Box::pin(call);
+    // Pre-spawn failures answer as JSON; the stream commits at `started`.
+    loop {
+        tokio::select! {
+            biased;
+            push = rx.recv() => match push {
+                Some(Push::Started { .. }) => break,
+                Some(_) => {}
+                None => break,
+            },
+            outcome = &mut call => {
+                return match outcome {
+                    Ok(value) => sse(futures::stream::iter([sse_event("exit", &value)])),
+                    Err(err) => error(&err),
+                };
+            }
+        }
+    }
+    let events = futures::stream::unfold(Some((rx, call)), |state| async move {
+        let (mut rx, mut call) = state?;
+        tokio::select! {
+            biased;
+            Some(push) = rx.recv() => {
+                let bytes = match &push {
+                    Push::Output { stream, chunk, .. } => sse_event("output", &json!({ "stream": stream, "chunk": chunk })),
+                    _ => Bytes::new(),
+                };
+                Some((bytes, Some((rx, call))))
+            }
+            outcome = &mut call => {
+                // Drain output that raced the outcome.
+                let mut tail = Vec::new();
+                while let Ok(Push::Output { stream, chunk, .. }) = rx.try_recv() {
+                    tail.extend_from_slice(&sse_event("output", &json!({ "stream": stream, "chunk": chunk })));
+                }
+                let last = match outcome {
+                    Ok(value) => sse_event("exit", &value),
+                    Err(err) => sse_event("error", &json!({ "error": err.to_body() })),
+                };
+                tail.extend_from_slice(&last);
+                Some((Bytes::from(tail), None))
+            }
+        }
+    })
+    .filter(|bytes| futures::future::ready(!bytes.is_empty()));
+    sse(events)
+}
+
+fn event_stream(app: &Arc<HttpApp>, caller: &HttpCaller) -> Response<Body> {
+    if caller.role != Role::Admin {
+        return error(&ContractError::forbidden("/v1/events/stream requires an operator token"));
+    }
+    let rx = app.bus.follow();
+    let events = futures::stream::unfold(rx, |mut rx| async move {
+        match rx.recv().await {
+            Ok(event) => {
+                let value = serde_json::to_value(&event).unwrap_or(Value::Null);
+                Some((sse_event("event", &value), rx))
+            }
+            Err(tokio::sync::broadcast::error::RecvError::Lagged(missed)) => {
+                Some((sse_event("lagged", &json!({ "missed": missed })), rx))
+            }
+            Err(tokio::sync::broadcast::error::RecvError::Closed) => None,
+        }
+    });
+    sse(events)
+}
+
+/// A future answering a response, for mounts.
+pub fn boxed_response(response: Response<Body>) -> BoxFuture<'static, Response<Body>> {
+    async move { response }.boxed()
+}
