@@ -24,6 +24,7 @@ pub mod presence;
 pub mod socket;
 pub mod store;
 pub mod tokens;
+pub mod uplink;
 
 pub use capabilities::Capabilities;
 pub use clock::{Clock, SharedClock, TokioClock};

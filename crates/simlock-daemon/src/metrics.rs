@@ -26,7 +26,9 @@ pub struct Metrics {
 
 impl std::fmt::Debug for Metrics {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Metrics").field("families", &self.families.lock().len()).finish()
+        f.debug_struct("Metrics")
+            .field("families", &self.families.lock().len())
+            .finish()
     }
 }
 
@@ -37,23 +39,48 @@ impl Metrics {
     }
 
     /// A gauge read from `source` at each scrape.
-    pub fn gauge(&self, name: &'static str, help: &'static str, source: impl Fn() -> Vec<Sample> + Send + Sync + 'static) {
+    pub fn gauge(
+        &self,
+        name: &'static str,
+        help: &'static str,
+        source: impl Fn() -> Vec<Sample> + Send + Sync + 'static,
+    ) {
         self.add(name, help, "gauge", source);
     }
 
     /// A counter read from `source` at each scrape.
-    pub fn counter(&self, name: &'static str, help: &'static str, source: impl Fn() -> Vec<Sample> + Send + Sync + 'static) {
+    pub fn counter(
+        &self,
+        name: &'static str,
+        help: &'static str,
+        source: impl Fn() -> Vec<Sample> + Send + Sync + 'static,
+    ) {
         self.add(name, help, "counter", source);
     }
 
-    fn add(&self, name: &'static str, help: &'static str, kind: &'static str, source: impl Fn() -> Vec<Sample> + Send + Sync + 'static) {
-        self.families.lock().push(Family { name, help, kind, source: Arc::new(source) });
+    fn add(
+        &self,
+        name: &'static str,
+        help: &'static str,
+        kind: &'static str,
+        source: impl Fn() -> Vec<Sample> + Send + Sync + 'static,
+    ) {
+        self.families.lock().push(Family {
+            name,
+            help,
+            kind,
+            source: Arc::new(source),
+        });
     }
 
     /// The text exposition.
     pub fn render(&self) -> String {
-        let families: Vec<(&'static str, &'static str, &'static str, Source)> =
-            self.families.lock().iter().map(|f| (f.name, f.help, f.kind, f.source.clone())).collect();
+        let families: Vec<(&'static str, &'static str, &'static str, Source)> = self
+            .families
+            .lock()
+            .iter()
+            .map(|f| (f.name, f.help, f.kind, f.source.clone()))
+            .collect();
         let mut out = String::new();
         for (name, help, kind, source) in families {
             let _ = writeln!(out, "# HELP {name} {help}");
@@ -62,8 +89,12 @@ impl Metrics {
                 if labels.is_empty() {
                     let _ = writeln!(out, "{name} {value}");
                 } else {
-                    let labels: Vec<String> =
-                        labels.iter().map(|(k, v)| format!("{k}=\"{}\"", v.replace('\\', "\\\\").replace('"', "\\\""))).collect();
+                    let labels: Vec<String> = labels
+                        .iter()
+                        .map(|(k, v)| {
+                            format!("{k}=\"{}\"", v.replace('\\', "\\\\").replace('"', "\\\""))
+                        })
+                        .collect();
                     let _ = writeln!(out, "{name}{{{}}} {value}", labels.join(","));
                 }
             }
@@ -80,7 +111,9 @@ mod tests {
     fn renders_the_text_format() {
         let metrics = Metrics::new();
         metrics.gauge("simlock_leases", "Active leases.", || vec![(vec![], 2.0)]);
-        metrics.counter("simlock_bytes_total", "Bytes.", || vec![(vec![("worker", "w\"1".into())], 5.0)]);
+        metrics.counter("simlock_bytes_total", "Bytes.", || {
+            vec![(vec![("worker", "w\"1".into())], 5.0)]
+        });
         let expected = r#"# HELP simlock_leases Active leases.
 # TYPE simlock_leases gauge
 simlock_leases 2

@@ -17,5 +17,6 @@ pub use client::{CallEvent, CallHandle, Unsolicited, WireClient, decode_output};
 pub use codec::{Line, LineCodec};
 pub use session::{
     CallContext, Closed, Connection, Identity, Origin, Service, SessionConfig, serve,
+    serve_attached,
 };
 pub use transport::Transport;

@@ -6,6 +6,8 @@
 //! `daemon.stop` answers `PROTOCOL_VERSION_UNSUPPORTED`), and `BAD_FRAME` for lines that are not
 //! calls. Everything else is the [`Service`]'s: who the caller is, and what each call does.
 
+use std::any::Any;
+use std::fmt;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -56,10 +58,10 @@ pub struct Identity {
 pub struct Closed;
 
 /// One live connection, shared by the calls running on it.
-#[derive(Debug)]
 pub struct Connection {
     id: u64,
     origin: Origin,
+    attachment: Option<Arc<dyn Any + Send + Sync>>,
     identity: Mutex<Option<Identity>>,
     out: mpsc::Sender<Bytes>,
     detached: mpsc::Sender<Bytes>,
@@ -67,6 +69,15 @@ pub struct Connection {
 }
 
 static NEXT_CONNECTION: AtomicU64 = AtomicU64::new(1);
+
+impl fmt::Debug for Connection {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Connection")
+            .field("id", &self.id)
+            .field("origin", &self.origin)
+            .finish_non_exhaustive()
+    }
+}
 
 impl Connection {
     /// A process-unique id for the connection.
@@ -77,6 +88,11 @@ impl Connection {
     /// How it reached the daemon.
     pub const fn origin(&self) -> Origin {
         self.origin
+    }
+
+    /// What the transport attached to the connection (the uplink's link), if it is a `T`.
+    pub fn attachment<T: Any + Send + Sync>(&self) -> Option<Arc<T>> {
+        self.attachment.clone()?.downcast::<T>().ok()
     }
 
     /// Whether it is the worker's uplink, the only session allowed to name an `owner` or relay.
@@ -228,6 +244,18 @@ pub async fn serve(
     service: Arc<dyn Service>,
     config: SessionConfig,
 ) {
+    serve_attached(transport, origin, None, service, config).await;
+}
+
+/// Serves one connection until it closes, with `attachment` reachable from its calls
+/// through [`Connection::attachment`].
+pub async fn serve_attached(
+    transport: Transport,
+    origin: Origin,
+    attachment: Option<Arc<dyn Any + Send + Sync>>,
+    service: Arc<dyn Service>,
+    config: SessionConfig,
+) {
     let Transport {
         mut lines,
         mut sink,
@@ -238,6 +266,7 @@ pub async fn serve(
     let conn = Arc::new(Connection {
         id: NEXT_CONNECTION.fetch_add(1, Ordering::Relaxed),
         origin,
+        attachment,
         identity: Mutex::new(None),
         out: out_tx.clone(),
         detached: detached_tx,

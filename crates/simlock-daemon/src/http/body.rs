@@ -26,7 +26,9 @@ pub const KEEPALIVE: Duration = Duration::from_secs(15);
 
 /// A body holding `bytes`.
 pub fn full(bytes: impl Into<Bytes>) -> Body {
-    Full::new(bytes.into()).map_err(|never: Infallible| match never {}).boxed_unsync()
+    Full::new(bytes.into())
+        .map_err(|never: Infallible| match never {})
+        .boxed_unsync()
 }
 
 /// An empty body.
@@ -40,17 +42,25 @@ pub fn json<T: Serialize>(status: StatusCode, value: &T) -> Response<Body> {
         Ok(bytes) => {
             let mut response = Response::new(full(bytes));
             *response.status_mut() = status;
-            response.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+            response.headers_mut().insert(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("application/json"),
+            );
             response
         }
-        Err(e) => error(&ContractError::internal(format!("response could not be encoded: {e}"))),
+        Err(e) => error(&ContractError::internal(format!(
+            "response could not be encoded: {e}"
+        ))),
     }
 }
 
 /// An error response: the code's status, `{"error": {code, message, ...details}}`, and
 /// `Retry-After` for `NO_CAPACITY`.
 pub fn error(err: &ContractError) -> Response<Body> {
-    error_with_status(err, StatusCode::from_u16(err.code.http_status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR))
+    error_with_status(
+        err,
+        StatusCode::from_u16(err.code.http_status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR),
+    )
 }
 
 /// An error response with an explicit status.
@@ -67,7 +77,9 @@ pub fn error_with_status(err: &ContractError, status: StatusCode) -> Response<Bo
     wrapper.insert("error".into(), Value::Object(body));
     let mut response = json(status, &Value::Object(wrapper));
     if err.code == ErrorCode::NoCapacity {
-        response.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("5"));
+        response
+            .headers_mut()
+            .insert(header::RETRY_AFTER, HeaderValue::from_static("5"));
     }
     response
 }
@@ -81,7 +93,9 @@ pub async fn read_json(body: Incoming) -> Result<Value, ContractError> {
         .collect()
         .await
         .map_err(|e| {
-            if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() {
+            if e.downcast_ref::<http_body_util::LengthLimitError>()
+                .is_some()
+            {
                 ContractError::bad_request(format!("body: larger than {MAX_JSON_BODY} bytes"))
             } else {
                 ContractError::bad_request(format!("body: {e}"))
@@ -94,7 +108,9 @@ pub async fn read_json(body: Incoming) -> Result<Value, ContractError> {
     match serde_json::from_slice::<Value>(&bytes) {
         Ok(value @ Value::Object(_)) => Ok(value),
         Ok(_) => Err(ContractError::bad_request("body: must be a JSON object")),
-        Err(e) => Err(ContractError::bad_request(format!("body: invalid JSON: {e}"))),
+        Err(e) => Err(ContractError::bad_request(format!(
+            "body: invalid JSON: {e}"
+        ))),
     }
 }
 
@@ -118,7 +134,10 @@ where
     });
     let mut response = Response::new(StreamBody::new(frames).boxed_unsync());
     let headers = response.headers_mut();
-    headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
+    headers.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/event-stream"),
+    );
     headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
     response
 }

@@ -26,7 +26,9 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
-use self::body::{Body, error, error_with_status, json as json_response, read_json, sse, sse_event};
+use self::body::{
+    Body, error, error_with_status, json as json_response, read_json, sse, sse_event,
+};
 use self::requests::{RequestBook, Submitted};
 use crate::auth::{HttpCaller, bearer};
 use crate::clock::SharedClock;
@@ -69,7 +71,9 @@ pub struct HttpApp {
 
 impl std::fmt::Debug for HttpApp {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("HttpApp").field("mounts", &self.mounts.len()).finish_non_exhaustive()
+        f.debug_struct("HttpApp")
+            .field("mounts", &self.mounts.len())
+            .finish_non_exhaustive()
     }
 }
 
@@ -82,7 +86,11 @@ pub async fn bind(host: &str, port: u16) -> std::io::Result<TcpListener> {
 }
 
 /// Serves HTTP on `listener` until `shutdown`, then gives open connections a short grace.
-pub fn serve_http(listener: TcpListener, app: Arc<HttpApp>, shutdown: CancellationToken) -> JoinHandle<()> {
+pub fn serve_http(
+    listener: TcpListener,
+    app: Arc<HttpApp>,
+    shutdown: CancellationToken,
+) -> JoinHandle<()> {
     tokio::spawn(async move {
         if let Ok(addr) = listener.local_addr() {
             info!(%addr, "listening for HTTP");
@@ -107,19 +115,31 @@ pub fn serve_http(listener: TcpListener, app: Arc<HttpApp>, shutdown: Cancellati
             connections.spawn(serve_connection(stream, peer, app, shutdown));
             while connections.try_join_next().is_some() {}
         }
-        let _ = tokio::time::timeout(DRAIN_GRACE, async { while connections.join_next().await.is_some() {} }).await;
+        let _ = tokio::time::timeout(DRAIN_GRACE, async {
+            while connections.join_next().await.is_some() {}
+        })
+        .await;
         connections.abort_all();
     })
 }
 
-async fn serve_connection(stream: tokio::net::TcpStream, peer: SocketAddr, app: Arc<HttpApp>, shutdown: CancellationToken) {
+async fn serve_connection(
+    stream: tokio::net::TcpStream,
+    peer: SocketAddr,
+    app: Arc<HttpApp>,
+    shutdown: CancellationToken,
+) {
     let service = service_fn(move |request| {
         let app = app.clone();
         async move { Ok::<_, std::convert::Infallible>(route(&app, request).await) }
     });
     let mut builder = hyper::server::conn::http1::Builder::new();
-    builder.timer(TokioTimer::new()).header_read_timeout(HEADER_READ_TIMEOUT);
-    let connection = builder.serve_connection(TokioIo::new(stream), service).with_upgrades();
+    builder
+        .timer(TokioTimer::new())
+        .header_read_timeout(HEADER_READ_TIMEOUT);
+    let connection = builder
+        .serve_connection(TokioIo::new(stream), service)
+        .with_upgrades();
     tokio::pin!(connection);
     tokio::select! {
         outcome = connection.as_mut() => {
@@ -135,7 +155,10 @@ async fn serve_connection(stream: tokio::net::TcpStream, peer: SocketAddr, app: 
 }
 
 fn not_found(method: &Method, path: &str) -> Response<Body> {
-    let err = ContractError::new(ErrorCode::UnknownRequest, format!("No route {method} {path}"));
+    let err = ContractError::new(
+        ErrorCode::UnknownRequest,
+        format!("No route {method} {path}"),
+    );
     error_with_status(&err, StatusCode::NOT_FOUND)
 }
 
@@ -151,7 +174,10 @@ async fn route(app: &Arc<HttpApp>, request: Request<Incoming>) -> Response<Body>
     let Some(rest) = path.strip_prefix("/v1/") else {
         return not_found(&method, &path);
     };
-    let authorization = request.headers().get(http::header::AUTHORIZATION).and_then(|v| v.to_str().ok());
+    let authorization = request
+        .headers()
+        .get(http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok());
     let caller = match bearer(&app.tokens, authorization) {
         Ok(caller) => caller,
         Err(err) => return error(&err),
@@ -170,18 +196,30 @@ async fn route(app: &Arc<HttpApp>, request: Request<Incoming>) -> Response<Body>
         }
         (&Method::GET, ["config"]) => op(app, &caller, "config.get", json!({})).await,
         (&Method::POST, ["lease-requests"]) => submit_request(app, &caller, request).await,
-        (&Method::GET, ["lease-requests"]) => op(app, &caller, "list.get", json!({"kind": "requests"})).await,
+        (&Method::GET, ["lease-requests"]) => {
+            op(app, &caller, "list.get", json!({"kind": "requests"})).await
+        }
         (&Method::GET, ["lease-requests", id]) => {
-            let wait = query_param(&query, "wait").and_then(|w| w.parse::<f64>().ok()).unwrap_or(0.0);
+            let wait = query_param(&query, "wait")
+                .and_then(|w| w.parse::<f64>().ok())
+                .unwrap_or(0.0);
             let wait = Duration::from_secs_f64(wait.clamp(0.0, requests::MAX_WAIT.as_secs_f64()));
-            match app.requests.poll(id, caller.token.id.as_str(), caller.role, wait).await {
+            match app
+                .requests
+                .poll(id, caller.token.id.as_str(), caller.role, wait)
+                .await
+            {
                 Ok(view) => json_response(StatusCode::OK, &json!({ "request": view })),
                 Err(err) => error(&err),
             }
         }
         (&Method::GET, ["lease-requests", id, "events"]) => request_events(app, &caller, id),
         (&Method::DELETE, ["lease-requests", id]) => {
-            match app.requests.cancel(&app.pipeline, id, caller.token.id.as_str(), caller.role).await {
+            match app
+                .requests
+                .cancel(&app.pipeline, id, caller.token.id.as_str(), caller.role)
+                .await
+            {
                 Ok(()) => no_content(),
                 Err(err) => error(&err),
             }
@@ -200,7 +238,9 @@ async fn route(app: &Arc<HttpApp>, request: Request<Incoming>) -> Response<Body>
             })
             .await
         }
-        (&Method::DELETE, ["leases", id]) => op(app, &caller, "lease.release", json!({ "leaseId": id })).await,
+        (&Method::DELETE, ["leases", id]) => {
+            op(app, &caller, "lease.release", json!({ "leaseId": id })).await
+        }
         (&Method::POST, ["leases", id, "exec"]) => {
             let id = (*id).to_owned();
             with_body(request, move |mut body| {
@@ -210,34 +250,58 @@ async fn route(app: &Arc<HttpApp>, request: Request<Incoming>) -> Response<Body>
             .await
         }
         (&Method::GET, ["leases", id, "events"]) => lease_events(app, &caller, id).await,
-        (&Method::GET, ["devices"]) => op(app, &caller, "list.get", json!({"kind": "devices"})).await,
+        (&Method::GET, ["devices"]) => {
+            op(app, &caller, "list.get", json!({"kind": "devices"})).await
+        }
         (&Method::GET, ["events"]) => {
             let since = match query_param(&query, "since").map(|s| parse_since(&s)) {
                 None => None,
                 Some(Ok(ms)) => Some(app.clock.now_ms().saturating_sub(ms)),
                 Some(Err(err)) => return error(&err),
             };
-            op(app, &caller, "events.replay", since.map_or_else(|| json!({}), |ts| json!({ "sinceTs": ts }))).await
+            op(
+                app,
+                &caller,
+                "events.replay",
+                since.map_or_else(|| json!({}), |ts| json!({ "sinceTs": ts })),
+            )
+            .await
         }
         (&Method::GET, ["events", "stream"]) => event_stream(app, &caller),
         (&Method::GET, ["tokens"]) => op(app, &caller, "token.list", json!({})).await,
         (&Method::POST, ["tokens"]) => {
-            let response = with_body(request, |body| async move { op(app, &caller, "token.create", Value::Object(body)).await }).await;
+            let response = with_body(request, |body| async move {
+                op(app, &caller, "token.create", Value::Object(body)).await
+            })
+            .await;
             created(response)
         }
-        (&Method::DELETE, ["tokens", id]) => op(app, &caller, "token.revoke", json!({ "id": id })).await,
+        (&Method::DELETE, ["tokens", id]) => {
+            op(app, &caller, "token.revoke", json!({ "id": id })).await
+        }
         (&Method::GET, ["workers"]) => op(app, &caller, "worker.list", json!({})).await,
-        (&Method::POST, ["workers", id, "drain"]) => op(app, &caller, "worker.drain", json!({ "workerId": id })).await,
-        (&Method::DELETE, ["workers", id, "drain"]) => op(app, &caller, "worker.undrain", json!({ "workerId": id })).await,
-        (&Method::DELETE, ["workers", id]) => op(app, &caller, "worker.remove", json!({ "workerId": id })).await,
+        (&Method::POST, ["workers", id, "drain"]) => {
+            op(app, &caller, "worker.drain", json!({ "workerId": id })).await
+        }
+        (&Method::DELETE, ["workers", id, "drain"]) => {
+            op(app, &caller, "worker.undrain", json!({ "workerId": id })).await
+        }
+        (&Method::DELETE, ["workers", id]) => {
+            op(app, &caller, "worker.remove", json!({ "workerId": id })).await
+        }
         (&Method::POST, ["daemon", "stop"]) => op(app, &caller, "daemon.stop", json!({})).await,
         (&Method::POST, ["ops", name]) => {
             let name = (*name).to_owned();
-            with_body(request, move |body| async move { op(app, &caller, &name, Value::Object(body)).await }).await
+            with_body(request, move |body| async move {
+                op(app, &caller, &name, Value::Object(body)).await
+            })
+            .await
         }
         (&Method::GET, ["metrics"]) => {
             if caller.role != Role::Admin {
-                return error(&ContractError::forbidden("/v1/metrics requires an operator token"));
+                return error(&ContractError::forbidden(
+                    "/v1/metrics requires an operator token",
+                ));
             }
             let mut response = Response::new(body::full(app.metrics.render()));
             response.headers_mut().insert(
@@ -256,7 +320,11 @@ fn caller_ctx(caller: &HttpCaller, pushes: Option<mpsc::Sender<Push>>) -> CallCt
 
 /// Runs `name` with `payload` and answers its output or error.
 async fn op(app: &HttpApp, caller: &HttpCaller, name: &str, payload: Value) -> Response<Body> {
-    match app.pipeline.call(caller_ctx(caller, None), name, Some(payload)).await {
+    match app
+        .pipeline
+        .call(caller_ctx(caller, None), name, Some(payload))
+        .await
+    {
         Ok(value) => json_response(StatusCode::OK, &value),
         Err(err) => error(&err),
     }
@@ -288,13 +356,23 @@ fn created(mut response: Response<Body>) -> Response<Body> {
 }
 
 fn query_param(query: &str, name: &str) -> Option<String> {
-    query.split('&').filter_map(|pair| pair.split_once('=')).find(|(k, _)| *k == name).map(|(_, v)| v.to_owned())
+    query
+        .split('&')
+        .filter_map(|pair| pair.split_once('='))
+        .find(|(k, _)| *k == name)
+        .map(|(_, v)| v.to_owned())
 }
 
 /// `30s`, `5m`, `2h`, `1d`, `500ms`, or a number of ms.
 fn parse_since(text: &str) -> Result<i64, ContractError> {
-    let bad = || ContractError::bad_request(format!("since: {text:?} is not a duration like 30s, 5m, 2h, 1d or 500ms"));
-    let (number, unit) = text.find(|c: char| !c.is_ascii_digit()).map_or((text, ""), |at| text.split_at(at));
+    let bad = || {
+        ContractError::bad_request(format!(
+            "since: {text:?} is not a duration like 30s, 5m, 2h, 1d or 500ms"
+        ))
+    };
+    let (number, unit) = text
+        .find(|c: char| !c.is_ascii_digit())
+        .map_or((text, ""), |at| text.split_at(at));
     let n: i64 = number.parse().map_err(|_| bad())?;
     let factor = match unit {
         "" | "ms" => 1,
@@ -319,8 +397,16 @@ const REQUEST_KEYS: &[(&str, &str)] = &[
     ("leaseId", "leaseId"),
 ];
 
-async fn submit_request(app: &Arc<HttpApp>, caller: &HttpCaller, request: Request<Incoming>) -> Response<Body> {
-    let idempotency_key = request.headers().get("idempotency-key").and_then(|v| v.to_str().ok()).map(String::from);
+async fn submit_request(
+    app: &Arc<HttpApp>,
+    caller: &HttpCaller,
+    request: Request<Incoming>,
+) -> Response<Body> {
+    let idempotency_key = request
+        .headers()
+        .get("idempotency-key")
+        .and_then(|v| v.to_str().ok())
+        .map(String::from);
     let body = match read_json(request.into_body()).await {
         Ok(Value::Object(body)) => body,
         Ok(_) => return error(&ContractError::bad_request("body: must be a JSON object")),
@@ -330,7 +416,9 @@ async fn submit_request(app: &Arc<HttpApp>, caller: &HttpCaller, request: Reques
     for (key, value) in body {
         let Some((_, mapped)) = REQUEST_KEYS.iter().find(|(k, _)| *k == key) else {
             let known: Vec<&str> = REQUEST_KEYS.iter().map(|(k, _)| *k).collect();
-            return error(&ContractError::bad_request(format!("{key}: unknown field, expected one of {known:?}")));
+            return error(&ContractError::bad_request(format!(
+                "{key}: unknown field, expected one of {known:?}"
+            )));
         };
         payload.insert((*mapped).to_owned(), value);
     }
@@ -338,11 +426,24 @@ async fn submit_request(app: &Arc<HttpApp>, caller: &HttpCaller, request: Reques
         payload.insert("idempotencyKey".into(), Value::String(key));
     }
     let principal = caller.token.id.to_string();
-    match app.requests.submit(&app.pipeline, principal, caller.role, Value::Object(payload)).await {
+    match app
+        .requests
+        .submit(
+            &app.pipeline,
+            principal,
+            caller.role,
+            Value::Object(payload),
+        )
+        .await
+    {
         Submitted::Accepted(view) => {
             let mut response = json_response(StatusCode::CREATED, &json!({ "request": view }));
-            if let Ok(location) = http::HeaderValue::from_str(&format!("/v1/lease-requests/{}", view.id)) {
-                response.headers_mut().insert(http::header::LOCATION, location);
+            if let Ok(location) =
+                http::HeaderValue::from_str(&format!("/v1/lease-requests/{}", view.id))
+            {
+                response
+                    .headers_mut()
+                    .insert(http::header::LOCATION, location);
             }
             response
         }
@@ -365,7 +466,14 @@ fn request_events(app: &Arc<HttpApp>, caller: &HttpCaller, id: &str) -> Response
                 let value = serde_json::to_value(&view).unwrap_or(Value::Null);
                 let bytes = sse_event(view.state.as_str(), &value);
                 let settled = view.state.is_settled();
-                return Some((bytes, (rx, Some((view.state, view.queue_position, view.eta_seconds)), settled)));
+                return Some((
+                    bytes,
+                    (
+                        rx,
+                        Some((view.state, view.queue_position, view.eta_seconds)),
+                        settled,
+                    ),
+                ));
             }
             if rx.changed().await.is_err() {
                 return None;
@@ -375,11 +483,21 @@ fn request_events(app: &Arc<HttpApp>, caller: &HttpCaller, id: &str) -> Response
     sse(events)
 }
 
-async fn visible_lease(app: &HttpApp, caller: &HttpCaller, id: &str) -> Result<LeaseRecord, ContractError> {
-    let value = app.pipeline.call(caller_ctx(caller, None), "lease.list", Some(json!({}))).await?;
-    let list: LeaseListOutput =
-        serde_json::from_value(value).map_err(|e| ContractError::internal(format!("invalid lease.list output: {e}")))?;
-    list.leases.into_iter().find(|lease| lease.id.as_str() == id).ok_or_else(|| ContractError::unknown_lease(id))
+async fn visible_lease(
+    app: &HttpApp,
+    caller: &HttpCaller,
+    id: &str,
+) -> Result<LeaseRecord, ContractError> {
+    let value = app
+        .pipeline
+        .call(caller_ctx(caller, None), "lease.list", Some(json!({})))
+        .await?;
+    let list: LeaseListOutput = serde_json::from_value(value)
+        .map_err(|e| ContractError::internal(format!("invalid lease.list output: {e}")))?;
+    list.leases
+        .into_iter()
+        .find(|lease| lease.id.as_str() == id)
+        .ok_or_else(|| ContractError::unknown_lease(id))
 }
 
 async fn lease_events(app: &Arc<HttpApp>, caller: &HttpCaller, id: &str) -> Response<Body> {
@@ -388,7 +506,11 @@ async fn lease_events(app: &Arc<HttpApp>, caller: &HttpCaller, id: &str) -> Resp
     if let Err(err) = visible_lease(app, caller, id).await {
         return error(&err);
     }
-    let (owner, admin, id) = (caller.token.id.to_string(), caller.role == Role::Admin, id.to_owned());
+    let (owner, admin, id) = (
+        caller.token.id.to_string(),
+        caller.role == Role::Admin,
+        id.to_owned(),
+    );
     let events = futures::stream::unfold((notices, false), move |(mut rx, done)| {
         let (owner, id) = (owner.clone(), id.clone());
         async move {
@@ -425,7 +547,9 @@ async fn lease_events(app: &Arc<HttpApp>, caller: &HttpCaller, id: &str) -> Resp
 
 async fn exec(app: &Arc<HttpApp>, caller: &HttpCaller, payload: Value) -> Response<Body> {
     let (tx, mut rx) = mpsc::channel::<Push>(16);
-    let call = app.pipeline.call(caller_ctx(caller, Some(tx)), "device.exec", Some(payload));
+    let call = app
+        .pipeline
+        .call(caller_ctx(caller, Some(tx)), "device.exec", Some(payload));
     let mut call = Box::pin(call);
     // Pre-spawn failures answer as JSON; the stream commits at `started`.
     loop {
@@ -476,7 +600,9 @@ async fn exec(app: &Arc<HttpApp>, caller: &HttpCaller, payload: Value) -> Respon
 
 fn event_stream(app: &Arc<HttpApp>, caller: &HttpCaller) -> Response<Body> {
     if caller.role != Role::Admin {
-        return error(&ContractError::forbidden("/v1/events/stream requires an operator token"));
+        return error(&ContractError::forbidden(
+            "/v1/events/stream requires an operator token",
+        ));
     }
     let rx = app.bus.follow();
     let events = futures::stream::unfold(rx, |mut rx| async move {

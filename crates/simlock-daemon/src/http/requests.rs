@@ -115,7 +115,9 @@ pub struct RequestBook {
 
 impl std::fmt::Debug for RequestBook {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RequestBook").field("records", &self.records.lock().len()).finish_non_exhaustive()
+        f.debug_struct("RequestBook")
+            .field("records", &self.records.lock().len())
+            .finish_non_exhaustive()
     }
 }
 
@@ -142,9 +144,18 @@ impl RequestBook {
     /// Starts `lease.request` with `payload` for the caller and waits until it is queued,
     /// working or settled. A refusal before any work (no capacity, already leased, unknown
     /// model…) fails the submission and leaves no record.
-    pub async fn submit(self: &Arc<Self>, pipeline: &Arc<Pipeline>, principal: String, role: Role, payload: Value) -> Submitted {
+    pub async fn submit(
+        self: &Arc<Self>,
+        pipeline: &Arc<Pipeline>,
+        principal: String,
+        role: Role,
+        payload: Value,
+    ) -> Submitted {
         self.prune();
-        let requester = payload.get("requesterId").and_then(Value::as_str).map_or_else(|| principal.clone(), String::from);
+        let requester = payload
+            .get("requesterId")
+            .and_then(Value::as_str)
+            .map_or_else(|| principal.clone(), String::from);
         let id = RequestId::mint();
         let view = RequestView {
             id: id.clone(),
@@ -186,7 +197,10 @@ impl RequestBook {
         let _ = changes.changed().await;
         let view = record.view.borrow().clone();
         if view.state == RequestState::Failed && !record.progressed.load(Ordering::SeqCst) {
-            let err = view.error.clone().map_or_else(|| ContractError::internal("request failed"), ContractError::from_body);
+            let err = view.error.clone().map_or_else(
+                || ContractError::internal("request failed"),
+                ContractError::from_body,
+            );
             return Submitted::Refused(err);
         }
         self.records.lock().insert(id.as_str().to_owned(), record);
@@ -197,7 +211,12 @@ impl RequestBook {
     ///
     /// # Errors
     /// `UNKNOWN_LEASE_REQUEST` (404) or `FORBIDDEN` (403).
-    pub fn view(&self, id: &str, principal: &str, role: Role) -> Result<watch::Receiver<RequestView>, ContractError> {
+    pub fn view(
+        &self,
+        id: &str,
+        principal: &str,
+        role: Role,
+    ) -> Result<watch::Receiver<RequestView>, ContractError> {
         let record = self.record(id, principal, role)?;
         Ok(record.view.subscribe())
     }
@@ -206,7 +225,13 @@ impl RequestBook {
     ///
     /// # Errors
     /// As [`Self::view`].
-    pub async fn poll(&self, id: &str, principal: &str, role: Role, wait: Duration) -> Result<RequestView, ContractError> {
+    pub async fn poll(
+        &self,
+        id: &str,
+        principal: &str,
+        role: Role,
+        wait: Duration,
+    ) -> Result<RequestView, ContractError> {
         let mut rx = self.view(id, principal, role)?;
         let wait = wait.min(MAX_WAIT);
         let _ = tokio::time::timeout(wait, rx.wait_for(|v| v.state.is_settled())).await;
@@ -218,21 +243,36 @@ impl RequestBook {
     ///
     /// # Errors
     /// `REQUEST_NOT_CANCELLABLE` (409, naming the lease when granted), or as [`Self::view`].
-    pub async fn cancel(&self, pipeline: &Arc<Pipeline>, id: &str, principal: &str, role: Role) -> Result<(), ContractError> {
+    pub async fn cancel(
+        &self,
+        pipeline: &Arc<Pipeline>,
+        id: &str,
+        principal: &str,
+        role: Role,
+    ) -> Result<(), ContractError> {
         let record = self.record(id, principal, role)?;
         let view = record.view.borrow().clone();
         match view.state {
             RequestState::Cancelled => return Ok(()),
             RequestState::Granted => {
-                let lease = view.lease.as_ref().map(|g| g.lease.id.to_string()).unwrap_or_default();
+                let lease = view
+                    .lease
+                    .as_ref()
+                    .map(|g| g.lease.id.to_string())
+                    .unwrap_or_default();
                 return Err(ContractError::new(
                     ErrorCode::RequestNotCancellable,
-                    format!("Request {id} was already granted lease {lease}; release the lease instead"),
+                    format!(
+                        "Request {id} was already granted lease {lease}; release the lease instead"
+                    ),
                 )
                 .with_details(serde_json::json!({ "leaseId": lease })));
             }
             RequestState::Failed => {
-                return Err(ContractError::new(ErrorCode::RequestNotCancellable, format!("Request {id} already failed")));
+                return Err(ContractError::new(
+                    ErrorCode::RequestNotCancellable,
+                    format!("Request {id} already failed"),
+                ));
             }
             RequestState::Pending
             | RequestState::Queued
@@ -243,8 +283,8 @@ impl RequestBook {
         let ctx = CallCtx::http(record.owner.clone(), role, None);
         let payload = serde_json::json!({ "requesterId": record.requester });
         let value = pipeline.call(ctx, "lease.cancel", Some(payload)).await?;
-        let outcome: LeaseCancelOutput =
-            serde_json::from_value(value).map_err(|e| ContractError::internal(format!("invalid lease.cancel output: {e}")))?;
+        let outcome: LeaseCancelOutput = serde_json::from_value(value)
+            .map_err(|e| ContractError::internal(format!("invalid lease.cancel output: {e}")))?;
         match outcome.result {
             CancelResult::Cancelled => {
                 record.view.send_modify(|v| {
@@ -256,17 +296,26 @@ impl RequestBook {
             }
             CancelResult::NotCancellable => Err(ContractError::new(
                 ErrorCode::RequestNotCancellable,
-                format!("Request {id} is past the point where it can be cancelled: a device is being made ready for it"),
+                format!(
+                    "Request {id} is past the point where it can be cancelled: a device is being made ready for it"
+                ),
             )),
             CancelResult::NotFound => {
                 // It settled in between: answer by its final state.
                 let mut rx = record.view.subscribe();
-                let _ = tokio::time::timeout(Duration::from_secs(5), rx.wait_for(|v| v.state.is_settled())).await;
+                let _ = tokio::time::timeout(
+                    Duration::from_secs(5),
+                    rx.wait_for(|v| v.state.is_settled()),
+                )
+                .await;
                 let state = rx.borrow().state;
                 if state == RequestState::Cancelled {
                     Ok(())
                 } else {
-                    Err(ContractError::new(ErrorCode::RequestNotCancellable, format!("Request {id} already {}", state.as_str())))
+                    Err(ContractError::new(
+                        ErrorCode::RequestNotCancellable,
+                        format!("Request {id} already {}", state.as_str()),
+                    ))
                 }
             }
         }
@@ -274,11 +323,16 @@ impl RequestBook {
 
     fn record(&self, id: &str, principal: &str, role: Role) -> Result<Arc<Record>, ContractError> {
         let record = self.records.lock().get(id).cloned().ok_or_else(|| {
-            ContractError::new(ErrorCode::UnknownLeaseRequest, format!("Unknown lease request {id}"))
-                .with_details(serde_json::json!({ "requestId": id }))
+            ContractError::new(
+                ErrorCode::UnknownLeaseRequest,
+                format!("Unknown lease request {id}"),
+            )
+            .with_details(serde_json::json!({ "requestId": id }))
         })?;
         if record.owner != principal && role != Role::Admin {
-            return Err(ContractError::forbidden(format!("Lease request {id} belongs to another token")));
+            return Err(ContractError::forbidden(format!(
+                "Lease request {id} belongs to another token"
+            )));
         }
         Ok(record)
     }
@@ -287,10 +341,16 @@ impl RequestBook {
     fn prune(&self) {
         let now = self.clock.now_ms();
         let mut records = self.records.lock();
-        records.retain(|_, r| r.settled_at.lock().is_none_or(|at| now.saturating_sub(at) < self.retention_ms));
+        records.retain(|_, r| {
+            r.settled_at
+                .lock()
+                .is_none_or(|at| now.saturating_sub(at) < self.retention_ms)
+        });
         if records.len() >= self.max_records {
-            let mut settled: Vec<(String, i64)> =
-                records.iter().filter_map(|(id, r)| r.settled_at.lock().map(|at| (id.clone(), at))).collect();
+            let mut settled: Vec<(String, i64)> = records
+                .iter()
+                .filter_map(|(id, r)| r.settled_at.lock().map(|at| (id.clone(), at)))
+                .collect();
             settled.sort_by_key(|(_, at)| *at);
             let excess = records.len() + 1 - self.max_records;
             for (id, _) in settled.into_iter().take(excess) {
@@ -301,7 +361,9 @@ impl RequestBook {
 }
 
 fn apply_progress(record: &Record, push: &Push) {
-    let Push::Progress { progress, .. } = push else { return };
+    let Push::Progress { progress, .. } = push else {
+        return;
+    };
     record.progressed.store(true, Ordering::SeqCst);
     record.view.send_modify(|v| {
         v.queue_position = None;
@@ -340,7 +402,10 @@ fn settle(record: &Record, outcome: Result<Value, ContractError>, now: i64) {
                 }
                 Err(e) => {
                     v.state = RequestState::Failed;
-                    v.error = Some(ContractError::internal(format!("invalid lease.request output: {e}")).to_body());
+                    v.error = Some(
+                        ContractError::internal(format!("invalid lease.request output: {e}"))
+                            .to_body(),
+                    );
                 }
             },
             Err(err) if v.state == RequestState::Cancelled || err.code == ErrorCode::Cancelled => {

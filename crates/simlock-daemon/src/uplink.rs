@@ -1,0 +1,275 @@
+//! The worker's uplink: it dials `<gateway.url>/v1/uplink` with its join token, wraps the
+//! WebSocket in a link (worker end), and serves the gateway as an admin session over the link's
+//! text lane, for as long as the uplink lives. It reconnects forever with jittered exponential
+//! backoff; the daemon never waits for it.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::SinkExt;
+use simlock_contract::bounds::MAX_CALL_LINE;
+use simlock_link::{End, LinkConfig, LinkHandle, spawn, tune_tcp, websocket_config};
+use simlock_wire::{Origin, Transport, serve_attached};
+use tokio::net::TcpStream;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+use tokio_tungstenite::tungstenite::http::HeaderValue;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use crate::pipeline::Pipeline;
+
+/// The first retry waits at most this long.
+pub const BACKOFF_START: Duration = Duration::from_millis(500);
+/// Retries never wait longer than this.
+pub const BACKOFF_CAP: Duration = Duration::from_secs(30);
+/// An uplink up this long resets the backoff.
+pub const STABLE_AFTER: Duration = Duration::from_secs(30);
+/// Dialling (TCP connect and WebSocket handshake) gives up after this long.
+pub const DIAL_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Where and how the worker dials its gateway.
+#[derive(Debug, Clone)]
+pub struct UplinkConfig {
+    /// The gateway's base URL (`ws://host:port`).
+    pub url: String,
+    /// The join token.
+    pub token: String,
+    /// This worker's instance id.
+    pub worker_id: String,
+    /// A label for people.
+    pub label: Option<String>,
+}
+
+/// How the uplink stands.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum UplinkState {
+    /// Dialling, or waiting to dial again; `last_error` says why the last attempt failed.
+    Connecting {
+        /// Why the previous attempt ended.
+        last_error: Option<String>,
+    },
+    /// Up.
+    Connected,
+}
+
+/// Why one attempt failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DialError {
+    /// The gateway did not answer.
+    #[error("unreachable: {0}")]
+    Unreachable(String),
+    /// The gateway refused the join token or the worker (HTTP status).
+    #[error("rejected with HTTP {0}: check gateway.token")]
+    Rejected(u16),
+    /// Anything else.
+    #[error("{0}")]
+    Other(String),
+}
+
+/// The delay before retry number `attempt` (1-based): `BACKOFF_START · 2^(attempt−1)`, capped at
+/// [`BACKOFF_CAP`], then drawn uniformly from its upper half (`jitter` in `[0, 1)`).
+pub fn backoff(attempt: u32, jitter: f64) -> Duration {
+    let exp = attempt.saturating_sub(1).min(16);
+    let base = BACKOFF_START.saturating_mul(1u32 << exp).min(BACKOFF_CAP);
+    base.mul_f64(0.5 + 0.5 * jitter.clamp(0.0, 1.0))
+}
+
+/// The uplink URL for a gateway base URL.
+pub fn uplink_url(base: &str) -> String {
+    format!("{}/v1/uplink", base.trim_end_matches('/'))
+}
+
+/// Dials once and returns the link, or why not.
+///
+/// # Errors
+/// [`DialError`].
+pub async fn dial(
+    config: &UplinkConfig,
+) -> Result<(LinkHandle, simlock_link::TextReceiver), DialError> {
+    let url = uplink_url(&config.url);
+    if url.starts_with("wss://") {
+        return Err(DialError::Other(
+            "wss:// is not supported by this build; use ws:// behind a TLS proxy".into(),
+        ));
+    }
+    let mut request = url
+        .as_str()
+        .into_client_request()
+        .map_err(|e| DialError::Other(format!("{url}: {e}")))?;
+    let headers = request.headers_mut();
+    let bearer = HeaderValue::from_str(&format!("Bearer {}", config.token))
+        .map_err(|_| DialError::Other("gateway.token is not a valid header value".into()))?;
+    headers.insert("authorization", bearer);
+    let id = HeaderValue::from_str(&config.worker_id)
+        .map_err(|_| DialError::Other("the worker id is not a valid header value".into()))?;
+    headers.insert("x-simlock-worker-id", id);
+    if let Some(label) = &config.label
+        && let Ok(value) = HeaderValue::from_str(&percent_encode(label))
+    {
+        headers.insert("x-simlock-worker-label", value);
+    }
+    let host = request.uri().host().unwrap_or_default().to_owned();
+    let port = request.uri().port_u16().unwrap_or(80);
+    let connect = async {
+        let stream = TcpStream::connect((host.as_str(), port))
+            .await
+            .map_err(|e| DialError::Unreachable(format!("{host}:{port}: {e}")))?;
+        // Little unsent data in the kernel keeps small calls quick behind bulk data.
+        let _ = tune_tcp(&stream);
+        tokio_tungstenite::client_async_with_config(request, stream, Some(websocket_config()))
+            .await
+            .map_err(|e| match e {
+                tokio_tungstenite::tungstenite::Error::Http(response) => {
+                    match response.status().as_u16() {
+                        status @ (401 | 403) => DialError::Rejected(status),
+                        status => DialError::Other(format!("the gateway answered HTTP {status}")),
+                    }
+                }
+                other => DialError::Unreachable(other.to_string()),
+            })
+    };
+    let (ws, _) = tokio::time::timeout(DIAL_TIMEOUT, connect)
+        .await
+        .map_err(|_| {
+            DialError::Unreachable(format!("no answer within {} s", DIAL_TIMEOUT.as_secs()))
+        })??;
+    Ok(spawn(ws, LinkConfig::new(End::Worker)))
+}
+
+/// A wire transport over a link's text lane.
+pub fn text_transport(link: &LinkHandle, text: simlock_link::TextReceiver) -> Transport {
+    let sink = futures::sink::unfold(link.clone(), |link, line: String| async move {
+        link.send_text(line).await.map(|()| link)
+    });
+    Transport::from_text_messages(
+        text,
+        sink.sink_map_err(|e| std::io::Error::other(e.to_string())),
+        MAX_CALL_LINE,
+    )
+}
+
+/// Keeps the uplink up until `shutdown`; `state` follows it.
+pub fn run(
+    config: UplinkConfig,
+    pipeline: Arc<Pipeline>,
+    shutdown: CancellationToken,
+) -> (JoinHandle<()>, watch::Receiver<UplinkState>) {
+    let (state_tx, state_rx) = watch::channel(UplinkState::Connecting { last_error: None });
+    let task = tokio::spawn(async move {
+        let mut attempt: u32 = 0;
+        loop {
+            let dialled = tokio::select! {
+                () = shutdown.cancelled() => return,
+                dialled = dial(&config) => dialled,
+            };
+            let error = match dialled {
+                Ok((link, text)) => {
+                    info!(gateway = %config.url, "uplink connected");
+                    state_tx.send_replace(UplinkState::Connected);
+                    let up_since = tokio::time::Instant::now();
+                    let transport = text_transport(&link, text);
+                    let session = serve_attached(
+                        transport,
+                        Origin::GatewayUplink,
+                        Some(Arc::new(link.clone())),
+                        pipeline.clone(),
+                        pipeline.session_config(),
+                    );
+                    tokio::select! {
+                        () = shutdown.cancelled() => {
+                            link.close();
+                            return;
+                        }
+                        () = session => {}
+                    }
+                    link.close();
+                    let reason = link.closed().await;
+                    if up_since.elapsed() >= STABLE_AFTER {
+                        attempt = 0;
+                    }
+                    format!("uplink lost: {reason}")
+                }
+                Err(e) => e.to_string(),
+            };
+            attempt = attempt.saturating_add(1);
+            let delay = backoff(attempt, rand::random::<f64>());
+            warn!(gateway = %config.url, error = %error, retry_in_ms = delay.as_millis(), "uplink down");
+            state_tx.send_replace(UplinkState::Connecting {
+                last_error: Some(error),
+            });
+            tokio::select! {
+                () = shutdown.cancelled() => return,
+                () = tokio::time::sleep(delay) => {}
+            }
+        }
+    });
+    (task, state_rx)
+}
+
+/// Percent-encodes everything outside unreserved URI characters (labels may hold any text).
+pub fn percent_encode(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for byte in text.bytes() {
+        if byte.is_ascii_alphanumeric() || b"-._~".contains(&byte) {
+            out.push(char::from(byte));
+        } else {
+            out.push_str(&format!("%{byte:02X}"));
+        }
+    }
+    out
+}
+
+/// Decodes [`percent_encode`]'s output (and any `%XX` text); invalid escapes stay as they are.
+pub fn percent_decode(text: &str) -> String {
+    let bytes = text.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%'
+            && let Some(hex) = text.get(i + 1..i + 3)
+            && let Ok(byte) = u8::from_str_radix(hex, 16)
+        {
+            out.push(byte);
+            i += 3;
+        } else {
+            out.push(bytes[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_doubles_from_half_a_second_to_a_30_second_cap_with_jitter_in_the_upper_half() {
+        assert_eq!(backoff(1, 1.0), Duration::from_millis(500).mul_f64(1.0));
+        assert_eq!(backoff(1, 0.0), Duration::from_millis(250));
+        assert_eq!(backoff(2, 0.999_999).as_millis(), 999);
+        assert_eq!(backoff(7, 0.0), Duration::from_secs(15));
+        assert_eq!(backoff(8, 0.0), Duration::from_secs(15));
+        assert_eq!(backoff(40, 0.0), Duration::from_secs(15));
+        for attempt in 1..50 {
+            assert!(backoff(attempt, 0.9) <= BACKOFF_CAP);
+        }
+    }
+
+    #[test]
+    fn labels_survive_encoding() {
+        for label in ["mac studio 2", "ünï/cødé:%", ""] {
+            assert_eq!(percent_decode(&percent_encode(label)), label);
+        }
+        assert_eq!(percent_encode("a b"), "a%20b");
+        assert_eq!(percent_decode("bad%zz"), "bad%zz");
+    }
+
+    #[test]
+    fn the_uplink_path_is_derived_from_the_base_url() {
+        assert_eq!(uplink_url("ws://gw:4700"), "ws://gw:4700/v1/uplink");
+        assert_eq!(uplink_url("ws://gw:4700/"), "ws://gw:4700/v1/uplink");
+    }
+}
