@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 /// A source of wall time in milliseconds since the epoch.
-pub trait Clock: Send + Sync + 'static {
+pub trait Clock: Send + Sync + std::fmt::Debug + 'static {
     /// Now, in ms since the epoch.
     fn now_ms(&self) -> i64;
 }

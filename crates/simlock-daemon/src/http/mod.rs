@@ -168,6 +168,10 @@ async fn route(app: &Arc<HttpApp>, request: Request<Incoming>) -> Response<Body>
         return mount.serve(request).await;
     }
     let method = request.method().clone();
+    if request.headers().contains_key(http::header::UPGRADE) {
+        // Only a mount (the gateway's /v1/uplink) takes an upgrade.
+        return not_found(&method, &path);
+    }
     if method == Method::GET && path == "/v1/healthz" {
         return json_response(StatusCode::OK, &json!({ "ok": true }));
     }

@@ -1,0 +1,96 @@
+//! The gateway, composed: the daemon's parts, the fleet, and the uplink route. The binary and
+//! the in-process fleet tests both start it here.
+
+use std::sync::Arc;
+
+use simlock_contract::model::{LeaseLimits, Mode};
+use simlock_daemon::clock::SharedClock;
+use simlock_daemon::config::Config;
+use simlock_daemon::home::Home;
+use simlock_daemon::http::Mount;
+use simlock_daemon::runtime::{Base, Running, StartError};
+use simlock_fleet::uplink::UplinkMount;
+use simlock_fleet::{Fleet, FleetParts, FleetTiming, handlers};
+
+/// What a gateway is started with.
+#[derive(Debug, Clone)]
+pub struct GatewayOptions {
+    /// Its home.
+    pub home: Home,
+    /// Its configuration (already loaded and validated).
+    pub config: Config,
+    /// Its version.
+    pub version: String,
+    /// Time, for tests; the system's otherwise.
+    pub clock: Option<SharedClock>,
+    /// Timing of the fleet, for tests; from the configuration otherwise.
+    pub timing: Option<FleetTiming>,
+}
+
+impl GatewayOptions {
+    /// Options with the given home and configuration.
+    pub fn new(home: Home, config: Config) -> Self {
+        Self {
+            home,
+            config,
+            version: env!("CARGO_PKG_VERSION").to_owned(),
+            clock: None,
+            timing: None,
+        }
+    }
+}
+
+/// A gateway that serves.
+#[derive(Debug)]
+pub struct RunningGateway {
+    /// The daemon.
+    pub running: Running,
+    /// The fleet.
+    pub fleet: Arc<Fleet>,
+}
+
+/// Starts a gateway.
+///
+/// # Errors
+/// [`StartError`].
+pub async fn start(options: GatewayOptions) -> Result<RunningGateway, StartError> {
+    let timing = options
+        .timing
+        .unwrap_or_else(|| FleetTiming::from_config(&options.config));
+    let base = Base::open(
+        options.home,
+        options.config,
+        Mode::Gateway,
+        options.version,
+        options.clock,
+    )?;
+    let limits = LeaseLimits {
+        default_ttl_ms: base.config.lease.default_ttl_ms,
+        max_ttl_ms: base.config.lease.max_ttl_ms,
+    };
+    let fleet = Fleet::start(FleetParts {
+        gateway_id: base.instance_id.clone(),
+        limits,
+        timing,
+        db: base.db.clone(),
+        bus: base.bus.clone(),
+        clock: base.clock.clone(),
+        presence: base.presence.clone(),
+    })?;
+    let mut router = base.router();
+    handlers::register(&mut router, &fleet, &base.gate, &base.config, &base.version);
+    simlock_daemon::pipeline::check_complete(&router, &simlock_daemon::pipeline::all_operations())
+        .map_err(StartError::Domain)?;
+    let uplink: Arc<dyn Mount> = UplinkMount::new(fleet.clone(), base.tokens.clone());
+    let running = base.serve(router, true, vec![uplink]).await?;
+    running.started();
+    Ok(RunningGateway { running, fleet })
+}
+
+impl RunningGateway {
+    /// Stops the gateway: the fleet (waiting requests fail, uplinks close), then the hosts.
+    pub async fn stop(self, reason: &str) {
+        self.fleet.stop();
+        self.running.stop(reason).await;
+    }
+}

@@ -1,0 +1,290 @@
+//! Bringing a daemon up and down: the parts every daemon has (home, store, clock, events,
+//! tokens, presence, start-up gate, shutdown), then its hosts (socket, HTTP), then a graceful
+//! stop. The worker and the gateway compose their domain on top; the binaries only parse
+//! configuration and wait for a signal.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde_json::json;
+use simlock_contract::model::Mode;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use crate::auth::DaemonGreeter;
+use crate::clock::{SharedClock, TokioClock};
+use crate::config::Config;
+use crate::events::{self, EventBus};
+use crate::home::{AdminSecret, Home};
+use crate::http::requests::RequestBook;
+use crate::http::{HttpApp, Mount, bind, serve_http};
+use crate::metrics::Metrics;
+use crate::pipeline::{Pipeline, Router, Shutdown, StartupGate, register_daemon_ops};
+use crate::presence::Presence;
+use crate::socket::{claim, serve_socket};
+use crate::store::Database;
+use crate::tokens::{self, TokenStore};
+
+/// How long a stopping daemon waits for its hosts.
+const STOP_GRACE: Duration = Duration::from_secs(5);
+
+/// Why a daemon could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    /// The home directory.
+    #[error("cannot use home {path}: {source}")]
+    Home {
+        /// The directory.
+        path: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The state store.
+    #[error(transparent)]
+    Store(#[from] crate::store::StoreError),
+    /// The socket.
+    #[error(transparent)]
+    Socket(#[from] crate::socket::SocketError),
+    /// The HTTP listener.
+    #[error("cannot listen for HTTP on {address}: {source}")]
+    Http {
+        /// The address.
+        address: String,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The domain refused to start.
+    #[error("{0}")]
+    Domain(String),
+}
+
+/// The parts every daemon has.
+pub struct Base {
+    /// Its home.
+    pub home: Home,
+    /// Its configuration.
+    pub config: Config,
+    /// Worker or gateway.
+    pub mode: Mode,
+    /// Its version.
+    pub version: String,
+    /// Its instance id (minted on first start).
+    pub instance_id: String,
+    /// State.
+    pub db: Database,
+    /// Time.
+    pub clock: SharedClock,
+    /// Events.
+    pub bus: Arc<EventBus>,
+    /// Tokens.
+    pub tokens: Arc<TokenStore>,
+    /// Connections by principal.
+    pub presence: Presence,
+    /// The start-up gate.
+    pub gate: StartupGate,
+    /// The shutdown handle.
+    pub shutdown: Shutdown,
+    /// Metrics.
+    pub metrics: Metrics,
+}
+
+impl std::fmt::Debug for Base {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Base")
+            .field("home", &self.home)
+            .field("instance_id", &self.instance_id)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Base {
+    /// Opens the home and the store of a daemon of `mode`.
+    ///
+    /// # Errors
+    /// [`StartError`].
+    pub fn open(
+        home: Home,
+        config: Config,
+        mode: Mode,
+        version: String,
+        clock: Option<SharedClock>,
+    ) -> Result<Self, StartError> {
+        home.ensure().map_err(|source| StartError::Home {
+            path: home.root().to_owned(),
+            source,
+        })?;
+        let db = Database::open(&home.database())?;
+        let clock = clock.unwrap_or_else(|| TokioClock::system().shared());
+        let instance_id = db.instance_id(uuid_like)?;
+        let bus = EventBus::new(
+            usize::try_from(config.event_buffer.capacity).unwrap_or(1000),
+            clock.clone(),
+        );
+        let tokens = TokenStore::open(db.clone(), clock.clone())?;
+        Ok(Self {
+            home,
+            config,
+            mode,
+            version,
+            instance_id,
+            db,
+            clock,
+            bus,
+            tokens,
+            presence: Presence::new(),
+            gate: StartupGate::new(),
+            shutdown: Shutdown::new(),
+            metrics: Metrics::new(),
+        })
+    }
+
+    /// A router holding the operations every daemon answers itself: `daemon.stop`, events and
+    /// tokens.
+    pub fn router(&self) -> Router {
+        let mut router = Router::new();
+        register_daemon_ops(&mut router, &self.shutdown);
+        events::register(&mut router, &self.bus);
+        tokens::register(&mut router, &self.tokens);
+        router
+    }
+
+    /// Starts the hosts: the unix socket always, HTTP when `http` is set (with `mounts`).
+    ///
+    /// # Errors
+    /// [`StartError`] when the socket or the HTTP address cannot be claimed.
+    pub async fn serve(
+        self,
+        router: Router,
+        http: bool,
+        mounts: Vec<Arc<dyn Mount>>,
+    ) -> Result<Running, StartError> {
+        let admin = AdminSecret::create(&self.home).map_err(|source| StartError::Home {
+            path: self.home.admin_token(),
+            source,
+        })?;
+        let greeter = Arc::new(DaemonGreeter::new(self.tokens.clone(), Some(admin)));
+        let pipeline = Arc::new(Pipeline::new(
+            router,
+            self.gate.clone(),
+            self.shutdown.clone(),
+            self.version.clone(),
+            greeter.clone(),
+            self.presence.clone(),
+        ));
+        let stop = CancellationToken::new();
+        let listener = claim(&self.home.socket()).await?;
+        let mut tasks = vec![serve_socket(listener, pipeline.clone(), stop.clone())];
+        let mut http_addr = None;
+        if http {
+            let address = format!("{}:{}", self.config.http.host, self.config.http.port);
+            let listener = bind(&self.config.http.host, self.config.http.port)
+                .await
+                .map_err(|source| StartError::Http {
+                    address: address.clone(),
+                    source,
+                })?;
+            http_addr = listener.local_addr().ok();
+            let app = Arc::new(HttpApp {
+                pipeline: pipeline.clone(),
+                tokens: self.tokens.clone(),
+                bus: self.bus.clone(),
+                clock: self.clock.clone(),
+                requests: RequestBook::new(
+                    self.clock.clone(),
+                    self.config.lease.request_retention_ms,
+                    usize::try_from(self.config.lease.max_request_records).unwrap_or(10_000),
+                ),
+                metrics: self.metrics.clone(),
+                mounts,
+            });
+            tasks.push(serve_http(listener, app, stop.clone()));
+        }
+        info!(mode = ?self.mode, instance = %self.instance_id, socket = %self.home.socket().display(), http = ?http_addr, "daemon serving");
+        Ok(Running {
+            base: self,
+            pipeline,
+            greeter,
+            stop,
+            tasks,
+            http_addr,
+        })
+    }
+}
+
+/// An id for a fresh instance (a UUID v4 in text).
+fn uuid_like() -> String {
+    simlock_contract::ids::WorkerId::mint().to_string()
+}
+
+/// A daemon that serves.
+pub struct Running {
+    /// Its parts.
+    pub base: Base,
+    /// Its pipeline.
+    pub pipeline: Arc<Pipeline>,
+    greeter: Arc<DaemonGreeter>,
+    stop: CancellationToken,
+    tasks: Vec<JoinHandle<()>>,
+    http_addr: Option<SocketAddr>,
+}
+
+impl std::fmt::Debug for Running {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Running")
+            .field("base", &self.base)
+            .field("http", &self.http_addr)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Running {
+    /// The HTTP address, when HTTP is served.
+    pub const fn http_addr(&self) -> Option<SocketAddr> {
+        self.http_addr
+    }
+
+    /// The unix socket.
+    pub fn socket_path(&self) -> PathBuf {
+        self.base.home.socket()
+    }
+
+    /// Fires when the hosts stop.
+    pub fn stop_token(&self) -> CancellationToken {
+        self.stop.clone()
+    }
+
+    /// Records `daemon.started` and opens the start-up gate.
+    pub fn started(&self) {
+        self.base.gate.open();
+        self.base.bus.emit(
+            "daemon.started",
+            "daemon",
+            json!({ "version": self.base.version, "mode": self.base.mode }),
+        );
+    }
+
+    /// Resolves when a stop was requested (`daemon.stop`).
+    pub async fn stop_requested(&self) {
+        self.base.shutdown.requested().await;
+    }
+
+    /// Stops: new calls answer `DAEMON_STOPPING`, the hosts close, the admin secret goes.
+    pub async fn stop(self, reason: &str) {
+        info!(reason, "daemon stopping");
+        self.base
+            .bus
+            .emit("daemon.stopping", "daemon", json!({ "reason": reason }));
+        self.pipeline.begin_stopping();
+        self.stop.cancel();
+        for task in self.tasks {
+            if tokio::time::timeout(STOP_GRACE, task).await.is_err() {
+                warn!("a host did not stop within the grace period");
+            }
+        }
+        self.greeter.remove_admin_secret();
+        let _ = std::fs::remove_file(self.base.home.socket());
+    }
+}

@@ -1,0 +1,201 @@
+//! What the gateway answers about the whole fleet: status summed over connected workers, the
+//! union of their catalogs, and lists across every view.
+
+use std::collections::BTreeMap;
+
+use simlock_contract::model::{
+    Capacity, Connection, DaemonInfo, Device, GlobalCapacity, Health, HostFacts, Mode, Platform,
+    PlatformCapacity, PlatformCatalog, WaitingRequest,
+};
+use simlock_contract::ops::{CatalogOutput, StatusOutput};
+use simlock_daemon::context::CallCtx;
+
+use crate::fleet::Fleet;
+
+fn add(a: &mut PlatformCapacity, b: &PlatformCapacity) {
+    a.running += b.running;
+    a.max_running += b.max_running;
+    a.reserved += b.reserved;
+    a.warm += b.warm;
+    a.over_limit |= b.over_limit;
+}
+
+/// The gateway's own machine.
+pub fn host_facts() -> HostFacts {
+    HostFacts {
+        os: std::env::consts::OS.into(),
+        os_version: String::new(),
+        arch: std::env::consts::ARCH.into(),
+        tools: Vec::new(),
+    }
+}
+
+impl Fleet {
+    /// `status.get` on a gateway; while starting only `daemon` and `host`.
+    pub fn status(&self, ctx: &CallCtx, health: Health, version: &str) -> StatusOutput {
+        let daemon = DaemonInfo {
+            health,
+            mode: Mode::Gateway,
+            version: version.to_owned(),
+            instance_id: self.gateway_id.clone(),
+        };
+        if health != Health::Running {
+            return StatusOutput {
+                daemon,
+                host: host_facts(),
+                capacity: None,
+                devices: None,
+                leases: None,
+                queue_depth: None,
+                waiting: None,
+                capabilities: None,
+                lease: None,
+                workers: None,
+            };
+        }
+        let views = self.views();
+        let mut capacity = Capacity::default();
+        let mut ram_ios = true;
+        let mut ram_android = true;
+        let mut any = false;
+        for view in views
+            .iter()
+            .filter(|v| v.connection == Connection::Connected)
+        {
+            let Some(c) = view.capacity else { continue };
+            any = true;
+            add(&mut capacity.ios, &c.ios);
+            add(&mut capacity.android, &c.android);
+            ram_ios &= c.ios.at_ram_budget;
+            ram_android &= c.android.at_ram_budget;
+            let g: &mut GlobalCapacity = &mut capacity.global;
+            g.running += c.global.running;
+            g.max_running += c.global.max_running;
+            g.reserved += c.global.reserved;
+            g.warm += c.global.warm;
+            g.over_limit |= c.global.over_limit;
+        }
+        capacity.ios.at_ram_budget = any && ram_ios;
+        capacity.android.at_ram_budget = any && ram_android;
+        StatusOutput {
+            daemon,
+            host: host_facts(),
+            capacity: Some(capacity),
+            devices: Some(self.devices()),
+            leases: Some(self.leases(ctx)),
+            queue_depth: Some(self.queue_depth()),
+            waiting: Some(self.all_waiting()),
+            capabilities: None,
+            lease: Some(self.limits),
+            workers: Some(views),
+        }
+    }
+
+    /// Every device of every worker, with its worker's id.
+    pub fn devices(&self) -> Vec<Device> {
+        self.views()
+            .into_iter()
+            .flat_map(|view| {
+                let id = view.id.clone();
+                view.devices
+                    .unwrap_or_default()
+                    .into_iter()
+                    .map(move |mut d| {
+                        d.worker_id = Some(id.clone());
+                        d
+                    })
+            })
+            .collect()
+    }
+
+    /// The fleet queue's waiting requests, then each worker's own.
+    pub fn all_waiting(&self) -> Vec<WaitingRequest> {
+        let mut waiting = self.waiting();
+        for view in self.views() {
+            for mut w in view.waiting.unwrap_or_default() {
+                w.worker_id = Some(view.id.clone());
+                waiting.push(w);
+            }
+        }
+        waiting
+    }
+
+    /// `catalog.get` on a gateway: the union of the connected workers' catalogs, with which
+    /// workers serve each model and runtime.
+    pub fn catalog(&self, platform: Option<Platform>) -> CatalogOutput {
+        let mut merged: BTreeMap<Platform, PlatformCatalog> = BTreeMap::new();
+        let mut defaults: BTreeMap<Platform, Vec<Option<String>>> = BTreeMap::new();
+        for view in self
+            .views()
+            .into_iter()
+            .filter(|v| v.connection == Connection::Connected)
+        {
+            for catalog in view.catalog.unwrap_or_default() {
+                if platform.is_some_and(|p| p != catalog.platform) {
+                    continue;
+                }
+                defaults
+                    .entry(catalog.platform)
+                    .or_default()
+                    .push(catalog.default_runtime.clone());
+                let entry = merged
+                    .entry(catalog.platform)
+                    .or_insert_with(|| PlatformCatalog {
+                        platform: catalog.platform,
+                        models: Vec::new(),
+                        runtimes: Vec::new(),
+                        default_runtime: None,
+                        model_runtimes: BTreeMap::new(),
+                        model_aliases: BTreeMap::new(),
+                        model_workers: Some(BTreeMap::new()),
+                        runtime_workers: Some(BTreeMap::new()),
+                    });
+                for model in &catalog.models {
+                    if !entry.models.contains(model) {
+                        entry.models.push(model.clone());
+                    }
+                    let runtimes = entry.model_runtimes.entry(model.clone()).or_default();
+                    for r in catalog.model_runtimes.get(model).into_iter().flatten() {
+                        if !runtimes.contains(r) {
+                            runtimes.push(r.clone());
+                        }
+                    }
+                    let aliases = entry.model_aliases.entry(model.clone()).or_default();
+                    for a in catalog.model_aliases.get(model).into_iter().flatten() {
+                        if !aliases.contains(a) {
+                            aliases.push(a.clone());
+                        }
+                    }
+                    if let Some(workers) = entry.model_workers.as_mut() {
+                        workers
+                            .entry(model.clone())
+                            .or_default()
+                            .push(view.id.clone());
+                    }
+                }
+                for runtime in &catalog.runtimes {
+                    if !entry.runtimes.contains(runtime) {
+                        entry.runtimes.push(runtime.clone());
+                    }
+                    if let Some(workers) = entry.runtime_workers.as_mut() {
+                        workers
+                            .entry(runtime.clone())
+                            .or_default()
+                            .push(view.id.clone());
+                    }
+                }
+            }
+        }
+        for (platform, entry) in &mut merged {
+            let all = defaults.get(platform).cloned().unwrap_or_default();
+            if let Some(first) = all.first()
+                && all.iter().all(|d| d == first)
+            {
+                entry.default_runtime.clone_from(first);
+            }
+        }
+        CatalogOutput {
+            platforms: merged.into_values().collect(),
+        }
+    }
+}

@@ -1,0 +1,174 @@
+//! The gateway's handlers: the contract's operations answered for the whole fleet.
+
+use std::sync::Arc;
+
+use simlock_contract::model::{Health, Mode};
+use simlock_contract::ops::{
+    CatalogGet, ConfigGet, ConfigView, DeviceExec, LeaseCancel, LeaseCancelOutput, LeaseList,
+    LeaseListOutput, LeaseRelease, LeaseReleaseAll, LeaseRenew, LeaseRequest, ListGet, ListKind,
+    ListOutput, ReleaseAllOutput, StatusGet, WorkerDrain, WorkerDrainOutput, WorkerList,
+    WorkerListOutput, WorkerRemove, WorkerRemoveOutput, WorkerUndrain,
+};
+use simlock_contract::{ContractError, ErrorCode, Role};
+use simlock_daemon::config::Config;
+use simlock_daemon::pipeline::{Router, Startup, StartupGate};
+
+use crate::fleet::Fleet;
+
+/// Registers every fleet operation on the gateway's router.
+pub fn register(
+    router: &mut Router,
+    fleet: &Arc<Fleet>,
+    gate: &StartupGate,
+    config: &Config,
+    version: &str,
+) {
+    let (f, g, v) = (fleet.clone(), gate.clone(), version.to_owned());
+    router.handle::<StatusGet, _, _>(move |ctx, _| {
+        let health = match g.state() {
+            Startup::Starting => Health::Starting,
+            Startup::Ready => Health::Running,
+            Startup::Failed(_) => Health::Failed,
+        };
+        let out = f.status(&ctx, health, &v);
+        async move { Ok(out) }
+    });
+    let f = fleet.clone();
+    router.handle::<CatalogGet, _, _>(move |_, input| {
+        let out = f.catalog(input.platform);
+        async move { Ok(out) }
+    });
+    let view = config_view(config);
+    router.handle::<ConfigGet, _, _>(move |_, _| {
+        let out = view.clone();
+        async move { Ok(out) }
+    });
+    let f = fleet.clone();
+    router.handle::<ListGet, _, _>(move |ctx, input| {
+        let out = match input.kind {
+            ListKind::Devices => ListOutput::Devices(f.devices()),
+            ListKind::Leases => ListOutput::Leases(f.leases(&ctx)),
+            ListKind::Requests => ListOutput::Requests(f.all_waiting()),
+            ListKind::Rules => ListOutput::Rules(Vec::new()),
+        };
+        async move { Ok(out) }
+    });
+    let f = fleet.clone();
+    router.handle::<LeaseRequest, _, _>(move |ctx, input| {
+        let f = f.clone();
+        async move { f.request_lease(&ctx, input).await }
+    });
+    let f = fleet.clone();
+    router.handle::<LeaseRenew, _, _>(move |ctx, input| {
+        let f = f.clone();
+        async move { f.renew(&ctx, input).await }
+    });
+    let f = fleet.clone();
+    router.handle::<LeaseRelease, _, _>(move |ctx, input| {
+        let f = f.clone();
+        async move { f.release(&ctx, &input.lease_id).await }
+    });
+    let (f, authorize) = (fleet.clone(), fleet.clone());
+    router.handle_authorized::<LeaseCancel, _, _, _>(
+        move |ctx, input| {
+            let requester = input
+                .requester_id
+                .clone()
+                .unwrap_or_else(|| ctx.principal.clone());
+            match authorize.pending_owner(&requester) {
+                Some(owner) if owner != ctx.principal && ctx.role != Role::Admin => Err(
+                    ContractError::forbidden("That pending request belongs to another principal"),
+                ),
+                _ => Ok(()),
+            }
+        },
+        move |ctx, input| {
+            let requester = input.requester_id.unwrap_or_else(|| ctx.principal.clone());
+            let result = f.cancel_request(&requester);
+            async move { Ok(LeaseCancelOutput { result }) }
+        },
+    );
+    let f = fleet.clone();
+    router.handle::<LeaseList, _, _>(move |ctx, _| {
+        let leases = f.leases(&ctx);
+        async move { Ok(LeaseListOutput { leases }) }
+    });
+    let f = fleet.clone();
+    router.handle::<LeaseReleaseAll, _, _>(move |ctx, _| {
+        let f = f.clone();
+        async move {
+            f.release_all(&ctx)
+                .await
+                .map(|lease_ids| ReleaseAllOutput { lease_ids })
+        }
+    });
+    let f = fleet.clone();
+    router.handle::<DeviceExec, _, _>(move |ctx, input| {
+        let f = f.clone();
+        async move { f.exec(&ctx, input).await }
+    });
+    let f = fleet.clone();
+    router.handle::<WorkerList, _, _>(move |_, _| {
+        let workers = f.views();
+        async move { Ok(WorkerListOutput { workers }) }
+    });
+    let f = fleet.clone();
+    router.handle::<WorkerDrain, _, _>(move |_, input| {
+        let out = f
+            .set_drained(&input.worker_id, true)
+            .map(|drained| WorkerDrainOutput {
+                worker_id: input.worker_id,
+                drained,
+            });
+        async move { out }
+    });
+    let f = fleet.clone();
+    router.handle::<WorkerUndrain, _, _>(move |_, input| {
+        let out = f
+            .set_drained(&input.worker_id, false)
+            .map(|drained| WorkerDrainOutput {
+                worker_id: input.worker_id,
+                drained,
+            });
+        async move { out }
+    });
+    let f = fleet.clone();
+    router.handle::<WorkerRemove, _, _>(move |_, input| {
+        let out = f
+            .remove(&input.worker_id)
+            .map(|removed| WorkerRemoveOutput {
+                worker_id: input.worker_id,
+                removed,
+            });
+        async move { out }
+    });
+    router.unsupported(
+        &["relay.request", "relay.cancel"],
+        ErrorCode::UnsupportedInGatewayMode,
+    );
+}
+
+fn config_view(config: &Config) -> ConfigView {
+    let mut settings = std::collections::BTreeMap::new();
+    for (key, value) in [
+        ("http", serde_json::to_value(&config.http)),
+        ("gateway", serde_json::to_value(&config.gateway)),
+        ("eventBuffer", serde_json::to_value(config.event_buffer)),
+        ("log", serde_json::to_value(&config.log)),
+    ] {
+        if let Ok(mut value) = value {
+            if let Some(token) = value.get_mut("token").filter(|t| !t.is_null()) {
+                *token = serde_json::Value::String("<redacted>".into());
+            }
+            settings.insert(key.to_owned(), value);
+        }
+    }
+    ConfigView {
+        mode: Mode::Gateway,
+        lease: simlock_contract::model::LeaseLimits {
+            default_ttl_ms: config.lease.default_ttl_ms,
+            max_ttl_ms: config.lease.max_ttl_ms,
+        },
+        settings,
+    }
+}

@@ -1,0 +1,283 @@
+//! Routing: which worker serves a lease request. A policy is an ordered list of stages over the
+//! worker views; filters drop workers, ranks score them. Pure functions of the views.
+//!
+//! `warm-then-free` (the only policy): `takes-requests` → `can-serve` → `has-capabilities` →
+//! `healthy` → `idle-queue` → `warm-hit` (rank, settles) → `free-slot` → `free-capacity` (rank).
+//! Workers are walked in id order; the pick is the first one left, if a rank decided.
+
+use simlock_contract::model::{
+    Connection, Device, DeviceState, Health, Platform, PlatformCatalog, WorkerView,
+};
+
+/// What a request asks of a worker, resolved against nothing yet.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Wanted {
+    /// The platform.
+    pub platform: Platform,
+    /// A model or alias, as the caller typed it.
+    pub model: Option<String>,
+    /// An exact OS version.
+    pub os_version: Option<String>,
+    /// Capabilities the worker must have available.
+    pub requires: Vec<String>,
+}
+
+/// How a request matches one worker's catalog: the worker's own model name for it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Match {
+    /// The worker's name for the model (forwarded to it), when a model was asked for.
+    pub model: Option<String>,
+}
+
+/// The catalog entry for `platform` in `view`.
+fn catalog_of(view: &WorkerView, platform: Platform) -> Option<&PlatformCatalog> {
+    view.catalog
+        .as_ref()?
+        .iter()
+        .find(|c| c.platform == platform)
+}
+
+/// Whether `view`'s catalog can serve `wanted`, and under which model name.
+pub fn match_request(view: &WorkerView, wanted: &Wanted) -> Option<Match> {
+    let catalog = catalog_of(view, wanted.platform)?;
+    let runs = |model: &str| {
+        let runtimes = catalog
+            .model_runtimes
+            .get(model)
+            .map(Vec::as_slice)
+            .unwrap_or_default();
+        match &wanted.os_version {
+            Some(os) => runtimes.iter().any(|r| r == os),
+            None => !runtimes.is_empty(),
+        }
+    };
+    match &wanted.model {
+        Some(requested) => {
+            let model = catalog.resolve_model(requested)?;
+            runs(model).then(|| Match {
+                model: Some(model.to_owned()),
+            })
+        }
+        None => catalog
+            .models
+            .iter()
+            .any(|m| runs(m))
+            .then_some(Match { model: None }),
+    }
+}
+
+/// Whether `view` lists every capability in `requires` as available.
+pub fn has_capabilities(view: &WorkerView, requires: &[String]) -> bool {
+    requires.iter().all(|name| {
+        view.capabilities
+            .as_ref()
+            .is_some_and(|caps| caps.iter().any(|c| &c.name == name && c.available))
+    })
+}
+
+/// Whether the worker takes new requests at all: connected, not drained, and the gateway holds
+/// its capacity and its catalog.
+pub fn takes_requests(view: &WorkerView) -> bool {
+    view.connection == Connection::Connected
+        && !view.drained
+        && view.capacity.is_some()
+        && view.catalog_read_at.is_some()
+}
+
+/// Whether `device` is one `wanted` (resolved to `matched`) could be granted.
+pub fn fits(device: &Device, wanted: &Wanted, matched: &Match) -> bool {
+    device.spec.platform == wanted.platform
+        && matched
+            .model
+            .as_ref()
+            .is_none_or(|m| &device.spec.model == m)
+        && wanted
+            .os_version
+            .as_ref()
+            .is_none_or(|os| &device.spec.os_version == os)
+}
+
+/// Running slots free or held by idle devices that could be shut down for this request.
+fn free_or_evictable(view: &WorkerView, platform: Platform) -> u32 {
+    let Some(capacity) = view.capacity else {
+        return 0;
+    };
+    let idle = view
+        .devices
+        .as_deref()
+        .unwrap_or_default()
+        .iter()
+        .filter(|d| d.spec.platform == platform && d.state == DeviceState::Ready)
+        .count();
+    let platform_free =
+        capacity.platform(platform).free() + u32::try_from(idle).unwrap_or(u32::MAX);
+    let global_free = capacity
+        .global
+        .max_running
+        .saturating_sub(capacity.global.running)
+        .saturating_sub(capacity.global.reserved)
+        + u32::try_from(idle).unwrap_or(u32::MAX);
+    platform_free.min(global_free)
+}
+
+/// Why a worker was picked.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reason {
+    /// It has a ready device that fits.
+    WarmHit,
+    /// It has the most free capacity.
+    FreeCapacity,
+}
+
+impl Reason {
+    /// The reason's name in events.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Self::WarmHit => "warm-hit",
+            Self::FreeCapacity => "free-capacity",
+        }
+    }
+}
+
+/// The routing decision.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Pick {
+    /// The worker.
+    pub worker_id: String,
+    /// Its name for the model.
+    pub matched: Match,
+    /// Why.
+    pub reason: Reason,
+    /// The stage that decided.
+    pub stage: &'static str,
+}
+
+/// Picks a worker among `views` (already stripped of the ones this request may not try) for
+/// `wanted`, or none.
+pub fn select(views: &[&WorkerView], wanted: &Wanted) -> Option<Pick> {
+    let mut candidates: Vec<(&WorkerView, Match)> = views
+        .iter()
+        .copied()
+        .filter(|v| takes_requests(v))
+        .filter_map(|v| match_request(v, wanted).map(|m| (v, m)))
+        .filter(|(v, _)| has_capabilities(v, &wanted.requires))
+        .filter(|(v, _)| v.health == Some(Health::Running))
+        .filter(|(v, _)| v.queue_depth.unwrap_or(0) == 0)
+        .collect();
+    candidates.sort_by(|a, b| a.0.id.cmp(&b.0.id));
+
+    // warm-hit: a ready device that fits settles the walk.
+    let warm: Vec<_> = candidates
+        .iter()
+        .filter(|(v, m)| {
+            v.devices
+                .as_deref()
+                .unwrap_or_default()
+                .iter()
+                .any(|d| d.state == DeviceState::Ready && fits(d, wanted, m))
+        })
+        .collect();
+    if let Some((view, matched)) = warm.first() {
+        return Some(Pick {
+            worker_id: view.id.clone(),
+            matched: matched.clone(),
+            reason: Reason::WarmHit,
+            stage: "warm-hit",
+        });
+    }
+
+    // free-slot, then free-capacity: the most free slots for the platform wins.
+    candidates.retain(|(v, _)| free_or_evictable(v, wanted.platform) > 0);
+    let best = candidates
+        .iter()
+        .map(|(v, _)| v.capacity.map_or(0, |c| c.platform(wanted.platform).free()))
+        .max()?;
+    if best == 0 {
+        // Only evictable slots are left: any of them, in id order.
+        let (view, matched) = candidates.first()?;
+        return Some(Pick {
+            worker_id: view.id.clone(),
+            matched: matched.clone(),
+            reason: Reason::FreeCapacity,
+            stage: "free-slot",
+        });
+    }
+    let (view, matched) = candidates.into_iter().find(|(v, _)| {
+        v.capacity
+            .is_some_and(|c| c.platform(wanted.platform).free() == best)
+    })?;
+    Some(Pick {
+        worker_id: view.id.clone(),
+        matched,
+        reason: Reason::FreeCapacity,
+        stage: "free-capacity",
+    })
+}
+
+/// Why no worker can take a request, before it is queued.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Assessment {
+    /// Some worker could serve it now or later: route or wait.
+    Serviceable,
+    /// No worker takes requests at all, or none that takes requests can serve it.
+    NoWorker,
+    /// No known worker has the platform.
+    NoDriver,
+    /// No known worker lists the model.
+    UnknownModel,
+    /// No known worker runs the model on that OS version.
+    RuntimeMissing,
+    /// No known worker that can serve the spec has this capability available.
+    CapabilityMissing(String),
+}
+
+/// The fast-fail table, in order; "known" workers are the ones not `incompatible`.
+pub fn assess(views: &[&WorkerView], wanted: &Wanted) -> Assessment {
+    let known: Vec<&WorkerView> = views
+        .iter()
+        .copied()
+        .filter(|v| v.connection != Connection::Incompatible)
+        .collect();
+    if !views.iter().any(|v| takes_requests(v)) {
+        return Assessment::NoWorker;
+    }
+    let with_platform: Vec<_> = known
+        .iter()
+        .filter(|v| catalog_of(v, wanted.platform).is_some())
+        .collect();
+    if with_platform.is_empty() {
+        return Assessment::NoDriver;
+    }
+    if let Some(model) = &wanted.model
+        && !with_platform.iter().any(|v| {
+            catalog_of(v, wanted.platform).is_some_and(|c| c.resolve_model(model).is_some())
+        })
+    {
+        return Assessment::UnknownModel;
+    }
+    let serving: Vec<&&&WorkerView> = with_platform
+        .iter()
+        .filter(|v| match_request(v, wanted).is_some())
+        .collect();
+    if serving.is_empty() {
+        return Assessment::RuntimeMissing;
+    }
+    if let Some(missing) = wanted.requires.iter().find(|cap| {
+        !serving
+            .iter()
+            .any(|v| has_capabilities(v, std::slice::from_ref(cap)))
+    }) {
+        return Assessment::CapabilityMissing(missing.clone());
+    }
+    let able_now = serving
+        .iter()
+        .any(|v| takes_requests(v) && has_capabilities(v, &wanted.requires));
+    if able_now {
+        Assessment::Serviceable
+    } else {
+        Assessment::NoWorker
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,238 @@
+//! Routing stages and the fast-fail table, one behaviour per test.
+
+use std::collections::BTreeMap;
+
+use simlock_contract::ids::DeviceId;
+use simlock_contract::model::{
+    CapabilityStatus, Capacity, Connection, Device, DeviceSpec, DeviceState, GlobalCapacity,
+    Health, Platform, PlatformCapacity, PlatformCatalog, WorkerView,
+};
+
+use super::*;
+
+fn catalog() -> Vec<PlatformCatalog> {
+    let mut runtimes = BTreeMap::new();
+    runtimes.insert(
+        "iPhone 16".to_owned(),
+        vec!["18.2".to_owned(), "17.5".to_owned()],
+    );
+    runtimes.insert("iPad Air".to_owned(), vec!["18.2".to_owned()]);
+    let mut aliases = BTreeMap::new();
+    aliases.insert("iPhone 16".to_owned(), vec!["iphone".to_owned()]);
+    vec![PlatformCatalog {
+        platform: Platform::Ios,
+        models: vec!["iPhone 16".into(), "iPad Air".into()],
+        runtimes: vec!["18.2".into(), "17.5".into()],
+        default_runtime: None,
+        model_runtimes: runtimes,
+        model_aliases: aliases,
+        model_workers: None,
+        runtime_workers: None,
+    }]
+}
+
+fn view(id: &str, free_ios: u32) -> WorkerView {
+    let platform = PlatformCapacity {
+        running: 0,
+        max_running: free_ios,
+        reserved: 0,
+        warm: 0,
+        over_limit: false,
+        at_ram_budget: false,
+    };
+    WorkerView {
+        id: id.into(),
+        label: None,
+        connection: Connection::Connected,
+        drained: false,
+        last_seen_at: 0,
+        health: Some(Health::Running),
+        version: None,
+        protocol: None,
+        capacity: Some(Capacity {
+            ios: platform,
+            android: PlatformCapacity::default(),
+            global: GlobalCapacity {
+                running: 0,
+                max_running: free_ios,
+                reserved: 0,
+                warm: 0,
+                over_limit: false,
+            },
+        }),
+        lease: None,
+        queue_depth: Some(0),
+        leases: Some(vec![]),
+        devices: Some(vec![]),
+        catalog: Some(catalog()),
+        catalog_read_at: Some(1),
+        host: None,
+        waiting: None,
+        capabilities: Some(vec![]),
+    }
+}
+
+fn ready_device(model: &str, os: &str) -> Device {
+    Device {
+        id: DeviceId::from_raw("dev_1"),
+        spec: DeviceSpec {
+            platform: Platform::Ios,
+            model: model.into(),
+            os_version: os.into(),
+        },
+        state: DeviceState::Ready,
+        driver_device_id: "udid".into(),
+        created_at: 0,
+        last_lease_ended_at: None,
+        worker_id: None,
+    }
+}
+
+fn wanted(model: Option<&str>, os: Option<&str>, requires: &[&str]) -> Wanted {
+    Wanted {
+        platform: Platform::Ios,
+        model: model.map(String::from),
+        os_version: os.map(String::from),
+        requires: requires.iter().map(|s| (*s).to_owned()).collect(),
+    }
+}
+
+fn capable(mut v: WorkerView, name: &str, available: bool) -> WorkerView {
+    v.capabilities = Some(vec![CapabilityStatus {
+        name: name.into(),
+        available,
+        reason: None,
+    }]);
+    v
+}
+
+#[test]
+fn a_model_matches_by_name_or_alias_case_insensitively_and_forwards_the_workers_name() {
+    let v = view("a", 1);
+    assert_eq!(
+        match_request(&v, &wanted(Some("IPHONE"), None, &[])),
+        Some(Match {
+            model: Some("iPhone 16".into())
+        })
+    );
+    assert_eq!(
+        match_request(&v, &wanted(Some("iphone 16"), Some("17.5"), &[])).map(|m| m.model),
+        Some(Some("iPhone 16".into()))
+    );
+    assert_eq!(
+        match_request(&v, &wanted(Some("iPad Air"), Some("17.5"), &[])),
+        None
+    );
+    assert_eq!(match_request(&v, &wanted(Some("Pixel"), None, &[])), None);
+    assert_eq!(
+        match_request(&v, &wanted(None, Some("17.5"), &[])),
+        Some(Match { model: None })
+    );
+}
+
+#[test]
+fn a_warm_device_wins_over_more_free_capacity() {
+    let mut warm = view("b", 1);
+    warm.devices = Some(vec![ready_device("iPhone 16", "18.2")]);
+    let roomy = view("a", 5);
+    let pick = select(&[&roomy, &warm], &wanted(Some("iphone"), None, &[])).unwrap();
+    assert_eq!(
+        (pick.worker_id.as_str(), pick.reason),
+        ("b", Reason::WarmHit)
+    );
+}
+
+#[test]
+fn without_a_warm_device_the_most_free_capacity_wins() {
+    let (a, b, c) = (view("a", 1), view("b", 3), view("c", 3));
+    let pick = select(&[&a, &c, &b], &wanted(None, None, &[])).unwrap();
+    assert_eq!(
+        (pick.worker_id.as_str(), pick.reason),
+        ("b", Reason::FreeCapacity),
+        "ties go to the lowest id"
+    );
+}
+
+#[test]
+fn drained_disconnected_unhealthy_busy_or_unread_workers_are_not_picked() {
+    let mut drained = view("a", 9);
+    drained.drained = true;
+    let mut gone = view("b", 9);
+    gone.connection = Connection::Disconnected;
+    let mut starting = view("c", 9);
+    starting.health = Some(Health::Starting);
+    let mut queued = view("d", 9);
+    queued.queue_depth = Some(1);
+    let mut unread = view("e", 9);
+    unread.catalog_read_at = None;
+    let mut full = view("f", 9);
+    full.capacity = Some(Capacity::default());
+    let all = [&drained, &gone, &starting, &queued, &unread, &full];
+    assert_eq!(select(&all, &wanted(None, None, &[])), None);
+    let ok = view("z", 1);
+    assert_eq!(
+        select(&[&drained, &ok], &wanted(None, None, &[])).map(|p| p.worker_id),
+        Some("z".into())
+    );
+}
+
+#[test]
+fn required_capabilities_route_only_to_workers_listing_them_available() {
+    let with = capable(view("b", 1), "agent-device", true);
+    let without = capable(view("a", 9), "agent-device", false);
+    let pick = select(&[&without, &with], &wanted(None, None, &["agent-device"])).unwrap();
+    assert_eq!(pick.worker_id, "b");
+    assert_eq!(
+        select(&[&without], &wanted(None, None, &["agent-device"])),
+        None
+    );
+}
+
+#[test]
+fn assess_fails_fast_in_table_order() {
+    let v = view("a", 1);
+    let mut incompatible = view("x", 1);
+    incompatible.connection = Connection::Incompatible;
+    assert_eq!(
+        assess(&[&incompatible], &wanted(None, None, &[])),
+        Assessment::NoWorker
+    );
+    let mut android = wanted(None, None, &[]);
+    android.platform = Platform::Android;
+    assert_eq!(assess(&[&v], &android), Assessment::NoDriver);
+    assert_eq!(
+        assess(&[&v], &wanted(Some("Pixel"), None, &[])),
+        Assessment::UnknownModel
+    );
+    assert_eq!(
+        assess(&[&v], &wanted(Some("iPad Air"), Some("17.5"), &[])),
+        Assessment::RuntimeMissing
+    );
+    assert_eq!(
+        assess(&[&v], &wanted(None, None, &["agent-device"])),
+        Assessment::CapabilityMissing("agent-device".into())
+    );
+    assert_eq!(
+        assess(&[&v], &wanted(Some("iphone"), Some("18.2"), &[])),
+        Assessment::Serviceable
+    );
+    // Only a worker that does not take requests could serve it: no capacity, not unresolvable.
+    let mut drained = capable(view("b", 1), "agent-device", true);
+    drained.drained = true;
+    assert_eq!(
+        assess(&[&v, &drained], &wanted(None, None, &["agent-device"])),
+        Assessment::NoWorker
+    );
+    // A capable worker that does not know the model does not make the capability available.
+    let mut other_catalog = capable(view("c", 1), "agent-device", true);
+    if let Some(catalog) = other_catalog.catalog.as_mut() {
+        catalog[0].models = vec!["iPad Air".into()];
+    }
+    assert_eq!(
+        assess(
+            &[&v, &other_catalog],
+            &wanted(Some("iPhone 16"), None, &["agent-device"])
+        ),
+        Assessment::CapabilityMissing("agent-device".into())
+    );
+}

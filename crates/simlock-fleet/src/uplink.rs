@@ -1,0 +1,157 @@
+//! `GET /v1/uplink`: where workers dial in. Refusals, in order: no `x-simlock-worker-id` (or an
+//! invalid one) → 400; a missing or unknown join token → 401; a valid token of another role →
+//! 403 (both logged as `worker.rejected`). Otherwise the WebSocket upgrade is answered, the
+//! socket is wrapped in a link (gateway end), and the fleet drives the worker over it.
+
+use std::sync::Arc;
+
+use futures::FutureExt;
+use futures::future::BoxFuture;
+use http::{HeaderValue, Request, Response, StatusCode, header};
+use hyper::body::Incoming;
+use hyper_util::rt::TokioIo;
+use serde_json::json;
+use simlock_contract::model::TokenRole;
+use simlock_contract::{ContractError, bounds};
+use simlock_daemon::auth::verify_bearer;
+use simlock_daemon::http::Mount;
+use simlock_daemon::http::body::{Body, empty, error, error_with_status};
+use simlock_daemon::tokens::TokenStore;
+use simlock_daemon::uplink::percent_decode;
+use simlock_link::{End, LinkConfig, websocket_config};
+use tokio_tungstenite::WebSocketStream;
+use tokio_tungstenite::tungstenite::handshake::derive_accept_key;
+use tokio_tungstenite::tungstenite::protocol::Role;
+use tracing::{info, warn};
+
+use crate::fleet::Fleet;
+
+/// The uplink route.
+pub struct UplinkMount {
+    fleet: Arc<Fleet>,
+    tokens: Arc<TokenStore>,
+}
+
+impl UplinkMount {
+    /// The route, serving `fleet` and checking join tokens in `tokens`. Revoking a token closes
+    /// the uplinks opened with it.
+    pub fn new(fleet: Arc<Fleet>, tokens: Arc<TokenStore>) -> Arc<Self> {
+        let mut revocations = tokens.revocations();
+        let weak = Arc::downgrade(&fleet);
+        let stopping = fleet.stopping.clone();
+        tokio::spawn(async move {
+            loop {
+                let revoked = tokio::select! {
+                    () = stopping.cancelled() => return,
+                    revoked = revocations.recv() => revoked,
+                };
+                match revoked {
+                    Ok(id) => {
+                        let Some(fleet) = weak.upgrade() else { return };
+                        fleet.close_uplinks_of(id.as_str());
+                    }
+                    Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {}
+                    Err(tokio::sync::broadcast::error::RecvError::Closed) => return,
+                }
+            }
+        });
+        Arc::new(Self { fleet, tokens })
+    }
+
+    fn rejected(&self, reason: &str, worker_id: Option<&str>, label: Option<&str>) {
+        self.fleet.bus.emit(
+            "worker.rejected",
+            "fleet",
+            json!({ "reason": reason, "workerId": worker_id, "label": label }),
+        );
+    }
+
+    fn accept(&self, mut request: Request<Incoming>) -> Response<Body> {
+        let headers = request.headers();
+        let worker_id = headers
+            .get("x-simlock-worker-id")
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned);
+        let label = headers
+            .get("x-simlock-worker-label")
+            .and_then(|v| v.to_str().ok())
+            .map(percent_decode)
+            .filter(|l| !l.is_empty());
+        let Some(worker_id) = worker_id.filter(|id| bounds::is_worker_id(id)) else {
+            return error(&ContractError::bad_request(
+                "x-simlock-worker-id: required, 1-128 characters of letters, digits, '_' or '-'",
+            ));
+        };
+        let authorization = headers
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok());
+        let token = match verify_bearer(&self.tokens, authorization) {
+            Ok(token) => token,
+            Err(err) => {
+                self.rejected("unauthenticated", Some(&worker_id), label.as_deref());
+                return error(&err);
+            }
+        };
+        if token.role != TokenRole::Worker {
+            self.rejected("forbidden", Some(&worker_id), label.as_deref());
+            return error(&ContractError::forbidden(
+                "Only a worker (join) token may open an uplink",
+            ));
+        }
+        let is_upgrade = headers
+            .get(header::UPGRADE)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.eq_ignore_ascii_case("websocket"));
+        let key = headers
+            .get("sec-websocket-key")
+            .and_then(|v| v.to_str().ok())
+            .map(|k| derive_accept_key(k.as_bytes()));
+        let (true, Some(accept)) = (is_upgrade, key) else {
+            return error_with_status(
+                &ContractError::bad_request("/v1/uplink takes a WebSocket upgrade"),
+                StatusCode::BAD_REQUEST,
+            );
+        };
+        let upgrade = hyper::upgrade::on(&mut request);
+        let fleet = self.fleet.clone();
+        let token_id = token.id.to_string();
+        tokio::spawn(async move {
+            let upgraded = match upgrade.await {
+                Ok(upgraded) => upgraded,
+                Err(e) => {
+                    warn!(worker = %worker_id, error = %e, "the uplink upgrade failed");
+                    return;
+                }
+            };
+            let ws = WebSocketStream::from_raw_socket(
+                TokioIo::new(upgraded),
+                Role::Server,
+                Some(websocket_config()),
+            )
+            .await;
+            let (link, text) = simlock_link::spawn(ws, LinkConfig::new(End::Gateway));
+            info!(worker = %worker_id, "uplink accepted");
+            fleet.accept_uplink(worker_id, label, token_id, link, text);
+        });
+        let mut response = Response::new(empty());
+        *response.status_mut() = StatusCode::SWITCHING_PROTOCOLS;
+        let headers = response.headers_mut();
+        headers.insert(header::UPGRADE, HeaderValue::from_static("websocket"));
+        headers.insert(header::CONNECTION, HeaderValue::from_static("Upgrade"));
+        if let Ok(accept) = HeaderValue::from_str(&accept) {
+            headers.insert("sec-websocket-accept", accept);
+        }
+        response
+    }
+}
+
+impl Mount for UplinkMount {
+    fn matches(&self, path: &str) -> bool {
+        path == "/v1/uplink"
+    }
+
+    fn serve(&self, request: Request<Incoming>) -> BoxFuture<'static, Response<Body>> {
+        let response = self.accept(request);
+        async move { response }.boxed()
+    }
+}
