@@ -120,8 +120,10 @@ impl Fleet {
         {
             warn!(worker = %conn.worker_id, error = %err, "could not subscribe to the worker's events");
         }
-        let refresher = tokio::spawn(self.clone().refresh_loop(conn.clone()));
+        // Subscribe before asking, so the first request is not missed.
+        let requests = conn.refresh_requests();
         conn.request_refresh(true);
+        let refresher = tokio::spawn(self.clone().refresh_loop(conn.clone(), requests));
         let mut tick = tokio::time::interval(self.timing.refresh_interval);
         tick.tick().await;
         let closed = conn.closed_token();
@@ -178,8 +180,11 @@ impl Fleet {
         );
     }
 
-    async fn refresh_loop(self: Arc<Self>, conn: Arc<WorkerConn>) {
-        let mut requests = conn.refresh_requests();
+    async fn refresh_loop(
+        self: Arc<Self>,
+        conn: Arc<WorkerConn>,
+        mut requests: tokio::sync::watch::Receiver<u64>,
+    ) {
         let mut timeouts = 0u32;
         loop {
             if requests.changed().await.is_err() {

@@ -1,0 +1,233 @@
+//! A harness for in-process fleet tests: a real gateway and real workers, each with its own
+//! temporary home, talking over loopback WebSockets and unix sockets exactly as in production.
+//!
+//! Waits are on events (view changes), each bounded by [`PATIENCE`] so a broken build fails
+//! instead of hanging.
+
+#![allow(
+    clippy::expect_used,
+    clippy::panic,
+    reason = "a test harness fails the test by panicking"
+)]
+
+use std::path::Path;
+use std::time::Duration;
+
+use serde_json::{Value, json};
+use simlock_contract::model::{Connection, WorkerView};
+use simlock_contract::{ContractError, Hello, PROTOCOL_RANGE};
+use simlock_daemon::config::{CapacityStrategy, Config};
+use simlock_daemon::home::Home;
+use simlock_gateway::{GatewayOptions, RunningGateway};
+use simlock_wire::{Transport, Unsolicited, WireClient};
+use simlock_worker::{RunningWorker, WorkerOptions};
+use tempfile::TempDir;
+
+/// The bound on every wait in a test: long enough for a loaded 2-core machine, short enough to
+/// fail a hang.
+pub const PATIENCE: Duration = Duration::from_secs(60);
+
+/// A worker configuration for tests: fixed capacity, quick virtual devices.
+pub fn worker_config(max_running: u32) -> Config {
+    let mut config = Config::default();
+    config.capacity.strategy = CapacityStrategy::Fixed;
+    config.capacity.max_running = max_running;
+    config.virtual_devices.provision_ms = 20;
+    config.virtual_devices.boot_ms = 20;
+    config.virtual_devices.reclaim_ms = 10;
+    config
+}
+
+/// A gateway configuration for tests: HTTP on a free port.
+pub fn gateway_config() -> Config {
+    let mut config = Config::default();
+    config.http.port = 0;
+    config
+}
+
+/// A running test fleet.
+pub struct TestFleet {
+    /// The gateway.
+    pub gateway: Option<RunningGateway>,
+    /// The workers, in start order.
+    pub workers: Vec<Option<RunningWorker>>,
+    /// A join token for workers.
+    pub join_token: String,
+    dir: TempDir,
+}
+
+/// A client session on a daemon's unix socket.
+pub struct Session {
+    /// The client.
+    pub client: WireClient,
+    /// Its pushes that belong to no call.
+    pub pushes: Unsolicited,
+}
+
+impl Session {
+    /// Calls `op`.
+    ///
+    /// # Errors
+    /// The daemon's error.
+    pub async fn call(&self, op: &str, payload: Value) -> Result<Value, ContractError> {
+        tokio::time::timeout(PATIENCE, self.client.call_value(op, payload))
+            .await
+            .expect("the daemon answered within the bound")
+    }
+}
+
+/// Opens a session on the socket at `path` as `principal`, admin when `admin_home` names the
+/// daemon's home (its admin secret is read from there).
+pub async fn session(path: &Path, principal: &str, admin_home: Option<&Home>) -> Session {
+    let stream = tokio::net::UnixStream::connect(path)
+        .await
+        .expect("the daemon's socket accepts");
+    let (r, w) = stream.into_split();
+    let (client, pushes) = WireClient::new(Transport::client_io(r, w));
+    let credential = admin_home
+        .map(|home| std::fs::read_to_string(home.admin_token()).expect("the admin secret exists"));
+    let hello = Hello {
+        client_version: Some("e2e".into()),
+        protocol_version: None,
+        protocol_range: Some(PROTOCOL_RANGE),
+        principal: Some(principal.into()),
+        credential,
+    };
+    client.hello(&hello).await.expect("hello");
+    Session { client, pushes }
+}
+
+impl TestFleet {
+    /// A gateway with `config`, and a join token minted on it.
+    pub async fn start(config: Config) -> Self {
+        let dir = tempfile::tempdir().expect("a temporary directory");
+        let home = Home::at(dir.path().join("gateway"));
+        let gateway = simlock_gateway::start(GatewayOptions::new(home.clone(), config))
+            .await
+            .expect("the gateway starts");
+        let admin = session(&gateway.running.socket_path(), "operator", Some(&home)).await;
+        let token = admin
+            .call("token.create", json!({"role": "worker", "label": "e2e"}))
+            .await
+            .expect("a join token");
+        let join_token = token["secret"].as_str().expect("a secret").to_owned();
+        Self {
+            gateway: Some(gateway),
+            workers: Vec::new(),
+            join_token,
+            dir,
+        }
+    }
+
+    /// The gateway.
+    pub fn gateway(&self) -> &RunningGateway {
+        self.gateway.as_ref().expect("the gateway runs")
+    }
+
+    /// The gateway's home.
+    pub fn gateway_home(&self) -> Home {
+        Home::at(self.dir.path().join("gateway"))
+    }
+
+    /// The gateway's uplink base URL.
+    pub fn gateway_url(&self) -> String {
+        format!(
+            "ws://{}",
+            self.gateway()
+                .running
+                .http_addr()
+                .expect("the gateway serves HTTP")
+        )
+    }
+
+    /// Starts worker number `self.workers.len()` with `config`, joined to the gateway, and waits
+    /// until the gateway lists it connected with its catalog read.
+    pub async fn add_worker(&mut self, mut config: Config) -> usize {
+        let n = self.workers.len();
+        config.gateway.url = Some(self.gateway_url());
+        config.gateway.token = Some(self.join_token.clone());
+        config.gateway.label = Some(format!("worker-{n}"));
+        let home = Home::at(self.dir.path().join(format!("worker-{n}")));
+        let worker = simlock_worker::start(WorkerOptions::new(home, config))
+            .await
+            .expect("the worker starts");
+        let id = worker.running.base.instance_id.clone();
+        self.workers.push(Some(worker));
+        self.wait_for(|views| {
+            views.iter().any(|v| {
+                v.id == id && v.connection == Connection::Connected && v.catalog_read_at.is_some()
+            })
+        })
+        .await;
+        n
+    }
+
+    /// Worker `n`.
+    pub fn worker(&self, n: usize) -> &RunningWorker {
+        self.workers[n].as_ref().expect("the worker runs")
+    }
+
+    /// Worker `n`'s instance id.
+    pub fn worker_id(&self, n: usize) -> String {
+        self.worker(n).running.base.instance_id.clone()
+    }
+
+    /// Worker `n`'s home.
+    pub fn worker_home(&self, n: usize) -> Home {
+        Home::at(self.dir.path().join(format!("worker-{n}")))
+    }
+
+    /// Waits until the gateway's views satisfy `done`.
+    pub async fn wait_for(&self, done: impl Fn(&[WorkerView]) -> bool) {
+        let fleet = self.gateway().fleet.clone();
+        let mut changes = fleet.changes();
+        let waited = tokio::time::timeout(PATIENCE, async {
+            loop {
+                if done(&fleet.views()) {
+                    return;
+                }
+                if changes.changed().await.is_err() {
+                    return;
+                }
+            }
+        })
+        .await;
+        assert!(
+            waited.is_ok(),
+            "the fleet did not reach the expected state; views: {:#?}",
+            fleet.views()
+        );
+    }
+
+    /// A session on the gateway's socket as `principal` (an agent).
+    pub async fn agent(&self, principal: &str) -> Session {
+        session(&self.gateway().running.socket_path(), principal, None).await
+    }
+
+    /// An admin session on the gateway's socket.
+    pub async fn operator(&self) -> Session {
+        session(
+            &self.gateway().running.socket_path(),
+            "operator",
+            Some(&self.gateway_home()),
+        )
+        .await
+    }
+
+    /// Stops worker `n` (its leases stay on its disk).
+    pub async fn stop_worker(&mut self, n: usize) {
+        if let Some(worker) = self.workers[n].take() {
+            worker.stop("test").await;
+        }
+    }
+
+    /// Stops everything.
+    pub async fn stop(mut self) {
+        for worker in self.workers.iter_mut().filter_map(Option::take) {
+            worker.stop("test").await;
+        }
+        if let Some(gateway) = self.gateway.take() {
+            gateway.stop("test").await;
+        }
+    }
+}
