@@ -1,0 +1,238 @@
+//! `device.exec`: runs a configured tool as a host process against a leased device, streaming
+//! its output as `output` pushes.
+//!
+//! The run happens in a task of its own, so a caller that goes away only silences the pushes:
+//! the process runs to its end or its timeout. Each chunk is pushed as it is read and the push
+//! is awaited before reading on, so a slow reader slows the tool rather than filling memory.
+//! Past `exec.timeoutMs` the process gets SIGTERM, then SIGKILL 10 s later.
+
+use std::process::{ExitStatus, Stdio};
+use std::time::Duration;
+
+use simlock_contract::push::{OutputStream, Push};
+use simlock_daemon::CallCtx;
+use simlock_daemon::config::ToolConfig;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
+use tokio::process::{Child, Command};
+use tracing::{debug, warn};
+
+use crate::error::CoreError;
+use crate::state::{ExecTarget, device_env};
+
+/// How long a tool gets between SIGTERM and SIGKILL.
+const KILL_GRACE: Duration = Duration::from_secs(10);
+/// The most read at once from one stream.
+const CHUNK: usize = 16 * 1024;
+
+/// One run, checked and ready to spawn.
+#[derive(Debug, Clone)]
+pub(crate) struct Run {
+    pub tool_name: String,
+    pub tool: ToolConfig,
+    pub args: Vec<String>,
+    pub stdin: Option<String>,
+    pub target: ExecTarget,
+    pub timeout_ms: u64,
+}
+
+/// Runs the tool in its own task and answers its exit code.
+pub(crate) async fn run(ctx: CallCtx, run: Run) -> Result<i32, CoreError> {
+    let task = tokio::spawn(run_to_end(ctx, run));
+    task.await
+        .map_err(|e| CoreError::Internal(format!("the exec task failed: {e}")))?
+}
+
+async fn run_to_end(ctx: CallCtx, run: Run) -> Result<i32, CoreError> {
+    let env = device_env(
+        &run.target.lease_id,
+        &run.target.device_id,
+        &run.target.driver_device_id,
+        run.target.platform,
+    );
+    let mut command = Command::new(&run.tool.command);
+    command
+        .args(&run.tool.args)
+        .args(&run.args)
+        .envs(&env)
+        .stdin(if run.stdin.is_some() {
+            Stdio::piped()
+        } else {
+            Stdio::null()
+        })
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true);
+    let mut child = command.spawn().map_err(|source| CoreError::ExecSpawn {
+        tool: run.tool_name.clone(),
+        source,
+    })?;
+    // Every pre-spawn failure is ruled out: the process exists.
+    ctx.push(Push::Started {
+        request_id: ctx.request_id().clone(),
+    })
+    .await;
+
+    if let (Some(text), Some(mut stdin)) = (run.stdin, child.stdin.take()) {
+        tokio::spawn(async move {
+            if let Err(e) = stdin.write_all(text.as_bytes()).await {
+                debug!(error = %e, "exec stdin was not read to its end");
+            }
+            // Dropping the pipe closes it: the tool sees end of input.
+        });
+    }
+    let stdout = child.stdout.take();
+    let stderr = child.stderr.take();
+    let timeout = Duration::from_millis(run.timeout_ms);
+    let finished = tokio::time::timeout(timeout, async {
+        pump(&ctx, stdout, stderr).await;
+        child.wait().await
+    })
+    .await;
+    match finished {
+        Ok(Ok(status)) => Ok(exit_code(status)),
+        Ok(Err(e)) => Err(CoreError::Internal(format!(
+            "waiting for {} failed: {e}",
+            run.tool_name
+        ))),
+        Err(_elapsed) => {
+            stop(&mut child).await;
+            Err(CoreError::ExecTimeout {
+                tool: run.tool_name,
+                timeout_ms: run.timeout_ms,
+            })
+        }
+    }
+}
+
+/// SIGTERM, then SIGKILL after the grace period.
+async fn stop(child: &mut Child) {
+    let pid = child
+        .id()
+        .and_then(|id| i32::try_from(id).ok())
+        .and_then(rustix::process::Pid::from_raw);
+    if let Some(pid) = pid {
+        if let Err(e) = rustix::process::kill_process(pid, rustix::process::Signal::TERM) {
+            debug!(error = %e, "SIGTERM to a timed-out tool failed");
+        }
+        if tokio::time::timeout(KILL_GRACE, child.wait()).await.is_ok() {
+            return;
+        }
+    }
+    if let Err(e) = child.start_kill() {
+        warn!(error = %e, "SIGKILL to a timed-out tool failed");
+    }
+    let _ = child.wait().await;
+}
+
+fn exit_code(status: ExitStatus) -> i32 {
+    use std::os::unix::process::ExitStatusExt;
+    status
+        .code()
+        .or_else(|| status.signal().map(|s| 128 + s))
+        .unwrap_or(-1)
+}
+
+/// Reads both streams until both end, pushing each chunk as it comes.
+async fn pump(
+    ctx: &CallCtx,
+    stdout: Option<impl AsyncRead + Unpin>,
+    stderr: Option<impl AsyncRead + Unpin>,
+) {
+    let mut out = Stream::new(stdout, OutputStream::Stdout);
+    let mut err = Stream::new(stderr, OutputStream::Stderr);
+    while out.open() || err.open() {
+        let chunk = tokio::select! {
+            chunk = out.read(), if out.open() => chunk,
+            chunk = err.read(), if err.open() => chunk,
+        };
+        if let Some((stream, text)) = chunk
+            && !text.is_empty()
+        {
+            ctx.push(Push::Output {
+                request_id: ctx.request_id().clone(),
+                stream,
+                chunk: text,
+            })
+            .await;
+        }
+    }
+}
+
+struct Stream<R> {
+    reader: Option<R>,
+    which: OutputStream,
+    buf: Vec<u8>,
+    carry: Vec<u8>,
+}
+
+impl<R: AsyncRead + Unpin> Stream<R> {
+    fn new(reader: Option<R>, which: OutputStream) -> Self {
+        Self {
+            reader,
+            which,
+            buf: vec![0; CHUNK],
+            carry: Vec::new(),
+        }
+    }
+
+    const fn open(&self) -> bool {
+        self.reader.is_some()
+    }
+
+    /// The next chunk as text; at the end, whatever incomplete bytes were held back.
+    async fn read(&mut self) -> Option<(OutputStream, String)> {
+        let reader = self.reader.as_mut()?;
+        match reader.read(&mut self.buf).await {
+            Ok(n) if n > 0 => {
+                self.carry.extend_from_slice(&self.buf[..n]);
+                let cut = complete_prefix(&self.carry);
+                let rest = self.carry.split_off(cut);
+                let text = String::from_utf8_lossy(&self.carry).into_owned();
+                self.carry = rest;
+                Some((self.which, text))
+            }
+            _ => {
+                self.reader = None;
+                let text = String::from_utf8_lossy(&std::mem::take(&mut self.carry)).into_owned();
+                Some((self.which, text))
+            }
+        }
+    }
+}
+
+/// The length of `bytes` without a trailing, incomplete UTF-8 sequence (held for the next
+/// chunk so a character split across reads is not mangled).
+fn complete_prefix(bytes: &[u8]) -> usize {
+    let len = bytes.len();
+    for back in 1..=len.min(3) {
+        let byte = bytes[len - back];
+        if byte & 0xC0 == 0x80 {
+            continue;
+        }
+        let needed = match byte {
+            b if b & 0xE0 == 0xC0 => 2,
+            b if b & 0xF0 == 0xE0 => 3,
+            b if b & 0xF8 == 0xF0 => 4,
+            _ => 1,
+        };
+        return if needed > back { len - back } else { len };
+    }
+    len
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_split_character_is_held_back() {
+        let euro = "€".as_bytes(); // three bytes
+        assert_eq!(complete_prefix(b"abc"), 3);
+        assert_eq!(complete_prefix(&[b'a', euro[0]]), 1);
+        assert_eq!(complete_prefix(&[b'a', euro[0], euro[1]]), 1);
+        assert_eq!(complete_prefix(&[b'a', euro[0], euro[1], euro[2]]), 4);
+        assert_eq!(complete_prefix(&[]), 0);
+        // Not UTF-8 at all: nothing is held back, the lossy decoding marks it.
+        assert_eq!(complete_prefix(&[0xFF, 0xFF]), 2);
+    }
+}

@@ -1,0 +1,1490 @@
+//! The worker's state and every decision about it: devices, leases, the wait queue and the
+//! request book. Plain data taking `now_ms`; no tokio, no I/O.
+//!
+//! Each command mutates the state and records what must follow: rows to store ([`Writes`]),
+//! events, lease notices, request updates and device work ([`Effects`]). The async shell
+//! ([`crate::worker`]) stores the rows, then carries out the effects, under the same lock, so
+//! effects follow the order of the decisions. A command that fails changes nothing.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use serde_json::{Value, json};
+use simlock_contract::ContractError;
+use simlock_contract::ids::{DeviceId, LeaseId, RequestId};
+use simlock_contract::model::{
+    Capacity, Device, DeviceSpec, DeviceState, GrantDevice, GrantTiming, LeaseEndReason,
+    LeaseGrant, LeaseRecord, Platform, RequestedDevice, WaitStage, WaitingRequest,
+};
+use simlock_contract::ops::CancelResult;
+use simlock_contract::push::{Progress, Push};
+use simlock_daemon::config::IdleConfig;
+
+use crate::book::{RecordState, RequestBook, RequestRecord};
+use crate::capacity::{Limits, Usage};
+use crate::driver::{DriverError, Estimates};
+use crate::error::CoreError;
+use crate::queue::{LeaseTerms, Pending, Source, Stage, TimedOut, WaitQueue, Waiter};
+
+/// Module name of lease and queue events.
+const LEASES: &str = "lease-lifecycle";
+/// Module name of device events.
+const DEVICES: &str = "devices";
+/// Device work attempts a waiting request survives before it fails.
+const MAX_WORK_FAILURES: u32 = 3;
+
+/// What the decisions need from configuration.
+#[derive(Debug, Clone)]
+pub(crate) struct Settings {
+    pub default_ttl_ms: u64,
+    pub max_ttl_ms: u64,
+    pub retention_ms: u64,
+    pub max_records: usize,
+    pub idle: IdleConfig,
+    pub limits: Limits,
+    pub estimates: BTreeMap<Platform, Estimates>,
+}
+
+/// One device in the registry.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct DeviceEntry {
+    pub id: DeviceId,
+    pub spec: DeviceSpec,
+    pub state: DeviceState,
+    pub driver_device_id: String,
+    pub created_at: i64,
+    pub last_lease_ended_at: Option<i64>,
+    /// Since when nobody leases it (the idle tiers count from here).
+    pub idle_since: i64,
+    /// When it was last granted or released (eviction takes the least recent).
+    pub last_used_at: i64,
+    /// The request device work on it is for (not stored).
+    pub claim: Option<RequestId>,
+    /// A driver call on it is under way (not stored).
+    pub busy: bool,
+    /// When its reclaim should end (not stored).
+    pub reclaim_until: Option<i64>,
+}
+
+impl DeviceEntry {
+    fn view(&self) -> Device {
+        Device {
+            id: self.id.clone(),
+            spec: self.spec.clone(),
+            state: self.state,
+            driver_device_id: self.driver_device_id.clone(),
+            created_at: self.created_at,
+            last_lease_ended_at: self.last_lease_ended_at,
+            worker_id: None,
+        }
+    }
+
+    fn free(&self) -> bool {
+        self.claim.is_none() && !self.busy
+    }
+}
+
+/// Who calls, for ownership checks.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Caller<'a> {
+    pub principal: &'a str,
+    pub admin: bool,
+}
+
+/// A lease request, checked and resolved, ready for admission.
+#[derive(Debug, Clone)]
+pub(crate) struct Admission {
+    pub request_id: RequestId,
+    pub requester_id: String,
+    pub principal: String,
+    pub idempotency_key: Option<String>,
+    pub fingerprint: String,
+    pub spec: DeviceSpec,
+    pub requested: RequestedDevice,
+    pub terms: LeaseTerms,
+    pub no_wait: bool,
+    pub timeout_ms: Option<u64>,
+}
+
+/// How admission ended.
+#[derive(Debug)]
+pub(crate) enum Admitted {
+    /// An idempotent repeat of a settled request: its recorded outcome.
+    Replay(Box<Result<LeaseGrant, ContractError>>),
+    /// Follow this request's updates until it settles.
+    Follow(RequestId),
+}
+
+/// What a following caller hears about its request.
+#[derive(Debug, Clone)]
+pub(crate) enum Update {
+    Progress(Progress),
+    Done(Box<Result<LeaseGrant, ContractError>>),
+}
+
+/// Device work for the shell to run.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Work {
+    /// Create, then boot, a device for a request.
+    Provision { device: DeviceId, spec: DeviceSpec },
+    /// Boot a created device.
+    Boot {
+        device: DeviceId,
+        platform: Platform,
+        driver_device_id: String,
+    },
+    /// Wipe a device after a lease.
+    Reclaim {
+        device: DeviceId,
+        platform: Platform,
+        driver_device_id: String,
+    },
+    /// Stop an idle device.
+    Shutdown {
+        device: DeviceId,
+        platform: Platform,
+        driver_device_id: String,
+    },
+    /// Destroy a device (stopping it first when it runs).
+    Delete {
+        device: DeviceId,
+        platform: Platform,
+        driver_device_id: String,
+        running: bool,
+    },
+}
+
+/// An event to emit.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Emitted {
+    pub name: &'static str,
+    pub module: &'static str,
+    pub payload: Value,
+}
+
+/// A lease-scoped push for an owner's connections.
+#[derive(Debug, Clone)]
+pub(crate) struct Notice {
+    pub owner: String,
+    pub push: Push,
+    pub except: Option<u64>,
+}
+
+/// What must follow the decisions made since the last take.
+#[derive(Debug, Default)]
+pub(crate) struct Effects {
+    pub events: Vec<Emitted>,
+    pub notices: Vec<Notice>,
+    pub updates: Vec<(RequestId, Update)>,
+    pub work: Vec<Work>,
+}
+
+/// Rows to store: `None` deletes.
+#[derive(Debug, Default)]
+pub(crate) struct Writes {
+    pub devices: Vec<(DeviceId, Option<DeviceEntry>)>,
+    pub leases: Vec<(String, Option<LeaseRecord>)>,
+    pub requests: Vec<(RequestId, Option<RequestRecord>)>,
+}
+
+impl Writes {
+    pub(crate) fn is_empty(&self) -> bool {
+        self.devices.is_empty() && self.leases.is_empty() && self.requests.is_empty()
+    }
+}
+
+#[derive(Debug, Default)]
+struct Dirty {
+    devices: BTreeSet<DeviceId>,
+    leases: BTreeSet<String>,
+    requests: BTreeSet<RequestId>,
+}
+
+/// Where a lease's device and its tools are.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct ExecTarget {
+    pub lease_id: String,
+    pub device_id: DeviceId,
+    pub driver_device_id: String,
+    pub platform: Platform,
+}
+
+/// The environment that points tools at a leased device.
+pub(crate) fn device_env(
+    lease_id: &str,
+    device_id: &DeviceId,
+    driver_device_id: &str,
+    platform: Platform,
+) -> BTreeMap<String, String> {
+    BTreeMap::from([
+        ("SIMLOCK_LEASE_ID".to_owned(), lease_id.to_owned()),
+        ("SIMLOCK_DEVICE_ID".to_owned(), device_id.to_string()),
+        (
+            "SIMLOCK_DEVICE_UDID".to_owned(),
+            driver_device_id.to_owned(),
+        ),
+        ("SIMLOCK_PLATFORM".to_owned(), platform.as_str().to_owned()),
+    ])
+}
+
+/// The `ttlMs` cap: above `lease.maxTtlMs` is refused, never clamped. Answers the width.
+pub(crate) fn check_ttl(settings: &Settings, ttl_ms: Option<u64>) -> Result<u64, CoreError> {
+    let ttl = ttl_ms.unwrap_or(settings.default_ttl_ms);
+    if ttl > settings.max_ttl_ms {
+        return Err(CoreError::BadRequest(format!(
+            "ttlMs: {ttl} is above lease.maxTtlMs ({})",
+            settings.max_ttl_ms
+        )));
+    }
+    Ok(ttl)
+}
+
+fn ms(value: u64) -> i64 {
+    i64::try_from(value).unwrap_or(i64::MAX)
+}
+
+/// The worker's state.
+#[derive(Debug)]
+pub(crate) struct State {
+    settings: Settings,
+    devices: BTreeMap<DeviceId, DeviceEntry>,
+    leases: BTreeMap<String, LeaseRecord>,
+    queue: WaitQueue,
+    book: RequestBook,
+    dirty: Dirty,
+    fx: Effects,
+    last_depth: u32,
+}
+
+impl State {
+    pub(crate) fn new(settings: Settings) -> Self {
+        Self {
+            settings,
+            devices: BTreeMap::new(),
+            leases: BTreeMap::new(),
+            queue: WaitQueue::default(),
+            book: RequestBook::default(),
+            dirty: Dirty::default(),
+            fx: Effects::default(),
+            last_depth: 0,
+        }
+    }
+
+    /// Loads stored rows (before [`Self::converge`]).
+    pub(crate) fn restore(
+        &mut self,
+        devices: Vec<DeviceEntry>,
+        leases: Vec<LeaseRecord>,
+        requests: Vec<RequestRecord>,
+    ) {
+        self.devices = devices.into_iter().map(|d| (d.id.clone(), d)).collect();
+        self.leases = leases
+            .into_iter()
+            .map(|l| (l.id.as_str().to_owned(), l))
+            .collect();
+        for record in requests {
+            self.book.insert(record);
+        }
+    }
+
+    fn estimates(&self, platform: Platform) -> Estimates {
+        self.settings
+            .estimates
+            .get(&platform)
+            .copied()
+            .unwrap_or_default()
+    }
+
+    fn emit(&mut self, name: &'static str, module: &'static str, payload: Value) {
+        self.fx.events.push(Emitted {
+            name,
+            module,
+            payload,
+        });
+    }
+
+    fn progress(&mut self, id: &RequestId, progress: Progress) {
+        self.fx
+            .updates
+            .push((id.clone(), Update::Progress(progress)));
+    }
+
+    fn touch_device(&mut self, id: &DeviceId) {
+        self.dirty.devices.insert(id.clone());
+    }
+
+    // === Queries ===
+
+    pub(crate) fn usage(&self) -> Usage {
+        let ram = self.settings.limits.ram.as_ref();
+        let mut usage = Usage::default();
+        for d in self.devices.values() {
+            if d.state.is_running() {
+                let warm = d.state == DeviceState::Ready && d.claim.is_none();
+                usage.add_running(d.spec.platform, warm, ram);
+            } else if matches!(d.state, DeviceState::Provisioning | DeviceState::Booting) {
+                usage.add_reserved(d.spec.platform, ram);
+            }
+        }
+        usage
+    }
+
+    pub(crate) fn capacity(&self) -> Capacity {
+        self.settings.limits.snapshot(&self.usage())
+    }
+
+    pub(crate) fn devices(&self) -> Vec<Device> {
+        self.devices
+            .values()
+            .filter(|d| d.state != DeviceState::Deleted)
+            .map(DeviceEntry::view)
+            .collect()
+    }
+
+    pub(crate) fn leases(&self) -> Vec<LeaseRecord> {
+        let mut leases: Vec<LeaseRecord> = self.leases.values().cloned().collect();
+        leases.sort_by(|a, b| (a.granted_at, &a.id).cmp(&(b.granted_at, &b.id)));
+        leases
+    }
+
+    pub(crate) fn lease(&self, id: &str) -> Option<&LeaseRecord> {
+        self.leases.get(id)
+    }
+
+    pub(crate) fn queue_depth(&self) -> u32 {
+        self.queue.depth()
+    }
+
+    pub(crate) fn waiting(&self) -> Vec<WaitingRequest> {
+        self.queue
+            .iter()
+            .filter(|w| w.stage != Stage::New)
+            .map(|w| WaitingRequest {
+                id: w.id.clone(),
+                requester_id: w.requester_id.clone(),
+                spec: w.requested.clone(),
+                created_at: w.created_at,
+                stage: if w.stage == Stage::Queued {
+                    WaitStage::Queued
+                } else {
+                    WaitStage::Starting
+                },
+                queue_position: (w.stage == Stage::Queued)
+                    .then(|| self.queue.position(&w.id))
+                    .flatten(),
+                worker_id: None,
+            })
+            .collect()
+    }
+
+    /// The owner of `requester`'s pending request.
+    pub(crate) fn pending_owner(&self, requester: &str) -> Option<String> {
+        self.queue
+            .of_requester(requester)
+            .map(|w| w.terms.owner_id.clone())
+    }
+
+    pub(crate) fn record(&self, id: &RequestId) -> Option<RequestRecord> {
+        self.book.get(id).cloned()
+    }
+
+    pub(crate) fn records(&self) -> Vec<RequestRecord> {
+        self.book.all().cloned().collect()
+    }
+
+    /// Where a lease's device is, if the caller may run tools on it: an agent must own the
+    /// lease; an admin is held to the lease's requester (`requester`, else its principal).
+    pub(crate) fn exec_target(
+        &self,
+        lease_id: &str,
+        caller: Caller<'_>,
+        requester: Option<&str>,
+    ) -> Result<ExecTarget, CoreError> {
+        let unknown = || CoreError::UnknownLease(lease_id.to_owned());
+        let lease = self.leases.get(lease_id).ok_or_else(unknown)?;
+        let allowed = if caller.admin {
+            lease.requester_id == requester.unwrap_or(caller.principal)
+        } else {
+            lease.owner_id == caller.principal
+        };
+        if !allowed {
+            return Err(unknown());
+        }
+        let device = self.devices.get(&lease.device_id).ok_or_else(unknown)?;
+        Ok(ExecTarget {
+            lease_id: lease_id.to_owned(),
+            device_id: device.id.clone(),
+            driver_device_id: device.driver_device_id.clone(),
+            platform: device.spec.platform,
+        })
+    }
+
+    /// The next moment [`Self::tick`] has something to do.
+    pub(crate) fn next_deadline(&self) -> Option<i64> {
+        let idle = self.settings.idle;
+        let (to_shutdown, to_delete) = (ms(idle.shutdown_after_ms), ms(idle.delete_after_ms));
+        let leases = self.leases.values().map(|l| l.ttl_deadline);
+        let devices = self
+            .devices
+            .values()
+            .filter(|d| d.free())
+            .filter_map(|d| match d.state {
+                DeviceState::Ready => Some(d.idle_since.saturating_add(to_shutdown.min(to_delete))),
+                DeviceState::Shutdown => Some(d.idle_since.saturating_add(to_delete)),
+                _ => None,
+            });
+        leases
+            .chain(devices)
+            .chain(self.queue.next_deadline())
+            .min()
+    }
+
+    // === Taking what must follow ===
+
+    pub(crate) fn take_writes(&mut self) -> Writes {
+        let dirty = std::mem::take(&mut self.dirty);
+        Writes {
+            devices: dirty
+                .devices
+                .into_iter()
+                .map(|id| {
+                    let row = self
+                        .devices
+                        .get(&id)
+                        .filter(|d| d.state != DeviceState::Deleted)
+                        .cloned();
+                    (id, row)
+                })
+                .collect(),
+            leases: dirty
+                .leases
+                .into_iter()
+                .map(|id| {
+                    let row = self.leases.get(&id).cloned();
+                    (id, row)
+                })
+                .collect(),
+            requests: dirty
+                .requests
+                .into_iter()
+                .map(|id| {
+                    let row = self.book.get(&id).cloned();
+                    (id, row)
+                })
+                .collect(),
+        }
+    }
+
+    pub(crate) fn take_effects(&mut self) -> Effects {
+        let depth = self.queue.depth();
+        if depth != self.last_depth {
+            self.last_depth = depth;
+            self.emit("queue.changed", LEASES, json!({ "depth": depth }));
+        }
+        std::mem::take(&mut self.fx)
+    }
+
+    // === Admission ===
+
+    /// Admits a lease request: an idempotent repeat, the one-lease rule, a chosen lease id,
+    /// then recording, one dispatch walk with it as the last candidate, and queueing (or
+    /// `NO_CAPACITY` for `noWait`). One serialized decision.
+    pub(crate) fn admit(&mut self, a: Admission, now: i64) -> Result<Admitted, CoreError> {
+        self.prune(now);
+        if let Some(key) = &a.idempotency_key
+            && let Some(record) = self.book.by_key(&a.requester_id, key)
+        {
+            if record.principal != a.principal {
+                return Err(CoreError::IdempotencyForeign {
+                    requester_id: a.requester_id.clone(),
+                    key: key.clone(),
+                });
+            }
+            if record.fingerprint != a.fingerprint {
+                return Err(CoreError::IdempotencyConflict {
+                    requester_id: a.requester_id.clone(),
+                    key: key.clone(),
+                });
+            }
+            return Ok(match (record.state, &record.grant, &record.failure) {
+                (RecordState::Open, _, _) => Admitted::Follow(record.id.clone()),
+                (_, Some(grant), _) => Admitted::Replay(Box::new(Ok(grant.clone()))),
+                (_, None, Some(failure)) => Admitted::Replay(Box::new(Err(failure.clone()))),
+                (_, None, None) => Admitted::Replay(Box::new(Err(CoreError::Internal(format!(
+                    "request {} settled without an outcome",
+                    record.id
+                ))
+                .into()))),
+            });
+        }
+        if let Some(lease) = self
+            .leases
+            .values()
+            .find(|l| l.requester_id == a.requester_id)
+        {
+            let existing = lease.id.as_str().to_owned();
+            self.rejected(
+                &a.request_id,
+                &a.requester_id,
+                &a.requested,
+                "already-leased",
+            );
+            return Err(CoreError::RequesterAlreadyLeased {
+                requester_id: a.requester_id,
+                existing_lease_id: Some(existing),
+                pending_request_id: None,
+            });
+        }
+        if let Some(waiter) = self.queue.of_requester(&a.requester_id) {
+            let pending = waiter.id.to_string();
+            self.rejected(
+                &a.request_id,
+                &a.requester_id,
+                &a.requested,
+                "already-leased",
+            );
+            return Err(CoreError::RequesterAlreadyLeased {
+                requester_id: a.requester_id,
+                existing_lease_id: None,
+                pending_request_id: Some(pending),
+            });
+        }
+        if let Some(chosen) = &a.terms.chosen_id
+            && (self.leases.contains_key(chosen) || self.queue.holds_chosen_id(chosen))
+        {
+            let chosen = chosen.clone();
+            self.rejected(
+                &a.request_id,
+                &a.requester_id,
+                &a.requested,
+                "lease-id-taken",
+            );
+            return Err(CoreError::LeaseIdTaken(chosen));
+        }
+
+        let id = a.request_id.clone();
+        self.book.insert(RequestRecord {
+            id: id.clone(),
+            requester_id: a.requester_id.clone(),
+            owner_id: a.terms.owner_id.clone(),
+            principal: a.principal.clone(),
+            idempotency_key: a.idempotency_key.clone(),
+            fingerprint: a.fingerprint.clone(),
+            requested: a.requested.clone(),
+            created_at: now,
+            state: RecordState::Open,
+            settled_at: None,
+            grant: None,
+            failure: None,
+        });
+        self.dirty.requests.insert(id.clone());
+        self.emit(
+            "lease.requested",
+            LEASES,
+            json!({
+                "requestId": id,
+                "requestSpec": a.requested,
+                "requester": a.requester_id,
+                "waitPolicy": if a.no_wait { "no-wait" } else { "wait" },
+            }),
+        );
+        let waiters_ahead = self.queue.depth() > 0;
+        self.queue.push(Waiter {
+            id: id.clone(),
+            requester_id: a.requester_id,
+            spec: a.spec,
+            requested: a.requested,
+            terms: a.terms,
+            no_wait: a.no_wait,
+            timeout_ms: a.timeout_ms,
+            deadline: None,
+            stage: Stage::New,
+            created_at: now,
+            failures: 0,
+            pending: None,
+        });
+        if a.no_wait && waiters_ahead {
+            // A worker with anyone waiting refuses every noWait request: FIFO stays fair.
+            self.fail(&id, CoreError::NoCapacity { waiters_ahead }, "no-wait", now);
+            return Ok(Admitted::Follow(id));
+        }
+        self.dispatch(now);
+        if self.queue.get(&id).is_some_and(|w| w.stage == Stage::New) {
+            if a.no_wait {
+                self.fail(&id, CoreError::NoCapacity { waiters_ahead }, "no-wait", now);
+            } else {
+                self.queue_again(&id, now);
+            }
+        }
+        Ok(Admitted::Follow(id))
+    }
+
+    /// Queues a new or failed-processing waiter, telling it where it is.
+    fn queue_again(&mut self, id: &RequestId, now: i64) {
+        match self.queue.enqueue(id, now) {
+            Some(Ok(position)) => {
+                self.progress(
+                    id,
+                    Progress::Queued {
+                        queue_position: position,
+                    },
+                );
+                self.emit(
+                    "lease.queued",
+                    LEASES,
+                    json!({ "requestId": id, "queuePosition": position }),
+                );
+            }
+            Some(Err(TimedOut)) => self.time_out(id, now),
+            None => {}
+        }
+    }
+
+    fn rejected(&mut self, id: &RequestId, requester: &str, spec: &RequestedDevice, reason: &str) {
+        self.emit(
+            "lease.rejected",
+            LEASES,
+            json!({
+                "requestId": id,
+                "requester": requester,
+                "requestSpec": spec,
+                "reason": reason,
+            }),
+        );
+    }
+
+    /// Settles a request's record and tells its followers.
+    fn settle(
+        &mut self,
+        id: &RequestId,
+        outcome: Result<LeaseGrant, ContractError>,
+        state: RecordState,
+        now: i64,
+    ) {
+        if self.book.settle(id, &outcome, state, now) {
+            self.dirty.requests.insert(id.clone());
+        }
+        self.fx
+            .updates
+            .push((id.clone(), Update::Done(Box::new(outcome))));
+    }
+
+    /// Ends a request without a lease.
+    fn fail(&mut self, id: &RequestId, error: CoreError, reason: &str, now: i64) {
+        let state = if matches!(error, CoreError::Cancelled(_)) {
+            RecordState::Cancelled
+        } else {
+            RecordState::Failed
+        };
+        self.queue.remove(id);
+        self.settle(id, Err(ContractError::from(error)), state, now);
+        if let Some(record) = self.book.get(id) {
+            let (requester, spec) = (record.requester_id.clone(), record.requested.clone());
+            self.rejected(id, &requester, &spec, reason);
+        }
+    }
+
+    fn time_out(&mut self, id: &RequestId, now: i64) {
+        let timeout_ms = self
+            .queue
+            .get(id)
+            .and_then(|w| w.timeout_ms)
+            .unwrap_or_default();
+        let error = CoreError::QueueTimeout {
+            request_id: id.clone(),
+            timeout_ms,
+        };
+        self.fail(id, error, "timeout", now);
+    }
+
+    // === Acquisition ===
+
+    /// One walk over the waiters, oldest first: each gets a device if one can be had now.
+    /// A waiter may wait on a reclaiming device only when no older waiter was passed over.
+    fn dispatch(&mut self, now: i64) {
+        let mut passed_over = false;
+        for id in self.queue.pickable() {
+            let Some(waiter) = self.queue.get(&id) else {
+                continue;
+            };
+            let (spec, no_wait) = (waiter.spec.clone(), waiter.no_wait);
+            match self.plan(&spec, !passed_over && !no_wait) {
+                Some(plan) => match self.queue.mark_processing(&id, now) {
+                    Some(Ok(())) => self.start(&id, plan, now),
+                    Some(Err(TimedOut)) => self.time_out(&id, now),
+                    None => {}
+                },
+                None => passed_over = true,
+            }
+        }
+    }
+
+    /// Where a device of `spec` can come from now: a ready one, one being reclaimed, a
+    /// shutdown one to boot, or a new one, making room by evicting the least recently used
+    /// idle device of another spec when capacity is full.
+    fn plan(&self, spec: &DeviceSpec, may_wait_for_reclaim: bool) -> Option<Plan> {
+        let of_spec = |d: &&DeviceEntry| &d.spec == spec;
+        let ready = self
+            .devices
+            .values()
+            .filter(of_spec)
+            .filter(|d| d.state == DeviceState::Ready && d.free())
+            .max_by_key(|d| (d.last_used_at, d.id.clone()));
+        if let Some(device) = ready {
+            return Some(Plan::Warm(device.id.clone()));
+        }
+        if may_wait_for_reclaim
+            && let Some(device) = self
+                .devices
+                .values()
+                .filter(of_spec)
+                .filter(|d| d.state == DeviceState::Reclaiming && d.claim.is_none())
+                .min_by_key(|d| (d.reclaim_until, d.id.clone()))
+        {
+            return Some(Plan::AfterReclaim(device.id.clone()));
+        }
+        let usage = self.usage();
+        let room = self.settings.limits.fits(&usage, spec.platform);
+        let evict = || (!room).then(|| self.eviction(&usage, spec)).flatten();
+        let shutdown = self
+            .devices
+            .values()
+            .filter(of_spec)
+            .filter(|d| d.state == DeviceState::Shutdown && d.free())
+            .max_by_key(|d| (d.last_used_at, d.id.clone()));
+        if let Some(device) = shutdown {
+            if room {
+                return Some(Plan::Boot {
+                    device: device.id.clone(),
+                    evict: None,
+                });
+            }
+            if let Some(victim) = evict() {
+                return Some(Plan::Boot {
+                    device: device.id.clone(),
+                    evict: Some(victim),
+                });
+            }
+            return None;
+        }
+        if room {
+            return Some(Plan::Provision { evict: None });
+        }
+        evict().map(|victim| Plan::Provision {
+            evict: Some(victim),
+        })
+    }
+
+    /// The least recently used idle running device of another spec whose shutdown makes
+    /// room for a device of `spec`.
+    fn eviction(&self, usage: &Usage, spec: &DeviceSpec) -> Option<DeviceId> {
+        let limits = &self.settings.limits;
+        let mut idle: Vec<&DeviceEntry> = self
+            .devices
+            .values()
+            .filter(|d| d.state == DeviceState::Ready && d.free() && &d.spec != spec)
+            .collect();
+        idle.sort_by_key(|d| (d.last_used_at, d.id.clone()));
+        idle.into_iter()
+            .find(|d| {
+                let after = usage.without_running(d.spec.platform, true, limits.ram.as_ref());
+                limits.fits(&after, spec.platform)
+            })
+            .map(|d| d.id.clone())
+    }
+
+    fn set_pending(&mut self, id: &RequestId, pending: Pending) {
+        if let Some(waiter) = self.queue.get_mut(id) {
+            waiter.pending = Some(pending);
+        }
+    }
+
+    fn start(&mut self, id: &RequestId, plan: Plan, now: i64) {
+        match plan {
+            Plan::Warm(device) => self.grant(id, &device, Source::Warm, now),
+            Plan::AfterReclaim(device) => {
+                let Some(entry) = self.devices.get_mut(&device) else {
+                    return;
+                };
+                entry.claim = Some(id.clone());
+                let eta = u64::try_from(entry.reclaim_until.unwrap_or(now).saturating_sub(now))
+                    .unwrap_or(0);
+                self.set_pending(
+                    id,
+                    Pending {
+                        device,
+                        source: Source::Warm,
+                        eta_ms: eta,
+                    },
+                );
+                self.progress(id, Progress::Reclaiming { eta_ms: eta });
+            }
+            Plan::Boot { device, evict } => {
+                if let Some(victim) = evict {
+                    self.evict(&victim);
+                }
+                let Some(entry) = self.devices.get_mut(&device) else {
+                    return;
+                };
+                entry.state = DeviceState::Booting;
+                entry.claim = Some(id.clone());
+                entry.busy = true;
+                let (platform, driver_device_id) =
+                    (entry.spec.platform, entry.driver_device_id.clone());
+                self.touch_device(&device);
+                let eta = self.estimates(platform).boot_ms;
+                self.set_pending(
+                    id,
+                    Pending {
+                        device: device.clone(),
+                        source: Source::Booted,
+                        eta_ms: eta,
+                    },
+                );
+                self.progress(id, Progress::Booting { eta_ms: eta });
+                self.fx.work.push(Work::Boot {
+                    device,
+                    platform,
+                    driver_device_id,
+                });
+            }
+            Plan::Provision { evict } => {
+                if let Some(victim) = evict {
+                    self.evict(&victim);
+                }
+                let Some(spec) = self.queue.get(id).map(|w| w.spec.clone()) else {
+                    return;
+                };
+                let device = DeviceId::mint();
+                self.devices.insert(
+                    device.clone(),
+                    DeviceEntry {
+                        id: device.clone(),
+                        spec: spec.clone(),
+                        state: DeviceState::Provisioning,
+                        driver_device_id: String::new(),
+                        created_at: now,
+                        last_lease_ended_at: None,
+                        idle_since: now,
+                        last_used_at: now,
+                        claim: Some(id.clone()),
+                        busy: true,
+                        reclaim_until: None,
+                    },
+                );
+                self.touch_device(&device);
+                let est = self.estimates(spec.platform);
+                self.set_pending(
+                    id,
+                    Pending {
+                        device: device.clone(),
+                        source: Source::Provisioned,
+                        eta_ms: est.provision_ms.saturating_add(est.boot_ms),
+                    },
+                );
+                self.progress(
+                    id,
+                    Progress::Provisioning {
+                        eta_ms: est.provision_ms,
+                    },
+                );
+                self.fx.work.push(Work::Provision { device, spec });
+            }
+        }
+    }
+
+    /// Shuts an idle running device down to make room.
+    fn evict(&mut self, device: &DeviceId) {
+        let Some(entry) = self.devices.get_mut(device) else {
+            return;
+        };
+        entry.state = DeviceState::Shutdown;
+        entry.busy = true;
+        let work = Work::Shutdown {
+            device: device.clone(),
+            platform: entry.spec.platform,
+            driver_device_id: entry.driver_device_id.clone(),
+        };
+        self.touch_device(device);
+        self.fx.work.push(work);
+    }
+
+    /// Grants `device` to request `id`.
+    fn grant(&mut self, id: &RequestId, device_id: &DeviceId, source: Source, now: i64) {
+        let Some(waiter) = self.queue.remove(id) else {
+            return;
+        };
+        let Some(device) = self.devices.get_mut(device_id) else {
+            let error = CoreError::Internal(format!("device {device_id} vanished"));
+            self.settle(id, Err(error.into()), RecordState::Failed, now);
+            return;
+        };
+        device.state = DeviceState::Leased;
+        device.claim = None;
+        device.busy = false;
+        device.reclaim_until = None;
+        device.last_used_at = now;
+        let device = device.clone();
+        self.touch_device(device_id);
+
+        let chosen = waiter.terms.chosen_id.is_some();
+        let lease_id = waiter
+            .terms
+            .chosen_id
+            .clone()
+            .unwrap_or_else(|| LeaseId::mint().into_string());
+        let lease = LeaseRecord {
+            id: LeaseId::from_raw(lease_id.clone()),
+            device_id: device.id.clone(),
+            requester_id: waiter.requester_id.clone(),
+            owner_id: waiter.terms.owner_id.clone(),
+            granted_at: now,
+            ttl_ms: waiter.terms.ttl_ms,
+            ttl_deadline: now.saturating_add(ms(waiter.terms.ttl_ms)),
+            last_renewed_at: now,
+            id_chosen_by_requester: chosen,
+            worker: None,
+            worker_id: None,
+        };
+        self.leases.insert(lease_id.clone(), lease.clone());
+        self.dirty.leases.insert(lease_id.clone());
+        let est = self.estimates(device.spec.platform);
+        let grant = LeaseGrant {
+            device: GrantDevice {
+                id: device.id.clone(),
+                driver_device_id: device.driver_device_id.clone(),
+                spec: device.spec.clone(),
+                address: None,
+            },
+            environment: device_env(
+                &lease_id,
+                &device.id,
+                &device.driver_device_id,
+                device.spec.platform,
+            ),
+            lease,
+            timing: GrantTiming {
+                estimated_provision_ms: est.provision_ms,
+                estimated_boot_ms: est.boot_ms,
+                estimated_reclaim_ms: est.reclaim_ms,
+                estimated_ready_ms: waiter.pending.map_or(0, |p| p.eta_ms),
+            },
+        };
+        self.settle(id, Ok(grant), RecordState::Granted, now);
+        self.emit(
+            "lease.granted",
+            LEASES,
+            json!({
+                "leaseId": lease_id,
+                "deviceId": device.id,
+                "requester": waiter.requester_id,
+                "ownerId": waiter.terms.owner_id,
+                "requestId": id,
+                "source": source.as_str(),
+            }),
+        );
+    }
+
+    /// Device work for a waiter failed: it waits again (deadline unchanged) or, past the
+    /// limit or for `noWait`, fails.
+    fn work_failed(&mut self, id: &RequestId, why: &str, now: i64) {
+        let Some(waiter) = self.queue.get_mut(id) else {
+            return;
+        };
+        waiter.failures += 1;
+        waiter.pending = None;
+        if waiter.no_wait || waiter.failures >= MAX_WORK_FAILURES {
+            self.fail(
+                id,
+                CoreError::DeviceWork(why.to_owned()),
+                "worker-failed",
+                now,
+            );
+        } else {
+            self.queue_again(id, now);
+        }
+    }
+
+    // === Work results ===
+
+    /// A device was created (answers its driver id when boot should follow).
+    pub(crate) fn provisioned(
+        &mut self,
+        device: &DeviceId,
+        result: Result<String, DriverError>,
+        now: i64,
+    ) -> Option<String> {
+        let outcome = match result {
+            Ok(driver_device_id) => {
+                let entry = self.devices.get_mut(device)?;
+                entry.driver_device_id.clone_from(&driver_device_id);
+                entry.state = DeviceState::Booting;
+                let (claim, spec) = (entry.claim.clone(), entry.spec.clone());
+                self.touch_device(device);
+                self.emit(
+                    "device.provisioned",
+                    DEVICES,
+                    json!({ "deviceId": device, "spec": spec, "driverDeviceId": driver_device_id }),
+                );
+                if let Some(claim) = claim {
+                    let eta = self.estimates(spec.platform).boot_ms;
+                    self.progress(&claim, Progress::Booting { eta_ms: eta });
+                }
+                Some(driver_device_id)
+            }
+            Err(e) => {
+                if let Some(entry) = self.devices.remove(device) {
+                    self.touch_device(device);
+                    if let Some(claim) = entry.claim {
+                        self.work_failed(&claim, &e.to_string(), now);
+                    }
+                }
+                None
+            }
+        };
+        self.dispatch(now);
+        outcome
+    }
+
+    /// A device finished booting.
+    pub(crate) fn booted(&mut self, device: &DeviceId, result: Result<(), DriverError>, now: i64) {
+        let Some(entry) = self.devices.get_mut(device) else {
+            return;
+        };
+        entry.busy = false;
+        let claim = entry.claim.take();
+        let spec = entry.spec.clone();
+        match result {
+            Ok(()) => {
+                entry.state = DeviceState::Ready;
+                entry.idle_since = now;
+                self.touch_device(device);
+                self.emit(
+                    "device.ready",
+                    DEVICES,
+                    json!({ "deviceId": device, "spec": spec }),
+                );
+                if let Some(claim) = claim {
+                    let source = self
+                        .queue
+                        .get(&claim)
+                        .and_then(|w| w.pending.as_ref())
+                        .map_or(Source::Booted, |p| p.source);
+                    self.grant(&claim, device, source, now);
+                }
+            }
+            Err(e) => {
+                entry.state = DeviceState::Shutdown;
+                self.touch_device(device);
+                if let Some(claim) = claim {
+                    self.work_failed(&claim, &e.to_string(), now);
+                }
+            }
+        }
+        self.dispatch(now);
+    }
+
+    /// A device finished its reclaim.
+    pub(crate) fn reclaimed(
+        &mut self,
+        device: &DeviceId,
+        result: Result<(), DriverError>,
+        now: i64,
+    ) {
+        let Some(entry) = self.devices.get_mut(device) else {
+            return;
+        };
+        let claim = entry.claim.take();
+        entry.reclaim_until = None;
+        let spec = entry.spec.clone();
+        match result {
+            Ok(()) => {
+                entry.busy = false;
+                entry.state = DeviceState::Ready;
+                entry.idle_since = now;
+                self.touch_device(device);
+                self.emit(
+                    "device.reclaimed",
+                    DEVICES,
+                    json!({ "deviceId": device, "spec": spec }),
+                );
+                if let Some(claim) = claim {
+                    self.grant(&claim, device, Source::Warm, now);
+                }
+            }
+            Err(e) => {
+                // A device that could not be wiped is not handed out again.
+                entry.state = DeviceState::Deleted;
+                let work = Work::Delete {
+                    device: device.clone(),
+                    platform: spec.platform,
+                    driver_device_id: entry.driver_device_id.clone(),
+                    running: true,
+                };
+                self.touch_device(device);
+                self.fx.work.push(work);
+                if let Some(claim) = claim {
+                    self.work_failed(&claim, &e.to_string(), now);
+                }
+            }
+        }
+        self.dispatch(now);
+    }
+
+    /// A device finished shutting down.
+    pub(crate) fn shut_down(
+        &mut self,
+        device: &DeviceId,
+        result: Result<(), DriverError>,
+        now: i64,
+    ) {
+        let Some(entry) = self.devices.get_mut(device) else {
+            return;
+        };
+        entry.busy = false;
+        let spec = entry.spec.clone();
+        if result.is_ok() {
+            self.emit(
+                "device.shutdown",
+                DEVICES,
+                json!({ "deviceId": device, "spec": spec }),
+            );
+        }
+        self.dispatch(now);
+    }
+
+    /// A device was destroyed.
+    pub(crate) fn deleted(&mut self, device: &DeviceId, now: i64) {
+        if let Some(entry) = self.devices.remove(device) {
+            self.touch_device(device);
+            self.emit(
+                "device.deleted",
+                DEVICES,
+                json!({ "deviceId": device, "spec": entry.spec }),
+            );
+        }
+        self.dispatch(now);
+    }
+
+    // === Leases ===
+
+    fn visible(&self, lease_id: &str, caller: Caller<'_>) -> Result<(), CoreError> {
+        match self.leases.get(lease_id) {
+            Some(lease) if caller.admin || lease.owner_id == caller.principal => Ok(()),
+            _ => Err(CoreError::UnknownLease(lease_id.to_owned())),
+        }
+    }
+
+    /// Renews a lease: `ttlMs` absent keeps the recorded width; present sets a new one.
+    pub(crate) fn renew(
+        &mut self,
+        lease_id: &str,
+        ttl_ms: Option<u64>,
+        caller: Caller<'_>,
+        now: i64,
+    ) -> Result<LeaseRecord, CoreError> {
+        if ttl_ms.is_some() {
+            check_ttl(&self.settings, ttl_ms)?;
+        }
+        self.visible(lease_id, caller)?;
+        let Some(lease) = self.leases.get_mut(lease_id) else {
+            return Err(CoreError::UnknownLease(lease_id.to_owned()));
+        };
+        let width = ttl_ms.unwrap_or(lease.ttl_ms);
+        lease.ttl_ms = width;
+        lease.ttl_deadline = now.saturating_add(ms(width));
+        lease.last_renewed_at = now;
+        let lease = lease.clone();
+        self.dirty.leases.insert(lease_id.to_owned());
+        self.emit(
+            "lease.renewed",
+            LEASES,
+            json!({ "leaseId": lease_id, "newDeadline": lease.ttl_deadline }),
+        );
+        Ok(lease)
+    }
+
+    /// Releases a lease the caller owns (admins: any). `except` is the releasing connection,
+    /// which gets no `lease-lost` for it.
+    pub(crate) fn release(
+        &mut self,
+        lease_id: &str,
+        caller: Caller<'_>,
+        except: Option<u64>,
+        now: i64,
+    ) -> Result<LeaseRecord, CoreError> {
+        self.visible(lease_id, caller)?;
+        self.end_lease(lease_id, LeaseEndReason::Explicit, except, now)
+            .ok_or_else(|| CoreError::UnknownLease(lease_id.to_owned()))
+    }
+
+    /// Releases every lease (reason `killed`).
+    pub(crate) fn release_all(&mut self, except: Option<u64>, now: i64) -> Vec<String> {
+        let ids: Vec<String> = self
+            .leases()
+            .into_iter()
+            .map(|l| l.id.into_string())
+            .collect();
+        for id in &ids {
+            self.end_lease(id, LeaseEndReason::Killed, except, now);
+        }
+        ids
+    }
+
+    /// Ends a lease: gone, device reclaiming, event, `lease-lost` to the owner.
+    fn end_lease(
+        &mut self,
+        lease_id: &str,
+        reason: LeaseEndReason,
+        except: Option<u64>,
+        now: i64,
+    ) -> Option<LeaseRecord> {
+        let lease = self.leases.remove(lease_id)?;
+        self.dirty.leases.insert(lease_id.to_owned());
+        let reclaim_ms = self
+            .devices
+            .get(&lease.device_id)
+            .map_or(0, |d| self.estimates(d.spec.platform).reclaim_ms);
+        if let Some(device) = self.devices.get_mut(&lease.device_id)
+            && device.state == DeviceState::Leased
+        {
+            device.state = DeviceState::Reclaiming;
+            device.busy = true;
+            device.last_lease_ended_at = Some(now);
+            device.last_used_at = now;
+            device.idle_since = now;
+            device.reclaim_until = Some(now.saturating_add(ms(reclaim_ms)));
+            let work = Work::Reclaim {
+                device: device.id.clone(),
+                platform: device.spec.platform,
+                driver_device_id: device.driver_device_id.clone(),
+            };
+            self.touch_device(&lease.device_id);
+            self.fx.work.push(work);
+        }
+        match reason {
+            LeaseEndReason::Expired => self.emit(
+                "lease.expired",
+                LEASES,
+                json!({ "leaseId": lease_id, "deviceId": lease.device_id, "ownerId": lease.owner_id }),
+            ),
+            other => self.emit(
+                "lease.released",
+                LEASES,
+                json!({
+                    "leaseId": lease_id,
+                    "deviceId": lease.device_id,
+                    "ownerId": lease.owner_id,
+                    "reason": other,
+                }),
+            ),
+        }
+        self.fx.notices.push(Notice {
+            owner: lease.owner_id.clone(),
+            push: Push::LeaseLost {
+                lease_id: lease_id.to_owned(),
+                device_id: lease.device_id.clone(),
+                reason,
+            },
+            except,
+        });
+        self.dispatch(now);
+        Some(lease)
+    }
+
+    /// Withdraws `requester`'s pending request if it is still only waiting.
+    pub(crate) fn cancel(&mut self, requester: &str, now: i64) -> CancelResult {
+        let Some(waiter) = self.queue.of_requester(requester) else {
+            return CancelResult::NotFound;
+        };
+        if waiter.stage == Stage::Processing {
+            return CancelResult::NotCancellable;
+        }
+        let id = waiter.id.clone();
+        self.fail(&id, CoreError::Cancelled(id.clone()), "cancelled", now);
+        self.dispatch(now);
+        CancelResult::Cancelled
+    }
+
+    // === Time ===
+
+    /// Does what is due at `now`: expiries, queue timeouts, idle tiers, book pruning.
+    pub(crate) fn tick(&mut self, now: i64) {
+        let expired: Vec<String> = self
+            .leases
+            .values()
+            .filter(|l| l.ttl_deadline <= now)
+            .map(|l| l.id.as_str().to_owned())
+            .collect();
+        for id in expired {
+            self.end_lease(&id, LeaseEndReason::Expired, None, now);
+        }
+        for id in self.queue.due(now) {
+            self.time_out(&id, now);
+        }
+        self.idle_tiers(now);
+        self.prune(now);
+        self.dispatch(now);
+    }
+
+    /// Shuts down devices idle past `idle.shutdownAfterMs` and deletes those idle past
+    /// `idle.deleteAfterMs`. Never touches a leased or claimed device.
+    fn idle_tiers(&mut self, now: i64) {
+        let idle = self.settings.idle;
+        let (to_shutdown, to_delete) = (ms(idle.shutdown_after_ms), ms(idle.delete_after_ms));
+        let due: Vec<(DeviceId, bool)> = self
+            .devices
+            .values()
+            .filter(|d| d.free())
+            .filter_map(|d| {
+                let idle_for = now.saturating_sub(d.idle_since);
+                match d.state {
+                    DeviceState::Ready if idle_for >= to_delete => Some((d.id.clone(), true)),
+                    DeviceState::Ready if idle_for >= to_shutdown => Some((d.id.clone(), false)),
+                    DeviceState::Shutdown if idle_for >= to_delete => Some((d.id.clone(), true)),
+                    _ => None,
+                }
+            })
+            .collect();
+        for (id, delete) in due {
+            if delete {
+                self.delete_device(&id);
+            } else {
+                self.evict(&id);
+            }
+        }
+    }
+
+    fn delete_device(&mut self, id: &DeviceId) {
+        let Some(entry) = self.devices.get_mut(id) else {
+            return;
+        };
+        let running = entry.state.is_running();
+        entry.state = DeviceState::Deleted;
+        entry.busy = true;
+        let work = Work::Delete {
+            device: id.clone(),
+            platform: entry.spec.platform,
+            driver_device_id: entry.driver_device_id.clone(),
+            running,
+        };
+        self.touch_device(id);
+        self.fx.work.push(work);
+    }
+
+    fn prune(&mut self, now: i64) {
+        let gone = self
+            .book
+            .prune(now, self.settings.retention_ms, self.settings.max_records);
+        self.dirty.requests.extend(gone);
+    }
+
+    // === Start-up ===
+
+    /// Converges restored state: open requests fail (the daemon restarted), devices caught
+    /// mid-transition settle, leases whose device is gone end (`device-lost`). Leases keep
+    /// their deadlines; overdue ones expire at the first tick.
+    pub(crate) fn converge(&mut self, now: i64) {
+        for id in self.book.open() {
+            let error = CoreError::Restarted(id.clone());
+            self.settle(&id, Err(error.into()), RecordState::Failed, now);
+            if let Some(record) = self.book.get(&id) {
+                let (requester, spec) = (record.requester_id.clone(), record.requested.clone());
+                self.rejected(&id, &requester, &spec, "daemon-restarted");
+            }
+        }
+        let leases: Vec<(String, DeviceId)> = self
+            .leases
+            .values()
+            .map(|l| (l.id.as_str().to_owned(), l.device_id.clone()))
+            .collect();
+        for (lease_id, device_id) in &leases {
+            match self.devices.get_mut(device_id) {
+                Some(d) if d.state == DeviceState::Leased => {}
+                Some(d) if d.state == DeviceState::Ready => {
+                    d.state = DeviceState::Leased;
+                    self.touch_device(device_id);
+                }
+                _ => {
+                    self.end_lease(lease_id, LeaseEndReason::DeviceLost, None, now);
+                }
+            }
+        }
+        let leased: BTreeSet<DeviceId> =
+            self.leases.values().map(|l| l.device_id.clone()).collect();
+        let ids: Vec<DeviceId> = self.devices.keys().cloned().collect();
+        for id in ids {
+            let Some(entry) = self.devices.get_mut(&id) else {
+                continue;
+            };
+            entry.claim = None;
+            entry.busy = false;
+            match entry.state {
+                DeviceState::Provisioning if entry.driver_device_id.is_empty() => {
+                    let spec = entry.spec.clone();
+                    self.devices.remove(&id);
+                    self.touch_device(&id);
+                    self.emit(
+                        "device.deleted",
+                        DEVICES,
+                        json!({ "deviceId": id, "spec": spec }),
+                    );
+                }
+                DeviceState::Provisioning => self.delete_device(&id),
+                DeviceState::Booting => {
+                    entry.state = DeviceState::Shutdown;
+                    let spec = entry.spec.clone();
+                    self.touch_device(&id);
+                    self.emit(
+                        "device.shutdown",
+                        DEVICES,
+                        json!({ "deviceId": id, "spec": spec }),
+                    );
+                }
+                DeviceState::Leased if !leased.contains(&id) => self.restart_reclaim(&id, now),
+                DeviceState::Reclaiming => self.restart_reclaim(&id, now),
+                DeviceState::Deleted => {
+                    self.devices.remove(&id);
+                    self.touch_device(&id);
+                }
+                _ => {}
+            }
+        }
+    }
+
+    fn restart_reclaim(&mut self, id: &DeviceId, now: i64) {
+        let Some(platform) = self.devices.get(id).map(|d| d.spec.platform) else {
+            return;
+        };
+        let reclaim_ms = self.estimates(platform).reclaim_ms;
+        let Some(entry) = self.devices.get_mut(id) else {
+            return;
+        };
+        entry.state = DeviceState::Reclaiming;
+        entry.busy = true;
+        entry.reclaim_until = Some(now.saturating_add(ms(reclaim_ms)));
+        let work = Work::Reclaim {
+            device: id.clone(),
+            platform,
+            driver_device_id: entry.driver_device_id.clone(),
+        };
+        self.touch_device(id);
+        self.fx.work.push(work);
+    }
+}
+
+/// Where a waiter's device comes from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Plan {
+    Warm(DeviceId),
+    AfterReclaim(DeviceId),
+    Boot {
+        device: DeviceId,
+        evict: Option<DeviceId>,
+    },
+    Provision {
+        evict: Option<DeviceId>,
+    },
+}
+
+#[cfg(test)]
+mod tests;

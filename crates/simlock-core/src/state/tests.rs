@@ -1,0 +1,343 @@
+//! Unit tests of the decisions, driven by hand with explicit times: no runtime, no I/O.
+
+use simlock_contract::ErrorCode;
+
+use super::*;
+use crate::capacity::Limits;
+
+fn settings(max: u32) -> Settings {
+    let est = Estimates {
+        provision_ms: 1_500,
+        boot_ms: 1_000,
+        reclaim_ms: 500,
+    };
+    Settings {
+        default_ttl_ms: 900_000,
+        max_ttl_ms: 14_400_000,
+        retention_ms: 600_000,
+        max_records: 10_000,
+        idle: IdleConfig {
+            shutdown_after_ms: 600_000,
+            delete_after_ms: 3_600_000,
+        },
+        limits: Limits {
+            ios_max: max,
+            android_max: max,
+            global_max: max,
+            ram: None,
+        },
+        estimates: BTreeMap::from([(Platform::Ios, est), (Platform::Android, est)]),
+    }
+}
+
+fn spec(platform: Platform, model: &str) -> DeviceSpec {
+    DeviceSpec {
+        platform,
+        model: model.into(),
+        os_version: "1".into(),
+    }
+}
+
+fn admission(n: u32, spec: DeviceSpec, timeout_ms: Option<u64>) -> Admission {
+    Admission {
+        request_id: RequestId::from_raw(format!("req_{n}")),
+        requester_id: format!("agent-{n}"),
+        principal: format!("agent-{n}"),
+        idempotency_key: None,
+        fingerprint: String::new(),
+        requested: RequestedDevice {
+            platform: spec.platform,
+            model: Some(spec.model.clone()),
+            os_version: None,
+            requires: vec![],
+        },
+        spec,
+        terms: LeaseTerms {
+            ttl_ms: 900_000,
+            owner_id: format!("agent-{n}"),
+            chosen_id: None,
+        },
+        no_wait: false,
+        timeout_ms,
+    }
+}
+
+fn request(n: u32) -> RequestId {
+    RequestId::from_raw(format!("req_{n}"))
+}
+
+fn outcome(fx: &Effects, id: &RequestId) -> Option<Result<LeaseGrant, ContractError>> {
+    fx.updates.iter().find_map(|(r, u)| match u {
+        Update::Done(outcome) if r == id => Some((**outcome).clone()),
+        _ => None,
+    })
+}
+
+fn progress(fx: &Effects, id: &RequestId) -> Vec<Progress> {
+    fx.updates
+        .iter()
+        .filter_map(|(r, u)| match u {
+            Update::Progress(p) if r == id => Some(*p),
+            _ => None,
+        })
+        .collect()
+}
+
+fn provision_of(fx: &Effects) -> DeviceId {
+    fx.work
+        .iter()
+        .find_map(|w| match w {
+            Work::Provision { device, .. } => Some(device.clone()),
+            _ => None,
+        })
+        .expect("a provision")
+}
+
+/// Admits request `n` and runs its provisioning and boot to a grant at `now`.
+fn lease_new(state: &mut State, n: u32, spec: DeviceSpec, now: i64) -> LeaseGrant {
+    state.admit(admission(n, spec, None), now).unwrap();
+    let device = provision_of(&state.take_effects());
+    assert!(
+        state
+            .provisioned(&device, Ok(format!("udid-{n}")), now)
+            .is_some()
+    );
+    state.booted(&device, Ok(()), now);
+    outcome(&state.take_effects(), &request(n))
+        .expect("settled")
+        .expect("granted")
+}
+
+fn release(state: &mut State, grant: &LeaseGrant, now: i64) {
+    let caller = Caller {
+        principal: &grant.lease.owner_id,
+        admin: false,
+    };
+    state
+        .release(grant.lease.id.as_str(), caller, None, now)
+        .unwrap();
+}
+
+#[test]
+fn a_new_device_is_provisioned_booted_then_granted_and_every_step_is_stored() {
+    let mut state = State::new(settings(2));
+    let id = request(1);
+    assert!(matches!(
+        state.admit(admission(1, spec(Platform::Ios, "A"), None), 0),
+        Ok(Admitted::Follow(ref r)) if *r == id
+    ));
+    let writes = state.take_writes();
+    assert_eq!(writes.requests.len(), 1, "recorded before anything else");
+    assert_eq!(writes.devices.len(), 1);
+    let fx = state.take_effects();
+    assert_eq!(
+        progress(&fx, &id),
+        [Progress::Provisioning { eta_ms: 1_500 }]
+    );
+    let device = provision_of(&fx);
+    assert_eq!(state.capacity().ios.reserved, 1);
+
+    assert_eq!(
+        state.provisioned(&device, Ok("udid".into()), 1_500),
+        Some("udid".to_owned())
+    );
+    let fx = state.take_effects();
+    assert_eq!(progress(&fx, &id), [Progress::Booting { eta_ms: 1_000 }]);
+    assert!(fx.events.iter().any(|e| e.name == "device.provisioned"));
+
+    state.booted(&device, Ok(()), 2_500);
+    let writes = state.take_writes();
+    assert_eq!(writes.leases.len(), 1);
+    let fx = state.take_effects();
+    let grant = outcome(&fx, &id).unwrap().unwrap();
+    assert_eq!(grant.lease.granted_at, 2_500);
+    assert_eq!(grant.lease.ttl_deadline, 2_500 + 900_000);
+    assert_eq!(grant.device.driver_device_id, "udid");
+    assert_eq!(grant.timing.estimated_ready_ms, 2_500);
+    let names: Vec<&str> = fx.events.iter().map(|e| e.name).collect();
+    assert_eq!(names, ["device.ready", "lease.granted"]);
+    assert_eq!(state.capacity().ios.running, 1);
+    assert_eq!(state.next_deadline(), Some(2_500 + 900_000));
+}
+
+#[test]
+fn a_queue_deadline_passed_during_device_work_fails_the_request_when_it_would_wait_again() {
+    let mut state = State::new(settings(1));
+    let first = lease_new(&mut state, 1, spec(Platform::Ios, "A"), 0);
+    // Queued at 1 s with a 10 s timeout: the deadline is 11 s.
+    state
+        .admit(admission(2, spec(Platform::Ios, "B"), Some(10_000)), 1_000)
+        .unwrap();
+    let fx = state.take_effects();
+    assert_eq!(
+        progress(&fx, &request(2)),
+        [Progress::Queued { queue_position: 1 }]
+    );
+    assert_eq!(state.next_deadline(), Some(11_000));
+
+    // At 6 s the device frees; it is of another spec, so it is evicted and a new one made.
+    release(&mut state, &first, 6_000);
+    state.reclaimed(&first.device.id, Ok(()), 6_500);
+    let fx = state.take_effects();
+    assert!(
+        fx.work
+            .iter()
+            .any(|w| matches!(w, Work::Shutdown { device, .. } if *device == first.device.id)),
+        "{:?}",
+        fx.work
+    );
+    let device = provision_of(&fx);
+    assert_eq!(
+        progress(&fx, &request(2)),
+        [Progress::Provisioning { eta_ms: 1_500 }]
+    );
+    // Processing: the deadline does not fire.
+    state.tick(11_000);
+    assert!(outcome(&state.take_effects(), &request(2)).is_none());
+
+    // The work fails at 12 s: waiting again would pass the deadline fixed at 11 s.
+    state.provisioned(
+        &device,
+        Err(DriverError {
+            platform: Platform::Ios,
+            message: "no disk".into(),
+        }),
+        12_000,
+    );
+    let err = outcome(&state.take_effects(), &request(2))
+        .unwrap()
+        .unwrap_err();
+    assert_eq!(err.code, ErrorCode::QueueTimeout);
+}
+
+#[test]
+fn failed_device_work_requeues_the_request_in_its_place() {
+    let mut state = State::new(settings(2));
+    state
+        .admit(admission(1, spec(Platform::Ios, "A"), None), 0)
+        .unwrap();
+    let device = provision_of(&state.take_effects());
+    let boom = || DriverError {
+        platform: Platform::Ios,
+        message: "boom".into(),
+    };
+    state.provisioned(&device, Err(boom()), 100);
+    let fx = state.take_effects();
+    // Queued again, then picked again at once (there is room): a second provision.
+    assert_eq!(
+        progress(&fx, &request(1)),
+        [
+            Progress::Queued { queue_position: 1 },
+            Progress::Provisioning { eta_ms: 1_500 }
+        ]
+    );
+    let second = provision_of(&fx);
+    assert_ne!(second, device);
+    state.provisioned(&second, Err(boom()), 200);
+    let third = provision_of(&state.take_effects());
+    state.provisioned(&third, Err(boom()), 300);
+    let err = outcome(&state.take_effects(), &request(1))
+        .unwrap()
+        .unwrap_err();
+    assert_eq!(err.code, ErrorCode::Internal);
+    assert!(err.message.contains("boom"), "{}", err.message);
+    assert!(state.devices().is_empty());
+}
+
+#[test]
+fn eviction_takes_the_least_recently_used_idle_device_and_never_a_leased_one() {
+    let mut state = State::new(settings(2));
+    let a = lease_new(&mut state, 1, spec(Platform::Ios, "A"), 0);
+    let b = lease_new(&mut state, 2, spec(Platform::Ios, "B"), 0);
+    release(&mut state, &b, 10_000);
+    state.reclaimed(&b.device.id, Ok(()), 10_500);
+    state.take_effects();
+    // Full: one leased, one idle. A request of a third spec evicts the idle one.
+    state
+        .admit(admission(3, spec(Platform::Android, "P"), None), 20_000)
+        .unwrap();
+    let fx = state.take_effects();
+    let evicted: Vec<&DeviceId> = fx
+        .work
+        .iter()
+        .filter_map(|w| match w {
+            Work::Shutdown { device, .. } => Some(device),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(evicted, [&b.device.id]);
+    provision_of(&fx);
+
+    // Now both slots are taken by a lease and a reservation: a fourth spec waits, and the
+    // leased device is never a candidate.
+    state
+        .admit(admission(4, spec(Platform::Android, "Q"), None), 21_000)
+        .unwrap();
+    let fx = state.take_effects();
+    assert_eq!(
+        progress(&fx, &request(4)),
+        [Progress::Queued { queue_position: 2 }]
+    );
+    assert!(fx.work.is_empty(), "{:?}", fx.work);
+    let leased = state
+        .devices()
+        .into_iter()
+        .find(|d| d.id == a.device.id)
+        .unwrap();
+    assert_eq!(leased.state, DeviceState::Leased);
+}
+
+#[test]
+fn idle_tiers_skip_leased_devices() {
+    let mut state = State::new(settings(2));
+    let mut long = admission(1, spec(Platform::Ios, "A"), None);
+    long.terms.ttl_ms = 10_000_000;
+    state.admit(long, 0).unwrap();
+    let device = provision_of(&state.take_effects());
+    state.provisioned(&device, Ok("u".into()), 0);
+    state.booted(&device, Ok(()), 0);
+    state.take_effects();
+    state.tick(5_000_000);
+    let fx = state.take_effects();
+    assert!(fx.work.is_empty());
+    assert_eq!(state.devices()[0].state, DeviceState::Leased);
+    assert_eq!(
+        state.next_deadline(),
+        Some(10_000_000),
+        "only the lease's deadline"
+    );
+}
+
+#[test]
+fn only_the_oldest_waiter_claims_a_reclaiming_device() {
+    let mut state = State::new(settings(1));
+    let a = lease_new(&mut state, 1, spec(Platform::Ios, "A"), 0);
+    // Two waiters for the same spec, capacity full.
+    state
+        .admit(admission(2, spec(Platform::Ios, "A"), None), 1)
+        .unwrap();
+    state
+        .admit(admission(3, spec(Platform::Ios, "A"), None), 2)
+        .unwrap();
+    state.take_effects();
+    release(&mut state, &a, 10);
+    let fx = state.take_effects();
+    // The oldest waiter claims the reclaiming device; the next one keeps waiting.
+    assert_eq!(
+        progress(&fx, &request(2)),
+        [Progress::Reclaiming { eta_ms: 500 }]
+    );
+    assert!(progress(&fx, &request(3)).is_empty());
+    assert_eq!(
+        state.cancel("agent-2", 20),
+        CancelResult::NotCancellable,
+        "its device work started"
+    );
+    assert_eq!(state.cancel("agent-3", 20), CancelResult::Cancelled);
+    state.reclaimed(&a.device.id, Ok(()), 510);
+    let grant = outcome(&state.take_effects(), &request(2))
+        .unwrap()
+        .unwrap();
+    assert_eq!(grant.device.id, a.device.id);
+    assert_eq!(grant.timing.estimated_ready_ms, 500);
+}

@@ -1,0 +1,304 @@
+//! The worker's tables in the daemon's SQLite database: devices, leases and the request book.
+//!
+//! Rows are written in one transaction per decision, before anyone is answered, so a killed
+//! process loses no committed lease. Wire shapes kept inside rows (a grant, a failure, a
+//! requested device) are stored as the contract's JSON.
+
+use rusqlite::{Connection, Row, params};
+use serde_json::Value;
+use simlock_contract::ids::{DeviceId, LeaseId, RequestId};
+use simlock_contract::model::{DeviceSpec, DeviceState, LeaseRecord, Platform};
+use simlock_contract::{ContractError, ErrorBody};
+use simlock_daemon::Database;
+use simlock_daemon::store::StoreError;
+
+use crate::book::{RecordState, RequestRecord};
+use crate::state::{DeviceEntry, Writes};
+
+/// The component name under which the migrations are recorded.
+pub const COMPONENT: &str = "core";
+
+/// The schema, one migration per entry, applied in order once each.
+pub const MIGRATIONS: &[&str] = &["
+CREATE TABLE core_devices (
+    id TEXT PRIMARY KEY,
+    platform TEXT NOT NULL,
+    model TEXT NOT NULL,
+    os_version TEXT NOT NULL,
+    state TEXT NOT NULL,
+    driver_device_id TEXT NOT NULL,
+    created_at INTEGER NOT NULL,
+    last_lease_ended_at INTEGER,
+    idle_since INTEGER NOT NULL,
+    last_used_at INTEGER NOT NULL
+);
+CREATE TABLE core_leases (
+    id TEXT PRIMARY KEY,
+    device_id TEXT NOT NULL,
+    requester_id TEXT NOT NULL UNIQUE,
+    owner_id TEXT NOT NULL,
+    granted_at INTEGER NOT NULL,
+    ttl_ms INTEGER NOT NULL,
+    ttl_deadline INTEGER NOT NULL,
+    last_renewed_at INTEGER NOT NULL,
+    id_chosen INTEGER NOT NULL
+);
+CREATE TABLE core_requests (
+    id TEXT PRIMARY KEY,
+    requester_id TEXT NOT NULL,
+    owner_id TEXT NOT NULL,
+    principal TEXT NOT NULL,
+    idempotency_key TEXT,
+    fingerprint TEXT NOT NULL,
+    requested TEXT NOT NULL,
+    created_at INTEGER NOT NULL,
+    state TEXT NOT NULL,
+    settled_at INTEGER,
+    grant_json TEXT,
+    failure_json TEXT
+);
+CREATE INDEX core_requests_key ON core_requests (requester_id, idempotency_key);
+"];
+
+/// Creates or upgrades the worker's tables.
+///
+/// # Errors
+/// When a migration fails.
+pub fn migrate(db: &Database) -> Result<(), StoreError> {
+    db.migrate(COMPONENT, MIGRATIONS)
+}
+
+/// What was stored.
+#[derive(Debug, Default)]
+pub(crate) struct Stored {
+    pub devices: Vec<DeviceEntry>,
+    pub leases: Vec<LeaseRecord>,
+    pub requests: Vec<RequestRecord>,
+}
+
+fn to_json<T: serde::Serialize>(value: &T) -> rusqlite::Result<String> {
+    serde_json::to_string(value).map_err(|e| rusqlite::Error::ToSqlConversionFailure(Box::new(e)))
+}
+
+fn from_json<T: serde::de::DeserializeOwned>(index: usize, text: &str) -> rusqlite::Result<T> {
+    serde_json::from_str(text).map_err(|e| {
+        rusqlite::Error::FromSqlConversionFailure(index, rusqlite::types::Type::Text, Box::new(e))
+    })
+}
+
+fn enum_name<T: serde::Serialize>(value: &T) -> rusqlite::Result<String> {
+    match serde_json::to_value(value) {
+        Ok(Value::String(name)) => Ok(name),
+        Ok(other) => Err(rusqlite::Error::ToSqlConversionFailure(
+            format!("not a name: {other}").into(),
+        )),
+        Err(e) => Err(rusqlite::Error::ToSqlConversionFailure(Box::new(e))),
+    }
+}
+
+fn from_name<T: serde::de::DeserializeOwned>(index: usize, name: String) -> rusqlite::Result<T> {
+    serde_json::from_value(Value::String(name)).map_err(|e| {
+        rusqlite::Error::FromSqlConversionFailure(index, rusqlite::types::Type::Text, Box::new(e))
+    })
+}
+
+fn device_row(row: &Row<'_>) -> rusqlite::Result<DeviceEntry> {
+    let platform: Platform = from_name(1, row.get(1)?)?;
+    let state: DeviceState = from_name(4, row.get(4)?)?;
+    Ok(DeviceEntry {
+        id: DeviceId::from_raw(row.get::<_, String>(0)?),
+        spec: DeviceSpec {
+            platform,
+            model: row.get(2)?,
+            os_version: row.get(3)?,
+        },
+        state,
+        driver_device_id: row.get(5)?,
+        created_at: row.get(6)?,
+        last_lease_ended_at: row.get(7)?,
+        idle_since: row.get(8)?,
+        last_used_at: row.get(9)?,
+        claim: None,
+        busy: false,
+        reclaim_until: None,
+    })
+}
+
+fn lease_row(row: &Row<'_>) -> rusqlite::Result<LeaseRecord> {
+    Ok(LeaseRecord {
+        id: LeaseId::from_raw(row.get::<_, String>(0)?),
+        device_id: DeviceId::from_raw(row.get::<_, String>(1)?),
+        requester_id: row.get(2)?,
+        owner_id: row.get(3)?,
+        granted_at: row.get(4)?,
+        ttl_ms: u64::try_from(row.get::<_, i64>(5)?).unwrap_or_default(),
+        ttl_deadline: row.get(6)?,
+        last_renewed_at: row.get(7)?,
+        id_chosen_by_requester: row.get(8)?,
+        worker: None,
+        worker_id: None,
+    })
+}
+
+fn request_row(row: &Row<'_>) -> rusqlite::Result<RequestRecord> {
+    let state_name: String = row.get(8)?;
+    let state = RecordState::parse(&state_name).ok_or_else(|| {
+        rusqlite::Error::FromSqlConversionFailure(
+            8,
+            rusqlite::types::Type::Text,
+            format!("unknown request state {state_name}").into(),
+        )
+    })?;
+    let grant = row
+        .get::<_, Option<String>>(10)?
+        .map(|text| from_json(10, &text))
+        .transpose()?;
+    let failure = row
+        .get::<_, Option<String>>(11)?
+        .map(|text| from_json::<ErrorBody>(11, &text).map(ContractError::from_body))
+        .transpose()?;
+    Ok(RequestRecord {
+        id: RequestId::from_raw(row.get::<_, String>(0)?),
+        requester_id: row.get(1)?,
+        owner_id: row.get(2)?,
+        principal: row.get(3)?,
+        idempotency_key: row.get(4)?,
+        fingerprint: row.get(5)?,
+        requested: from_json(6, &row.get::<_, String>(6)?)?,
+        created_at: row.get(7)?,
+        state,
+        settled_at: row.get(9)?,
+        grant,
+        failure,
+    })
+}
+
+/// Reads every stored row.
+pub(crate) fn load(db: &Database) -> Result<Stored, StoreError> {
+    db.with(|c| {
+        let devices = c
+            .prepare(
+                "SELECT id, platform, model, os_version, state, driver_device_id, created_at,
+                        last_lease_ended_at, idle_since, last_used_at FROM core_devices ORDER BY id",
+            )?
+            .query_map([], device_row)?
+            .collect::<rusqlite::Result<Vec<_>>>()?;
+        let leases = c
+            .prepare(
+                "SELECT id, device_id, requester_id, owner_id, granted_at, ttl_ms, ttl_deadline,
+                        last_renewed_at, id_chosen FROM core_leases ORDER BY granted_at, id",
+            )?
+            .query_map([], lease_row)?
+            .collect::<rusqlite::Result<Vec<_>>>()?;
+        let requests = c
+            .prepare(
+                "SELECT id, requester_id, owner_id, principal, idempotency_key, fingerprint,
+                        requested, created_at, state, settled_at, grant_json, failure_json
+                 FROM core_requests ORDER BY created_at, id",
+            )?
+            .query_map([], request_row)?
+            .collect::<rusqlite::Result<Vec<_>>>()?;
+        Ok(Stored {
+            devices,
+            leases,
+            requests,
+        })
+    })
+}
+
+/// Writes one decision's rows in one transaction.
+pub(crate) fn write(db: &Database, writes: &Writes) -> Result<(), StoreError> {
+    db.with(|c| {
+        let tx = c.transaction()?;
+        write_rows(&tx, writes)?;
+        tx.commit()
+    })
+}
+
+fn write_rows(c: &Connection, writes: &Writes) -> rusqlite::Result<()> {
+    for (id, row) in &writes.devices {
+        match row {
+            Some(d) => {
+                c.execute(
+                    "INSERT INTO core_devices (id, platform, model, os_version, state,
+                        driver_device_id, created_at, last_lease_ended_at, idle_since, last_used_at)
+                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)
+                     ON CONFLICT(id) DO UPDATE SET state = excluded.state,
+                        driver_device_id = excluded.driver_device_id,
+                        last_lease_ended_at = excluded.last_lease_ended_at,
+                        idle_since = excluded.idle_since, last_used_at = excluded.last_used_at",
+                    params![
+                        d.id.as_str(),
+                        d.spec.platform.as_str(),
+                        d.spec.model,
+                        d.spec.os_version,
+                        enum_name(&d.state)?,
+                        d.driver_device_id,
+                        d.created_at,
+                        d.last_lease_ended_at,
+                        d.idle_since,
+                        d.last_used_at,
+                    ],
+                )?;
+            }
+            None => {
+                c.execute("DELETE FROM core_devices WHERE id = ?1", [id.as_str()])?;
+            }
+        }
+    }
+    // Deletes first: a requester's new lease may replace its old one in one decision.
+    for (id, _) in &writes.leases {
+        c.execute("DELETE FROM core_leases WHERE id = ?1", [id])?;
+    }
+    for (_, row) in &writes.leases {
+        if let Some(l) = row {
+            c.execute(
+                "INSERT INTO core_leases (id, device_id, requester_id, owner_id, granted_at,
+                    ttl_ms, ttl_deadline, last_renewed_at, id_chosen)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
+                params![
+                    l.id.as_str(),
+                    l.device_id.as_str(),
+                    l.requester_id,
+                    l.owner_id,
+                    l.granted_at,
+                    i64::try_from(l.ttl_ms).unwrap_or(i64::MAX),
+                    l.ttl_deadline,
+                    l.last_renewed_at,
+                    l.id_chosen_by_requester,
+                ],
+            )?;
+        }
+    }
+    for (id, row) in &writes.requests {
+        c.execute("DELETE FROM core_requests WHERE id = ?1", [id.as_str()])?;
+        if let Some(r) = row {
+            let grant = r.grant.as_ref().map(to_json).transpose()?;
+            let failure = r
+                .failure
+                .as_ref()
+                .map(|f| to_json(&f.to_body()))
+                .transpose()?;
+            c.execute(
+                "INSERT INTO core_requests (id, requester_id, owner_id, principal, idempotency_key,
+                    fingerprint, requested, created_at, state, settled_at, grant_json, failure_json)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12)",
+                params![
+                    r.id.as_str(),
+                    r.requester_id,
+                    r.owner_id,
+                    r.principal,
+                    r.idempotency_key,
+                    r.fingerprint,
+                    to_json(&r.requested)?,
+                    r.created_at,
+                    r.state.as_str(),
+                    r.settled_at,
+                    grant,
+                    failure,
+                ],
+            )?;
+        }
+    }
+    Ok(())
+}

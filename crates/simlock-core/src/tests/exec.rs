@@ -1,0 +1,226 @@
+//! `device.exec` through the pipeline, running real host processes.
+//!
+//! These tests run in real time (a paused clock would jump to the exec timeout while the
+//! runtime waits on a process), with the virtual driver's delays set to zero; the timeout
+//! test pauses time on purpose.
+
+use std::time::Duration;
+
+use serde_json::json;
+use simlock_contract::ops::{DeviceExec, ExecInput};
+use simlock_contract::push::OutputStream;
+use simlock_contract::{ErrorCode, Push};
+
+use super::*;
+
+fn instant_config() -> Config {
+    let mut config = config();
+    config.virtual_devices.provision_ms = 0;
+    config.virtual_devices.boot_ms = 0;
+    config.virtual_devices.reclaim_ms = 0;
+    config
+}
+
+fn exec(lease_id: &str, tool: &str, args: &[&str]) -> ExecInput {
+    ExecInput {
+        lease_id: lease_id.to_owned(),
+        tool: tool.to_owned(),
+        args: args.iter().map(|a| (*a).to_owned()).collect(),
+        stdin: None,
+        requester_id: None,
+    }
+}
+
+const GUARD: Duration = Duration::from_secs(30);
+
+/// Drains the pushes a finished call left: `started`, then outputs per stream.
+fn drain(pushes: &mut mpsc::Receiver<Push>) -> (Vec<Push>, String, String) {
+    let mut all = Vec::new();
+    let (mut out, mut err) = (String::new(), String::new());
+    while let Ok(push) = pushes.try_recv() {
+        if let Push::Output { stream, chunk, .. } = &push {
+            match stream {
+                OutputStream::Stdout => out.push_str(chunk),
+                OutputStream::Stderr => err.push_str(chunk),
+            }
+        }
+        all.push(push);
+    }
+    (all, out, err)
+}
+
+#[tokio::test]
+async fn output_is_pushed_in_order_after_started_and_the_exit_code_answered() {
+    let h = Harness::with_config(instant_config());
+    let grant = within(GUARD, h.lease("agent-a", ios())).await.unwrap();
+    let lease_id = grant.lease.id.to_string();
+    let (ctx, mut pushes) = agent_with_pushes("agent-a");
+    let script = "printf 'one\\n'; printf 'two\\n' >&2; printf \"$SIMLOCK_LEASE_ID $SIMLOCK_PLATFORM $SIMLOCK_DEVICE_UDID\"; exit 3";
+    let out = within(
+        GUARD,
+        h.call::<DeviceExec>(ctx, &exec(&lease_id, "sh", &[script])),
+    )
+    .await
+    .unwrap();
+    assert_eq!(out.exit_code, 3);
+    let (all, stdout, stderr) = drain(&mut pushes);
+    assert_eq!(
+        all[0],
+        Push::Started {
+            request_id: 0.into()
+        },
+        "started comes first"
+    );
+    assert!(all[1..].iter().all(|p| matches!(p, Push::Output { .. })));
+    assert_eq!(
+        stdout,
+        format!("one\n{lease_id} ios {}", grant.device.driver_device_id)
+    );
+    assert_eq!(stderr, "two\n");
+
+    // stdin reaches the tool and is closed after.
+    let (ctx, mut pushes) = agent_with_pushes("agent-a");
+    let mut input = exec(&lease_id, "cat", &[]);
+    input.stdin = Some("hello\nworld".into());
+    let out = within(GUARD, h.call::<DeviceExec>(ctx, &input))
+        .await
+        .unwrap();
+    assert_eq!(out.exit_code, 0);
+    assert_eq!(drain(&mut pushes).1, "hello\nworld");
+
+    // Many lines arrive whole and in order.
+    let (ctx, mut pushes) = agent_with_pushes("agent-a");
+    let out = within(
+        GUARD,
+        h.call::<DeviceExec>(
+            ctx,
+            &exec(
+                &lease_id,
+                "sh",
+                &["i=0; while [ $i -lt 2000 ]; do echo line-$i; i=$((i+1)); done"],
+            ),
+        ),
+    )
+    .await
+    .unwrap();
+    assert_eq!(out.exit_code, 0);
+    let stdout = drain(&mut pushes).1;
+    let lines: Vec<&str> = stdout.lines().collect();
+    assert_eq!(lines.len(), 2000);
+    assert!(
+        lines
+            .iter()
+            .enumerate()
+            .all(|(i, l)| *l == format!("line-{i}"))
+    );
+}
+
+#[tokio::test]
+async fn an_unknown_tool_is_refused_before_anything_starts() {
+    let h = Harness::with_config(instant_config());
+    let grant = within(GUARD, h.lease("agent-a", ios())).await.unwrap();
+    let (ctx, mut pushes) = agent_with_pushes("agent-a");
+    let err = h
+        .call::<DeviceExec>(ctx, &exec(grant.lease.id.as_str(), "rm", &["-rf", "/"]))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code, ErrorCode::UnknownPassthroughTool);
+    assert_eq!(err.details, Some(json!({"tool": "rm"})));
+    assert!(pushes.try_recv().is_err(), "no started push");
+}
+
+#[tokio::test]
+async fn a_tool_that_cannot_start_fails_before_started() {
+    let mut config = instant_config();
+    config.exec.tools.insert(
+        "ghost".into(),
+        ToolConfig {
+            command: "/nonexistent/simlock-test-tool".into(),
+            args: vec![],
+        },
+    );
+    let h = Harness::with_config(config);
+    let grant = within(GUARD, h.lease("agent-a", ios())).await.unwrap();
+    let (ctx, mut pushes) = agent_with_pushes("agent-a");
+    let err = h
+        .call::<DeviceExec>(ctx, &exec(grant.lease.id.as_str(), "ghost", &[]))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code, ErrorCode::Internal);
+    assert!(err.message.contains("ghost"), "{}", err.message);
+    assert!(pushes.try_recv().is_err(), "no started push");
+}
+
+#[tokio::test]
+async fn exec_is_for_the_lease_owner_and_admins_are_held_to_the_requester() {
+    let h = Harness::with_config(instant_config());
+    let grant = within(GUARD, h.lease("agent-a", ios())).await.unwrap();
+    let lease_id = grant.lease.id.to_string();
+    let true_tool = exec(&lease_id, "sh", &["true"]);
+
+    let err = h
+        .call::<DeviceExec>(agent("agent-b"), &true_tool)
+        .await
+        .unwrap_err();
+    assert_eq!(
+        err.code,
+        ErrorCode::UnknownLease,
+        "another's lease is invisible"
+    );
+
+    let mut naming = true_tool.clone();
+    naming.requester_id = Some("agent-a".into());
+    let err = h
+        .call::<DeviceExec>(agent("agent-a"), &naming)
+        .await
+        .unwrap_err();
+    assert_eq!(
+        err.code,
+        ErrorCode::Forbidden,
+        "agents may not name a requester"
+    );
+
+    // An admin is not waved through: the lease's requester must match.
+    let err = h
+        .call::<DeviceExec>(admin("operator"), &true_tool)
+        .await
+        .unwrap_err();
+    assert_eq!(err.code, ErrorCode::UnknownLease);
+    let out = within(GUARD, h.call::<DeviceExec>(admin("operator"), &naming))
+        .await
+        .unwrap();
+    assert_eq!(out.exit_code, 0);
+    let (ctx, mut pushes) = admin_with_pushes("agent-a");
+    within(GUARD, h.call::<DeviceExec>(ctx, &true_tool))
+        .await
+        .unwrap();
+    assert_eq!(
+        next_push(&mut pushes).await,
+        Push::Started {
+            request_id: 0.into()
+        }
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_tool_that_runs_past_the_timeout_is_stopped() {
+    let mut config = config();
+    config.exec.timeout_ms = 1_000;
+    let h = Harness::with_config(config);
+    let grant = h.lease("agent-a", ios()).await.unwrap();
+    let (ctx, mut pushes) = agent_with_pushes("agent-a");
+    let started = h.now();
+    let err = h
+        .call::<DeviceExec>(ctx, &exec(grant.lease.id.as_str(), "sleep", &["30"]))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code, ErrorCode::ExecTimeout);
+    assert!(err.message.contains("1000 ms"), "{}", err.message);
+    assert!(h.now() - started >= 1_000);
+    assert_eq!(
+        next_push(&mut pushes).await,
+        Push::Started {
+            request_id: 0.into()
+        }
+    );
+}

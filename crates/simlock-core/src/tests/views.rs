@@ -1,0 +1,114 @@
+//! The read-only operations: status, catalog, config, lists and the fleet of one.
+
+use serde_json::json;
+use simlock_contract::model::{Connection, Health, Mode, Platform};
+use simlock_contract::ops::{
+    CatalogGet, CatalogInput, ConfigGet, Empty, ListGet, ListInput, ListKind, ListOutput,
+    StatusGet, WorkerList,
+};
+
+use super::*;
+
+#[tokio::test(start_paused = true)]
+async fn status_answers_only_daemon_and_host_while_starting() {
+    let h = Harness::build(Build {
+        start: false,
+        ..Build::default()
+    });
+    let status = h.call::<StatusGet>(agent("x"), &Empty {}).await.unwrap();
+    assert_eq!(status.daemon.health, Health::Starting);
+    assert_eq!(status.daemon.mode, Mode::Worker);
+    assert_eq!(status.daemon.instance_id, "worker-test");
+    assert_eq!(status.host.os, std::env::consts::OS);
+    assert!(status.host.tools.is_empty());
+    assert!(status.capacity.is_none() && status.leases.is_none() && status.devices.is_none());
+    let value = h
+        .call_raw(agent("x"), "status.get", json!({}))
+        .await
+        .unwrap();
+    let keys: Vec<&String> = value.as_object().unwrap().keys().collect();
+    assert_eq!(keys, ["daemon", "host"]);
+    let fleet = h.worker.worker_view(&h.gate);
+    assert_eq!(fleet.health, Some(Health::Starting));
+    assert!(fleet.host.is_some() && fleet.capacity.is_none() && fleet.catalog.is_none());
+
+    h.worker.start(&h.gate).unwrap();
+    let grant = h.lease("agent-a", ios()).await.unwrap();
+    let status = h.call::<StatusGet>(agent("x"), &Empty {}).await.unwrap();
+    assert_eq!(status.daemon.health, Health::Running);
+    assert_eq!(status.leases.unwrap(), vec![grant.lease.clone()]);
+    assert_eq!(status.devices.unwrap().len(), 1);
+    assert_eq!(status.queue_depth, Some(0));
+    assert_eq!(status.waiting, Some(vec![]));
+    assert_eq!(status.capabilities, Some(vec![]));
+    assert_eq!(status.lease.unwrap().max_ttl_ms, 14_400_000);
+    assert_eq!(status.capacity.unwrap().ios.running, 1);
+    assert!(status.workers.is_none());
+}
+
+#[tokio::test(start_paused = true)]
+async fn catalog_config_lists_and_the_fleet_of_one() {
+    let mut config = config();
+    config.gateway.url = Some("ws://gw".into());
+    config.gateway.token = Some("slk_secret".into());
+    config.gateway.label = Some("mac-1".into());
+    let h = Harness::with_config(config);
+
+    let all = h
+        .call::<CatalogGet>(agent("x"), &CatalogInput { platform: None })
+        .await
+        .unwrap();
+    assert_eq!(all.platforms.len(), 2);
+    let android = h
+        .call::<CatalogGet>(
+            agent("x"),
+            &CatalogInput {
+                platform: Some(Platform::Android),
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(android.platforms.len(), 1);
+    assert_eq!(android.platforms[0].models, ["Pixel 8", "Pixel 9"]);
+    assert_eq!(
+        android.platforms[0].model_aliases["Pixel 8"],
+        ["pixel8", "pixel"]
+    );
+
+    let view = h.call::<ConfigGet>(admin("op"), &Empty {}).await.unwrap();
+    assert_eq!(view.mode, Mode::Worker);
+    assert_eq!(view.lease.default_ttl_ms, 900_000);
+    assert_eq!(view.settings["gateway"]["token"], "[redacted]");
+    assert_eq!(view.settings["gateway"]["url"], "ws://gw");
+    assert_eq!(view.settings["capacity"]["maxRunning"], 2);
+    assert!(!serde_json::to_string(&view).unwrap().contains("slk_secret"));
+
+    let grant = h.lease("agent-a", ios()).await.unwrap();
+    let list = |kind| {
+        let h = &h;
+        async move {
+            h.call::<ListGet>(admin("op"), &ListInput { kind })
+                .await
+                .unwrap()
+        }
+    };
+    assert!(matches!(list(ListKind::Devices).await, ListOutput::Devices(d) if d.len() == 1));
+    assert_eq!(
+        list(ListKind::Leases).await,
+        ListOutput::Leases(vec![grant.lease.clone()])
+    );
+    assert_eq!(list(ListKind::Rules).await, ListOutput::Rules(vec![]));
+    assert_eq!(list(ListKind::Requests).await, ListOutput::Requests(vec![]));
+
+    let fleet = h.call::<WorkerList>(admin("op"), &Empty {}).await.unwrap();
+    assert_eq!(fleet.workers.len(), 1);
+    let me = &fleet.workers[0];
+    assert_eq!(me.id, "worker-test");
+    assert_eq!(me.label.as_deref(), Some("mac-1"));
+    assert_eq!(me.connection, Connection::Connected);
+    assert!(!me.drained);
+    assert_eq!(me.health, Some(Health::Running));
+    assert_eq!(me.leases.as_ref().unwrap().len(), 1);
+    assert_eq!(me.catalog.as_ref().unwrap().len(), 2);
+    assert_eq!(me.capabilities, Some(vec![]));
+}

@@ -1,0 +1,892 @@
+//! The worker: the async shell around the decision state (`state`). It reads the clock,
+//! takes the one lock for every decision, stores the decision's rows, then carries out its
+//! effects (events, lease notices, request updates, device work), and runs the timers.
+//!
+//! Its public methods are what the operation handlers ([`crate::handlers`]) and in-process
+//! callers use; they answer contract errors.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Weak};
+
+use parking_lot::Mutex;
+use serde_json::{Value, json};
+use simlock_contract::ContractError;
+use simlock_contract::ids::RequestId;
+use simlock_contract::model::{
+    Capacity, Connection, DaemonInfo, Device, Health, HostFacts, LeaseGrant, LeaseLimits,
+    LeaseRecord, Mode, Platform, RequestedDevice, WaitingRequest, WorkerView,
+};
+use simlock_contract::ops::{
+    CatalogOutput, ConfigView, ExecInput, ExecOutput, LeaseCancelOutput, LeaseListOutput,
+    LeaseReleaseOutput, LeaseRenewInput, LeaseRequestInput, ListKind, ListOutput, ReleaseAllOutput,
+    StatusOutput,
+};
+use simlock_contract::protocol::Role;
+use simlock_contract::push::Push;
+use simlock_daemon::clock::instant_at;
+use simlock_daemon::config::Config;
+use simlock_daemon::pipeline::Startup;
+use simlock_daemon::{
+    CallCtx, Capabilities, Database, EventBus, Presence, SharedClock, StartupGate,
+};
+use tokio::sync::{Notify, mpsc};
+use tokio_util::sync::CancellationToken;
+use tracing::{error, info, warn};
+
+use crate::book::RequestRecord;
+use crate::capacity::Limits;
+use crate::catalog::Catalog;
+use crate::driver::{Driver, DriverError, virtual_drivers};
+use crate::error::CoreError;
+use crate::exec;
+use crate::queue::LeaseTerms;
+use crate::state::{Admission, Admitted, Caller, Settings, State, Update, Work, check_ttl};
+use crate::store;
+use crate::system::{HostSystem, SystemFacts};
+
+/// Everything a worker is built from.
+#[derive(Clone)]
+pub struct WorkerParts {
+    /// The daemon's configuration.
+    pub config: Config,
+    /// The state store.
+    pub db: Database,
+    /// Wall time.
+    pub clock: SharedClock,
+    /// The event bus.
+    pub bus: Arc<EventBus>,
+    /// Live connections, for `lease-lost`.
+    pub presence: Presence,
+    /// What this worker can serve (`requires`).
+    pub capabilities: Capabilities,
+    /// CPUs and RAM, for the `resource` capacity strategy.
+    pub system: Arc<dyn SystemFacts>,
+    /// One driver per platform served.
+    pub drivers: Vec<Arc<dyn Driver>>,
+    /// The daemon's instance id.
+    pub instance_id: String,
+    /// The daemon's version.
+    pub version: String,
+}
+
+impl std::fmt::Debug for WorkerParts {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WorkerParts")
+            .field("instance_id", &self.instance_id)
+            .field("drivers", &self.drivers.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl WorkerParts {
+    /// Parts with the defaults: capabilities from `config.capabilities`, the real machine's
+    /// facts, and the virtual drivers of `config.virtual`.
+    pub fn new(
+        config: Config,
+        db: Database,
+        clock: SharedClock,
+        bus: Arc<EventBus>,
+        presence: Presence,
+        instance_id: String,
+        version: String,
+    ) -> Self {
+        Self {
+            capabilities: Capabilities::new(config.capabilities.clone()),
+            system: Arc::new(HostSystem),
+            drivers: virtual_drivers(&config.virtual_devices),
+            config,
+            db,
+            clock,
+            bus,
+            presence,
+            instance_id,
+            version,
+        }
+    }
+}
+
+/// How admission ended, for the caller.
+enum Admit {
+    /// Follow the request's updates (each request sends a handful: progress, then its end).
+    Follow(mpsc::UnboundedReceiver<Update>),
+    /// An idempotent repeat of a settled request.
+    Replay(Box<Result<LeaseGrant, ContractError>>),
+}
+
+struct Shared {
+    state: State,
+    followers: HashMap<RequestId, Vec<mpsc::UnboundedSender<Update>>>,
+}
+
+/// One worker's devices, leases and queue.
+pub struct Worker {
+    me: Weak<Self>,
+    shared: Mutex<Shared>,
+    settings: Settings,
+    config: Config,
+    catalog: Catalog,
+    drivers: BTreeMap<Platform, Arc<dyn Driver>>,
+    db: Database,
+    clock: SharedClock,
+    bus: Arc<EventBus>,
+    presence: Presence,
+    capabilities: Capabilities,
+    system: Arc<dyn SystemFacts>,
+    instance_id: String,
+    version: String,
+    wake: Arc<Notify>,
+    stop: CancellationToken,
+    started: AtomicBool,
+}
+
+impl std::fmt::Debug for Worker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Worker")
+            .field("instance_id", &self.instance_id)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+impl Worker {
+    /// Builds a worker and creates its tables. Nothing runs until [`Worker::start`].
+    ///
+    /// # Errors
+    /// `INTERNAL` when the tables cannot be created.
+    pub fn new(parts: WorkerParts) -> Result<Arc<Self>, ContractError> {
+        store::migrate(&parts.db).map_err(CoreError::from)?;
+        let drivers: BTreeMap<Platform, Arc<dyn Driver>> = parts
+            .drivers
+            .into_iter()
+            .map(|d| (d.platform(), d))
+            .collect();
+        let catalog = Catalog::new(drivers.values().map(|d| d.catalog()));
+        let settings = Settings {
+            default_ttl_ms: parts.config.lease.default_ttl_ms,
+            max_ttl_ms: parts.config.lease.max_ttl_ms,
+            retention_ms: parts.config.lease.request_retention_ms,
+            max_records: usize::try_from(parts.config.lease.max_request_records)
+                .unwrap_or(usize::MAX),
+            idle: parts.config.idle,
+            limits: Limits::from_config(&parts.config.capacity, &*parts.system),
+            estimates: drivers.iter().map(|(p, d)| (*p, d.estimates())).collect(),
+        };
+        Ok(Arc::new_cyclic(|me| Self {
+            me: me.clone(),
+            shared: Mutex::new(Shared {
+                state: State::new(settings.clone()),
+                followers: HashMap::new(),
+            }),
+            settings,
+            config: parts.config,
+            catalog,
+            drivers,
+            db: parts.db,
+            clock: parts.clock,
+            bus: parts.bus,
+            presence: parts.presence,
+            capabilities: parts.capabilities,
+            system: parts.system,
+            instance_id: parts.instance_id,
+            version: parts.version,
+            wake: Arc::new(Notify::new()),
+            stop: CancellationToken::new(),
+            started: AtomicBool::new(false),
+        }))
+    }
+
+    /// Converges stored state and starts the timers, then opens `gate` (or fails it).
+    /// Open requests from before settle failed; every lease keeps its deadline, overdue ones
+    /// expire at once; devices caught mid-transition settle. Call inside a runtime; a second
+    /// call does nothing.
+    ///
+    /// # Errors
+    /// `INTERNAL` when stored state cannot be read.
+    pub fn start(&self, gate: &StartupGate) -> Result<(), ContractError> {
+        if self.started.swap(true, Ordering::SeqCst) {
+            return Ok(());
+        }
+        match self.converge() {
+            Ok(()) => {
+                self.spawn_scheduler();
+                gate.open();
+                info!(instance = %self.instance_id, "worker started");
+                Ok(())
+            }
+            Err(e) => {
+                let e = ContractError::from(e);
+                gate.fail(e.message.clone());
+                Err(e)
+            }
+        }
+    }
+
+    fn converge(&self) -> Result<(), CoreError> {
+        let stored = store::load(&self.db)?;
+        let mut shared = self.shared.lock();
+        let now = self.clock.now_ms();
+        shared
+            .state
+            .restore(stored.devices, stored.leases, stored.requests);
+        shared.state.converge(now);
+        self.apply(&mut shared, true)
+    }
+
+    /// Stops timers and device work. Leases stay stored; a later start restores them.
+    pub fn shutdown(&self) {
+        self.stop.cancel();
+    }
+
+    /// The daemon's instance id.
+    pub fn instance_id(&self) -> &str {
+        &self.instance_id
+    }
+
+    /// The configuration the worker runs with.
+    pub const fn config(&self) -> &Config {
+        &self.config
+    }
+
+    /// The lease limits.
+    pub const fn lease_limits(&self) -> LeaseLimits {
+        LeaseLimits {
+            default_ttl_ms: self.settings.default_ttl_ms,
+            max_ttl_ms: self.settings.max_ttl_ms,
+        }
+    }
+
+    // === The one decision section ===
+
+    /// Stores the rows of the decisions just made, then carries out their effects, in order,
+    /// under the caller's lock. A store failure is logged and answered `INTERNAL`; memory is
+    /// then ahead of disk until the next start.
+    fn apply(&self, shared: &mut Shared, wake_timers: bool) -> Result<(), CoreError> {
+        let writes = shared.state.take_writes();
+        let stored = if writes.is_empty() {
+            Ok(())
+        } else {
+            store::write(&self.db, &writes).map_err(CoreError::from)
+        };
+        if let Err(e) = &stored {
+            error!(error = %e, "a decision could not be stored");
+        }
+        let fx = shared.state.take_effects();
+        for event in fx.events {
+            self.bus.emit(event.name, event.module, event.payload);
+        }
+        for notice in fx.notices {
+            self.presence
+                .notify(&notice.owner, &notice.push, notice.except);
+        }
+        for (id, update) in fx.updates {
+            let done = matches!(update, Update::Done(_));
+            if let Some(list) = shared.followers.get_mut(&id) {
+                list.retain(|tx| tx.send(update.clone()).is_ok());
+            }
+            if done {
+                shared.followers.remove(&id);
+            }
+        }
+        for work in fx.work {
+            self.spawn_work(work);
+        }
+        if wake_timers {
+            self.wake.notify_one();
+        }
+        stored
+    }
+
+    /// Runs one decision under the lock and applies it.
+    fn decide<T>(
+        &self,
+        decision: impl FnOnce(&mut Shared, i64) -> Result<T, CoreError>,
+    ) -> Result<T, CoreError> {
+        let mut shared = self.shared.lock();
+        let now = self.clock.now_ms();
+        let outcome = decision(&mut shared, now);
+        let stored = self.apply(&mut shared, true);
+        let value = outcome?;
+        stored?;
+        Ok(value)
+    }
+
+    fn on_work_result(&self, result: impl FnOnce(&mut State, i64)) {
+        let _ = self.decide(|shared, now| {
+            result(&mut shared.state, now);
+            Ok(())
+        });
+    }
+
+    // === Timers ===
+
+    fn spawn_scheduler(&self) {
+        let me = self.me.clone();
+        let wake = self.wake.clone();
+        let stop = self.stop.clone();
+        let clock = self.clock.clone();
+        tokio::spawn(async move {
+            loop {
+                let next = match me.upgrade() {
+                    Some(worker) => worker.shared.lock().state.next_deadline(),
+                    None => break,
+                };
+                let due = async {
+                    match next {
+                        Some(at) => tokio::time::sleep_until(instant_at(&*clock, at)).await,
+                        None => std::future::pending().await,
+                    }
+                };
+                tokio::select! {
+                    () = stop.cancelled() => break,
+                    () = wake.notified() => {}
+                    () = due => {}
+                }
+                let Some(worker) = me.upgrade() else { break };
+                let mut shared = worker.shared.lock();
+                let now = worker.clock.now_ms();
+                shared.state.tick(now);
+                // The tick's own decisions do not wake the timers again.
+                let _ = worker.apply(&mut shared, false);
+            }
+        });
+    }
+
+    // === Device work ===
+
+    fn spawn_work(&self, work: Work) {
+        let platform = match &work {
+            Work::Provision { spec, .. } => spec.platform,
+            Work::Boot { platform, .. }
+            | Work::Reclaim { platform, .. }
+            | Work::Shutdown { platform, .. }
+            | Work::Delete { platform, .. } => *platform,
+        };
+        let driver = self.drivers.get(&platform).cloned();
+        let me = self.me.clone();
+        let stop = self.stop.clone();
+        tokio::spawn(async move {
+            tokio::select! {
+                () = stop.cancelled() => {}
+                () = run_work(me, driver, platform, work) => {}
+            }
+        });
+    }
+
+    // === Operations ===
+
+    fn caller(ctx: &CallCtx) -> Caller<'_> {
+        Caller {
+            principal: &ctx.principal,
+            admin: ctx.role == Role::Admin,
+        }
+    }
+
+    fn health(gate: &StartupGate) -> Health {
+        match gate.state() {
+            Startup::Starting => Health::Starting,
+            Startup::Ready => Health::Running,
+            Startup::Failed(_) => Health::Failed,
+        }
+    }
+
+    fn host(&self) -> HostFacts {
+        HostFacts {
+            os: std::env::consts::OS.to_owned(),
+            os_version: self.system.os_version(),
+            arch: std::env::consts::ARCH.to_owned(),
+            tools: Vec::new(),
+        }
+    }
+
+    /// `status.get`: while starting (or failed), only `daemon` and `host`.
+    pub fn status(&self, gate: &StartupGate) -> StatusOutput {
+        let health = Self::health(gate);
+        let daemon = DaemonInfo {
+            health,
+            mode: Mode::Worker,
+            version: self.version.clone(),
+            instance_id: self.instance_id.clone(),
+        };
+        let mut out = StatusOutput {
+            daemon,
+            host: self.host(),
+            capacity: None,
+            devices: None,
+            leases: None,
+            queue_depth: None,
+            waiting: None,
+            capabilities: None,
+            lease: None,
+            workers: None,
+        };
+        if health != Health::Running {
+            return out;
+        }
+        let capabilities = self.capabilities.snapshot();
+        let shared = self.shared.lock();
+        out.capacity = Some(shared.state.capacity());
+        out.devices = Some(shared.state.devices());
+        out.leases = Some(shared.state.leases());
+        out.queue_depth = Some(shared.state.queue_depth());
+        out.waiting = Some(shared.state.waiting());
+        out.capabilities = Some(capabilities);
+        out.lease = Some(self.lease_limits());
+        out
+    }
+
+    /// `catalog.get`.
+    pub fn catalog(&self, platform: Option<Platform>) -> CatalogOutput {
+        CatalogOutput {
+            platforms: self.catalog.list(platform),
+        }
+    }
+
+    /// `config.get`: the configuration as JSON, the join token redacted.
+    pub fn config_view(&self) -> ConfigView {
+        let mut settings = BTreeMap::new();
+        if let Ok(Value::Object(map)) = serde_json::to_value(&self.config) {
+            for (key, mut value) in map {
+                if key == "gateway"
+                    && let Some(token) = value.get_mut("token")
+                    && !token.is_null()
+                {
+                    *token = json!("[redacted]");
+                }
+                settings.insert(key, value);
+            }
+        }
+        ConfigView {
+            mode: Mode::Worker,
+            lease: self.lease_limits(),
+            settings,
+        }
+    }
+
+    /// `list.get`.
+    pub fn list(&self, kind: ListKind) -> ListOutput {
+        match kind {
+            ListKind::Devices => ListOutput::Devices(self.devices()),
+            ListKind::Leases => ListOutput::Leases(self.leases()),
+            ListKind::Rules => ListOutput::Rules(Vec::new()),
+            ListKind::Requests => ListOutput::Requests(self.waiting()),
+        }
+    }
+
+    /// Every device.
+    pub fn devices(&self) -> Vec<Device> {
+        self.shared.lock().state.devices()
+    }
+
+    /// Every lease, oldest first.
+    pub fn leases(&self) -> Vec<LeaseRecord> {
+        self.shared.lock().state.leases()
+    }
+
+    /// One lease.
+    pub fn lease(&self, lease_id: &str) -> Option<LeaseRecord> {
+        self.shared.lock().state.lease(lease_id).cloned()
+    }
+
+    /// Requests without a lease yet, oldest first.
+    pub fn waiting(&self) -> Vec<WaitingRequest> {
+        self.shared.lock().state.waiting()
+    }
+
+    /// Capacity now.
+    pub fn capacity(&self) -> Capacity {
+        self.shared.lock().state.capacity()
+    }
+
+    /// A recorded request (open, or settled within `lease.requestRetentionMs`).
+    pub fn request(&self, id: &RequestId) -> Option<RequestRecord> {
+        self.shared.lock().state.record(id)
+    }
+
+    /// Every recorded request.
+    pub fn requests(&self) -> Vec<RequestRecord> {
+        self.shared.lock().state.records()
+    }
+
+    /// The owner of `requester_id`'s pending request, if it has one.
+    pub fn pending_owner(&self, requester_id: &str) -> Option<String> {
+        self.shared.lock().state.pending_owner(requester_id)
+    }
+
+    /// `worker.list` on a worker: a fleet of one.
+    pub fn worker_view(&self, gate: &StartupGate) -> WorkerView {
+        let status = self.status(gate);
+        let running = status.daemon.health == Health::Running;
+        WorkerView {
+            id: self.instance_id.clone(),
+            label: self.config.gateway.label.clone(),
+            connection: Connection::Connected,
+            drained: false,
+            last_seen_at: self.clock.now_ms(),
+            health: Some(status.daemon.health),
+            version: running.then(|| self.version.clone()),
+            protocol: None,
+            capacity: status.capacity,
+            lease: status.lease,
+            queue_depth: status.queue_depth,
+            leases: status.leases,
+            devices: status.devices,
+            catalog: running.then(|| self.catalog.list(None)),
+            catalog_read_at: running.then(|| self.clock.now_ms()),
+            host: Some(status.host),
+            waiting: status.waiting,
+            capabilities: status.capabilities,
+        }
+    }
+
+    /// `lease.request`: checks, admission, then following the request until it settles,
+    /// pushing its progress to the caller. A caller that goes away does not stop it.
+    ///
+    /// # Errors
+    /// Any of the request's contract errors.
+    pub async fn request_lease(
+        &self,
+        ctx: &CallCtx,
+        input: LeaseRequestInput,
+    ) -> Result<LeaseGrant, ContractError> {
+        let mut updates = match self.admit(ctx, input)? {
+            Admit::Follow(updates) => updates,
+            Admit::Replay(outcome) => return *outcome,
+        };
+        loop {
+            match updates.recv().await {
+                Some(Update::Progress(progress)) => {
+                    ctx.push(Push::Progress {
+                        request_id: ctx.request_id().clone(),
+                        progress,
+                    })
+                    .await;
+                }
+                Some(Update::Done(outcome)) => return *outcome,
+                None => {
+                    return Err(CoreError::Internal(
+                        "The worker stopped before the request settled".into(),
+                    )
+                    .into());
+                }
+            }
+        }
+    }
+
+    /// Checks a request and admits it: a receiver of its updates, or a replayed outcome.
+    fn admit(&self, ctx: &CallCtx, input: LeaseRequestInput) -> Result<Admit, ContractError> {
+        let ttl_ms = check_ttl(&self.settings, input.ttl_ms)?;
+        let requester_id = input
+            .requester_id
+            .clone()
+            .unwrap_or_else(|| ctx.principal.clone());
+        if input.owner.is_some() && !ctx.is_gateway_uplink() {
+            return Err(CoreError::Forbidden(
+                "owner: only the gateway uplink may name a lease's owner".into(),
+            )
+            .into());
+        }
+        let owner_id = input.owner.clone().unwrap_or_else(|| ctx.principal.clone());
+        if let Some((capability, reason)) = self.capabilities.missing(&input.requires) {
+            return Err(CoreError::CapabilityMissing {
+                capability: capability.to_owned(),
+                reason,
+            }
+            .into());
+        }
+        let spec = self.catalog.resolve(
+            input.platform,
+            input.model.as_deref(),
+            input.os_version.as_deref(),
+        )?;
+        let mut requires = input.requires.clone();
+        requires.sort();
+        requires.dedup();
+        let fingerprint = json!({
+            "spec": spec,
+            "ttlMs": ttl_ms,
+            "leaseId": input.lease_id,
+            "requires": requires,
+        })
+        .to_string();
+        let admission = Admission {
+            request_id: RequestId::mint(),
+            requester_id,
+            principal: ctx.principal.clone(),
+            idempotency_key: input.idempotency_key,
+            fingerprint,
+            spec,
+            requested: RequestedDevice {
+                platform: input.platform,
+                model: input.model,
+                os_version: input.os_version,
+                requires: input.requires,
+            },
+            terms: LeaseTerms {
+                ttl_ms,
+                owner_id,
+                chosen_id: input.lease_id,
+            },
+            no_wait: input.no_wait.unwrap_or(false),
+            timeout_ms: input.timeout_ms,
+        };
+        let admitted = self.decide(|shared, now| {
+            Ok(match shared.state.admit(admission, now)? {
+                Admitted::Replay(outcome) => Admit::Replay(outcome),
+                Admitted::Follow(id) => {
+                    let (tx, rx) = mpsc::unbounded_channel();
+                    shared.followers.entry(id).or_default().push(tx);
+                    Admit::Follow(rx)
+                }
+            })
+        })?;
+        Ok(admitted)
+    }
+
+    /// `lease.renew`.
+    ///
+    /// # Errors
+    /// `BAD_REQUEST` above `lease.maxTtlMs`; `UNKNOWN_LEASE` for a lease the caller cannot see.
+    pub fn renew(
+        &self,
+        ctx: &CallCtx,
+        input: &LeaseRenewInput,
+    ) -> Result<LeaseRecord, ContractError> {
+        let caller = Self::caller(ctx);
+        Ok(self.decide(|shared, now| {
+            shared
+                .state
+                .renew(&input.lease_id, input.ttl_ms, caller, now)
+        })?)
+    }
+
+    /// `lease.release`: the caller's connection gets no `lease-lost` for it.
+    ///
+    /// # Errors
+    /// `UNKNOWN_LEASE` for a lease the caller cannot see.
+    pub fn release(
+        &self,
+        ctx: &CallCtx,
+        lease_id: &str,
+    ) -> Result<LeaseReleaseOutput, ContractError> {
+        let caller = Self::caller(ctx);
+        let except = ctx.connection_id();
+        let lease =
+            self.decide(|shared, now| shared.state.release(lease_id, caller, except, now))?;
+        Ok(LeaseReleaseOutput {
+            lease_id: lease.id.into_string(),
+        })
+    }
+
+    /// `lease.release-all` (reason `killed`).
+    pub fn release_all(&self, ctx: &CallCtx) -> ReleaseAllOutput {
+        let except = ctx.connection_id();
+        let lease_ids = self
+            .decide(|shared, now| Ok(shared.state.release_all(except, now)))
+            .unwrap_or_else(|e| {
+                warn!(error = %e, "release-all was not fully stored");
+                Vec::new()
+            });
+        ReleaseAllOutput { lease_ids }
+    }
+
+    /// `lease.cancel` for `requester_id` (default: the caller's principal).
+    ///
+    /// # Errors
+    /// `INTERNAL` when the decision cannot be stored.
+    pub fn cancel(
+        &self,
+        ctx: &CallCtx,
+        requester_id: Option<&str>,
+    ) -> Result<LeaseCancelOutput, ContractError> {
+        let requester = requester_id.unwrap_or(&ctx.principal);
+        let result = self.decide(|shared, now| Ok(shared.state.cancel(requester, now)))?;
+        Ok(LeaseCancelOutput { result })
+    }
+
+    /// Whether the caller may cancel `requester_id`'s pending request: admins always; agents
+    /// when they own it (an unknown request is left to the handler's `not-found`).
+    ///
+    /// # Errors
+    /// `FORBIDDEN`.
+    pub fn authorize_cancel(
+        &self,
+        ctx: &CallCtx,
+        requester_id: Option<&str>,
+    ) -> Result<(), ContractError> {
+        if ctx.role == Role::Admin {
+            return Ok(());
+        }
+        let requester = requester_id.unwrap_or(&ctx.principal);
+        match self.pending_owner(requester) {
+            Some(owner) if owner != ctx.principal => Err(CoreError::Forbidden(format!(
+                "requesterId: the pending request of {requester} is not yours"
+            ))
+            .into()),
+            _ => Ok(()),
+        }
+    }
+
+    /// `lease.list`: admins see every lease, agents their own.
+    pub fn lease_list(&self, ctx: &CallCtx) -> LeaseListOutput {
+        let admin = ctx.role == Role::Admin;
+        let leases = self
+            .leases()
+            .into_iter()
+            .filter(|l| admin || l.owner_id == ctx.principal)
+            .collect();
+        LeaseListOutput { leases }
+    }
+
+    /// Whether `device.exec` may name `requesterId`: only admins may.
+    ///
+    /// # Errors
+    /// `FORBIDDEN`.
+    pub fn authorize_exec(ctx: &CallCtx, input: &ExecInput) -> Result<(), ContractError> {
+        if ctx.role != Role::Admin && input.requester_id.is_some() {
+            return Err(CoreError::Forbidden(
+                "requesterId: only an admin may name the requester on device.exec".into(),
+            )
+            .into());
+        }
+        Ok(())
+    }
+
+    /// `device.exec`: runs a configured tool against the lease's device, pushing `started`
+    /// then its `output`; answers its exit code.
+    ///
+    /// # Errors
+    /// `FORBIDDEN`, `UNKNOWN_LEASE`, `UNKNOWN_PASSTHROUGH_TOOL`, `EXEC_TIMEOUT`, `INTERNAL`.
+    pub async fn exec(&self, ctx: &CallCtx, input: ExecInput) -> Result<ExecOutput, ContractError> {
+        Self::authorize_exec(ctx, &input)?;
+        let target = self.shared.lock().state.exec_target(
+            &input.lease_id,
+            Self::caller(ctx),
+            input.requester_id.as_deref(),
+        )?;
+        let Some(tool) = self.config.exec.tools.get(&input.tool).cloned() else {
+            return Err(CoreError::UnknownTool {
+                tool: input.tool,
+                known: self.config.exec.tools.keys().cloned().collect(),
+            }
+            .into());
+        };
+        let run = exec::Run {
+            tool_name: input.tool,
+            tool,
+            args: input.args,
+            stdin: input.stdin,
+            target,
+            timeout_ms: self.config.exec.timeout_ms,
+        };
+        let exit_code = exec::run(ctx.clone(), run).await?;
+        Ok(ExecOutput { exit_code })
+    }
+}
+
+/// What a piece of device work reports back to the state.
+type WorkResult = Box<dyn FnOnce(&mut State, i64) + Send>;
+
+/// Runs one piece of device work and reports its result to the worker (if it still exists).
+async fn run_work(
+    me: Weak<Worker>,
+    driver: Option<Arc<dyn Driver>>,
+    platform: Platform,
+    work: Work,
+) {
+    let missing = || DriverError {
+        platform,
+        message: "no driver serves this platform".into(),
+    };
+    let report = |result: WorkResult| {
+        if let Some(worker) = me.upgrade() {
+            worker.on_work_result(result);
+        }
+    };
+    match work {
+        Work::Provision { device, spec } => {
+            let result = match &driver {
+                Some(d) => d.provision(&spec).await,
+                None => Err(missing()),
+            };
+            let Some(worker) = me.upgrade() else { return };
+            let next = {
+                let mut out = None;
+                let dev = device.clone();
+                worker.on_work_result(|state, now| out = state.provisioned(&dev, result, now));
+                out
+            };
+            drop(worker);
+            let (Some(driver_device_id), Some(d)) = (next, &driver) else {
+                return;
+            };
+            let result = d.boot(&driver_device_id).await;
+            report(Box::new(move |state, now| {
+                state.booted(&device, result, now)
+            }));
+        }
+        Work::Boot {
+            device,
+            driver_device_id,
+            ..
+        } => {
+            let result = match &driver {
+                Some(d) => d.boot(&driver_device_id).await,
+                None => Err(missing()),
+            };
+            report(Box::new(move |state, now| {
+                state.booted(&device, result, now)
+            }));
+        }
+        Work::Reclaim {
+            device,
+            driver_device_id,
+            ..
+        } => {
+            let result = match &driver {
+                Some(d) => d.reclaim(&driver_device_id).await,
+                None => Err(missing()),
+            };
+            report(Box::new(move |state, now| {
+                state.reclaimed(&device, result, now)
+            }));
+        }
+        Work::Shutdown {
+            device,
+            driver_device_id,
+            ..
+        } => {
+            let result = match &driver {
+                Some(d) => d.shutdown(&driver_device_id).await,
+                None => Err(missing()),
+            };
+            if let Err(e) = &result {
+                warn!(error = %e, %device, "shutting a device down failed");
+            }
+            report(Box::new(move |state, now| {
+                state.shut_down(&device, result, now)
+            }));
+        }
+        Work::Delete {
+            device,
+            driver_device_id,
+            running,
+            ..
+        } => {
+            if let Some(d) = &driver {
+                if running && let Err(e) = d.shutdown(&driver_device_id).await {
+                    warn!(error = %e, %device, "shutting a device down before deleting it failed");
+                }
+                if let Err(e) = d.delete(&driver_device_id).await {
+                    warn!(error = %e, %device, "deleting a device failed; it is forgotten anyway");
+                }
+            }
+            report(Box::new(move |state, now| state.deleted(&device, now)));
+        }
+    }
+}
