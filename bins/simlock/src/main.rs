@@ -1,3 +1,378 @@
-//! The simlock command-line interface.
+//! The simlock command-line interface, for agents and operators: composition of clap, the
+//! typed client and the views. Results go to stdout (one JSON document with `--json`), messages
+//! and progress to stderr; the exit code comes from the contract's error table.
+// A CLI's output is its interface: printing to stdout and stderr is the point.
+#![allow(
+    clippy::print_stdout,
+    clippy::print_stderr,
+    reason = "a CLI prints its results and messages"
+)]
 
-fn main() {}
+mod cli;
+mod lease;
+mod stderr;
+mod view;
+
+use std::collections::HashSet;
+use std::io::Write as _;
+use std::process::ExitCode;
+
+use clap::Parser as _;
+use serde::Serialize;
+use serde_json::{Value, json};
+use simlock_client::client::{admin_secret_in, home_from_env};
+use simlock_client::{Client, ConnectOptions, ExecEvent, FollowItem};
+use simlock_contract::ops::{ExecInput, ListKind, ListOutput};
+use simlock_contract::push::OutputStream;
+use simlock_contract::{ContractError, ErrorCode};
+
+use crate::cli::{Cli, Command, TokenCommand, WorkersCommand};
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(e) => {
+            eprintln!("simlock: cannot start: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    let json = cli.json;
+    let code = runtime.block_on(async move {
+        match execute(&cli).await {
+            Ok(code) => code,
+            Err(err) => fail(json, &err),
+        }
+    });
+    // Background work (a hold's event stream) must not keep the process alive.
+    runtime.shutdown_background();
+    ExitCode::from(code)
+}
+
+/// Reports an error: one line on stderr, the error document on stdout with `--json`; answers
+/// the exit code from the error table.
+pub(crate) fn fail(json: bool, err: &ContractError) -> u8 {
+    eprintln!("simlock: {} ({})", err.message, err.code);
+    if json {
+        let mut body = json!({ "code": err.code.as_str(), "message": err.message });
+        if let Some(details) = &err.details {
+            body["details"] = details.clone();
+        }
+        let _ = out_line(&json!({ "error": body }).to_string());
+    }
+    err.code.exit_code()
+}
+
+/// Writes one line to stdout. A closed stdout (the reader went away) is not a crash: the error
+/// is answered so a loop can stop.
+pub(crate) fn out_line(text: &str) -> std::io::Result<()> {
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "{text}")?;
+    out.flush()
+}
+
+/// Prints a result: its JSON with `--json`, else the human view.
+pub(crate) fn emit<T: Serialize>(json: bool, value: &T, human: impl FnOnce(&T) -> String) {
+    let text = if json {
+        match serde_json::to_value(value) {
+            Ok(value) => value.to_string(),
+            Err(e) => {
+                eprintln!("simlock: the result could not be encoded: {e}");
+                return;
+            }
+        }
+    } else {
+        human(value)
+    };
+    let _ = out_line(&text);
+}
+
+/// Connects as the command needs: over HTTP with `--url`, else to the local socket, sending the
+/// admin secret (or `--token`) as the credential for commands that need admin.
+pub(crate) async fn connect(cli: &Cli) -> Result<Client, ContractError> {
+    let nonempty = |s: &Option<String>| s.clone().filter(|s| !s.trim().is_empty());
+    if let Some(url) = nonempty(&cli.url) {
+        let Some(token) = nonempty(&cli.token) else {
+            return Err(ContractError::new(
+                ErrorCode::Usage,
+                "--url needs a token: pass --token or set SIMLOCK_TOKEN",
+            ));
+        };
+        return Client::over_http(&url, &token, ConnectOptions::default());
+    }
+    let home = home_from_env();
+    let mut options = ConnectOptions::default();
+    if cli.command.needs_admin() {
+        options.credential = nonempty(&cli.token).or_else(|| admin_secret_in(&home));
+    }
+    Client::connect_home(&home, options).await
+}
+
+async fn execute(cli: &Cli) -> Result<u8, ContractError> {
+    let json = cli.json;
+    let client = connect(cli).await?;
+    match &cli.command {
+        Command::Lease(args) => lease::run(json, &client, args).await,
+        Command::Renew { lease_id, ttl } => {
+            let record = client.renew(lease_id, *ttl).await?;
+            emit(json, &record, |r| {
+                format!(
+                    "renewed lease {}; expires {} (ttl {})",
+                    r.id,
+                    view::relative(r.ttl_deadline),
+                    view::duration(r.ttl_ms)
+                )
+            });
+            Ok(0)
+        }
+        Command::Release { lease_id, all } => {
+            if *all {
+                let out = client.release_all().await?;
+                emit(json, &out, |o| {
+                    if o.lease_ids.is_empty() {
+                        "no leases to release".to_owned()
+                    } else {
+                        format!(
+                            "released {} lease(s): {}",
+                            o.lease_ids.len(),
+                            o.lease_ids.join(", ")
+                        )
+                    }
+                });
+            } else {
+                let id = lease_id.as_deref().unwrap_or_default();
+                let out = client.release(id).await?;
+                emit(json, &out, |o| format!("released lease {}", o.lease_id));
+            }
+            Ok(0)
+        }
+        Command::Status => {
+            let status = client.status().await?;
+            emit(json, &status, view::status);
+            Ok(0)
+        }
+        Command::Catalog { platform } => {
+            let catalog = client.catalog(platform.map(Into::into)).await?;
+            emit(json, &catalog, view::catalog);
+            Ok(0)
+        }
+        Command::Devices => {
+            let list = client.list(ListKind::Devices).await?;
+            emit(json, &list, |list| match list {
+                ListOutput::Devices(devices) => view::devices(devices),
+                other => serde_json::to_string(other).unwrap_or_default(),
+            });
+            Ok(0)
+        }
+        Command::Leases => {
+            let list = client.leases().await?;
+            emit(json, &list, |l| view::leases(&l.leases));
+            Ok(0)
+        }
+        Command::Token(command) => token(json, &client, command).await,
+        Command::Events { follow, since } => events(json, &client, *follow, *since).await,
+        Command::Exec {
+            lease_id,
+            tool,
+            args,
+        } => exec(json, &client, lease_id, tool, args).await,
+        Command::Workers { command } => workers(json, &client, command.as_ref()).await,
+        Command::Stop => {
+            let out = client.stop_daemon().await?;
+            emit(json, &out, |_| "the daemon is stopping".to_owned());
+            Ok(0)
+        }
+    }
+}
+
+async fn token(json: bool, client: &Client, command: &TokenCommand) -> Result<u8, ContractError> {
+    match command {
+        TokenCommand::Create { role, label } => {
+            let out = client.token_create((*role).into(), label.clone()).await?;
+            emit(json, &out, |o| {
+                format!(
+                    "created {} token {}{}\nsecret (shown once): {}",
+                    o.token.role.as_str(),
+                    o.token.id,
+                    o.token
+                        .label
+                        .as_deref()
+                        .map(|l| format!(" ({l})"))
+                        .unwrap_or_default(),
+                    o.secret
+                )
+            });
+        }
+        TokenCommand::List => {
+            let out = client.token_list().await?;
+            emit(json, &out, |o| view::tokens(&o.tokens));
+        }
+        TokenCommand::Revoke { id } => {
+            let out = client.token_revoke(id).await?;
+            emit(json, &out, |o| {
+                if o.revoked {
+                    format!("revoked token {id}")
+                } else {
+                    format!("no token {id} to revoke")
+                }
+            });
+        }
+    }
+    Ok(0)
+}
+
+async fn workers(
+    json: bool,
+    client: &Client,
+    command: Option<&WorkersCommand>,
+) -> Result<u8, ContractError> {
+    match command {
+        None | Some(WorkersCommand::List) => {
+            let out = client.workers().await?;
+            emit(json, &out, |o| view::workers(&o.workers));
+        }
+        Some(WorkersCommand::Drain { id }) => {
+            let out = client.worker_drain(id).await?;
+            emit(json, &out, |o| {
+                format!("worker {} is drained: it takes no new leases", o.worker_id)
+            });
+        }
+        Some(WorkersCommand::Undrain { id }) => {
+            let out = client.worker_undrain(id).await?;
+            emit(json, &out, |o| {
+                format!("worker {} takes new leases again", o.worker_id)
+            });
+        }
+        Some(WorkersCommand::Remove { id }) => {
+            let out = client.worker_remove(id).await?;
+            emit(json, &out, |o| {
+                if o.removed {
+                    format!("forgot worker {}", o.worker_id)
+                } else {
+                    format!("no worker {} to forget", o.worker_id)
+                }
+            });
+        }
+    }
+    Ok(0)
+}
+
+async fn events(
+    json: bool,
+    client: &Client,
+    follow: bool,
+    since_ms: Option<u64>,
+) -> Result<u8, ContractError> {
+    let since_ts =
+        since_ms.map(|ms| view::now_ms().saturating_sub(i64::try_from(ms).unwrap_or(i64::MAX)));
+    if !follow {
+        let out = client.events(since_ts).await?;
+        emit(json, &out, |o| {
+            if o.events.is_empty() {
+                "no events".to_owned()
+            } else {
+                o.events
+                    .iter()
+                    .map(view::event)
+                    .collect::<Vec<_>>()
+                    .join("\n")
+            }
+        });
+        return Ok(0);
+    }
+    // Follow first, then replay, so nothing falls between the two; drop the overlap.
+    let signals = lease::Signals::listen()?;
+    let mut stream = client.follow_events().await?;
+    let replay = client.events(since_ts).await?;
+    let mut replayed: HashSet<String> = HashSet::new();
+    for event in &replay.events {
+        if print_event(json, event).is_err() {
+            return Ok(0);
+        }
+        replayed.insert(event.id.to_string());
+    }
+    loop {
+        let item = tokio::select! {
+            item = stream.next() => item,
+            () = signals.nth(1) => return Ok(0),
+        };
+        match item {
+            Some(Ok(FollowItem::Event(event))) => {
+                if !replayed.remove(event.id.as_str()) && print_event(json, &event).is_err() {
+                    return Ok(0);
+                }
+            }
+            Some(Ok(FollowItem::Lagged { missed })) => {
+                eprintln!("simlock: fell behind; {missed} event(s) were skipped");
+            }
+            Some(Err(e)) => return Err(e),
+            None => return Ok(0),
+        }
+    }
+}
+
+fn print_event(json: bool, event: &simlock_contract::model::EventEnvelope) -> std::io::Result<()> {
+    if json {
+        out_line(
+            &serde_json::to_value(event)
+                .unwrap_or(Value::Null)
+                .to_string(),
+        )
+    } else {
+        out_line(&view::event(event))
+    }
+}
+
+async fn exec(
+    json: bool,
+    client: &Client,
+    lease_id: &str,
+    tool: &str,
+    args: &[String],
+) -> Result<u8, ContractError> {
+    let mut stream = client
+        .exec(ExecInput {
+            lease_id: lease_id.to_owned(),
+            tool: tool.to_owned(),
+            args: args.to_vec(),
+            stdin: None,
+            requester_id: None,
+        })
+        .await?;
+    loop {
+        match stream.next().await {
+            Some(Ok(ExecEvent::Output { stream, chunk })) => {
+                if json {
+                    let _ = out_line(
+                        &json!({ "output": { "stream": stream, "chunk": chunk } }).to_string(),
+                    );
+                } else if stream == OutputStream::Stderr {
+                    let mut err = std::io::stderr().lock();
+                    let _ = err.write_all(chunk.as_bytes());
+                    let _ = err.flush();
+                } else {
+                    let mut out = std::io::stdout().lock();
+                    let _ = out.write_all(chunk.as_bytes());
+                    let _ = out.flush();
+                }
+            }
+            Some(Ok(ExecEvent::Exit { exit_code })) => {
+                if json {
+                    let _ = out_line(&json!({ "exitCode": exit_code }).to_string());
+                }
+                return Ok(u8::try_from(exit_code).unwrap_or(1));
+            }
+            Some(Err(e)) => return Err(e),
+            None => {
+                return Err(ContractError::new(
+                    ErrorCode::DaemonConnectionLost,
+                    "the exec ended without the tool's exit code",
+                ));
+            }
+        }
+    }
+}

@@ -1,0 +1,282 @@
+//! The command line, as clap reads it.
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use simlock_contract::model::{Platform, TokenRole};
+
+/// Lease iOS simulators and Android emulators from a simlock daemon.
+///
+/// Reaches the local daemon's socket ($SIMLOCK_HOME/daemon.sock, default ~/.simlock) unless
+/// --url names a daemon's HTTP API. Exit codes: 0 ok; 1 failure; 2 usage or bad request;
+/// 10 timeout; 11 no capacity; 12 cannot be served; 13 requester already leased; 14 a held lease
+/// was ended by the daemon.
+#[derive(Debug, Parser)]
+#[command(name = "simlock", version)]
+pub(crate) struct Cli {
+    /// A daemon's HTTP base URL (http://host:port); default: the local socket.
+    #[arg(
+        long,
+        global = true,
+        env = "SIMLOCK_URL",
+        value_name = "URL",
+        help_heading = "Connection"
+    )]
+    pub(crate) url: Option<String>,
+    /// The bearer token for --url; on the socket, an operator token for admin commands
+    /// (default there: the daemon's $SIMLOCK_HOME/admin.token).
+    #[arg(
+        long,
+        global = true,
+        env = "SIMLOCK_TOKEN",
+        hide_env_values = true,
+        value_name = "TOKEN",
+        help_heading = "Connection"
+    )]
+    pub(crate) token: Option<String>,
+    /// Print one JSON document on stdout (the operation's output) instead of a human view.
+    #[arg(long, global = true, help_heading = "Output")]
+    pub(crate) json: bool,
+    #[command(subcommand)]
+    pub(crate) command: Command,
+}
+
+/// The commands.
+#[derive(Debug, Subcommand)]
+pub(crate) enum Command {
+    /// Lease a device and hold it: renew until Ctrl-C or SIGTERM, then release.
+    Lease(LeaseArgs),
+    /// Renew a lease.
+    Renew {
+        /// The lease.
+        lease_id: String,
+        /// A new TTL in milliseconds (default: the lease's own).
+        #[arg(long, value_name = "MS", value_parser = clap::value_parser!(u64).range(1..))]
+        ttl: Option<u64>,
+    },
+    /// Release a lease, or every lease (--all, operators).
+    Release {
+        /// The lease.
+        #[arg(required_unless_present = "all", conflicts_with = "all")]
+        lease_id: Option<String>,
+        /// Release every lease.
+        #[arg(long)]
+        all: bool,
+    },
+    /// The daemon's status.
+    Status,
+    /// What devices can be had.
+    Catalog {
+        /// Only this platform.
+        #[arg(long, value_enum)]
+        platform: Option<PlatformArg>,
+    },
+    /// Devices (operators).
+    Devices,
+    /// Leases: yours, or every lease for operators.
+    Leases,
+    /// Tokens for HTTP and for workers joining a gateway (operators).
+    #[command(subcommand)]
+    Token(TokenCommand),
+    /// Events: buffered ones, then new ones with --follow (operators).
+    Events {
+        /// Keep printing events as they happen.
+        #[arg(long)]
+        follow: bool,
+        /// Only events this recent: 30s, 5m, 2h, 1d, 500ms.
+        #[arg(long, value_name = "DUR", value_parser = parse_duration_ms)]
+        since: Option<u64>,
+    },
+    /// Run a tool against a leased device; its output streams, and its exit code is ours.
+    Exec {
+        /// The lease.
+        lease_id: String,
+        /// The tool (one the daemon allows).
+        tool: String,
+        /// Its arguments.
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
+    /// Workers a gateway knows (operators); default: list.
+    Workers {
+        #[command(subcommand)]
+        command: Option<WorkersCommand>,
+    },
+    /// Stop the daemon (operators).
+    Stop,
+}
+
+/// `simlock lease`.
+#[derive(Debug, Args)]
+pub(crate) struct LeaseArgs {
+    /// The platform.
+    #[arg(long, value_enum)]
+    pub(crate) platform: PlatformArg,
+    /// A model name or alias (e.g. "iPhone 16").
+    #[arg(long, value_name = "MODEL")]
+    pub(crate) device: Option<String>,
+    /// An OS version.
+    #[arg(long, value_name = "VERSION")]
+    pub(crate) os: Option<String>,
+    /// The lease's TTL in milliseconds (default: the daemon's).
+    #[arg(long, value_name = "MS", value_parser = clap::value_parser!(u64).range(1..))]
+    pub(crate) ttl: Option<u64>,
+    /// Fail with exit 11 instead of waiting when no device is free.
+    #[arg(long)]
+    pub(crate) no_wait: bool,
+    /// The longest to wait in the queue, in milliseconds (then exit 10).
+    #[arg(long, value_name = "MS", value_parser = clap::value_parser!(u64).range(1..))]
+    pub(crate) timeout: Option<u64>,
+    /// Who the lease is for (default: $SIMLOCK_AGENT_ID, else the connection's principal).
+    #[arg(long, env = "SIMLOCK_AGENT_ID", value_name = "ID")]
+    pub(crate) requester: Option<String>,
+    /// A capability the serving worker must have (repeatable).
+    #[arg(long = "requires", value_name = "CAP")]
+    pub(crate) requires: Vec<String>,
+    /// Print the grant and exit without holding the lease (it lives until its TTL unless renewed).
+    #[arg(long)]
+    pub(crate) detach: bool,
+}
+
+/// `simlock token …`.
+#[derive(Debug, Subcommand)]
+pub(crate) enum TokenCommand {
+    /// Mint a token; its secret is shown once.
+    Create {
+        /// What it may do.
+        #[arg(long, value_enum)]
+        role: RoleArg,
+        /// A label for people.
+        #[arg(long)]
+        label: Option<String>,
+    },
+    /// List tokens (never their secrets).
+    List,
+    /// Revoke a token.
+    Revoke {
+        /// The token's id (tok_…).
+        id: String,
+    },
+}
+
+/// `simlock workers …`.
+#[derive(Debug, Subcommand)]
+pub(crate) enum WorkersCommand {
+    /// List workers.
+    List,
+    /// Take no new leases on a worker.
+    Drain {
+        /// The worker.
+        id: String,
+    },
+    /// Take new leases on a worker again.
+    Undrain {
+        /// The worker.
+        id: String,
+    },
+    /// Forget a disconnected worker.
+    Remove {
+        /// The worker.
+        id: String,
+    },
+}
+
+/// A platform on the command line.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub(crate) enum PlatformArg {
+    /// iOS simulators.
+    Ios,
+    /// Android emulators.
+    Android,
+}
+
+impl From<PlatformArg> for Platform {
+    fn from(arg: PlatformArg) -> Self {
+        match arg {
+            PlatformArg::Ios => Self::Ios,
+            PlatformArg::Android => Self::Android,
+        }
+    }
+}
+
+/// A token role on the command line.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub(crate) enum RoleArg {
+    /// Leases for itself.
+    Agent,
+    /// Operates the daemon.
+    Operator,
+    /// Joins a worker to a gateway.
+    Worker,
+}
+
+impl From<RoleArg> for TokenRole {
+    fn from(arg: RoleArg) -> Self {
+        match arg {
+            RoleArg::Agent => Self::Agent,
+            RoleArg::Operator => Self::Operator,
+            RoleArg::Worker => Self::Worker,
+        }
+    }
+}
+
+/// `30s`, `5m`, `2h`, `1d`, `500ms`, or a number of milliseconds.
+pub(crate) fn parse_duration_ms(text: &str) -> Result<u64, String> {
+    let bad = || format!("{text:?} is not a duration like 30s, 5m, 2h, 1d or 500ms");
+    let at = text
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(text.len());
+    let (number, unit) = text.split_at(at);
+    let n: u64 = number.parse().map_err(|_| bad())?;
+    let factor = match unit {
+        "" | "ms" => 1,
+        "s" => 1_000,
+        "m" => 60_000,
+        "h" => 3_600_000,
+        "d" => 86_400_000,
+        _ => return Err(bad()),
+    };
+    n.checked_mul(factor).ok_or_else(bad)
+}
+
+impl Command {
+    /// Whether the command needs the admin role (on the socket, the admin secret is then sent).
+    pub(crate) const fn needs_admin(&self) -> bool {
+        match self {
+            Self::Release { all, .. } => *all,
+            Self::Devices
+            | Self::Token(_)
+            | Self::Events { .. }
+            | Self::Workers { .. }
+            | Self::Stop => true,
+            Self::Lease(_)
+            | Self::Renew { .. }
+            | Self::Status
+            | Self::Catalog { .. }
+            | Self::Leases
+            | Self::Exec { .. } => false,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_parse_with_their_units() {
+        assert_eq!(parse_duration_ms("500"), Ok(500));
+        assert_eq!(parse_duration_ms("500ms"), Ok(500));
+        assert_eq!(parse_duration_ms("30s"), Ok(30_000));
+        assert_eq!(parse_duration_ms("5m"), Ok(300_000));
+        assert_eq!(parse_duration_ms("2h"), Ok(7_200_000));
+        assert_eq!(parse_duration_ms("1d"), Ok(86_400_000));
+        assert!(parse_duration_ms("5 m").is_err());
+        assert!(parse_duration_ms("m").is_err());
+        assert!(parse_duration_ms("3w").is_err());
+    }
+
+    #[test]
+    fn the_command_line_is_consistent() {
+        use clap::CommandFactory as _;
+        Cli::command().debug_assert();
+    }
+}

@@ -1,0 +1,128 @@
+//! What the CLI says on stderr while it works: progress and lease notices, as JSON lines when
+//! stderr is not a terminal (another program reads it), as a spinner and sentences when it is.
+
+use std::io::IsTerminal as _;
+use std::time::Duration;
+
+use indicatif::{ProgressBar, ProgressStyle};
+use serde_json::json;
+use simlock_client::LeaseNotice;
+use simlock_contract::push::Progress;
+
+use crate::view;
+
+/// Where progress goes.
+#[derive(Debug)]
+pub(crate) enum Reporter {
+    /// JSON lines.
+    Lines,
+    /// A spinner on a terminal.
+    Spinner(ProgressBar),
+}
+
+impl Reporter {
+    /// A spinner on a terminal, JSON lines elsewhere.
+    pub(crate) fn for_stderr() -> Self {
+        if !std::io::stderr().is_terminal() {
+            return Self::Lines;
+        }
+        let bar = ProgressBar::new_spinner();
+        if let Ok(style) = ProgressStyle::with_template("{spinner} {msg} ({elapsed})") {
+            bar.set_style(style);
+        }
+        bar.set_message("requesting a device");
+        bar.enable_steady_tick(Duration::from_millis(120));
+        Self::Spinner(bar)
+    }
+
+    /// Whether a person is reading.
+    pub(crate) const fn is_terminal(&self) -> bool {
+        matches!(self, Self::Spinner(_))
+    }
+
+    /// Shows one progress.
+    pub(crate) fn progress(&self, progress: &Progress) {
+        match self {
+            Self::Lines => {
+                let value = serde_json::to_value(progress).unwrap_or_default();
+                eprintln!("{}", json!({ "progress": value }));
+            }
+            Self::Spinner(bar) => bar.set_message(describe(progress)),
+        }
+    }
+
+    /// Clears the spinner.
+    pub(crate) fn done(&self) {
+        if let Self::Spinner(bar) = self {
+            bar.finish_and_clear();
+        }
+    }
+
+    /// Says something to a person (nothing when a program reads stderr).
+    pub(crate) fn say(&self, text: &str) {
+        if self.is_terminal() {
+            eprintln!("{text}");
+        }
+    }
+
+    /// Shows a lease notice.
+    pub(crate) fn notice(&self, notice: &LeaseNotice) {
+        if !self.is_terminal() {
+            let value = match notice {
+                LeaseNotice::Lost {
+                    lease_id,
+                    device_id,
+                    reason,
+                } => {
+                    json!({"event": "lease-lost", "leaseId": lease_id, "deviceId": device_id, "reason": reason})
+                }
+                LeaseNotice::Unhealthy {
+                    lease_id,
+                    device_id,
+                    reason,
+                } => {
+                    json!({"event": "device-unhealthy", "leaseId": lease_id, "deviceId": device_id, "reason": reason})
+                }
+                LeaseNotice::Recovered {
+                    lease_id,
+                    device_id,
+                    attempts,
+                } => {
+                    json!({"event": "device-recovered", "leaseId": lease_id, "deviceId": device_id, "attempts": attempts})
+                }
+            };
+            eprintln!("{}", json!({ "notice": value }));
+            return;
+        }
+        match notice {
+            LeaseNotice::Lost { lease_id, .. } => eprintln!("lease {lease_id} was lost"),
+            LeaseNotice::Unhealthy { device_id, .. } => {
+                eprintln!(
+                    "device {device_id} crashed; simlock is recovering it under the same lease"
+                );
+            }
+            LeaseNotice::Recovered {
+                device_id,
+                attempts,
+                ..
+            } => eprintln!("device {device_id} recovered after {attempts} attempt(s)"),
+        }
+    }
+}
+
+fn describe(progress: &Progress) -> String {
+    match progress {
+        Progress::Queued { queue_position } => {
+            format!("waiting for a device: position {queue_position} in the queue")
+        }
+        Progress::Provisioning { eta_ms } => {
+            format!("creating a device (about {})", view::duration(*eta_ms))
+        }
+        Progress::Booting { eta_ms } => {
+            format!("booting a device (about {})", view::duration(*eta_ms))
+        }
+        Progress::Reclaiming { eta_ms } => {
+            format!("wiping a device (about {})", view::duration(*eta_ms))
+        }
+    }
+}

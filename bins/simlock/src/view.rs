@@ -1,0 +1,369 @@
+//! Human views: tables, durations and times. The `--json` view is the contract's output as is.
+
+use std::fmt::Write as _;
+
+use serde_json::Value;
+use simlock_contract::model::{
+    Device, EventEnvelope, LeaseGrant, LeaseRecord, PlatformCapacity, TokenRecord, WorkerView,
+};
+use simlock_contract::ops::{CatalogOutput, StatusOutput};
+
+/// Now, in ms since the epoch.
+pub(crate) fn now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+}
+
+/// `1h30m`, `15m`, `45s`, `500ms`.
+pub(crate) fn duration(ms: u64) -> String {
+    if ms < 1000 {
+        return format!("{ms}ms");
+    }
+    let secs = ms / 1000;
+    let (h, m, s) = (secs / 3600, (secs % 3600) / 60, secs % 60);
+    let mut out = String::new();
+    if h > 0 {
+        let _ = write!(out, "{h}h");
+    }
+    if m > 0 {
+        let _ = write!(out, "{m}m");
+    }
+    if s > 0 || out.is_empty() {
+        let _ = write!(out, "{s}s");
+    }
+    out
+}
+
+/// `in 14m59s` or `12s ago`, from now.
+pub(crate) fn relative(ts_ms: i64) -> String {
+    let delta = ts_ms.saturating_sub(now_ms());
+    let magnitude = duration(delta.unsigned_abs());
+    if delta >= 0 {
+        format!("in {magnitude}")
+    } else {
+        format!("{magnitude} ago")
+    }
+}
+
+/// `2024-05-01T12:00:00.123Z`.
+pub(crate) fn timestamp(ts_ms: i64) -> String {
+    let days = ts_ms.div_euclid(86_400_000);
+    let in_day = ts_ms.rem_euclid(86_400_000);
+    // Civil date from days since 1970-01-01 (proleptic Gregorian).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    let (h, m, s, ms) = (
+        in_day / 3_600_000,
+        (in_day / 60_000) % 60,
+        (in_day / 1000) % 60,
+        in_day % 1000,
+    );
+    format!("{year:04}-{month:02}-{day:02}T{h:02}:{m:02}:{s:02}.{ms:03}Z")
+}
+
+/// Rows under headers, columns padded to their widest cell.
+pub(crate) fn table(headers: &[&str], rows: &[Vec<String>]) -> String {
+    let mut widths: Vec<usize> = headers.iter().map(|h| h.chars().count()).collect();
+    for row in rows {
+        for (i, cell) in row.iter().enumerate() {
+            if let Some(w) = widths.get_mut(i) {
+                *w = (*w).max(cell.chars().count());
+            }
+        }
+    }
+    let line = |cells: Vec<&str>| {
+        let mut out = String::new();
+        for (i, cell) in cells.iter().enumerate() {
+            if i + 1 == cells.len() {
+                out.push_str(cell);
+            } else {
+                let width = widths.get(i).copied().unwrap_or(0);
+                let _ = write!(out, "{cell:<width$}  ");
+            }
+        }
+        out.trim_end().to_owned()
+    };
+    let mut out = line(headers.to_vec());
+    for row in rows {
+        out.push('\n');
+        out.push_str(&line(row.iter().map(String::as_str).collect()));
+    }
+    out
+}
+
+fn or_dash(value: Option<&str>) -> String {
+    value.map_or_else(|| "-".to_owned(), str::to_owned)
+}
+
+/// The grant of `simlock lease`.
+pub(crate) fn grant(grant: &LeaseGrant) -> String {
+    let spec = &grant.device.spec;
+    let mut out = format!(
+        "lease {} granted: {} ({} {}), device {} ({})\nexpires {} unless renewed (ttl {})",
+        grant.lease.id,
+        spec.model,
+        spec.platform,
+        spec.os_version,
+        grant.device.id,
+        grant.device.driver_device_id,
+        relative(grant.lease.ttl_deadline),
+        duration(grant.lease.ttl_ms),
+    );
+    if let Some(worker) = &grant.lease.worker {
+        let _ = write!(
+            out,
+            "\non worker {}",
+            worker.label.as_deref().unwrap_or(&worker.id)
+        );
+    }
+    if let Some(address) = &grant.device.address {
+        let _ = write!(out, "\naddress {address}");
+    }
+    for (key, value) in &grant.environment {
+        let _ = write!(out, "\n{key}={value}");
+    }
+    out
+}
+
+/// Leases as a table.
+pub(crate) fn leases(leases: &[LeaseRecord]) -> String {
+    if leases.is_empty() {
+        return "no leases".to_owned();
+    }
+    let rows: Vec<Vec<String>> = leases
+        .iter()
+        .map(|l| {
+            vec![
+                l.id.to_string(),
+                l.device_id.to_string(),
+                l.requester_id.clone(),
+                l.owner_id.clone(),
+                relative(l.ttl_deadline),
+                or_dash(
+                    l.worker_id
+                        .as_deref()
+                        .or(l.worker.as_ref().map(|w| w.id.as_str())),
+                ),
+            ]
+        })
+        .collect();
+    table(
+        &["LEASE", "DEVICE", "REQUESTER", "OWNER", "EXPIRES", "WORKER"],
+        &rows,
+    )
+}
+
+/// Devices as a table.
+pub(crate) fn devices(devices: &[Device]) -> String {
+    if devices.is_empty() {
+        return "no devices".to_owned();
+    }
+    let rows: Vec<Vec<String>> = devices
+        .iter()
+        .map(|d| {
+            vec![
+                d.id.to_string(),
+                d.spec.platform.to_string(),
+                d.spec.model.clone(),
+                d.spec.os_version.clone(),
+                value_name(&d.state),
+                or_dash(d.worker_id.as_deref()),
+            ]
+        })
+        .collect();
+    table(
+        &["DEVICE", "PLATFORM", "MODEL", "OS", "STATE", "WORKER"],
+        &rows,
+    )
+}
+
+/// The wire name of a unit enum (`ready`, `connected`, …).
+fn value_name<T: serde::Serialize>(value: &T) -> String {
+    match serde_json::to_value(value) {
+        Ok(Value::String(name)) => name,
+        Ok(other) => other.to_string(),
+        Err(_) => "?".to_owned(),
+    }
+}
+
+fn capacity(name: &str, c: &PlatformCapacity) -> String {
+    format!(
+        "{name} {}/{} running ({} reserved, {} warm{})",
+        c.running,
+        c.max_running,
+        c.reserved,
+        c.warm,
+        if c.over_limit { ", over limit" } else { "" }
+    )
+}
+
+/// `simlock status`.
+pub(crate) fn status(status: &StatusOutput) -> String {
+    let d = &status.daemon;
+    let mut out = format!(
+        "daemon    {} {}, version {}, instance {}\nhost      {} {} {}",
+        value_name(&d.mode),
+        value_name(&d.health),
+        d.version,
+        d.instance_id,
+        status.host.os,
+        status.host.os_version,
+        status.host.arch,
+    );
+    if let Some(c) = &status.capacity {
+        let _ = write!(
+            out,
+            "\ncapacity  {}; {}",
+            capacity("ios", &c.ios),
+            capacity("android", &c.android)
+        );
+    }
+    if let Some(depth) = status.queue_depth {
+        let _ = write!(out, "\nqueue     {depth} waiting");
+    }
+    if let Some(capabilities) = &status.capabilities {
+        let names: Vec<String> = capabilities
+            .iter()
+            .map(|c| {
+                if c.available {
+                    c.name.clone()
+                } else {
+                    format!("{} (unavailable)", c.name)
+                }
+            })
+            .collect();
+        let _ = write!(out, "\nserves    {}", names.join(", "));
+    }
+    if let Some(workers) = &status.workers {
+        let _ = write!(out, "\nworkers   {}", workers.len());
+    }
+    if let Some(list) = &status.devices {
+        let _ = write!(out, "\n\n{}", devices(list));
+    }
+    if let Some(list) = &status.leases {
+        let _ = write!(out, "\n\n{}", leases(list));
+    }
+    out
+}
+
+/// `simlock catalog`.
+pub(crate) fn catalog(catalog: &CatalogOutput) -> String {
+    if catalog.platforms.is_empty() {
+        return "nothing can be leased".to_owned();
+    }
+    let mut out = String::new();
+    for p in &catalog.platforms {
+        if !out.is_empty() {
+            out.push('\n');
+        }
+        let _ = write!(
+            out,
+            "{}: models {}; runtimes {}",
+            p.platform,
+            p.models.join(", "),
+            p.runtimes.join(", ")
+        );
+        if let Some(default) = &p.default_runtime {
+            let _ = write!(out, " (default {default})");
+        }
+    }
+    out
+}
+
+/// Tokens as a table.
+pub(crate) fn tokens(tokens: &[TokenRecord]) -> String {
+    if tokens.is_empty() {
+        return "no tokens".to_owned();
+    }
+    let rows: Vec<Vec<String>> = tokens
+        .iter()
+        .map(|t| {
+            vec![
+                t.id.to_string(),
+                t.role.as_str().to_owned(),
+                or_dash(t.label.as_deref()),
+                timestamp(t.created_at),
+            ]
+        })
+        .collect();
+    table(&["TOKEN", "ROLE", "LABEL", "CREATED"], &rows)
+}
+
+/// Workers as a table.
+pub(crate) fn workers(workers: &[WorkerView]) -> String {
+    if workers.is_empty() {
+        return "no workers".to_owned();
+    }
+    let rows: Vec<Vec<String>> = workers
+        .iter()
+        .map(|w| {
+            vec![
+                w.id.clone(),
+                or_dash(w.label.as_deref()),
+                value_name(&w.connection),
+                if w.drained { "yes" } else { "no" }.to_owned(),
+                w.health.as_ref().map_or_else(|| "-".to_owned(), value_name),
+                w.leases
+                    .as_ref()
+                    .map_or_else(|| "-".to_owned(), |l| l.len().to_string()),
+            ]
+        })
+        .collect();
+    table(
+        &[
+            "WORKER",
+            "LABEL",
+            "CONNECTION",
+            "DRAINED",
+            "HEALTH",
+            "LEASES",
+        ],
+        &rows,
+    )
+}
+
+/// One event on one line.
+pub(crate) fn event(event: &EventEnvelope) -> String {
+    format!(
+        "{}  {}  {}  {}",
+        timestamp(event.timestamp),
+        event.event,
+        event.module,
+        event.payload
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_read_naturally() {
+        assert_eq!(duration(500), "500ms");
+        assert_eq!(duration(45_000), "45s");
+        assert_eq!(duration(900_000), "15m");
+        assert_eq!(duration(5_430_000), "1h30m30s");
+        assert_eq!(duration(3_600_000), "1h");
+    }
+
+    #[test]
+    fn timestamps_are_utc_iso() {
+        assert_eq!(timestamp(0), "1970-01-01T00:00:00.000Z");
+        assert_eq!(timestamp(1_700_000_000_123), "2023-11-14T22:13:20.123Z");
+        assert_eq!(timestamp(951_782_400_000), "2000-02-29T00:00:00.000Z");
+    }
+
+    #[test]
+    fn tables_pad_columns() {
+        let rows = vec![vec!["a".to_owned(), "bb".to_owned(), "c".to_owned()]];
+        assert_eq!(table(&["X", "Y", "Z"], &rows), "X  Y   Z\na  bb  c");
+    }
+}

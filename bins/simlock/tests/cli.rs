@@ -1,0 +1,487 @@
+//! The built `simlock` binary against the in-test daemon on a unix socket in a temporary
+//! `SIMLOCK_HOME` (and over HTTP): JSON shapes, exit codes, detached and held leases, signals.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    reason = "a test fails by panicking"
+)]
+
+use std::process::Stdio;
+use std::time::Duration;
+
+use serde_json::{Value, json};
+use simlock_client::test_util::{CancelScript, FakeDaemon, RequestScript};
+use simlock_contract::model::LeaseEndReason;
+use simlock_contract::push::Progress;
+use simlock_contract::{ContractError, ErrorCode};
+use tokio::io::{AsyncBufReadExt as _, AsyncRead, BufReader, Lines};
+use tokio::process::{Child, Command};
+
+/// A hang guard: a test that waits longer than this has failed.
+const GUARD: Duration = Duration::from_secs(30);
+
+async fn guard<F: Future>(future: F) -> F::Output {
+    tokio::time::timeout(GUARD, future)
+        .await
+        .expect("the test hung")
+}
+
+async fn fake() -> FakeDaemon {
+    FakeDaemon::new().unwrap().with_socket().await.unwrap()
+}
+
+/// The binary, pointed at `home`, with no connection settings inherited.
+fn simlock(home: &std::path::Path) -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_simlock"));
+    command
+        .env("SIMLOCK_HOME", home)
+        .env_remove("SIMLOCK_URL")
+        .env_remove("SIMLOCK_TOKEN")
+        .env_remove("SIMLOCK_AGENT_ID")
+        .stdin(Stdio::null())
+        .kill_on_drop(true);
+    command
+}
+
+struct Run {
+    code: i32,
+    stdout: String,
+    stderr: String,
+}
+
+impl Run {
+    fn json(&self) -> Value {
+        serde_json::from_str(self.stdout.trim())
+            .unwrap_or_else(|e| panic!("stdout is not one JSON document ({e}): {}", self.stdout))
+    }
+}
+
+async fn run_in(command: &mut Command) -> Run {
+    let output = guard(command.output()).await.unwrap();
+    Run {
+        code: output.status.code().expect("killed by a signal"),
+        stdout: String::from_utf8(output.stdout).unwrap(),
+        stderr: String::from_utf8(output.stderr).unwrap(),
+    }
+}
+
+async fn run(fake: &FakeDaemon, args: &[&str]) -> Run {
+    run_in(simlock(fake.home()).args(args)).await
+}
+
+/// A held `simlock lease`, its stdout and stderr read line by line.
+struct Held {
+    child: Child,
+    stdout: Lines<BufReader<Box<dyn AsyncRead + Unpin + Send>>>,
+    stderr: Lines<BufReader<Box<dyn AsyncRead + Unpin + Send>>>,
+}
+
+impl Held {
+    fn spawn(fake: &FakeDaemon, args: &[&str]) -> Self {
+        let mut child = simlock(fake.home())
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let stdout: Box<dyn AsyncRead + Unpin + Send> = Box::new(child.stdout.take().unwrap());
+        let stderr: Box<dyn AsyncRead + Unpin + Send> = Box::new(child.stderr.take().unwrap());
+        Self {
+            child,
+            stdout: BufReader::new(stdout).lines(),
+            stderr: BufReader::new(stderr).lines(),
+        }
+    }
+
+    async fn stdout_line(&mut self) -> String {
+        guard(self.stdout.next_line())
+            .await
+            .unwrap()
+            .expect("stdout ended")
+    }
+
+    async fn stderr_line(&mut self) -> String {
+        guard(self.stderr.next_line())
+            .await
+            .unwrap()
+            .expect("stderr ended")
+    }
+
+    async fn signal(&self, name: &str) {
+        let pid = self.child.id().unwrap().to_string();
+        let status = guard(Command::new("kill").args([name, &pid]).status())
+            .await
+            .unwrap();
+        assert!(status.success());
+    }
+
+    async fn exit_code(mut self) -> (i32, String) {
+        let status = guard(self.child.wait()).await.unwrap();
+        let mut rest = Vec::new();
+        while let Some(line) = guard(self.stderr.next_line()).await.unwrap() {
+            rest.push(line);
+        }
+        (status.code().expect("killed by a signal"), rest.join("\n"))
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn results_are_the_contracts_json_documents() {
+    let fake = fake().await;
+    let status = run(&fake, &["status", "--json"]).await;
+    assert_eq!(status.code, 0, "{}", status.stderr);
+    assert_eq!(status.json()["daemon"]["mode"], "worker");
+
+    let leases = run(&fake, &["--json", "leases"]).await;
+    assert_eq!(leases.json(), json!({"leases": []}));
+
+    // Admin commands send the daemon's admin secret from SIMLOCK_HOME/admin.token.
+    let devices = run(&fake, &["--json", "devices"]).await;
+    assert_eq!(devices.code, 0, "{}", devices.stderr);
+    assert_eq!(devices.json()["devices"][0]["id"], "dev_1");
+    assert_eq!(
+        fake.calls_of("list.get")[0].role,
+        simlock_contract::Role::Admin
+    );
+    // Agent commands do not.
+    assert_eq!(
+        fake.calls_of("lease.list")[0].role,
+        simlock_contract::Role::Agent
+    );
+
+    let catalog = run(&fake, &["--json", "catalog", "--platform", "ios"]).await;
+    assert_eq!(
+        catalog.json()["platforms"][0]["models"],
+        json!(["iPhone 16"])
+    );
+
+    // Without --json: a human view.
+    let human = run(&fake, &["status"]).await;
+    assert_eq!(human.code, 0);
+    assert!(human.stdout.contains("worker running"), "{}", human.stdout);
+    assert!(human.stdout.contains("dev_1"), "{}", human.stdout);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refusals_exit_with_their_codes_and_print_the_error() {
+    let fake = fake().await;
+    let cases = [
+        (ErrorCode::NoCapacity, 11),
+        (ErrorCode::QueueTimeout, 10),
+        (ErrorCode::RequesterAlreadyLeased, 13),
+        (ErrorCode::CapabilityMissing, 12),
+    ];
+    for (code, exit) in cases {
+        let refusal = ContractError::new(code, format!("refused with {code}"))
+            .with_details(json!({"requestId": "req_1"}));
+        fake.script_request(RequestScript::Fail(Vec::new(), refusal));
+        let out = run(
+            &fake,
+            &["lease", "--platform", "ios", "--no-wait", "--json"],
+        )
+        .await;
+        assert_eq!(out.code, exit, "{code}: {}", out.stderr);
+        assert_eq!(
+            out.json(),
+            json!({"error": {"code": code.as_str(), "message": format!("refused with {code}"), "details": {"requestId": "req_1"}}})
+        );
+        assert_eq!(
+            out.stderr.trim(),
+            format!("simlock: refused with {code} ({code})")
+        );
+    }
+    let unknown = run(&fake, &["renew", "lse_nope"]).await;
+    assert_eq!(unknown.code, 1);
+    assert!(unknown.stdout.is_empty());
+    assert!(
+        unknown.stderr.contains("UNKNOWN_LEASE"),
+        "{}",
+        unknown.stderr
+    );
+    let bad = run(&fake, &["renew", "not a lease"]).await;
+    assert_eq!(bad.code, 2, "{}", bad.stderr);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn usage_errors_exit_2() {
+    let fake = fake().await;
+    assert_eq!(run(&fake, &["lease"]).await.code, 2);
+    assert_eq!(
+        run(&fake, &["lease", "--platform", "windows"]).await.code,
+        2
+    );
+    assert_eq!(run(&fake, &["release"]).await.code, 2);
+    assert_eq!(run(&fake, &["events", "--since", "soon"]).await.code, 2);
+    assert_eq!(
+        run(&fake, &["--url", "http://127.0.0.1:1", "status"])
+            .await
+            .code,
+        2
+    );
+    assert!(fake.calls().is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_daemon_is_a_clear_message_and_exit_1() {
+    let home = tempfile::tempdir().unwrap();
+    let out = run_in(simlock(home.path()).arg("status")).await;
+    assert_eq!(out.code, 1);
+    let socket = home.path().join("daemon.sock");
+    assert_eq!(
+        out.stderr.trim(),
+        format!(
+            "simlock: no simlock daemon is running at {}; start one with simlock-worker (DAEMON_CONNECTION_LOST)",
+            socket.display()
+        )
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn detach_prints_the_grant_and_leaves_the_lease() {
+    let fake = fake().await;
+    let out = run_in(
+        simlock(fake.home())
+            .env("SIMLOCK_AGENT_ID", "agent-7")
+            .args([
+                "lease",
+                "--platform",
+                "ios",
+                "--device",
+                "iPhone 16",
+                "--ttl",
+                "60000",
+                "--requires",
+                "agent-device",
+                "--detach",
+                "--json",
+            ]),
+    )
+    .await;
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    let grant = out.json();
+    assert_eq!(grant["lease"]["id"], "lse_1");
+    assert_eq!(grant["lease"]["requesterId"], "agent-7");
+    assert_eq!(grant["environment"]["SIMLOCK_UDID"], "UDID-1");
+    assert_eq!(
+        fake.calls_of("lease.request")[0].input,
+        json!({"platform": "ios", "model": "iPhone 16", "ttlMs": 60000, "requesterId": "agent-7", "requires": ["agent-device"]})
+    );
+    assert_eq!(fake.leases().len(), 1);
+    assert!(fake.calls_of("lease.release").is_empty());
+    assert!(fake.calls_of("lease.renew").is_empty());
+
+    // The lease can then be renewed, used and released by id.
+    let renewed = run(&fake, &["--json", "renew", "lse_1", "--ttl", "120000"]).await;
+    assert_eq!(renewed.json()["ttlMs"], 120_000);
+    let exec = run(&fake, &["exec", "lse_1", "simctl", "list", "--json-ish"]).await;
+    assert_eq!(exec.code, 3, "{}", exec.stderr);
+    assert_eq!(exec.stdout, "hello\nbye\n");
+    assert_eq!(exec.stderr, "careful\n");
+    assert_eq!(
+        fake.calls_of("device.exec")[0].input,
+        json!({"leaseId": "lse_1", "tool": "simctl", "args": ["list", "--json-ish"]})
+    );
+    let released = run(&fake, &["release", "lse_1"]).await;
+    assert_eq!(released.code, 0);
+    assert_eq!(released.stdout.trim(), "released lease lse_1");
+    assert!(fake.leases().is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_held_lease_is_renewed_then_released_on_sigterm() {
+    let fake = fake().await;
+    fake.script_request(RequestScript::Grant(vec![Progress::Queued {
+        queue_position: 1,
+    }]));
+    let mut held = Held::spawn(
+        &fake,
+        &["lease", "--platform", "ios", "--ttl", "300", "--json"],
+    );
+    // stderr is not a terminal: progress comes as JSON lines.
+    let progress: Value = serde_json::from_str(&held.stderr_line().await).unwrap();
+    assert_eq!(
+        progress,
+        json!({"progress": {"stage": "queued", "queuePosition": 1}})
+    );
+    let grant: Value = serde_json::from_str(&held.stdout_line().await).unwrap();
+    let lease_id = grant["lease"]["id"].as_str().unwrap().to_owned();
+    let renewals = guard(fake.wait_for_calls("lease.renew", 2)).await;
+    assert!(
+        renewals
+            .iter()
+            .all(|r| r.input == json!({"leaseId": lease_id}))
+    );
+    held.signal("-TERM").await;
+    let (code, stderr) = held.exit_code().await;
+    assert_eq!(code, 0, "{stderr}");
+    assert_eq!(
+        fake.calls_of("lease.release")[0].input,
+        json!({"leaseId": lease_id})
+    );
+    assert!(fake.leases().is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_held_lease_the_daemon_ends_exits_14() {
+    let fake = fake().await;
+    let mut held = Held::spawn(&fake, &["lease", "--platform", "android", "--json"]);
+    let grant: Value = serde_json::from_str(&held.stdout_line().await).unwrap();
+    let lease_id = grant["lease"]["id"].as_str().unwrap().to_owned();
+    assert!(fake.end_lease(&lease_id, LeaseEndReason::Expired));
+    let (code, stderr) = held.exit_code().await;
+    assert_eq!(code, 14, "{stderr}");
+    assert!(
+        stderr.contains(&format!("the daemon ended lease {lease_id} (expired)")),
+        "{stderr}"
+    );
+    assert!(fake.calls_of("lease.release").is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_interrupt_while_queued_cancels_the_request() {
+    let fake = fake().await;
+    fake.script_request(RequestScript::Hold(vec![Progress::Queued {
+        queue_position: 4,
+    }]));
+    fake.script_cancel(CancelScript::Cancelled);
+    let mut held = Held::spawn(&fake, &["lease", "--platform", "ios", "--json"]);
+    let progress = held.stderr_line().await;
+    assert!(progress.contains("\"queuePosition\":4"), "{progress}");
+    held.signal("-INT").await;
+    let (code, stderr) = held.exit_code().await;
+    assert_eq!(code, 1, "{stderr}");
+    assert!(stderr.contains("CANCELLED"), "{stderr}");
+    assert_eq!(fake.calls_of("lease.cancel").len(), 1);
+    assert!(fake.leases().is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn operators_manage_tokens_workers_events_and_the_daemon() {
+    let fake = fake().await;
+    let created = run(
+        &fake,
+        &[
+            "--json", "token", "create", "--role", "agent", "--label", "ci",
+        ],
+    )
+    .await;
+    assert_eq!(created.code, 0, "{}", created.stderr);
+    let created = created.json();
+    assert!(created["secret"].as_str().unwrap().starts_with("slk_"));
+    let id = created["token"]["id"].as_str().unwrap().to_owned();
+    let listed = run(&fake, &["--json", "token", "list"]).await.json();
+    assert!(
+        listed["tokens"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|t| t["id"] == id.as_str())
+    );
+    let revoked = run(&fake, &["--json", "token", "revoke", &id]).await;
+    assert_eq!(revoked.json(), json!({"revoked": true}));
+
+    let workers = run(&fake, &["--json", "workers"]).await.json();
+    assert_eq!(workers["workers"][0]["id"], "fake-worker");
+    let drained = run(&fake, &["workers", "drain", "fake-worker"]).await;
+    assert_eq!(drained.code, 0);
+    assert!(drained.stdout.contains("drained"));
+    let unknown = run(&fake, &["workers", "undrain", "nope"]).await;
+    assert_eq!(unknown.code, 12, "{}", unknown.stderr);
+    let connected = run(&fake, &["workers", "remove", "fake-worker"]).await;
+    assert_eq!(connected.code, 2, "{}", connected.stderr);
+
+    fake.emit("lease.granted", json!({"leaseId": "lse_1"}));
+    let events = run(&fake, &["--json", "events", "--since", "1h"]).await;
+    assert_eq!(events.json()["events"][0]["event"], "lease.granted");
+
+    fake.add_lease("someone", 60_000);
+    let all = run(&fake, &["--json", "release", "--all"]).await;
+    assert_eq!(all.json(), json!({"leaseIds": ["lse_1"]}));
+
+    let stop = run(&fake, &["--json", "stop"]).await;
+    assert_eq!(stop.json(), json!({"stopping": true}));
+    assert!(fake.stop_requested());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn events_follow_prints_new_events_as_lines() {
+    let fake = fake().await;
+    fake.emit("daemon.started", json!({}));
+    let mut follow = Held::spawn(&fake, &["--json", "events", "--follow"]);
+    let first: Value = serde_json::from_str(&follow.stdout_line().await).unwrap();
+    assert_eq!(first["event"], "daemon.started");
+    // The replay is printed after the subscription started: what comes now is followed.
+    fake.emit("device.ready", json!({"deviceId": "dev_1"}));
+    let next: Value = serde_json::from_str(&follow.stdout_line().await).unwrap();
+    assert_eq!(next["event"], "device.ready");
+    follow.signal("-INT").await;
+    let (code, stderr) = follow.exit_code().await;
+    assert_eq!(code, 0, "{stderr}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn url_and_token_reach_the_http_api() {
+    let fake = FakeDaemon::new().unwrap().with_http().await.unwrap();
+    let url = fake.url().unwrap();
+    let status = run_in(
+        simlock(fake.home())
+            .env("SIMLOCK_URL", &url)
+            .env("SIMLOCK_TOKEN", fake.operator_token())
+            .args(["--json", "status"]),
+    )
+    .await;
+    assert_eq!(status.code, 0, "{}", status.stderr);
+    assert_eq!(status.json()["daemon"]["instanceId"], "fake-worker");
+    let out = run(
+        &fake,
+        &[
+            "--url",
+            &url,
+            "--token",
+            fake.agent_token(),
+            "--json",
+            "lease",
+            "--platform",
+            "ios",
+            "--detach",
+        ],
+    )
+    .await;
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert_eq!(out.json()["lease"]["ownerId"], fake.agent_token_id());
+    let forbidden = run(
+        &fake,
+        &["--url", &url, "--token", fake.agent_token(), "devices"],
+    )
+    .await;
+    assert_eq!(forbidden.code, 1);
+    assert!(
+        forbidden.stderr.contains("FORBIDDEN"),
+        "{}",
+        forbidden.stderr
+    );
+    let stranger = run(&fake, &["--url", &url, "--token", "slk_nope", "status"]).await;
+    assert_eq!(stranger.code, 1);
+    assert!(
+        stranger.stderr.contains("UNAUTHENTICATED"),
+        "{}",
+        stranger.stderr
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_held_lease_whose_renewal_finds_it_gone_exits_14() {
+    let fake = fake().await;
+    let mut held = Held::spawn(&fake, &["lease", "--platform", "ios", "--ttl", "300"]);
+    // Human view on stdout: the first line names the lease.
+    let first = held.stdout_line().await;
+    assert!(first.starts_with("lease lse_1 granted"), "{first}");
+    assert!(fake.forget_lease("lse_1"));
+    let (code, stderr) = held.exit_code().await;
+    assert_eq!(code, 14, "{stderr}");
+    assert!(
+        stderr.contains("the daemon ended lease lse_1 (it is gone)"),
+        "{stderr}"
+    );
+}

@@ -1,0 +1,140 @@
+//! Following a daemon's events as they happen: `events.subscribe` and its `event` pushes on a
+//! wire connection, `GET /v1/events/stream` over HTTP.
+
+use std::sync::Arc;
+
+use serde_json::{Value, json};
+use simlock_contract::model::EventEnvelope;
+use simlock_contract::ops::{Empty, EventsSubscribe, EventsUnsubscribe};
+use simlock_contract::{ContractError, Operation as _};
+use tokio::sync::broadcast;
+
+use crate::client::{Backend, Client, timed_out};
+use crate::sse::SseStream;
+use crate::wire::WireBackend;
+
+/// What a follow yields.
+#[derive(Debug, Clone, PartialEq)]
+pub enum FollowItem {
+    /// An event.
+    Event(EventEnvelope),
+    /// The reader fell behind and `missed` events were dropped.
+    Lagged {
+        /// How many.
+        missed: u64,
+    },
+}
+
+/// Events as they happen. Dropping it stops following.
+#[derive(Debug)]
+pub struct EventFollow {
+    inner: Inner,
+}
+
+#[derive(Debug)]
+enum Inner {
+    Wire {
+        backend: Arc<WireBackend>,
+        rx: broadcast::Receiver<EventEnvelope>,
+    },
+    Http(SseStream),
+}
+
+impl EventFollow {
+    pub(crate) async fn start(client: &Client) -> Result<Self, ContractError> {
+        let inner = match &client.backend {
+            Backend::Wire(wire) => {
+                // Follow before subscribing so the first pushes are not missed.
+                let rx = wire.follow_events();
+                let follow = Self {
+                    inner: Inner::Wire {
+                        backend: wire.clone(),
+                        rx,
+                    },
+                };
+                client.call::<EventsSubscribe>(&Empty {}).await?;
+                return Ok(follow);
+            }
+            Backend::Http(http) => {
+                let bound = client.options.call_timeout;
+                let stream = tokio::time::timeout(
+                    bound,
+                    http.open_stream(http::Method::GET, "/v1/events/stream", None),
+                )
+                .await
+                .unwrap_or_else(|_| Err(timed_out("GET /v1/events/stream", bound)))?;
+                Inner::Http(stream)
+            }
+        };
+        Ok(Self { inner })
+    }
+
+    /// The next event; `None` when the stream ended. `Some(Err(DAEMON_CONNECTION_LOST))` when
+    /// the connection is gone.
+    pub async fn next(&mut self) -> Option<Result<FollowItem, ContractError>> {
+        match &mut self.inner {
+            Inner::Wire { backend, rx } => {
+                let received = tokio::select! {
+                    received = rx.recv() => received,
+                    () = backend.closed() => return Some(Err(ContractError::connection_lost())),
+                };
+                match received {
+                    Ok(event) => Some(Ok(FollowItem::Event(event))),
+                    Err(broadcast::error::RecvError::Lagged(missed)) => {
+                        Some(Ok(FollowItem::Lagged { missed }))
+                    }
+                    Err(broadcast::error::RecvError::Closed) => None,
+                }
+            }
+            Inner::Http(stream) => loop {
+                let event = match stream.next().await? {
+                    Ok(event) => event,
+                    Err(e) => return Some(Err(e)),
+                };
+                let data: Value = match serde_json::from_str(&event.data) {
+                    Ok(data) => data,
+                    Err(e) => {
+                        return Some(Err(ContractError::internal(format!(
+                            "invalid {} event: {e}",
+                            event.event
+                        ))));
+                    }
+                };
+                match event.event.as_str() {
+                    "event" => {
+                        return Some(
+                            serde_json::from_value::<EventEnvelope>(data)
+                                .map(FollowItem::Event)
+                                .map_err(|e| {
+                                    ContractError::internal(format!("invalid event: {e}"))
+                                }),
+                        );
+                    }
+                    "lagged" => {
+                        let missed = data.get("missed").and_then(Value::as_u64).unwrap_or(0);
+                        return Some(Ok(FollowItem::Lagged { missed }));
+                    }
+                    _ => {}
+                }
+            },
+        }
+    }
+}
+
+impl Drop for EventFollow {
+    fn drop(&mut self) {
+        let Inner::Wire { backend, .. } = &self.inner else {
+            return;
+        };
+        if !backend.unfollow_events() || backend.is_closed() {
+            return;
+        }
+        // The last follower on the connection: unsubscribe, without waiting.
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            let backend = backend.clone();
+            runtime.spawn(async move {
+                let _ = backend.call_value(EventsUnsubscribe::NAME, json!({})).await;
+            });
+        }
+    }
+}

@@ -1,0 +1,297 @@
+//! The HTTP backend: `/v1` routes with a bearer token over hyper's pooled HTTP/1 client.
+//! Plain calls go to `POST /v1/ops/{operation}`; streams are server-sent events.
+//!
+//! Errors arrive as `{"error": {"code", "message", ...details}}`; [`error_from_body`] is the one
+//! place an HTTP answer becomes a [`ContractError`].
+
+use std::fmt::Write as _;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderValue, Method, Request, Response, StatusCode, header};
+use http_body_util::{BodyExt as _, Full, Limited};
+use hyper::body::Incoming;
+use hyper_util::client::legacy::Client as HyperClient;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use serde_json::{Map, Value};
+use simlock_contract::{ContractError, ErrorBody, ErrorCode};
+
+use crate::sse::SseStream;
+
+/// The largest JSON answer read.
+const MAX_ANSWER: usize = simlock_contract::bounds::MAX_CLIENT_LINE;
+
+/// A daemon's HTTP API.
+pub(crate) struct HttpBackend {
+    client: HyperClient<HttpConnector, Full<Bytes>>,
+    base: String,
+    authorization: HeaderValue,
+    idle: Duration,
+}
+
+impl std::fmt::Debug for HttpBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HttpBackend")
+            .field("base", &self.base)
+            .finish_non_exhaustive()
+    }
+}
+
+impl HttpBackend {
+    /// A backend for `base_url` with the bearer `token`.
+    pub(crate) fn new(base_url: &str, token: &str, idle: Duration) -> Result<Self, ContractError> {
+        let uri: http::Uri = base_url.parse().map_err(|e| {
+            ContractError::bad_request(format!("url: {base_url:?} is not a URL: {e}"))
+        })?;
+        match uri.scheme_str() {
+            Some("http") => {}
+            Some("https") => {
+                return Err(ContractError::bad_request(format!(
+                    "url: {base_url}: https is not supported yet; use http://"
+                )));
+            }
+            _ => {
+                return Err(ContractError::bad_request(format!(
+                    "url: {base_url:?} must start with http://"
+                )));
+            }
+        }
+        if uri.authority().is_none() {
+            return Err(ContractError::bad_request(format!(
+                "url: {base_url:?} names no host"
+            )));
+        }
+        if uri.query().is_some() {
+            return Err(ContractError::bad_request(format!(
+                "url: {base_url:?} must not carry a query"
+            )));
+        }
+        let authorization = HeaderValue::from_str(&format!("Bearer {}", token.trim()))
+            .map_err(|_| ContractError::bad_request("token: not a valid header value"))?;
+        let client = HyperClient::builder(TokioExecutor::new()).build_http();
+        Ok(Self {
+            client,
+            base: base_url.trim_end_matches('/').to_owned(),
+            authorization,
+            idle,
+        })
+    }
+
+    /// Sends one request; `path` starts with `/v1/`.
+    pub(crate) async fn send(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<&Value>,
+        headers: &[(&'static str, String)],
+    ) -> Result<Response<Incoming>, ContractError> {
+        let uri = format!("{}{path}", self.base);
+        let mut builder = Request::builder()
+            .method(method.clone())
+            .uri(&uri)
+            .header(header::AUTHORIZATION, self.authorization.clone())
+            .header(header::ACCEPT, "application/json, text/event-stream");
+        for (name, value) in headers {
+            builder = builder.header(*name, value);
+        }
+        let bytes = match body {
+            Some(body) => {
+                builder = builder.header(header::CONTENT_TYPE, "application/json");
+                Bytes::from(
+                    serde_json::to_vec(body).map_err(|e| ContractError::internal(e.to_string()))?,
+                )
+            }
+            None => Bytes::new(),
+        };
+        let request = builder
+            .body(Full::new(bytes))
+            .map_err(|e| ContractError::bad_request(format!("{method} {uri}: {e}")))?;
+        self.client.request(request).await.map_err(|e| {
+            ContractError::new(
+                ErrorCode::DaemonConnectionLost,
+                format!(
+                    "cannot reach the simlock daemon at {}: {}",
+                    self.base,
+                    chain(&e)
+                ),
+            )
+            .with_details(serde_json::json!({ "url": self.base }))
+        })
+    }
+
+    /// Sends one request and reads its JSON answer; an empty answer (204) reads as `{}`.
+    pub(crate) async fn json(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<&Value>,
+        headers: &[(&'static str, String)],
+    ) -> Result<Value, ContractError> {
+        let response = self.send(method, path, body, headers).await?;
+        let status = response.status();
+        let bytes = read_body(response.into_body()).await?;
+        if !status.is_success() {
+            return Err(error_from_body(status, &bytes));
+        }
+        if bytes.iter().all(u8::is_ascii_whitespace) {
+            return Ok(Value::Object(Map::new()));
+        }
+        serde_json::from_slice(&bytes).map_err(|e| {
+            ContractError::internal(format!("the daemon answered {path} with invalid JSON: {e}"))
+        })
+    }
+
+    /// Runs an operation: `POST /v1/ops/{op}`.
+    pub(crate) async fn op(&self, op: &str, payload: Value) -> Result<Value, ContractError> {
+        let path = format!("/v1/ops/{}", segment(op));
+        self.json(Method::POST, &path, Some(&payload), &[]).await
+    }
+
+    /// Opens an event stream; an answer that is not `text/event-stream` is read as an error.
+    pub(crate) async fn open_stream(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<&Value>,
+    ) -> Result<SseStream, ContractError> {
+        let response = self.send(method, path, body, &[]).await?;
+        let status = response.status();
+        let is_stream = response
+            .headers()
+            .get(header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.starts_with("text/event-stream"));
+        if status.is_success() && is_stream {
+            return Ok(SseStream::new(response.into_body(), self.idle));
+        }
+        let bytes = read_body(response.into_body()).await?;
+        if status.is_success() {
+            return Err(ContractError::internal(format!(
+                "the daemon answered {path} without an event stream"
+            )));
+        }
+        Err(error_from_body(status, &bytes))
+    }
+}
+
+/// Reads a whole body of at most [`MAX_ANSWER`] bytes.
+async fn read_body(body: Incoming) -> Result<Bytes, ContractError> {
+    Limited::new(body, MAX_ANSWER)
+        .collect()
+        .await
+        .map(http_body_util::Collected::to_bytes)
+        .map_err(|e| {
+            ContractError::new(
+                ErrorCode::DaemonConnectionLost,
+                format!("the daemon's answer could not be read: {e}"),
+            )
+        })
+}
+
+/// The error an HTTP error answer describes: `{"error": {code, message, ...details}}`, the
+/// details inlined beside the code. Anything else becomes `UNKNOWN_DAEMON_ERROR` naming the status.
+pub(crate) fn error_from_body(status: StatusCode, bytes: &[u8]) -> ContractError {
+    let parsed = serde_json::from_slice::<Value>(bytes).ok();
+    let body = parsed
+        .as_ref()
+        .and_then(|v| v.get("error"))
+        .and_then(Value::as_object);
+    if let Some(body) = body
+        && let Some(code) = body.get("code").and_then(Value::as_str)
+    {
+        let message = body
+            .get("message")
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .to_owned();
+        let details: Map<String, Value> = body
+            .iter()
+            .filter(|(k, _)| *k != "code" && *k != "message")
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        return ContractError::from_body(ErrorBody {
+            code: code.to_owned(),
+            message,
+            details: (!details.is_empty()).then_some(Value::Object(details)),
+        });
+    }
+    let text = String::from_utf8_lossy(bytes);
+    let snippet: String = text.chars().take(200).collect();
+    ContractError::from_body(ErrorBody {
+        code: format!("HTTP_{}", status.as_u16()),
+        message: if snippet.trim().is_empty() {
+            status.to_string()
+        } else {
+            snippet
+        },
+        details: None,
+    })
+}
+
+/// A path segment, percent-encoded beyond the unreserved characters.
+pub(crate) fn segment(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for byte in text.bytes() {
+        if byte.is_ascii_alphanumeric() || matches!(byte, b'-' | b'.' | b'_' | b'~') {
+            out.push(char::from(byte));
+        } else {
+            let _ = write!(out, "%{byte:02X}");
+        }
+    }
+    out
+}
+
+/// An error and its sources, on one line.
+fn chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        let _ = write!(text, ": {cause}");
+        source = cause.source();
+    }
+    text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn error_bodies_carry_inline_details() {
+        let err = error_from_body(
+            StatusCode::NOT_FOUND,
+            br#"{"error":{"code":"UNKNOWN_LEASE","message":"Unknown lease x","leaseId":"x"}}"#,
+        );
+        assert_eq!(err.code, ErrorCode::UnknownLease);
+        assert_eq!(err.details, Some(serde_json::json!({"leaseId": "x"})));
+        let err = error_from_body(StatusCode::BAD_GATEWAY, b"<html>bad gateway</html>");
+        assert_eq!(err.code, ErrorCode::UnknownDaemonError);
+        assert!(err.message.contains("HTTP_502"), "{}", err.message);
+        let err = error_from_body(
+            StatusCode::CONFLICT,
+            br#"{"error":{"code":"BRAND_NEW","message":"hm"}}"#,
+        );
+        assert_eq!(err.code, ErrorCode::UnknownDaemonError);
+    }
+
+    #[test]
+    fn segments_are_encoded() {
+        assert_eq!(segment("lse_a.b-c"), "lse_a.b-c");
+        assert_eq!(segment("a b/c"), "a%20b%2Fc");
+    }
+
+    #[test]
+    fn only_plain_http_urls_are_taken() {
+        let idle = Duration::from_secs(1);
+        assert!(HttpBackend::new("http://127.0.0.1:4700/", "t", idle).is_ok());
+        assert_eq!(
+            HttpBackend::new("https://x", "t", idle).unwrap_err().code,
+            ErrorCode::BadRequest
+        );
+        assert_eq!(
+            HttpBackend::new("ftp://x", "t", idle).unwrap_err().code,
+            ErrorCode::BadRequest
+        );
+    }
+}

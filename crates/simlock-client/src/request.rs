@@ -1,0 +1,553 @@
+//! A lease request in flight: its progress, its outcome, and how it is withdrawn.
+//!
+//! Abort follows the contract's rule for typed clients: send `lease.cancel` for the request's
+//! requester; `cancelled` ends it `CANCELLED`; `not-cancellable` (a device is already being made
+//! ready) waits for the outcome, releases any grant, then ends `CANCELLED`; `not-found` (it
+//! settled meanwhile) ends with the request's own outcome.
+
+use std::time::Duration;
+
+use serde_json::{Map, Value, json};
+use simlock_contract::model::LeaseGrant;
+use simlock_contract::ops::{CancelResult, LeaseRequest, LeaseRequestInput};
+use simlock_contract::push::Progress;
+use simlock_contract::{ContractError, ErrorBody, ErrorCode, Operation as _, Push};
+use simlock_wire::{CallEvent, CallHandle, decode_output};
+use tokio::sync::{mpsc, oneshot};
+use tokio::task::JoinHandle;
+use tracing::{debug, warn};
+
+use crate::client::{Backend, Client, cancelled, timed_out};
+use crate::http::{HttpBackend, segment};
+
+/// Progress pushes a request may hold unread before the connection waits for the caller.
+const PROGRESS_QUEUE: usize = 16;
+/// How long an HTTP long-poll for a request's state waits at most.
+const LONG_POLL_SECS: u64 = 30;
+/// Consecutive failed reads of an HTTP request's state before the request is given up.
+const HTTP_READ_ATTEMPTS: u32 = 3;
+
+/// What a pending lease request yields.
+#[allow(
+    clippy::large_enum_variant,
+    reason = "one outcome per request; boxing buys nothing"
+)]
+#[derive(Debug, Clone, PartialEq)]
+pub enum RequestEvent {
+    /// Where the request is.
+    Progress(Progress),
+    /// The outcome; nothing follows it.
+    Done(Result<LeaseGrant, ContractError>),
+}
+
+/// A lease request in flight. Dropping it stops following the request; the daemon goes on with
+/// it (use [`Self::abort`] to withdraw it).
+#[derive(Debug)]
+pub struct PendingLease {
+    client: Client,
+    requester_id: Option<String>,
+    inner: Inner,
+    settled: bool,
+}
+
+#[derive(Debug)]
+enum Inner {
+    /// `lease.request` on a wire connection: its pushes and its reply.
+    Wire(Box<CallHandle>),
+    /// The HTTP lease-requests resource, followed by a task.
+    HttpResource {
+        updates: mpsc::Receiver<Update>,
+        id: Option<String>,
+        _task: AbortOnDrop,
+    },
+    /// `POST /v1/ops/lease.request`, run by a task.
+    HttpOps {
+        outcome: oneshot::Receiver<Result<LeaseGrant, ContractError>>,
+        _task: AbortOnDrop,
+    },
+}
+
+/// What the HTTP follower reports.
+#[allow(
+    clippy::large_enum_variant,
+    reason = "one outcome per request; boxing buys nothing"
+)]
+#[derive(Debug)]
+enum Update {
+    /// The resource's id, once created.
+    Id(String),
+    /// A new state.
+    Progress(Progress),
+    /// The outcome.
+    Done(Result<LeaseGrant, ContractError>),
+}
+
+/// How a withdrawal went.
+#[allow(
+    clippy::large_enum_variant,
+    reason = "one outcome per request; boxing buys nothing"
+)]
+enum Withdrawal {
+    /// `lease.cancel`'s answer.
+    Answered(CancelResult),
+    /// The request settled before it could be withdrawn.
+    Settled(Result<LeaseGrant, ContractError>),
+}
+
+/// A task aborted when its owner is dropped.
+#[derive(Debug)]
+struct AbortOnDrop(JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+impl PendingLease {
+    pub(crate) async fn begin(
+        client: Client,
+        input: LeaseRequestInput,
+    ) -> Result<Self, ContractError> {
+        let requester_id = input.requester_id.clone();
+        let inner = match &client.backend {
+            Backend::Wire(wire) => {
+                let payload = serde_json::to_value(&input)
+                    .map_err(|e| ContractError::internal(e.to_string()))?;
+                let handle = wire
+                    .begin(LeaseRequest::NAME, payload, PROGRESS_QUEUE)
+                    .await?;
+                Inner::Wire(Box::new(handle))
+            }
+            Backend::Http(http) if input.requester_id.is_some() || input.owner.is_some() => {
+                let payload = serde_json::to_value(&input)
+                    .map_err(|e| ContractError::internal(e.to_string()))?;
+                let (tx, outcome) = oneshot::channel();
+                let http = http.clone();
+                let task = tokio::spawn(async move {
+                    let result = http
+                        .op(LeaseRequest::NAME, payload)
+                        .await
+                        .and_then(decode_output::<LeaseRequest>);
+                    let _ = tx.send(result);
+                });
+                Inner::HttpOps {
+                    outcome,
+                    _task: AbortOnDrop(task),
+                }
+            }
+            Backend::Http(http) => {
+                let (tx, updates) = mpsc::channel(PROGRESS_QUEUE);
+                let task = tokio::spawn(follow_resource(
+                    http.clone(),
+                    input,
+                    tx,
+                    client.options.call_timeout,
+                ));
+                Inner::HttpResource {
+                    updates,
+                    id: None,
+                    _task: AbortOnDrop(task),
+                }
+            }
+        };
+        Ok(Self {
+            client,
+            requester_id,
+            inner,
+            settled: false,
+        })
+    }
+
+    /// The HTTP lease-request resource's id (`req_…`), once the daemon created it.
+    pub fn request_id(&self) -> Option<&str> {
+        match &self.inner {
+            Inner::HttpResource { id, .. } => id.as_deref(),
+            Inner::Wire(_) | Inner::HttpOps { .. } => None,
+        }
+    }
+
+    /// The next progress or the outcome. After the outcome, answers `INTERNAL`.
+    pub async fn next(&mut self) -> RequestEvent {
+        if self.settled {
+            return RequestEvent::Done(Err(ContractError::internal(
+                "the lease request already settled",
+            )));
+        }
+        let event = match &mut self.inner {
+            Inner::Wire(handle) => next_wire(handle).await,
+            Inner::HttpResource { updates, id, .. } => loop {
+                match updates.recv().await {
+                    Some(Update::Id(found)) => *id = Some(found),
+                    Some(Update::Progress(progress)) => break RequestEvent::Progress(progress),
+                    Some(Update::Done(outcome)) => break RequestEvent::Done(outcome),
+                    None => break RequestEvent::Done(Err(ContractError::connection_lost())),
+                }
+            },
+            Inner::HttpOps { outcome, .. } => RequestEvent::Done(
+                outcome
+                    .await
+                    .unwrap_or_else(|_| Err(ContractError::connection_lost())),
+            ),
+        };
+        if matches!(event, RequestEvent::Done(_)) {
+            self.settled = true;
+        }
+        event
+    }
+
+    /// Waits for the outcome, handing each progress to `on_progress`; withdraws the request
+    /// when `abort` resolves first.
+    pub(crate) async fn run<F, A>(
+        mut self,
+        mut on_progress: F,
+        abort: A,
+    ) -> Result<LeaseGrant, ContractError>
+    where
+        F: FnMut(&Progress),
+        A: Future<Output = ()>,
+    {
+        tokio::pin!(abort);
+        loop {
+            tokio::select! {
+                biased;
+                () = &mut abort => return self.abort().await,
+                event = self.next() => match event {
+                    RequestEvent::Progress(progress) => on_progress(&progress),
+                    RequestEvent::Done(outcome) => return outcome,
+                },
+            }
+        }
+    }
+
+    /// Withdraws the request (`lease.cancel`, or `DELETE` on the HTTP resource):
+    /// `CANCELLED` when it was withdrawn; when it can no longer be (a device is being made
+    /// ready), waits up to [`ConnectOptions::settle_timeout`](crate::ConnectOptions) for its
+    /// outcome, releases any grant and answers `CANCELLED`; when there was nothing to withdraw
+    /// (it settled meanwhile), answers its own outcome.
+    ///
+    /// # Errors
+    /// `CANCELLED`; the request's own error; or the failure of the withdrawal itself.
+    pub async fn abort(mut self) -> Result<LeaseGrant, ContractError> {
+        if self.settled {
+            return Err(cancelled());
+        }
+        let bound = self.client.options.settle_timeout;
+        match self.withdraw(bound).await? {
+            Withdrawal::Settled(outcome) => outcome,
+            Withdrawal::Answered(CancelResult::Cancelled) => Err(cancelled()),
+            Withdrawal::Answered(CancelResult::NotCancellable) => {
+                if let Some(Ok(grant)) = self.settle(bound).await {
+                    let lease = grant.lease.id.to_string();
+                    match self.client.release(&lease).await {
+                        Ok(_) => debug!(%lease, "released the grant of an aborted request"),
+                        Err(e) => {
+                            warn!(%lease, error = %e, "could not release the grant of an aborted request; it expires on its TTL")
+                        }
+                    }
+                }
+                Err(cancelled())
+            }
+            Withdrawal::Answered(CancelResult::NotFound) => self
+                .settle(bound)
+                .await
+                .unwrap_or_else(|| Err(timed_out("lease.request", bound))),
+        }
+    }
+
+    /// The outcome, ignoring progress, waiting at most `bound`.
+    async fn settle(&mut self, bound: Duration) -> Option<Result<LeaseGrant, ContractError>> {
+        tokio::time::timeout(bound, async {
+            loop {
+                if let RequestEvent::Done(outcome) = self.next().await {
+                    return outcome;
+                }
+            }
+        })
+        .await
+        .ok()
+    }
+
+    async fn withdraw(&mut self, bound: Duration) -> Result<Withdrawal, ContractError> {
+        let http = match (&self.inner, &self.client.backend) {
+            (Inner::HttpResource { .. }, Backend::Http(http)) => http.clone(),
+            _ => {
+                let answer = self.client.cancel(self.requester_id.clone()).await?;
+                return Ok(Withdrawal::Answered(answer.result));
+            }
+        };
+        // The resource's id comes once the POST answered; wait for it (or for the outcome).
+        let id = loop {
+            let Inner::HttpResource { updates, id, .. } = &mut self.inner else {
+                return Err(ContractError::internal("lease request state changed"));
+            };
+            if let Some(id) = id.clone() {
+                break id;
+            }
+            match tokio::time::timeout(bound, updates.recv()).await {
+                Err(_) => return Err(timed_out("POST /v1/lease-requests", bound)),
+                Ok(None) => return Err(ContractError::connection_lost()),
+                Ok(Some(Update::Id(found))) => *id = Some(found),
+                Ok(Some(Update::Progress(_))) => {}
+                Ok(Some(Update::Done(outcome))) => {
+                    self.settled = true;
+                    return Ok(Withdrawal::Settled(outcome));
+                }
+            }
+        };
+        // Settled already: nothing to withdraw (`not-found`). Otherwise a refused DELETE means
+        // device work started (`not-cancellable`); a request that settles between the two reads
+        // is then waited for and any grant released, so no lease is left behind.
+        let path = format!("/v1/lease-requests/{}", segment(&id));
+        let call_bound = self.client.options.call_timeout;
+        let view = tokio::time::timeout(call_bound, http.json(http::Method::GET, &path, None, &[]))
+            .await
+            .unwrap_or_else(|_| Err(timed_out("GET lease request", call_bound)));
+        match view {
+            Ok(view) => {
+                let settled = view
+                    .get("request")
+                    .and_then(|r| r.get("state"))
+                    .and_then(Value::as_str)
+                    .is_some_and(is_settled);
+                if settled {
+                    return Ok(Withdrawal::Answered(CancelResult::NotFound));
+                }
+            }
+            Err(e) if e.code == ErrorCode::UnknownLeaseRequest => {
+                return Ok(Withdrawal::Answered(CancelResult::NotFound));
+            }
+            Err(e) => return Err(e),
+        }
+        let deleted = tokio::time::timeout(
+            call_bound,
+            http.json(http::Method::DELETE, &path, None, &[]),
+        )
+        .await
+        .unwrap_or_else(|_| Err(timed_out("DELETE lease request", call_bound)));
+        match deleted {
+            Ok(_) => Ok(Withdrawal::Answered(CancelResult::Cancelled)),
+            Err(e) if e.code == ErrorCode::UnknownLeaseRequest => {
+                Ok(Withdrawal::Answered(CancelResult::NotFound))
+            }
+            Err(e) if e.code == ErrorCode::RequestNotCancellable => {
+                Ok(Withdrawal::Answered(CancelResult::NotCancellable))
+            }
+            Err(e) => Err(e),
+        }
+    }
+}
+
+async fn next_wire(handle: &mut CallHandle) -> RequestEvent {
+    loop {
+        match handle.next().await {
+            CallEvent::Push(frame) => match Push::from_frame(&frame) {
+                Ok(Push::Progress { progress, .. }) => return RequestEvent::Progress(progress),
+                Ok(other) => debug!(push = other.kind(), "ignoring a push on lease.request"),
+                Err(e) => warn!(error = %e, "ignoring a push the client cannot read"),
+            },
+            CallEvent::Reply(outcome) => {
+                return RequestEvent::Done(outcome.and_then(decode_output::<LeaseRequest>));
+            }
+        }
+    }
+}
+
+// === The HTTP lease-requests resource ===
+
+/// The resource's body for `input`: `device` for the model, `os` for the OS version.
+fn resource_body(input: &LeaseRequestInput) -> (Value, Vec<(&'static str, String)>) {
+    let mut body = Map::new();
+    body.insert("platform".into(), json!(input.platform));
+    if let Some(model) = &input.model {
+        body.insert("device".into(), json!(model));
+    }
+    if let Some(os) = &input.os_version {
+        body.insert("os".into(), json!(os));
+    }
+    if let Some(ttl) = input.ttl_ms {
+        body.insert("ttlMs".into(), json!(ttl));
+    }
+    if let Some(timeout) = input.timeout_ms {
+        body.insert("timeoutMs".into(), json!(timeout));
+    }
+    if let Some(no_wait) = input.no_wait {
+        body.insert("noWait".into(), json!(no_wait));
+    }
+    if !input.requires.is_empty() {
+        body.insert("requires".into(), json!(input.requires));
+    }
+    if let Some(lease_id) = &input.lease_id {
+        body.insert("leaseId".into(), json!(lease_id));
+    }
+    let headers = input
+        .idempotency_key
+        .iter()
+        .map(|key| ("idempotency-key", key.clone()))
+        .collect();
+    (Value::Object(body), headers)
+}
+
+fn is_settled(state: &str) -> bool {
+    matches!(state, "granted" | "failed" | "cancelled")
+}
+
+/// What a request view says: its progress while it works, its outcome once settled.
+fn read_view(view: &Value) -> Result<ViewState, ContractError> {
+    let state = view
+        .get("state")
+        .and_then(Value::as_str)
+        .ok_or_else(|| ContractError::internal("a lease request view without a state"))?;
+    let eta_ms = || {
+        view.get("etaSeconds")
+            .and_then(Value::as_u64)
+            .unwrap_or(0)
+            .saturating_mul(1000)
+    };
+    Ok(match state {
+        "queued" => ViewState::Working(Some(Progress::Queued {
+            queue_position: view
+                .get("queuePosition")
+                .and_then(Value::as_u64)
+                .and_then(|p| u32::try_from(p).ok())
+                .unwrap_or(0),
+        })),
+        "provisioning" => ViewState::Working(Some(Progress::Provisioning { eta_ms: eta_ms() })),
+        "booting" => ViewState::Working(Some(Progress::Booting { eta_ms: eta_ms() })),
+        "reclaiming" => ViewState::Working(Some(Progress::Reclaiming { eta_ms: eta_ms() })),
+        "granted" => ViewState::Settled(
+            view.get("lease")
+                .cloned()
+                .ok_or_else(|| ContractError::internal("a granted lease request without its lease"))
+                .and_then(decode_output::<LeaseRequest>),
+        ),
+        "failed" | "cancelled" => {
+            let fallback = if state == "cancelled" {
+                cancelled()
+            } else {
+                ContractError::internal("the lease request failed")
+            };
+            let error = view
+                .get("error")
+                .cloned()
+                .and_then(|e| serde_json::from_value::<ErrorBody>(e).ok())
+                .map_or(fallback, ContractError::from_body);
+            ViewState::Settled(Err(error))
+        }
+        // `pending` and states this client does not know yet: working, nothing to show.
+        _ => ViewState::Working(None),
+    })
+}
+
+#[allow(
+    clippy::large_enum_variant,
+    reason = "one outcome per request; boxing buys nothing"
+)]
+enum ViewState {
+    Working(Option<Progress>),
+    Settled(Result<LeaseGrant, ContractError>),
+}
+
+/// Creates the resource and follows it until it settles, reporting on `tx`.
+async fn follow_resource(
+    http: std::sync::Arc<HttpBackend>,
+    input: LeaseRequestInput,
+    tx: mpsc::Sender<Update>,
+    call_bound: Duration,
+) {
+    let (body, headers) = resource_body(&input);
+    let created = http
+        .json(
+            http::Method::POST,
+            "/v1/lease-requests",
+            Some(&body),
+            &headers,
+        )
+        .await;
+    let view = match created {
+        Ok(answer) => answer.get("request").cloned().unwrap_or(Value::Null),
+        Err(e) => {
+            let _ = tx.send(Update::Done(Err(e))).await;
+            return;
+        }
+    };
+    let Some(id) = view.get("id").and_then(Value::as_str).map(String::from) else {
+        let err = ContractError::internal("the daemon created a lease request without an id");
+        let _ = tx.send(Update::Done(Err(err))).await;
+        return;
+    };
+    if tx.send(Update::Id(id.clone())).await.is_err() {
+        return;
+    }
+    let mut last = None;
+    if report(&tx, &view, &mut last).await {
+        return;
+    }
+    // Follow the state as it changes; fall back to long-polls if the stream breaks.
+    let events = format!("/v1/lease-requests/{}/events", segment(&id));
+    match tokio::time::timeout(
+        call_bound,
+        http.open_stream(http::Method::GET, &events, None),
+    )
+    .await
+    {
+        Ok(Ok(mut stream)) => {
+            while let Some(event) = stream.next().await {
+                let Ok(event) = event else { break };
+                let Ok(view) = serde_json::from_str::<Value>(&event.data) else {
+                    continue;
+                };
+                if report(&tx, &view, &mut last).await {
+                    return;
+                }
+            }
+        }
+        Ok(Err(e)) => debug!(error = %e, "could not follow the lease request; polling"),
+        Err(_) => debug!("following the lease request timed out; polling"),
+    }
+    let poll = format!("/v1/lease-requests/{}?wait={LONG_POLL_SECS}", segment(&id));
+    let poll_bound = call_bound + Duration::from_secs(LONG_POLL_SECS);
+    let mut failures = 0;
+    loop {
+        let answer =
+            tokio::time::timeout(poll_bound, http.json(http::Method::GET, &poll, None, &[]))
+                .await
+                .unwrap_or_else(|_| Err(timed_out("GET lease request", poll_bound)));
+        match answer {
+            Ok(answer) => {
+                failures = 0;
+                let view = answer.get("request").cloned().unwrap_or(Value::Null);
+                if report(&tx, &view, &mut last).await {
+                    return;
+                }
+            }
+            Err(e) if e.code.is_transport() && failures + 1 < HTTP_READ_ATTEMPTS => {
+                failures += 1;
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+            Err(e) => {
+                let _ = tx.send(Update::Done(Err(e))).await;
+                return;
+            }
+        }
+    }
+}
+
+/// Reports a view; answers whether it settled (or nobody listens any more).
+async fn report(tx: &mpsc::Sender<Update>, view: &Value, last: &mut Option<Progress>) -> bool {
+    match read_view(view) {
+        Ok(ViewState::Working(Some(progress))) if *last != Some(progress) => {
+            *last = Some(progress);
+            tx.send(Update::Progress(progress)).await.is_err()
+        }
+        Ok(ViewState::Working(_)) => false,
+        Ok(ViewState::Settled(outcome)) => {
+            let _ = tx.send(Update::Done(outcome)).await;
+            true
+        }
+        Err(e) => {
+            let _ = tx.send(Update::Done(Err(e))).await;
+            true
+        }
+    }
+}

@@ -1,0 +1,121 @@
+//! The lease hold over an in-memory pipe, in paused time: renewals at a third of the TTL, and
+//! the three ways a hold ends by itself.
+
+use std::time::Duration;
+
+use serde_json::json;
+use simlock_contract::model::{LeaseEndReason, LeaseGrant, Platform};
+use simlock_contract::ops::LeaseRequestInput;
+use simlock_contract::push::UnhealthyReason;
+use simlock_contract::{ErrorCode, Push};
+use tokio::time::Instant;
+
+use super::{guard_paused, pipe_client};
+use crate::test_util::FakeDaemon;
+use crate::{Client, HoldEnd, LeaseLost, LeaseNotice};
+
+async fn grant(client: &Client, ttl_ms: u64) -> LeaseGrant {
+    let mut input = LeaseRequestInput::for_platform(Platform::Ios);
+    input.ttl_ms = Some(ttl_ms);
+    client
+        .request_lease(input, |_| {}, std::future::pending())
+        .await
+        .unwrap()
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_hold_renews_at_a_third_of_the_ttl_without_naming_one() {
+    let fake = FakeDaemon::new().unwrap();
+    let (client, _cut) = pipe_client(&fake).await;
+    let grant = grant(&client, 30_000).await;
+    let lease_id = grant.lease.id.to_string();
+    let start = Instant::now();
+    let hold = client.hold(grant);
+    let renewals = guard_paused(fake.wait_for_calls("lease.renew", 3)).await;
+    let offsets: Vec<Duration> = renewals.iter().map(|r| r.at - start).collect();
+    assert_eq!(
+        offsets,
+        [
+            Duration::from_secs(10),
+            Duration::from_secs(20),
+            Duration::from_secs(30)
+        ]
+    );
+    assert!(
+        renewals
+            .iter()
+            .all(|r| r.input == json!({"leaseId": lease_id}))
+    );
+    assert_eq!(guard_paused(hold.release()).await, HoldEnd::Released);
+    assert_eq!(fake.calls_of("lease.renew").len(), 3);
+    assert!(fake.leases().is_empty());
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_lease_lost_push_stops_the_hold() {
+    let fake = FakeDaemon::new().unwrap();
+    let (client, _cut) = pipe_client(&fake).await;
+    let grant = grant(&client, 60_000).await;
+    let lease_id = grant.lease.id.to_string();
+    let mut hold = client.hold(grant);
+    let mut health = hold.notices();
+    fake.notify(
+        "agent-1",
+        &Push::DeviceUnhealthy {
+            lease_id: lease_id.clone(),
+            device_id: simlock_contract::ids::DeviceId::from_raw("dev_1"),
+            reason: UnhealthyReason::Crashed,
+        },
+    );
+    assert!(matches!(
+        guard_paused(health.recv()).await.unwrap(),
+        LeaseNotice::Unhealthy { .. }
+    ));
+    assert!(fake.end_lease(&lease_id, LeaseEndReason::Killed));
+    assert_eq!(
+        guard_paused(hold.ended()).await,
+        HoldEnd::Lost(LeaseLost {
+            lease_id: lease_id.clone(),
+            reason: Some(LeaseEndReason::Killed)
+        })
+    );
+    assert!(fake.calls_of("lease.renew").is_empty());
+    // Releasing a lost hold sends nothing.
+    assert!(matches!(
+        guard_paused(hold.release()).await,
+        HoldEnd::Lost(_)
+    ));
+    assert!(fake.calls_of("lease.release").is_empty());
+}
+
+#[tokio::test(start_paused = true)]
+async fn unknown_lease_on_a_renewal_means_the_lease_is_lost() {
+    let fake = FakeDaemon::new().unwrap();
+    let (client, _cut) = pipe_client(&fake).await;
+    let grant = grant(&client, 30_000).await;
+    let lease_id = grant.lease.id.to_string();
+    let start = Instant::now();
+    let mut hold = client.hold(grant);
+    assert!(fake.forget_lease(&lease_id));
+    assert_eq!(
+        guard_paused(hold.ended()).await,
+        HoldEnd::Lost(LeaseLost {
+            lease_id,
+            reason: None
+        })
+    );
+    assert_eq!(Instant::now() - start, Duration::from_secs(10));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_lost_connection_fails_the_hold() {
+    let fake = FakeDaemon::new().unwrap();
+    let (client, cut) = pipe_client(&fake).await;
+    let grant = grant(&client, 30_000).await;
+    let mut hold = client.hold(grant);
+    cut.cut();
+    let HoldEnd::Failed(err) = guard_paused(hold.ended()).await else {
+        panic!("the hold did not fail");
+    };
+    assert_eq!(err.code, ErrorCode::DaemonConnectionLost);
+}
