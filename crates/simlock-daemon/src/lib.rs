@@ -2,7 +2,7 @@
 //! socket and HTTP hosts, authentication, the event bus, tokens and the state store.
 //!
 //! # Layout
-//! - [`pipeline`]: the [`Router`](pipeline::Router) of handlers and the [`Pipeline`](pipeline::Pipeline)
+//! - [`pipeline`]: the [`pipeline::Router`] of handlers and the [`pipeline::Pipeline`]
 //!   every call runs through, with the start-up gate.
 //! - [`context`]: what a handler knows about its call.
 //! - [`presence`]: live connections by principal, for lease-scoped pushes.

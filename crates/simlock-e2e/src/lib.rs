@@ -38,11 +38,20 @@ pub fn worker_config(max_running: u32) -> Config {
     config
 }
 
-/// A gateway configuration for tests: HTTP on a free port.
+/// A gateway configuration for tests: HTTP on a port free now, so a restarted gateway comes
+/// back where its workers dial.
 pub fn gateway_config() -> Config {
     let mut config = Config::default();
-    config.http.port = 0;
+    config.http.port = free_port();
     config
+}
+
+/// A TCP port nobody listens on right now.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
 }
 
 /// A running test fleet.
@@ -54,6 +63,39 @@ pub struct TestFleet {
     /// A join token for workers.
     pub join_token: String,
     dir: TempDir,
+}
+
+/// A fake worker: dials the gateway's uplink like a worker and serves `service` with the given
+/// protocol range. Returns the link so the test can drop it.
+pub async fn fake_worker(
+    gateway_url: &str,
+    join_token: &str,
+    worker_id: &str,
+    service: std::sync::Arc<dyn simlock_wire::Service>,
+    range: simlock_contract::ProtocolRange,
+) -> simlock_link::LinkHandle {
+    let config = simlock_daemon::uplink::UplinkConfig {
+        url: gateway_url.to_owned(),
+        token: join_token.to_owned(),
+        worker_id: worker_id.to_owned(),
+        label: Some("fake".into()),
+    };
+    let (link, text) = simlock_daemon::uplink::dial(&config)
+        .await
+        .expect("the fake worker dials");
+    let transport = simlock_daemon::uplink::text_transport(&link, text);
+    let session = simlock_wire::SessionConfig {
+        range,
+        version: "fake".into(),
+    };
+    tokio::spawn(simlock_wire::serve_attached(
+        transport,
+        simlock_wire::Origin::GatewayUplink,
+        None,
+        service,
+        session,
+    ));
+    link
 }
 
 /// A client session on a daemon's unix socket.
@@ -179,11 +221,16 @@ impl TestFleet {
 
     /// Waits until the gateway's views satisfy `done`.
     pub async fn wait_for(&self, done: impl Fn(&[WorkerView]) -> bool) {
+        self.wait_until(|fleet| done(&fleet.views())).await;
+    }
+
+    /// Waits until the gateway's fleet satisfies `done`.
+    pub async fn wait_until(&self, done: impl Fn(&simlock_fleet::Fleet) -> bool) {
         let fleet = self.gateway().fleet.clone();
         let mut changes = fleet.changes();
         let waited = tokio::time::timeout(PATIENCE, async {
             loop {
-                if done(&fleet.views()) {
+                if done(&fleet) {
                     return;
                 }
                 if changes.changed().await.is_err() {
@@ -219,6 +266,37 @@ impl TestFleet {
         if let Some(worker) = self.workers[n].take() {
             worker.stop("test").await;
         }
+    }
+
+    /// Stops the gateway and starts it again on the same home and port.
+    pub async fn restart_gateway(&mut self, config: Config) {
+        if let Some(gateway) = self.gateway.take() {
+            gateway.stop("test").await;
+        }
+        let options = GatewayOptions::new(self.gateway_home(), config);
+        self.gateway = Some(
+            simlock_gateway::start(options)
+                .await
+                .expect("the gateway restarts"),
+        );
+    }
+
+    /// Starts worker `n` again on its home, after [`Self::stop_worker`].
+    pub async fn restart_worker(&mut self, n: usize, mut config: Config) {
+        config.gateway.url = Some(self.gateway_url());
+        config.gateway.token = Some(self.join_token.clone());
+        config.gateway.label = Some(format!("worker-{n}"));
+        let worker = simlock_worker::start(WorkerOptions::new(self.worker_home(n), config))
+            .await
+            .expect("the worker restarts");
+        let id = worker.running.base.instance_id.clone();
+        self.workers[n] = Some(worker);
+        self.wait_for(|views| {
+            views.iter().any(|v| {
+                v.id == id && v.connection == Connection::Connected && v.catalog_read_at.is_some()
+            })
+        })
+        .await;
     }
 
     /// Stops everything.

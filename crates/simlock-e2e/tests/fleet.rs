@@ -68,3 +68,744 @@ async fn a_lease_through_the_gateway_lands_on_the_worker_and_renews_and_releases
     assert_eq!(err.code, ErrorCode::UnknownLease);
     fleet.stop().await;
 }
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use futures::FutureExt;
+use futures::future::BoxFuture;
+use serde_json::Value;
+use simlock_contract::model::{Connection, DeviceState};
+use simlock_contract::{ContractError, Hello, ProtocolRange, Push, Role};
+use simlock_e2e::{PATIENCE, fake_worker, session};
+use simlock_wire::{CallContext, Identity, Origin, Service};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_warm_device_wins_and_otherwise_the_worker_with_the_most_free_capacity() {
+    let mut fleet = TestFleet::start(gateway_config()).await;
+    fleet.add_worker(worker_config(1)).await;
+    fleet.add_worker(worker_config(3)).await;
+    let (small, big) = (fleet.worker_id(0), fleet.worker_id(1));
+    // A lease made and released on the small worker directly leaves it a warm device.
+    let local = session(&fleet.worker(0).running.socket_path(), "local", None).await;
+    let grant = local
+        .call(
+            "lease.request",
+            json!({"platform": "android", "model": "pixel8"}),
+        )
+        .await
+        .unwrap();
+    local
+        .call("lease.release", json!({"leaseId": grant["lease"]["id"]}))
+        .await
+        .unwrap();
+    fleet
+        .wait_for(|views| {
+            views.iter().any(|v| {
+                v.id == small
+                    && v.devices
+                        .as_deref()
+                        .unwrap_or_default()
+                        .iter()
+                        .any(|d| d.state == DeviceState::Ready)
+            })
+        })
+        .await;
+
+    let agent = fleet.agent("agent-1").await;
+    let warm = agent
+        .call(
+            "lease.request",
+            json!({"platform": "android", "model": "Pixel 8"}),
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        warm["lease"]["worker"]["id"],
+        small.as_str(),
+        "the warm device wins over free capacity"
+    );
+    let other = fleet.agent("agent-2").await;
+    let free = other
+        .call(
+            "lease.request",
+            json!({"platform": "android", "model": "Pixel 8"}),
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        free["lease"]["worker"]["id"],
+        big.as_str(),
+        "then the most free capacity"
+    );
+    fleet.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn required_capabilities_route_only_to_the_workers_listing_them() {
+    let mut fleet = TestFleet::start(gateway_config()).await;
+    let mut capable = worker_config(6);
+    capable.capabilities = vec!["gpu".into()];
+    fleet.add_worker(worker_config(6)).await;
+    fleet.add_worker(capable).await;
+    let gpu_worker = fleet.worker_id(1);
+    for n in 0..5 {
+        let agent = fleet.agent(&format!("agent-{n}")).await;
+        let grant = agent
+            .call(
+                "lease.request",
+                json!({"platform": "ios", "requires": ["gpu"]}),
+            )
+            .await
+            .unwrap();
+        assert_eq!(
+            grant["lease"]["worker"]["id"],
+            gpu_worker.as_str(),
+            "request {n}"
+        );
+    }
+    assert_eq!(fleet.worker(1).worker.leases().len(), 5);
+    assert!(fleet.worker(0).worker.leases().is_empty());
+
+    let agent = fleet.agent("agent-x").await;
+    let err = agent
+        .call(
+            "lease.request",
+            json!({"platform": "ios", "requires": ["tv-remote"]}),
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(err.code, ErrorCode::CapabilityMissing);
+    assert_eq!(
+        err.message,
+        "No worker connected to this gateway can serve tv-remote for this request"
+    );
+    assert_eq!(err.details.unwrap()["capability"], "tv-remote");
+    assert_eq!(
+        fleet.worker(0).worker.leases().len() + fleet.worker(1).worker.leases().len(),
+        5,
+        "nothing more was leased"
+    );
+    fleet.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_uplink_answers_worker_unreachable_and_the_lease_renews_once_it_is_back() {
+    let mut fleet = TestFleet::start(gateway_config()).await;
+    fleet.add_worker(worker_config(2)).await;
+    let worker_id = fleet.worker_id(0);
+    let agent = fleet.agent("agent-1").await;
+    let grant = agent
+        .call(
+            "lease.request",
+            json!({"platform": "ios", "ttlMs": 600_000}),
+        )
+        .await
+        .unwrap();
+    let lease_id = grant["lease"]["id"].as_str().unwrap().to_owned();
+
+    fleet.stop_worker(0).await;
+    fleet
+        .wait_for(|views| {
+            views
+                .iter()
+                .any(|v| v.id == worker_id && v.connection == Connection::Disconnected)
+        })
+        .await;
+    let err = agent
+        .call("lease.renew", json!({"leaseId": lease_id}))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code, ErrorCode::WorkerUnreachable);
+    assert_eq!(err.details.unwrap()["workerId"], worker_id.as_str());
+    let err = agent
+        .call("lease.release", json!({"leaseId": lease_id}))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code, ErrorCode::WorkerUnreachable);
+
+    // The worker comes back with its lease from disk; the index is rebuilt from its view.
+    fleet.restart_worker(0, worker_config(2)).await;
+    let renewed = agent
+        .call("lease.renew", json!({"leaseId": lease_id}))
+        .await
+        .unwrap();
+    assert_eq!(renewed["id"], lease_id.as_str());
+    assert_eq!(renewed["requesterId"], "agent-1");
+    fleet.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_uplink_closed_by_the_gateway_comes_back_on_its_own() {
+    let mut fleet = TestFleet::start(gateway_config()).await;
+    fleet.add_worker(worker_config(2)).await;
+    let worker_id = fleet.worker_id(0);
+    let agent = fleet.agent("agent-1").await;
+    let grant = agent
+        .call("lease.request", json!({"platform": "ios"}))
+        .await
+        .unwrap();
+    let lease_id = grant["lease"]["id"].as_str().unwrap().to_owned();
+    let first = fleet.gateway().fleet.conn(&worker_id).unwrap();
+    first.close();
+    fleet
+        .wait_until(|f| {
+            f.conn(&worker_id)
+                .is_some_and(|c| c.generation != first.generation)
+                && f.view(&worker_id)
+                    .is_some_and(|v| v.catalog_read_at.is_some())
+        })
+        .await;
+    agent
+        .call("lease.renew", json!({"leaseId": lease_id}))
+        .await
+        .unwrap();
+    fleet.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateway_restart_keeps_every_lease() {
+    let config = gateway_config();
+    let mut fleet = TestFleet::start(config.clone()).await;
+    fleet.add_worker(worker_config(2)).await;
+    fleet.add_worker(worker_config(2)).await;
+    let mut leases = Vec::new();
+    for n in 0..3 {
+        let agent = fleet.agent(&format!("agent-{n}")).await;
+        let grant = agent
+            .call("lease.request", json!({"platform": "ios"}))
+            .await
+            .unwrap();
+        leases.push((
+            format!("agent-{n}"),
+            grant["lease"]["id"].as_str().unwrap().to_owned(),
+        ));
+    }
+    fleet.restart_gateway(config).await;
+    let ids = [fleet.worker_id(0), fleet.worker_id(1)];
+    fleet
+        .wait_for(|views| {
+            ids.iter().all(|id| {
+                views.iter().any(|v| {
+                    &v.id == id && v.connection == Connection::Connected && v.leases.is_some()
+                })
+            })
+        })
+        .await;
+    for (agent, lease_id) in &leases {
+        let session = fleet.agent(agent).await;
+        let renewed = session
+            .call("lease.renew", json!({"leaseId": lease_id}))
+            .await
+            .unwrap();
+        assert_eq!(renewed["id"], lease_id.as_str());
+        let again = session
+            .call("lease.request", json!({"platform": "ios"}))
+            .await
+            .unwrap_err();
+        assert_eq!(
+            again.code,
+            ErrorCode::RequesterAlreadyLeased,
+            "the one-lease rule holds after a restart"
+        );
+    }
+    fleet.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drained_worker_takes_no_new_lease_and_still_serves_its_own() {
+    let mut fleet = TestFleet::start(gateway_config()).await;
+    fleet.add_worker(worker_config(3)).await;
+    let worker_id = fleet.worker_id(0);
+    let agent = fleet.agent("agent-1").await;
+    let grant = agent
+        .call("lease.request", json!({"platform": "ios"}))
+        .await
+        .unwrap();
+    let lease_id = grant["lease"]["id"].as_str().unwrap().to_owned();
+    let operator = fleet.operator().await;
+    let drained = operator
+        .call("worker.drain", json!({"workerId": worker_id}))
+        .await
+        .unwrap();
+    assert_eq!(drained, json!({"workerId": worker_id, "drained": true}));
+
+    let other = fleet.agent("agent-2").await;
+    let err = other
+        .call("lease.request", json!({"platform": "ios", "noWait": true}))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code, ErrorCode::NoCapacity);
+    agent
+        .call("lease.renew", json!({"leaseId": lease_id}))
+        .await
+        .unwrap();
+    agent
+        .call("lease.release", json!({"leaseId": lease_id}))
+        .await
+        .unwrap();
+
+    operator
+        .call("worker.undrain", json!({"workerId": worker_id}))
+        .await
+        .unwrap();
+    other
+        .call("lease.request", json!({"platform": "ios"}))
+        .await
+        .unwrap();
+    let err = operator
+        .call("worker.drain", json!({"workerId": "nobody"}))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code, ErrorCode::UnknownWorker);
+    fleet.stop().await;
+}
+
+/// A worker that answers everything with its own protocol range; status.get can be made to hang.
+#[derive(Default)]
+struct FakeWorker {
+    status_calls: AtomicUsize,
+    hang_after: Option<usize>,
+}
+
+impl Service for FakeWorker {
+    fn greet(&self, _origin: Origin, hello: &Hello) -> Result<Identity, ContractError> {
+        Ok(Identity {
+            role: Role::Admin,
+            principal: hello.principal.clone().unwrap_or_default(),
+        })
+    }
+
+    fn dispatch(
+        &self,
+        _ctx: CallContext,
+        op: String,
+        _payload: Option<Value>,
+    ) -> BoxFuture<'static, Result<Value, ContractError>> {
+        let calls = if op == "status.get" {
+            self.status_calls.fetch_add(1, Ordering::SeqCst) + 1
+        } else {
+            0
+        };
+        let hang = self.hang_after.is_some_and(|after| calls > after);
+        async move {
+            if hang {
+                futures::future::pending::<()>().await;
+            }
+            match op.as_str() {
+                "status.get" => Ok(json!({
+                    "daemon": {"health": "running", "mode": "worker", "version": "fake", "instanceId": "fake"},
+                    "host": {"os": "linux", "osVersion": "", "arch": "x86_64", "tools": []}
+                })),
+                "list.get" => Ok(json!({"devices": []})),
+                "catalog.get" => Ok(json!({"platforms": []})),
+                "config.get" => Ok(json!({"mode": "worker", "lease": {"defaultTtlMs": 1000, "maxTtlMs": 2000}})),
+                "events.subscribe" => Ok(json!({"subscribed": true, "subscriptionId": "sub_1"})),
+                _ => Err(ContractError::internal("not faked")),
+            }
+        }
+        .boxed()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_one_protocol_version_behind_is_incompatible_and_gets_no_request() {
+    let fleet = TestFleet::start(gateway_config()).await;
+    let _link = fake_worker(
+        &fleet.gateway_url(),
+        &fleet.join_token,
+        "old-worker",
+        Arc::new(FakeWorker::default()),
+        ProtocolRange { min: 0, max: 0 },
+    )
+    .await;
+    fleet
+        .wait_for(|views| {
+            views
+                .iter()
+                .any(|v| v.id == "old-worker" && v.connection == Connection::Incompatible)
+        })
+        .await;
+    let view = fleet.gateway().fleet.view("old-worker").unwrap();
+    let protocol = view.protocol.unwrap();
+    assert_eq!(protocol.worker, ProtocolRange { min: 0, max: 0 });
+    assert_eq!(protocol.gateway, simlock_contract::PROTOCOL_RANGE);
+    let agent = fleet.agent("agent-1").await;
+    let err = agent
+        .call("lease.request", json!({"platform": "ios", "noWait": true}))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code, ErrorCode::NoCapacity);
+    fleet.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_status_timeouts_in_a_row_close_the_uplink() {
+    let dir = tempfile::tempdir().unwrap();
+    let home = simlock_daemon::home::Home::at(dir.path().join("gw"));
+    let mut options = simlock_gateway::GatewayOptions::new(home.clone(), gateway_config());
+    let mut timing = simlock_fleet::FleetTiming::from_config(&options.config);
+    timing.call_timeout = std::time::Duration::from_millis(100);
+    timing.refresh_interval = std::time::Duration::from_millis(50);
+    options.timing = Some(timing);
+    let gateway = simlock_gateway::start(options).await.unwrap();
+    let operator = session(&gateway.running.socket_path(), "op", Some(&home)).await;
+    let token = operator
+        .call("token.create", json!({"role": "worker"}))
+        .await
+        .unwrap();
+    let url = format!("ws://{}", gateway.running.http_addr().unwrap());
+    let fake = Arc::new(FakeWorker {
+        hang_after: Some(1),
+        ..FakeWorker::default()
+    });
+    let link = fake_worker(
+        &url,
+        token["secret"].as_str().unwrap(),
+        "slow-worker",
+        fake.clone(),
+        simlock_contract::PROTOCOL_RANGE,
+    )
+    .await;
+    let closed = tokio::time::timeout(PATIENCE, link.closed()).await;
+    assert!(closed.is_ok(), "the gateway closed the uplink");
+    assert!(
+        fake.status_calls.load(Ordering::SeqCst) >= 3,
+        "the probe, then two reads that timed out"
+    );
+    let view = gateway.fleet.view("slow-worker").unwrap();
+    assert_eq!(view.connection, Connection::Disconnected);
+    gateway.stop("test").await;
+}
+
+async fn uplink_status(url: &str, headers: &[(&'static str, &str)]) -> u16 {
+    use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+    let mut request = url.into_client_request().unwrap();
+    for (name, value) in headers {
+        request
+            .headers_mut()
+            .insert(*name, http::HeaderValue::from_str(value).unwrap());
+    }
+    match tokio_tungstenite::connect_async(request).await {
+        Ok(_) => 101,
+        Err(tokio_tungstenite::tungstenite::Error::Http(response)) => response.status().as_u16(),
+        Err(e) => panic!("unexpected uplink failure: {e}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refused_uplinks_get_their_statuses_and_change_no_view() {
+    let fleet = TestFleet::start(gateway_config()).await;
+    let base = fleet.gateway_url();
+    let uplink = format!("{base}/v1/uplink");
+    let agent_token = fleet
+        .operator()
+        .await
+        .call("token.create", json!({"role": "agent"}))
+        .await
+        .unwrap();
+    let agent_bearer = format!("Bearer {}", agent_token["secret"].as_str().unwrap());
+    let join_bearer = format!("Bearer {}", fleet.join_token);
+    assert_eq!(
+        uplink_status(
+            &uplink,
+            &[
+                ("x-simlock-worker-id", "w1"),
+                ("authorization", "Bearer slk_nope")
+            ]
+        )
+        .await,
+        401
+    );
+    assert_eq!(
+        uplink_status(&uplink, &[("x-simlock-worker-id", "w1")]).await,
+        401
+    );
+    assert_eq!(
+        uplink_status(
+            &uplink,
+            &[
+                ("x-simlock-worker-id", "w1"),
+                ("authorization", &agent_bearer)
+            ]
+        )
+        .await,
+        403
+    );
+    assert_eq!(
+        uplink_status(&uplink, &[("authorization", &join_bearer)]).await,
+        400
+    );
+    assert_eq!(
+        uplink_status(
+            &uplink,
+            &[
+                ("x-simlock-worker-id", "bad.id"),
+                ("authorization", &join_bearer)
+            ]
+        )
+        .await,
+        400
+    );
+    assert_eq!(
+        uplink_status(
+            &format!("{base}/v1/elsewhere"),
+            &[
+                ("x-simlock-worker-id", "w1"),
+                ("authorization", &join_bearer)
+            ]
+        )
+        .await,
+        404
+    );
+    assert!(
+        fleet.gateway().fleet.views().is_empty(),
+        "no refused uplink made a view"
+    );
+    let events = fleet
+        .operator()
+        .await
+        .call("events.replay", json!({}))
+        .await
+        .unwrap();
+    let rejected: Vec<&Value> = events["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["event"] == "worker.rejected")
+        .collect();
+    assert_eq!(rejected.len(), 3, "401s and 403s are recorded");
+    fleet.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn revoking_a_join_token_closes_its_uplinks() {
+    let mut fleet = TestFleet::start(gateway_config()).await;
+    fleet.add_worker(worker_config(1)).await;
+    let worker_id = fleet.worker_id(0);
+    let operator = fleet.operator().await;
+    let tokens = operator.call("token.list", json!({})).await.unwrap();
+    let join = tokens["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|t| t["role"] == "worker")
+        .unwrap()["id"]
+        .clone();
+    operator
+        .call("token.revoke", json!({"id": join}))
+        .await
+        .unwrap();
+    fleet
+        .wait_for(|views| {
+            views
+                .iter()
+                .any(|v| v.id == worker_id && v.connection == Connection::Disconnected)
+        })
+        .await;
+    fleet.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_expired_gateway_lease_reaches_its_owner_as_lease_lost_with_the_gateway_id() {
+    let mut fleet = TestFleet::start(gateway_config()).await;
+    fleet.add_worker(worker_config(1)).await;
+    let mut agent = fleet.agent("agent-1").await;
+    let grant = agent
+        .call("lease.request", json!({"platform": "ios", "ttlMs": 300}))
+        .await
+        .unwrap();
+    let lease_id = grant["lease"]["id"].as_str().unwrap().to_owned();
+    let push = tokio::time::timeout(PATIENCE, agent.pushes.recv())
+        .await
+        .unwrap()
+        .unwrap();
+    let push = Push::from_frame(&push).unwrap();
+    match push {
+        Push::LeaseLost {
+            lease_id: lost,
+            reason,
+            ..
+        } => {
+            assert_eq!(lost, lease_id);
+            assert_eq!(reason, simlock_contract::model::LeaseEndReason::Expired);
+        }
+        other => panic!("expected lease-lost, got {other:?}"),
+    }
+    assert!(
+        fleet.gateway().fleet.lease(&lease_id).is_none(),
+        "the index forgot the lease"
+    );
+    fleet.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exec_through_the_gateway_streams_the_workers_output_to_the_owner() {
+    let mut fleet = TestFleet::start(gateway_config()).await;
+    let mut config = worker_config(1);
+    config.exec.tools.insert(
+        "echo".into(),
+        simlock_daemon::config::ToolConfig {
+            command: "echo".into(),
+            args: vec![],
+        },
+    );
+    fleet.add_worker(config).await;
+    let agent = fleet.agent("agent-1").await;
+    let grant = agent
+        .call("lease.request", json!({"platform": "ios"}))
+        .await
+        .unwrap();
+    let lease_id = grant["lease"]["id"].as_str().unwrap().to_owned();
+    let mut call = agent
+        .client
+        .begin(
+            "device.exec",
+            json!({"leaseId": lease_id, "tool": "echo", "args": ["hello", "fleet"]}),
+            16,
+        )
+        .await
+        .unwrap();
+    let mut kinds = Vec::new();
+    let mut output = String::new();
+    let reply = loop {
+        match tokio::time::timeout(PATIENCE, call.next()).await.unwrap() {
+            simlock_wire::CallEvent::Push(frame) => {
+                assert_eq!(
+                    frame.request_id().and_then(|id| id.as_u64()),
+                    Some(call.id())
+                );
+                match Push::from_frame(&frame).unwrap() {
+                    Push::Started { .. } => kinds.push("started"),
+                    Push::Output { chunk, .. } => {
+                        kinds.push("output");
+                        output.push_str(&chunk);
+                    }
+                    other => panic!("unexpected push {other:?}"),
+                }
+            }
+            simlock_wire::CallEvent::Reply(reply) => break reply,
+        }
+    };
+    assert_eq!(reply.unwrap(), json!({"exitCode": 0}));
+    assert_eq!(kinds.first(), Some(&"started"));
+    assert_eq!(output, "hello fleet\n");
+    let stranger = fleet.agent("agent-2").await;
+    let err = stranger
+        .call(
+            "device.exec",
+            json!({"leaseId": lease_id, "tool": "echo", "args": []}),
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(err.code, ErrorCode::UnknownLease);
+    fleet.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiting_request_is_queued_then_granted_when_a_device_frees_up() {
+    let mut fleet = TestFleet::start(gateway_config()).await;
+    fleet.add_worker(worker_config(1)).await;
+    let first = fleet.agent("agent-1").await;
+    let grant = first
+        .call("lease.request", json!({"platform": "ios"}))
+        .await
+        .unwrap();
+    let second = fleet.agent("agent-2").await;
+    let mut waiting = second
+        .client
+        .begin("lease.request", json!({"platform": "ios"}), 16)
+        .await
+        .unwrap();
+    // The waiter reports its place in the fleet queue first.
+    let queued = match tokio::time::timeout(PATIENCE, waiting.next())
+        .await
+        .unwrap()
+    {
+        simlock_wire::CallEvent::Push(frame) => Push::from_frame(&frame).unwrap(),
+        simlock_wire::CallEvent::Reply(reply) => panic!("answered before queueing: {reply:?}"),
+    };
+    assert!(
+        matches!(
+            queued,
+            Push::Progress {
+                progress: simlock_contract::push::Progress::Queued { queue_position: 1 },
+                ..
+            }
+        ),
+        "{queued:?}"
+    );
+    let status = fleet
+        .operator()
+        .await
+        .call("status.get", json!({}))
+        .await
+        .unwrap();
+    assert_eq!(status["queueDepth"], 1);
+    first
+        .call("lease.release", json!({"leaseId": grant["lease"]["id"]}))
+        .await
+        .unwrap();
+    let granted = loop {
+        match tokio::time::timeout(PATIENCE, waiting.next())
+            .await
+            .unwrap()
+        {
+            simlock_wire::CallEvent::Push(_) => {}
+            simlock_wire::CallEvent::Reply(reply) => break reply.unwrap(),
+        }
+    };
+    assert_eq!(granted["lease"]["requesterId"], "agent-2");
+    fleet.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiting_request_times_out_or_is_cancelled_through_the_gateway() {
+    let mut fleet = TestFleet::start(gateway_config()).await;
+    fleet.add_worker(worker_config(1)).await;
+    let holder = fleet.agent("agent-1").await;
+    holder
+        .call("lease.request", json!({"platform": "ios"}))
+        .await
+        .unwrap();
+    let waiter = fleet.agent("agent-2").await;
+    let err = waiter
+        .call(
+            "lease.request",
+            json!({"platform": "ios", "timeoutMs": 200}),
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(err.code, ErrorCode::QueueTimeout);
+    assert!(
+        err.details.unwrap()["requestId"]
+            .as_str()
+            .unwrap()
+            .starts_with("req_")
+    );
+
+    let pending = waiter
+        .client
+        .begin("lease.request", json!({"platform": "ios"}), 16)
+        .await
+        .unwrap();
+    // Once it is queued it can be cancelled; another agent cannot cancel it.
+    fleet.wait_until(|f| f.queue_depth() == 1).await;
+    let stranger = fleet.agent("agent-3").await;
+    let err = stranger
+        .call("lease.cancel", json!({"requesterId": "agent-2"}))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code, ErrorCode::Forbidden);
+    let cancelled = waiter.call("lease.cancel", json!({})).await.unwrap();
+    assert_eq!(cancelled, json!({"result": "cancelled"}));
+    assert_eq!(
+        pending.finish().await.unwrap_err().code,
+        ErrorCode::Cancelled
+    );
+    assert_eq!(
+        waiter.call("lease.cancel", json!({})).await.unwrap(),
+        json!({"result": "not-found"})
+    );
+    fleet.stop().await;
+}

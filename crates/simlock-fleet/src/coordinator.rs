@@ -217,7 +217,8 @@ impl Fleet {
                 "waitPolicy": if waiter.no_wait { "no-wait" } else { "wait" },
             }),
         );
-        self.kick.notify_one();
+        // The queue changed: wake the dispatcher and followers.
+        self.views_changed();
         if let Some(deadline) = waiter.deadline {
             self.wake_at(deadline);
         }
@@ -358,7 +359,7 @@ impl Fleet {
             self.bus
                 .emit("queue.changed", "fleet", json!({ "depth": depth }));
         }
-        self.kick.notify_one();
+        self.views_changed();
     }
 
     /// `lease.cancel` through the gateway.

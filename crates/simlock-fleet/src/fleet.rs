@@ -358,8 +358,8 @@ impl Fleet {
     pub(crate) fn connected(&self, conn: &WorkerConn, version: String, status: &StatusOutput) {
         let label = {
             let mut state = self.state.lock();
-            let Some(worker) = state
-                .workers
+            let State { workers, index, .. } = &mut *state;
+            let Some(worker) = workers
                 .get_mut(&conn.worker_id)
                 .filter(|w| w.generation == conn.generation)
             else {
@@ -369,6 +369,11 @@ impl Fleet {
             worker.view.protocol = None;
             worker.view.version = Some(version.clone());
             apply_status(&mut worker.view, status, self.clock.now_ms());
+            // The probe already lists the worker's leases: index them now, so a renew right
+            // after a gateway restart finds its lease.
+            if let Some(leases) = &status.leases {
+                index.apply_snapshot(&conn.worker_id, leases);
+            }
             worker.view.label.clone()
         };
         self.bus.emit(

@@ -128,7 +128,7 @@ impl Connection {
     }
 
     /// Queues a connection-scoped push without waiting (events, lease notices), in order.
-    /// A connection that lets [`DETACHED_QUEUE`] of them pile up is closed: it does not read.
+    /// A connection that lets 1024 of them pile up is closed: it does not read.
     pub fn push_detached(&self, push: &Push) {
         let Some(line) = encode_push(push) else {
             return;

@@ -399,6 +399,7 @@ const REQUEST_KEYS: &[(&str, &str)] = &[
     ("noWait", "noWait"),
     ("requires", "requires"),
     ("leaseId", "leaseId"),
+    ("requesterId", "requesterId"),
 ];
 
 async fn submit_request(
@@ -565,9 +566,25 @@ async fn exec(app: &Arc<HttpApp>, caller: &HttpCaller, payload: Value) -> Respon
                 None => break,
             },
             outcome = &mut call => {
+                // The run may have finished in the same turn as its pushes: keep them.
+                let mut events = Vec::new();
+                while let Ok(push) = rx.try_recv() {
+                    if let Push::Output { stream, chunk, .. } = push {
+                        events.push(sse_event("output", &json!({ "stream": stream, "chunk": chunk })));
+                    } else if matches!(push, Push::Started { .. }) {
+                        events.clear();
+                    }
+                }
                 return match outcome {
-                    Ok(value) => sse(futures::stream::iter([sse_event("exit", &value)])),
-                    Err(err) => error(&err),
+                    Ok(value) => {
+                        events.push(sse_event("exit", &value));
+                        sse(futures::stream::iter(events))
+                    }
+                    Err(err) if events.is_empty() => error(&err),
+                    Err(err) => {
+                        events.push(sse_event("error", &json!({ "error": err.to_body() })));
+                        sse(futures::stream::iter(events))
+                    }
                 };
             }
         }

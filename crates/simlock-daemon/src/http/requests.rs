@@ -266,13 +266,14 @@ impl RequestBook {
                         "Request {id} was already granted lease {lease}; release the lease instead"
                     ),
                 )
-                .with_details(serde_json::json!({ "leaseId": lease })));
+                .with_details(serde_json::json!({ "leaseId": lease, "state": "granted" })));
             }
             RequestState::Failed => {
                 return Err(ContractError::new(
                     ErrorCode::RequestNotCancellable,
                     format!("Request {id} already failed"),
-                ));
+                )
+                .with_details(serde_json::json!({ "state": "failed" })));
             }
             RequestState::Pending
             | RequestState::Queued
@@ -299,7 +300,8 @@ impl RequestBook {
                 format!(
                     "Request {id} is past the point where it can be cancelled: a device is being made ready for it"
                 ),
-            )),
+            )
+            .with_details(serde_json::json!({ "state": "starting" }))),
             CancelResult::NotFound => {
                 // It settled in between: answer by its final state.
                 let mut rx = record.view.subscribe();
@@ -315,7 +317,8 @@ impl RequestBook {
                     Err(ContractError::new(
                         ErrorCode::RequestNotCancellable,
                         format!("Request {id} already {}", state.as_str()),
-                    ))
+                    )
+                    .with_details(serde_json::json!({ "state": state.as_str() })))
                 }
             }
         }
