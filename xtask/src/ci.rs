@@ -107,6 +107,14 @@ fn steps() -> Vec<Step> {
             plan: run(doc, None),
         },
         Step {
+            name: "binaries",
+            plan: run(crate::e2e::build_command(), None),
+        },
+        Step {
+            name: "e2e",
+            plan: run(crate::e2e::scenario_command(), Some(Runner::Libtest)),
+        },
+        Step {
             name: "deny",
             plan: if deny {
                 // Advisories are left out: the advisory database is not reachable from CI.

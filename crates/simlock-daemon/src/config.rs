@@ -14,6 +14,20 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 use simlock_contract::model::{Mode, Platform};
 
+/// The top-level configuration keys; an environment variable names one of them first.
+const TOP_LEVEL_KEYS: &[&str] = &[
+    "lease",
+    "http",
+    "capacity",
+    "idle",
+    "exec",
+    "virtual",
+    "gateway",
+    "eventBuffer",
+    "log",
+    "capabilities",
+];
+
 /// Environment variables that are not config keys.
 const NOT_CONFIG_ENV: &[&str] = &[
     "SIMLOCK_HOME",
@@ -549,6 +563,11 @@ fn env_overlay(env: impl IntoIterator<Item = (String, String)>) -> Value {
             continue;
         }
         let key: Vec<String> = rest.split("__").map(camel_from_upper_snake).collect();
+        // Only names that start with a configuration section are configuration; other
+        // SIMLOCK_* variables belong to other tools (tests, the CLI).
+        if !TOP_LEVEL_KEYS.contains(&key[0].as_str()) {
+            continue;
+        }
         let value = serde_json::from_str(&raw).unwrap_or(Value::String(raw));
         insert_dotted(&mut table, &key.join("."), value);
     }
@@ -751,6 +770,7 @@ mod tests {
             ("SIMLOCK_LEASE__MAX_TTL_MS".to_owned(), "60000".to_owned()),
             ("SIMLOCK_GATEWAY__URL".to_owned(), "ws://x".to_owned()),
             ("OTHER".to_owned(), "1".to_owned()),
+            ("SIMLOCK_E2E".to_owned(), "1".to_owned()),
         ]);
         assert_eq!(
             table,
