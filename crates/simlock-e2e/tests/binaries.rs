@@ -8,7 +8,8 @@
     clippy::unwrap_used,
     clippy::expect_used,
     clippy::panic,
-    reason = "tests fail by panicking"
+    clippy::print_stderr,
+    reason = "tests fail by panicking, and say why they skip"
 )]
 
 use std::io::{BufRead, BufReader, Read, Write};
