@@ -74,6 +74,44 @@ fn rust_files_start_with_a_doc_line() {
     assert_no_problems("Rust files without a module doc line", &problems);
 }
 
+/// The link's state machine is sans-IO: it imports no runtime and reads no clock.
+#[test]
+fn the_link_core_imports_no_runtime_and_reads_no_clock() {
+    let core = files(|path| {
+        path.extension().is_some_and(|ext| ext == "rs")
+            && path.components().any(|c| c.as_os_str() == "simlock-link")
+            && path.components().any(|c| c.as_os_str() == "proto")
+    });
+    assert!(!core.is_empty(), "found the link's proto module");
+    let forbidden = [
+        "tokio",
+        "futures",
+        "Instant::now",
+        "SystemTime::now",
+        "std::thread",
+    ];
+    let problems: Vec<String> = core
+        .iter()
+        .flat_map(|path| {
+            let text = read(path);
+            forbidden
+                .iter()
+                .filter(|word| {
+                    text.lines()
+                        .any(|line| !line.trim_start().starts_with("//") && line.contains(*word))
+                })
+                .map(|word| {
+                    format!(
+                        "{}: uses `{word}`; the link's core takes time and IO from its driver",
+                        path.display()
+                    )
+                })
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    assert_no_problems("the link's sans-IO core reaches outside itself", &problems);
+}
+
 #[test]
 fn manifests_inherit_lints_and_dependency_versions() {
     // The fuzz crates sit outside the workspace and depend on their crate by path.
