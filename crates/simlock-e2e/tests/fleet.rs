@@ -809,3 +809,164 @@ async fn a_waiting_request_times_out_or_is_cancelled_through_the_gateway() {
     );
     fleet.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn release_all_through_the_gateway_ends_only_the_gateways_leases() {
+    let mut fleet = TestFleet::start(gateway_config()).await;
+    fleet.add_worker(worker_config(3)).await;
+    fleet.add_worker(worker_config(3)).await;
+    for n in 0..3 {
+        fleet
+            .agent(&format!("agent-{n}"))
+            .await
+            .call("lease.request", json!({"platform": "ios"}))
+            .await
+            .unwrap();
+    }
+    // A lease made on a worker directly is not the gateway's to end.
+    let local = session(&fleet.worker(0).running.socket_path(), "local", None).await;
+    let own = local
+        .call("lease.request", json!({"platform": "android"}))
+        .await
+        .unwrap();
+    let operator = fleet.operator().await;
+    let released = operator.call("lease.release-all", json!({})).await.unwrap();
+    assert_eq!(released["leaseIds"].as_array().unwrap().len(), 3);
+    let left: Vec<String> = fleet
+        .worker(0)
+        .worker
+        .leases()
+        .iter()
+        .chain(fleet.worker(1).worker.leases().iter())
+        .map(|l| l.id.to_string())
+        .collect();
+    assert_eq!(left, [own["lease"]["id"].as_str().unwrap().to_owned()]);
+    let agent = fleet.agent("agent-a").await;
+    let err = agent
+        .call("lease.release-all", json!({}))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code, ErrorCode::Forbidden);
+    fleet.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn worker_events_are_relayed_with_their_worker_id_and_status_sums_the_fleet() {
+    let mut fleet = TestFleet::start(gateway_config()).await;
+    fleet.add_worker(worker_config(2)).await;
+    fleet.add_worker(worker_config(3)).await;
+    let worker_id = fleet.worker_id(0);
+    let local = session(&fleet.worker(0).running.socket_path(), "local", None).await;
+    let grant = local
+        .call("lease.request", json!({"platform": "ios"}))
+        .await
+        .unwrap();
+    let worker_lease = grant["lease"]["id"].as_str().unwrap().to_owned();
+    let operator = fleet.operator().await;
+    fleet
+        .wait_until(|f| {
+            f.view(&worker_id)
+                .is_some_and(|v| v.leases.as_ref().is_some_and(|l| l.len() == 1))
+        })
+        .await;
+    let events = operator.call("events.replay", json!({})).await.unwrap();
+    let granted = events["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["event"] == "lease.granted" && e["payload"]["leaseId"] == worker_lease.as_str())
+        .cloned()
+        .expect("the worker's lease.granted was relayed");
+    assert_eq!(granted["payload"]["workerId"], worker_id.as_str());
+    assert!(granted["id"].as_str().unwrap().starts_with("evt_"));
+    let connected = events["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["event"] == "worker.connected")
+        .count();
+    assert_eq!(connected, 2);
+
+    let status = operator.call("status.get", json!({})).await.unwrap();
+    assert_eq!(status["daemon"]["mode"], "gateway");
+    assert_eq!(
+        status["capacity"]["global"]["maxRunning"], 5,
+        "capacity summed over connected workers"
+    );
+    assert_eq!(status["capacity"]["ios"]["running"], 1);
+    assert_eq!(status["workers"].as_array().unwrap().len(), 2);
+    let lease = &status["leases"][0];
+    assert_eq!(
+        lease["id"],
+        worker_lease.as_str(),
+        "a worker's own lease passes through with its id"
+    );
+    assert_eq!(lease["workerId"], worker_id.as_str());
+    let catalog = operator
+        .call("catalog.get", json!({"platform": "android"}))
+        .await
+        .unwrap();
+    let android = &catalog["platforms"][0];
+    assert_eq!(android["platform"], "android");
+    assert_eq!(
+        android["modelWorkers"]["Pixel 8"].as_array().unwrap().len(),
+        2
+    );
+    fleet.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_disconnected_worker_is_forgotten_after_retention() {
+    let dir = tempfile::tempdir().unwrap();
+    let home = simlock_daemon::home::Home::at(dir.path().join("gw"));
+    let mut options = simlock_gateway::GatewayOptions::new(home.clone(), gateway_config());
+    let mut timing = simlock_fleet::FleetTiming::from_config(&options.config);
+    timing.refresh_interval = std::time::Duration::from_millis(50);
+    timing.disconnected_retention = std::time::Duration::from_millis(100);
+    options.timing = Some(timing);
+    let gateway = simlock_gateway::start(options).await.unwrap();
+    let operator = session(&gateway.running.socket_path(), "op", Some(&home)).await;
+    let token = operator
+        .call("token.create", json!({"role": "worker"}))
+        .await
+        .unwrap();
+    let url = format!("ws://{}", gateway.running.http_addr().unwrap());
+    let link = fake_worker(
+        &url,
+        token["secret"].as_str().unwrap(),
+        "passing-worker",
+        Arc::new(FakeWorker::default()),
+        simlock_contract::PROTOCOL_RANGE,
+    )
+    .await;
+    let mut changes = gateway.fleet.changes();
+    let connected = tokio::time::timeout(PATIENCE, async {
+        while gateway
+            .fleet
+            .view("passing-worker")
+            .is_none_or(|v| v.connection != Connection::Connected)
+        {
+            changes.changed().await.unwrap();
+        }
+    })
+    .await;
+    assert!(connected.is_ok());
+    link.close();
+    let forgotten = tokio::time::timeout(PATIENCE, async {
+        while gateway.fleet.view("passing-worker").is_some() {
+            changes.changed().await.unwrap();
+        }
+    })
+    .await;
+    assert!(forgotten.is_ok(), "the view was removed after retention");
+    let events = operator.call("events.replay", json!({})).await.unwrap();
+    let removed = events["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["event"] == "worker.removed")
+        .cloned()
+        .unwrap();
+    assert_eq!(removed["payload"]["reason"], "retention");
+    gateway.stop("test").await;
+}

@@ -42,6 +42,8 @@ pub struct FleetTiming {
     pub exec_timeout: Duration,
     /// A disconnected worker's view is forgotten after this (`gateway.disconnectedRetentionMs`).
     pub disconnected_retention: Duration,
+    /// The stall timeout of the links on the gateway's uplinks (the link's 60 s; tests shorten it).
+    pub link_stall_timeout: Duration,
 }
 
 impl FleetTiming {
@@ -53,6 +55,7 @@ impl FleetTiming {
             lease_request_timeout: Duration::from_millis(config.gateway.lease_request_timeout_ms),
             exec_timeout: Duration::from_millis(config.gateway.exec_timeout_ms),
             disconnected_retention: Duration::from_millis(config.gateway.disconnected_retention_ms),
+            link_stall_timeout: simlock_link::config::STALL_TIMEOUT,
         }
     }
 }
@@ -668,12 +671,16 @@ impl Fleet {
                 })
                 .collect()
         };
+        let any = !removed.is_empty();
         for (id, label) in removed {
             self.bus.emit(
                 "worker.removed",
                 "fleet",
                 json!({ "workerId": id, "label": label, "reason": "retention" }),
             );
+        }
+        if any {
+            self.views_changed();
         }
     }
 }

@@ -19,6 +19,8 @@ use simlock_daemon::http::body::{Body, empty, error, error_with_status};
 use simlock_daemon::tokens::TokenStore;
 use simlock_daemon::uplink::percent_decode;
 use simlock_link::{End, LinkConfig, websocket_config};
+use tokio::io::AsyncReadExt as _;
+use tokio::net::TcpStream;
 use tokio_tungstenite::WebSocketStream;
 use tokio_tungstenite::tungstenite::handshake::derive_accept_key;
 use tokio_tungstenite::tungstenite::protocol::Role;
@@ -123,13 +125,33 @@ impl UplinkMount {
                     return;
                 }
             };
-            let ws = WebSocketStream::from_raw_socket(
-                TokioIo::new(upgraded),
-                Role::Server,
-                Some(websocket_config()),
-            )
-            .await;
-            let (link, text) = simlock_link::spawn(ws, LinkConfig::new(End::Gateway));
+            let (link, text) = match upgraded.downcast::<TokioIo<TcpStream>>() {
+                Ok(parts) => {
+                    // Tune the socket itself: little unsent data in the kernel keeps small calls
+                    // quick behind bulk data. Bytes hyper already read come first.
+                    let stream = parts.io.into_inner();
+                    let _ = simlock_link::tune_tcp(&stream);
+                    let (read, write) = stream.into_split();
+                    let read = std::io::Cursor::new(parts.read_buf).chain(read);
+                    let io = tokio::io::join(read, write);
+                    let ws = WebSocketStream::from_raw_socket(
+                        io,
+                        Role::Server,
+                        Some(websocket_config()),
+                    )
+                    .await;
+                    simlock_link::spawn(ws, link_config(&fleet))
+                }
+                Err(upgraded) => {
+                    let ws = WebSocketStream::from_raw_socket(
+                        TokioIo::new(upgraded),
+                        Role::Server,
+                        Some(websocket_config()),
+                    )
+                    .await;
+                    simlock_link::spawn(ws, link_config(&fleet))
+                }
+            };
             info!(worker = %worker_id, "uplink accepted");
             fleet.accept_uplink(worker_id, label, token_id, link, text);
         });
@@ -154,4 +176,11 @@ impl Mount for UplinkMount {
         let response = self.accept(request);
         async move { response }.boxed()
     }
+}
+
+/// The gateway end's link configuration, with the fleet's stall timeout.
+fn link_config(fleet: &Fleet) -> LinkConfig {
+    let mut config = LinkConfig::new(End::Gateway);
+    config.stall_timeout = fleet.timing.link_stall_timeout;
+    config
 }
