@@ -673,3 +673,155 @@ fn http_tokens_ownership_idempotency_and_exec_as_server_sent_events() {
         200
     );
 }
+
+#[test]
+fn http_lease_requests_stream_their_states_and_can_be_cancelled() {
+    if !enabled() {
+        return;
+    }
+    let worker = Worker::start(&fixed(1), true);
+    let addr = worker.http.clone().unwrap();
+    let token = |role: &str| {
+        worker.cli(&["token", "create", "--role", role]).json["secret"]
+            .as_str()
+            .unwrap()
+            .to_owned()
+    };
+    let (alice, bob, carol) = (token("agent"), token("agent"), token("agent"));
+    let request = json!({"platform": "ios"});
+    let lease = |who: &str| {
+        let (status, body) = http(
+            &addr,
+            "POST",
+            "/v1/lease-requests",
+            Some(who),
+            &[],
+            Some(&request),
+        );
+        assert_eq!(status, 201, "{body}");
+        serde_json::from_str::<Value>(&body).unwrap()["request"].clone()
+    };
+    let held = lease(&alice);
+    let (_, body) = http(
+        &addr,
+        "GET",
+        &format!(
+            "/v1/lease-requests/{}?wait=30",
+            held["id"].as_str().unwrap()
+        ),
+        Some(&alice),
+        &[],
+        None,
+    );
+    let held: Value = serde_json::from_str(&body).unwrap();
+    let alice_lease = held["request"]["lease"]["lease"]["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+
+    let queued = lease(&bob);
+    assert_eq!(queued["state"], "queued");
+    assert_eq!(queued["queuePosition"], 1);
+    let bob_id = queued["id"].as_str().unwrap().to_owned();
+    // Another token cannot see it; an unknown id is 404.
+    assert_eq!(
+        http(
+            &addr,
+            "GET",
+            &format!("/v1/lease-requests/{bob_id}"),
+            Some(&carol),
+            &[],
+            None
+        )
+        .0,
+        403
+    );
+    assert_eq!(
+        http(
+            &addr,
+            "GET",
+            "/v1/lease-requests/req_nope",
+            Some(&bob),
+            &[],
+            None
+        )
+        .0,
+        404
+    );
+    let stream = {
+        let (addr, bob, bob_id) = (addr.clone(), bob.clone(), bob_id.clone());
+        std::thread::spawn(move || {
+            http(
+                &addr,
+                "GET",
+                &format!("/v1/lease-requests/{bob_id}/events"),
+                Some(&bob),
+                &[],
+                None,
+            )
+        })
+    };
+    let carols = lease(&carol);
+    assert_eq!(carols["state"], "queued");
+    let carol_id = carols["id"].as_str().unwrap().to_owned();
+    assert_eq!(
+        http(
+            &addr,
+            "DELETE",
+            &format!("/v1/lease-requests/{carol_id}"),
+            Some(&carol),
+            &[],
+            None
+        )
+        .0,
+        204
+    );
+    let (_, body) = http(
+        &addr,
+        "GET",
+        &format!("/v1/lease-requests/{carol_id}"),
+        Some(&carol),
+        &[],
+        None,
+    );
+    assert_eq!(
+        serde_json::from_str::<Value>(&body).unwrap()["request"]["state"],
+        "cancelled"
+    );
+
+    assert_eq!(
+        http(
+            &addr,
+            "DELETE",
+            &format!("/v1/leases/{alice_lease}"),
+            Some(&alice),
+            &[],
+            None
+        )
+        .0,
+        200
+    );
+    let (status, events) = stream.join().unwrap();
+    assert_eq!(status, 200);
+    let names: Vec<&str> = events
+        .lines()
+        .filter_map(|l| l.strip_prefix("event: "))
+        .collect();
+    assert_eq!(names.first(), Some(&"queued"), "{events}");
+    assert_eq!(
+        names.last(),
+        Some(&"granted"),
+        "the stream ends at the grant: {events}"
+    );
+    // A granted request cannot be cancelled; its lease must be released instead.
+    let (status, body) = http(
+        &addr,
+        "DELETE",
+        &format!("/v1/lease-requests/{bob_id}"),
+        Some(&bob),
+        &[],
+        None,
+    );
+    assert_eq!(status, 409, "{body}");
+    assert!(body.contains("REQUEST_NOT_CANCELLABLE"));
+}
