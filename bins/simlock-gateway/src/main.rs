@@ -1,22 +1,14 @@
-//! The simlock gateway daemon: parse configuration, start, wait for a signal or `daemon.stop`,
-//! drain. No protocol logic lives here.
-
-#![allow(
-    clippy::print_stdout,
-    clippy::print_stderr,
-    reason = "a daemon's start-up line and fatal errors go to the terminal"
-)]
+//! The simlock gateway daemon: parse flags, then the shared launch (configuration, start, ready
+//! line, signals, graceful stop). No protocol logic lives here.
 
 use std::process::ExitCode;
 
 use clap::Parser;
 use simlock_contract::model::Mode;
-use simlock_daemon::config;
 use simlock_daemon::home::Home;
-use simlock_gateway::{GatewayOptions, start};
-
-/// Exit code for a configuration error (EX_USAGE).
-const EXIT_CONFIG: u8 = 64;
+use simlock_daemon::launch::{self, EXIT_CONFIG};
+use simlock_daemon::runtime::Running;
+use simlock_gateway::{GatewayOptions, RunningGateway, start};
 
 /// simlock-gateway: one URL for a fleet of simlock workers.
 #[derive(Debug, Parser)]
@@ -36,6 +28,7 @@ struct Args {
     set: Vec<String>,
 }
 
+#[allow(clippy::print_stderr, reason = "a usage error goes to the terminal")]
 fn main() -> ExitCode {
     let args = Args::parse();
     let home = args.home.map_or_else(Home::from_env, Home::at);
@@ -46,51 +39,31 @@ fn main() -> ExitCode {
     if let Some(host) = args.host {
         overrides.push(("http.host".to_owned(), serde_json::json!(host)));
     }
-    for pair in &args.set {
-        let Some((key, value)) = pair.split_once('=') else {
-            eprintln!("simlock-gateway: --set takes KEY=VALUE, got {pair:?}");
-            return ExitCode::from(EXIT_CONFIG);
-        };
-        overrides.push((
-            key.to_owned(),
-            serde_json::from_str(value).unwrap_or_else(|_| serde_json::json!(value)),
-        ));
-    }
-    let loaded = match config::load(home.root(), Mode::Gateway, std::env::vars(), &overrides) {
-        Ok(loaded) => loaded,
+    match launch::parse_sets(&args.set) {
+        Ok(sets) => overrides.extend(sets),
         Err(e) => {
             eprintln!("simlock-gateway: {e}");
             return ExitCode::from(EXIT_CONFIG);
         }
-    };
-    simlock_daemon::logging::init(&loaded.config.log.level);
-    for warning in &loaded.warnings {
-        tracing::warn!("{warning}");
     }
-    let runtime = match tokio::runtime::Runtime::new() {
-        Ok(runtime) => runtime,
-        Err(e) => {
-            eprintln!("simlock-gateway: cannot start the runtime: {e}");
-            return ExitCode::FAILURE;
-        }
-    };
-    runtime.block_on(async move {
-        let gateway = match start(GatewayOptions::new(home, loaded.config)).await {
-            Ok(gateway) => gateway,
-            Err(e) => {
-                eprintln!("simlock-gateway: {e}");
-                return ExitCode::FAILURE;
-            }
-        };
-        let ready = serde_json::json!({
-            "ready": "gateway",
-            "instanceId": gateway.running.base.instance_id,
-            "socket": gateway.running.socket_path(),
-            "http": gateway.running.http_addr().map(|a| a.to_string()),
-        });
-        println!("{ready}");
-        let reason = simlock_daemon::signals::wait(&gateway.running).await;
-        gateway.stop(reason).await;
-        ExitCode::SUCCESS
-    })
+    launch::run(
+        "simlock-gateway",
+        Mode::Gateway,
+        home,
+        &overrides,
+        |home, config| async move { start(GatewayOptions::new(home, config)).await.map(Gateway) },
+    )
+}
+
+/// The started daemon, for the shared launch.
+struct Gateway(RunningGateway);
+
+impl launch::Launched for Gateway {
+    fn running(&self) -> &Running {
+        &self.0.running
+    }
+
+    async fn stop(self, reason: &'static str) {
+        self.0.stop(reason).await;
+    }
 }

@@ -1,22 +1,14 @@
-//! The simlock worker daemon: parse configuration, start, wait for a signal or `daemon.stop`,
-//! drain. No protocol logic lives here.
-
-#![allow(
-    clippy::print_stdout,
-    clippy::print_stderr,
-    reason = "a daemon's start-up line and fatal errors go to the terminal"
-)]
+//! The simlock worker daemon: parse flags, then the shared launch (configuration, start, ready
+//! line, signals, graceful stop). No protocol logic lives here.
 
 use std::process::ExitCode;
 
 use clap::Parser;
 use simlock_contract::model::Mode;
-use simlock_daemon::config;
 use simlock_daemon::home::Home;
-use simlock_worker::{WorkerOptions, start};
-
-/// Exit code for a configuration error (EX_USAGE).
-const EXIT_CONFIG: u8 = 64;
+use simlock_daemon::launch::{self, EXIT_CONFIG};
+use simlock_daemon::runtime::Running;
+use simlock_worker::{RunningWorker, WorkerOptions, start};
 
 /// simlock-worker: leases this machine's simulators and emulators to coding agents.
 #[derive(Debug, Parser)]
@@ -45,6 +37,7 @@ struct Args {
     set: Vec<String>,
 }
 
+#[allow(clippy::print_stderr, reason = "a usage error goes to the terminal")]
 fn main() -> ExitCode {
     let args = Args::parse();
     let home = args.home.map_or_else(Home::from_env, Home::at);
@@ -64,51 +57,31 @@ fn main() -> ExitCode {
             overrides.push((key.to_owned(), serde_json::json!(value)));
         }
     }
-    for pair in &args.set {
-        let Some((key, value)) = pair.split_once('=') else {
-            eprintln!("simlock-worker: --set takes KEY=VALUE, got {pair:?}");
-            return ExitCode::from(EXIT_CONFIG);
-        };
-        overrides.push((
-            key.to_owned(),
-            serde_json::from_str(value).unwrap_or_else(|_| serde_json::json!(value)),
-        ));
-    }
-    let loaded = match config::load(home.root(), Mode::Worker, std::env::vars(), &overrides) {
-        Ok(loaded) => loaded,
+    match launch::parse_sets(&args.set) {
+        Ok(sets) => overrides.extend(sets),
         Err(e) => {
             eprintln!("simlock-worker: {e}");
             return ExitCode::from(EXIT_CONFIG);
         }
-    };
-    simlock_daemon::logging::init(&loaded.config.log.level);
-    for warning in &loaded.warnings {
-        tracing::warn!("{warning}");
     }
-    let runtime = match tokio::runtime::Runtime::new() {
-        Ok(runtime) => runtime,
-        Err(e) => {
-            eprintln!("simlock-worker: cannot start the runtime: {e}");
-            return ExitCode::FAILURE;
-        }
-    };
-    runtime.block_on(async move {
-        let worker = match start(WorkerOptions::new(home, loaded.config)).await {
-            Ok(worker) => worker,
-            Err(e) => {
-                eprintln!("simlock-worker: {e}");
-                return ExitCode::FAILURE;
-            }
-        };
-        let ready = serde_json::json!({
-            "ready": "worker",
-            "instanceId": worker.running.base.instance_id,
-            "socket": worker.running.socket_path(),
-            "http": worker.running.http_addr().map(|a| a.to_string()),
-        });
-        println!("{ready}");
-        let reason = simlock_daemon::signals::wait(&worker.running).await;
-        worker.stop(reason).await;
-        ExitCode::SUCCESS
-    })
+    launch::run(
+        "simlock-worker",
+        Mode::Worker,
+        home,
+        &overrides,
+        |home, config| async move { start(WorkerOptions::new(home, config)).await.map(Worker) },
+    )
+}
+
+/// The started daemon, for the shared launch.
+struct Worker(RunningWorker);
+
+impl launch::Launched for Worker {
+    fn running(&self) -> &Running {
+        &self.0.running
+    }
+
+    async fn stop(self, reason: &'static str) {
+        self.0.stop(reason).await;
+    }
 }

@@ -18,6 +18,7 @@ pub mod context;
 pub mod events;
 pub mod home;
 pub mod http;
+pub mod launch;
 pub mod logging;
 pub mod metrics;
 pub mod pipeline;

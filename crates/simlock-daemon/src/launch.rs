@@ -1,0 +1,129 @@
+//! What a daemon binary does around its composition: load configuration (exit 64 naming the key
+//! when it is bad), start logging, start the daemon, print one JSON ready line on stdout, wait
+//! for SIGINT, SIGTERM or `daemon.stop`, and stop gracefully.
+
+use std::future::Future;
+use std::process::ExitCode;
+
+use serde_json::{Value, json};
+use simlock_contract::model::Mode;
+
+use crate::config::{self, Config};
+use crate::home::Home;
+use crate::runtime::{Running, StartError};
+
+/// Exit code for a configuration error (EX_USAGE).
+pub const EXIT_CONFIG: u8 = 64;
+
+/// A started daemon, as its binary sees it.
+pub trait Launched: Send + 'static {
+    /// The daemon's hosts.
+    fn running(&self) -> &Running;
+    /// Stops it.
+    fn stop(self, reason: &'static str) -> impl Future<Output = ()> + Send;
+}
+
+/// Reads `--set KEY=VALUE` flags into configuration overrides; a value parses as JSON when it
+/// can (numbers, booleans), else it is a string.
+///
+/// # Errors
+/// The flag that is not `KEY=VALUE`.
+pub fn parse_sets(sets: &[String]) -> Result<Vec<(String, Value)>, String> {
+    sets.iter()
+        .map(|pair| {
+            let (key, value) = pair
+                .split_once('=')
+                .ok_or_else(|| format!("--set takes KEY=VALUE, got {pair:?}"))?;
+            Ok((
+                key.to_owned(),
+                serde_json::from_str(value).unwrap_or_else(|_| json!(value)),
+            ))
+        })
+        .collect()
+}
+
+/// Runs a daemon binary: `start` composes the daemon from its home and configuration.
+#[allow(
+    clippy::print_stdout,
+    clippy::print_stderr,
+    reason = "a daemon's ready line and fatal errors go to the terminal"
+)]
+pub fn run<D, F, Fut>(
+    name: &str,
+    mode: Mode,
+    home: Home,
+    overrides: &[(String, Value)],
+    start: F,
+) -> ExitCode
+where
+    D: Launched,
+    F: FnOnce(Home, Config) -> Fut,
+    Fut: Future<Output = Result<D, StartError>>,
+{
+    let loaded = match config::load(home.root(), mode, std::env::vars(), overrides) {
+        Ok(loaded) => loaded,
+        Err(e) => {
+            eprintln!("{name}: {e}");
+            return ExitCode::from(EXIT_CONFIG);
+        }
+    };
+    crate::logging::init(&loaded.config.log.level);
+    for warning in &loaded.warnings {
+        tracing::warn!("{warning}");
+    }
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(runtime) => runtime,
+        Err(e) => {
+            eprintln!("{name}: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    runtime.block_on(async move {
+        let daemon = match start(home, loaded.config).await {
+            Ok(daemon) => daemon,
+            Err(e) => {
+                eprintln!("{name}: {e}");
+                return ExitCode::FAILURE;
+            }
+        };
+        let running = daemon.running();
+        let ready = json!({
+            "ready": match mode { Mode::Worker => "worker", Mode::Gateway => "gateway" },
+            "instanceId": running.base.instance_id,
+            "socket": running.socket_path(),
+            "http": running.http_addr().map(|a| a.to_string()),
+        });
+        println!("{ready}");
+        let reason = crate::signals::wait(running).await;
+        daemon.stop(reason).await;
+        ExitCode::SUCCESS
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sets_parse_json_values_or_strings() {
+        let sets = parse_sets(&[
+            "http.port=5".into(),
+            "gateway.label=mac studio".into(),
+            "http.enabled=true".into(),
+        ])
+        .unwrap();
+        assert_eq!(
+            sets,
+            [
+                ("http.port".into(), json!(5)),
+                ("gateway.label".into(), json!("mac studio")),
+                ("http.enabled".into(), json!(true))
+            ]
+        );
+        assert!(
+            parse_sets(&["nokey".into()])
+                .unwrap_err()
+                .contains("KEY=VALUE")
+        );
+    }
+}
