@@ -138,6 +138,9 @@ pub struct Worker {
     wake: Arc<Notify>,
     stop: CancellationToken,
     started: AtomicBool,
+    /// Set when a decision could not be stored: memory may be ahead of disk, so the worker stops
+    /// deciding until a restart re-reads the store.
+    poisoned: Mutex<Option<String>>,
 }
 
 impl std::fmt::Debug for Worker {
@@ -198,6 +201,7 @@ impl Worker {
             wake: Arc::new(Notify::new()),
             stop: CancellationToken::new(),
             started: AtomicBool::new(false),
+            poisoned: Mutex::new(None),
         }))
     }
 
@@ -264,8 +268,9 @@ impl Worker {
     // === The one decision section ===
 
     /// Stores the rows of the decisions just made, then carries out their effects, in order,
-    /// under the caller's lock. A store failure is logged and answered `INTERNAL`; memory is
-    /// then ahead of disk until the next start.
+    /// under the caller's lock. When the rows cannot be stored the effects are dropped (nobody
+    /// hears of a decision that is not on disk) and the worker fails stop: every later decision
+    /// answers `INTERNAL` until a restart re-reads the store.
     fn apply(&self, shared: &mut Shared, wake_timers: bool) -> Result<(), CoreError> {
         let writes = shared.state.take_writes();
         let stored = if writes.is_empty() {
@@ -274,7 +279,20 @@ impl Worker {
             store::write(&self.db, &writes).map_err(CoreError::from)
         };
         if let Err(e) = &stored {
-            error!(error = %e, "a decision could not be stored");
+            error!(error = %e, "a decision could not be stored; the worker stops deciding until it is restarted");
+            *self.poisoned.lock() = Some(e.to_string());
+            drop(shared.state.take_effects());
+            // Every caller still waiting hears why, instead of waiting for an outcome that
+            // will not come.
+            let failure = ContractError::internal(format!(
+                "the worker's state store failed ({e}); restart the worker once the disk is healthy"
+            ));
+            for (_, list) in shared.followers.drain() {
+                for tx in list {
+                    let _ = tx.send(Update::Done(Box::new(Err(failure.clone()))));
+                }
+            }
+            return stored;
         }
         let fx = shared.state.take_effects();
         for event in fx.events {
@@ -307,6 +325,11 @@ impl Worker {
         &self,
         decision: impl FnOnce(&mut Shared, i64) -> Result<T, CoreError>,
     ) -> Result<T, CoreError> {
+        if let Some(why) = self.poisoned.lock().clone() {
+            return Err(CoreError::Internal(format!(
+                "the worker's state store failed ({why}); restart the worker once the disk is healthy"
+            )));
+        }
         let mut shared = self.shared.lock();
         let now = self.clock.now_ms();
         let outcome = decision(&mut shared, now);
@@ -348,6 +371,9 @@ impl Worker {
                     () = due => {}
                 }
                 let Some(worker) = me.upgrade() else { break };
+                if worker.poisoned.lock().is_some() {
+                    break;
+                }
                 let mut shared = worker.shared.lock();
                 let now = worker.clock.now_ms();
                 shared.state.tick(now);
@@ -406,7 +432,11 @@ impl Worker {
 
     /// `status.get`: while starting (or failed), only `daemon` and `host`.
     pub fn status(&self, gate: &StartupGate) -> StatusOutput {
-        let health = Self::health(gate);
+        let health = if self.poisoned.lock().is_some() {
+            Health::Failed
+        } else {
+            Self::health(gate)
+        };
         let daemon = DaemonInfo {
             health,
             mode: Mode::Worker,

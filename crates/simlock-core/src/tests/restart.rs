@@ -126,3 +126,39 @@ async fn devices_caught_mid_transition_converge_at_start() {
     assert!(second.worker.leases().is_empty());
     assert_eq!(second.worker.capacity().global.reserved, 0);
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_decision_that_cannot_be_stored_is_not_announced_and_the_worker_stops_deciding() {
+    let db = Database::open_in_memory().unwrap();
+    let h = Harness::build(Build {
+        db: Some(db.clone()),
+        ..Build::default()
+    });
+    let held = h.lease("agent-a", ios()).await.unwrap();
+    let mut events = h.bus.follow();
+    // The disk fails under the worker: its lease table is gone.
+    db.with(|c| c.execute_batch("DROP TABLE core_leases"))
+        .unwrap();
+    let err = h.lease("agent-b", android()).await.unwrap_err();
+    assert_eq!(err.code, ErrorCode::Internal);
+    assert!(
+        !std::iter::from_fn(|| events.try_recv().ok()).any(|e| e.event == "lease.granted"),
+        "no grant is announced for a decision that is not on disk"
+    );
+    // Every later decision is refused, naming the store, and status says the worker failed.
+    let err = h
+        .call_raw(
+            agent("agent-a"),
+            "lease.renew",
+            serde_json::json!({"leaseId": held.lease.id}),
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(err.code, ErrorCode::Internal);
+    assert!(
+        err.message.contains("state store failed"),
+        "{}",
+        err.message
+    );
+    assert_eq!(h.worker.status(&h.gate).daemon.health, Health::Failed);
+}
