@@ -2,6 +2,7 @@
 //! the in-process fleet tests both start it here.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use simlock_contract::model::{LeaseLimits, Mode};
 use simlock_daemon::clock::SharedClock;
@@ -11,6 +12,7 @@ use simlock_daemon::http::Mount;
 use simlock_daemon::runtime::{Base, Running, StartError};
 use simlock_fleet::uplink::UplinkMount;
 use simlock_fleet::{Fleet, FleetParts, FleetTiming, handlers};
+use simlock_relay_gateway::{GatewayRelay, RelayOptions};
 
 /// What a gateway is started with.
 #[derive(Debug, Clone)]
@@ -25,6 +27,8 @@ pub struct GatewayOptions {
     pub clock: Option<SharedClock>,
     /// Timing of the fleet, for tests; from the configuration otherwise.
     pub timing: Option<FleetTiming>,
+    /// The relay's deadline, for tests; 330 000 ms otherwise.
+    pub relay_deadline: Option<Duration>,
 }
 
 impl GatewayOptions {
@@ -36,6 +40,7 @@ impl GatewayOptions {
             version: env!("CARGO_PKG_VERSION").to_owned(),
             clock: None,
             timing: None,
+            relay_deadline: None,
         }
     }
 }
@@ -47,6 +52,8 @@ pub struct RunningGateway {
     pub running: Running,
     /// The fleet.
     pub fleet: Arc<Fleet>,
+    /// The relay to the workers' relay targets (its callers, and tests, use it in-process).
+    pub relay: GatewayRelay,
 }
 
 /// Starts a gateway.
@@ -83,8 +90,21 @@ pub async fn start(options: GatewayOptions) -> Result<RunningGateway, StartError
         .map_err(StartError::Domain)?;
     let uplink: Arc<dyn Mount> = UplinkMount::new(fleet.clone(), base.tokens.clone());
     let running = base.serve(router, true, vec![uplink]).await?;
+    let relay = GatewayRelay::new(
+        fleet.clone(),
+        RelayOptions {
+            deadline: options
+                .relay_deadline
+                .unwrap_or(simlock_relay_gateway::DEFAULT_DEADLINE),
+            stall_timeout: timing.link_stall_timeout,
+        },
+    );
     running.started();
-    Ok(RunningGateway { running, fleet })
+    Ok(RunningGateway {
+        running,
+        fleet,
+        relay,
+    })
 }
 
 impl RunningGateway {

@@ -3,7 +3,6 @@
 
 use std::sync::Arc;
 
-use simlock_contract::ErrorCode;
 use simlock_contract::model::Mode;
 use simlock_core::{SystemFacts, Worker, WorkerParts};
 use simlock_daemon::clock::SharedClock;
@@ -11,6 +10,7 @@ use simlock_daemon::config::Config;
 use simlock_daemon::home::Home;
 use simlock_daemon::runtime::{Base, Running, StartError};
 use simlock_daemon::uplink::{self, UplinkConfig, UplinkState};
+use simlock_relay_worker::RelayTargets;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
@@ -27,6 +27,11 @@ pub struct WorkerOptions {
     pub clock: Option<SharedClock>,
     /// Machine facts, for tests; the real machine's otherwise.
     pub system: Option<Arc<dyn SystemFacts>>,
+    /// The relay targets this worker serves, by capability name (none by default).
+    pub relay_targets: RelayTargets,
+    /// Test hook: when set, the uplink dials before start-up converges, and start-up converges
+    /// only once this fires (so calls park behind the start-up gate meanwhile).
+    pub startup_hold: Option<CancellationToken>,
 }
 
 impl std::fmt::Debug for WorkerOptions {
@@ -46,6 +51,8 @@ impl WorkerOptions {
             version: env!("CARGO_PKG_VERSION").to_owned(),
             clock: None,
             system: None,
+            relay_targets: RelayTargets::new(),
+            startup_hold: None,
         }
     }
 }
@@ -97,11 +104,7 @@ pub async fn start(options: WorkerOptions) -> Result<RunningWorker, StartError> 
     let worker = Worker::new(parts).map_err(|e| StartError::Domain(e.to_string()))?;
     let mut router = base.router();
     simlock_core::register(&mut router, &worker, base.gate.clone());
-    // The relay's targets register with the relay module; until one does, nothing is served.
-    router.unsupported(
-        &["relay.request", "relay.cancel"],
-        ErrorCode::RelayTargetMissing,
-    );
+    simlock_relay_worker::register(&mut router, options.relay_targets);
     simlock_daemon::pipeline::check_complete(&router, &simlock_daemon::pipeline::all_operations())
         .map_err(StartError::Domain)?;
     let http = base.config.http.enabled.unwrap_or(false);
@@ -115,13 +118,40 @@ pub async fn start(options: WorkerOptions) -> Result<RunningWorker, StartError> 
         _ => None,
     };
     let running = base.serve(router, http, Vec::new()).await?;
-    worker
-        .start(&running.base.gate)
-        .map_err(|e| StartError::Domain(format!("start-up failed: {}", e.message)))?;
-    running.started();
     let uplink_stop = CancellationToken::new();
-    let uplink =
-        gateway.map(|config| uplink::run(config, running.pipeline.clone(), uplink_stop.clone()).1);
+    let dial = |running: &Running| {
+        gateway
+            .clone()
+            .map(|config| uplink::run(config, running.pipeline.clone(), uplink_stop.clone()).1)
+    };
+    let uplink = match options.startup_hold {
+        None => {
+            worker
+                .start(&running.base.gate)
+                .map_err(|e| StartError::Domain(format!("start-up failed: {}", e.message)))?;
+            running.started();
+            dial(&running)
+        }
+        Some(hold) => {
+            let uplink = dial(&running);
+            let (held, gate) = (worker.clone(), running.base.gate.clone());
+            let (bus, version) = (running.base.bus.clone(), running.base.version.clone());
+            tokio::spawn(async move {
+                hold.cancelled().await;
+                match held.start(&gate) {
+                    Ok(()) => {
+                        bus.emit(
+                            "daemon.started",
+                            "daemon",
+                            serde_json::json!({ "version": version, "mode": Mode::Worker }),
+                        );
+                    }
+                    Err(e) => tracing::warn!(error = %e.message, "start-up failed"),
+                }
+            });
+            uplink
+        }
+    };
     Ok(RunningWorker {
         running,
         worker,

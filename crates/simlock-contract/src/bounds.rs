@@ -151,6 +151,49 @@ pub fn relay_headers(headers: &[(String, String)], _: &()) -> garde::Result {
     Ok(())
 }
 
+/// Headers neither side of a relay passes on, in either direction: the hop-by-hop and framing
+/// headers, which the relay re-creates. Every header a `connection` header names goes too.
+pub const RELAY_HOP_BY_HOP_HEADERS: &[&str] = &[
+    "connection",
+    "keep-alive",
+    "transfer-encoding",
+    "content-length",
+    "upgrade",
+    "te",
+    "trailer",
+    "proxy-authorization",
+    "proxy-authenticate",
+];
+
+/// Headers the gateway also drops from its caller's request, so a worker never holds a gateway
+/// credential.
+pub const RELAY_GATEWAY_CREDENTIAL_HEADERS: &[&str] = &["authorization", "x-agent-device-token"];
+
+/// Filters relayed headers before their bounds apply: drops [`RELAY_HOP_BY_HOP_HEADERS`], every
+/// header a `connection` header names, and the names in `also` (all compared case-insensitively).
+/// The order of the rest is kept.
+pub fn filter_relay_headers(
+    headers: Vec<(String, String)>,
+    also: &[&str],
+) -> Vec<(String, String)> {
+    let named: Vec<String> = headers
+        .iter()
+        .filter(|(name, _)| name.eq_ignore_ascii_case("connection"))
+        .flat_map(|(_, value)| value.split(','))
+        .map(|token| token.trim().to_ascii_lowercase())
+        .filter(|token| !token.is_empty())
+        .collect();
+    headers
+        .into_iter()
+        .filter(|(name, _)| {
+            let dropped = |list: &[&str]| list.iter().any(|d| name.eq_ignore_ascii_case(d));
+            !dropped(RELAY_HOP_BY_HOP_HEADERS)
+                && !dropped(also)
+                && !named.iter().any(|n| name.eq_ignore_ascii_case(n))
+        })
+        .collect()
+}
+
 /// garde rule: exec arguments, at most 256, each at most 8192 bytes.
 pub fn exec_args(args: &[String], _: &()) -> garde::Result {
     if args.len() > MAX_ARGS {
@@ -229,6 +272,28 @@ mod tests {
         assert_eq!(at_limit.len(), MAX_RELAY_URL);
         assert!(absolute_http_url(&at_limit, &()).is_ok());
         assert!(absolute_http_url(&format!("{at_limit}a"), &()).is_err());
+    }
+
+    #[test]
+    fn relay_headers_are_filtered_with_what_connection_names() {
+        let pair = |n: &str, v: &str| (n.to_owned(), v.to_owned());
+        let kept = filter_relay_headers(
+            vec![
+                pair("Connection", "X-Secret, keep-alive"),
+                pair("x-secret", "1"),
+                pair("Keep-Alive", "timeout=5"),
+                pair("Content-Length", "3"),
+                pair("Transfer-Encoding", "chunked"),
+                pair("TE", "trailers"),
+                pair("Authorization", "Bearer x"),
+                pair("accept", "*/*"),
+                pair("X-Agent-Device-Token", "t"),
+            ],
+            RELAY_GATEWAY_CREDENTIAL_HEADERS,
+        );
+        assert_eq!(kept, vec![pair("accept", "*/*")]);
+        let worker_side = filter_relay_headers(vec![pair("authorization", "a")], &[]);
+        assert_eq!(worker_side, vec![pair("authorization", "a")]);
     }
 
     #[test]

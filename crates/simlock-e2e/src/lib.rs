@@ -10,6 +10,8 @@
     reason = "a test harness fails the test by panicking"
 )]
 
+pub mod relay;
+
 use std::path::Path;
 use std::time::Duration;
 

@@ -1,0 +1,484 @@
+//! The relay benchmark: `cargo bench -p simlock-e2e --bench relay` (or `cargo xtask bench relay`).
+//!
+//! One process: a real gateway and a real worker over a loopback WebSocket uplink, with relay
+//! targets on the worker and the gateway's `GatewayRelay` as the caller. It measures, in one run:
+//! - 1 GiB uploads and downloads through the relay, as ratios to direct loopback HTTP/1.1 (hyper
+//!   client to hyper server) moving the same bodies in the same run (each relayed transfer next
+//!   to a direct one; the median of five ratios, since the machine is shared);
+//! - the p99 of a `lease.renew` forwarded to the same worker while those transfers run;
+//! - the growth of the process's RSS (gateway and worker together) with 64 relays whose callers
+//!   never read, each target streaming freshly allocated bytes;
+//! - a 4 GiB response body through the relay, every byte checked against a pattern, with the
+//!   RSS sampled along the way (constant memory: growth under 64 MiB).
+//!
+//! The last line is the summary:
+//! `relay upload_ratio=<x> download_ratio=<x> renew_p99_ms=<x> stalled64_rss_mib=<x> body4g_ok=<true|false>`.
+#![allow(
+    clippy::print_stdout,
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    reason = "a benchmark reports on stdout and fails by panicking"
+)]
+
+use std::convert::Infallible;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body::{Body, Frame};
+use http_body_util::BodyExt;
+use hyper::service::service_fn;
+use hyper_util::rt::TokioIo;
+use serde_json::json;
+use simlock_e2e::relay::{PatternCheck, add_relay_worker, fill_pattern, get, request};
+use simlock_e2e::{TestFleet, gateway_config, worker_config};
+use simlock_relay_gateway::{GatewayRelay, RelayCall};
+use simlock_relay_worker::{BoxError, RelayRequest, RelayTarget, RelayTargets};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::time::Instant;
+
+type BenchResult<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
+
+const MIB: u64 = 1024 * 1024;
+const GIB: u64 = 1024 * MIB;
+const CHUNK: usize = 64 * 1024;
+const RUNS: usize = 5;
+
+fn main() -> BenchResult<()> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    let summary = runtime.block_on(measure())?;
+    println!("{summary}");
+    Ok(())
+}
+
+/// A body of `left` bytes made of one shared chunk (no cost to produce, for throughput).
+struct Repeat {
+    chunk: Bytes,
+    left: u64,
+}
+
+impl Repeat {
+    fn new(len: u64) -> Self {
+        let mut buf = vec![0; CHUNK];
+        fill_pattern(1, 0, &mut buf);
+        Self {
+            chunk: Bytes::from(buf),
+            left: len,
+        }
+    }
+}
+
+impl Body for Repeat {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        _cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        if self.left == 0 {
+            return Poll::Ready(None);
+        }
+        let take = self.left.min(CHUNK as u64);
+        self.left -= take;
+        let chunk = self.chunk.slice(..usize::try_from(take).unwrap_or(CHUNK));
+        Poll::Ready(Some(Ok(Frame::data(chunk))))
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.left == 0
+    }
+}
+
+/// A body of `left` pattern bytes from `offset`, each chunk freshly allocated.
+struct Fresh {
+    seed: u64,
+    offset: u64,
+    end: u64,
+}
+
+impl Body for Fresh {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        _cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        if self.offset >= self.end {
+            return Poll::Ready(None);
+        }
+        let take = (self.end - self.offset).min(CHUNK as u64);
+        let mut buf = vec![0; usize::try_from(take).unwrap_or(CHUNK)];
+        fill_pattern(self.seed, self.offset, &mut buf);
+        self.offset += take;
+        Poll::Ready(Some(Ok(Frame::data(Bytes::from(buf)))))
+    }
+}
+
+/// Reads a body to its end; returns the bytes read.
+async fn drain<B>(body: B) -> BenchResult<u64>
+where
+    B: Body,
+    B::Error: Into<BoxError>,
+{
+    let mut body = std::pin::pin!(body);
+    let mut read = 0u64;
+    while let Some(frame) = body.frame().await {
+        if let Ok(data) = frame.map_err(Into::into)?.into_data() {
+            read += bytes::Buf::remaining(&data) as u64;
+        }
+    }
+    Ok(read)
+}
+
+fn rss_mib() -> f64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    status
+        .lines()
+        .find_map(|line| line.strip_prefix("VmRSS:"))
+        .and_then(|rest| {
+            rest.trim()
+                .trim_end_matches("kB")
+                .trim()
+                .parse::<f64>()
+                .ok()
+        })
+        .map_or(0.0, |kib| kib / 1024.0)
+}
+
+fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values.get(values.len() / 2).copied().unwrap_or(0.0)
+}
+
+fn mib_per_s(bytes: u64, elapsed: Duration) -> f64 {
+    bytes as f64 / MIB as f64 / elapsed.as_secs_f64().max(1e-9)
+}
+
+// === Direct loopback HTTP, the baseline ===
+
+async fn hyper_server() -> BenchResult<std::net::SocketAddr> {
+    let listener = TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            let _ = stream.set_nodelay(true);
+            tokio::spawn(async move {
+                let service =
+                    service_fn(|request: http::Request<hyper::body::Incoming>| async move {
+                        if request.method() == http::Method::PUT {
+                            let read = drain(request.into_body()).await.unwrap_or(0);
+                            Ok::<_, Infallible>(http::Response::new(
+                                http_body_util::Full::new(Bytes::from(read.to_string())).boxed(),
+                            ))
+                        } else {
+                            let len: u64 = request.uri().path()[1..].parse().unwrap_or(0);
+                            Ok(http::Response::new(Repeat::new(len).boxed()))
+                        }
+                    });
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(TokioIo::new(stream), service)
+                    .await;
+            });
+        }
+    });
+    Ok(addr)
+}
+
+async fn hyper_transfer(
+    addr: std::net::SocketAddr,
+    upload: bool,
+    len: u64,
+) -> BenchResult<Duration> {
+    let stream = TcpStream::connect(addr).await?;
+    stream.set_nodelay(true)?;
+    let (mut sender, connection) = hyper::client::conn::http1::handshake::<
+        _,
+        http_body_util::combinators::BoxBody<Bytes, Infallible>,
+    >(TokioIo::new(stream))
+    .await?;
+    tokio::spawn(connection);
+    let started = Instant::now();
+    let request = if upload {
+        request(
+            http::Method::PUT,
+            &format!("http://{addr}/up"),
+            Repeat::new(len).boxed(),
+        )
+    } else {
+        request(
+            http::Method::GET,
+            &format!("http://{addr}/{len}"),
+            http_body_util::Empty::new().boxed(),
+        )
+    };
+    let response = sender.send_request(request).await?;
+    let read = drain(response.into_body()).await?;
+    let elapsed = started.elapsed();
+    let expected = if upload {
+        len.to_string().len() as u64
+    } else {
+        len
+    };
+    assert_eq!(read, expected, "the baseline moved every byte");
+    Ok(elapsed)
+}
+
+// === Through the relay ===
+
+fn bench_targets() -> RelayTargets {
+    let mut targets = RelayTargets::new();
+    let sink: Arc<dyn RelayTarget> = Arc::new(|request: RelayRequest| async move {
+        let read = drain(request.request.into_body()).await?;
+        Ok(http::Response::new(simlock_relay_worker::full_body(
+            read.to_string(),
+        )))
+    });
+    let source: Arc<dyn RelayTarget> = Arc::new(|request: RelayRequest| async move {
+        let len: u64 = request.request.uri().path()[1..].parse().unwrap_or(0);
+        Ok(http::Response::new(
+            Repeat::new(len)
+                .map_err(|never| match never {})
+                .boxed_unsync(),
+        ))
+    });
+    let pattern: Arc<dyn RelayTarget> = Arc::new(|request: RelayRequest| async move {
+        let len: u64 = request.request.uri().path()[1..].parse().unwrap_or(0);
+        Ok(http::Response::new(
+            Fresh {
+                seed: 99,
+                offset: 0,
+                end: len,
+            }
+            .map_err(|never| match never {})
+            .boxed_unsync(),
+        ))
+    });
+    for (name, target) in [("sink", sink), ("source", source), ("pattern", pattern)] {
+        targets.insert(name, target).expect("a valid name");
+    }
+    targets
+}
+
+async fn relay_transfer(
+    relay: &GatewayRelay,
+    worker: &str,
+    upload: bool,
+    len: u64,
+) -> BenchResult<Duration> {
+    let started = Instant::now();
+    let call = if upload {
+        RelayCall::new(
+            "sink",
+            request(http::Method::PUT, "http://bench.test/up", Repeat::new(len)),
+            "bench",
+        )
+    } else {
+        let response = relay
+            .relay(
+                worker,
+                RelayCall::new("source", get(&format!("http://bench.test/{len}")), "bench"),
+            )
+            .await?;
+        let read = drain(response.into_body()).await?;
+        assert_eq!(read, len, "the download moved every byte");
+        return Ok(started.elapsed());
+    };
+    let response = relay.relay(worker, call).await?;
+    let read = drain(response.into_body()).await?;
+    assert_eq!(read, len.to_string().len() as u64);
+    Ok(started.elapsed())
+}
+
+/// Renews `lease_id` through the gateway until `stop`, recording each call's latency (µs).
+async fn renew_loop(
+    session: simlock_e2e::Session,
+    lease_id: String,
+    stop: Arc<AtomicBool>,
+    samples: Arc<parking_lot::Mutex<Vec<f64>>>,
+) {
+    while !stop.load(Ordering::SeqCst) {
+        let started = Instant::now();
+        let renewed = session
+            .client
+            .call_value("lease.renew", json!({"leaseId": lease_id}))
+            .await;
+        let elapsed = started.elapsed();
+        if renewed.is_ok() {
+            samples.lock().push(elapsed.as_secs_f64() * 1000.0);
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+}
+
+fn percentile(values: &[f64], p: f64) -> f64 {
+    let mut sorted = values.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    let rank = ((p * sorted.len() as f64).ceil() as usize).clamp(1, sorted.len());
+    sorted[rank - 1]
+}
+
+async fn measure() -> BenchResult<String> {
+    let mut fleet = TestFleet::start(gateway_config()).await;
+    add_relay_worker(&mut fleet, worker_config(2), bench_targets(), None).await;
+    let worker = fleet.worker_id(0);
+    let relay = fleet.gateway().relay.clone();
+    // Warm up both paths.
+    relay_transfer(&relay, &worker, true, 8 * MIB).await?;
+    relay_transfer(&relay, &worker, false, 8 * MIB).await?;
+
+    // 64 stalled readers: their targets stream fresh bytes; the callers read nothing.
+    let rss_before = rss_mib();
+    let mut stalled = Vec::new();
+    for _ in 0..64 {
+        let response = relay
+            .relay(
+                &worker,
+                RelayCall::new("pattern", get(&format!("http://bench.test/{GIB}")), "bench"),
+            )
+            .await?;
+        stalled.push(response);
+    }
+    let conn = fleet
+        .gateway()
+        .fleet
+        .conn(&worker)
+        .expect("the uplink is up");
+    let full = 64 * 256 * 1024;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while conn.link.stats().bytes_received < full && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // Let the worker's send queues fill behind the full windows too.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let stats = conn.link.stats();
+    let rss_stalled = rss_mib();
+    let stalled_growth = rss_stalled - rss_before;
+    println!(
+        "stalled64: rss {rss_before:.1} -> {rss_stalled:.1} MiB (+{stalled_growth:.1}), gateway received {} KiB, buffered {} KiB",
+        stats.bytes_received / 1024,
+        stats.recv_buffered / 1024
+    );
+    drop(stalled);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while conn.link.stats().open_channels > 0 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    // Throughput, with renews running alongside the relayed transfers.
+    let agent = fleet.agent("bench-agent").await;
+    let grant = agent
+        .call("lease.request", json!({"platform": "ios"}))
+        .await?;
+    let lease_id = grant["lease"]["id"].as_str().unwrap_or_default().to_owned();
+    let idle = Arc::new(parking_lot::Mutex::new(Vec::new()));
+    let stop = Arc::new(AtomicBool::new(false));
+    let renews = tokio::spawn(renew_loop(
+        fleet.agent("bench-agent").await,
+        lease_id.clone(),
+        stop.clone(),
+        idle.clone(),
+    ));
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    stop.store(true, Ordering::SeqCst);
+    renews.await?;
+    let idle = idle.lock().clone();
+    println!(
+        "renew while idle: {} samples, p50 {:.3} ms, p99 {:.3} ms",
+        idle.len(),
+        percentile(&idle, 0.50),
+        percentile(&idle, 0.99)
+    );
+    let addr = hyper_server().await?;
+    hyper_transfer(addr, true, 8 * MIB).await?;
+    hyper_transfer(addr, false, 8 * MIB).await?;
+    let samples = Arc::new(parking_lot::Mutex::new(Vec::new()));
+    let mut up_ratios = Vec::new();
+    let mut down_ratios = Vec::new();
+    for run in 0..RUNS {
+        for upload in [true, false] {
+            let direct = mib_per_s(GIB, hyper_transfer(addr, upload, GIB).await?);
+            let stop = Arc::new(AtomicBool::new(false));
+            let renews = tokio::spawn(renew_loop(
+                fleet.agent("bench-agent").await,
+                lease_id.clone(),
+                stop.clone(),
+                samples.clone(),
+            ));
+            let relayed = mib_per_s(GIB, relay_transfer(&relay, &worker, upload, GIB).await?);
+            stop.store(true, Ordering::SeqCst);
+            renews.await?;
+            let ratio = relayed / direct;
+            println!(
+                "run {run} {}: direct {direct:.0} MiB/s, relayed {relayed:.0} MiB/s, ratio {ratio:.2}",
+                if upload { "upload" } else { "download" }
+            );
+            if upload {
+                up_ratios.push(ratio);
+            } else {
+                down_ratios.push(ratio);
+            }
+        }
+    }
+    let samples = samples.lock().clone();
+    let p50 = percentile(&samples, 0.50);
+    let p99 = percentile(&samples, 0.99);
+    println!(
+        "renew during transfers: {} samples, p50 {p50:.3} ms, p99 {p99:.3} ms, max {:.3} ms",
+        samples.len(),
+        percentile(&samples, 1.0)
+    );
+
+    // A 4 GiB body, every byte checked, in constant memory.
+    let rss_start = rss_mib();
+    let response = relay
+        .relay(
+            &worker,
+            RelayCall::new(
+                "pattern",
+                get(&format!("http://bench.test/{}", 4 * GIB)),
+                "bench",
+            ),
+        )
+        .await?;
+    let mut check = PatternCheck::new(99);
+    let mut body = response.into_body();
+    let mut rss_max = rss_start;
+    let mut next_sample = 0u64;
+    let started = Instant::now();
+    while let Some(frame) = body.frame().await {
+        let data = frame?.into_data().unwrap_or_default();
+        check.feed(&data);
+        if check.offset >= next_sample {
+            rss_max = rss_max.max(rss_mib());
+            next_sample += 256 * MIB;
+        }
+    }
+    let elapsed = started.elapsed();
+    let growth = rss_max - rss_start;
+    let body4g_ok = check.ok && check.offset == 4 * GIB && growth < 64.0;
+    println!(
+        "body4g: {} bytes in {:.1} s ({:.0} MiB/s), pattern {}, rss {rss_start:.1} -> max {rss_max:.1} MiB (+{growth:.1})",
+        check.offset,
+        elapsed.as_secs_f64(),
+        mib_per_s(check.offset, elapsed),
+        if check.ok { "ok" } else { "MISMATCH" }
+    );
+    fleet.stop().await;
+    Ok(format!(
+        "relay upload_ratio={:.2} download_ratio={:.2} renew_p99_ms={p99:.3} stalled64_rss_mib={stalled_growth:.1} body4g_ok={body4g_ok}",
+        median(up_ratios),
+        median(down_ratios)
+    ))
+}

@@ -1,0 +1,849 @@
+//! Relay test helpers: workers with relay targets in a [`TestFleet`], request and response
+//! bodies of known bytes, a raw gateway end for a real worker ([`RawUplink`]), a fake worker that
+//! speaks raw relay frames to the real gateway ([`ScriptedWorker`]), and a log capture.
+
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures::future::BoxFuture;
+use futures::{FutureExt, SinkExt};
+use http_body::{Body, Frame};
+use http_body_util::BodyExt;
+use parking_lot::Mutex;
+use serde_json::{Value, json};
+use simlock_contract::model::Connection as ViewConnection;
+use simlock_contract::{ContractError, Hello, PROTOCOL_RANGE, Role};
+use simlock_daemon::config::Config;
+use simlock_daemon::home::Home;
+use simlock_gateway::GatewayOptions;
+use simlock_link::{Channel, End, LinkConfig, LinkHandle, TextReceiver};
+use simlock_relay_worker::{BoxError, RelayTargets};
+use simlock_wire::{CallContext, Identity, Origin, Service, Transport, WireClient};
+use simlock_worker::{RunningWorker, WorkerOptions};
+use tempfile::TempDir;
+use tokio::net::TcpListener;
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+
+use crate::{PATIENCE, TestFleet, worker_config};
+
+/// Waits (bounded by [`PATIENCE`]) until `done` holds, checking every few milliseconds. For
+/// states that have no event to wait on (a link's counters).
+pub async fn wait_until(what: &str, done: impl Fn() -> bool) {
+    let waited = tokio::time::timeout(PATIENCE, async {
+        while !done() {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await;
+    assert!(waited.is_ok(), "timed out waiting until {what}");
+}
+
+/// Awaits `future`, failing the test if it takes longer than [`PATIENCE`] (a hang guard).
+pub async fn patient<F: Future>(what: &str, future: F) -> F::Output {
+    match tokio::time::timeout(PATIENCE, future).await {
+        Ok(output) => output,
+        Err(_) => panic!("timed out waiting for {what}"),
+    }
+}
+
+/// Adds worker number `fleet.workers.len()` with `targets` (and a held start-up when `hold` is
+/// given). Waits until the gateway has its uplink; with no hold, also its catalog.
+pub async fn add_relay_worker(
+    fleet: &mut TestFleet,
+    mut config: Config,
+    targets: RelayTargets,
+    hold: Option<CancellationToken>,
+) -> usize {
+    let n = fleet.workers.len();
+    config.gateway.url = Some(fleet.gateway_url());
+    config.gateway.token = Some(fleet.join_token.clone());
+    config.gateway.label = Some(format!("worker-{n}"));
+    let held = hold.is_some();
+    let mut options = WorkerOptions::new(fleet.worker_home(n), config);
+    options.relay_targets = targets;
+    options.startup_hold = hold;
+    let worker = simlock_worker::start(options)
+        .await
+        .expect("the worker starts");
+    let id = worker.running.base.instance_id.clone();
+    fleet.workers.push(Some(worker));
+    fleet
+        .wait_for(|views| {
+            views.iter().any(|v| {
+                v.id == id
+                    && v.connection == ViewConnection::Connected
+                    && (held || v.catalog_read_at.is_some())
+            })
+        })
+        .await;
+    n
+}
+
+/// Starts a fleet whose gateway runs with `timing` changed by `tune` (e.g. a short link stall
+/// timeout), with no worker yet.
+pub async fn fleet_with_timing(
+    config: Config,
+    tune: impl FnOnce(&mut simlock_fleet::FleetTiming),
+) -> TestFleet {
+    let mut fleet = TestFleet::start(config.clone()).await;
+    if let Some(gateway) = fleet.gateway.take() {
+        gateway.stop("retune").await;
+    }
+    let mut options = GatewayOptions::new(fleet.gateway_home(), config);
+    let mut timing = simlock_fleet::FleetTiming::from_config(&options.config);
+    tune(&mut timing);
+    options.timing = Some(timing);
+    fleet.gateway = Some(
+        simlock_gateway::start(options)
+            .await
+            .expect("the gateway restarts"),
+    );
+    fleet
+}
+
+/// A GET of `url` with no body.
+pub fn get(url: &str) -> http::Request<http_body_util::Empty<Bytes>> {
+    request(http::Method::GET, url, http_body_util::Empty::new())
+}
+
+/// A request of `method` to `url` with `body`.
+pub fn request<B>(method: http::Method, url: &str, body: B) -> http::Request<B> {
+    let mut request = http::Request::new(body);
+    *request.method_mut() = method;
+    *request.uri_mut() = url.parse().expect("a valid test URL");
+    request
+}
+
+/// Reads a body to its end (bounded by [`PATIENCE`]).
+///
+/// # Errors
+/// The body's error.
+pub async fn read_body<B>(body: B) -> Result<Vec<u8>, B::Error>
+where
+    B: Body,
+    B::Data: bytes::Buf,
+{
+    use bytes::Buf;
+    let mut out = Vec::new();
+    let mut body = std::pin::pin!(body);
+    loop {
+        let frame = patient("a body frame", body.frame()).await;
+        match frame {
+            None => return Ok(out),
+            Some(Err(e)) => return Err(e),
+            Some(Ok(frame)) => {
+                if let Ok(mut data) = frame.into_data() {
+                    while data.has_remaining() {
+                        let chunk = data.chunk();
+                        out.extend_from_slice(chunk);
+                        let n = chunk.len();
+                        data.advance(n);
+                    }
+                }
+            }
+        }
+    }
+}
+
+// === Known bytes ===
+
+/// The byte at `offset` of the pattern `seed`: every 8-byte word encodes its index, so a lost,
+/// repeated or reordered piece shows.
+pub fn pattern_byte(seed: u64, offset: u64) -> u8 {
+    let word = (offset / 8)
+        .wrapping_mul(0x9E37_79B9_7F4A_7C15)
+        .wrapping_add(seed)
+        .rotate_left(17);
+    word.to_le_bytes()[usize::try_from(offset % 8).unwrap_or(0)]
+}
+
+/// Fills `buf` with the pattern `seed` from `offset`.
+pub fn fill_pattern(seed: u64, offset: u64, buf: &mut [u8]) {
+    let mut at = offset;
+    let mut rest = &mut buf[..];
+    // Byte by byte up to a word boundary, then whole words.
+    while !rest.is_empty() && !at.is_multiple_of(8) {
+        rest[0] = pattern_byte(seed, at);
+        rest = &mut rest[1..];
+        at += 1;
+    }
+    let mut words = rest.chunks_exact_mut(8);
+    for word in &mut words {
+        let value = (at / 8)
+            .wrapping_mul(0x9E37_79B9_7F4A_7C15)
+            .wrapping_add(seed)
+            .rotate_left(17);
+        word.copy_from_slice(&value.to_le_bytes());
+        at += 8;
+    }
+    for byte in words.into_remainder() {
+        *byte = pattern_byte(seed, at);
+        at += 1;
+    }
+}
+
+/// `len` bytes of the pattern `seed`.
+pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
+    let mut out = vec![0; len];
+    fill_pattern(seed, 0, &mut out);
+    out
+}
+
+/// Checks a stream of bytes against the pattern `seed`, chunk by chunk, in constant memory.
+#[derive(Debug, Clone)]
+pub struct PatternCheck {
+    seed: u64,
+    /// Bytes checked so far.
+    pub offset: u64,
+    /// Whether every byte so far matched.
+    pub ok: bool,
+    scratch: Vec<u8>,
+}
+
+impl PatternCheck {
+    /// A check of the pattern `seed` from its start.
+    pub fn new(seed: u64) -> Self {
+        Self {
+            seed,
+            offset: 0,
+            ok: true,
+            scratch: Vec::new(),
+        }
+    }
+
+    /// Checks the next `chunk`.
+    pub fn feed(&mut self, chunk: &[u8]) {
+        self.scratch.resize(chunk.len(), 0);
+        fill_pattern(self.seed, self.offset, &mut self.scratch);
+        self.ok &= self.scratch == chunk;
+        self.offset += chunk.len() as u64;
+    }
+}
+
+/// A caller's request body of `len` pattern bytes in chunks of `chunk`, counting what was pulled;
+/// it can fail after `fail_after` bytes, and it tells when it is dropped.
+#[derive(Debug)]
+pub struct PatternBody {
+    seed: u64,
+    len: u64,
+    chunk: usize,
+    sent: u64,
+    fail_after: Option<u64>,
+    /// Bytes pulled so far.
+    pub pulled: Arc<AtomicU64>,
+    /// Fires when the body is dropped.
+    pub dropped: CancellationToken,
+}
+
+impl PatternBody {
+    /// `len` bytes of the pattern `seed`.
+    pub fn new(seed: u64, len: u64) -> Self {
+        Self {
+            seed,
+            len,
+            chunk: 64 * 1024,
+            sent: 0,
+            fail_after: None,
+            pulled: Arc::new(AtomicU64::new(0)),
+            dropped: CancellationToken::new(),
+        }
+    }
+
+    /// The same body, failing once `after` bytes were pulled.
+    #[must_use]
+    pub fn failing_after(mut self, after: u64) -> Self {
+        self.fail_after = Some(after);
+        self
+    }
+
+    /// The same body, in chunks of `chunk` bytes.
+    #[must_use]
+    pub fn in_chunks(mut self, chunk: usize) -> Self {
+        self.chunk = chunk.max(1);
+        self
+    }
+}
+
+impl Drop for PatternBody {
+    fn drop(&mut self) {
+        self.dropped.cancel();
+    }
+}
+
+impl Body for PatternBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        _cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        if self.fail_after.is_some_and(|after| self.sent >= after) {
+            return Poll::Ready(Some(Err("the caller's upload broke".into())));
+        }
+        if self.sent >= self.len {
+            return Poll::Ready(None);
+        }
+        let take = (self.len - self.sent).min(self.chunk as u64);
+        let mut buf = vec![0; usize::try_from(take).unwrap_or(0)];
+        fill_pattern(self.seed, self.sent, &mut buf);
+        self.sent += take;
+        self.pulled.fetch_add(take, Ordering::SeqCst);
+        Poll::Ready(Some(Ok(Frame::data(Bytes::from(buf)))))
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.sent >= self.len && self.fail_after.is_none()
+    }
+}
+
+/// A response body of `len` pattern bytes for a target, in 64 KiB chunks, counting what the
+/// worker pulled; `pause_at` holds it at that offset until `resume` fires.
+pub fn pattern_response(
+    seed: u64,
+    len: u64,
+    pulled: Arc<AtomicU64>,
+    pause_at: Option<(u64, CancellationToken)>,
+) -> simlock_relay_worker::ResponseBody {
+    let stream = futures::stream::unfold(0u64, move |sent| {
+        let pulled = pulled.clone();
+        let pause = pause_at.clone();
+        async move {
+            if sent >= len {
+                return None;
+            }
+            if let Some((at, resume)) = &pause
+                && sent >= *at
+            {
+                resume.cancelled().await;
+            }
+            let limit = match &pause {
+                Some((at, resume)) if sent < *at && !resume.is_cancelled() => *at,
+                _ => len,
+            };
+            let take = (limit - sent).min(64 * 1024);
+            let mut buf = vec![0; usize::try_from(take).unwrap_or(0)];
+            fill_pattern(seed, sent, &mut buf);
+            pulled.fetch_add(take, Ordering::SeqCst);
+            Some((Ok::<_, BoxError>(Bytes::from(buf)), sent + take))
+        }
+    });
+    simlock_relay_worker::stream_body(stream)
+}
+
+// === What a target saw ===
+
+/// One request a recording target received.
+#[derive(Debug, Clone)]
+pub struct Seen {
+    /// The method.
+    pub method: http::Method,
+    /// The URL.
+    pub uri: http::Uri,
+    /// The headers.
+    pub headers: http::HeaderMap,
+    /// The tenant.
+    pub tenant: String,
+    /// The lease id.
+    pub lease_id: Option<String>,
+}
+
+/// Counters and signals a test shares with its fake targets.
+#[derive(Debug)]
+pub struct Probe {
+    /// Requests received, in order.
+    pub seen: Mutex<Vec<Seen>>,
+    /// Calls received.
+    pub calls: AtomicUsize,
+    /// Targets whose cancellation fired.
+    pub cancelled: AtomicUsize,
+    /// Wakes whoever waits on a change of the counters above.
+    pub changed: Notify,
+    /// Set while a target wants to be released.
+    pub release: CancellationToken,
+    /// Request bytes targets read.
+    pub read: AtomicU64,
+    /// Permits for targets that answer one at a time (none at first).
+    pub permits: tokio::sync::Semaphore,
+}
+
+impl Probe {
+    /// A new probe.
+    pub fn new() -> Arc<Self> {
+        Arc::new(Self {
+            seen: Mutex::new(Vec::new()),
+            calls: AtomicUsize::new(0),
+            cancelled: AtomicUsize::new(0),
+            changed: Notify::new(),
+            release: CancellationToken::new(),
+            read: AtomicU64::new(0),
+            permits: tokio::sync::Semaphore::new(0),
+        })
+    }
+
+    /// Records a call.
+    pub fn record(&self, request: &simlock_relay_worker::RelayRequest) {
+        self.seen.lock().push(Seen {
+            method: request.request.method().clone(),
+            uri: request.request.uri().clone(),
+            headers: request.request.headers().clone(),
+            tenant: request.tenant.clone(),
+            lease_id: request.lease_id.clone(),
+        });
+        self.calls.fetch_add(1, Ordering::SeqCst);
+        self.changed.notify_waiters();
+    }
+
+    /// Counts a cancellation once `cancel` fires (spawned).
+    pub fn watch_cancel(self: &Arc<Self>, cancel: CancellationToken) {
+        let probe = self.clone();
+        tokio::spawn(async move {
+            cancel.cancelled().await;
+            probe.cancelled.fetch_add(1, Ordering::SeqCst);
+            probe.changed.notify_waiters();
+        });
+    }
+
+    /// Waits until `done` holds for this probe.
+    pub async fn wait(&self, what: &str, done: impl Fn(&Self) -> bool) {
+        patient(what, async {
+            loop {
+                let changed = self.changed.notified();
+                if done(self) {
+                    return;
+                }
+                changed.await;
+            }
+        })
+        .await;
+    }
+}
+
+// === Log capture ===
+
+/// Warnings and errors logged in this test process, for tests that check what was logged.
+#[derive(Debug, Clone, Default)]
+pub struct Logs {
+    text: Arc<Mutex<String>>,
+}
+
+impl Logs {
+    /// Whether some line logged so far contains every one of `parts`.
+    pub fn has_line(&self, parts: &[&str]) -> bool {
+        self.text
+            .lock()
+            .lines()
+            .any(|line| parts.iter().all(|part| line.contains(part)))
+    }
+}
+
+struct LogWriter(Arc<Mutex<String>>);
+
+impl std::io::Write for LogWriter {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().push_str(&String::from_utf8_lossy(buf));
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Installs (once per process) a subscriber that keeps every warning and error, and returns it.
+pub fn logs() -> Logs {
+    static LOGS: OnceLock<Logs> = OnceLock::new();
+    LOGS.get_or_init(|| {
+        let logs = Logs::default();
+        let text = logs.text.clone();
+        let _ = tracing_subscriber::fmt()
+            .with_max_level(tracing::Level::WARN)
+            .with_ansi(false)
+            .with_writer(move || LogWriter(text.clone()))
+            .try_init();
+        logs
+    })
+    .clone()
+}
+
+// === A raw gateway end for a real worker ===
+
+/// The gateway's end of a real worker's uplink, held by the test: the link (to open channels)
+/// and a wire client (to call the worker as the gateway does).
+pub struct RawUplink {
+    /// The link, gateway end.
+    pub link: LinkHandle,
+    /// The wire client on its text lane, greeted as the gateway.
+    pub client: WireClient,
+}
+
+/// A real worker whose uplink dials a [`RawUplink`] the test holds.
+pub struct RawWorker {
+    /// The worker.
+    pub worker: Option<RunningWorker>,
+    /// Its uplink.
+    pub uplink: RawUplink,
+    /// Opens the worker's start-up when it was started held.
+    pub hold: CancellationToken,
+    listener: TcpListener,
+    link_config: LinkConfig,
+    _dir: TempDir,
+}
+
+impl RawWorker {
+    /// Starts a worker with `targets` whose uplink reaches a raw gateway end built with
+    /// `link_config` (gateway end). With `held`, its start-up waits for [`Self::hold`].
+    pub async fn start(targets: RelayTargets, held: bool, link_config: LinkConfig) -> Self {
+        Self::start_with(worker_config(2), targets, held, link_config).await
+    }
+
+    /// [`Self::start`] with a worker configuration of the test's.
+    pub async fn start_with(
+        mut config: Config,
+        targets: RelayTargets,
+        held: bool,
+        link_config: LinkConfig,
+    ) -> Self {
+        let dir = tempfile::tempdir().expect("a temporary directory");
+        let listener = TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("a loopback listener");
+        let addr = listener.local_addr().expect("an address");
+        config.gateway.url = Some(format!("ws://{addr}"));
+        config.gateway.token = Some("slk_test".into());
+        config.gateway.label = Some("raw".into());
+        let mut options = WorkerOptions::new(Home::at(dir.path().join("worker")), config);
+        options.relay_targets = targets;
+        let hold = CancellationToken::new();
+        if held {
+            options.startup_hold = Some(hold.clone());
+        } else {
+            hold.cancel();
+        }
+        let worker = simlock_worker::start(options)
+            .await
+            .expect("the worker starts");
+        let uplink = accept_uplink(&listener, link_config.clone()).await;
+        Self {
+            worker: Some(worker),
+            uplink,
+            hold,
+            listener,
+            link_config,
+            _dir: dir,
+        }
+    }
+
+    /// Waits for the worker to dial again (after the test closed its uplink).
+    pub async fn reconnect(&mut self) {
+        self.uplink = accept_uplink(&self.listener, self.link_config.clone()).await;
+    }
+
+    /// The worker.
+    pub fn worker(&self) -> &RunningWorker {
+        self.worker.as_ref().expect("the worker runs")
+    }
+
+    /// Stops the worker.
+    pub async fn stop(mut self) {
+        self.hold.cancel();
+        if let Some(worker) = self.worker.take() {
+            worker.stop("test").await;
+        }
+    }
+}
+
+async fn accept_uplink(listener: &TcpListener, link_config: LinkConfig) -> RawUplink {
+    let (stream, _) = patient("the worker's uplink", listener.accept())
+        .await
+        .expect("the worker dials");
+    let _ = simlock_link::tune_tcp(&stream);
+    let ws =
+        tokio_tungstenite::accept_async_with_config(stream, Some(simlock_link::websocket_config()))
+            .await
+            .expect("the WebSocket upgrade");
+    let (link, text) = simlock_link::spawn(ws, link_config);
+    let (client, _unsolicited) = WireClient::new(text_transport(&link, text));
+    let hello = Hello {
+        client_version: Some("raw-gateway".into()),
+        protocol_version: None,
+        protocol_range: Some(PROTOCOL_RANGE),
+        principal: Some("gw:raw".into()),
+        credential: None,
+    };
+    let reply = patient("the worker's hello", client.hello(&hello))
+        .await
+        .expect("the worker greets the gateway");
+    assert_eq!(reply.role, Role::Admin);
+    RawUplink { link, client }
+}
+
+/// A wire transport over a link's text lane.
+pub fn text_transport(link: &LinkHandle, text: TextReceiver) -> Transport {
+    let sink = futures::sink::unfold(link.clone(), |link, line: String| async move {
+        link.send_text(line).await.map(|()| link)
+    });
+    Transport::from_text_messages(
+        text,
+        sink.sink_map_err(|e| std::io::Error::other(e.to_string())),
+        simlock_contract::bounds::MAX_CLIENT_LINE,
+    )
+}
+
+/// A `relay.request` payload for the raw uplink: a GET of `http://target.test/` to `target`
+/// on `channel`.
+pub fn raw_request(relay_id: &str, target: &str, channel: &str) -> Value {
+    json!({
+        "relayId": relay_id,
+        "target": target,
+        "method": "GET",
+        "url": "http://target.test/",
+        "headers": [],
+        "tenant": "tenant-1",
+        "hasBody": false,
+        "channel": channel,
+    })
+}
+
+// === A scripted worker for the real gateway ===
+
+/// One `relay.request` as a scripted worker sees it: its payload, the means to accept its
+/// channel (in line order, while the script's closure runs), and to push.
+pub struct ScriptedCall {
+    /// The call's payload.
+    pub payload: Value,
+    /// The call's context (for pushes).
+    pub ctx: CallContext,
+}
+
+impl ScriptedCall {
+    /// Accepts the channel the call names. Call it in the script's closure, not in its future,
+    /// to accept in line order as a worker does.
+    pub fn accept(&self) -> Option<Channel> {
+        let id = self.payload["channel"].as_str()?;
+        self.ctx
+            .conn
+            .attachment::<LinkHandle>()
+            .and_then(|link| link.accept_channel(id).ok())
+    }
+
+    /// The relay id.
+    pub fn relay_id(&self) -> String {
+        self.payload["relayId"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned()
+    }
+
+    /// Pushes a `relay-head` with `status` and `headers`.
+    pub async fn head(&self, status: u16, headers: Vec<(String, String)>) {
+        push_head(&self.ctx, status, headers).await;
+    }
+}
+
+/// Pushes a `relay-head` for the call of `ctx`.
+pub async fn push_head(ctx: &CallContext, status: u16, headers: Vec<(String, String)>) {
+    let push = simlock_contract::Push::RelayHead {
+        request_id: ctx.id.clone(),
+        status,
+        headers,
+    };
+    ctx.push(&push).await.expect("the head is pushed");
+}
+
+type Script =
+    Arc<dyn Fn(ScriptedCall) -> BoxFuture<'static, Result<Value, ContractError>> + Send + Sync>;
+
+/// A fake worker that greets the gateway like a worker and answers `relay.request` with a
+/// script; it records the `relay.cancel`s it receives.
+pub struct ScriptedWorker {
+    script: Script,
+    /// Relay ids of the `relay.cancel`s received.
+    pub cancels: Mutex<Vec<String>>,
+    /// Wakes on every `relay.cancel`.
+    pub cancelled: Notify,
+}
+
+impl ScriptedWorker {
+    /// Dials `fleet`'s gateway as worker `worker_id` with `link_config` (worker end) and serves
+    /// `script`; waits until the gateway lists it connected. Returns the worker and its link.
+    pub async fn start(
+        fleet: &TestFleet,
+        worker_id: &str,
+        link_config: LinkConfig,
+        script: impl Fn(ScriptedCall) -> BoxFuture<'static, Result<Value, ContractError>>
+        + Send
+        + Sync
+        + 'static,
+    ) -> (Arc<Self>, LinkHandle) {
+        let worker = Arc::new(Self {
+            script: Arc::new(script),
+            cancels: Mutex::new(Vec::new()),
+            cancelled: Notify::new(),
+        });
+        let (link, text) = dial(
+            &fleet.gateway_url(),
+            &fleet.join_token,
+            worker_id,
+            link_config,
+        )
+        .await;
+        let transport = text_transport(&link, text);
+        tokio::spawn(simlock_wire::serve_attached(
+            transport,
+            Origin::GatewayUplink,
+            Some(Arc::new(link.clone())),
+            worker.clone(),
+            simlock_wire::SessionConfig {
+                range: PROTOCOL_RANGE,
+                version: "scripted".into(),
+            },
+        ));
+        let id = worker_id.to_owned();
+        fleet
+            .wait_for(|views| {
+                views
+                    .iter()
+                    .any(|v| v.id == id && v.connection == ViewConnection::Connected)
+            })
+            .await;
+        (worker, link)
+    }
+
+    /// Waits until `count` `relay.cancel`s arrived.
+    pub async fn wait_cancels(&self, count: usize) {
+        patient("relay.cancels", async {
+            loop {
+                let notified = self.cancelled.notified();
+                if self.cancels.lock().len() >= count {
+                    return;
+                }
+                notified.await;
+            }
+        })
+        .await;
+    }
+
+    /// Waits for a `relay.cancel` of `relay_id`.
+    pub async fn wait_cancel(&self, relay_id: &str) {
+        patient("a relay.cancel", async {
+            loop {
+                let notified = self.cancelled.notified();
+                if self.cancels.lock().iter().any(|id| id == relay_id) {
+                    return;
+                }
+                notified.await;
+            }
+        })
+        .await;
+    }
+}
+
+/// The script of a worker that never answers a relay (for workers only used for the gateway's
+/// bookkeeping).
+pub fn silent_script(_: ScriptedCall) -> BoxFuture<'static, Result<Value, ContractError>> {
+    futures::future::pending().boxed()
+}
+
+impl Service for ScriptedWorker {
+    fn greet(&self, _origin: Origin, hello: &Hello) -> Result<Identity, ContractError> {
+        Ok(Identity {
+            role: Role::Admin,
+            principal: hello.principal.clone().unwrap_or_default(),
+        })
+    }
+
+    fn dispatch(
+        &self,
+        ctx: CallContext,
+        op: String,
+        payload: Option<Value>,
+    ) -> BoxFuture<'static, Result<Value, ContractError>> {
+        match op.as_str() {
+            "relay.request" => (self.script)(ScriptedCall {
+                payload: payload.unwrap_or(Value::Null),
+                ctx,
+            }),
+            "relay.cancel" => {
+                let id = payload
+                    .as_ref()
+                    .and_then(|p| p["relayId"].as_str())
+                    .unwrap_or_default()
+                    .to_owned();
+                self.cancels.lock().push(id);
+                self.cancelled.notify_waiters();
+                async { Ok(json!({})) }.boxed()
+            }
+            other => {
+                let answer = fake_answer(other);
+                async move { answer }.boxed()
+            }
+        }
+    }
+}
+
+/// What a fake worker answers to the gateway's bookkeeping calls.
+fn fake_answer(op: &str) -> Result<Value, ContractError> {
+    match op {
+        "status.get" => Ok(json!({
+            "daemon": {"health": "running", "mode": "worker", "version": "scripted", "instanceId": "scripted"},
+            "host": {"os": "linux", "osVersion": "", "arch": "x86_64", "tools": []}
+        })),
+        "list.get" => Ok(json!({"devices": []})),
+        "catalog.get" => Ok(json!({"platforms": []})),
+        "config.get" => {
+            Ok(json!({"mode": "worker", "lease": {"defaultTtlMs": 1000, "maxTtlMs": 2000}}))
+        }
+        "events.subscribe" => Ok(json!({"subscribed": true, "subscriptionId": "sub_1"})),
+        _ => Err(ContractError::internal("not scripted")),
+    }
+}
+
+/// Dials a gateway's uplink as `worker_id` with `link_config` (worker end).
+pub async fn dial(
+    gateway_url: &str,
+    join_token: &str,
+    worker_id: &str,
+    link_config: LinkConfig,
+) -> (LinkHandle, TextReceiver) {
+    use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+    let url = format!("{gateway_url}/v1/uplink");
+    let mut request = url.as_str().into_client_request().expect("an uplink URL");
+    let headers = request.headers_mut();
+    headers.insert(
+        "authorization",
+        http::HeaderValue::from_str(&format!("Bearer {join_token}")).expect("a token header"),
+    );
+    headers.insert(
+        "x-simlock-worker-id",
+        http::HeaderValue::from_str(worker_id).expect("a worker id header"),
+    );
+    let host = request.uri().host().unwrap_or_default().to_owned();
+    let port = request.uri().port_u16().unwrap_or(80);
+    let stream = tokio::net::TcpStream::connect((host.as_str(), port))
+        .await
+        .expect("the gateway accepts");
+    let _ = simlock_link::tune_tcp(&stream);
+    let (ws, _) = tokio_tungstenite::client_async_with_config(
+        request,
+        stream,
+        Some(simlock_link::websocket_config()),
+    )
+    .await
+    .expect("the uplink upgrade");
+    simlock_link::spawn(ws, link_config)
+}
+
+/// A link configuration for `end` with `stall` as its stall timeout and `accept` as its
+/// accept timeout.
+pub fn link_config(end: End, stall: Duration, accept: Duration) -> LinkConfig {
+    let mut config = LinkConfig::new(end);
+    config.stall_timeout = stall;
+    config.accept_timeout = accept;
+    config
+}

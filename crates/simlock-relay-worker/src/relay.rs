@@ -1,0 +1,580 @@
+//! `relay.request` and `relay.cancel` on the worker.
+//!
+//! A `relay.request` claims its channel when its line is read ([`Relays::prepare`]), before
+//! startup parking and before any later line: the relay id is registered (so a `relay.cancel`
+//! behind it finds it) and the channel is accepted from the uplink's link. What is claimed
+//! reaches the handler, or is dropped with the call, which aborts the channel. The handler runs
+//! the target, stops the unread rest of the request, pushes `relay-head`, pipes the response body
+//! into the channel, sends END, and only then answers `{}`.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use futures::SinkExt;
+use http_body::Body as _;
+use http_body_util::BodyExt;
+use parking_lot::Mutex;
+use serde_json::{Value, json};
+use simlock_contract::bounds::{self, MAX_HEADER_VALUE, MAX_RELAY_HEADERS};
+use simlock_contract::ops::{
+    RelayCancel, RelayCancelInput, RelayMethod, RelayRequest as RelayRequestOp, RelayRequestInput,
+    RelayRequestOutput,
+};
+use simlock_contract::{ContractError, ErrorCode, Push};
+use simlock_daemon::context::{CallCtx, Prepared};
+use simlock_daemon::pipeline::Router;
+use simlock_link::{Channel, ChannelWriter, FailureReason, LinkHandle};
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, warn};
+
+use crate::target::{
+    BoxError, RelayRequest, RelayTarget, RelayTargets, RequestBody, RequestSlot, ResponseBody,
+};
+
+/// Registers `relay.request` (with its read-time hook) and `relay.cancel` on `router`, serving
+/// `targets`. Both answer `FORBIDDEN` on any session that is not the gateway's uplink.
+pub fn register(router: &mut Router, targets: RelayTargets) {
+    let relays = Arc::new(Relays {
+        targets,
+        active: Mutex::new(HashMap::new()),
+    });
+    let serving = relays.clone();
+    router
+        .handle_authorized::<RelayRequestOp, _, _, _>(uplink_only, move |ctx, input| {
+            serving.clone().serve(ctx, input)
+        })
+        .prepare::<RelayRequestOp, _>({
+            let relays = relays.clone();
+            move |ctx, payload| relays.prepare(ctx, payload)
+        });
+    router
+        .handle_authorized::<RelayCancel, _, _, _>(uplink_only, |_, _: RelayCancelInput| async {
+            // The cancel took effect when its line was read (the hook below).
+            Ok(simlock_contract::ops::Empty {})
+        })
+        .prepare::<RelayCancel, _>(move |ctx, payload| {
+            relays.cancel(ctx, payload);
+            None
+        });
+}
+
+fn uplink_only<I>(ctx: &CallCtx, _: &I) -> Result<(), ContractError> {
+    if ctx.is_gateway_uplink() {
+        Ok(())
+    } else {
+        Err(ContractError::forbidden(
+            "Relay operations are only accepted from the gateway on the worker's uplink",
+        ))
+    }
+}
+
+/// The relays of one worker: its targets and the active relays by connection and relay id.
+struct Relays {
+    targets: RelayTargets,
+    active: Mutex<HashMap<(u64, String), Arc<Active>>>,
+}
+
+/// One active relay, as `relay.cancel` finds it.
+#[derive(Debug)]
+struct Active {
+    cancel: CancellationToken,
+}
+
+/// What a `relay.request` line claimed when it was read.
+struct PreparedRelay {
+    claim: Result<Claim, ContractError>,
+}
+
+/// A relay's hold on its id and channel. Dropping it without [`Claim::completed`] aborts the
+/// channel and fires the target's cancellation; it always frees the relay id.
+struct Claim {
+    relays: Arc<Relays>,
+    key: Option<(u64, String)>,
+    active: Arc<Active>,
+    channel_id: String,
+    writer: Option<ChannelWriter>,
+    request: Arc<Mutex<RequestSlot>>,
+    completed: bool,
+}
+
+impl Drop for Claim {
+    fn drop(&mut self) {
+        if let Some(key) = self.key.take() {
+            let mut active = self.relays.active.lock();
+            if active
+                .get(&key)
+                .is_some_and(|a| Arc::ptr_eq(a, &self.active))
+            {
+                active.remove(&key);
+            }
+        }
+        if !self.completed {
+            self.active.cancel.cancel();
+            if let Some(writer) = self.writer.take() {
+                writer.abort();
+            }
+        }
+        RequestSlot::stop(&self.request);
+    }
+}
+
+impl Claim {
+    fn new(relays: Arc<Relays>, channel: Channel, key: Option<(u64, String)>) -> Self {
+        let channel_id = channel.id().to_string();
+        let (reader, writer) = channel.into_split();
+        Self {
+            relays,
+            key,
+            active: Arc::new(Active {
+                cancel: CancellationToken::new(),
+            }),
+            channel_id,
+            writer: Some(writer),
+            request: RequestSlot::new(reader),
+            completed: false,
+        }
+    }
+
+    fn writer(&mut self) -> Result<&mut ChannelWriter, Ending> {
+        self.writer
+            .as_mut()
+            .ok_or(Ending::Failed(Failure::Channel(FailureReason::Aborted)))
+    }
+
+    /// The channel's state without touching its bytes: `Err` once it failed.
+    async fn probe(&mut self) -> Result<(), Ending> {
+        SinkExt::flush(self.writer()?)
+            .await
+            .map_err(|e| Ending::from_reason(e.reason()))
+    }
+}
+
+/// How a relay ended, short of success.
+#[derive(Debug)]
+enum Ending {
+    /// A cancel took effect (or the gateway went away): `{cancelled: true}`.
+    Cancelled,
+    /// The relay failed.
+    Failed(Failure),
+}
+
+impl Ending {
+    fn from_reason(reason: FailureReason) -> Self {
+        match reason {
+            // The gateway stopped the response, aborted the channel or is gone: the target is
+            // cancelled and whatever it answered goes nowhere.
+            FailureReason::Stopped | FailureReason::Aborted | FailureReason::Closed => {
+                Self::Cancelled
+            }
+            reason @ (FailureReason::Stalled | FailureReason::Refused) => {
+                Self::Failed(Failure::Channel(reason))
+            }
+        }
+    }
+}
+
+/// Why a relay failed.
+#[derive(Debug)]
+enum Failure {
+    /// The relay's channel failed.
+    Channel(FailureReason),
+    /// The request could not be built for the target.
+    Request(String),
+    /// The target failed before answering.
+    Target(String, BoxError),
+    /// The target's answer breaks the relay's bounds.
+    Head(String, String),
+    /// The target's response body failed after the head.
+    Body(String, BoxError),
+}
+
+/// The one translation of a relay failure into the contract's error.
+fn to_contract(failure: Failure) -> ContractError {
+    match failure {
+        Failure::Channel(FailureReason::Stalled) => ContractError::internal(
+            "The relay's channel stalled: the gateway took no bytes for the link's stall timeout",
+        ),
+        Failure::Channel(FailureReason::Refused) => ContractError::bad_request(
+            "channel: the gateway never opened this channel, or it was already accepted",
+        ),
+        Failure::Channel(reason) => {
+            ContractError::internal(format!("The relay's channel failed {reason}"))
+        }
+        Failure::Request(why) => ContractError::bad_request(why),
+        Failure::Target(target, error) => {
+            warn!(target_name = %target, error = %error, "a relay target failed");
+            ContractError::internal(format!("The relay target {target} failed: {error}"))
+        }
+        Failure::Head(target, bound) => {
+            warn!(target_name = %target, bound = %bound, "a relay target answered out of bounds");
+            ContractError::internal(format!(
+                "The relay target {target} answered out of bounds: {bound}"
+            ))
+        }
+        Failure::Body(target, error) => {
+            warn!(target_name = %target, error = %error, "a relay target's response body failed");
+            ContractError::internal(format!(
+                "The relay target {target}'s response body failed after the head: {error}"
+            ))
+        }
+    }
+}
+
+impl Relays {
+    /// The read-time hook of `relay.request`: on the gateway's uplink only, parse `channel` with
+    /// the contract's bound, accept it from the connection's link, and register the relay id.
+    fn prepare(self: &Arc<Self>, ctx: &CallCtx, payload: Option<&Value>) -> Option<Prepared> {
+        if !ctx.is_gateway_uplink() {
+            return None;
+        }
+        let conn = ctx.connection()?;
+        let field = |name: &str| payload.and_then(|p| p.get(name)).and_then(Value::as_str);
+        let claim = (|| {
+            let channel_id = field("channel")
+                .filter(|id| bounds::is_channel_id(id))
+                .ok_or_else(|| {
+                    ContractError::bad_request("channel: required, 1-32 of [A-Za-z0-9-]")
+                })?;
+            let link = conn.attachment::<LinkHandle>().ok_or_else(|| {
+                ContractError::internal("This connection carries no link for relay channels")
+            })?;
+            let channel = link
+                .accept_channel(channel_id)
+                .map_err(|e| to_contract(Failure::Channel(e.reason())))?;
+            let relay_id = field("relayId")
+                .filter(|id| bounds::RELAY_ID_RE.is_match(id))
+                .map(str::to_owned);
+            let Some(relay_id) = relay_id else {
+                // The input fails its schema later; the channel is aborted with the claim.
+                return Ok(Claim::new(self.clone(), channel, None));
+            };
+            let key = (conn.id(), relay_id);
+            let mut active = self.active.lock();
+            if active.contains_key(&key) {
+                drop(active);
+                let duplicate = ContractError::bad_request(format!(
+                    "relayId: {} is already active on this connection",
+                    key.1
+                ));
+                // Accepted, so that dropping it aborts the channel at once.
+                drop(Claim::new(self.clone(), channel, None));
+                return Err(duplicate);
+            }
+            let claim = Claim::new(self.clone(), channel, Some(key.clone()));
+            active.insert(key, claim.active.clone());
+            Ok(claim)
+        })();
+        Some(Box::new(PreparedRelay { claim }))
+    }
+
+    /// The read-time hook of `relay.cancel`: fires the relay's cancellation at once, in line
+    /// order, even while the relay is parked behind start-up.
+    fn cancel(&self, ctx: &CallCtx, payload: Option<&Value>) {
+        if !ctx.is_gateway_uplink() {
+            return;
+        }
+        let (Some(conn), Some(relay_id)) = (
+            ctx.connection(),
+            payload
+                .and_then(|p| p.get("relayId"))
+                .and_then(Value::as_str),
+        ) else {
+            return;
+        };
+        let active = self
+            .active
+            .lock()
+            .get(&(conn.id(), relay_id.to_owned()))
+            .cloned();
+        if let Some(active) = active {
+            debug!(relay = relay_id, "relay cancelled");
+            active.cancel.cancel();
+        }
+    }
+
+    async fn serve(
+        self: Arc<Self>,
+        ctx: CallCtx,
+        input: RelayRequestInput,
+    ) -> Result<RelayRequestOutput, ContractError> {
+        let prepared = ctx
+            .take_prepared::<PreparedRelay>()
+            .ok_or_else(|| ContractError::bad_request("channel: the channel was not accepted"))?;
+        let mut claim = prepared.claim?;
+        if claim.channel_id != input.channel
+            || claim
+                .key
+                .as_ref()
+                .is_none_or(|(_, id)| *id != input.relay_id)
+        {
+            return Err(ContractError::bad_request(
+                "channel: the call does not match what was claimed when it was read",
+            ));
+        }
+        let target = self.targets.get(&input.target).ok_or_else(|| {
+            ContractError::new(
+                ErrorCode::RelayTargetMissing,
+                format!(
+                    "No module on this worker serves the relay target {}",
+                    input.target
+                ),
+            )
+            .with_details(json!({ "target": input.target }))
+        })?;
+        let closed = ctx
+            .connection()
+            .map(|conn| conn.closed())
+            .unwrap_or_default();
+        let cancel = claim.active.cancel.clone();
+        let relay_id = input.relay_id.clone();
+        let run = run(&mut claim, target.as_ref(), &ctx, input);
+        let ending = tokio::select! {
+            biased;
+            () = cancel.cancelled() => Err(Ending::Cancelled),
+            () = closed.cancelled() => Err(Ending::Cancelled),
+            ending = run => ending,
+        };
+        match ending {
+            Ok(()) => {
+                claim.completed = true;
+                Ok(RelayRequestOutput::default())
+            }
+            Err(Ending::Cancelled) => {
+                // A channel that stalled is the relay's failure, even when a cancel followed.
+                if let Err(Ending::Failed(failure)) = claim.probe().await {
+                    return Err(to_contract(failure));
+                }
+                debug!(relay = %relay_id, "relay ended cancelled");
+                Ok(RelayRequestOutput {
+                    cancelled: Some(true),
+                })
+            }
+            Err(Ending::Failed(failure)) => Err(to_contract(failure)),
+        }
+    }
+}
+
+/// Runs one relay to its END. Every early return leaves the channel to the claim, which aborts
+/// it.
+async fn run(
+    claim: &mut Claim,
+    target: &dyn RelayTarget,
+    ctx: &CallCtx,
+    input: RelayRequestInput,
+) -> Result<(), Ending> {
+    // A relay parked behind start-up whose channel failed meanwhile answers without its target.
+    claim.probe().await?;
+    let target_name = input.target.clone();
+    let head_only = input.method == RelayMethod::Head;
+    let request = build_request(&input, claim)?;
+    let answer = target
+        .call(RelayRequest {
+            request,
+            tenant: input.tenant,
+            lease_id: input.lease_id,
+            cancel: claim.active.cancel.child_token(),
+        })
+        .await;
+    // The target answered: the unread rest of its request is stopped.
+    RequestSlot::stop(&claim.request);
+    let response = match answer {
+        Ok(response) => response,
+        Err(error) => {
+            // A target that failed because its channel did is the channel's failure.
+            claim.probe().await?;
+            return Err(Ending::Failed(Failure::Target(target_name, error)));
+        }
+    };
+    let (parts, body) = response.into_parts();
+    let head = response_head(&parts)
+        .map_err(|bound| Ending::Failed(Failure::Head(target_name.clone(), bound)))?;
+    claim.probe().await?;
+    if claim.active.cancel.is_cancelled() {
+        return Err(Ending::Cancelled);
+    }
+    let status = parts.status.as_u16();
+    let delivered = ctx
+        .push(Push::RelayHead {
+            request_id: ctx.request_id().clone(),
+            status,
+            headers: head,
+        })
+        .await;
+    if !delivered {
+        return Err(Ending::Cancelled);
+    }
+    let writer = claim.writer()?;
+    if !head_only && !matches!(status, 204 | 205 | 304) {
+        pipe(body, writer, &target_name).await?;
+    }
+    writer
+        .finish()
+        .await
+        .map_err(|e| Ending::from_reason(e.reason()))
+}
+
+/// The request the target receives: method, absolute URL, headers filtered again, and the body
+/// (the channel's request direction, or nothing with `hasBody: false`, stopped at once).
+fn build_request(
+    input: &RelayRequestInput,
+    claim: &Claim,
+) -> Result<http::Request<RequestBody>, Ending> {
+    let bad = |why: String| Ending::Failed(Failure::Request(why));
+    let body = if input.has_body {
+        RequestBody::channel(claim.request.clone())
+    } else {
+        RequestSlot::stop(&claim.request);
+        RequestBody::empty()
+    };
+    let mut request = http::Request::new(body);
+    *request.method_mut() = http::Method::from_bytes(input.method.as_str().as_bytes())
+        .map_err(|e| bad(format!("method: {e}")))?;
+    *request.uri_mut() = input.url.parse().map_err(|e| bad(format!("url: {e}")))?;
+    let headers = bounds::filter_relay_headers(input.headers.clone(), &[]);
+    for (index, (name, value)) in headers.into_iter().enumerate() {
+        let name = http::HeaderName::from_bytes(name.as_bytes())
+            .map_err(|e| bad(format!("headers[{index}]: {e}")))?;
+        let value = http::HeaderValue::from_str(&value)
+            .map_err(|e| bad(format!("headers[{index}]: {e}")))?;
+        request.headers_mut().append(name, value);
+    }
+    Ok(request)
+}
+
+/// The head of the target's answer as `relay-head` carries it, filtered, or the bound it breaks.
+fn response_head(parts: &http::response::Parts) -> Result<Vec<(String, String)>, String> {
+    let status = parts.status.as_u16();
+    if !(100..=599).contains(&status) || status == 101 {
+        return Err(format!("status {status} (100-599, never 101)"));
+    }
+    let headers: Vec<(String, String)> = parts
+        .headers
+        .iter()
+        .map(|(name, value)| {
+            (
+                name.as_str().to_owned(),
+                String::from_utf8_lossy(value.as_bytes()).into_owned(),
+            )
+        })
+        .collect();
+    let headers = bounds::filter_relay_headers(headers, &[]);
+    if headers.len() > MAX_RELAY_HEADERS {
+        return Err(format!(
+            "{} headers (at most {MAX_RELAY_HEADERS})",
+            headers.len()
+        ));
+    }
+    if let Some((name, value)) = headers.iter().find(|(_, v)| v.len() > MAX_HEADER_VALUE) {
+        return Err(format!(
+            "header {name} has a {} byte value (at most {MAX_HEADER_VALUE})",
+            value.len()
+        ));
+    }
+    if let Some((name, _)) = headers
+        .iter()
+        .find(|(_, v)| v.bytes().any(|b| matches!(b, b'\r' | b'\n' | 0)))
+    {
+        return Err(format!("header {name} has CR, LF or NUL in its value"));
+    }
+    Ok(headers)
+}
+
+/// Pipes the target's response body into the channel's response direction.
+async fn pipe(
+    mut body: ResponseBody,
+    writer: &mut ChannelWriter,
+    target: &str,
+) -> Result<(), Ending> {
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|e| Ending::Failed(Failure::Body(target.to_owned(), e)))?;
+        let Ok(data) = frame.into_data() else {
+            // Trailers are not relayed.
+            continue;
+        };
+        if data.is_empty() {
+            continue;
+        }
+        writer
+            .write_bytes(data)
+            .await
+            .map_err(|e| Ending::from_reason(e.reason()))?;
+        // Pull the next part only once this one went: a reader that stops reading holds back
+        // the target, not a queue of its bytes on the worker.
+        SinkExt::flush(writer)
+            .await
+            .map_err(|e| Ending::from_reason(e.reason()))?;
+        if body.is_end_stream() {
+            break;
+        }
+    }
+    Ok(())
+}
+
+impl std::fmt::Debug for Relays {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Relays")
+            .field("targets", &self.targets)
+            .finish_non_exhaustive()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parts(status: u16, headers: &[(&str, String)]) -> http::response::Parts {
+        let mut response = http::Response::new(());
+        *response.status_mut() = http::StatusCode::from_u16(status).unwrap_or_default();
+        for (name, value) in headers {
+            if let (Ok(name), Ok(value)) = (
+                http::HeaderName::from_bytes(name.as_bytes()),
+                http::HeaderValue::from_str(value),
+            ) {
+                response.headers_mut().append(name, value);
+            }
+        }
+        response.into_parts().0
+    }
+
+    #[test]
+    fn a_head_is_filtered_then_bounded() {
+        let head = response_head(&parts(
+            200,
+            &[
+                ("content-length", "3".into()),
+                ("connection", "x-hop".into()),
+                ("x-hop", "1".into()),
+                ("x-kept", "2".into()),
+            ],
+        ));
+        assert_eq!(head, Ok(vec![("x-kept".into(), "2".into())]));
+        assert!(response_head(&parts(101, &[])).is_err());
+        let many: Vec<(String, String)> =
+            (0..101).map(|n| (format!("x-{n}"), "v".into())).collect();
+        let many: Vec<(&str, String)> = many.iter().map(|(n, v)| (n.as_str(), v.clone())).collect();
+        let err = response_head(&parts(200, &many));
+        assert_eq!(err, Err("101 headers (at most 100)".into()));
+        assert!(response_head(&parts(200, &many[..100])).is_ok());
+        let long = response_head(&parts(200, &[("x-long", "v".repeat(8193))]));
+        assert!(long.is_err_and(|e| e.contains("8193 byte value")));
+    }
+
+    #[test]
+    fn channel_failures_end_relays_by_the_table() {
+        for reason in [
+            FailureReason::Stopped,
+            FailureReason::Aborted,
+            FailureReason::Closed,
+        ] {
+            assert!(matches!(Ending::from_reason(reason), Ending::Cancelled));
+        }
+        let Ending::Failed(stalled) = Ending::from_reason(FailureReason::Stalled) else {
+            unreachable!("stalled fails the relay");
+        };
+        assert_eq!(to_contract(stalled).code, ErrorCode::Internal);
+        let Ending::Failed(refused) = Ending::from_reason(FailureReason::Refused) else {
+            unreachable!("refused fails the relay");
+        };
+        assert_eq!(to_contract(refused).code, ErrorCode::BadRequest);
+    }
+}
