@@ -89,6 +89,7 @@ pub async fn start(options: GatewayOptions) -> Result<RunningGateway, StartError
     simlock_daemon::pipeline::check_complete(&router, &simlock_daemon::pipeline::all_operations())
         .map_err(StartError::Domain)?;
     let uplink: Arc<dyn Mount> = UplinkMount::new(fleet.clone(), base.tokens.clone());
+    simlock_fleet::metrics::register_metrics(&base.metrics, &fleet);
     let running = base.serve(router, true, vec![uplink]).await?;
     let relay = GatewayRelay::new(
         fleet.clone(),

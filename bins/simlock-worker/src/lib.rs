@@ -117,6 +117,7 @@ pub async fn start(options: WorkerOptions) -> Result<RunningWorker, StartError> 
         }),
         _ => None,
     };
+    simlock_core::register_metrics(&base.metrics, &worker);
     let running = base.serve(router, http, Vec::new()).await?;
     let uplink_stop = CancellationToken::new();
     let dial = |running: &Running| {

@@ -167,7 +167,7 @@ async fn next_http(stream: &mut SseStream) -> Result<ExecEvent, ContractError> {
                 let body = data
                     .get("error")
                     .cloned()
-                    .and_then(|e| serde_json::from_value::<ErrorBody>(e).ok())
+                    .and_then(|e| ErrorBody::from_inline(&e))
                     .ok_or_else(|| {
                         ContractError::internal("an exec error event without an error")
                     })?;

@@ -193,28 +193,12 @@ async fn read_body(body: Incoming) -> Result<Bytes, ContractError> {
 /// details inlined beside the code. Anything else becomes `UNKNOWN_DAEMON_ERROR` naming the status.
 pub(crate) fn error_from_body(status: StatusCode, bytes: &[u8]) -> ContractError {
     let parsed = serde_json::from_slice::<Value>(bytes).ok();
-    let body = parsed
+    if let Some(body) = parsed
         .as_ref()
         .and_then(|v| v.get("error"))
-        .and_then(Value::as_object);
-    if let Some(body) = body
-        && let Some(code) = body.get("code").and_then(Value::as_str)
+        .and_then(ErrorBody::from_inline)
     {
-        let message = body
-            .get("message")
-            .and_then(Value::as_str)
-            .unwrap_or_default()
-            .to_owned();
-        let details: Map<String, Value> = body
-            .iter()
-            .filter(|(k, _)| *k != "code" && *k != "message")
-            .map(|(k, v)| (k.clone(), v.clone()))
-            .collect();
-        return ContractError::from_body(ErrorBody {
-            code: code.to_owned(),
-            message,
-            details: (!details.is_empty()).then_some(Value::Object(details)),
-        });
+        return ContractError::from_body(body);
     }
     let text = String::from_utf8_lossy(bytes);
     let snippet: String = text.chars().take(200).collect();

@@ -430,7 +430,7 @@ fn read_view(view: &Value) -> Result<ViewState, ContractError> {
             let error = view
                 .get("error")
                 .cloned()
-                .and_then(|e| serde_json::from_value::<ErrorBody>(e).ok())
+                .and_then(|e| ErrorBody::from_inline(&e))
                 .map_or(fallback, ContractError::from_body);
             ViewState::Settled(Err(error))
         }

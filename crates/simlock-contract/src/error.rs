@@ -315,9 +315,57 @@ pub struct ErrorBody {
     pub details: Option<Value>,
 }
 
+impl ErrorBody {
+    /// The HTTP form: `{"code", "message", ...details}`, the details inlined beside the code.
+    pub fn to_inline(&self) -> Value {
+        let mut object = serde_json::Map::new();
+        object.insert("code".into(), Value::String(self.code.clone()));
+        object.insert("message".into(), Value::String(self.message.clone()));
+        if let Some(Value::Object(details)) = &self.details {
+            for (key, value) in details {
+                object.entry(key.clone()).or_insert_with(|| value.clone());
+            }
+        }
+        Value::Object(object)
+    }
+
+    /// Reads the HTTP form back: every field beside `code` and `message` is a detail.
+    pub fn from_inline(value: &Value) -> Option<Self> {
+        let object = value.as_object()?;
+        let code = object.get("code")?.as_str()?.to_owned();
+        let message = object
+            .get("message")
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .to_owned();
+        let details: serde_json::Map<String, Value> = object
+            .iter()
+            .filter(|(k, _)| *k != "code" && *k != "message")
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        Some(Self {
+            code,
+            message,
+            details: (!details.is_empty()).then_some(Value::Object(details)),
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_inline_form_round_trips() {
+        let body = ContractError::unknown_lease("lse_1").to_body();
+        let inline = body.to_inline();
+        assert_eq!(
+            inline,
+            json!({"code": "UNKNOWN_LEASE", "message": "Unknown lease lse_1", "leaseId": "lse_1"})
+        );
+        assert_eq!(ErrorBody::from_inline(&inline), Some(body));
+        assert_eq!(ErrorBody::from_inline(&json!({"message": "no code"})), None);
+    }
 
     #[test]
     fn every_code_round_trips_through_its_wire_name() {

@@ -32,6 +32,7 @@ pub mod driver;
 pub mod error;
 mod exec;
 pub mod handlers;
+pub mod metrics;
 mod queue;
 mod state;
 pub mod store;
@@ -42,6 +43,7 @@ pub use book::{RecordState, RequestRecord};
 pub use driver::{Driver, DriverError, Estimates, VirtualDriver, virtual_drivers};
 pub use error::CoreError;
 pub use handlers::register;
+pub use metrics::register_metrics;
 pub use system::{FixedSystem, HostSystem, SystemFacts};
 pub use worker::{Worker, WorkerParts};
 

@@ -281,7 +281,7 @@ impl Default for VirtualConfig {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", default)]
 pub struct GatewayConfig {
-    /// Worker: the gateway's base URL, `ws://` or `wss://`.
+    /// Worker: the gateway's base URL, `ws://` (`wss://` needs a TLS proxy for now, ADR 0010).
     pub url: Option<String>,
     /// Worker: the join token (a gateway token of role `worker`).
     pub token: Option<String>,
@@ -497,12 +497,13 @@ pub fn validate(config: &Config, mode: Mode) -> Result<(), ConfigError> {
         }
         Mode::Worker => {
             match (&config.gateway.url, &config.gateway.token) {
-                (Some(url), Some(_))
-                    if !(url.starts_with("ws://") || url.starts_with("wss://")) =>
-                {
+                (Some(url), Some(_)) if url.starts_with("wss://") => {
                     return bad(format!(
-                        "gateway.url must start with ws:// or wss://, got {url}"
+                        "gateway.url: wss:// is not supported by this build ({url}); dial ws:// through a TLS-terminating proxy"
                     ));
+                }
+                (Some(url), Some(_)) if !url.starts_with("ws://") => {
+                    return bad(format!("gateway.url must start with ws://, got {url}"));
                 }
                 (Some(_), None) | (None, Some(_)) => {
                     return bad("gateway.url and gateway.token must be set together".into());
@@ -568,10 +569,27 @@ fn env_overlay(env: impl IntoIterator<Item = (String, String)>) -> Value {
         if !TOP_LEVEL_KEYS.contains(&key[0].as_str()) {
             continue;
         }
-        let value = serde_json::from_str(&raw).unwrap_or(Value::String(raw));
-        insert_dotted(&mut table, &key.join("."), value);
+        let key = key.join(".");
+        let value = coerce(&key, &raw);
+        insert_dotted(&mut table, &key, value);
     }
     table
+}
+
+/// Keys whose value is text though their default is absent.
+const OPTIONAL_TEXT_KEYS: &[&str] = &["gateway.url", "gateway.token", "gateway.label"];
+
+/// Reads a value given as text (an environment variable, `--set KEY=VALUE`) for `key`: text
+/// keys keep it as it is (`gateway.label=42` is the label "42"); other keys read it as JSON when
+/// it parses (numbers, booleans, arrays), else as text, so a bad value fails naming the key.
+pub fn coerce(key: &str, raw: &str) -> Value {
+    let default = serde_json::to_value(Config::default())
+        .ok()
+        .and_then(|d| key.split('.').try_fold(d, |v, k| v.get(k).cloned()));
+    if matches!(default, Some(Value::String(_))) || OPTIONAL_TEXT_KEYS.contains(&key) {
+        return Value::String(raw.to_owned());
+    }
+    serde_json::from_str(raw).unwrap_or_else(|_| Value::String(raw.to_owned()))
 }
 
 fn camel_from_upper_snake(part: &str) -> String {
@@ -762,6 +780,33 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("capabilities"), "{err}");
+    }
+
+    #[test]
+    fn text_keys_keep_numeric_looking_text_and_other_keys_read_json() {
+        assert_eq!(coerce("gateway.label", "42"), json!("42"));
+        assert_eq!(coerce("http.host", "127.0.0.1"), json!("127.0.0.1"));
+        assert_eq!(coerce("http.port", "4701"), json!(4701));
+        assert_eq!(coerce("http.enabled", "true"), json!(true));
+        assert_eq!(coerce("capabilities", r#"["gpu"]"#), json!(["gpu"]));
+        let env = [
+            ("SIMLOCK_GATEWAY__LABEL", "42"),
+            ("SIMLOCK_GATEWAY__URL", "ws://g"),
+            ("SIMLOCK_GATEWAY__TOKEN", "123"),
+        ];
+        let loaded = load_with("", &env, Mode::Worker).unwrap();
+        assert_eq!(loaded.config.gateway.label.as_deref(), Some("42"));
+        assert_eq!(loaded.config.gateway.token.as_deref(), Some("123"));
+    }
+
+    #[test]
+    fn a_wss_gateway_fails_start_up_naming_the_key() {
+        let toml = "[gateway]\nurl = \"wss://gw\"\ntoken = \"slk_x\"";
+        let err = load_with(toml, &[], Mode::Worker).unwrap_err().to_string();
+        assert!(
+            err.contains("gateway.url") && err.contains("wss://"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -34,10 +34,7 @@ pub fn parse_sets(sets: &[String]) -> Result<Vec<(String, Value)>, String> {
             let (key, value) = pair
                 .split_once('=')
                 .ok_or_else(|| format!("--set takes KEY=VALUE, got {pair:?}"))?;
-            Ok((
-                key.to_owned(),
-                serde_json::from_str(value).unwrap_or_else(|_| json!(value)),
-            ))
+            Ok((key.to_owned(), config::coerce(key, value)))
         })
         .collect()
 }
@@ -105,10 +102,10 @@ mod tests {
     use super::*;
 
     #[test]
-    fn sets_parse_json_values_or_strings() {
+    fn sets_read_values_by_their_keys_type() {
         let sets = parse_sets(&[
             "http.port=5".into(),
-            "gateway.label=mac studio".into(),
+            "gateway.label=42".into(),
             "http.enabled=true".into(),
         ])
         .unwrap();
@@ -116,7 +113,7 @@ mod tests {
             sets,
             [
                 ("http.port".into(), json!(5)),
-                ("gateway.label".into(), json!("mac studio")),
+                ("gateway.label".into(), json!("42")),
                 ("http.enabled".into(), json!(true))
             ]
         );

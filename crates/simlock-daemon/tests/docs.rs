@@ -362,8 +362,7 @@ fn the_environment_examples_set_their_keys() {
             )
             .unwrap_or_else(|e| panic!("{line}: {e}"));
             let key = key_of_variable(name);
-            let expected =
-                serde_json::from_str(value).unwrap_or_else(|_| Value::String(value.to_owned()));
+            let expected = config::coerce(&key, value);
             let config = serde_json::to_value(&loaded.config).unwrap();
             assert_eq!(at(&config, &key), Some(&expected), "{line} sets {key}");
             seen += 1;

@@ -591,6 +591,20 @@ fn http_tokens_ownership_idempotency_and_exec_as_server_sent_events() {
         "the same grant"
     );
 
+    // Operators read metrics; agents cannot.
+    let operator = token("operator");
+    let (status, metrics) = http(&addr, "GET", "/v1/metrics", Some(&operator), &[], None);
+    assert_eq!(status, 200);
+    assert!(metrics.contains("simlock_leases 1\n"), "{metrics}");
+    assert!(
+        metrics.contains("simlock_devices{state=\"leased\"} 1\n"),
+        "{metrics}"
+    );
+    assert_eq!(
+        http(&addr, "GET", "/v1/metrics", Some(&alice), &[], None).0,
+        403
+    );
+
     // Another token's lease is invisible.
     assert_eq!(
         http(

@@ -32,6 +32,11 @@ async fn a_lease_through_the_gateway_lands_on_the_worker_and_renews_and_releases
     assert_eq!(grant["lease"]["requesterId"], "agent-1");
     assert_eq!(grant["lease"]["worker"]["id"], worker_id.as_str());
     assert_eq!(grant["device"]["spec"]["model"], "iPhone 16");
+    assert_eq!(
+        grant["environment"]["SIMLOCK_LEASE_ID"],
+        lease_id.as_str(),
+        "the environment names the gateway's lease id"
+    );
 
     // The worker holds it under the gateway's namespaced requester.
     let leases = fleet.worker(0).worker.leases();
@@ -902,6 +907,16 @@ async fn worker_events_are_relayed_with_their_worker_id_and_status_sums_the_flee
         "a worker's own lease passes through with its id"
     );
     assert_eq!(lease["workerId"], worker_id.as_str());
+    let metrics = fleet.gateway().running.base.metrics.render();
+    assert!(
+        metrics.contains("simlock_workers{connection=\"connected\"} 2\n"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains(&format!("simlock_uplink_up{{worker=\"{worker_id}\"}} 1\n")),
+        "{metrics}"
+    );
+    assert!(metrics.contains("simlock_link_channels_open{"), "{metrics}");
     let catalog = operator
         .call("catalog.get", json!({"platform": "android"}))
         .await

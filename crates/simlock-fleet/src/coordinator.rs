@@ -693,6 +693,10 @@ impl Fleet {
             "fleet",
             json!({ "requestId": waiter.id, "workerId": worker_id, "leaseId": lease_id, "workerLeaseId": grant.lease.id }),
         );
+        // The environment names the lease as callers of the gateway know it.
+        if let Some(id) = grant.environment.get_mut("SIMLOCK_LEASE_ID") {
+            id.clone_from(&lease_id);
+        }
         grant.lease.id = LeaseId::from_raw(lease_id);
         grant.lease.requester_id = waiter.requester.clone();
         grant.lease.owner_id = waiter.owner.clone();

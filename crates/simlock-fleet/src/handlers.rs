@@ -158,7 +158,7 @@ fn config_view(config: &Config) -> ConfigView {
     ] {
         if let Ok(mut value) = value {
             if let Some(token) = value.get_mut("token").filter(|t| !t.is_null()) {
-                *token = serde_json::Value::String("<redacted>".into());
+                *token = serde_json::Value::String("[redacted]".into());
             }
             settings.insert(key.to_owned(), value);
         }

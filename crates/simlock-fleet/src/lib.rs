@@ -8,6 +8,7 @@ mod forward;
 pub mod handlers;
 pub mod index;
 mod link;
+pub mod metrics;
 mod queue;
 pub mod routing;
 pub mod uplink;

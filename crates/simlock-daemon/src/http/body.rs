@@ -65,16 +65,8 @@ pub fn error(err: &ContractError) -> Response<Body> {
 
 /// An error response with an explicit status.
 pub fn error_with_status(err: &ContractError, status: StatusCode) -> Response<Body> {
-    let mut body = Map::new();
-    body.insert("code".into(), Value::String(err.code.as_str().into()));
-    body.insert("message".into(), Value::String(err.message.clone()));
-    if let Some(Value::Object(details)) = &err.details {
-        for (k, v) in details {
-            body.entry(k.clone()).or_insert_with(|| v.clone());
-        }
-    }
     let mut wrapper = Map::new();
-    wrapper.insert("error".into(), Value::Object(body));
+    wrapper.insert("error".into(), err.to_body().to_inline());
     let mut response = json(status, &Value::Object(wrapper));
     if err.code == ErrorCode::NoCapacity {
         response

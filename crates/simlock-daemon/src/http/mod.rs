@@ -582,7 +582,7 @@ async fn exec(app: &Arc<HttpApp>, caller: &HttpCaller, payload: Value) -> Respon
                     }
                     Err(err) if events.is_empty() => error(&err),
                     Err(err) => {
-                        events.push(sse_event("error", &json!({ "error": err.to_body() })));
+                        events.push(sse_event("error", &json!({ "error": err.to_body().to_inline() })));
                         sse(futures::stream::iter(events))
                     }
                 };
@@ -608,7 +608,7 @@ async fn exec(app: &Arc<HttpApp>, caller: &HttpCaller, payload: Value) -> Respon
                 }
                 let last = match outcome {
                     Ok(value) => sse_event("exit", &value),
-                    Err(err) => sse_event("error", &json!({ "error": err.to_body() })),
+                    Err(err) => sse_event("error", &json!({ "error": err.to_body().to_inline() })),
                 };
                 tail.extend_from_slice(&last);
                 Some((Bytes::from(tail), None))

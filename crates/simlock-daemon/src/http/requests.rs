@@ -90,9 +90,22 @@ pub struct RequestView {
     /// The grant, once granted.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub lease: Option<LeaseGrant>,
-    /// Why it failed.
-    #[serde(skip_serializing_if = "Option::is_none")]
+    /// Why it failed, in the HTTP error form (details inlined).
+    #[serde(
+        skip_serializing_if = "Option::is_none",
+        serialize_with = "inline_error"
+    )]
     pub error: Option<ErrorBody>,
+}
+
+fn inline_error<S: serde::Serializer>(
+    error: &Option<ErrorBody>,
+    serializer: S,
+) -> Result<S::Ok, S::Error> {
+    error
+        .as_ref()
+        .map(ErrorBody::to_inline)
+        .serialize(serializer)
 }
 
 struct Record {

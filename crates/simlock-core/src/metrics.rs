@@ -1,0 +1,88 @@
+//! The worker's metrics for `/v1/metrics`: leases, the queue, devices by state, capacity.
+
+use std::sync::{Arc, Weak};
+
+use simlock_contract::model::{DeviceState, Platform};
+use simlock_daemon::metrics::{Metrics, Sample};
+
+use crate::worker::Worker;
+
+fn read(worker: &Weak<Worker>, f: impl Fn(&Worker) -> Vec<Sample>) -> Vec<Sample> {
+    worker.upgrade().map(|w| f(&w)).unwrap_or_default()
+}
+
+/// Registers the worker's metrics.
+pub fn register_metrics(metrics: &Metrics, worker: &Arc<Worker>) {
+    let w = Arc::downgrade(worker);
+    metrics.gauge(
+        "simlock_leases",
+        "Active leases on this worker.",
+        move || read(&w, |w| vec![(vec![], w.leases().len() as f64)]),
+    );
+    let w = Arc::downgrade(worker);
+    metrics.gauge(
+        "simlock_queue_depth",
+        "Lease requests waiting in this worker's queue.",
+        move || read(&w, |w| vec![(vec![], w.waiting().len() as f64)]),
+    );
+    let w = Arc::downgrade(worker);
+    metrics.gauge("simlock_devices", "Devices by state.", move || {
+        read(&w, |w| {
+            let devices = w.devices();
+            [
+                (DeviceState::Provisioning, "provisioning"),
+                (DeviceState::Booting, "booting"),
+                (DeviceState::Ready, "ready"),
+                (DeviceState::Leased, "leased"),
+                (DeviceState::Reclaiming, "reclaiming"),
+                (DeviceState::Shutdown, "shutdown"),
+            ]
+            .into_iter()
+            .map(|(state, name)| {
+                (
+                    vec![("state", name.to_owned())],
+                    devices.iter().filter(|d| d.state == state).count() as f64,
+                )
+            })
+            .collect()
+        })
+    });
+    let w = Arc::downgrade(worker);
+    metrics.gauge(
+        "simlock_capacity_running",
+        "Running devices by platform.",
+        move || {
+            read(&w, |w| {
+                let capacity = w.capacity();
+                Platform::ALL
+                    .iter()
+                    .map(|p| {
+                        (
+                            vec![("platform", p.as_str().to_owned())],
+                            f64::from(capacity.platform(*p).running),
+                        )
+                    })
+                    .collect()
+            })
+        },
+    );
+    let w = Arc::downgrade(worker);
+    metrics.gauge(
+        "simlock_capacity_max_running",
+        "The most devices that may run, by platform.",
+        move || {
+            read(&w, |w| {
+                let capacity = w.capacity();
+                Platform::ALL
+                    .iter()
+                    .map(|p| {
+                        (
+                            vec![("platform", p.as_str().to_owned())],
+                            f64::from(capacity.platform(*p).max_running),
+                        )
+                    })
+                    .collect()
+            })
+        },
+    );
+}
