@@ -459,6 +459,33 @@ pub fn load(
     Ok(Loaded { config, warnings })
 }
 
+/// The configuration as `config.get` answers it: the lease limits, and every section this daemon
+/// reads (a gateway's: lease, http, gateway, eventBuffer, log), the join token redacted.
+pub fn view(config: &Config, mode: Mode) -> simlock_contract::ops::ConfigView {
+    let mut settings = BTreeMap::new();
+    if let Ok(Value::Object(map)) = serde_json::to_value(config) {
+        for (key, mut value) in map {
+            if mode == Mode::Gateway && !GATEWAY_SECTIONS.contains(&key.as_str()) {
+                continue;
+            }
+            if key == "gateway"
+                && let Some(token) = value.get_mut("token").filter(|t| !t.is_null())
+            {
+                *token = Value::String("[redacted]".into());
+            }
+            settings.insert(key, value);
+        }
+    }
+    simlock_contract::ops::ConfigView {
+        mode,
+        lease: simlock_contract::model::LeaseLimits {
+            default_ttl_ms: config.lease.default_ttl_ms,
+            max_ttl_ms: config.lease.max_ttl_ms,
+        },
+        settings,
+    }
+}
+
 /// Checks combinations no single value's type can.
 ///
 /// # Errors
@@ -780,6 +807,27 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("capabilities"), "{err}");
+    }
+
+    #[test]
+    fn the_view_redacts_the_join_token_and_keeps_a_gateways_own_sections() {
+        let mut config = Config::default();
+        config.gateway.token = Some("slk_secret".into());
+        let worker = view(&config, Mode::Worker);
+        assert_eq!(worker.settings["gateway"]["token"], json!("[redacted]"));
+        assert!(worker.settings.contains_key("capacity"));
+        let gateway = view(&config, Mode::Gateway);
+        assert_eq!(gateway.settings["gateway"]["token"], json!("[redacted]"));
+        assert!(
+            !gateway.settings.contains_key("capacity"),
+            "a gateway does not read worker sections"
+        );
+        assert_eq!(gateway.lease.max_ttl_ms, config.lease.max_ttl_ms);
+        assert!(
+            !serde_json::to_string(&worker)
+                .unwrap()
+                .contains("slk_secret")
+        );
     }
 
     #[test]

@@ -17,6 +17,7 @@ pub mod config;
 pub mod context;
 pub mod events;
 pub mod home;
+pub mod host;
 pub mod http;
 pub mod launch;
 pub mod logging;

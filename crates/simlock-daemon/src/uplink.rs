@@ -138,16 +138,30 @@ pub async fn dial(
     Ok(spawn(ws, LinkConfig::new(End::Worker)))
 }
 
-/// A wire transport over a link's text lane.
-pub fn text_transport(link: &LinkHandle, text: simlock_link::TextReceiver) -> Transport {
+/// A wire transport over a link's text lane, reading lines of at most `max_line` bytes.
+pub fn text_lane(
+    link: &LinkHandle,
+    text: simlock_link::TextReceiver,
+    max_line: usize,
+) -> Transport {
     let sink = futures::sink::unfold(link.clone(), |link, line: String| async move {
         link.send_text(line).await.map(|()| link)
     });
     Transport::from_text_messages(
         text,
         sink.sink_map_err(|e| std::io::Error::other(e.to_string())),
-        MAX_CALL_LINE,
+        max_line,
     )
+}
+
+/// The server side of the text lane (the worker serving its gateway): call lines of at most 1 MiB.
+pub fn text_transport(link: &LinkHandle, text: simlock_link::TextReceiver) -> Transport {
+    text_lane(link, text, MAX_CALL_LINE)
+}
+
+/// The client side of the text lane (the gateway driving a worker): replies of at most 64 MiB.
+pub fn client_text_transport(link: &LinkHandle, text: simlock_link::TextReceiver) -> Transport {
+    text_lane(link, text, simlock_contract::bounds::MAX_CLIENT_LINE)
 }
 
 /// Keeps the uplink up until `shutdown`; `state` follows it.

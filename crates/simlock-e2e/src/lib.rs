@@ -144,9 +144,22 @@ pub async fn session(path: &Path, principal: &str, admin_home: Option<&Home>) ->
 impl TestFleet {
     /// A gateway with `config`, and a join token minted on it.
     pub async fn start(config: Config) -> Self {
+        Self::start_with(config, |_| {}).await
+    }
+
+    /// A gateway with `config` and its fleet timing changed by `tune` (short timeouts for the
+    /// tests that wait on them), and a join token minted on it.
+    pub async fn start_with(
+        config: Config,
+        tune: impl FnOnce(&mut simlock_fleet::FleetTiming),
+    ) -> Self {
         let dir = tempfile::tempdir().expect("a temporary directory");
         let home = Home::at(dir.path().join("gateway"));
-        let gateway = simlock_gateway::start(GatewayOptions::new(home.clone(), config))
+        let mut options = GatewayOptions::new(home.clone(), config);
+        let mut timing = simlock_fleet::FleetTiming::from_config(&options.config);
+        tune(&mut timing);
+        options.timing = Some(timing);
+        let gateway = simlock_gateway::start(options)
             .await
             .expect("the gateway starts");
         let admin = session(&gateway.running.socket_path(), "operator", Some(&home)).await;
@@ -186,24 +199,44 @@ impl TestFleet {
 
     /// Starts worker number `self.workers.len()` with `config`, joined to the gateway, and waits
     /// until the gateway lists it connected with its catalog read.
-    pub async fn add_worker(&mut self, mut config: Config) -> usize {
+    pub async fn add_worker(&mut self, config: Config) -> usize {
         let n = self.workers.len();
+        self.join_worker(n, config, |_| {}, true).await;
+        n
+    }
+
+    /// Starts worker `n` on its home (a new one when `n` is the next number), joined to the
+    /// gateway, with its options changed by `customize`; waits until the gateway lists it
+    /// connected, and with `catalog` until it has read its catalog too.
+    pub async fn join_worker(
+        &mut self,
+        n: usize,
+        mut config: Config,
+        customize: impl FnOnce(&mut WorkerOptions),
+        catalog: bool,
+    ) {
         config.gateway.url = Some(self.gateway_url());
         config.gateway.token = Some(self.join_token.clone());
         config.gateway.label = Some(format!("worker-{n}"));
-        let home = Home::at(self.dir.path().join(format!("worker-{n}")));
-        let worker = simlock_worker::start(WorkerOptions::new(home, config))
+        let mut options = WorkerOptions::new(self.worker_home(n), config);
+        customize(&mut options);
+        let worker = simlock_worker::start(options)
             .await
             .expect("the worker starts");
         let id = worker.running.base.instance_id.clone();
-        self.workers.push(Some(worker));
+        if n == self.workers.len() {
+            self.workers.push(Some(worker));
+        } else {
+            self.workers[n] = Some(worker);
+        }
         self.wait_for(|views| {
             views.iter().any(|v| {
-                v.id == id && v.connection == Connection::Connected && v.catalog_read_at.is_some()
+                v.id == id
+                    && v.connection == Connection::Connected
+                    && (!catalog || v.catalog_read_at.is_some())
             })
         })
         .await;
-        n
     }
 
     /// Worker `n`.
@@ -284,21 +317,8 @@ impl TestFleet {
     }
 
     /// Starts worker `n` again on its home, after [`Self::stop_worker`].
-    pub async fn restart_worker(&mut self, n: usize, mut config: Config) {
-        config.gateway.url = Some(self.gateway_url());
-        config.gateway.token = Some(self.join_token.clone());
-        config.gateway.label = Some(format!("worker-{n}"));
-        let worker = simlock_worker::start(WorkerOptions::new(self.worker_home(n), config))
-            .await
-            .expect("the worker restarts");
-        let id = worker.running.base.instance_id.clone();
-        self.workers[n] = Some(worker);
-        self.wait_for(|views| {
-            views.iter().any(|v| {
-                v.id == id && v.connection == Connection::Connected && v.catalog_read_at.is_some()
-            })
-        })
-        .await;
+    pub async fn restart_worker(&mut self, n: usize, config: Config) {
+        self.join_worker(n, config, |_| {}, true).await;
     }
 
     /// Stops everything.

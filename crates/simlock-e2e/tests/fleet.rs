@@ -446,27 +446,18 @@ async fn a_worker_one_protocol_version_behind_is_incompatible_and_gets_no_reques
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_status_timeouts_in_a_row_close_the_uplink() {
-    let dir = tempfile::tempdir().unwrap();
-    let home = simlock_daemon::home::Home::at(dir.path().join("gw"));
-    let mut options = simlock_gateway::GatewayOptions::new(home.clone(), gateway_config());
-    let mut timing = simlock_fleet::FleetTiming::from_config(&options.config);
-    timing.call_timeout = std::time::Duration::from_millis(100);
-    timing.refresh_interval = std::time::Duration::from_millis(50);
-    options.timing = Some(timing);
-    let gateway = simlock_gateway::start(options).await.unwrap();
-    let operator = session(&gateway.running.socket_path(), "op", Some(&home)).await;
-    let token = operator
-        .call("token.create", json!({"role": "worker"}))
-        .await
-        .unwrap();
-    let url = format!("ws://{}", gateway.running.http_addr().unwrap());
+    let fleet = TestFleet::start_with(gateway_config(), |timing| {
+        timing.call_timeout = std::time::Duration::from_millis(100);
+        timing.refresh_interval = std::time::Duration::from_millis(50);
+    })
+    .await;
     let fake = Arc::new(FakeWorker {
         hang_after: Some(1),
         ..FakeWorker::default()
     });
     let link = fake_worker(
-        &url,
-        token["secret"].as_str().unwrap(),
+        &fleet.gateway_url(),
+        &fleet.join_token,
         "slow-worker",
         fake.clone(),
         simlock_contract::PROTOCOL_RANGE,
@@ -478,9 +469,14 @@ async fn two_status_timeouts_in_a_row_close_the_uplink() {
         fake.status_calls.load(Ordering::SeqCst) >= 3,
         "the probe, then two reads that timed out"
     );
-    let view = gateway.fleet.view("slow-worker").unwrap();
-    assert_eq!(view.connection, Connection::Disconnected);
-    gateway.stop("test").await;
+    fleet
+        .wait_for(|views| {
+            views
+                .iter()
+                .any(|v| v.id == "slow-worker" && v.connection == Connection::Disconnected)
+        })
+        .await;
+    fleet.stop().await;
 }
 
 async fn uplink_status(url: &str, headers: &[(&'static str, &str)]) -> u16 {
@@ -932,56 +928,44 @@ async fn worker_events_are_relayed_with_their_worker_id_and_status_sums_the_flee
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_disconnected_worker_is_forgotten_after_retention() {
-    let dir = tempfile::tempdir().unwrap();
-    let home = simlock_daemon::home::Home::at(dir.path().join("gw"));
-    let mut options = simlock_gateway::GatewayOptions::new(home.clone(), gateway_config());
-    let mut timing = simlock_fleet::FleetTiming::from_config(&options.config);
-    timing.refresh_interval = std::time::Duration::from_millis(50);
-    timing.disconnected_retention = std::time::Duration::from_millis(100);
-    options.timing = Some(timing);
-    let gateway = simlock_gateway::start(options).await.unwrap();
-    let operator = session(&gateway.running.socket_path(), "op", Some(&home)).await;
-    let token = operator
-        .call("token.create", json!({"role": "worker"}))
-        .await
-        .unwrap();
-    let url = format!("ws://{}", gateway.running.http_addr().unwrap());
+    let fleet = TestFleet::start_with(gateway_config(), |timing| {
+        timing.refresh_interval = std::time::Duration::from_millis(50);
+        timing.disconnected_retention = std::time::Duration::from_millis(100);
+    })
+    .await;
     let link = fake_worker(
-        &url,
-        token["secret"].as_str().unwrap(),
+        &fleet.gateway_url(),
+        &fleet.join_token,
         "passing-worker",
         Arc::new(FakeWorker::default()),
         simlock_contract::PROTOCOL_RANGE,
     )
     .await;
-    let mut changes = gateway.fleet.changes();
-    let connected = tokio::time::timeout(PATIENCE, async {
-        while gateway
-            .fleet
-            .view("passing-worker")
-            .is_none_or(|v| v.connection != Connection::Connected)
-        {
-            changes.changed().await.unwrap();
-        }
-    })
-    .await;
-    assert!(connected.is_ok());
+    fleet
+        .wait_for(|views| {
+            views
+                .iter()
+                .any(|v| v.id == "passing-worker" && v.connection == Connection::Connected)
+        })
+        .await;
     link.close();
-    let forgotten = tokio::time::timeout(PATIENCE, async {
-        while gateway.fleet.view("passing-worker").is_some() {
-            changes.changed().await.unwrap();
-        }
-    })
-    .await;
-    assert!(forgotten.is_ok(), "the view was removed after retention");
-    let events = operator.call("events.replay", json!({})).await.unwrap();
+    fleet
+        .wait_for(|views| !views.iter().any(|v| v.id == "passing-worker"))
+        .await;
+    let events = fleet
+        .operator()
+        .await
+        .call("events.replay", json!({}))
+        .await
+        .unwrap();
     let removed = events["events"]
         .as_array()
         .unwrap()
         .iter()
         .find(|e| e["event"] == "worker.removed")
         .cloned()
-        .unwrap();
+        .expect("a worker.removed event");
     assert_eq!(removed["payload"]["reason"], "retention");
-    gateway.stop("test").await;
+    assert_eq!(removed["payload"]["workerId"], "passing-worker");
+    fleet.stop().await;
 }

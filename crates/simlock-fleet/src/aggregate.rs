@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 
 use simlock_contract::model::{
-    Capacity, Connection, DaemonInfo, Device, GlobalCapacity, Health, HostFacts, Mode, Platform,
+    Capacity, Connection, DaemonInfo, Device, GlobalCapacity, Health, Mode, Platform,
     PlatformCapacity, PlatformCatalog, WaitingRequest,
 };
 use simlock_contract::ops::{CatalogOutput, StatusOutput};
@@ -20,16 +20,6 @@ fn add(a: &mut PlatformCapacity, b: &PlatformCapacity) {
     a.over_limit |= b.over_limit;
 }
 
-/// The gateway's own machine.
-pub fn host_facts() -> HostFacts {
-    HostFacts {
-        os: std::env::consts::OS.into(),
-        os_version: String::new(),
-        arch: std::env::consts::ARCH.into(),
-        tools: Vec::new(),
-    }
-}
-
 impl Fleet {
     /// `status.get` on a gateway; while starting only `daemon` and `host`.
     pub fn status(&self, ctx: &CallCtx, health: Health, version: &str) -> StatusOutput {
@@ -42,7 +32,7 @@ impl Fleet {
         if health != Health::Running {
             return StatusOutput {
                 daemon,
-                host: host_facts(),
+                host: simlock_daemon::host::facts(simlock_daemon::host::os_version()),
                 capacity: None,
                 devices: None,
                 leases: None,
@@ -79,7 +69,7 @@ impl Fleet {
         capacity.android.at_ram_budget = any && ram_android;
         StatusOutput {
             daemon,
-            host: host_facts(),
+            host: simlock_daemon::host::facts(simlock_daemon::host::os_version()),
             capacity: Some(capacity),
             devices: Some(self.devices()),
             leases: Some(self.leases(ctx)),

@@ -189,12 +189,7 @@ impl Fleet {
                 "requesterId: at most {room} characters through a gateway"
             )));
         }
-        let wanted = Wanted {
-            platform: input.platform,
-            model: input.model.clone(),
-            os_version: input.os_version.clone(),
-            requires: input.requires.clone(),
-        };
+        let wanted = Wanted::of(&input);
         let now = self.clock.now_ms();
         let (progress_tx, mut progress_rx) = mpsc::channel::<Progress>(16);
         let waiter = match self.admit(ctx, &input, &requester, wanted, now, progress_tx) {
@@ -212,7 +207,7 @@ impl Fleet {
             "fleet",
             json!({
                 "requestId": waiter.id,
-                "requestSpec": waiter.wanted_json(),
+                "requestSpec": waiter.wanted.requested(),
                 "requester": requester,
                 "waitPolicy": if waiter.no_wait { "no-wait" } else { "wait" },
             }),
@@ -335,7 +330,7 @@ impl Fleet {
         let mut payload = json!({
             "requestId": waiter.map(|w| w.id.to_string()),
             "requester": requester,
-            "requestSpec": { "platform": input.platform, "model": input.model, "osVersion": input.os_version, "requires": input.requires },
+            "requestSpec": Wanted::of(input).requested(),
             "reason": rejection_reason(err),
         });
         if err.code == ErrorCode::WorkerUnreachable
@@ -404,12 +399,7 @@ impl Fleet {
             .map(|w| simlock_contract::model::WaitingRequest {
                 id: w.id.clone(),
                 requester_id: w.requester.clone(),
-                spec: simlock_contract::model::RequestedDevice {
-                    platform: w.wanted.platform,
-                    model: w.wanted.model.clone(),
-                    os_version: w.wanted.os_version.clone(),
-                    requires: w.wanted.requires.clone(),
-                },
+                spec: w.wanted.requested(),
                 created_at: w.created_at,
                 stage: if w.is_queued() {
                     simlock_contract::model::WaitStage::Queued
@@ -705,17 +695,6 @@ impl Fleet {
             label,
         });
         grant
-    }
-}
-
-impl Waiter {
-    fn wanted_json(&self) -> Value {
-        json!({
-            "platform": self.wanted.platform,
-            "model": self.wanted.model,
-            "osVersion": self.wanted.os_version,
-            "requires": self.wanted.requires,
-        })
     }
 }
 

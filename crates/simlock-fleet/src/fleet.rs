@@ -654,13 +654,15 @@ impl Fleet {
                         state.workers.insert(
                             id.clone(),
                             Worker {
-                                view: blank_view(
-                                    &id,
-                                    worker.view.label.clone(),
-                                    now,
-                                    Connection::Disconnected,
-                                )
-                                .drained(),
+                                view: WorkerView {
+                                    drained: true,
+                                    ..blank_view(
+                                        &id,
+                                        worker.view.label.clone(),
+                                        now,
+                                        Connection::Disconnected,
+                                    )
+                                },
                                 conn: None,
                                 generation: 0,
                             },
@@ -691,17 +693,6 @@ pub(crate) struct Refresh {
     pub(crate) devices: Option<Vec<simlock_contract::model::Device>>,
     pub(crate) catalog: Option<Vec<simlock_contract::model::PlatformCatalog>>,
     pub(crate) limits: Option<LeaseLimits>,
-}
-
-trait Drained {
-    fn drained(self) -> Self;
-}
-
-impl Drained for WorkerView {
-    fn drained(mut self) -> Self {
-        self.drained = true;
-        self
-    }
 }
 
 pub(crate) fn unknown_worker(worker_id: &str) -> ContractError {

@@ -4,10 +4,10 @@ use std::sync::Arc;
 
 use simlock_contract::model::{Health, Mode};
 use simlock_contract::ops::{
-    CatalogGet, ConfigGet, ConfigView, DeviceExec, LeaseCancel, LeaseCancelOutput, LeaseList,
-    LeaseListOutput, LeaseRelease, LeaseReleaseAll, LeaseRenew, LeaseRequest, ListGet, ListKind,
-    ListOutput, ReleaseAllOutput, StatusGet, WorkerDrain, WorkerDrainOutput, WorkerList,
-    WorkerListOutput, WorkerRemove, WorkerRemoveOutput, WorkerUndrain,
+    CatalogGet, ConfigGet, DeviceExec, LeaseCancel, LeaseCancelOutput, LeaseList, LeaseListOutput,
+    LeaseRelease, LeaseReleaseAll, LeaseRenew, LeaseRequest, ListGet, ListKind, ListOutput,
+    ReleaseAllOutput, StatusGet, WorkerDrain, WorkerDrainOutput, WorkerList, WorkerListOutput,
+    WorkerRemove, WorkerRemoveOutput, WorkerUndrain,
 };
 use simlock_contract::{ContractError, ErrorCode, Role};
 use simlock_daemon::config::Config;
@@ -38,7 +38,7 @@ pub fn register(
         let out = f.catalog(input.platform);
         async move { Ok(out) }
     });
-    let view = config_view(config);
+    let view = simlock_daemon::config::view(config, Mode::Gateway);
     router.handle::<ConfigGet, _, _>(move |_, _| {
         let out = view.clone();
         async move { Ok(out) }
@@ -146,29 +146,4 @@ pub fn register(
         &["relay.request", "relay.cancel"],
         ErrorCode::UnsupportedInGatewayMode,
     );
-}
-
-fn config_view(config: &Config) -> ConfigView {
-    let mut settings = std::collections::BTreeMap::new();
-    for (key, value) in [
-        ("http", serde_json::to_value(&config.http)),
-        ("gateway", serde_json::to_value(&config.gateway)),
-        ("eventBuffer", serde_json::to_value(config.event_buffer)),
-        ("log", serde_json::to_value(&config.log)),
-    ] {
-        if let Ok(mut value) = value {
-            if let Some(token) = value.get_mut("token").filter(|t| !t.is_null()) {
-                *token = serde_json::Value::String("[redacted]".into());
-            }
-            settings.insert(key.to_owned(), value);
-        }
-    }
-    ConfigView {
-        mode: Mode::Gateway,
-        lease: simlock_contract::model::LeaseLimits {
-            default_ttl_ms: config.lease.default_ttl_ms,
-            max_ttl_ms: config.lease.max_ttl_ms,
-        },
-        settings,
-    }
 }

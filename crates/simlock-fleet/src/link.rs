@@ -10,26 +10,13 @@ use simlock_contract::ops::{ConfigView, ListOutput};
 use simlock_contract::protocol::unsupported_ranges;
 use simlock_contract::{ContractError, ErrorCode, Hello, PROTOCOL_RANGE, Push, PushFrame, Role};
 use simlock_link::{LinkHandle, TextReceiver};
-use simlock_wire::{Transport, Unsolicited, WireClient};
+use simlock_wire::{Unsolicited, WireClient};
 use tracing::{debug, info, warn};
 
 use crate::fleet::{Fleet, Refresh, WorkerConn};
 
 /// Consecutive `status.get` timeouts that close an uplink.
 const MAX_STATUS_TIMEOUTS: u32 = 2;
-
-/// A wire transport for the gateway's client over a link's text lane (replies may be large).
-fn client_transport(link: &LinkHandle, text: TextReceiver) -> Transport {
-    use futures::SinkExt as _;
-    let sink = futures::sink::unfold(link.clone(), |link, line: String| async move {
-        link.send_text(line).await.map(|()| link)
-    });
-    Transport::from_text_messages(
-        text,
-        sink.sink_map_err(|e| std::io::Error::other(e.to_string())),
-        simlock_contract::bounds::MAX_CLIENT_LINE,
-    )
-}
 
 impl Fleet {
     /// Takes over a worker's new uplink and drives it until it ends.
@@ -41,7 +28,8 @@ impl Fleet {
         link: LinkHandle,
         text: TextReceiver,
     ) {
-        let (client, unsolicited) = WireClient::new(client_transport(&link, text));
+        let (client, unsolicited) =
+            WireClient::new(simlock_daemon::uplink::client_text_transport(&link, text));
         let conn = self.attach(&worker_id, label, token_id, client, link);
         let fleet = self.clone();
         tokio::spawn(async move {

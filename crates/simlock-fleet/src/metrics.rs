@@ -14,7 +14,7 @@ fn read(fleet: &Weak<Fleet>, f: impl Fn(&Fleet) -> Vec<Sample>) -> Vec<Sample> {
 }
 
 /// One sample per connected worker's uplink.
-fn per_uplink(fleet: &Fleet, value: impl Fn(&LinkStats) -> f64) -> Vec<Sample> {
+fn per_uplink(fleet: &Fleet, value: fn(&LinkStats) -> f64) -> Vec<Sample> {
     fleet
         .views()
         .iter()
@@ -25,6 +25,48 @@ fn per_uplink(fleet: &Fleet, value: impl Fn(&LinkStats) -> f64) -> Vec<Sample> {
         })
         .collect()
 }
+
+/// One family per uplink: name, help, whether it is a counter, and its value from the link.
+type UplinkFamily = (&'static str, &'static str, bool, fn(&LinkStats) -> f64);
+
+const UPLINK_FAMILIES: &[UplinkFamily] = &[
+    (
+        "simlock_uplink_up",
+        "1 for each worker whose uplink is up.",
+        false,
+        |_| 1.0,
+    ),
+    (
+        "simlock_link_channels_open",
+        "Byte channels open on each uplink.",
+        false,
+        |s| s.open_channels as f64,
+    ),
+    (
+        "simlock_link_bytes_sent_total",
+        "Channel bytes sent to each worker.",
+        true,
+        |s| s.bytes_sent as f64,
+    ),
+    (
+        "simlock_link_bytes_received_total",
+        "Channel bytes received from each worker.",
+        true,
+        |s| s.bytes_received as f64,
+    ),
+    (
+        "simlock_link_buffered_bytes",
+        "Bytes buffered on each uplink, both ways.",
+        false,
+        |s| (s.recv_buffered + s.send_buffered) as f64,
+    ),
+    (
+        "simlock_link_credit_stalls_total",
+        "Times a channel writer waited for credit, per uplink.",
+        true,
+        |s| s.credit_stalls as f64,
+    ),
+];
 
 /// Registers the gateway's metrics.
 pub fn register_metrics(metrics: &Metrics, fleet: &Arc<Fleet>) {
@@ -51,46 +93,15 @@ pub fn register_metrics(metrics: &Metrics, fleet: &Arc<Fleet>) {
             })
         },
     );
-    let f = Arc::downgrade(fleet);
-    metrics.gauge(
-        "simlock_uplink_up",
-        "1 for each worker whose uplink is up.",
-        move || read(&f, |fleet| per_uplink(fleet, |_| 1.0)),
-    );
-    let f = Arc::downgrade(fleet);
-    metrics.gauge(
-        "simlock_link_channels_open",
-        "Byte channels open on each uplink.",
-        move || read(&f, |fleet| per_uplink(fleet, |s| s.open_channels as f64)),
-    );
-    let f = Arc::downgrade(fleet);
-    metrics.counter(
-        "simlock_link_bytes_sent_total",
-        "Channel bytes sent to each worker.",
-        move || read(&f, |fleet| per_uplink(fleet, |s| s.bytes_sent as f64)),
-    );
-    let f = Arc::downgrade(fleet);
-    metrics.counter(
-        "simlock_link_bytes_received_total",
-        "Channel bytes received from each worker.",
-        move || read(&f, |fleet| per_uplink(fleet, |s| s.bytes_received as f64)),
-    );
-    let f = Arc::downgrade(fleet);
-    metrics.gauge(
-        "simlock_link_buffered_bytes",
-        "Bytes buffered on each uplink, both ways.",
-        move || {
-            read(&f, |fleet| {
-                per_uplink(fleet, |s| (s.recv_buffered + s.send_buffered) as f64)
-            })
-        },
-    );
-    let f = Arc::downgrade(fleet);
-    metrics.counter(
-        "simlock_link_credit_stalls_total",
-        "Times a channel writer waited for credit, per uplink.",
-        move || read(&f, |fleet| per_uplink(fleet, |s| s.credit_stalls as f64)),
-    );
+    for &(name, help, counter, value) in UPLINK_FAMILIES {
+        let f = Arc::downgrade(fleet);
+        let source = move || read(&f, |fleet| per_uplink(fleet, value));
+        if counter {
+            metrics.counter(name, help, source);
+        } else {
+            metrics.gauge(name, help, source);
+        }
+    }
     let f = Arc::downgrade(fleet);
     metrics.gauge(
         "simlock_queue_depth",

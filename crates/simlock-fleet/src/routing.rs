@@ -6,7 +6,7 @@
 //! Workers are walked in id order; the pick is the first one left, if a rank decided.
 
 use simlock_contract::model::{
-    Connection, Device, DeviceState, Health, Platform, PlatformCatalog, WorkerView,
+    Connection, Device, DeviceState, Health, Platform, PlatformCatalog, RequestedDevice, WorkerView,
 };
 
 /// What a request asks of a worker, resolved against nothing yet.
@@ -20,6 +20,28 @@ pub struct Wanted {
     pub os_version: Option<String>,
     /// Capabilities the worker must have available.
     pub requires: Vec<String>,
+}
+
+impl Wanted {
+    /// What a `lease.request` asks for.
+    pub fn of(input: &simlock_contract::ops::LeaseRequestInput) -> Self {
+        Self {
+            platform: input.platform,
+            model: input.model.clone(),
+            os_version: input.os_version.clone(),
+            requires: input.requires.clone(),
+        }
+    }
+
+    /// The request as the contract shows it (waiting lists, events).
+    pub fn requested(&self) -> RequestedDevice {
+        RequestedDevice {
+            platform: self.platform,
+            model: self.model.clone(),
+            os_version: self.os_version.clone(),
+            requires: self.requires.clone(),
+        }
+    }
 }
 
 /// How a request matches one worker's catalog: the worker's own model name for it.

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use futures::future::BoxFuture;
-use futures::{FutureExt, StreamExt};
+use futures::StreamExt;
 use http::{Method, Request, Response, StatusCode};
 use hyper::body::Incoming;
 use hyper::service::service_fn;
@@ -639,9 +639,4 @@ fn event_stream(app: &Arc<HttpApp>, caller: &HttpCaller) -> Response<Body> {
         }
     });
     sse(events)
-}
-
-/// A future answering a response, for mounts.
-pub fn boxed_response(response: Response<Body>) -> BoxFuture<'static, Response<Body>> {
-    async move { response }.boxed()
 }
