@@ -545,6 +545,14 @@ pub fn validate(config: &Config, mode: Mode) -> Result<(), ConfigError> {
             if config.idle.delete_after_ms < config.idle.shutdown_after_ms {
                 return bad("idle.deleteAfterMs is below idle.shutdownAfterMs".into());
             }
+            if let Some(label) = &config.gateway.label
+                && label.chars().count() > simlock_contract::bounds::MAX_LABEL
+            {
+                return bad(format!(
+                    "gateway.label: at most {} characters",
+                    simlock_contract::bounds::MAX_LABEL
+                ));
+            }
             for cap in &config.capabilities {
                 if !simlock_contract::bounds::is_capability_name(cap) {
                     return bad(format!(
@@ -845,6 +853,24 @@ mod tests {
         let loaded = load_with("", &env, Mode::Worker).unwrap();
         assert_eq!(loaded.config.gateway.label.as_deref(), Some("42"));
         assert_eq!(loaded.config.gateway.token.as_deref(), Some("123"));
+    }
+
+    #[test]
+    fn limits_at_their_bound_pass_and_one_past_fail_naming_the_key() {
+        let max = simlock_contract::bounds::MAX_TTL_MS;
+        let toml = |ttl: u64| format!("[lease]\nmaxTtlMs = {ttl}");
+        assert!(load_with(&toml(max), &[], Mode::Worker).is_ok());
+        let err = load_with(&toml(max + 1), &[], Mode::Worker)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("lease.maxTtlMs"), "{err}");
+        let label = |n: usize| format!("[gateway]\nlabel = \"{}\"", "l".repeat(n));
+        let bound = simlock_contract::bounds::MAX_LABEL;
+        assert!(load_with(&label(bound), &[], Mode::Worker).is_ok());
+        let err = load_with(&label(bound + 1), &[], Mode::Worker)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("gateway.label"), "{err}");
     }
 
     #[test]

@@ -74,11 +74,10 @@ impl UplinkMount {
             .get("x-simlock-worker-id")
             .and_then(|v| v.to_str().ok())
             .map(str::to_owned);
-        let label = headers
-            .get("x-simlock-worker-label")
-            .and_then(|v| v.to_str().ok())
-            .map(percent_decode)
-            .filter(|l| !l.is_empty());
+        let label = match worker_label(headers.get("x-simlock-worker-label")) {
+            Ok(label) => label,
+            Err(err) => return error(&err),
+        };
         let Some(worker_id) = worker_id.filter(|id| bounds::is_worker_id(id)) else {
             return error(&ContractError::bad_request(
                 "x-simlock-worker-id: required, 1-128 characters of letters, digits, '_' or '-'",
@@ -167,6 +166,22 @@ impl UplinkMount {
     }
 }
 
+/// The worker's label: percent-decoded, at most the contract's label bound (a peer's text that
+/// ends up in views and events).
+fn worker_label(header: Option<&HeaderValue>) -> Result<Option<String>, ContractError> {
+    let Some(raw) = header else { return Ok(None) };
+    let label = raw.to_str().map(percent_decode).map_err(|_| {
+        ContractError::bad_request("x-simlock-worker-label: must be percent-encoded text")
+    })?;
+    if label.chars().count() > bounds::MAX_LABEL {
+        return Err(ContractError::bad_request(format!(
+            "x-simlock-worker-label: at most {} characters",
+            bounds::MAX_LABEL
+        )));
+    }
+    Ok(Some(label).filter(|l| !l.is_empty()))
+}
+
 impl Mount for UplinkMount {
     fn matches(&self, path: &str) -> bool {
         path == "/v1/uplink"
@@ -183,4 +198,30 @@ fn link_config(fleet: &Fleet) -> LinkConfig {
     let mut config = LinkConfig::new(End::Gateway);
     config.stall_timeout = fleet.timing.link_stall_timeout;
     config
+}
+
+#[cfg(test)]
+mod tests {
+    use simlock_daemon::uplink::percent_encode;
+
+    use super::*;
+
+    fn label(text: &str) -> Result<Option<String>, ContractError> {
+        worker_label(Some(&HeaderValue::from_str(&percent_encode(text)).unwrap()))
+    }
+
+    #[test]
+    fn a_label_at_its_bound_passes_and_one_past_it_is_refused() {
+        let at = "é".repeat(bounds::MAX_LABEL);
+        assert_eq!(label(&at).unwrap(), Some(at.clone()));
+        let err = label(&format!("{at}x")).unwrap_err();
+        assert_eq!(err.code, simlock_contract::ErrorCode::BadRequest);
+        assert!(
+            err.message.starts_with("x-simlock-worker-label"),
+            "{}",
+            err.message
+        );
+        assert_eq!(worker_label(None).unwrap(), None);
+        assert_eq!(label("").unwrap(), None);
+    }
 }
