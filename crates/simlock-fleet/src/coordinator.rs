@@ -666,7 +666,7 @@ impl Fleet {
     fn record_grant(&self, waiter: &Waiter, worker_id: &str, mut grant: LeaseGrant) -> LeaseGrant {
         let chosen = waiter.input.lease_id.is_some();
         let lease_id = gateway_lease_id(worker_id, grant.lease.id.as_str(), chosen);
-        let label = self.view(worker_id).and_then(|v| v.label);
+        let label = self.label_of(worker_id);
         let entry = Entry {
             lease_id: lease_id.clone(),
             worker_id: worker_id.to_owned(),

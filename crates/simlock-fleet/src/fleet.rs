@@ -284,6 +284,15 @@ impl Fleet {
             .map(|w| w.view.clone())
     }
 
+    /// A worker's label, without copying its view.
+    pub fn label_of(&self, worker_id: &str) -> Option<String> {
+        self.state
+            .lock()
+            .workers
+            .get(worker_id)
+            .and_then(|w| w.view.label.clone())
+    }
+
     /// The live uplink of `worker_id`, if it has one (and it agrees on the protocol).
     pub fn conn(&self, worker_id: &str) -> Option<Arc<WorkerConn>> {
         let state = self.state.lock();

@@ -69,20 +69,6 @@ impl Fleet {
         }
     }
 
-    /// Projects a worker's lease record for the gateway's callers.
-    pub(crate) fn project(&self, entry: &Entry, mut record: LeaseRecord) -> LeaseRecord {
-        let label = self.view(&entry.worker_id).and_then(|v| v.label);
-        record.id = LeaseId::from_raw(entry.lease_id.clone());
-        record.requester_id = entry.requester_id.clone();
-        record.owner_id = entry.owner_id.clone();
-        record.worker = Some(WorkerRef {
-            id: entry.worker_id.clone(),
-            label,
-        });
-        record.worker_id = Some(entry.worker_id.clone());
-        record
-    }
-
     /// `lease.renew` through the gateway.
     ///
     /// # Errors
@@ -115,7 +101,7 @@ impl Fleet {
                 entry.worker_id
             ))
         })?;
-        Ok(self.project(&entry, record))
+        Ok(project(&entry, self.label_of(&entry.worker_id), record))
     }
 
     /// `lease.release` through the gateway.
@@ -301,25 +287,20 @@ impl Fleet {
     /// (leases made on a worker directly) as they are, with the worker's id. An agent sees only
     /// the gateway leases it owns.
     pub fn leases(&self, ctx: &CallCtx) -> Vec<LeaseRecord> {
-        let views = self.views();
+        let state = self.state.lock();
         let mut out = Vec::new();
-        for view in views {
-            for lease in view.leases.unwrap_or_default() {
-                let entry = self
-                    .state
-                    .lock()
-                    .index
-                    .by_worker_lease(&view.id, lease.id.as_str())
-                    .cloned();
-                match entry {
+        for worker in state.workers.values() {
+            let view = &worker.view;
+            for lease in view.leases.as_deref().unwrap_or_default() {
+                match state.index.by_worker_lease(&view.id, lease.id.as_str()) {
                     Some(entry) if ctx.role == Role::Admin || entry.owner_id == ctx.principal => {
-                        out.push(self.project(&entry, lease));
+                        out.push(project(entry, view.label.clone(), lease.clone()));
                     }
                     Some(_) => {}
                     None if ctx.role == Role::Admin
                         && !lease.requester_id.starts_with(&self.prefix) =>
                     {
-                        let mut lease = lease;
+                        let mut lease = lease.clone();
                         lease.worker_id = Some(view.id.clone());
                         out.push(lease);
                     }
@@ -329,4 +310,22 @@ impl Fleet {
         }
         out
     }
+}
+
+/// Projects a worker's lease record for the gateway's callers: the gateway's id, requester and
+/// owner, and the worker it lives on.
+pub(crate) fn project(
+    entry: &Entry,
+    label: Option<String>,
+    mut record: LeaseRecord,
+) -> LeaseRecord {
+    record.id = LeaseId::from_raw(entry.lease_id.clone());
+    record.requester_id = entry.requester_id.clone();
+    record.owner_id = entry.owner_id.clone();
+    record.worker = Some(WorkerRef {
+        id: entry.worker_id.clone(),
+        label,
+    });
+    record.worker_id = Some(entry.worker_id.clone());
+    record
 }
