@@ -2,8 +2,6 @@
 //! TTL) until Ctrl-C or SIGTERM releases it, or the daemon ends it (exit 14). `--detach` prints
 //! the grant and leaves the lease to its TTL.
 
-use std::io::Write as _;
-
 use simlock_client::{Client, HoldEnd, LeaseLost};
 use simlock_contract::ops::LeaseRequestInput;
 use simlock_contract::{ContractError, ErrorCode};
@@ -15,7 +13,7 @@ use crate::stderr::Reporter;
 use crate::view;
 
 /// The exit code of a held lease the daemon ended.
-pub(crate) const EXIT_LEASE_LOST: u8 = 14;
+const EXIT_LEASE_LOST: u8 = 14;
 /// The exit code after a second interrupt gave up waiting.
 const EXIT_INTERRUPTED: u8 = 130;
 
@@ -92,66 +90,62 @@ pub(crate) async fn run(
     let lease_id = grant.lease.id.to_string();
     if signals.count() > 0 {
         // The request settled before the interrupt could withdraw it: give the lease back.
-        let _ = client.release(&lease_id).await;
-        return Err(ContractError::new(
-            ErrorCode::Cancelled,
-            format!("interrupted; lease {lease_id} was granted meanwhile and released"),
-        ));
+        let message = match client.release(&lease_id).await {
+            Ok(_) => format!("interrupted; lease {lease_id} was granted meanwhile and released"),
+            Err(e) => format!(
+                "interrupted; lease {lease_id} was granted meanwhile and could not be released \
+                 ({e}); it expires on its TTL"
+            ),
+        };
+        return Err(ContractError::new(ErrorCode::Cancelled, message));
     }
-    crate::emit(json, &grant, view::grant);
     if args.detach {
+        crate::emit(json, &grant, view::grant);
         return Ok(0);
     }
-    reporter.say(&format!(
-        "holding lease {lease_id}: renewing every {}; Ctrl-C releases it",
-        view::duration(grant.lease.ttl_ms / 3)
-    ));
+    // Hold first, then print: a notice that comes once the grant is out is not missed.
     let mut hold = client.hold(grant);
     let mut notices = hold.notices();
+    crate::emit(json, hold.grant(), view::grant);
+    reporter.say(&format!(
+        "holding lease {lease_id}: renewing every {}; Ctrl-C releases it",
+        view::duration(hold.grant().lease.ttl_ms / 3)
+    ));
     loop {
         tokio::select! {
-            end = hold.ended() => return ended(&lease_id, end),
+            end = hold.ended() => return Ok(ended(&lease_id, end)),
             notice = notices.recv() => {
                 if let Ok(notice) = notice {
                     reporter.notice(&notice);
                 }
             }
             () = signals.nth(1) => {
-                let released = tokio::select! {
+                let end = tokio::select! {
                     end = hold.release() => end,
                     () = signals.nth(2) => {
                         eprintln!("simlock: interrupted again; lease {lease_id} expires on its TTL");
                         return Ok(EXIT_INTERRUPTED);
                     }
                 };
-                if released == HoldEnd::Released {
+                if end == HoldEnd::Released {
                     reporter.say(&format!("released lease {lease_id}"));
-                    let _ = std::io::stderr().flush();
-                    return Ok(0);
                 }
-                return ended(&lease_id, released);
+                return Ok(ended(&lease_id, end));
             }
         }
     }
 }
 
-/// The exit of a hold that ended by itself.
-fn ended(lease_id: &str, end: HoldEnd) -> Result<u8, ContractError> {
+/// The exit of a hold. The grant is already on stdout (with `--json`, its one document), so
+/// how the hold ended is told on stderr only.
+fn ended(lease_id: &str, end: HoldEnd) -> u8 {
     match end {
-        HoldEnd::Released => Ok(0),
+        HoldEnd::Released => 0,
         HoldEnd::Lost(LeaseLost { reason, .. }) => {
-            let why = reason.map_or_else(
-                || "it is gone".to_owned(),
-                |r| {
-                    serde_json::to_value(r)
-                        .ok()
-                        .and_then(|v| v.as_str().map(str::to_owned))
-                        .unwrap_or_default()
-                },
-            );
+            let why = reason.map_or_else(|| "it is gone".to_owned(), |r| view::value_name(&r));
             eprintln!("simlock: the daemon ended lease {lease_id} ({why})");
-            Ok(EXIT_LEASE_LOST)
+            EXIT_LEASE_LOST
         }
-        HoldEnd::Failed(err) => Err(err),
+        HoldEnd::Failed(err) => crate::fail(false, &err),
     }
 }

@@ -29,7 +29,18 @@ use simlock_contract::{ContractError, ErrorCode};
 use crate::cli::{Cli, Command, TokenCommand, WorkersCommand};
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => {
+            // `--help` and `--version` are not errors; anything else is bad usage.
+            let _ = e.print();
+            return ExitCode::from(if e.use_stderr() {
+                ErrorCode::Usage.exit_code()
+            } else {
+                0
+            });
+        }
+    };
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -53,16 +64,13 @@ fn main() -> ExitCode {
     ExitCode::from(code)
 }
 
-/// Reports an error: one line on stderr, the error document on stdout with `--json`; answers
-/// the exit code from the error table.
+/// Reports an error: one line on stderr, and with `--json` the error document on stdout
+/// (`{"error": {code, message, details?}}`, the contract's error body); answers the exit code
+/// from the error table.
 pub(crate) fn fail(json: bool, err: &ContractError) -> u8 {
     eprintln!("simlock: {} ({})", err.message, err.code);
     if json {
-        let mut body = json!({ "code": err.code.as_str(), "message": err.message });
-        if let Some(details) = &err.details {
-            body["details"] = details.clone();
-        }
-        let _ = out_line(&json!({ "error": body }).to_string());
+        let _ = out_line(&json!({ "error": err.to_body() }).to_string());
     }
     err.code.exit_code()
 }

@@ -5,7 +5,7 @@ use std::io::IsTerminal as _;
 use std::time::Duration;
 
 use indicatif::{ProgressBar, ProgressStyle};
-use serde_json::json;
+use serde_json::{Map, Value, json};
 use simlock_client::LeaseNotice;
 use simlock_contract::push::Progress;
 
@@ -68,30 +68,14 @@ impl Reporter {
     /// Shows a lease notice.
     pub(crate) fn notice(&self, notice: &LeaseNotice) {
         if !self.is_terminal() {
-            let value = match notice {
-                LeaseNotice::Lost {
-                    lease_id,
-                    device_id,
-                    reason,
-                } => {
-                    json!({"event": "lease-lost", "leaseId": lease_id, "deviceId": device_id, "reason": reason})
-                }
-                LeaseNotice::Unhealthy {
-                    lease_id,
-                    device_id,
-                    reason,
-                } => {
-                    json!({"event": "device-unhealthy", "leaseId": lease_id, "deviceId": device_id, "reason": reason})
-                }
-                LeaseNotice::Recovered {
-                    lease_id,
-                    device_id,
-                    attempts,
-                } => {
-                    json!({"event": "device-recovered", "leaseId": lease_id, "deviceId": device_id, "attempts": attempts})
-                }
-            };
-            eprintln!("{}", json!({ "notice": value }));
+            // The push's own wire form, named by its kind: {"event", ...payload}.
+            let push = notice.clone().into_push();
+            let mut fields = Map::new();
+            fields.insert("event".into(), Value::from(push.kind()));
+            if let Ok(Value::Object(payload)) = push.payload() {
+                fields.extend(payload);
+            }
+            eprintln!("{}", json!({ "notice": fields }));
             return;
         }
         match notice {

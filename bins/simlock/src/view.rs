@@ -186,7 +186,7 @@ pub(crate) fn devices(devices: &[Device]) -> String {
 }
 
 /// The wire name of a unit enum (`ready`, `connected`, …).
-fn value_name<T: serde::Serialize>(value: &T) -> String {
+pub(crate) fn value_name<T: serde::Serialize>(value: &T) -> String {
     match serde_json::to_value(value) {
         Ok(Value::String(name)) => name,
         Ok(other) => other.to_string(),

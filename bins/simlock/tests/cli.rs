@@ -12,9 +12,10 @@ use std::time::Duration;
 
 use serde_json::{Value, json};
 use simlock_client::test_util::{CancelScript, FakeDaemon, RequestScript};
+use simlock_contract::ids::DeviceId;
 use simlock_contract::model::LeaseEndReason;
-use simlock_contract::push::Progress;
-use simlock_contract::{ContractError, ErrorCode};
+use simlock_contract::push::{Progress, UnhealthyReason};
+use simlock_contract::{ContractError, ErrorCode, Push};
 use tokio::io::{AsyncBufReadExt as _, AsyncRead, BufReader, Lines};
 use tokio::process::{Child, Command};
 
@@ -328,6 +329,20 @@ async fn a_held_lease_the_daemon_ends_exits_14() {
     let mut held = Held::spawn(&fake, &["lease", "--platform", "android", "--json"]);
     let grant: Value = serde_json::from_str(&held.stdout_line().await).unwrap();
     let lease_id = grant["lease"]["id"].as_str().unwrap().to_owned();
+    // A health notice reaches stderr as a JSON line: the push's payload, named by its kind.
+    fake.notify(
+        grant["lease"]["ownerId"].as_str().unwrap(),
+        &Push::DeviceUnhealthy {
+            lease_id: lease_id.clone(),
+            device_id: DeviceId::from_raw("dev_1"),
+            reason: UnhealthyReason::Crashed,
+        },
+    );
+    let notice: Value = serde_json::from_str(&held.stderr_line().await).unwrap();
+    assert_eq!(
+        notice,
+        json!({"notice": {"event": "device-unhealthy", "leaseId": lease_id, "deviceId": "dev_1", "reason": "crashed"}})
+    );
     assert!(fake.end_lease(&lease_id, LeaseEndReason::Expired));
     let (code, stderr) = held.exit_code().await;
     assert_eq!(code, 14, "{stderr}");
@@ -483,5 +498,35 @@ async fn a_held_lease_whose_renewal_finds_it_gone_exits_14() {
     assert!(
         stderr.contains("the daemon ended lease lse_1 (it is gone)"),
         "{stderr}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_held_lease_whose_renewals_keep_failing_exits_with_the_errors_code_and_one_document() {
+    let fake = fake().await;
+    let mut held = Held::spawn(
+        &fake,
+        &["lease", "--platform", "ios", "--ttl", "300", "--json"],
+    );
+    let grant: Value = serde_json::from_str(&held.stdout_line().await).unwrap();
+    assert_eq!(grant["lease"]["id"], "lse_1");
+    // Every later call answers DAEMON_STOPPING: renewing fails until the lease's deadline.
+    fake.pipeline().begin_stopping();
+    let status = guard(held.child.wait()).await.unwrap();
+    assert_eq!(
+        status.code(),
+        Some(i32::from(ErrorCode::DaemonStopping.exit_code()))
+    );
+    // stdout keeps its one document, the grant: the failure is told on stderr only.
+    assert_eq!(guard(held.stdout.next_line()).await.unwrap(), None);
+    let mut stderr = Vec::new();
+    while let Some(line) = guard(held.stderr.next_line()).await.unwrap() {
+        stderr.push(line);
+    }
+    assert!(
+        stderr
+            .last()
+            .is_some_and(|l| l.starts_with("simlock: ") && l.ends_with("(DAEMON_STOPPING)")),
+        "{stderr:?}"
     );
 }

@@ -146,9 +146,9 @@ impl Client {
                     ContractError::new(
                         ErrorCode::DaemonConnectionLost,
                         format!(
-                            "the simlock daemon at {} did not accept a connection within {} s",
+                            "the simlock daemon at {} did not accept a connection within {} ms",
                             path.display(),
-                            options.call_timeout.as_secs()
+                            options.call_timeout.as_millis()
                         ),
                     )
                 })?
@@ -258,9 +258,7 @@ impl Client {
     /// The daemon's error; `DAEMON_CONNECTION_LOST` when the connection is lost or the call
     /// outlives its bound; `INTERNAL` when the output does not match the operation.
     pub async fn call<O: Operation>(&self, input: &O::Input) -> Result<O::Output, ContractError> {
-        let payload =
-            serde_json::to_value(input).map_err(|e| ContractError::internal(e.to_string()))?;
-        let value = self.call_value_bounded(O::NAME, payload).await?;
+        let value = self.call_value_bounded(O::NAME, payload(input)?).await?;
         decode_output::<O>(value)
     }
 
@@ -274,21 +272,15 @@ impl Client {
         payload: Value,
     ) -> Result<Value, ContractError> {
         let bound = self.options.call_timeout;
-        tokio::time::timeout(bound, self.call_value(op, payload))
+        let call = async {
+            match &self.backend {
+                Backend::Wire(wire) => wire.client().call_value(op, payload).await,
+                Backend::Http(http) => http.op(op, payload).await,
+            }
+        };
+        tokio::time::timeout(bound, call)
             .await
             .unwrap_or_else(|_| Err(timed_out(op, bound)))
-    }
-
-    /// Runs `op` without the plain-call bound (the caller bounds or cancels it).
-    pub(crate) async fn call_value(
-        &self,
-        op: &str,
-        payload: Value,
-    ) -> Result<Value, ContractError> {
-        match &self.backend {
-            Backend::Wire(wire) => wire.call_value(op, payload).await,
-            Backend::Http(http) => http.op(op, payload).await,
-        }
     }
 
     /// `status.get`.
@@ -555,6 +547,12 @@ fn not_reachable(path: &Path, e: &std::io::Error) -> ContractError {
     };
     ContractError::new(ErrorCode::DaemonConnectionLost, message)
         .with_details(json!({ "socket": path.display().to_string() }))
+}
+
+/// An operation's input as the JSON payload of its call.
+pub(crate) fn payload<T: serde::Serialize>(input: &T) -> Result<Value, ContractError> {
+    serde_json::to_value(input)
+        .map_err(|e| ContractError::internal(format!("the input could not be encoded: {e}")))
 }
 
 /// `DAEMON_CONNECTION_LOST` for a call that outlived its bound.

@@ -3,10 +3,9 @@
 
 use std::sync::Arc;
 
-use serde_json::{Value, json};
+use serde_json::Value;
+use simlock_contract::ContractError;
 use simlock_contract::model::EventEnvelope;
-use simlock_contract::ops::{Empty, EventsSubscribe, EventsUnsubscribe};
-use simlock_contract::{ContractError, Operation as _};
 use tokio::sync::broadcast;
 
 use crate::client::{Backend, Client, timed_out};
@@ -43,18 +42,10 @@ enum Inner {
 impl EventFollow {
     pub(crate) async fn start(client: &Client) -> Result<Self, ContractError> {
         let inner = match &client.backend {
-            Backend::Wire(wire) => {
-                // Follow before subscribing so the first pushes are not missed.
-                let rx = wire.follow_events();
-                let follow = Self {
-                    inner: Inner::Wire {
-                        backend: wire.clone(),
-                        rx,
-                    },
-                };
-                client.call::<EventsSubscribe>(&Empty {}).await?;
-                return Ok(follow);
-            }
+            Backend::Wire(wire) => Inner::Wire {
+                backend: wire.clone(),
+                rx: wire.follow_events().await?,
+            },
             Backend::Http(http) => {
                 let bound = client.options.call_timeout;
                 let stream = tokio::time::timeout(
@@ -91,31 +82,18 @@ impl EventFollow {
                     Ok(event) => event,
                     Err(e) => return Some(Err(e)),
                 };
-                let data: Value = match serde_json::from_str(&event.data) {
-                    Ok(data) => data,
-                    Err(e) => {
-                        return Some(Err(ContractError::internal(format!(
-                            "invalid {} event: {e}",
-                            event.event
-                        ))));
-                    }
+                let item = match event.event.as_str() {
+                    "event" => event.json().and_then(|data| {
+                        serde_json::from_value::<EventEnvelope>(data)
+                            .map(FollowItem::Event)
+                            .map_err(|e| ContractError::internal(format!("invalid event: {e}")))
+                    }),
+                    "lagged" => event.json().map(|data| FollowItem::Lagged {
+                        missed: data.get("missed").and_then(Value::as_u64).unwrap_or(0),
+                    }),
+                    _ => continue,
                 };
-                match event.event.as_str() {
-                    "event" => {
-                        return Some(
-                            serde_json::from_value::<EventEnvelope>(data)
-                                .map(FollowItem::Event)
-                                .map_err(|e| {
-                                    ContractError::internal(format!("invalid event: {e}"))
-                                }),
-                        );
-                    }
-                    "lagged" => {
-                        let missed = data.get("missed").and_then(Value::as_u64).unwrap_or(0);
-                        return Some(Ok(FollowItem::Lagged { missed }));
-                    }
-                    _ => {}
-                }
+                return Some(item);
             },
         }
     }
@@ -126,15 +104,11 @@ impl Drop for EventFollow {
         let Inner::Wire { backend, .. } = &self.inner else {
             return;
         };
-        if !backend.unfollow_events() || backend.is_closed() {
-            return;
-        }
-        // The last follower on the connection: unsubscribe, without waiting.
+        // Without a runtime the count stays up and the connection stays subscribed: a later
+        // follower then finds the subscription in place.
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
             let backend = backend.clone();
-            runtime.spawn(async move {
-                let _ = backend.call_value(EventsUnsubscribe::NAME, json!({})).await;
-            });
+            runtime.spawn(async move { backend.unfollow_events().await });
         }
     }
 }

@@ -1,13 +1,13 @@
 //! `device.exec` as a stream: output chunks as the tool writes them, then its exit code.
 
-use serde_json::{Map, Value};
+use serde_json::Value;
 use simlock_contract::ops::{DeviceExec, ExecInput};
 use simlock_contract::push::OutputStream;
-use simlock_contract::{ContractError, ErrorBody, Operation as _, Push};
+use simlock_contract::{ContractError, ErrorBody, ErrorCode, Operation as _, Push};
 use simlock_wire::{CallEvent, CallHandle, decode_output};
 use tracing::debug;
 
-use crate::client::{Backend, Client, timed_out};
+use crate::client::{Backend, Client, payload, timed_out};
 use crate::http::segment;
 use crate::sse::SseStream;
 
@@ -47,23 +47,19 @@ enum Inner {
 impl ExecStream {
     pub(crate) async fn start(client: &Client, input: ExecInput) -> Result<Self, ContractError> {
         let inner = match &client.backend {
-            Backend::Wire(wire) => {
-                let payload = serde_json::to_value(&input)
-                    .map_err(|e| ContractError::internal(e.to_string()))?;
-                Inner::Wire(Box::new(
-                    wire.begin(DeviceExec::NAME, payload, OUTPUT_QUEUE).await?,
-                ))
-            }
+            Backend::Wire(wire) => Inner::Wire(Box::new(
+                wire.client()
+                    .begin(DeviceExec::NAME, payload(&input)?, OUTPUT_QUEUE)
+                    .await?,
+            )),
             Backend::Http(http) => {
                 // The route names the lease; the body carries the rest of the input.
-                let mut body = match serde_json::to_value(&input) {
-                    Ok(Value::Object(body)) => body,
-                    _ => Map::new(),
-                };
-                body.remove("leaseId");
+                let mut body = payload(&input)?;
+                if let Some(fields) = body.as_object_mut() {
+                    fields.remove("leaseId");
+                }
                 let path = format!("/v1/leases/{}/exec", segment(&input.lease_id));
                 let bound = client.options.call_timeout;
-                let body = Value::Object(body);
                 let stream = tokio::time::timeout(
                     bound,
                     http.open_stream(http::Method::POST, &path, Some(&body)),
@@ -133,41 +129,39 @@ async fn next_http(stream: &mut SseStream) -> Result<ExecEvent, ContractError> {
     loop {
         let Some(event) = stream.next().await else {
             return Err(ContractError::new(
-                simlock_contract::ErrorCode::DaemonConnectionLost,
+                ErrorCode::DaemonConnectionLost,
                 "the exec stream ended before the tool's exit",
             ));
         };
         let event = event?;
-        let data: Value = serde_json::from_str(&event.data).map_err(|e| {
-            ContractError::internal(format!("invalid exec {} event: {e}", event.event))
-        })?;
         match event.event.as_str() {
             "output" => {
-                let stream = data
-                    .get("stream")
-                    .cloned()
-                    .and_then(|s| serde_json::from_value::<OutputStream>(s).ok())
-                    .ok_or_else(|| {
-                        ContractError::internal("an exec output event without a stream")
-                    })?;
-                let chunk = data
-                    .get("chunk")
-                    .and_then(Value::as_str)
-                    .unwrap_or_default()
-                    .to_owned();
+                let data = event.json()?;
+                let field = |name: &str| {
+                    data.get(name).cloned().ok_or_else(|| {
+                        ContractError::internal(format!("an exec output event without {name}"))
+                    })
+                };
+                let stream = serde_json::from_value::<OutputStream>(field("stream")?)
+                    .map_err(|e| ContractError::internal(format!("exec output stream: {e}")))?;
+                let Value::String(chunk) = field("chunk")? else {
+                    return Err(ContractError::internal(
+                        "an exec output chunk that is not text",
+                    ));
+                };
                 return Ok(ExecEvent::Output { stream, chunk });
             }
             "exit" => {
-                let output = decode_output::<DeviceExec>(data)?;
+                let output = decode_output::<DeviceExec>(event.json()?)?;
                 return Ok(ExecEvent::Exit {
                     exit_code: output.exit_code,
                 });
             }
             "error" => {
-                let body = data
+                let body = event
+                    .json()?
                     .get("error")
-                    .cloned()
-                    .and_then(|e| ErrorBody::from_inline(&e))
+                    .and_then(ErrorBody::from_inline)
                     .ok_or_else(|| {
                         ContractError::internal("an exec error event without an error")
                     })?;

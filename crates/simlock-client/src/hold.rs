@@ -165,21 +165,30 @@ struct Renewer {
 
 impl Renewer {
     async fn run(mut self, stop: CancellationToken) -> Stop {
-        if self.notices.is_none() {
-            // HTTP: open the lease's event stream, bounded, and stoppable.
-            let opened = tokio::select! {
-                () = stop.cancelled() => return Stop::Asked,
-                opened = self.client.lease_notices(&self.lease_id) => opened,
-            };
-            match opened {
-                Ok(notices) => self.notices = Some(notices),
-                Err(e) if e.code == ErrorCode::UnknownLease => return self.lost(None),
-                Err(e) => debug!(error = %e, "lease notices unavailable; relying on renewals"),
-            }
-        }
+        // Over HTTP the notices are a stream of their own: opened now, and reopened after a
+        // renewal (at most once per renewal) when it broke or could not be opened.
+        let over_http = matches!(self.client.backend, Backend::Http(_));
+        let mut open_due = over_http;
         let mut deadline = Instant::now() + self.ttl;
         let mut next = Instant::now() + self.ttl / 3;
         loop {
+            if open_due && self.notices.is_none() {
+                open_due = false;
+                // Never at the cost of a renewal: give up opening when one falls due.
+                let opened = tokio::select! {
+                    () = stop.cancelled() => return Stop::Asked,
+                    () = tokio::time::sleep_until(next) => None,
+                    opened = self.client.lease_notices(&self.lease_id) => Some(opened),
+                };
+                match opened {
+                    Some(Ok(notices)) => self.notices = Some(notices),
+                    Some(Err(e)) if e.code == ErrorCode::UnknownLease => return self.lost(None),
+                    Some(Err(e)) => {
+                        debug!(error = %e, "lease notices unavailable; relying on renewals")
+                    }
+                    None => debug!("lease notices not open yet; renewing first"),
+                }
+            }
             tokio::select! {
                 biased;
                 () = stop.cancelled() => return Stop::Asked,
@@ -206,13 +215,7 @@ impl Renewer {
                             self.ttl = Duration::from_millis(record.ttl_ms.max(1));
                             deadline = now + self.ttl;
                             next = now + self.ttl / 3;
-                            if self.notices.is_none() && matches!(self.client.backend, Backend::Http(_)) {
-                                let reopened = tokio::select! {
-                                    () = stop.cancelled() => return Stop::Asked,
-                                    reopened = self.client.lease_notices(&self.lease_id) => reopened,
-                                };
-                                self.notices = reopened.ok();
-                            }
+                            open_due = over_http;
                         }
                         Err(e) if e.code == ErrorCode::UnknownLease => return self.lost(None),
                         Err(e) if self.client.is_closed() => return Stop::Ended(HoldEnd::Failed(e)),

@@ -3,7 +3,6 @@
 
 use std::sync::Arc;
 
-use serde_json::Value;
 use simlock_contract::frame::PushFrame;
 use simlock_contract::ids::DeviceId;
 use simlock_contract::model::LeaseEndReason;
@@ -11,8 +10,9 @@ use simlock_contract::push::UnhealthyReason;
 use simlock_contract::{ContractError, Push};
 use tokio::sync::broadcast;
 
-use crate::client::{Backend, Client};
-use crate::sse::SseStream;
+use crate::client::{Backend, Client, timed_out};
+use crate::http::segment;
+use crate::sse::{SseEvent, SseStream};
 use crate::wire::WireBackend;
 
 /// A lease-scoped push.
@@ -95,21 +95,51 @@ impl LeaseNotice {
         }
     }
 
-    /// The notice an HTTP lease event (`lease-lost`, `device-unhealthy`, `device-recovered`, or
-    /// their `snake_case` spellings) carries.
-    pub(crate) fn from_sse(event: &str, data: &str) -> Result<Option<Self>, ContractError> {
-        let kind = event.replace('_', "-");
+    /// The push that carries the notice (its wire form: [`Push::kind`] and [`Push::payload`]).
+    pub fn into_push(self) -> Push {
+        match self {
+            Self::Lost {
+                lease_id,
+                device_id,
+                reason,
+            } => Push::LeaseLost {
+                lease_id,
+                device_id,
+                reason,
+            },
+            Self::Unhealthy {
+                lease_id,
+                device_id,
+                reason,
+            } => Push::DeviceUnhealthy {
+                lease_id,
+                device_id,
+                reason,
+            },
+            Self::Recovered {
+                lease_id,
+                device_id,
+                attempts,
+            } => Push::DeviceRecovered {
+                lease_id,
+                device_id,
+                attempts,
+            },
+        }
+    }
+
+    /// The notice an HTTP lease event carries: the event is named by the push's kind and its
+    /// data is the push's payload. `None` for any other event.
+    fn from_sse(event: &SseEvent) -> Result<Option<Self>, ContractError> {
         if !matches!(
-            kind.as_str(),
+            event.event.as_str(),
             "lease-lost" | "device-unhealthy" | "device-recovered"
         ) {
             return Ok(None);
         }
-        let payload: Value = serde_json::from_str(data)
-            .map_err(|e| ContractError::internal(format!("invalid {kind} event: {e}")))?;
         let push = Push::from_frame(&PushFrame {
-            push: kind,
-            payload,
+            push: event.event.clone(),
+            payload: event.json()?,
         })
         .map_err(ContractError::internal)?;
         Ok(Self::from_push(push))
@@ -137,43 +167,34 @@ enum Inner {
 
 impl LeaseNotices {
     pub(crate) async fn open(client: &Client, lease_id: &str) -> Result<Self, ContractError> {
-        let inner = match &client.backend {
-            Backend::Wire(wire) => Self::wire_inner(wire, lease_id),
-            Backend::Http(http) => {
-                let path = format!("/v1/leases/{}/events", crate::http::segment(lease_id));
-                let bound = client.options.call_timeout;
-                let stream =
-                    tokio::time::timeout(bound, http.open_stream(http::Method::GET, &path, None))
-                        .await
-                        .unwrap_or_else(|_| {
-                            Err(crate::client::timed_out("GET lease events", bound))
-                        })?;
-                Inner::Http(stream)
-            }
+        let http = match &client.backend {
+            Backend::Wire(wire) => return Ok(Self::wire(wire, lease_id)),
+            Backend::Http(http) => http,
         };
+        let path = format!("/v1/leases/{}/events", segment(lease_id));
+        let bound = client.options.call_timeout;
+        let stream = tokio::time::timeout(bound, http.open_stream(http::Method::GET, &path, None))
+            .await
+            .unwrap_or_else(|_| Err(timed_out("GET lease events", bound)))?;
         Ok(Self {
             lease_id: lease_id.to_owned(),
-            inner,
+            inner: Inner::Http(stream),
             done: false,
         })
     }
 
     /// Notices over a wire connection; never waits.
     pub(crate) fn wire(backend: &Arc<WireBackend>, lease_id: &str) -> Self {
-        Self {
-            lease_id: lease_id.to_owned(),
-            inner: Self::wire_inner(backend, lease_id),
-            done: false,
-        }
-    }
-
-    fn wire_inner(backend: &Arc<WireBackend>, lease_id: &str) -> Inner {
         // Subscribe first, then look at what was already lost: nothing falls between the two.
         let rx = backend.notices();
-        Inner::Wire {
-            backend: backend.clone(),
-            rx,
-            early_loss: backend.was_lost(lease_id),
+        Self {
+            lease_id: lease_id.to_owned(),
+            inner: Inner::Wire {
+                backend: backend.clone(),
+                rx,
+                early_loss: backend.was_lost(lease_id),
+            },
+            done: false,
         }
     }
 
@@ -241,10 +262,8 @@ async fn next_http(stream: &mut SseStream) -> Option<Result<LeaseNotice, Contrac
             Ok(event) => event,
             Err(e) => return Some(Err(e)),
         };
-        match LeaseNotice::from_sse(&event.event, &event.data) {
-            Ok(Some(notice)) => return Some(Ok(notice)),
-            Ok(None) => {}
-            Err(e) => return Some(Err(e)),
+        if let Some(notice) = LeaseNotice::from_sse(&event).transpose() {
+            return Some(notice);
         }
     }
 }

@@ -5,6 +5,7 @@
 //! ready) waits for the outcome, releases any grant, then ends `CANCELLED`; `not-found` (it
 //! settled meanwhile) ends with the request's own outcome.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use serde_json::{Map, Value, json};
@@ -17,7 +18,7 @@ use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 use tracing::{debug, warn};
 
-use crate::client::{Backend, Client, cancelled, timed_out};
+use crate::client::{Backend, Client, cancelled, payload, timed_out};
 use crate::http::{HttpBackend, segment};
 
 /// Progress pushes a request may hold unread before the connection waits for the caller.
@@ -56,6 +57,7 @@ enum Inner {
     Wire(Box<CallHandle>),
     /// The HTTP lease-requests resource, followed by a task.
     HttpResource {
+        http: Arc<HttpBackend>,
         updates: mpsc::Receiver<Update>,
         id: Option<String>,
         _task: AbortOnDrop,
@@ -111,17 +113,13 @@ impl PendingLease {
     ) -> Result<Self, ContractError> {
         let requester_id = input.requester_id.clone();
         let inner = match &client.backend {
-            Backend::Wire(wire) => {
-                let payload = serde_json::to_value(&input)
-                    .map_err(|e| ContractError::internal(e.to_string()))?;
-                let handle = wire
-                    .begin(LeaseRequest::NAME, payload, PROGRESS_QUEUE)
-                    .await?;
-                Inner::Wire(Box::new(handle))
-            }
+            Backend::Wire(wire) => Inner::Wire(Box::new(
+                wire.client()
+                    .begin(LeaseRequest::NAME, payload(&input)?, PROGRESS_QUEUE)
+                    .await?,
+            )),
             Backend::Http(http) if input.requester_id.is_some() || input.owner.is_some() => {
-                let payload = serde_json::to_value(&input)
-                    .map_err(|e| ContractError::internal(e.to_string()))?;
+                let payload = payload(&input)?;
                 let (tx, outcome) = oneshot::channel();
                 let http = http.clone();
                 let task = tokio::spawn(async move {
@@ -145,6 +143,7 @@ impl PendingLease {
                     client.options.call_timeout,
                 ));
                 Inner::HttpResource {
+                    http: http.clone(),
                     updates,
                     id: None,
                     _task: AbortOnDrop(task),
@@ -269,18 +268,15 @@ impl PendingLease {
     }
 
     async fn withdraw(&mut self, bound: Duration) -> Result<Withdrawal, ContractError> {
-        let http = match (&self.inner, &self.client.backend) {
-            (Inner::HttpResource { .. }, Backend::Http(http)) => http.clone(),
-            _ => {
-                let answer = self.client.cancel(self.requester_id.clone()).await?;
-                return Ok(Withdrawal::Answered(answer.result));
-            }
+        let Inner::HttpResource {
+            http, updates, id, ..
+        } = &mut self.inner
+        else {
+            let answer = self.client.cancel(self.requester_id.clone()).await?;
+            return Ok(Withdrawal::Answered(answer.result));
         };
         // The resource's id comes once the POST answered; wait for it (or for the outcome).
         let id = loop {
-            let Inner::HttpResource { updates, id, .. } = &mut self.inner else {
-                return Err(ContractError::internal("lease request state changed"));
-            };
             if let Some(id) = id.clone() {
                 break id;
             }
@@ -295,6 +291,7 @@ impl PendingLease {
                 }
             }
         };
+        let http = http.clone();
         // Settled already: nothing to withdraw (`not-found`). Otherwise a refused DELETE means
         // device work started (`not-cancellable`); a request that settles between the two reads
         // is then waited for and any grant released, so no lease is left behind.
@@ -450,7 +447,7 @@ enum ViewState {
 
 /// Creates the resource and follows it until it settles, reporting on `tx`.
 async fn follow_resource(
-    http: std::sync::Arc<HttpBackend>,
+    http: Arc<HttpBackend>,
     input: LeaseRequestInput,
     tx: mpsc::Sender<Update>,
     call_bound: Duration,
@@ -494,9 +491,7 @@ async fn follow_resource(
         Ok(Ok(mut stream)) => {
             while let Some(event) = stream.next().await {
                 let Ok(event) = event else { break };
-                let Ok(view) = serde_json::from_str::<Value>(&event.data) else {
-                    continue;
-                };
+                let Ok(view) = event.json() else { continue };
                 if report(&tx, &view, &mut last).await {
                     return;
                 }

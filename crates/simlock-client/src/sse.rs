@@ -19,6 +19,15 @@ pub(crate) struct SseEvent {
     pub(crate) data: String,
 }
 
+impl SseEvent {
+    /// The data as JSON (every simlock event carries a JSON document).
+    pub(crate) fn json(&self) -> Result<serde_json::Value, ContractError> {
+        serde_json::from_str(&self.data).map_err(|e| {
+            ContractError::internal(format!("invalid {} event from the daemon: {e}", self.event))
+        })
+    }
+}
+
 /// Turns bytes into events.
 #[derive(Debug, Default)]
 pub(crate) struct SseParser {

@@ -269,8 +269,9 @@ impl FakeDaemon {
     /// When the home or the token store cannot be made.
     pub fn new() -> io::Result<Self> {
         let home = tempfile::Builder::new().prefix("slk").tempdir()?;
-        let admin = AdminSecret::create(&Home::at(home.path()))?;
-        let admin_secret = std::fs::read_to_string(home.path().join("admin.token"))?;
+        let paths = Home::at(home.path());
+        let admin = AdminSecret::create(&paths)?;
+        let admin_secret = std::fs::read_to_string(paths.admin_token())?;
         let clock = TokioClock::system().shared();
         let db = Database::open_in_memory().map_err(other)?;
         let tokens = TokenStore::open(db, clock.clone()).map_err(other)?;
@@ -337,7 +338,7 @@ impl FakeDaemon {
     /// # Errors
     /// When the socket cannot be claimed.
     pub async fn with_socket(mut self) -> io::Result<Self> {
-        let path = self.home.path().join("daemon.sock");
+        let path = Home::at(self.home.path()).socket();
         let listener = claim(&path).await.map_err(other)?;
         serve_socket(listener, self.pipeline.clone(), self.stop.clone());
         self.socket = Some(path);

@@ -4,13 +4,13 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
 
 use parking_lot::Mutex;
-use serde_json::Value;
 use simlock_contract::model::EventEnvelope;
-use simlock_contract::{ContractError, Hello, HelloReply, PROTOCOL_RANGE, Push};
-use simlock_wire::{CallHandle, Transport, Unsolicited, WireClient};
+use simlock_contract::ops::{Empty, EventsSubscribe, EventsUnsubscribe};
+use simlock_contract::{ContractError, Hello, HelloReply, Operation as _, PROTOCOL_RANGE, Push};
+use simlock_wire::{Transport, Unsolicited, WireClient};
 use tokio::sync::broadcast;
 use tracing::{debug, warn};
 
@@ -36,7 +36,12 @@ pub(crate) struct WireBackend {
     client: WireClient,
     hello: HelloReply,
     fanout: Arc<Fanout>,
-    followers: AtomicUsize,
+    /// How many [`EventFollow`](crate::EventFollow)s are open. The connection is subscribed
+    /// while it is not zero; `events.subscribe` and `events.unsubscribe` are sent under this
+    /// lock, so they reach the daemon in the order the count changed.
+    followers: tokio::sync::Mutex<usize>,
+    /// The bound on those two calls.
+    call_timeout: Duration,
 }
 
 impl WireBackend {
@@ -73,7 +78,8 @@ impl WireBackend {
             client,
             hello,
             fanout,
-            followers: AtomicUsize::new(0),
+            followers: tokio::sync::Mutex::new(0),
+            call_timeout: options.call_timeout,
         }))
     }
 
@@ -98,24 +104,6 @@ impl WireBackend {
         self.client.closed().await;
     }
 
-    pub(crate) async fn call_value(
-        &self,
-        op: &str,
-        payload: Value,
-    ) -> Result<Value, ContractError> {
-        self.client.call_value(op, payload).await
-    }
-
-    /// Starts a call whose pushes the caller reads.
-    pub(crate) async fn begin(
-        &self,
-        op: &str,
-        payload: Value,
-        push_capacity: usize,
-    ) -> Result<CallHandle, ContractError> {
-        self.client.begin(op, payload, push_capacity).await
-    }
-
     /// Follows lease notices from now on.
     pub(crate) fn notices(&self) -> broadcast::Receiver<LeaseNotice> {
         self.fanout.notices.subscribe()
@@ -126,15 +114,34 @@ impl WireBackend {
         self.fanout.lost.lock().get(lease_id).cloned()
     }
 
-    /// Follows `event` pushes from now on, counting the follower.
-    pub(crate) fn follow_events(&self) -> broadcast::Receiver<EventEnvelope> {
-        self.followers.fetch_add(1, Ordering::SeqCst);
-        self.fanout.events.subscribe()
+    /// Follows `event` pushes from now on, counting the follower; the first one subscribes the
+    /// connection (`events.subscribe`, bounded by the call timeout).
+    pub(crate) async fn follow_events(
+        &self,
+    ) -> Result<broadcast::Receiver<EventEnvelope>, ContractError> {
+        let mut followers = self.followers.lock().await;
+        // Listen before subscribing so the first pushes are not missed.
+        let rx = self.fanout.events.subscribe();
+        if *followers == 0 {
+            let bound = self.call_timeout;
+            tokio::time::timeout(bound, self.client.call::<EventsSubscribe>(&Empty {}))
+                .await
+                .unwrap_or_else(|_| Err(timed_out(EventsSubscribe::NAME, bound)))?;
+        }
+        *followers += 1;
+        Ok(rx)
     }
 
-    /// Forgets one follower; answers whether it was the last.
-    pub(crate) fn unfollow_events(&self) -> bool {
-        self.followers.fetch_sub(1, Ordering::SeqCst) == 1
+    /// Forgets one follower; the last one unsubscribes the connection (bounded, best effort).
+    pub(crate) async fn unfollow_events(&self) {
+        let mut followers = self.followers.lock().await;
+        *followers = followers.saturating_sub(1);
+        if *followers == 0 && !self.is_closed() {
+            let unsubscribe = self.client.call::<EventsUnsubscribe>(&Empty {});
+            if let Ok(Err(e)) = tokio::time::timeout(self.call_timeout, unsubscribe).await {
+                debug!(error = %e, "events.unsubscribe failed");
+            }
+        }
     }
 }
 

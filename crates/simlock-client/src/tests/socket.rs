@@ -283,3 +283,34 @@ async fn lease_notices_reach_the_owner_and_end_with_the_loss() {
         Some(Ok(LeaseNotice::Lost { .. }))
     ));
 }
+
+#[tokio::test]
+async fn a_follow_started_right_after_another_ended_still_gets_events() {
+    let fake = socket_fake().await;
+    let admin = socket_client(&fake, true).await;
+    let first = guard(admin.follow_events()).await.unwrap();
+    drop(first);
+    let mut second = guard(admin.follow_events()).await.unwrap();
+    fake.emit("device.ready", json!({"deviceId": "dev_1"}));
+    let Some(Ok(FollowItem::Event(event))) = guard(second.next()).await else {
+        panic!("no event");
+    };
+    assert_eq!(event.event, "device.ready");
+}
+
+/// The client finds the socket and the admin secret where the daemon's `Home` puts them (it
+/// cannot use `Home` itself: the client does not depend on the daemon crate).
+#[test]
+fn the_home_layout_is_the_daemons() {
+    use simlock_daemon::home::{AdminSecret, Home};
+
+    use crate::client::{admin_secret_in, socket_in};
+
+    let dir = tempfile::tempdir().unwrap();
+    let home = Home::at(dir.path());
+    assert_eq!(socket_in(dir.path()), home.socket());
+    assert_eq!(admin_secret_in(dir.path()), None);
+    let admin = AdminSecret::create(&home).unwrap();
+    let secret = admin_secret_in(dir.path()).unwrap();
+    assert!(admin.matches(&secret));
+}
