@@ -9,10 +9,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use serde_json::{Map, Value, json};
+use simlock_contract::http::RequestView;
 use simlock_contract::model::LeaseGrant;
 use simlock_contract::ops::{CancelResult, LeaseRequest, LeaseRequestInput};
 use simlock_contract::push::Progress;
-use simlock_contract::{ContractError, ErrorBody, ErrorCode, Operation as _, Push};
+use simlock_contract::{ContractError, ErrorCode, Operation as _, Push};
 use simlock_wire::{CallEvent, CallHandle, decode_output};
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
@@ -304,9 +305,8 @@ impl PendingLease {
             Ok(view) => {
                 let settled = view
                     .get("request")
-                    .and_then(|r| r.get("state"))
-                    .and_then(Value::as_str)
-                    .is_some_and(is_settled);
+                    .and_then(|r| serde_json::from_value::<RequestView>(r.clone()).ok())
+                    .is_some_and(|r| r.state.is_settled());
                 if settled {
                     return Ok(Withdrawal::Answered(CancelResult::NotFound));
                 }
@@ -385,54 +385,13 @@ fn resource_body(input: &LeaseRequestInput) -> (Value, Vec<(&'static str, String
     (Value::Object(body), headers)
 }
 
-fn is_settled(state: &str) -> bool {
-    matches!(state, "granted" | "failed" | "cancelled")
-}
-
 /// What a request view says: its progress while it works, its outcome once settled.
 fn read_view(view: &Value) -> Result<ViewState, ContractError> {
-    let state = view
-        .get("state")
-        .and_then(Value::as_str)
-        .ok_or_else(|| ContractError::internal("a lease request view without a state"))?;
-    let eta_ms = || {
-        view.get("etaSeconds")
-            .and_then(Value::as_u64)
-            .unwrap_or(0)
-            .saturating_mul(1000)
-    };
-    Ok(match state {
-        "queued" => ViewState::Working(Some(Progress::Queued {
-            queue_position: view
-                .get("queuePosition")
-                .and_then(Value::as_u64)
-                .and_then(|p| u32::try_from(p).ok())
-                .unwrap_or(0),
-        })),
-        "provisioning" => ViewState::Working(Some(Progress::Provisioning { eta_ms: eta_ms() })),
-        "booting" => ViewState::Working(Some(Progress::Booting { eta_ms: eta_ms() })),
-        "reclaiming" => ViewState::Working(Some(Progress::Reclaiming { eta_ms: eta_ms() })),
-        "granted" => ViewState::Settled(
-            view.get("lease")
-                .cloned()
-                .ok_or_else(|| ContractError::internal("a granted lease request without its lease"))
-                .and_then(decode_output::<LeaseRequest>),
-        ),
-        "failed" | "cancelled" => {
-            let fallback = if state == "cancelled" {
-                cancelled()
-            } else {
-                ContractError::internal("the lease request failed")
-            };
-            let error = view
-                .get("error")
-                .cloned()
-                .and_then(|e| ErrorBody::from_inline(&e))
-                .map_or(fallback, ContractError::from_body);
-            ViewState::Settled(Err(error))
-        }
-        // `pending` and states this client does not know yet: working, nothing to show.
-        _ => ViewState::Working(None),
+    let view: RequestView = serde_json::from_value(view.clone())
+        .map_err(|e| ContractError::internal(format!("invalid lease request view: {e}")))?;
+    Ok(match view.outcome() {
+        Some(outcome) => ViewState::Settled(outcome),
+        None => ViewState::Working(view.progress()),
     })
 }
 

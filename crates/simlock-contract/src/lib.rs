@@ -19,6 +19,7 @@ pub mod bounds;
 mod decode;
 pub mod error;
 pub mod frame;
+pub mod http;
 pub mod ids;
 pub mod model;
 pub mod ops;

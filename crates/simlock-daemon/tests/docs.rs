@@ -599,6 +599,8 @@ fn states() -> [RequestState; 8] {
             | RequestState::Granted
             | RequestState::Failed
             | RequestState::Cancelled => {}
+            // A reader's name for states it does not know; the host never sends it.
+            RequestState::Unknown => {}
         }
     }
     all

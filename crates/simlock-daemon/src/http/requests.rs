@@ -11,15 +11,16 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use parking_lot::Mutex;
-use serde::Serialize;
 use serde_json::Value;
 use simlock_contract::ids::RequestId;
 use simlock_contract::model::LeaseGrant;
 use simlock_contract::ops::{CancelResult, LeaseCancelOutput};
 use simlock_contract::push::Progress;
-use simlock_contract::{ContractError, ErrorBody, ErrorCode, Push, Role};
+use simlock_contract::{ContractError, ErrorCode, Push, Role};
 use tokio::sync::{mpsc, watch};
 use tracing::debug;
+
+pub use simlock_contract::http::{RequestState, RequestView};
 
 use crate::clock::SharedClock;
 use crate::context::CallCtx;
@@ -27,86 +28,6 @@ use crate::pipeline::Pipeline;
 
 /// The longest long-poll: 60 s.
 pub const MAX_WAIT: Duration = Duration::from_secs(60);
-
-/// Where a request is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum RequestState {
-    /// Recorded; nothing reported yet.
-    Pending,
-    /// In the queue.
-    Queued,
-    /// A device is being created.
-    Provisioning,
-    /// A device is booting.
-    Booting,
-    /// A device is being wiped for it.
-    Reclaiming,
-    /// Granted: `lease` holds the grant.
-    Granted,
-    /// Failed: `error` says why.
-    Failed,
-    /// Cancelled by its owner.
-    Cancelled,
-}
-
-impl RequestState {
-    /// Whether the request is over.
-    pub const fn is_settled(self) -> bool {
-        matches!(self, Self::Granted | Self::Failed | Self::Cancelled)
-    }
-
-    /// The state's name (the SSE event name).
-    pub const fn as_str(self) -> &'static str {
-        match self {
-            Self::Pending => "pending",
-            Self::Queued => "queued",
-            Self::Provisioning => "provisioning",
-            Self::Booting => "booting",
-            Self::Reclaiming => "reclaiming",
-            Self::Granted => "granted",
-            Self::Failed => "failed",
-            Self::Cancelled => "cancelled",
-        }
-    }
-}
-
-/// A request as HTTP shows it.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-#[serde(rename_all = "camelCase")]
-pub struct RequestView {
-    /// Its id.
-    pub id: RequestId,
-    /// Where it is.
-    pub state: RequestState,
-    /// Its place in the queue, while queued.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub queue_position: Option<u32>,
-    /// Expected seconds until the current stage ends.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub eta_seconds: Option<u64>,
-    /// When it was made, ms since the epoch.
-    pub created_at: i64,
-    /// The grant, once granted.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub lease: Option<LeaseGrant>,
-    /// Why it failed, in the HTTP error form (details inlined).
-    #[serde(
-        skip_serializing_if = "Option::is_none",
-        serialize_with = "inline_error"
-    )]
-    pub error: Option<ErrorBody>,
-}
-
-fn inline_error<S: serde::Serializer>(
-    error: &Option<ErrorBody>,
-    serializer: S,
-) -> Result<S::Ok, S::Error> {
-    error
-        .as_ref()
-        .map(ErrorBody::to_inline)
-        .serialize(serializer)
-}
 
 struct Record {
     owner: String,
@@ -289,6 +210,7 @@ impl RequestBook {
                 .with_details(serde_json::json!({ "state": "failed" })));
             }
             RequestState::Pending
+            | RequestState::Unknown
             | RequestState::Queued
             | RequestState::Provisioning
             | RequestState::Booting
