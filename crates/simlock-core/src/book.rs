@@ -2,7 +2,7 @@
 //! `lease.requestRetentionMs` after it settles (idempotent replays, HTTP polls), at most
 //! `lease.maxRequestRecords` of them.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use simlock_contract::ContractError;
 use simlock_contract::ids::RequestId;
@@ -74,17 +74,36 @@ pub struct RequestRecord {
 pub(crate) struct RequestBook {
     records: BTreeMap<RequestId, RequestRecord>,
     by_key: HashMap<(String, String), RequestId>,
+    /// Settled records, oldest settlement first: pruning takes from the front.
+    settled: BTreeSet<(i64, RequestId)>,
 }
 
 impl RequestBook {
     pub(crate) fn insert(&mut self, record: RequestRecord) {
+        self.forget(&record.id);
         if let Some(key) = &record.idempotency_key {
             self.by_key.insert(
                 (record.requester_id.clone(), key.clone()),
                 record.id.clone(),
             );
         }
+        if let Some(at) = record.settled_at {
+            self.settled.insert((at, record.id.clone()));
+        }
         self.records.insert(record.id.clone(), record);
+    }
+
+    /// Removes a record and what indexes it.
+    fn forget(&mut self, id: &RequestId) {
+        let Some(record) = self.records.remove(id) else {
+            return;
+        };
+        if let Some(at) = record.settled_at {
+            self.settled.remove(&(at, record.id));
+        }
+        if let Some(key) = record.idempotency_key {
+            self.by_key.remove(&(record.requester_id, key));
+        }
     }
 
     pub(crate) fn get(&self, id: &RequestId) -> Option<&RequestRecord> {
@@ -116,6 +135,7 @@ impl RequestBook {
             Ok(grant) => record.grant = Some(grant.clone()),
             Err(e) => record.failure = Some(e.clone()),
         }
+        self.settled.insert((now, id.clone()));
         true
     }
 
@@ -131,41 +151,28 @@ impl RequestBook {
         self.records.values()
     }
 
+    /// When the oldest settled record passes `retention_ms`.
+    pub(crate) fn next_expiry(&self, retention_ms: u64) -> Option<i64> {
+        let retention = i64::try_from(retention_ms).unwrap_or(i64::MAX);
+        self.settled
+            .first()
+            .map(|(at, _)| at.saturating_add(retention))
+    }
+
     /// Forgets settled records past `retention_ms`, then the oldest settled ones beyond
-    /// `max`. Answers the forgotten ids.
+    /// `max` records in all (open records are never forgotten). Answers the forgotten ids.
     pub(crate) fn prune(&mut self, now: i64, retention_ms: u64, max: usize) -> Vec<RequestId> {
         let retention = i64::try_from(retention_ms).unwrap_or(i64::MAX);
-        let mut gone: Vec<RequestId> = self
-            .records
-            .values()
-            .filter(|r| {
-                r.settled_at
-                    .is_some_and(|t| t.saturating_add(retention) <= now)
-            })
-            .map(|r| r.id.clone())
-            .collect();
-        let left = self.records.len() - gone.len();
-        if left > max {
-            let mut settled: Vec<(&i64, &RequestId)> = self
-                .records
-                .values()
-                .filter(|r| !gone.contains(&r.id))
-                .filter_map(|r| r.settled_at.as_ref().map(|t| (t, &r.id)))
-                .collect();
-            settled.sort();
-            gone.extend(
-                settled
-                    .into_iter()
-                    .take(left - max)
-                    .map(|(_, id)| id.clone()),
-            );
-        }
-        for id in &gone {
-            if let Some(record) = self.records.remove(id)
-                && let Some(key) = record.idempotency_key
-            {
-                self.by_key.remove(&(record.requester_id, key));
+        let mut gone = Vec::new();
+        while let Some((at, _)) = self.settled.first() {
+            if at.saturating_add(retention) > now && self.records.len() <= max {
+                break;
             }
+            let Some((_, id)) = self.settled.pop_first() else {
+                break;
+            };
+            self.forget(&id);
+            gone.push(id);
         }
         gone
     }

@@ -91,7 +91,7 @@ pub fn register(router: &mut Router, worker: &Arc<Worker>, gate: StartupGate) {
     let w = worker.clone();
     router.handle::<LeaseReleaseAll, _, _>(move |ctx: CallCtx, _| {
         let w = w.clone();
-        async move { Ok(w.release_all(&ctx)) }
+        async move { w.release_all(&ctx) }
     });
     let w = worker.clone();
     router.handle_authorized::<DeviceExec, _, _, _>(Worker::authorize_exec, move |ctx, input| {

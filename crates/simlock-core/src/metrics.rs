@@ -2,13 +2,27 @@
 
 use std::sync::{Arc, Weak};
 
-use simlock_contract::model::{DeviceState, Platform};
+use simlock_contract::model::{DeviceState, Platform, PlatformCapacity};
 use simlock_daemon::metrics::{Metrics, Sample};
 
 use crate::worker::Worker;
 
 fn read(worker: &Weak<Worker>, f: impl Fn(&Worker) -> Vec<Sample>) -> Vec<Sample> {
     worker.upgrade().map(|w| f(&w)).unwrap_or_default()
+}
+
+/// One sample per platform of what `value` reads from its capacity.
+fn per_platform(worker: &Worker, value: impl Fn(&PlatformCapacity) -> u32) -> Vec<Sample> {
+    let capacity = worker.capacity();
+    Platform::ALL
+        .iter()
+        .map(|p| {
+            (
+                vec![("platform", p.as_str().to_owned())],
+                f64::from(value(capacity.platform(*p))),
+            )
+        })
+        .collect()
 }
 
 /// Registers the worker's metrics.
@@ -23,7 +37,7 @@ pub fn register_metrics(metrics: &Metrics, worker: &Arc<Worker>) {
     metrics.gauge(
         "simlock_queue_depth",
         "Lease requests waiting in this worker's queue.",
-        move || read(&w, |w| vec![(vec![], w.waiting().len() as f64)]),
+        move || read(&w, |w| vec![(vec![], f64::from(w.queue_depth()))]),
     );
     let w = Arc::downgrade(worker);
     metrics.gauge("simlock_devices", "Devices by state.", move || {
@@ -51,38 +65,12 @@ pub fn register_metrics(metrics: &Metrics, worker: &Arc<Worker>) {
     metrics.gauge(
         "simlock_capacity_running",
         "Running devices by platform.",
-        move || {
-            read(&w, |w| {
-                let capacity = w.capacity();
-                Platform::ALL
-                    .iter()
-                    .map(|p| {
-                        (
-                            vec![("platform", p.as_str().to_owned())],
-                            f64::from(capacity.platform(*p).running),
-                        )
-                    })
-                    .collect()
-            })
-        },
+        move || read(&w, |w| per_platform(w, |c| c.running)),
     );
     let w = Arc::downgrade(worker);
     metrics.gauge(
         "simlock_capacity_max_running",
         "The most devices that may run, by platform.",
-        move || {
-            read(&w, |w| {
-                let capacity = w.capacity();
-                Platform::ALL
-                    .iter()
-                    .map(|p| {
-                        (
-                            vec![("platform", p.as_str().to_owned())],
-                            f64::from(capacity.platform(*p).max_running),
-                        )
-                    })
-                    .collect()
-            })
-        },
+        move || read(&w, |w| per_platform(w, |c| c.max_running)),
     );
 }

@@ -6,7 +6,7 @@
 //! again; a deadline that passes while it is processing is enforced the next time it is
 //! queued or picked.
 
-use simlock_contract::ids::{DeviceId, RequestId};
+use simlock_contract::ids::RequestId;
 use simlock_contract::model::{DeviceSpec, RequestedDevice};
 
 /// Where a waiter is.
@@ -44,8 +44,6 @@ impl Source {
 /// The device work under way for a processing waiter.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Pending {
-    /// The device being made ready for it.
-    pub device: DeviceId,
     /// How it will have come.
     pub source: Source,
     /// How long it was expected to take when it started.

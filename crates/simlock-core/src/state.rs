@@ -90,6 +90,13 @@ pub(crate) struct Caller<'a> {
     pub admin: bool,
 }
 
+impl Caller<'_> {
+    /// Whether the caller may act on what `owner` owns: admins on anything, agents on their own.
+    fn may_act_for(self, owner: &str) -> bool {
+        self.admin || owner == self.principal
+    }
+}
+
 /// A lease request, checked and resolved, ready for admission.
 #[derive(Debug, Clone)]
 pub(crate) struct Admission {
@@ -376,11 +383,20 @@ impl State {
             .collect()
     }
 
-    /// The owner of `requester`'s pending request.
-    pub(crate) fn pending_owner(&self, requester: &str) -> Option<String> {
-        self.queue
-            .of_requester(requester)
-            .map(|w| w.terms.owner_id.clone())
+    /// `requester`'s pending request, if it has one and the caller may cancel it.
+    pub(crate) fn cancellable(
+        &self,
+        requester: &str,
+        caller: Caller<'_>,
+    ) -> Result<Option<&Waiter>, CoreError> {
+        match self.queue.of_requester(requester) {
+            Some(waiter) if !caller.may_act_for(&waiter.terms.owner_id) => {
+                Err(CoreError::Forbidden(format!(
+                    "requesterId: the pending request of {requester} is not yours"
+                )))
+            }
+            found => Ok(found),
+        }
     }
 
     pub(crate) fn record(&self, id: &RequestId) -> Option<RequestRecord> {
@@ -418,7 +434,8 @@ impl State {
         })
     }
 
-    /// The next moment [`Self::tick`] has something to do.
+    /// The next moment [`Self::tick`] has something to do: a lease deadline, an idle tier, a
+    /// queue deadline or a settled request passing its retention.
     pub(crate) fn next_deadline(&self) -> Option<i64> {
         let idle = self.settings.idle;
         let (to_shutdown, to_delete) = (ms(idle.shutdown_after_ms), ms(idle.delete_after_ms));
@@ -435,6 +452,7 @@ impl State {
         leases
             .chain(devices)
             .chain(self.queue.next_deadline())
+            .chain(self.book.next_expiry(self.settings.retention_ms))
             .min()
     }
 
@@ -516,49 +534,9 @@ impl State {
                 .into()))),
             });
         }
-        if let Some(lease) = self
-            .leases
-            .values()
-            .find(|l| l.requester_id == a.requester_id)
-        {
-            let existing = lease.id.as_str().to_owned();
-            self.rejected(
-                &a.request_id,
-                &a.requester_id,
-                &a.requested,
-                "already-leased",
-            );
-            return Err(CoreError::RequesterAlreadyLeased {
-                requester_id: a.requester_id,
-                existing_lease_id: Some(existing),
-                pending_request_id: None,
-            });
-        }
-        if let Some(waiter) = self.queue.of_requester(&a.requester_id) {
-            let pending = waiter.id.to_string();
-            self.rejected(
-                &a.request_id,
-                &a.requester_id,
-                &a.requested,
-                "already-leased",
-            );
-            return Err(CoreError::RequesterAlreadyLeased {
-                requester_id: a.requester_id,
-                existing_lease_id: None,
-                pending_request_id: Some(pending),
-            });
-        }
-        if let Some(chosen) = &a.terms.chosen_id
-            && (self.leases.contains_key(chosen) || self.queue.holds_chosen_id(chosen))
-        {
-            let chosen = chosen.clone();
-            self.rejected(
-                &a.request_id,
-                &a.requester_id,
-                &a.requested,
-                "lease-id-taken",
-            );
-            return Err(CoreError::LeaseIdTaken(chosen));
+        if let Some((reason, error)) = self.refusal(&a) {
+            self.rejected(&a.request_id, &a.requester_id, &a.requested, reason);
+            return Err(error);
         }
 
         let id = a.request_id.clone();
@@ -616,6 +594,32 @@ impl State {
             }
         }
         Ok(Admitted::Follow(id))
+    }
+
+    /// Why a new request may not be admitted (the `lease.rejected` reason and the error): the
+    /// one-lease rule (a lease or a pending request of the requester), or a chosen lease id
+    /// that is held or promised.
+    fn refusal(&self, a: &Admission) -> Option<(&'static str, CoreError)> {
+        let already = |existing_lease_id, pending_request_id| CoreError::RequesterAlreadyLeased {
+            requester_id: a.requester_id.clone(),
+            existing_lease_id,
+            pending_request_id,
+        };
+        if let Some(lease) = self
+            .leases
+            .values()
+            .find(|l| l.requester_id == a.requester_id)
+        {
+            let existing = lease.id.as_str().to_owned();
+            return Some(("already-leased", already(Some(existing), None)));
+        }
+        if let Some(waiter) = self.queue.of_requester(&a.requester_id) {
+            let pending = waiter.id.to_string();
+            return Some(("already-leased", already(None, Some(pending))));
+        }
+        let chosen = a.terms.chosen_id.as_ref()?;
+        (self.leases.contains_key(chosen) || self.queue.holds_chosen_id(chosen))
+            .then(|| ("lease-id-taken", CoreError::LeaseIdTaken(chosen.clone())))
     }
 
     /// Queues a new or failed-processing waiter, telling it where it is.
@@ -811,7 +815,6 @@ impl State {
                 self.set_pending(
                     id,
                     Pending {
-                        device,
                         source: Source::Warm,
                         eta_ms: eta,
                     },
@@ -835,7 +838,6 @@ impl State {
                 self.set_pending(
                     id,
                     Pending {
-                        device: device.clone(),
                         source: Source::Booted,
                         eta_ms: eta,
                     },
@@ -876,7 +878,6 @@ impl State {
                 self.set_pending(
                     id,
                     Pending {
-                        device: device.clone(),
                         source: Source::Provisioned,
                         eta_ms: est.provision_ms.saturating_add(est.boot_ms),
                     },
@@ -1050,29 +1051,21 @@ impl State {
         let Some(entry) = self.devices.get_mut(device) else {
             return;
         };
-        entry.busy = false;
         let claim = entry.claim.take();
-        let spec = entry.spec.clone();
         match result {
             Ok(()) => {
-                entry.state = DeviceState::Ready;
-                entry.idle_since = now;
-                self.touch_device(device);
-                self.emit(
-                    "device.ready",
-                    DEVICES,
-                    json!({ "deviceId": device, "spec": spec }),
-                );
-                if let Some(claim) = claim {
+                let claim = claim.map(|claim| {
                     let source = self
                         .queue
                         .get(&claim)
                         .and_then(|w| w.pending.as_ref())
                         .map_or(Source::Booted, |p| p.source);
-                    self.grant(&claim, device, source, now);
-                }
+                    (claim, source)
+                });
+                self.ready(device, "device.ready", claim, now);
             }
             Err(e) => {
+                entry.busy = false;
                 entry.state = DeviceState::Shutdown;
                 self.touch_device(device);
                 if let Some(claim) = claim {
@@ -1095,39 +1088,43 @@ impl State {
         };
         let claim = entry.claim.take();
         entry.reclaim_until = None;
-        let spec = entry.spec.clone();
         match result {
             Ok(()) => {
-                entry.busy = false;
-                entry.state = DeviceState::Ready;
-                entry.idle_since = now;
-                self.touch_device(device);
-                self.emit(
-                    "device.reclaimed",
-                    DEVICES,
-                    json!({ "deviceId": device, "spec": spec }),
-                );
-                if let Some(claim) = claim {
-                    self.grant(&claim, device, Source::Warm, now);
-                }
+                let claim = claim.map(|claim| (claim, Source::Warm));
+                self.ready(device, "device.reclaimed", claim, now);
             }
             Err(e) => {
                 // A device that could not be wiped is not handed out again.
-                entry.state = DeviceState::Deleted;
-                let work = Work::Delete {
-                    device: device.clone(),
-                    platform: spec.platform,
-                    driver_device_id: entry.driver_device_id.clone(),
-                    running: true,
-                };
-                self.touch_device(device);
-                self.fx.work.push(work);
+                self.delete_device(device);
                 if let Some(claim) = claim {
                     self.work_failed(&claim, &e.to_string(), now);
                 }
             }
         }
         self.dispatch(now);
+    }
+
+    /// Device work left `device` running and free: it is announced with `event`, then granted
+    /// to the request that claimed it, if any.
+    fn ready(
+        &mut self,
+        device: &DeviceId,
+        event: &'static str,
+        claim: Option<(RequestId, Source)>,
+        now: i64,
+    ) {
+        let Some(entry) = self.devices.get_mut(device) else {
+            return;
+        };
+        entry.busy = false;
+        entry.state = DeviceState::Ready;
+        entry.idle_since = now;
+        let spec = entry.spec.clone();
+        self.touch_device(device);
+        self.emit(event, DEVICES, json!({ "deviceId": device, "spec": spec }));
+        if let Some((claim, source)) = claim {
+            self.grant(&claim, device, source, now);
+        }
     }
 
     /// A device finished shutting down.
@@ -1167,11 +1164,16 @@ impl State {
 
     // === Leases ===
 
-    fn visible(&self, lease_id: &str, caller: Caller<'_>) -> Result<(), CoreError> {
-        match self.leases.get(lease_id) {
-            Some(lease) if caller.admin || lease.owner_id == caller.principal => Ok(()),
-            _ => Err(CoreError::UnknownLease(lease_id.to_owned())),
-        }
+    /// The lease, if the caller may see it (an unknown lease otherwise).
+    fn visible(
+        &mut self,
+        lease_id: &str,
+        caller: Caller<'_>,
+    ) -> Result<&mut LeaseRecord, CoreError> {
+        self.leases
+            .get_mut(lease_id)
+            .filter(|lease| caller.may_act_for(&lease.owner_id))
+            .ok_or_else(|| CoreError::UnknownLease(lease_id.to_owned()))
     }
 
     /// Renews a lease: `ttlMs` absent keeps the recorded width; present sets a new one.
@@ -1185,10 +1187,7 @@ impl State {
         if ttl_ms.is_some() {
             check_ttl(&self.settings, ttl_ms)?;
         }
-        self.visible(lease_id, caller)?;
-        let Some(lease) = self.leases.get_mut(lease_id) else {
-            return Err(CoreError::UnknownLease(lease_id.to_owned()));
-        };
+        let lease = self.visible(lease_id, caller)?;
         let width = ttl_ms.unwrap_or(lease.ttl_ms);
         lease.ttl_ms = width;
         lease.ttl_deadline = now.saturating_add(ms(width));
@@ -1240,26 +1239,13 @@ impl State {
     ) -> Option<LeaseRecord> {
         let lease = self.leases.remove(lease_id)?;
         self.dirty.leases.insert(lease_id.to_owned());
-        let reclaim_ms = self
-            .devices
-            .get(&lease.device_id)
-            .map_or(0, |d| self.estimates(d.spec.platform).reclaim_ms);
         if let Some(device) = self.devices.get_mut(&lease.device_id)
             && device.state == DeviceState::Leased
         {
-            device.state = DeviceState::Reclaiming;
-            device.busy = true;
             device.last_lease_ended_at = Some(now);
             device.last_used_at = now;
             device.idle_since = now;
-            device.reclaim_until = Some(now.saturating_add(ms(reclaim_ms)));
-            let work = Work::Reclaim {
-                device: device.id.clone(),
-                platform: device.spec.platform,
-                driver_device_id: device.driver_device_id.clone(),
-            };
-            self.touch_device(&lease.device_id);
-            self.fx.work.push(work);
+            self.reclaim(&lease.device_id, now);
         }
         match reason {
             LeaseEndReason::Expired => self.emit(
@@ -1291,18 +1277,25 @@ impl State {
         Some(lease)
     }
 
-    /// Withdraws `requester`'s pending request if it is still only waiting.
-    pub(crate) fn cancel(&mut self, requester: &str, now: i64) -> CancelResult {
-        let Some(waiter) = self.queue.of_requester(requester) else {
-            return CancelResult::NotFound;
+    /// Withdraws `requester`'s pending request if it is still only waiting. The caller must
+    /// be allowed to ([`Self::cancellable`]): checked here, under the decision, so no request
+    /// admitted since an earlier check can be withdrawn by someone else.
+    pub(crate) fn cancel(
+        &mut self,
+        requester: &str,
+        caller: Caller<'_>,
+        now: i64,
+    ) -> Result<CancelResult, CoreError> {
+        let Some(waiter) = self.cancellable(requester, caller)? else {
+            return Ok(CancelResult::NotFound);
         };
         if waiter.stage == Stage::Processing {
-            return CancelResult::NotCancellable;
+            return Ok(CancelResult::NotCancellable);
         }
         let id = waiter.id.clone();
         self.fail(&id, CoreError::Cancelled(id.clone()), "cancelled", now);
         self.dispatch(now);
-        CancelResult::Cancelled
+        Ok(CancelResult::Cancelled)
     }
 
     // === Time ===
@@ -1385,12 +1378,12 @@ impl State {
     /// their deadlines; overdue ones expire at the first tick.
     pub(crate) fn converge(&mut self, now: i64) {
         for id in self.book.open() {
-            let error = CoreError::Restarted(id.clone());
-            self.settle(&id, Err(error.into()), RecordState::Failed, now);
-            if let Some(record) = self.book.get(&id) {
-                let (requester, spec) = (record.requester_id.clone(), record.requested.clone());
-                self.rejected(&id, &requester, &spec, "daemon-restarted");
-            }
+            self.fail(
+                &id,
+                CoreError::Restarted(id.clone()),
+                "daemon-restarted",
+                now,
+            );
         }
         let leases: Vec<(String, DeviceId)> = self
             .leases
@@ -1440,8 +1433,8 @@ impl State {
                         json!({ "deviceId": id, "spec": spec }),
                     );
                 }
-                DeviceState::Leased if !leased.contains(&id) => self.restart_reclaim(&id, now),
-                DeviceState::Reclaiming => self.restart_reclaim(&id, now),
+                DeviceState::Leased if !leased.contains(&id) => self.reclaim(&id, now),
+                DeviceState::Reclaiming => self.reclaim(&id, now),
                 DeviceState::Deleted => {
                     self.devices.remove(&id);
                     self.touch_device(&id);
@@ -1451,7 +1444,8 @@ impl State {
         }
     }
 
-    fn restart_reclaim(&mut self, id: &DeviceId, now: i64) {
+    /// Starts wiping a device: busy until the driver's reclaim ends.
+    fn reclaim(&mut self, id: &DeviceId, now: i64) {
         let Some(platform) = self.devices.get(id).map(|d| d.spec.platform) else {
             return;
         };

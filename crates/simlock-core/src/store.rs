@@ -215,11 +215,13 @@ pub(crate) fn write(db: &Database, writes: &Writes) -> Result<(), StoreError> {
     })
 }
 
+/// One statement per row: an upsert, or a delete. Statements are prepared once per
+/// connection (a renewal, the most frequent decision, is one cached upsert).
 fn write_rows(c: &Connection, writes: &Writes) -> rusqlite::Result<()> {
     for (id, row) in &writes.devices {
         match row {
             Some(d) => {
-                c.execute(
+                c.prepare_cached(
                     "INSERT INTO core_devices (id, platform, model, os_version, state,
                         driver_device_id, created_at, last_lease_ended_at, idle_since, last_used_at)
                      VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)
@@ -227,78 +229,90 @@ fn write_rows(c: &Connection, writes: &Writes) -> rusqlite::Result<()> {
                         driver_device_id = excluded.driver_device_id,
                         last_lease_ended_at = excluded.last_lease_ended_at,
                         idle_since = excluded.idle_since, last_used_at = excluded.last_used_at",
-                    params![
-                        d.id.as_str(),
-                        d.spec.platform.as_str(),
-                        d.spec.model,
-                        d.spec.os_version,
-                        enum_name(&d.state)?,
-                        d.driver_device_id,
-                        d.created_at,
-                        d.last_lease_ended_at,
-                        d.idle_since,
-                        d.last_used_at,
-                    ],
-                )?;
+                )?
+                .execute(params![
+                    d.id.as_str(),
+                    d.spec.platform.as_str(),
+                    d.spec.model,
+                    d.spec.os_version,
+                    enum_name(&d.state)?,
+                    d.driver_device_id,
+                    d.created_at,
+                    d.last_lease_ended_at,
+                    d.idle_since,
+                    d.last_used_at,
+                ])?;
             }
             None => {
-                c.execute("DELETE FROM core_devices WHERE id = ?1", [id.as_str()])?;
+                c.prepare_cached("DELETE FROM core_devices WHERE id = ?1")?
+                    .execute([id.as_str()])?;
             }
         }
     }
-    // Deletes first: a requester's new lease may replace its old one in one decision.
-    for (id, _) in &writes.leases {
-        c.execute("DELETE FROM core_leases WHERE id = ?1", [id])?;
-    }
-    for (_, row) in &writes.leases {
-        if let Some(l) = row {
-            c.execute(
-                "INSERT INTO core_leases (id, device_id, requester_id, owner_id, granted_at,
-                    ttl_ms, ttl_deadline, last_renewed_at, id_chosen)
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
-                params![
-                    l.id.as_str(),
-                    l.device_id.as_str(),
-                    l.requester_id,
-                    l.owner_id,
-                    l.granted_at,
-                    i64::try_from(l.ttl_ms).unwrap_or(i64::MAX),
-                    l.ttl_deadline,
-                    l.last_renewed_at,
-                    l.id_chosen_by_requester,
-                ],
-            )?;
+    // Deletes first: a requester's new lease may replace its old one in one decision
+    // (`requester_id` is unique).
+    for (id, row) in &writes.leases {
+        if row.is_none() {
+            c.prepare_cached("DELETE FROM core_leases WHERE id = ?1")?
+                .execute([id])?;
         }
+    }
+    for l in writes.leases.iter().filter_map(|(_, row)| row.as_ref()) {
+        c.prepare_cached(
+            "INSERT INTO core_leases (id, device_id, requester_id, owner_id, granted_at,
+                ttl_ms, ttl_deadline, last_renewed_at, id_chosen)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)
+             ON CONFLICT(id) DO UPDATE SET device_id = excluded.device_id,
+                requester_id = excluded.requester_id, owner_id = excluded.owner_id,
+                granted_at = excluded.granted_at, ttl_ms = excluded.ttl_ms,
+                ttl_deadline = excluded.ttl_deadline, last_renewed_at = excluded.last_renewed_at,
+                id_chosen = excluded.id_chosen",
+        )?
+        .execute(params![
+            l.id.as_str(),
+            l.device_id.as_str(),
+            l.requester_id,
+            l.owner_id,
+            l.granted_at,
+            i64::try_from(l.ttl_ms).unwrap_or(i64::MAX),
+            l.ttl_deadline,
+            l.last_renewed_at,
+            l.id_chosen_by_requester,
+        ])?;
     }
     for (id, row) in &writes.requests {
-        c.execute("DELETE FROM core_requests WHERE id = ?1", [id.as_str()])?;
-        if let Some(r) = row {
-            let grant = r.grant.as_ref().map(to_json).transpose()?;
-            let failure = r
-                .failure
-                .as_ref()
-                .map(|f| to_json(&f.to_body()))
-                .transpose()?;
-            c.execute(
-                "INSERT INTO core_requests (id, requester_id, owner_id, principal, idempotency_key,
-                    fingerprint, requested, created_at, state, settled_at, grant_json, failure_json)
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12)",
-                params![
-                    r.id.as_str(),
-                    r.requester_id,
-                    r.owner_id,
-                    r.principal,
-                    r.idempotency_key,
-                    r.fingerprint,
-                    to_json(&r.requested)?,
-                    r.created_at,
-                    r.state.as_str(),
-                    r.settled_at,
-                    grant,
-                    failure,
-                ],
-            )?;
-        }
+        let Some(r) = row else {
+            c.prepare_cached("DELETE FROM core_requests WHERE id = ?1")?
+                .execute([id.as_str()])?;
+            continue;
+        };
+        let grant = r.grant.as_ref().map(to_json).transpose()?;
+        let failure = r
+            .failure
+            .as_ref()
+            .map(|f| to_json(&f.to_body()))
+            .transpose()?;
+        // The id is the table's only key: a replace is an upsert of the whole row.
+        c.prepare_cached(
+            "INSERT OR REPLACE INTO core_requests (id, requester_id, owner_id, principal,
+                idempotency_key, fingerprint, requested, created_at, state, settled_at,
+                grant_json, failure_json)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12)",
+        )?
+        .execute(params![
+            r.id.as_str(),
+            r.requester_id,
+            r.owner_id,
+            r.principal,
+            r.idempotency_key,
+            r.fingerprint,
+            to_json(&r.requested)?,
+            r.created_at,
+            r.state.as_str(),
+            r.settled_at,
+            grant,
+            failure,
+        ])?;
     }
     Ok(())
 }

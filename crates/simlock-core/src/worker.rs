@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
 
 use parking_lot::Mutex;
-use serde_json::{Value, json};
+use serde_json::json;
 use simlock_contract::ContractError;
 use simlock_contract::ids::RequestId;
 use simlock_contract::model::{
@@ -25,7 +25,7 @@ use simlock_contract::ops::{
 use simlock_contract::protocol::Role;
 use simlock_contract::push::Push;
 use simlock_daemon::clock::instant_at;
-use simlock_daemon::config::Config;
+use simlock_daemon::config::{self, Config};
 use simlock_daemon::pipeline::Startup;
 use simlock_daemon::{
     CallCtx, Capabilities, Database, EventBus, Presence, SharedClock, StartupGate,
@@ -117,6 +117,10 @@ enum Admit {
 struct Shared {
     state: State,
     followers: HashMap<RequestId, Vec<mpsc::UnboundedSender<Update>>>,
+    /// Set when a decision could not be stored: memory may be ahead of disk, so the worker stops
+    /// deciding until a restart re-reads the store. Read and set under the same lock as the
+    /// decisions, so no decision slips in between a failed store and the refusals after it.
+    poisoned: Option<String>,
 }
 
 /// One worker's devices, leases and queue.
@@ -132,15 +136,13 @@ pub struct Worker {
     bus: Arc<EventBus>,
     presence: Presence,
     capabilities: Capabilities,
-    system: Arc<dyn SystemFacts>,
+    /// The machine, read once: it does not change while the worker runs.
+    host: HostFacts,
     instance_id: String,
     version: String,
     wake: Arc<Notify>,
     stop: CancellationToken,
     started: AtomicBool,
-    /// Set when a decision could not be stored: memory may be ahead of disk, so the worker stops
-    /// deciding until a restart re-reads the store.
-    poisoned: Mutex<Option<String>>,
 }
 
 impl std::fmt::Debug for Worker {
@@ -185,6 +187,7 @@ impl Worker {
             shared: Mutex::new(Shared {
                 state: State::new(settings.clone()),
                 followers: HashMap::new(),
+                poisoned: None,
             }),
             settings,
             config: parts.config,
@@ -195,13 +198,17 @@ impl Worker {
             bus: parts.bus,
             presence: parts.presence,
             capabilities: parts.capabilities,
-            system: parts.system,
+            host: HostFacts {
+                os: std::env::consts::OS.to_owned(),
+                os_version: parts.system.os_version(),
+                arch: std::env::consts::ARCH.to_owned(),
+                tools: Vec::new(),
+            },
             instance_id: parts.instance_id,
             version: parts.version,
             wake: Arc::new(Notify::new()),
             stop: CancellationToken::new(),
             started: AtomicBool::new(false),
-            poisoned: Mutex::new(None),
         }))
     }
 
@@ -276,11 +283,11 @@ impl Worker {
         let stored = if writes.is_empty() {
             Ok(())
         } else {
-            store::write(&self.db, &writes).map_err(CoreError::from)
+            store::write(&self.db, &writes)
         };
-        if let Err(e) = &stored {
+        if let Err(e) = stored {
             error!(error = %e, "a decision could not be stored; the worker stops deciding until it is restarted");
-            *self.poisoned.lock() = Some(e.to_string());
+            shared.poisoned = Some(e.to_string());
             drop(shared.state.take_effects());
             // Every caller still waiting hears why, instead of waiting for an outcome that
             // will not come.
@@ -292,7 +299,7 @@ impl Worker {
                     let _ = tx.send(Update::Done(Box::new(Err(failure.clone()))));
                 }
             }
-            return stored;
+            return Err(e.into());
         }
         let fx = shared.state.take_effects();
         for event in fx.events {
@@ -317,7 +324,7 @@ impl Worker {
         if wake_timers {
             self.wake.notify_one();
         }
-        stored
+        Ok(())
     }
 
     /// Runs one decision under the lock and applies it.
@@ -325,12 +332,12 @@ impl Worker {
         &self,
         decision: impl FnOnce(&mut Shared, i64) -> Result<T, CoreError>,
     ) -> Result<T, CoreError> {
-        if let Some(why) = self.poisoned.lock().clone() {
+        let mut shared = self.shared.lock();
+        if let Some(why) = &shared.poisoned {
             return Err(CoreError::Internal(format!(
                 "the worker's state store failed ({why}); restart the worker once the disk is healthy"
             )));
         }
-        let mut shared = self.shared.lock();
         let now = self.clock.now_ms();
         let outcome = decision(&mut shared, now);
         let stored = self.apply(&mut shared, true);
@@ -348,6 +355,8 @@ impl Worker {
 
     // === Timers ===
 
+    /// Sleeps until the state's next deadline and ticks then. A decision wakes it only to
+    /// sleep again towards the (possibly earlier) new deadline: nothing is due sooner.
     fn spawn_scheduler(&self) {
         let me = self.me.clone();
         let wake = self.wake.clone();
@@ -367,14 +376,14 @@ impl Worker {
                 };
                 tokio::select! {
                     () = stop.cancelled() => break,
-                    () = wake.notified() => {}
+                    () = wake.notified() => continue,
                     () = due => {}
                 }
                 let Some(worker) = me.upgrade() else { break };
-                if worker.poisoned.lock().is_some() {
+                let mut shared = worker.shared.lock();
+                if shared.poisoned.is_some() {
                     break;
                 }
-                let mut shared = worker.shared.lock();
                 let now = worker.clock.now_ms();
                 shared.state.tick(now);
                 // The tick's own decisions do not wake the timers again.
@@ -421,21 +430,16 @@ impl Worker {
         }
     }
 
-    fn host(&self) -> HostFacts {
-        HostFacts {
-            os: std::env::consts::OS.to_owned(),
-            os_version: self.system.os_version(),
-            arch: std::env::consts::ARCH.to_owned(),
-            tools: Vec::new(),
-        }
-    }
-
     /// `status.get`: while starting (or failed), only `daemon` and `host`.
     pub fn status(&self, gate: &StartupGate) -> StatusOutput {
-        let health = if self.poisoned.lock().is_some() {
+        let at_gate = Self::health(gate);
+        // Capability probes run only for a full answer, and outside the worker's lock.
+        let capabilities = (at_gate == Health::Running).then(|| self.capabilities.snapshot());
+        let shared = self.shared.lock();
+        let health = if shared.poisoned.is_some() {
             Health::Failed
         } else {
-            Self::health(gate)
+            at_gate
         };
         let daemon = DaemonInfo {
             health,
@@ -445,7 +449,7 @@ impl Worker {
         };
         let mut out = StatusOutput {
             daemon,
-            host: self.host(),
+            host: self.host.clone(),
             capacity: None,
             devices: None,
             leases: None,
@@ -458,14 +462,12 @@ impl Worker {
         if health != Health::Running {
             return out;
         }
-        let capabilities = self.capabilities.snapshot();
-        let shared = self.shared.lock();
         out.capacity = Some(shared.state.capacity());
         out.devices = Some(shared.state.devices());
         out.leases = Some(shared.state.leases());
         out.queue_depth = Some(shared.state.queue_depth());
         out.waiting = Some(shared.state.waiting());
-        out.capabilities = Some(capabilities);
+        out.capabilities = capabilities;
         out.lease = Some(self.lease_limits());
         out
     }
@@ -479,23 +481,7 @@ impl Worker {
 
     /// `config.get`: the configuration as JSON, the join token redacted.
     pub fn config_view(&self) -> ConfigView {
-        let mut settings = BTreeMap::new();
-        if let Ok(Value::Object(map)) = serde_json::to_value(&self.config) {
-            for (key, mut value) in map {
-                if key == "gateway"
-                    && let Some(token) = value.get_mut("token")
-                    && !token.is_null()
-                {
-                    *token = json!("[redacted]");
-                }
-                settings.insert(key, value);
-            }
-        }
-        ConfigView {
-            mode: Mode::Worker,
-            lease: self.lease_limits(),
-            settings,
-        }
+        config::view(&self.config, Mode::Worker)
     }
 
     /// `list.get`.
@@ -543,9 +529,9 @@ impl Worker {
         self.shared.lock().state.records()
     }
 
-    /// The owner of `requester_id`'s pending request, if it has one.
-    pub fn pending_owner(&self, requester_id: &str) -> Option<String> {
-        self.shared.lock().state.pending_owner(requester_id)
+    /// Requests waiting for a device (`queueDepth`: device work has not started for them).
+    pub fn queue_depth(&self) -> u32 {
+        self.shared.lock().state.queue_depth()
     }
 
     /// `worker.list` on a worker: a fleet of one.
@@ -714,33 +700,34 @@ impl Worker {
     }
 
     /// `lease.release-all` (reason `killed`).
-    pub fn release_all(&self, ctx: &CallCtx) -> ReleaseAllOutput {
+    ///
+    /// # Errors
+    /// `INTERNAL` when the decision cannot be stored.
+    pub fn release_all(&self, ctx: &CallCtx) -> Result<ReleaseAllOutput, ContractError> {
         let except = ctx.connection_id();
-        let lease_ids = self
-            .decide(|shared, now| Ok(shared.state.release_all(except, now)))
-            .unwrap_or_else(|e| {
-                warn!(error = %e, "release-all was not fully stored");
-                Vec::new()
-            });
-        ReleaseAllOutput { lease_ids }
+        let lease_ids = self.decide(|shared, now| Ok(shared.state.release_all(except, now)))?;
+        Ok(ReleaseAllOutput { lease_ids })
     }
 
     /// `lease.cancel` for `requester_id` (default: the caller's principal).
     ///
     /// # Errors
-    /// `INTERNAL` when the decision cannot be stored.
+    /// `FORBIDDEN` for an agent cancelling another's request; `INTERNAL` when the decision
+    /// cannot be stored.
     pub fn cancel(
         &self,
         ctx: &CallCtx,
         requester_id: Option<&str>,
     ) -> Result<LeaseCancelOutput, ContractError> {
         let requester = requester_id.unwrap_or(&ctx.principal);
-        let result = self.decide(|shared, now| Ok(shared.state.cancel(requester, now)))?;
+        let caller = Self::caller(ctx);
+        let result = self.decide(|shared, now| shared.state.cancel(requester, caller, now))?;
         Ok(LeaseCancelOutput { result })
     }
 
     /// Whether the caller may cancel `requester_id`'s pending request: admins always; agents
-    /// when they own it (an unknown request is left to the handler's `not-found`).
+    /// when they own it (an unknown request is left to the handler's `not-found`). The early
+    /// answer, before start-up parking; [`Worker::cancel`] checks again under its decision.
     ///
     /// # Errors
     /// `FORBIDDEN`.
@@ -749,17 +736,12 @@ impl Worker {
         ctx: &CallCtx,
         requester_id: Option<&str>,
     ) -> Result<(), ContractError> {
-        if ctx.role == Role::Admin {
-            return Ok(());
-        }
         let requester = requester_id.unwrap_or(&ctx.principal);
-        match self.pending_owner(requester) {
-            Some(owner) if owner != ctx.principal => Err(CoreError::Forbidden(format!(
-                "requesterId: the pending request of {requester} is not yours"
-            ))
-            .into()),
-            _ => Ok(()),
-        }
+        self.shared
+            .lock()
+            .state
+            .cancellable(requester, Self::caller(ctx))?;
+        Ok(())
     }
 
     /// `lease.list`: admins see every lease, agents their own.
@@ -819,10 +801,14 @@ impl Worker {
     }
 }
 
-/// What a piece of device work reports back to the state.
-type WorkResult = Box<dyn FnOnce(&mut State, i64) + Send>;
+/// Hands a piece of device work's result to the state, if the worker still exists.
+fn report(me: &Weak<Worker>, result: impl FnOnce(&mut State, i64)) {
+    if let Some(worker) = me.upgrade() {
+        worker.on_work_result(result);
+    }
+}
 
-/// Runs one piece of device work and reports its result to the worker (if it still exists).
+/// Runs one piece of device work and reports its result to the worker.
 async fn run_work(
     me: Weak<Worker>,
     driver: Option<Arc<dyn Driver>>,
@@ -833,32 +819,21 @@ async fn run_work(
         platform,
         message: "no driver serves this platform".into(),
     };
-    let report = |result: WorkResult| {
-        if let Some(worker) = me.upgrade() {
-            worker.on_work_result(result);
-        }
-    };
     match work {
         Work::Provision { device, spec } => {
             let result = match &driver {
                 Some(d) => d.provision(&spec).await,
                 None => Err(missing()),
             };
-            let Some(worker) = me.upgrade() else { return };
-            let next = {
-                let mut out = None;
-                let dev = device.clone();
-                worker.on_work_result(|state, now| out = state.provisioned(&dev, result, now));
-                out
-            };
-            drop(worker);
+            let mut next = None;
+            report(&me, |state, now| {
+                next = state.provisioned(&device, result, now)
+            });
             let (Some(driver_device_id), Some(d)) = (next, &driver) else {
                 return;
             };
             let result = d.boot(&driver_device_id).await;
-            report(Box::new(move |state, now| {
-                state.booted(&device, result, now)
-            }));
+            report(&me, |state, now| state.booted(&device, result, now));
         }
         Work::Boot {
             device,
@@ -869,9 +844,7 @@ async fn run_work(
                 Some(d) => d.boot(&driver_device_id).await,
                 None => Err(missing()),
             };
-            report(Box::new(move |state, now| {
-                state.booted(&device, result, now)
-            }));
+            report(&me, |state, now| state.booted(&device, result, now));
         }
         Work::Reclaim {
             device,
@@ -882,9 +855,7 @@ async fn run_work(
                 Some(d) => d.reclaim(&driver_device_id).await,
                 None => Err(missing()),
             };
-            report(Box::new(move |state, now| {
-                state.reclaimed(&device, result, now)
-            }));
+            report(&me, |state, now| state.reclaimed(&device, result, now));
         }
         Work::Shutdown {
             device,
@@ -898,9 +869,7 @@ async fn run_work(
             if let Err(e) = &result {
                 warn!(error = %e, %device, "shutting a device down failed");
             }
-            report(Box::new(move |state, now| {
-                state.shut_down(&device, result, now)
-            }));
+            report(&me, |state, now| state.shut_down(&device, result, now));
         }
         Work::Delete {
             device,
@@ -916,7 +885,7 @@ async fn run_work(
                     warn!(error = %e, %device, "deleting a device failed; it is forgotten anyway");
                 }
             }
-            report(Box::new(move |state, now| state.deleted(&device, now)));
+            report(&me, |state, now| state.deleted(&device, now));
         }
     }
 }

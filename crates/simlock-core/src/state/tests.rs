@@ -108,6 +108,13 @@ fn lease_new(state: &mut State, n: u32, spec: DeviceSpec, now: i64) -> LeaseGran
         .expect("granted")
 }
 
+fn agent(principal: &str) -> Caller<'_> {
+    Caller {
+        principal,
+        admin: false,
+    }
+}
+
 fn release(state: &mut State, grant: &LeaseGrant, now: i64) {
     let caller = Caller {
         principal: &grant.lease.owner_id,
@@ -157,7 +164,17 @@ fn a_new_device_is_provisioned_booted_then_granted_and_every_step_is_stored() {
     let names: Vec<&str> = fx.events.iter().map(|e| e.name).collect();
     assert_eq!(names, ["device.ready", "lease.granted"]);
     assert_eq!(state.capacity().ios.running, 1);
-    assert_eq!(state.next_deadline(), Some(2_500 + 900_000));
+    assert_eq!(
+        state.next_deadline(),
+        Some(2_500 + 600_000),
+        "first the settled request's retention"
+    );
+    state.tick(2_500 + 600_000);
+    assert_eq!(
+        state.next_deadline(),
+        Some(2_500 + 900_000),
+        "then the lease"
+    );
 }
 
 #[test]
@@ -329,15 +346,84 @@ fn only_the_oldest_waiter_claims_a_reclaiming_device() {
     );
     assert!(progress(&fx, &request(3)).is_empty());
     assert_eq!(
-        state.cancel("agent-2", 20),
+        state.cancel("agent-2", agent("agent-2"), 20).unwrap(),
         CancelResult::NotCancellable,
         "its device work started"
     );
-    assert_eq!(state.cancel("agent-3", 20), CancelResult::Cancelled);
+    assert_eq!(
+        state.cancel("agent-3", agent("agent-3"), 20).unwrap(),
+        CancelResult::Cancelled
+    );
     state.reclaimed(&a.device.id, Ok(()), 510);
     let grant = outcome(&state.take_effects(), &request(2))
         .unwrap()
         .unwrap();
     assert_eq!(grant.device.id, a.device.id);
     assert_eq!(grant.timing.estimated_ready_ms, 500);
+}
+
+#[test]
+fn only_its_owner_or_an_admin_may_cancel_a_pending_request_and_a_refusal_changes_nothing() {
+    let mut state = State::new(settings(1));
+    lease_new(&mut state, 1, spec(Platform::Ios, "A"), 0);
+    state
+        .admit(admission(2, spec(Platform::Ios, "A"), None), 1)
+        .unwrap();
+    state.take_writes();
+    state.take_effects();
+    // The decision itself refuses, whatever an earlier authorize step said.
+    assert!(matches!(
+        state.cancel("agent-2", agent("agent-x"), 2),
+        Err(CoreError::Forbidden(_))
+    ));
+    assert!(state.take_writes().is_empty());
+    let fx = state.take_effects();
+    assert!(fx.events.is_empty() && fx.updates.is_empty(), "{fx:?}");
+    assert_eq!(state.queue_depth(), 1);
+    assert_eq!(
+        state.cancel("nobody", agent("agent-x"), 2).unwrap(),
+        CancelResult::NotFound
+    );
+    let admin = Caller {
+        principal: "operator",
+        admin: true,
+    };
+    assert_eq!(
+        state.cancel("agent-2", admin, 3).unwrap(),
+        CancelResult::Cancelled
+    );
+    let err = outcome(&state.take_effects(), &request(2))
+        .unwrap()
+        .unwrap_err();
+    assert_eq!(err.code, ErrorCode::Cancelled);
+}
+
+#[test]
+fn a_settled_request_is_forgotten_at_its_retention_deadline_not_before() {
+    let mut state = State::new(settings(1));
+    lease_new(&mut state, 1, spec(Platform::Ios, "A"), 0);
+    let mut no_wait = admission(2, spec(Platform::Ios, "B"), None);
+    no_wait.no_wait = true;
+    state.admit(no_wait, 1_000).unwrap();
+    let err = outcome(&state.take_effects(), &request(2))
+        .unwrap()
+        .unwrap_err();
+    assert_eq!(err.code, ErrorCode::NoCapacity);
+    state.take_writes();
+    // Settled at 1 s (request 1 at 0 s): the tick is due when request 1's record expires.
+    assert_eq!(state.next_deadline(), Some(600_000));
+    state.tick(600_000);
+    assert!(state.record(&request(1)).is_none());
+    assert_eq!(state.next_deadline(), Some(601_000));
+    state.tick(600_999);
+    assert!(state.record(&request(2)).is_some(), "one ms early: kept");
+    state.tick(601_000);
+    assert!(state.record(&request(2)).is_none());
+    let writes = state.take_writes();
+    assert_eq!(
+        writes.requests,
+        vec![(request(1), None), (request(2), None)],
+        "both rows are deleted"
+    );
+    assert_eq!(state.next_deadline(), Some(900_000), "the lease's deadline");
 }

@@ -224,3 +224,37 @@ async fn a_tool_that_runs_past_the_timeout_is_stopped() {
         }
     );
 }
+
+/// In real time: the tool must have installed its trap and printed its pid before the timeout.
+#[tokio::test]
+async fn a_timed_out_tool_gets_sigterm_first_and_is_gone_when_the_call_answers() {
+    let mut config = instant_config();
+    config.exec.timeout_ms = 2_000;
+    let h = Harness::with_config(config);
+    let grant = within(GUARD, h.lease("agent-a", ios())).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let mark = dir.path().join("term");
+    let script = format!(
+        "trap 'kill $! 2>/dev/null; echo term > {}; exit 0' TERM; echo $$; sleep 30 & wait",
+        mark.display()
+    );
+    let (ctx, mut pushes) = agent_with_pushes("agent-a");
+    let err = within(
+        GUARD,
+        h.call::<DeviceExec>(ctx, &exec(grant.lease.id.as_str(), "sh", &[&script])),
+    )
+    .await
+    .unwrap_err();
+    assert_eq!(err.code, ErrorCode::ExecTimeout);
+    let pid: i32 = drain(&mut pushes).1.trim().parse().unwrap();
+    assert_eq!(
+        std::fs::read_to_string(&mark).unwrap(),
+        "term\n",
+        "SIGTERM came first, and the tool could end on its own"
+    );
+    let pid = rustix::process::Pid::from_raw(pid).unwrap();
+    assert!(
+        rustix::process::test_kill_process(pid).is_err(),
+        "the tool is gone and reaped when the call answers"
+    );
+}

@@ -4,6 +4,7 @@ use std::time::Duration;
 
 use simlock_contract::ErrorCode;
 use simlock_contract::model::{DeviceState, Health};
+use simlock_contract::ops::{LeaseRenew, LeaseRenewInput};
 
 use super::*;
 use crate::RecordState;
@@ -25,7 +26,21 @@ async fn a_restart_restores_every_lease_expires_overdue_ones_and_fails_open_requ
     let first = build(Database::open(&path).unwrap(), true);
     let mut long = ios();
     long.ttl_ms = Some(3_600_000);
-    let kept = first.lease("agent-a", long).await.unwrap();
+    long.idempotency_key = Some("k-kept".into());
+    let kept = first.lease("agent-a", long.clone()).await.unwrap();
+    // A renewal rewrites the stored row: the restart must find the renewed deadline.
+    tokio::time::advance(Duration::from_secs(1)).await;
+    let renewed = first
+        .call::<LeaseRenew>(
+            agent("agent-a"),
+            &LeaseRenewInput {
+                lease_id: kept.lease.id.to_string(),
+                ttl_ms: None,
+            },
+        )
+        .await
+        .unwrap();
+    assert!(renewed.ttl_deadline > kept.lease.ttl_deadline);
     let mut short = android();
     short.ttl_ms = Some(60_000);
     let overdue = first.lease("agent-b", short).await.unwrap();
@@ -65,9 +80,11 @@ async fn a_restart_restores_every_lease_expires_overdue_ones_and_fails_open_requ
     assert_eq!(expired.payload["leaseId"], overdue.lease.id.as_str());
     assert_eq!(second.now(), at);
 
-    // The other lease is back, deadline and all, on its leased device.
+    // The other lease is back, renewed deadline and all, on its leased device.
     let leases = second.worker.leases();
-    assert_eq!(leases, vec![kept.lease.clone()]);
+    assert_eq!(leases, vec![renewed.clone()]);
+    // Its settled request is back too: an idempotent repeat answers the recorded grant.
+    assert_eq!(second.lease("agent-a", long).await.unwrap(), kept);
     let device = second
         .worker
         .devices()
@@ -79,7 +96,7 @@ async fn a_restart_restores_every_lease_expires_overdue_ones_and_fails_open_requ
     // And it expires at that same deadline.
     let expired = next_event(&mut events, "lease.expired").await;
     assert_eq!(expired.payload["leaseId"], kept.lease.id.as_str());
-    assert_eq!(second.now(), kept.lease.ttl_deadline);
+    assert_eq!(second.now(), renewed.ttl_deadline);
 }
 
 #[tokio::test(start_paused = true)]
@@ -161,4 +178,15 @@ async fn a_decision_that_cannot_be_stored_is_not_announced_and_the_worker_stops_
         err.message
     );
     assert_eq!(h.worker.status(&h.gate).daemon.health, Health::Failed);
+    // Release-all too: it does not answer an empty success as if nothing were held.
+    let err = h
+        .call_raw(admin("op"), "lease.release-all", serde_json::json!({}))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code, ErrorCode::Internal);
+    assert!(
+        err.message.contains("state store failed"),
+        "{}",
+        err.message
+    );
 }

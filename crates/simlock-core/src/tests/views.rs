@@ -112,3 +112,35 @@ async fn catalog_config_lists_and_the_fleet_of_one() {
     assert_eq!(me.catalog.as_ref().unwrap().len(), 2);
     assert_eq!(me.capabilities, Some(vec![]));
 }
+
+#[tokio::test(start_paused = true)]
+async fn the_queue_depth_metric_counts_what_status_calls_the_queue() {
+    let h = Harness::new();
+    let metrics = simlock_daemon::metrics::Metrics::new();
+    crate::register_metrics(&metrics, &h.worker);
+    let mut events = h.bus.follow();
+    // Capacity 2: two requests get device work at once, the third queues.
+    let (a, mut a_pushes) = h.spawn_lease("agent-a", ios());
+    let (b, mut b_pushes) = h.spawn_lease("agent-b", ios());
+    next_push(&mut a_pushes).await;
+    next_push(&mut b_pushes).await;
+    let (c, _c_pushes) = h.spawn_lease("agent-c", ios());
+    next_event(&mut events, "lease.queued").await;
+    assert_eq!(h.worker.waiting().len(), 3, "two starting, one queued");
+    let status = h.worker.status(&h.gate);
+    assert_eq!(status.queue_depth, Some(1));
+    let text = metrics.render();
+    assert!(text.contains("\nsimlock_queue_depth 1\n"), "{text}");
+    assert!(text.contains("\nsimlock_leases 0\n"), "{text}");
+    assert!(
+        text.contains("simlock_devices{state=\"provisioning\"} 2\n"),
+        "{text}"
+    );
+    assert!(
+        text.contains("simlock_capacity_max_running{platform=\"ios\"} 2\n"),
+        "{text}"
+    );
+    for task in [a, b, c] {
+        task.abort();
+    }
+}
