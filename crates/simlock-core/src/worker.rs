@@ -26,7 +26,6 @@ use simlock_contract::protocol::Role;
 use simlock_contract::push::Push;
 use simlock_daemon::clock::instant_at;
 use simlock_daemon::config::{self, Config};
-use simlock_daemon::pipeline::Startup;
 use simlock_daemon::{
     CallCtx, Capabilities, Database, EventBus, Presence, SharedClock, StartupGate,
 };
@@ -422,17 +421,9 @@ impl Worker {
         }
     }
 
-    fn health(gate: &StartupGate) -> Health {
-        match gate.state() {
-            Startup::Starting => Health::Starting,
-            Startup::Ready => Health::Running,
-            Startup::Failed(_) => Health::Failed,
-        }
-    }
-
     /// `status.get`: while starting (or failed), only `daemon` and `host`.
     pub fn status(&self, gate: &StartupGate) -> StatusOutput {
-        let at_gate = Self::health(gate);
+        let at_gate = gate.health();
         // Capability probes run only for a full answer, and outside the worker's lock.
         let capabilities = (at_gate == Health::Running).then(|| self.capabilities.snapshot());
         let shared = self.shared.lock();
@@ -822,7 +813,15 @@ async fn run_work(
     match work {
         Work::Provision { device, spec } => {
             let result = match &driver {
-                Some(d) => d.provision(&spec).await,
+                Some(d) => {
+                    bounded(
+                        platform,
+                        "provisioning",
+                        d.estimates().provision_ms,
+                        d.provision(&spec),
+                    )
+                    .await
+                }
                 None => Err(missing()),
             };
             let mut next = None;
@@ -832,7 +831,13 @@ async fn run_work(
             let (Some(driver_device_id), Some(d)) = (next, &driver) else {
                 return;
             };
-            let result = d.boot(&driver_device_id).await;
+            let result = bounded(
+                platform,
+                "booting",
+                d.estimates().boot_ms,
+                d.boot(&driver_device_id),
+            )
+            .await;
             report(&me, |state, now| state.booted(&device, result, now));
         }
         Work::Boot {
@@ -841,7 +846,15 @@ async fn run_work(
             ..
         } => {
             let result = match &driver {
-                Some(d) => d.boot(&driver_device_id).await,
+                Some(d) => {
+                    bounded(
+                        platform,
+                        "booting",
+                        d.estimates().boot_ms,
+                        d.boot(&driver_device_id),
+                    )
+                    .await
+                }
                 None => Err(missing()),
             };
             report(&me, |state, now| state.booted(&device, result, now));
@@ -852,7 +865,15 @@ async fn run_work(
             ..
         } => {
             let result = match &driver {
-                Some(d) => d.reclaim(&driver_device_id).await,
+                Some(d) => {
+                    bounded(
+                        platform,
+                        "reclaiming",
+                        d.estimates().reclaim_ms,
+                        d.reclaim(&driver_device_id),
+                    )
+                    .await
+                }
                 None => Err(missing()),
             };
             report(&me, |state, now| state.reclaimed(&device, result, now));
@@ -863,7 +884,15 @@ async fn run_work(
             ..
         } => {
             let result = match &driver {
-                Some(d) => d.shutdown(&driver_device_id).await,
+                Some(d) => {
+                    bounded(
+                        platform,
+                        "shutting down",
+                        d.estimates().boot_ms,
+                        d.shutdown(&driver_device_id),
+                    )
+                    .await
+                }
                 None => Err(missing()),
             };
             if let Err(e) = &result {
@@ -878,14 +907,61 @@ async fn run_work(
             ..
         } => {
             if let Some(d) = &driver {
-                if running && let Err(e) = d.shutdown(&driver_device_id).await {
+                if running
+                    && let Err(e) = bounded(
+                        platform,
+                        "shutting down",
+                        d.estimates().boot_ms,
+                        d.shutdown(&driver_device_id),
+                    )
+                    .await
+                {
                     warn!(error = %e, %device, "shutting a device down before deleting it failed");
                 }
-                if let Err(e) = d.delete(&driver_device_id).await {
+                if let Err(e) = bounded(
+                    platform,
+                    "deleting",
+                    d.estimates().provision_ms,
+                    d.delete(&driver_device_id),
+                )
+                .await
+                {
                     warn!(error = %e, %device, "deleting a device failed; it is forgotten anyway");
                 }
             }
             report(&me, |state, now| state.deleted(&device, now));
         }
     }
+}
+
+/// The shortest bound on a driver call: a minute.
+const MIN_DRIVER_BOUND_MS: u64 = 60_000;
+/// A driver call may take this many times its estimate before it counts as stalled.
+const DRIVER_BOUND_FACTOR: u64 = 3;
+
+/// How long a driver call estimated at `estimate_ms` may run: three times the estimate, and never
+/// less than a minute (the original's stalled-transition rule).
+fn driver_bound(estimate_ms: u64) -> std::time::Duration {
+    std::time::Duration::from_millis(
+        estimate_ms
+            .saturating_mul(DRIVER_BOUND_FACTOR)
+            .max(MIN_DRIVER_BOUND_MS),
+    )
+}
+
+/// Runs a driver call under [`driver_bound`]; one that runs past it fails like any driver error,
+/// so a hung driver cannot keep a device busy and its request waiting for ever.
+async fn bounded<T>(
+    platform: Platform,
+    what: &str,
+    estimate_ms: u64,
+    call: impl Future<Output = Result<T, DriverError>>,
+) -> Result<T, DriverError> {
+    let bound = driver_bound(estimate_ms);
+    tokio::time::timeout(bound, call).await.unwrap_or_else(|_| {
+        Err(DriverError {
+            platform,
+            message: format!("{what} took longer than {} s", bound.as_secs()),
+        })
+    })
 }

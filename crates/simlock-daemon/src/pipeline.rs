@@ -78,6 +78,16 @@ impl StartupGate {
         self.state.send_replace(Startup::Failed(why.into()));
     }
 
+    /// The daemon's health as `status.get` reports it.
+    pub fn health(&self) -> simlock_contract::model::Health {
+        use simlock_contract::model::Health;
+        match &*self.state.borrow() {
+            Startup::Starting => Health::Starting,
+            Startup::Ready => Health::Running,
+            Startup::Failed(_) => Health::Failed,
+        }
+    }
+
     /// Where start-up is.
     pub fn state(&self) -> Startup {
         self.state.borrow().clone()

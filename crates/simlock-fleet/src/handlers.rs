@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use simlock_contract::model::{Health, Mode};
+use simlock_contract::model::Mode;
 use simlock_contract::ops::{
     CatalogGet, ConfigGet, DeviceExec, LeaseCancel, LeaseCancelOutput, LeaseList, LeaseListOutput,
     LeaseRelease, LeaseReleaseAll, LeaseRenew, LeaseRequest, ListGet, ListKind, ListOutput,
@@ -11,7 +11,7 @@ use simlock_contract::ops::{
 };
 use simlock_contract::{ContractError, ErrorCode, Role};
 use simlock_daemon::config::Config;
-use simlock_daemon::pipeline::{Router, Startup, StartupGate};
+use simlock_daemon::pipeline::{Router, StartupGate};
 
 use crate::fleet::Fleet;
 
@@ -25,12 +25,7 @@ pub fn register(
 ) {
     let (f, g, v) = (fleet.clone(), gate.clone(), version.to_owned());
     router.handle::<StatusGet, _, _>(move |ctx, _| {
-        let health = match g.state() {
-            Startup::Starting => Health::Starting,
-            Startup::Ready => Health::Running,
-            Startup::Failed(_) => Health::Failed,
-        };
-        let out = f.status(&ctx, health, &v);
+        let out = f.status(&ctx, g.health(), &v);
         async move { Ok(out) }
     });
     let f = fleet.clone();

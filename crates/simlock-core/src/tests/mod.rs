@@ -4,6 +4,7 @@
 
 mod bad_input;
 mod capacity;
+mod driver;
 mod exec;
 mod leasing;
 mod restart;
@@ -83,6 +84,8 @@ pub(crate) struct Build {
     pub clock: Option<SharedClock>,
     pub system: Arc<dyn SystemFacts>,
     pub start: bool,
+    /// Drivers to use instead of the virtual ones of the config.
+    pub drivers: Option<Vec<Arc<dyn crate::Driver>>>,
 }
 
 impl Default for Build {
@@ -96,6 +99,7 @@ impl Default for Build {
                 ram_bytes: 32 * GIB,
             }),
             start: true,
+            drivers: None,
         }
     }
 }
@@ -125,7 +129,9 @@ impl Harness {
         let presence = Presence::new();
         let capabilities = Capabilities::new(b.config.capabilities.clone());
         let parts = WorkerParts {
-            drivers: virtual_drivers(&b.config.virtual_devices),
+            drivers: b
+                .drivers
+                .unwrap_or_else(|| virtual_drivers(&b.config.virtual_devices)),
             config: b.config,
             db,
             clock: clock.clone(),
