@@ -34,8 +34,10 @@ use http_body_util::BodyExt;
 use hyper::service::service_fn;
 use hyper_util::rt::TokioIo;
 use serde_json::json;
-use simlock_e2e::relay::{PatternCheck, add_relay_worker, fill_pattern, get, request};
-use simlock_e2e::{TestFleet, gateway_config, worker_config};
+use simlock_e2e::relay::{
+    PatternBody, PatternCheck, fill_pattern, fleet_with, gateway_link_stats, get, no_channel_open,
+    relay_targets, request, wait_until,
+};
 use simlock_relay_gateway::{GatewayRelay, RelayCall};
 use simlock_relay_worker::{BoxError, RelayRequest, RelayTarget, RelayTargets};
 use tokio::net::{TcpListener, TcpStream};
@@ -94,32 +96,6 @@ impl Body for Repeat {
 
     fn is_end_stream(&self) -> bool {
         self.left == 0
-    }
-}
-
-/// A body of `left` pattern bytes from `offset`, each chunk freshly allocated.
-struct Fresh {
-    seed: u64,
-    offset: u64,
-    end: u64,
-}
-
-impl Body for Fresh {
-    type Data = Bytes;
-    type Error = Infallible;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        _cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
-        if self.offset >= self.end {
-            return Poll::Ready(None);
-        }
-        let take = (self.end - self.offset).min(CHUNK as u64);
-        let mut buf = vec![0; usize::try_from(take).unwrap_or(CHUNK)];
-        fill_pattern(self.seed, self.offset, &mut buf);
-        self.offset += take;
-        Poll::Ready(Some(Ok(Frame::data(Bytes::from(buf)))))
     }
 }
 
@@ -235,7 +211,6 @@ async fn hyper_transfer(
 // === Through the relay ===
 
 fn bench_targets() -> RelayTargets {
-    let mut targets = RelayTargets::new();
     let sink: Arc<dyn RelayTarget> = Arc::new(|request: RelayRequest| async move {
         let read = drain(request.request.into_body()).await?;
         Ok(http::Response::new(simlock_relay_worker::full_body(
@@ -250,22 +225,18 @@ fn bench_targets() -> RelayTargets {
                 .boxed_unsync(),
         ))
     });
+    // Pattern bytes, each chunk freshly allocated.
     let pattern: Arc<dyn RelayTarget> = Arc::new(|request: RelayRequest| async move {
         let len: u64 = request.request.uri().path()[1..].parse().unwrap_or(0);
         Ok(http::Response::new(
-            Fresh {
-                seed: 99,
-                offset: 0,
-                end: len,
-            }
-            .map_err(|never| match never {})
-            .boxed_unsync(),
+            PatternBody::new(99, len).boxed_unsync(),
         ))
     });
-    for (name, target) in [("sink", sink), ("source", source), ("pattern", pattern)] {
-        targets.insert(name, target).expect("a valid name");
-    }
-    targets
+    relay_targets(vec![
+        ("sink", sink),
+        ("source", source),
+        ("pattern", pattern),
+    ])
 }
 
 async fn relay_transfer(
@@ -275,27 +246,26 @@ async fn relay_transfer(
     len: u64,
 ) -> BenchResult<Duration> {
     let started = Instant::now();
-    let call = if upload {
-        RelayCall::new(
+    let read = if upload {
+        let call = RelayCall::new(
             "sink",
             request(http::Method::PUT, "http://bench.test/up", Repeat::new(len)),
             "bench",
-        )
+        );
+        drain(relay.relay(worker, call).await?.into_body()).await?
     } else {
-        let response = relay
-            .relay(
-                worker,
-                RelayCall::new("source", get(&format!("http://bench.test/{len}")), "bench"),
-            )
-            .await?;
-        let read = drain(response.into_body()).await?;
-        assert_eq!(read, len, "the download moved every byte");
-        return Ok(started.elapsed());
+        let call = RelayCall::new("source", get(&format!("http://bench.test/{len}")), "bench");
+        drain(relay.relay(worker, call).await?.into_body()).await?
     };
-    let response = relay.relay(worker, call).await?;
-    let read = drain(response.into_body()).await?;
-    assert_eq!(read, len.to_string().len() as u64);
-    Ok(started.elapsed())
+    let elapsed = started.elapsed();
+    // An upload answers the byte count the target read.
+    let expected = if upload {
+        len.to_string().len() as u64
+    } else {
+        len
+    };
+    assert_eq!(read, expected, "the relay moved every byte");
+    Ok(elapsed)
 }
 
 /// Renews `lease_id` through the gateway until `stop`, recording each call's latency (µs).
@@ -330,9 +300,7 @@ fn percentile(values: &[f64], p: f64) -> f64 {
 }
 
 async fn measure() -> BenchResult<String> {
-    let mut fleet = TestFleet::start(gateway_config()).await;
-    add_relay_worker(&mut fleet, worker_config(2), bench_targets(), None).await;
-    let worker = fleet.worker_id(0);
+    let (fleet, worker) = fleet_with(bench_targets()).await;
     let relay = fleet.gateway().relay.clone();
     // Warm up both paths.
     relay_transfer(&relay, &worker, true, 8 * MIB).await?;
@@ -340,6 +308,7 @@ async fn measure() -> BenchResult<String> {
 
     // 64 stalled readers: their targets stream fresh bytes; the callers read nothing.
     let rss_before = rss_mib();
+    let received_before = gateway_link_stats(&fleet, &worker).bytes_received;
     let mut stalled = Vec::new();
     for _ in 0..64 {
         let response = relay
@@ -350,19 +319,16 @@ async fn measure() -> BenchResult<String> {
             .await?;
         stalled.push(response);
     }
-    let conn = fleet
-        .gateway()
-        .fleet
-        .conn(&worker)
-        .expect("the uplink is up");
+    // The link counts every byte it ever received (the warm-up's too): wait for 64 more windows.
     let full = 64 * 256 * 1024;
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while conn.link.stats().bytes_received < full && Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    // Let the worker's send queues fill behind the full windows too.
+    wait_until("the 64 windows are full", || {
+        gateway_link_stats(&fleet, &worker).bytes_received >= received_before + full
+    })
+    .await;
+    // Let the worker's send queues fill behind the full windows too (the worker's side has no
+    // counter the bench can read).
     tokio::time::sleep(Duration::from_millis(500)).await;
-    let stats = conn.link.stats();
+    let stats = gateway_link_stats(&fleet, &worker);
     let rss_stalled = rss_mib();
     let stalled_growth = rss_stalled - rss_before;
     println!(
@@ -371,10 +337,7 @@ async fn measure() -> BenchResult<String> {
         stats.recv_buffered / 1024
     );
     drop(stalled);
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while conn.link.stats().open_channels > 0 && Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    no_channel_open(&fleet, &worker).await;
 
     // Throughput, with renews running alongside the relayed transfers.
     let agent = fleet.agent("bench-agent").await;

@@ -1,6 +1,7 @@
-//! Relay test helpers: workers with relay targets in a [`TestFleet`], request and response
-//! bodies of known bytes, a raw gateway end for a real worker ([`RawUplink`]), a fake worker that
-//! speaks raw relay frames to the real gateway ([`ScriptedWorker`]), and a log capture.
+//! Relay test helpers: workers with relay targets in a [`TestFleet`], calls through its gateway's
+//! relay, request and response bodies of known bytes, fake targets sharing a [`Probe`], a raw
+//! gateway end for a real worker ([`RawUplink`]), a fake worker that speaks raw relay frames to
+//! the real gateway ([`ScriptedWorker`]), and a log capture.
 
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -9,24 +10,26 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
+use futures::FutureExt;
 use futures::future::BoxFuture;
-use futures::{FutureExt, SinkExt};
 use http_body::{Body, Frame};
 use http_body_util::BodyExt;
 use parking_lot::Mutex;
 use serde_json::{Value, json};
 use simlock_contract::model::Connection as ViewConnection;
-use simlock_contract::{ContractError, Hello, PROTOCOL_RANGE, Role};
+use simlock_contract::{ContractError, Hello, PROTOCOL_RANGE, PushFrame, Role};
 use simlock_daemon::config::Config;
 use simlock_daemon::home::Home;
-use simlock_gateway::GatewayOptions;
+use simlock_daemon::uplink::{client_text_transport, text_transport};
 use simlock_link::{Channel, End, LinkConfig, LinkHandle, TextReceiver};
-use simlock_relay_worker::{BoxError, RelayTargets};
-use simlock_wire::{CallContext, Identity, Origin, Service, Transport, WireClient};
+use simlock_relay_gateway::{RelayBody, RelayCall};
+use simlock_relay_worker::{BoxError, RelayRequest, RelayTarget, RelayTargets, ResponseBody};
+use simlock_wire::{CallContext, CallEvent, CallHandle, Identity, Origin, Service, WireClient};
 use simlock_worker::{RunningWorker, WorkerOptions};
 use tempfile::TempDir;
 use tokio::net::TcpListener;
 use tokio::sync::Notify;
+use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use crate::{PATIENCE, TestFleet, worker_config};
@@ -55,55 +58,119 @@ pub async fn patient<F: Future>(what: &str, future: F) -> F::Output {
 /// given). Waits until the gateway has its uplink; with no hold, also its catalog.
 pub async fn add_relay_worker(
     fleet: &mut TestFleet,
-    mut config: Config,
+    config: Config,
     targets: RelayTargets,
     hold: Option<CancellationToken>,
 ) -> usize {
     let n = fleet.workers.len();
-    config.gateway.url = Some(fleet.gateway_url());
-    config.gateway.token = Some(fleet.join_token.clone());
-    config.gateway.label = Some(format!("worker-{n}"));
-    let held = hold.is_some();
-    let mut options = WorkerOptions::new(fleet.worker_home(n), config);
-    options.relay_targets = targets;
-    options.startup_hold = hold;
-    let worker = simlock_worker::start(options)
-        .await
-        .expect("the worker starts");
-    let id = worker.running.base.instance_id.clone();
-    fleet.workers.push(Some(worker));
+    let catalog = hold.is_none();
     fleet
-        .wait_for(|views| {
-            views.iter().any(|v| {
-                v.id == id
-                    && v.connection == ViewConnection::Connected
-                    && (held || v.catalog_read_at.is_some())
-            })
-        })
+        .join_worker(
+            n,
+            config,
+            |options| {
+                options.relay_targets = targets;
+                options.startup_hold = hold;
+            },
+            catalog,
+        )
         .await;
     n
 }
 
-/// Starts a fleet whose gateway runs with `timing` changed by `tune` (e.g. a short link stall
-/// timeout), with no worker yet.
-pub async fn fleet_with_timing(
-    config: Config,
-    tune: impl FnOnce(&mut simlock_fleet::FleetTiming),
-) -> TestFleet {
-    let mut fleet = TestFleet::start(config.clone()).await;
-    if let Some(gateway) = fleet.gateway.take() {
-        gateway.stop("retune").await;
-    }
-    let mut options = GatewayOptions::new(fleet.gateway_home(), config);
-    let mut timing = simlock_fleet::FleetTiming::from_config(&options.config);
-    tune(&mut timing);
-    options.timing = Some(timing);
-    fleet.gateway = Some(
-        simlock_gateway::start(options)
-            .await
-            .expect("the gateway restarts"),
-    );
+/// A gateway and one worker (`worker_config(2)`) serving `targets`; returns the fleet and the
+/// worker's id.
+pub async fn fleet_with(targets: RelayTargets) -> (TestFleet, String) {
+    let mut fleet = TestFleet::start(crate::gateway_config()).await;
+    add_relay_worker(&mut fleet, worker_config(2), targets, None).await;
+    let id = fleet.worker_id(0);
+    (fleet, id)
+}
+
+// === Calls through the gateway's relay ===
+
+/// Relays `call` to `worker` through the fleet's gateway, bounded by [`PATIENCE`].
+///
+/// # Errors
+/// The relay's error.
+pub async fn relay<B>(
+    fleet: &TestFleet,
+    worker: &str,
+    call: RelayCall<B>,
+) -> Result<http::Response<RelayBody>, ContractError>
+where
+    B: Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<BoxError>,
+{
+    patient("the relay", fleet.gateway().relay.relay(worker, call)).await
+}
+
+/// Starts relaying `call` to `worker` in a task (for callers that abort it, or that wait for
+/// something else meanwhile).
+pub fn spawn_relay<B>(
+    fleet: &TestFleet,
+    worker: &str,
+    call: RelayCall<B>,
+) -> JoinHandle<Result<http::Response<RelayBody>, ContractError>>
+where
+    B: Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<BoxError>,
+{
+    let relay = fleet.gateway().relay.clone();
+    let worker = worker.to_owned();
+    tokio::spawn(async move { relay.relay(&worker, call).await })
+}
+
+/// A GET of `http://t.test/` for `target` as tenant `t`.
+pub fn get_call(target: &str) -> RelayCall<http_body_util::Empty<Bytes>> {
+    RelayCall::new(target, get("http://t.test/"), "t")
+}
+
+/// A PUT of `body` to `http://t.test/` for `target` as tenant `t`.
+pub fn put_call<B>(target: &str, body: B) -> RelayCall<B> {
+    RelayCall::new(
+        target,
+        request(http::Method::PUT, "http://t.test/", body),
+        "t",
+    )
+}
+
+/// The counters of the gateway's link to `worker` (its uplink must be up).
+pub fn gateway_link_stats(fleet: &TestFleet, worker: &str) -> simlock_link::LinkStats {
     fleet
+        .gateway()
+        .fleet
+        .conn(worker)
+        .expect("the worker's uplink is up")
+        .link
+        .stats()
+}
+
+/// Waits until the gateway holds no open channel to `worker` (or has no uplink to it).
+pub async fn no_channel_open(fleet: &TestFleet, worker: &str) {
+    wait_until("every channel to the worker is closed", || {
+        fleet
+            .gateway()
+            .fleet
+            .conn(worker)
+            .is_none_or(|c| c.link.stats().open_channels == 0)
+    })
+    .await;
+}
+
+/// Collects a call's pushes up to its reply (each event bounded by [`PATIENCE`]).
+pub async fn pushes_and_reply(
+    mut call: CallHandle,
+) -> (Vec<PushFrame>, Result<Value, ContractError>) {
+    let mut pushes = Vec::new();
+    loop {
+        match patient("the call's next event", call.next()).await {
+            CallEvent::Push(push) => pushes.push(push),
+            CallEvent::Reply(reply) => return (pushes, reply),
+        }
+    }
 }
 
 /// A GET of `url` with no body.
@@ -152,14 +219,22 @@ where
 
 // === Known bytes ===
 
-/// The byte at `offset` of the pattern `seed`: every 8-byte word encodes its index, so a lost,
-/// repeated or reordered piece shows.
-pub fn pattern_byte(seed: u64, offset: u64) -> u8 {
-    let word = (offset / 8)
+/// The chunk size of the pattern bodies.
+const CHUNK: usize = 64 * 1024;
+
+/// Word `index` (bytes `8 * index..8 * index + 8`) of the pattern `seed`: every word encodes its
+/// index, so a lost, repeated or reordered piece shows.
+fn pattern_word(seed: u64, index: u64) -> [u8; 8] {
+    index
         .wrapping_mul(0x9E37_79B9_7F4A_7C15)
         .wrapping_add(seed)
-        .rotate_left(17);
-    word.to_le_bytes()[usize::try_from(offset % 8).unwrap_or(0)]
+        .rotate_left(17)
+        .to_le_bytes()
+}
+
+/// The byte at `offset` of the pattern `seed`.
+pub fn pattern_byte(seed: u64, offset: u64) -> u8 {
+    pattern_word(seed, offset / 8)[usize::try_from(offset % 8).unwrap_or(0)]
 }
 
 /// Fills `buf` with the pattern `seed` from `offset`.
@@ -174,11 +249,7 @@ pub fn fill_pattern(seed: u64, offset: u64, buf: &mut [u8]) {
     }
     let mut words = rest.chunks_exact_mut(8);
     for word in &mut words {
-        let value = (at / 8)
-            .wrapping_mul(0x9E37_79B9_7F4A_7C15)
-            .wrapping_add(seed)
-            .rotate_left(17);
-        word.copy_from_slice(&value.to_le_bytes());
+        word.copy_from_slice(&pattern_word(seed, at / 8));
         at += 8;
     }
     for byte in words.into_remainder() {
@@ -225,13 +296,12 @@ impl PatternCheck {
     }
 }
 
-/// A caller's request body of `len` pattern bytes in chunks of `chunk`, counting what was pulled;
+/// A caller's request body of `len` pattern bytes in 64 KiB chunks, counting what was pulled;
 /// it can fail after `fail_after` bytes, and it tells when it is dropped.
 #[derive(Debug)]
 pub struct PatternBody {
     seed: u64,
     len: u64,
-    chunk: usize,
     sent: u64,
     fail_after: Option<u64>,
     /// Bytes pulled so far.
@@ -246,7 +316,6 @@ impl PatternBody {
         Self {
             seed,
             len,
-            chunk: 64 * 1024,
             sent: 0,
             fail_after: None,
             pulled: Arc::new(AtomicU64::new(0)),
@@ -258,13 +327,6 @@ impl PatternBody {
     #[must_use]
     pub fn failing_after(mut self, after: u64) -> Self {
         self.fail_after = Some(after);
-        self
-    }
-
-    /// The same body, in chunks of `chunk` bytes.
-    #[must_use]
-    pub fn in_chunks(mut self, chunk: usize) -> Self {
-        self.chunk = chunk.max(1);
         self
     }
 }
@@ -289,7 +351,7 @@ impl Body for PatternBody {
         if self.sent >= self.len {
             return Poll::Ready(None);
         }
-        let take = (self.len - self.sent).min(self.chunk as u64);
+        let take = (self.len - self.sent).min(CHUNK as u64);
         let mut buf = vec![0; usize::try_from(take).unwrap_or(0)];
         fill_pattern(self.seed, self.sent, &mut buf);
         self.sent += take;
@@ -303,30 +365,15 @@ impl Body for PatternBody {
 }
 
 /// A response body of `len` pattern bytes for a target, in 64 KiB chunks, counting what the
-/// worker pulled; `pause_at` holds it at that offset until `resume` fires.
-pub fn pattern_response(
-    seed: u64,
-    len: u64,
-    pulled: Arc<AtomicU64>,
-    pause_at: Option<(u64, CancellationToken)>,
-) -> simlock_relay_worker::ResponseBody {
+/// worker pulled.
+pub fn pattern_response(seed: u64, len: u64, pulled: Arc<AtomicU64>) -> ResponseBody {
     let stream = futures::stream::unfold(0u64, move |sent| {
         let pulled = pulled.clone();
-        let pause = pause_at.clone();
         async move {
             if sent >= len {
                 return None;
             }
-            if let Some((at, resume)) = &pause
-                && sent >= *at
-            {
-                resume.cancelled().await;
-            }
-            let limit = match &pause {
-                Some((at, resume)) if sent < *at && !resume.is_cancelled() => *at,
-                _ => len,
-            };
-            let take = (limit - sent).min(64 * 1024);
+            let take = (len - sent).min(CHUNK as u64);
             let mut buf = vec![0; usize::try_from(take).unwrap_or(0)];
             fill_pattern(seed, sent, &mut buf);
             pulled.fetch_add(take, Ordering::SeqCst);
@@ -387,7 +434,7 @@ impl Probe {
     }
 
     /// Records a call.
-    pub fn record(&self, request: &simlock_relay_worker::RelayRequest) {
+    pub fn record(&self, request: &RelayRequest) {
         self.seen.lock().push(Seen {
             method: request.request.method().clone(),
             uri: request.request.uri().clone(),
@@ -422,6 +469,71 @@ impl Probe {
         })
         .await;
     }
+
+    /// Waits until the targets got exactly `n` calls in all.
+    pub async fn wait_calls(&self, n: usize) {
+        self.wait(&format!("{n} target calls"), |p| {
+            p.calls.load(Ordering::SeqCst) == n
+        })
+        .await;
+    }
+
+    /// Waits until exactly `n` targets saw their cancellation fire.
+    pub async fn wait_cancelled(&self, n: usize) {
+        self.wait(&format!("{n} cancelled targets"), |p| {
+            p.cancelled.load(Ordering::SeqCst) == n
+        })
+        .await;
+    }
+
+    /// Reads a target's request body to its end, counting the bytes in [`Self::read`].
+    ///
+    /// # Errors
+    /// The body's error (the relay's channel failed).
+    pub async fn drain(
+        &self,
+        body: simlock_relay_worker::RequestBody,
+    ) -> Result<Vec<u8>, BoxError> {
+        let mut out = Vec::new();
+        let mut body = std::pin::pin!(body);
+        while let Some(frame) = body.frame().await {
+            let data = frame?.into_data().unwrap_or_default();
+            self.read.fetch_add(data.len() as u64, Ordering::SeqCst);
+            out.extend_from_slice(&data);
+        }
+        Ok(out)
+    }
+
+    /// A target that records each call and counts its cancellation with this probe, then
+    /// answers with `answer`.
+    pub fn target<F, Fut>(self: &Arc<Self>, answer: F) -> Arc<dyn RelayTarget>
+    where
+        F: Fn(Arc<Self>, RelayRequest) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<http::Response<ResponseBody>, BoxError>> + Send + 'static,
+    {
+        let probe = self.clone();
+        Arc::new(move |request: RelayRequest| {
+            probe.record(&request);
+            probe.watch_cancel(request.cancel.clone());
+            answer(probe.clone(), request)
+        })
+    }
+}
+
+/// A registry of `targets` by name.
+pub fn relay_targets(targets: Vec<(&str, Arc<dyn RelayTarget>)>) -> RelayTargets {
+    let mut registry = RelayTargets::new();
+    for (name, target) in targets {
+        registry.insert(name, target).expect("a capability name");
+    }
+    registry
+}
+
+/// A target's response with `status` and `body`.
+pub fn respond(status: u16, body: ResponseBody) -> http::Response<ResponseBody> {
+    let mut response = http::Response::new(body);
+    *response.status_mut() = http::StatusCode::from_u16(status).expect("a valid status");
+    response
 }
 
 // === Log capture ===
@@ -490,8 +602,6 @@ pub struct RawWorker {
     pub uplink: RawUplink,
     /// Opens the worker's start-up when it was started held.
     pub hold: CancellationToken,
-    listener: TcpListener,
-    link_config: LinkConfig,
     _dir: TempDir,
 }
 
@@ -528,25 +638,43 @@ impl RawWorker {
         let worker = simlock_worker::start(options)
             .await
             .expect("the worker starts");
-        let uplink = accept_uplink(&listener, link_config.clone()).await;
+        let uplink = accept_uplink(&listener, link_config).await;
         Self {
             worker: Some(worker),
             uplink,
             hold,
-            listener,
-            link_config,
             _dir: dir,
         }
-    }
-
-    /// Waits for the worker to dial again (after the test closed its uplink).
-    pub async fn reconnect(&mut self) {
-        self.uplink = accept_uplink(&self.listener, self.link_config.clone()).await;
     }
 
     /// The worker.
     pub fn worker(&self) -> &RunningWorker {
         self.worker.as_ref().expect("the worker runs")
+    }
+
+    /// Opens a channel on the uplink (bounded by [`PATIENCE`]).
+    pub async fn open(&self) -> Channel {
+        patient(
+            "a channel",
+            self.uplink.link.open_channel(&CancellationToken::new()),
+        )
+        .await
+        .expect("a channel opens")
+    }
+
+    /// Starts `op` on the worker as the gateway does, taking its pushes.
+    pub async fn begin(&self, op: &str, payload: Value) -> CallHandle {
+        patient(op, self.uplink.client.begin(op, payload, 64))
+            .await
+            .expect("the call starts")
+    }
+
+    /// Calls `op` on the worker as the gateway does (bounded by [`PATIENCE`]).
+    ///
+    /// # Errors
+    /// The worker's error.
+    pub async fn call(&self, op: &str, payload: Value) -> Result<Value, ContractError> {
+        patient(op, self.uplink.client.call_value(op, payload)).await
     }
 
     /// Stops the worker.
@@ -568,7 +696,7 @@ async fn accept_uplink(listener: &TcpListener, link_config: LinkConfig) -> RawUp
             .await
             .expect("the WebSocket upgrade");
     let (link, text) = simlock_link::spawn(ws, link_config);
-    let (client, _unsolicited) = WireClient::new(text_transport(&link, text));
+    let (client, _unsolicited) = WireClient::new(client_text_transport(&link, text));
     let hello = Hello {
         client_version: Some("raw-gateway".into()),
         protocol_version: None,
@@ -581,18 +709,6 @@ async fn accept_uplink(listener: &TcpListener, link_config: LinkConfig) -> RawUp
         .expect("the worker greets the gateway");
     assert_eq!(reply.role, Role::Admin);
     RawUplink { link, client }
-}
-
-/// A wire transport over a link's text lane.
-pub fn text_transport(link: &LinkHandle, text: TextReceiver) -> Transport {
-    let sink = futures::sink::unfold(link.clone(), |link, line: String| async move {
-        link.send_text(line).await.map(|()| link)
-    });
-    Transport::from_text_messages(
-        text,
-        sink.sink_map_err(|e| std::io::Error::other(e.to_string())),
-        simlock_contract::bounds::MAX_CLIENT_LINE,
-    )
 }
 
 /// A `relay.request` payload for the raw uplink: a GET of `http://target.test/` to `target`
@@ -632,6 +748,14 @@ impl ScriptedCall {
             .and_then(|link| link.accept_channel(id).ok())
     }
 
+    /// The link of the call's connection (the worker's end of the uplink).
+    pub fn link(&self) -> Arc<LinkHandle> {
+        self.ctx
+            .conn
+            .attachment::<LinkHandle>()
+            .expect("a scripted worker's connection carries its link")
+    }
+
     /// The relay id.
     pub fn relay_id(&self) -> String {
         self.payload["relayId"]
@@ -642,18 +766,13 @@ impl ScriptedCall {
 
     /// Pushes a `relay-head` with `status` and `headers`.
     pub async fn head(&self, status: u16, headers: Vec<(String, String)>) {
-        push_head(&self.ctx, status, headers).await;
+        let push = simlock_contract::Push::RelayHead {
+            request_id: self.ctx.id.clone(),
+            status,
+            headers,
+        };
+        self.ctx.push(&push).await.expect("the head is pushed");
     }
-}
-
-/// Pushes a `relay-head` for the call of `ctx`.
-pub async fn push_head(ctx: &CallContext, status: u16, headers: Vec<(String, String)>) {
-    let push = simlock_contract::Push::RelayHead {
-        request_id: ctx.id.clone(),
-        status,
-        headers,
-    };
-    ctx.push(&push).await.expect("the head is pushed");
 }
 
 type Script =
@@ -717,24 +836,21 @@ impl ScriptedWorker {
 
     /// Waits until `count` `relay.cancel`s arrived.
     pub async fn wait_cancels(&self, count: usize) {
-        patient("relay.cancels", async {
-            loop {
-                let notified = self.cancelled.notified();
-                if self.cancels.lock().len() >= count {
-                    return;
-                }
-                notified.await;
-            }
-        })
-        .await;
+        self.wait_cancels_until("relay.cancels", |ids| ids.len() >= count)
+            .await;
     }
 
     /// Waits for a `relay.cancel` of `relay_id`.
     pub async fn wait_cancel(&self, relay_id: &str) {
-        patient("a relay.cancel", async {
+        self.wait_cancels_until("a relay.cancel", |ids| ids.iter().any(|id| id == relay_id))
+            .await;
+    }
+
+    async fn wait_cancels_until(&self, what: &str, done: impl Fn(&[String]) -> bool) {
+        patient(what, async {
             loop {
                 let notified = self.cancelled.notified();
-                if self.cancels.lock().iter().any(|id| id == relay_id) {
+                if done(&self.cancels.lock()) {
                     return;
                 }
                 notified.await;
@@ -742,12 +858,6 @@ impl ScriptedWorker {
         })
         .await;
     }
-}
-
-/// The script of a worker that never answers a relay (for workers only used for the gateway's
-/// bookkeeping).
-pub fn silent_script(_: ScriptedCall) -> BoxFuture<'static, Result<Value, ContractError>> {
-    futures::future::pending().boxed()
 }
 
 impl Service for ScriptedWorker {

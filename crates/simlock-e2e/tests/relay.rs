@@ -10,11 +10,11 @@
 )]
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
-use futures::FutureExt;
+use futures::{FutureExt, StreamExt};
 use http::{HeaderValue, Method, StatusCode};
 use http_body::Body as _;
 use http_body_util::BodyExt;
@@ -22,15 +22,16 @@ use serde_json::{Value, json};
 use simlock_contract::{ContractError, ErrorCode};
 use simlock_e2e::relay::{
     PatternBody, PatternCheck, Probe, RawWorker, ScriptedCall, ScriptedWorker, add_relay_worker,
-    fleet_with_timing, get, link_config, logs, patient, pattern, pattern_response, raw_request,
-    read_body, request, wait_until,
+    fill_pattern, fleet_with, gateway_link_stats, get, get_call, link_config, logs,
+    no_channel_open, patient, pattern, pattern_response, pushes_and_reply, put_call, raw_request,
+    read_body, relay, relay_targets, request, respond, spawn_relay, wait_until,
 };
 use simlock_e2e::{TestFleet, gateway_config, session, worker_config};
 use simlock_link::{End, FailureReason, LinkConfig};
-use simlock_relay_gateway::{RelayBody, RelayCall};
+use simlock_relay_gateway::RelayCall;
 use simlock_relay_worker::{
-    BoxError, RelayRequest, RelayTarget, RelayTargets, RequestBody, ResponseBody, empty_body,
-    full_body, stream_body,
+    BoxError, RelayRequest, RelayTarget, RelayTargets, ResponseBody, empty_body, full_body,
+    stream_body,
 };
 use simlock_wire::CallEvent;
 use tokio_util::sync::CancellationToken;
@@ -38,124 +39,95 @@ use tokio_util::sync::CancellationToken;
 const MIB: u64 = 1024 * 1024;
 const LEASE: &str = "0123456789abcdef0123456789abcdef";
 
-// === Helpers ===
-
-fn targets(list: Vec<(&str, Arc<dyn RelayTarget>)>) -> RelayTargets {
-    let mut targets = RelayTargets::new();
-    for (name, target) in list {
-        targets.insert(name, target).unwrap();
-    }
-    targets
-}
-
-fn respond(status: u16, body: ResponseBody) -> http::Response<ResponseBody> {
-    let mut response = http::Response::new(body);
-    *response.status_mut() = StatusCode::from_u16(status).unwrap();
-    response
-}
-
-/// A gateway and one worker serving `targets`; returns the fleet and the worker's id.
-async fn fleet_with(targets: RelayTargets) -> (TestFleet, String) {
-    let mut fleet = TestFleet::start(gateway_config()).await;
-    add_relay_worker(&mut fleet, worker_config(2), targets, None).await;
-    let id = fleet.worker_id(0);
-    (fleet, id)
-}
-
-/// Reads a target's request body to its end, counting the bytes in `probe.read`.
-async fn drain_request(body: RequestBody, probe: &Probe) -> Result<Vec<u8>, BoxError> {
-    let mut out = Vec::new();
-    let mut body = std::pin::pin!(body);
-    while let Some(frame) = body.frame().await {
-        let data = frame?.into_data().unwrap_or_default();
-        probe.read.fetch_add(data.len() as u64, Ordering::SeqCst);
-        out.extend_from_slice(&data);
-    }
-    Ok(out)
-}
+// === Targets ===
 
 /// A target that records each call and answers 200 with `body`.
 fn answering(probe: &Arc<Probe>, body: &'static str) -> Arc<dyn RelayTarget> {
-    let probe = probe.clone();
-    Arc::new(move |request: RelayRequest| {
-        let probe = probe.clone();
-        async move {
-            probe.record(&request);
-            probe.watch_cancel(request.cancel.clone());
-            Ok(respond(200, full_body(body)))
-        }
-    })
+    probe.target(move |_, _| async move { Ok(respond(200, full_body(body))) })
 }
 
 /// A target that records each call, then waits for a permit (answering 200 `released`) or its
 /// cancellation (failing).
 fn holding(probe: &Arc<Probe>) -> Arc<dyn RelayTarget> {
-    let probe = probe.clone();
-    Arc::new(move |request: RelayRequest| {
-        let probe = probe.clone();
-        async move {
-            probe.record(&request);
-            probe.watch_cancel(request.cancel.clone());
-            tokio::select! {
-                permit = probe.permits.acquire() => {
-                    permit.unwrap().forget();
-                    Ok(respond(200, full_body("released")))
-                }
-                () = request.cancel.cancelled() => Err("cancelled while held".into()),
+    probe.target(|probe, request| async move {
+        tokio::select! {
+            permit = probe.permits.acquire() => {
+                permit.unwrap().forget();
+                Ok(respond(200, full_body("released")))
             }
+            () = request.cancel.cancelled() => Err("cancelled while held".into()),
         }
     })
 }
 
 /// A target that records each call and answers a body that streams until its cancellation.
 fn streaming_forever(probe: &Arc<Probe>, pulled: Arc<AtomicU64>) -> Arc<dyn RelayTarget> {
-    let probe = probe.clone();
-    Arc::new(move |request: RelayRequest| {
-        let probe = probe.clone();
+    probe.target(move |_, _| {
         let pulled = pulled.clone();
-        async move {
-            probe.record(&request);
-            probe.watch_cancel(request.cancel.clone());
-            Ok(respond(
-                200,
-                pattern_response(7, u64::MAX / 2, pulled, None),
-            ))
-        }
+        async move { Ok(respond(200, pattern_response(7, u64::MAX / 2, pulled))) }
     })
 }
 
-fn gateway_link_stats(fleet: &TestFleet, worker: &str) -> simlock_link::LinkStats {
-    fleet
-        .gateway()
-        .fleet
-        .conn(worker)
-        .expect("the worker's uplink is up")
-        .link
-        .stats()
-}
-
-async fn no_channel_open(fleet: &TestFleet, worker: &str) {
-    wait_until("every channel to the worker is closed", || {
-        fleet
-            .gateway()
-            .fleet
-            .conn(worker)
-            .is_none_or(|c| c.link.stats().open_channels == 0)
+/// A target that reads its whole upload, checks it against the pattern `seed`, and answers
+/// `<bytes> <ok>`.
+fn checking_upload(probe: &Arc<Probe>, seed: u64) -> Arc<dyn RelayTarget> {
+    probe.target(move |probe, request| async move {
+        let body = probe.drain(request.request.into_body()).await?;
+        let ok = body == pattern(seed, body.len());
+        Ok(respond(200, full_body(format!("{} {ok}", body.len()))))
     })
-    .await;
 }
 
-async fn relay<B>(
-    fleet: &TestFleet,
-    worker: &str,
-    call: RelayCall<B>,
-) -> Result<http::Response<RelayBody>, ContractError>
-where
-    B: http_body::Body + Send + 'static,
-    B::Data: Send,
-    B::Error: Into<BoxError>,
-{
-    patient("the relay", fleet.gateway().relay.relay(worker, call)).await
+/// A target that answers a body failing after its first part.
+fn breaking() -> Arc<dyn RelayTarget> {
+    Arc::new(|_: RelayRequest| async {
+        let parts = futures::stream::iter([
+            Ok(Bytes::from_static(b"first")),
+            Err::<Bytes, BoxError>("broken after the head".into()),
+        ]);
+        Ok(respond(200, stream_body(parts)))
+    })
+}
+
+/// A target answering 200 with `x-0` … `x-<count - 1>` headers.
+fn with_headers(count: usize) -> http::Response<ResponseBody> {
+    let mut response = respond(200, full_body("ok"));
+    for n in 0..count {
+        response.headers_mut().insert(
+            http::HeaderName::from_bytes(format!("x-{n}").as_bytes()).unwrap(),
+            HeaderValue::from_static("v"),
+        );
+    }
+    response
+}
+
+/// A target that fails before answering.
+fn failing(message: &'static str) -> Arc<dyn RelayTarget> {
+    Arc::new(move |_: RelayRequest| async move {
+        Err::<http::Response<ResponseBody>, BoxError>(message.into())
+    })
+}
+
+fn exec_config(script: &str) -> simlock_daemon::config::Config {
+    let mut config = worker_config(2);
+    config.exec.tools.insert(
+        "talk".into(),
+        simlock_daemon::config::ToolConfig {
+            command: "/bin/sh".into(),
+            args: vec!["-c".into(), script.into(), "sh".into()],
+        },
+    );
+    config
+}
+
+/// Reads a relayed body to its end, checking it against the pattern `seed`.
+async fn check_pattern(body: simlock_relay_gateway::RelayBody, seed: u64) -> PatternCheck {
+    let mut check = PatternCheck::new(seed);
+    let mut body = std::pin::pin!(body);
+    while let Some(frame) = patient("a frame", body.frame()).await {
+        check.feed(&frame.unwrap().into_data().unwrap());
+    }
+    check
 }
 
 // === Seed 000 and 002 through a real gateway and worker ===
@@ -167,24 +139,17 @@ where
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_get_crosses_on_a_channel_and_arrives_whole() {
     let probe = Probe::new();
-    let target: Arc<dyn RelayTarget> = {
-        let probe = probe.clone();
-        Arc::new(move |request: RelayRequest| {
-            let probe = probe.clone();
-            async move {
-                probe.record(&request);
-                let mut response = respond(201, full_body("hello from the target"));
-                response
-                    .headers_mut()
-                    .insert("x-answer", HeaderValue::from_static("yes"));
-                response
-                    .headers_mut()
-                    .insert("content-type", HeaderValue::from_static("text/plain"));
-                Ok(response)
-            }
-        })
-    };
-    let (fleet, worker) = fleet_with(targets(vec![("fake", target)])).await;
+    let target = probe.target(|_, _| async {
+        let mut response = respond(201, full_body("hello from the target"));
+        response
+            .headers_mut()
+            .insert("x-answer", HeaderValue::from_static("yes"));
+        response
+            .headers_mut()
+            .insert("content-type", HeaderValue::from_static("text/plain"));
+        Ok(response)
+    });
+    let (fleet, worker) = fleet_with(relay_targets(vec![("fake", target)])).await;
     let before = gateway_link_stats(&fleet, &worker);
     let mut request = get("http://device.test:4700/v1/things?x=1&y=two");
     request
@@ -228,23 +193,19 @@ async fn a_get_crosses_on_a_channel_and_arrives_whole() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn twenty_mib_go_up_and_come_back_byte_for_byte() {
     let probe = Probe::new();
-    let upload_ok = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let target: Arc<dyn RelayTarget> = {
-        let (probe, upload_ok) = (probe.clone(), upload_ok.clone());
-        Arc::new(move |request: RelayRequest| {
-            let (probe, upload_ok) = (probe.clone(), upload_ok.clone());
+    let upload_ok = Arc::new(AtomicBool::new(false));
+    let target = probe.target({
+        let upload_ok = upload_ok.clone();
+        move |probe, request| {
+            let upload_ok = upload_ok.clone();
             async move {
-                probe.record(&request);
-                let body = drain_request(request.request.into_body(), &probe).await?;
+                let body = probe.drain(request.request.into_body()).await?;
                 upload_ok.store(body == pattern(1, 20 * MIB as usize), Ordering::SeqCst);
-                Ok(respond(
-                    200,
-                    pattern_response(2, 20 * MIB, Arc::default(), None),
-                ))
+                Ok(respond(200, pattern_response(2, 20 * MIB, Arc::default())))
             }
-        })
-    };
-    let (fleet, worker) = fleet_with(targets(vec![("fake", target)])).await;
+        }
+    });
+    let (fleet, worker) = fleet_with(relay_targets(vec![("fake", target)])).await;
     let call = RelayCall::new(
         "fake",
         request(
@@ -256,11 +217,7 @@ async fn twenty_mib_go_up_and_come_back_byte_for_byte() {
     );
     let response = relay(&fleet, &worker, call).await.unwrap();
     assert_eq!(response.status(), StatusCode::OK);
-    let mut check = PatternCheck::new(2);
-    let mut body = response.into_body();
-    while let Some(frame) = patient("a frame", body.frame()).await {
-        check.feed(&frame.unwrap().into_data().unwrap());
-    }
+    let check = check_pattern(response.into_body(), 2).await;
     assert!(check.ok, "the download arrived byte for byte");
     assert_eq!(check.offset, 20 * MIB);
     assert!(
@@ -275,19 +232,12 @@ async fn twenty_mib_go_up_and_come_back_byte_for_byte() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_empty_upload_and_a_get_relay() {
     let probe = Probe::new();
-    let target: Arc<dyn RelayTarget> = {
-        let probe = probe.clone();
-        Arc::new(move |request: RelayRequest| {
-            let probe = probe.clone();
-            async move {
-                probe.record(&request);
-                let ended = request.request.body().is_end_stream();
-                let body = drain_request(request.request.into_body(), &probe).await?;
-                Ok(respond(200, full_body(format!("{} {ended}", body.len()))))
-            }
-        })
-    };
-    let (fleet, worker) = fleet_with(targets(vec![("fake", target)])).await;
+    let target = probe.target(|probe, request| async move {
+        let ended = request.request.body().is_end_stream();
+        let body = probe.drain(request.request.into_body()).await?;
+        Ok(respond(200, full_body(format!("{} {ended}", body.len()))))
+    });
+    let (fleet, worker) = fleet_with(relay_targets(vec![("fake", target)])).await;
     // An upload stream that turns out empty: hasBody, then END at once.
     let empty_upload = PatternBody::new(3, 0).failing_after(u64::MAX);
     let response = relay(
@@ -318,17 +268,11 @@ async fn an_empty_upload_and_a_get_relay() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn small_uploads_right_behind_the_call_always_arrive() {
     let probe = Probe::new();
-    let target: Arc<dyn RelayTarget> = {
-        let probe = probe.clone();
-        Arc::new(move |request: RelayRequest| {
-            let probe = probe.clone();
-            async move {
-                let body = drain_request(request.request.into_body(), &probe).await?;
-                Ok(respond(200, full_body(body)))
-            }
-        })
-    };
-    let (fleet, worker) = fleet_with(targets(vec![("echo", target)])).await;
+    let target = probe.target(|probe, request| async move {
+        let body = probe.drain(request.request.into_body()).await?;
+        Ok(respond(200, full_body(body)))
+    });
+    let (fleet, worker) = fleet_with(relay_targets(vec![("echo", target)])).await;
     for n in 0..50u64 {
         let body = http_body_util::Full::new(Bytes::from(format!("upload {n}")));
         let response = relay(
@@ -350,32 +294,29 @@ async fn small_uploads_right_behind_the_call_always_arrive() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lease_renew_answers_while_a_twenty_mib_relay_runs() {
     let probe = Probe::new();
-    let pulled = Arc::new(AtomicU64::new(0));
     let stop = CancellationToken::new();
-    let target: Arc<dyn RelayTarget> = {
-        let (probe, pulled, stop) = (probe.clone(), pulled.clone(), stop.clone());
-        Arc::new(move |request: RelayRequest| {
-            let (probe, pulled, stop) = (probe.clone(), pulled.clone(), stop.clone());
+    let target = probe.target({
+        let stop = stop.clone();
+        move |_, _| {
+            let stop = stop.clone();
             async move {
-                probe.record(&request);
                 // Streams until told to stop; the caller reads all the while.
                 let chunks = futures::stream::unfold(0u64, move |sent| {
-                    let (pulled, stop) = (pulled.clone(), stop.clone());
+                    let stop = stop.clone();
                     async move {
                         if stop.is_cancelled() {
                             return None;
                         }
                         let mut buf = vec![0; 64 * 1024];
-                        simlock_e2e::relay::fill_pattern(4, sent, &mut buf);
-                        pulled.fetch_add(buf.len() as u64, Ordering::SeqCst);
+                        fill_pattern(4, sent, &mut buf);
                         Some((Ok::<_, BoxError>(Bytes::from(buf)), sent + 64 * 1024))
                     }
                 });
                 Ok(respond(200, stream_body(chunks)))
             }
-        })
-    };
-    let (fleet, worker) = fleet_with(targets(vec![("bulk", target)])).await;
+        }
+    });
+    let (fleet, worker) = fleet_with(relay_targets(vec![("bulk", target)])).await;
     let agent = fleet.agent("agent-1").await;
     let grant = agent
         .call("lease.request", json!({"platform": "ios"}))
@@ -383,13 +324,7 @@ async fn a_lease_renew_answers_while_a_twenty_mib_relay_runs() {
         .unwrap();
     let lease_id = grant["lease"]["id"].as_str().unwrap().to_owned();
 
-    let response = relay(
-        &fleet,
-        &worker,
-        RelayCall::new("bulk", get("http://t.test/bulk"), "t"),
-    )
-    .await
-    .unwrap();
+    let response = relay(&fleet, &worker, get_call("bulk")).await.unwrap();
     let read = Arc::new(AtomicU64::new(0));
     let reader = tokio::spawn({
         let read = read.clone();
@@ -433,17 +368,8 @@ async fn a_lease_renew_answers_while_a_twenty_mib_relay_runs() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_401_without_reading_the_upload_stops_the_callers_body() {
     let probe = Probe::new();
-    let target: Arc<dyn RelayTarget> = {
-        let probe = probe.clone();
-        Arc::new(move |request: RelayRequest| {
-            let probe = probe.clone();
-            async move {
-                probe.record(&request);
-                Ok(respond(401, full_body("who are you")))
-            }
-        })
-    };
-    let (fleet, worker) = fleet_with(targets(vec![("auth", target)])).await;
+    let target = probe.target(|_, _| async { Ok(respond(401, full_body("who are you"))) });
+    let (fleet, worker) = fleet_with(relay_targets(vec![("auth", target)])).await;
     let upload = PatternBody::new(5, 20 * MIB);
     let (pulled, dropped) = (upload.pulled.clone(), upload.dropped.clone());
     let response = relay(
@@ -481,34 +407,21 @@ async fn a_401_without_reading_the_upload_stops_the_callers_body() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_streamed_answer_reaches_the_caller_part_by_part() {
     let probe = Probe::new();
-    let target: Arc<dyn RelayTarget> = {
-        let probe = probe.clone();
-        Arc::new(move |request: RelayRequest| {
-            let probe = probe.clone();
+    let target = probe.target(|probe, _| async move {
+        let release = probe.release.clone();
+        let parts = futures::stream::iter([0, 1]).then(move |n| {
+            let release = release.clone();
             async move {
-                let release = probe.release.clone();
-                let parts = futures::stream::iter([0, 1]).then(move |n| {
-                    let release = release.clone();
-                    async move {
-                        if n == 1 {
-                            release.cancelled().await;
-                        }
-                        Ok::<_, BoxError>(Bytes::from(format!("part-{n};")))
-                    }
-                });
-                drop(request);
-                Ok(respond(200, stream_body(parts)))
+                if n == 1 {
+                    release.cancelled().await;
+                }
+                Ok::<_, BoxError>(Bytes::from(format!("part-{n};")))
             }
-        })
-    };
-    let (fleet, worker) = fleet_with(targets(vec![("parts", target)])).await;
-    let response = relay(
-        &fleet,
-        &worker,
-        RelayCall::new("parts", get("http://t.test/"), "t"),
-    )
-    .await
-    .unwrap();
+        });
+        Ok(respond(200, stream_body(parts)))
+    });
+    let (fleet, worker) = fleet_with(relay_targets(vec![("parts", target)])).await;
+    let response = relay(&fleet, &worker, get_call("parts")).await.unwrap();
     let mut body = response.into_body();
     let first = patient("the first part", body.frame())
         .await
@@ -524,8 +437,6 @@ async fn a_streamed_answer_reaches_the_caller_part_by_part() {
     fleet.stop().await;
 }
 
-use futures::StreamExt as _;
-
 /// 000/002: 204, 205 and 304 answers and a HEAD answer reach the caller with an empty body, and
 /// no body byte of theirs crosses; a GET answer keeps its body.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -534,7 +445,7 @@ async fn head_204_205_and_304_answers_have_no_body() {
         let status: u16 = request.request.uri().path()[1..].parse().unwrap_or(200);
         Ok(respond(status, full_body("a body that must not cross")))
     });
-    let (fleet, worker) = fleet_with(targets(vec![("nobody", target)])).await;
+    let (fleet, worker) = fleet_with(relay_targets(vec![("nobody", target)])).await;
     for (method, status) in [
         (Method::GET, 204),
         (Method::GET, 205),
@@ -587,25 +498,15 @@ async fn head_204_205_and_304_answers_have_no_body() {
 async fn a_caller_that_reads_nothing_holds_the_target_back() {
     let probe = Probe::new();
     let pulled = Arc::new(AtomicU64::new(0));
-    let target: Arc<dyn RelayTarget> = {
-        let (probe, pulled) = (probe.clone(), pulled.clone());
-        Arc::new(move |request: RelayRequest| {
-            let (probe, pulled) = (probe.clone(), pulled.clone());
-            async move {
-                probe.record(&request);
-                probe.watch_cancel(request.cancel.clone());
-                Ok(respond(200, pattern_response(8, 80 * MIB, pulled, None)))
-            }
-        })
-    };
-    let (fleet, worker) = fleet_with(targets(vec![("big", target)])).await;
-    let response = relay(
-        &fleet,
-        &worker,
-        RelayCall::new("big", get("http://t.test/"), "t"),
-    )
-    .await
-    .unwrap();
+    let target = probe.target({
+        let pulled = pulled.clone();
+        move |_, _| {
+            let pulled = pulled.clone();
+            async move { Ok(respond(200, pattern_response(8, 80 * MIB, pulled))) }
+        }
+    });
+    let (fleet, worker) = fleet_with(relay_targets(vec![("big", target)])).await;
+    let response = relay(&fleet, &worker, get_call("big")).await.unwrap();
     wait_until("the gateway's window is used up", || {
         gateway_link_stats(&fleet, &worker).bytes_received >= 256 * 1024
     })
@@ -621,11 +522,7 @@ async fn a_caller_that_reads_nothing_holds_the_target_back() {
         pulled.load(Ordering::SeqCst)
     );
     drop(response);
-    probe
-        .wait("the target is cancelled", |p| {
-            p.cancelled.load(Ordering::SeqCst) == 1
-        })
-        .await;
+    probe.wait_cancelled(1).await;
     no_channel_open(&fleet, &worker).await;
     fleet.stop().await;
 }
@@ -635,52 +532,24 @@ async fn a_caller_that_reads_nothing_holds_the_target_back() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_caller_abort_before_the_head_fails_the_call_and_cancels_the_target() {
     let probe = Probe::new();
-    let (fleet, worker) = fleet_with(targets(vec![("hold", holding(&probe))])).await;
+    let (fleet, worker) = fleet_with(relay_targets(vec![("hold", holding(&probe))])).await;
     let abort = CancellationToken::new();
-    let mut call = RelayCall::new("hold", get("http://t.test/"), "t");
+    let mut call = get_call("hold");
     call.cancel = Some(abort.clone());
-    let relay_task = tokio::spawn({
-        let relay = fleet.gateway().relay.clone();
-        let worker = worker.clone();
-        async move { relay.relay(&worker, call).await }
-    });
-    probe
-        .wait("the target is called", |p| {
-            p.calls.load(Ordering::SeqCst) == 1
-        })
-        .await;
+    let relay_task = spawn_relay(&fleet, &worker, call);
+    probe.wait_calls(1).await;
     abort.cancel();
     let err = patient("the relay", relay_task).await.unwrap().unwrap_err();
     assert_eq!(err.code, ErrorCode::Cancelled);
     assert_eq!(err.message, "The caller cancelled the relay");
-    probe
-        .wait("the target is cancelled", |p| {
-            p.cancelled.load(Ordering::SeqCst) == 1
-        })
-        .await;
+    probe.wait_cancelled(1).await;
     no_channel_open(&fleet, &worker).await;
 
     // Dropping the future is an abort too.
-    let dropped = tokio::spawn({
-        let relay = fleet.gateway().relay.clone();
-        let worker = worker.clone();
-        async move {
-            relay
-                .relay(&worker, RelayCall::new("hold", get("http://t.test/"), "t"))
-                .await
-        }
-    });
-    probe
-        .wait("the target is called again", |p| {
-            p.calls.load(Ordering::SeqCst) == 2
-        })
-        .await;
+    let dropped = spawn_relay(&fleet, &worker, get_call("hold"));
+    probe.wait_calls(2).await;
     dropped.abort();
-    probe
-        .wait("the second target is cancelled", |p| {
-            p.cancelled.load(Ordering::SeqCst) == 2
-        })
-        .await;
+    probe.wait_cancelled(2).await;
     no_channel_open(&fleet, &worker).await;
     fleet.stop().await;
 }
@@ -691,39 +560,28 @@ async fn a_caller_abort_before_the_head_fails_the_call_and_cancels_the_target() 
 async fn dropping_the_body_after_the_head_cancels_the_target_and_frees_the_channel() {
     let probe = Probe::new();
     let pulled = Arc::new(AtomicU64::new(0));
-    let (fleet, worker) =
-        fleet_with(targets(vec![("stream", streaming_forever(&probe, pulled))])).await;
-    let response = relay(
-        &fleet,
-        &worker,
-        RelayCall::new("stream", get("http://t.test/"), "t"),
-    )
-    .await
-    .unwrap();
+    let (fleet, worker) = fleet_with(relay_targets(vec![(
+        "stream",
+        streaming_forever(&probe, pulled),
+    )]))
+    .await;
+    let response = relay(&fleet, &worker, get_call("stream")).await.unwrap();
     let mut body = response.into_body();
     let first = patient("a frame", body.frame()).await.unwrap().unwrap();
     assert!(!first.into_data().unwrap().is_empty());
     drop(body);
-    probe
-        .wait("the target is cancelled", |p| {
-            p.cancelled.load(Ordering::SeqCst) == 1
-        })
-        .await;
+    probe.wait_cancelled(1).await;
     no_channel_open(&fleet, &worker).await;
 
     // The signal after the head errors the body.
     let abort = CancellationToken::new();
-    let mut call = RelayCall::new("stream", get("http://t.test/"), "t");
+    let mut call = get_call("stream");
     call.cancel = Some(abort.clone());
     let response = relay(&fleet, &worker, call).await.unwrap();
     abort.cancel();
     let err = read_body(response.into_body()).await.unwrap_err();
     assert_eq!(err.code, ErrorCode::Cancelled);
-    probe
-        .wait("the second target is cancelled", |p| {
-            p.cancelled.load(Ordering::SeqCst) == 2
-        })
-        .await;
+    probe.wait_cancelled(2).await;
     no_channel_open(&fleet, &worker).await;
     fleet.stop().await;
 }
@@ -733,34 +591,18 @@ async fn dropping_the_body_after_the_head_cancels_the_target_and_frees_the_chann
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_caller_body_that_fails_mid_upload_cancels_the_target() {
     let probe = Probe::new();
-    let target: Arc<dyn RelayTarget> = {
-        let probe = probe.clone();
-        Arc::new(move |request: RelayRequest| {
-            let probe = probe.clone();
-            async move {
-                probe.record(&request);
-                probe.watch_cancel(request.cancel.clone());
-                drain_request(request.request.into_body(), &probe).await?;
-                Ok(respond(200, empty_body()))
-            }
-        })
-    };
-    let (fleet, worker) = fleet_with(targets(vec![("sink", target)])).await;
+    let target = probe.target(|probe, request| async move {
+        probe.drain(request.request.into_body()).await?;
+        Ok(respond(200, empty_body()))
+    });
+    let (fleet, worker) = fleet_with(relay_targets(vec![("sink", target)])).await;
     let upload = PatternBody::new(9, 20 * MIB).failing_after(MIB);
-    let err = relay(
-        &fleet,
-        &worker,
-        RelayCall::new("sink", request(Method::PUT, "http://t.test/", upload), "t"),
-    )
-    .await
-    .unwrap_err();
+    let err = relay(&fleet, &worker, put_call("sink", upload))
+        .await
+        .unwrap_err();
     assert_eq!(err.code, ErrorCode::Cancelled);
     assert!(err.message.contains("the caller's upload broke"), "{err}");
-    probe
-        .wait("the target is cancelled", |p| {
-            p.cancelled.load(Ordering::SeqCst) == 1
-        })
-        .await;
+    probe.wait_cancelled(1).await;
     assert!(probe.read.load(Ordering::SeqCst) <= MIB);
     no_channel_open(&fleet, &worker).await;
     fleet.stop().await;
@@ -772,22 +614,14 @@ async fn a_caller_body_that_fails_mid_upload_cancels_the_target() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_200_ms_deadline_fails_before_the_head_and_errors_the_body_after_it() {
     let probe = Probe::new();
-    let stalling: Arc<dyn RelayTarget> = {
-        let probe = probe.clone();
-        Arc::new(move |request: RelayRequest| {
-            let probe = probe.clone();
-            async move {
-                probe.record(&request);
-                probe.watch_cancel(request.cancel.clone());
-                let first = futures::stream::once(async {
-                    Ok::<_, BoxError>(Bytes::from_static(b"head and a little"))
-                });
-                let never = futures::stream::pending();
-                Ok(respond(200, stream_body(first.chain(never))))
-            }
-        })
-    };
-    let (fleet, worker) = fleet_with(targets(vec![
+    let stalling = probe.target(|_, _| async {
+        let first = futures::stream::once(async {
+            Ok::<_, BoxError>(Bytes::from_static(b"head and a little"))
+        });
+        let never = futures::stream::pending();
+        Ok(respond(200, stream_body(first.chain(never))))
+    });
+    let (fleet, worker) = fleet_with(relay_targets(vec![
         ("hold", holding(&probe)),
         ("stall", stalling),
     ]))
@@ -797,37 +631,23 @@ async fn a_200_ms_deadline_fails_before_the_head_and_errors_the_body_after_it() 
         .relay
         .with_deadline(Duration::from_millis(200));
     let message = format!("worker {worker} did not finish the relayed request within 200 ms");
-    let err = patient(
-        "the relay",
-        short.relay(&worker, RelayCall::new("hold", get("http://t.test/"), "t")),
-    )
-    .await
-    .unwrap_err();
+    let err = patient("the relay", short.relay(&worker, get_call("hold")))
+        .await
+        .unwrap_err();
     assert_eq!(err.code, ErrorCode::WorkerUnreachable);
     assert_eq!(err.message, message);
-    probe
-        .wait("the target is cancelled", |p| {
-            p.cancelled.load(Ordering::SeqCst) == 1
-        })
-        .await;
+    probe.wait_cancelled(1).await;
 
-    let response = patient(
-        "the relay",
-        short.relay(&worker, RelayCall::new("stall", get("http://t.test/"), "t")),
-    )
-    .await
-    .unwrap();
+    let response = patient("the relay", short.relay(&worker, get_call("stall")))
+        .await
+        .unwrap();
     let mut body = response.into_body();
     let first = patient("a frame", body.frame()).await.unwrap().unwrap();
     assert_eq!(first.into_data().unwrap(), "head and a little");
     let err = read_body(body).await.unwrap_err();
     assert_eq!(err.code, ErrorCode::WorkerUnreachable);
     assert_eq!(err.message, message);
-    probe
-        .wait("the stalled target is cancelled", |p| {
-            p.cancelled.load(Ordering::SeqCst) == 2
-        })
-        .await;
+    probe.wait_cancelled(2).await;
     no_channel_open(&fleet, &worker).await;
     fleet.stop().await;
 }
@@ -839,35 +659,19 @@ async fn a_200_ms_deadline_fails_before_the_head_and_errors_the_body_after_it() 
 async fn closing_the_uplink_mid_relay_is_worker_unreachable_and_cancels_the_target() {
     let probe = Probe::new();
     let pulled = Arc::new(AtomicU64::new(0));
-    let (mut fleet, worker) = fleet_with(targets(vec![
+    let (mut fleet, worker) = fleet_with(relay_targets(vec![
         ("hold", holding(&probe)),
         ("stream", streaming_forever(&probe, pulled)),
     ]))
     .await;
-    let pending = tokio::spawn({
-        let relay = fleet.gateway().relay.clone();
-        let worker = worker.clone();
-        async move {
-            relay
-                .relay(&worker, RelayCall::new("hold", get("http://t.test/"), "t"))
-                .await
-        }
-    });
-    probe
-        .wait("the target is called", |p| {
-            p.calls.load(Ordering::SeqCst) == 1
-        })
-        .await;
+    let pending = spawn_relay(&fleet, &worker, get_call("hold"));
+    probe.wait_calls(1).await;
     let first = fleet.gateway().fleet.conn(&worker).unwrap();
     first.close();
     let err = patient("the relay", pending).await.unwrap().unwrap_err();
     assert_eq!(err.code, ErrorCode::WorkerUnreachable);
     assert_eq!(err.details.unwrap()["workerId"], worker.as_str());
-    probe
-        .wait("the target is cancelled", |p| {
-            p.cancelled.load(Ordering::SeqCst) == 1
-        })
-        .await;
+    probe.wait_cancelled(1).await;
 
     // After the head: the worker comes back; the uplink drops again mid-body.
     fleet
@@ -876,23 +680,13 @@ async fn closing_the_uplink_mid_relay_is_worker_unreachable_and_cancels_the_targ
                 .is_some_and(|c| c.generation != first.generation)
         })
         .await;
-    let response = relay(
-        &fleet,
-        &worker,
-        RelayCall::new("stream", get("http://t.test/"), "t"),
-    )
-    .await
-    .unwrap();
+    let response = relay(&fleet, &worker, get_call("stream")).await.unwrap();
     let mut body = response.into_body();
     patient("a frame", body.frame()).await.unwrap().unwrap();
     fleet.gateway().fleet.conn(&worker).unwrap().close();
     let err = read_body(body).await.unwrap_err();
     assert_eq!(err.code, ErrorCode::WorkerUnreachable);
-    probe
-        .wait("the streaming target is cancelled", |p| {
-            p.cancelled.load(Ordering::SeqCst) == 2
-        })
-        .await;
+    probe.wait_cancelled(2).await;
     fleet.stop_worker(0).await;
     fleet.stop().await;
 }
@@ -902,14 +696,11 @@ async fn closing_the_uplink_mid_relay_is_worker_unreachable_and_cancels_the_targ
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_relay_to_a_worker_without_an_uplink_fails_before_anything_is_sent() {
     let probe = Probe::new();
-    let (mut fleet, worker) = fleet_with(targets(vec![("fake", answering(&probe, "x"))])).await;
-    let err = relay(
-        &fleet,
-        "no-such-worker",
-        RelayCall::new("fake", get("http://t.test/"), "t"),
-    )
-    .await
-    .unwrap_err();
+    let (mut fleet, worker) =
+        fleet_with(relay_targets(vec![("fake", answering(&probe, "x"))])).await;
+    let err = relay(&fleet, "no-such-worker", get_call("fake"))
+        .await
+        .unwrap_err();
     assert_eq!(err.code, ErrorCode::WorkerUnreachable);
     fleet.stop_worker(0).await;
     fleet
@@ -919,13 +710,7 @@ async fn a_relay_to_a_worker_without_an_uplink_fails_before_anything_is_sent() {
             })
         })
         .await;
-    let err = relay(
-        &fleet,
-        &worker,
-        RelayCall::new("fake", get("http://t.test/"), "t"),
-    )
-    .await
-    .unwrap_err();
+    let err = relay(&fleet, &worker, get_call("fake")).await.unwrap_err();
     assert_eq!(err.code, ErrorCode::WorkerUnreachable);
     assert_eq!(
         err.message,
@@ -940,14 +725,10 @@ async fn a_relay_to_a_worker_without_an_uplink_fails_before_anything_is_sent() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_target_nobody_registered_is_relay_target_missing() {
     let probe = Probe::new();
-    let (fleet, worker) = fleet_with(targets(vec![("fake", answering(&probe, "x"))])).await;
-    let err = relay(
-        &fleet,
-        &worker,
-        RelayCall::new("nobody", get("http://t.test/"), "t"),
-    )
-    .await
-    .unwrap_err();
+    let (fleet, worker) = fleet_with(relay_targets(vec![("fake", answering(&probe, "x"))])).await;
+    let err = relay(&fleet, &worker, get_call("nobody"))
+        .await
+        .unwrap_err();
     assert_eq!(err.code, ErrorCode::RelayTargetMissing);
     assert_eq!(err.details.unwrap(), json!({"target": "nobody"}));
     assert_eq!(ErrorCode::RelayTargetMissing.http_status(), 503);
@@ -963,14 +744,11 @@ async fn a_target_nobody_registered_is_relay_target_missing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failing_target_is_internal_and_logged_and_a_failing_body_errors_after_its_bytes() {
     let logs = logs();
-    let probe = Probe::new();
-    let failing: Arc<dyn RelayTarget> = Arc::new(|_: RelayRequest| async {
-        Err::<http::Response<ResponseBody>, BoxError>("kaput-7f3a".into())
-    });
+    let release = CancellationToken::new();
     let breaking: Arc<dyn RelayTarget> = {
-        let probe = probe.clone();
+        let release = release.clone();
         Arc::new(move |_: RelayRequest| {
-            let release = probe.release.clone();
+            let release = release.clone();
             async move {
                 let parts = futures::stream::iter([0, 1]).then(move |n| {
                     let release = release.clone();
@@ -986,15 +764,14 @@ async fn a_failing_target_is_internal_and_logged_and_a_failing_body_errors_after
             }
         })
     };
-    let (fleet, worker) =
-        fleet_with(targets(vec![("failing", failing), ("breaking", breaking)])).await;
-    let err = relay(
-        &fleet,
-        &worker,
-        RelayCall::new("failing", get("http://t.test/"), "t"),
-    )
-    .await
-    .unwrap_err();
+    let (fleet, worker) = fleet_with(relay_targets(vec![
+        ("failing", failing("kaput-7f3a")),
+        ("breaking", breaking),
+    ]))
+    .await;
+    let err = relay(&fleet, &worker, get_call("failing"))
+        .await
+        .unwrap_err();
     assert_eq!(err.code, ErrorCode::Internal);
     assert!(err.message.contains("kaput-7f3a"), "{err}");
     wait_until("the worker logs the target's message", || {
@@ -1002,17 +779,11 @@ async fn a_failing_target_is_internal_and_logged_and_a_failing_body_errors_after
     })
     .await;
 
-    let response = relay(
-        &fleet,
-        &worker,
-        RelayCall::new("breaking", get("http://t.test/"), "t"),
-    )
-    .await
-    .unwrap();
+    let response = relay(&fleet, &worker, get_call("breaking")).await.unwrap();
     let mut body = response.into_body();
     let first = patient("a frame", body.frame()).await.unwrap().unwrap();
     assert_eq!(first.into_data().unwrap(), "first part");
-    probe.release.cancel();
+    release.cancel();
     let err = read_body(body).await.unwrap_err();
     assert_eq!(err.code, ErrorCode::Internal);
     assert!(err.message.contains("body-broke-91c2"), "{err}");
@@ -1030,29 +801,22 @@ async fn a_failing_target_is_internal_and_logged_and_a_failing_body_errors_after
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn headers_are_filtered_both_ways() {
     let probe = Probe::new();
-    let target: Arc<dyn RelayTarget> = {
-        let probe = probe.clone();
-        Arc::new(move |request: RelayRequest| {
-            let probe = probe.clone();
-            async move {
-                probe.record(&request);
-                let mut response = respond(200, full_body("12345"));
-                let headers = response.headers_mut();
-                for (name, value) in [
-                    ("content-length", "5"),
-                    ("connection", "x-answer-hop"),
-                    ("x-answer-hop", "hop"),
-                    ("keep-alive", "timeout=5"),
-                    ("proxy-authenticate", "Basic"),
-                    ("x-answer-kept", "kept"),
-                ] {
-                    headers.insert(name, HeaderValue::from_static(value));
-                }
-                Ok(response)
-            }
-        })
-    };
-    let (fleet, worker) = fleet_with(targets(vec![("fake", target)])).await;
+    let target = probe.target(|_, _| async {
+        let mut response = respond(200, full_body("12345"));
+        let headers = response.headers_mut();
+        for (name, value) in [
+            ("content-length", "5"),
+            ("connection", "x-answer-hop"),
+            ("x-answer-hop", "hop"),
+            ("keep-alive", "timeout=5"),
+            ("proxy-authenticate", "Basic"),
+            ("x-answer-kept", "kept"),
+        ] {
+            headers.insert(name, HeaderValue::from_static(value));
+        }
+        Ok(response)
+    });
+    let (fleet, worker) = fleet_with(relay_targets(vec![("fake", target)])).await;
     let mut request = request(
         Method::POST,
         "http://t.test/",
@@ -1098,17 +862,11 @@ async fn headers_are_filtered_both_ways() {
 async fn a_target_answering_101_headers_is_internal_and_logged() {
     let logs = logs();
     let target: Arc<dyn RelayTarget> = Arc::new(|request: RelayRequest| async move {
-        let count: usize = request.request.uri().path()[1..].parse().unwrap();
-        let mut response = respond(200, full_body("ok"));
-        for n in 0..count {
-            response.headers_mut().insert(
-                http::HeaderName::from_bytes(format!("x-many-{n}").as_bytes()).unwrap(),
-                HeaderValue::from_static("v"),
-            );
-        }
-        Ok(response)
+        Ok(with_headers(
+            request.request.uri().path()[1..].parse().unwrap(),
+        ))
     });
-    let (fleet, worker) = fleet_with(targets(vec![("many", target)])).await;
+    let (fleet, worker) = fleet_with(relay_targets(vec![("many", target)])).await;
     let err = relay(
         &fleet,
         &worker,
@@ -1117,9 +875,12 @@ async fn a_target_answering_101_headers_is_internal_and_logged() {
     .await
     .unwrap_err();
     assert_eq!(err.code, ErrorCode::Internal);
-    assert!(err.message.contains("101 headers (at most 100)"), "{err}");
+    assert!(
+        err.message.contains("at most 100 headers, got 101"),
+        "{err}"
+    );
     wait_until("the worker logs the bound", || {
-        logs.has_line(&["out of bounds", "101 headers"])
+        logs.has_line(&["out of bounds", "at most 100 headers, got 101"])
     })
     .await;
     let response = relay(
@@ -1134,57 +895,18 @@ async fn a_target_answering_101_headers_is_internal_and_logged() {
     fleet.stop().await;
 }
 
-fn exec_config(script: &str) -> simlock_daemon::config::Config {
-    let mut config = worker_config(2);
-    config.exec.tools.insert(
-        "talk".into(),
-        simlock_daemon::config::ToolConfig {
-            command: "/bin/sh".into(),
-            args: vec!["-c".into(), script.into(), "sh".into()],
-        },
-    );
-    config
-}
-
-/// Collects a call's pushes up to its reply.
-async fn pushes_and_reply(
-    mut call: simlock_wire::CallHandle,
-) -> (
-    Vec<simlock_contract::PushFrame>,
-    Result<Value, ContractError>,
-) {
-    let mut pushes = Vec::new();
-    loop {
-        match patient("the call's next event", call.next()).await {
-            CallEvent::Push(push) => pushes.push(push),
-            CallEvent::Reply(reply) => return (pushes, reply),
-        }
-    }
-}
-
 /// 000: a relay and a device.exec with output running at once on one worker each get only their
 /// own pushes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_relay_and_an_exec_on_one_worker_each_get_only_their_own_pushes() {
     let probe = Probe::new();
-    let target: Arc<dyn RelayTarget> = {
-        let probe = probe.clone();
-        Arc::new(move |request: RelayRequest| {
-            let probe = probe.clone();
-            async move {
-                probe.record(&request);
-                Ok(respond(
-                    200,
-                    pattern_response(11, 4 * MIB, Arc::default(), None),
-                ))
-            }
-        })
-    };
+    let target = probe
+        .target(|_, _| async { Ok(respond(200, pattern_response(11, 4 * MIB, Arc::default()))) });
     let mut fleet = TestFleet::start(gateway_config()).await;
     add_relay_worker(
         &mut fleet,
         exec_config("for i in 1 2 3 4 5 6 7 8; do echo out-$i; done"),
-        targets(vec![("bulk", target)]),
+        relay_targets(vec![("bulk", target)]),
         None,
     )
     .await;
@@ -1209,16 +931,8 @@ async fn a_relay_and_an_exec_on_one_worker_each_get_only_their_own_pushes() {
         let relay = fleet.gateway().relay.clone();
         let worker = worker.clone();
         async move {
-            let response = relay
-                .relay(&worker, RelayCall::new("bulk", get("http://t.test/"), "t"))
-                .await
-                .unwrap();
-            let mut check = PatternCheck::new(11);
-            let mut body = response.into_body();
-            while let Some(frame) = body.frame().await {
-                check.feed(&frame.unwrap().into_data().unwrap());
-            }
-            check
+            let response = relay.relay(&worker, get_call("bulk")).await.unwrap();
+            check_pattern(response.into_body(), 11).await
         }
     });
     let (pushes, reply) = pushes_and_reply(exec).await;
@@ -1254,40 +968,23 @@ async fn a_relay_and_an_exec_on_one_worker_each_get_only_their_own_pushes() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_65th_relay_to_one_worker_waits_for_a_channel() {
     let probe = Probe::new();
-    let (fleet, worker) = fleet_with(targets(vec![("hold", holding(&probe))])).await;
-    let spawn_relay = |relay: simlock_relay_gateway::GatewayRelay| {
-        let worker = worker.clone();
-        tokio::spawn(async move {
-            let response = relay
-                .relay(&worker, RelayCall::new("hold", get("http://t.test/"), "t"))
-                .await?;
-            read_body(response.into_body()).await
-        })
-    };
+    let (fleet, worker) = fleet_with(relay_targets(vec![("hold", holding(&probe))])).await;
     let mut held: Vec<_> = (0..63)
-        .map(|_| spawn_relay(fleet.gateway().relay.clone()))
+        .map(|_| spawn_relay(&fleet, &worker, get_call("hold")))
         .collect();
-    probe
-        .wait("63 targets hold", |p| p.calls.load(Ordering::SeqCst) == 63)
-        .await;
-    held.push(spawn_relay(fleet.gateway().relay.clone()));
-    probe
-        .wait("the 64th starts at once", |p| {
-            p.calls.load(Ordering::SeqCst) == 64
-        })
-        .await;
+    probe.wait_calls(63).await;
+    held.push(spawn_relay(&fleet, &worker, get_call("hold")));
+    // The 64th starts at once.
+    probe.wait_calls(64).await;
     assert_eq!(gateway_link_stats(&fleet, &worker).open_channels, 64);
 
     let short = fleet
         .gateway()
         .relay
         .with_deadline(Duration::from_millis(200));
-    let err = patient(
-        "the 65th",
-        short.relay(&worker, RelayCall::new("hold", get("http://t.test/"), "t")),
-    )
-    .await
-    .unwrap_err();
+    let err = patient("the 65th", short.relay(&worker, get_call("hold")))
+        .await
+        .unwrap_err();
     assert_eq!(err.code, ErrorCode::WorkerUnreachable);
     assert_eq!(
         err.message,
@@ -1296,13 +993,9 @@ async fn the_65th_relay_to_one_worker_waits_for_a_channel() {
     assert_eq!(probe.calls.load(Ordering::SeqCst), 64, "it never started");
 
     let abort = CancellationToken::new();
-    let mut call = RelayCall::new("hold", get("http://t.test/"), "t");
+    let mut call = get_call("hold");
     call.cancel = Some(abort.clone());
-    let waiting = tokio::spawn({
-        let relay = fleet.gateway().relay.clone();
-        let worker = worker.clone();
-        async move { relay.relay(&worker, call).await }
-    });
+    let waiting = spawn_relay(&fleet, &worker, call);
     abort.cancel();
     let err = patient("the aborted 65th", waiting)
         .await
@@ -1311,20 +1004,14 @@ async fn the_65th_relay_to_one_worker_waits_for_a_channel() {
     assert_eq!(err.code, ErrorCode::Cancelled);
     assert_eq!(probe.calls.load(Ordering::SeqCst), 64, "it never started");
 
-    let last = spawn_relay(fleet.gateway().relay.clone());
+    held.push(spawn_relay(&fleet, &worker, get_call("hold")));
     probe.permits.add_permits(1);
-    probe
-        .wait("the 65th starts once one ended", |p| {
-            p.calls.load(Ordering::SeqCst) == 65
-        })
-        .await;
+    // The 65th starts once one ended.
+    probe.wait_calls(65).await;
     probe.permits.add_permits(64);
-    held.push(last);
     for relay in held {
-        assert_eq!(
-            patient("a held relay", relay).await.unwrap().unwrap(),
-            b"released"
-        );
+        let response = patient("a held relay", relay).await.unwrap().unwrap();
+        assert_eq!(read_body(response.into_body()).await.unwrap(), b"released");
     }
     no_channel_open(&fleet, &worker).await;
     fleet.stop().await;
@@ -1335,28 +1022,23 @@ async fn the_65th_relay_to_one_worker_waits_for_a_channel() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_way_a_relay_ends_gives_its_channel_back() {
     let probe = Probe::new();
-    let (fleet, worker) = fleet_with(targets(vec![
+    let (fleet, worker) = fleet_with(relay_targets(vec![
         ("hold", holding(&probe)),
         ("auth", answering(&probe, "no")),
     ]))
     .await;
-    let relay = fleet.gateway().relay.clone();
-    let short = relay.with_deadline(Duration::from_millis(200));
+    let short = fleet
+        .gateway()
+        .relay
+        .with_deadline(Duration::from_millis(200));
     for _ in 0..16 {
         let calls = probe.calls.load(Ordering::SeqCst);
         // Cancelled by its caller once its target holds it.
         let abort = CancellationToken::new();
-        let mut call = RelayCall::new("hold", get("http://t.test/"), "t");
+        let mut call = get_call("hold");
         call.cancel = Some(abort.clone());
-        let cancelled = tokio::spawn({
-            let (relay, worker) = (relay.clone(), worker.clone());
-            async move { relay.relay(&worker, call).await.map(drop) }
-        });
-        probe
-            .wait("the target holds", |p| {
-                p.calls.load(Ordering::SeqCst) == calls + 1
-            })
-            .await;
+        let cancelled = spawn_relay(&fleet, &worker, call);
+        probe.wait_calls(calls + 1).await;
         abort.cancel();
         let err = patient("a cancelled relay", cancelled)
             .await
@@ -1366,60 +1048,26 @@ async fn every_way_a_relay_ends_gives_its_channel_back() {
         // Timed out.
         let err = patient(
             "a relay past its deadline",
-            short.relay(&worker, RelayCall::new("hold", get("http://t.test/"), "t")),
+            short.relay(&worker, get_call("hold")),
         )
         .await
         .unwrap_err();
         assert_eq!(err.code, ErrorCode::WorkerUnreachable);
         // A missing target.
-        let err = patient(
-            "a relay to nobody",
-            relay.relay(
-                &worker,
-                RelayCall::new("nobody", get("http://t.test/"), "t"),
-            ),
-        )
-        .await
-        .unwrap_err();
+        let err = relay(&fleet, &worker, get_call("nobody"))
+            .await
+            .unwrap_err();
         assert_eq!(err.code, ErrorCode::RelayTargetMissing);
         // Answered without reading its upload.
-        let response = patient(
-            "a relay answered early",
-            relay.relay(
-                &worker,
-                RelayCall::new(
-                    "auth",
-                    request(Method::PUT, "http://t.test/", PatternBody::new(12, MIB)),
-                    "t",
-                ),
-            ),
-        )
-        .await
-        .unwrap();
+        let response = relay(&fleet, &worker, put_call("auth", PatternBody::new(12, MIB)))
+            .await
+            .unwrap();
         assert_eq!(read_body(response.into_body()).await.unwrap(), b"no");
     }
     no_channel_open(&fleet, &worker).await;
-    let response = relay
-        .relay(&worker, RelayCall::new("auth", get("http://t.test/"), "t"))
-        .await
-        .unwrap();
+    let response = relay(&fleet, &worker, get_call("auth")).await.unwrap();
     assert_eq!(read_body(response.into_body()).await.unwrap(), b"no");
     fleet.stop().await;
-}
-
-/// A target that reads its whole upload, checks it against the pattern `seed`, and answers
-/// `<bytes> <ok>`.
-fn checking_upload(probe: &Arc<Probe>, seed: u64) -> Arc<dyn RelayTarget> {
-    let probe = probe.clone();
-    Arc::new(move |request: RelayRequest| {
-        let probe = probe.clone();
-        async move {
-            probe.record(&request);
-            let body = drain_request(request.request.into_body(), &probe).await?;
-            let ok = body == pattern(seed, body.len());
-            Ok(respond(200, full_body(format!("{} {ok}", body.len()))))
-        }
-    })
 }
 
 /// 002: a relay sent while the worker is still starting holds its channel, and its 2 MiB upload
@@ -1432,25 +1080,16 @@ async fn a_relay_parked_by_start_up_gets_its_2_mib_upload_once_start_up_converge
     add_relay_worker(
         &mut fleet,
         worker_config(2),
-        targets(vec![("up", checking_upload(&probe, 13))]),
+        relay_targets(vec![("up", checking_upload(&probe, 13))]),
         Some(hold.clone()),
     )
     .await;
     let worker = fleet.worker_id(0);
-    let relaying = tokio::spawn({
-        let relay = fleet.gateway().relay.clone();
-        let worker = worker.clone();
-        async move {
-            let upload = PatternBody::new(13, 2 * MIB);
-            let response = relay
-                .relay(
-                    &worker,
-                    RelayCall::new("up", request(Method::PUT, "http://t.test/", upload), "t"),
-                )
-                .await?;
-            read_body(response.into_body()).await
-        }
-    });
+    let relaying = spawn_relay(
+        &fleet,
+        &worker,
+        put_call("up", PatternBody::new(13, 2 * MIB)),
+    );
     // The upload fills the worker's window and waits for credit while the relay is parked.
     wait_until("the gateway's upload waits for credit", || {
         gateway_link_stats(&fleet, &worker).credit_stalls >= 1
@@ -1459,10 +1098,11 @@ async fn a_relay_parked_by_start_up_gets_its_2_mib_upload_once_start_up_converge
     assert_eq!(probe.calls.load(Ordering::SeqCst), 0, "the relay is parked");
     assert_eq!(gateway_link_stats(&fleet, &worker).open_channels, 1);
     hold.cancel();
-    let answer = patient("the parked relay", relaying)
+    let response = patient("the parked relay", relaying)
         .await
         .unwrap()
         .unwrap();
+    let answer = read_body(response.into_body()).await.unwrap();
     assert_eq!(answer, format!("{} true", 2 * MIB).as_bytes());
     fleet.stop().await;
 }
@@ -1477,23 +1117,22 @@ async fn an_upload_parked_past_the_stall_timeout_fails_internal_with_the_stall_m
     let logs = logs();
     let probe = Probe::new();
     let hold = CancellationToken::new();
-    let mut fleet = fleet_with_timing(gateway_config(), |timing| {
+    let mut fleet = TestFleet::start_with(gateway_config(), |timing| {
         timing.link_stall_timeout = Duration::from_millis(300);
     })
     .await;
     add_relay_worker(
         &mut fleet,
         worker_config(2),
-        targets(vec![("up", checking_upload(&probe, 14))]),
+        relay_targets(vec![("up", checking_upload(&probe, 14))]),
         Some(hold.clone()),
     )
     .await;
     let worker = fleet.worker_id(0);
-    let upload = PatternBody::new(14, 8 * MIB);
     let err = relay(
         &fleet,
         &worker,
-        RelayCall::new("up", request(Method::PUT, "http://t.test/", upload), "t"),
+        put_call("up", PatternBody::new(14, 8 * MIB)),
     )
     .await
     .unwrap_err();
@@ -1529,96 +1168,49 @@ async fn an_upload_parked_past_the_stall_timeout_fails_internal_with_the_stall_m
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_gateway_refuses_what_breaks_a_bound_before_anything_is_sent() {
     let probe = Probe::new();
-    let (fleet, worker) = fleet_with(targets(vec![("fake", answering(&probe, "ok"))])).await;
+    let (fleet, worker) = fleet_with(relay_targets(vec![("fake", answering(&probe, "ok"))])).await;
     let before = gateway_link_stats(&fleet, &worker);
-    let bad = |mut call: RelayCall<http_body_util::Full<Bytes>>| {
+    let send = |call: RelayCall<http_body_util::Full<Bytes>>| {
         let (fleet, worker) = (&fleet, &worker);
-        async move {
-            if call.request.uri().to_string().is_empty() {
-                *call.request.uri_mut() = "http://t.test/".parse().unwrap();
-            }
-            relay(fleet, worker, call).await.map(drop)
-        }
+        async move { relay(fleet, worker, call).await.map(drop) }
     };
     let body = |text: &'static str| http_body_util::Full::new(Bytes::from_static(text.as_bytes()));
     let url_of = |len: usize| format!("http://t.test/{}", "a".repeat(len - 14));
+    let call = |method: Method, url: &str, text: &'static str| {
+        RelayCall::new("fake", request(method, url, body(text)), "t")
+    };
     let many = |count: usize, value_len: usize| {
-        let mut request = request(Method::GET, "http://t.test/", body(""));
+        let mut call = call(Method::GET, "http://t.test/", "");
         for n in 0..count {
-            request.headers_mut().insert(
+            call.request.headers_mut().insert(
                 http::HeaderName::from_bytes(format!("x-h-{n}").as_bytes()).unwrap(),
                 HeaderValue::from_str(&"v".repeat(value_len)).unwrap(),
             );
         }
-        request
+        call
+    };
+    let with = |change: fn(&mut RelayCall<http_body_util::Full<Bytes>>)| {
+        let mut call = call(Method::GET, "http://t.test/", "");
+        change(&mut call);
+        call
     };
     let cases: Vec<(&str, RelayCall<http_body_util::Full<Bytes>>)> = vec![
-        (
-            "method",
-            RelayCall::new(
-                "fake",
-                request(Method::TRACE, "http://t.test/", body("")),
-                "t",
-            ),
-        ),
-        (
-            "relative url",
-            RelayCall::new("fake", request(Method::GET, "/relative", body("")), "t"),
-        ),
-        (
-            "ftp url",
-            RelayCall::new(
-                "fake",
-                request(Method::GET, "ftp://t.test/x", body("")),
-                "t",
-            ),
-        ),
-        (
-            "long url",
-            RelayCall::new("fake", request(Method::GET, &url_of(4097), body("")), "t"),
-        ),
-        ("101 headers", RelayCall::new("fake", many(101, 1), "t")),
-        ("long value", RelayCall::new("fake", many(1, 8193), "t")),
-        (
-            "long tenant",
-            RelayCall::new(
-                "fake",
-                request(Method::GET, "http://t.test/", body("")),
-                "t".repeat(301),
-            ),
-        ),
-        (
-            "target",
-            RelayCall::new(
-                "Fake",
-                request(Method::GET, "http://t.test/", body("")),
-                "t",
-            ),
-        ),
-        (
-            "get with a body",
-            RelayCall::new(
-                "fake",
-                request(Method::GET, "http://t.test/", body("x")),
-                "t",
-            ),
-        ),
-        (
-            "empty tenant",
-            RelayCall::new("fake", request(Method::GET, "http://t.test/", body("")), ""),
-        ),
+        ("method", call(Method::TRACE, "http://t.test/", "")),
+        ("relative url", call(Method::GET, "/relative", "")),
+        ("ftp url", call(Method::GET, "ftp://t.test/x", "")),
+        ("long url", call(Method::GET, &url_of(4097), "")),
+        ("101 headers", many(101, 1)),
+        ("long value", many(1, 8193)),
+        ("long tenant", with(|c| c.tenant = "t".repeat(301))),
+        ("target", with(|c| c.target = "Fake".into())),
+        ("get with a body", call(Method::GET, "http://t.test/", "x")),
+        ("empty tenant", with(|c| c.tenant = String::new())),
+        ("lease id", with(|c| c.lease_id = Some("XYZ".into()))),
     ];
     for (what, call) in cases {
-        let err = bad(call).await.unwrap_err();
+        let err = send(call).await.unwrap_err();
         assert_eq!(err.code, ErrorCode::BadRequest, "{what}: {err}");
     }
-    let mut call = RelayCall::new(
-        "fake",
-        request(Method::GET, "http://t.test/", body("")),
-        "t",
-    );
-    call.lease_id = Some("XYZ".into());
-    assert_eq!(bad(call).await.unwrap_err().code, ErrorCode::BadRequest);
     assert_eq!(probe.calls.load(Ordering::SeqCst), 0);
     let after = gateway_link_stats(&fleet, &worker);
     assert_eq!(
@@ -1627,23 +1219,14 @@ async fn the_gateway_refuses_what_breaks_a_bound_before_anything_is_sent() {
     );
 
     // At the limits.
-    let mut call = RelayCall::new(
-        "fake",
-        request(Method::GET, &url_of(4096), body("")),
-        "t".repeat(300),
-    );
-    call.lease_id = Some(LEASE.into());
-    bad(call).await.unwrap();
-    bad(RelayCall::new("fake", many(100, 8192), "t"))
+    let mut at = call(Method::GET, &url_of(4096), "");
+    at.tenant = "t".repeat(300);
+    at.lease_id = Some(LEASE.into());
+    send(at).await.unwrap();
+    send(many(100, 8192)).await.unwrap();
+    send(call(Method::POST, "http://t.test/", "x"))
         .await
         .unwrap();
-    bad(RelayCall::new(
-        "fake",
-        request(Method::POST, "http://t.test/", body("x")),
-        "t",
-    ))
-    .await
-    .unwrap();
     assert_eq!(probe.calls.load(Ordering::SeqCst), 3);
     fleet.stop().await;
 }
@@ -1654,21 +1237,13 @@ fn raw_link() -> LinkConfig {
     LinkConfig::new(End::Gateway)
 }
 
-async fn open(raw: &RawWorker) -> simlock_link::Channel {
-    patient(
-        "a channel",
-        raw.uplink.link.open_channel(&CancellationToken::new()),
+/// A raw gateway end whose writers stall after 200 ms without credit.
+fn stalling_raw_link() -> LinkConfig {
+    link_config(
+        End::Gateway,
+        Duration::from_millis(200),
+        Duration::from_secs(30),
     )
-    .await
-    .unwrap()
-}
-
-async fn begin(raw: &RawWorker, op: &str, payload: Value) -> simlock_wire::CallHandle {
-    raw.uplink.client.begin(op, payload, 64).await.unwrap()
-}
-
-async fn call_raw(raw: &RawWorker, op: &str, payload: Value) -> Result<Value, ContractError> {
-    patient(op, raw.uplink.client.call_value(op, payload)).await
 }
 
 /// Reads a channel's response direction to its failure and returns the reason.
@@ -1694,27 +1269,11 @@ fn payload_with(
     payload
 }
 
-/// A target that answers a body failing after its first part.
-fn breaking() -> Arc<dyn RelayTarget> {
-    Arc::new(|_: RelayRequest| async {
-        let parts = futures::stream::iter([
-            Ok(Bytes::from_static(b"first")),
-            Err::<Bytes, BoxError>("broken after the head".into()),
-        ]);
-        Ok(respond(200, stream_body(parts)))
-    })
-}
-
-fn too_many_headers() -> Arc<dyn RelayTarget> {
-    Arc::new(|_: RelayRequest| async {
-        let mut response = respond(200, empty_body());
-        for n in 0..101 {
-            response.headers_mut().insert(
-                http::HeaderName::from_bytes(format!("x-{n}").as_bytes()).unwrap(),
-                HeaderValue::from_static("v"),
-            );
-        }
-        Ok(response)
+/// A PUT with a body, as `raw_request` builds it otherwise.
+fn raw_upload(relay_id: &str, target: &str, channel: &str) -> Value {
+    payload_with(relay_id, target, channel, |p| {
+        p["method"] = json!("PUT");
+        p["hasBody"] = json!(true);
     })
 }
 
@@ -1724,7 +1283,7 @@ fn too_many_headers() -> Arc<dyn RelayTarget> {
 async fn relay_operations_off_the_uplink_are_forbidden() {
     let probe = Probe::new();
     let raw = RawWorker::start(
-        targets(vec![("fake", answering(&probe, "x"))]),
+        relay_targets(vec![("fake", answering(&probe, "x"))]),
         false,
         raw_link(),
     )
@@ -1756,14 +1315,13 @@ async fn relay_operations_off_the_uplink_are_forbidden() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_way_a_relay_fails_on_the_worker_aborts_its_channel() {
     let probe = Probe::new();
-    let failing: Arc<dyn RelayTarget> = Arc::new(|_: RelayRequest| async {
-        Err::<http::Response<ResponseBody>, BoxError>("no".into())
-    });
+    let too_many: Arc<dyn RelayTarget> =
+        Arc::new(|_: RelayRequest| async { Ok(with_headers(101)) });
     let raw = RawWorker::start(
-        targets(vec![
+        relay_targets(vec![
             ("hold", holding(&probe)),
-            ("fail", failing),
-            ("many", too_many_headers()),
+            ("fail", failing("no")),
+            ("many", too_many),
             ("break", breaking()),
         ]),
         false,
@@ -1771,16 +1329,14 @@ async fn every_way_a_relay_fails_on_the_worker_aborts_its_channel() {
     )
     .await;
     // The first relay with id "dup" holds its target.
-    let held = open(&raw).await;
-    let dup = begin(
-        &raw,
-        "relay.request",
-        raw_request("dup", "hold", &held.id().to_string()),
-    )
-    .await;
-    probe
-        .wait("the target holds", |p| p.calls.load(Ordering::SeqCst) == 1)
+    let held = raw.open().await;
+    let dup = raw
+        .begin(
+            "relay.request",
+            raw_request("dup", "hold", held.id().as_str()),
+        )
         .await;
+    probe.wait_calls(1).await;
     type Payload = Box<dyn Fn(&str) -> Value>;
     let cases: Vec<(&str, Payload, ErrorCode)> = vec![
         (
@@ -1815,10 +1371,9 @@ async fn every_way_a_relay_fails_on_the_worker_aborts_its_channel() {
         ),
     ];
     for (what, payload, code) in cases {
-        let channel = open(&raw).await;
-        let id = channel.id().to_string();
-        let (mut reader, _writer) = channel.into_split();
-        let err = call_raw(&raw, "relay.request", payload(&id))
+        let (mut reader, writer) = raw.open().await.into_split();
+        let err = raw
+            .call("relay.request", payload(writer.id().as_str()))
             .await
             .unwrap_err();
         assert_eq!(err.code, code, "{what}: {err}");
@@ -1828,7 +1383,7 @@ async fn every_way_a_relay_fails_on_the_worker_aborts_its_channel() {
             "{what}"
         );
     }
-    call_raw(&raw, "relay.cancel", json!({"relayId": "dup"}))
+    raw.call("relay.cancel", json!({"relayId": "dup"}))
         .await
         .unwrap();
     let (_, reply) = pushes_and_reply(dup).await;
@@ -1836,11 +1391,19 @@ async fn every_way_a_relay_fails_on_the_worker_aborts_its_channel() {
     raw.stop().await;
 
     // Start-up failure: the parked relay fails DAEMON_STARTUP_FAILED and its channel is aborted.
-    let raw = RawWorker::start(targets(vec![("hold", holding(&probe))]), true, raw_link()).await;
-    let channel = open(&raw).await;
-    let id = channel.id().to_string();
-    let (mut reader, _writer) = channel.into_split();
-    let parked = begin(&raw, "relay.request", raw_request("p1", "hold", &id)).await;
+    let raw = RawWorker::start(
+        relay_targets(vec![("hold", holding(&probe))]),
+        true,
+        raw_link(),
+    )
+    .await;
+    let (mut reader, writer) = raw.open().await.into_split();
+    let parked = raw
+        .begin(
+            "relay.request",
+            raw_request("p1", "hold", writer.id().as_str()),
+        )
+        .await;
     raw.worker()
         .running
         .base
@@ -1857,7 +1420,8 @@ async fn every_way_a_relay_fails_on_the_worker_aborts_its_channel() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cancel_of_an_unknown_relay_answers_empty() {
     let raw = RawWorker::start(RelayTargets::new(), false, raw_link()).await;
-    let answer = call_raw(&raw, "relay.cancel", json!({"relayId": "nobody"}))
+    let answer = raw
+        .call("relay.cancel", json!({"relayId": "nobody"}))
         .await
         .unwrap();
     assert_eq!(answer, json!({}));
@@ -1870,13 +1434,18 @@ async fn a_cancel_of_an_unknown_relay_answers_empty() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_channel_never_opened_or_already_accepted_or_malformed_is_bad_request() {
     let probe = Probe::new();
-    let raw = RawWorker::start(targets(vec![("hold", holding(&probe))]), false, raw_link()).await;
-    let held = open(&raw).await;
+    let raw = RawWorker::start(
+        relay_targets(vec![("hold", holding(&probe))]),
+        false,
+        raw_link(),
+    )
+    .await;
+    let held = raw.open().await;
     let held_id = held.id().to_string();
-    let first = begin(&raw, "relay.request", raw_request("a", "hold", &held_id)).await;
-    probe
-        .wait("the target holds", |p| p.calls.load(Ordering::SeqCst) == 1)
+    let first = raw
+        .begin("relay.request", raw_request("a", "hold", &held_id))
         .await;
+    probe.wait_calls(1).await;
     for (what, payload) in [
         ("never opened", raw_request("b", "hold", "c999")),
         ("already accepted", raw_request("c", "hold", &held_id)),
@@ -1889,11 +1458,11 @@ async fn a_channel_never_opened_or_already_accepted_or_malformed_is_bad_request(
             }),
         ),
     ] {
-        let err = call_raw(&raw, "relay.request", payload).await.unwrap_err();
+        let err = raw.call("relay.request", payload).await.unwrap_err();
         assert_eq!(err.code, ErrorCode::BadRequest, "{what}: {err}");
     }
     assert_eq!(probe.calls.load(Ordering::SeqCst), 1);
-    call_raw(&raw, "relay.cancel", json!({"relayId": "a"}))
+    raw.call("relay.cancel", json!({"relayId": "a"}))
         .await
         .unwrap();
     let (_, reply) = pushes_and_reply(first).await;
@@ -1907,14 +1476,13 @@ async fn a_channel_never_opened_or_already_accepted_or_malformed_is_bad_request(
 async fn a_has_body_false_relay_stops_bytes_that_still_come() {
     let probe = Probe::new();
     let raw = RawWorker::start(
-        targets(vec![("ok", answering(&probe, "fine"))]),
+        relay_targets(vec![("ok", answering(&probe, "fine"))]),
         false,
         raw_link(),
     )
     .await;
-    let channel = open(&raw).await;
-    let id = channel.id().to_string();
-    let (mut reader, mut writer) = channel.into_split();
+    let (mut reader, mut writer) = raw.open().await.into_split();
+    let id = writer.id().to_string();
     let writing = tokio::spawn(async move {
         loop {
             if let Err(e) = writer.write_bytes(Bytes::from(vec![7u8; 64 * 1024])).await {
@@ -1922,7 +1490,8 @@ async fn a_has_body_false_relay_stops_bytes_that_still_come() {
             }
         }
     });
-    let answer = call_raw(&raw, "relay.request", raw_request("r", "ok", &id))
+    let answer = raw
+        .call("relay.request", raw_request("r", "ok", &id))
         .await
         .unwrap();
     assert_eq!(answer, json!({}));
@@ -1943,28 +1512,26 @@ async fn a_has_body_false_relay_stops_bytes_that_still_come() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cancel_answers_cancelled_with_no_push_after_it() {
     let probe = Probe::new();
-    let stubborn: Arc<dyn RelayTarget> = {
-        let probe = probe.clone();
-        Arc::new(move |request: RelayRequest| {
-            let probe = probe.clone();
-            async move {
-                probe.record(&request);
-                probe.watch_cancel(request.cancel.clone());
-                request.cancel.cancelled().await;
-                Ok(respond(200, full_body("answered anyway")))
-            }
-        })
-    };
-    let raw = RawWorker::start(targets(vec![("stubborn", stubborn)]), false, raw_link()).await;
-    let channel = open(&raw).await;
-    let id = channel.id().to_string();
-    let (mut reader, _writer) = channel.into_split();
-    let call = begin(&raw, "relay.request", raw_request("r", "stubborn", &id)).await;
-    probe
-        .wait("the target runs", |p| p.calls.load(Ordering::SeqCst) == 1)
+    let stubborn = probe.target(|_, request| async move {
+        request.cancel.cancelled().await;
+        Ok(respond(200, full_body("answered anyway")))
+    });
+    let raw = RawWorker::start(
+        relay_targets(vec![("stubborn", stubborn)]),
+        false,
+        raw_link(),
+    )
+    .await;
+    let (mut reader, writer) = raw.open().await.into_split();
+    let call = raw
+        .begin(
+            "relay.request",
+            raw_request("r", "stubborn", writer.id().as_str()),
+        )
         .await;
+    probe.wait_calls(1).await;
     assert_eq!(
-        call_raw(&raw, "relay.cancel", json!({"relayId": "r"}))
+        raw.call("relay.cancel", json!({"relayId": "r"}))
             .await
             .unwrap(),
         json!({})
@@ -1972,11 +1539,7 @@ async fn a_cancel_answers_cancelled_with_no_push_after_it() {
     let (pushes, reply) = pushes_and_reply(call).await;
     assert_eq!(reply.unwrap(), json!({"cancelled": true}));
     assert!(pushes.is_empty(), "no push after the cancel: {pushes:?}");
-    probe
-        .wait("the target's signal fired", |p| {
-            p.cancelled.load(Ordering::SeqCst) == 1
-        })
-        .await;
+    probe.wait_cancelled(1).await;
     assert_eq!(failure_of(&mut reader).await, FailureReason::Aborted);
     raw.stop().await;
 }
@@ -1987,45 +1550,34 @@ async fn a_cancel_answers_cancelled_with_no_push_after_it() {
 async fn a_parked_relay_whose_channel_failed_answers_by_the_table_without_its_target() {
     let probe = Probe::new();
     let raw = RawWorker::start(
-        targets(vec![("up", checking_upload(&probe, 15))]),
+        relay_targets(vec![("up", checking_upload(&probe, 15))]),
         true,
-        link_config(
-            End::Gateway,
-            Duration::from_millis(200),
-            Duration::from_secs(30),
-        ),
+        stalling_raw_link(),
     )
     .await;
-    let stalling = open(&raw).await;
-    let stalling_id = stalling.id().to_string();
-    let (_stalling_reader, mut writer) = stalling.into_split();
+    let (_stalling_reader, mut writer) = raw.open().await.into_split();
+    let stalling_id = writer.id().to_string();
     let writing = tokio::spawn(async move {
         for offset in (0..8 * MIB).step_by(64 * 1024) {
             let mut buf = vec![0; 64 * 1024];
-            simlock_e2e::relay::fill_pattern(15, offset, &mut buf);
+            fill_pattern(15, offset, &mut buf);
             if let Err(e) = writer.write_bytes(Bytes::from(buf)).await {
                 return Some(e.reason());
             }
         }
         None
     });
-    let stalled = begin(
-        &raw,
-        "relay.request",
-        payload_with("s", "up", &stalling_id, |p| {
-            p["method"] = json!("PUT");
-            p["hasBody"] = json!(true);
-        }),
-    )
-    .await;
-    let aborting = open(&raw).await;
+    let stalled = raw
+        .begin("relay.request", raw_upload("s", "up", &stalling_id))
+        .await;
+    let aborting = raw.open().await;
     let sent = raw.uplink.link.stats().texts_sent;
-    let aborted = begin(
-        &raw,
-        "relay.request",
-        raw_request("a", "up", &aborting.id().to_string()),
-    )
-    .await;
+    let aborted = raw
+        .begin(
+            "relay.request",
+            raw_request("a", "up", aborting.id().as_str()),
+        )
+        .await;
     // ABORT goes before text on the link: abort only once the call's line went.
     wait_until("the call's line went", || {
         raw.uplink.link.stats().texts_sent > sent
@@ -2058,42 +1610,24 @@ async fn a_parked_relay_whose_channel_failed_answers_by_the_table_without_its_ta
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_channel_that_stalls_under_a_running_target_fails_the_relay_internal() {
     let probe = Probe::new();
-    let late: Arc<dyn RelayTarget> = {
-        let probe = probe.clone();
-        Arc::new(move |request: RelayRequest| {
-            let probe = probe.clone();
-            async move {
-                probe.record(&request);
-                probe.release.cancelled().await;
-                Ok(respond(200, full_body("late")))
-            }
-        })
-    };
+    let late = probe.target(|probe, _| async move {
+        probe.release.cancelled().await;
+        Ok(respond(200, full_body("late")))
+    });
     let raw = RawWorker::start(
-        targets(vec![("late", late)]),
+        relay_targets(vec![("late", late)]),
         false,
-        link_config(
-            End::Gateway,
-            Duration::from_millis(200),
-            Duration::from_secs(30),
-        ),
+        stalling_raw_link(),
     )
     .await;
-    let channel = open(&raw).await;
-    let id = channel.id().to_string();
-    let (_reader, mut writer) = channel.into_split();
-    let call = begin(
-        &raw,
-        "relay.request",
-        payload_with("r", "late", &id, |p| {
-            p["method"] = json!("PUT");
-            p["hasBody"] = json!(true);
-        }),
-    )
-    .await;
-    probe
-        .wait("the target runs", |p| p.calls.load(Ordering::SeqCst) == 1)
+    let (_reader, mut writer) = raw.open().await.into_split();
+    let call = raw
+        .begin(
+            "relay.request",
+            raw_upload("r", "late", writer.id().as_str()),
+        )
         .await;
+    probe.wait_calls(1).await;
     let reason = loop {
         if let Err(e) = writer.write_bytes(Bytes::from(vec![1u8; 64 * 1024])).await {
             break e.reason();
@@ -2123,7 +1657,7 @@ async fn each_bound_is_refused_one_past_its_limit_and_passes_at_it() {
     let probe = Probe::new();
     let long_target = format!("a{}", "b".repeat(63));
     let raw = RawWorker::start(
-        targets(vec![
+        relay_targets(vec![
             ("fake", answering(&probe, "ok")),
             (long_target.as_str(), answering(&probe, "ok")),
         ]),
@@ -2184,19 +1718,16 @@ async fn each_bound_is_refused_one_past_its_limit_and_passes_at_it() {
         ("unknown key", Box::new(|p| p["extra"] = json!(1))),
     ];
     for (n, (what, change)) in past.iter().enumerate() {
-        let channel = open(&raw).await;
-        let mut payload = raw_request(&format!("past-{n}"), "fake", &channel.id().to_string());
+        let channel = raw.open().await;
+        let mut payload = raw_request(&format!("past-{n}"), "fake", channel.id().as_str());
         change(&mut payload);
-        let err = call_raw(&raw, "relay.request", payload).await.unwrap_err();
+        let err = raw.call("relay.request", payload).await.unwrap_err();
         assert_eq!(err.code, ErrorCode::BadRequest, "{what}: {err}");
     }
-    let err = call_raw(
-        &raw,
-        "relay.request",
-        raw_request("c", "fake", &"c".repeat(33)),
-    )
-    .await
-    .unwrap_err();
+    let err = raw
+        .call("relay.request", raw_request("c", "fake", &"c".repeat(33)))
+        .await
+        .unwrap_err();
     assert_eq!(err.code, ErrorCode::BadRequest);
     assert_eq!(
         probe.calls.load(Ordering::SeqCst),
@@ -2204,7 +1735,6 @@ async fn each_bound_is_refused_one_past_its_limit_and_passes_at_it() {
         "nothing out of bounds ran"
     );
 
-    let url_of = |len: usize| format!("http://t.test/{}", "a".repeat(len - 14));
     let at: Vec<(&str, Change)> = vec![
         (
             "relayId",
@@ -2212,7 +1742,7 @@ async fn each_bound_is_refused_one_past_its_limit_and_passes_at_it() {
         ),
         (
             "target",
-            Box::new(move |p| p["target"] = json!(format!("a{}", "b".repeat(63)))),
+            Box::new(move |p| p["target"] = json!(long_target)),
         ),
         ("url", Box::new(move |p| p["url"] = json!(url_of(4096)))),
         (
@@ -2234,12 +1764,11 @@ async fn each_bound_is_refused_one_past_its_limit_and_passes_at_it() {
         ),
     ];
     for (what, change) in &at {
-        let channel = open(&raw).await;
-        let (_reader, mut writer) = channel.into_split();
-        let mut payload = raw_request("at", "fake", &writer.id().to_string());
+        let (_reader, mut writer) = raw.open().await.into_split();
+        let mut payload = raw_request("at", "fake", writer.id().as_str());
         change(&mut payload);
         writer.finish().await.unwrap();
-        let answer = call_raw(&raw, "relay.request", payload).await;
+        let answer = raw.call("relay.request", payload).await;
         assert_eq!(answer.unwrap(), json!({}), "{what}");
     }
     assert_eq!(probe.calls.load(Ordering::SeqCst), at.len());
@@ -2255,46 +1784,40 @@ async fn closing_the_connection_cancels_its_relays_and_an_exec_keeps_running() {
     let probe = Probe::new();
     let raw = RawWorker::start_with(
         exec_config(r#"while [ ! -e "$1" ]; do sleep 0.01; done; echo done > "$2""#),
-        targets(vec![("hold", holding(&probe))]),
+        relay_targets(vec![("hold", holding(&probe))]),
         false,
         raw_link(),
     )
     .await;
-    let grant = call_raw(&raw, "lease.request", json!({"platform": "ios"}))
+    let grant = raw
+        .call("lease.request", json!({"platform": "ios"}))
         .await
         .unwrap();
-    let exec = begin(
-        &raw,
-        "device.exec",
-        json!({
-            "leaseId": grant["lease"]["id"],
-            "tool": "talk",
-            "args": [go.to_str().unwrap(), marker.to_str().unwrap()],
-            "requesterId": grant["lease"]["requesterId"],
-        }),
-    )
-    .await;
-    let mut exec = exec;
+    let mut exec = raw
+        .begin(
+            "device.exec",
+            json!({
+                "leaseId": grant["lease"]["id"],
+                "tool": "talk",
+                "args": [go.to_str().unwrap(), marker.to_str().unwrap()],
+                "requesterId": grant["lease"]["requesterId"],
+            }),
+        )
+        .await;
     match patient("the exec starts", exec.next()).await {
         CallEvent::Push(push) => assert_eq!(push.push, "started"),
         CallEvent::Reply(reply) => panic!("the exec ended early: {reply:?}"),
     }
-    let channel = open(&raw).await;
-    let _relay = begin(
-        &raw,
-        "relay.request",
-        raw_request("r", "hold", &channel.id().to_string()),
-    )
-    .await;
-    probe
-        .wait("the target holds", |p| p.calls.load(Ordering::SeqCst) == 1)
+    let channel = raw.open().await;
+    let _relay = raw
+        .begin(
+            "relay.request",
+            raw_request("r", "hold", channel.id().as_str()),
+        )
         .await;
+    probe.wait_calls(1).await;
     raw.uplink.link.close();
-    probe
-        .wait("the relay is cancelled", |p| {
-            p.cancelled.load(Ordering::SeqCst) == 1
-        })
-        .await;
+    probe.wait_cancelled(1).await;
     std::fs::write(&go, b"go").unwrap();
     wait_until("the exec ran to its end", || marker.exists()).await;
     raw.stop().await;
@@ -2305,36 +1828,37 @@ async fn closing_the_connection_cancels_its_relays_and_an_exec_keeps_running() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn on_one_connection_a_relay_and_an_exec_get_only_their_own_pushes() {
     let target: Arc<dyn RelayTarget> = Arc::new(|_: RelayRequest| async {
-        Ok(respond(
-            202,
-            pattern_response(16, 2 * MIB, Arc::default(), None),
-        ))
+        Ok(respond(202, pattern_response(16, 2 * MIB, Arc::default())))
     });
     let raw = RawWorker::start_with(
         exec_config("for i in 1 2 3 4 5; do echo line-$i; echo err-$i >&2; done"),
-        targets(vec![("bulk", target)]),
+        relay_targets(vec![("bulk", target)]),
         false,
         raw_link(),
     )
     .await;
-    let grant = call_raw(&raw, "lease.request", json!({"platform": "ios"}))
+    let grant = raw
+        .call("lease.request", json!({"platform": "ios"}))
         .await
         .unwrap();
-    let exec = begin(
-        &raw,
-        "device.exec",
-        json!({
-            "leaseId": grant["lease"]["id"],
-            "tool": "talk",
-            "args": [],
-            "requesterId": grant["lease"]["requesterId"],
-        }),
-    )
-    .await;
-    let channel = open(&raw).await;
-    let id = channel.id().to_string();
-    let (mut reader, _writer) = channel.into_split();
-    let relay = begin(&raw, "relay.request", raw_request("r", "bulk", &id)).await;
+    let exec = raw
+        .begin(
+            "device.exec",
+            json!({
+                "leaseId": grant["lease"]["id"],
+                "tool": "talk",
+                "args": [],
+                "requesterId": grant["lease"]["requesterId"],
+            }),
+        )
+        .await;
+    let (mut reader, writer) = raw.open().await.into_split();
+    let relay = raw
+        .begin(
+            "relay.request",
+            raw_request("r", "bulk", writer.id().as_str()),
+        )
+        .await;
     let (exec_id, relay_id) = (exec.id(), relay.id());
     let reading = tokio::spawn(async move {
         let mut check = PatternCheck::new(16);
@@ -2396,13 +1920,9 @@ async fn an_invalid_relay_head_fails_internal_and_sends_relay_cancel() {
         .boxed()
     })
     .await;
-    let err = relay(
-        &fleet,
-        "scripted",
-        RelayCall::new("fake", get("http://t.test/"), "t"),
-    )
-    .await
-    .unwrap_err();
+    let err = relay(&fleet, "scripted", get_call("fake"))
+        .await
+        .unwrap_err();
     assert_eq!(err.code, ErrorCode::Internal);
     assert!(
         err.message
@@ -2468,13 +1988,7 @@ async fn a_worker_internal_after_the_head_errors_the_body_with_its_message() {
         .boxed()
     })
     .await;
-    let response = relay(
-        &fleet,
-        "scripted",
-        RelayCall::new("fake", get("http://t.test/"), "t"),
-    )
-    .await
-    .unwrap();
+    let response = relay(&fleet, "scripted", get_call("fake")).await.unwrap();
     let err = read_body(response.into_body()).await.unwrap_err();
     assert_eq!(err.code, ErrorCode::Internal);
     assert_eq!(err.message, "the worker broke after the head");
@@ -2497,13 +2011,9 @@ async fn daemon_stopping_from_a_worker_reads_as_a_lost_uplink() {
         .boxed()
     })
     .await;
-    let err = relay(
-        &fleet,
-        "scripted",
-        RelayCall::new("fake", get("http://t.test/"), "t"),
-    )
-    .await
-    .unwrap_err();
+    let err = relay(&fleet, "scripted", get_call("fake"))
+        .await
+        .unwrap_err();
     assert_eq!(err.code, ErrorCode::WorkerUnreachable);
     assert_eq!(err.details.unwrap()["workerId"], "scripted");
     fleet.stop().await;
@@ -2513,36 +2023,30 @@ async fn daemon_stopping_from_a_worker_reads_as_a_lost_uplink() {
 /// byte, and its body ends only at the channel's END.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_answer_that_overtakes_the_body_still_delivers_every_byte() {
-    let links: Arc<parking_lot::Mutex<Option<simlock_link::LinkHandle>>> = Arc::default();
-    let (fleet, _worker, link) = scripted(worker_link(), {
-        let links = links.clone();
-        move |call| {
-            let channel = call.accept();
-            let link = links.lock().clone().unwrap();
-            async move {
-                // Counted before the head: the head and then the answer go first.
-                let sent = link.stats().texts_sent;
-                call.head(200, vec![]).await;
-                let (_reader, mut writer) = channel.unwrap().into_split();
-                tokio::spawn(async move {
-                    // The answer goes first; the body follows it on the socket.
-                    while link.stats().texts_sent <= sent + 1 {
-                        tokio::task::yield_now().await;
-                    }
-                    for offset in (0..20 * MIB).step_by(256 * 1024) {
-                        let mut buf = vec![0; 256 * 1024];
-                        simlock_e2e::relay::fill_pattern(17, offset, &mut buf);
-                        writer.write_bytes(Bytes::from(buf)).await.unwrap();
-                    }
-                    writer.finish().await.unwrap();
-                });
-                Ok(json!({}))
-            }
-            .boxed()
+    let (fleet, _worker, _link) = scripted(worker_link(), |call| {
+        let channel = call.accept();
+        let link = call.link();
+        async move {
+            // Counted before the head: the head and then the answer go first.
+            let sent = link.stats().texts_sent;
+            call.head(200, vec![]).await;
+            let (_reader, mut writer) = channel.unwrap().into_split();
+            tokio::spawn(async move {
+                // The answer goes first; the body follows it on the socket.
+                wait_until("the answer went", || link.stats().texts_sent > sent + 1).await;
+                for offset in (0..20 * MIB).step_by(256 * 1024) {
+                    let mut buf = vec![0; 256 * 1024];
+                    fill_pattern(17, offset, &mut buf);
+                    writer.write_bytes(Bytes::from(buf)).await.unwrap();
+                }
+                writer.finish().await.unwrap();
+            });
+            Ok(json!({}))
         }
+        .boxed()
     })
     .await;
-    *links.lock() = Some(link);
+    // The gateway's bookkeeping calls are answered: the relay's texts are the only ones left.
     fleet
         .wait_for(|views| {
             views
@@ -2550,20 +2054,58 @@ async fn an_answer_that_overtakes_the_body_still_delivers_every_byte() {
                 .any(|v| v.id == "scripted" && v.catalog_read_at.is_some())
         })
         .await;
-    let response = relay(
-        &fleet,
-        "scripted",
-        RelayCall::new("fake", get("http://t.test/"), "t"),
-    )
-    .await
-    .unwrap();
-    let mut check = PatternCheck::new(17);
-    let mut body = response.into_body();
-    while let Some(frame) = patient("a frame", body.frame()).await {
-        check.feed(&frame.unwrap().into_data().unwrap());
-    }
+    let response = relay(&fleet, "scripted", get_call("fake")).await.unwrap();
+    let check = check_pattern(response.into_body(), 17).await;
     assert!(check.ok);
     assert_eq!(check.offset, 20 * MIB);
+    fleet.stop().await;
+}
+
+/// 002: response bytes that overtake their head wait at the gateway: a 1 MiB body that fills
+/// its window before the head is pushed, and a small body whose END went before the head, each
+/// reach the caller whole, in order, after the head.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_ahead_of_its_head_reaches_the_caller_whole() {
+    let (fleet, _worker, _link) = scripted(worker_link(), |call| {
+        let channel = call.accept();
+        let link = call.link();
+        let len = if call.payload["tenant"] == "small" {
+            1000
+        } else {
+            MIB
+        };
+        async move {
+            let (_reader, mut writer) = channel.unwrap().into_split();
+            let stalls = link.stats().credit_stalls;
+            let writing = tokio::spawn(async move {
+                let mut buf = vec![0; usize::try_from(len).unwrap()];
+                fill_pattern(20, 0, &mut buf);
+                writer.write_bytes(Bytes::from(buf)).await.unwrap();
+                writer.finish().await.unwrap();
+            });
+            if len == MIB {
+                // The body used up its window while the head was held back.
+                wait_until("the body fills its window", || {
+                    link.stats().credit_stalls > stalls
+                })
+                .await;
+            } else {
+                // The whole body and its END went before the head.
+                patient("the small body", writing).await.unwrap();
+            }
+            call.head(200, vec![]).await;
+            Ok(json!({}))
+        }
+        .boxed()
+    })
+    .await;
+    for (tenant, len) in [("large", MIB), ("small", 1000)] {
+        let call = RelayCall::new("fake", get("http://t.test/"), tenant);
+        let response = relay(&fleet, "scripted", call).await.unwrap();
+        let check = check_pattern(response.into_body(), 20).await;
+        assert!(check.ok, "{tenant}: every byte in order");
+        assert_eq!(check.offset, len, "{tenant}");
+    }
     fleet.stop().await;
 }
 
@@ -2594,15 +2136,9 @@ async fn an_answer_without_an_end_errors_the_body_at_the_deadline() {
         .gateway()
         .relay
         .with_deadline(Duration::from_millis(300));
-    let response = patient(
-        "the relay",
-        short.relay(
-            "scripted",
-            RelayCall::new("fake", get("http://t.test/"), "t"),
-        ),
-    )
-    .await
-    .unwrap();
+    let response = patient("the relay", short.relay("scripted", get_call("fake")))
+        .await
+        .unwrap();
     let mut body = response.into_body();
     let first = patient("a frame", body.frame()).await.unwrap().unwrap();
     assert_eq!(first.into_data().unwrap(), "some");
@@ -2648,13 +2184,7 @@ async fn a_stall_after_the_head_errors_the_body_with_the_stall_message() {
         },
     )
     .await;
-    let response = relay(
-        &fleet,
-        "scripted",
-        RelayCall::new("fake", get("http://t.test/"), "t"),
-    )
-    .await
-    .unwrap();
+    let response = relay(&fleet, "scripted", get_call("fake")).await.unwrap();
     patient("the worker's writer stalls", stalled.cancelled()).await;
     let err = read_body(response.into_body()).await.unwrap_err();
     assert_eq!(err.code, ErrorCode::Internal);
@@ -2689,31 +2219,21 @@ async fn an_abort_by_the_worker_reads_as_its_error_or_internal() {
         .boxed()
     })
     .await;
-    let upload = || PatternBody::new(18, 4 * MIB);
-    let err = relay(
-        &fleet,
-        "scripted",
+    let upload = |tenant: &str| {
         RelayCall::new(
             "fake",
-            request(Method::PUT, "http://t.test/", upload()),
-            "error",
-        ),
-    )
-    .await
-    .unwrap_err();
+            request(Method::PUT, "http://t.test/", PatternBody::new(18, 4 * MIB)),
+            tenant,
+        )
+    };
+    let err = relay(&fleet, "scripted", upload("error"))
+        .await
+        .unwrap_err();
     assert_eq!(err.code, ErrorCode::BadRequest);
     assert_eq!(err.message, "the worker said no");
-    let err = relay(
-        &fleet,
-        "scripted",
-        RelayCall::new(
-            "fake",
-            request(Method::PUT, "http://t.test/", upload()),
-            "quiet",
-        ),
-    )
-    .await
-    .unwrap_err();
+    let err = relay(&fleet, "scripted", upload("quiet"))
+        .await
+        .unwrap_err();
     assert_eq!(err.code, ErrorCode::Internal);
     assert!(err.message.contains("worker scripted"), "{err}");
     let response = relay(
@@ -2742,23 +2262,13 @@ async fn a_refused_channel_fails_internal_naming_the_worker() {
         |_call| futures::future::pending().boxed(),
     )
     .await;
-    let upload = PatternBody::new(19, 4 * MIB);
-    let err = relay(
-        &fleet,
-        "scripted",
-        RelayCall::new("fake", request(Method::PUT, "http://t.test/", upload), "t"),
-    )
-    .await
-    .unwrap_err();
+    let upload = put_call("fake", PatternBody::new(19, 4 * MIB));
+    let err = relay(&fleet, "scripted", upload).await.unwrap_err();
     assert_eq!(err.code, ErrorCode::Internal);
     assert_eq!(err.message, "worker scripted refused the relay's channel");
-    let err = relay(
-        &fleet,
-        "scripted",
-        RelayCall::new("fake", get("http://t.test/"), "t"),
-    )
-    .await
-    .unwrap_err();
+    let err = relay(&fleet, "scripted", get_call("fake"))
+        .await
+        .unwrap_err();
     assert_eq!(err.code, ErrorCode::Internal);
     assert_eq!(err.message, "worker scripted refused the relay's channel");
     worker.wait_cancels(2).await;
@@ -2817,10 +2327,7 @@ async fn a_callers_abort_sends_relay_cancel_before_and_after_the_head() {
     let abort = CancellationToken::new();
     let mut call = RelayCall::new("fake", get("http://t.test/"), "early");
     call.cancel = Some(abort.clone());
-    let relaying = tokio::spawn({
-        let relay = fleet.gateway().relay.clone();
-        async move { relay.relay("scripted", call).await }
-    });
+    let relaying = spawn_relay(&fleet, "scripted", call);
     wait_until("the worker has the relay", || relay_ids.lock().len() == 1).await;
     abort.cancel();
     let err = patient("the relay", relaying).await.unwrap().unwrap_err();

@@ -177,7 +177,11 @@ impl GatewayRelay {
         B::Data: Send,
         B::Error: Into<BoxError>,
     {
-        let deadline = Instant::now() + self.options.deadline;
+        // A deadline past what the clock can hold is no deadline (a year stands in for it).
+        let now = Instant::now();
+        let deadline = now
+            .checked_add(self.options.deadline)
+            .unwrap_or_else(|| now + Duration::from_secs(365 * 24 * 3600));
         let RelayCall {
             target,
             request,
@@ -198,18 +202,16 @@ impl GatewayRelay {
             stall: self.options.stall_timeout,
         };
         // The channel wait counts against the deadline; the caller may give up during it
-        // (dropping the wait gives its place up).
+        // (dropping the wait gives its place up, so the link needs no cancellation of its own:
+        // the signal is read here, and only here, to fail `CANCELLED`).
         let never = CancellationToken::new();
         let channel = tokio::select! {
             biased;
             () = signal.cancelled() => return Err(verdicts.error(Fail::CallerCancelled)),
             () = tokio::time::sleep_until(deadline) => return Err(verdicts.error(Fail::Deadline)),
-            opened = conn.link.open_channel(&never) => opened.map_err(|e| {
-                verdicts.error(match e.reason() {
-                    FailureReason::Closed => Fail::Closed,
-                    other => Fail::Channel(other),
-                })
-            })?,
+            opened = conn.link.open_channel(&never) => {
+                opened.map_err(|e| verdicts.error(Fail::Channel(e.reason())))?
+            }
         };
         input.channel = channel.id().to_string();
         let method_head = input.method == RelayMethod::Head;
@@ -329,7 +331,7 @@ enum Event {
 /// Why an exchange failed, before it becomes a contract error in [`Verdicts::error`].
 #[derive(Debug)]
 enum Fail {
-    Closed,
+    /// The channel failed (`closed`: the uplink is lost).
     Channel(FailureReason),
     PeerAborted,
     Deadline,
@@ -343,7 +345,10 @@ enum Fail {
 impl Fail {
     /// Whether the worker may still be running the relay, so `relay.cancel` should go.
     const fn worker_may_run(&self) -> bool {
-        !matches!(self, Self::Closed | Self::Worker(_) | Self::NoResponse)
+        !matches!(
+            self,
+            Self::Channel(FailureReason::Closed) | Self::Worker(_) | Self::NoResponse
+        )
     }
 }
 
@@ -359,7 +364,6 @@ impl Verdicts {
     fn error(&self, fail: Fail) -> ContractError {
         let worker = &self.worker_id;
         match fail {
-            Fail::Closed => unreachable(worker),
             Fail::Channel(FailureReason::Stalled) => ContractError::internal(format!(
                 "The relay's channel to worker {worker} stalled: no credit for {}",
                 span(self.stall)
@@ -490,13 +494,14 @@ impl Body for RelayBody {
     type Error = ContractError;
 
     fn poll_frame(
-        mut self: Pin<&mut Self>,
+        self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, ContractError>>> {
-        if self.done {
+        let this = self.get_mut();
+        if this.done {
             return Poll::Ready(None);
         }
-        let Some(exchange) = self.exchange.clone() else {
+        let Some(exchange) = this.exchange.as_deref() else {
             return Poll::Ready(None);
         };
         // The channel is no tokio resource: take part in the task's budget, so a caller that
@@ -506,7 +511,7 @@ impl Body for RelayBody {
         if let Some(failure) = &state.failure {
             let failure = failure.clone();
             drop(state);
-            self.done = true;
+            this.done = true;
             return Poll::Ready(Some(Err(failure)));
         }
         if let Some(bytes) = state.ahead.pop_front() {
@@ -533,7 +538,7 @@ impl Body for RelayBody {
                 let reader = state.reader.take();
                 drop(state);
                 drop(reader);
-                self.done = true;
+                this.done = true;
                 let _ = exchange.events.send(Event::BodyEnd);
                 Poll::Ready(None)
             }
@@ -623,10 +628,17 @@ impl Driver {
         let mut phase = Phase::Head(head_tx);
         let finished = CancellationToken::new();
         let _finish_pump = finished.clone().drop_guard();
+        let mut deadline = std::pin::pin!(tokio::time::sleep_until(self.deadline));
+        // Sending the call waits while the uplink's text lane is full: the deadline and the
+        // caller's signal bound that wait too.
         let begun = tokio::select! {
             biased;
             Some(Event::CallerGone) = self.events.recv() => None,
-            begun = self.conn.client.begin("relay.request", payload, 4) => Some(begun),
+            () = self.signal.cancelled() => Some(Err(Fail::CallerCancelled)),
+            () = &mut deadline => Some(Err(Fail::Deadline)),
+            begun = self.conn.client.begin("relay.request", payload, 4) => {
+                Some(begun.map_err(Fail::Worker))
+            }
         };
         let mut call = match begun {
             None => {
@@ -634,8 +646,8 @@ impl Driver {
                 return;
             }
             Some(Ok(call)) => call,
-            Some(Err(error)) => {
-                self.conclude(&mut phase, Fail::Worker(error));
+            Some(Err(fail)) => {
+                self.conclude(&mut phase, fail);
                 return;
             }
         };
@@ -648,7 +660,7 @@ impl Driver {
             let fail = tokio::select! {
                 biased;
                 () = self.signal.cancelled() => Some(Fail::CallerCancelled),
-                () = tokio::time::sleep_until(self.deadline) => Some(Fail::Deadline),
+                () = &mut deadline => Some(Fail::Deadline),
                 event = self.events.recv() => match event {
                     None => return,
                     Some(event) => match self.on_event(event) {
@@ -704,7 +716,6 @@ impl Driver {
 
     fn channel_failed(&mut self, reason: FailureReason) -> Step {
         match reason {
-            FailureReason::Closed => Step::Fail(Fail::Closed),
             FailureReason::Aborted => match self.worker_error.take() {
                 Some(error) => Step::Fail(Fail::Worker(error)),
                 None => {
@@ -715,7 +726,7 @@ impl Driver {
                 }
             },
             FailureReason::Stopped => Step::Continue,
-            reason @ (FailureReason::Stalled | FailureReason::Refused) => {
+            reason @ (FailureReason::Closed | FailureReason::Stalled | FailureReason::Refused) => {
                 Step::Fail(Fail::Channel(reason))
             }
         }
@@ -954,13 +965,10 @@ mod tests {
     #[test]
     fn every_failure_has_its_code_and_message() {
         let v = verdicts();
-        let closed = v.error(Fail::Closed);
+        let closed = v.error(Fail::Channel(FailureReason::Closed));
         assert_eq!(closed.code, ErrorCode::WorkerUnreachable);
         assert_eq!(closed.details, Some(json!({"workerId": "w1"})));
-        assert_eq!(
-            v.error(Fail::Channel(FailureReason::Closed)).code,
-            ErrorCode::WorkerUnreachable
-        );
+        assert_eq!(closed.message, unreachable("w1").message);
         let stalled = v.error(Fail::Channel(FailureReason::Stalled));
         assert_eq!(stalled.code, ErrorCode::Internal);
         assert_eq!(
@@ -1011,7 +1019,7 @@ mod tests {
     fn only_a_relay_the_worker_may_still_run_is_cancelled() {
         assert!(Fail::Deadline.worker_may_run());
         assert!(Fail::Channel(FailureReason::Stalled).worker_may_run());
-        assert!(!Fail::Closed.worker_may_run());
+        assert!(!Fail::Channel(FailureReason::Closed).worker_may_run());
         assert!(!Fail::NoResponse.worker_may_run());
         assert!(!Fail::Worker(ContractError::internal("x")).worker_may_run());
     }

@@ -329,8 +329,10 @@ impl Frame {
     pub fn encoded_len(&self) -> usize {
         let id = |id: &ChannelId| 1 + id.as_bytes().len();
         1 + match self {
-            Self::Open { id: c } | Self::End { id: c } | Self::Stop { id: c } => id(c),
-            Self::Release { id: c } => id(c),
+            Self::Open { id: c }
+            | Self::End { id: c }
+            | Self::Stop { id: c }
+            | Self::Release { id: c } => id(c),
             Self::Data { id: c, payload } => id(c) + payload.len(),
             Self::Credit { id: c, .. } => id(c) + 4,
             Self::Abort { id: c, .. } => id(c) + 1,

@@ -594,51 +594,50 @@ fn the_text_lane_is_bounded() {
     assert_eq!(texts, ["0123456789ab", "next"]);
 }
 
-#[test]
-fn late_frames_after_races_are_not_violations() {
-    // Both ends abort at once.
+/// Runs `race` on a fresh accepted channel with 5 ms of latency each way, drives the pair to
+/// rest, drops every handle, and checks that no late frame counted as a violation and that both
+/// ends freed everything.
+fn race_ends_clean(race: impl FnOnce(&mut Pair, ChannelKey, ChannelKey)) {
     let mut pair = pair();
     pair.latency = Duration::from_millis(5);
     let (g, w) = open_accepted(&mut pair);
-    pair.gateway.write(pair.now, g, data(100 * KIB, 1)).unwrap();
-    pair.worker.write(pair.now, w, data(100 * KIB, 2)).unwrap();
-    pair.advance(Duration::from_millis(2)).unwrap();
-    pair.gateway.abort(pair.now, g);
-    pair.worker.abort(pair.now, w);
+    race(&mut pair, g, w);
     pair.drive().unwrap();
     detach_all(&mut pair, &[(g, w)]);
     assert_no_violation(&pair);
     assert_freed(&pair);
+}
+
+#[test]
+fn late_frames_after_races_are_not_violations() {
+    // Both ends abort at once.
+    race_ends_clean(|pair, g, w| {
+        pair.gateway.write(pair.now, g, data(100 * KIB, 1)).unwrap();
+        pair.worker.write(pair.now, w, data(100 * KIB, 2)).unwrap();
+        pair.advance(Duration::from_millis(2)).unwrap();
+        pair.gateway.abort(pair.now, g);
+        pair.worker.abort(pair.now, w);
+    });
 
     // STOP crosses END, and CREDIT crosses END.
-    let mut pair = self::pair();
-    pair.latency = Duration::from_millis(5);
-    let (g, w) = open_accepted(&mut pair);
-    pair.gateway.write(pair.now, g, data(200 * KIB, 1)).unwrap();
-    pair.advance(Duration::from_millis(6)).unwrap();
-    let _ = read_available(&mut pair.worker, pair.now, w);
-    pair.gateway.finish(pair.now, g).unwrap();
-    pair.worker.stop(pair.now, w);
-    pair.worker.finish(pair.now, w).unwrap();
-    pair.gateway.stop(pair.now, g);
-    pair.drive().unwrap();
-    detach_all(&mut pair, &[(g, w)]);
-    assert_no_violation(&pair);
-    assert_freed(&pair);
+    race_ends_clean(|pair, g, w| {
+        pair.gateway.write(pair.now, g, data(200 * KIB, 1)).unwrap();
+        pair.advance(Duration::from_millis(6)).unwrap();
+        let _ = read_available(&mut pair.worker, pair.now, w);
+        pair.gateway.finish(pair.now, g).unwrap();
+        pair.worker.stop(pair.now, w);
+        pair.worker.finish(pair.now, w).unwrap();
+        pair.gateway.stop(pair.now, g);
+    });
 
     // Abort while the peer's DATA, END and RELEASE are in flight.
-    let mut pair = self::pair();
-    pair.latency = Duration::from_millis(5);
-    let (g, w) = open_accepted(&mut pair);
-    pair.worker.write(pair.now, w, data(30 * KIB, 1)).unwrap();
-    pair.worker.finish(pair.now, w).unwrap();
-    pair.gateway.finish(pair.now, g).unwrap();
-    pair.advance(Duration::from_millis(1)).unwrap();
-    pair.gateway.abort(pair.now, g);
-    pair.drive().unwrap();
-    detach_all(&mut pair, &[(g, w)]);
-    assert_no_violation(&pair);
-    assert_freed(&pair);
+    race_ends_clean(|pair, g, w| {
+        pair.worker.write(pair.now, w, data(30 * KIB, 1)).unwrap();
+        pair.worker.finish(pair.now, w).unwrap();
+        pair.gateway.finish(pair.now, g).unwrap();
+        pair.advance(Duration::from_millis(1)).unwrap();
+        pair.gateway.abort(pair.now, g);
+    });
 }
 
 #[test]
