@@ -88,6 +88,17 @@ pub fn uplink_url(base: &str) -> String {
 pub async fn dial(
     config: &UplinkConfig,
 ) -> Result<(LinkHandle, simlock_link::TextReceiver), DialError> {
+    dial_with(config, LinkConfig::new(End::Worker)).await
+}
+
+/// Dials once with `link` as the link's settings (tests shorten its timeouts).
+///
+/// # Errors
+/// [`DialError`].
+pub async fn dial_with(
+    config: &UplinkConfig,
+    link: LinkConfig,
+) -> Result<(LinkHandle, simlock_link::TextReceiver), DialError> {
     let url = uplink_url(&config.url);
     if url.starts_with("wss://") {
         return Err(DialError::Other(
@@ -135,7 +146,7 @@ pub async fn dial(
         .map_err(|_| {
             DialError::Unreachable(format!("no answer within {} s", DIAL_TIMEOUT.as_secs()))
         })??;
-    Ok(spawn(ws, LinkConfig::new(End::Worker)))
+    Ok(spawn(ws, link))
 }
 
 /// A wire transport over a link's text lane, reading lines of at most `max_line` bytes.

@@ -921,32 +921,15 @@ pub async fn dial(
     worker_id: &str,
     link_config: LinkConfig,
 ) -> (LinkHandle, TextReceiver) {
-    use tokio_tungstenite::tungstenite::client::IntoClientRequest;
-    let url = format!("{gateway_url}/v1/uplink");
-    let mut request = url.as_str().into_client_request().expect("an uplink URL");
-    let headers = request.headers_mut();
-    headers.insert(
-        "authorization",
-        http::HeaderValue::from_str(&format!("Bearer {join_token}")).expect("a token header"),
-    );
-    headers.insert(
-        "x-simlock-worker-id",
-        http::HeaderValue::from_str(worker_id).expect("a worker id header"),
-    );
-    let host = request.uri().host().unwrap_or_default().to_owned();
-    let port = request.uri().port_u16().unwrap_or(80);
-    let stream = tokio::net::TcpStream::connect((host.as_str(), port))
+    let config = simlock_daemon::uplink::UplinkConfig {
+        url: gateway_url.to_owned(),
+        token: join_token.to_owned(),
+        worker_id: worker_id.to_owned(),
+        label: None,
+    };
+    simlock_daemon::uplink::dial_with(&config, link_config)
         .await
-        .expect("the gateway accepts");
-    let _ = simlock_link::tune_tcp(&stream);
-    let (ws, _) = tokio_tungstenite::client_async_with_config(
-        request,
-        stream,
-        Some(simlock_link::websocket_config()),
-    )
-    .await
-    .expect("the uplink upgrade");
-    simlock_link::spawn(ws, link_config)
+        .expect("the uplink dials")
 }
 
 /// A link configuration for `end` with `stall` as its stall timeout and `accept` as its
