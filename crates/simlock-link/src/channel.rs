@@ -133,8 +133,10 @@ impl ChannelReader {
         cx: &mut Context<'_>,
         max: usize,
     ) -> Poll<Result<Option<Bytes>, ChannelError>> {
+        let coop = std::task::ready!(tokio::task::coop::poll_proceed(cx));
         let key = self.key;
-        self.shared
+        let polled = self
+            .shared
             .with(|state, now| match state.link.read(now, key, max) {
                 Ok(Read::Data(bytes)) => Poll::Ready(Ok(Some(bytes))),
                 Ok(Read::End) => Poll::Ready(Ok(None)),
@@ -143,7 +145,11 @@ impl ChannelReader {
                     Poll::Pending
                 }
                 Err(error) => Poll::Ready(Err(error)),
-            })
+            });
+        if polled.is_ready() {
+            coop.made_progress();
+        }
+        polled
     }
 }
 
@@ -158,6 +164,7 @@ impl AsyncRead for ChannelReader {
         if want == 0 {
             return Poll::Ready(Ok(()));
         }
+        let coop = std::task::ready!(tokio::task::coop::poll_proceed(cx));
         let key = this.key;
         let chunks = &mut this.chunks;
         // Take several chunks under one lock; copy them after it is released.
@@ -186,6 +193,9 @@ impl AsyncRead for ChannelReader {
         });
         for chunk in chunks.drain(..) {
             buf.put_slice(&chunk);
+        }
+        if outcome.is_ready() {
+            coop.made_progress();
         }
         outcome.map_err(io::Error::from)
     }
@@ -285,15 +295,21 @@ impl ChannelWriter {
         if self.finishing {
             return Poll::Ready(Err(self.after_finish()));
         }
+        let coop = std::task::ready!(tokio::task::coop::poll_proceed(cx));
         let key = self.key;
-        self.shared
+        let polled = self
+            .shared
             .with(|state, _| match state.link.write_space(key) {
                 Ok(0) => {
                     state.writers.insert(key, cx.waker().clone());
                     Poll::Pending
                 }
                 other => Poll::Ready(other),
-            })
+            });
+        if polled.is_ready() {
+            coop.made_progress();
+        }
+        polled
     }
 
     fn poll_drained(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), ChannelError>> {

@@ -37,10 +37,13 @@ use crate::{
 };
 
 /// Messages read from the socket before they are handed to the link under one lock.
-const READ_BATCH: usize = 16;
+const READ_BATCH: usize = 4;
+
+/// Messages written to the socket in one round.
+const WRITE_BATCH: usize = 8;
 
 /// Rounds of read, timer and write in one poll before the driver yields to other tasks.
-const MAX_ROUNDS: usize = 4;
+const MAX_ROUNDS: usize = 1;
 
 /// How long the driver waits for the WebSocket close handshake before dropping the socket, so a
 /// dead peer cannot hold a closing link.
@@ -244,7 +247,8 @@ where
     /// anything happened.
     fn drive_write(&mut self, cx: &mut Context<'_>) -> bool {
         let mut progress = false;
-        while self.closing.is_none() {
+        let mut sent = 0;
+        while self.closing.is_none() && sent < WRITE_BATCH {
             match Pin::new(&mut self.ws).poll_ready(cx) {
                 Poll::Ready(Ok(())) => {}
                 Poll::Ready(Err(error)) => {
@@ -273,6 +277,7 @@ where
             }
             self.unflushed = true;
             progress = true;
+            sent += 1;
         }
         if self.unflushed && self.closing.is_none() {
             match Pin::new(&mut self.ws).poll_flush(cx) {

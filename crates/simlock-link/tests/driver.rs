@@ -272,7 +272,7 @@ async fn a_channel_carries_several_mib_both_ways_byte_for_byte() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn stream_and_sink_carry_bytes_zero_copy() {
+async fn stream_and_sink_carry_bytes_in_order() {
     let mut ends = loopback(&LinkConfig::new(End::Gateway)).await;
     let (gateway, worker) = open_named(&mut ends).await;
     let (_gateway_reader, mut gateway_writer) = gateway.into_split();
@@ -287,7 +287,8 @@ async fn stream_and_sink_carry_bytes_zero_copy() {
     let mut got = Vec::new();
     while let Some(chunk) = within("a chunk", worker_reader.next()).await {
         let chunk = chunk.unwrap();
-        assert!(chunk.len() <= 16 * 1024);
+        // A frame as it came, or a compacted stretch when the reader fell behind; never empty.
+        assert!(!chunk.is_empty());
         got.extend_from_slice(&chunk);
     }
     send.await.unwrap();

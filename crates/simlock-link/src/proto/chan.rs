@@ -8,7 +8,7 @@ use std::{collections::VecDeque, fmt, time::Instant};
 
 use bytes::Bytes;
 
-use super::frame::ChannelId;
+use super::{frame::ChannelId, rxbuf::RxBuf};
 use crate::error::FailureReason;
 
 /// The local view of this end's outgoing direction.
@@ -125,8 +125,7 @@ pub(crate) struct Chan {
     pub(crate) rx_received: u64,
     /// Bytes the application read (or that were discarded).
     pub(crate) rx_consumed: u64,
-    pub(crate) rx_buf: VecDeque<Bytes>,
-    pub(crate) rx_buffered: usize,
+    pub(crate) rx_buf: RxBuf,
     /// When the current window was granted (for window growth).
     pub(crate) rx_epoch: Instant,
     pub(crate) end_received: bool,
@@ -174,7 +173,7 @@ impl fmt::Debug for Chan {
             .field("rx", &self.rx)
             .field("rx_received", &self.rx_received)
             .field("rx_limit", &self.rx_limit)
-            .field("rx_buffered", &self.rx_buffered)
+            .field("rx_buffered", &self.rx_buf.len())
             .field("rx_window", &self.rx_window)
             .field("end_sent", &self.end_sent)
             .field("end_received", &self.end_received)
@@ -214,8 +213,7 @@ impl Chan {
             rx_limit: window,
             rx_received: 0,
             rx_consumed: 0,
-            rx_buf: VecDeque::new(),
-            rx_buffered: 0,
+            rx_buf: RxBuf::default(),
             rx_epoch: now,
             end_received: false,
             stop_sent: false,
@@ -268,8 +266,7 @@ impl Chan {
 
     /// Drops everything buffered for the reader, counting it as consumed.
     pub(crate) fn discard_rx(&mut self) {
-        self.rx_consumed += self.rx_buffered as u64;
-        self.rx_buffered = 0;
+        self.rx_consumed += self.rx_buf.len() as u64;
         self.rx_buf.clear();
     }
 

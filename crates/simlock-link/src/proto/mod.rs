@@ -22,6 +22,7 @@
 
 mod chan;
 pub mod frame;
+mod rxbuf;
 
 use std::{
     collections::{BTreeMap, VecDeque},
@@ -312,9 +313,9 @@ impl Link {
         };
         for ch in self.channels.values() {
             stats.open_channels += usize::from(ch.holds_slot);
-            stats.recv_buffered += ch.rx_buffered as u64;
+            stats.recv_buffered += ch.rx_buf.len() as u64;
             stats.max_channel_recv_buffered =
-                stats.max_channel_recv_buffered.max(ch.rx_buffered as u64);
+                stats.max_channel_recv_buffered.max(ch.rx_buf.len() as u64);
             stats.send_buffered += ch.tx_queued as u64;
             if ch.rx == Rx::Open {
                 stats.receive_windows += ch.rx_window;
@@ -327,7 +328,7 @@ impl Link {
     pub fn channel_buffered(&self, key: ChannelKey) -> Option<(usize, u64)> {
         self.channels
             .get(&key)
-            .map(|ch| (ch.rx_buffered, ch.rx_after_stop))
+            .map(|ch| (ch.rx_buf.len(), ch.rx_after_stop))
     }
 
     /// The current receive window of one channel.
@@ -596,8 +597,8 @@ fn apply_channel_frame(
             ch.rx_received += len;
             counters.bytes_received += len;
             if ch.rx == Rx::Open {
-                ch.rx_buffered += payload.len();
-                ch.rx_buf.push_back(payload);
+                let room = usize::try_from(ch.rx_limit - ch.rx_received).unwrap_or(usize::MAX);
+                ch.rx_buf.push(payload, room);
             } else {
                 // Late bytes after this end stopped or aborted: within credit, dropped.
                 ch.rx_consumed += len;
@@ -764,13 +765,7 @@ impl Link {
         if let Rx::Failed(reason) = ch.rx {
             return Err(ChannelError::on(reason, ch.id));
         }
-        let result = if let Some(front) = ch.rx_buf.front_mut() {
-            let chunk = if front.len() <= max {
-                ch.rx_buf.pop_front().unwrap_or_default()
-            } else {
-                front.split_to(max)
-            };
-            ch.rx_buffered -= chunk.len();
+        let result = if let Some(chunk) = ch.rx_buf.take(max) {
             ch.rx_consumed += chunk.len() as u64;
             Read::Data(chunk)
         } else {
@@ -1364,7 +1359,7 @@ impl Link {
             }
         }
         // Wake-ups.
-        if ch.reader_waits && (ch.rx_buffered > 0 || ch.rx != Rx::Open) {
+        if ch.reader_waits && (ch.rx_buf.len() > 0 || ch.rx != Rx::Open) {
             ch.reader_waits = false;
             self.events.push_back(Event::Readable(key));
         }
@@ -1473,11 +1468,11 @@ impl Link {
             assert!(ch.tx_sent <= ch.tx_limit, "sent beyond credit");
             assert!(ch.rx_received <= ch.rx_limit, "received beyond credit");
             assert!(
-                ch.rx_consumed + ch.rx_buffered as u64 == ch.rx_received,
+                ch.rx_consumed + ch.rx_buf.len() as u64 == ch.rx_received,
                 "receive accounting"
             );
             assert!(
-                ch.rx_buffered as u64 <= ch.rx_window,
+                ch.rx_buf.len() as u64 <= ch.rx_window,
                 "buffer beyond the window"
             );
             assert!(
@@ -1488,11 +1483,7 @@ impl Link {
                 ch.rx_window <= u64::from(self.config.max_window),
                 "window beyond the maximum"
             );
-            assert_eq!(
-                ch.rx_buffered,
-                ch.rx_buf.iter().map(Bytes::len).sum::<usize>(),
-                "receive buffer count"
-            );
+            assert_eq!(ch.rx_buf.len(), ch.rx_buf.counted(), "receive buffer count");
             assert_eq!(
                 ch.tx_queued,
                 ch.tx_queue.iter().map(Chunk::payload_len).sum::<usize>(),
