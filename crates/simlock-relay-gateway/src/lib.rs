@@ -736,6 +736,9 @@ impl Driver {
         match (phase, chunk) {
             (Phase::Head(_), Ok(Some(bytes))) => {
                 self.read_ahead += bytes.len();
+                // A copy: the link's slice may pin a whole transport read buffer, and a caller
+                // that never reads would keep it for the life of the exchange.
+                let bytes = Bytes::copy_from_slice(&bytes);
                 self.exchange.state.lock().ahead.push_back(bytes);
                 Step::Continue
             }
