@@ -5,7 +5,8 @@
 //! - 1 GiB uploads and downloads through the relay, as ratios to direct loopback HTTP/1.1 (hyper
 //!   client to hyper server) moving the same bodies in the same run (each relayed transfer next
 //!   to a direct one; the median of five ratios, since the machine is shared);
-//! - the p99 of a `lease.renew` forwarded to the same worker while those transfers run;
+//! - the p99 of a `lease.renew` forwarded to the same worker while those transfers run (all
+//!   samples of every run together; each run's own p99 is printed beside its ratio);
 //! - the growth of the process's RSS (gateway and worker together) with 64 relays whose callers
 //!   never read, each target streaming freshly allocated bytes;
 //! - a 4 GiB response body through the relay, every byte checked against a pattern, with the
@@ -51,10 +52,9 @@ const CHUNK: usize = 64 * 1024;
 const RUNS: usize = 5;
 
 fn main() -> BenchResult<()> {
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()?;
+    // The daemons' own runtime (one worker thread per core: two on the bench machine), shared
+    // here by the gateway, the worker, the targets and the callers.
+    let runtime = simlock_daemon::launch::runtime()?;
     let summary = runtime.block_on(measure())?;
     println!("{summary}");
     Ok(())
@@ -373,19 +373,24 @@ async fn measure() -> BenchResult<String> {
         for upload in [true, false] {
             let direct = mib_per_s(GIB, hyper_transfer(addr, upload, GIB).await?);
             let stop = Arc::new(AtomicBool::new(false));
+            let run_samples = Arc::new(parking_lot::Mutex::new(Vec::new()));
             let renews = tokio::spawn(renew_loop(
                 fleet.agent("bench-agent").await,
                 lease_id.clone(),
                 stop.clone(),
-                samples.clone(),
+                run_samples.clone(),
             ));
             let relayed = mib_per_s(GIB, relay_transfer(&relay, &worker, upload, GIB).await?);
             stop.store(true, Ordering::SeqCst);
             renews.await?;
+            let run_samples = run_samples.lock().clone();
+            let run_p99 = percentile(&run_samples, 0.99);
+            samples.lock().extend(run_samples.iter().copied());
             let ratio = relayed / direct;
             println!(
-                "run {run} {}: direct {direct:.0} MiB/s, relayed {relayed:.0} MiB/s, ratio {ratio:.2}",
-                if upload { "upload" } else { "download" }
+                "run {run} {}: direct {direct:.0} MiB/s, relayed {relayed:.0} MiB/s, ratio {ratio:.2}, renew p99 {run_p99:.3} ms of {}",
+                if upload { "upload" } else { "download" },
+                run_samples.len()
             );
             if upload {
                 up_ratios.push(ratio);
