@@ -74,6 +74,68 @@ async fn a_lease_through_the_gateway_lands_on_the_worker_and_renews_and_releases
     fleet.stop().await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_renew_updates_the_gateways_view_in_place_without_a_refresh() {
+    let mut fleet = TestFleet::start(gateway_config()).await;
+    fleet.add_worker(worker_config(1)).await;
+    let worker_id = fleet.worker_id(0);
+    let agent = fleet.agent("agent-1").await;
+    let grant = agent
+        .call("lease.request", json!({"platform": "ios", "ttlMs": 60_000}))
+        .await
+        .unwrap();
+    let lease_id = grant["lease"]["id"].as_str().unwrap().to_owned();
+    let worker_lease = lease_id
+        .strip_prefix(&format!("{worker_id}."))
+        .unwrap()
+        .to_owned();
+    // The grant's events refresh the view: wait until it shows the lease and the leased device.
+    fleet
+        .wait_for(|views| {
+            views.iter().any(|v| {
+                v.id == worker_id
+                    && v.leases
+                        .iter()
+                        .flatten()
+                        .any(|l| l.id.as_str() == worker_lease)
+                    && v.devices
+                        .iter()
+                        .flatten()
+                        .any(|d| d.state == DeviceState::Leased)
+            })
+        })
+        .await;
+    let conn = fleet.gateway().fleet.conn(&worker_id).unwrap();
+    let asked = conn.refreshes_asked();
+    let deadline_of = |fleet: &simlock_fleet::Fleet| {
+        fleet
+            .view(&worker_id)
+            .and_then(|v| v.leases)
+            .and_then(|leases| leases.into_iter().find(|l| l.id.as_str() == worker_lease))
+            .map(|l| l.ttl_deadline)
+    };
+    let before = deadline_of(&fleet.gateway().fleet).unwrap();
+    // A longer TTL, so the deadline moves even within the same millisecond.
+    let renewed = agent
+        .call(
+            "lease.renew",
+            json!({"leaseId": lease_id, "ttlMs": 120_000}),
+        )
+        .await
+        .unwrap();
+    let deadline = renewed["ttlDeadline"].as_i64().unwrap();
+    assert!(deadline > before, "the renew moved the deadline");
+    fleet
+        .wait_until(|fleet| deadline_of(fleet) == Some(deadline))
+        .await;
+    assert_eq!(
+        conn.refreshes_asked(),
+        asked,
+        "the lease.renewed event asked for no refresh of the view"
+    );
+    fleet.stop().await;
+}
+
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 

@@ -113,6 +113,12 @@ impl WorkerConn {
         self.refresh.send_modify(|n| *n = n.wrapping_add(1));
     }
 
+    /// How many refreshes of the view were asked for on this connection (requests made while
+    /// one runs fold into one more, so more may be asked than run).
+    pub fn refreshes_asked(&self) -> u64 {
+        *self.refresh.borrow()
+    }
+
     /// Takes the catalog flag of the pending refresh.
     pub(crate) fn take_catalog_flag(&self) -> bool {
         self.refresh_catalog.swap(false, Ordering::SeqCst)
@@ -535,6 +541,37 @@ impl Fleet {
         };
         self.presence.notify(&entry.owner_id, &push, except);
         self.views_changed();
+    }
+
+    /// A worker renewed one of its leases: its view's record takes the new deadline in place. A
+    /// renew changes nothing routing reads (devices, capacity, lease ids, queue depth), so it is
+    /// not worth a refresh of the view (ADR 0015); a changed TTL width shows at the next one.
+    pub(crate) fn lease_renewed(
+        &self,
+        worker_id: &str,
+        worker_lease_id: &str,
+        deadline: i64,
+        at: i64,
+    ) {
+        let changed = {
+            let mut state = self.state.lock();
+            let record = state.workers.get_mut(worker_id).and_then(|worker| {
+                worker
+                    .view
+                    .leases
+                    .iter_mut()
+                    .flatten()
+                    .find(|lease| lease.id.as_str() == worker_lease_id)
+            });
+            record.is_some_and(|record| {
+                record.ttl_deadline = deadline;
+                record.last_renewed_at = at;
+                true
+            })
+        };
+        if changed {
+            self.views_changed();
+        }
     }
 
     /// Drains or undrains a worker; persisted before answering; idempotent.

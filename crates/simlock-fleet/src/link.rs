@@ -140,7 +140,17 @@ impl Fleet {
         if name == "lease.released" || name == "lease.expired" {
             self.on_lease_end(conn, &event);
         }
-        if name.starts_with("lease.") || name.starts_with("device.") {
+        if name == "lease.renewed" {
+            // The most frequent event of all: updated in place, without a refresh (ADR 0015).
+            let lease_id = event.payload.get("leaseId").and_then(Value::as_str);
+            let deadline = event.payload.get("newDeadline").and_then(Value::as_i64);
+            match (lease_id, deadline) {
+                (Some(lease_id), Some(deadline)) => {
+                    self.lease_renewed(&conn.worker_id, lease_id, deadline, event.timestamp);
+                }
+                _ => conn.request_refresh(false),
+            }
+        } else if name.starts_with("lease.") || name.starts_with("device.") {
             conn.request_refresh(false);
         }
         let _ = self.relay_event(&conn.worker_id, event);
