@@ -3,15 +3,17 @@
 //! While the reader keeps up, DATA payloads are kept as they arrived: zero-copy slices of the
 //! transport's read buffers. Such a slice keeps its whole read buffer alive, and a read buffer
 //! holds frames of several channels, so a reader that stops reading would pin far more memory
-//! than its window. Once more than [`COMPACT_AFTER`] bytes wait, the buffered bytes are therefore
-//! copied into one allocation sized for what the peer may still send, and later payloads are
-//! appended to it: a stalled reader holds its own bytes, and only while it is behind.
+//! than its window. Once the peer has used up its credit (the reader is half a window or more
+//! behind: one that keeps up is granted more before that) and more than [`COMPACT_AFTER`] bytes
+//! wait, the buffered bytes are therefore copied into one allocation, and later payloads are
+//! appended to allocations sized for what the peer may still send: a stalled reader holds its own
+//! bytes, and only while it is behind; a reader that keeps up costs no copy.
 
 use std::collections::VecDeque;
 
 use bytes::{Bytes, BytesMut};
 
-/// Bytes a reader may fall behind before its buffer is compacted: four full DATA frames.
+/// The least a reader must be behind for its buffer to be compacted: four full DATA frames.
 pub(crate) const COMPACT_AFTER: usize = 64 * 1024;
 
 /// The largest allocation one compacted stretch takes at once (a grown window fills several).
@@ -41,7 +43,7 @@ impl RxBuf {
             return;
         }
         self.len += payload.len();
-        if self.tail.is_empty() && self.len <= COMPACT_AFTER {
+        if self.tail.is_empty() && (room > 0 || self.len <= COMPACT_AFTER) {
             self.frames.push_back(payload);
             return;
         }
@@ -138,7 +140,7 @@ mod tests {
     }
 
     #[test]
-    fn falling_behind_compacts_into_one_stretch_sized_by_the_credit() {
+    fn a_full_window_is_compacted_into_one_allocation_of_its_size() {
         let mut buf = RxBuf::default();
         let mut expected = Vec::new();
         let window = 256 * 1024;
@@ -148,8 +150,13 @@ mod tests {
             received += payload.len();
             expected.extend_from_slice(&payload);
             buf.push(payload, window - received);
+            // Credit left: the reader may still catch up, nothing is copied.
+            assert_eq!(
+                buf.is_compacted(),
+                received == window,
+                "after {received} bytes"
+            );
         }
-        assert!(buf.is_compacted());
         assert_eq!(buf.frames.len(), 0, "the arrived frames were copied out");
         assert_eq!(buf.tail.capacity(), window, "exactly the window");
         assert_eq!(buf.len(), window);
@@ -157,6 +164,47 @@ mod tests {
         assert_eq!(drain(&mut buf, 10_000), expected);
         assert!(!buf.is_compacted());
         assert_eq!(buf.tail.capacity(), 0, "the stretch is let go once read");
+    }
+
+    #[test]
+    fn after_a_grant_a_behind_reader_gets_stretches_sized_by_the_new_credit() {
+        let mut buf = RxBuf::default();
+        for n in 0..16u8 {
+            buf.push(frame(n, 16 * 1024), (15 - usize::from(n)) * 16 * 1024);
+        }
+        assert!(buf.is_compacted());
+        // The reader reads half; the grant gives 128 KiB more, which arrives.
+        let half = drain_up_to(&mut buf, 128 * 1024);
+        assert_eq!(half, 128 * 1024);
+        for n in 0..8u8 {
+            buf.push(frame(n, 16 * 1024), (7 - usize::from(n)) * 16 * 1024);
+        }
+        assert_eq!(buf.len(), 256 * 1024);
+        assert_eq!(buf.counted(), 256 * 1024);
+        assert!(
+            buf.tail.capacity() <= 128 * 1024,
+            "a stretch for the new credit only"
+        );
+    }
+
+    #[test]
+    fn a_small_buffer_is_never_copied_even_without_credit() {
+        let mut buf = RxBuf::default();
+        let payload = frame(1, 1000);
+        buf.push(payload.clone(), 0);
+        assert!(!buf.is_compacted());
+        assert_eq!(buf.take(usize::MAX).unwrap().as_ptr(), payload.as_ptr());
+    }
+
+    fn drain_up_to(buf: &mut RxBuf, max: usize) -> usize {
+        let mut read = 0;
+        while read < max {
+            match buf.take(max - read) {
+                Some(chunk) => read += chunk.len(),
+                None => break,
+            }
+        }
+        read
     }
 
     #[test]
@@ -183,10 +231,14 @@ mod tests {
         let mut buf = RxBuf::default();
         buf.push(Bytes::new(), 0);
         assert!(buf.take(1).is_none());
-        for n in 0..8u8 {
-            buf.push(frame(n, 16 * 1024), 64 << 20);
+        for n in 0..5u8 {
+            buf.push(frame(n, 16 * 1024), 0);
         }
-        assert!(buf.tail.capacity() <= MAX_STRETCH);
+        assert!(buf.is_compacted());
+        // A huge grant: the next stretch is capped.
+        buf.push(frame(9, 16 * 1024), 64 << 20);
+        assert_eq!(buf.tail.capacity(), MAX_STRETCH);
+        assert_eq!(buf.len(), 6 * 16 * 1024);
         buf.clear();
         assert_eq!(buf.len(), 0);
         assert!(buf.take(1).is_none());
