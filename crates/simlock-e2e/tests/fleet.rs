@@ -115,19 +115,33 @@ async fn a_renew_updates_the_gateways_view_in_place_without_a_refresh() {
             .map(|l| l.ttl_deadline)
     };
     let before = deadline_of(&fleet.gateway().fleet).unwrap();
-    // A longer TTL, so the deadline moves even within the same millisecond.
-    let renewed = agent
-        .call(
-            "lease.renew",
-            json!({"leaseId": lease_id, "ttlMs": 120_000}),
-        )
-        .await
-        .unwrap();
-    let deadline = renewed["ttlDeadline"].as_i64().unwrap();
-    assert!(deadline > before, "the renew moved the deadline");
-    fleet
-        .wait_until(|fleet| deadline_of(fleet) == Some(deadline))
-        .await;
+    let mut last = before;
+    // Longer TTLs each time, so each deadline moves even within one millisecond. The second
+    // renew's event follows the first's through the same uplink: once the view shows it, the
+    // first event was handled to its end.
+    for ttl in [120_000, 180_000] {
+        let renewed = agent
+            .call("lease.renew", json!({"leaseId": lease_id, "ttlMs": ttl}))
+            .await
+            .unwrap();
+        let deadline = renewed["ttlDeadline"].as_i64().unwrap();
+        assert!(deadline > last, "the renew moved the deadline");
+        last = deadline;
+        fleet
+            .wait_until(|fleet| deadline_of(fleet) == Some(deadline))
+            .await;
+        let view = fleet.gateway().fleet.view(&worker_id).unwrap();
+        let record = view
+            .leases
+            .unwrap()
+            .into_iter()
+            .find(|l| l.id.as_str() == worker_lease)
+            .unwrap();
+        assert!(
+            record.last_renewed_at >= renewed["lastRenewedAt"].as_i64().unwrap(),
+            "lastRenewedAt moved with it"
+        );
+    }
     assert_eq!(
         conn.refreshes_asked(),
         asked,

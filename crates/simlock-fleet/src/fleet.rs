@@ -9,7 +9,9 @@ use std::time::Duration;
 use parking_lot::Mutex;
 use serde_json::{Value, json};
 use simlock_contract::ids::gateway_requester_prefix;
-use simlock_contract::model::{Connection, EventEnvelope, LeaseLimits, ProtocolPair, WorkerView};
+use simlock_contract::model::{
+    Connection, EventEnvelope, LeaseLimits, LeaseRecord, ProtocolPair, WorkerView,
+};
 use simlock_contract::ops::StatusOutput;
 use simlock_contract::{ContractError, ErrorCode, ProtocolRange, Push};
 use simlock_daemon::clock::SharedClock;
@@ -543,35 +545,42 @@ impl Fleet {
         self.views_changed();
     }
 
-    /// A worker renewed one of its leases: its view's record takes the new deadline in place. A
-    /// renew changes nothing routing reads (devices, capacity, lease ids, queue depth), so it is
-    /// not worth a refresh of the view (ADR 0015); a changed TTL width shows at the next one.
+    /// A worker renewed one of its leases: the record in the view of `conn`'s worker takes the
+    /// new deadline in place (and the event's time as `lastRenewedAt`). A renew changes nothing
+    /// routing reads (devices, capacity, lease ids, queue depth), so it is worth neither a refresh
+    /// of the view nor a dispatch pass (ADR 0015); a changed TTL width shows at the next refresh.
+    /// Returns whether the view held that lease (if not, the caller refreshes the view).
     pub(crate) fn lease_renewed(
         &self,
-        worker_id: &str,
+        conn: &WorkerConn,
         worker_lease_id: &str,
         deadline: i64,
         at: i64,
-    ) {
-        let changed = {
+    ) -> bool {
+        let updated = {
             let mut state = self.state.lock();
-            let record = state.workers.get_mut(worker_id).and_then(|worker| {
-                worker
-                    .view
-                    .leases
-                    .iter_mut()
-                    .flatten()
-                    .find(|lease| lease.id.as_str() == worker_lease_id)
-            });
+            let record = state
+                .workers
+                .get_mut(&conn.worker_id)
+                .filter(|w| w.generation == conn.generation)
+                .and_then(|worker| {
+                    worker
+                        .view
+                        .leases
+                        .iter_mut()
+                        .flatten()
+                        .find(|lease| lease.id.as_str() == worker_lease_id)
+                });
             record.is_some_and(|record| {
                 record.ttl_deadline = deadline;
                 record.last_renewed_at = at;
                 true
             })
         };
-        if changed {
-            self.views_changed();
+        if updated {
+            self.changes.send_modify(|n| *n = n.wrapping_add(1));
         }
+        updated
     }
 
     /// Drains or undrains a worker; persisted before answering; idempotent.
@@ -782,7 +791,9 @@ fn apply_status(view: &mut WorkerView, status: &StatusOutput, now: i64) {
         view.capacity = status.capacity;
     }
     if let Some(leases) = &status.leases {
-        view.leases = Some(leases.clone());
+        let mut leases = leases.clone();
+        keep_newer_renewals(view.leases.as_deref().unwrap_or_default(), &mut leases);
+        view.leases = Some(leases);
     }
     if let Some(devices) = &status.devices {
         view.devices = Some(devices.clone());
@@ -801,6 +812,20 @@ fn apply_status(view: &mut WorkerView, status: &StatusOutput, now: i64) {
     }
 }
 
+/// A snapshot of leases read before a `lease.renewed` event that the view already took in
+/// (ADR 0015): the renewal in `held` is newer than the snapshot's, and stays.
+fn keep_newer_renewals(held: &[LeaseRecord], snapshot: &mut [LeaseRecord]) {
+    for lease in snapshot {
+        let newer = held
+            .iter()
+            .find(|old| old.id == lease.id && old.last_renewed_at > lease.last_renewed_at);
+        if let Some(newer) = newer {
+            lease.ttl_deadline = newer.ttl_deadline;
+            lease.last_renewed_at = newer.last_renewed_at;
+        }
+    }
+}
+
 fn spawn_sweeper(fleet: &Arc<Fleet>) {
     let weak = Arc::downgrade(fleet);
     let stopping = fleet.stopping.clone();
@@ -815,4 +840,49 @@ fn spawn_sweeper(fleet: &Arc<Fleet>) {
             fleet.sweep();
         }
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use simlock_contract::ids::{DeviceId, LeaseId};
+
+    use super::*;
+
+    fn lease(id: &str, renewed_at: i64, deadline: i64) -> LeaseRecord {
+        LeaseRecord {
+            id: LeaseId::from_raw(id),
+            device_id: DeviceId::from_raw("dev_1"),
+            requester_id: "gw:g1:agent".into(),
+            owner_id: "agent".into(),
+            granted_at: 5,
+            ttl_ms: 1000,
+            ttl_deadline: deadline,
+            last_renewed_at: renewed_at,
+            id_chosen_by_requester: false,
+            worker: None,
+            worker_id: None,
+        }
+    }
+
+    #[test]
+    fn a_snapshot_older_than_a_renew_the_view_took_keeps_the_renew() {
+        let held = [lease("lse_a", 200, 1200), lease("lse_b", 50, 1050)];
+        let mut snapshot = [
+            lease("lse_a", 100, 1100),
+            lease("lse_b", 300, 1300),
+            lease("lse_c", 10, 1010),
+        ];
+        keep_newer_renewals(&held, &mut snapshot);
+        assert_eq!(
+            (snapshot[0].last_renewed_at, snapshot[0].ttl_deadline),
+            (200, 1200),
+            "the renew seen after the snapshot stays"
+        );
+        assert_eq!(
+            (snapshot[1].last_renewed_at, snapshot[1].ttl_deadline),
+            (300, 1300),
+            "a newer snapshot wins"
+        );
+        assert_eq!(snapshot[2].ttl_deadline, 1010, "a new lease is taken as is");
+    }
 }

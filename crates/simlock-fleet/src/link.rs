@@ -144,11 +144,14 @@ impl Fleet {
             // The most frequent event of all: updated in place, without a refresh (ADR 0015).
             let lease_id = event.payload.get("leaseId").and_then(Value::as_str);
             let deadline = event.payload.get("newDeadline").and_then(Value::as_i64);
-            match (lease_id, deadline) {
+            let updated = match (lease_id, deadline) {
                 (Some(lease_id), Some(deadline)) => {
-                    self.lease_renewed(&conn.worker_id, lease_id, deadline, event.timestamp);
+                    self.lease_renewed(conn, lease_id, deadline, event.timestamp)
                 }
-                _ => conn.request_refresh(false),
+                _ => false,
+            };
+            if !updated {
+                conn.request_refresh(false);
             }
         } else if name.starts_with("lease.") || name.starts_with("device.") {
             conn.request_refresh(false);

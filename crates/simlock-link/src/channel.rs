@@ -125,7 +125,17 @@ impl ChannelReader {
     /// # Errors
     /// The channel's failure.
     pub async fn read_chunk(&mut self) -> Result<Option<Bytes>, ChannelError> {
-        futures::future::poll_fn(|cx| self.poll_chunk(cx, usize::MAX)).await
+        self.read_up_to(usize::MAX).await
+    }
+
+    /// Reads the next chunk of at most `max` bytes (at least one): `Ok(None)` at the clean end
+    /// of stream.
+    ///
+    /// # Errors
+    /// The channel's failure.
+    pub async fn read_up_to(&mut self, max: usize) -> Result<Option<Bytes>, ChannelError> {
+        let max = max.max(1);
+        futures::future::poll_fn(|cx| self.poll_chunk(cx, max)).await
     }
 
     fn poll_chunk(

@@ -5,8 +5,9 @@
 //! whole frame; the buffer is shared with the frames already handed out, so when a read filled it
 //! to the brim, that reserve copies every byte still unparsed into a new buffer. Under a bulk
 //! transfer that copied about as many bytes as it received. `UplinkIo` leaves room for one frame
-//! at the end of every read that can afford it, so the reserve finds its room in place and the
-//! bytes are not copied again; writes pass through.
+//! at the end of every read that can afford it, so the reserve mostly finds its room in place;
+//! only a read into a nearly full buffer (at most two frames of room) still fills it, and a text
+//! frame longer than a DATA frame still moves. Writes pass through.
 
 use std::{
     io,

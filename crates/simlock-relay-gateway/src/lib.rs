@@ -504,9 +504,7 @@ impl Body for RelayBody {
         let Some(exchange) = this.exchange.as_deref() else {
             return Poll::Ready(None);
         };
-        // The channel is no tokio resource: take part in the task's budget, so a caller that
-        // drains a fast download still lets other tasks on its thread run.
-        let coop = std::task::ready!(tokio::task::coop::poll_proceed(cx));
+        // The channel reader takes part in the task's tokio budget; bytes read ahead are few.
         let mut state = exchange.state.lock();
         if let Some(failure) = &state.failure {
             let failure = failure.clone();
@@ -515,7 +513,6 @@ impl Body for RelayBody {
             return Poll::Ready(Some(Err(failure)));
         }
         if let Some(bytes) = state.ahead.pop_front() {
-            coop.made_progress();
             return Poll::Ready(Some(Ok(Frame::data(bytes))));
         }
         if state.awaiting_verdict {
@@ -530,10 +527,7 @@ impl Body for RelayBody {
             Poll::Ready(None)
         };
         match polled {
-            Poll::Ready(Some(Ok(bytes))) => {
-                coop.made_progress();
-                Poll::Ready(Some(Ok(Frame::data(bytes))))
-            }
+            Poll::Ready(Some(Ok(bytes))) => Poll::Ready(Some(Ok(Frame::data(bytes)))),
             Poll::Ready(None) => {
                 let reader = state.reader.take();
                 drop(state);
@@ -657,6 +651,7 @@ impl Driver {
                 // An empty answer whose END was read ahead: nothing is left to wait for.
                 return;
             }
+            let read_max = self.read_max(&phase);
             let fail = tokio::select! {
                 biased;
                 () = self.signal.cancelled() => Some(Fail::CallerCancelled),
@@ -675,7 +670,7 @@ impl Driver {
                     },
                 },
                 event = call.next(), if !self.answered => self.on_call(&mut phase, event),
-                chunk = read_chunk(self.reader.as_mut()), if self.reads(&phase) => {
+                chunk = read_chunk(self.reader.as_mut(), read_max), if self.reads(&phase) => {
                     match self.on_chunk(&phase, chunk) {
                         Step::Continue => None,
                         Step::Fail(fail) => Some(fail),
@@ -691,6 +686,14 @@ impl Driver {
                 self.conclude(&mut phase, Fail::PeerAborted);
                 return;
             }
+        }
+    }
+
+    /// The most the driver reads at once: ahead of the head, what is left of [`READ_AHEAD`].
+    fn read_max(&self, phase: &Phase) -> usize {
+        match phase {
+            Phase::Head(_) => READ_AHEAD.saturating_sub(self.read_ahead),
+            Phase::Drain | Phase::Body => usize::MAX,
         }
     }
 
@@ -895,9 +898,12 @@ enum Step {
     Done,
 }
 
-async fn read_chunk(reader: Option<&mut ChannelReader>) -> Result<Option<Bytes>, ChannelError> {
+async fn read_chunk(
+    reader: Option<&mut ChannelReader>,
+    max: usize,
+) -> Result<Option<Bytes>, ChannelError> {
     match reader {
-        Some(reader) => reader.read_chunk().await,
+        Some(reader) => reader.read_up_to(max).await,
         None => futures::future::pending().await,
     }
 }

@@ -210,9 +210,7 @@ impl Body for RequestBody {
         let Some(slot) = &self.slot else {
             return Poll::Ready(None);
         };
-        // The channel is no tokio resource: take part in the task's budget, so a target that
-        // drains a fast upload still lets other tasks on its thread run.
-        let coop = std::task::ready!(tokio::task::coop::poll_proceed(cx));
+        // The channel reader takes part in the task's tokio budget.
         let mut slot = slot.lock();
         if slot.ended {
             return Poll::Ready(None);
@@ -222,10 +220,7 @@ impl Body for RequestBody {
             return Poll::Ready(Some(Err(ChannelError::new(FailureReason::Stopped))));
         };
         match Pin::new(reader).poll_next(cx) {
-            Poll::Ready(Some(Ok(bytes))) => {
-                coop.made_progress();
-                Poll::Ready(Some(Ok(Frame::data(bytes))))
-            }
+            Poll::Ready(Some(Ok(bytes))) => Poll::Ready(Some(Ok(Frame::data(bytes)))),
             Poll::Ready(Some(Err(error))) => {
                 slot.ended = true;
                 Poll::Ready(Some(Err(error)))

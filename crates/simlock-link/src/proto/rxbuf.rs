@@ -1,32 +1,33 @@
 //! What a channel received and its reader has not read yet.
 //!
-//! While the reader keeps up, DATA payloads are kept as they arrived: zero-copy slices of the
-//! transport's read buffers. Such a slice keeps its whole read buffer alive, and a read buffer
-//! holds frames of several channels, so a reader that stops reading would pin far more memory
-//! than its window. Once the peer has used up its credit (the reader is half a window or more
-//! behind: one that keeps up is granted more before that) and more than [`COMPACT_AFTER`] bytes
-//! wait, the buffered bytes are therefore copied into one allocation, and later payloads are
-//! appended to allocations sized for what the peer may still send: a stalled reader holds its own
-//! bytes, and only while it is behind; a reader that keeps up costs no copy.
+//! DATA payloads are kept as they arrived: zero-copy slices of the transport's read buffers. Such
+//! a slice keeps its whole read buffer alive (64–128 KiB, holding frames of several channels), so
+//! a reader that stops reading would pin far more memory than its window. When the peer has used
+//! up its credit — it can send nothing more until this reader reads — and more than
+//! [`COMPACT_AFTER`] bytes wait, the waiting payloads are therefore copied into allocations of
+//! their exact size (at most [`MAX_PIECE`] each): a stalled reader holds its own bytes only. A
+//! reader that keeps ahead of its window is never copied; one caught at the end of a credit burst
+//! is copied once, and the payloads after the next grant are kept as they arrive again.
 
 use std::collections::VecDeque;
 
 use bytes::{Bytes, BytesMut};
 
-/// The least a reader must be behind for its buffer to be compacted: four full DATA frames.
+/// The least a reader must be behind for its payloads to be compacted: four full DATA frames.
 pub(crate) const COMPACT_AFTER: usize = 64 * 1024;
 
-/// The largest allocation one compacted stretch takes at once (a grown window fills several).
-const MAX_STRETCH: usize = 1024 * 1024;
+/// The largest allocation compaction makes (a grown window is copied into several).
+pub(crate) const MAX_PIECE: usize = 1024 * 1024;
 
-/// A channel's unread bytes, in order: `frames` first, then `tail`.
+/// A channel's unread bytes, in order: `kept` first, then `frames`.
 #[derive(Debug, Default)]
 pub(crate) struct RxBuf {
-    /// Payloads as they arrived, and earlier compacted stretches.
+    /// Compacted pieces: copies the size of their bytes.
+    kept: VecDeque<Bytes>,
+    /// Payloads as they arrived, after every one of `kept`.
     frames: VecDeque<Bytes>,
-    /// The compacted stretch being filled: bytes after every one of `frames`. Empty (and holding
-    /// no allocation) while the reader keeps up.
-    tail: BytesMut,
+    /// Bytes in `frames`.
+    in_frames: usize,
     len: usize,
 }
 
@@ -37,77 +38,82 @@ impl RxBuf {
     }
 
     /// Appends `payload`; `room` is how many more bytes the peer may send after it (its
-    /// remaining credit), which sizes a compacted stretch.
+    /// remaining credit).
     pub(crate) fn push(&mut self, payload: Bytes, room: usize) {
         if payload.is_empty() {
             return;
         }
         self.len += payload.len();
-        if self.tail.is_empty() && (room > 0 || self.len <= COMPACT_AFTER) {
-            self.frames.push_back(payload);
-            return;
+        self.in_frames += payload.len();
+        self.frames.push_back(payload);
+        if room == 0 && self.in_frames > COMPACT_AFTER {
+            self.compact();
         }
-        let spare = self.tail.capacity() - self.tail.len();
-        if spare < payload.len() {
-            let stretch = |at_least: usize| at_least.max((at_least + room).min(MAX_STRETCH));
-            let fresh = if self.tail.is_empty() {
-                // The reader fell behind: copy what waits out of the transport's buffers.
-                let waiting = self.len - payload.len();
-                let mut fresh = BytesMut::with_capacity(stretch(self.len));
-                for frame in self.frames.drain(..) {
-                    fresh.extend_from_slice(&frame);
+    }
+
+    /// Copies the payloads as they arrived into pieces of at most [`MAX_PIECE`] bytes.
+    fn compact(&mut self) {
+        let mut piece = BytesMut::with_capacity(self.in_frames.min(MAX_PIECE));
+        let mut left = self.in_frames;
+        for frame in self.frames.drain(..) {
+            let mut rest = &frame[..];
+            while !rest.is_empty() {
+                let take = rest.len().min(MAX_PIECE - piece.len());
+                piece.extend_from_slice(&rest[..take]);
+                rest = &rest[take..];
+                left -= take;
+                if piece.len() == MAX_PIECE {
+                    let full =
+                        std::mem::replace(&mut piece, BytesMut::with_capacity(left.min(MAX_PIECE)));
+                    self.kept.push_back(full.freeze());
                 }
-                debug_assert_eq!(fresh.len(), waiting);
-                fresh
-            } else {
-                // The stretch is full: it joins the frames, in order, and a new one starts.
-                let full = std::mem::take(&mut self.tail).freeze();
-                self.frames.push_back(full);
-                BytesMut::with_capacity(stretch(payload.len()))
-            };
-            self.tail = fresh;
+            }
         }
-        self.tail.extend_from_slice(&payload);
+        if !piece.is_empty() {
+            self.kept.push_back(piece.freeze());
+        }
+        self.in_frames = 0;
     }
 
     /// Takes up to `max` bytes from the front; `None` when nothing is buffered.
     pub(crate) fn take(&mut self, max: usize) -> Option<Bytes> {
-        let chunk = if let Some(front) = self.frames.front_mut() {
-            if front.len() <= max {
-                self.frames.pop_front()?
-            } else {
-                front.split_to(max)
-            }
-        } else if self.tail.is_empty() {
-            return None;
+        let (queue, from_frames) = if self.kept.is_empty() {
+            (&mut self.frames, true)
         } else {
-            let chunk = self.tail.split_to(max.min(self.tail.len())).freeze();
-            if self.tail.is_empty() {
-                // Caught up: let go of the stretch (the reader's slices keep what they use).
-                self.tail = BytesMut::new();
-            }
-            chunk
+            (&mut self.kept, false)
         };
+        let front = queue.front_mut()?;
+        let chunk = if front.len() <= max {
+            queue.pop_front()?
+        } else {
+            front.split_to(max)
+        };
+        if from_frames {
+            self.in_frames -= chunk.len();
+        }
         self.len -= chunk.len();
         Some(chunk)
     }
 
     /// Drops everything.
     pub(crate) fn clear(&mut self) {
+        self.kept.clear();
         self.frames.clear();
-        self.tail = BytesMut::new();
+        self.in_frames = 0;
         self.len = 0;
     }
 
     /// The bytes actually held, for the core's consistency check.
     pub(crate) fn counted(&self) -> usize {
-        self.frames.iter().map(Bytes::len).sum::<usize>() + self.tail.len()
+        let frames: usize = self.frames.iter().map(Bytes::len).sum();
+        debug_assert_eq!(frames, self.in_frames);
+        self.kept.iter().map(Bytes::len).sum::<usize>() + frames
     }
 
-    /// Whether the buffer holds a compacted stretch (for tests).
+    /// Whether some bytes were compacted (for tests).
     #[cfg(test)]
     pub(crate) fn is_compacted(&self) -> bool {
-        !self.tail.is_empty()
+        !self.kept.is_empty()
     }
 }
 
@@ -128,6 +134,19 @@ mod tests {
         out
     }
 
+    /// Pushes `count` 16 KiB frames of a `window` the peer starts with `credit` of.
+    fn fill(buf: &mut RxBuf, expected: &mut Vec<u8>, count: usize, credit: usize) -> usize {
+        let mut room = credit;
+        for n in 0..count {
+            let payload = frame(n as u8, 16 * 1024);
+            room -= payload.len();
+            expected.extend_from_slice(&payload);
+            buf.push(payload, room);
+            assert_eq!(buf.len(), buf.counted());
+        }
+        room
+    }
+
     #[test]
     fn a_reader_that_keeps_up_gets_the_frames_as_they_came() {
         let mut buf = RxBuf::default();
@@ -140,51 +159,60 @@ mod tests {
     }
 
     #[test]
-    fn a_full_window_is_compacted_into_one_allocation_of_its_size() {
+    fn a_full_window_is_copied_into_one_allocation_of_its_size() {
         let mut buf = RxBuf::default();
         let mut expected = Vec::new();
         let window = 256 * 1024;
-        let mut received = 0;
-        for n in 0..16u8 {
-            let payload = frame(n, 16 * 1024);
-            received += payload.len();
-            expected.extend_from_slice(&payload);
-            buf.push(payload, window - received);
+        for n in 0..16usize {
+            fill(&mut buf, &mut expected, 1, window - n * 16 * 1024);
             // Credit left: the reader may still catch up, nothing is copied.
-            assert_eq!(
-                buf.is_compacted(),
-                received == window,
-                "after {received} bytes"
-            );
+            assert_eq!(buf.is_compacted(), n == 15, "after frame {n}");
         }
         assert_eq!(buf.frames.len(), 0, "the arrived frames were copied out");
-        assert_eq!(buf.tail.capacity(), window, "exactly the window");
-        assert_eq!(buf.len(), window);
+        assert_eq!(buf.kept.len(), 1);
+        assert_eq!(buf.kept[0].len(), window, "exactly the window");
         assert_eq!(buf.counted(), window);
         assert_eq!(drain(&mut buf, 10_000), expected);
         assert!(!buf.is_compacted());
-        assert_eq!(buf.tail.capacity(), 0, "the stretch is let go once read");
     }
 
     #[test]
-    fn after_a_grant_a_behind_reader_gets_stretches_sized_by_the_new_credit() {
+    fn after_a_grant_new_frames_are_kept_as_they_come_behind_the_copy() {
         let mut buf = RxBuf::default();
-        for n in 0..16u8 {
-            buf.push(frame(n, 16 * 1024), (15 - usize::from(n)) * 16 * 1024);
-        }
+        let mut expected = Vec::new();
+        fill(&mut buf, &mut expected, 16, 256 * 1024);
         assert!(buf.is_compacted());
-        // The reader reads half; the grant gives 128 KiB more, which arrives.
-        let half = drain_up_to(&mut buf, 128 * 1024);
-        assert_eq!(half, 128 * 1024);
-        for n in 0..8u8 {
-            buf.push(frame(n, 16 * 1024), (7 - usize::from(n)) * 16 * 1024);
+        // The reader reads half; the grant of 128 KiB arrives as it is, behind the copy.
+        let mut got = Vec::new();
+        while got.len() < 128 * 1024 {
+            got.extend_from_slice(&buf.take(128 * 1024 - got.len()).unwrap());
         }
-        assert_eq!(buf.len(), 256 * 1024);
-        assert_eq!(buf.counted(), 256 * 1024);
-        assert!(
-            buf.tail.capacity() <= 128 * 1024,
-            "a stretch for the new credit only"
+        let fresh = frame(200, 16 * 1024);
+        expected.extend_from_slice(&fresh);
+        buf.push(fresh.clone(), 112 * 1024);
+        assert_eq!(
+            buf.frames.back().unwrap().as_ptr(),
+            fresh.as_ptr(),
+            "not copied"
         );
+        // Used up again: only the frames since the last copy are copied.
+        fill(&mut buf, &mut expected, 7, 112 * 1024);
+        assert_eq!(buf.kept.len(), 2);
+        assert_eq!(buf.kept[1].len(), 128 * 1024);
+        assert_eq!(buf.len(), 256 * 1024);
+        got.extend(drain(&mut buf, 5000));
+        assert!(got == expected, "every byte, in order");
+    }
+
+    #[test]
+    fn a_grown_window_is_copied_in_pieces_of_at_most_a_mebibyte() {
+        let mut buf = RxBuf::default();
+        let mut expected = Vec::new();
+        let window = 3 * MAX_PIECE + 96 * 1024;
+        fill(&mut buf, &mut expected, window / (16 * 1024), window);
+        let sizes: Vec<usize> = buf.kept.iter().map(Bytes::len).collect();
+        assert_eq!(sizes, [MAX_PIECE, MAX_PIECE, MAX_PIECE, 96 * 1024]);
+        assert_eq!(drain(&mut buf, usize::MAX), expected);
     }
 
     #[test]
@@ -196,49 +224,25 @@ mod tests {
         assert_eq!(buf.take(usize::MAX).unwrap().as_ptr(), payload.as_ptr());
     }
 
-    fn drain_up_to(buf: &mut RxBuf, max: usize) -> usize {
-        let mut read = 0;
-        while read < max {
-            match buf.take(max - read) {
-                Some(chunk) => read += chunk.len(),
-                None => break,
-            }
-        }
-        read
-    }
-
     #[test]
-    fn order_holds_across_full_stretches_and_partial_reads() {
+    fn order_holds_across_copies_and_partial_reads_and_clear_empties() {
         let mut buf = RxBuf::default();
         let mut expected = Vec::new();
         let mut got = Vec::new();
-        // No room beyond each payload: every stretch fills at once.
-        for n in 0..40u8 {
+        for n in 0..60u8 {
             let payload = frame(n, 5000 + usize::from(n) * 7);
             expected.extend_from_slice(&payload);
-            buf.push(payload, 0);
-            if n % 3 == 0 {
+            // Every third payload uses up the credit.
+            buf.push(payload, if n % 3 == 2 { 0 } else { 1 << 20 });
+            if n % 4 == 0 {
                 got.extend_from_slice(&buf.take(3000).unwrap());
             }
             assert_eq!(buf.len(), buf.counted());
         }
         got.extend(drain(&mut buf, 7777));
-        assert_eq!(got, expected);
-    }
-
-    #[test]
-    fn a_stretch_never_exceeds_its_cap_and_empty_payloads_are_ignored() {
-        let mut buf = RxBuf::default();
+        assert!(got == expected);
         buf.push(Bytes::new(), 0);
-        assert!(buf.take(1).is_none());
-        for n in 0..5u8 {
-            buf.push(frame(n, 16 * 1024), 0);
-        }
-        assert!(buf.is_compacted());
-        // A huge grant: the next stretch is capped.
-        buf.push(frame(9, 16 * 1024), 64 << 20);
-        assert_eq!(buf.tail.capacity(), MAX_STRETCH);
-        assert_eq!(buf.len(), 6 * 16 * 1024);
+        buf.push(frame(1, 100_000), 0);
         buf.clear();
         assert_eq!(buf.len(), 0);
         assert!(buf.take(1).is_none());
