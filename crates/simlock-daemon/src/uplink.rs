@@ -129,7 +129,6 @@ pub async fn dial_with(
             .map_err(|e| DialError::Unreachable(format!("{host}:{port}: {e}")))?;
         // Little unsent data in the kernel keeps small calls quick behind bulk data.
         let _ = tune_tcp(&stream);
-        let stream = simlock_link::UplinkIo::new(stream);
         tokio_tungstenite::client_async_with_config(request, stream, Some(websocket_config()))
             .await
             .map_err(|e| match e {

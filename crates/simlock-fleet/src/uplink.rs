@@ -132,7 +132,7 @@ impl UplinkMount {
                     let _ = simlock_link::tune_tcp(&stream);
                     let (read, write) = stream.into_split();
                     let read = std::io::Cursor::new(parts.read_buf).chain(read);
-                    let io = simlock_link::UplinkIo::new(tokio::io::join(read, write));
+                    let io = tokio::io::join(read, write);
                     let ws = WebSocketStream::from_raw_socket(
                         io,
                         Role::Server,
@@ -143,7 +143,7 @@ impl UplinkMount {
                 }
                 Err(upgraded) => {
                     let ws = WebSocketStream::from_raw_socket(
-                        simlock_link::UplinkIo::new(TokioIo::new(upgraded)),
+                        TokioIo::new(upgraded),
                         Role::Server,
                         Some(websocket_config()),
                     )

@@ -59,7 +59,6 @@ pub mod config;
 mod driver;
 mod error;
 mod handle;
-mod io;
 pub mod proto;
 mod shared;
 
@@ -73,5 +72,4 @@ pub use driver::{
 };
 pub use error::{ChannelError, CloseReason, FailureReason, LinkError};
 pub use handle::{LinkHandle, TextReceiver};
-pub use io::UplinkIo;
 pub use proto::{LinkStats, frame::ChannelId};
