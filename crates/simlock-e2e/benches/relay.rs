@@ -4,7 +4,7 @@
 //! targets on the worker and the gateway's `GatewayRelay` as the caller. It measures, in one run:
 //! - 1 GiB uploads and downloads through the relay, as ratios to direct loopback HTTP/1.1 (hyper
 //!   client to hyper server) moving the same bodies in the same run (each relayed transfer next
-//!   to a direct one; the median of five ratios, since the machine is shared);
+//!   to a direct one; the median of seven ratios, since the machine is shared);
 //! - the p99 of a `lease.renew` forwarded to the same worker while those transfers run (all
 //!   samples of every run together; each run's own p99 is printed beside its ratio);
 //! - the growth of the process's RSS (gateway and worker together) with 64 relays whose callers
@@ -49,7 +49,7 @@ type BenchResult<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
 const MIB: u64 = 1024 * 1024;
 const GIB: u64 = 1024 * MIB;
 const CHUNK: usize = 64 * 1024;
-const RUNS: usize = 5;
+const RUNS: usize = 7;
 
 fn main() -> BenchResult<()> {
     // The daemons' own runtime (one worker thread per core: two on the bench machine), shared
