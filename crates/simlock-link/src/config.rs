@@ -71,6 +71,10 @@ pub const TEXT_SEND_BUFFER: usize = 1024 * 1024;
 /// Bytes of incoming text held for the application before the driver stops reading the socket.
 pub const TEXT_RECEIVE_BUFFER: usize = 1024 * 1024;
 
+/// The least a reader must be behind, with its peer out of credit, for its waiting payloads to
+/// be copied out of the transport's read buffers: four full DATA frames (see `proto::rxbuf`).
+pub const COMPACT_AFTER: usize = 64 * 1024;
+
 /// The link's configuration. Build it with [`LinkConfig::new`] and adjust the public fields.
 #[derive(Clone, Debug)]
 #[non_exhaustive]
@@ -105,6 +109,9 @@ pub struct LinkConfig {
     pub text_send_buffer: usize,
     /// Bytes of incoming text held before reading pauses. Default [`TEXT_RECEIVE_BUFFER`].
     pub text_receive_buffer: usize,
+    /// Bytes waiting for a reader whose peer is out of credit before they are compacted.
+    /// Default [`COMPACT_AFTER`].
+    pub compact_after: usize,
 }
 
 impl LinkConfig {
@@ -126,6 +133,7 @@ impl LinkConfig {
             send_buffer: SEND_BUFFER,
             text_send_buffer: TEXT_SEND_BUFFER,
             text_receive_buffer: TEXT_RECEIVE_BUFFER,
+            compact_after: COMPACT_AFTER,
         }
     }
 

@@ -548,10 +548,8 @@ impl Link {
         let Some(&key) = self.ids.get(&id) else {
             return self.violation(format!("{} for channel {id}, never opened", frame.name()));
         };
-        let max_window = u64::from(self.config.max_window);
-        let end = self.config.end;
         let result = match self.channels.get_mut(&key) {
-            Some(ch) => apply_channel_frame(ch, frame, max_window, &mut self.counters, end),
+            Some(ch) => apply_channel_frame(ch, frame, &self.config, &mut self.counters),
             None => Err(format!("{} for channel {id}: no state", frame.name())),
         };
         match result {
@@ -570,10 +568,12 @@ impl Link {
 fn apply_channel_frame(
     ch: &mut Chan,
     frame: ChannelFrame,
-    max_window: u64,
+    config: &LinkConfig,
     counters: &mut Counters,
-    end: End,
 ) -> Result<(), String> {
+    let max_window = u64::from(config.max_window);
+    let end = config.end;
+    let compact_after = config.compact_after;
     let id = ch.id;
     if ch.peer_released {
         return Err(format!(
@@ -598,7 +598,7 @@ fn apply_channel_frame(
             counters.bytes_received += len;
             if ch.rx == Rx::Open {
                 let room = usize::try_from(ch.rx_limit - ch.rx_received).unwrap_or(usize::MAX);
-                ch.rx_buf.push(payload, room);
+                ch.rx_buf.push(payload, room, compact_after);
             } else {
                 // Late bytes after this end stopped or aborted: within credit, dropped.
                 ch.rx_consumed += len;

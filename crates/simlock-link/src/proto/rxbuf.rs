@@ -4,7 +4,7 @@
 //! a slice keeps its whole read buffer alive (64–128 KiB, holding frames of several channels), so
 //! a reader that stops reading would pin far more memory than its window. When the peer has used
 //! up its credit — it can send nothing more until this reader reads — and more than
-//! [`COMPACT_AFTER`] bytes wait, the waiting payloads are therefore copied into allocations of
+//! `LinkConfig::compact_after` bytes (64 KiB) wait, the waiting payloads are therefore copied into allocations of
 //! their exact size (at most [`MAX_PIECE`] each): a stalled reader holds its own bytes only. A
 //! reader that keeps ahead of its window is never copied; one caught at the end of a credit burst
 //! is copied once, and the payloads after the next grant are kept as they arrive again.
@@ -12,9 +12,6 @@
 use std::collections::VecDeque;
 
 use bytes::{Bytes, BytesMut};
-
-/// The least a reader must be behind for its payloads to be compacted: four full DATA frames.
-pub(crate) const COMPACT_AFTER: usize = 64 * 1024;
 
 /// The largest allocation compaction makes (a grown window is copied into several).
 pub(crate) const MAX_PIECE: usize = 1024 * 1024;
@@ -38,15 +35,16 @@ impl RxBuf {
     }
 
     /// Appends `payload`; `room` is how many more bytes the peer may send after it (its
-    /// remaining credit).
-    pub(crate) fn push(&mut self, payload: Bytes, room: usize) {
+    /// remaining credit); waiting payloads are compacted when there is none and more than
+    /// `compact_after` bytes wait.
+    pub(crate) fn push(&mut self, payload: Bytes, room: usize, compact_after: usize) {
         if payload.is_empty() {
             return;
         }
         self.len += payload.len();
         self.in_frames += payload.len();
         self.frames.push_back(payload);
-        if room == 0 && self.in_frames > COMPACT_AFTER {
+        if room == 0 && self.in_frames > compact_after {
             self.compact();
         }
     }
@@ -121,6 +119,8 @@ impl RxBuf {
 mod tests {
     use super::*;
 
+    const COMPACT_AFTER: usize = crate::config::COMPACT_AFTER;
+
     fn frame(byte: u8, len: usize) -> Bytes {
         Bytes::from(vec![byte; len])
     }
@@ -141,7 +141,7 @@ mod tests {
             let payload = frame(n as u8, 16 * 1024);
             room -= payload.len();
             expected.extend_from_slice(&payload);
-            buf.push(payload, room);
+            buf.push(payload, room, COMPACT_AFTER);
             assert_eq!(buf.len(), buf.counted());
         }
         room
@@ -151,7 +151,7 @@ mod tests {
     fn a_reader_that_keeps_up_gets_the_frames_as_they_came() {
         let mut buf = RxBuf::default();
         let first = frame(1, 16 * 1024);
-        buf.push(first.clone(), 1 << 20);
+        buf.push(first.clone(), 1 << 20, COMPACT_AFTER);
         let taken = buf.take(usize::MAX).unwrap();
         assert_eq!(taken.as_ptr(), first.as_ptr(), "zero-copy");
         assert!(buf.take(1).is_none());
@@ -189,7 +189,7 @@ mod tests {
         }
         let fresh = frame(200, 16 * 1024);
         expected.extend_from_slice(&fresh);
-        buf.push(fresh.clone(), 112 * 1024);
+        buf.push(fresh.clone(), 112 * 1024, COMPACT_AFTER);
         assert_eq!(
             buf.frames.back().unwrap().as_ptr(),
             fresh.as_ptr(),
@@ -219,7 +219,7 @@ mod tests {
     fn a_small_buffer_is_never_copied_even_without_credit() {
         let mut buf = RxBuf::default();
         let payload = frame(1, 1000);
-        buf.push(payload.clone(), 0);
+        buf.push(payload.clone(), 0, COMPACT_AFTER);
         assert!(!buf.is_compacted());
         assert_eq!(buf.take(usize::MAX).unwrap().as_ptr(), payload.as_ptr());
     }
@@ -233,7 +233,7 @@ mod tests {
             let payload = frame(n, 5000 + usize::from(n) * 7);
             expected.extend_from_slice(&payload);
             // Every third payload uses up the credit.
-            buf.push(payload, if n % 3 == 2 { 0 } else { 1 << 20 });
+            buf.push(payload, if n % 3 == 2 { 0 } else { 1 << 20 }, COMPACT_AFTER);
             if n % 4 == 0 {
                 got.extend_from_slice(&buf.take(3000).unwrap());
             }
@@ -241,8 +241,8 @@ mod tests {
         }
         got.extend(drain(&mut buf, 7777));
         assert!(got == expected);
-        buf.push(Bytes::new(), 0);
-        buf.push(frame(1, 100_000), 0);
+        buf.push(Bytes::new(), 0, COMPACT_AFTER);
+        buf.push(frame(1, 100_000), 0, COMPACT_AFTER);
         buf.clear();
         assert_eq!(buf.len(), 0);
         assert!(buf.take(1).is_none());

@@ -178,6 +178,8 @@ impl Sim {
         config.max_open_channels = pick(&mut rng, &[1, 2, 4, 8]);
         config.max_channel_entries = config.max_open_channels * pick(&mut rng, &[1, 2]);
         config.text_send_buffer = pick(&mut rng, &[64, 10_000]);
+        // Compaction of a stalled reader's bytes, from always to the default.
+        config.compact_after = pick(&mut rng, &[0, 300, 4096, 65536]);
         let mut pair = Pair::new(config);
         pair.latency = pick(
             &mut rng,
