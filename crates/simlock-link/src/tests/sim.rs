@@ -634,6 +634,15 @@ impl Sim {
         }
     }
 
+    /// How long settling may take: 300 s, or more when channels wait for few slots one after
+    /// another, each possibly for its accept timeout and then its stall timeout.
+    fn patience(&self) -> Duration {
+        let config = self.pair.gateway.config();
+        let per_channel = config.accept_timeout + config.stall_timeout + Duration::from_secs(30);
+        let channels = u32::try_from(self.chans.len()).unwrap_or(u32::MAX);
+        Duration::from_secs(300).max(per_channel.saturating_mul(channels))
+    }
+
     fn settled(&self) -> bool {
         self.chans.iter().all(|chan| {
             chan.cancelled
@@ -650,8 +659,9 @@ impl Sim {
     /// only at the very end), late accepts happen, timeouts fire. Then drops every handle.
     fn quiesce(&mut self) -> Result<(), String> {
         let started = self.pair.now;
+        let patience = self.patience();
         while !self.settled() {
-            if self.pair.now.duration_since(started) > Duration::from_secs(300) {
+            if self.pair.now.duration_since(started) > patience {
                 return Err(format!("did not settle: {:?}", self.unsettled()));
             }
             for c in 0..self.chans.len() {
@@ -696,7 +706,7 @@ impl Sim {
         }
         let woke = self.pair.now;
         while !self.settled() {
-            if self.pair.now.duration_since(woke) > Duration::from_secs(300) {
+            if self.pair.now.duration_since(woke) > patience {
                 return Err(format!(
                     "did not settle after waking: {:?}",
                     self.unsettled()
