@@ -9,6 +9,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
 
+use futures::future::BoxFuture;
 use parking_lot::Mutex;
 use serde_json::json;
 use simlock_contract::ContractError;
@@ -36,7 +37,7 @@ use tracing::{error, info, warn};
 use crate::book::RequestRecord;
 use crate::capacity::Limits;
 use crate::catalog::Catalog;
-use crate::driver::{Driver, DriverError, virtual_drivers};
+use crate::driver::{Driver, DriverError, Estimates, virtual_drivers};
 use crate::error::CoreError;
 use crate::exec;
 use crate::queue::LeaseTerms;
@@ -806,36 +807,30 @@ async fn run_work(
     platform: Platform,
     work: Work,
 ) {
-    let missing = || DriverError {
-        platform,
-        message: "no driver serves this platform".into(),
-    };
+    let driver = driver.as_ref();
     match work {
         Work::Provision { device, spec } => {
-            let result = match &driver {
-                Some(d) => {
-                    bounded(
-                        platform,
-                        "provisioning",
-                        d.estimates().provision_ms,
-                        d.provision(&spec),
-                    )
-                    .await
-                }
-                None => Err(missing()),
-            };
+            let result = drive(
+                driver,
+                platform,
+                "provisioning",
+                |e| e.provision_ms,
+                |d| d.provision(&spec),
+            )
+            .await;
             let mut next = None;
             report(&me, |state, now| {
                 next = state.provisioned(&device, result, now)
             });
-            let (Some(driver_device_id), Some(d)) = (next, &driver) else {
+            let Some(driver_device_id) = next else {
                 return;
             };
-            let result = bounded(
+            let result = drive(
+                driver,
                 platform,
                 "booting",
-                d.estimates().boot_ms,
-                d.boot(&driver_device_id),
+                |e| e.boot_ms,
+                |d| d.boot(&driver_device_id),
             )
             .await;
             report(&me, |state, now| state.booted(&device, result, now));
@@ -845,18 +840,14 @@ async fn run_work(
             driver_device_id,
             ..
         } => {
-            let result = match &driver {
-                Some(d) => {
-                    bounded(
-                        platform,
-                        "booting",
-                        d.estimates().boot_ms,
-                        d.boot(&driver_device_id),
-                    )
-                    .await
-                }
-                None => Err(missing()),
-            };
+            let result = drive(
+                driver,
+                platform,
+                "booting",
+                |e| e.boot_ms,
+                |d| d.boot(&driver_device_id),
+            )
+            .await;
             report(&me, |state, now| state.booted(&device, result, now));
         }
         Work::Reclaim {
@@ -864,18 +855,14 @@ async fn run_work(
             driver_device_id,
             ..
         } => {
-            let result = match &driver {
-                Some(d) => {
-                    bounded(
-                        platform,
-                        "reclaiming",
-                        d.estimates().reclaim_ms,
-                        d.reclaim(&driver_device_id),
-                    )
-                    .await
-                }
-                None => Err(missing()),
-            };
+            let result = drive(
+                driver,
+                platform,
+                "reclaiming",
+                |e| e.reclaim_ms,
+                |d| d.reclaim(&driver_device_id),
+            )
+            .await;
             report(&me, |state, now| state.reclaimed(&device, result, now));
         }
         Work::Shutdown {
@@ -883,18 +870,14 @@ async fn run_work(
             driver_device_id,
             ..
         } => {
-            let result = match &driver {
-                Some(d) => {
-                    bounded(
-                        platform,
-                        "shutting down",
-                        d.estimates().boot_ms,
-                        d.shutdown(&driver_device_id),
-                    )
-                    .await
-                }
-                None => Err(missing()),
-            };
+            let result = drive(
+                driver,
+                platform,
+                "shutting down",
+                |e| e.boot_ms,
+                |d| d.shutdown(&driver_device_id),
+            )
+            .await;
             if let Err(e) = &result {
                 warn!(error = %e, %device, "shutting a device down failed");
             }
@@ -906,23 +889,26 @@ async fn run_work(
             running,
             ..
         } => {
-            if let Some(d) = &driver {
+            // Without a driver there is nothing to shut down or delete: the device is forgotten.
+            if driver.is_some() {
                 if running
-                    && let Err(e) = bounded(
+                    && let Err(e) = drive(
+                        driver,
                         platform,
                         "shutting down",
-                        d.estimates().boot_ms,
-                        d.shutdown(&driver_device_id),
+                        |e| e.boot_ms,
+                        |d| d.shutdown(&driver_device_id),
                     )
                     .await
                 {
                     warn!(error = %e, %device, "shutting a device down before deleting it failed");
                 }
-                if let Err(e) = bounded(
+                if let Err(e) = drive(
+                    driver,
                     platform,
                     "deleting",
-                    d.estimates().provision_ms,
-                    d.delete(&driver_device_id),
+                    |e| e.provision_ms,
+                    |d| d.delete(&driver_device_id),
                 )
                 .await
                 {
@@ -932,6 +918,25 @@ async fn run_work(
             report(&me, |state, now| state.deleted(&device, now));
         }
     }
+}
+
+/// One call on the platform's driver, bounded by [`driver_bound`] of the estimate `estimate`
+/// reads from it; without a driver, the call fails at once.
+async fn drive<T>(
+    driver: Option<&Arc<dyn Driver>>,
+    platform: Platform,
+    what: &str,
+    estimate: fn(&Estimates) -> u64,
+    call: impl FnOnce(&dyn Driver) -> BoxFuture<'static, Result<T, DriverError>>,
+) -> Result<T, DriverError> {
+    let Some(driver) = driver else {
+        return Err(DriverError {
+            platform,
+            message: "no driver serves this platform".into(),
+        });
+    };
+    let estimate_ms = estimate(&driver.estimates());
+    bounded(platform, what, estimate_ms, call(driver.as_ref())).await
 }
 
 /// The shortest bound on a driver call: a minute.
