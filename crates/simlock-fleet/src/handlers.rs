@@ -109,23 +109,11 @@ pub fn register(
     });
     let f = fleet.clone();
     router.handle::<WorkerDrain, _, _>(move |_, input| {
-        let out = f
-            .set_drained(&input.worker_id, true)
-            .map(|drained| WorkerDrainOutput {
-                worker_id: input.worker_id,
-                drained,
-            });
-        async move { out }
+        std::future::ready(set_drained(&f, input.worker_id, true))
     });
     let f = fleet.clone();
     router.handle::<WorkerUndrain, _, _>(move |_, input| {
-        let out = f
-            .set_drained(&input.worker_id, false)
-            .map(|drained| WorkerDrainOutput {
-                worker_id: input.worker_id,
-                drained,
-            });
-        async move { out }
+        std::future::ready(set_drained(&f, input.worker_id, false))
     });
     let f = fleet.clone();
     router.handle::<WorkerRemove, _, _>(move |_, input| {
@@ -141,4 +129,15 @@ pub fn register(
         &["relay.request", "relay.cancel"],
         ErrorCode::UnsupportedInGatewayMode,
     );
+}
+
+/// `worker.drain` and `worker.undrain`: whether the worker is drained afterwards.
+fn set_drained(
+    fleet: &Fleet,
+    worker_id: String,
+    drained: bool,
+) -> Result<WorkerDrainOutput, ContractError> {
+    fleet
+        .set_drained(&worker_id, drained)
+        .map(|drained| WorkerDrainOutput { worker_id, drained })
 }
