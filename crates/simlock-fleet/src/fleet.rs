@@ -323,8 +323,13 @@ impl Fleet {
 
     /// Records that views changed: wakes the dispatcher and followers.
     pub(crate) fn views_changed(&self) {
-        self.changes.send_modify(|n| *n = n.wrapping_add(1));
+        self.views_touched();
         self.kick.notify_one();
+    }
+
+    /// Tells the watchers of the views (not the dispatcher) that one changed.
+    fn views_touched(&self) {
+        self.changes.send_modify(|n| *n = n.wrapping_add(1));
     }
 
     /// Registers a new uplink for `worker_id`, replacing (and closing) any previous one.
@@ -578,7 +583,7 @@ impl Fleet {
             })
         };
         if updated {
-            self.changes.send_modify(|n| *n = n.wrapping_add(1));
+            self.views_touched();
         }
         updated
     }

@@ -216,6 +216,22 @@ mod tests {
     }
 
     #[test]
+    fn compaction_starts_one_byte_past_the_threshold() {
+        let mut buf = RxBuf::default();
+        buf.push(frame(1, COMPACT_AFTER - 100), 100, COMPACT_AFTER);
+        buf.push(frame(2, 100), 0, COMPACT_AFTER);
+        assert!(
+            !buf.is_compacted(),
+            "exactly the threshold waits: kept as it came"
+        );
+        let mut buf = RxBuf::default();
+        buf.push(frame(1, COMPACT_AFTER - 100), 101, COMPACT_AFTER);
+        buf.push(frame(2, 101), 0, COMPACT_AFTER);
+        assert!(buf.is_compacted(), "one byte past it is copied");
+        assert_eq!(buf.kept[0].len(), COMPACT_AFTER + 1);
+    }
+
+    #[test]
     fn a_small_buffer_is_never_copied_even_without_credit() {
         let mut buf = RxBuf::default();
         let payload = frame(1, 1000);
