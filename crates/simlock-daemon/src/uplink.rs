@@ -8,7 +8,9 @@ use std::time::Duration;
 
 use futures::SinkExt;
 use simlock_contract::bounds::MAX_CALL_LINE;
-use simlock_link::{End, LinkConfig, LinkHandle, spawn, tune_tcp, websocket_config};
+use simlock_link::{
+    End, LinkConfig, LinkHandle, ReceiveBuffer, spawn_tuned, tune_tcp, websocket_config,
+};
 use simlock_wire::{Origin, Transport, serve_attached};
 use tokio::net::TcpStream;
 use tokio::sync::watch;
@@ -127,10 +129,13 @@ pub async fn dial_with(
         let stream = TcpStream::connect((host.as_str(), port))
             .await
             .map_err(|e| DialError::Unreachable(format!("{host}:{port}: {e}")))?;
-        // Little unsent data in the kernel keeps small calls quick behind bulk data.
+        // Little unsent data in the kernel, and little unread data at the gateway, keep small
+        // calls quick behind bulk data.
         let _ = tune_tcp(&stream);
+        let receive_buffer = ReceiveBuffer::of(&stream);
         tokio_tungstenite::client_async_with_config(request, stream, Some(websocket_config()))
             .await
+            .map(|(ws, response)| (ws, response, receive_buffer))
             .map_err(|e| match e {
                 tokio_tungstenite::tungstenite::Error::Http(response) => {
                     match response.status().as_u16() {
@@ -141,12 +146,13 @@ pub async fn dial_with(
                 other => DialError::Unreachable(other.to_string()),
             })
     };
-    let (ws, _) = tokio::time::timeout(DIAL_TIMEOUT, connect)
-        .await
-        .map_err(|_| {
-            DialError::Unreachable(format!("no answer within {} s", DIAL_TIMEOUT.as_secs()))
-        })??;
-    Ok(spawn(ws, link))
+    let (ws, _, receive_buffer) =
+        tokio::time::timeout(DIAL_TIMEOUT, connect)
+            .await
+            .map_err(|_| {
+                DialError::Unreachable(format!("no answer within {} s", DIAL_TIMEOUT.as_secs()))
+            })??;
+    Ok(spawn_tuned(ws, link, receive_buffer))
 }
 
 /// A wire transport over a link's text lane, reading lines of at most `max_line` bytes.

@@ -691,11 +691,12 @@ async fn accept_uplink(listener: &TcpListener, link_config: LinkConfig) -> RawUp
         .await
         .expect("the worker dials");
     let _ = simlock_link::tune_tcp(&stream);
+    let receive_buffer = simlock_link::ReceiveBuffer::of(&stream);
     let ws =
         tokio_tungstenite::accept_async_with_config(stream, Some(simlock_link::websocket_config()))
             .await
             .expect("the WebSocket upgrade");
-    let (link, text) = simlock_link::spawn(ws, link_config);
+    let (link, text) = simlock_link::spawn_tuned(ws, link_config, receive_buffer);
     let (client, _unsolicited) = WireClient::new(client_text_transport(&link, text));
     let hello = Hello {
         client_version: Some("raw-gateway".into()),

@@ -126,10 +126,12 @@ impl UplinkMount {
             };
             let (link, text) = match upgraded.downcast::<TokioIo<TcpStream>>() {
                 Ok(parts) => {
-                    // Tune the socket itself: little unsent data in the kernel keeps small calls
-                    // quick behind bulk data. Bytes hyper already read come first.
+                    // Tune the socket itself: little unsent data in the kernel, and little
+                    // unread data here, keep small calls quick behind bulk data. Bytes hyper
+                    // already read come first.
                     let stream = parts.io.into_inner();
                     let _ = simlock_link::tune_tcp(&stream);
+                    let receive_buffer = simlock_link::ReceiveBuffer::of(&stream);
                     let (read, write) = stream.into_split();
                     let read = std::io::Cursor::new(parts.read_buf).chain(read);
                     let io = tokio::io::join(read, write);
@@ -139,7 +141,7 @@ impl UplinkMount {
                         Some(websocket_config()),
                     )
                     .await;
-                    simlock_link::spawn(ws, link_config(&fleet))
+                    simlock_link::spawn_tuned(ws, link_config(&fleet), receive_buffer)
                 }
                 Err(upgraded) => {
                     let ws = WebSocketStream::from_raw_socket(

@@ -30,7 +30,8 @@ use std::{error::Error, time::Duration};
 use bytes::Bytes;
 use futures::{SinkExt, StreamExt};
 use simlock_link::{
-    Channel, End, LinkConfig, LinkHandle, TextReceiver, spawn, tune_tcp, websocket_config,
+    Channel, End, LinkConfig, LinkHandle, ReceiveBuffer, TextReceiver, spawn_tuned, tune_tcp,
+    websocket_config,
 };
 use tokio::{
     io::{AsyncReadExt, AsyncWriteExt},
@@ -147,8 +148,10 @@ struct Ends {
 
 async fn link_pair() -> BenchResult<Ends> {
     let (server, client) = ws_pair().await?;
-    let (gateway, gateway_text) = spawn(server, LinkConfig::new(End::Gateway));
-    let (worker, worker_text) = spawn(client, LinkConfig::new(End::Worker));
+    let server_buffer = ReceiveBuffer::of(server.get_ref());
+    let client_buffer = ReceiveBuffer::of(client.get_ref());
+    let (gateway, gateway_text) = spawn_tuned(server, LinkConfig::new(End::Gateway), server_buffer);
+    let (worker, worker_text) = spawn_tuned(client, LinkConfig::new(End::Worker), client_buffer);
     Ok(Ends {
         gateway,
         gateway_text,

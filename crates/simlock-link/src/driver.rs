@@ -4,11 +4,11 @@
 //! Writing respects the sink's readiness, so tungstenite never holds more than its write buffer
 //! plus one message; the driver flushes whenever the link has nothing more to send, which keeps
 //! a priority frame at most that far behind bulk data (plus the kernel's unsent bytes, which
-//! [`tune_tcp`] keeps at 16 KiB where the OS allows).
+//! [`tune_tcp`](crate::tune_tcp) keeps at 16 KiB where the OS allows, and the peer's unread
+//! bytes, which a [`ReceiveBuffer`] keeps near the path's bandwidth-delay product).
 
 use std::{
     future::Future,
-    io,
     pin::Pin,
     sync::Arc,
     task::{Context, Poll},
@@ -34,6 +34,7 @@ use crate::{
     handle::{LinkHandle, TextReceiver},
     proto::{Link, Transmit},
     shared::Shared,
+    socket::ReceiveBuffer,
 };
 
 /// Messages read from the socket in one round (at most 256 KiB of DATA), handed to the link
@@ -54,10 +55,6 @@ const MAX_ROUNDS: usize = 1;
 /// dead peer cannot hold a closing link.
 const CLOSE_LINGER: Duration = Duration::from_secs(1);
 
-/// Unsent bytes the kernel may hold per socket: 16 KiB, so a priority frame waits behind little
-/// bulk data (Cloudflare's value for HTTP/2 prioritisation; halved small-call p99 under bulk).
-pub const NOTSENT_LOWAT: u32 = 16 * 1024;
-
 /// The bytes tungstenite gathers before writing to the socket: 64 KiB batches syscalls while
 /// keeping what sits ahead of a priority frame small.
 pub const WS_WRITE_BUFFER: usize = 64 * 1024;
@@ -76,27 +73,31 @@ pub fn websocket_config() -> WebSocketConfig {
         .max_frame_size(Some(WS_MAX_MESSAGE))
 }
 
-/// Tunes an uplink's TCP socket before the WebSocket handshake: no Nagle delay (the driver
-/// batches by flushing), and `TCP_NOTSENT_LOWAT` of 16 KiB where the OS has it (Linux and
-/// Android through socket2; elsewhere the call only sets `TCP_NODELAY`).
-///
-/// # Errors
-/// The socket option call's error.
-pub fn tune_tcp(stream: &tokio::net::TcpStream) -> io::Result<()> {
-    stream.set_nodelay(true)?;
-    #[cfg(any(target_os = "linux", target_os = "android"))]
-    socket2::SockRef::from(stream).set_tcp_notsent_lowat(NOTSENT_LOWAT)?;
-    Ok(())
-}
-
 /// Starts a link over an established WebSocket: spawns its driver task on the current tokio
 /// runtime and returns the handle and the incoming text.
 ///
-/// Build the WebSocket with [`websocket_config`], and tune a TCP socket with [`tune_tcp`] first.
+/// Build the WebSocket with [`websocket_config`], and tune a TCP socket with
+/// [`tune_tcp`](crate::tune_tcp) first. Over TCP, prefer [`spawn_tuned`].
 ///
 /// # Panics
 /// Outside a tokio runtime (as `tokio::spawn` does).
 pub fn spawn<S>(ws: WebSocketStream<S>, config: LinkConfig) -> (LinkHandle, TextReceiver)
+where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    spawn_tuned(ws, config, ReceiveBuffer::untuned())
+}
+
+/// [`spawn`] over a TCP socket whose receive buffer the driver sizes once the link has measured
+/// its round trip (`ReceiveBuffer::of(&stream)`, taken before the WebSocket handshake).
+///
+/// # Panics
+/// Outside a tokio runtime (as `tokio::spawn` does).
+pub fn spawn_tuned<S>(
+    ws: WebSocketStream<S>,
+    config: LinkConfig,
+    receive_buffer: ReceiveBuffer,
+) -> (LinkHandle, TextReceiver)
 where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
@@ -114,6 +115,7 @@ where
         timer_at: None,
         incoming: Vec::with_capacity(READ_BATCH),
         peer_close: None,
+        receive_buffer,
         unflushed: false,
         read_over: false,
         closing: None,
@@ -131,6 +133,8 @@ struct Driver<S> {
     incoming: Vec<Message>,
     /// The reason text of the peer's close frame, once one arrived.
     peer_close: Option<String>,
+    /// The socket's receive buffer, sized to the link's smallest round trip.
+    receive_buffer: ReceiveBuffer,
     unflushed: bool,
     /// The socket's read side ended.
     read_over: bool,
@@ -199,7 +203,7 @@ where
             return false;
         }
         let incoming = &mut self.incoming;
-        self.shared.with_driver(|state, now| {
+        let min_rtt = self.shared.with_driver(|state, now| {
             for message in incoming.drain(..) {
                 match message {
                     Message::Binary(bytes) => state.link.handle_frame(now, bytes),
@@ -213,9 +217,15 @@ where
             if let Some(reason) = ended.clone() {
                 state.link.handle_transport_closed(reason);
             }
+            state.link.min_rtt()
         });
         if ended.is_some() {
             self.read_over = true;
+        }
+        // A PONG may have brought a smaller round trip.
+        if let Some(size) = min_rtt.and_then(|rtt| self.receive_buffer.fit(rtt)) {
+            self.shared
+                .with_driver(|state, _| state.receive_buffer = Some(size));
         }
         true
     }
@@ -273,6 +283,7 @@ where
                 Transmit::Text(text) => Message::Text(text.into()),
                 Transmit::Close(reason) => {
                     self.closing = Some(Box::pin(tokio::time::sleep(CLOSE_LINGER)));
+                    self.receive_buffer.release();
                     Message::Close(Some(close_frame(&reason)))
                 }
             };

@@ -142,7 +142,10 @@ impl LinkHandle {
     /// A snapshot of the link's counters: open channels, bytes each way, buffered bytes, credit
     /// stalls.
     pub fn stats(&self) -> LinkStats {
-        self.shared().with(|state, _| state.link.stats())
+        self.shared().with(|state, _| LinkStats {
+            receive_buffer: state.receive_buffer,
+            ..state.link.stats()
+        })
     }
 
     /// Closes the link: every channel fails `closed`, queued text still goes, then the WebSocket

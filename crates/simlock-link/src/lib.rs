@@ -61,15 +61,18 @@ mod error;
 mod handle;
 pub mod proto;
 mod shared;
+mod socket;
 
 #[cfg(test)]
 mod tests;
 
 pub use channel::{Channel, ChannelReader, ChannelWriter};
 pub use config::{End, LinkConfig};
-pub use driver::{
-    NOTSENT_LOWAT, WS_MAX_MESSAGE, WS_WRITE_BUFFER, spawn, tune_tcp, websocket_config,
-};
+pub use driver::{WS_MAX_MESSAGE, WS_WRITE_BUFFER, spawn, spawn_tuned, websocket_config};
 pub use error::{ChannelError, CloseReason, FailureReason, LinkError};
 pub use handle::{LinkHandle, TextReceiver};
 pub use proto::{LinkStats, frame::ChannelId};
+pub use socket::{
+    MAX_RECEIVE_BUFFER, MIN_RECEIVE_BUFFER, NOTSENT_LOWAT, RECEIVE_RATE, ReceiveBuffer,
+    receive_buffer_for, tune_tcp,
+};

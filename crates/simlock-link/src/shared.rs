@@ -43,6 +43,8 @@ pub(crate) struct State {
     pub(crate) timer: Option<Instant>,
     /// The driver stopped reading because the text inbox is full.
     pub(crate) reading_paused: bool,
+    /// The socket receive buffer the driver set, once it fitted one to the round trip.
+    pub(crate) receive_buffer: Option<usize>,
     pub(crate) readers: BTreeMap<ChannelKey, Waker>,
     pub(crate) writers: BTreeMap<ChannelKey, Waker>,
     pub(crate) opens: BTreeMap<OpenTicket, Waker>,
@@ -101,6 +103,7 @@ impl Shared {
                 driver_woken: false,
                 timer: None,
                 reading_paused: false,
+                receive_buffer: None,
                 readers: BTreeMap::new(),
                 writers: BTreeMap::new(),
                 opens: BTreeMap::new(),

@@ -17,8 +17,9 @@ use std::{
 use bytes::Bytes;
 use futures::{SinkExt, StreamExt};
 use simlock_link::{
-    Channel, ChannelError, CloseReason, End, FailureReason, LinkConfig, LinkHandle, TextReceiver,
-    spawn, tune_tcp, websocket_config,
+    Channel, ChannelError, CloseReason, End, FailureReason, LinkConfig, LinkHandle, LinkStats,
+    MIN_RECEIVE_BUFFER, ReceiveBuffer, TextReceiver, receive_buffer_for, spawn, spawn_tuned,
+    tune_tcp, websocket_config,
 };
 use tokio::{
     io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, DuplexStream, ReadBuf},
@@ -88,9 +89,22 @@ async fn loopback_ws() -> (WebSocketStream<TcpStream>, WebSocketStream<TcpStream
     (server.await.unwrap(), client)
 }
 
+/// Two links over loopback TCP, each driver sizing its socket's receive buffer.
 async fn loopback(config: &LinkConfig) -> Ends {
     let (gateway_ws, worker_ws) = loopback_ws().await;
-    start(gateway_ws, worker_ws, config)
+    let mut gateway_config = config.clone();
+    gateway_config.end = End::Gateway;
+    let worker_config = gateway_config.for_peer();
+    let gateway_buffer = ReceiveBuffer::of(gateway_ws.get_ref());
+    let worker_buffer = ReceiveBuffer::of(worker_ws.get_ref());
+    let (gateway, gateway_text) = spawn_tuned(gateway_ws, gateway_config, gateway_buffer);
+    let (worker, worker_text) = spawn_tuned(worker_ws, worker_config, worker_buffer);
+    Ends {
+        gateway,
+        gateway_text,
+        worker,
+        worker_text,
+    }
 }
 
 /// A WebSocket pair over an in-memory duplex (for paused-time tests), with the worker side
@@ -239,6 +253,57 @@ async fn the_text_lane_carries_messages_both_ways_in_order() {
         );
     }
     assert_eq!(ends.gateway.stats().texts_sent, 200);
+}
+
+/// The link's stats once `done` holds. A link's first PING goes at once and its PONG brings the
+/// first round trip; there is no event for that, so this looks between turns of the runtime.
+async fn stats_once(link: &LinkHandle, done: impl Fn(&LinkStats) -> bool) -> LinkStats {
+    within("the first round trip", async {
+        loop {
+            let stats = link.stats();
+            if done(&stats) {
+                break stats;
+            }
+            tokio::task::yield_now().await;
+        }
+    })
+    .await
+}
+
+#[tokio::test]
+async fn a_tcp_link_sizes_its_receive_buffer_to_the_measured_round_trip() {
+    let mut ends = loopback(&LinkConfig::new(End::Gateway)).await;
+    for link in [&ends.gateway, &ends.worker] {
+        let stats = stats_once(link, |stats| stats.receive_buffer.is_some()).await;
+        let min_rtt = stats.min_rtt.unwrap();
+        assert_eq!(stats.receive_buffer, receive_buffer_for(min_rtt));
+        assert!(stats.receive_buffer.unwrap() >= MIN_RECEIVE_BUFFER);
+    }
+    // The links still carry data.
+    let (gateway_end, worker_end) = open_named(&mut ends).await;
+    let (_response, mut request) = gateway_end.into_split();
+    let (mut body, _answer) = worker_end.into_split();
+    let sent = pattern(1024 * 1024, 7);
+    let writer = tokio::spawn(async move {
+        request.write_all(&sent).await.unwrap();
+        request.shutdown().await.unwrap();
+        sent
+    });
+    let mut received = Vec::new();
+    within("the body", body.read_to_end(&mut received))
+        .await
+        .unwrap();
+    assert_eq!(received, writer.await.unwrap());
+}
+
+#[tokio::test]
+async fn an_untuned_link_leaves_the_receive_buffer_to_the_kernel() {
+    let (gateway_ws, worker_ws) = loopback_ws().await;
+    let ends = start(gateway_ws, worker_ws, &LinkConfig::new(End::Gateway));
+    for link in [&ends.gateway, &ends.worker] {
+        let stats = stats_once(link, |stats| stats.min_rtt.is_some()).await;
+        assert_eq!(stats.receive_buffer, None);
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

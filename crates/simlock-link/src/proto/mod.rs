@@ -146,6 +146,11 @@ pub struct LinkStats {
     pub text_queued: u64,
     /// Smoothed round-trip time from PING/PONG, once measured.
     pub rtt: Option<Duration>,
+    /// The smallest PING/PONG round trip measured: the path's delay without queueing.
+    pub min_rtt: Option<Duration>,
+    /// The socket receive buffer (`SO_RCVBUF`) the driver set for that round trip; `None` while
+    /// the kernel tunes it (not measured yet, a long path, or not a TCP socket).
+    pub receive_buffer: Option<usize>,
 }
 
 /// Cumulative counters.
@@ -191,6 +196,7 @@ pub struct Link {
     last_rx: Instant,
     reading_paused: bool,
     srtt: Option<Duration>,
+    min_rtt: Option<Duration>,
     closed: Option<CloseReason>,
     close_transmit: Option<CloseReason>,
     events: VecDeque<Event>,
@@ -210,6 +216,7 @@ impl std::fmt::Debug for Link {
             .field("text_out_bytes", &self.text_out_bytes)
             .field("pings_unanswered", &self.pings_unanswered)
             .field("srtt", &self.srtt)
+            .field("min_rtt", &self.min_rtt)
             .finish_non_exhaustive()
     }
 }
@@ -244,12 +251,19 @@ impl Link {
             last_rx: now,
             reading_paused: false,
             srtt: None,
+            min_rtt: None,
             closed: None,
             close_transmit: None,
             events: VecDeque::new(),
             counters: Counters::default(),
             scratch: BytesMut::new(),
         }
+    }
+
+    /// The smallest PING/PONG round trip measured so far: the path's delay without the queueing
+    /// that inflates the smoothed RTT under load.
+    pub fn min_rtt(&self) -> Option<Duration> {
+        self.min_rtt
     }
 
     /// Which end this is.
@@ -309,6 +323,7 @@ impl Link {
             texts_received: c.texts_received,
             text_queued: self.text_out_bytes as u64,
             rtt: self.srtt,
+            min_rtt: self.min_rtt,
             ..LinkStats::default()
         };
         for ch in self.channels.values() {
@@ -520,6 +535,7 @@ impl Link {
             None => sample,
             Some(srtt) => (srtt * 7 + sample) / 8,
         });
+        self.min_rtt = Some(self.min_rtt.map_or(sample, |min| min.min(sample)));
     }
 
     fn on_open(&mut self, now: Instant, id: ChannelId) {

@@ -502,6 +502,26 @@ fn a_quiet_link_stays_up() {
 }
 
 #[test]
+fn the_min_rtt_is_the_smallest_round_trip_and_ignores_later_queueing() {
+    let mut pair = pair();
+    assert_eq!(pair.gateway.min_rtt(), None, "no PONG yet");
+    pair.latency = Duration::from_millis(30);
+    pair.advance(Duration::from_secs(11)).unwrap();
+    assert_eq!(pair.gateway.min_rtt(), Some(Duration::from_millis(60)));
+    pair.latency = Duration::from_millis(5);
+    pair.advance(Duration::from_secs(11)).unwrap();
+    assert_eq!(pair.gateway.min_rtt(), Some(Duration::from_millis(10)));
+    // Queueing behind bulk data inflates later samples: the smoothed RTT follows, the minimum
+    // does not.
+    pair.latency = Duration::from_millis(200);
+    pair.advance(Duration::from_secs(30)).unwrap();
+    let stats = pair.gateway.stats();
+    assert_eq!(stats.min_rtt, Some(Duration::from_millis(10)));
+    assert!(stats.rtt.unwrap() > Duration::from_millis(100));
+    assert_eq!(pair.worker.min_rtt(), Some(Duration::from_millis(10)));
+}
+
+#[test]
 fn windows_grow_toward_the_bdp_within_the_budget() {
     let mut config = LinkConfig::new(End::Gateway);
     config.receive_budget = 24 * MIB as u64;
