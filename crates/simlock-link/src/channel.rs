@@ -289,6 +289,19 @@ impl ChannelWriter {
             .with(|state, now| state.link.write_all(now, key, data))
     }
 
+    /// Bounds this writer's queue of unsent bytes at `bytes` instead of the link's send buffer
+    /// (256 KiB by default): writing waits while that much is queued (a `Sink` item may overshoot
+    /// it once), and resumes once half of it went. A small bound keeps what a stalled reader
+    /// holds back on this side small; a bound of a few frames still keeps the link's batches full.
+    ///
+    /// # Errors
+    /// The channel's failure.
+    pub fn set_send_buffer(&mut self, bytes: usize) -> Result<(), ChannelError> {
+        let key = self.key;
+        self.shared
+            .with(|state, now| state.link.set_send_buffer(now, key, bytes))
+    }
+
     /// Sends END after everything written, and waits until it was sent.
     ///
     /// # Errors

@@ -20,7 +20,7 @@
 mod relay;
 mod target;
 
-pub use relay::register;
+pub use relay::{RESPONSE_QUEUE, register};
 pub use target::{
     BoxError, InvalidTargetName, RelayRequest, RelayTarget, RelayTargets, RequestBody,
     ResponseBody, empty_body, full_body, stream_body,

@@ -32,6 +32,11 @@ use crate::target::{
     BoxError, RelayRequest, RelayTarget, RelayTargets, RequestBody, RequestSlot, ResponseBody,
 };
 
+/// The response body the worker queues ahead of the link, per relay: enough to keep the link's
+/// write batches full, small enough that 64 relays whose callers stopped reading hold little
+/// here (each holds this plus one part of its target's body).
+pub const RESPONSE_QUEUE: usize = 64 * 1024;
+
 /// Registers `relay.request` (with its read-time hook) and `relay.cancel` on `router`, serving
 /// `targets`. Both answer `FORBIDDEN` on any session that is not the gateway's uplink.
 pub fn register(router: &mut Router, targets: RelayTargets) {
@@ -443,12 +448,17 @@ fn response_head(parts: &http::response::Parts) -> Result<Vec<(String, String)>,
     Ok(headers)
 }
 
-/// Pipes the target's response body into the channel's response direction.
+/// Pipes the target's response body into the channel's response direction. The next part is
+/// pulled once the queue ahead of the link is under [`RESPONSE_QUEUE`]: a reader that stops
+/// reading holds back the target, not a queue of its bytes on the worker.
 async fn pipe(
     mut body: ResponseBody,
     writer: &mut ChannelWriter,
     target: &str,
 ) -> Result<(), Ending> {
+    writer
+        .set_send_buffer(RESPONSE_QUEUE)
+        .map_err(|e| Ending::from_reason(e.reason()))?;
     while let Some(frame) = body.frame().await {
         let frame = frame.map_err(|e| Ending::Failed(Failure::Body(target.to_owned(), e)))?;
         let Ok(data) = frame.into_data() else {
@@ -460,11 +470,6 @@ async fn pipe(
         }
         writer
             .write_bytes(data)
-            .await
-            .map_err(|e| Ending::from_reason(e.reason()))?;
-        // Pull the next part only once this one went: a reader that stops reading holds back
-        // the target, not a queue of its bytes on the worker.
-        SinkExt::flush(writer)
             .await
             .map_err(|e| Ending::from_reason(e.reason()))?;
         if body.is_end_stream() {

@@ -111,6 +111,8 @@ pub(crate) struct Chan {
     pub(crate) tx_sent: u64,
     pub(crate) tx_queue: VecDeque<Chunk>,
     pub(crate) tx_queued: usize,
+    /// This writer's bound on `tx_queued`, when it set one (else the link's `send_buffer`).
+    pub(crate) send_buffer: Option<usize>,
     /// Since when the writer holds data without credit.
     pub(crate) tx_blocked_since: Option<Instant>,
     pub(crate) end_sent: bool,
@@ -170,6 +172,7 @@ impl fmt::Debug for Chan {
             .field("tx_sent", &self.tx_sent)
             .field("tx_limit", &self.tx_limit)
             .field("tx_queued", &self.tx_queued)
+            .field("send_buffer", &self.send_buffer)
             .field("rx", &self.rx)
             .field("rx_received", &self.rx_received)
             .field("rx_limit", &self.rx_limit)
@@ -205,6 +208,7 @@ impl Chan {
             tx_sent: 0,
             tx_queue: VecDeque::new(),
             tx_queued: 0,
+            send_buffer: None,
             tx_blocked_since: None,
             end_sent: false,
             stop_received: false,

@@ -811,9 +811,10 @@ impl Link {
     /// # Errors
     /// The writer's failure: `stopped`, `aborted`, `stalled`, `refused` or `closed`.
     pub fn write_space(&mut self, key: ChannelKey) -> Result<usize, ChannelError> {
-        let send_buffer = self.config.send_buffer;
+        let default = self.config.send_buffer;
         let ch = self.chan(key)?;
         check_tx(ch)?;
+        let send_buffer = ch.send_buffer.unwrap_or(default);
         if !matches!(ch.tx, Tx::Open) {
             return Ok(0);
         }
@@ -822,6 +823,26 @@ impl Link {
             ch.writer_waits = Some(WriterWait::Space);
         }
         Ok(space)
+    }
+
+    /// Bounds this channel's queue of unsent bytes at `bytes` (at least 1) instead of the link's
+    /// `send_buffer`: [`write_space`](Self::write_space) offers room only below it, and a waiting
+    /// writer is woken once the queue is down to half of it.
+    ///
+    /// # Errors
+    /// The writer's failure: `stopped`, `aborted`, `stalled`, `refused` or `closed`.
+    pub fn set_send_buffer(
+        &mut self,
+        now: Instant,
+        key: ChannelKey,
+        bytes: usize,
+    ) -> Result<(), ChannelError> {
+        let ch = self.chan(key)?;
+        check_tx(ch)?;
+        ch.send_buffer = Some(bytes.max(1));
+        self.settle(now, key);
+        self.debug_check();
+        Ok(())
     }
 
     /// Queues as much of `data` as there is room for; returns how much. Nothing is taken after
@@ -1323,10 +1344,11 @@ impl Link {
     /// Brings one channel's derived state up to date after any change: stall tracking, slot,
     /// closing handshake, scheduling, wake-ups, and freeing.
     fn settle(&mut self, now: Instant, key: ChannelKey) {
-        let half_buffer = self.config.send_buffer / 2;
+        let default_buffer = self.config.send_buffer;
         let Some(ch) = self.channels.get_mut(&key) else {
             return;
         };
+        let half_buffer = ch.send_buffer.unwrap_or(default_buffer) / 2;
         let mut reassign = false;
         // Credit stalls.
         let blocked =

@@ -346,6 +346,51 @@ fn losing_the_websocket_fails_every_channel_closed() {
 }
 
 #[test]
+fn a_writer_can_bound_its_own_send_queue() {
+    let mut pair = pair();
+    let (g, w) = open_accepted(&mut pair);
+    pair.gateway.set_send_buffer(pair.now, g, 64 * KIB).unwrap();
+    assert_eq!(pair.gateway.write_space(g).unwrap(), 64 * KIB);
+    assert_eq!(
+        pair.gateway.write(pair.now, g, data(100 * KIB, 1)).unwrap(),
+        64 * KIB
+    );
+    assert_eq!(pair.gateway.write_space(g).unwrap(), 0, "the writer waits");
+    // The queue goes out (the peer's window has room) and the writer is woken.
+    pair.drive().unwrap();
+    assert!(pair.take_events(End::Gateway).contains(&Event::Writable(g)));
+    assert_eq!(pair.gateway.write_space(g).unwrap(), 64 * KIB);
+
+    // The worker never reads: once its window is full, the gateway holds at most its own bound.
+    let payload = data(16 * KIB, 2);
+    while pair.gateway.write(pair.now, g, payload.clone()).unwrap() > 0 {
+        pair.drive().unwrap();
+    }
+    pair.drive().unwrap();
+    assert_eq!(pair.worker.stats().recv_buffered, 256 * KIB as u64);
+    assert_eq!(pair.gateway.stats().send_buffered, 64 * KIB as u64);
+    // The worker reads a little: credit comes back, half the queue goes, the writer is woken.
+    let _ = pair.take_events(End::Gateway);
+    let (read, _) = read_available(&mut pair.worker, pair.now, w);
+    assert_eq!(read.len(), 256 * KIB);
+    pair.drive().unwrap();
+    assert!(pair.take_events(End::Gateway).contains(&Event::Writable(g)));
+
+    // A bound of zero is one byte; a failed writer cannot set one.
+    pair.gateway.set_send_buffer(pair.now, g, 0).unwrap();
+    pair.drive().unwrap();
+    assert_eq!(pair.gateway.write_space(g).unwrap(), 1);
+    pair.gateway.abort(pair.now, g);
+    assert_eq!(
+        pair.gateway
+            .set_send_buffer(pair.now, g, KIB)
+            .unwrap_err()
+            .reason(),
+        FailureReason::Aborted
+    );
+}
+
+#[test]
 fn a_writer_without_credit_for_60s_fails_stalled_and_the_peer_learns_why() {
     let mut pair = pair();
     let (g, w) = open_accepted(&mut pair);
