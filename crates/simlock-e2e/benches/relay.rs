@@ -6,7 +6,7 @@
 //!   client to hyper server) moving the same bodies in the same run (each relayed transfer next
 //!   to a direct one; the median of seven ratios, since the machine is shared). Each run also
 //!   prints the process's CPU time per GiB for both, which the host's other tenants disturb less
-//!   than wall-clock throughput;
+//!   than wall-clock throughput (the relayed figure includes the renews running beside it);
 //! - the p99 of a `lease.renew` forwarded to the same worker while those transfers run (all
 //!   samples of every run together; each run's own p99 is printed beside its ratio);
 //! - the growth of the process's RSS (gateway and worker together) with 64 relays whose callers
@@ -135,7 +135,9 @@ fn rss_mib() -> f64 {
         .map_or(0.0, |kib| kib / 1024.0)
 }
 
-/// CPU time of every thread of this process (ns), from the scheduler's per-task accounting.
+/// CPU time of the live threads of this process (ns), from the scheduler's per-task accounting
+/// (a thread that exits within a measurement takes its share with it; the runtime's threads all
+/// live through the bench).
 fn cpu_ns() -> u64 {
     let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
         return 0;
@@ -409,7 +411,7 @@ async fn measure() -> BenchResult<String> {
             samples.lock().extend(run_samples.iter().copied());
             let ratio = relayed / direct;
             println!(
-                "run {run} {}: direct {direct:.0} MiB/s, relayed {relayed:.0} MiB/s, ratio {ratio:.2}, renew p99 {run_p99:.3} ms of {}, cpu per GiB: direct {} ms, relayed {} ms",
+                "run {run} {}: direct {direct:.0} MiB/s, relayed {relayed:.0} MiB/s, ratio {ratio:.2}, renew p99 {run_p99:.3} ms of {}, cpu per GiB: direct {} ms, relayed (with the renews) {} ms",
                 if upload { "upload" } else { "download" },
                 run_samples.len(),
                 cpu1.saturating_sub(cpu0) / 1_000_000,

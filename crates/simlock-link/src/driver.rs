@@ -222,8 +222,10 @@ where
         if ended.is_some() {
             self.read_over = true;
         }
-        // A PONG may have brought a smaller round trip.
-        if let Some(size) = min_rtt.and_then(|rtt| self.receive_buffer.fit(rtt)) {
+        // The first PONG sizes the socket's receive buffer (once).
+        if let Some(rtt) = min_rtt.filter(|_| self.receive_buffer.pending())
+            && let Some(size) = self.receive_buffer.fit(rtt)
+        {
             self.shared
                 .with_driver(|state, _| state.receive_buffer = Some(size));
         }

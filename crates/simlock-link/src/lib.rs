@@ -74,5 +74,5 @@ pub use handle::{LinkHandle, TextReceiver};
 pub use proto::{LinkStats, frame::ChannelId};
 pub use socket::{
     MAX_RECEIVE_BUFFER, MIN_RECEIVE_BUFFER, NOTSENT_LOWAT, RECEIVE_RATE, ReceiveBuffer,
-    receive_buffer_for, tune_tcp,
+    receive_buffer_ceiling, receive_buffer_for, tune_tcp,
 };

@@ -8,10 +8,10 @@
 //! - the receiver's queue of bytes that arrived and that its driver has not read yet. On a fast
 //!   path the kernel grows that queue far past what the path needs (megabytes on loopback, where
 //!   the round trip is tens of microseconds), and it fills whenever the receiving driver waits
-//!   for a thread. [`ReceiveBuffer`] sizes it to the bandwidth-delay product of a 10 Gbit/s path
-//!   at the link's smallest measured round trip, so on a short path the backlog stays in the
+//!   for a thread. [`ReceiveBuffer`] sizes it once to the bandwidth-delay product of a 10 Gbit/s
+//!   path at the link's first measured round trip, so on a short path the backlog stays in the
 //!   sender's link queue, where a text frame overtakes it. On a long path (the product past
-//!   4 MiB) the kernel's own tuning is left alone.
+//!   4 MiB, or past the kernel's `rmem_max`) the kernel's own tuning is left alone.
 
 use std::{io, time::Duration};
 
@@ -46,26 +46,42 @@ pub fn tune_tcp(stream: &TcpStream) -> io::Result<()> {
     Ok(())
 }
 
-/// The receive buffer (`SO_RCVBUF`) for a path whose smallest round trip is `min_rtt`: the
-/// 10 Gbit/s bandwidth-delay product, at least [`MIN_RECEIVE_BUFFER`]; `None` past
-/// [`MAX_RECEIVE_BUFFER`] (leave the kernel's tuning alone).
-pub fn receive_buffer_for(min_rtt: Duration) -> Option<usize> {
+/// The receive buffer (`SO_RCVBUF`) for a path whose smallest round trip is `min_rtt`, when the
+/// kernel lets a socket ask for at most `ceiling` bytes: the 10 Gbit/s bandwidth-delay product,
+/// at least [`MIN_RECEIVE_BUFFER`] (or the ceiling, when that is lower); `None` when the product
+/// passes the ceiling (leave the kernel's tuning alone, which is not bound by it).
+pub fn receive_buffer_for(min_rtt: Duration, ceiling: usize) -> Option<usize> {
     let product = min_rtt.as_nanos().saturating_mul(u128::from(RECEIVE_RATE)) / 1_000_000_000;
     let size = usize::try_from(product).unwrap_or(usize::MAX);
-    (size <= MAX_RECEIVE_BUFFER).then_some(size.max(MIN_RECEIVE_BUFFER))
+    (size <= ceiling).then_some(size.max(MIN_RECEIVE_BUFFER).min(ceiling))
 }
 
-/// The handle a link's driver sizes its socket's receive buffer through, once the link has
-/// measured its round trip ([`receive_buffer_for`]). Give it to [`spawn_tuned`].
+/// The most a socket may ask for here: [`MAX_RECEIVE_BUFFER`], or less when Linux's
+/// `net.core.rmem_max` is lower (it caps `SO_RCVBUF`; 208 KiB on many distributions). Read once.
+pub fn receive_buffer_ceiling() -> usize {
+    static CEILING: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *CEILING.get_or_init(|| {
+        let kernel = std::fs::read_to_string("/proc/sys/net/core/rmem_max")
+            .ok()
+            .and_then(|text| text.trim().parse::<usize>().ok());
+        kernel.map_or(MAX_RECEIVE_BUFFER, |max| max.min(MAX_RECEIVE_BUFFER))
+    })
+}
+
+/// The handle a link's driver sizes its socket's receive buffer through, once, when the link
+/// has measured its first round trip ([`receive_buffer_for`]). Give it to [`spawn_tuned`].
 ///
-/// It holds a duplicate of the socket's descriptor; the driver drops it when the link closes.
+/// It holds a duplicate of the socket's descriptor until then, and lets go of it after that one
+/// call whatever it decided (or when the link closes first). It never changes the buffer again:
+/// shrinking a buffer under an advertised window would make the kernel drop data it already
+/// accepted.
 ///
 /// [`spawn_tuned`]: crate::spawn_tuned
 #[derive(Debug, Default)]
 pub struct ReceiveBuffer {
     #[cfg(unix)]
     socket: Option<std::os::fd::OwnedFd>,
-    /// The size set last.
+    /// The size set, if one was.
     applied: Option<usize>,
 }
 
@@ -76,16 +92,12 @@ impl ReceiveBuffer {
         #[cfg(unix)]
         {
             use std::os::fd::AsFd;
-            let socket = match stream.as_fd().try_clone_to_owned() {
-                Ok(fd) => Some(fd),
+            match stream.as_fd().try_clone_to_owned() {
+                Ok(fd) => Self::on(fd),
                 Err(error) => {
                     tracing::debug!(%error, "uplink receive buffer left to the kernel");
-                    None
+                    Self::default()
                 }
-            };
-            Self {
-                socket,
-                applied: None,
             }
         }
         #[cfg(not(unix))]
@@ -95,26 +107,48 @@ impl ReceiveBuffer {
         }
     }
 
+    #[cfg(unix)]
+    fn on(socket: std::os::fd::OwnedFd) -> Self {
+        Self {
+            socket: Some(socket),
+            applied: None,
+        }
+    }
+
     /// A handle that does nothing (a socket that is not TCP, or a test's in-memory pipe).
     pub fn untuned() -> Self {
         Self::default()
     }
 
-    /// The size set last, if any.
+    /// The size set, if any.
     pub fn applied(&self) -> Option<usize> {
         self.applied
     }
 
-    /// Sizes the buffer for `min_rtt`. Returns the size set, if it changed.
-    pub(crate) fn fit(&mut self, min_rtt: Duration) -> Option<usize> {
-        let size = receive_buffer_for(min_rtt)?;
-        if self.applied == Some(size) {
-            return None;
-        }
+    /// Whether the handle still waits for its round trip.
+    pub(crate) fn pending(&self) -> bool {
         #[cfg(unix)]
         {
-            let socket = self.socket.as_ref()?;
-            if let Err(error) = socket2::SockRef::from(socket).set_recv_buffer_size(size) {
+            self.socket.is_some()
+        }
+        #[cfg(not(unix))]
+        false
+    }
+
+    /// Sizes the buffer for the link's first round trip, once; lets go of the socket either
+    /// way. Returns the size set, if one was.
+    pub(crate) fn fit(&mut self, min_rtt: Duration) -> Option<usize> {
+        #[cfg(unix)]
+        {
+            let socket = self.socket.take()?;
+            let Some(size) = receive_buffer_for(min_rtt, receive_buffer_ceiling()) else {
+                tracing::debug!(
+                    ?min_rtt,
+                    "uplink receive buffer left to the kernel: a long path"
+                );
+                return None;
+            };
+            if let Err(error) = socket2::SockRef::from(&socket).set_recv_buffer_size(size) {
                 tracing::debug!(%error, size, "uplink receive buffer not set");
                 return None;
             }
@@ -127,10 +161,13 @@ impl ReceiveBuffer {
             Some(size)
         }
         #[cfg(not(unix))]
-        None
+        {
+            let _ = min_rtt;
+            None
+        }
     }
 
-    /// Lets go of the socket (the link is closing).
+    /// Lets go of the socket without sizing (the link is closing).
     pub(crate) fn release(&mut self) {
         #[cfg(unix)]
         {
@@ -145,34 +182,37 @@ mod tests {
 
     use super::*;
 
+    const MIB: usize = 1024 * 1024;
+
     #[test]
     fn a_short_path_gets_the_floor() {
-        assert_eq!(
-            receive_buffer_for(Duration::from_micros(40)),
-            Some(MIN_RECEIVE_BUFFER)
-        );
-        assert_eq!(receive_buffer_for(Duration::ZERO), Some(MIN_RECEIVE_BUFFER));
+        for rtt in [
+            Duration::ZERO,
+            Duration::from_micros(40),
+            Duration::from_micros(200),
+        ] {
+            assert_eq!(
+                receive_buffer_for(rtt, MAX_RECEIVE_BUFFER),
+                Some(MIN_RECEIVE_BUFFER)
+            );
+        }
     }
 
     #[test]
     fn a_longer_path_gets_the_10_gbit_product() {
         // 1 ms at 1.25 GB/s.
         assert_eq!(
-            receive_buffer_for(Duration::from_millis(1)),
+            receive_buffer_for(Duration::from_millis(1), MAX_RECEIVE_BUFFER),
             Some(1_250_000)
         );
         assert_eq!(
-            receive_buffer_for(Duration::from_micros(500)),
+            receive_buffer_for(Duration::from_micros(500), MAX_RECEIVE_BUFFER),
             Some(625_000)
         );
         // Just past the floor's round trip (256 KiB at 1.25 GB/s is about 210 µs).
         assert_eq!(
-            receive_buffer_for(Duration::from_micros(220)),
+            receive_buffer_for(Duration::from_micros(220), MAX_RECEIVE_BUFFER),
             Some(275_000)
-        );
-        assert_eq!(
-            receive_buffer_for(Duration::from_micros(200)),
-            Some(MIN_RECEIVE_BUFFER)
         );
     }
 
@@ -180,53 +220,131 @@ mod tests {
     fn the_ceiling_holds_and_one_past_it_leaves_the_kernel_alone() {
         let at_ceiling =
             Duration::from_nanos(MAX_RECEIVE_BUFFER as u64 * 1_000_000_000 / RECEIVE_RATE);
-        assert!(receive_buffer_for(at_ceiling).is_some_and(|size| size <= MAX_RECEIVE_BUFFER));
+        assert!(
+            receive_buffer_for(at_ceiling, MAX_RECEIVE_BUFFER)
+                .is_some_and(|size| size <= MAX_RECEIVE_BUFFER)
+        );
         let past = at_ceiling + Duration::from_micros(1);
-        assert_eq!(receive_buffer_for(past), None);
-        assert_eq!(receive_buffer_for(Duration::from_secs(3600)), None);
-        assert_eq!(receive_buffer_for(Duration::MAX), None);
+        assert_eq!(receive_buffer_for(past, MAX_RECEIVE_BUFFER), None);
+        assert_eq!(
+            receive_buffer_for(Duration::from_secs(3600), MAX_RECEIVE_BUFFER),
+            None
+        );
+        assert_eq!(receive_buffer_for(Duration::MAX, MAX_RECEIVE_BUFFER), None);
     }
 
-    #[tokio::test]
-    async fn fitting_sets_the_socket_once_per_size() {
+    #[test]
+    fn a_low_kernel_limit_lowers_the_ceiling_and_the_floor() {
+        // Linux's usual net.core.rmem_max.
+        let rmem_max = 212_992;
+        assert_eq!(
+            receive_buffer_for(Duration::from_micros(50), rmem_max),
+            Some(rmem_max),
+            "the floor is cut to what the kernel grants"
+        );
+        // 170 µs is 212 500 bytes at 10 Gbit/s: still within; 171 µs is past.
+        assert_eq!(
+            receive_buffer_for(Duration::from_micros(170), rmem_max),
+            Some(rmem_max)
+        );
+        assert_eq!(
+            receive_buffer_for(Duration::from_micros(171), rmem_max),
+            None,
+            "a longer path keeps the kernel's tuning instead of a capped buffer"
+        );
+        assert_eq!(receive_buffer_for(Duration::from_millis(1), rmem_max), None);
+    }
+
+    #[test]
+    fn the_ceiling_is_the_kernels_limit_at_most_4_mib() {
+        let ceiling = receive_buffer_ceiling();
+        assert!(ceiling <= MAX_RECEIVE_BUFFER);
+        #[cfg(target_os = "linux")]
+        {
+            let rmem_max: usize = std::fs::read_to_string("/proc/sys/net/core/rmem_max")
+                .unwrap()
+                .trim()
+                .parse()
+                .unwrap();
+            assert_eq!(ceiling, rmem_max.min(4 * MIB));
+        }
+    }
+
+    async fn tcp_pair() -> (TcpStream, TcpStream) {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let (client, accepted) = tokio::join!(TcpStream::connect(addr), listener.accept());
-        let (client, (_server, _)) = (client.unwrap(), accepted.unwrap());
-        let mut buffer = ReceiveBuffer::of(&client);
-        assert_eq!(buffer.applied(), None);
-
-        assert_eq!(
-            buffer.fit(Duration::from_micros(50)),
-            Some(MIN_RECEIVE_BUFFER)
-        );
-        assert_eq!(buffer.applied(), Some(MIN_RECEIVE_BUFFER));
-        let set = socket2::SockRef::from(&client).recv_buffer_size().unwrap();
-        // Linux reports twice the value set (its bookkeeping share).
-        assert!(
-            (MIN_RECEIVE_BUFFER..=2 * MIN_RECEIVE_BUFFER).contains(&set),
-            "{set}"
-        );
-        assert_eq!(
-            buffer.fit(Duration::from_micros(60)),
-            None,
-            "same size, no call"
-        );
-        // A long path leaves the last size in place.
-        assert_eq!(buffer.fit(Duration::from_millis(100)), None);
-        assert_eq!(buffer.applied(), Some(MIN_RECEIVE_BUFFER));
-
-        buffer.release();
-        assert_eq!(
-            buffer.fit(Duration::from_millis(1)),
-            None,
-            "released: nothing to set"
-        );
+        (client.unwrap(), accepted.unwrap().0)
     }
 
+    #[cfg(target_os = "linux")]
     #[tokio::test]
-    async fn an_untuned_handle_sets_nothing() {
+    async fn the_first_round_trip_sizes_the_socket_once() {
+        let (client, _server) = tcp_pair().await;
+        let mut buffer = ReceiveBuffer::of(&client);
+        assert!(buffer.pending());
+        assert_eq!(buffer.applied(), None);
+
+        let expected = MIN_RECEIVE_BUFFER.min(receive_buffer_ceiling());
+        assert_eq!(buffer.fit(Duration::from_micros(50)), Some(expected));
+        assert_eq!(buffer.applied(), Some(expected));
+        assert!(!buffer.pending(), "the descriptor is let go");
+        // Linux keeps twice the value set (its bookkeeping share).
+        let set = socket2::SockRef::from(&client).recv_buffer_size().unwrap();
+        assert_eq!(set, 2 * expected);
+
+        // Later round trips change nothing: a buffer never shrinks under its window.
+        assert_eq!(buffer.fit(Duration::from_micros(10)), None);
+        assert_eq!(buffer.fit(Duration::from_millis(1)), None);
+        assert_eq!(
+            socket2::SockRef::from(&client).recv_buffer_size().unwrap(),
+            set
+        );
+        assert_eq!(buffer.applied(), Some(expected));
+    }
+
+    #[cfg(target_os = "linux")]
+    #[tokio::test]
+    async fn a_long_first_round_trip_leaves_the_kernel_tuning() {
+        let (client, _server) = tcp_pair().await;
+        let before = socket2::SockRef::from(&client).recv_buffer_size().unwrap();
+        let mut buffer = ReceiveBuffer::of(&client);
+        assert_eq!(buffer.fit(Duration::from_millis(50)), None);
+        assert!(!buffer.pending());
+        assert_eq!(buffer.applied(), None);
+        assert_eq!(
+            socket2::SockRef::from(&client).recv_buffer_size().unwrap(),
+            before
+        );
+        assert_eq!(buffer.fit(Duration::from_micros(50)), None, "decided once");
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn a_descriptor_that_is_not_a_socket_sets_nothing_and_is_let_go() {
+        let file = std::fs::File::open("/dev/null").unwrap();
+        let mut buffer = ReceiveBuffer::on(std::os::fd::OwnedFd::from(file));
+        assert!(buffer.pending());
+        assert_eq!(buffer.fit(Duration::from_micros(50)), None);
+        assert!(!buffer.pending(), "no retry on every read round");
+        assert_eq!(buffer.applied(), None);
+    }
+
+    #[cfg(unix)]
+    #[tokio::test]
+    async fn a_released_handle_sets_nothing() {
+        let (client, _server) = tcp_pair().await;
+        let mut buffer = ReceiveBuffer::of(&client);
+        buffer.release();
+        assert!(!buffer.pending());
+        assert_eq!(buffer.fit(Duration::from_micros(50)), None);
+        assert_eq!(buffer.applied(), None);
+    }
+
+    #[test]
+    fn an_untuned_handle_sets_nothing() {
         let mut buffer = ReceiveBuffer::untuned();
+        assert!(!buffer.pending());
         assert_eq!(buffer.fit(Duration::from_micros(50)), None);
         assert_eq!(buffer.applied(), None);
     }

@@ -18,8 +18,8 @@ use bytes::Bytes;
 use futures::{SinkExt, StreamExt};
 use simlock_link::{
     Channel, ChannelError, CloseReason, End, FailureReason, LinkConfig, LinkHandle, LinkStats,
-    MIN_RECEIVE_BUFFER, ReceiveBuffer, TextReceiver, receive_buffer_for, spawn, spawn_tuned,
-    tune_tcp, websocket_config,
+    MIN_RECEIVE_BUFFER, ReceiveBuffer, TextReceiver, receive_buffer_ceiling, receive_buffer_for,
+    spawn, spawn_tuned, tune_tcp, websocket_config,
 };
 use tokio::{
     io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, DuplexStream, ReadBuf},
@@ -276,8 +276,11 @@ async fn a_tcp_link_sizes_its_receive_buffer_to_the_measured_round_trip() {
     for link in [&ends.gateway, &ends.worker] {
         let stats = stats_once(link, |stats| stats.receive_buffer.is_some()).await;
         let min_rtt = stats.min_rtt.unwrap();
-        assert_eq!(stats.receive_buffer, receive_buffer_for(min_rtt));
-        assert!(stats.receive_buffer.unwrap() >= MIN_RECEIVE_BUFFER);
+        assert_eq!(
+            stats.receive_buffer,
+            receive_buffer_for(min_rtt, receive_buffer_ceiling())
+        );
+        assert!(stats.receive_buffer.unwrap() >= MIN_RECEIVE_BUFFER.min(receive_buffer_ceiling()));
     }
     // The links still carry data.
     let (gateway_end, worker_end) = open_named(&mut ends).await;

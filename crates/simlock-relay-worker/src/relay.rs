@@ -34,7 +34,7 @@ use crate::target::{
 
 /// The response body the worker queues ahead of the link, per relay: enough to keep the link's
 /// write batches full, small enough that 64 relays whose callers stopped reading hold little
-/// here (each holds this plus one part of its target's body).
+/// here (each holds less than this plus one part of its target's body).
 pub const RESPONSE_QUEUE: usize = 64 * 1024;
 
 /// Registers `relay.request` (with its read-time hook) and `relay.cancel` on `router`, serving
@@ -449,8 +449,8 @@ fn response_head(parts: &http::response::Parts) -> Result<Vec<(String, String)>,
 }
 
 /// Pipes the target's response body into the channel's response direction. The next part is
-/// pulled once the queue ahead of the link is under [`RESPONSE_QUEUE`]: a reader that stops
-/// reading holds back the target, not a queue of its bytes on the worker.
+/// pulled only while the queue ahead of the link is under [`RESPONSE_QUEUE`]: a reader that
+/// stops reading holds back the target, not a queue of its bytes on the worker.
 async fn pipe(
     mut body: ResponseBody,
     writer: &mut ChannelWriter,
@@ -459,7 +459,14 @@ async fn pipe(
     writer
         .set_send_buffer(RESPONSE_QUEUE)
         .map_err(|e| Ending::from_reason(e.reason()))?;
-    while let Some(frame) = body.frame().await {
+    loop {
+        // Room first, then the next part: nothing is pulled to wait in this task.
+        futures::future::poll_fn(|cx| writer.poll_ready_unpin(cx))
+            .await
+            .map_err(|e| Ending::from_reason(e.reason()))?;
+        let Some(frame) = body.frame().await else {
+            break;
+        };
         let frame = frame.map_err(|e| Ending::Failed(Failure::Body(target.to_owned(), e)))?;
         let Ok(data) = frame.into_data() else {
             // Trailers are not relayed.

@@ -391,6 +391,26 @@ fn a_writer_can_bound_its_own_send_queue() {
 }
 
 #[test]
+fn raising_a_writers_bound_wakes_it() {
+    let mut pair = pair();
+    let (g, _w) = open_accepted(&mut pair);
+    pair.gateway.set_send_buffer(pair.now, g, 16 * KIB).unwrap();
+    // The worker never reads: once its window is full, what follows stays queued.
+    let payload = data(16 * KIB, 3);
+    while pair.gateway.write(pair.now, g, payload.clone()).unwrap() > 0 {
+        pair.drive().unwrap();
+    }
+    pair.drive().unwrap();
+    assert_eq!(pair.worker.stats().recv_buffered, 256 * KIB as u64);
+    assert_eq!(pair.gateway.stats().send_buffered, 16 * KIB as u64);
+    assert_eq!(pair.gateway.write_space(g).unwrap(), 0, "the writer waits");
+    let _ = pair.take_events(End::Gateway);
+    pair.gateway.set_send_buffer(pair.now, g, 64 * KIB).unwrap();
+    assert!(pair.take_events(End::Gateway).contains(&Event::Writable(g)));
+    assert_eq!(pair.gateway.write_space(g).unwrap(), 48 * KIB);
+}
+
+#[test]
 fn a_writer_without_credit_for_60s_fails_stalled_and_the_peer_learns_why() {
     let mut pair = pair();
     let (g, w) = open_accepted(&mut pair);
