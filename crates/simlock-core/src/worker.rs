@@ -825,14 +825,7 @@ async fn run_work(
             let Some(driver_device_id) = next else {
                 return;
             };
-            let result = drive(
-                driver,
-                platform,
-                "booting",
-                |e| e.boot_ms,
-                |d| d.boot(&driver_device_id),
-            )
-            .await;
+            let result = boot(driver, platform, &driver_device_id).await;
             report(&me, |state, now| state.booted(&device, result, now));
         }
         Work::Boot {
@@ -840,14 +833,7 @@ async fn run_work(
             driver_device_id,
             ..
         } => {
-            let result = drive(
-                driver,
-                platform,
-                "booting",
-                |e| e.boot_ms,
-                |d| d.boot(&driver_device_id),
-            )
-            .await;
+            let result = boot(driver, platform, &driver_device_id).await;
             report(&me, |state, now| state.booted(&device, result, now));
         }
         Work::Reclaim {
@@ -870,14 +856,7 @@ async fn run_work(
             driver_device_id,
             ..
         } => {
-            let result = drive(
-                driver,
-                platform,
-                "shutting down",
-                |e| e.boot_ms,
-                |d| d.shutdown(&driver_device_id),
-            )
-            .await;
+            let result = shut_down(driver, platform, &driver_device_id).await;
             if let Err(e) = &result {
                 warn!(error = %e, %device, "shutting a device down failed");
             }
@@ -891,16 +870,7 @@ async fn run_work(
         } => {
             // Without a driver there is nothing to shut down or delete: the device is forgotten.
             if driver.is_some() {
-                if running
-                    && let Err(e) = drive(
-                        driver,
-                        platform,
-                        "shutting down",
-                        |e| e.boot_ms,
-                        |d| d.shutdown(&driver_device_id),
-                    )
-                    .await
-                {
+                if running && let Err(e) = shut_down(driver, platform, &driver_device_id).await {
                     warn!(error = %e, %device, "shutting a device down before deleting it failed");
                 }
                 if let Err(e) = drive(
@@ -918,6 +888,38 @@ async fn run_work(
             report(&me, |state, now| state.deleted(&device, now));
         }
     }
+}
+
+/// Boots a device on the platform's driver (bounded by its boot estimate).
+async fn boot(
+    driver: Option<&Arc<dyn Driver>>,
+    platform: Platform,
+    driver_device_id: &str,
+) -> Result<(), DriverError> {
+    drive(
+        driver,
+        platform,
+        "booting",
+        |e| e.boot_ms,
+        |d| d.boot(driver_device_id),
+    )
+    .await
+}
+
+/// Shuts a device down on the platform's driver (bounded by its boot estimate).
+async fn shut_down(
+    driver: Option<&Arc<dyn Driver>>,
+    platform: Platform,
+    driver_device_id: &str,
+) -> Result<(), DriverError> {
+    drive(
+        driver,
+        platform,
+        "shutting down",
+        |e| e.boot_ms,
+        |d| d.shutdown(driver_device_id),
+    )
+    .await
 }
 
 /// One call on the platform's driver, bounded by [`driver_bound`] of the estimate `estimate`

@@ -19,7 +19,7 @@ use futures::{SinkExt, StreamExt};
 use simlock_link::{
     Channel, ChannelError, CloseReason, End, FailureReason, LinkConfig, LinkHandle, LinkStats,
     MIN_RECEIVE_BUFFER, ReceiveBuffer, TextReceiver, receive_buffer_ceiling, receive_buffer_for,
-    spawn, spawn_tuned, tune_tcp, websocket_config,
+    spawn_tuned, tune_tcp, websocket_config,
 };
 use tokio::{
     io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, DuplexStream, ReadBuf},
@@ -53,11 +53,24 @@ fn start<S: AsyncRead + AsyncWrite + Unpin + Send + 'static>(
     worker_ws: WebSocketStream<S>,
     config: &LinkConfig,
 ) -> Ends {
+    start_tuned(
+        (gateway_ws, ReceiveBuffer::untuned()),
+        (worker_ws, ReceiveBuffer::untuned()),
+        config,
+    )
+}
+
+/// Both ends of a link, each driver sizing its socket's receive buffer through its handle.
+fn start_tuned<S: AsyncRead + AsyncWrite + Unpin + Send + 'static>(
+    (gateway_ws, gateway_buffer): (WebSocketStream<S>, ReceiveBuffer),
+    (worker_ws, worker_buffer): (WebSocketStream<S>, ReceiveBuffer),
+    config: &LinkConfig,
+) -> Ends {
     let mut gateway_config = config.clone();
     gateway_config.end = End::Gateway;
     let worker_config = gateway_config.for_peer();
-    let (gateway, gateway_text) = spawn(gateway_ws, gateway_config);
-    let (worker, worker_text) = spawn(worker_ws, worker_config);
+    let (gateway, gateway_text) = spawn_tuned(gateway_ws, gateway_config, gateway_buffer);
+    let (worker, worker_text) = spawn_tuned(worker_ws, worker_config, worker_buffer);
     Ends {
         gateway,
         gateway_text,
@@ -92,19 +105,13 @@ async fn loopback_ws() -> (WebSocketStream<TcpStream>, WebSocketStream<TcpStream
 /// Two links over loopback TCP, each driver sizing its socket's receive buffer.
 async fn loopback(config: &LinkConfig) -> Ends {
     let (gateway_ws, worker_ws) = loopback_ws().await;
-    let mut gateway_config = config.clone();
-    gateway_config.end = End::Gateway;
-    let worker_config = gateway_config.for_peer();
     let gateway_buffer = ReceiveBuffer::of(gateway_ws.get_ref());
     let worker_buffer = ReceiveBuffer::of(worker_ws.get_ref());
-    let (gateway, gateway_text) = spawn_tuned(gateway_ws, gateway_config, gateway_buffer);
-    let (worker, worker_text) = spawn_tuned(worker_ws, worker_config, worker_buffer);
-    Ends {
-        gateway,
-        gateway_text,
-        worker,
-        worker_text,
-    }
+    start_tuned(
+        (gateway_ws, gateway_buffer),
+        (worker_ws, worker_buffer),
+        config,
+    )
 }
 
 /// A WebSocket pair over an in-memory duplex (for paused-time tests), with the worker side
