@@ -518,8 +518,15 @@ async fn a_caller_that_reads_nothing_holds_the_target_back() {
         "no credit beyond one window: {stats:?}"
     );
     // Beyond the window, the worker holds less than its response queue plus one part written
-    // past it (the target's parts are 64 KiB); it pulls nothing more until there is room.
-    let bound = 256 * 1024 + simlock_relay_worker::RESPONSE_QUEUE as u64 + 64 * 1024;
+    // past it (the target's parts are 64 KiB); it pulls nothing more until there is room. Wait
+    // until it has filled that queue. (Over real sockets nothing marks the moment the pipe
+    // stops; the pipe's own test, on a paused clock, checks that it stops exactly there.)
+    let queue = simlock_relay_worker::RESPONSE_QUEUE as u64;
+    wait_until("the worker's response queue is full", || {
+        pulled.load(Ordering::SeqCst) >= 256 * 1024 + queue
+    })
+    .await;
+    let bound = 256 * 1024 + queue + 64 * 1024;
     assert!(
         pulled.load(Ordering::SeqCst) <= bound,
         "the target was held back after {} bytes (bound {bound})",

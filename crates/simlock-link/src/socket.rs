@@ -81,8 +81,6 @@ pub fn receive_buffer_ceiling() -> usize {
 pub struct ReceiveBuffer {
     #[cfg(unix)]
     socket: Option<std::os::fd::OwnedFd>,
-    /// The size set, if one was.
-    applied: Option<usize>,
 }
 
 impl ReceiveBuffer {
@@ -111,18 +109,12 @@ impl ReceiveBuffer {
     fn on(socket: std::os::fd::OwnedFd) -> Self {
         Self {
             socket: Some(socket),
-            applied: None,
         }
     }
 
     /// A handle that does nothing (a socket that is not TCP, or a test's in-memory pipe).
     pub fn untuned() -> Self {
         Self::default()
-    }
-
-    /// The size set, if any.
-    pub fn applied(&self) -> Option<usize> {
-        self.applied
     }
 
     /// Whether the handle still waits for its round trip.
@@ -157,7 +149,6 @@ impl ReceiveBuffer {
                 size,
                 "uplink receive buffer sized to the link's round trip"
             );
-            self.applied = Some(size);
             Some(size)
         }
         #[cfg(not(unix))]
@@ -283,11 +274,9 @@ mod tests {
         let (client, _server) = tcp_pair().await;
         let mut buffer = ReceiveBuffer::of(&client);
         assert!(buffer.pending());
-        assert_eq!(buffer.applied(), None);
 
         let expected = MIN_RECEIVE_BUFFER.min(receive_buffer_ceiling());
         assert_eq!(buffer.fit(Duration::from_micros(50)), Some(expected));
-        assert_eq!(buffer.applied(), Some(expected));
         assert!(!buffer.pending(), "the descriptor is let go");
         // Linux keeps twice the value set (its bookkeeping share).
         let set = socket2::SockRef::from(&client).recv_buffer_size().unwrap();
@@ -300,7 +289,6 @@ mod tests {
             socket2::SockRef::from(&client).recv_buffer_size().unwrap(),
             set
         );
-        assert_eq!(buffer.applied(), Some(expected));
     }
 
     #[cfg(target_os = "linux")]
@@ -311,7 +299,6 @@ mod tests {
         let mut buffer = ReceiveBuffer::of(&client);
         assert_eq!(buffer.fit(Duration::from_millis(50)), None);
         assert!(!buffer.pending());
-        assert_eq!(buffer.applied(), None);
         assert_eq!(
             socket2::SockRef::from(&client).recv_buffer_size().unwrap(),
             before
@@ -327,7 +314,6 @@ mod tests {
         assert!(buffer.pending());
         assert_eq!(buffer.fit(Duration::from_micros(50)), None);
         assert!(!buffer.pending(), "no retry on every read round");
-        assert_eq!(buffer.applied(), None);
     }
 
     #[cfg(unix)]
@@ -338,7 +324,6 @@ mod tests {
         buffer.release();
         assert!(!buffer.pending());
         assert_eq!(buffer.fit(Duration::from_micros(50)), None);
-        assert_eq!(buffer.applied(), None);
     }
 
     #[test]
@@ -346,6 +331,5 @@ mod tests {
         let mut buffer = ReceiveBuffer::untuned();
         assert!(!buffer.pending());
         assert_eq!(buffer.fit(Duration::from_micros(50)), None);
-        assert_eq!(buffer.applied(), None);
     }
 }

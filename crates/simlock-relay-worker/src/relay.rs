@@ -557,4 +557,78 @@ mod tests {
         };
         assert_eq!(to_contract(refused).code, ErrorCode::BadRequest);
     }
+
+    /// A body of endless 64 KiB parts that records, at every pull, how much the channel's
+    /// writer had queued ahead of the link.
+    struct Recording {
+        link: LinkHandle,
+        pulled: Arc<Mutex<Vec<u64>>>,
+    }
+
+    impl http_body::Body for Recording {
+        type Data = bytes::Bytes;
+        type Error = BoxError;
+
+        fn poll_frame(
+            self: std::pin::Pin<&mut Self>,
+            _cx: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<Option<Result<http_body::Frame<bytes::Bytes>, BoxError>>> {
+            self.pulled.lock().push(self.link.stats().send_buffered);
+            std::task::Poll::Ready(Some(Ok(http_body::Frame::data(bytes::Bytes::from(vec![
+                7u8;
+                PART
+            ])))))
+        }
+    }
+
+    const PART: usize = 64 * 1024;
+
+    #[tokio::test(start_paused = true)]
+    async fn the_pipe_pulls_a_part_only_while_its_queue_is_under_the_bound() {
+        use tokio_tungstenite::{WebSocketStream, tungstenite::protocol::Role};
+        let (a, b) = tokio::io::duplex(64 * 1024);
+        let gateway_ws = WebSocketStream::from_raw_socket(a, Role::Server, None).await;
+        let worker_ws = WebSocketStream::from_raw_socket(b, Role::Client, None).await;
+        let config = simlock_link::LinkConfig::new(simlock_link::End::Gateway);
+        let (gateway, _gateway_text) = simlock_link::spawn(gateway_ws, config.clone());
+        let (worker, mut worker_text) = simlock_link::spawn(worker_ws, config.for_peer());
+        let opened = gateway
+            .open_channel(&CancellationToken::new())
+            .await
+            .unwrap_or_else(|e| panic!("open: {e}"));
+        // The channel is named on the text lane after its OPEN, as relay.request does.
+        gateway
+            .send_text("relay".into())
+            .await
+            .unwrap_or_else(|e| panic!("text: {e}"));
+        assert_eq!(
+            futures::StreamExt::next(&mut worker_text).await.as_deref(),
+            Some("relay")
+        );
+        let accepted = worker
+            .accept_channel(opened.id().as_str())
+            .unwrap_or_else(|e| panic!("accept: {e}"));
+        // The gateway never reads its response direction.
+        let (_response, _request) = opened.into_split();
+        let (_body, mut writer) = accepted.into_split();
+        let pulled = Arc::new(Mutex::new(Vec::new()));
+        let body = BodyExt::boxed_unsync(Recording {
+            link: worker.clone(),
+            pulled: pulled.clone(),
+        });
+        let piping = tokio::spawn(async move { pipe(body, &mut writer, "endless").await.is_ok() });
+        // With the clock paused, this returns once every task is idle: the pipe waits for room.
+        tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+        assert!(!piping.is_finished(), "the pipe waits, it does not fail");
+        let pulled = pulled.lock().clone();
+        assert!(
+            pulled.iter().all(|&queued| queued < RESPONSE_QUEUE as u64),
+            "a part was pulled with the queue full: {pulled:?}"
+        );
+        // The gateway's window (256 KiB) went out, the queue holds the last part.
+        let window = 256 * 1024;
+        assert_eq!(pulled.len(), (window + RESPONSE_QUEUE) / PART, "{pulled:?}");
+        assert_eq!(worker.stats().send_buffered, RESPONSE_QUEUE as u64);
+        piping.abort();
+    }
 }
