@@ -122,6 +122,16 @@ where
     Ok(read)
 }
 
+/// The bytes a transfer's caller reads back: the body for a download; for an upload, the answer
+/// naming how many bytes the server read.
+fn answer_len(upload: bool, len: u64) -> u64 {
+    if upload {
+        len.to_string().len() as u64
+    } else {
+        len
+    }
+}
+
 fn rss_mib() -> f64 {
     let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
     status
@@ -220,12 +230,11 @@ async fn hyper_transfer(
     let response = sender.send_request(request).await?;
     let read = drain(response.into_body()).await?;
     let elapsed = started.elapsed();
-    let expected = if upload {
-        len.to_string().len() as u64
-    } else {
-        len
-    };
-    assert_eq!(read, expected, "the baseline moved every byte");
+    assert_eq!(
+        read,
+        answer_len(upload, len),
+        "the baseline moved every byte"
+    );
     Ok(elapsed)
 }
 
@@ -279,13 +288,7 @@ async fn relay_transfer(
         drain(relay.relay(worker, call).await?.into_body()).await?
     };
     let elapsed = started.elapsed();
-    // An upload answers the byte count the target read.
-    let expected = if upload {
-        len.to_string().len() as u64
-    } else {
-        len
-    };
-    assert_eq!(read, expected, "the relay moved every byte");
+    assert_eq!(read, answer_len(upload, len), "the relay moved every byte");
     Ok(elapsed)
 }
 

@@ -7,9 +7,14 @@
     reason = "tests fail by panicking"
 )]
 
-use serde_json::json;
+use serde_json::{Value, json};
 use simlock_contract::ErrorCode;
 use simlock_e2e::{TestFleet, gateway_config, worker_config};
+
+/// The lease id of a `lease.request` answer.
+fn lease_id(grant: &Value) -> String {
+    grant["lease"]["id"].as_str().unwrap().to_owned()
+}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lease_through_the_gateway_lands_on_the_worker_and_renews_and_releases_there() {
@@ -24,7 +29,7 @@ async fn a_lease_through_the_gateway_lands_on_the_worker_and_renews_and_releases
         )
         .await
         .unwrap();
-    let lease_id = grant["lease"]["id"].as_str().unwrap().to_owned();
+    let lease_id = lease_id(&grant);
     assert!(
         lease_id.starts_with(&format!("{worker_id}.lse_")),
         "{lease_id}"
@@ -84,7 +89,7 @@ async fn a_renew_updates_the_gateways_view_in_place_without_a_refresh() {
         .call("lease.request", json!({"platform": "ios", "ttlMs": 60_000}))
         .await
         .unwrap();
-    let lease_id = grant["lease"]["id"].as_str().unwrap().to_owned();
+    let lease_id = lease_id(&grant);
     let worker_lease = lease_id
         .strip_prefix(&format!("{worker_id}."))
         .unwrap()
@@ -155,7 +160,6 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use futures::FutureExt;
 use futures::future::BoxFuture;
-use serde_json::Value;
 use simlock_contract::model::{Connection, DeviceState};
 use simlock_contract::{ContractError, Hello, ProtocolRange, Push, Role};
 use simlock_e2e::{PATIENCE, fake_worker, session};
@@ -283,7 +287,7 @@ async fn a_lost_uplink_answers_worker_unreachable_and_the_lease_renews_once_it_i
         )
         .await
         .unwrap();
-    let lease_id = grant["lease"]["id"].as_str().unwrap().to_owned();
+    let lease_id = lease_id(&grant);
 
     fleet.stop_worker(0).await;
     fleet
@@ -326,7 +330,7 @@ async fn an_uplink_closed_by_the_gateway_comes_back_on_its_own() {
         .call("lease.request", json!({"platform": "ios"}))
         .await
         .unwrap();
-    let lease_id = grant["lease"]["id"].as_str().unwrap().to_owned();
+    let lease_id = lease_id(&grant);
     let first = fleet.gateway().fleet.conn(&worker_id).unwrap();
     first.close();
     fleet
@@ -357,10 +361,7 @@ async fn a_gateway_restart_keeps_every_lease() {
             .call("lease.request", json!({"platform": "ios"}))
             .await
             .unwrap();
-        leases.push((
-            format!("agent-{n}"),
-            grant["lease"]["id"].as_str().unwrap().to_owned(),
-        ));
+        leases.push((format!("agent-{n}"), lease_id(&grant)));
     }
     fleet.restart_gateway(config).await;
     let ids = [fleet.worker_id(0), fleet.worker_id(1)];
@@ -403,7 +404,7 @@ async fn a_drained_worker_takes_no_new_lease_and_still_serves_its_own() {
         .call("lease.request", json!({"platform": "ios"}))
         .await
         .unwrap();
-    let lease_id = grant["lease"]["id"].as_str().unwrap().to_owned();
+    let lease_id = lease_id(&grant);
     let operator = fleet.operator().await;
     let drained = operator
         .call("worker.drain", json!({"workerId": worker_id}))
@@ -692,7 +693,7 @@ async fn an_expired_gateway_lease_reaches_its_owner_as_lease_lost_with_the_gatew
         .call("lease.request", json!({"platform": "ios", "ttlMs": 300}))
         .await
         .unwrap();
-    let lease_id = grant["lease"]["id"].as_str().unwrap().to_owned();
+    let lease_id = lease_id(&grant);
     let push = tokio::time::timeout(PATIENCE, agent.pushes.recv())
         .await
         .unwrap()
@@ -733,7 +734,7 @@ async fn exec_through_the_gateway_streams_the_workers_output_to_the_owner() {
         .call("lease.request", json!({"platform": "ios"}))
         .await
         .unwrap();
-    let lease_id = grant["lease"]["id"].as_str().unwrap().to_owned();
+    let lease_id = lease_id(&grant);
     let mut call = agent
         .client
         .begin(
@@ -938,7 +939,7 @@ async fn worker_events_are_relayed_with_their_worker_id_and_status_sums_the_flee
         .call("lease.request", json!({"platform": "ios"}))
         .await
         .unwrap();
-    let worker_lease = grant["lease"]["id"].as_str().unwrap().to_owned();
+    let worker_lease = lease_id(&grant);
     let operator = fleet.operator().await;
     fleet
         .wait_until(|f| {
