@@ -171,18 +171,18 @@ async fn a_decision_that_cannot_be_stored_is_not_announced_and_the_worker_stops_
         )
         .await
         .unwrap_err();
-    assert_eq!(err.code, ErrorCode::Internal);
-    assert!(
-        err.message.contains("state store failed"),
-        "{}",
-        err.message
-    );
+    assert_store_failed(&err);
     assert_eq!(h.worker.status(&h.gate).daemon.health, Health::Failed);
     // Release-all too: it does not answer an empty success as if nothing were held.
     let err = h
         .call_raw(admin("op"), "lease.release-all", serde_json::json!({}))
         .await
         .unwrap_err();
+    assert_store_failed(&err);
+}
+
+/// A call refused because the worker's state store failed: `INTERNAL`, naming the store.
+fn assert_store_failed(err: &ContractError) {
     assert_eq!(err.code, ErrorCode::Internal);
     assert!(
         err.message.contains("state store failed"),
