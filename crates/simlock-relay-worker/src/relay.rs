@@ -592,19 +592,20 @@ mod tests {
         let config = simlock_link::LinkConfig::new(simlock_link::End::Gateway);
         let (gateway, _gateway_text) = simlock_link::spawn(gateway_ws, config.clone());
         let (worker, mut worker_text) = simlock_link::spawn(worker_ws, config.for_peer());
-        let opened = gateway
-            .open_channel(&CancellationToken::new())
-            .await
-            .unwrap_or_else(|e| panic!("open: {e}"));
+        // Every wait is bounded (virtual time: the clock is paused).
+        let patience = std::time::Duration::from_secs(60);
+        let opened =
+            tokio::time::timeout(patience, gateway.open_channel(&CancellationToken::new()))
+                .await
+                .unwrap_or_else(|_| panic!("open: timed out"))
+                .unwrap_or_else(|e| panic!("open: {e}"));
         // The channel is named on the text lane after its OPEN, as relay.request does.
-        gateway
-            .send_text("relay".into())
+        tokio::time::timeout(patience, gateway.send_text("relay".into()))
             .await
+            .unwrap_or_else(|_| panic!("text: timed out"))
             .unwrap_or_else(|e| panic!("text: {e}"));
-        assert_eq!(
-            futures::StreamExt::next(&mut worker_text).await.as_deref(),
-            Some("relay")
-        );
+        let line = tokio::time::timeout(patience, futures::StreamExt::next(&mut worker_text)).await;
+        assert_eq!(line.ok().flatten().as_deref(), Some("relay"));
         let accepted = worker
             .accept_channel(opened.id().as_str())
             .unwrap_or_else(|e| panic!("accept: {e}"));
