@@ -1481,6 +1481,44 @@ async fn a_channel_never_opened_or_already_accepted_or_malformed_is_bad_request(
     raw.stop().await;
 }
 
+/// 002, the `aborted` row when the worker reads the call late: the gateway's ABORT of a channel
+/// can be handled before the text that names it is read. The relay answers {cancelled: true}
+/// (not "never opened") and its target never runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_whose_channel_was_aborted_before_the_call_was_read_is_cancelled() {
+    let probe = Probe::new();
+    let raw = RawWorker::start(
+        relay_targets(vec![("ok", answering(&probe, "fine"))]),
+        false,
+        raw_link(),
+    )
+    .await;
+    let aborted = raw.open().await;
+    let id = aborted.id().to_string();
+    // OPEN goes before text: once a call made after it is answered, the worker knows the channel.
+    let answer = raw.call("relay.cancel", json!({"relayId": "nobody"})).await;
+    assert_eq!(answer.unwrap(), json!({}));
+    aborted.abort();
+    wait_until("the worker handled the abort and freed the id", || {
+        raw.uplink.link.stats().channel_entries == 0
+    })
+    .await;
+    let (pushes, reply) = pushes_and_reply(
+        raw.begin("relay.request", raw_request("a", "ok", &id))
+            .await,
+    )
+    .await;
+    assert!(pushes.is_empty(), "{pushes:?}");
+    assert_eq!(reply.unwrap(), json!({"cancelled": true}));
+    let err = raw
+        .call("relay.request", raw_request("b", "ok", &id))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code, ErrorCode::BadRequest, "a second claim: {err}");
+    assert_eq!(probe.calls.load(Ordering::SeqCst), 0, "no target ran");
+    raw.stop().await;
+}
+
 /// 002: a hasBody: false relay whose channel still receives bytes: the worker stops that
 /// direction and the gateway's writer errors `stopped`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -83,7 +83,7 @@ struct Relays {
 
 /// What a `relay.request` line claimed when it was read.
 struct PreparedRelay {
-    claim: Result<Claim, ContractError>,
+    claim: Result<Claim, Ending>,
 }
 
 /// A relay's hold on its id and channel. Dropping it without [`Claim::completed`] aborts the
@@ -162,6 +162,8 @@ impl Ending {
 enum Failure {
     /// The relay's channel failed.
     Channel(FailureReason),
+    /// The call was refused before its channel was claimed.
+    Refused(ContractError),
     /// The request could not be built for the target.
     Request(String),
     /// The target failed before answering.
@@ -184,6 +186,7 @@ fn to_contract(failure: Failure) -> ContractError {
         Failure::Channel(reason) => {
             ContractError::internal(format!("The relay's channel failed {reason}"))
         }
+        Failure::Refused(error) => error,
         Failure::Request(why) => ContractError::bad_request(why),
         Failure::Target(target, error) => {
             warn!(target_name = %target, error = %error, "a relay target failed");
@@ -217,22 +220,30 @@ impl Relays {
 
     /// Parses `channel` with the contract's bound, accepts it from the connection's link, and
     /// registers the relay id. A channel accepted and then refused (a duplicate relay id) is
-    /// aborted at once.
+    /// aborted at once. A channel the gateway aborted before this read answers by the failure
+    /// table, as if it failed while the relay ran.
     fn claim(
         self: &Arc<Self>,
         conn: &Connection,
         payload: Option<&Value>,
-    ) -> Result<Claim, ContractError> {
+    ) -> Result<Claim, Ending> {
+        let refused = |error| Ending::Failed(Failure::Refused(error));
         let field = |name: &str| payload.and_then(|p| p.get(name)).and_then(Value::as_str);
         let channel_id = field("channel")
             .filter(|id| bounds::is_channel_id(id))
-            .ok_or_else(|| ContractError::bad_request("channel: required, 1-32 of [A-Za-z0-9-]"))?;
+            .ok_or_else(|| {
+                refused(ContractError::bad_request(
+                    "channel: required, 1-32 of [A-Za-z0-9-]",
+                ))
+            })?;
         let link = conn.attachment::<LinkHandle>().ok_or_else(|| {
-            ContractError::internal("This connection carries no link for relay channels")
+            refused(ContractError::internal(
+                "This connection carries no link for relay channels",
+            ))
         })?;
         let channel = link
             .accept_channel(channel_id)
-            .map_err(|e| to_contract(Failure::Channel(e.reason())))?;
+            .map_err(|e| Ending::from_reason(e.reason()))?;
         let Some(relay_id) = field("relayId").filter(|id| bounds::RELAY_ID_RE.is_match(id)) else {
             // The input fails its schema later; the channel is aborted with the claim.
             return Ok(Claim::new(self.clone(), channel, None));
@@ -242,9 +253,9 @@ impl Relays {
         if active.contains_key(&key) {
             drop(active);
             drop(Claim::new(self.clone(), channel, None));
-            return Err(ContractError::bad_request(format!(
+            return Err(refused(ContractError::bad_request(format!(
                 "relayId: {relay_id} is already active on this connection"
-            )));
+            ))));
         }
         let claim = Claim::new(self.clone(), channel, Some(key.clone()));
         active.insert(key, claim.cancel.clone());
@@ -284,7 +295,16 @@ impl Relays {
         let prepared = ctx
             .take_prepared::<PreparedRelay>()
             .ok_or_else(|| ContractError::bad_request("channel: the channel was not accepted"))?;
-        let mut claim = prepared.claim?;
+        let mut claim = match prepared.claim {
+            Ok(claim) => claim,
+            Err(Ending::Cancelled) => {
+                debug!(relay = %input.relay_id, "relay's channel aborted before it was claimed");
+                return Ok(RelayRequestOutput {
+                    cancelled: Some(true),
+                });
+            }
+            Err(Ending::Failed(failure)) => return Err(to_contract(failure)),
+        };
         if claim.writer.id().as_str() != input.channel
             || claim
                 .key

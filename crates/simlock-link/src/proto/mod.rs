@@ -197,6 +197,10 @@ pub struct Link {
     reading_paused: bool,
     srtt: Option<Duration>,
     min_rtt: Option<Duration>,
+    /// Channels the peer aborted before this end accepted them, oldest first, each with why and
+    /// until when `accept` still answers with that reason. The text naming such a channel may be
+    /// read after the ABORT was handled; it must learn the abort, not "never opened".
+    aborted_unaccepted: VecDeque<(ChannelId, FailureReason, Instant)>,
     closed: Option<CloseReason>,
     close_transmit: Option<CloseReason>,
     events: VecDeque<Event>,
@@ -248,6 +252,7 @@ impl Link {
             next_ping_at: now,
             pings_out: VecDeque::new(),
             pings_unanswered: 0,
+            aborted_unaccepted: VecDeque::new(),
             last_rx: now,
             reading_paused: false,
             srtt: None,
@@ -565,12 +570,48 @@ impl Link {
             return self.violation(format!("{} for channel {id}, never opened", frame.name()));
         };
         let result = match self.channels.get_mut(&key) {
-            Some(ch) => apply_channel_frame(ch, frame, &self.config, &mut self.counters),
+            Some(ch) => {
+                let early_abort = match frame {
+                    ChannelFrame::Abort(reason) if !ch.opener && !ch.accepted && !ch.released => {
+                        Some(reason)
+                    }
+                    _ => None,
+                };
+                apply_channel_frame(ch, frame, &self.config, &mut self.counters)
+                    .map(|()| early_abort)
+            }
             None => Err(format!("{} for channel {id}: no state", frame.name())),
         };
         match result {
-            Ok(()) => self.settle(now, key),
+            Ok(early_abort) => {
+                if let Some(reason) = early_abort {
+                    self.remember_abort(now, id, reason);
+                }
+                self.settle(now, key);
+            }
             Err(what) => self.violation(what),
+        }
+    }
+
+    /// Keeps, for the accept timeout, why the peer aborted a channel this end had not accepted
+    /// yet. At most `max_channel_entries` are kept; the oldest go first.
+    fn remember_abort(&mut self, now: Instant, id: ChannelId, reason: FailureReason) {
+        self.forget_expired_aborts(now);
+        while self.aborted_unaccepted.len() >= self.config.max_channel_entries {
+            self.aborted_unaccepted.pop_front();
+        }
+        if let Some(until) = now.checked_add(self.config.accept_timeout) {
+            self.aborted_unaccepted.push_back((id, reason, until));
+        }
+    }
+
+    fn forget_expired_aborts(&mut self, now: Instant) {
+        while self
+            .aborted_unaccepted
+            .front()
+            .is_some_and(|&(.., until)| now >= until)
+        {
+            self.aborted_unaccepted.pop_front();
         }
     }
 
@@ -740,7 +781,10 @@ impl Link {
     ///
     /// # Errors
     /// `refused` if this is the gateway end, `id` is malformed, was never opened, is no longer
-    /// known (aborted, released), or was already accepted; `closed` if the link is closed.
+    /// known, or was already accepted; `closed` if the link is closed. A channel the peer
+    /// aborted before this end accepted it answers with the abort's reason (`aborted`, or the
+    /// peer's) once, for the accept timeout after the ABORT: the text that names a channel may
+    /// be read after its ABORT was handled.
     pub fn accept(&mut self, now: Instant, id: &str) -> Result<ChannelKey, ChannelError> {
         let refused = ChannelError::new(FailureReason::Refused);
         if self.closed.is_some() {
@@ -750,6 +794,21 @@ impl Link {
             return Err(refused);
         }
         let id = ChannelId::new(id).map_err(|_| refused.clone())?;
+        self.forget_expired_aborts(now);
+        if let Some(at) = self
+            .aborted_unaccepted
+            .iter()
+            .position(|&(aborted, ..)| aborted == id)
+        {
+            let reason = self
+                .aborted_unaccepted
+                .remove(at)
+                .map(|(_, reason, _)| reason);
+            return Err(ChannelError::on(
+                reason.unwrap_or(FailureReason::Aborted),
+                id,
+            ));
+        }
         let refused = ChannelError::on(FailureReason::Refused, id);
         let &key = self.ids.get(&id).ok_or_else(|| refused.clone())?;
         let ch = self.channels.get_mut(&key).ok_or_else(|| refused.clone())?;

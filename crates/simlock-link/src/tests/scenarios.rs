@@ -491,6 +491,87 @@ fn an_unaccepted_channel_is_refused_after_30s() {
     assert_freed(&pair);
 }
 
+/// The text naming a channel may be read after the link handled that channel's ABORT: the
+/// accept then learns the abort (once, within the accept timeout), not "never opened", and the
+/// id is freed at both ends all the same.
+#[test]
+fn a_channel_aborted_before_its_accept_answers_the_accept_with_the_abort() {
+    let mut pair = pair();
+    let mut opened = Vec::new();
+    for _ in 0..3 {
+        let ticket = pair.gateway.open(pair.now);
+        let g = pair.gateway.take_opened(ticket).unwrap().unwrap();
+        opened.push((g, pair.gateway.channel_id(g).unwrap()));
+    }
+    pair.drive().unwrap();
+    let now = pair.now;
+    for &(g, _) in &opened {
+        pair.gateway.abort(now, g);
+        pair.gateway.detach_reader(now, g);
+        pair.gateway.detach_writer(now, g);
+    }
+    pair.drive().unwrap();
+    assert_no_violation(&pair);
+    assert_freed(&pair);
+    let reason = |pair: &mut Pair, id: &ChannelId| {
+        let now = pair.now;
+        pair.worker.accept(now, id.as_str()).unwrap_err().reason()
+    };
+    assert_eq!(reason(&mut pair, &opened[0].1), FailureReason::Aborted);
+    assert_eq!(
+        reason(&mut pair, &opened[0].1),
+        FailureReason::Refused,
+        "answered once"
+    );
+    pair.advance(Duration::from_secs(29)).unwrap();
+    assert_eq!(reason(&mut pair, &opened[1].1), FailureReason::Aborted);
+    pair.advance(Duration::from_secs(1)).unwrap();
+    assert_eq!(
+        reason(&mut pair, &opened[2].1),
+        FailureReason::Refused,
+        "forgotten after the accept timeout"
+    );
+    assert_no_violation(&pair);
+}
+
+/// The answers kept for early aborts are bounded by the id table's size; the oldest go first.
+#[test]
+fn early_abort_answers_are_bounded_oldest_first() {
+    let mut config = LinkConfig::new(End::Gateway);
+    config.max_open_channels = 4;
+    config.max_channel_entries = 4;
+    let mut pair = Pair::new(config);
+    let mut ids = Vec::new();
+    for _ in 0..5 {
+        let ticket = pair.gateway.open(pair.now);
+        let g = pair.gateway.take_opened(ticket).unwrap().unwrap();
+        ids.push(pair.gateway.channel_id(g).unwrap());
+        pair.drive().unwrap();
+        let now = pair.now;
+        pair.gateway.abort(now, g);
+        pair.gateway.detach_reader(now, g);
+        pair.gateway.detach_writer(now, g);
+        pair.drive().unwrap();
+    }
+    assert_no_violation(&pair);
+    assert_freed(&pair);
+    let now = pair.now;
+    let reasons: Vec<_> = ids
+        .iter()
+        .map(|id| pair.worker.accept(now, id.as_str()).unwrap_err().reason())
+        .collect();
+    assert_eq!(
+        reasons,
+        [
+            FailureReason::Refused,
+            FailureReason::Aborted,
+            FailureReason::Aborted,
+            FailureReason::Aborted,
+            FailureReason::Aborted,
+        ]
+    );
+}
+
 #[test]
 fn accepting_needs_an_open_unaccepted_id() {
     let mut pair = pair();
