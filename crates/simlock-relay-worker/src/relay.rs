@@ -338,6 +338,13 @@ impl Relays {
             () = closed.cancelled() => Err(Ending::Cancelled),
             ending = run => ending,
         };
+        // The target's cancellation is a child of the relay's: a target can see it and fail in
+        // the same poll that found the relay's own token not yet cancelled. A failure once the
+        // relay was cancelled is the cancel's outcome (a stalled channel still wins below).
+        let ending = match ending {
+            Err(Ending::Failed(_)) if cancel.is_cancelled() => Err(Ending::Cancelled),
+            ending => ending,
+        };
         match ending {
             Ok(()) => {
                 claim.completed = true;
