@@ -222,7 +222,7 @@ where
         if ended.is_some() {
             self.read_over = true;
         }
-        // The first PONG sizes the socket's receive buffer (once).
+        // A round trip within the ceiling sizes the socket's receive buffer (once).
         if let Some(rtt) = min_rtt.filter(|_| self.receive_buffer.pending())
             && let Some(size) = self.receive_buffer.fit(rtt)
         {

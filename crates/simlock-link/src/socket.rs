@@ -56,6 +56,17 @@ pub fn receive_buffer_for(min_rtt: Duration, ceiling: usize) -> Option<usize> {
     (size <= ceiling).then_some(size.max(MIN_RECEIVE_BUFFER).min(ceiling))
 }
 
+#[cfg(unix)]
+/// What the kernel reports for a receive buffer set to `size`: Linux keeps twice the value set
+/// (its bookkeeping share); other systems report the value itself.
+fn kernel_share(size: usize) -> usize {
+    if cfg!(any(target_os = "linux", target_os = "android")) {
+        size.saturating_mul(2)
+    } else {
+        size
+    }
+}
+
 /// The most a socket may ask for here: [`MAX_RECEIVE_BUFFER`], or less when Linux's
 /// `net.core.rmem_max` is lower (it caps `SO_RCVBUF`; 208 KiB on many distributions). Read once.
 pub fn receive_buffer_ceiling() -> usize {
@@ -69,18 +80,22 @@ pub fn receive_buffer_ceiling() -> usize {
 }
 
 /// The handle a link's driver sizes its socket's receive buffer through, once, when the link
-/// has measured its first round trip ([`receive_buffer_for`]). Give it to [`spawn_tuned`].
+/// has measured a round trip within the ceiling ([`receive_buffer_for`]). Give it to
+/// [`spawn_tuned`].
 ///
-/// It holds a duplicate of the socket's descriptor until then, and lets go of it after that one
-/// call whatever it decided (or when the link closes first). It never changes the buffer again:
-/// shrinking a buffer under an advertised window would make the kernel drop data it already
-/// accepted.
+/// It holds a duplicate of the socket's descriptor until then (or until the link closes), and
+/// lets go of it once it decided. It never makes the buffer smaller than the kernel already has
+/// it, and never changes it again: shrinking a buffer under an advertised window makes the
+/// kernel prune data it accepted.
 ///
 /// [`spawn_tuned`]: crate::spawn_tuned
 #[derive(Debug, Default)]
 pub struct ReceiveBuffer {
     #[cfg(unix)]
     socket: Option<std::os::fd::OwnedFd>,
+    /// The round trip last found too long: only a shorter one is worth another look.
+    #[cfg(unix)]
+    too_long: Option<Duration>,
 }
 
 impl ReceiveBuffer {
@@ -109,6 +124,7 @@ impl ReceiveBuffer {
     fn on(socket: std::os::fd::OwnedFd) -> Self {
         Self {
             socket: Some(socket),
+            too_long: None,
         }
     }
 
@@ -127,20 +143,44 @@ impl ReceiveBuffer {
         false
     }
 
-    /// Sizes the buffer for the link's first round trip, once; lets go of the socket either
-    /// way. Returns the size set, if one was.
+    /// Sizes the buffer for the link's smallest round trip so far. A round trip past the
+    /// ceiling decides nothing (the first samples of a busy machine run long): the handle keeps
+    /// the socket for a shorter one. Otherwise it decides once and lets go of the socket: it sets
+    /// the size unless the kernel's buffer already grew past it (setting it then would shrink
+    /// the buffer under its window). Returns the size set, if one was.
     pub(crate) fn fit(&mut self, min_rtt: Duration) -> Option<usize> {
         #[cfg(unix)]
         {
-            let socket = self.socket.take()?;
+            self.socket.as_ref()?;
+            if self.too_long.is_some_and(|too_long| min_rtt >= too_long) {
+                return None;
+            }
             let Some(size) = receive_buffer_for(min_rtt, receive_buffer_ceiling()) else {
                 tracing::debug!(
                     ?min_rtt,
-                    "uplink receive buffer left to the kernel: a long path"
+                    "uplink receive buffer: the path looks long so far; waiting for a shorter round trip"
                 );
+                self.too_long = Some(min_rtt);
                 return None;
             };
-            if let Err(error) = socket2::SockRef::from(&socket).set_recv_buffer_size(size) {
+            let socket = self.socket.take()?;
+            let socket = socket2::SockRef::from(&socket);
+            match socket.recv_buffer_size() {
+                Ok(now) if now > kernel_share(size) => {
+                    tracing::debug!(
+                        size,
+                        kernel = now,
+                        "uplink receive buffer left to the kernel: it already grew past the size"
+                    );
+                    return None;
+                }
+                Ok(_) => {}
+                Err(error) => {
+                    tracing::debug!(%error, "uplink receive buffer not read; left to the kernel");
+                    return None;
+                }
+            }
+            if let Err(error) = socket.set_recv_buffer_size(size) {
                 tracing::debug!(%error, size, "uplink receive buffer not set");
                 return None;
             }
@@ -270,7 +310,7 @@ mod tests {
 
     #[cfg(target_os = "linux")]
     #[tokio::test]
-    async fn the_first_round_trip_sizes_the_socket_once() {
+    async fn a_round_trip_within_the_ceiling_sizes_the_socket_once() {
         let (client, _server) = tcp_pair().await;
         let mut buffer = ReceiveBuffer::of(&client);
         assert!(buffer.pending());
@@ -293,17 +333,55 @@ mod tests {
 
     #[cfg(target_os = "linux")]
     #[tokio::test]
-    async fn a_long_first_round_trip_leaves_the_kernel_tuning() {
+    async fn a_long_round_trip_waits_for_a_shorter_one() {
         let (client, _server) = tcp_pair().await;
         let before = socket2::SockRef::from(&client).recv_buffer_size().unwrap();
         let mut buffer = ReceiveBuffer::of(&client);
         assert_eq!(buffer.fit(Duration::from_millis(50)), None);
+        assert!(buffer.pending(), "a long sample decides nothing");
+        assert_eq!(buffer.fit(Duration::from_millis(50)), None);
+        assert_eq!(buffer.fit(Duration::from_millis(60)), None);
+        assert!(buffer.pending());
+        assert_eq!(
+            socket2::SockRef::from(&client).recv_buffer_size().unwrap(),
+            before,
+            "the kernel keeps tuning meanwhile"
+        );
+        // A busy machine's first samples ran long; the path is short.
+        let expected = MIN_RECEIVE_BUFFER.min(receive_buffer_ceiling());
+        assert_eq!(buffer.fit(Duration::from_micros(50)), Some(expected));
         assert!(!buffer.pending());
         assert_eq!(
             socket2::SockRef::from(&client).recv_buffer_size().unwrap(),
-            before
+            2 * expected
         );
-        assert_eq!(buffer.fit(Duration::from_micros(50)), None, "decided once");
+    }
+
+    #[cfg(target_os = "linux")]
+    #[tokio::test]
+    async fn a_buffer_the_kernel_already_grew_past_the_size_is_never_shrunk() {
+        let size = MIN_RECEIVE_BUFFER.min(receive_buffer_ceiling());
+        // As auto-tuning would have grown it under traffic. (Under an rmem_max at or below the
+        // floor nothing set here can pass the size; the check after this one still runs.)
+        if receive_buffer_ceiling() > size {
+            let (client, _server) = tcp_pair().await;
+            let socket = socket2::SockRef::from(&client);
+            socket
+                .set_recv_buffer_size(receive_buffer_ceiling())
+                .unwrap();
+            let grown = socket.recv_buffer_size().unwrap();
+            assert!(grown > 2 * size);
+            let mut buffer = ReceiveBuffer::of(&client);
+            assert_eq!(buffer.fit(Duration::from_micros(50)), None);
+            assert!(!buffer.pending(), "decided: left to the kernel");
+            assert_eq!(socket.recv_buffer_size().unwrap(), grown);
+        }
+        // Just at the size is not a shrink.
+        let (client, _server) = tcp_pair().await;
+        let socket = socket2::SockRef::from(&client);
+        socket.set_recv_buffer_size(size).unwrap();
+        let mut buffer = ReceiveBuffer::of(&client);
+        assert_eq!(buffer.fit(Duration::from_micros(50)), Some(size));
     }
 
     #[cfg(unix)]

@@ -279,15 +279,20 @@ async fn stats_once(link: &LinkHandle, done: impl Fn(&LinkStats) -> bool) -> Lin
 
 #[tokio::test]
 async fn a_tcp_link_sizes_its_receive_buffer_to_the_measured_round_trip() {
-    let mut ends = loopback(&LinkConfig::new(End::Gateway)).await;
+    // Frequent PINGs: on a loaded machine the first round trips may run past the ceiling's
+    // 3.4 ms, and the driver waits for a shorter one.
+    let mut config = LinkConfig::new(End::Gateway);
+    config.ping_interval = Duration::from_millis(10);
+    config.max_missed_pings = 10_000;
+    let mut ends = loopback(&config).await;
     for link in [&ends.gateway, &ends.worker] {
         let stats = stats_once(link, |stats| stats.receive_buffer.is_some()).await;
-        let min_rtt = stats.min_rtt.unwrap();
-        assert_eq!(
-            stats.receive_buffer,
-            receive_buffer_for(min_rtt, receive_buffer_ceiling())
-        );
-        assert!(stats.receive_buffer.unwrap() >= MIN_RECEIVE_BUFFER.min(receive_buffer_ceiling()));
+        let size = stats.receive_buffer.unwrap();
+        // Sized at a round trip no shorter than the smallest one seen since.
+        let at_min_rtt = receive_buffer_for(stats.min_rtt.unwrap(), receive_buffer_ceiling());
+        assert!(at_min_rtt.is_some_and(|at_min| size >= at_min), "{stats:?}");
+        assert!(size >= MIN_RECEIVE_BUFFER.min(receive_buffer_ceiling()));
+        assert!(size <= receive_buffer_ceiling());
     }
     // The links still carry data.
     let (gateway_end, worker_end) = open_named(&mut ends).await;
