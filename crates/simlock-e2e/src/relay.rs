@@ -470,20 +470,31 @@ impl Probe {
         .await;
     }
 
-    /// Waits until the targets got exactly `n` calls in all.
+    /// Waits until the targets got `n` calls in all, and fails at once if they got more.
     pub async fn wait_calls(&self, n: usize) {
+        self.wait_calls_at_least(n).await;
+        assert_eq!(self.calls.load(Ordering::SeqCst), n, "target calls");
+    }
+
+    /// Waits until the targets got at least `n` calls in all.
+    pub async fn wait_calls_at_least(&self, n: usize) {
         self.wait(&format!("{n} target calls"), |p| {
-            p.calls.load(Ordering::SeqCst) == n
+            p.calls.load(Ordering::SeqCst) >= n
         })
         .await;
     }
 
-    /// Waits until exactly `n` targets saw their cancellation fire.
+    /// Waits until `n` targets saw their cancellation fire, and fails at once if more did.
     pub async fn wait_cancelled(&self, n: usize) {
         self.wait(&format!("{n} cancelled targets"), |p| {
-            p.cancelled.load(Ordering::SeqCst) == n
+            p.cancelled.load(Ordering::SeqCst) >= n
         })
         .await;
+        assert_eq!(
+            self.cancelled.load(Ordering::SeqCst),
+            n,
+            "cancelled targets"
+        );
     }
 
     /// Reads a target's request body to its end, counting the bytes in [`Self::read`].

@@ -465,6 +465,20 @@ fn http(
     headers: &[(&str, &str)],
     body: Option<&Value>,
 ) -> (u16, String) {
+    http_watching(addr, method, path, token, headers, body, |_| {})
+}
+
+/// [`http`], calling `seen` with everything received so far after each read (to act on a
+/// streamed answer before it ends).
+fn http_watching(
+    addr: &str,
+    method: &str,
+    path: &str,
+    token: Option<&str>,
+    headers: &[(&str, &str)],
+    body: Option<&Value>,
+    mut seen: impl FnMut(&[u8]),
+) -> (u16, String) {
     let mut stream = TcpStream::connect(addr).unwrap();
     stream.set_read_timeout(Some(PATIENCE)).unwrap();
     let body = body.map(Value::to_string).unwrap_or_default();
@@ -482,7 +496,15 @@ fn http(
     request.push_str(&body);
     stream.write_all(request.as_bytes()).unwrap();
     let mut raw = Vec::new();
-    stream.read_to_end(&mut raw).unwrap();
+    let mut buf = [0u8; 16 * 1024];
+    loop {
+        let n = stream.read(&mut buf).unwrap();
+        if n == 0 {
+            break;
+        }
+        raw.extend_from_slice(&buf[..n]);
+        seen(&raw);
+    }
     let text = String::from_utf8_lossy(&raw).into_owned();
     let (head, rest) = text.split_once("\r\n\r\n").unwrap();
     let status: u16 = head.split_whitespace().nth(1).unwrap().parse().unwrap();
@@ -762,19 +784,29 @@ fn http_lease_requests_stream_their_states_and_can_be_cancelled() {
         .0,
         404
     );
+    let (queued_seen, queued_event) = std::sync::mpsc::channel();
     let stream = {
         let (addr, bob, bob_id) = (addr.clone(), bob.clone(), bob_id.clone());
         std::thread::spawn(move || {
-            http(
+            http_watching(
                 &addr,
                 "GET",
                 &format!("/v1/lease-requests/{bob_id}/events"),
                 Some(&bob),
                 &[],
                 None,
+                |raw| {
+                    if raw.windows(13).any(|w| w == b"event: queued") {
+                        let _ = queued_seen.send(());
+                    }
+                },
             )
         })
     };
+    // The stream shows bob queued before anything changes his request.
+    queued_event
+        .recv_timeout(PATIENCE)
+        .expect("the stream's first event, queued");
     let carols = lease(&carol);
     assert_eq!(carols["state"], "queued");
     let carol_id = carols["id"].as_str().unwrap().to_owned();

@@ -16,6 +16,39 @@ fn lease_id(grant: &Value) -> String {
     grant["lease"]["id"].as_str().unwrap().to_owned()
 }
 
+/// An operator session on the gateway subscribed to its events (worker events it relays
+/// included).
+async fn subscriber(fleet: &TestFleet) -> simlock_e2e::Session {
+    let operator = fleet.operator().await;
+    let answer = operator.call("events.subscribe", json!({})).await.unwrap();
+    assert_eq!(answer["subscribed"], true);
+    operator
+}
+
+/// Waits until the gateway relays `event` about the worker's lease `worker_lease` to
+/// `subscriber`; the event, as pushed. Once it is relayed, the gateway handled the worker's push
+/// to its end.
+async fn relayed(
+    subscriber: &mut simlock_e2e::Session,
+    event: &str,
+    worker_lease: &str,
+) -> simlock_contract::model::EventEnvelope {
+    loop {
+        let frame = tokio::time::timeout(PATIENCE, subscriber.pushes.recv())
+            .await
+            .unwrap_or_else(|_| panic!("{event} for {worker_lease} was relayed in time"))
+            .expect("the session is open");
+        if let Ok(Push::Event {
+            event: envelope, ..
+        }) = Push::from_frame(&frame)
+            && envelope.event == event
+            && envelope.payload["leaseId"] == worker_lease
+        {
+            return envelope;
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lease_through_the_gateway_lands_on_the_worker_and_renews_and_releases_there() {
     let mut fleet = TestFleet::start(gateway_config()).await;
@@ -81,9 +114,14 @@ async fn a_lease_through_the_gateway_lands_on_the_worker_and_renews_and_releases
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_renew_updates_the_gateways_view_in_place_without_a_refresh() {
-    let mut fleet = TestFleet::start(gateway_config()).await;
+    // No periodic refresh lands inside the window the test counts.
+    let mut fleet = TestFleet::start_with(gateway_config(), |timing| {
+        timing.refresh_interval = std::time::Duration::from_secs(3600);
+    })
+    .await;
     fleet.add_worker(worker_config(1)).await;
     let worker_id = fleet.worker_id(0);
+    let mut events = subscriber(&fleet).await;
     let agent = fleet.agent("agent-1").await;
     let grant = agent
         .call("lease.request", json!({"platform": "ios", "ttlMs": 60_000}))
@@ -94,7 +132,10 @@ async fn a_renew_updates_the_gateways_view_in_place_without_a_refresh() {
         .strip_prefix(&format!("{worker_id}."))
         .unwrap()
         .to_owned();
-    // The grant's events refresh the view: wait until it shows the lease and the leased device.
+    // The grant's events refresh the view. Once lease.granted is relayed, the gateway asked for
+    // every refresh the grant brings (it asks before it relays); then wait until the view shows
+    // the lease and the leased device.
+    relayed(&mut events, "lease.granted", &worker_lease).await;
     fleet
         .wait_for(|views| {
             views.iter().any(|v| {
@@ -524,7 +565,9 @@ async fn a_worker_one_protocol_version_behind_is_incompatible_and_gets_no_reques
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_status_timeouts_in_a_row_close_the_uplink() {
     let fleet = TestFleet::start_with(gateway_config(), |timing| {
-        timing.call_timeout = std::time::Duration::from_millis(100);
+        // The bound covers the handshake and the first probe too: long enough for a loaded
+        // machine to answer those, short enough that two hung reads pass quickly.
+        timing.call_timeout = std::time::Duration::from_secs(1);
         timing.refresh_interval = std::time::Duration::from_millis(50);
     })
     .await;
@@ -689,8 +732,11 @@ async fn an_expired_gateway_lease_reaches_its_owner_as_lease_lost_with_the_gatew
     let mut fleet = TestFleet::start(gateway_config()).await;
     fleet.add_worker(worker_config(1)).await;
     let mut agent = fleet.agent("agent-1").await;
+    // Long enough that the gateway has indexed the grant before the worker's expiry event comes:
+    // an end event that overtakes the grant's answer finds no index entry, and its owner gets no
+    // lease-lost (a known gap; the entry itself goes with the next two view refreshes).
     let grant = agent
-        .call("lease.request", json!({"platform": "ios", "ttlMs": 300}))
+        .call("lease.request", json!({"platform": "ios", "ttlMs": 1500}))
         .await
         .unwrap();
     let lease_id = lease_id(&grant);
@@ -934,6 +980,7 @@ async fn worker_events_are_relayed_with_their_worker_id_and_status_sums_the_flee
     fleet.add_worker(worker_config(2)).await;
     fleet.add_worker(worker_config(3)).await;
     let worker_id = fleet.worker_id(0);
+    let mut subscribed = subscriber(&fleet).await;
     let local = session(&fleet.worker(0).running.socket_path(), "local", None).await;
     let grant = local
         .call("lease.request", json!({"platform": "ios"}))
@@ -941,6 +988,8 @@ async fn worker_events_are_relayed_with_their_worker_id_and_status_sums_the_flee
         .unwrap();
     let worker_lease = lease_id(&grant);
     let operator = fleet.operator().await;
+    let pushed = relayed(&mut subscribed, "lease.granted", &worker_lease).await;
+    assert_eq!(pushed.payload["workerId"], worker_id.as_str());
     fleet
         .wait_until(|f| {
             f.view(&worker_id)

@@ -1049,7 +1049,8 @@ async fn every_way_a_relay_ends_gives_its_channel_back() {
         let mut call = get_call("hold");
         call.cancel = Some(abort.clone());
         let cancelled = spawn_relay(&fleet, &worker, call);
-        probe.wait_calls(calls + 1).await;
+        // At least: the last round's timed-out relay may reach its target only now.
+        probe.wait_calls_at_least(calls + 1).await;
         abort.cancel();
         let err = patient("a cancelled relay", cancelled)
             .await
@@ -1225,9 +1226,10 @@ async fn the_gateway_refuses_what_breaks_a_bound_before_anything_is_sent() {
     assert_eq!(probe.calls.load(Ordering::SeqCst), 0);
     let after = gateway_link_stats(&fleet, &worker);
     assert_eq!(
-        after.frames_sent, before.frames_sent,
+        after.channels_opened, before.channels_opened,
         "no channel was opened"
     );
+    assert_eq!(after.bytes_sent, before.bytes_sent, "no body byte went");
 
     // At the limits.
     let mut at = call(Method::GET, &url_of(4096), "");

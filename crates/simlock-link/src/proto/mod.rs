@@ -118,6 +118,9 @@ pub struct LinkStats {
     pub open_channels: usize,
     /// Channel ids held, including those waiting for the peer's RELEASE.
     pub channel_entries: usize,
+    /// Channels opened on this link since it started (by this end at the gateway, by the peer
+    /// at the worker).
+    pub channels_opened: u64,
     /// Channels the link keeps any state for (open, closing, or still held by the application).
     pub channel_states: usize,
     /// DATA payload bytes sent.
@@ -156,6 +159,7 @@ pub struct LinkStats {
 /// Cumulative counters.
 #[derive(Clone, Debug, Default)]
 struct Counters {
+    channels_opened: u64,
     bytes_sent: u64,
     bytes_received: u64,
     credit_stalls: u64,
@@ -319,6 +323,7 @@ impl Link {
         let mut stats = LinkStats {
             channel_entries: self.ids.len(),
             channel_states: self.channels.len(),
+            channels_opened: c.channels_opened,
             bytes_sent: c.bytes_sent,
             bytes_received: c.bytes_received,
             credit_stalls: c.credit_stalls,
@@ -561,6 +566,7 @@ impl Link {
         ch.accept_deadline = now.checked_add(self.config.accept_timeout);
         self.channels.insert(key, ch);
         self.ids.insert(id, key);
+        self.counters.channels_opened += 1;
         tracing::debug!(end = ?self.config.end, channel = %id, "link channel opened by peer");
         self.events.push_back(Event::Incoming(id));
     }
@@ -1347,6 +1353,7 @@ impl Link {
             self.channels
                 .insert(key, Chan::new(id, true, self.config.initial_window, now));
             self.ids.insert(id, key);
+            self.counters.channels_opened += 1;
             self.slots_used += 1;
             self.opened.insert(ticket, key);
             tracing::debug!(end = ?self.config.end, channel = %id, "link channel opened");

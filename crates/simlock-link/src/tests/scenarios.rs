@@ -513,6 +513,12 @@ fn a_channel_aborted_before_its_accept_answers_the_accept_with_the_abort() {
     pair.drive().unwrap();
     assert_no_violation(&pair);
     assert_freed(&pair);
+    assert_eq!(pair.gateway.stats().channels_opened, 3);
+    assert_eq!(
+        pair.worker.stats().channels_opened,
+        3,
+        "counted when the OPEN came"
+    );
     let reason = |pair: &mut Pair, id: &ChannelId| {
         let now = pair.now;
         pair.worker.accept(now, id.as_str()).unwrap_err().reason()
