@@ -727,16 +727,165 @@ async fn revoking_a_join_token_closes_its_uplinks() {
     fleet.stop().await;
 }
 
+/// A worker in front of a real one: every call goes to the real worker as its admin, but a
+/// granted lease ends at once, and its `lease.expired` event goes up the uplink while the
+/// grant's answer waits for a permit of `answer`: the order a short lease's end can take at the
+/// gateway under load.
+struct EndFirstWorker {
+    real: simlock_wire::WireClient,
+    answer: Arc<tokio::sync::Semaphore>,
+}
+
+impl Service for EndFirstWorker {
+    fn greet(&self, _origin: Origin, hello: &Hello) -> Result<Identity, ContractError> {
+        Ok(Identity {
+            role: Role::Admin,
+            principal: hello.principal.clone().unwrap_or_default(),
+        })
+    }
+
+    fn dispatch(
+        &self,
+        ctx: CallContext,
+        op: String,
+        payload: Option<Value>,
+    ) -> BoxFuture<'static, Result<Value, ContractError>> {
+        let (real, answer_permit) = (self.real.clone(), self.answer.clone());
+        async move {
+            if op == "events.subscribe" {
+                return Ok(json!({"subscribed": true, "subscriptionId": "sub_1"}));
+            }
+            let mut payload = payload.unwrap_or_else(|| json!({}));
+            if let Some(fields) = payload.as_object_mut() {
+                // Only a gateway's uplink may name an owner; this front reaches the real worker
+                // on its socket.
+                fields.remove("owner");
+            }
+            let answer = real.call_value(&op, payload).await?;
+            if op == "lease.request" {
+                // The lease ends for real, so no view refresh brings it back.
+                real.call_value("lease.release", json!({"leaseId": answer["lease"]["id"]}))
+                    .await?;
+                let event = simlock_contract::model::EventEnvelope {
+                    id: simlock_contract::ids::EventId::from_raw("evt_early"),
+                    seq: 1,
+                    timestamp: 0,
+                    event: "lease.expired".into(),
+                    payload: json!({
+                        "leaseId": answer["lease"]["id"],
+                        "deviceId": answer["device"]["id"],
+                    }),
+                    module: "lease".into(),
+                };
+                let push = Push::Event {
+                    subscription_id: simlock_contract::ids::SubscriptionId::from_raw("sub_1"),
+                    event,
+                };
+                ctx.push(&push)
+                    .await
+                    .map_err(|_| ContractError::internal("closed"))?;
+                answer_permit
+                    .acquire()
+                    .await
+                    .map_err(|_| ContractError::internal("closed"))?
+                    .forget();
+            }
+            Ok(answer)
+        }
+        .boxed()
+    }
+}
+
+/// A lease whose end event the gateway handled before the grant's answer: the caller still gets
+/// its grant, the owner a lease-lost under the gateway's id, and the index never holds it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_end_that_overtakes_its_grant_still_reaches_the_owner() {
+    let fleet = TestFleet::start(gateway_config()).await;
+    let dir = tempfile::tempdir().unwrap();
+    let home = simlock_daemon::home::Home::at(dir.path().join("real"));
+    let real = simlock_worker::start(simlock_worker::WorkerOptions::new(
+        home.clone(),
+        worker_config(1),
+    ))
+    .await
+    .unwrap();
+    let admin = session(&real.running.socket_path(), "front", Some(&home)).await;
+    let answer = Arc::new(tokio::sync::Semaphore::new(0));
+    let _link = fake_worker(
+        &fleet.gateway_url(),
+        &fleet.join_token,
+        "end-first",
+        Arc::new(EndFirstWorker {
+            real: admin.client.clone(),
+            answer: answer.clone(),
+        }),
+        simlock_contract::PROTOCOL_RANGE,
+    )
+    .await;
+    fleet
+        .wait_for(|views| {
+            views.iter().any(|v| {
+                v.id == "end-first"
+                    && v.connection == Connection::Connected
+                    && v.catalog_read_at.is_some()
+            })
+        })
+        .await;
+    let mut events = subscriber(&fleet).await;
+    let mut agent = fleet.agent("agent-1").await;
+    let (grant, ()) = tokio::join!(
+        agent.call("lease.request", json!({"platform": "ios"})),
+        async {
+            // The gateway handled the end (it relays an event after handling it); only then
+            // does the grant's answer go.
+            loop {
+                let frame = tokio::time::timeout(PATIENCE, events.pushes.recv())
+                    .await
+                    .expect("the end is relayed in time")
+                    .expect("the session is open");
+                if let Ok(Push::Event { event, .. }) = Push::from_frame(&frame)
+                    && event.event == "lease.expired"
+                {
+                    break;
+                }
+            }
+            answer.add_permits(1);
+        }
+    );
+    let grant = grant.unwrap();
+    let lease_id = lease_id(&grant);
+    assert!(lease_id.starts_with("end-first.lse_"), "{lease_id}");
+    let push = tokio::time::timeout(PATIENCE, agent.pushes.recv())
+        .await
+        .unwrap()
+        .unwrap();
+    match Push::from_frame(&push).unwrap() {
+        Push::LeaseLost {
+            lease_id: lost,
+            reason,
+            device_id,
+        } => {
+            assert_eq!(lost, lease_id);
+            assert_eq!(reason, simlock_contract::model::LeaseEndReason::Expired);
+            assert_eq!(device_id.as_str(), grant["device"]["id"].as_str().unwrap());
+        }
+        other => panic!("expected lease-lost, got {other:?}"),
+    }
+    assert!(
+        fleet.gateway().fleet.lease(&lease_id).is_none(),
+        "the index never held the ended lease"
+    );
+    fleet.stop().await;
+    real.stop("test").await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_expired_gateway_lease_reaches_its_owner_as_lease_lost_with_the_gateway_id() {
     let mut fleet = TestFleet::start(gateway_config()).await;
     fleet.add_worker(worker_config(1)).await;
     let mut agent = fleet.agent("agent-1").await;
-    // Long enough that the gateway has indexed the grant before the worker's expiry event comes:
-    // an end event that overtakes the grant's answer finds no index entry, and its owner gets no
-    // lease-lost (a known gap; the entry itself goes with the next two view refreshes).
     let grant = agent
-        .call("lease.request", json!({"platform": "ios", "ttlMs": 1500}))
+        .call("lease.request", json!({"platform": "ios", "ttlMs": 300}))
         .await
         .unwrap();
     let lease_id = lease_id(&grant);

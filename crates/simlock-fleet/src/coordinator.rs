@@ -677,7 +677,20 @@ impl Fleet {
             chosen,
             misses: 0,
         };
-        self.state.lock().index.insert(entry);
+        let owner = entry.owner_id.clone();
+        let ended = {
+            let mut state = self.state.lock();
+            let early = state.ended_unindexed.iter().position(|end| {
+                end.worker_id == worker_id && end.worker_lease_id == grant.lease.id.as_str()
+            });
+            match early {
+                Some(at) => state.ended_unindexed.remove(at),
+                None => {
+                    state.index.insert(entry);
+                    None
+                }
+            }
+        };
         self.bus.emit(
             "request.granted",
             "fleet",
@@ -687,13 +700,19 @@ impl Fleet {
         if let Some(id) = grant.environment.get_mut("SIMLOCK_LEASE_ID") {
             id.clone_from(&lease_id);
         }
-        grant.lease.id = LeaseId::from_raw(lease_id);
+        grant.lease.id = LeaseId::from_raw(lease_id.clone());
         grant.lease.requester_id = waiter.requester.clone();
         grant.lease.owner_id = waiter.owner.clone();
         grant.lease.worker = Some(WorkerRef {
             id: worker_id.to_owned(),
             label,
         });
+        if let Some(end) = ended {
+            // Its end event overtook this answer: the caller still gets the grant it asked for,
+            // and its owner the end (which may reach it just ahead of the grant's answer); the
+            // index never holds the dead lease.
+            self.notify_lease_lost(&lease_id, &owner, &end.device_id, &end.reason, None);
+        }
         grant
     }
 }

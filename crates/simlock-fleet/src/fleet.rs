@@ -1,7 +1,7 @@
 //! The fleet: every worker the gateway knows (its view and, while connected, its uplink), the
 //! lease index and the fleet queue, behind one lock that is never held across an await.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
@@ -157,6 +157,25 @@ pub(crate) struct State {
     /// Gateway leases being released by a caller, with the caller's connection, so the owner's
     /// `lease-lost` skips the connection that asked.
     pub(crate) releasing: HashMap<String, Option<u64>>,
+    /// Worker leases whose end event came before this gateway indexed them, newest last, at
+    /// most [`ENDS_REMEMBERED`]. The worker answers a grant and then sends events on one uplink,
+    /// but the answer is handled by the forwarding task and the events by the uplink's reader, so
+    /// a short lease's end can overtake its grant; recording the grant then ends it at once.
+    pub(crate) ended_unindexed: VecDeque<EndedLease>,
+}
+
+/// How many early lease ends a gateway remembers. Ends of leases that are not this gateway's
+/// (a worker's local callers, other gateways) come through here too: they are the many, and
+/// the ones that matter are matched within moments.
+pub(crate) const ENDS_REMEMBERED: usize = 256;
+
+/// A worker lease's end, as its event told it.
+#[derive(Debug, Clone)]
+pub(crate) struct EndedLease {
+    pub(crate) worker_id: String,
+    pub(crate) worker_lease_id: String,
+    pub(crate) device_id: String,
+    pub(crate) reason: String,
 }
 
 /// The fleet of one gateway.
@@ -231,6 +250,7 @@ impl Fleet {
                 index: LeaseIndex::new(prefix),
                 queue: Queue::default(),
                 releasing: HashMap::new(),
+                ended_unindexed: VecDeque::new(),
             }),
             kick: Arc::new(Notify::new()),
             changes: watch::Sender::new(0),
@@ -529,12 +549,34 @@ impl Fleet {
                 .by_worker_lease(worker_id, worker_lease_id)
                 .map(|e| e.lease_id.clone())
             else {
+                if state.ended_unindexed.len() >= ENDS_REMEMBERED {
+                    state.ended_unindexed.pop_front();
+                }
+                state.ended_unindexed.push_back(EndedLease {
+                    worker_id: worker_id.to_owned(),
+                    worker_lease_id: worker_lease_id.to_owned(),
+                    device_id: device_id.to_owned(),
+                    reason: reason.to_owned(),
+                });
                 return;
             };
             let except = state.releasing.remove(&id).flatten();
             (state.index.remove(&id), except)
         };
         let Some(entry) = entry else { return };
+        self.notify_lease_lost(&entry.lease_id, &entry.owner_id, device_id, reason, except);
+        self.views_changed();
+    }
+
+    /// Tells `owner_id`'s connections (but `except`) that the gateway lease `lease_id` ended.
+    pub(crate) fn notify_lease_lost(
+        &self,
+        lease_id: &str,
+        owner_id: &str,
+        device_id: &str,
+        reason: &str,
+        except: Option<u64>,
+    ) {
         let reason = match reason {
             "expired" => simlock_contract::model::LeaseEndReason::Expired,
             "killed" => simlock_contract::model::LeaseEndReason::Killed,
@@ -542,12 +584,11 @@ impl Fleet {
             _ => simlock_contract::model::LeaseEndReason::Explicit,
         };
         let push = Push::LeaseLost {
-            lease_id: entry.lease_id.clone(),
+            lease_id: lease_id.to_owned(),
             device_id: simlock_contract::ids::DeviceId::from_raw(device_id),
             reason,
         };
-        self.presence.notify(&entry.owner_id, &push, except);
-        self.views_changed();
+        self.presence.notify(owner_id, &push, except);
     }
 
     /// A worker renewed one of its leases: the record in the view of `conn`'s worker takes the
