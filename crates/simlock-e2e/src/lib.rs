@@ -40,20 +40,12 @@ pub fn worker_config(max_running: u32) -> Config {
     config
 }
 
-/// A gateway configuration for tests: HTTP on a port free now, so a restarted gateway comes
-/// back where its workers dial.
+/// A gateway configuration for tests: HTTP on a port the system picks when it binds (a port
+/// probed free and bound later could be taken in between by another test's connection).
 pub fn gateway_config() -> Config {
     let mut config = Config::default();
-    config.http.port = free_port();
+    config.http.port = 0;
     config
-}
-
-/// A TCP port nobody listens on right now.
-pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free port")
 }
 
 /// A running test fleet.
@@ -304,8 +296,14 @@ impl TestFleet {
     }
 
     /// Stops the gateway and starts it again on the same home and port.
-    pub async fn restart_gateway(&mut self, config: Config) {
+    pub async fn restart_gateway(&mut self, mut config: Config) {
         if let Some(gateway) = self.gateway.take() {
+            // It comes back where its workers dial.
+            if config.http.port == 0
+                && let Some(addr) = gateway.running.http_addr()
+            {
+                config.http.port = addr.port();
+            }
             gateway.stop("test").await;
         }
         let options = GatewayOptions::new(self.gateway_home(), config);
