@@ -59,6 +59,18 @@ pub struct TestFleet {
     dir: TempDir,
 }
 
+/// How a fake worker greets its gateway: the gateway is its admin, under the principal it
+/// names (what `Service::greet` answers in every fake).
+///
+/// # Errors
+/// None; the signature is `greet`'s.
+pub fn greet_gateway(hello: &Hello) -> Result<simlock_wire::Identity, ContractError> {
+    Ok(simlock_wire::Identity {
+        role: simlock_contract::Role::Admin,
+        principal: hello.principal.clone().unwrap_or_default(),
+    })
+}
+
 /// A fake worker: dials the gateway's uplink like a worker and serves `service` with the given
 /// protocol range. Returns the link so the test can drop it.
 pub async fn fake_worker(

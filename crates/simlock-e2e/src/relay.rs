@@ -32,7 +32,7 @@ use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-use crate::{PATIENCE, TestFleet, worker_config};
+use crate::{PATIENCE, TestFleet, greet_gateway, worker_config};
 
 /// Waits (bounded by [`PATIENCE`]) until `done` holds, checking every few milliseconds. For
 /// states that have no event to wait on (a link's counters).
@@ -874,10 +874,7 @@ impl ScriptedWorker {
 
 impl Service for ScriptedWorker {
     fn greet(&self, _origin: Origin, hello: &Hello) -> Result<Identity, ContractError> {
-        Ok(Identity {
-            role: Role::Admin,
-            principal: hello.principal.clone().unwrap_or_default(),
-        })
+        greet_gateway(hello)
     }
 
     fn dispatch(

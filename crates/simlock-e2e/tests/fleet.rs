@@ -202,8 +202,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use futures::FutureExt;
 use futures::future::BoxFuture;
 use simlock_contract::model::{Connection, DeviceState};
-use simlock_contract::{ContractError, Hello, ProtocolRange, Push, Role};
-use simlock_e2e::{PATIENCE, fake_worker, session};
+use simlock_contract::{ContractError, Hello, ProtocolRange, Push};
+use simlock_e2e::{PATIENCE, fake_worker, greet_gateway, session};
 use simlock_wire::{CallContext, Identity, Origin, Service};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -493,10 +493,7 @@ struct FakeWorker {
 
 impl Service for FakeWorker {
     fn greet(&self, _origin: Origin, hello: &Hello) -> Result<Identity, ContractError> {
-        Ok(Identity {
-            role: Role::Admin,
-            principal: hello.principal.clone().unwrap_or_default(),
-        })
+        greet_gateway(hello)
     }
 
     fn dispatch(
@@ -738,10 +735,7 @@ struct EndFirstWorker {
 
 impl Service for EndFirstWorker {
     fn greet(&self, _origin: Origin, hello: &Hello) -> Result<Identity, ContractError> {
-        Ok(Identity {
-            role: Role::Admin,
-            principal: hello.principal.clone().unwrap_or_default(),
-        })
+        greet_gateway(hello)
     }
 
     fn dispatch(

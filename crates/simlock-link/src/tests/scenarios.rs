@@ -72,6 +72,13 @@ fn assert_freed(pair: &Pair) {
     }
 }
 
+/// Aborts channel `key` and lets go of both its halves, as an application that gives up does.
+fn abort_and_let_go(link: &mut Link, now: std::time::Instant, key: ChannelKey) {
+    link.abort(now, key);
+    link.detach_reader(now, key);
+    link.detach_writer(now, key);
+}
+
 fn detach_all(pair: &mut Pair, keys: &[(ChannelKey, ChannelKey)]) {
     let now = pair.now;
     for &(g, w) in keys {
@@ -506,9 +513,7 @@ fn a_channel_aborted_before_its_accept_answers_the_accept_with_the_abort() {
     pair.drive().unwrap();
     let now = pair.now;
     for &(g, _) in &opened {
-        pair.gateway.abort(now, g);
-        pair.gateway.detach_reader(now, g);
-        pair.gateway.detach_writer(now, g);
+        abort_and_let_go(&mut pair.gateway, now, g);
     }
     pair.drive().unwrap();
     assert_no_violation(&pair);
@@ -554,9 +559,7 @@ fn early_abort_answers_are_bounded_oldest_first() {
         ids.push(pair.gateway.channel_id(g).unwrap());
         pair.drive().unwrap();
         let now = pair.now;
-        pair.gateway.abort(now, g);
-        pair.gateway.detach_reader(now, g);
-        pair.gateway.detach_writer(now, g);
+        abort_and_let_go(&mut pair.gateway, now, g);
         pair.drive().unwrap();
     }
     assert_no_violation(&pair);
