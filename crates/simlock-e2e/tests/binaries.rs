@@ -796,7 +796,8 @@ fn http_lease_requests_stream_their_states_and_can_be_cancelled() {
                 &[],
                 None,
                 |raw| {
-                    if raw.windows(13).any(|w| w == b"event: queued") {
+                    let queued = b"event: queued";
+                    if raw.windows(queued.len()).any(|w| w == queued) {
                         let _ = queued_seen.send(());
                     }
                 },

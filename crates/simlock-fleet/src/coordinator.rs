@@ -677,20 +677,7 @@ impl Fleet {
             chosen,
             misses: 0,
         };
-        let owner = entry.owner_id.clone();
-        let ended = {
-            let mut state = self.state.lock();
-            let early = state.ended_unindexed.iter().position(|end| {
-                end.worker_id == worker_id && end.worker_lease_id == grant.lease.id.as_str()
-            });
-            match early {
-                Some(at) => state.ended_unindexed.remove(at),
-                None => {
-                    state.index.insert(entry);
-                    None
-                }
-            }
-        };
+        let ended = self.state.lock().index.record_grant(entry);
         self.bus.emit(
             "request.granted",
             "fleet",
@@ -711,7 +698,7 @@ impl Fleet {
             // Its end event overtook this answer: the caller still gets the grant it asked for,
             // and its owner the end (which may reach it just ahead of the grant's answer); the
             // index never holds the dead lease.
-            self.notify_lease_lost(&lease_id, &owner, &end.device_id, &end.reason, None);
+            self.notify_lease_lost(&lease_id, &waiter.owner, &end.device_id, &end.reason, None);
         }
         grant
     }

@@ -1,7 +1,7 @@
 //! The fleet: every worker the gateway knows (its view and, while connected, its uplink), the
 //! lease index and the fleet queue, behind one lock that is never held across an await.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
@@ -157,25 +157,6 @@ pub(crate) struct State {
     /// Gateway leases being released by a caller, with the caller's connection, so the owner's
     /// `lease-lost` skips the connection that asked.
     pub(crate) releasing: HashMap<String, Option<u64>>,
-    /// Worker leases whose end event came before this gateway indexed them, newest last, at
-    /// most [`ENDS_REMEMBERED`]. The worker answers a grant and then sends events on one uplink,
-    /// but the answer is handled by the forwarding task and the events by the uplink's reader, so
-    /// a short lease's end can overtake its grant; recording the grant then ends it at once.
-    pub(crate) ended_unindexed: VecDeque<EndedLease>,
-}
-
-/// How many early lease ends a gateway remembers. Ends of leases that are not this gateway's
-/// (a worker's local callers, other gateways) come through here too: they are the many, and
-/// the ones that matter are matched within moments.
-pub(crate) const ENDS_REMEMBERED: usize = 256;
-
-/// A worker lease's end, as its event told it.
-#[derive(Debug, Clone)]
-pub(crate) struct EndedLease {
-    pub(crate) worker_id: String,
-    pub(crate) worker_lease_id: String,
-    pub(crate) device_id: String,
-    pub(crate) reason: String,
 }
 
 /// The fleet of one gateway.
@@ -250,7 +231,6 @@ impl Fleet {
                 index: LeaseIndex::new(prefix),
                 queue: Queue::default(),
                 releasing: HashMap::new(),
-                ended_unindexed: VecDeque::new(),
             }),
             kick: Arc::new(Notify::new()),
             changes: watch::Sender::new(0),
@@ -549,10 +529,8 @@ impl Fleet {
                 .by_worker_lease(worker_id, worker_lease_id)
                 .map(|e| e.lease_id.clone())
             else {
-                if state.ended_unindexed.len() >= ENDS_REMEMBERED {
-                    state.ended_unindexed.pop_front();
-                }
-                state.ended_unindexed.push_back(EndedLease {
+                // Its grant may still be on its way (`LeaseIndex::record_grant`).
+                state.index.end_unindexed(crate::index::EndedLease {
                     worker_id: worker_id.to_owned(),
                     worker_lease_id: worker_lease_id.to_owned(),
                     device_id: device_id.to_owned(),

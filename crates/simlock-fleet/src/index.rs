@@ -4,8 +4,9 @@
 //! Nothing is persisted: the index is rebuilt from each worker's reported leases (those whose
 //! requester carries this gateway's `gw:<id>:` prefix). An entry missing from two snapshots in a
 //! row of its worker is dropped, so a lease granted between a snapshot and its answer survives.
+//! An end that names no entry is remembered for a while, since its grant may still be on its way.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 
 use simlock_contract::model::LeaseRecord;
 
@@ -29,6 +30,24 @@ pub struct Entry {
     pub(crate) misses: u8,
 }
 
+/// A worker lease's end, as its event told it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EndedLease {
+    /// The worker that held it.
+    pub worker_id: String,
+    /// The worker's id for it.
+    pub worker_lease_id: String,
+    /// Its device.
+    pub device_id: String,
+    /// Why it ended (`expired`, `explicit`, `killed`, `device-lost`).
+    pub reason: String,
+}
+
+/// How many ends of leases it does not hold the index remembers. Ends of leases that are not
+/// this gateway's (a worker's local callers, other gateways) come too: they are the many, and
+/// the ones that matter are matched within moments.
+pub const ENDS_REMEMBERED: usize = 256;
+
 /// The index.
 #[derive(Debug, Default)]
 pub struct LeaseIndex {
@@ -36,6 +55,11 @@ pub struct LeaseIndex {
     entries: HashMap<String, Entry>,
     by_requester: HashMap<String, String>,
     by_worker_lease: HashMap<(String, String), String>,
+    /// Ends that named no entry, newest last, at most [`ENDS_REMEMBERED`]. A worker answers a
+    /// grant and then sends events on one uplink, but the gateway handles the answer in the
+    /// forwarding task and the events in the uplink's reader, so a short lease's end can come
+    /// before its grant is recorded.
+    early_ends: VecDeque<EndedLease>,
 }
 
 /// The gateway lease id for a worker's lease.
@@ -72,6 +96,29 @@ impl LeaseIndex {
         );
         self.entries
             .insert(entry.lease_id.clone(), Entry { misses: 0, ..entry });
+    }
+
+    /// Records a forwarded grant, unless its end already came ([`Self::end_unindexed`]): then
+    /// nothing is indexed and that end is returned, once.
+    pub fn record_grant(&mut self, entry: Entry) -> Option<EndedLease> {
+        let early = self.early_ends.iter().position(|end| {
+            end.worker_id == entry.worker_id && end.worker_lease_id == entry.worker_lease_id
+        });
+        match early.and_then(|at| self.early_ends.remove(at)) {
+            Some(end) => Some(end),
+            None => {
+                self.insert(entry);
+                None
+            }
+        }
+    }
+
+    /// Remembers an end that named no entry, in case its grant is still on its way.
+    pub fn end_unindexed(&mut self, end: EndedLease) {
+        if self.early_ends.len() >= ENDS_REMEMBERED {
+            self.early_ends.pop_front();
+        }
+        self.early_ends.push_back(end);
     }
 
     /// A new entry for `lease`, reported by `worker_id`, if it is one of this gateway's.
@@ -266,5 +313,54 @@ mod tests {
         assert!(index.get("w1.lse_a").is_some());
         index.forget_worker("w1");
         assert!(index.is_empty());
+    }
+
+    fn end(worker: &str, lease: &str) -> EndedLease {
+        EndedLease {
+            worker_id: worker.into(),
+            worker_lease_id: lease.into(),
+            device_id: "dev_1".into(),
+            reason: "expired".into(),
+        }
+    }
+
+    fn grant(index: &LeaseIndex, worker: &str, lease_id: &str) -> Entry {
+        index
+            .entry_for(worker, &lease(lease_id, "gw:g1:agent"))
+            .unwrap()
+    }
+
+    #[test]
+    fn a_grant_whose_end_came_first_is_not_indexed_and_gets_the_end_once() {
+        let mut index = LeaseIndex::new("gw:g1:".into());
+        index.end_unindexed(end("w1", "lse_a"));
+        index.end_unindexed(end("w2", "lse_b"));
+        let entry = grant(&index, "w1", "lse_a");
+        assert_eq!(index.record_grant(entry.clone()), Some(end("w1", "lse_a")));
+        assert!(index.is_empty(), "the dead lease is never indexed");
+        // The same lease id from another worker is another lease.
+        assert_eq!(index.record_grant(grant(&index, "w1", "lse_b")), None);
+        assert!(index.get("w1.lse_b").is_some());
+        // Matched once: a later grant of the same id is indexed.
+        assert_eq!(index.record_grant(entry), None);
+        assert!(index.get("w1.lse_a").is_some());
+    }
+
+    #[test]
+    fn ends_are_remembered_up_to_the_bound_oldest_forgotten_first() {
+        let mut index = LeaseIndex::new("gw:g1:".into());
+        for n in 0..=ENDS_REMEMBERED {
+            index.end_unindexed(end("w1", &format!("lse_{n}")));
+        }
+        // One past the bound: the oldest went.
+        assert_eq!(index.record_grant(grant(&index, "w1", "lse_0")), None);
+        assert!(index.get("w1.lse_0").is_some());
+        for n in [1, ENDS_REMEMBERED] {
+            let id = format!("lse_{n}");
+            assert_eq!(
+                index.record_grant(grant(&index, "w1", &id)),
+                Some(end("w1", &id))
+            );
+        }
     }
 }

@@ -56,9 +56,9 @@ pub fn receive_buffer_for(min_rtt: Duration, ceiling: usize) -> Option<usize> {
     (size <= ceiling).then_some(size.max(MIN_RECEIVE_BUFFER).min(ceiling))
 }
 
-#[cfg(unix)]
 /// What the kernel reports for a receive buffer set to `size`: Linux keeps twice the value set
 /// (its bookkeeping share); other systems report the value itself.
+#[cfg(unix)]
 fn kernel_share(size: usize) -> usize {
     if cfg!(any(target_os = "linux", target_os = "android")) {
         size.saturating_mul(2)

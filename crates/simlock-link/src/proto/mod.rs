@@ -801,19 +801,12 @@ impl Link {
         }
         let id = ChannelId::new(id).map_err(|_| refused.clone())?;
         self.forget_expired_aborts(now);
-        if let Some(at) = self
+        let early = self
             .aborted_unaccepted
             .iter()
-            .position(|&(aborted, ..)| aborted == id)
-        {
-            let reason = self
-                .aborted_unaccepted
-                .remove(at)
-                .map(|(_, reason, _)| reason);
-            return Err(ChannelError::on(
-                reason.unwrap_or(FailureReason::Aborted),
-                id,
-            ));
+            .position(|&(aborted, ..)| aborted == id);
+        if let Some((_, reason, _)) = early.and_then(|at| self.aborted_unaccepted.remove(at)) {
+            return Err(ChannelError::on(reason, id));
         }
         let refused = ChannelError::on(FailureReason::Refused, id);
         let &key = self.ids.get(&id).ok_or_else(|| refused.clone())?;
