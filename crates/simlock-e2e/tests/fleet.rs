@@ -25,24 +25,24 @@ async fn subscriber(fleet: &TestFleet) -> simlock_e2e::Session {
     operator
 }
 
-/// Waits until the gateway relays `event` about the worker's lease `worker_lease` to
-/// `subscriber`; the event, as pushed. Once it is relayed, the gateway handled the worker's push
-/// to its end.
+/// Waits until the gateway relays `event` about the worker's lease `worker_lease` (any lease with
+/// `None`) to `subscriber`; the event, as pushed. Once it is relayed, the gateway handled the
+/// worker's push to its end.
 async fn relayed(
     subscriber: &mut simlock_e2e::Session,
     event: &str,
-    worker_lease: &str,
+    worker_lease: Option<&str>,
 ) -> simlock_contract::model::EventEnvelope {
     loop {
         let frame = tokio::time::timeout(PATIENCE, subscriber.pushes.recv())
             .await
-            .unwrap_or_else(|_| panic!("{event} for {worker_lease} was relayed in time"))
+            .unwrap_or_else(|_| panic!("{event} for {worker_lease:?} was relayed in time"))
             .expect("the session is open");
         if let Ok(Push::Event {
             event: envelope, ..
         }) = Push::from_frame(&frame)
             && envelope.event == event
-            && envelope.payload["leaseId"] == worker_lease
+            && worker_lease.is_none_or(|lease| envelope.payload["leaseId"] == lease)
         {
             return envelope;
         }
@@ -135,7 +135,7 @@ async fn a_renew_updates_the_gateways_view_in_place_without_a_refresh() {
     // The grant's events refresh the view. Once lease.granted is relayed, the gateway asked for
     // every refresh the grant brings (it asks before it relays); then wait until the view shows
     // the lease and the leased device.
-    relayed(&mut events, "lease.granted", &worker_lease).await;
+    relayed(&mut events, "lease.granted", Some(&worker_lease)).await;
     fleet
         .wait_for(|views| {
             views.iter().any(|v| {
@@ -832,17 +832,7 @@ async fn a_lease_end_that_overtakes_its_grant_still_reaches_the_owner() {
         async {
             // The gateway handled the end (it relays an event after handling it); only then
             // does the grant's answer go.
-            loop {
-                let frame = tokio::time::timeout(PATIENCE, events.pushes.recv())
-                    .await
-                    .expect("the end is relayed in time")
-                    .expect("the session is open");
-                if let Ok(Push::Event { event, .. }) = Push::from_frame(&frame)
-                    && event.event == "lease.expired"
-                {
-                    break;
-                }
-            }
+            relayed(&mut events, "lease.expired", None).await;
             answer.add_permits(1);
         }
     );
@@ -1131,7 +1121,7 @@ async fn worker_events_are_relayed_with_their_worker_id_and_status_sums_the_flee
         .unwrap();
     let worker_lease = lease_id(&grant);
     let operator = fleet.operator().await;
-    let pushed = relayed(&mut subscribed, "lease.granted", &worker_lease).await;
+    let pushed = relayed(&mut subscribed, "lease.granted", Some(&worker_lease)).await;
     assert_eq!(pushed.payload["workerId"], worker_id.as_str());
     fleet
         .wait_until(|f| {
