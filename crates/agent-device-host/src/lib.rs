@@ -1,1 +1,677 @@
-//! Owns and proxies a worker's agent-device daemon; the relay target agent-device.
+//! Owns and proxies a worker's agent-device daemon; the relay target `agent-device`.
+//!
+//! [`AgentDeviceHost`] starts the daemon (`agentDevice.command`) with its state under
+//! `$SIMLOCK_HOME/agent-device`, in HTTP mode, reads where it serves, restarts it with backoff
+//! when it goes away, and stops it by pid. It forwards requests as agent-device's own proxy
+//! does ([`proxy`]) under the tenant the caller is given, mapping the front's lease ids to the
+//! daemon's. Before simlock reclaims a device, [`AgentDeviceHost::end_lease`] ends the
+//! agent-device lease on it. [`InProcessHostLink`] is the front's port on a worker;
+//! [`AgentDeviceHost::relay_target`] serves the same requests relayed from a gateway.
+
+pub mod process;
+pub mod proxy;
+pub mod supervise;
+
+use std::collections::{BTreeSet, HashMap};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use agent_device_front::body::{ReadError, read_to_bytes};
+use agent_device_front::port::{Caller, HostLink, HostStatus, Serving, StatusScope};
+use agent_device_front::reply::{Refusal, Surface};
+use agent_device_front::{Body, BoxError, LeaseId, PREFIX, Tenant};
+use bytes::Bytes;
+use futures::FutureExt;
+use futures::future::BoxFuture;
+use http::{Method, Request, Response, StatusCode};
+use http_body_util::BodyExt;
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use parking_lot::Mutex;
+use serde_json::{Value, json};
+use simlock_contract::model::{CapabilityStatus, Platform};
+use simlock_relay_worker::{RelayRequest, RelayTarget, ResponseBody};
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, info, warn};
+
+use crate::process::{DaemonSpec, Endpoint};
+use crate::proxy::RpcRewrite;
+use crate::supervise::Supervision;
+
+/// How long a daemon gets to say where it serves.
+pub const START_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a daemon gets between SIGTERM and SIGKILL (it drains sessions first: 1–3 s).
+pub const STOP_GRACE: Duration = Duration::from_secs(5);
+/// How often a running daemon's `/health` is read; two failures in a row restart it.
+pub const HEALTH_INTERVAL: Duration = Duration::from_secs(10);
+/// The bound on one `/health` read, and on each call the host makes on its own.
+pub const CALL_TIMEOUT: Duration = Duration::from_secs(5);
+/// The largest `/rpc` body (agent-device's own cap).
+const MAX_RPC_BODY: usize = agent_device_front::rpc::MAX_RPC_BODY;
+/// The largest answer the host rewrites (lease answers, tickets).
+const MAX_ANSWER: usize = 4 * 1024 * 1024;
+
+/// What a host is started with.
+#[derive(Debug, Clone)]
+pub struct HostOptions {
+    /// The daemon: argv, state directory, extra environment.
+    pub daemon: DaemonSpec,
+    /// How long a start may take.
+    pub start_timeout: Duration,
+    /// SIGTERM to SIGKILL.
+    pub stop_grace: Duration,
+    /// How often `/health` is read.
+    pub health_interval: Duration,
+}
+
+impl HostOptions {
+    /// Options with the default timing.
+    pub fn new(command: Vec<String>, state_dir: PathBuf) -> Self {
+        Self {
+            daemon: DaemonSpec {
+                command,
+                state_dir,
+                env: Vec::new(),
+            },
+            start_timeout: START_TIMEOUT,
+            stop_grace: STOP_GRACE,
+            health_interval: HEALTH_INTERVAL,
+        }
+    }
+}
+
+/// Where the daemon stands, as the host reports it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DaemonState {
+    /// It serves at `endpoint`.
+    Running(Endpoint),
+    /// It does not, and why.
+    Unavailable(String),
+}
+
+/// One agent-device lease the host forwarded the allocate of.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct HostLease {
+    /// The daemon's own id for it.
+    daemon_id: String,
+    /// The tenant it lives under.
+    tenant: Tenant,
+    /// Its run id.
+    run_id: String,
+    /// The session it was made for.
+    session: Option<String>,
+    /// The tenant the caller declared, shown back in lease answers.
+    caller_tenant: Option<String>,
+}
+
+struct Shared {
+    state: watch::Sender<DaemonState>,
+    leases: Mutex<HashMap<LeaseId, HostLease>>,
+    client: Client<HttpConnector, Body>,
+}
+
+/// The worker's agent-device host.
+#[derive(Clone)]
+pub struct AgentDeviceHost {
+    shared: Arc<Shared>,
+    stop: CancellationToken,
+    supervisor: Arc<Mutex<Option<tokio::task::JoinHandle<()>>>>,
+}
+
+impl std::fmt::Debug for AgentDeviceHost {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AgentDeviceHost")
+            .field("state", &*self.shared.state.borrow())
+            .finish_non_exhaustive()
+    }
+}
+
+impl AgentDeviceHost {
+    /// Stops whatever an earlier run left behind, then starts the daemon and supervises it.
+    /// Returns at once; [`Self::status`] says when it serves.
+    pub async fn start(options: HostOptions) -> Self {
+        process::stop_leftovers(&options.daemon.state_dir, options.stop_grace).await;
+        let (state, _) = watch::channel(DaemonState::Unavailable(
+            "the agent-device daemon is starting".into(),
+        ));
+        let mut connector = HttpConnector::new();
+        connector.set_nodelay(true);
+        let client = Client::builder(TokioExecutor::new()).build(connector);
+        let shared = Arc::new(Shared {
+            state,
+            leases: Mutex::new(HashMap::new()),
+            client,
+        });
+        let stop = CancellationToken::new();
+        let task = tokio::spawn(supervise(shared.clone(), options, stop.clone()));
+        Self {
+            shared,
+            stop,
+            supervisor: Arc::new(Mutex::new(Some(task))),
+        }
+    }
+
+    /// Where the daemon stands now.
+    pub fn state(&self) -> DaemonState {
+        self.shared.state.borrow().clone()
+    }
+
+    /// Changes of [`Self::state`].
+    pub fn watch(&self) -> watch::Receiver<DaemonState> {
+        self.shared.state.subscribe()
+    }
+
+    /// The worker's `agent-device` capability now.
+    pub fn capability(&self) -> CapabilityStatus {
+        match self.state() {
+            DaemonState::Running(_) => CapabilityStatus {
+                name: agent_device_front::CAPABILITY.into(),
+                available: true,
+                reason: None,
+            },
+            DaemonState::Unavailable(reason) => CapabilityStatus {
+                name: agent_device_front::CAPABILITY.into(),
+                available: false,
+                reason: Some(reason),
+            },
+        }
+    }
+
+    /// Stops the daemon (SIGTERM, SIGKILL after the grace) and the supervision.
+    pub async fn stop(&self) {
+        self.stop.cancel();
+        let task = self.supervisor.lock().take();
+        if let Some(task) = task {
+            let _ = task.await;
+        }
+    }
+
+    /// Ends the agent-device lease behind simlock lease `lease` (its session closed, then the
+    /// lease released), before simlock reclaims the device. Bounded; a failure is logged.
+    pub async fn end_lease(&self, lease: &LeaseId) {
+        let Some(record) = self.shared.leases.lock().remove(lease) else {
+            return;
+        };
+        let DaemonState::Running(endpoint) = self.state() else {
+            return;
+        };
+        let session = record.session.clone().unwrap_or_else(|| "default".into());
+        let close = json!({
+            "jsonrpc": "2.0", "id": format!("simlock-close-{lease}"), "method": "agent_device.command",
+            "params": {"session": session, "command": "close", "positionals": [],
+                "flags": {"tenant": record.tenant.as_str(), "runId": record.run_id, "leaseId": record.daemon_id, "sessionIsolation": "tenant"},
+                "meta": {"tenantId": record.tenant.as_str(), "runId": record.run_id, "leaseId": record.daemon_id, "sessionIsolation": "tenant"}},
+        });
+        let release = json!({
+            "jsonrpc": "2.0", "id": format!("simlock-release-{lease}"), "method": "agent_device.lease.release",
+            "params": {"session": session, "tenantId": record.tenant.as_str(), "runId": record.run_id, "leaseId": record.daemon_id},
+        });
+        for call in [close, release] {
+            match self.call_daemon(&endpoint, &call).await {
+                Ok(answer) => debug!(%lease, ?answer, "ended with its simlock lease"),
+                Err(e) => warn!(%lease, error = %e, "the agent-device lease could not be ended"),
+            }
+        }
+        info!(%lease, "agent-device lease ended before the device is reclaimed");
+    }
+
+    async fn call_daemon(&self, endpoint: &Endpoint, call: &Value) -> Result<Value, String> {
+        let headers =
+            proxy::upstream_headers(&http::HeaderMap::new(), &endpoint.token, "", true);
+        let request = proxy::upstream_request(
+            Method::POST,
+            endpoint.port,
+            "/rpc",
+            headers,
+            agent_device_front::body::full(Bytes::from(call.to_string())),
+        )
+        .ok_or("the request could not be built")?;
+        let response = tokio::time::timeout(CALL_TIMEOUT, self.send(request))
+            .await
+            .map_err(|_| format!("no answer within {CALL_TIMEOUT:?}"))?
+            .map_err(|e| e.to_string())?;
+        let bytes = tokio::time::timeout(CALL_TIMEOUT, read_to_bytes(response.into_body(), MAX_ANSWER))
+            .await
+            .map_err(|_| format!("no answer within {CALL_TIMEOUT:?}"))?
+            .map_err(|e| e.to_string())?;
+        serde_json::from_slice(&bytes).map_err(|e| e.to_string())
+    }
+
+    /// Forwards one request (absolute URI under `/v1/agent-device`) to the daemon, for
+    /// `tenant`, naming the front's `lease` when it is for one.
+    ///
+    /// # Errors
+    /// The reply to answer instead, in the request's envelope: the daemon is unavailable, the
+    /// request is refused, the daemon did not answer.
+    pub async fn forward(
+        &self,
+        request: Request<Body>,
+        tenant: &Tenant,
+        lease: Option<&LeaseId>,
+    ) -> Result<Response<Body>, (Refusal, Surface)> {
+        let (parts, body) = request.into_parts();
+        let path = parts.uri.path();
+        let route = path.strip_prefix(PREFIX).unwrap_or(path).to_owned();
+        let query = parts.uri.query().map(|q| format!("?{q}")).unwrap_or_default();
+        let public_prefix = match (parts.uri.scheme_str(), parts.uri.authority()) {
+            (Some(scheme), Some(authority)) => format!("{scheme}://{authority}{PREFIX}"),
+            _ => PREFIX.to_owned(),
+        };
+        let caller_request_id = parts.headers.get("x-request-id").cloned();
+        if route == "/rpc" {
+            let bytes = read_to_bytes(body, MAX_RPC_BODY).await.map_err(|e| {
+                (read_refusal(&e), Surface::Rpc { id: Value::Null })
+            })?;
+            let call = RpcRewrite::parse(&bytes).ok_or((
+                Refusal::Invalid {
+                    rpc_code: -32700,
+                    message: "Parse error".into(),
+                },
+                Surface::Rpc { id: Value::Null },
+            ))?;
+            let surface = Surface::Rpc { id: call.id() };
+            let endpoint = self.endpoint().map_err(|r| (r, surface.clone()))?;
+            if call.installs_from_a_path() {
+                return Err((
+                    Refusal::Invalid {
+                        rpc_code: -32602,
+                        message: "Invalid params: an install source of kind \"path\" names a file on the daemon's host and is not accepted from a caller".into(),
+                    },
+                    surface,
+                ));
+            }
+            return self
+                .forward_rpc(&endpoint, &parts.headers, call, tenant, lease, caller_request_id)
+                .await
+                .map_err(|r| (r, surface));
+        }
+        let surface = Surface::Route;
+        let endpoint = self.endpoint().map_err(|r| (r, surface.clone()))?;
+        if route == "/health" {
+            return self.health(&endpoint).await.map_err(|r| (r, surface));
+        }
+        if let Some(rest) = route.strip_prefix("/sessions/") {
+            let session = rest.split('/').next().and_then(proxy::decoded_segment);
+            let inside = session
+                .as_deref()
+                .and_then(|s| s.strip_prefix(tenant.as_str()))
+                .is_some_and(|s| s.starts_with(':'));
+            if !inside {
+                return Err((Refusal::NotFound, surface));
+            }
+        }
+        let headers = proxy::upstream_headers(&parts.headers, &endpoint.token, tenant.as_str(), false);
+        let upstream = proxy::upstream_request(
+            parts.method.clone(),
+            endpoint.port,
+            &format!("{route}{query}"),
+            headers,
+            body,
+        )
+        .ok_or((Refusal::NotFound, Surface::Route))?;
+        let response = self
+            .send(upstream)
+            .await
+            .map_err(|r| (r, Surface::Route))?;
+        let response = proxy::downstream(response, caller_request_id.as_ref());
+        if route != "/upload/preflight" || !response.status().is_success() {
+            return Ok(response);
+        }
+        let (mut parts, body) = response.into_parts();
+        let bytes = read_to_bytes(body, MAX_ANSWER)
+            .await
+            .map_err(|e| (unreadable(&e), Surface::Route))?;
+        let bytes = match serde_json::from_slice::<Value>(&bytes) {
+            Ok(mut ticket) => {
+                proxy::rewrite_ticket(&mut ticket, &public_prefix);
+                Bytes::from(ticket.to_string())
+            }
+            Err(_) => bytes,
+        };
+        proxy::set_length(&mut parts.headers, bytes.len());
+        Ok(Response::from_parts(parts, agent_device_front::body::full(bytes)))
+    }
+
+    async fn forward_rpc(
+        &self,
+        endpoint: &Endpoint,
+        incoming: &http::HeaderMap,
+        mut call: RpcRewrite,
+        tenant: &Tenant,
+        lease: Option<&LeaseId>,
+        caller_request_id: Option<http::HeaderValue>,
+    ) -> Result<Response<Body>, Refusal> {
+        let method = call.method().to_owned();
+        let known = lease.and_then(|l| self.shared.leases.lock().get(l).cloned());
+        let scope = match (&method[..], lease) {
+            ("lease.allocate", Some(l)) => Some(call.allocate_scope(l)),
+            _ => None,
+        };
+        let caller_tenant = call.caller_tenant();
+        let mapping = known
+            .as_ref()
+            .map(|k| (k.daemon_id.as_str(), k.run_id.as_str()));
+        call.rewrite(&endpoint.token, tenant.as_str(), mapping);
+        let body = call.to_bytes();
+        let mut headers = proxy::upstream_headers(incoming, &endpoint.token, tenant.as_str(), true);
+        proxy::set_length(&mut headers, body.len());
+        let upstream = proxy::upstream_request(
+            Method::POST,
+            endpoint.port,
+            "/rpc",
+            headers,
+            agent_device_front::body::full(body),
+        )
+        .ok_or(Refusal::NotFound)?;
+        let response = self.send(upstream).await?;
+        let response = proxy::downstream(response, caller_request_id.as_ref());
+        let Some(lease) = lease.filter(|_| method.starts_with("lease.")) else {
+            return Ok(response);
+        };
+        // A lease answer: the daemon's id becomes the front's, and an allocate is recorded.
+        let (mut parts, body) = response.into_parts();
+        let bytes = read_to_bytes(body, MAX_ANSWER).await.map_err(|e| unreadable(&e))?;
+        let Ok(mut answer) = serde_json::from_slice::<Value>(&bytes) else {
+            return Ok(Response::from_parts(parts, agent_device_front::body::full(bytes)));
+        };
+        if let (Some(scope), Some(daemon_id)) = (scope, proxy::answered_lease_id(&answer)) {
+            self.shared.leases.lock().insert(
+                lease.clone(),
+                HostLease {
+                    daemon_id,
+                    tenant: tenant.clone(),
+                    run_id: scope.run_id,
+                    session: scope.session,
+                    caller_tenant: scope.caller_tenant,
+                },
+            );
+        }
+        if method == "lease.release" && answer.pointer("/result/ok") == Some(&Value::Bool(true)) {
+            self.shared.leases.lock().remove(lease);
+        }
+        let shown_tenant = caller_tenant.or_else(|| known.and_then(|k| k.caller_tenant));
+        proxy::rewrite_lease_answer(&mut answer, lease, shown_tenant.as_deref());
+        let bytes = Bytes::from(answer.to_string());
+        proxy::set_length(&mut parts.headers, bytes.len());
+        Ok(Response::from_parts(parts, agent_device_front::body::full(bytes)))
+    }
+
+    /// `/health` in the shape agent-device's proxy answers it, the daemon's own inside.
+    async fn health(&self, endpoint: &Endpoint) -> Result<Response<Body>, Refusal> {
+        let upstream = proxy::upstream_request(
+            Method::GET,
+            endpoint.port,
+            "/health",
+            http::HeaderMap::new(),
+            agent_device_front::body::empty(),
+        )
+        .ok_or(Refusal::NotFound)?;
+        let response = tokio::time::timeout(CALL_TIMEOUT, self.send(upstream))
+            .await
+            .map_err(|_| Refusal::NotAvailable {
+                reason: "the agent-device daemon did not answer /health".into(),
+                retriable: true,
+            })??;
+        let status = response.status();
+        let bytes = read_to_bytes(response.into_body(), MAX_ANSWER)
+            .await
+            .map_err(|e| unreadable(&e))?;
+        let upstream: Value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
+        let body = json!({
+            "ok": status.is_success(),
+            "service": "simlock-agent-device",
+            "version": upstream.get("version").cloned().unwrap_or(Value::Null),
+            "rpcProtocolVersion": upstream.get("rpcProtocolVersion").cloned().unwrap_or(Value::Null),
+            "upstream": upstream,
+        });
+        Ok(agent_device_front::reply::json_response(StatusCode::OK, &body))
+    }
+
+    fn endpoint(&self) -> Result<Endpoint, Refusal> {
+        match self.state() {
+            DaemonState::Running(endpoint) => Ok(endpoint),
+            DaemonState::Unavailable(reason) => Err(Refusal::NotAvailable {
+                reason,
+                retriable: true,
+            }),
+        }
+    }
+
+    async fn send(&self, request: Request<Body>) -> Result<Response<Body>, Refusal> {
+        let response = self.shared.client.request(request).await.map_err(|e| {
+            Refusal::NotAvailable {
+                reason: format!("the agent-device daemon did not answer: {e}"),
+                retriable: true,
+            }
+        })?;
+        let (parts, body) = response.into_parts();
+        Ok(Response::from_parts(
+            parts,
+            body.map_err(|e| -> BoxError { Box::new(e) }).boxed_unsync(),
+        ))
+    }
+
+    /// The relay target `agent-device`: requests a gateway relays, for the tenant it computed.
+    pub fn relay_target(&self) -> Arc<dyn RelayTarget> {
+        Arc::new(HostTarget { host: self.clone() })
+    }
+}
+
+fn read_refusal(error: &ReadError) -> Refusal {
+    match error {
+        ReadError::TooLarge(limit) => Refusal::BodyTooLarge(*limit),
+        ReadError::Body(message) => Refusal::Invalid {
+            rpc_code: -32700,
+            message: message.clone(),
+        },
+    }
+}
+
+fn unreadable(error: &ReadError) -> Refusal {
+    Refusal::NotAvailable {
+        reason: format!("the agent-device daemon's answer could not be read: {error}"),
+        retriable: true,
+    }
+}
+
+/// The supervision's shell: start, watch, restart after a backoff, stop.
+async fn supervise(shared: Arc<Shared>, options: HostOptions, stop: CancellationToken) {
+    let mut supervision = Supervision::new();
+    let now = || tokio::time::Instant::now().into_std();
+    loop {
+        let spawned = tokio::select! {
+            spawned = process::spawn(&options.daemon, options.start_timeout, options.stop_grace) => spawned,
+            () = stop.cancelled() => break,
+        };
+        let retry_at = match spawned {
+            Ok(mut daemon) => {
+                supervision.handle_started(now());
+                shared.state.send_replace(DaemonState::Running(daemon.endpoint.clone()));
+                let ended = tokio::select! {
+                    status = daemon.child.wait() => Ended::Exited(status.map_or_else(|e| e.to_string(), |s| s.to_string())),
+                    () = unhealthy(&shared.client, &daemon.endpoint, options.health_interval) => Ended::Unhealthy,
+                    () = stop.cancelled() => Ended::Stop,
+                };
+                shared.state.send_replace(DaemonState::Unavailable(
+                    "the agent-device daemon is restarting".into(),
+                ));
+                process::stop(&daemon.recorded, Some(&mut daemon.child), options.stop_grace).await;
+                process::clear_pid_file(&options.daemon.state_dir);
+                // A new daemon knows none of the old one's leases.
+                shared.leases.lock().clear();
+                let reason = match ended {
+                    Ended::Stop => break,
+                    Ended::Exited(status) => format!("the agent-device daemon exited ({status}); restarting"),
+                    Ended::Unhealthy => "the agent-device daemon stopped answering /health; restarting".to_owned(),
+                };
+                warn!(%reason, "agent-device daemon down");
+                shared.state.send_replace(DaemonState::Unavailable(reason.clone()));
+                supervision.handle_down(now(), reason)
+            }
+            Err(e) => {
+                let reason = format!("{e}; retrying");
+                warn!(%reason, "agent-device daemon did not start");
+                shared.state.send_replace(DaemonState::Unavailable(reason.clone()));
+                supervision.handle_down(now(), reason)
+            }
+        };
+        let Some(retry_at) = retry_at else { break };
+        tokio::select! {
+            () = tokio::time::sleep_until(tokio::time::Instant::from_std(retry_at)) => {}
+            () = stop.cancelled() => break,
+        }
+        supervision.handle_timeout(now());
+    }
+    supervision.handle_stop();
+    shared.state.send_replace(DaemonState::Unavailable(
+        "the agent-device daemon is stopped".into(),
+    ));
+}
+
+enum Ended {
+    Exited(String),
+    Unhealthy,
+    Stop,
+}
+
+/// Resolves once `/health` failed twice in a row.
+async fn unhealthy(client: &Client<HttpConnector, Body>, endpoint: &Endpoint, interval: Duration) {
+    let mut failures = 0;
+    loop {
+        tokio::time::sleep(interval).await;
+        let request = proxy::upstream_request(
+            Method::GET,
+            endpoint.port,
+            "/health",
+            http::HeaderMap::new(),
+            agent_device_front::body::empty(),
+        );
+        let healthy = match request {
+            Some(request) => matches!(
+                tokio::time::timeout(CALL_TIMEOUT, client.request(request)).await,
+                Ok(Ok(response)) if response.status().is_success()
+            ),
+            None => false,
+        };
+        failures = if healthy { 0 } else { failures + 1 };
+        if failures >= 2 {
+            return;
+        }
+    }
+}
+
+struct HostTarget {
+    host: AgentDeviceHost,
+}
+
+impl RelayTarget for HostTarget {
+    fn call(
+        &self,
+        relayed: RelayRequest,
+    ) -> BoxFuture<'static, Result<Response<ResponseBody>, BoxError>> {
+        let host = self.host.clone();
+        async move {
+            let RelayRequest {
+                request,
+                tenant,
+                lease_id,
+                cancel,
+            } = relayed;
+            let rpc = request.uri().path().ends_with("/rpc");
+            let surface = if rpc {
+                Surface::Rpc { id: Value::Null }
+            } else {
+                Surface::Route
+            };
+            let Some(tenant) = Tenant::from_peer(&tenant) else {
+                return Ok(Refusal::TokenNotUsable.into_response(&surface));
+            };
+            let lease = lease_id.as_deref().and_then(LeaseId::parse);
+            let (parts, body) = request.into_parts();
+            let body = body.map_err(|e| -> BoxError { Box::new(e) }).boxed_unsync();
+            let request = Request::from_parts(parts, body);
+            tokio::select! {
+                outcome = host.forward(request, &tenant, lease.as_ref()) => {
+                    Ok(outcome.unwrap_or_else(|(refusal, surface)| refusal.into_response(&surface)))
+                }
+                () = cancel.cancelled() => Err("the relay was cancelled".into()),
+            }
+        }
+        .boxed()
+    }
+}
+
+/// The front's port on a worker: every request goes to this worker's own host, under the
+/// caller's principal as tenant. The lease id is not needed to place anything.
+pub struct InProcessHostLink {
+    host: AgentDeviceHost,
+    platforms: Arc<dyn Fn() -> BTreeSet<Platform> + Send + Sync>,
+    max_ttl_ms: u64,
+}
+
+impl std::fmt::Debug for InProcessHostLink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("InProcessHostLink")
+            .field("host", &self.host)
+            .finish_non_exhaustive()
+    }
+}
+
+impl InProcessHostLink {
+    /// A link to `host` on a worker whose devices have `platforms` and whose
+    /// `lease.maxTtlMs` is `max_ttl_ms`.
+    pub fn new(
+        host: AgentDeviceHost,
+        platforms: impl Fn() -> BTreeSet<Platform> + Send + Sync + 'static,
+        max_ttl_ms: u64,
+    ) -> Self {
+        Self {
+            host,
+            platforms: Arc::new(platforms),
+            max_ttl_ms,
+        }
+    }
+}
+
+impl HostLink for InProcessHostLink {
+    fn status(&self, scope: StatusScope<'_>) -> HostStatus {
+        match self.host.state() {
+            DaemonState::Running(_) => HostStatus::Running(Serving {
+                platforms: (self.platforms)(),
+                lease_max_ttl_ms: match scope {
+                    StatusScope::NewLease => None,
+                    StatusScope::Lease { .. } => Some(self.max_ttl_ms),
+                },
+            }),
+            DaemonState::Unavailable(reason) => HostStatus::Unavailable { reason },
+        }
+    }
+
+    fn forward(
+        &self,
+        request: Request<Body>,
+        caller: Option<&Caller>,
+        lease: Option<&LeaseId>,
+    ) -> BoxFuture<'static, Result<Response<Body>, Refusal>> {
+        let host = self.host.clone();
+        let tenant = Tenant::on_worker(caller.map_or("", |c| c.principal.as_str()));
+        let lease = lease.cloned();
+        async move {
+            host.forward(request, &tenant, lease.as_ref())
+                .await
+                .map_err(|(refusal, _)| refusal)
+        }
+        .boxed()
+    }
+
+    fn lease_requires(&self) -> Vec<String> {
+        Vec::new()
+    }
+
+    fn reads_lease_header(&self) -> bool {
+        false
+    }
+}

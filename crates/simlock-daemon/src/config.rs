@@ -26,6 +26,7 @@ const TOP_LEVEL_KEYS: &[&str] = &[
     "eventBuffer",
     "log",
     "capabilities",
+    "agentDevice",
 ];
 
 /// Environment variables that are not config keys.
@@ -62,6 +63,22 @@ pub struct Config {
     pub log: LogConfig,
     /// Capabilities this worker offers, besides those its modules report (worker).
     pub capabilities: Vec<String>,
+    /// The agent-device front (both) and its daemon (worker).
+    pub agent_device: AgentDeviceConfig,
+}
+
+/// `agentDevice.*`: Callstack's agent-device CLI served at `/v1/agent-device`.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct AgentDeviceConfig {
+    /// Serve `/v1/agent-device` (both daemons). Off by default: every route answers 404.
+    pub enabled: bool,
+    /// A cap on the TTL of the leases the front makes (both daemons); at most
+    /// `lease.maxTtlMs`.
+    pub lease_ttl_cap_ms: Option<u64>,
+    /// Worker: the argv that starts an agent-device daemon, e.g.
+    /// `["node", "/opt/agent-device/dist/src/internal/daemon.js"]`.
+    pub command: Option<Vec<String>>,
 }
 
 /// `lease.*`.
@@ -367,7 +384,14 @@ pub struct Loaded {
 }
 
 /// Keys a gateway reads; every other key is warned about and ignored there.
-const GATEWAY_SECTIONS: &[&str] = &["lease", "http", "gateway", "eventBuffer", "log"];
+const GATEWAY_SECTIONS: &[&str] = &[
+    "lease",
+    "http",
+    "gateway",
+    "eventBuffer",
+    "log",
+    "agentDevice",
+];
 /// Keys only a gateway reads.
 const GATEWAY_ONLY_KEYS: &[&str] = &[
     "gateway.routing",
@@ -376,7 +400,12 @@ const GATEWAY_ONLY_KEYS: &[&str] = &[
     "gateway.leaseRequestTimeoutMs",
 ];
 /// Keys only a worker reads.
-const WORKER_ONLY_KEYS: &[&str] = &["gateway.url", "gateway.token", "gateway.label"];
+const WORKER_ONLY_KEYS: &[&str] = &[
+    "gateway.url",
+    "gateway.token",
+    "gateway.label",
+    "agentDevice.command",
+];
 /// Keys holding maps whose entries are the user's own names.
 const OPEN_MAPS: &[&str] = &["exec.tools"];
 
@@ -510,6 +539,17 @@ pub fn validate(config: &Config, mode: Mode) -> Result<(), ConfigError> {
     if config.event_buffer.capacity == 0 {
         return bad("eventBuffer.capacity must be above 0".into());
     }
+    if let Some(cap) = config.agent_device.lease_ttl_cap_ms {
+        if cap == 0 {
+            return bad("agentDevice.leaseTtlCapMs must be above 0".into());
+        }
+        if cap > config.lease.max_ttl_ms {
+            return bad(format!(
+                "agentDevice.leaseTtlCapMs ({cap}) is above lease.maxTtlMs ({})",
+                config.lease.max_ttl_ms
+            ));
+        }
+    }
     match mode {
         Mode::Gateway => {
             if config.http.enabled == Some(false) {
@@ -558,6 +598,17 @@ pub fn validate(config: &Config, mode: Mode) -> Result<(), ConfigError> {
                     return bad(format!(
                         "capabilities: {cap:?} is not a capability name (^[a-z][a-z0-9-]{{0,63}}$)"
                     ));
+                }
+            }
+            if config.agent_device.enabled {
+                match &config.agent_device.command {
+                    None => {
+                        return bad("agentDevice.command must be set when agentDevice.enabled is true on a worker: the argv that starts an agent-device daemon, e.g. [\"node\", \"<agent-device>/dist/src/internal/daemon.js\"]".into());
+                    }
+                    Some(argv) if argv.first().is_none_or(|p| p.trim().is_empty()) => {
+                        return bad("agentDevice.command: the first element must name a program".into());
+                    }
+                    Some(_) => {}
                 }
             }
             if config.virtual_devices.models.is_empty() {
@@ -692,6 +743,8 @@ fn known_keys() -> Vec<String> {
             "gateway.label",
             "capacity.ios.maxRunning",
             "capacity.android.maxRunning",
+            "agentDevice.leaseTtlCapMs",
+            "agentDevice.command",
         ]
         .map(String::from),
     );

@@ -1,0 +1,903 @@
+//! The front: `/v1/agent-device/*` behind simlock's bearer auth, over a [`HostLink`].
+//!
+//! It owns the agent-device leases it makes. An allocate mints the lease id `L`, makes a
+//! simlock lease with id `L`, requester `L` and owner the token's principal, waits for the
+//! grant, then forwards the allocate naming the granted device with the ceiling TTL (the
+//! least of 600 000 ms, the holding daemon's `lease.maxTtlMs` and `agentDevice.leaseTtlCapMs`).
+//! Commands are owner-checked and pinned to `L`'s device; a heartbeat goes to agent-device
+//! first, then renews the simlock lease; a release goes to agent-device first, then releases
+//! the simlock lease. A command that runs longer than the TTL renews every TTL/3.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures::FutureExt;
+use futures::future::BoxFuture;
+use http::header::{HOST, HeaderValue};
+use http::{HeaderMap, Method, Request, Response, StatusCode, Uri};
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
+use serde_json::{Value, json};
+use simlock_contract::model::LeaseGrant;
+use simlock_contract::ops::{
+    LeaseCancel, LeaseCancelInput, LeaseIdInput, LeaseRelease, LeaseRenew, LeaseRenewInput,
+    LeaseRequest, LeaseRequestInput,
+};
+use simlock_contract::{ContractError, ErrorCode};
+use simlock_daemon::CallCtx;
+use simlock_daemon::http::Mount;
+use simlock_daemon::pipeline::Pipeline;
+use simlock_daemon::tokens::TokenStore;
+use tokio::sync::oneshot;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, warn};
+
+use crate::body::{Guarded, ReadError, read_to_bytes};
+use crate::lease_id::{LEASE_HEADER, LeaseId};
+use crate::leases::{FrontLease, FrontLeases};
+use crate::port::{Caller, HostLink, HostStatus, Serving, StatusScope};
+use crate::reply::{Refusal, Surface, json_response};
+use crate::rpc::{Answer, MAX_RPC_BODY, Method as RpcMethod, RpcCall, device_key};
+use crate::{Body, PREFIX};
+
+/// agent-device's own ceiling on a lease's TTL.
+pub const AGENT_DEVICE_MAX_TTL_MS: u64 = 600_000;
+/// The largest upload preflight body: agent-device's own cap, 64 KiB.
+pub const MAX_PREFLIGHT_BODY: usize = 64 * 1024;
+/// The largest answer the front reads whole (lease answers, preflight tickets, device lists).
+const MAX_ANSWER: usize = 4 * 1024 * 1024;
+
+/// What a front is built from.
+pub struct FrontOptions {
+    /// How it reaches agent-device.
+    pub link: Arc<dyn HostLink>,
+    /// The daemon's own operations, for the simlock leases.
+    pub pipeline: Arc<Pipeline>,
+    /// simlock's tokens, for bearer auth.
+    pub tokens: Arc<TokenStore>,
+    /// `agentDevice.leaseTtlCapMs`.
+    pub lease_ttl_cap_ms: Option<u64>,
+    /// This daemon's `lease.maxTtlMs`.
+    pub max_ttl_ms: u64,
+}
+
+impl std::fmt::Debug for FrontOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FrontOptions")
+            .field("lease_ttl_cap_ms", &self.lease_ttl_cap_ms)
+            .field("max_ttl_ms", &self.max_ttl_ms)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The agent-device front of one daemon.
+#[derive(Clone)]
+pub struct Front {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for Front {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Front")
+            .field("leases", &self.inner.leases.len())
+            .finish_non_exhaustive()
+    }
+}
+
+struct Inner {
+    link: Arc<dyn HostLink>,
+    pipeline: Arc<Pipeline>,
+    tokens: Arc<TokenStore>,
+    lease_ttl_cap_ms: Option<u64>,
+    max_ttl_ms: u64,
+    leases: FrontLeases,
+    /// Fires when the daemon stops: waiting allocates end cancelled, renewals stop.
+    stop: CancellationToken,
+}
+
+impl Front {
+    /// A front over `options.link`.
+    pub fn new(options: FrontOptions) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                link: options.link,
+                pipeline: options.pipeline,
+                tokens: options.tokens,
+                lease_ttl_cap_ms: options.lease_ttl_cap_ms,
+                max_ttl_ms: options.max_ttl_ms,
+                leases: FrontLeases::default(),
+                stop: CancellationToken::new(),
+            }),
+        }
+    }
+
+    /// The HTTP mount serving `/v1/agent-device/*`.
+    pub fn mount(&self) -> Arc<dyn Mount> {
+        Arc::new(FrontMount {
+            inner: self.inner.clone(),
+        })
+    }
+
+    /// Stops: allocates still waiting end with their lease request cancelled, and running
+    /// commands stop renewing. Call it before the daemon's domain stops.
+    pub fn stop(&self) {
+        self.inner.stop.cancel();
+    }
+
+    /// How many agent-device leases the front remembers (for tests and metrics).
+    pub fn lease_count(&self) -> usize {
+        self.inner.leases.len()
+    }
+}
+
+struct FrontMount {
+    inner: Arc<Inner>,
+}
+
+impl Mount for FrontMount {
+    fn matches(&self, path: &str) -> bool {
+        path == PREFIX || path.strip_prefix(PREFIX).is_some_and(|rest| rest.starts_with('/'))
+    }
+
+    fn serve(&self, request: Request<Incoming>) -> BoxFuture<'static, Response<Body>> {
+        let inner = self.inner.clone();
+        async move {
+            let (parts, body) = request.into_parts();
+            let body = body.map_err(|e| -> crate::BoxError { Box::new(e) }).boxed_unsync();
+            serve(inner, Request::from_parts(parts, body)).await
+        }
+        .boxed()
+    }
+}
+
+/// The routes of `/v1/agent-device`, as agent-device's daemon serves them at its root.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Route {
+    Health,
+    Rpc,
+    Upload,
+    Preflight,
+    Direct,
+    Finalize,
+    Artifacts,
+    Artifact,
+    Diagnostics,
+}
+
+impl Route {
+    fn parse(method: &Method, path: &str) -> Option<Self> {
+        let rest = path.strip_prefix(PREFIX)?;
+        let segments: Vec<&str> = rest.trim_start_matches('/').split('/').collect();
+        let route = match (method, segments.as_slice()) {
+            (&Method::GET, ["health"]) => Self::Health,
+            (&Method::POST, ["rpc"]) => Self::Rpc,
+            (&Method::POST, ["upload"]) => Self::Upload,
+            (&Method::POST, ["upload", "preflight"]) => Self::Preflight,
+            (&Method::PUT, ["upload", "direct", id]) if !id.is_empty() => Self::Direct,
+            (&Method::POST, ["upload", "finalize"]) => Self::Finalize,
+            (&Method::GET, ["artifacts"]) => Self::Artifacts,
+            (&Method::GET, ["artifacts", id]) if !id.is_empty() => Self::Artifact,
+            (&Method::GET, ["sessions", s, "requests", r, "diagnostics"])
+                if !s.is_empty() && !r.is_empty() =>
+            {
+                Self::Diagnostics
+            }
+            _ => return None,
+        };
+        Some(route)
+    }
+}
+
+async fn serve(inner: Arc<Inner>, request: Request<Body>) -> Response<Body> {
+    let Some(route) = Route::parse(request.method(), request.uri().path()) else {
+        return Refusal::NotFound.into_response(&Surface::Route);
+    };
+    let surface = if route == Route::Rpc {
+        Surface::Rpc { id: Value::Null }
+    } else {
+        Surface::Route
+    };
+    let request = match absolute(request) {
+        Ok(request) => request,
+        Err(refusal) => return refusal.into_response(&surface),
+    };
+    if route == Route::Health {
+        return health(inner, request).await;
+    }
+    let caller = match authenticate(&inner.tokens, request.headers()) {
+        Ok(caller) => caller,
+        Err(refusal) => return refusal.into_response(&surface),
+    };
+    let outcome = if route == Route::Rpc {
+        rpc(inner, caller, request).await
+    } else {
+        auxiliary(inner, caller, route, request).await
+    };
+    outcome.unwrap_or_else(|(refusal, surface)| refusal.into_response(&surface))
+}
+
+/// A failure the front answers, in the envelope of the request that failed.
+type Failed = (Refusal, Surface);
+
+const fn route_fail(refusal: Refusal) -> Failed {
+    (refusal, Surface::Route)
+}
+
+/// The request with an absolute URI as the caller addressed it (`Host`, and
+/// `x-forwarded-proto` when a proxy set it), which the host rewrites upload tickets to.
+fn absolute(request: Request<Body>) -> Result<Request<Body>, Refusal> {
+    let (mut parts, body) = request.into_parts();
+    if parts.uri.scheme().is_none() {
+        let host = parts
+            .headers
+            .get(HOST)
+            .and_then(|h| h.to_str().ok())
+            .filter(|h| !h.is_empty())
+            .unwrap_or("localhost")
+            .to_owned();
+        let scheme = parts
+            .headers
+            .get("x-forwarded-proto")
+            .and_then(|h| h.to_str().ok())
+            .filter(|p| *p == "https")
+            .unwrap_or("http");
+        let path = parts
+            .uri
+            .path_and_query()
+            .map_or_else(|| parts.uri.path().to_owned(), ToString::to_string);
+        parts.uri = Uri::try_from(format!("{scheme}://{host}{path}")).map_err(|_| Refusal::Invalid {
+            rpc_code: -32600,
+            message: "the request's Host header does not make a URL".into(),
+        })?;
+    }
+    Ok(Request::from_parts(parts, body))
+}
+
+/// The simlock token in `Authorization: Bearer` (what the CLI sends as its daemon token), or
+/// in `x-agent-device-token`.
+fn authenticate(tokens: &TokenStore, headers: &HeaderMap) -> Result<Caller, Refusal> {
+    let bearer = headers
+        .get(http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .map(String::from);
+    let header = bearer.or_else(|| {
+        headers
+            .get("x-agent-device-token")
+            .and_then(|v| v.to_str().ok())
+            .map(|t| format!("Bearer {t}"))
+    });
+    let caller = simlock_daemon::auth::bearer(tokens, header.as_deref()).map_err(|e| match e.code
+    {
+        ErrorCode::Forbidden => Refusal::Forbidden(e.message),
+        ErrorCode::Unauthenticated => Refusal::Unauthenticated(e.message),
+        _ => Refusal::NotAvailable {
+            reason: format!("the token could not be checked: {}", e.message),
+            retriable: true,
+        },
+    })?;
+    let credential = header
+        .as_deref()
+        .and_then(|h| h.get(7..))
+        .map(str::trim)
+        .unwrap_or_default()
+        .to_owned();
+    Ok(Caller {
+        principal: caller.token.id.as_str().to_owned(),
+        role: caller.role,
+        credential,
+    })
+}
+
+/// `/health`: the host's health when one serves; otherwise the front's own answer, always
+/// with status 200 (the CLI hides the reason of a health answer at 500 or above).
+async fn health(inner: Arc<Inner>, request: Request<Body>) -> Response<Body> {
+    let refusal = match inner.link.status(StatusScope::NewLease) {
+        HostStatus::Running(_) => match inner.link.forward(request, None, None).await {
+            Ok(response) => return response,
+            Err(refusal) => refusal,
+        },
+        HostStatus::Unavailable { reason } => Refusal::NotAvailable {
+            reason,
+            retriable: true,
+        },
+    };
+    refusal.into_response_with_status(&Surface::Route, StatusCode::OK)
+}
+
+async fn rpc(
+    inner: Arc<Inner>,
+    caller: Caller,
+    request: Request<Body>,
+) -> Result<Response<Body>, Failed> {
+    let (parts, body) = request.into_parts();
+    let anonymous = Surface::Rpc { id: Value::Null };
+    let bytes = read_to_bytes(body, MAX_RPC_BODY)
+        .await
+        .map_err(|e| (read_refusal(&e), anonymous.clone()))?;
+    let mut call = RpcCall::parse(&bytes).map_err(|r| (r, anonymous))?;
+    let surface = Surface::Rpc {
+        id: call.id.clone(),
+    };
+    let ctx = Exchange {
+        inner,
+        caller,
+        parts,
+        surface,
+    };
+    let lease = call.lease().map_err(|r| ctx.fail(r))?;
+    let inner = &ctx.inner;
+    let caller = &ctx.caller;
+    match call.method.clone() {
+        RpcMethod::Allocate => allocate(&ctx, call).await,
+        RpcMethod::Heartbeat => {
+            let lease = lease.ok_or_else(|| ctx.fail(lease_required()))?;
+            heartbeat(&ctx, call, &lease).await
+        }
+        RpcMethod::Release => {
+            let lease = lease.ok_or_else(|| ctx.fail(lease_required()))?;
+            release(&ctx, call, &lease).await
+        }
+        RpcMethod::Command | RpcMethod::InstallFromSource => {
+            if call.names_a_device() {
+                return Err(ctx.fail(Refusal::SimlockPicksDevice));
+            }
+            if call.command() == Some("devices") {
+                return devices(&ctx, call, lease.as_ref()).await;
+            }
+            match lease {
+                Some(lease) => {
+                    let entry = ctx.owned(&lease)?;
+                    ctx.serving(&lease)?;
+                    call.pin_device(entry.platform, &entry.address);
+                    let renewal = spawn_renewal(inner, caller, &lease, entry.ttl_ms);
+                    let response = ctx.forward(call.to_bytes(), Some(&lease)).await?;
+                    let (parts, body) = response.into_parts();
+                    let body = Guarded::new(body, renewal).boxed_unsync();
+                    Ok(Response::from_parts(parts, body))
+                }
+                None => ctx.forward(call.to_bytes(), None).await,
+            }
+        }
+        RpcMethod::ReleaseMaterializedPaths => ctx.forward(call.to_bytes(), lease.as_ref()).await,
+        RpcMethod::Other(name) => Err(ctx.fail(Refusal::Invalid {
+            rpc_code: -32601,
+            message: format!("Method not found: {name}"),
+        })),
+    }
+}
+
+fn lease_required() -> Refusal {
+    Refusal::Invalid {
+        rpc_code: -32602,
+        message: "Invalid params: leaseId is required".into(),
+    }
+}
+
+fn read_refusal(error: &ReadError) -> Refusal {
+    match error {
+        ReadError::TooLarge(limit) => Refusal::BodyTooLarge(*limit),
+        ReadError::Body(message) => Refusal::Invalid {
+            rpc_code: -32700,
+            message: message.clone(),
+        },
+    }
+}
+
+/// What one request's handlers share.
+struct Exchange {
+    inner: Arc<Inner>,
+    caller: Caller,
+    parts: http::request::Parts,
+    surface: Surface,
+}
+
+impl Exchange {
+    fn fail(&self, refusal: Refusal) -> Failed {
+        (refusal, self.surface.clone())
+    }
+
+    fn through_gateway(&self) -> bool {
+        self.inner.link.reads_lease_header()
+    }
+
+    /// The caller's lease, or the refusal that it is not one of theirs.
+    fn owned(&self, lease: &LeaseId) -> Result<FrontLease, Failed> {
+        self.inner
+            .leases
+            .owned(lease, &self.caller.principal)
+            .ok_or_else(|| {
+                self.fail(Refusal::NotYours {
+                    lease: lease.clone(),
+                    through_gateway: self.through_gateway(),
+                })
+            })
+    }
+
+    /// The status of the host holding `lease`, refused when it cannot serve.
+    fn serving(&self, lease: &LeaseId) -> Result<Serving, Failed> {
+        match self.inner.link.status(StatusScope::Lease {
+            lease,
+            caller: &self.caller,
+        }) {
+            HostStatus::Running(serving) => Ok(serving),
+            HostStatus::Unavailable { reason } => Err(self.fail(Refusal::NotAvailable {
+                reason,
+                retriable: false,
+            })),
+        }
+    }
+
+    /// Forwards `body` as this request's body.
+    async fn forward(&self, body: Bytes, lease: Option<&LeaseId>) -> Result<Response<Body>, Failed> {
+        let mut parts = self.parts.clone();
+        parts.headers.remove(http::header::CONTENT_LENGTH);
+        if let Ok(len) = HeaderValue::from_str(&body.len().to_string()) {
+            parts.headers.insert(http::header::CONTENT_LENGTH, len);
+        }
+        let request = Request::from_parts(parts, crate::body::full(body));
+        let forwarded = self
+            .inner
+            .link
+            .forward(request, Some(&self.caller), lease)
+            .await;
+        forwarded.map_err(|r| (r, self.surface.clone()))
+    }
+
+    /// Forwards `body` and reads the answer whole.
+    async fn exchange(
+        &self,
+        body: Bytes,
+        lease: Option<&LeaseId>,
+    ) -> Result<(http::response::Parts, Bytes), Failed> {
+        let response = self.forward(body, lease).await?;
+        let (parts, body) = response.into_parts();
+        let bytes = read_to_bytes(body, MAX_ANSWER).await.map_err(|e| {
+            self.fail(Refusal::NotAvailable {
+                reason: format!("agent-device's answer could not be read: {e}"),
+                retriable: true,
+            })
+        })?;
+        Ok((parts, bytes))
+    }
+
+    fn ctx(&self) -> CallCtx {
+        CallCtx::internal(self.caller.principal.clone(), self.caller.role, None)
+    }
+
+    /// Ends the simlock lease `lease`; one already gone is not an error.
+    async fn release_simlock(&self, lease: &LeaseId) {
+        release_simlock_lease(&self.inner.pipeline, self.ctx(), lease).await;
+    }
+}
+
+async fn release_simlock_lease(pipeline: &Pipeline, ctx: CallCtx, lease: &LeaseId) {
+    let input = LeaseIdInput {
+        lease_id: lease.as_str().to_owned(),
+    };
+    match pipeline.call_typed::<LeaseRelease>(ctx, &input).await {
+        Ok(_) => {}
+        Err(e) if e.code == ErrorCode::UnknownLease => {}
+        Err(e) => warn!(%lease, code = %e.code, message = %e.message, "the simlock lease could not be released"),
+    }
+}
+
+fn answer_from(parts: http::response::Parts, bytes: Bytes) -> Response<Body> {
+    Response::from_parts(parts, crate::body::full(bytes))
+}
+
+impl Inner {
+    /// The ceiling on a lease's TTL, given the holding daemon's `lease.maxTtlMs`.
+    fn ceiling(&self, holder_max_ttl_ms: Option<u64>) -> u64 {
+        let mut ceiling = AGENT_DEVICE_MAX_TTL_MS.min(holder_max_ttl_ms.unwrap_or(self.max_ttl_ms));
+        if let Some(cap) = self.lease_ttl_cap_ms {
+            ceiling = ceiling.min(cap);
+        }
+        ceiling.max(1)
+    }
+}
+
+/// The allocate: a simlock lease first (waiting in the queue; a caller that hangs up
+/// withdraws it), then agent-device's own, naming the granted device. Every exit leaves one
+/// state: both leases held, or neither.
+async fn allocate(ctx: &Exchange, mut call: RpcCall) -> Result<Response<Body>, Failed> {
+    let inner = &ctx.inner;
+    inner.leases.prune(Instant::now());
+    let serving = match inner.link.status(StatusScope::NewLease) {
+        HostStatus::Running(serving) => serving,
+        HostStatus::Unavailable { reason } => {
+            return Err(ctx.fail(Refusal::NotAvailable {
+                reason,
+                retriable: true,
+            }));
+        }
+    };
+    let platform = call
+        .allocate_platform()
+        .map_err(|name| ctx.fail(Refusal::PlatformUnavailable(name)))?;
+    if !serving.platforms.contains(&platform) {
+        return Err(ctx.fail(Refusal::PlatformUnavailable(platform.as_str().to_owned())));
+    }
+    let lease = LeaseId::mint();
+    let mut input = LeaseRequestInput::for_platform(platform);
+    input.model = call.allocate_model();
+    input.requester_id = Some(lease.to_string());
+    input.lease_id = Some(lease.to_string());
+    input.ttl_ms = Some(inner.ceiling(None));
+    input.requires = inner.link.lease_requires();
+    let grant = wait_for_grant(inner, &ctx.caller, input, &lease)
+        .await
+        .map_err(|e| {
+            if e.code == ErrorCode::Cancelled {
+                ctx.fail(Refusal::NotAvailable {
+                    reason: "this simlock is stopping".into(),
+                    retriable: true,
+                })
+            } else {
+                ctx.fail(Refusal::from_simlock(&e))
+            }
+        })?;
+    let serving = match ctx.serving(&lease) {
+        Ok(serving) => serving,
+        Err(failed) => {
+            ctx.release_simlock(&lease).await;
+            return Err(failed);
+        }
+    };
+    let ttl_ms = inner.ceiling(serving.lease_max_ttl_ms);
+    if ttl_ms != grant.lease.ttl_ms {
+        let renew = LeaseRenewInput {
+            lease_id: lease.to_string(),
+            ttl_ms: Some(ttl_ms),
+        };
+        if let Err(e) = inner.pipeline.call_typed::<LeaseRenew>(ctx.ctx(), &renew).await {
+            ctx.release_simlock(&lease).await;
+            return Err(ctx.fail(Refusal::from_simlock(&e)));
+        }
+    }
+    let address = grant.device.driver_device_id.clone();
+    inner.leases.insert(
+        lease.clone(),
+        FrontLease {
+            principal: ctx.caller.principal.clone(),
+            platform,
+            address: address.clone(),
+            ttl_ms,
+            touched: Instant::now(),
+            seq: 0,
+        },
+    );
+    call.set_allocation(&device_key(platform, &address), ttl_ms);
+    let forwarded = ctx.exchange(call.to_bytes(), Some(&lease)).await;
+    let held = matches!(&forwarded, Ok((_, bytes)) if matches!(Answer::read(bytes), Answer::Ok(_)));
+    if !held {
+        inner.leases.remove(&lease);
+        ctx.release_simlock(&lease).await;
+    }
+    let (parts, bytes) = forwarded?;
+    Ok(answer_from(parts, bytes))
+}
+
+/// Runs the simlock `lease.request` in a task of its own, so that a caller that hangs up (the
+/// handler's future dropped) or a daemon that stops withdraws it with `lease.cancel`; a grant
+/// nobody waits for any more is released.
+async fn wait_for_grant(
+    inner: &Arc<Inner>,
+    caller: &Caller,
+    input: LeaseRequestInput,
+    lease: &LeaseId,
+) -> Result<LeaseGrant, ContractError> {
+    let (tx, rx) = oneshot::channel();
+    let abandon = CancellationToken::new();
+    let task_abandon = abandon.clone();
+    let stop = inner.stop.clone();
+    let pipeline = inner.pipeline.clone();
+    let (principal, role) = (caller.principal.clone(), caller.role);
+    let ctx = || CallCtx::internal(principal.clone(), role, None);
+    let (request_ctx, cancel_ctx, release_ctx) = (ctx(), ctx(), ctx());
+    let lease = lease.clone();
+    tokio::spawn(async move {
+        let call = pipeline.call_typed::<LeaseRequest>(request_ctx, &input);
+        tokio::pin!(call);
+        let settled = tokio::select! {
+            outcome = &mut call => Some(outcome),
+            () = task_abandon.cancelled() => None,
+            () = stop.cancelled() => None,
+        };
+        let outcome = match settled {
+            Some(outcome) => outcome,
+            None => {
+                let cancel = LeaseCancelInput {
+                    requester_id: Some(lease.to_string()),
+                };
+                if let Err(e) = pipeline.call_typed::<LeaseCancel>(cancel_ctx, &cancel).await {
+                    debug!(%lease, code = %e.code, "lease.cancel for an abandoned allocate failed");
+                }
+                // The request ends now: cancelled, or granted because its device work had
+                // started; such a grant is released at once.
+                if call.await.is_ok() {
+                    release_simlock_lease(&pipeline, release_ctx, &lease).await;
+                }
+                Err(ContractError::new(ErrorCode::Cancelled, "the allocate was withdrawn"))
+            }
+        };
+        if let Err(Ok(_unwanted)) = tx.send(outcome) {
+            let ctx = CallCtx::internal(principal, role, None);
+            release_simlock_lease(&pipeline, ctx, &lease).await;
+        }
+    });
+    let guard = abandon.drop_guard();
+    let outcome = rx
+        .await
+        .unwrap_or_else(|_| Err(ContractError::internal("the allocate task ended")));
+    guard.disarm();
+    outcome
+}
+
+/// Renews the simlock lease every TTL/3 until the returned guard drops (the answer it rides on
+/// ended) or the daemon stops.
+fn spawn_renewal(
+    inner: &Arc<Inner>,
+    caller: &Caller,
+    lease: &LeaseId,
+    ttl_ms: u64,
+) -> tokio_util::sync::DropGuard {
+    let done = CancellationToken::new();
+    let (stop, task_done) = (inner.stop.clone(), done.clone());
+    let inner = inner.clone();
+    let (caller, lease) = (caller.clone(), lease.clone());
+    let period = Duration::from_millis((ttl_ms / 3).max(1));
+    tokio::spawn(async move {
+        loop {
+            tokio::select! {
+                () = tokio::time::sleep(period) => {}
+                () = task_done.cancelled() => return,
+                () = stop.cancelled() => return,
+            }
+            let ctx = CallCtx::internal(caller.principal.clone(), caller.role, None);
+            let renew = LeaseRenewInput {
+                lease_id: lease.to_string(),
+                ttl_ms: Some(ttl_ms),
+            };
+            match inner.pipeline.call_typed::<LeaseRenew>(ctx, &renew).await {
+                Ok(_) => inner.leases.touch(&lease, Instant::now()),
+                Err(e) => {
+                    debug!(%lease, code = %e.code, "renewal during a command failed");
+                    if e.code == ErrorCode::UnknownLease {
+                        return;
+                    }
+                }
+            }
+        }
+    });
+    done.drop_guard()
+}
+
+/// The heartbeat: agent-device first, then the simlock lease renewed to now plus the lease's
+/// TTL. agent-device saying the lease is gone, or simlock not knowing it, means simlock ended
+/// it: `LEASE_ENDED_BY_HOST`, never an answer on which the CLI allocates again.
+async fn heartbeat(
+    ctx: &Exchange,
+    mut call: RpcCall,
+    lease: &LeaseId,
+) -> Result<Response<Body>, Failed> {
+    let entry = ctx.owned(lease)?;
+    ctx.serving(lease)?;
+    call.set_ttl(entry.ttl_ms);
+    let (parts, bytes) = ctx.exchange(call.to_bytes(), Some(lease)).await?;
+    let answer = Answer::read(&bytes);
+    if answer.lease_gone() {
+        ctx.inner.leases.remove(lease);
+        ctx.release_simlock(lease).await;
+        return Err(ctx.fail(Refusal::LeaseEnded(lease.clone())));
+    }
+    if !matches!(answer, Answer::Ok(_)) {
+        return Ok(answer_from(parts, bytes));
+    }
+    let renew = LeaseRenewInput {
+        lease_id: lease.to_string(),
+        ttl_ms: Some(entry.ttl_ms),
+    };
+    match ctx.inner.pipeline.call_typed::<LeaseRenew>(ctx.ctx(), &renew).await {
+        Ok(_) => {
+            ctx.inner.leases.touch(lease, Instant::now());
+            Ok(answer_from(parts, bytes))
+        }
+        Err(e) if e.code == ErrorCode::UnknownLease => {
+            ctx.inner.leases.remove(lease);
+            Err(ctx.fail(Refusal::LeaseEnded(lease.clone())))
+        }
+        Err(e) => Err(ctx.fail(Refusal::NotAvailable {
+            reason: e.message,
+            retriable: true,
+        })),
+    }
+}
+
+/// The release: agent-device first (`released: false` is a normal answer), then the simlock
+/// lease. A release agent-device fails keeps the simlock lease.
+async fn release(ctx: &Exchange, call: RpcCall, lease: &LeaseId) -> Result<Response<Body>, Failed> {
+    ctx.owned(lease)?;
+    ctx.serving(lease)?;
+    let (parts, bytes) = ctx.exchange(call.to_bytes(), Some(lease)).await?;
+    let answer = Answer::read(&bytes);
+    if matches!(answer, Answer::Ok(_)) || answer.lease_gone() {
+        ctx.inner.leases.remove(lease);
+        ctx.release_simlock(lease).await;
+    }
+    Ok(answer_from(parts, bytes))
+}
+
+/// `devices`: only the devices the token leases. With none held, the empty list, and no host
+/// is asked.
+async fn devices(
+    ctx: &Exchange,
+    mut call: RpcCall,
+    lease: Option<&LeaseId>,
+) -> Result<Response<Body>, Failed> {
+    let held = ctx.inner.leases.of_principal(&ctx.caller.principal);
+    if let Some(named) = lease
+        && !held.iter().any(|(l, _)| l == named)
+    {
+        return Err(ctx.fail(Refusal::NotYours {
+            lease: named.clone(),
+            through_gateway: ctx.through_gateway(),
+        }));
+    }
+    let Some((first, _)) = held.first() else {
+        return Ok(devices_answer(&call.id, Vec::new()));
+    };
+    let asked = lease.unwrap_or(first).clone();
+    call.set_lease(&asked);
+    let (parts, bytes) = ctx.exchange(call.to_bytes(), Some(&asked)).await?;
+    match Answer::read(&bytes) {
+        Answer::Ok(data) => {
+            let Some(list) = data.get("devices").and_then(Value::as_array) else {
+                return Err(ctx.fail(Refusal::DevicesUnreadable(asked)));
+            };
+            let addresses: Vec<&str> = held.iter().map(|(_, e)| e.address.as_str()).collect();
+            let kept = list
+                .iter()
+                .filter(|d| {
+                    d.get("id")
+                        .and_then(Value::as_str)
+                        .is_some_and(|id| addresses.contains(&id))
+                })
+                .cloned()
+                .collect();
+            Ok(devices_answer(&call.id, kept))
+        }
+        Answer::Error { .. } => Ok(answer_from(parts, bytes)),
+        Answer::Unreadable => Err(ctx.fail(Refusal::DevicesUnreadable(asked))),
+    }
+}
+
+fn devices_answer(id: &Value, devices: Vec<Value>) -> Response<Body> {
+    json_response(
+        StatusCode::OK,
+        &json!({
+            "jsonrpc": "2.0",
+            "id": id,
+            "result": { "ok": true, "data": { "devices": devices } },
+        }),
+    )
+}
+
+/// Uploads, artifacts and diagnostics. Through a gateway the lease header decides where they
+/// go; on a worker it is not read.
+async fn auxiliary(
+    inner: Arc<Inner>,
+    caller: Caller,
+    route: Route,
+    request: Request<Body>,
+) -> Result<Response<Body>, Failed> {
+    let surface = Surface::Route;
+    let lease = if inner.link.reads_lease_header() {
+        match request.headers().get(LEASE_HEADER).map(HeaderValue::as_bytes) {
+            None | Some(b"") => None,
+            Some(raw) => {
+                let lease = std::str::from_utf8(raw)
+                    .ok()
+                    .and_then(LeaseId::parse)
+                    .ok_or_else(|| route_fail(Refusal::BadLeaseHeader))?;
+                if let HostStatus::Unavailable { reason } = inner.link.status(StatusScope::Lease {
+                    lease: &lease,
+                    caller: &caller,
+                }) {
+                    return Err(route_fail(Refusal::NotAvailable {
+                        reason,
+                        retriable: false,
+                    }));
+                }
+                Some(lease)
+            }
+        }
+    } else {
+        None
+    };
+    let request = if route == Route::Preflight {
+        // Bounded as agent-device bounds it, before anything is forwarded.
+        let (parts, body) = request.into_parts();
+        let bytes = read_to_bytes(body, MAX_PREFLIGHT_BODY)
+            .await
+            .map_err(|e| route_fail(read_refusal(&e)))?;
+        Request::from_parts(parts, crate::body::full(bytes))
+    } else {
+        request
+    };
+    let response = inner
+        .link
+        .forward(request, Some(&caller), lease.as_ref())
+        .await
+        .map_err(|r| (r, surface.clone()))?;
+    if route != Route::Preflight || !response.status().is_success() {
+        return Ok(response);
+    }
+    let (parts, body) = response.into_parts();
+    let bytes = read_to_bytes(body, MAX_ANSWER).await.map_err(|e| {
+        route_fail(Refusal::NotAvailable {
+            reason: format!("agent-device's upload ticket could not be read: {e}"),
+            retriable: true,
+        })
+    })?;
+    Ok(answer_from(parts, with_credentials(bytes, &caller.credential)))
+}
+
+/// Puts the caller's own credentials into an upload ticket's headers, so the CLI's PUT is
+/// authenticated as the caller. The host already pointed the ticket's URL at the caller's
+/// origin and removed agent-device's own token from it.
+fn with_credentials(bytes: Bytes, credential: &str) -> Bytes {
+    let Ok(mut ticket) = serde_json::from_slice::<Value>(&bytes) else {
+        return bytes;
+    };
+    let Some(headers) = ticket
+        .get_mut("upload")
+        .and_then(|u| u.get_mut("headers"))
+        .and_then(Value::as_object_mut)
+    else {
+        return bytes;
+    };
+    headers.insert("authorization".into(), Value::from(format!("Bearer {credential}")));
+    headers.insert("x-agent-device-token".into(), Value::from(credential));
+    Bytes::from(ticket.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn routes_are_agent_device_routes_under_the_prefix() {
+        let p = |m: Method, path: &str| Route::parse(&m, path);
+        assert_eq!(p(Method::GET, "/v1/agent-device/health"), Some(Route::Health));
+        assert_eq!(p(Method::POST, "/v1/agent-device/rpc"), Some(Route::Rpc));
+        assert_eq!(p(Method::GET, "/v1/agent-device/rpc"), None, "another method");
+        assert_eq!(
+            p(Method::PUT, "/v1/agent-device/upload/direct/abc"),
+            Some(Route::Direct)
+        );
+        assert_eq!(p(Method::PUT, "/v1/agent-device/upload/direct/"), None);
+        assert_eq!(
+            p(Method::GET, "/v1/agent-device/sessions/a%3Ab/requests/r1/diagnostics"),
+            Some(Route::Diagnostics)
+        );
+        assert_eq!(p(Method::GET, "/v1/agent-device/admin/human-control/holds"), None);
+        assert_eq!(p(Method::GET, "/v1/agent-device"), None);
+    }
+
+    #[test]
+    fn a_ticket_gets_the_callers_credentials() {
+        let ticket = br#"{"ok":true,"uploadId":"u","upload":{"url":"http://gw/v1/agent-device/upload/direct/u","headers":{"content-type":"application/octet-stream"}}}"#;
+        let out: Value =
+            serde_json::from_slice(&with_credentials(Bytes::from_static(ticket), "slk_me")).unwrap();
+        assert_eq!(out["upload"]["headers"]["authorization"], json!("Bearer slk_me"));
+        assert_eq!(out["upload"]["headers"]["x-agent-device-token"], json!("slk_me"));
+        assert_eq!(
+            out["upload"]["headers"]["content-type"],
+            json!("application/octet-stream")
+        );
+        let not_a_ticket = Bytes::from_static(b"{\"ok\":false}");
+        assert_eq!(with_credentials(not_a_ticket.clone(), "x"), not_a_ticket);
+    }
+}

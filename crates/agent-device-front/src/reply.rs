@@ -1,0 +1,307 @@
+//! The replies the front makes itself, in agent-device's own envelopes so the published CLI
+//! prints them: a JSON-RPC error (`data.code`, `data.message`) on `/rpc`, `{ok:false, error,
+//! code}` on every other route. The texts are the seeds' own.
+
+use bytes::Bytes;
+use http::{HeaderValue, Response, StatusCode, header};
+use serde_json::{Map, Value, json};
+use simlock_contract::{ContractError, ErrorCode};
+
+use crate::Body;
+use crate::lease_id::{LEASE_HEADER, LeaseId};
+
+/// Which envelope a reply takes.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Surface {
+    /// `/rpc`: a JSON-RPC error echoing the request's id (`null` when it had none).
+    Rpc {
+        /// The request's `id`.
+        id: Value,
+    },
+    /// Any other route.
+    Route,
+}
+
+/// Every reply the front (or a host link) makes instead of agent-device.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Refusal {
+    /// agent-device cannot serve this now.
+    #[error("agent-device is not available on this simlock: {reason}")]
+    NotAvailable {
+        /// Why.
+        reason: String,
+        /// Whether trying again later may work.
+        retriable: bool,
+    },
+    /// simlock refused the lease behind an allocate.
+    #[error("refused by simlock: {message}")]
+    Simlock {
+        /// simlock's message.
+        message: String,
+        /// simlock's error code.
+        code: ErrorCode,
+    },
+    /// No device of the platform can be leased here.
+    #[error("refused: {0} is not available on this simlock")]
+    PlatformUnavailable(String),
+    /// The caller named a device; simlock chooses.
+    #[error("refused: simlock picks the device")]
+    SimlockPicksDevice,
+    /// The lease is not the caller's, or not known here.
+    #[error("refused: lease {lease} is not one of yours{}", if *.through_gateway { " on this gateway" } else { "" })]
+    NotYours {
+        /// The lease named.
+        lease: LeaseId,
+        /// Whether a gateway answers.
+        through_gateway: bool,
+    },
+    /// A request that names no lease reached a gateway.
+    #[error("refused: this agent-device is too old to use through a gateway; update it")]
+    TooOld,
+    /// The lease header holds something that is not a lease id (never echoed).
+    #[error("refused: the {LEASE_HEADER} header is not a lease id")]
+    BadLeaseHeader,
+    /// The caller's principal makes no tenant a relay can carry.
+    #[error("refused: this token cannot be used through a gateway")]
+    TokenNotUsable,
+    /// The simlock lease behind the agent-device lease ended.
+    #[error("the simlock lease behind agent-device lease {0} ended (released or expired); connect again for a new device")]
+    LeaseEnded(LeaseId),
+    /// A worker's answer to `devices` held no list.
+    #[error("could not read the device list from the worker holding lease {0}")]
+    DevicesUnreadable(LeaseId),
+    /// The token's leases could not be read.
+    #[error("could not check your leases; try again")]
+    LeaseCheckFailed,
+    /// No or an unknown simlock token.
+    #[error("{0}")]
+    Unauthenticated(String),
+    /// A token that may not use this surface.
+    #[error("{0}")]
+    Forbidden(String),
+    /// A request body over its bound.
+    #[error("request body is larger than {0} bytes")]
+    BodyTooLarge(usize),
+    /// A request agent-device's own envelope rules refuse.
+    #[error("{message}")]
+    Invalid {
+        /// JSON-RPC error code (`-32700`, `-32600`, `-32601`, `-32602`).
+        rpc_code: i64,
+        /// The message.
+        message: String,
+    },
+    /// No such route.
+    #[error("Not found")]
+    NotFound,
+}
+
+impl Refusal {
+    /// simlock refused a call the front made for the caller.
+    pub fn from_simlock(err: &ContractError) -> Self {
+        Self::Simlock {
+            message: err.message.clone(),
+            code: err.code,
+        }
+    }
+
+    /// The HTTP status of the reply.
+    pub fn status(&self) -> StatusCode {
+        match self {
+            Self::NotAvailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            Self::Simlock { code, .. } => StatusCode::from_u16(code.http_status())
+                .unwrap_or(StatusCode::INTERNAL_SERVER_ERROR),
+            Self::PlatformUnavailable(_)
+            | Self::SimlockPicksDevice
+            | Self::TooOld
+            | Self::BadLeaseHeader
+            | Self::Invalid { .. } => StatusCode::BAD_REQUEST,
+            Self::NotYours { .. } | Self::TokenNotUsable | Self::Forbidden(_) => {
+                StatusCode::FORBIDDEN
+            }
+            Self::LeaseEnded(_) | Self::Unauthenticated(_) => StatusCode::UNAUTHORIZED,
+            Self::DevicesUnreadable(_) => StatusCode::BAD_GATEWAY,
+            Self::LeaseCheckFailed => StatusCode::SERVICE_UNAVAILABLE,
+            Self::BodyTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
+            Self::NotFound => StatusCode::NOT_FOUND,
+        }
+    }
+
+    /// agent-device's error code for it (`data.code`, or `code` off `/rpc`). A lease that is
+    /// not the caller's is `UNAUTHORIZED` with reason `LEASE_SCOPE_MISMATCH`, which the CLI
+    /// does not answer by allocating again.
+    pub fn code(&self) -> &'static str {
+        match self {
+            Self::NotAvailable { .. } | Self::LeaseCheckFailed => "UNAVAILABLE",
+            Self::Simlock { code, .. } if *code == ErrorCode::BadRequest => "INVALID_ARGS",
+            Self::Simlock { .. } | Self::DevicesUnreadable(_) => "COMMAND_FAILED",
+            Self::PlatformUnavailable(_)
+            | Self::SimlockPicksDevice
+            | Self::TooOld
+            | Self::BadLeaseHeader
+            | Self::BodyTooLarge(_)
+            | Self::Invalid { .. } => "INVALID_ARGS",
+            Self::NotYours { .. }
+            | Self::TokenNotUsable
+            | Self::Forbidden(_)
+            | Self::LeaseEnded(_)
+            | Self::Unauthenticated(_) => "UNAUTHORIZED",
+            Self::NotFound => "NOT_FOUND",
+        }
+    }
+
+    fn details(&self) -> Option<Value> {
+        match self {
+            Self::NotYours { .. } => Some(json!({ "reason": "LEASE_SCOPE_MISMATCH" })),
+            Self::LeaseEnded(_) => Some(json!({ "reason": "LEASE_ENDED_BY_HOST" })),
+            Self::Simlock { code, .. } => Some(json!({ "simlockCode": code.as_str() })),
+            _ => None,
+        }
+    }
+
+    fn retriable(&self) -> Option<bool> {
+        match self {
+            Self::NotAvailable { retriable, .. } => Some(*retriable),
+            Self::LeaseCheckFailed => Some(true),
+            _ => None,
+        }
+    }
+
+    /// The reply as an HTTP response in `surface`'s envelope.
+    pub fn into_response(self, surface: &Surface) -> Response<Body> {
+        let status = self.status();
+        self.into_response_with_status(surface, status)
+    }
+
+    /// The reply with an explicit status (`/health` answers 200 whatever it says).
+    pub fn into_response_with_status(self, surface: &Surface, status: StatusCode) -> Response<Body> {
+        let message = self.to_string();
+        let body = match surface {
+            Surface::Rpc { id } => {
+                let mut data = Map::new();
+                data.insert("code".into(), Value::from(self.code()));
+                data.insert("message".into(), Value::from(message.clone()));
+                if let Some(details) = self.details() {
+                    data.insert("details".into(), details);
+                }
+                if let Some(retriable) = self.retriable() {
+                    data.insert("retriable".into(), Value::Bool(retriable));
+                }
+                let rpc_code = match &self {
+                    Self::Invalid { rpc_code, .. } => *rpc_code,
+                    _ => -32000,
+                };
+                json!({
+                    "jsonrpc": "2.0",
+                    "id": id,
+                    "error": { "code": rpc_code, "message": message, "data": data },
+                })
+            }
+            Surface::Route => {
+                let mut body = Map::new();
+                body.insert("ok".into(), Value::Bool(false));
+                body.insert("error".into(), Value::from(message));
+                body.insert("code".into(), Value::from(self.code()));
+                if let Some(details) = self.details() {
+                    body.insert("details".into(), details);
+                }
+                if let Some(retriable) = self.retriable() {
+                    body.insert("retriable".into(), Value::Bool(retriable));
+                }
+                Value::Object(body)
+            }
+        };
+        json_response(status, &body)
+    }
+}
+
+/// A JSON response.
+pub fn json_response(status: StatusCode, value: &Value) -> Response<Body> {
+    let bytes = Bytes::from(value.to_string());
+    let mut response = Response::new(crate::body::full(bytes));
+    *response.status_mut() = status;
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    response
+}
+
+#[cfg(test)]
+mod tests {
+    use http_body_util::BodyExt;
+
+    use super::*;
+
+    async fn body_of(response: Response<Body>) -> Value {
+        let bytes = response.into_body().collect().await.unwrap().to_bytes();
+        serde_json::from_slice(&bytes).unwrap()
+    }
+
+    #[tokio::test]
+    async fn an_rpc_refusal_is_a_json_rpc_error_with_data_code_and_message() {
+        let refusal = Refusal::NotAvailable {
+            reason: "the daemon is starting".into(),
+            retriable: true,
+        };
+        let response = refusal.into_response(&Surface::Rpc { id: json!("r1") });
+        assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+        let body = body_of(response).await;
+        assert_eq!(body["id"], json!("r1"));
+        assert_eq!(body["error"]["code"], json!(-32000));
+        let message = "agent-device is not available on this simlock: the daemon is starting";
+        assert_eq!(body["error"]["message"], json!(message));
+        assert_eq!(body["error"]["data"]["message"], json!(message));
+        assert_eq!(body["error"]["data"]["code"], json!("UNAVAILABLE"));
+        assert_eq!(body["error"]["data"]["retriable"], json!(true));
+    }
+
+    #[tokio::test]
+    async fn a_route_refusal_is_ok_false_with_error_and_code() {
+        let lease = LeaseId::parse("0123456789abcdef0123456789abcdef").unwrap();
+        let response = Refusal::NotYours {
+            lease: lease.clone(),
+            through_gateway: true,
+        }
+        .into_response(&Surface::Route);
+        assert_eq!(response.status(), StatusCode::FORBIDDEN);
+        let body = body_of(response).await;
+        assert_eq!(body["ok"], json!(false));
+        assert_eq!(
+            body["error"],
+            json!(format!("refused: lease {lease} is not one of yours on this gateway"))
+        );
+        assert_eq!(body["code"], json!("UNAUTHORIZED"));
+        assert_eq!(body["details"]["reason"], json!("LEASE_SCOPE_MISMATCH"));
+    }
+
+    #[test]
+    fn the_seeds_strings_are_exact() {
+        assert_eq!(
+            Refusal::TooOld.to_string(),
+            "refused: this agent-device is too old to use through a gateway; update it"
+        );
+        assert_eq!(
+            Refusal::BadLeaseHeader.to_string(),
+            "refused: the x-agent-device-lease-id header is not a lease id"
+        );
+        assert_eq!(Refusal::SimlockPicksDevice.to_string(), "refused: simlock picks the device");
+        assert_eq!(
+            Refusal::PlatformUnavailable("ios".into()).to_string(),
+            "refused: ios is not available on this simlock"
+        );
+        let lease = LeaseId::parse("0123456789abcdef0123456789abcdef").unwrap();
+        assert_eq!(
+            Refusal::NotYours { lease: lease.clone(), through_gateway: false }.to_string(),
+            format!("refused: lease {lease} is not one of yours")
+        );
+        assert_eq!(
+            Refusal::DevicesUnreadable(lease.clone()).to_string(),
+            format!("could not read the device list from the worker holding lease {lease}")
+        );
+        assert_eq!(Refusal::DevicesUnreadable(lease).status(), StatusCode::BAD_GATEWAY);
+        assert_eq!(
+            Refusal::TokenNotUsable.to_string(),
+            "refused: this token cannot be used through a gateway"
+        );
+    }
+}
