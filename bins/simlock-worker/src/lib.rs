@@ -1,7 +1,12 @@
 //! The worker, composed: the daemon's parts, the worker domain, the hosts and the uplink to a
 //! gateway. The binary and the in-process fleet tests both start it here.
 
+use std::collections::BTreeSet;
 use std::sync::Arc;
+
+use agent_device_front::{Front, FrontOptions, LeaseId};
+use agent_device_host::{AgentDeviceHost, Daemon, HostOptions, InProcessHostLink};
+use futures::FutureExt;
 
 use simlock_contract::model::Mode;
 use simlock_core::{SystemFacts, Worker, WorkerParts};
@@ -32,6 +37,11 @@ pub struct WorkerOptions {
     /// Test hook: when set, the uplink dials before start-up converges, and start-up converges
     /// only once this fires (so calls park behind the start-up gate meanwhile).
     pub startup_hold: Option<CancellationToken>,
+    /// More environment for the agent-device daemon (tests: an isolated `HOME`, a fake's knobs).
+    pub agent_device_env: Vec<(String, String)>,
+    /// Test hook: serve an agent-device daemon that already runs here instead of starting
+    /// `agentDevice.command`.
+    pub agent_device_attach: Option<agent_device_host::process::Endpoint>,
 }
 
 impl std::fmt::Debug for WorkerOptions {
@@ -53,6 +63,8 @@ impl WorkerOptions {
             system: None,
             relay_targets: RelayTargets::new(),
             startup_hold: None,
+            agent_device_env: Vec::new(),
+            agent_device_attach: None,
         }
     }
 }
@@ -65,7 +77,18 @@ pub struct RunningWorker {
     pub worker: Arc<Worker>,
     /// How the uplink stands, when a gateway is configured.
     pub uplink: Option<watch::Receiver<UplinkState>>,
+    /// The agent-device host and front, when `agentDevice.enabled`.
+    pub agent_device: Option<AgentDevice>,
     uplink_stop: CancellationToken,
+}
+
+/// The worker's agent-device parts.
+#[derive(Debug, Clone)]
+pub struct AgentDevice {
+    /// The host of the daemon.
+    pub host: AgentDeviceHost,
+    /// The `/v1/agent-device` front.
+    pub front: Front,
 }
 
 impl std::fmt::Debug for RunningWorker {
@@ -101,10 +124,46 @@ pub async fn start(options: WorkerOptions) -> Result<RunningWorker, StartError> 
     if let Some(system) = options.system {
         parts.system = system;
     }
+    let mut relay_targets = options.relay_targets;
+    let host = match (
+        &base.config.agent_device.enabled,
+        &base.config.agent_device.command,
+    ) {
+        (true, Some(command)) => {
+            let state_dir = base.home.root().join("agent-device");
+            let mut host_options = HostOptions::new(command.clone(), state_dir.clone());
+            host_options.daemon = match options.agent_device_attach.clone() {
+                Some(endpoint) => Daemon::Attach(endpoint),
+                None => Daemon::Spawn(agent_device_host::process::DaemonSpec {
+                    command: command.clone(),
+                    state_dir,
+                    env: options.agent_device_env.clone(),
+                }),
+            };
+            let host = AgentDeviceHost::start(host_options).await;
+            let probe = host.clone();
+            parts.capabilities.register(move || probe.capability());
+            let ending = host.clone();
+            parts.lease_end.push(Arc::new(move |lease: String| {
+                let host = ending.clone();
+                async move {
+                    if let Some(lease) = LeaseId::parse(&lease) {
+                        host.end_lease(&lease).await;
+                    }
+                }
+                .boxed()
+            }));
+            relay_targets
+                .insert(agent_device_front::CAPABILITY, host.relay_target())
+                .map_err(|e| StartError::Domain(e.to_string()))?;
+            Some(host)
+        }
+        _ => None,
+    };
     let worker = Worker::new(parts).map_err(|e| StartError::Domain(e.to_string()))?;
     let mut router = base.router();
     simlock_core::register(&mut router, &worker, base.gate.clone());
-    simlock_relay_worker::register(&mut router, options.relay_targets);
+    simlock_relay_worker::register(&mut router, relay_targets);
     simlock_daemon::pipeline::check_complete(&router, &simlock_daemon::pipeline::all_operations())
         .map_err(StartError::Domain)?;
     let http = base.config.http.enabled.unwrap_or(false);
@@ -118,7 +177,45 @@ pub async fn start(options: WorkerOptions) -> Result<RunningWorker, StartError> 
         _ => None,
     };
     simlock_core::register_metrics(&base.metrics, &worker);
-    let running = base.serve(router, http, Vec::new()).await?;
+    let agent_device_front = host.as_ref().map(|host| {
+        let catalog = worker.clone();
+        let link = InProcessHostLink::new(
+            host.clone(),
+            move || {
+                catalog
+                    .catalog(None)
+                    .platforms
+                    .into_iter()
+                    .map(|p| p.platform)
+                    .collect::<BTreeSet<_>>()
+            },
+            base.config.lease.max_ttl_ms,
+        );
+        (host.clone(), link)
+    });
+    let (tokens, cap, max_ttl) = (
+        base.tokens.clone(),
+        base.config.agent_device.lease_ttl_cap_ms,
+        base.config.lease.max_ttl_ms,
+    );
+    let mut agent_device = None;
+    let running = base
+        .serve_with(router, http, |pipeline| {
+            let Some((host, link)) = agent_device_front else {
+                return Vec::new();
+            };
+            let front = Front::new(FrontOptions {
+                link: Arc::new(link),
+                pipeline: pipeline.clone(),
+                tokens,
+                lease_ttl_cap_ms: cap,
+                max_ttl_ms: max_ttl,
+            });
+            let mount = front.mount();
+            agent_device = Some(AgentDevice { host, front });
+            vec![mount]
+        })
+        .await?;
     let uplink_stop = CancellationToken::new();
     let dial = |running: &Running| {
         gateway
@@ -157,15 +254,23 @@ pub async fn start(options: WorkerOptions) -> Result<RunningWorker, StartError> 
         running,
         worker,
         uplink,
+        agent_device,
         uplink_stop,
     })
 }
 
 impl RunningWorker {
-    /// Stops the worker: the uplink, then the hosts. Leases stay committed.
+    /// Stops the worker: the front's waiting allocates, the uplink, then the hosts, then the
+    /// agent-device daemon. Leases stay committed.
     pub async fn stop(self, reason: &str) {
+        if let Some(agent_device) = &self.agent_device {
+            agent_device.front.stop();
+        }
         self.uplink_stop.cancel();
         self.worker.shutdown();
         self.running.stop(reason).await;
+        if let Some(agent_device) = &self.agent_device {
+            agent_device.host.stop().await;
+        }
     }
 }

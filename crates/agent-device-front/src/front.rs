@@ -138,14 +138,19 @@ struct FrontMount {
 
 impl Mount for FrontMount {
     fn matches(&self, path: &str) -> bool {
-        path == PREFIX || path.strip_prefix(PREFIX).is_some_and(|rest| rest.starts_with('/'))
+        path == PREFIX
+            || path
+                .strip_prefix(PREFIX)
+                .is_some_and(|rest| rest.starts_with('/'))
     }
 
     fn serve(&self, request: Request<Incoming>) -> BoxFuture<'static, Response<Body>> {
         let inner = self.inner.clone();
         async move {
             let (parts, body) = request.into_parts();
-            let body = body.map_err(|e| -> crate::BoxError { Box::new(e) }).boxed_unsync();
+            let body = body
+                .map_err(|e| -> crate::BoxError { Box::new(e) })
+                .boxed_unsync();
             serve(inner, Request::from_parts(parts, body)).await
         }
         .boxed()
@@ -247,10 +252,11 @@ fn absolute(request: Request<Body>) -> Result<Request<Body>, Refusal> {
             .uri
             .path_and_query()
             .map_or_else(|| parts.uri.path().to_owned(), ToString::to_string);
-        parts.uri = Uri::try_from(format!("{scheme}://{host}{path}")).map_err(|_| Refusal::Invalid {
-            rpc_code: -32600,
-            message: "the request's Host header does not make a URL".into(),
-        })?;
+        parts.uri =
+            Uri::try_from(format!("{scheme}://{host}{path}")).map_err(|_| Refusal::Invalid {
+                rpc_code: -32600,
+                message: "the request's Host header does not make a URL".into(),
+            })?;
     }
     Ok(Request::from_parts(parts, body))
 }
@@ -268,15 +274,15 @@ fn authenticate(tokens: &TokenStore, headers: &HeaderMap) -> Result<Caller, Refu
             .and_then(|v| v.to_str().ok())
             .map(|t| format!("Bearer {t}"))
     });
-    let caller = simlock_daemon::auth::bearer(tokens, header.as_deref()).map_err(|e| match e.code
-    {
-        ErrorCode::Forbidden => Refusal::Forbidden(e.message),
-        ErrorCode::Unauthenticated => Refusal::Unauthenticated(e.message),
-        _ => Refusal::NotAvailable {
-            reason: format!("the token could not be checked: {}", e.message),
-            retriable: true,
-        },
-    })?;
+    let caller =
+        simlock_daemon::auth::bearer(tokens, header.as_deref()).map_err(|e| match e.code {
+            ErrorCode::Forbidden => Refusal::Forbidden(e.message),
+            ErrorCode::Unauthenticated => Refusal::Unauthenticated(e.message),
+            _ => Refusal::NotAvailable {
+                reason: format!("the token could not be checked: {}", e.message),
+                retriable: true,
+            },
+        })?;
     let credential = header
         .as_deref()
         .and_then(|h| h.get(7..))
@@ -430,7 +436,11 @@ impl Exchange {
     }
 
     /// Forwards `body` as this request's body.
-    async fn forward(&self, body: Bytes, lease: Option<&LeaseId>) -> Result<Response<Body>, Failed> {
+    async fn forward(
+        &self,
+        body: Bytes,
+        lease: Option<&LeaseId>,
+    ) -> Result<Response<Body>, Failed> {
         let mut parts = self.parts.clone();
         parts.headers.remove(http::header::CONTENT_LENGTH);
         if let Ok(len) = HeaderValue::from_str(&body.len().to_string()) {
@@ -479,11 +489,18 @@ async fn release_simlock_lease(pipeline: &Pipeline, ctx: CallCtx, lease: &LeaseI
     match pipeline.call_typed::<LeaseRelease>(ctx, &input).await {
         Ok(_) => {}
         Err(e) if e.code == ErrorCode::UnknownLease => {}
-        Err(e) => warn!(%lease, code = %e.code, message = %e.message, "the simlock lease could not be released"),
+        Err(e) => {
+            warn!(%lease, code = %e.code, message = %e.message, "the simlock lease could not be released")
+        }
     }
 }
 
-fn answer_from(parts: http::response::Parts, bytes: Bytes) -> Response<Body> {
+/// An answer read whole (and perhaps rewritten), its length stated anew.
+fn answer_from(mut parts: http::response::Parts, bytes: Bytes) -> Response<Body> {
+    parts.headers.remove(http::header::TRANSFER_ENCODING);
+    if let Ok(len) = HeaderValue::from_str(&bytes.len().to_string()) {
+        parts.headers.insert(http::header::CONTENT_LENGTH, len);
+    }
     Response::from_parts(parts, crate::body::full(bytes))
 }
 
@@ -551,7 +568,11 @@ async fn allocate(ctx: &Exchange, mut call: RpcCall) -> Result<Response<Body>, F
             lease_id: lease.to_string(),
             ttl_ms: Some(ttl_ms),
         };
-        if let Err(e) = inner.pipeline.call_typed::<LeaseRenew>(ctx.ctx(), &renew).await {
+        if let Err(e) = inner
+            .pipeline
+            .call_typed::<LeaseRenew>(ctx.ctx(), &renew)
+            .await
+        {
             ctx.release_simlock(&lease).await;
             return Err(ctx.fail(Refusal::from_simlock(&e)));
         }
@@ -611,7 +632,10 @@ async fn wait_for_grant(
                 let cancel = LeaseCancelInput {
                     requester_id: Some(lease.to_string()),
                 };
-                if let Err(e) = pipeline.call_typed::<LeaseCancel>(cancel_ctx, &cancel).await {
+                if let Err(e) = pipeline
+                    .call_typed::<LeaseCancel>(cancel_ctx, &cancel)
+                    .await
+                {
                     debug!(%lease, code = %e.code, "lease.cancel for an abandoned allocate failed");
                 }
                 // The request ends now: cancelled, or granted because its device work had
@@ -619,7 +643,10 @@ async fn wait_for_grant(
                 if call.await.is_ok() {
                     release_simlock_lease(&pipeline, release_ctx, &lease).await;
                 }
-                Err(ContractError::new(ErrorCode::Cancelled, "the allocate was withdrawn"))
+                Err(ContractError::new(
+                    ErrorCode::Cancelled,
+                    "the allocate was withdrawn",
+                ))
             }
         };
         if let Err(Ok(_unwanted)) = tx.send(outcome) {
@@ -699,7 +726,12 @@ async fn heartbeat(
         lease_id: lease.to_string(),
         ttl_ms: Some(entry.ttl_ms),
     };
-    match ctx.inner.pipeline.call_typed::<LeaseRenew>(ctx.ctx(), &renew).await {
+    match ctx
+        .inner
+        .pipeline
+        .call_typed::<LeaseRenew>(ctx.ctx(), &renew)
+        .await
+    {
         Ok(_) => {
             ctx.inner.leases.touch(lease, Instant::now());
             Ok(answer_from(parts, bytes))
@@ -794,7 +826,11 @@ async fn auxiliary(
 ) -> Result<Response<Body>, Failed> {
     let surface = Surface::Route;
     let lease = if inner.link.reads_lease_header() {
-        match request.headers().get(LEASE_HEADER).map(HeaderValue::as_bytes) {
+        match request
+            .headers()
+            .get(LEASE_HEADER)
+            .map(HeaderValue::as_bytes)
+        {
             None | Some(b"") => None,
             Some(raw) => {
                 let lease = std::str::from_utf8(raw)
@@ -841,7 +877,10 @@ async fn auxiliary(
             retriable: true,
         })
     })?;
-    Ok(answer_from(parts, with_credentials(bytes, &caller.credential)))
+    Ok(answer_from(
+        parts,
+        with_credentials(bytes, &caller.credential),
+    ))
 }
 
 /// Puts the caller's own credentials into an upload ticket's headers, so the CLI's PUT is
@@ -858,7 +897,10 @@ fn with_credentials(bytes: Bytes, credential: &str) -> Bytes {
     else {
         return bytes;
     };
-    headers.insert("authorization".into(), Value::from(format!("Bearer {credential}")));
+    headers.insert(
+        "authorization".into(),
+        Value::from(format!("Bearer {credential}")),
+    );
     headers.insert("x-agent-device-token".into(), Value::from(credential));
     Bytes::from(ticket.to_string())
 }
@@ -870,19 +912,32 @@ mod tests {
     #[test]
     fn routes_are_agent_device_routes_under_the_prefix() {
         let p = |m: Method, path: &str| Route::parse(&m, path);
-        assert_eq!(p(Method::GET, "/v1/agent-device/health"), Some(Route::Health));
+        assert_eq!(
+            p(Method::GET, "/v1/agent-device/health"),
+            Some(Route::Health)
+        );
         assert_eq!(p(Method::POST, "/v1/agent-device/rpc"), Some(Route::Rpc));
-        assert_eq!(p(Method::GET, "/v1/agent-device/rpc"), None, "another method");
+        assert_eq!(
+            p(Method::GET, "/v1/agent-device/rpc"),
+            None,
+            "another method"
+        );
         assert_eq!(
             p(Method::PUT, "/v1/agent-device/upload/direct/abc"),
             Some(Route::Direct)
         );
         assert_eq!(p(Method::PUT, "/v1/agent-device/upload/direct/"), None);
         assert_eq!(
-            p(Method::GET, "/v1/agent-device/sessions/a%3Ab/requests/r1/diagnostics"),
+            p(
+                Method::GET,
+                "/v1/agent-device/sessions/a%3Ab/requests/r1/diagnostics"
+            ),
             Some(Route::Diagnostics)
         );
-        assert_eq!(p(Method::GET, "/v1/agent-device/admin/human-control/holds"), None);
+        assert_eq!(
+            p(Method::GET, "/v1/agent-device/admin/human-control/holds"),
+            None
+        );
         assert_eq!(p(Method::GET, "/v1/agent-device"), None);
     }
 
@@ -890,9 +945,16 @@ mod tests {
     fn a_ticket_gets_the_callers_credentials() {
         let ticket = br#"{"ok":true,"uploadId":"u","upload":{"url":"http://gw/v1/agent-device/upload/direct/u","headers":{"content-type":"application/octet-stream"}}}"#;
         let out: Value =
-            serde_json::from_slice(&with_credentials(Bytes::from_static(ticket), "slk_me")).unwrap();
-        assert_eq!(out["upload"]["headers"]["authorization"], json!("Bearer slk_me"));
-        assert_eq!(out["upload"]["headers"]["x-agent-device-token"], json!("slk_me"));
+            serde_json::from_slice(&with_credentials(Bytes::from_static(ticket), "slk_me"))
+                .unwrap();
+        assert_eq!(
+            out["upload"]["headers"]["authorization"],
+            json!("Bearer slk_me")
+        );
+        assert_eq!(
+            out["upload"]["headers"]["x-agent-device-token"],
+            json!("slk_me")
+        );
         assert_eq!(
             out["upload"]["headers"]["content-type"],
             json!("application/octet-stream")

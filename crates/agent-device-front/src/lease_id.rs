@@ -18,8 +18,11 @@ impl LeaseId {
 
     /// Reads `raw` as an id: `None` unless it is 32 lower-case hex characters.
     pub fn parse(raw: &str) -> Option<Self> {
-        (raw.len() == Self::LEN && raw.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)))
-            .then(|| Self(raw.to_owned()))
+        (raw.len() == Self::LEN
+            && raw
+                .bytes()
+                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)))
+        .then(|| Self(raw.to_owned()))
     }
 
     /// A fresh random id.
@@ -51,13 +54,19 @@ mod tests {
     #[test]
     fn only_32_lower_case_hex_characters_are_an_id() {
         let ok = "0123456789abcdef0123456789abcdef";
-        assert_eq!(LeaseId::parse(ok).map(|l| l.to_string()).as_deref(), Some(ok));
+        assert_eq!(
+            LeaseId::parse(ok).map(|l| l.to_string()).as_deref(),
+            Some(ok)
+        );
         assert!(LeaseId::parse(&ok[..31]).is_none(), "one short");
         assert!(LeaseId::parse(&format!("{ok}0")).is_none(), "one past");
         assert!(LeaseId::parse(&ok.to_uppercase()).is_none(), "upper case");
         assert!(LeaseId::parse("g123456789abcdef0123456789abcdef").is_none());
         assert!(LeaseId::parse("").is_none());
-        assert!(LeaseId::parse(&"é".repeat(16)).is_none(), "32 bytes, not hex");
+        assert!(
+            LeaseId::parse(&"é".repeat(16)).is_none(),
+            "32 bytes, not hex"
+        );
     }
 
     #[test]

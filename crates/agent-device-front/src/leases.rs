@@ -129,7 +129,11 @@ mod tests {
         leases.insert(c.clone(), entry("tok_2", 60_000, now));
         assert!(leases.owned(&a, "tok_1").is_some());
         assert!(leases.owned(&a, "tok_2").is_none());
-        let held: Vec<LeaseId> = leases.of_principal("tok_1").into_iter().map(|(l, _)| l).collect();
+        let held: Vec<LeaseId> = leases
+            .of_principal("tok_1")
+            .into_iter()
+            .map(|(l, _)| l)
+            .collect();
         assert_eq!(held, vec![b, a]);
     }
 

@@ -65,7 +65,9 @@ pub enum Refusal {
     #[error("refused: this token cannot be used through a gateway")]
     TokenNotUsable,
     /// The simlock lease behind the agent-device lease ended.
-    #[error("the simlock lease behind agent-device lease {0} ended (released or expired); connect again for a new device")]
+    #[error(
+        "the simlock lease behind agent-device lease {0} ended (released or expired); connect again for a new device"
+    )]
     LeaseEnded(LeaseId),
     /// A worker's answer to `devices` held no list.
     #[error("could not read the device list from the worker holding lease {0}")]
@@ -173,7 +175,11 @@ impl Refusal {
     }
 
     /// The reply with an explicit status (`/health` answers 200 whatever it says).
-    pub fn into_response_with_status(self, surface: &Surface, status: StatusCode) -> Response<Body> {
+    pub fn into_response_with_status(
+        self,
+        surface: &Surface,
+        status: StatusCode,
+    ) -> Response<Body> {
         let message = self.to_string();
         let body = match surface {
             Surface::Rpc { id } => {
@@ -268,7 +274,9 @@ mod tests {
         assert_eq!(body["ok"], json!(false));
         assert_eq!(
             body["error"],
-            json!(format!("refused: lease {lease} is not one of yours on this gateway"))
+            json!(format!(
+                "refused: lease {lease} is not one of yours on this gateway"
+            ))
         );
         assert_eq!(body["code"], json!("UNAUTHORIZED"));
         assert_eq!(body["details"]["reason"], json!("LEASE_SCOPE_MISMATCH"));
@@ -284,21 +292,31 @@ mod tests {
             Refusal::BadLeaseHeader.to_string(),
             "refused: the x-agent-device-lease-id header is not a lease id"
         );
-        assert_eq!(Refusal::SimlockPicksDevice.to_string(), "refused: simlock picks the device");
+        assert_eq!(
+            Refusal::SimlockPicksDevice.to_string(),
+            "refused: simlock picks the device"
+        );
         assert_eq!(
             Refusal::PlatformUnavailable("ios".into()).to_string(),
             "refused: ios is not available on this simlock"
         );
         let lease = LeaseId::parse("0123456789abcdef0123456789abcdef").unwrap();
         assert_eq!(
-            Refusal::NotYours { lease: lease.clone(), through_gateway: false }.to_string(),
+            Refusal::NotYours {
+                lease: lease.clone(),
+                through_gateway: false
+            }
+            .to_string(),
             format!("refused: lease {lease} is not one of yours")
         );
         assert_eq!(
             Refusal::DevicesUnreadable(lease.clone()).to_string(),
             format!("could not read the device list from the worker holding lease {lease}")
         );
-        assert_eq!(Refusal::DevicesUnreadable(lease).status(), StatusCode::BAD_GATEWAY);
+        assert_eq!(
+            Refusal::DevicesUnreadable(lease).status(),
+            StatusCode::BAD_GATEWAY
+        );
         assert_eq!(
             Refusal::TokenNotUsable.to_string(),
             "refused: this token cannot be used through a gateway"

@@ -9,8 +9,12 @@ use simlock_contract::model::Platform;
 use crate::lease_id::LeaseId;
 use crate::reply::Refusal;
 
-/// The largest `/rpc` body: agent-device's own cap, 1 MiB.
-pub const MAX_RPC_BODY: usize = 1024 * 1024;
+/// agent-device's own cap on an `/rpc` body: 1 MiB.
+pub const AGENT_DEVICE_MAX_RPC_BODY: usize = 1024 * 1024;
+/// The largest `/rpc` body the front takes: agent-device's 1 MiB less 4 KiB, the room simlock's
+/// own rewrites (tenant, lease ids, the pinned device, the device key) may take, so that a
+/// request the front accepted is never refused by the daemon for its size.
+pub const MAX_RPC_BODY: usize = AGENT_DEVICE_MAX_RPC_BODY - 4 * 1024;
 
 /// A method the front treats on its own; anything else is [`Method::Other`].
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -135,8 +139,7 @@ impl RpcCall {
                 Some(seen) if *seen != lease => {
                     return Err(Refusal::Invalid {
                         rpc_code: -32602,
-                        message: "Invalid params: the request names two different lease ids"
-                            .into(),
+                        message: "Invalid params: the request names two different lease ids".into(),
                     });
                 }
                 _ => found = Some(lease),
@@ -166,10 +169,7 @@ impl RpcCall {
                 Ok(Platform::Ios)
             }
             (Some("android-instance"), _) | (None, Some("android")) => Ok(Platform::Android),
-            (Some(other), _) => Err(other
-                .strip_suffix("-instance")
-                .unwrap_or(other)
-                .to_owned()),
+            (Some(other), _) => Err(other.strip_suffix("-instance").unwrap_or(other).to_owned()),
             (None, Some(other)) => Err(other.to_owned()),
         }
     }
@@ -244,14 +244,19 @@ fn invalid_request() -> Refusal {
 fn bad_lease_id() -> Refusal {
     Refusal::Invalid {
         rpc_code: -32602,
-        message: "Invalid params: leaseId is not an agent-device lease id (32 lower-case hex characters)"
-            .into(),
+        message:
+            "Invalid params: leaseId is not an agent-device lease id (32 lower-case hex characters)"
+                .into(),
     }
 }
 
 /// Runs `change` on the object under `key` in `map`, making it an object first when it is
 /// missing or something else.
-pub fn with_object(map: &mut Map<String, Value>, key: &str, change: impl FnOnce(&mut Map<String, Value>)) {
+pub fn with_object(
+    map: &mut Map<String, Value>,
+    key: &str,
+    change: impl FnOnce(&mut Map<String, Value>),
+) {
     let mut object = match map.remove(key) {
         Some(Value::Object(object)) => object,
         _ => Map::new(),
@@ -283,9 +288,9 @@ impl Answer {
             // A progress stream: the last line holding a response.
             bytes
                 .split(|b| *b == b'\n')
+                .rev()
                 .filter_map(|line| serde_json::from_slice::<Value>(line).ok())
-                .filter_map(|v| v.get("response").cloned())
-                .last()
+                .find_map(|v| v.get("response").cloned())
         });
         let Some(value) = value else {
             return Self::Unreadable;
@@ -358,7 +363,10 @@ mod tests {
     fn envelope_errors_carry_json_rpcs_codes() {
         assert_eq!(rpc_code(RpcCall::parse(b"{nope").unwrap_err()), -32700);
         assert_eq!(rpc_code(RpcCall::parse(b"[1]").unwrap_err()), -32600);
-        assert_eq!(rpc_code(RpcCall::parse(br#"{"id":"1"}"#).unwrap_err()), -32600);
+        assert_eq!(
+            rpc_code(RpcCall::parse(br#"{"id":"1"}"#).unwrap_err()),
+            -32600
+        );
         let no_params = br#"{"jsonrpc":"2.0","id":"1","method":"agent_device.command"}"#;
         assert_eq!(rpc_code(RpcCall::parse(no_params).unwrap_err()), -32602);
     }
@@ -385,7 +393,9 @@ mod tests {
         let c = call(json!({"id": 1, "method": "agent_device.command",
             "params": {"command": "open", "meta": {"leaseId": "NOTHEX"}}}));
         assert_eq!(rpc_code(c.lease().unwrap_err()), -32602);
-        let c = call(json!({"id": 1, "method": "agent_device.command", "params": {"command": "devices"}}));
+        let c = call(
+            json!({"id": 1, "method": "agent_device.command", "params": {"command": "devices"}}),
+        );
         assert_eq!(c.lease().unwrap(), None);
     }
 
@@ -397,8 +407,14 @@ mod tests {
         };
         assert_eq!(alloc(json!({})), Ok(Platform::Ios));
         assert_eq!(alloc(json!({"backend": "ios-instance"})), Ok(Platform::Ios));
-        assert_eq!(alloc(json!({"backend": "android-instance"})), Ok(Platform::Android));
-        assert_eq!(alloc(json!({"backend": "harmonyos-instance"})), Err("harmonyos".into()));
+        assert_eq!(
+            alloc(json!({"backend": "android-instance"})),
+            Ok(Platform::Android)
+        );
+        assert_eq!(
+            alloc(json!({"backend": "harmonyos-instance"})),
+            Err("harmonyos".into())
+        );
     }
 
     #[test]

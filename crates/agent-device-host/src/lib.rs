@@ -49,16 +49,26 @@ pub const STOP_GRACE: Duration = Duration::from_secs(5);
 pub const HEALTH_INTERVAL: Duration = Duration::from_secs(10);
 /// The bound on one `/health` read, and on each call the host makes on its own.
 pub const CALL_TIMEOUT: Duration = Duration::from_secs(5);
-/// The largest `/rpc` body (agent-device's own cap).
-const MAX_RPC_BODY: usize = agent_device_front::rpc::MAX_RPC_BODY;
+/// The largest `/rpc` body (agent-device's own cap; the front that sent it took 4 KiB less).
+const MAX_RPC_BODY: usize = agent_device_front::rpc::AGENT_DEVICE_MAX_RPC_BODY;
 /// The largest answer the host rewrites (lease answers, tickets).
 const MAX_ANSWER: usize = 4 * 1024 * 1024;
+
+/// Which daemon a host serves.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Daemon {
+    /// One it starts and supervises.
+    Spawn(DaemonSpec),
+    /// One that already runs at an endpoint (tests attach an in-process fake here, so that a
+    /// paused clock drives both).
+    Attach(Endpoint),
+}
 
 /// What a host is started with.
 #[derive(Debug, Clone)]
 pub struct HostOptions {
-    /// The daemon: argv, state directory, extra environment.
-    pub daemon: DaemonSpec,
+    /// The daemon.
+    pub daemon: Daemon,
     /// How long a start may take.
     pub start_timeout: Duration,
     /// SIGTERM to SIGKILL.
@@ -71,11 +81,11 @@ impl HostOptions {
     /// Options with the default timing.
     pub fn new(command: Vec<String>, state_dir: PathBuf) -> Self {
         Self {
-            daemon: DaemonSpec {
+            daemon: Daemon::Spawn(DaemonSpec {
                 command,
                 state_dir,
                 env: Vec::new(),
-            },
+            }),
             start_timeout: START_TIMEOUT,
             stop_grace: STOP_GRACE,
             health_interval: HEALTH_INTERVAL,
@@ -105,6 +115,8 @@ struct HostLease {
     session: Option<String>,
     /// The tenant the caller declared, shown back in lease answers.
     caller_tenant: Option<String>,
+    /// The device key the daemon recorded, filled in where a caller left it out.
+    device_key: Option<String>,
 }
 
 struct Shared {
@@ -133,10 +145,15 @@ impl AgentDeviceHost {
     /// Stops whatever an earlier run left behind, then starts the daemon and supervises it.
     /// Returns at once; [`Self::status`] says when it serves.
     pub async fn start(options: HostOptions) -> Self {
-        process::stop_leftovers(&options.daemon.state_dir, options.stop_grace).await;
-        let (state, _) = watch::channel(DaemonState::Unavailable(
-            "the agent-device daemon is starting".into(),
-        ));
+        if let Daemon::Spawn(spec) = &options.daemon {
+            process::stop_leftovers(&spec.state_dir, options.stop_grace).await;
+        }
+        let (state, _) = watch::channel(match &options.daemon {
+            Daemon::Spawn(_) => {
+                DaemonState::Unavailable("the agent-device daemon is starting".into())
+            }
+            Daemon::Attach(endpoint) => DaemonState::Running(endpoint.clone()),
+        });
         let mut connector = HttpConnector::new();
         connector.set_nodelay(true);
         let client = Client::builder(TokioExecutor::new()).build(connector);
@@ -146,7 +163,20 @@ impl AgentDeviceHost {
             client,
         });
         let stop = CancellationToken::new();
-        let task = tokio::spawn(supervise(shared.clone(), options, stop.clone()));
+        let task = match options.daemon.clone() {
+            Daemon::Spawn(spec) => {
+                tokio::spawn(supervise(shared.clone(), spec, options, stop.clone()))
+            }
+            Daemon::Attach(_) => {
+                let (shared, stop) = (shared.clone(), stop.clone());
+                tokio::spawn(async move {
+                    stop.cancelled().await;
+                    shared.state.send_replace(DaemonState::Unavailable(
+                        "the agent-device daemon is stopped".into(),
+                    ));
+                })
+            }
+        };
         Self {
             shared,
             stop,
@@ -219,8 +249,7 @@ impl AgentDeviceHost {
     }
 
     async fn call_daemon(&self, endpoint: &Endpoint, call: &Value) -> Result<Value, String> {
-        let headers =
-            proxy::upstream_headers(&http::HeaderMap::new(), &endpoint.token, "", true);
+        let headers = proxy::upstream_headers(&http::HeaderMap::new(), &endpoint.token, "", true);
         let request = proxy::upstream_request(
             Method::POST,
             endpoint.port,
@@ -233,10 +262,13 @@ impl AgentDeviceHost {
             .await
             .map_err(|_| format!("no answer within {CALL_TIMEOUT:?}"))?
             .map_err(|e| e.to_string())?;
-        let bytes = tokio::time::timeout(CALL_TIMEOUT, read_to_bytes(response.into_body(), MAX_ANSWER))
-            .await
-            .map_err(|_| format!("no answer within {CALL_TIMEOUT:?}"))?
-            .map_err(|e| e.to_string())?;
+        let bytes = tokio::time::timeout(
+            CALL_TIMEOUT,
+            read_to_bytes(response.into_body(), MAX_ANSWER),
+        )
+        .await
+        .map_err(|_| format!("no answer within {CALL_TIMEOUT:?}"))?
+        .map_err(|e| e.to_string())?;
         serde_json::from_slice(&bytes).map_err(|e| e.to_string())
     }
 
@@ -255,16 +287,20 @@ impl AgentDeviceHost {
         let (parts, body) = request.into_parts();
         let path = parts.uri.path();
         let route = path.strip_prefix(PREFIX).unwrap_or(path).to_owned();
-        let query = parts.uri.query().map(|q| format!("?{q}")).unwrap_or_default();
+        let query = parts
+            .uri
+            .query()
+            .map(|q| format!("?{q}"))
+            .unwrap_or_default();
         let public_prefix = match (parts.uri.scheme_str(), parts.uri.authority()) {
             (Some(scheme), Some(authority)) => format!("{scheme}://{authority}{PREFIX}"),
             _ => PREFIX.to_owned(),
         };
         let caller_request_id = parts.headers.get("x-request-id").cloned();
         if route == "/rpc" {
-            let bytes = read_to_bytes(body, MAX_RPC_BODY).await.map_err(|e| {
-                (read_refusal(&e), Surface::Rpc { id: Value::Null })
-            })?;
+            let bytes = read_to_bytes(body, MAX_RPC_BODY)
+                .await
+                .map_err(|e| (read_refusal(&e), Surface::Rpc { id: Value::Null }))?;
             let call = RpcRewrite::parse(&bytes).ok_or((
                 Refusal::Invalid {
                     rpc_code: -32700,
@@ -284,7 +320,14 @@ impl AgentDeviceHost {
                 ));
             }
             return self
-                .forward_rpc(&endpoint, &parts.headers, call, tenant, lease, caller_request_id)
+                .forward_rpc(
+                    &endpoint,
+                    &parts.headers,
+                    call,
+                    tenant,
+                    lease,
+                    caller_request_id,
+                )
                 .await
                 .map_err(|r| (r, surface));
         }
@@ -303,7 +346,8 @@ impl AgentDeviceHost {
                 return Err((Refusal::NotFound, surface));
             }
         }
-        let headers = proxy::upstream_headers(&parts.headers, &endpoint.token, tenant.as_str(), false);
+        let headers =
+            proxy::upstream_headers(&parts.headers, &endpoint.token, tenant.as_str(), false);
         let upstream = proxy::upstream_request(
             parts.method.clone(),
             endpoint.port,
@@ -312,10 +356,7 @@ impl AgentDeviceHost {
             body,
         )
         .ok_or((Refusal::NotFound, Surface::Route))?;
-        let response = self
-            .send(upstream)
-            .await
-            .map_err(|r| (r, Surface::Route))?;
+        let response = self.send(upstream).await.map_err(|r| (r, Surface::Route))?;
         let response = proxy::downstream(response, caller_request_id.as_ref());
         if route != "/upload/preflight" || !response.status().is_success() {
             return Ok(response);
@@ -332,7 +373,10 @@ impl AgentDeviceHost {
             Err(_) => bytes,
         };
         proxy::set_length(&mut parts.headers, bytes.len());
-        Ok(Response::from_parts(parts, agent_device_front::body::full(bytes)))
+        Ok(Response::from_parts(
+            parts,
+            agent_device_front::body::full(bytes),
+        ))
     }
 
     async fn forward_rpc(
@@ -351,9 +395,11 @@ impl AgentDeviceHost {
             _ => None,
         };
         let caller_tenant = call.caller_tenant();
-        let mapping = known
-            .as_ref()
-            .map(|k| (k.daemon_id.as_str(), k.run_id.as_str()));
+        let mapping = known.as_ref().map(|k| proxy::LeaseMapping {
+            daemon_id: &k.daemon_id,
+            run_id: &k.run_id,
+            device_key: k.device_key.as_deref(),
+        });
         call.rewrite(&endpoint.token, tenant.as_str(), mapping);
         let body = call.to_bytes();
         let mut headers = proxy::upstream_headers(incoming, &endpoint.token, tenant.as_str(), true);
@@ -373,9 +419,14 @@ impl AgentDeviceHost {
         };
         // A lease answer: the daemon's id becomes the front's, and an allocate is recorded.
         let (mut parts, body) = response.into_parts();
-        let bytes = read_to_bytes(body, MAX_ANSWER).await.map_err(|e| unreadable(&e))?;
+        let bytes = read_to_bytes(body, MAX_ANSWER)
+            .await
+            .map_err(|e| unreadable(&e))?;
         let Ok(mut answer) = serde_json::from_slice::<Value>(&bytes) else {
-            return Ok(Response::from_parts(parts, agent_device_front::body::full(bytes)));
+            return Ok(Response::from_parts(
+                parts,
+                agent_device_front::body::full(bytes),
+            ));
         };
         if let (Some(scope), Some(daemon_id)) = (scope, proxy::answered_lease_id(&answer)) {
             self.shared.leases.lock().insert(
@@ -386,6 +437,10 @@ impl AgentDeviceHost {
                     run_id: scope.run_id,
                     session: scope.session,
                     caller_tenant: scope.caller_tenant,
+                    device_key: answer
+                        .pointer("/result/data/lease/deviceKey")
+                        .and_then(Value::as_str)
+                        .map(String::from),
                 },
             );
         }
@@ -396,7 +451,10 @@ impl AgentDeviceHost {
         proxy::rewrite_lease_answer(&mut answer, lease, shown_tenant.as_deref());
         let bytes = Bytes::from(answer.to_string());
         proxy::set_length(&mut parts.headers, bytes.len());
-        Ok(Response::from_parts(parts, agent_device_front::body::full(bytes)))
+        Ok(Response::from_parts(
+            parts,
+            agent_device_front::body::full(bytes),
+        ))
     }
 
     /// `/health` in the shape agent-device's proxy answers it, the daemon's own inside.
@@ -427,7 +485,10 @@ impl AgentDeviceHost {
             "rpcProtocolVersion": upstream.get("rpcProtocolVersion").cloned().unwrap_or(Value::Null),
             "upstream": upstream,
         });
-        Ok(agent_device_front::reply::json_response(StatusCode::OK, &body))
+        Ok(agent_device_front::reply::json_response(
+            StatusCode::OK,
+            &body,
+        ))
     }
 
     fn endpoint(&self) -> Result<Endpoint, Refusal> {
@@ -441,12 +502,15 @@ impl AgentDeviceHost {
     }
 
     async fn send(&self, request: Request<Body>) -> Result<Response<Body>, Refusal> {
-        let response = self.shared.client.request(request).await.map_err(|e| {
-            Refusal::NotAvailable {
-                reason: format!("the agent-device daemon did not answer: {e}"),
-                retriable: true,
-            }
-        })?;
+        let response =
+            self.shared
+                .client
+                .request(request)
+                .await
+                .map_err(|e| Refusal::NotAvailable {
+                    reason: format!("the agent-device daemon did not answer: {e}"),
+                    retriable: true,
+                })?;
         let (parts, body) = response.into_parts();
         Ok(Response::from_parts(
             parts,
@@ -478,18 +542,26 @@ fn unreadable(error: &ReadError) -> Refusal {
 }
 
 /// The supervision's shell: start, watch, restart after a backoff, stop.
-async fn supervise(shared: Arc<Shared>, options: HostOptions, stop: CancellationToken) {
+async fn supervise(
+    shared: Arc<Shared>,
+    spec: DaemonSpec,
+    options: HostOptions,
+    stop: CancellationToken,
+) {
     let mut supervision = Supervision::new();
-    let now = || tokio::time::Instant::now().into_std();
+    let epoch = tokio::time::Instant::now();
+    let now = || epoch.elapsed();
     loop {
         let spawned = tokio::select! {
-            spawned = process::spawn(&options.daemon, options.start_timeout, options.stop_grace) => spawned,
+            spawned = process::spawn(&spec, options.start_timeout, options.stop_grace) => spawned,
             () = stop.cancelled() => break,
         };
         let retry_at = match spawned {
             Ok(mut daemon) => {
                 supervision.handle_started(now());
-                shared.state.send_replace(DaemonState::Running(daemon.endpoint.clone()));
+                shared
+                    .state
+                    .send_replace(DaemonState::Running(daemon.endpoint.clone()));
                 let ended = tokio::select! {
                     status = daemon.child.wait() => Ended::Exited(status.map_or_else(|e| e.to_string(), |s| s.to_string())),
                     () = unhealthy(&shared.client, &daemon.endpoint, options.health_interval) => Ended::Unhealthy,
@@ -498,29 +570,42 @@ async fn supervise(shared: Arc<Shared>, options: HostOptions, stop: Cancellation
                 shared.state.send_replace(DaemonState::Unavailable(
                     "the agent-device daemon is restarting".into(),
                 ));
-                process::stop(&daemon.recorded, Some(&mut daemon.child), options.stop_grace).await;
-                process::clear_pid_file(&options.daemon.state_dir);
+                process::stop(
+                    &daemon.recorded,
+                    Some(&mut daemon.child),
+                    options.stop_grace,
+                )
+                .await;
+                process::clear_pid_file(&spec.state_dir);
                 // A new daemon knows none of the old one's leases.
                 shared.leases.lock().clear();
                 let reason = match ended {
                     Ended::Stop => break,
-                    Ended::Exited(status) => format!("the agent-device daemon exited ({status}); restarting"),
-                    Ended::Unhealthy => "the agent-device daemon stopped answering /health; restarting".to_owned(),
+                    Ended::Exited(status) => {
+                        format!("the agent-device daemon exited ({status}); restarting")
+                    }
+                    Ended::Unhealthy => {
+                        "the agent-device daemon stopped answering /health; restarting".to_owned()
+                    }
                 };
                 warn!(%reason, "agent-device daemon down");
-                shared.state.send_replace(DaemonState::Unavailable(reason.clone()));
+                shared
+                    .state
+                    .send_replace(DaemonState::Unavailable(reason.clone()));
                 supervision.handle_down(now(), reason)
             }
             Err(e) => {
                 let reason = format!("{e}; retrying");
                 warn!(%reason, "agent-device daemon did not start");
-                shared.state.send_replace(DaemonState::Unavailable(reason.clone()));
+                shared
+                    .state
+                    .send_replace(DaemonState::Unavailable(reason.clone()));
                 supervision.handle_down(now(), reason)
             }
         };
         let Some(retry_at) = retry_at else { break };
         tokio::select! {
-            () = tokio::time::sleep_until(tokio::time::Instant::from_std(retry_at)) => {}
+            () = tokio::time::sleep_until(epoch + retry_at) => {}
             () = stop.cancelled() => break,
         }
         supervision.handle_timeout(now());

@@ -111,7 +111,11 @@ struct DaemonJson {
 ///
 /// # Errors
 /// [`ProcessError`]; a process that was started is stopped again before the error returns.
-pub async fn spawn(spec: &DaemonSpec, timeout: Duration, grace: Duration) -> Result<Daemon, ProcessError> {
+pub async fn spawn(
+    spec: &DaemonSpec,
+    timeout: Duration,
+    grace: Duration,
+) -> Result<Daemon, ProcessError> {
     let state = &spec.state_dir;
     ensure_dir(state).map_err(|source| ProcessError::StateDir {
         path: state.clone(),
@@ -208,7 +212,9 @@ async fn read_port(child: &mut Child) -> Result<u16, ProcessError> {
                         .parse::<u16>()
                         .ok()
                         .filter(|p| *p != 0)
-                        .ok_or_else(|| ProcessError::Exited(format!("it printed a bad port line: {line}")))?;
+                        .ok_or_else(|| {
+                            ProcessError::Exited(format!("it printed a bad port line: {line}"))
+                        })?;
                     // The rest of stdout goes to the log, and keeps the pipe from filling.
                     tokio::spawn(async move {
                         while let Ok(Some(line)) = lines.next_line().await {
@@ -245,7 +251,9 @@ async fn read_daemon_json(state: &Path, child: &mut Child) -> Result<DaemonJson,
             Err(e) => last = e.to_string(),
         }
         if let Ok(Some(status)) = child.try_wait() {
-            return Err(ProcessError::Metadata(format!("{last}; the daemon exited ({status})")));
+            return Err(ProcessError::Metadata(format!(
+                "{last}; the daemon exited ({status})"
+            )));
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
@@ -268,7 +276,10 @@ pub async fn stop(recorded: &[Recorded], child: Option<&mut Child>, grace: Durat
     let waited = tokio::time::timeout(grace, wait_all(&live)).await;
     if waited.is_err() {
         for r in live.iter().filter(|r| is_alive(r)) {
-            warn!(pid = r.pid, "the agent-device daemon did not stop on SIGTERM; killing it");
+            warn!(
+                pid = r.pid,
+                "the agent-device daemon did not stop on SIGTERM; killing it"
+            );
             signal_group(r.pid, Signal::KILL);
         }
         let _ = tokio::time::timeout(grace, wait_all(&live)).await;
@@ -375,14 +386,16 @@ async fn wait_exit(r: &Recorded) {
         return;
     };
     match rustix::process::pidfd_open(pid, PidfdFlags::NONBLOCK) {
-        Ok(fd) => match tokio::io::unix::AsyncFd::with_interest(fd, tokio::io::Interest::READABLE) {
-            Ok(fd) => {
-                // A pidfd turns readable when its process exits. A zombie child of ours
-                // (already exited, not yet reaped) is readable at once.
-                let _ = fd.readable().await;
+        Ok(fd) => {
+            match tokio::io::unix::AsyncFd::with_interest(fd, tokio::io::Interest::READABLE) {
+                Ok(fd) => {
+                    // A pidfd turns readable when its process exits. A zombie child of ours
+                    // (already exited, not yet reaped) is readable at once.
+                    let _ = fd.readable().await;
+                }
+                Err(_) => poll_exit(r).await,
             }
-            Err(_) => poll_exit(r).await,
-        },
+        }
         // Already gone (ESRCH), or pidfds are not available.
         Err(e) if e == rustix::io::Errno::SRCH => {}
         Err(_) => poll_exit(r).await,
@@ -406,8 +419,17 @@ mod tests {
         let me = i32::try_from(std::process::id()).unwrap();
         let start = start_time(me).unwrap();
         assert!(is_alive(&Recorded { pid: me, start }));
-        assert!(!is_alive(&Recorded { pid: me, start: start + 1 }), "a reused pid");
-        assert!(!is_alive(&Recorded { pid: i32::MAX, start }));
+        assert!(
+            !is_alive(&Recorded {
+                pid: me,
+                start: start + 1
+            }),
+            "a reused pid"
+        );
+        assert!(!is_alive(&Recorded {
+            pid: i32::MAX,
+            start
+        }));
     }
 
     #[tokio::test]
@@ -418,7 +440,10 @@ mod tests {
             .spawn()
             .unwrap();
         let pid = i32::try_from(child.id().unwrap()).unwrap();
-        let recorded = [Recorded { pid, start: start_time(pid).unwrap() }];
+        let recorded = [Recorded {
+            pid,
+            start: start_time(pid).unwrap(),
+        }];
         stop(&recorded, Some(&mut child), Duration::from_secs(5)).await;
         assert!(!is_alive(&recorded[0]));
     }
@@ -435,7 +460,10 @@ mod tests {
         let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
         assert_eq!(lines.next_line().await.unwrap().as_deref(), Some("ready"));
         let pid = i32::try_from(child.id().unwrap()).unwrap();
-        let recorded = [Recorded { pid, start: start_time(pid).unwrap() }];
+        let recorded = [Recorded {
+            pid,
+            start: start_time(pid).unwrap(),
+        }];
         stop(&recorded, Some(&mut child), Duration::from_millis(200)).await;
         assert!(!is_alive(&recorded[0]));
     }
@@ -449,7 +477,10 @@ mod tests {
             .spawn()
             .unwrap();
         let pid = i32::try_from(child.id()).unwrap();
-        let recorded = [Recorded { pid, start: start_time(pid).unwrap() }];
+        let recorded = [Recorded {
+            pid,
+            start: start_time(pid).unwrap(),
+        }];
         write_pid_file(dir.path(), &recorded);
         // As after a kill -9 of the worker: the process is nobody's child here but the test's,
         // and a reaper keeps it from lingering as a zombie.
@@ -474,7 +505,10 @@ mod tests {
         let err = spawn(&spec, Duration::from_secs(30), Duration::from_secs(1))
             .await
             .unwrap_err();
-        assert!(matches!(err, ProcessError::Exited(ref s) if s.contains('3')), "{err}");
+        assert!(
+            matches!(err, ProcessError::Exited(ref s) if s.contains('3')),
+            "{err}"
+        );
         let missing = DaemonSpec {
             command: vec!["/nonexistent/agent-device".into()],
             ..spec
@@ -497,7 +531,13 @@ mod tests {
         let mut daemon = spawn(&spec, Duration::from_secs(30), Duration::from_secs(1))
             .await
             .unwrap();
-        assert_eq!(daemon.endpoint, Endpoint { port: 4321, token: "t0k".into() });
+        assert_eq!(
+            daemon.endpoint,
+            Endpoint {
+                port: 4321,
+                token: "t0k".into()
+            }
+        );
         assert!(spec.state_dir.join(PID_FILE).exists());
         let recorded = daemon.recorded.clone();
         stop(&recorded, Some(&mut daemon.child), Duration::from_secs(5)).await;
@@ -516,6 +556,9 @@ mod tests {
             .await
             .unwrap_err();
         assert!(matches!(err, ProcessError::Timeout(_)), "{err}");
-        assert!(!spec.state_dir.join(PID_FILE).exists(), "nothing left recorded");
+        assert!(
+            !spec.state_dir.join(PID_FILE).exists(),
+            "nothing left recorded"
+        );
     }
 }

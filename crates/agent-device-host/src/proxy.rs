@@ -72,7 +72,10 @@ pub fn upstream_headers(incoming: &HeaderMap, token: &str, tenant: &str, rpc: bo
 
 /// The daemon's response headers for the caller: the allow-list, and an `x-request-id` (the
 /// caller's, cut to 128 characters, or a fresh one) when the daemon gave none.
-pub fn downstream<B>(response: Response<B>, caller_request_id: Option<&HeaderValue>) -> Response<B> {
+pub fn downstream<B>(
+    response: Response<B>,
+    caller_request_id: Option<&HeaderValue>,
+) -> Response<B> {
     let (mut parts, body) = response.into_parts();
     let mut headers = HeaderMap::new();
     for name in RESPONSE_HEADERS {
@@ -106,6 +109,17 @@ pub fn set_length(headers: &mut HeaderMap, len: usize) {
 pub struct RpcRewrite {
     /// The request.
     pub envelope: Map<String, Value>,
+}
+
+/// What the host knows of a lease the caller names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LeaseMapping<'a> {
+    /// The daemon's own id for it.
+    pub daemon_id: &'a str,
+    /// Its run id.
+    pub run_id: &'a str,
+    /// The device key the daemon recorded.
+    pub device_key: Option<&'a str>,
 }
 
 /// What the host needs from an allocate's request to record its lease.
@@ -171,7 +185,9 @@ impl RpcRewrite {
         };
         let kind = match self.method() {
             "install_from_source" => kind_of(params.get("source")),
-            "command" if params.get("command").and_then(Value::as_str) == Some("install_source") => {
+            "command"
+                if params.get("command").and_then(Value::as_str) == Some("install_source") =>
+            {
                 kind_of(meta.and_then(|m| m.get("installSource")))
             }
             _ => None,
@@ -213,8 +229,9 @@ impl RpcRewrite {
 
     /// The daemon's token in `params.token` (only when the caller put one there), the tenant
     /// in every place agent-device reads it, the daemon's lease id for the front's, and the
-    /// lease's run id where the caller left it out. Commands are always isolated by tenant.
-    pub fn rewrite(&mut self, token: &str, tenant: &str, lease: Option<(&str, &str)>) {
+    /// lease's run id and device key where the caller left them out. Commands are always
+    /// isolated by tenant.
+    pub fn rewrite(&mut self, token: &str, tenant: &str, lease: Option<LeaseMapping<'_>>) {
         let is_lease_method = self.method().starts_with("lease.");
         self.with_params(|params| {
             if params.contains_key("token") {
@@ -225,30 +242,38 @@ impl RpcRewrite {
                 if params.contains_key("tenant") {
                     params.insert("tenant".into(), Value::from(tenant));
                 }
-                if let Some((daemon_id, run_id)) = lease {
+                if let Some(lease) = lease {
                     if params.contains_key("leaseId") {
-                        params.insert("leaseId".into(), Value::from(daemon_id));
+                        params.insert("leaseId".into(), Value::from(lease.daemon_id));
                     }
                     params
                         .entry("runId")
-                        .or_insert_with(|| Value::from(run_id));
+                        .or_insert_with(|| Value::from(lease.run_id));
+                    if let Some(key) = lease.device_key {
+                        params
+                            .entry("deviceKey")
+                            .or_insert_with(|| Value::from(key));
+                    }
                 }
                 return;
             }
             with_object(params, "meta", |meta| {
                 meta.insert("tenantId".into(), Value::from(tenant));
                 meta.insert("sessionIsolation".into(), Value::from("tenant"));
-                if let Some((daemon_id, run_id)) = lease {
-                    meta.insert("leaseId".into(), Value::from(daemon_id));
-                    meta.entry("runId").or_insert_with(|| Value::from(run_id));
+                if let Some(lease) = lease {
+                    meta.insert("leaseId".into(), Value::from(lease.daemon_id));
+                    meta.entry("runId")
+                        .or_insert_with(|| Value::from(lease.run_id));
                 }
             });
             with_object(params, "flags", |flags| {
                 flags.insert("tenant".into(), Value::from(tenant));
                 flags.insert("sessionIsolation".into(), Value::from("tenant"));
-                if let Some((daemon_id, run_id)) = lease {
-                    flags.insert("leaseId".into(), Value::from(daemon_id));
-                    flags.entry("runId").or_insert_with(|| Value::from(run_id));
+                if let Some(lease) = lease {
+                    flags.insert("leaseId".into(), Value::from(lease.daemon_id));
+                    flags
+                        .entry("runId")
+                        .or_insert_with(|| Value::from(lease.run_id));
                 }
             });
         });
@@ -353,9 +378,18 @@ mod tests {
     #[test]
     fn only_allow_listed_headers_go_upstream_and_the_token_is_the_daemons() {
         let mut incoming = HeaderMap::new();
-        incoming.insert("authorization", HeaderValue::from_static("Bearer slk_agent"));
-        incoming.insert("x-agent-device-token", HeaderValue::from_static("slk_agent"));
-        incoming.insert("x-agent-device-tenant", HeaderValue::from_static("someone-else"));
+        incoming.insert(
+            "authorization",
+            HeaderValue::from_static("Bearer slk_agent"),
+        );
+        incoming.insert(
+            "x-agent-device-token",
+            HeaderValue::from_static("slk_agent"),
+        );
+        incoming.insert(
+            "x-agent-device-tenant",
+            HeaderValue::from_static("someone-else"),
+        );
         incoming.insert("cookie", HeaderValue::from_static("a=b"));
         incoming.insert("content-range", HeaderValue::from_static("bytes 0-1/2"));
         incoming.insert("content-length", HeaderValue::from_static("2"));
@@ -407,7 +441,16 @@ mod tests {
         )
         .unwrap();
         assert_eq!(call.caller_tenant().as_deref(), Some("acme"));
-        call.rewrite("dtok", "tok_5f_a", Some(("d".repeat(32).as_str(), "runL")));
+        let daemon_id = "d".repeat(32);
+        call.rewrite(
+            "dtok",
+            "tok_5f_a",
+            Some(LeaseMapping {
+                daemon_id: &daemon_id,
+                run_id: "runL",
+                device_key: None,
+            }),
+        );
         let body: Value = serde_json::from_slice(&call.to_bytes()).unwrap();
         let params = &body["params"];
         assert_eq!(params["token"], json!("dtok"));
@@ -415,8 +458,16 @@ mod tests {
         assert_eq!(params["flags"]["tenant"], json!("tok_5f_a"));
         assert_eq!(params["meta"]["sessionIsolation"], json!("tenant"));
         assert_eq!(params["flags"]["leaseId"], json!("d".repeat(32)));
-        assert_eq!(params["meta"]["runId"], json!("run9"), "the caller's run id stays");
-        assert_eq!(params["flags"]["runId"], json!("runL"), "a missing one is filled");
+        assert_eq!(
+            params["meta"]["runId"],
+            json!("run9"),
+            "the caller's run id stays"
+        );
+        assert_eq!(
+            params["flags"]["runId"],
+            json!("runL"),
+            "a missing one is filled"
+        );
     }
 
     #[test]
@@ -428,10 +479,19 @@ mod tests {
             .as_bytes(),
         )
         .unwrap();
-        call.rewrite("dtok", "tok_5f_a", Some(("dd", "r")));
+        call.rewrite(
+            "dtok",
+            "tok_5f_a",
+            Some(LeaseMapping {
+                daemon_id: "dd",
+                run_id: "r",
+                device_key: Some("local:x"),
+            }),
+        );
         let body: Value = serde_json::from_slice(&call.to_bytes()).unwrap();
         assert_eq!(body["params"]["tenantId"], json!("tok_5f_a"));
         assert_eq!(body["params"]["leaseId"], json!("dd"));
+        assert_eq!(body["params"]["deviceKey"], json!("local:x"), "filled in");
         assert!(body["params"].get("token").is_none());
     }
 
@@ -482,7 +542,10 @@ mod tests {
 
     #[test]
     fn path_segments_are_url_decoded() {
-        assert_eq!(decoded_segment("acme%3Aadc-1").as_deref(), Some("acme:adc-1"));
+        assert_eq!(
+            decoded_segment("acme%3Aadc-1").as_deref(),
+            Some("acme:adc-1")
+        );
         assert_eq!(decoded_segment("plain").as_deref(), Some("plain"));
         assert_eq!(decoded_segment("bad%zz"), None);
         assert_eq!(decoded_segment("cut%4"), None);

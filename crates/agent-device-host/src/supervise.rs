@@ -2,10 +2,11 @@
 //!
 //! The shell ([`crate::process`]) spawns and watches the daemon and tells this machine what
 //! happened; the machine answers what the host's status is and when the next start is due.
+//! Time is the shell's: a [`Duration`] since it began supervising.
 //! A start that fails, or a daemon that exits, waits a backoff that doubles from 500 ms to at
 //! most 30 s; a daemon that ran a minute or more starts the count again.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// The first wait after a failure.
 pub const INITIAL_BACKOFF: Duration = Duration::from_millis(500);
@@ -22,14 +23,14 @@ pub enum Phase {
     /// It runs, since `since`.
     Running {
         /// When it came up.
-        since: Instant,
+        since: Duration,
     },
     /// It is down; the next start is due at `retry_at`.
     Down {
         /// Why it is down.
         reason: String,
         /// When to start it again.
-        retry_at: Instant,
+        retry_at: Duration,
     },
     /// Stopped for good (the worker is stopping).
     Stopped,
@@ -64,7 +65,7 @@ impl Supervision {
     }
 
     /// The daemon came up at `now`.
-    pub fn handle_started(&mut self, now: Instant) {
+    pub fn handle_started(&mut self, now: Duration) {
         if self.phase != Phase::Stopped {
             self.phase = Phase::Running { since: now };
         }
@@ -72,12 +73,12 @@ impl Supervision {
 
     /// A start failed, or the running daemon went away, at `now`, because of `reason`.
     /// Answers when the next start is due.
-    pub fn handle_down(&mut self, now: Instant, reason: impl Into<String>) -> Option<Instant> {
+    pub fn handle_down(&mut self, now: Duration, reason: impl Into<String>) -> Option<Duration> {
         if self.phase == Phase::Stopped {
             return None;
         }
         if let Phase::Running { since } = self.phase
-            && now.saturating_duration_since(since) >= STABLE_AFTER
+            && now.saturating_sub(since) >= STABLE_AFTER
         {
             self.failures = 0;
         }
@@ -92,7 +93,7 @@ impl Supervision {
     }
 
     /// Time passed to `now`: whether a start is due (the phase becomes `Starting`).
-    pub fn handle_timeout(&mut self, now: Instant) -> bool {
+    pub fn handle_timeout(&mut self, now: Duration) -> bool {
         match self.phase {
             Phase::Down { retry_at, .. } if now >= retry_at => {
                 self.phase = Phase::Starting;
@@ -103,7 +104,7 @@ impl Supervision {
     }
 
     /// When the machine next wants [`Self::handle_timeout`].
-    pub fn poll_timeout(&self) -> Option<Instant> {
+    pub fn poll_timeout(&self) -> Option<Duration> {
         match self.phase {
             Phase::Down { retry_at, .. } => Some(retry_at),
             _ => None,
@@ -138,7 +139,7 @@ mod tests {
 
     #[test]
     fn failures_wait_longer_each_time_and_a_start_is_due_at_its_time_not_before() {
-        let t0 = Instant::now();
+        let t0 = Duration::from_secs(100);
         let mut s = Supervision::new();
         let first = s.handle_down(t0, "exited").unwrap();
         assert_eq!(first, t0 + Duration::from_millis(500));
@@ -151,7 +152,7 @@ mod tests {
 
     #[test]
     fn a_daemon_that_ran_stably_resets_the_backoff() {
-        let t0 = Instant::now();
+        let t0 = Duration::from_secs(100);
         let mut s = Supervision::new();
         for _ in 0..4 {
             let at = s.handle_down(t0, "x").unwrap();
@@ -159,7 +160,11 @@ mod tests {
         }
         s.handle_started(t0);
         let briefly = s.handle_down(t0 + Duration::from_secs(59), "x").unwrap();
-        assert_eq!(briefly, t0 + Duration::from_secs(59) + Duration::from_secs(8), "the fifth wait");
+        assert_eq!(
+            briefly,
+            t0 + Duration::from_secs(59) + Duration::from_secs(8),
+            "the fifth wait"
+        );
         assert!(s.handle_timeout(briefly));
         s.handle_started(briefly);
         let later = briefly + STABLE_AFTER;
@@ -168,7 +173,7 @@ mod tests {
 
     #[test]
     fn a_stopped_supervision_never_starts_again() {
-        let t0 = Instant::now();
+        let t0 = Duration::from_secs(100);
         let mut s = Supervision::new();
         s.handle_stop();
         assert_eq!(s.handle_down(t0, "x"), None);

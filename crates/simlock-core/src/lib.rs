@@ -45,7 +45,7 @@ pub use error::CoreError;
 pub use handlers::register;
 pub use metrics::register_metrics;
 pub use system::{FixedSystem, HostSystem, SystemFacts};
-pub use worker::{Worker, WorkerParts};
+pub use worker::{LEASE_END_BOUND, LeaseEndHook, Worker, WorkerParts};
 
 #[cfg(test)]
 mod tests;

@@ -139,11 +139,13 @@ pub(crate) enum Work {
         platform: Platform,
         driver_device_id: String,
     },
-    /// Wipe a device after a lease.
+    /// Wipe a device after a lease (`ended`, when a lease just ended on it: its modules end
+    /// what they hold for it first).
     Reclaim {
         device: DeviceId,
         platform: Platform,
         driver_device_id: String,
+        ended: Option<String>,
     },
     /// Stop an idle device.
     Shutdown {
@@ -1245,7 +1247,7 @@ impl State {
             device.last_lease_ended_at = Some(now);
             device.last_used_at = now;
             device.idle_since = now;
-            self.reclaim(&lease.device_id, now);
+            self.reclaim(&lease.device_id, Some(lease_id), now);
         }
         match reason {
             LeaseEndReason::Expired => self.emit(
@@ -1433,8 +1435,8 @@ impl State {
                         json!({ "deviceId": id, "spec": spec }),
                     );
                 }
-                DeviceState::Leased if !leased.contains(&id) => self.reclaim(&id, now),
-                DeviceState::Reclaiming => self.reclaim(&id, now),
+                DeviceState::Leased if !leased.contains(&id) => self.reclaim(&id, None, now),
+                DeviceState::Reclaiming => self.reclaim(&id, None, now),
                 DeviceState::Deleted => {
                     self.devices.remove(&id);
                     self.touch_device(&id);
@@ -1444,8 +1446,9 @@ impl State {
         }
     }
 
-    /// Starts wiping a device: busy until the driver's reclaim ends.
-    fn reclaim(&mut self, id: &DeviceId, now: i64) {
+    /// Starts wiping a device: busy until the driver's reclaim ends. `ended` names the lease
+    /// that just ended on it, if one did.
+    fn reclaim(&mut self, id: &DeviceId, ended: Option<&str>, now: i64) {
         let Some(platform) = self.devices.get(id).map(|d| d.spec.platform) else {
             return;
         };
@@ -1460,6 +1463,7 @@ impl State {
             device: id.clone(),
             platform,
             driver_device_id: entry.driver_device_id.clone(),
+            ended: ended.map(String::from),
         };
         self.touch_device(id);
         self.fx.work.push(work);

@@ -8,6 +8,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
+use std::time::Duration;
 
 use futures::future::BoxFuture;
 use parking_lot::Mutex;
@@ -68,7 +69,16 @@ pub struct WorkerParts {
     pub instance_id: String,
     /// The daemon's version.
     pub version: String,
+    /// Modules that hold something for a lease (the agent-device host): each is told, and
+    /// awaited (at most [`LEASE_END_BOUND`]), when a lease ends, before its device is wiped.
+    pub lease_end: Vec<LeaseEndHook>,
 }
+
+/// Told the id of a lease that ended, before its device is reclaimed.
+pub type LeaseEndHook = Arc<dyn Fn(String) -> BoxFuture<'static, ()> + Send + Sync>;
+
+/// The longest a reclaim waits for the lease-end hooks.
+pub const LEASE_END_BOUND: Duration = Duration::from_secs(10);
 
 impl std::fmt::Debug for WorkerParts {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -102,6 +112,7 @@ impl WorkerParts {
             presence,
             instance_id,
             version,
+            lease_end: Vec::new(),
         }
     }
 }
@@ -136,6 +147,7 @@ pub struct Worker {
     bus: Arc<EventBus>,
     presence: Presence,
     capabilities: Capabilities,
+    lease_end: Vec<LeaseEndHook>,
     /// The machine, read once: it does not change while the worker runs.
     host: HostFacts,
     instance_id: String,
@@ -198,6 +210,7 @@ impl Worker {
             bus: parts.bus,
             presence: parts.presence,
             capabilities: parts.capabilities,
+            lease_end: parts.lease_end,
             host: HostFacts {
                 os: std::env::consts::OS.to_owned(),
                 os_version: parts.system.os_version(),
@@ -839,8 +852,23 @@ async fn run_work(
         Work::Reclaim {
             device,
             driver_device_id,
+            ended,
             ..
         } => {
+            if let Some(lease) = ended {
+                let hooks = me
+                    .upgrade()
+                    .map(|w| w.lease_end.clone())
+                    .unwrap_or_default();
+                for hook in hooks {
+                    if tokio::time::timeout(LEASE_END_BOUND, hook(lease.clone()))
+                        .await
+                        .is_err()
+                    {
+                        warn!(%lease, %device, "a module did not end its part of the lease within {LEASE_END_BOUND:?}; reclaiming anyway");
+                    }
+                }
+            }
             let result = drive(
                 driver,
                 platform,
@@ -948,8 +976,8 @@ const DRIVER_BOUND_FACTOR: u64 = 3;
 
 /// How long a driver call estimated at `estimate_ms` may run: three times the estimate, and never
 /// less than a minute (the original's stalled-transition rule).
-fn driver_bound(estimate_ms: u64) -> std::time::Duration {
-    std::time::Duration::from_millis(
+fn driver_bound(estimate_ms: u64) -> Duration {
+    Duration::from_millis(
         estimate_ms
             .saturating_mul(DRIVER_BOUND_FACTOR)
             .max(MIN_DRIVER_BOUND_MS),

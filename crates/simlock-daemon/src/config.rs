@@ -606,7 +606,9 @@ pub fn validate(config: &Config, mode: Mode) -> Result<(), ConfigError> {
                         return bad("agentDevice.command must be set when agentDevice.enabled is true on a worker: the argv that starts an agent-device daemon, e.g. [\"node\", \"<agent-device>/dist/src/internal/daemon.js\"]".into());
                     }
                     Some(argv) if argv.first().is_none_or(|p| p.trim().is_empty()) => {
-                        return bad("agentDevice.command: the first element must name a program".into());
+                        return bad(
+                            "agentDevice.command: the first element must name a program".into()
+                        );
                     }
                     Some(_) => {}
                 }
@@ -933,6 +935,61 @@ mod tests {
         assert!(
             err.contains("gateway.url") && err.contains("wss://"),
             "{err}"
+        );
+    }
+
+    #[test]
+    fn agent_device_keys_are_checked_on_both_sides_and_the_command_is_the_workers() {
+        let cap = |ms: u64| {
+            format!(
+                "[lease]\ndefaultTtlMs = 60000\nmaxTtlMs = 600000\n[agentDevice]\nleaseTtlCapMs = {ms}"
+            )
+        };
+        for mode in [Mode::Worker, Mode::Gateway] {
+            assert!(load_with(&cap(600_000), &[], mode).is_ok(), "at the bound");
+            let err = load_with(&cap(600_001), &[], mode).unwrap_err().to_string();
+            assert!(
+                err.contains("agentDevice.leaseTtlCapMs") && err.contains("lease.maxTtlMs"),
+                "{err}"
+            );
+            let err = load_with(&cap(0), &[], mode).unwrap_err().to_string();
+            assert!(err.contains("agentDevice.leaseTtlCapMs"), "{err}");
+        }
+        let err = load_with("[agentDevice]\nenabled = true", &[], Mode::Worker)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("agentDevice.command"), "{err}");
+        let err = load_with(
+            "[agentDevice]\nenabled = true\ncommand = []",
+            &[],
+            Mode::Worker,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("agentDevice.command"), "{err}");
+        let worker = load_with(
+            "[agentDevice]\nenabled = true\ncommand = [\"node\", \"d.js\"]",
+            &[],
+            Mode::Worker,
+        )
+        .unwrap();
+        assert!(worker.warnings.is_empty(), "{:?}", worker.warnings);
+        let gateway = load_with(
+            "[agentDevice]\nenabled = true\ncommand = [\"node\", \"d.js\"]",
+            &[],
+            Mode::Gateway,
+        )
+        .unwrap();
+        assert_eq!(
+            gateway.warnings,
+            vec!["agentDevice.command is a worker setting; a gateway ignores it".to_owned()]
+        );
+        assert!(gateway.config.agent_device.enabled);
+        let env = [("SIMLOCK_AGENT_DEVICE__COMMAND", r#"["node","x.js"]"#)];
+        let loaded = load_with("", &env, Mode::Worker).unwrap();
+        assert_eq!(
+            loaded.config.agent_device.command,
+            Some(vec!["node".to_owned(), "x.js".to_owned()])
         );
     }
 

@@ -161,6 +161,20 @@ impl Base {
         http: bool,
         mounts: Vec<Arc<dyn Mount>>,
     ) -> Result<Running, StartError> {
+        self.serve_with(router, http, move |_| mounts).await
+    }
+
+    /// As [`Self::serve`], with mounts built from the daemon's pipeline (a mount that calls the
+    /// daemon's own operations, such as the agent-device front).
+    ///
+    /// # Errors
+    /// [`StartError`] when the socket or the HTTP address cannot be claimed.
+    pub async fn serve_with(
+        self,
+        router: Router,
+        http: bool,
+        mounts: impl FnOnce(&Arc<Pipeline>) -> Vec<Arc<dyn Mount>>,
+    ) -> Result<Running, StartError> {
         let admin = AdminSecret::create(&self.home).map_err(|source| StartError::Home {
             path: self.home.admin_token(),
             source,
@@ -174,6 +188,7 @@ impl Base {
             greeter.clone(),
             self.presence.clone(),
         ));
+        let mounts = mounts(&pipeline);
         let stop = CancellationToken::new();
         let listener = claim(&self.home.socket()).await?;
         let mut tasks = vec![serve_socket(listener, pipeline.clone(), stop.clone())];

@@ -10,6 +10,7 @@
     reason = "a test harness fails the test by panicking"
 )]
 
+pub mod agent_device;
 pub mod relay;
 
 use std::path::Path;

@@ -612,3 +612,63 @@ async fn release_reclaims_the_device_and_reports_who_owned_it() {
         next_event_where(&mut events, "lease.granted", "requester", &json!("agent-b")).await;
     assert_eq!(granted.payload["source"], "warm");
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_module_ends_its_part_of_a_lease_before_the_device_is_wiped() {
+    use futures::FutureExt as _;
+    // The hook records the lease and holds until the test lets it go.
+    let (told_tx, mut told) = mpsc::unbounded_channel::<String>();
+    let gate = Arc::new(tokio::sync::Notify::new());
+    let held = gate.clone();
+    let hook: crate::LeaseEndHook = Arc::new(move |lease: String| {
+        let (told_tx, held) = (told_tx.clone(), held.clone());
+        async move {
+            let _ = told_tx.send(lease);
+            held.notified().await;
+        }
+        .boxed()
+    });
+    let h = Harness::build(Build {
+        lease_end: vec![hook],
+        ..Build::default()
+    });
+    let mut events = h.bus.follow();
+    let grant = h.lease("agent-a", ios()).await.unwrap();
+    h.call::<LeaseRelease>(
+        agent("agent-a"),
+        &LeaseIdInput {
+            lease_id: grant.lease.id.to_string(),
+        },
+    )
+    .await
+    .unwrap();
+    assert_eq!(told.recv().await.as_deref(), Some(grant.lease.id.as_str()));
+    // However long the module takes (within its bound), the device waits, reclaiming.
+    tokio::time::sleep(crate::LEASE_END_BOUND - Duration::from_millis(1)).await;
+    assert_eq!(h.worker.devices()[0].state, DeviceState::Reclaiming);
+    gate.notify_one();
+    next_event(&mut events, "device.reclaimed").await;
+    assert_eq!(h.worker.devices()[0].state, DeviceState::Ready);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_module_that_never_ends_its_part_holds_the_reclaim_only_to_its_bound() {
+    use futures::FutureExt as _;
+    let hook: crate::LeaseEndHook = Arc::new(|_lease: String| futures::future::pending().boxed());
+    let h = Harness::build(Build {
+        lease_end: vec![hook],
+        ..Build::default()
+    });
+    let mut events = h.bus.follow();
+    let grant = h.lease("agent-a", ios()).await.unwrap();
+    h.call::<LeaseRelease>(
+        agent("agent-a"),
+        &LeaseIdInput {
+            lease_id: grant.lease.id.to_string(),
+        },
+    )
+    .await
+    .unwrap();
+    next_event(&mut events, "device.reclaimed").await;
+    assert_eq!(h.worker.devices()[0].state, DeviceState::Ready);
+}

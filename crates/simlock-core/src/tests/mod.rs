@@ -86,6 +86,8 @@ pub(crate) struct Build {
     pub start: bool,
     /// Drivers to use instead of the virtual ones of the config.
     pub drivers: Option<Vec<Arc<dyn crate::Driver>>>,
+    /// Lease-end hooks.
+    pub lease_end: Vec<crate::LeaseEndHook>,
 }
 
 impl Default for Build {
@@ -100,6 +102,7 @@ impl Default for Build {
             }),
             start: true,
             drivers: None,
+            lease_end: Vec::new(),
         }
     }
 }
@@ -141,6 +144,7 @@ impl Harness {
             system: b.system,
             instance_id: "worker-test".into(),
             version: "0.0.0-test".into(),
+            lease_end: b.lease_end,
         };
         let worker = Worker::new(parts).unwrap();
         let gate = StartupGate::new();
