@@ -51,6 +51,7 @@ pub(crate) fn scenario_command() -> Command {
 }
 
 pub(crate) fn run() -> Result<ExitCode> {
+    crate::peers::fetch_agent_device()?;
     for command in [build_command(), scenario_command()] {
         let status = cmd::status(command)?;
         if !status.success() {

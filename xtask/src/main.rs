@@ -14,6 +14,7 @@ mod e2e;
 mod fleet;
 mod layering;
 mod metadata;
+mod peers;
 #[cfg(test)]
 mod tidy;
 
@@ -43,6 +44,8 @@ enum Command {
     },
     /// Run the end-to-end fleet scenarios against the real binaries.
     E2e,
+    /// Fetch the real test peers (the published agent-device) into `.cache/`.
+    FetchPeers,
     /// Start a local demo fleet (gateway, workers, agents) on loopback.
     Fleet {
         /// Start the fleet, check it is healthy, tear it down and exit.
@@ -58,6 +61,7 @@ fn main() -> ExitCode {
         Command::Layering => layering::run(),
         Command::Bench { which } => bench::run(which),
         Command::E2e => e2e::run(),
+        Command::FetchPeers => peers::run(),
         Command::Fleet { once } => fleet::run(once),
     };
     match result {
