@@ -146,7 +146,11 @@ pub(crate) fn run() -> Result<ExitCode> {
     let total = Stopwatch::start();
     // The agent-device tests run the published CLI and daemon; they fail, never skip, without.
     let package = crate::peers::fetch_agent_device()?;
-    println!("== peers: agent-device {} at {}", crate::peers::AGENT_DEVICE_VERSION, package.display());
+    println!(
+        "== peers: agent-device {} at {}",
+        crate::peers::AGENT_DEVICE_VERSION,
+        package.display()
+    );
     let steps = steps();
     let count = steps.len();
     let mut outcomes: Vec<(&'static str, Outcome)> = steps

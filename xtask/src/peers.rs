@@ -38,7 +38,10 @@ pub(crate) fn fetch_agent_device() -> Result<PathBuf> {
     }
     let dir = agent_device_dir();
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
-    println!("fetching agent-device@{AGENT_DEVICE_VERSION} with npm pack into {}", dir.display());
+    println!(
+        "fetching agent-device@{AGENT_DEVICE_VERSION} with npm pack into {}",
+        dir.display()
+    );
     let output = Command::new("npm")
         .args([
             "pack",
@@ -58,9 +61,14 @@ pub(crate) fn fetch_agent_device() -> Result<PathBuf> {
     let packed: serde_json::Value =
         serde_json::from_slice(&output.stdout).context("reading npm pack --json")?;
     let entry = packed.get(0).context("npm pack named no tarball")?;
-    let shasum = entry.get("shasum").and_then(|s| s.as_str()).unwrap_or_default();
+    let shasum = entry
+        .get("shasum")
+        .and_then(|s| s.as_str())
+        .unwrap_or_default();
     if shasum != AGENT_DEVICE_SHASUM {
-        bail!("agent-device@{AGENT_DEVICE_VERSION}'s tarball has SHA-1 {shasum}, not {AGENT_DEVICE_SHASUM}");
+        bail!(
+            "agent-device@{AGENT_DEVICE_VERSION}'s tarball has SHA-1 {shasum}, not {AGENT_DEVICE_SHASUM}"
+        );
     }
     let file = entry
         .get("filename")

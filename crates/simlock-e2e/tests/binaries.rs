@@ -872,3 +872,98 @@ fn http_lease_requests_stream_their_states_and_can_be_cancelled() {
     assert_eq!(status, 409, "{body}");
     assert!(body.contains("REQUEST_NOT_CANCELLABLE"));
 }
+
+fn agent_device_pids(home: &Path) -> Vec<agent_device_host::process::Recorded> {
+    let file = home
+        .join("agent-device")
+        .join(agent_device_host::process::PID_FILE);
+    let Ok(text) = std::fs::read_to_string(file) else {
+        return Vec::new();
+    };
+    let parsed: Value = serde_json::from_str(&text).unwrap_or(Value::Null);
+    serde_json::from_value(parsed["processes"].clone()).unwrap_or_default()
+}
+
+fn agent_device_available(status: &Value) -> bool {
+    status["capabilities"].as_array().is_some_and(|caps| {
+        caps.iter()
+            .any(|c| c["name"] == "agent-device" && c["available"] == true)
+    })
+}
+
+#[test]
+fn no_agent_device_daemon_outlives_its_worker_stopped_or_killed_and_restarted() {
+    if !enabled() {
+        return;
+    }
+    let pkg = simlock_e2e::agent_device::real_package();
+    let command: Vec<String> = simlock_e2e::agent_device::real_daemon_command(&pkg);
+    let config = format!(
+        "{}\n[agentDevice]\nenabled = true\ncommand = {}\n",
+        fixed(1),
+        serde_json::to_string(&command).unwrap()
+    );
+    let worker = Worker::start(&config, true);
+    wait_until(
+        &worker,
+        "the agent-device daemon serves",
+        agent_device_available,
+    );
+    let first = agent_device_pids(worker.home.path());
+    assert!(!first.is_empty(), "the daemon's pid is recorded");
+    // A kill -9 of the worker leaves its daemon running (it does not stop with its parent)…
+    let home = worker.kill9();
+    assert!(
+        first.iter().all(agent_device_host::process::is_alive),
+        "the daemon outlived the killed worker"
+    );
+    // …and the next start stops it before starting its own.
+    let worker = Worker::start_in(home, true);
+    wait_until(
+        &worker,
+        "the agent-device daemon serves again",
+        agent_device_available,
+    );
+    for pid in &first {
+        assert!(
+            !agent_device_host::process::is_alive(pid),
+            "{pid:?} was left behind"
+        );
+    }
+    let second = agent_device_pids(worker.home.path());
+    assert!(!second.is_empty() && second != first);
+    // A graceful stop stops the daemon too.
+    let mut worker = worker;
+    let status = Command::new("kill")
+        .arg("-TERM")
+        .arg(worker.child.id().to_string())
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let exited = {
+        let deadline = std::time::Instant::now() + PATIENCE;
+        loop {
+            if let Some(status) = worker.child.try_wait().unwrap() {
+                break Some(status);
+            }
+            if std::time::Instant::now() > deadline {
+                break None;
+            }
+            std::thread::yield_now();
+        }
+    };
+    assert!(
+        exited.is_some_and(|s| s.success()),
+        "the worker stopped: {exited:?}"
+    );
+    for pid in &second {
+        assert!(
+            !agent_device_host::process::is_alive(pid),
+            "{pid:?} survived the stop"
+        );
+    }
+    assert!(
+        agent_device_pids(worker.home.path()).is_empty(),
+        "nothing is left recorded"
+    );
+}
