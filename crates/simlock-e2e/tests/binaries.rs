@@ -884,6 +884,24 @@ fn agent_device_pids(home: &Path) -> Vec<agent_device_host::process::Recorded> {
     serde_json::from_value(parsed["processes"].clone()).unwrap_or_default()
 }
 
+/// Waits for `child` to exit, at most [`PATIENCE`].
+#[allow(
+    clippy::disallowed_methods,
+    reason = "a bound on waiting for another process, not a timing assertion"
+)]
+fn wait_exit(child: &mut Child) -> Option<std::process::ExitStatus> {
+    let deadline = std::time::Instant::now() + PATIENCE;
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            return Some(status);
+        }
+        if std::time::Instant::now() > deadline {
+            return None;
+        }
+        std::thread::yield_now();
+    }
+}
+
 fn agent_device_available(status: &Value) -> bool {
     status["capabilities"].as_array().is_some_and(|caps| {
         caps.iter()
@@ -940,18 +958,7 @@ fn no_agent_device_daemon_outlives_its_worker_stopped_or_killed_and_restarted() 
         .status()
         .unwrap();
     assert!(status.success());
-    let exited = {
-        let deadline = std::time::Instant::now() + PATIENCE;
-        loop {
-            if let Some(status) = worker.child.try_wait().unwrap() {
-                break Some(status);
-            }
-            if std::time::Instant::now() > deadline {
-                break None;
-            }
-            std::thread::yield_now();
-        }
-    };
+    let exited = wait_exit(&mut worker.child);
     assert!(
         exited.is_some_and(|s| s.success()),
         "the worker stopped: {exited:?}"
