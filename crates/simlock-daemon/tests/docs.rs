@@ -438,7 +438,30 @@ fn the_uplink_constants_are_documented() {
 
 /// The routes the host matches: `METHOD /v1/…` with `{}` for a path parameter.
 fn routes() -> BTreeSet<String> {
-    let source = read("src/http/mod.rs");
+    let mut routes = routes_in(&read("src/http/mod.rs"), "/v1/");
+    routes.extend(routes_in(
+        &read("../agent-device-front/src/front.rs"),
+        "/v1/agent-device/",
+    ));
+    assert!(
+        routes.contains("POST /v1/agent-device/rpc"),
+        "the agent-device routes moved"
+    );
+    assert!(
+        read("src/http/mod.rs").contains(r#"method == Method::GET && path == "/v1/healthz""#),
+        "the health route moved"
+    );
+    routes.insert("GET /v1/healthz".to_owned());
+    assert!(
+        read("../simlock-fleet/src/uplink.rs").contains(r#"path == "/v1/uplink""#),
+        "the uplink route moved"
+    );
+    routes.insert("GET /v1/uplink".to_owned());
+    routes
+}
+
+/// The routes a `match (method, segments)` in `source` serves, under `prefix`.
+fn routes_in(source: &str, prefix: &str) -> BTreeSet<String> {
     let mut routes = BTreeSet::new();
     for (at, _) in source.match_indices("(&Method::") {
         let arm = &source[at + "(&Method::".len()..];
@@ -454,18 +477,8 @@ fn routes() -> BTreeSet<String> {
                     .map_or_else(|| "{}".to_owned(), String::from)
             })
             .collect();
-        routes.insert(format!("{method} /v1/{}", path.join("/")));
+        routes.insert(format!("{method} {prefix}{}", path.join("/")));
     }
-    assert!(
-        source.contains(r#"method == Method::GET && path == "/v1/healthz""#),
-        "the health route moved"
-    );
-    routes.insert("GET /v1/healthz".to_owned());
-    assert!(
-        read("../simlock-fleet/src/uplink.rs").contains(r#"path == "/v1/uplink""#),
-        "the uplink route moved"
-    );
-    routes.insert("GET /v1/uplink".to_owned());
     routes
 }
 
