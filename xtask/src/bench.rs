@@ -14,6 +14,9 @@ pub(crate) enum Which {
     Link,
     /// The relay path through a gateway and a worker over loopback sockets.
     Relay,
+    /// A 256 MiB agent-device upload through a worker's `/v1/agent-device`, against straight to
+    /// the daemon.
+    AgentDevice,
     /// Every benchmark that exists.
     All,
 }
@@ -36,13 +39,22 @@ const BENCHES: &[Bench] = &[
         package: "simlock-e2e",
         target: "relay",
     },
+    Bench {
+        name: "agent-device",
+        package: "simlock-e2e",
+        target: "agent_device",
+    },
 ];
 
 pub(crate) fn run(which: Which) -> Result<ExitCode> {
     let workspace = Workspace::load()?;
+    if matches!(which, Which::AgentDevice | Which::All) {
+        crate::peers::fetch_agent_device()?;
+    }
     let selected = BENCHES.iter().filter(|bench| match which {
         Which::Link => bench.name == "link",
         Which::Relay => bench.name == "relay",
+        Which::AgentDevice => bench.name == "agent-device",
         Which::All => true,
     });
     let mut results = Vec::new();
