@@ -28,7 +28,7 @@ async fn status_answers_only_daemon_and_host_while_starting() {
         .unwrap();
     let keys: Vec<&String> = value.as_object().unwrap().keys().collect();
     assert_eq!(keys, ["daemon", "host"]);
-    let fleet = h.worker.worker_view(&h.gate);
+    let fleet = h.worker.worker_view(&h.gate, simlock_daemon::Viewer::ADMIN);
     assert_eq!(fleet.health, Some(Health::Starting));
     assert!(fleet.host.is_some() && fleet.capacity.is_none() && fleet.catalog.is_none());
 
@@ -127,7 +127,7 @@ async fn the_queue_depth_metric_counts_what_status_calls_the_queue() {
     let (c, _c_pushes) = h.spawn_lease("agent-c", ios());
     next_event(&mut events, "lease.queued").await;
     assert_eq!(h.worker.waiting().len(), 3, "two starting, one queued");
-    let status = h.worker.status(&h.gate);
+    let status = h.worker.status(&h.gate, simlock_daemon::Viewer::ADMIN);
     assert_eq!(status.queue_depth, Some(1));
     let text = metrics.render();
     assert!(text.contains("\nsimlock_queue_depth 1\n"), "{text}");
