@@ -44,7 +44,7 @@ use crate::tokens::TokenStore;
 /// How long a connection may take to send its request head.
 const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long open connections get to finish when the daemon stops.
-const DRAIN_GRACE: Duration = Duration::from_secs(5);
+pub const DRAIN_GRACE: Duration = Duration::from_secs(5);
 
 /// Routes another crate serves on the same listener (it authenticates them itself).
 pub trait Mount: Send + Sync + 'static {
@@ -677,8 +677,6 @@ fn error_event(err: &ContractError) -> Bytes {
 
 /// The last event of a lease-request, lease or event stream when the daemon stops.
 fn stopping_event() -> Bytes {
-    sse_event(
-        "stopping",
-        &json!({ "error": stopping_error().to_body().to_inline() }),
-    )
+    let data = json!({ "error": stopping_error().to_body().to_inline() });
+    sse_event("stopping", &data)
 }
