@@ -365,3 +365,27 @@ async fn an_idempotency_key_that_is_not_visible_ascii_is_refused_not_dropped() {
     assert!(body.contains("Idempotency-Key"), "{body}");
     host.stop.cancel();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_authorization_that_is_not_visible_ascii_is_no_bearer_not_a_missing_header() {
+    let host = host().await;
+    let mut stream = tokio::net::TcpStream::connect(&host.addr).await.unwrap();
+    stream
+        .write_all(
+            b"GET /v1/tokens HTTP/1.1\r\nHost: x\r\nConnection: close\r\nAuthorization: Bearer slk_\xc3\xa9\r\n\r\n",
+        )
+        .await
+        .unwrap();
+    let mut raw = Vec::new();
+    let _ = stream.read_to_end(&mut raw).await;
+    let text = String::from_utf8_lossy(&raw).into_owned();
+    let (head, body) = text.split_once("\r\n\r\n").expect("a response");
+    assert!(head.starts_with("HTTP/1.1 401"), "{head}");
+    let error: Value = serde_json::from_str(body).unwrap();
+    assert_eq!(error["error"]["code"], "UNAUTHENTICATED");
+    assert_eq!(
+        error["error"]["message"],
+        "Authorization must be Bearer <token>"
+    );
+    host.stop.cancel();
+}

@@ -87,7 +87,8 @@ impl UplinkMount {
         };
         let authorization = headers
             .get(header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok());
+            // A value that is not visible ASCII is no bearer token, not a missing header.
+            .map(|v| v.to_str().unwrap_or_default());
         let token = match verify_bearer(&self.tokens, authorization) {
             Ok(token) => token,
             Err(err) => {

@@ -226,7 +226,8 @@ async fn route(
     let authorization = request
         .headers()
         .get(http::header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok());
+        // A value that is not visible ASCII is no bearer token, not a missing header.
+        .map(|v| v.to_str().unwrap_or_default());
     let caller = match bearer(&app.tokens, authorization) {
         Ok(caller) => caller,
         Err(err) => return error(&err),
