@@ -116,8 +116,8 @@ impl Fleet {
     }
 
     /// Every view, with the nested leases and waiting requests `viewer` may see: an admin the
-    /// views as the workers report them, an agent only its own leases ([`seen`], the rule of
-    /// the lease list) and its own requests.
+    /// views as the workers report them, an agent only its own leases (`forward::seen`, the
+    /// rule of the lease list) and its own requests.
     pub fn views_seen_by(&self, viewer: Viewer<'_>) -> Vec<WorkerView> {
         if viewer.admin {
             return self.views();

@@ -285,7 +285,7 @@ impl Fleet {
 
     /// Every lease on every worker, projected: the gateway's own with their gateway ids; others
     /// (leases made on a worker directly) as they are, with the worker's id. Who sees which is
-    /// [`seen`]'s rule.
+    /// `seen`'s rule.
     pub fn leases(&self, ctx: &CallCtx) -> Vec<LeaseRecord> {
         let viewer = ctx.viewer();
         let state = self.state.lock();
