@@ -123,15 +123,29 @@ async fn a_refused_request_fails_with_its_code_over_http() {
 }
 
 #[tokio::test]
-async fn a_named_requester_goes_through_the_operation() {
+async fn a_named_requester_goes_through_the_resource_with_its_progress() {
     let fake = http_fake().await;
-    let operator = http_client(&fake, fake.operator_token());
+    fake.script_request(RequestScript::Hold(vec![Progress::Queued {
+        queue_position: 2,
+    }]));
+    let agent = http_client(&fake, fake.agent_token());
     let mut input = LeaseRequestInput::for_platform(Platform::Ios);
     input.requester_id = Some("agent-3".into());
-    let grant = guard(operator.request_lease(input, |_| {}, std::future::pending()))
-        .await
-        .unwrap();
+    let mut pending = guard(agent.begin_lease_request(input)).await.unwrap();
+    assert_eq!(
+        guard(pending.next()).await,
+        crate::RequestEvent::Progress(Progress::Queued { queue_position: 2 })
+    );
+    assert!(fake.settle_pending(Ok(())));
+    let crate::RequestEvent::Done(Ok(grant)) = guard(pending.next()).await else {
+        panic!("no grant");
+    };
     assert_eq!(grant.lease.requester_id, "agent-3");
+    assert_eq!(grant.lease.owner_id, fake.agent_token_id());
+    assert_eq!(
+        fake.calls_of("lease.request")[0].input,
+        json!({"platform": "ios", "requesterId": "agent-3"})
+    );
 }
 
 #[tokio::test]
