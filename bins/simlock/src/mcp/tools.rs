@@ -309,12 +309,16 @@ async fn status(session: &Arc<Session>, arguments: Value) -> Result<Value, Contr
                 map.insert("lease".into(), json!(record));
             }
         }
-        // Listed no more: the daemon ended it and the hold has not heard yet.
+        // Not listed: just granted through a gateway (its list follows its workers' views), or
+        // just ended (the hold hears at its next renewal at the latest). The hold decides.
         Ok(None) => {
             if let Some(map) = out.as_object_mut() {
+                map.insert("lease".into(), json!(entry.grant.lease));
                 map.insert(
                     "message".into(),
-                    Value::from("The daemon no longer lists this lease; it has ended"),
+                    Value::from(
+                        "The daemon does not list this lease right now; the session still holds                          it, and says so if the daemon ended it",
+                    ),
                 );
             }
         }

@@ -328,6 +328,31 @@ async fn an_http_hold_stops_on_lease_lost() {
 }
 
 #[tokio::test]
+async fn an_http_hold_whose_lease_is_not_listed_yet_lets_the_renewal_decide() {
+    // A gateway lists a lease once its worker's view has it; the lease's event stream can answer
+    // UNKNOWN_LEASE just after the grant. Only the renewal says the lease is gone.
+    let fake = http_fake().await;
+    let agent = http_client(&fake, fake.agent_token());
+    let mut input = LeaseRequestInput::for_platform(Platform::Ios);
+    input.ttl_ms = Some(300);
+    let mut grant = guard(agent.request_lease(input, |_| {}, std::future::pending()))
+        .await
+        .unwrap();
+    grant.lease.id = simlock_contract::ids::LeaseId::from_raw("lse_not_listed");
+    let mut hold = agent.hold(grant);
+    assert_eq!(
+        guard(hold.ended()).await,
+        HoldEnd::Lost(LeaseLost {
+            lease_id: "lse_not_listed".into(),
+            reason: None
+        })
+    );
+    let renewals = fake.calls_of("lease.renew");
+    assert_eq!(renewals.len(), 1, "the renewal decided");
+    assert_eq!(renewals[0].input, json!({"leaseId": "lse_not_listed"}));
+}
+
+#[tokio::test]
 async fn an_http_hold_renews_then_releases() {
     let fake = http_fake().await;
     let agent = http_client(&fake, fake.agent_token());
