@@ -3,8 +3,9 @@
 //! agents of one user then hold a lease each instead of the second one hearing
 //! `REQUESTER_ALREADY_LEASED` (the socket's default requester is the OS user).
 //!
-//! [`AGENT_SESSIONS`] is the one list of the variables read (`docs/MCP.md` shows it); the
-//! resolution is plain data ([`resolve`]) so it is tested without touching the environment.
+//! [`AGENT_SESSIONS`] is the one list of the variables read (`docs/MCP.md` shows it, and a test
+//! keeps the two in step); the resolution is plain data ([`resolve`]) so it is tested without
+//! touching the environment.
 
 /// A session-id variable an agent CLI exports to the processes it starts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -13,8 +14,6 @@ pub(crate) struct AgentSession {
     pub(crate) variable: &'static str,
     /// The agent, as it appears in the requester id (`<agent>:<session id>`).
     pub(crate) agent: &'static str,
-    /// Which of its processes see it, for the docs.
-    pub(crate) exported_to: &'static str,
 }
 
 /// The session-id variables read, in order: the first one set names the requester.
@@ -30,22 +29,18 @@ pub(crate) const AGENT_SESSIONS: &[AgentSession] = &[
     AgentSession {
         variable: "CLAUDE_CODE_SESSION_ID",
         agent: "claude-code",
-        exported_to: "Bash tool commands, hooks and stdio MCP servers",
     },
     AgentSession {
         variable: "CODEX_THREAD_ID",
         agent: "codex",
-        exported_to: "shell tool commands (not MCP servers)",
     },
     AgentSession {
         variable: "CURSOR_CONVERSATION_ID",
         agent: "cursor",
-        exported_to: "agent shell commands (not MCP servers)",
     },
     AgentSession {
         variable: "GEMINI_SESSION_ID",
         agent: "gemini",
-        exported_to: "hooks, as documented (not shell tools or MCP servers)",
     },
 ];
 
@@ -222,6 +217,32 @@ mod tests {
         let at_limit = "x".repeat(MAX_SESSION_ID);
         let r = resolve(None, env(&[("GEMINI_SESSION_ID", &at_limit)]), 42, "mac");
         assert_eq!(r.id(), format!("gemini:{at_limit}"));
+    }
+
+    #[test]
+    fn docs_mcp_lists_every_session_variable_in_order() {
+        let doc = include_str!("../../../docs/MCP.md");
+        let rows: Vec<&str> = doc
+            .lines()
+            .filter(|l| l.starts_with("| `") && l.contains("` | "))
+            .filter(|l| {
+                AGENT_SESSIONS
+                    .iter()
+                    .any(|s| l.starts_with(&format!("| `{}`", s.variable)))
+            })
+            .collect();
+        assert_eq!(
+            rows.len(),
+            AGENT_SESSIONS.len(),
+            "docs/MCP.md's table of session variables"
+        );
+        for (row, session) in rows.iter().zip(AGENT_SESSIONS) {
+            assert!(
+                row.starts_with(&format!("| `{}`", session.variable)),
+                "{row}"
+            );
+            assert!(row.contains(&format!("`{}:<id>`", session.agent)), "{row}");
+        }
     }
 
     #[test]

@@ -384,16 +384,23 @@ fn summary(entry: &Entry) -> Value {
 /// How to reach a leased device.
 fn access_of(grant: &LeaseGrant) -> Value {
     let device = &grant.device;
-    json!({
+    let mut out = json!({
         "leaseId": grant.lease.id,
         "platform": device.spec.platform,
         "model": device.spec.model,
         "osVersion": device.spec.os_version,
         "deviceId": device.id,
         "driverDeviceId": device.driver_device_id,
-        "address": device.address,
-        "worker": grant.lease.worker,
         "environment": grant.environment,
         "text": view::grant(grant),
-    })
+    });
+    if let Some(map) = out.as_object_mut() {
+        if let Some(address) = &device.address {
+            map.insert("address".into(), json!(address));
+        }
+        if let Some(worker) = &grant.lease.worker {
+            map.insert("worker".into(), json!(worker));
+        }
+    }
+    out
 }
