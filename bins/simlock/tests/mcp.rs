@@ -600,7 +600,7 @@ async fn an_operator_release_all_reaches_the_client_as_a_notification() {
     let id = lease_id(&grant);
 
     let out = operator.release_all().await.unwrap();
-    assert_eq!(out.lease_ids, [id.clone()]);
+    assert_eq!(out.lease_ids, std::slice::from_ref(&id));
     let notice = agent.notice("lease-lost").await;
     assert_eq!(notice["leaseId"], id.as_str());
     assert_eq!(notice["reason"], "killed");
