@@ -9,7 +9,11 @@
 )]
 
 mod cli;
+mod duration;
+mod identity;
 mod lease;
+mod mcp;
+mod pidwatch;
 mod stderr;
 mod view;
 
@@ -99,30 +103,53 @@ pub(crate) fn emit<T: Serialize>(json: bool, value: &T, human: impl FnOnce(&T) -
     let _ = out_line(&text);
 }
 
-/// Connects as the command needs: over HTTP with `--url`, else to the local socket, sending the
-/// admin secret (or `--token`) as the credential for commands that need admin.
-pub(crate) async fn connect(cli: &Cli) -> Result<Client, ContractError> {
-    let nonempty = |s: &Option<String>| s.clone().filter(|s| !s.trim().is_empty());
-    if let Some(url) = nonempty(&cli.url) {
-        let Some(token) = nonempty(&cli.token) else {
-            return Err(ContractError::new(
-                ErrorCode::Usage,
-                "--url needs a token: pass --token or set SIMLOCK_TOKEN",
-            ));
-        };
-        return Client::over_http(&url, &token, ConnectOptions::default());
+/// Where a command connects: a daemon's HTTP API (`--url`), else the local socket.
+#[derive(Debug, Clone)]
+pub(crate) struct Target {
+    url: Option<String>,
+    token: Option<String>,
+    admin: bool,
+}
+
+impl Target {
+    /// The target the command line names.
+    pub(crate) fn of(cli: &Cli) -> Self {
+        let nonempty = |s: &Option<String>| s.clone().filter(|s| !s.trim().is_empty());
+        Self {
+            url: nonempty(&cli.url),
+            token: nonempty(&cli.token),
+            admin: cli.command.needs_admin(),
+        }
     }
-    let home = home_from_env();
-    let mut options = ConnectOptions::default();
-    if cli.command.needs_admin() {
-        options.credential = nonempty(&cli.token).or_else(|| admin_secret_in(&home));
+
+    /// Connects: over HTTP with `--url`, else to the local socket, sending the admin secret (or
+    /// `--token`) as the credential for commands that need admin.
+    pub(crate) async fn connect(&self) -> Result<Client, ContractError> {
+        if let Some(url) = &self.url {
+            let Some(token) = &self.token else {
+                return Err(ContractError::new(
+                    ErrorCode::Usage,
+                    "--url needs a token: pass --token or set SIMLOCK_TOKEN",
+                ));
+            };
+            return Client::over_http(url, token, ConnectOptions::default());
+        }
+        let home = home_from_env();
+        let mut options = ConnectOptions::default();
+        if self.admin {
+            options.credential = self.token.clone().or_else(|| admin_secret_in(&home));
+        }
+        Client::connect_home(&home, options).await
     }
-    Client::connect_home(&home, options).await
 }
 
 async fn execute(cli: &Cli) -> Result<u8, ContractError> {
     let json = cli.json;
-    let client = connect(cli).await?;
+    if let Command::Mcp(args) = &cli.command {
+        // The MCP server connects when a tool first needs the daemon, and again after a loss.
+        return mcp::run(Target::of(cli), args).await;
+    }
+    let client = Target::of(cli).connect().await?;
     match &cli.command {
         Command::Lease(args) => lease::run(json, &client, args).await,
         Command::Renew { lease_id, ttl } => {
@@ -194,6 +221,9 @@ async fn execute(cli: &Cli) -> Result<u8, ContractError> {
             emit(json, &out, |_| "the daemon is stopping".to_owned());
             Ok(0)
         }
+        Command::Mcp(_) => Err(ContractError::internal(
+            "simlock mcp runs before connecting",
+        )),
     }
 }
 

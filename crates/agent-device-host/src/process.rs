@@ -123,6 +123,14 @@ pub async fn spawn(
     })?;
     // A stale file from a daemon that died would hand out its token.
     let _ = std::fs::remove_file(state.join("daemon.json"));
+    // The daemon's temporary files (uploads in progress and finalized ones, hundreds of MiB
+    // each) live under simlock's home, and whatever an earlier daemon left there goes now.
+    let tmp = temp_dir(state);
+    clear_temp(state);
+    ensure_dir(&tmp).map_err(|source| ProcessError::StateDir {
+        path: tmp.clone(),
+        source,
+    })?;
     let Some((program, args)) = spec.command.split_first() else {
         return Err(ProcessError::Spawn {
             program: String::new(),
@@ -139,6 +147,7 @@ pub async fn spawn(
         .env("AGENT_DEVICE_NO_UPDATE_NOTIFIER", "1")
         // Device claims are host-global by default; this daemon's devices are simlock's.
         .env("AGENT_DEVICE_CLAIMS_DIR", state.join("device-claims"))
+        .env("TMPDIR", &tmp)
         .envs(spec.env.iter().map(|(k, v)| (k, v)))
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
@@ -303,9 +312,25 @@ pub async fn stop_leftovers(state: &Path, grace: Duration) {
     clear_pid_file(state);
 }
 
-/// Forgets the processes recorded in `state`.
+/// Forgets the processes recorded in `state`, and removes what they left in their temporary
+/// directory.
 pub fn clear_pid_file(state: &Path) {
     let _ = std::fs::remove_file(state.join(PID_FILE));
+    clear_temp(state);
+}
+
+/// The daemon's temporary directory (its `TMPDIR`).
+pub fn temp_dir(state: &Path) -> PathBuf {
+    state.join("tmp")
+}
+
+fn clear_temp(state: &Path) {
+    let tmp = temp_dir(state);
+    if let Err(e) = std::fs::remove_dir_all(&tmp)
+        && e.kind() != std::io::ErrorKind::NotFound
+    {
+        warn!(path = %tmp.display(), error = %e, "cannot remove the agent-device daemon's temporary files");
+    }
 }
 
 fn write_pid_file(state: &Path, recorded: &[Recorded]) {
@@ -522,7 +547,7 @@ mod tests {
     #[tokio::test]
     async fn the_port_comes_from_stdout_and_the_token_from_daemon_json() {
         let dir = tempfile::tempdir().unwrap();
-        let script = r#"printf '{"httpPort":4321,"token":"t0k","pid":%s}' $$ > "$AGENT_DEVICE_STATE_DIR/daemon.json"; echo noise; echo AGENT_DEVICE_DAEMON_HTTP_PORT=4321; exec sleep 600"#;
+        let script = r#"test "$TMPDIR" = "$AGENT_DEVICE_STATE_DIR/tmp" && test -d "$TMPDIR" || exit 9; printf '{"httpPort":4321,"token":"t0k","pid":%s}' $$ > "$AGENT_DEVICE_STATE_DIR/daemon.json"; echo noise; echo AGENT_DEVICE_DAEMON_HTTP_PORT=4321; exec sleep 600"#;
         let spec = DaemonSpec {
             command: vec!["sh".into(), "-c".into(), script.into()],
             state_dir: dir.path().join("state"),
@@ -542,6 +567,11 @@ mod tests {
         let recorded = daemon.recorded.clone();
         stop(&recorded, Some(&mut daemon.child), Duration::from_secs(5)).await;
         assert!(recorded.iter().all(|r| !is_alive(r)));
+        clear_pid_file(&spec.state_dir);
+        assert!(
+            !temp_dir(&spec.state_dir).exists(),
+            "its temporary files go with it"
+        );
     }
 
     #[tokio::test]

@@ -83,19 +83,8 @@ impl DeviceEntry {
     }
 }
 
-/// Who calls, for ownership checks.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Caller<'a> {
-    pub principal: &'a str,
-    pub admin: bool,
-}
-
-impl Caller<'_> {
-    /// Whether the caller may act on what `owner` owns: admins on anything, agents on their own.
-    fn may_act_for(self, owner: &str) -> bool {
-        self.admin || owner == self.principal
-    }
-}
+/// Who calls, for ownership checks: the daemon's one visibility rule.
+pub(crate) use simlock_daemon::context::Viewer as Caller;
 
 /// A lease request, checked and resolved, ready for admission.
 #[derive(Debug, Clone)]
@@ -355,6 +344,13 @@ impl State {
         leases
     }
 
+    /// The leases `caller` may see, oldest first.
+    pub(crate) fn visible_leases(&self, caller: Caller<'_>) -> Vec<LeaseRecord> {
+        let mut leases = self.leases();
+        leases.retain(|lease| caller.may_see(&lease.owner_id));
+        leases
+    }
+
     pub(crate) fn lease(&self, id: &str) -> Option<&LeaseRecord> {
         self.leases.get(id)
     }
@@ -363,10 +359,11 @@ impl State {
         self.queue.depth()
     }
 
-    pub(crate) fn waiting(&self) -> Vec<WaitingRequest> {
+    /// The requests without a lease yet that `caller` may see, oldest first.
+    pub(crate) fn waiting(&self, caller: Caller<'_>) -> Vec<WaitingRequest> {
         self.queue
             .iter()
-            .filter(|w| w.stage != Stage::New)
+            .filter(|w| w.stage != Stage::New && caller.may_see(&w.terms.owner_id))
             .map(|w| WaitingRequest {
                 id: w.id.clone(),
                 requester_id: w.requester_id.clone(),
@@ -392,11 +389,9 @@ impl State {
         caller: Caller<'_>,
     ) -> Result<Option<&Waiter>, CoreError> {
         match self.queue.of_requester(requester) {
-            Some(waiter) if !caller.may_act_for(&waiter.terms.owner_id) => {
-                Err(CoreError::Forbidden(format!(
-                    "requesterId: the pending request of {requester} is not yours"
-                )))
-            }
+            Some(waiter) if !caller.may_see(&waiter.terms.owner_id) => Err(CoreError::Forbidden(
+                format!("requesterId: the pending request of {requester} is not yours"),
+            )),
             found => Ok(found),
         }
     }
@@ -1174,7 +1169,7 @@ impl State {
     ) -> Result<&mut LeaseRecord, CoreError> {
         self.leases
             .get_mut(lease_id)
-            .filter(|lease| caller.may_act_for(&lease.owner_id))
+            .filter(|lease| caller.may_see(&lease.owner_id))
             .ok_or_else(|| CoreError::UnknownLease(lease_id.to_owned()))
     }
 

@@ -429,14 +429,12 @@ impl Worker {
     // === Operations ===
 
     fn caller(ctx: &CallCtx) -> Caller<'_> {
-        Caller {
-            principal: &ctx.principal,
-            admin: ctx.role == Role::Admin,
-        }
+        ctx.viewer()
     }
 
-    /// `status.get`: while starting (or failed), only `daemon` and `host`.
-    pub fn status(&self, gate: &StartupGate) -> StatusOutput {
+    /// `status.get`: while starting (or failed), only `daemon` and `host`. The leases and waiting
+    /// requests are those `viewer` may see.
+    pub fn status(&self, gate: &StartupGate, viewer: Caller<'_>) -> StatusOutput {
         let at_gate = gate.health();
         // Capability probes run only for a full answer, and outside the worker's lock.
         let capabilities = (at_gate == Health::Running).then(|| self.capabilities.snapshot());
@@ -469,9 +467,9 @@ impl Worker {
         }
         out.capacity = Some(shared.state.capacity());
         out.devices = Some(shared.state.devices());
-        out.leases = Some(shared.state.leases());
+        out.leases = Some(shared.state.visible_leases(viewer));
         out.queue_depth = Some(shared.state.queue_depth());
-        out.waiting = Some(shared.state.waiting());
+        out.waiting = Some(shared.state.waiting(viewer));
         out.capabilities = capabilities;
         out.lease = Some(self.lease_limits());
         out
@@ -516,7 +514,7 @@ impl Worker {
 
     /// Requests without a lease yet, oldest first.
     pub fn waiting(&self) -> Vec<WaitingRequest> {
-        self.shared.lock().state.waiting()
+        self.shared.lock().state.waiting(Caller::ADMIN)
     }
 
     /// Capacity now.
@@ -539,9 +537,9 @@ impl Worker {
         self.shared.lock().state.queue_depth()
     }
 
-    /// `worker.list` on a worker: a fleet of one.
-    pub fn worker_view(&self, gate: &StartupGate) -> WorkerView {
-        let status = self.status(gate);
+    /// `worker.list` on a worker: a fleet of one, with what `viewer` may see.
+    pub fn worker_view(&self, gate: &StartupGate, viewer: Caller<'_>) -> WorkerView {
+        let status = self.status(gate, viewer);
         let running = status.daemon.health == Health::Running;
         WorkerView {
             id: self.instance_id.clone(),
@@ -751,12 +749,7 @@ impl Worker {
 
     /// `lease.list`: admins see every lease, agents their own.
     pub fn lease_list(&self, ctx: &CallCtx) -> LeaseListOutput {
-        let admin = ctx.role == Role::Admin;
-        let leases = self
-            .leases()
-            .into_iter()
-            .filter(|l| admin || l.owner_id == ctx.principal)
-            .collect();
+        let leases = self.shared.lock().state.visible_leases(Self::caller(ctx));
         LeaseListOutput { leases }
     }
 

@@ -9,12 +9,12 @@ use simlock_contract::ids::LeaseId;
 use simlock_contract::model::{LeaseRecord, WorkerRef};
 use simlock_contract::ops::{ExecInput, ExecOutput, LeaseReleaseOutput, LeaseRenewInput};
 use simlock_contract::{ContractError, ErrorCode, Push, Role};
-use simlock_daemon::context::CallCtx;
+use simlock_daemon::context::{CallCtx, Viewer};
 use simlock_wire::CallEvent;
 
 use crate::coordinator::{from_worker, unreachable};
 use crate::fleet::{Fleet, WorkerConn};
-use crate::index::Entry;
+use crate::index::{Entry, LeaseIndex};
 
 impl Fleet {
     /// The index entry of `lease_id`, if the caller may act on it (its owner, or an admin).
@@ -22,7 +22,7 @@ impl Fleet {
         let entry = self
             .lease(lease_id)
             .ok_or_else(|| ContractError::unknown_lease(lease_id))?;
-        if entry.owner_id != ctx.principal && ctx.role != Role::Admin {
+        if !ctx.viewer().may_see(&entry.owner_id) {
             return Err(ContractError::unknown_lease(lease_id));
         }
         Ok(entry)
@@ -284,31 +284,58 @@ impl Fleet {
     }
 
     /// Every lease on every worker, projected: the gateway's own with their gateway ids; others
-    /// (leases made on a worker directly) as they are, with the worker's id. An agent sees only
-    /// the gateway leases it owns.
+    /// (leases made on a worker directly) as they are, with the worker's id. Who sees which is
+    /// `seen`'s rule.
     pub fn leases(&self, ctx: &CallCtx) -> Vec<LeaseRecord> {
+        let viewer = ctx.viewer();
         let state = self.state.lock();
         let mut out = Vec::new();
         for worker in state.workers.values() {
             let view = &worker.view;
             for lease in view.leases.as_deref().unwrap_or_default() {
-                match state.index.by_worker_lease(&view.id, lease.id.as_str()) {
-                    Some(entry) if ctx.role == Role::Admin || entry.owner_id == ctx.principal => {
+                match seen(&state.index, &self.prefix, viewer, &view.id, lease) {
+                    Seen::Issued(entry) => {
                         out.push(project(entry, view.label.clone(), lease.clone()));
                     }
-                    Some(_) => {}
-                    None if ctx.role == Role::Admin
-                        && !lease.requester_id.starts_with(&self.prefix) =>
-                    {
+                    Seen::Direct => {
                         let mut lease = lease.clone();
                         lease.worker_id = Some(view.id.clone());
                         out.push(lease);
                     }
-                    None => {}
+                    Seen::Hidden => {}
                 }
             }
         }
         out
+    }
+}
+
+/// How one of a worker's leases shows to a viewer at the gateway.
+pub(crate) enum Seen<'a> {
+    /// A lease the gateway issued, and the viewer's to see (its owner, or an admin).
+    Issued(&'a Entry),
+    /// A lease made on the worker directly: an admin's to see.
+    Direct,
+    /// Not the viewer's to see.
+    Hidden,
+}
+
+/// The rule for a worker's lease at the gateway, for the lease list and the workers' nested
+/// views alike: a lease the gateway issued is its owner's (and an admin's) to see, through
+/// [`Viewer::may_see`]; one made on the worker directly is an admin's; one the index does not
+/// hold (yet, or any more) is nobody's in the list.
+pub(crate) fn seen<'a>(
+    index: &'a LeaseIndex,
+    prefix: &str,
+    viewer: Viewer<'_>,
+    worker_id: &str,
+    lease: &LeaseRecord,
+) -> Seen<'a> {
+    match index.by_worker_lease(worker_id, lease.id.as_str()) {
+        Some(entry) if viewer.may_see(&entry.owner_id) => Seen::Issued(entry),
+        Some(_) => Seen::Hidden,
+        None if viewer.admin && !lease.requester_id.starts_with(prefix) => Seen::Direct,
+        None => Seen::Hidden,
     }
 }
 
