@@ -762,10 +762,12 @@ async fn release(ctx: &Exchange, call: RpcCall, lease: &LeaseId) -> Result<Respo
 }
 
 /// `devices`: only the devices the token leases. With none held, the empty list, and no host
-/// is asked.
+/// is asked. On a worker one forward answers for all of them; through a gateway there is one
+/// forward per held lease, all at once, each cut to its own lease's device and joined in lease
+/// order (two workers' `emulator-5554` both appear, each from its own worker).
 async fn devices(
     ctx: &Exchange,
-    mut call: RpcCall,
+    call: RpcCall,
     lease: Option<&LeaseId>,
 ) -> Result<Response<Body>, Failed> {
     let held = ctx.inner.leases.of_principal(&ctx.caller.principal);
@@ -780,29 +782,81 @@ async fn devices(
     let Some((first, _)) = held.first() else {
         return Ok(devices_answer(&call.id, Vec::new()));
     };
-    let asked = lease.unwrap_or(first).clone();
-    call.set_lease(&asked);
-    let (parts, bytes) = ctx.exchange(call.to_bytes(), Some(&asked)).await?;
-    match Answer::read(&bytes) {
-        Answer::Ok(data) => {
-            let Some(list) = data.get("devices").and_then(Value::as_array) else {
-                return Err(ctx.fail(Refusal::DevicesUnreadable(asked)));
-            };
-            let addresses: Vec<&str> = held.iter().map(|(_, e)| e.address.as_str()).collect();
-            let kept = list
-                .iter()
-                .filter(|d| {
-                    d.get("id")
-                        .and_then(Value::as_str)
-                        .is_some_and(|id| addresses.contains(&id))
-                })
-                .cloned()
-                .collect();
-            Ok(devices_answer(&call.id, kept))
-        }
-        Answer::Error { .. } => Ok(answer_from(parts, bytes)),
-        Answer::Unreadable => Err(ctx.fail(Refusal::DevicesUnreadable(asked))),
+    if !ctx.through_gateway() {
+        let asked = lease.unwrap_or(first).clone();
+        let addresses: Vec<&str> = held.iter().map(|(_, e)| e.address.as_str()).collect();
+        return match read_devices(ctx, &call, &asked).await? {
+            Listed::Devices(list) => Ok(devices_answer(&call.id, keep_devices(list, &addresses))),
+            Listed::Error(answer) => Ok(answer),
+        };
     }
+    // One forward per held lease; the first failure (in time) cancels the rest, and the
+    // failure of the first failing lease in lease order is the answer.
+    let mut pending: futures::stream::FuturesUnordered<_> = held
+        .iter()
+        .enumerate()
+        .map(|(i, (l, _))| {
+            let call = &call;
+            async move { (i, read_devices(ctx, call, l).await) }
+        })
+        .collect();
+    let mut outcomes: Vec<Option<Result<Listed, Failed>>> =
+        std::iter::repeat_with(|| None).take(held.len()).collect();
+    while let Some((i, outcome)) = futures::StreamExt::next(&mut pending).await {
+        let failed = !matches!(outcome, Ok(Listed::Devices(_)));
+        outcomes[i] = Some(outcome);
+        if failed {
+            break;
+        }
+    }
+    drop(pending);
+    let mut joined = Vec::new();
+    for ((_, entry), outcome) in held.iter().zip(outcomes) {
+        match outcome {
+            Some(Ok(Listed::Devices(list))) => {
+                joined.extend(keep_devices(list, &[entry.address.as_str()]));
+            }
+            Some(Ok(Listed::Error(answer))) => return Ok(answer),
+            Some(Err(failed)) => return Err(failed),
+            // Cancelled: another lease failed first.
+            None => {}
+        }
+    }
+    Ok(devices_answer(&call.id, joined))
+}
+
+/// One `devices` answer.
+enum Listed {
+    /// The list agent-device answered.
+    Devices(Vec<Value>),
+    /// Its error reply, passed on as it is.
+    Error(Response<Body>),
+}
+
+/// Asks for the device list under `lease`.
+async fn read_devices(ctx: &Exchange, call: &RpcCall, lease: &LeaseId) -> Result<Listed, Failed> {
+    let mut call = call.clone();
+    call.set_lease(lease);
+    let (parts, bytes) = ctx.exchange(call.to_bytes(), Some(lease)).await?;
+    match Answer::read(&bytes) {
+        Answer::Ok(data) => match data.get("devices").and_then(Value::as_array) {
+            Some(list) => Ok(Listed::Devices(list.clone())),
+            None => Err(ctx.fail(Refusal::DevicesUnreadable(lease.clone()))),
+        },
+        Answer::Error { .. } => Ok(Listed::Error(answer_from(parts, bytes))),
+        Answer::Unreadable => Err(ctx.fail(Refusal::DevicesUnreadable(lease.clone()))),
+    }
+}
+
+/// The devices of `list` whose id is one of `addresses`.
+fn keep_devices(list: Vec<Value>, addresses: &[&str]) -> Vec<Value> {
+    list.into_iter()
+        .filter(|d| {
+            d.get("id")
+                .and_then(Value::as_str)
+                .is_some_and(|id| addresses.contains(&id))
+        })
+        .collect()
 }
 
 fn devices_answer(id: &Value, devices: Vec<Value>) -> Response<Body> {

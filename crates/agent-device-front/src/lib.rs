@@ -11,6 +11,7 @@ mod front;
 pub mod lease_id;
 pub mod leases;
 pub mod port;
+pub mod relay_link;
 pub mod reply;
 pub mod rpc;
 pub mod tenant;
@@ -19,6 +20,7 @@ pub use body::{Body, BoxError};
 pub use front::{AGENT_DEVICE_MAX_TTL_MS, Front, FrontOptions, MAX_PREFLIGHT_BODY};
 pub use lease_id::{LEASE_HEADER, LeaseId};
 pub use port::{Caller, HostLink, HostStatus, Serving, StatusScope};
+pub use relay_link::{FleetPort, RelayHostLink};
 pub use reply::{Refusal, Surface};
 pub use tenant::Tenant;
 

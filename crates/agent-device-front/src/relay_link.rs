@@ -1,0 +1,506 @@
+//! The relay host link: the front's port on a gateway. It places each agent-device lease on the
+//! worker holding its simlock lease and relays there, under the tenant
+//! `gw.<gateway instance id>.<principal>`.
+//!
+//! It reads the fleet through a narrow [`FleetPort`] the gateway's composition builds, and never
+//! writes it. It remembers, per lease, the worker and owner it last read, and keeps routing to
+//! that worker after the lease index dropped the lease (as `release --all` does), so the
+//! worker's agent-device still answers for it; the memory of a dropped lease is forgotten once
+//! the gateway's `lease.maxTtlMs` has passed since the drop ([`LeaseMemory`]).
+
+use std::collections::{BTreeSet, HashMap};
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::FutureExt;
+use futures::future::BoxFuture;
+use http::{Request, Response};
+use parking_lot::Mutex;
+use simlock_contract::model::Platform;
+use tokio::time::Instant;
+
+use crate::lease_id::LeaseId;
+use crate::port::{Caller, HostLink, HostStatus, Serving, StatusScope};
+use crate::reply::Refusal;
+use crate::tenant::Tenant;
+use crate::{Body, CAPABILITY};
+
+/// Why no worker can take a new agent-device lease.
+pub const NO_CAPABLE_WORKER: &str = "no worker connected to this gateway can serve agent-device";
+/// Why the worker holding a lease cannot serve it.
+pub const HOLDER_CANNOT_SERVE: &str = "the worker holding this lease cannot serve agent-device";
+/// How often the memory is swept of leases dropped long enough ago.
+pub const SWEEP_EVERY: Duration = Duration::from_secs(60);
+
+/// Where the lease index places a lease.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Placement {
+    /// The worker holding it.
+    pub worker: String,
+    /// Its owner (the principal that made it).
+    pub owner: String,
+}
+
+/// A worker as the link needs it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WorkerFacts {
+    /// Its id.
+    pub id: String,
+    /// Whether its uplink is up.
+    pub connected: bool,
+    /// Whether its view lists `agent-device` as available, and why not.
+    pub agent_device: Result<(), Option<String>>,
+    /// The platforms of its catalog (empty until the catalog was read).
+    pub platforms: BTreeSet<Platform>,
+    /// Its `lease.maxTtlMs`, once read.
+    pub lease_max_ttl_ms: Option<u64>,
+}
+
+/// A relay that failed, as the fleet's relay answers it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RelayFailure {
+    /// The contract error's message.
+    pub message: String,
+}
+
+/// What the link reads of the gateway. The gateway's composition implements it over the fleet
+/// and the relay; the rules (where a lease is, who owns it, which workers are capable) live
+/// there.
+pub trait FleetPort: Send + Sync + 'static {
+    /// The lease index's worker and owner for `lease`.
+    fn placement(&self, lease: &LeaseId) -> Option<Placement>;
+    /// The workers capable of a new agent-device lease: connected, not drained, `agent-device`
+    /// available in their view, catalog and `lease.maxTtlMs` read.
+    fn capable_workers(&self) -> Vec<WorkerFacts>;
+    /// One worker, drained or not.
+    fn worker(&self, id: &str) -> Option<WorkerFacts>;
+    /// Relays one exchange to `worker`'s `agent-device` target.
+    fn relay(
+        &self,
+        worker: &str,
+        request: Request<Body>,
+        tenant: &Tenant,
+        lease: Option<&LeaseId>,
+    ) -> BoxFuture<'static, Result<Response<Body>, RelayFailure>>;
+    /// The gateway's instance id (the tenant prefix).
+    fn gateway_id(&self) -> String;
+}
+
+/// The link's memory of where leases are.
+#[derive(Debug, Default)]
+pub struct LeaseMemory {
+    entries: HashMap<LeaseId, Remembered>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Remembered {
+    placement: Placement,
+    /// When the index dropped the lease, if it did.
+    dropped_at: Option<Instant>,
+}
+
+impl LeaseMemory {
+    /// The index placed `lease` at `placement` now: remembered, and no longer dropped.
+    pub fn placed(&mut self, lease: &LeaseId, placement: Placement) {
+        self.entries.insert(
+            lease.clone(),
+            Remembered {
+                placement,
+                dropped_at: None,
+            },
+        );
+    }
+
+    /// The index dropped `lease` at `now`: the memory keeps routing it, stamped.
+    pub fn dropped(&mut self, lease: &LeaseId, now: Instant) {
+        if let Some(entry) = self.entries.get_mut(lease)
+            && entry.dropped_at.is_none()
+        {
+            entry.dropped_at = Some(now);
+        }
+    }
+
+    /// Where `lease` was last placed, unless it was dropped more than `keep` before `now`
+    /// (then it is forgotten).
+    pub fn recall(&mut self, lease: &LeaseId, now: Instant, keep: Duration) -> Option<Placement> {
+        let entry = self.entries.get(lease)?;
+        if entry
+            .dropped_at
+            .is_some_and(|at| now.saturating_duration_since(at) > keep)
+        {
+            self.entries.remove(lease);
+            return None;
+        }
+        Some(entry.placement.clone())
+    }
+
+    /// Forgets every lease dropped more than `keep` before `now`.
+    pub fn sweep(&mut self, now: Instant, keep: Duration) {
+        self.entries.retain(|_, e| {
+            e.dropped_at
+                .is_none_or(|at| now.saturating_duration_since(at) <= keep)
+        });
+    }
+
+    /// How many leases are remembered.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// Whether none is.
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+}
+
+/// The relay host link.
+pub struct RelayHostLink {
+    port: Arc<dyn FleetPort>,
+    memory: Arc<Mutex<LeaseMemory>>,
+    /// The gateway's `lease.maxTtlMs`: how long a dropped lease is remembered.
+    keep: Duration,
+}
+
+impl std::fmt::Debug for RelayHostLink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RelayHostLink")
+            .field("remembered", &self.memory.lock().len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl RelayHostLink {
+    /// A link over `port`, remembering dropped leases for `keep` (the gateway's
+    /// `lease.maxTtlMs`).
+    pub fn new(port: Arc<dyn FleetPort>, keep: Duration) -> Self {
+        Self {
+            port,
+            memory: Arc::new(Mutex::new(LeaseMemory::default())),
+            keep,
+        }
+    }
+
+    /// The fleet's lease index dropped `lease` (the composition calls this from the index's
+    /// removals).
+    pub fn dropped(&self, lease: &LeaseId) {
+        self.memory.lock().dropped(lease, Instant::now());
+    }
+
+    /// Forgets the leases dropped longer ago than the gateway's `lease.maxTtlMs`; the
+    /// composition calls it every [`SWEEP_EVERY`].
+    pub fn sweep(&self) {
+        self.memory.lock().sweep(Instant::now(), self.keep);
+    }
+
+    /// Sweeps every [`SWEEP_EVERY`] until `stop` fires.
+    pub fn spawn_sweeper(self: &Arc<Self>, stop: tokio_util::sync::CancellationToken) {
+        let link = self.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(SWEEP_EVERY);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tokio::select! {
+                    _ = tick.tick() => link.sweep(),
+                    () = stop.cancelled() => return,
+                }
+            }
+        });
+    }
+
+    /// Where `lease` is: the index first (remembered), else the memory.
+    fn place(&self, lease: &LeaseId) -> Option<Placement> {
+        let mut memory = self.memory.lock();
+        match self.port.placement(lease) {
+            Some(placement) => {
+                memory.placed(lease, placement.clone());
+                Some(placement)
+            }
+            None => memory.recall(lease, Instant::now(), self.keep),
+        }
+    }
+
+    /// The lease's worker when `caller` owns it.
+    fn owned(&self, lease: &LeaseId, caller: &Caller) -> Option<Placement> {
+        self.place(lease).filter(|p| p.owner == caller.principal)
+    }
+
+    fn new_lease_status(&self) -> HostStatus {
+        let capable = self.port.capable_workers();
+        if capable.is_empty() {
+            return HostStatus::Unavailable {
+                reason: NO_CAPABLE_WORKER.into(),
+            };
+        }
+        HostStatus::Running(Serving {
+            platforms: capable.into_iter().flat_map(|w| w.platforms).collect(),
+            lease_max_ttl_ms: None,
+        })
+    }
+}
+
+impl HostLink for RelayHostLink {
+    fn status(&self, scope: StatusScope<'_>) -> HostStatus {
+        let StatusScope::Lease { lease, caller } = scope else {
+            return self.new_lease_status();
+        };
+        // Nothing about another token's lease shows: its status is a new lease's, and the
+        // forward that follows refuses it.
+        let Some(placement) = self.owned(lease, caller) else {
+            return self.new_lease_status();
+        };
+        // The holder serves a lease it holds while connected with agent-device available,
+        // drained or not.
+        match self.port.worker(&placement.worker) {
+            Some(worker) if worker.connected && worker.agent_device.is_ok() => {
+                HostStatus::Running(Serving {
+                    platforms: worker.platforms,
+                    lease_max_ttl_ms: worker.lease_max_ttl_ms,
+                })
+            }
+            _ => HostStatus::Unavailable {
+                reason: HOLDER_CANNOT_SERVE.into(),
+            },
+        }
+    }
+
+    fn forward(
+        &self,
+        request: Request<Body>,
+        caller: Option<&Caller>,
+        lease: Option<&LeaseId>,
+    ) -> BoxFuture<'static, Result<Response<Body>, Refusal>> {
+        let port = self.port.clone();
+        let Some(lease) = lease else {
+            let is_health = request.uri().path() == format!("{}/health", crate::PREFIX);
+            if !is_health {
+                return async { Err(Refusal::TooOld) }.boxed();
+            }
+            let Some(worker) = port.capable_workers().into_iter().next() else {
+                return async {
+                    Err(Refusal::NotAvailable {
+                        reason: NO_CAPABLE_WORKER.into(),
+                        retriable: true,
+                    })
+                }
+                .boxed();
+            };
+            let tenant = Tenant::through_gateway(&port.gateway_id(), "");
+            return relay(&*port, &worker.id, request, &tenant, None);
+        };
+        let placement = caller.and_then(|c| self.owned(lease, c));
+        let (Some(placement), Some(caller)) = (placement, caller) else {
+            let refusal = Refusal::NotYours {
+                lease: lease.clone(),
+                through_gateway: true,
+            };
+            return async { Err(refusal) }.boxed();
+        };
+        let tenant = Tenant::through_gateway(&port.gateway_id(), &caller.principal);
+        relay(&*port, &placement.worker, request, &tenant, Some(lease))
+    }
+
+    fn lease_requires(&self) -> Vec<String> {
+        vec![CAPABILITY.to_owned()]
+    }
+
+    fn reads_lease_header(&self) -> bool {
+        true
+    }
+}
+
+fn relay(
+    port: &dyn FleetPort,
+    worker: &str,
+    request: Request<Body>,
+    tenant: &Tenant,
+    lease: Option<&LeaseId>,
+) -> BoxFuture<'static, Result<Response<Body>, Refusal>> {
+    let relayed = port.relay(worker, request, tenant, lease);
+    async move {
+        relayed.await.map_err(|failure| Refusal::NotAvailable {
+            reason: failure.message,
+            retriable: true,
+        })
+    }
+    .boxed()
+}
+
+#[cfg(test)]
+mod tests {
+    use simlock_contract::Role;
+
+    use super::*;
+
+    fn lease() -> LeaseId {
+        LeaseId::parse("0123456789abcdef0123456789abcdef").unwrap()
+    }
+
+    fn placement(worker: &str, owner: &str) -> Placement {
+        Placement {
+            worker: worker.into(),
+            owner: owner.into(),
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_dropped_lease_is_recalled_until_keep_has_passed_and_not_a_moment_after() {
+        let keep = Duration::from_secs(3600);
+        let mut memory = LeaseMemory::default();
+        let l = lease();
+        memory.placed(&l, placement("w1", "tok_a"));
+        let at = Instant::now();
+        memory.dropped(&l, at);
+        assert_eq!(memory.recall(&l, at + keep, keep), Some(placement("w1", "tok_a")));
+        memory.sweep(at + keep, keep);
+        assert_eq!(memory.len(), 1, "at the bound it is kept");
+        assert_eq!(memory.recall(&l, at + keep + Duration::from_millis(1), keep), None);
+        assert!(memory.is_empty(), "past it, forgotten");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_lease_placed_again_is_no_longer_dropped_and_the_first_drop_stamps() {
+        let keep = Duration::from_secs(10);
+        let mut memory = LeaseMemory::default();
+        let l = lease();
+        memory.placed(&l, placement("w1", "tok_a"));
+        let first = Instant::now();
+        memory.dropped(&l, first);
+        memory.dropped(&l, first + Duration::from_secs(9));
+        assert_eq!(memory.recall(&l, first + Duration::from_secs(11), keep), None, "stamped at the first drop");
+        memory.placed(&l, placement("w2", "tok_a"));
+        memory.dropped(&l, first + Duration::from_secs(20));
+        memory.placed(&l, placement("w2", "tok_a"));
+        memory.sweep(first + Duration::from_secs(1000), keep);
+        assert_eq!(memory.recall(&l, first + Duration::from_secs(1000), keep), Some(placement("w2", "tok_a")));
+    }
+
+    struct Fleet {
+        placement: Mutex<Option<Placement>>,
+        workers: Vec<WorkerFacts>,
+    }
+
+    impl FleetPort for Fleet {
+        fn placement(&self, _: &LeaseId) -> Option<Placement> {
+            self.placement.lock().clone()
+        }
+        fn capable_workers(&self) -> Vec<WorkerFacts> {
+            self.workers
+                .iter()
+                .filter(|w| w.connected && w.agent_device.is_ok() && !w.platforms.is_empty())
+                .cloned()
+                .collect()
+        }
+        fn worker(&self, id: &str) -> Option<WorkerFacts> {
+            self.workers.iter().find(|w| w.id == id).cloned()
+        }
+        fn relay(
+            &self,
+            worker: &str,
+            _: Request<Body>,
+            tenant: &Tenant,
+            _: Option<&LeaseId>,
+        ) -> BoxFuture<'static, Result<Response<Body>, RelayFailure>> {
+            let answer = format!("{worker} {tenant}");
+            async move { Ok(Response::new(crate::body::full(answer))) }.boxed()
+        }
+        fn gateway_id(&self) -> String {
+            "gw1".into()
+        }
+    }
+
+    fn worker(id: &str, platforms: &[Platform], available: bool) -> WorkerFacts {
+        WorkerFacts {
+            id: id.into(),
+            connected: true,
+            agent_device: if available { Ok(()) } else { Err(Some("down".into())) },
+            platforms: platforms.iter().copied().collect(),
+            lease_max_ttl_ms: Some(300_000),
+        }
+    }
+
+    fn caller(principal: &str) -> Caller {
+        Caller {
+            principal: principal.into(),
+            role: Role::Agent,
+            credential: "slk_x".into(),
+        }
+    }
+
+    #[tokio::test]
+    async fn the_status_of_a_new_lease_is_the_union_of_the_capable_workers() {
+        let fleet = Fleet {
+            placement: Mutex::new(None),
+            workers: vec![
+                worker("w1", &[Platform::Ios], true),
+                worker("w2", &[Platform::Android], true),
+                worker("w3", &[Platform::Android], false),
+            ],
+        };
+        let link = RelayHostLink::new(Arc::new(fleet), Duration::from_secs(60));
+        let HostStatus::Running(serving) = link.status(StatusScope::NewLease) else {
+            panic!("running");
+        };
+        assert_eq!(
+            serving.platforms,
+            [Platform::Ios, Platform::Android].into_iter().collect()
+        );
+        assert_eq!(serving.lease_max_ttl_ms, None);
+        let none = RelayHostLink::new(
+            Arc::new(Fleet {
+                placement: Mutex::new(None),
+                workers: vec![worker("w3", &[Platform::Android], false)],
+            }),
+            Duration::from_secs(60),
+        );
+        assert_eq!(
+            none.status(StatusScope::NewLease),
+            HostStatus::Unavailable {
+                reason: NO_CAPABLE_WORKER.into()
+            }
+        );
+    }
+
+    #[tokio::test]
+    async fn a_lease_is_relayed_to_its_worker_for_its_owner_only() {
+        let fleet = Arc::new(Fleet {
+            placement: Mutex::new(Some(placement("w2", "tok_a"))),
+            workers: vec![
+                worker("w1", &[Platform::Ios], true),
+                worker("w2", &[Platform::Android], true),
+            ],
+        });
+        let link = RelayHostLink::new(fleet, Duration::from_secs(60));
+        let l = lease();
+        let HostStatus::Running(serving) = link.status(StatusScope::Lease {
+            lease: &l,
+            caller: &caller("tok_a"),
+        }) else {
+            panic!("running");
+        };
+        assert_eq!(serving.lease_max_ttl_ms, Some(300_000), "the holder's ceiling");
+        let request = || Request::new(crate::body::empty());
+        let answer = link
+            .forward(request(), Some(&caller("tok_a")), Some(&l))
+            .await
+            .unwrap();
+        let body = crate::body::read_to_bytes(answer.into_body(), 1024).await.unwrap();
+        assert_eq!(body, "w2 gw.gw1.tok_5f_a");
+        let refused = link
+            .forward(request(), Some(&caller("tok_b")), Some(&l))
+            .await
+            .unwrap_err();
+        assert_eq!(
+            refused,
+            Refusal::NotYours {
+                lease: l.clone(),
+                through_gateway: true
+            }
+        );
+        assert_eq!(
+            link.forward(request(), Some(&caller("tok_a")), None)
+                .await
+                .unwrap_err(),
+            Refusal::TooOld
+        );
+    }
+}
