@@ -15,8 +15,8 @@ use crate::ids::{LeaseId, RunId, TenantId, base36, file_safe, hex, iso8601, rand
 use crate::leases::{Lease, LeaseBackend, LeaseCall, LeaseRegistry, Released, TtlPolicy};
 use crate::uploads::{FinalizedUpload, Uploads, sanitize_file_name};
 use crate::wire::{
-    DaemonError, Device, DiagnosticsRecord, ErrorCode, ErrorData, ok_data, rpc_bare_error,
-    rpc_code, rpc_error, rpc_result,
+    DaemonError, Device, DiagnosticsRecord, ErrorCode, ErrorData, rpc_bare_error, rpc_code,
+    rpc_error, rpc_result,
 };
 
 /// How many failed requests keep their diagnostics.
@@ -220,19 +220,26 @@ impl Method {
     }
 }
 
-/// An answer to write: a status and a JSON body.
+/// An answer to write: a status and a JSON body (serialised, so that its fields keep the
+/// daemon's order).
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct Reply {
     pub(crate) status: StatusCode,
-    pub(crate) body: Value,
+    pub(crate) body: String,
 }
 
 impl Reply {
-    fn ok(id: &Value, result: Value) -> Self {
+    fn ok(id: &Value, data: &Value) -> Self {
         Self {
             status: StatusCode::OK,
-            body: rpc_result(id, result),
+            body: rpc_result(id, data),
         }
+    }
+
+    /// The body, parsed.
+    #[cfg(test)]
+    fn json(&self) -> Value {
+        serde_json::from_str(&self.body).unwrap_or_default()
     }
 
     /// An envelope error with no `data`.
@@ -376,8 +383,24 @@ pub(crate) struct InstallCall {
     retain: Option<u64>,
 }
 
-fn read_install(id: &Value, params: &Map<String, Value>) -> Result<InstallCall, Reply> {
-    let invalid = |message: &str| Reply::invalid_params(id, message, None);
+/// Why install params were refused: the `-32602` message and, rarely, a hint of its own.
+#[derive(Debug, Clone)]
+struct InstallRefusal {
+    message: &'static str,
+    hint: Option<&'static str>,
+}
+
+impl InstallRefusal {
+    fn reply(&self, id: &Value) -> Reply {
+        Reply::invalid_params(id, self.message, self.hint)
+    }
+}
+
+fn read_install(params: &Map<String, Value>) -> Result<InstallCall, InstallRefusal> {
+    let invalid = |message| InstallRefusal {
+        message,
+        hint: None,
+    };
     let platform = match text(params, "platform") {
         Some("ios") => "ios",
         Some("android") => "android",
@@ -407,11 +430,10 @@ fn read_install(id: &Value, params: &Map<String, Value>) -> Result<InstallCall, 
             ));
         }
         Some("path") => {
-            return Err(Reply::invalid_params(
-                id,
-                "Invalid params: source.kind \"path\" names a file on the daemon host and is not accepted over HTTP",
-                Some("Use a \"url\" or \"github-actions-artifact\" source."),
-            ));
+            return Err(InstallRefusal {
+                message: "Invalid params: source.kind \"path\" names a file on the daemon host and is not accepted over HTTP",
+                hint: Some("Use a \"url\" or \"github-actions-artifact\" source."),
+            });
         }
         _ => {
             return Err(invalid(
@@ -465,7 +487,9 @@ impl Checked {
                     ));
                 };
                 if method == Method::InstallFromSource {
-                    return read_install(id, map).map(Self::Install);
+                    return read_install(map)
+                        .map(Self::Install)
+                        .map_err(|refusal| refusal.reply(id));
                 }
                 let Some(materialization) =
                     text(map, "materializationId").filter(|m| !m.is_empty())
@@ -939,7 +963,7 @@ impl Model {
             Call::ReleaseMaterialized(id) => self.release_materialized(&id, now),
         };
         match outcome {
-            Ok(result) => Reply::ok(&ctx.rpc_id, result),
+            Ok(data) => Reply::ok(&ctx.rpc_id, &data),
             Err(err) => self.fail(&ctx, &err, now),
         }
     }
@@ -959,15 +983,15 @@ impl Model {
         match op {
             LeaseOp::Allocate => {
                 let lease = self.leases.allocate(call, now)?;
-                Ok(ok_data(json!({ "lease": lease.wire() })))
+                Ok(json!({ "lease": lease.wire() }))
             }
             LeaseOp::Heartbeat => {
                 let lease = self.leases.heartbeat(call, now)?;
-                Ok(ok_data(json!({ "lease": lease.wire() })))
+                Ok(json!({ "lease": lease.wire() }))
             }
             LeaseOp::Release => {
                 let released = self.leases.release(call, now)? == Released::Released;
-                Ok(ok_data(json!({ "released": released })))
+                Ok(json!({ "released": released }))
             }
         }
     }
@@ -1020,12 +1044,12 @@ impl Model {
                 if let Some(platform) = text(&params.flags, "platform") {
                     call_params.insert("platform".into(), json!(platform));
                 }
-                let call = read_install(&ctx.rpc_id, &call_params).map_err(|reply| {
-                    DaemonError::invalid_args(
-                        reply.body["error"]["message"]
-                            .as_str()
-                            .unwrap_or("Invalid params"),
-                    )
+                let call = read_install(&call_params).map_err(|refusal| {
+                    let err = DaemonError::invalid_args(refusal.message);
+                    match refusal.hint {
+                        Some(hint) => err.with_hint(hint),
+                        None => err,
+                    }
                 })?;
                 return self.install_source(&call, now);
             }
@@ -1043,7 +1067,7 @@ impl Model {
                 }
             }
         };
-        Ok(ok_data(data))
+        Ok(data)
     }
 
     fn devices(&self, params: &CommandParams) -> Result<Value, DaemonError> {
@@ -1276,7 +1300,7 @@ impl Model {
             data.insert("materializationExpiresAt".into(), json!(now + retain));
             self.materializations.insert(materialization, now + retain);
         }
-        Ok(ok_data(Value::Object(data)))
+        Ok(Value::Object(data))
     }
 
     fn release_materialized(&mut self, id: &str, now: u64) -> Result<Value, DaemonError> {
@@ -1291,9 +1315,7 @@ impl Model {
             )
             .with_details(json!({ "reason": "RESOURCE_EXPIRED" })));
         }
-        Ok(ok_data(
-            json!({ "released": true, "materializationId": id }),
-        ))
+        Ok(json!({ "released": true, "materializationId": id }))
     }
 }
 
@@ -1350,13 +1372,13 @@ mod tests {
         run(model, "agent_device.command", params)
     }
 
-    fn data(reply: &Reply) -> &Value {
+    fn data(reply: &Reply) -> Value {
         assert_eq!(reply.status, StatusCode::OK, "{}", reply.body);
-        &reply.body["result"]["data"]
+        reply.json()["result"]["data"].clone()
     }
 
-    fn error(reply: &Reply) -> &Value {
-        &reply.body["error"]["data"]
+    fn error(reply: &Reply) -> Value {
+        reply.json()["error"]["data"].clone()
     }
 
     #[test]
@@ -1403,10 +1425,10 @@ mod tests {
         for (params, message, has_data) in cases {
             let reply = command(&mut model, params.clone());
             assert_eq!(reply.status, StatusCode::BAD_REQUEST, "{params}");
-            assert_eq!(reply.body["error"]["code"], -32602, "{params}");
-            assert_eq!(reply.body["error"]["message"], message, "{params}");
+            assert_eq!(reply.json()["error"]["code"], -32602, "{params}");
+            assert_eq!(reply.json()["error"]["message"], message, "{params}");
             assert_eq!(
-                reply.body["error"].get("data").is_some(),
+                reply.json()["error"].get("data").is_some(),
                 has_data,
                 "{params}"
             );
@@ -1441,7 +1463,7 @@ mod tests {
         model.set_devices(DevicesAnswer::NoList);
         assert_eq!(
             data(&command(&mut model, json!({"command":"devices"}))),
-            &json!({})
+            json!({})
         );
         model.set_devices(DevicesAnswer::Error(DaemonError::new(
             ErrorCode::ToolMissing,
@@ -1497,7 +1519,7 @@ mod tests {
         let closed = command(&mut model, json!({"command":"close","session":"t1"}));
         assert_eq!(
             data(&closed),
-            &json!({"session":"t1","message":"Closed: t1"})
+            json!({"session":"t1","message":"Closed: t1"})
         );
         let twice = command(&mut model, json!({"command":"close","session":"t1"}));
         assert_eq!(twice.status, StatusCode::NOT_FOUND);
@@ -1677,7 +1699,7 @@ mod tests {
             "agent_device.lease.release",
             json!({"tenantId":"acme","runId":"r1","leaseId":lease}),
         );
-        assert_eq!(data(&release), &json!({"released":false}));
+        assert_eq!(data(&release), json!({"released":false}));
         assert_eq!(
             model.active_leases(T0).len(),
             1,
@@ -1718,7 +1740,7 @@ mod tests {
             );
         }
         let reply = run(&mut model, "agent_device.lease.release", params);
-        assert_eq!(data(&reply), &json!({"released":true}));
+        assert_eq!(data(&reply), json!({"released":true}));
     }
 
     #[test]
@@ -1776,7 +1798,7 @@ mod tests {
         );
         assert_eq!(
             data(&plain),
-            &json!({"path":"/tmp/x.png","message":"Saved screenshot: /tmp/x.png","width":4,"height":4})
+            json!({"path":"/tmp/x.png","message":"Saved screenshot: /tmp/x.png","width":4,"height":4})
         );
         let shot = command(
             &mut model,
@@ -1828,7 +1850,7 @@ mod tests {
                 &mut model,
                 json!({"command":"click","session":"z"})
             )),
-            &json!({})
+            json!({})
         );
     }
 
@@ -1879,8 +1901,8 @@ mod tests {
         ];
         for (params, message) in cases {
             let reply = run(&mut model, "agent_device.install_from_source", params);
-            assert_eq!(reply.body["error"]["code"], -32602);
-            assert_eq!(reply.body["error"]["message"], message);
+            assert_eq!(reply.json()["error"]["code"], -32602);
+            assert_eq!(reply.json()["error"]["message"], message);
         }
         let reply = run(
             &mut model,

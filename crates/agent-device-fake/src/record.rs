@@ -181,6 +181,9 @@ impl BodyTap {
             .extend_from_slice(&chunk[..room.min(chunk.len())]);
         self.len += chunk.len() as u64;
         self.hasher.update(chunk);
+        // The length is kept current, so that a test can watch a body stream in.
+        let len = self.len;
+        self.log.lock().update(self.seq, |r| r.body_len = len);
     }
 
     fn write(&mut self, complete: bool) {

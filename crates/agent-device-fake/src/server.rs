@@ -18,6 +18,7 @@ use hyper::body::{Frame, Incoming};
 use hyper::service::service_fn;
 use hyper_util::rt::TokioIo;
 use parking_lot::Mutex;
+use serde::Serialize;
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 use tokio::net::TcpListener;
@@ -31,7 +32,7 @@ use crate::ids::{TenantId, hex, percent_decode};
 use crate::model::{Checked, Method, Model, Reply};
 use crate::record::{BodyTap, RequestLog};
 use crate::uploads::{MAX_UPLOAD_BYTES, Preflight, PutOutcome, PutPlan, legacy_headers};
-use crate::wire::{DaemonError, ErrorCode, rpc_code};
+use crate::wire::{DaemonError, ErrorCode, ErrorData, rpc_code, rpc_error};
 
 /// The body of every answer.
 pub(crate) type Body = UnsyncBoxBody<Bytes, Infallible>;
@@ -124,8 +125,8 @@ fn full(bytes: impl Into<Bytes>) -> Body {
     Full::new(bytes.into()).boxed_unsync()
 }
 
-fn json_response(status: StatusCode, body: &Value) -> Response<Body> {
-    let mut response = Response::new(full(body.to_string()));
+fn json_response(status: StatusCode, body: impl Into<Bytes>) -> Response<Body> {
+    let mut response = Response::new(full(body));
     *response.status_mut() = status;
     response
         .headers_mut()
@@ -134,11 +135,11 @@ fn json_response(status: StatusCode, body: &Value) -> Response<Body> {
 }
 
 fn reply_response(reply: &Reply) -> Response<Body> {
-    json_response(reply.status, &reply.body)
+    json_response(reply.status, reply.body.clone())
 }
 
 fn aux_error(err: &DaemonError) -> Response<Body> {
-    json_response(err.http_status(), &err.aux_body())
+    json_response(err.http_status(), err.aux_body())
 }
 
 fn not_found() -> Response<Body> {
@@ -303,7 +304,7 @@ async fn route(
                     .model
                     .lock()
                     .artifact_list(tenant_header(&headers).as_ref(), now);
-                json_response(StatusCode::OK, &list)
+                json_response(StatusCode::OK, list.to_string())
             }
         }
         (&HttpMethod::GET, p) if p.starts_with("/artifacts/") => {
@@ -405,8 +406,7 @@ async fn rpc(
     // that hangs up drops the stream, and with it the command.
     let lines = stream::once(async move {
         let reply = answer.await;
-        let mut line = json!({ "type": "response", "response": reply.body }).to_string();
-        line.push('\n');
+        let line = format!("{{\"type\":\"response\",\"response\":{}}}\n", reply.body);
         Ok::<_, Infallible>(Frame::data(Bytes::from(line)))
     });
     let mut response = Response::new(StreamBody::new(lines).boxed_unsync());
@@ -419,17 +419,19 @@ async fn rpc(
 
 fn invalid_token(id: &Value) -> Reply {
     let code = ErrorCode::Unauthorized;
+    let data = ErrorData {
+        code,
+        message: "Invalid token",
+        hint: code.default_hint(),
+        diagnostic_id: None,
+        log_path: None,
+        diagnostics_record: None,
+        retriable: None,
+        details: None,
+    };
     Reply {
         status: StatusCode::UNAUTHORIZED,
-        body: json!({
-            "jsonrpc": "2.0",
-            "id": id,
-            "error": {
-                "code": rpc_code::HANDLER,
-                "message": "Invalid token",
-                "data": { "code": code, "message": "Invalid token", "hint": code.default_hint() },
-            },
-        }),
+        body: rpc_error(id, rpc_code::HANDLER, "Invalid token", &data),
     }
 }
 
@@ -450,6 +452,31 @@ async fn execute(shared: &Arc<Shared>, id: Value, checked: Checked) -> Reply {
     shared.holds.pass(prepared.command()).await;
     let now = shared.clock.now_ms();
     shared.model.lock().finish(prepared, now)
+}
+
+/// The preflight answer, in the daemon's field order.
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct Ticket<'a> {
+    ok: bool,
+    upload_id: &'a str,
+    cache_hit: bool,
+    upload: TicketUpload<'a>,
+}
+
+#[derive(Serialize)]
+struct TicketUpload<'a> {
+    url: String,
+    headers: TicketHeaders<'a>,
+}
+
+#[derive(Serialize)]
+struct TicketHeaders<'a> {
+    authorization: String,
+    #[serde(rename = "x-agent-device-token")]
+    token: &'a str,
+    #[serde(rename = "content-type")]
+    content_type: &'a str,
 }
 
 async fn preflight(
@@ -486,21 +513,22 @@ async fn preflight(
         .and_then(|v| v.to_str().ok())
         .unwrap_or("http");
     let token = &shared.token;
+    let ticket = Ticket {
+        ok: true,
+        upload_id: &id,
+        cache_hit: false,
+        upload: TicketUpload {
+            url: format!("{proto}://{host}/upload/direct/{id}"),
+            headers: TicketHeaders {
+                authorization: format!("Bearer {token}"),
+                token,
+                content_type: &preflight.content_type,
+            },
+        },
+    };
     json_response(
         StatusCode::OK,
-        &json!({
-            "ok": true,
-            "uploadId": id,
-            "cacheHit": false,
-            "upload": {
-                "url": format!("{proto}://{host}/upload/direct/{id}"),
-                "headers": {
-                    "authorization": format!("Bearer {token}"),
-                    "x-agent-device-token": token,
-                    "content-type": preflight.content_type,
-                },
-            },
-        }),
+        serde_json::to_string(&ticket).unwrap_or_default(),
     )
 }
 
@@ -664,7 +692,10 @@ async fn finalize(
         .uploads
         .finalize(id, tenant.as_ref(), now);
     match finalized {
-        Ok(done) => json_response(StatusCode::OK, &json!({ "ok": true, "uploadId": done.id })),
+        Ok(done) => json_response(
+            StatusCode::OK,
+            json!({ "ok": true, "uploadId": done.id }).to_string(),
+        ),
         Err(err) => aux_error(&err),
     }
 }
@@ -711,7 +742,10 @@ async fn legacy_upload(
         tenant_header(headers),
         now,
     );
-    json_response(StatusCode::OK, &json!({ "ok": true, "uploadId": done.id }))
+    json_response(
+        StatusCode::OK,
+        json!({ "ok": true, "uploadId": done.id }).to_string(),
+    )
 }
 
 fn download(shared: &Shared, headers: &HeaderMap, id: &str) -> Response<Body> {

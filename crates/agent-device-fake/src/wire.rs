@@ -364,8 +364,12 @@ impl DaemonError {
     }
 
     /// The `{ok:false,error,code}` body of the auxiliary routes.
-    pub(crate) fn aux_body(&self) -> Value {
-        json!({ "ok": false, "error": self.message, "code": self.code })
+    pub(crate) fn aux_body(&self) -> String {
+        text(&AuxError {
+            ok: false,
+            error: &self.message,
+            code: self.code,
+        })
     }
 }
 
@@ -412,28 +416,80 @@ pub(crate) mod rpc_code {
     pub(crate) const HANDLER: i64 = -32000;
 }
 
-/// A JSON-RPC success envelope.
-pub(crate) fn rpc_result(id: &Value, result: Value) -> Value {
-    json!({ "jsonrpc": "2.0", "id": id, "result": result })
+/// A JSON-RPC response, with its fields in the daemon's order.
+#[derive(Serialize)]
+struct Envelope<'a> {
+    jsonrpc: &'static str,
+    id: &'a Value,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    result: Option<Success<'a>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    error: Option<ErrorObject<'a>>,
 }
 
-/// A JSON-RPC error envelope with no `data` (the envelope errors of reference §3.3).
-pub(crate) fn rpc_bare_error(id: &Value, code: i64, message: &str) -> Value {
-    json!({ "jsonrpc": "2.0", "id": id, "error": { "code": code, "message": message } })
+/// A daemon response that succeeded: `{"ok":true,"data":…}`.
+#[derive(Serialize)]
+struct Success<'a> {
+    ok: bool,
+    data: &'a Value,
 }
 
-/// A JSON-RPC error envelope carrying `data`.
-pub(crate) fn rpc_error(id: &Value, code: i64, message: &str, data: &ErrorData<'_>) -> Value {
-    json!({
-        "jsonrpc": "2.0",
-        "id": id,
-        "error": { "code": code, "message": message, "data": data },
+#[derive(Serialize)]
+struct ErrorObject<'a> {
+    code: i64,
+    message: &'a str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    data: Option<&'a ErrorData<'a>>,
+}
+
+fn text(value: &impl Serialize) -> String {
+    serde_json::to_string(value).unwrap_or_default()
+}
+
+/// A JSON-RPC success carrying the daemon's `{ok:true,data}`.
+pub(crate) fn rpc_result(id: &Value, data: &Value) -> String {
+    text(&Envelope {
+        jsonrpc: "2.0",
+        id,
+        result: Some(Success { ok: true, data }),
+        error: None,
     })
 }
 
-/// An `{ok:true, data}` daemon response.
-pub(crate) fn ok_data(data: Value) -> Value {
-    json!({ "ok": true, "data": data })
+/// A JSON-RPC error with no `data` (the envelope errors of reference §3.3).
+pub(crate) fn rpc_bare_error(id: &Value, code: i64, message: &str) -> String {
+    text(&Envelope {
+        jsonrpc: "2.0",
+        id,
+        result: None,
+        error: Some(ErrorObject {
+            code,
+            message,
+            data: None,
+        }),
+    })
+}
+
+/// A JSON-RPC error carrying `data`.
+pub(crate) fn rpc_error(id: &Value, code: i64, message: &str, data: &ErrorData<'_>) -> String {
+    text(&Envelope {
+        jsonrpc: "2.0",
+        id,
+        result: None,
+        error: Some(ErrorObject {
+            code,
+            message,
+            data: Some(data),
+        }),
+    })
+}
+
+/// The `{ok:false,error,code}` body of the auxiliary routes.
+#[derive(Serialize)]
+struct AuxError<'a> {
+    ok: bool,
+    error: &'a str,
+    code: ErrorCode,
 }
 
 #[cfg(test)]
@@ -476,6 +532,23 @@ mod tests {
                 Some(Value::String(code.as_str().to_owned()))
             );
         }
+    }
+
+    #[test]
+    fn envelopes_keep_the_daemon_field_order() {
+        let id = json!("r1");
+        assert_eq!(
+            rpc_result(&id, &json!({"released": true})),
+            r#"{"jsonrpc":"2.0","id":"r1","result":{"ok":true,"data":{"released":true}}}"#
+        );
+        assert_eq!(
+            rpc_bare_error(&Value::Null, rpc_code::PARSE_ERROR, "Parse error"),
+            r#"{"jsonrpc":"2.0","id":null,"error":{"code":-32700,"message":"Parse error"}}"#
+        );
+        assert_eq!(
+            DaemonError::new(ErrorCode::Unauthorized, "Invalid token").aux_body(),
+            r#"{"ok":false,"error":"Invalid token","code":"UNAUTHORIZED"}"#
+        );
     }
 
     #[test]
