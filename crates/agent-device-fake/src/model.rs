@@ -396,7 +396,12 @@ impl InstallRefusal {
     }
 }
 
-fn read_install(params: &Map<String, Value>) -> Result<InstallCall, InstallRefusal> {
+/// Reads install params; `uploaded` says whether the call names an uploaded artifact, which is
+/// what a `path` source may then name.
+fn read_install(
+    params: &Map<String, Value>,
+    uploaded: bool,
+) -> Result<InstallCall, InstallRefusal> {
     let invalid = |message| InstallRefusal {
         message,
         hint: None,
@@ -429,6 +434,7 @@ fn read_install(params: &Map<String, Value>) -> Result<InstallCall, InstallRefus
                 "Invalid params: source needs owner, repo and artifactId or artifactName",
             ));
         }
+        Some("path") if uploaded => "uploaded-artifact",
         Some("path") => {
             return Err(InstallRefusal {
                 message: "Invalid params: source.kind \"path\" names a file on the daemon host and is not accepted over HTTP",
@@ -487,7 +493,7 @@ impl Checked {
                     ));
                 };
                 if method == Method::InstallFromSource {
-                    return read_install(map)
+                    return read_install(map, false)
                         .map(Self::Install)
                         .map_err(|refusal| refusal.reply(id));
                 }
@@ -1034,17 +1040,19 @@ impl Model {
             "screenshot" => self.screenshot(ctx, params, now)?,
             "install" | "reinstall" => self.install(ctx, params)?,
             "install_source" => {
-                let empty = Map::new();
-                let source = params
-                    .meta
-                    .get("installSource")
-                    .and_then(Value::as_object)
-                    .unwrap_or(&empty);
-                let mut call_params = source.clone();
-                if let Some(platform) = text(&params.flags, "platform") {
-                    call_params.insert("platform".into(), json!(platform));
+                // The CLI sends the source in meta.installSource and the rest as flags.
+                let mut call_params = Map::new();
+                for key in ["platform", "retainPaths", "retentionMs"] {
+                    if let Some(value) = params.flags.get(key) {
+                        call_params.insert(key.into(), value.clone());
+                    }
                 }
-                let call = read_install(&call_params).map_err(|refusal| {
+                if let Some(source) = params.meta.get("installSource") {
+                    call_params.insert("source".into(), source.clone());
+                }
+                call_params.insert("session".into(), json!(ctx.session));
+                let uploaded = text(&params.meta, "uploadedArtifactId").is_some();
+                let call = read_install(&call_params, uploaded).map_err(|refusal| {
                     let err = DaemonError::invalid_args(refusal.message);
                     match refusal.hint {
                         Some(hint) => err.with_hint(hint),
@@ -1935,6 +1943,34 @@ mod tests {
             json!({"platform":"ios","source":{"kind":"url","url":"https://x.invalid/a.ipa"}}),
         );
         assert_eq!(error(&ios)["code"], "DEVICE_NOT_FOUND");
+    }
+
+    #[test]
+    fn the_install_source_command_reads_its_source_from_meta() {
+        let mut model = model();
+        let reply = command(
+            &mut model,
+            json!({"command":"install_source","flags":{"platform":"android"},
+                   "meta":{"installSource":{"kind":"url","url":"https://example.invalid/a.apk"}}}),
+        );
+        assert_eq!(data(&reply)["packageName"], "com.agentdevice.fake");
+        let local = command(
+            &mut model,
+            json!({"command":"install_source","flags":{"platform":"android"},
+                   "meta":{"installSource":{"kind":"path","path":"/tmp/a.apk"}}}),
+        );
+        assert_eq!(error(&local)["code"], "INVALID_ARGS");
+        assert_eq!(
+            error(&local)["hint"],
+            "Use a \"url\" or \"github-actions-artifact\" source."
+        );
+        let uploaded = command(
+            &mut model,
+            json!({"command":"install_source","flags":{"platform":"android","retainPaths":true},
+                   "meta":{"installSource":{"kind":"path","path":"/tmp/a.apk"},"uploadedArtifactId":"u1"}}),
+        );
+        assert_eq!(data(&uploaded)["source"], "uploaded-artifact");
+        assert!(data(&uploaded)["materializationId"].is_string());
     }
 
     #[test]
