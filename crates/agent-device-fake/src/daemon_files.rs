@@ -57,6 +57,27 @@ pub fn process_start_time(pid: u32) -> Option<String> {
     (output.status.success() && !text.is_empty()).then(|| text.to_owned())
 }
 
+/// The pid of a live daemon that holds `state_dir` (its `daemon.lock` names a process that is
+/// still running and, when the lock records one, started at the recorded time). A lock left by a
+/// daemon that died (a `kill -9`) names no live holder.
+pub fn live_holder(state_dir: &Path) -> Option<u32> {
+    let text = fs::read_to_string(state_dir.join("daemon.lock")).ok()?;
+    let lock: serde_json::Value = serde_json::from_str(&text).ok()?;
+    let pid = u32::try_from(lock.get("pid")?.as_u64()?).ok()?;
+    if pid == std::process::id() {
+        return None;
+    }
+    let raw = rustix::process::Pid::from_raw(i32::try_from(pid).ok()?)?;
+    rustix::process::test_kill_process(raw).ok()?;
+    match lock
+        .get("processStartTime")
+        .and_then(serde_json::Value::as_str)
+    {
+        Some(recorded) if process_start_time(pid).as_deref() != Some(recorded) => None,
+        _ => Some(pid),
+    }
+}
+
 /// The daemon files of a running fake; [`DaemonFiles::remove`] takes them away.
 #[derive(Debug)]
 pub struct DaemonFiles {
@@ -150,9 +171,29 @@ mod tests {
                 .mode();
             assert_eq!(mode & 0o777, 0o600, "{name}");
         }
+        assert_eq!(
+            live_holder(dir.path()),
+            None,
+            "the holder is this process itself"
+        );
         files.remove();
         assert!(!dir.path().join("daemon.json").exists());
         assert!(!dir.path().join("daemon.lock").exists());
         files.remove();
+    }
+
+    #[test]
+    fn a_lock_of_a_dead_process_has_no_live_holder() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut child = Command::new("true").spawn().unwrap();
+        let dead = child.id();
+        child.wait().unwrap();
+        fs::write(
+            dir.path().join("daemon.lock"),
+            format!(r#"{{"pid":{dead},"version":"0.21.5","startedAt":1}}"#),
+        )
+        .unwrap();
+        assert_eq!(live_holder(dir.path()), None);
+        assert_eq!(live_holder(&dir.path().join("missing")), None);
     }
 }

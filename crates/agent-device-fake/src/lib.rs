@@ -57,7 +57,10 @@
 //! * prints `AGENT_DEVICE_DAEMON_HTTP_PORT=<n>` on stdout, then writes `<stateDir>/daemon.json`
 //!   (mode 0600: `httpPort`, `transport`, `token`, `pid`, `version` `0.21.5`, `codeOrigin`,
 //!   `processStartTime` as `ps -o lstart=` prints it, `stateDir`) and `daemon.lock`;
-//! * on SIGTERM, SIGINT or SIGHUP removes both files and exits 0.
+//! * on SIGTERM, SIGINT or SIGHUP removes both files and exits 0;
+//! * like 0.21.5, when another live daemon holds the state directory (its `daemon.lock` names a
+//!   running process) it prints `Daemon lock is held by another process; exiting.` and exits 0
+//!   without a port line; a lock left by a daemon that died is taken over.
 //!
 //! # The control API (`/__fake/…`, no auth, not recorded)
 //!

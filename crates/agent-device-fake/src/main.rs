@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use agent_device_fake::daemon_files::{DaemonFiles, DaemonInfo, process_start_time};
+use agent_device_fake::daemon_files::{DaemonFiles, DaemonInfo, live_holder, process_start_time};
 use agent_device_fake::{Device, FakeAgentDevice, FakeOptions, TtlPolicy, VERSION};
 use tokio::signal::unix::{SignalKind, signal};
 
@@ -82,6 +82,12 @@ fn configure() -> Result<(FakeOptions, PathBuf), StartError> {
 
 async fn run() -> Result<(), StartError> {
     let (options, state_dir) = configure()?;
+    // As 0.21.5: a directory another live daemon holds is left alone, and that is not a failure.
+    if live_holder(&state_dir).is_some() {
+        let mut stdout = io::stdout().lock();
+        writeln!(stdout, "Daemon lock is held by another process; exiting.")?;
+        return Ok(());
+    }
     // Signals are set up before anything is announced, so a TERM right after the port line is
     // never lost.
     let mut term = signal(SignalKind::terminate())?;

@@ -95,8 +95,8 @@ pub(crate) async fn serve(listener: TcpListener, shared: Arc<Shared>, stop: Canc
             accepted = listener.accept() => accepted,
         };
         let Ok((stream, peer)) = accepted else {
-            // Accept errors (descriptor limits) are transient; the next accept retries.
-            tokio::task::yield_now().await;
+            // Accept errors (descriptor limits) are transient; retry after a pause.
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
             continue;
         };
         let _ = stream.set_nodelay(true);

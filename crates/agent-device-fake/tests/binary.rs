@@ -235,3 +235,61 @@ async fn it_refuses_what_it_cannot_be() {
         assert!(!dir.path().join("state/daemon.json").exists());
     }
 }
+
+#[tokio::test]
+async fn a_second_fake_leaves_a_live_ones_directory_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    let (first, port) = spawn(fake(dir.path())).await;
+    let info = daemon_json(dir.path()).await;
+    let output = tokio::time::timeout(BOUND, fake(dir.path()).output())
+        .await
+        .expect("exits in time")
+        .unwrap();
+    assert!(output.status.success());
+    assert_eq!(
+        String::from_utf8_lossy(&output.stdout),
+        "Daemon lock is held by another process; exiting.\n"
+    );
+    assert_eq!(
+        daemon_json(dir.path()).await,
+        info,
+        "the first daemon's files stand"
+    );
+    let health = send(
+        Method::GET,
+        &format!("http://127.0.0.1:{port}/health"),
+        &[],
+        full(Bytes::new()),
+    )
+    .await;
+    assert_eq!(health.status, StatusCode::OK);
+    assert!(terminate(first).await.success());
+}
+
+#[tokio::test]
+async fn a_fake_takes_over_the_directory_of_one_that_was_killed() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut first, _) = spawn(fake(dir.path())).await;
+    let old = daemon_json(dir.path()).await;
+    first.kill().await.unwrap();
+    first.wait().await.unwrap();
+    assert!(
+        dir.path().join("state/daemon.lock").exists(),
+        "SIGKILL leaves the files"
+    );
+    let (second, port) = spawn(fake(dir.path())).await;
+    let info = tokio::time::timeout(BOUND, async {
+        loop {
+            let info = daemon_json(dir.path()).await;
+            if info["httpPort"] == port {
+                return info;
+            }
+            tokio::task::yield_now().await;
+        }
+    })
+    .await
+    .expect("the new daemon.json in time");
+    assert_ne!(info["pid"], old["pid"]);
+    assert_ne!(info["token"], old["token"]);
+    assert!(terminate(second).await.success());
+}
