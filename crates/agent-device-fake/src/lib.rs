@@ -101,12 +101,17 @@
 //!   `details.reason: DEVICE_CLAIM_LIVE_OWNER`. `close` releases the session's lease (§7.8).
 //! * `screenshot` needs an open session and answers a 4×4 PNG (or the bytes set); it makes one
 //!   artifact when the request names `meta.clientArtifactPaths.path`, downloadable once.
-//! * `install` checks a named `meta.uploadedArtifactId` against the finalized uploads and answers
+//! * `install` checks a named `meta.uploadedArtifactId` against the uploads finalized in the last
+//!   five minutes (else `COMMAND_FAILED` with `details.reason: RESOURCE_EXPIRED`, as 0.21.5), or,
+//!   naming none, that its path exists (`App binary not found: <path>`), and answers
 //!   `{appId, message}`; `install_from_source` answers a made-up package
 //!   (`com.agentdevice.fake`) and, with `retainPaths`, a materialization that
 //!   `release_materialized_paths` releases once. `snapshot` answers `{nodes:[], truncated:false}`.
 //!   Other commands answer `{}` once a session is open, and `No active session. Run open first.`
 //!   before.
+//! * `x-agent-device-network-access` is accepted only as `public-only` (anything else is 400
+//!   `-32602` `Invalid daemon HTTP network access marker`); with it, an `install_source` command
+//!   whose source is a `path` and that names no uploaded artifact is refused.
 //! * Diagnostics hold the first and last line the real daemon writes (`request_start`,
 //!   `request_failed`), not the steps in between; only failed requests have them, as in 0.21.5.
 //! * The fake keeps no upload bytes: it hashes them as they arrive (finalize still checks size

@@ -13,7 +13,7 @@ use serde_json::{Map, Value, json};
 
 use crate::ids::{LeaseId, RunId, TenantId, base36, file_safe, hex, iso8601, random_base36, uuid};
 use crate::leases::{Lease, LeaseBackend, LeaseCall, LeaseRegistry, Released, TtlPolicy};
-use crate::uploads::{FinalizedUpload, Uploads, sanitize_file_name};
+use crate::uploads::{FinalizedUpload, UPLOAD_IDLE_MS, Uploads, sanitize_file_name};
 use crate::wire::{
     DaemonError, Device, DiagnosticsRecord, ErrorCode, ErrorData, rpc_bare_error, rpc_code,
     rpc_error, rpc_result,
@@ -251,7 +251,7 @@ impl Reply {
     }
 
     /// A params failure: `-32602` with `data` but no diagnostics.
-    fn invalid_params(id: &Value, message: &str, hint: Option<&str>) -> Self {
+    pub(crate) fn invalid_params(id: &Value, message: &str, hint: Option<&str>) -> Self {
         let code = ErrorCode::InvalidArgs;
         let data = ErrorData {
             code,
@@ -476,13 +476,38 @@ pub(crate) enum Checked {
 }
 
 impl Checked {
-    /// Checks `params` against `method`.
+    /// Checks `params` against `method`; `public_only` when the request carried
+    /// `x-agent-device-network-access: public-only` (a proxy in front), which refuses `path`
+    /// install sources that name no uploaded artifact.
     ///
     /// # Errors
     /// The `-32602` reply.
-    pub(crate) fn read(method: Method, id: &Value, params: &Value) -> Result<Self, Reply> {
+    pub(crate) fn read(
+        method: Method,
+        id: &Value,
+        params: &Value,
+        public_only: bool,
+    ) -> Result<Self, Reply> {
         match method {
-            Method::Command => CommandParams::read(id, params).map(Self::Command),
+            Method::Command => {
+                let params = CommandParams::read(id, params)?;
+                let local_path = params.command == "install_source"
+                    && params
+                        .meta
+                        .get("installSource")
+                        .and_then(|source| source.get("kind"))
+                        .and_then(Value::as_str)
+                        == Some("path")
+                    && text(&params.meta, "uploadedArtifactId").is_none();
+                if public_only && local_path {
+                    return Err(Reply::invalid_params(
+                        id,
+                        "Invalid params: path install sources are disabled on the remote HTTP surface",
+                        None,
+                    ));
+                }
+                Ok(Self::Command(params))
+            }
             Method::Lease(op) => Ok(Self::Lease(op, LeaseCall::read(params))),
             Method::InstallFromSource | Method::ReleaseMaterializedPaths => {
                 let Some(map) = params.as_object() else {
@@ -1038,7 +1063,7 @@ impl Model {
             "open" => self.open(ctx, params, lease, now)?,
             "close" => self.close(ctx, now)?,
             "screenshot" => self.screenshot(ctx, params, now)?,
-            "install" | "reinstall" => self.install(ctx, params)?,
+            "install" | "reinstall" => self.install(ctx, params, now)?,
             "install_source" => {
                 // The CLI sends the source in meta.installSource and the rest as flags.
                 let mut call_params = Map::new();
@@ -1051,7 +1076,7 @@ impl Model {
                     call_params.insert("source".into(), source.clone());
                 }
                 call_params.insert("session".into(), json!(ctx.session));
-                let uploaded = text(&params.meta, "uploadedArtifactId").is_some();
+                let uploaded = self.check_uploaded(ctx, params, now)?;
                 let call = read_install(&call_params, uploaded).map_err(|refusal| {
                     let err = DaemonError::invalid_args(refusal.message);
                     match refusal.hint {
@@ -1255,17 +1280,44 @@ impl Model {
         Ok(data)
     }
 
-    fn install(&self, ctx: &Ctx, params: &CommandParams) -> Result<Value, DaemonError> {
-        if let Some(uploaded) = text(&params.meta, "uploadedArtifactId") {
-            let known = self.uploads.finalized().iter().any(|u| {
-                u.id == uploaded && (u.tenant.is_none() || u.tenant.as_ref() == ctx.tenant.as_ref())
-            });
-            if !known {
-                return Err(DaemonError::new(
-                    ErrorCode::CommandFailed,
-                    format!("Uploaded artifact not found or expired: {uploaded}"),
-                ));
-            }
+    /// Checks a command's `meta.uploadedArtifactId`: finalized within the last five minutes,
+    /// for no tenant or the command's.
+    fn check_uploaded(
+        &self,
+        ctx: &Ctx,
+        params: &CommandParams,
+        now: u64,
+    ) -> Result<bool, DaemonError> {
+        let Some(uploaded) = text(&params.meta, "uploadedArtifactId") else {
+            return Ok(false);
+        };
+        let known = self.uploads.finalized().iter().any(|u| {
+            u.id == uploaded
+                && u.finalized_at + UPLOAD_IDLE_MS > now
+                && (u.tenant.is_none() || u.tenant.as_ref() == ctx.tenant.as_ref())
+        });
+        if !known {
+            return Err(DaemonError::new(
+                ErrorCode::CommandFailed,
+                format!("Uploaded artifact not found or expired: {uploaded}"),
+            )
+            .with_hint(
+                "Uploaded artifacts expire 5 minutes after upload. Upload the file again and retry with the new upload id.",
+            )
+            .with_details(json!({ "reason": "RESOURCE_EXPIRED" })));
+        }
+        Ok(true)
+    }
+
+    fn install(&self, ctx: &Ctx, params: &CommandParams, now: u64) -> Result<Value, DaemonError> {
+        let uploaded = self.check_uploaded(ctx, params, now)?;
+        if !uploaded
+            && let Some(path) = params.positional(1)
+            && !std::path::Path::new(path).exists()
+        {
+            return Err(DaemonError::invalid_args(format!(
+                "App binary not found: {path}"
+            )));
         }
         let app = params.positional(0).unwrap_or("app");
         Ok(json!({ "appId": app, "message": format!("Installed: {app}") }))
@@ -1366,7 +1418,7 @@ mod tests {
     fn run(model: &mut Model, method: &str, params: Value) -> Reply {
         let id = json!("r1");
         let method = Method::parse(method).unwrap();
-        let checked = match Checked::read(method, &id, &params) {
+        let checked = match Checked::read(method, &id, &params, false) {
             Ok(checked) => checked,
             Err(reply) => return reply,
         };
@@ -1888,6 +1940,33 @@ mod tests {
                    "flags":{"platform":"android"},"meta":{"uploadedArtifactId":done.id}}),
         );
         assert_eq!(data(&reply)["appId"], "com.example");
+        // An uploaded artifact is good for five minutes.
+        let later = Checked::read(
+            Method::Command,
+            &json!("r2"),
+            &json!({"command":"install","positionals":["com.example","/x.apk"],
+                    "flags":{"platform":"android"},"meta":{"uploadedArtifactId":done.id}}),
+            false,
+        )
+        .unwrap();
+        let prepared = model
+            .begin(json!("r2"), later, T0 + UPLOAD_IDLE_MS)
+            .unwrap();
+        let expired = model.finish(prepared, T0 + UPLOAD_IDLE_MS);
+        assert_eq!(error(&expired)["details"]["reason"], "RESOURCE_EXPIRED");
+        assert_eq!(
+            error(&expired)["hint"],
+            "Uploaded artifacts expire 5 minutes after upload. Upload the file again and retry with the new upload id."
+        );
+        let missing = command(
+            &mut model,
+            json!({"command":"install","positionals":["com.example","/nonexistent/x.apk"],
+                   "flags":{"platform":"android"}}),
+        );
+        assert_eq!(
+            error(&missing)["message"],
+            "App binary not found: /nonexistent/x.apk"
+        );
     }
 
     #[test]
@@ -1964,10 +2043,18 @@ mod tests {
             error(&local)["hint"],
             "Use a \"url\" or \"github-actions-artifact\" source."
         );
+        let done = model.uploads.legacy(
+            "a.apk",
+            crate::uploads::ArtifactType::File,
+            1,
+            "0".repeat(64),
+            None,
+            T0,
+        );
         let uploaded = command(
             &mut model,
             json!({"command":"install_source","flags":{"platform":"android","retainPaths":true},
-                   "meta":{"installSource":{"kind":"path","path":"/tmp/a.apk"},"uploadedArtifactId":"u1"}}),
+                   "meta":{"installSource":{"kind":"path","path":"/tmp/a.apk"},"uploadedArtifactId":done.id}}),
         );
         assert_eq!(data(&uploaded)["source"], "uploaded-artifact");
         assert!(data(&uploaded)["materializationId"].is_string());

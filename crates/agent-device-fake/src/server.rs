@@ -381,7 +381,17 @@ async fn rpc(
             "Invalid params",
         );
     };
-    let checked = match Checked::read(method, &id, params) {
+    let access = headers
+        .get("x-agent-device-network-access")
+        .map(|v| v.to_str().unwrap_or_default());
+    if access.is_some_and(|a| a != "public-only") {
+        return Ok(reply_response(&Reply::invalid_params(
+            &id,
+            "Invalid daemon HTTP network access marker",
+            None,
+        )));
+    }
+    let checked = match Checked::read(method, &id, params, access.is_some()) {
         Ok(checked) => checked,
         Err(reply) => return Ok(reply_response(&reply)),
     };

@@ -1383,3 +1383,45 @@ async fn stop_closes_the_listener() {
             .is_err()
     );
 }
+
+#[tokio::test]
+async fn the_network_access_marker_is_public_only_or_refused() {
+    let fake = start();
+    let auth = format!("Bearer {}", fake.token());
+    let call = |marker: &'static str, params: Value| {
+        let url = format!("{}/rpc", fake.base_url());
+        let auth = auth.clone();
+        async move {
+            send(
+                Method::POST,
+                &url,
+                &[("authorization", &auth), ("x-agent-device-network-access", marker)],
+                full(json!({"jsonrpc":"2.0","id":"n","method":"agent_device.command","params":params}).to_string()),
+            )
+            .await
+        }
+    };
+    data(&call("public-only", json!({"command":"devices"})).await);
+    let bad = call("anything", json!({"command":"devices"})).await;
+    assert_eq!(bad.status, StatusCode::BAD_REQUEST);
+    assert_eq!(
+        bad.json(),
+        json!({"jsonrpc":"2.0","id":"n","error":{"code":-32602,"message":"Invalid daemon HTTP network access marker",
+               "data":{"code":"INVALID_ARGS","message":"Invalid daemon HTTP network access marker",
+                       "hint":"Check command arguments and run --help for usage examples."}}})
+    );
+    let local = json!({"command":"install_source","flags":{"platform":"android"},
+                       "meta":{"installSource":{"kind":"path","path":"/tmp/a.apk"}}});
+    let refused = call("public-only", local.clone()).await;
+    assert_eq!(
+        refused.json()["error"]["message"],
+        "Invalid params: path install sources are disabled on the remote HTTP surface"
+    );
+    let mut uploaded = local;
+    uploaded["meta"]["uploadedArtifactId"] = json!("zz");
+    let unknown = call("public-only", uploaded).await;
+    assert_eq!(
+        error_data(&unknown)["message"],
+        "Uploaded artifact not found or expired: zz"
+    );
+}
