@@ -18,7 +18,9 @@
 //!
 //! # The session
 //!
-//! `devices`; `open` and `close` on linux (session `lin1`); `connect --remote-config` with an
+//! `devices`; `open` and `close` on linux (session `lin1`); `open`, `screenshot` and `close`
+//! (session `shot`: the real daemon gets a `scrot` that copies a 4×4 PNG, the fake answers the
+//! same PNG; the CLI downloads the one artifact); `connect --remote-config` with an
 //! android profile under tenant isolation (sends nothing); `devices` twice (the first allocates
 //! the lease, the second heartbeats first; both fail `TOOL_MISSING` for want of adb, and the CLI
 //! fetches each failure's diagnostics); `install` of a 3000-byte file (preflight, chunked PUT,
@@ -34,7 +36,8 @@
 //! * Minted ids become numbered aliases in order of first appearance, so that which id is the
 //!   same as which is still compared: UUIDs (`<uuid#n>`: upload and artifact ids), 32-hex ids
 //!   (`<hex32#n>`: lease ids, `adc-` sessions), 16-hex ids (`<hex16#n>`: request ids),
-//!   diagnostic ids (`<diagnostic#n>`).
+//!   diagnostic ids (`<diagnostic#n>`); the remote temp path the CLI invents for a screenshot
+//!   (`agent-device-screenshot-<ms>-<random>`).
 //! * Times: ISO-8601 timestamps become `<iso>`; `createdAt` and `heartbeatAt` become `<ms>` and
 //!   `expiresAt` becomes `heartbeatAt+<ttl>` (so the TTL is compared); `durationMs` and
 //!   `totalDurationMs` become `<ms>`. The CLI's `remoteConfigHash` and
@@ -61,13 +64,14 @@
 use std::collections::HashMap;
 use std::convert::Infallible;
 use std::net::SocketAddr;
+use std::os::unix::fs::PermissionsExt as _;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::sync::Arc;
 use std::time::Duration;
 
 use agent_device_fake::{
-    CommandFailure, DaemonError, Device, ErrorCode, FakeAgentDevice, FakeOptions,
+    CommandFailure, DaemonError, Device, ErrorCode, FakeAgentDevice, FakeOptions, TINY_PNG,
 };
 use bytes::Bytes;
 use http::{HeaderMap, Request, Response};
@@ -286,10 +290,24 @@ enum Daemon {
 impl Daemon {
     async fn real(package: &Path, run: &Path) -> (Self, String) {
         let state = run.join("daemon-state");
+        // A `scrot` that "captures" the fake's 4×4 PNG, so that a screenshot succeeds on a box
+        // with no display (reference §7.6).
+        let shim = run.join("shim");
+        std::fs::create_dir_all(&shim).unwrap();
+        let png = run.join("shim/tiny.png");
+        std::fs::write(&png, TINY_PNG).unwrap();
+        let scrot = shim.join("scrot");
+        std::fs::write(
+            &scrot,
+            format!("#!/bin/sh\ncp '{}' \"$1\"\n", png.display()),
+        )
+        .unwrap();
+        std::fs::set_permissions(&scrot, std::fs::Permissions::from_mode(0o755)).unwrap();
         let mut child = Command::new("node")
             .arg(package.join("dist/src/internal/daemon.js"))
             .env_clear()
-            .env("PATH", path_without_adb())
+            .env("PATH", format!("{}:{}", shim.display(), path_without_adb()))
+            .env("DISPLAY", ":99")
             .env("HOME", run.join("daemon-home"))
             .env("CI", "1")
             .env("AGENT_DEVICE_NO_UPDATE_NOTIFIER", "1")
@@ -443,33 +461,26 @@ async fn session(
     .unwrap();
     let profile = profile.display().to_string();
     let apk_path = apk_path.display().to_string();
-    let script: [&[&str]; 8] = [
-        &["devices", "--json"],
-        &["open", "--platform", "linux", "--session", "lin1", "--json"],
-        &[
-            "close",
-            "--platform",
-            "linux",
-            "--session",
-            "lin1",
-            "--json",
-        ],
-        &["connect", "--remote-config", &profile, "--json"],
-        &["devices", "--json"],
-        &["devices", "--json"],
-        &[
-            "install",
-            "com.example",
-            &apk_path,
-            "--platform",
-            "android",
-            "--json",
-        ],
-        &["disconnect", "--json"],
+    std::fs::create_dir_all(work.join("dl")).unwrap();
+    let shot = work.join("dl/shot.png").display().to_string();
+    // The run directory is a temporary directory: its paths hold no spaces.
+    let script = [
+        "devices --json".to_owned(),
+        "open --platform linux --session lin1 --json".to_owned(),
+        "close --platform linux --session lin1 --json".to_owned(),
+        "open --platform linux --session shot --json".to_owned(),
+        format!("screenshot {shot} --platform linux --session shot --json"),
+        "close --platform linux --session shot --json".to_owned(),
+        format!("connect --remote-config {profile} --json"),
+        "devices --json".to_owned(),
+        "devices --json".to_owned(),
+        format!("install com.example {apk_path} --platform android --json"),
+        "disconnect --json".to_owned(),
     ];
     let mut steps = Vec::new();
-    for args in script {
-        steps.push(cli(package, run, proxy.addr, token, args).await);
+    for line in &script {
+        let args: Vec<&str> = line.split_whitespace().collect();
+        steps.push(cli(package, run, proxy.addr, token, &args).await);
     }
     let exchanges = proxy.exchanges();
     drop(proxy);
@@ -508,6 +519,7 @@ impl Normaliser {
     fn new(run: &Path, proxy: &str, token: &str) -> Self {
         let patterns = [
             ("iso", r"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(\.\d+)?Z"),
+            ("stamp", r"agent-device-screenshot-\d+-[0-9a-z]+"),
             (
                 "uuid",
                 r"\b[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}\b",
@@ -542,6 +554,8 @@ impl Normaliser {
                 replaced.push_str(&out[last..found.start()]);
                 if kind == "iso" {
                     replaced.push_str("<iso>");
+                } else if kind == "stamp" {
+                    replaced.push_str("agent-device-screenshot-<ms>-<random>");
                 } else {
                     let key = (kind, found.as_str().to_owned());
                     let alias = if let Some(alias) = self.aliases.get(&key) {
@@ -769,6 +783,7 @@ async fn the_real_cli_sees_the_same_exchanges_from_the_fake_and_the_real_daemon(
         "PUT /upload/direct/",
         "POST /upload/finalize",
         "GET /sessions/",
+        "GET /artifacts/",
     ] {
         assert!(
             requests.iter().any(|r| r.starts_with(route)),
