@@ -350,10 +350,16 @@ mod tests {
         memory.placed(&l, placement("w1", "tok_a"));
         let at = Instant::now();
         memory.dropped(&l, at);
-        assert_eq!(memory.recall(&l, at + keep, keep), Some(placement("w1", "tok_a")));
+        assert_eq!(
+            memory.recall(&l, at + keep, keep),
+            Some(placement("w1", "tok_a"))
+        );
         memory.sweep(at + keep, keep);
         assert_eq!(memory.len(), 1, "at the bound it is kept");
-        assert_eq!(memory.recall(&l, at + keep + Duration::from_millis(1), keep), None);
+        assert_eq!(
+            memory.recall(&l, at + keep + Duration::from_millis(1), keep),
+            None
+        );
         assert!(memory.is_empty(), "past it, forgotten");
     }
 
@@ -366,12 +372,19 @@ mod tests {
         let first = Instant::now();
         memory.dropped(&l, first);
         memory.dropped(&l, first + Duration::from_secs(9));
-        assert_eq!(memory.recall(&l, first + Duration::from_secs(11), keep), None, "stamped at the first drop");
+        assert_eq!(
+            memory.recall(&l, first + Duration::from_secs(11), keep),
+            None,
+            "stamped at the first drop"
+        );
         memory.placed(&l, placement("w2", "tok_a"));
         memory.dropped(&l, first + Duration::from_secs(20));
         memory.placed(&l, placement("w2", "tok_a"));
         memory.sweep(first + Duration::from_secs(1000), keep);
-        assert_eq!(memory.recall(&l, first + Duration::from_secs(1000), keep), Some(placement("w2", "tok_a")));
+        assert_eq!(
+            memory.recall(&l, first + Duration::from_secs(1000), keep),
+            Some(placement("w2", "tok_a"))
+        );
     }
 
     struct Fleet {
@@ -412,7 +425,11 @@ mod tests {
         WorkerFacts {
             id: id.into(),
             connected: true,
-            agent_device: if available { Ok(()) } else { Err(Some("down".into())) },
+            agent_device: if available {
+                Ok(())
+            } else {
+                Err(Some("down".into()))
+            },
             platforms: platforms.iter().copied().collect(),
             lease_max_ttl_ms: Some(300_000),
         }
@@ -477,13 +494,19 @@ mod tests {
         }) else {
             panic!("running");
         };
-        assert_eq!(serving.lease_max_ttl_ms, Some(300_000), "the holder's ceiling");
+        assert_eq!(
+            serving.lease_max_ttl_ms,
+            Some(300_000),
+            "the holder's ceiling"
+        );
         let request = || Request::new(crate::body::empty());
         let answer = link
             .forward(request(), Some(&caller("tok_a")), Some(&l))
             .await
             .unwrap();
-        let body = crate::body::read_to_bytes(answer.into_body(), 1024).await.unwrap();
+        let body = crate::body::read_to_bytes(answer.into_body(), 1024)
+            .await
+            .unwrap();
         assert_eq!(body, "w2 gw.gw1.tok_5f_a");
         let refused = link
             .forward(request(), Some(&caller("tok_b")), Some(&l))

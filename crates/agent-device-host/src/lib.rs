@@ -117,6 +117,19 @@ struct HostLease {
     caller_tenant: Option<String>,
     /// The device key the daemon recorded, filled in where a caller left it out.
     device_key: Option<String>,
+    /// Its backend, filled in where a command left it out.
+    backend: Option<String>,
+}
+
+impl HostLease {
+    fn mapping(&self) -> proxy::LeaseMapping<'_> {
+        proxy::LeaseMapping {
+            daemon_id: &self.daemon_id,
+            run_id: &self.run_id,
+            device_key: self.device_key.as_deref(),
+            backend: self.backend.as_deref(),
+        }
+    }
 }
 
 struct Shared {
@@ -228,19 +241,28 @@ impl AgentDeviceHost {
         let DaemonState::Running(endpoint) = self.state() else {
             return;
         };
+        // The calls the CLI would make for the lease (`close`, then the release), filled in and
+        // rewritten as any caller's.
         let session = record.session.clone().unwrap_or_else(|| "default".into());
         let close = json!({
             "jsonrpc": "2.0", "id": format!("simlock-close-{lease}"), "method": "agent_device.command",
             "params": {"session": session, "command": "close", "positionals": [],
-                "flags": {"tenant": record.tenant.as_str(), "runId": record.run_id, "leaseId": record.daemon_id, "sessionIsolation": "tenant"},
-                "meta": {"tenantId": record.tenant.as_str(), "runId": record.run_id, "leaseId": record.daemon_id, "sessionIsolation": "tenant"}},
+                "flags": {}, "meta": {}},
         });
         let release = json!({
             "jsonrpc": "2.0", "id": format!("simlock-release-{lease}"), "method": "agent_device.lease.release",
-            "params": {"session": session, "tenantId": record.tenant.as_str(), "runId": record.run_id, "leaseId": record.daemon_id},
+            "params": {"session": session, "leaseId": lease.as_str()},
         });
         for call in [close, release] {
-            match self.call_daemon(&endpoint, &call).await {
+            let Some(mut call) = RpcRewrite::parse(call.to_string().as_bytes()) else {
+                continue;
+            };
+            call.rewrite(
+                &endpoint.token,
+                record.tenant.as_str(),
+                Some(record.mapping()),
+            );
+            match self.call_daemon(&endpoint, &call.to_bytes()).await {
                 Ok(answer) => debug!(%lease, ?answer, "ended with its simlock lease"),
                 Err(e) => warn!(%lease, error = %e, "the agent-device lease could not be ended"),
             }
@@ -248,14 +270,14 @@ impl AgentDeviceHost {
         info!(%lease, "agent-device lease ended before the device is reclaimed");
     }
 
-    async fn call_daemon(&self, endpoint: &Endpoint, call: &Value) -> Result<Value, String> {
+    async fn call_daemon(&self, endpoint: &Endpoint, call: &Bytes) -> Result<Value, String> {
         let headers = proxy::upstream_headers(&http::HeaderMap::new(), &endpoint.token, "", true);
         let request = proxy::upstream_request(
             Method::POST,
             endpoint.port,
             "/rpc",
             headers,
-            agent_device_front::body::full(Bytes::from(call.to_string())),
+            agent_device_front::body::full(call.clone()),
         )
         .ok_or("the request could not be built")?;
         let response = tokio::time::timeout(CALL_TIMEOUT, self.send(request))
@@ -395,11 +417,7 @@ impl AgentDeviceHost {
             _ => None,
         };
         let caller_tenant = call.caller_tenant();
-        let mapping = known.as_ref().map(|k| proxy::LeaseMapping {
-            daemon_id: &k.daemon_id,
-            run_id: &k.run_id,
-            device_key: k.device_key.as_deref(),
-        });
+        let mapping = known.as_ref().map(HostLease::mapping);
         call.rewrite(&endpoint.token, tenant.as_str(), mapping);
         let body = call.to_bytes();
         let mut headers = proxy::upstream_headers(incoming, &endpoint.token, tenant.as_str(), true);
@@ -439,6 +457,10 @@ impl AgentDeviceHost {
                     caller_tenant: scope.caller_tenant,
                     device_key: answer
                         .pointer("/result/data/lease/deviceKey")
+                        .and_then(Value::as_str)
+                        .map(String::from),
+                    backend: answer
+                        .pointer("/result/data/lease/backend")
                         .and_then(Value::as_str)
                         .map(String::from),
                 },

@@ -120,6 +120,9 @@ pub struct LeaseMapping<'a> {
     pub run_id: &'a str,
     /// The device key the daemon recorded.
     pub device_key: Option<&'a str>,
+    /// The lease's backend (`android-instance`, …), which the daemon checks a command's
+    /// `leaseBackend` against.
+    pub backend: Option<&'a str>,
 }
 
 /// What the host needs from an allocate's request to record its lease.
@@ -257,25 +260,23 @@ impl RpcRewrite {
                 }
                 return;
             }
-            with_object(params, "meta", |meta| {
-                meta.insert("tenantId".into(), Value::from(tenant));
-                meta.insert("sessionIsolation".into(), Value::from("tenant"));
-                if let Some(lease) = lease {
-                    meta.insert("leaseId".into(), Value::from(lease.daemon_id));
-                    meta.entry("runId")
-                        .or_insert_with(|| Value::from(lease.run_id));
-                }
-            });
-            with_object(params, "flags", |flags| {
-                flags.insert("tenant".into(), Value::from(tenant));
-                flags.insert("sessionIsolation".into(), Value::from("tenant"));
-                if let Some(lease) = lease {
-                    flags.insert("leaseId".into(), Value::from(lease.daemon_id));
-                    flags
-                        .entry("runId")
-                        .or_insert_with(|| Value::from(lease.run_id));
-                }
-            });
+            for (section, tenant_key) in [("meta", "tenantId"), ("flags", "tenant")] {
+                with_object(params, section, |fields| {
+                    fields.insert(tenant_key.into(), Value::from(tenant));
+                    fields.insert("sessionIsolation".into(), Value::from("tenant"));
+                    if let Some(lease) = lease {
+                        fields.insert("leaseId".into(), Value::from(lease.daemon_id));
+                        fields
+                            .entry("runId")
+                            .or_insert_with(|| Value::from(lease.run_id));
+                        if let Some(backend) = lease.backend {
+                            fields
+                                .entry("leaseBackend")
+                                .or_insert_with(|| Value::from(backend));
+                        }
+                    }
+                });
+            }
         });
     }
 
@@ -449,6 +450,7 @@ mod tests {
                 daemon_id: &daemon_id,
                 run_id: "runL",
                 device_key: None,
+                backend: Some("android-instance"),
             }),
         );
         let body: Value = serde_json::from_slice(&call.to_bytes()).unwrap();
@@ -486,6 +488,7 @@ mod tests {
                 daemon_id: "dd",
                 run_id: "r",
                 device_key: Some("local:x"),
+                backend: None,
             }),
         );
         let body: Value = serde_json::from_slice(&call.to_bytes()).unwrap();

@@ -59,6 +59,12 @@ pub fn agent_device_config(command: Vec<String>) -> Config {
     config
 }
 
+/// A worker configuration serving agent-device from a daemon that already runs (a fake
+/// attached in-process): the command is never started.
+pub fn attached_config() -> Config {
+    agent_device_config(vec!["agent-device-attached".into()])
+}
+
 /// A worker with agent-device, on a home of its own.
 pub struct AdWorker {
     /// The worker.
@@ -91,6 +97,18 @@ impl AdWorker {
             home,
             dir,
         }
+    }
+
+    /// Starts a worker with `config` serving the in-process `fake`.
+    pub async fn with_fake(config: Config, fake: &agent_device_fake::FakeAgentDevice) -> Self {
+        let endpoint = agent_device_host::process::Endpoint {
+            port: fake.port(),
+            token: fake.token().to_owned(),
+        };
+        Self::start(config, |options| {
+            options.agent_device_attach = Some(endpoint);
+        })
+        .await
     }
 
     /// The worker.

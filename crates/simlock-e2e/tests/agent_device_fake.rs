@@ -1,0 +1,587 @@
+//! agent-device on a worker over an in-process fake of the daemon (`agent-device-fake`), where
+//! a test needs to steer the daemon or move time: artifacts, long commands, `release --all`,
+//! failing releases, pinned commands, the device list, waiting allocates.
+
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    reason = "tests"
+)]
+
+use std::future::Future;
+use std::time::Duration;
+
+use agent_device_fake::{
+    DaemonError, Device, DeviceKind, DeviceTarget, DevicesAnswer, ErrorCode, FakeAgentDevice,
+    FakeOptions, Platform,
+};
+use http::Method;
+use serde_json::{Value, json};
+use simlock_e2e::PATIENCE;
+use simlock_e2e::agent_device::{AdWorker, Cli, Http, attached_config, real_package, rpc_call};
+
+fn allocate_call(id: &str, session: &str) -> Value {
+    rpc_call(
+        id,
+        "lease.allocate",
+        json!({"session": session, "tenantId": "acme", "runId": "run1", "backend": "android-instance"}),
+    )
+}
+
+fn command_call(id: &str, session: &str, lease: &str, command: &str, flags: Value) -> Value {
+    let mut flags_object = json!({"leaseId": lease, "runId": "run1", "tenant": "acme"});
+    if let (Some(into), Some(extra)) = (flags_object.as_object_mut(), flags.as_object()) {
+        into.extend(extra.clone());
+    }
+    rpc_call(
+        id,
+        "command",
+        json!({"session": session, "command": command, "positionals": [],
+            "flags": flags_object,
+            "meta": {"leaseId": lease, "runId": "run1", "tenantId": "acme", "requestId": id}}),
+    )
+}
+
+fn heartbeat_call(id: &str, session: &str, lease: &str) -> Value {
+    rpc_call(
+        id,
+        "lease.heartbeat",
+        json!({"session": session, "tenantId": "acme", "runId": "run1", "leaseId": lease}),
+    )
+}
+
+/// Allocates through the front and answers the lease id the CLI would keep.
+async fn allocate(http: &Http, worker: &AdWorker, token: &str, session: &str) -> String {
+    let answer = http
+        .rpc(&worker.base(), token, &allocate_call("a1", session))
+        .await;
+    assert_eq!(answer.status, 200, "{answer:?}");
+    answer.json()["result"]["data"]["lease"]["leaseId"]
+        .as_str()
+        .unwrap()
+        .to_owned()
+}
+
+/// The driver's id of the device simlock lease `lease` holds.
+async fn device_address(worker: &AdWorker, lease: &str) -> String {
+    let leases = worker.leases().await;
+    let device = leases.iter().find(|l| l["id"] == lease).unwrap()["deviceId"].clone();
+    let devices = worker
+        .operator()
+        .await
+        .call("list.get", json!({"kind": "devices"}))
+        .await
+        .unwrap();
+    devices["devices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|d| d["id"] == device)
+        .unwrap()["driverDeviceId"]
+        .as_str()
+        .unwrap()
+        .to_owned()
+}
+
+fn android(id: &str) -> Device {
+    Device {
+        platform: Platform::Android,
+        id: id.into(),
+        name: format!("emulator {id}"),
+        kind: DeviceKind::Emulator,
+        target: DeviceTarget::Mobile,
+        booted: true,
+    }
+}
+
+/// The JSON-RPC bodies the fake received for `method`, in order.
+fn received(fake: &FakeAgentDevice, method: &str) -> Vec<Value> {
+    fake.requests()
+        .into_iter()
+        .filter(|r| r.path == "/rpc")
+        .filter_map(|r| serde_json::from_slice::<Value>(&r.body).ok())
+        .filter(|b| b["method"] == method)
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_screenshot_artifact_downloads_through_the_worker_with_the_published_cli() {
+    let pkg = real_package();
+    let fake = FakeAgentDevice::start(FakeOptions::default()).unwrap();
+    let worker = AdWorker::with_fake(attached_config(), &fake).await;
+    let (_, secret) = worker.token("agent").await;
+    let cli = Cli::new(&pkg, &worker.base(), &secret);
+    let profile = cli.profile("android");
+    let connect = cli
+        .run(&["connect", "--remote-config", profile.to_str().unwrap()])
+        .await;
+    assert_eq!(connect.json["success"], json!(true), "{connect:?}");
+    // The first device command allocates; the fake then lists the leased emulator.
+    let _ = cli.run(&["devices"]).await;
+    let lease = worker.leases().await[0]["id"].as_str().unwrap().to_owned();
+    fake.set_devices(DevicesAnswer::List(vec![android(
+        &device_address(&worker, &lease).await,
+    )]));
+    let shot = cli.dir().join("shot.png");
+    let opened = cli.run(&["open", "com.example"]).await;
+    assert_eq!(opened.json["success"], json!(true), "{opened:?}");
+    let taken = cli.run(&["screenshot", shot.to_str().unwrap()]).await;
+    assert_eq!(taken.json["success"], json!(true), "{taken:?}");
+    let bytes = std::fs::read(&shot).expect("the CLI saved the artifact");
+    assert_eq!(bytes, agent_device_fake::TINY_PNG, "byte for byte");
+    // The download went through the worker, under the caller's tenant.
+    let download = fake
+        .requests()
+        .into_iter()
+        .find(|r| r.path.starts_with("/artifacts/"))
+        .expect("the artifact was fetched");
+    assert_eq!(download.status, Some(200));
+    let tenant = download
+        .headers
+        .iter()
+        .find(|(k, _)| k == "x-agent-device-tenant")
+        .map(|(_, v)| v.clone());
+    assert!(
+        tenant.is_some_and(|t| t.starts_with("tok_5f_")),
+        "the token's tenant"
+    );
+    let _ = cli.run(&["disconnect"]).await;
+    worker.stop().await;
+    fake.stop().await;
+}
+
+#[tokio::test]
+async fn a_long_command_keeps_its_simlock_lease_alive_past_two_ttls() {
+    let fake = FakeAgentDevice::start(FakeOptions::default()).unwrap();
+    let mut config = attached_config();
+    config.agent_device.lease_ttl_cap_ms = Some(10_000);
+    let worker = AdWorker::with_fake(config, &fake).await;
+    let (_, secret) = worker.token("agent").await;
+    let http = Http::new();
+    let lease = allocate(&http, &worker, &secret, "s1").await;
+    assert_eq!(worker.leases().await[0]["ttlMs"], json!(10_000));
+    let hold = fake.hold_commands("snapshot");
+    let (base, token) = (worker.base(), secret.clone());
+    let call = command_call("c1", "s1", &lease, "snapshot", json!({}));
+    let running = tokio::spawn(async move { Http::new().rpc(&base, &token, &call).await });
+    tokio::time::timeout(PATIENCE, hold.wait_entered(1))
+        .await
+        .unwrap();
+    // Time moves on a paused clock: two and a half TTLs pass while the command runs.
+    tokio::time::pause();
+    let mut events = worker.worker().running.base.bus.follow();
+    let start = tokio::time::Instant::now();
+    let mut renewals = 0;
+    while start.elapsed() < Duration::from_millis(25_000) {
+        let event = tokio::time::timeout(Duration::from_secs(30), events.recv())
+            .await
+            .expect("something happens within a TTL")
+            .unwrap();
+        if event.event == "lease.renewed" {
+            renewals += 1;
+        }
+        assert!(
+            event.event != "lease.expired",
+            "the lease expired at {:?}",
+            start.elapsed()
+        );
+    }
+    assert!(renewals >= 6, "renewed every TTL/3: {renewals}");
+    assert_eq!(worker.leases().await.len(), 1, "the lease is alive");
+    tokio::time::resume();
+    hold.release();
+    let answer = running.await.unwrap();
+    assert_eq!(answer.json()["result"]["ok"], json!(true), "{answer:?}");
+    worker.stop().await;
+    fake.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn release_all_ends_the_agent_device_lease_before_the_device_is_reclaimed() {
+    let fake = FakeAgentDevice::start(FakeOptions::default()).unwrap();
+    let worker = AdWorker::with_fake(attached_config(), &fake).await;
+    let (_, secret) = worker.token("agent").await;
+    let http = Http::new();
+    let lease = allocate(&http, &worker, &secret, "s1").await;
+    assert_eq!(fake.leases().len(), 1);
+    let hold = fake.hold_commands("lease_release");
+    let mut events = worker.worker().running.base.bus.follow();
+    worker
+        .operator()
+        .await
+        .call("lease.release-all", json!({}))
+        .await
+        .unwrap();
+    // The host's release reaches agent-device while the device waits, reclaiming.
+    tokio::time::timeout(PATIENCE, hold.wait_entered(1))
+        .await
+        .unwrap();
+    let devices = worker
+        .operator()
+        .await
+        .call("list.get", json!({"kind": "devices"}))
+        .await
+        .unwrap();
+    assert_eq!(
+        devices["devices"][0]["state"],
+        json!("reclaiming"),
+        "{devices}"
+    );
+    hold.release();
+    loop {
+        let event = tokio::time::timeout(PATIENCE, events.recv())
+            .await
+            .unwrap()
+            .unwrap();
+        if event.event == "device.reclaimed" {
+            break;
+        }
+    }
+    assert!(fake.leases().is_empty(), "agent-device's lease ended first");
+    // The next heartbeat reaches agent-device, which says the lease is gone: ended by simlock.
+    let answer = http
+        .rpc(&worker.base(), &secret, &heartbeat_call("h1", "s1", &lease))
+        .await;
+    assert_eq!(answer.status, 401, "{answer:?}");
+    assert_eq!(
+        answer.json()["error"]["data"]["details"]["reason"],
+        json!("LEASE_ENDED_BY_HOST")
+    );
+    assert_eq!(received(&fake, "agent_device.lease.heartbeat").len(), 1);
+    worker.stop().await;
+    fake.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_heartbeat_goes_to_agent_device_first_then_renews_the_simlock_lease_to_its_ttl() {
+    let fake = FakeAgentDevice::start(FakeOptions::default()).unwrap();
+    let mut config = attached_config();
+    config.agent_device.lease_ttl_cap_ms = Some(120_000);
+    let worker = AdWorker::with_fake(config, &fake).await;
+    let (_, secret) = worker.token("agent").await;
+    let http = Http::new();
+    let lease = allocate(&http, &worker, &secret, "s1").await;
+    let allocated = received(&fake, "agent_device.lease.allocate");
+    assert_eq!(
+        allocated[0]["params"]["ttlMs"],
+        json!(120_000),
+        "the capped ceiling"
+    );
+    let address = device_address(&worker, &lease).await;
+    assert_eq!(
+        allocated[0]["params"]["deviceKey"],
+        json!(format!("local:android:none:{address}")),
+        "the allocate names the granted device"
+    );
+    let before = worker.leases().await[0]["ttlDeadline"].as_i64().unwrap();
+    // A heartbeat agent-device refuses renews nothing.
+    fake.fail_next_lease_calls(
+        agent_device_fake::LeaseOp::Heartbeat,
+        1,
+        DaemonError::new(ErrorCode::CommandFailed, "busy"),
+    );
+    let refused = http
+        .rpc(&worker.base(), &secret, &heartbeat_call("h0", "s1", &lease))
+        .await;
+    assert_eq!(refused.json()["error"]["data"]["message"], json!("busy"));
+    assert_eq!(
+        worker.leases().await[0]["ttlDeadline"].as_i64().unwrap(),
+        before
+    );
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    let answer = http
+        .rpc(&worker.base(), &secret, &heartbeat_call("h1", "s1", &lease))
+        .await;
+    assert_eq!(answer.json()["result"]["ok"], json!(true), "{answer:?}");
+    assert_eq!(
+        answer.json()["result"]["data"]["lease"]["leaseId"],
+        json!(lease)
+    );
+    let heartbeats = received(&fake, "agent_device.lease.heartbeat");
+    assert_eq!(
+        heartbeats.last().unwrap()["params"]["ttlMs"],
+        json!(120_000)
+    );
+    let record = &worker.leases().await[0];
+    let deadline = record["ttlDeadline"].as_i64().unwrap();
+    assert_eq!(
+        deadline,
+        record["lastRenewedAt"].as_i64().unwrap() + 120_000
+    );
+    assert!(deadline > before);
+    worker.stop().await;
+    fake.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_agent_device_fails_keeps_the_simlock_lease_and_a_release_that_works_ends_both() {
+    let fake = FakeAgentDevice::start(FakeOptions::default()).unwrap();
+    let worker = AdWorker::with_fake(attached_config(), &fake).await;
+    let (_, secret) = worker.token("agent").await;
+    let http = Http::new();
+    let lease = allocate(&http, &worker, &secret, "s1").await;
+    let release = rpc_call(
+        "r1",
+        "lease.release",
+        json!({"session": "s1", "tenantId": "acme", "runId": "run1", "leaseId": lease}),
+    );
+    fake.fail_next_releases(1, DaemonError::new(ErrorCode::CommandFailed, "not now"));
+    let failed = http.rpc(&worker.base(), &secret, &release).await;
+    assert_eq!(failed.json()["error"]["data"]["message"], json!("not now"));
+    assert_eq!(worker.leases().await.len(), 1, "the simlock lease stays");
+    let released = http.rpc(&worker.base(), &secret, &release).await;
+    assert_eq!(
+        released.json()["result"]["data"]["released"],
+        json!(true),
+        "{released:?}"
+    );
+    assert!(worker.leases().await.is_empty());
+    // A second release answers agent-device's released:false as a normal answer.
+    let again = http.rpc(&worker.base(), &secret, &release).await;
+    assert_eq!(
+        again.status, 403,
+        "the front no longer knows the lease: {again:?}"
+    );
+    worker.stop().await;
+    fake.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn commands_are_pinned_to_the_leased_device_and_a_device_selector_is_refused() {
+    let fake = FakeAgentDevice::start(FakeOptions::default()).unwrap();
+    let worker = AdWorker::with_fake(attached_config(), &fake).await;
+    let (_, secret) = worker.token("agent").await;
+    let http = Http::new();
+    let lease = allocate(&http, &worker, &secret, "s1").await;
+    let address = device_address(&worker, &lease).await;
+    fake.set_devices(DevicesAnswer::List(vec![
+        android(&address),
+        android("emulator-5556"),
+    ]));
+    let answer = http
+        .rpc(
+            &worker.base(),
+            &secret,
+            &command_call("c1", "s1", &lease, "open", json!({"device": "Pixel 8"})),
+        )
+        .await;
+    assert_eq!(answer.status, 200, "{answer:?}");
+    let sent = received(&fake, "agent_device.command");
+    let flags = &sent.last().unwrap()["params"]["flags"];
+    assert_eq!(
+        flags["serial"],
+        json!(address),
+        "pinned to the leased emulator"
+    );
+    assert!(
+        flags.get("device").is_none(),
+        "the profile's device name is dropped"
+    );
+    assert_eq!(flags["sessionIsolation"], json!("tenant"));
+    assert_ne!(
+        flags["leaseId"],
+        json!(lease),
+        "agent-device sees its own lease id"
+    );
+    for selector in [json!({"udid": "X"}), json!({"serial": "emulator-5556"})] {
+        let refused = http
+            .rpc(
+                &worker.base(),
+                &secret,
+                &command_call("c2", "s1", &lease, "open", selector),
+            )
+            .await;
+        assert_eq!(refused.status, 400);
+        assert_eq!(
+            refused.json()["error"]["data"]["message"],
+            json!("refused: simlock picks the device")
+        );
+    }
+    assert_eq!(
+        received(&fake, "agent_device.command").len(),
+        1,
+        "nothing more reached it"
+    );
+    worker.stop().await;
+    fake.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn devices_lists_only_the_devices_the_token_leases() {
+    let fake = FakeAgentDevice::start(FakeOptions::default()).unwrap();
+    let worker = AdWorker::with_fake(attached_config(), &fake).await;
+    let (_, alice) = worker.token("agent").await;
+    let (_, bob) = worker.token("agent").await;
+    let http = Http::new();
+    let devices = |id: &str| {
+        rpc_call(
+            id,
+            "command",
+            json!({"session": "default", "command": "devices", "positionals": [], "flags": {}, "meta": {}}),
+        )
+    };
+    // Nothing held: the empty list, and agent-device is not asked.
+    let none = http.rpc(&worker.base(), &alice, &devices("d0")).await;
+    assert_eq!(none.json()["result"]["data"]["devices"], json!([]));
+    assert!(received(&fake, "agent_device.command").is_empty());
+    let lease_a = allocate(&http, &worker, &alice, "s1").await;
+    let lease_b = allocate(&http, &worker, &bob, "s2").await;
+    let (a, b) = (
+        device_address(&worker, &lease_a).await,
+        device_address(&worker, &lease_b).await,
+    );
+    fake.set_devices(DevicesAnswer::List(vec![
+        android(&a),
+        android(&b),
+        android("emulator-9999"),
+    ]));
+    let listed = http.rpc(&worker.base(), &alice, &devices("d1")).await;
+    let ids: Vec<Value> = listed.json()["result"]["data"]["devices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| d["id"].clone())
+        .collect();
+    assert_eq!(ids, vec![json!(a)], "only Alice's device");
+    fake.set_devices(DevicesAnswer::NoList);
+    let unreadable = http.rpc(&worker.base(), &alice, &devices("d2")).await;
+    assert_eq!(unreadable.status, 502);
+    assert_eq!(
+        unreadable.json()["error"]["data"]["message"],
+        json!(format!(
+            "could not read the device list from the worker holding lease {lease_a}"
+        ))
+    );
+    worker.stop().await;
+    fake.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_allocate_waits_for_a_device_and_one_whose_caller_hangs_up_is_withdrawn() {
+    let fake = FakeAgentDevice::start(FakeOptions::default()).unwrap();
+    let mut config = attached_config();
+    config.capacity.max_running = 1;
+    let worker = AdWorker::with_fake(config, &fake).await;
+    let (_, alice) = worker.token("agent").await;
+    let (_, bob) = worker.token("agent").await;
+    let (_, carol) = worker.token("agent").await;
+    let http = Http::new();
+    let lease_a = allocate(&http, &worker, &alice, "s1").await;
+    // Bob waits behind Alice's lease; Carol waits too, then hangs up.
+    let (base, token) = (worker.base(), bob.clone());
+    let bob_waits = tokio::spawn(async move {
+        Http::new()
+            .rpc(&base, &token, &allocate_call("b1", "s2"))
+            .await
+    });
+    let (base, token) = (worker.base(), carol.clone());
+    let carol_waits = tokio::spawn(async move {
+        Http::new()
+            .rpc(&base, &token, &allocate_call("c1", "s3"))
+            .await
+    });
+    wait_for(|| waiting(&worker, 2)).await;
+    carol_waits.abort();
+    wait_for(|| waiting(&worker, 1)).await;
+    let release = rpc_call(
+        "r1",
+        "lease.release",
+        json!({"session": "s1", "tenantId": "acme", "runId": "run1", "leaseId": lease_a}),
+    );
+    http.rpc(&worker.base(), &alice, &release).await;
+    let granted = bob_waits.await.unwrap();
+    assert_eq!(granted.json()["result"]["ok"], json!(true), "{granted:?}");
+    let leases = worker.leases().await;
+    assert_eq!(leases.len(), 1, "Bob's, and nothing for Carol: {leases:?}");
+    assert_eq!(fake.leases().len(), 1);
+    worker.stop().await;
+    fake.stop().await;
+}
+
+/// Whether `n` requests wait on the worker.
+async fn waiting(worker: &AdWorker, n: usize) -> bool {
+    let status = worker
+        .operator()
+        .await
+        .call("status.get", json!({}))
+        .await
+        .unwrap();
+    status["waiting"].as_array().map_or(0, Vec::len) == n
+}
+
+/// Polls `check` (each poll a real call) until it holds, within [`PATIENCE`].
+async fn wait_for<F, Fut>(check: F)
+where
+    F: Fn() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    tokio::time::timeout(PATIENCE, async {
+        while !check().await {
+            tokio::task::yield_now().await;
+        }
+    })
+    .await
+    .expect("the state was reached within the bound");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_platform_the_worker_has_no_device_of_is_refused_and_nothing_is_leased() {
+    let fake = FakeAgentDevice::start(FakeOptions::default()).unwrap();
+    let mut config = attached_config();
+    config
+        .virtual_devices
+        .models
+        .retain(|m| m.platform == simlock_contract::model::Platform::Android);
+    let worker = AdWorker::with_fake(config, &fake).await;
+    let (_, secret) = worker.token("agent").await;
+    let http = Http::new();
+    for (backend, name) in [
+        ("ios-simulator", "ios"),
+        ("harmonyos-instance", "harmonyos"),
+    ] {
+        let call = rpc_call(
+            "a1",
+            "lease.allocate",
+            json!({"session": "s", "tenantId": "acme", "runId": "r", "backend": backend}),
+        );
+        let refused = http.rpc(&worker.base(), &secret, &call).await;
+        assert_eq!(
+            refused.json()["error"]["data"]["message"],
+            json!(format!("refused: {name} is not available on this simlock"))
+        );
+    }
+    assert!(worker.leases().await.is_empty());
+    assert!(received(&fake, "agent_device.lease.allocate").is_empty());
+    worker.stop().await;
+    fake.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_agent_device_off_every_route_answers_404() {
+    let mut config = simlock_e2e::worker_config(1);
+    config.http.enabled = Some(true);
+    config.http.port = 0;
+    let worker = AdWorker::start(config, |_| {}).await;
+    let (_, secret) = worker.token("agent").await;
+    let bearer = format!("Bearer {secret}");
+    let http = Http::new();
+    for (method, route) in [
+        (Method::GET, "health"),
+        (Method::POST, "rpc"),
+        (Method::POST, "upload/preflight"),
+        (Method::GET, "artifacts/a1"),
+        (Method::GET, "sessions/s/requests/r/diagnostics"),
+    ] {
+        let answer = http
+            .send(
+                method,
+                &format!("{}/{route}", worker.base()),
+                &[("authorization", &bearer)],
+                "",
+            )
+            .await;
+        assert_eq!(answer.status, 404, "{route}: {answer:?}");
+    }
+    worker.stop().await;
+}
