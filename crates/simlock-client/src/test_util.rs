@@ -154,6 +154,7 @@ impl State {
             id_chosen_by_requester: false,
             worker: None,
             worker_id: None,
+            access: None,
         };
         self.leases
             .lock()
@@ -164,6 +165,7 @@ impl State {
                 driver_device_id: "UDID-1".to_owned(),
                 spec: spec(),
                 address: None,
+                access: None,
             },
             environment: BTreeMap::from([("SIMLOCK_UDID".to_owned(), "UDID-1".to_owned())]),
             lease,
@@ -198,6 +200,10 @@ fn device() -> Device {
         created_at: 1_700_000_000_000,
         last_lease_ended_at: None,
         worker_id: None,
+        access: None,
+        quarantine_attempts: None,
+        quarantine_next_retry_at: None,
+        recovery_attempts: None,
     }
 }
 
@@ -570,6 +576,7 @@ fn register(router: &mut Router, state: &Arc<State>) {
                 max_ttl_ms: 14_400_000,
             }),
             workers: None,
+            drivers: None,
         };
         async move { Ok(output) }
     });
@@ -586,6 +593,7 @@ fn register(router: &mut Router, state: &Arc<State>) {
                 model_aliases: BTreeMap::new(),
                 model_workers: None,
                 runtime_workers: None,
+                unavailable: None,
             }],
         };
         async move { Ok(output) }

@@ -27,7 +27,17 @@ fn settings(max: u32) -> Settings {
             ram: None,
         },
         estimates: BTreeMap::from([(Platform::Ios, est), (Platform::Android, est)]),
+        health: HealthConfig::default(),
+        quarantine: QuarantineConfig::default(),
     }
+}
+
+/// What a driver answers for a device it booted: the virtual kind, in these tests.
+fn up() -> Result<DeviceAccess, DriverError> {
+    Ok(DeviceAccess::Virtual {
+        platform: Platform::Ios,
+        driver_device_id: "udid".into(),
+    })
 }
 
 fn spec(platform: Platform, model: &str) -> DeviceSpec {
@@ -102,7 +112,7 @@ fn lease_new(state: &mut State, n: u32, spec: DeviceSpec, now: i64) -> LeaseGran
             .provisioned(&device, Ok(format!("udid-{n}")), now)
             .is_some()
     );
-    state.booted(&device, Ok(()), now);
+    state.booted(&device, up(), now);
     outcome(&state.take_effects(), &request(n))
         .expect("settled")
         .expect("granted")
@@ -152,7 +162,7 @@ fn a_new_device_is_provisioned_booted_then_granted_and_every_step_is_stored() {
     assert_eq!(progress(&fx, &id), [Progress::Booting { eta_ms: 1_000 }]);
     assert!(fx.events.iter().any(|e| e.name == "device.provisioned"));
 
-    state.booted(&device, Ok(()), 2_500);
+    state.booted(&device, up(), 2_500);
     let writes = state.take_writes();
     assert_eq!(writes.leases.len(), 1);
     let fx = state.take_effects();
@@ -194,7 +204,7 @@ fn a_queue_deadline_passed_during_device_work_fails_the_request_when_it_would_wa
 
     // At 6 s the device frees; it is of another spec, so it is evicted and a new one made.
     release(&mut state, &first, 6_000);
-    state.reclaimed(&first.device.id, Ok(()), 6_500);
+    state.reclaimed(&first.device.id, up(), 6_500);
     let fx = state.take_effects();
     assert!(
         fx.work
@@ -267,7 +277,7 @@ fn eviction_takes_the_least_recently_used_idle_device_and_never_a_leased_one() {
     let a = lease_new(&mut state, 1, spec(Platform::Ios, "A"), 0);
     let b = lease_new(&mut state, 2, spec(Platform::Ios, "B"), 0);
     release(&mut state, &b, 10_000);
-    state.reclaimed(&b.device.id, Ok(()), 10_500);
+    state.reclaimed(&b.device.id, up(), 10_500);
     state.take_effects();
     // Full: one leased, one idle. A request of a third spec evicts the idle one.
     state
@@ -312,7 +322,7 @@ fn idle_tiers_skip_leased_devices() {
     state.admit(long, 0).unwrap();
     let device = provision_of(&state.take_effects());
     state.provisioned(&device, Ok("u".into()), 0);
-    state.booted(&device, Ok(()), 0);
+    state.booted(&device, up(), 0);
     state.take_effects();
     state.tick(5_000_000);
     let fx = state.take_effects();
@@ -354,7 +364,7 @@ fn only_the_oldest_waiter_claims_a_reclaiming_device() {
         state.cancel("agent-3", agent("agent-3"), 20).unwrap(),
         CancelResult::Cancelled
     );
-    state.reclaimed(&a.device.id, Ok(()), 510);
+    state.reclaimed(&a.device.id, up(), 510);
     let grant = outcome(&state.take_effects(), &request(2))
         .unwrap()
         .unwrap();

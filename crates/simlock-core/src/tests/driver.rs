@@ -5,10 +5,11 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use futures::future::BoxFuture;
 use simlock_contract::ErrorCode;
-use simlock_contract::model::{DeviceSpec, Platform, PlatformCatalog};
+use simlock_contract::ids::DeviceId;
+use simlock_contract::model::{DeviceAccess, DeviceSpec, DriverStatus, Platform, PlatformCatalog};
 
 use super::*;
-use crate::driver::{Driver, DriverError, Estimates};
+use crate::driver::{Adopted, Driver, DriverError, Estimates, Keep, Observation};
 
 /// The virtual iOS driver, except that provisioning never finishes.
 struct Hangs {
@@ -21,6 +22,10 @@ impl Driver for Hangs {
         self.inner.platform()
     }
 
+    fn status(&self) -> DriverStatus {
+        self.inner.status()
+    }
+
     fn catalog(&self) -> PlatformCatalog {
         self.inner.catalog()
     }
@@ -29,17 +34,25 @@ impl Driver for Hangs {
         self.inner.estimates()
     }
 
-    fn provision(&self, _spec: &DeviceSpec) -> BoxFuture<'static, Result<String, DriverError>> {
+    fn provision(
+        &self,
+        _spec: &DeviceSpec,
+        _device: &DeviceId,
+    ) -> BoxFuture<'static, Result<String, DriverError>> {
         self.provisions.fetch_add(1, Ordering::SeqCst);
         Box::pin(futures::future::pending())
     }
 
-    fn boot(&self, id: &str) -> BoxFuture<'static, Result<(), DriverError>> {
+    fn boot(&self, id: &str) -> BoxFuture<'static, Result<DeviceAccess, DriverError>> {
         self.inner.boot(id)
     }
 
-    fn reclaim(&self, id: &str) -> BoxFuture<'static, Result<(), DriverError>> {
+    fn reclaim(&self, id: &str) -> BoxFuture<'static, Result<DeviceAccess, DriverError>> {
         self.inner.reclaim(id)
+    }
+
+    fn adopt(&self, id: &str) -> BoxFuture<'static, Result<Adopted, DriverError>> {
+        self.inner.adopt(id)
     }
 
     fn shutdown(&self, id: &str) -> BoxFuture<'static, Result<(), DriverError>> {
@@ -48,6 +61,14 @@ impl Driver for Hangs {
 
     fn delete(&self, id: &str) -> BoxFuture<'static, Result<(), DriverError>> {
         self.inner.delete(id)
+    }
+
+    fn sweep(&self, keep: Vec<Keep>) -> BoxFuture<'static, Result<Vec<String>, DriverError>> {
+        self.inner.sweep(keep)
+    }
+
+    fn probe(&self) -> BoxFuture<'static, Result<Option<Vec<Observation>>, DriverError>> {
+        self.inner.probe()
     }
 }
 
