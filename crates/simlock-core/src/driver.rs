@@ -122,6 +122,11 @@ pub trait Driver: Send + Sync + 'static {
     fn sweep(&self, keep: Vec<Keep>) -> BoxFuture<'static, Result<Vec<String>, DriverError>>;
     /// Which of its devices run now; `None` when the driver cannot tell (the virtual one).
     fn probe(&self) -> BoxFuture<'static, Result<Option<Vec<Observation>>, DriverError>>;
+    /// The worker stops: stop what the driver runs for itself (an adb server). Devices stay as
+    /// they are; the next start adopts them.
+    fn close(&self) -> BoxFuture<'static, ()> {
+        futures::future::ready(()).boxed()
+    }
 }
 
 /// Devices that exist only as records: work takes the configured time and always succeeds.
@@ -130,6 +135,7 @@ pub struct VirtualDriver {
     platform: Platform,
     catalog: PlatformCatalog,
     estimates: Estimates,
+    reason: String,
 }
 
 impl VirtualDriver {
@@ -143,7 +149,15 @@ impl VirtualDriver {
                 boot_ms: config.boot_ms,
                 reclaim_ms: config.reclaim_ms,
             },
+            reason: "virtual devices from configuration".into(),
         })
+    }
+
+    /// The same driver, saying `reason` for why it serves (in `status`).
+    #[must_use]
+    pub fn because(mut self, reason: impl Into<String>) -> Self {
+        self.reason = reason.into();
+        self
     }
 
     fn access(&self, driver_device_id: &str) -> DeviceAccess {
@@ -188,7 +202,7 @@ impl Driver for VirtualDriver {
             platform: self.platform,
             driver: DriverKind::Virtual,
             available: true,
-            reason: "virtual devices from configuration".into(),
+            reason: self.reason.clone(),
         }
     }
 

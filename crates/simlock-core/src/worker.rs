@@ -257,6 +257,13 @@ impl Worker {
         self.stop.cancel();
     }
 
+    /// Stops what the drivers run for themselves (after [`Worker::shutdown`]).
+    pub async fn close_drivers(&self) {
+        for driver in self.drivers.values() {
+            driver.close().await;
+        }
+    }
+
     /// The daemon's instance id.
     pub fn instance_id(&self) -> &str {
         &self.instance_id

@@ -883,6 +883,9 @@ impl FakeMachine {
 
     /// Kills every fake process of the machine still alive.
     pub fn kill_all(&self) {
+        if !self.root.join("state").exists() {
+            return;
+        }
         for p in self.live_processes() {
             kill_pid(p.pid);
         }
