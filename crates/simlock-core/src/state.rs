@@ -1340,6 +1340,7 @@ impl State {
     pub(crate) fn swept(&mut self, platform: Platform, result: Result<Vec<String>, DriverError>) {
         match result {
             Ok(purged) => {
+                let count = purged.len();
                 for driver_device_id in purged {
                     self.emit(
                         "device.orphan-purged",
@@ -1347,6 +1348,11 @@ impl State {
                         json!({ "platform": platform, "driverDeviceId": driver_device_id }),
                     );
                 }
+                self.emit(
+                    "driver.swept",
+                    DEVICES,
+                    json!({ "platform": platform, "purged": count }),
+                );
             }
             Err(e) => self.emit(
                 "device.sweep-failed",

@@ -765,7 +765,12 @@ impl Inner {
                 .is_some_and(|(a, b)| a == b)
         };
         match path {
-            Some(p) if ok && same(&p, &self.avd_dir(avd)) => Ok(()),
+            _ if !ok => Err(ToolError::Garbled {
+                command: format!("adb -s emulator-{port} emu avd path"),
+                what: "the console's answer, ending OK",
+                detail: format!("{lines:?}"),
+            }),
+            Some(p) if same(&p, &self.avd_dir(avd)) => Ok(()),
             _ => Err(ToolError::State(format!(
                 "console port {port} answers for another emulator ({:?}), not {avd}",
                 lines.first()
