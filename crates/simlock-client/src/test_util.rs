@@ -18,9 +18,9 @@ use parking_lot::Mutex;
 use serde_json::Value;
 use simlock_contract::ids::{DeviceId, LeaseId};
 use simlock_contract::model::{
-    Capacity, Connection, DaemonInfo, Device, DeviceSpec, DeviceState, GrantDevice, GrantTiming,
-    Health, HostFacts, LeaseEndReason, LeaseGrant, LeaseLimits, LeaseRecord, Mode, Platform,
-    PlatformCatalog, WorkerView,
+    Capacity, Connection, DaemonInfo, Device, DeviceAccess, DeviceSpec, DeviceState, GrantDevice,
+    GrantTiming, Health, HostFacts, LeaseEndReason, LeaseGrant, LeaseLimits, LeaseRecord, Mode,
+    Platform, PlatformCatalog, WorkerView,
 };
 use simlock_contract::ops::{
     CancelResult, CatalogGet, CatalogOutput, ConfigGet, ConfigView, DeviceExec, ExecOutput,
@@ -154,7 +154,7 @@ impl State {
             id_chosen_by_requester: false,
             worker: None,
             worker_id: None,
-            access: None,
+            access: Some(access()),
         };
         self.leases
             .lock()
@@ -165,9 +165,9 @@ impl State {
                 driver_device_id: "UDID-1".to_owned(),
                 spec: spec(),
                 address: None,
-                access: None,
+                access: Some(access()),
             },
-            environment: BTreeMap::from([("SIMLOCK_UDID".to_owned(), "UDID-1".to_owned())]),
+            environment: access().environment(lease.id.as_str(), &lease.device_id),
             lease,
             timing: GrantTiming::default(),
         }
@@ -180,6 +180,14 @@ impl State {
             .filter(|l| ctx.role == Role::Admin || l.owner_id == ctx.principal)
             .cloned()
             .ok_or_else(|| ContractError::unknown_lease(lease_id))
+    }
+}
+
+/// How the fake's device is reached: a simulator in a set whose path needs shell quoting.
+fn access() -> DeviceAccess {
+    DeviceAccess::IosSimulator {
+        udid: "UDID-1".to_owned(),
+        device_set: "/tmp/it's a set".to_owned(),
     }
 }
 

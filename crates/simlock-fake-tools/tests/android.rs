@@ -411,3 +411,73 @@ async fn garbled_sdk_output_is_a_typed_error_not_a_crash() {
     );
     rig.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exec_runs_tools_with_the_grants_environment_and_they_reach_the_device() {
+    let mut rig = Rig::new(Platform::Android);
+    let adb = rig.machine.sdk_root().join("platform-tools/adb");
+    rig.config.exec.tools.insert(
+        "adb".into(),
+        simlock_daemon::config::ToolConfig {
+            command: adb.display().to_string(),
+            args: vec![],
+        },
+    );
+    rig.config.exec.tools.insert(
+        "env".into(),
+        simlock_daemon::config::ToolConfig {
+            command: "env".into(),
+            args: vec![],
+        },
+    );
+    rig.start().await;
+    let client = rig.agent("agent").await;
+    let grant = within(
+        "a lease",
+        client.request_lease(
+            LeaseRequestInput::for_platform(Platform::Android),
+            |_| {},
+            std::future::pending(),
+        ),
+    )
+    .await
+    .unwrap();
+    let run = |tool: &str, args: &[&str]| {
+        let input = simlock_contract::ops::ExecInput {
+            lease_id: grant.lease.id.to_string(),
+            tool: tool.into(),
+            args: args.iter().map(|a| (*a).to_owned()).collect(),
+            stdin: None,
+            requester_id: None,
+        };
+        let client = client.clone();
+        async move {
+            let mut stream = client.exec(input).await.unwrap();
+            let mut out = String::new();
+            loop {
+                match within("exec output", stream.next()).await {
+                    Some(Ok(simlock_client::ExecEvent::Output { chunk, .. })) => {
+                        out.push_str(&chunk)
+                    }
+                    Some(Ok(simlock_client::ExecEvent::Exit { exit_code })) => {
+                        return (exit_code, out);
+                    }
+                    other => panic!("{other:?}"),
+                }
+            }
+        }
+    };
+    let (code, env) = run("env", &[]).await;
+    assert_eq!(code, 0);
+    for (key, value) in &grant.environment {
+        assert!(
+            env.lines().any(|l| l == format!("{key}={value}")),
+            "{key}={value} in\n{env}"
+        );
+    }
+    // Plain `adb shell` (no -P, no -s) reaches the leased emulator through simlock's server.
+    let (code, out) = run("adb", &["shell", "getprop", "ro.boot.qemu.avd_name"]).await;
+    assert_eq!(code, 0, "{out}");
+    assert_eq!(out.trim(), android_access(&grant).2);
+    rig.stop().await;
+}
