@@ -1178,12 +1178,13 @@ impl State {
             return;
         };
         let attempts = entry.quarantine.map_or(1, |q| q.attempts.saturating_add(1));
-        if attempts > q.max_retries.saturating_add(1) {
+        // `attempts` reclaims failed: the first, then `attempts − 1` retries.
+        if attempts > q.max_retries {
             entry.quarantine = None;
             self.emit(
                 "device.quarantine-abandoned",
                 DEVICES,
-                json!({ "deviceId": device, "attempts": attempts - 1, "error": why }),
+                json!({ "deviceId": device, "attempts": attempts, "error": why }),
             );
             self.delete_device(device);
             return;

@@ -11,10 +11,13 @@ use simlock_contract::model::{DeviceAccess, DeviceSpec, DriverStatus, Platform, 
 use super::*;
 use crate::driver::{Adopted, Driver, DriverError, Estimates, Keep, Observation};
 
-/// The virtual iOS driver, except that provisioning never finishes.
+/// The virtual iOS driver, except that provisioning never finishes (`hang_provision`) or every
+/// reclaim fails (`fail_reclaim`).
 struct Hangs {
     inner: Arc<dyn Driver>,
     provisions: Arc<AtomicUsize>,
+    hang_provision: bool,
+    fail_reclaim: bool,
 }
 
 impl Driver for Hangs {
@@ -40,7 +43,11 @@ impl Driver for Hangs {
         _device: &DeviceId,
     ) -> BoxFuture<'static, Result<String, DriverError>> {
         self.provisions.fetch_add(1, Ordering::SeqCst);
-        Box::pin(futures::future::pending())
+        if self.hang_provision {
+            Box::pin(futures::future::pending())
+        } else {
+            self.inner.provision(_spec, _device)
+        }
     }
 
     fn boot(&self, id: &str) -> BoxFuture<'static, Result<DeviceAccess, DriverError>> {
@@ -48,6 +55,15 @@ impl Driver for Hangs {
     }
 
     fn reclaim(&self, id: &str) -> BoxFuture<'static, Result<DeviceAccess, DriverError>> {
+        if self.fail_reclaim {
+            let platform = self.inner.platform();
+            return Box::pin(async move {
+                Err(DriverError {
+                    platform,
+                    message: "erase failed".into(),
+                })
+            });
+        }
         self.inner.reclaim(id)
     }
 
@@ -83,6 +99,8 @@ async fn a_driver_call_past_its_bound_fails_and_the_request_settles() {
     let hangs: Arc<dyn Driver> = Arc::new(Hangs {
         inner,
         provisions: provisions.clone(),
+        hang_provision: true,
+        fail_reclaim: false,
     });
     let h = Harness::build(Build {
         config,
@@ -96,4 +114,79 @@ async fn a_driver_call_past_its_bound_fails_and_the_request_settles() {
         h.worker.waiting().is_empty(),
         "the request is settled, not left waiting"
     );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_quarantined_device_and_a_leases_access_survive_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("state.db");
+    let clock = simlock_daemon::TokioClock::starting_at(T0).shared();
+    let build = |fail_reclaim: bool| {
+        let mut config = config();
+        config.health.enabled = false;
+        let inner = virtual_drivers(&config.virtual_devices)
+            .into_iter()
+            .find(|d| d.platform() == Platform::Ios)
+            .unwrap();
+        let driver: Arc<dyn Driver> = Arc::new(Hangs {
+            inner,
+            provisions: Arc::new(AtomicUsize::new(0)),
+            hang_provision: false,
+            fail_reclaim,
+        });
+        Harness::build(Build {
+            config,
+            db: Some(simlock_daemon::Database::open(&path).unwrap()),
+            clock: Some(clock.clone()),
+            drivers: Some(vec![driver]),
+            ..Build::default()
+        })
+    };
+    let first = build(true);
+    let mut events = first.bus.follow();
+    let kept = first.lease("agent-a", ios()).await.unwrap();
+    let released = first.lease("agent-b", ios()).await.unwrap();
+    first
+        .call::<simlock_contract::ops::LeaseRelease>(
+            agent("agent-b"),
+            &simlock_contract::ops::LeaseIdInput {
+                lease_id: released.lease.id.to_string(),
+            },
+        )
+        .await
+        .unwrap();
+    next_event(&mut events, "device.quarantined").await;
+    let before = first
+        .worker
+        .devices()
+        .into_iter()
+        .find(|d| d.id == released.device.id)
+        .unwrap();
+    assert_eq!(
+        before.state,
+        simlock_contract::model::DeviceState::Quarantined
+    );
+    drop(first);
+
+    let second = build(false);
+    let after = second
+        .worker
+        .devices()
+        .into_iter()
+        .find(|d| d.id == released.device.id)
+        .unwrap();
+    assert_eq!(after.state, before.state);
+    assert_eq!(after.quarantine_attempts, before.quarantine_attempts);
+    assert_eq!(
+        after.quarantine_next_retry_at,
+        before.quarantine_next_retry_at
+    );
+    assert_eq!(
+        second.worker.lease(kept.lease.id.as_str()).unwrap().access,
+        kept.device.access,
+        "the lease keeps how its device is reached"
+    );
+    // The retry, due after the restart, now works.
+    let mut events = second.bus.follow();
+    next_event(&mut events, "device.quarantine-recovered").await;
 }
