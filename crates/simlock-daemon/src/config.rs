@@ -1096,6 +1096,59 @@ mod tests {
     }
 
     #[test]
+    fn driver_settings_past_their_limits_fail_naming_the_key() {
+        let ok = |toml: &str| load_with(toml, &[], Mode::Worker).is_ok();
+        let err = |toml: &str| load_with(toml, &[], Mode::Worker).unwrap_err().to_string();
+        assert!(ok("[drivers.android]\nadbServerPort = 1024"));
+        for port in [1023, 5037] {
+            let e = err(&format!("[drivers.android]\nadbServerPort = {port}"));
+            assert!(e.contains("drivers.android.adbServerPort"), "{e}");
+        }
+        let e = err("[drivers.android]\nadbServerPort = 5600");
+        assert!(e.contains("inside the console ports"), "{e}");
+        assert!(
+            ok("[drivers.android]\nadbServerPort = 5684"),
+            "one past the last adb port"
+        );
+        assert!(
+            !ok("[drivers.android]\nadbServerPort = 5683"),
+            "the last adb port"
+        );
+        for bad in [
+            "consolePortMin = 5587",
+            "consolePortMax = 5683",
+            "consolePortMin = 5700\nconsolePortMax = 5600",
+            "consolePortMin = 1022",
+        ] {
+            let e = err(&format!("[drivers.android]\n{bad}"));
+            assert!(e.contains("drivers.android.consolePortMin"), "{bad}: {e}");
+        }
+        assert!(ok(
+            "[drivers.android]\nconsolePortMin = 5600\nconsolePortMax = 5600"
+        ));
+        for (section, key) in [
+            ("drivers.ios", "callTimeoutMs"),
+            ("drivers.ios", "bootTimeoutMs"),
+            ("drivers.android", "bootPollMs"),
+            ("health", "probeIntervalMs"),
+            ("health", "stableObservations"),
+            ("quarantine", "retryBackoffMultiplier"),
+        ] {
+            let e = err(&format!("[{section}]\n{key} = 0"));
+            assert!(e.contains(&format!("{section}.{key}")), "{e}");
+            assert!(ok(&format!("[{section}]\n{key} = 1")));
+        }
+        let e = err("[drivers.ios]\ndriver = \"android-sdk\"");
+        assert!(e.contains("drivers.ios.driver"), "{e}");
+        let e = err("[drivers.android]\ndriver = \"simctl\"");
+        assert!(e.contains("drivers.android.driver"), "{e}");
+        let e = err("[drivers.ios]\ndriver = \"xcode\"");
+        assert!(e.contains("drivers.ios.driver"), "{e}");
+        // Paths are text, even when they look like numbers.
+        assert_eq!(coerce("drivers.ios.deviceSet", "42"), json!("42"));
+    }
+
+    #[test]
     fn a_wss_gateway_fails_start_up_naming_the_key() {
         let toml = "[gateway]\nurl = \"wss://gw\"\ntoken = \"slk_x\"";
         let err = load_with(toml, &[], Mode::Worker).unwrap_err().to_string();
