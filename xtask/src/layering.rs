@@ -42,10 +42,11 @@ pub(crate) const RULES: &[Rule] = &[
             "simlock-worker",
             "xtask",
             "simlock-e2e",
+            "simlock-fake-tools",
         ]),
         to: BINARIES,
         reach: Reach::Direct,
-        reason: "binaries are composition only; only binaries, xtask and the e2e tests may depend on one",
+        reason: "binaries are composition only; only binaries, xtask and the e2e and driver scenario tests may depend on one",
     },
     Rule {
         name: "nothing-depends-on-xtask",

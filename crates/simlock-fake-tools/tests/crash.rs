@@ -6,6 +6,12 @@
 //! These run when `SIMLOCK_E2E=1` (set by `cargo xtask e2e`, which builds the binaries first);
 //! `SIMLOCK_BIN_DIR` names where `simlock-worker` is (default: the workspace's `target/debug`).
 
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    reason = "a test fails by panicking"
+)]
 #![allow(clippy::print_stderr, reason = "a skipped test says why")]
 
 mod support;

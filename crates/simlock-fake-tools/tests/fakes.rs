@@ -1,5 +1,12 @@
 //! The fakes themselves: the argv grammar, formats, exit codes and state the drivers rely on.
 
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    reason = "a test fails by panicking"
+)]
+
 use std::path::Path;
 use std::process::{Command, Output, Stdio};
 use std::time::Duration;

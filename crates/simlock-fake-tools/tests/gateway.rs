@@ -2,6 +2,13 @@
 //! details unchanged, over HTTP and over the gateway's socket, and the device's health pushes
 //! reach the lease's owner under the gateway's lease id.
 
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    reason = "a test fails by panicking"
+)]
+
 mod support;
 
 use simlock_client::{Client, ConnectOptions, LeaseNotice};

@@ -1,6 +1,13 @@
 //! The iOS driver against the fake `xcrun simctl`: a worker started with the real composition,
 //! its iOS platform served by `simctl` in the device set under its home.
 
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    reason = "a test fails by panicking"
+)]
+
 mod support;
 
 use std::collections::BTreeSet;

@@ -551,7 +551,7 @@ impl Fleet {
     /// `device-recovered` under the gateway's lease id. The owner comes from the index, never
     /// from the relayed event; an unindexed lease is nobody's here.
     pub(crate) fn device_health(&self, worker_id: &str, event: &EventEnvelope) {
-        let field = |k: &str| event.payload.get(k).and_then(serde_json::Value::as_str);
+        let field = |k: &str| event.payload.get(k).and_then(Value::as_str);
         let (Some(worker_lease_id), Some(device_id)) = (field("leaseId"), field("deviceId")) else {
             return;
         };
@@ -567,7 +567,7 @@ impl Fleet {
             let attempts = event
                 .payload
                 .get("attempts")
-                .and_then(serde_json::Value::as_u64)
+                .and_then(Value::as_u64)
                 .and_then(|a| u32::try_from(a).ok())
                 .unwrap_or(1);
             Push::DeviceRecovered {

@@ -120,7 +120,7 @@ async fn a_driver_call_past_its_bound_fails_and_the_request_settles() {
 async fn a_quarantined_device_and_a_leases_access_survive_a_restart() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("state.db");
-    let clock = simlock_daemon::TokioClock::starting_at(T0).shared();
+    let clock = TokioClock::starting_at(T0).shared();
     let build = |fail_reclaim: bool| {
         let mut config = config();
         config.health.enabled = false;
@@ -136,7 +136,7 @@ async fn a_quarantined_device_and_a_leases_access_survive_a_restart() {
         });
         Harness::build(Build {
             config,
-            db: Some(simlock_daemon::Database::open(&path).unwrap()),
+            db: Some(Database::open(&path).unwrap()),
             clock: Some(clock.clone()),
             drivers: Some(vec![driver]),
             ..Build::default()
