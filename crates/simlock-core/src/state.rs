@@ -44,6 +44,8 @@ pub(crate) struct Settings {
     pub estimates: BTreeMap<Platform, Estimates>,
     pub health: HealthConfig,
     pub quarantine: QuarantineConfig,
+    /// Platforms whose driver makes real devices (swept at start-up).
+    pub real: BTreeSet<Platform>,
 }
 
 /// A device whose reclaim failed: when it is tried again, and how often it was.
@@ -299,6 +301,9 @@ pub(crate) struct State {
     dirty: Dirty,
     fx: Effects,
     last_depth: u32,
+    /// Platforms whose start-up sweep runs: no device is created on them until it ends (the
+    /// sweep deletes what the registry does not know, which a new device would be).
+    sweeping: BTreeSet<Platform>,
 }
 
 impl State {
@@ -312,6 +317,7 @@ impl State {
             dirty: Dirty::default(),
             fx: Effects::default(),
             last_depth: 0,
+            sweeping: BTreeSet::new(),
         }
     }
 
@@ -812,6 +818,9 @@ impl State {
                     evict: Some(victim),
                 });
             }
+            return None;
+        }
+        if self.sweeping.contains(&spec.platform) {
             return None;
         }
         if room {
@@ -1338,7 +1347,13 @@ impl State {
     }
 
     /// After a restart, the driver deleted what the registry did not know.
-    pub(crate) fn swept(&mut self, platform: Platform, result: Result<Vec<String>, DriverError>) {
+    pub(crate) fn swept(
+        &mut self,
+        platform: Platform,
+        result: Result<Vec<String>, DriverError>,
+        now: i64,
+    ) {
+        self.sweeping.remove(&platform);
         match result {
             Ok(purged) => {
                 let count = purged.len();
@@ -1361,6 +1376,8 @@ impl State {
                 json!({ "platform": platform, "error": e.to_string() }),
             ),
         }
+        // Requests that waited for the sweep may get a new device now.
+        self.dispatch(now);
     }
 
     /// What a health probe of `platform` saw. A leased device seen stopped by
@@ -1884,7 +1901,7 @@ impl State {
         // What each driver made that the registry does not know (a device half made when the
         // worker died, a process of the earlier run) goes; what the registry holds shut down is
         // stopped.
-        let platforms: Vec<Platform> = self.settings.estimates.keys().copied().collect();
+        let platforms: Vec<Platform> = self.settings.real.iter().copied().collect();
         for platform in platforms {
             let keep = self
                 .devices
@@ -1895,6 +1912,7 @@ impl State {
                     stopped: d.state == DeviceState::Shutdown,
                 })
                 .collect();
+            self.sweeping.insert(platform);
             self.fx.work.push(Work::Sweep { platform, keep });
         }
     }

@@ -183,6 +183,14 @@ impl Worker {
             estimates: drivers.iter().map(|(p, d)| (*p, d.estimates())).collect(),
             health: parts.config.health,
             quarantine: parts.config.quarantine,
+            real: drivers
+                .iter()
+                .filter(|(_, d)| {
+                    let s = d.status();
+                    s.available && s.driver != simlock_contract::model::DriverKind::Virtual
+                })
+                .map(|(p, _)| *p)
+                .collect(),
         };
         Ok(Arc::new_cyclic(|me| Self {
             me: me.clone(),
@@ -950,7 +958,7 @@ async fn run_work(
             if let Err(e) = &result {
                 warn!(error = %e, %platform, "sweeping what an earlier run left failed");
             }
-            report(&me, |state, _| state.swept(platform, result));
+            report(&me, |state, now| state.swept(platform, result, now));
         }
         Work::Shutdown {
             device,

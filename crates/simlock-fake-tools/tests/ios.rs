@@ -192,13 +192,17 @@ async fn eight_parallel_leases_never_share_a_simulator() {
     let devices: BTreeSet<String> = grants.iter().map(|g| g.device.id.to_string()).collect();
     assert_eq!(udids.len(), 8, "eight simulators");
     assert_eq!(devices.len(), 8, "eight devices");
-    let booted = rig
-        .machine
-        .simulators(&rig.device_set())
-        .into_iter()
-        .filter(|s| s.state == SimState::Booted)
-        .count();
-    assert_eq!(booted, 8);
+    let sims = rig.machine.simulators(&rig.device_set());
+    let booted = sims.iter().filter(|s| s.state == SimState::Booted).count();
+    if booted != 8 {
+        let events = rig.admin().await.events(None).await.unwrap().events;
+        let names: Vec<String> = events
+            .iter()
+            .filter(|e| e.event.starts_with("device."))
+            .map(|e| format!("{} {}", e.event, e.payload))
+            .collect();
+        panic!("booted {booted}: {sims:#?}\n{names:#?}");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -233,7 +237,7 @@ async fn a_boot_that_hangs_fails_after_its_bound_and_the_device_is_not_handed_ou
         .machine
         .live_processes()
         .into_iter()
-        .filter(|p| p.tool == "xcrun")
+        .filter(|p| p.args.contains(&"bootstatus".to_owned()))
         .collect();
     assert!(left.is_empty(), "the hung bootstatus was killed: {left:?}");
     rig.stop().await;

@@ -29,6 +29,7 @@ fn settings(max: u32) -> Settings {
         estimates: BTreeMap::from([(Platform::Ios, est), (Platform::Android, est)]),
         health: HealthConfig::default(),
         quarantine: QuarantineConfig::default(),
+        real: BTreeSet::new(),
     }
 }
 
@@ -706,7 +707,9 @@ fn after_a_restart_running_devices_are_adopted_and_a_stopped_leased_one_is_recov
     state.take_writes();
     let devices: Vec<DeviceEntry> = state.devices.values().cloned().collect();
     let leases: Vec<LeaseRecord> = state.leases();
-    let mut again = State::new(settings(2));
+    let mut real = settings(2);
+    real.real = BTreeSet::from([Platform::Ios, Platform::Android]);
+    let mut again = State::new(real);
     again.restore(devices, leases, Vec::new());
     again.converge(10);
     let fx = again.take_effects();
@@ -721,7 +724,24 @@ fn after_a_restart_running_devices_are_adopted_and_a_stopped_leased_one_is_recov
         .iter()
         .filter(|w| matches!(w, Work::Sweep { .. }))
         .collect();
-    assert_eq!(sweeps.len(), 2, "one per driver");
+    assert_eq!(sweeps.len(), 2, "one per real driver");
+    // Until its sweep ends, nothing is created on a platform: the sweep would take it for a
+    // leftover.
+    again
+        .admit(admission(3, spec(Platform::Ios, "C"), None), 15)
+        .unwrap();
+    let fx = again.take_effects();
+    assert!(!fx.work.iter().any(|w| matches!(w, Work::Provision { .. })));
+    assert_eq!(
+        progress(&fx, &request(3)),
+        [Progress::Queued { queue_position: 1 }]
+    );
+    again.swept(Platform::Ios, Ok(vec![]), 16);
+    let fx = again.take_effects();
+    assert!(
+        fx.work.iter().any(|w| matches!(w, Work::Provision { .. })),
+        "then it is"
+    );
     again.adopted(&b.device.id, Ok(Adopted::Stopped), 20);
     assert_eq!(
         again

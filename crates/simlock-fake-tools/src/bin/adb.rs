@@ -209,7 +209,16 @@ fn serve(machine: &FakeMachine, port: u16) -> Outcome {
         let Ok(service) = adbwire::read_message(&mut stream) else {
             continue;
         };
-        if service == "host:kill" {
+        if service != "host:kill" {
+            // Each request in its own thread, as the real server serves clients concurrently.
+            let root = machine.root().to_path_buf();
+            std::thread::spawn(move || {
+                let reply = answer(&FakeMachine::at(&root), port, &service);
+                let _ = stream.write_all(reply.as_bytes());
+            });
+            continue;
+        }
+        {
             let reject =
                 machine.with_world(|w, _| w.adb_servers.get(&port).is_some_and(|s| s.reject_kill));
             if reject {
@@ -223,8 +232,6 @@ fn serve(machine: &FakeMachine, port: u16) -> Outcome {
             remove_server(machine, port);
             return Ok(());
         }
-        let reply = answer(machine, port, &service);
-        let _ = stream.write_all(reply.as_bytes());
     }
     Ok(())
 }

@@ -17,7 +17,7 @@ use simlock_worker::{RunningWorker, WorkerOptions};
 use tempfile::TempDir;
 
 /// The bound on every wait: long for a loaded 2-core machine, short enough to fail a hang.
-pub(crate) const PATIENCE: Duration = Duration::from_secs(90);
+pub(crate) const PATIENCE: Duration = Duration::from_secs(240);
 
 /// The fake binaries of this package.
 pub(crate) fn tools() -> Tools {
@@ -40,7 +40,8 @@ fn console_window() -> (u16, u16) {
     let seed = u64::from(std::process::id())
         .wrapping_mul(2_654_435_761)
         .wrapping_add(u64::from(free_port()));
-    let base = 20_000 + u16::try_from((seed % 15_000) & !1).unwrap();
+    // Below Linux's ephemeral range (32768+), where outgoing connections take their ports.
+    let base = 20_000 + u16::try_from((seed % 11_000) & !1).unwrap();
     (base, base + 62)
 }
 
@@ -76,8 +77,8 @@ impl Rig {
             Platform::Ios => {
                 config.drivers.ios.driver = DriverChoice::Simctl;
                 config.drivers.ios.xcrun = machine.xcrun().display().to_string();
-                config.drivers.ios.call_timeout_ms = 20_000;
-                config.drivers.ios.boot_timeout_ms = 30_000;
+                config.drivers.ios.call_timeout_ms = 60_000;
+                config.drivers.ios.boot_timeout_ms = 120_000;
             }
             Platform::Android => {
                 let (min, max) = console_window();
@@ -86,8 +87,8 @@ impl Rig {
                 config.drivers.android.adb_server_port = free_port();
                 config.drivers.android.console_port_min = min;
                 config.drivers.android.console_port_max = max;
-                config.drivers.android.call_timeout_ms = 20_000;
-                config.drivers.android.boot_timeout_ms = 30_000;
+                config.drivers.android.call_timeout_ms = 60_000;
+                config.drivers.android.boot_timeout_ms = 120_000;
                 config.drivers.android.boot_poll_ms = 20;
             }
         }
