@@ -554,6 +554,14 @@ fn shell(machine: &FakeMachine, emulator: &EmulatorRecord, serial: &str, line: &
                 0,
             ),
             ["wm", "size"] => ("Physical size: 1080x2400\n".into(), 0),
+            ["am", "start", rest @ ..] => (
+                format!(
+                    "Starting: Intent {{ {} }}\nStatus: ok\nLaunchState: COLD\nActivity: com.android.settings/.Settings\nTotalTime: 312\nWaitTime: 320\nComplete\n",
+                    rest.join(" ")
+                ),
+                0,
+            ),
+            ["am", "force-stop", _] => (String::new(), 0),
             [other, ..] => (
                 format!("/system/bin/sh: {other}: inaccessible or not found\n"),
                 127,
