@@ -440,7 +440,7 @@ mod tests {
         assert_eq!(
             rendered(&check(&workspace, RULES)),
             [
-                "simlock-daemon -> simlock-worker: breaks `binaries-are-leaves`: binaries are composition only; only binaries, xtask and the e2e tests may depend on one"
+                "simlock-daemon -> simlock-worker: breaks `binaries-are-leaves`: binaries are composition only; only binaries, xtask and the e2e and driver scenario tests may depend on one"
             ]
         );
     }
