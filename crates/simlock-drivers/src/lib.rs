@@ -3,7 +3,7 @@
 //! - [`ios`]: iOS simulators over `xcrun simctl`, in a device set simlock owns.
 //! - [`android`]: Android emulators over `avdmanager`, `emulator` and `adb`, with their own AVD
 //!   home and simlock's own adb server.
-//! - [`select`]: which driver serves each platform (config, or auto-detection), logged once.
+//! - [`mod@select`]: which driver serves each platform (config, or auto-detection), logged once.
 //! - [`process`]: running tools, and the ledger that finds every process again after a crash.
 //!
 //! Facts about the tools (argv, formats, exit codes, timings) come from
