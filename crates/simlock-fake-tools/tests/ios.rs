@@ -521,3 +521,29 @@ async fn garbled_simctl_output_is_a_typed_error_not_a_crash() {
     );
     rig.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tool_call_past_its_bound_is_killed_and_fails_typed() {
+    let mut rig = Rig::new(Platform::Ios);
+    rig.config.drivers.ios.call_timeout_ms = 300;
+    rig.machine.set_knobs(|k| {
+        k.faults
+            .push(fault("create", FaultKind::Slow { ms: 60_000 }, None))
+    });
+    rig.start().await;
+    let err = rig.lease("agent", Platform::Ios).await.unwrap_err();
+    assert!(
+        err.message
+            .contains("took longer than 300 ms and was killed"),
+        "{}",
+        err.message
+    );
+    let slow: Vec<_> = rig
+        .machine
+        .live_processes()
+        .into_iter()
+        .filter(|p| p.args.contains(&"create".to_owned()))
+        .collect();
+    assert!(slow.is_empty(), "the slow creates were killed: {slow:?}");
+    rig.stop().await;
+}
