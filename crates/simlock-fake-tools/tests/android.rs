@@ -488,3 +488,67 @@ async fn exec_runs_tools_with_the_grants_environment_and_they_reach_the_device()
     assert_eq!(out.trim(), android_access(&grant).2);
     rig.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stale_baseline_is_replaced_by_a_wipe_and_a_new_baseline() {
+    let mut rig = Rig::new(Platform::Android);
+    rig.start().await;
+    let mut events = Events::follow(&rig).await;
+    let first = rig.lease("agent-a", Platform::Android).await.unwrap();
+    let (_, _, avd) = android_access(&first);
+    assert!(
+        agent_adb(&rig, &first, &["shell", "touch", "/data/local/tmp/dirty"])
+            .status
+            .success()
+    );
+    // The AVD's hardware changes: the baseline no longer matches what it was taken of.
+    let config = rig.avd_home().join(format!("{avd}.avd/config.ini"));
+    let text = std::fs::read_to_string(&config)
+        .unwrap()
+        .replace("hw.ramSize=2048", "hw.ramSize=4096");
+    std::fs::write(&config, text).unwrap();
+    let costs = rig.machine.virtual_costs().len();
+    rig.agent("agent-a")
+        .await
+        .release(first.lease.id.as_str())
+        .await
+        .unwrap();
+    events
+        .wait("device.reclaimed", |e| {
+            e.payload["deviceId"] == first.device.id.as_str()
+        })
+        .await;
+    let reclaim: Vec<String> = rig.machine.virtual_costs()[costs..]
+        .iter()
+        .map(|c| c.work.clone())
+        .collect();
+    assert_eq!(
+        reclaim,
+        ["wipe-boot"],
+        "a full wipe, not the stale snapshot"
+    );
+    assert!(
+        !agent_adb(&rig, &first, &["shell", "ls", "/data/local/tmp/dirty"])
+            .status
+            .success()
+    );
+    // The new baseline serves the next reclaim.
+    let second = rig.lease("agent-b", Platform::Android).await.unwrap();
+    let costs = rig.machine.virtual_costs().len();
+    rig.agent("agent-b")
+        .await
+        .release(second.lease.id.as_str())
+        .await
+        .unwrap();
+    events
+        .wait("device.reclaimed", |e| {
+            e.payload["deviceId"] == first.device.id.as_str()
+        })
+        .await;
+    let reclaim: Vec<String> = rig.machine.virtual_costs()[costs..]
+        .iter()
+        .map(|c| c.work.clone())
+        .collect();
+    assert_eq!(reclaim, ["snapshot-load"]);
+    rig.stop().await;
+}
