@@ -62,7 +62,9 @@ async fn check(platform: Platform) {
     let worker = simlock_worker::start(simlock_worker::WorkerOptions::new(home.clone(), config))
         .await
         .unwrap();
-    let status = worker.worker.status(&worker.running.base.gate);
+    let status = worker
+        .worker
+        .status(&worker.running.base.gate, simlock_daemon::Viewer::ADMIN);
     let driver = status
         .drivers
         .unwrap()
