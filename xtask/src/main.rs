@@ -43,7 +43,11 @@ enum Command {
         which: bench::Which,
     },
     /// Run the end-to-end fleet scenarios against the real binaries.
-    E2e,
+    E2e {
+        /// Instead: the manual check against this machine's real Xcode and/or Android SDK.
+        #[arg(long)]
+        real_devices: bool,
+    },
     /// Fetch the real test peers (the published agent-device) into `.cache/`.
     FetchPeers,
     /// Start a local demo fleet (gateway, workers, agents) on loopback.
@@ -60,7 +64,7 @@ fn main() -> ExitCode {
         Command::Ci => ci::run(),
         Command::Layering => layering::run(),
         Command::Bench { which } => bench::run(which),
-        Command::E2e => e2e::run(),
+        Command::E2e { real_devices } => e2e::run(real_devices),
         Command::FetchPeers => peers::run(),
         Command::Fleet { once } => fleet::run(once),
     };

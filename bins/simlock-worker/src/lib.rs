@@ -69,6 +69,22 @@ impl WorkerOptions {
     }
 }
 
+/// The agent-device daemon's environment: simlock's own adb server and SDK (so it reaches the
+/// emulators simlock leases, never the user's adb server), then the caller's additions.
+fn agent_device_env(config: &Config, extra: &[(String, String)]) -> Vec<(String, String)> {
+    let android = &config.drivers.android;
+    let mut env = vec![(
+        "ANDROID_ADB_SERVER_PORT".to_owned(),
+        android.adb_server_port.to_string(),
+    )];
+    if let Some(sdk) = &android.sdk_root {
+        env.push(("ANDROID_HOME".to_owned(), sdk.clone()));
+        env.push(("ANDROID_SDK_ROOT".to_owned(), sdk.clone()));
+    }
+    env.extend(extra.iter().cloned());
+    env
+}
+
 /// A worker that serves.
 pub struct RunningWorker {
     /// The daemon.
@@ -124,6 +140,8 @@ pub async fn start(options: WorkerOptions) -> Result<RunningWorker, StartError> 
     if let Some(system) = options.system {
         parts.system = system;
     }
+    // Which driver serves each platform (logged once each); the virtual ones when asked.
+    parts.drivers = simlock_drivers::select(&base.config, base.home.root()).await;
     let mut relay_targets = options.relay_targets;
     let host = match (
         &base.config.agent_device.enabled,
@@ -137,7 +155,7 @@ pub async fn start(options: WorkerOptions) -> Result<RunningWorker, StartError> 
                 None => Daemon::Spawn(agent_device_host::process::DaemonSpec {
                     command: command.clone(),
                     state_dir,
-                    env: options.agent_device_env.clone(),
+                    env: agent_device_env(&base.config, &options.agent_device_env),
                 }),
             };
             let host = AgentDeviceHost::start(host_options).await;
@@ -269,6 +287,7 @@ impl RunningWorker {
         self.uplink_stop.cancel();
         self.worker.shutdown();
         self.running.stop(reason).await;
+        self.worker.close_drivers().await;
         if let Some(agent_device) = &self.agent_device {
             agent_device.host.stop().await;
         }

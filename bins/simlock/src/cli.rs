@@ -87,6 +87,11 @@ pub(crate) enum Command {
         #[arg(long, value_name = "DUR", value_parser = parse_ms)]
         since: Option<u64>,
     },
+    /// Print the shell exports that point tools at a leased device (eval "$(simlock env LEASE)").
+    Env {
+        /// The lease.
+        lease_id: String,
+    },
     /// Run a tool against a leased device; its output streams, and its exit code is ours.
     Exec {
         /// The lease.
@@ -255,6 +260,7 @@ impl Command {
             | Self::Status
             | Self::Catalog { .. }
             | Self::Leases
+            | Self::Env { .. }
             | Self::Exec { .. }
             | Self::Mcp(_) => false,
         }

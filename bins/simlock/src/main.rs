@@ -210,6 +210,7 @@ async fn execute(cli: &Cli) -> Result<u8, ContractError> {
         }
         Command::Token(command) => token(json, &client, command).await,
         Command::Events { follow, since } => events(json, &client, *follow, *since).await,
+        Command::Env { lease_id } => env(json, &client, lease_id).await,
         Command::Exec {
             lease_id,
             tool,
@@ -363,6 +364,30 @@ fn print_event(json: bool, event: &simlock_contract::model::EventEnvelope) -> st
     } else {
         out_line(&view::event(event))
     }
+}
+
+/// `simlock env`: the lease's environment (the same the grant and `simlock exec` carry), as
+/// `export` lines, or with `--json` as `{"environment": {…}}`.
+async fn env(json: bool, client: &Client, lease_id: &str) -> Result<u8, ContractError> {
+    let leases = client.leases().await?.leases;
+    let Some(lease) = leases.into_iter().find(|l| l.id.as_str() == lease_id) else {
+        return Err(ContractError::unknown_lease(lease_id));
+    };
+    let Some(access) = &lease.access else {
+        return Err(ContractError::new(
+            ErrorCode::Internal,
+            format!("the daemon did not say how to reach the device of lease {lease_id}"),
+        ));
+    };
+    let environment = access.environment(lease_id, &lease.device_id);
+    if json {
+        let _ = out_line(&json!({ "environment": environment }).to_string());
+    } else {
+        for (key, value) in &environment {
+            let _ = out_line(&format!("export {key}={}", view::shell_quote(value)));
+        }
+    }
+    Ok(0)
 }
 
 async fn exec(

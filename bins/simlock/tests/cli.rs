@@ -296,7 +296,11 @@ async fn detach_prints_the_grant_and_leaves_the_lease() {
     let grant = out.json();
     assert_eq!(grant["lease"]["id"], "lse_1");
     assert_eq!(grant["lease"]["requesterId"], "agent-7");
-    assert_eq!(grant["environment"]["SIMLOCK_UDID"], "UDID-1");
+    assert_eq!(grant["environment"]["SIMLOCK_DEVICE_UDID"], "UDID-1");
+    assert_eq!(
+        grant["device"]["access"],
+        json!({"kind": "ios-simulator", "udid": "UDID-1", "deviceSet": "/tmp/it's a set"})
+    );
     assert_eq!(
         fake.calls_of("lease.request")[0].input,
         json!({"platform": "ios", "model": "iPhone 16", "ttlMs": 60000, "requesterId": "agent-7", "requires": ["agent-device"]})
@@ -315,6 +319,34 @@ async fn detach_prints_the_grant_and_leaves_the_lease() {
     assert_eq!(
         fake.calls_of("device.exec")[0].input,
         json!({"leaseId": "lse_1", "tool": "simctl", "args": ["list", "--json-ish"]})
+    );
+    // `simlock env` prints the same environment as shell exports, quoted for sh.
+    let env = run(&fake, &["env", "lse_1"]).await;
+    assert_eq!(env.code, 0, "{}", env.stderr);
+    assert!(
+        env.stdout
+            .contains("export SIMLOCK_IOS_DEVICE_SET='/tmp/it'\\''s a set'\n"),
+        "{}",
+        env.stdout
+    );
+    let script = format!(
+        "{}\nprintf '%s|%s' \"$SIMLOCK_IOS_DEVICE_SET\" \"$SIMLOCK_DEVICE_UDID\"",
+        env.stdout
+    );
+    let evaluated = run_in(Command::new("sh").args(["-c", &script])).await;
+    assert_eq!(evaluated.stdout, "/tmp/it's a set|UDID-1");
+    let env_json = run(&fake, &["--json", "env", "lse_1"]).await;
+    assert_eq!(
+        env_json.json()["environment"],
+        grant["environment"],
+        "the grant's environment"
+    );
+    let unknown = run(&fake, &["env", "lse_404"]).await;
+    assert_eq!(unknown.code, 1);
+    assert!(
+        unknown.stderr.contains("UNKNOWN_LEASE"),
+        "{}",
+        unknown.stderr
     );
     let released = run(&fake, &["release", "lse_1"]).await;
     assert_eq!(released.code, 0);

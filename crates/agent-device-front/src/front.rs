@@ -577,7 +577,13 @@ async fn allocate(ctx: &Exchange, mut call: RpcCall) -> Result<Response<Body>, F
             return Err(ctx.fail(Refusal::from_simlock(&e)));
         }
     }
-    let address = grant.device.driver_device_id.clone();
+    // How agent-device names the device: the serial or UDID its tools use.
+    let address = grant
+        .device
+        .access
+        .as_ref()
+        .map_or(grant.device.driver_device_id.as_str(), |a| a.address())
+        .to_owned();
     inner.leases.insert(
         lease.clone(),
         FrontLease {

@@ -193,6 +193,16 @@ impl Worker {
             idle: parts.config.idle,
             limits: Limits::from_config(&parts.config.capacity, &*parts.system),
             estimates: drivers.iter().map(|(p, d)| (*p, d.estimates())).collect(),
+            health: parts.config.health,
+            quarantine: parts.config.quarantine,
+            real: drivers
+                .iter()
+                .filter(|(_, d)| {
+                    let s = d.status();
+                    s.available && s.driver != simlock_contract::model::DriverKind::Virtual
+                })
+                .map(|(p, _)| *p)
+                .collect(),
         };
         Ok(Arc::new_cyclic(|me| Self {
             me: me.clone(),
@@ -239,6 +249,7 @@ impl Worker {
         match self.converge() {
             Ok(()) => {
                 self.spawn_scheduler();
+                self.spawn_health_probes();
                 gate.open();
                 info!(instance = %self.instance_id, "worker started");
                 Ok(())
@@ -265,6 +276,13 @@ impl Worker {
     /// Stops timers and device work. Leases stay stored; a later start restores them.
     pub fn shutdown(&self) {
         self.stop.cancel();
+    }
+
+    /// Stops what the drivers run for themselves (after [`Worker::shutdown`]).
+    pub async fn close_drivers(&self) {
+        for driver in self.drivers.values() {
+            driver.close().await;
+        }
     }
 
     /// The daemon's instance id.
@@ -405,6 +423,45 @@ impl Worker {
         });
     }
 
+    /// Every `health.probeIntervalMs`, asks each driver which of its devices run and hands
+    /// what it saw to the state (a failed probe concludes nothing).
+    fn spawn_health_probes(&self) {
+        let health = self.config.health;
+        if !health.enabled {
+            return;
+        }
+        let me = self.me.clone();
+        let stop = self.stop.clone();
+        let drivers: Vec<Arc<dyn Driver>> = self.drivers.values().cloned().collect();
+        let period = Duration::from_millis(health.probe_interval_ms);
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(period);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            tick.tick().await;
+            loop {
+                tokio::select! {
+                    () = stop.cancelled() => break,
+                    _ = tick.tick() => {}
+                }
+                for driver in &drivers {
+                    let platform = driver.platform();
+                    let probe = bounded(platform, "probing", 0, driver.probe());
+                    let seen = tokio::select! {
+                        () = stop.cancelled() => return,
+                        seen = probe => seen,
+                    };
+                    match seen {
+                        Ok(Some(seen)) => {
+                            report(&me, |state, now| state.observe(platform, &seen, now))
+                        }
+                        Ok(None) => {}
+                        Err(e) => warn!(error = %e, "a health probe failed; it concludes nothing"),
+                    }
+                }
+            }
+        });
+    }
+
     // === Device work ===
 
     fn spawn_work(&self, work: Work) {
@@ -412,6 +469,9 @@ impl Worker {
             Work::Provision { spec, .. } => spec.platform,
             Work::Boot { platform, .. }
             | Work::Reclaim { platform, .. }
+            | Work::Recover { platform, .. }
+            | Work::Adopt { platform, .. }
+            | Work::Sweep { platform, .. }
             | Work::Shutdown { platform, .. }
             | Work::Delete { platform, .. } => *platform,
         };
@@ -459,6 +519,7 @@ impl Worker {
             queue_depth: None,
             waiting: None,
             capabilities: None,
+            drivers: None,
             lease: None,
             workers: None,
         };
@@ -471,6 +532,7 @@ impl Worker {
         out.queue_depth = Some(shared.state.queue_depth());
         out.waiting = Some(shared.state.waiting(viewer));
         out.capabilities = capabilities;
+        out.drivers = Some(self.drivers.values().map(|d| d.status()).collect());
         out.lease = Some(self.lease_limits());
         out
     }
@@ -821,7 +883,7 @@ async fn run_work(
                 platform,
                 "provisioning",
                 |e| e.provision_ms,
-                |d| d.provision(&spec),
+                |d| d.provision(&spec, &device),
             )
             .await;
             let mut next = None;
@@ -872,6 +934,53 @@ async fn run_work(
             .await;
             report(&me, |state, now| state.reclaimed(&device, result, now));
         }
+        Work::Recover {
+            device,
+            driver_device_id,
+            ..
+        } => {
+            let result = drive(
+                driver,
+                platform,
+                "recovering",
+                |e| e.boot_ms,
+                |d| d.recover(&driver_device_id),
+            )
+            .await;
+            if let Err(e) = &result {
+                warn!(error = %e, %device, "booting a crashed device again failed");
+            }
+            report(&me, |state, now| state.recovered(&device, result, now));
+        }
+        Work::Adopt {
+            device,
+            driver_device_id,
+            ..
+        } => {
+            let result = drive(
+                driver,
+                platform,
+                "adopting",
+                |e| e.boot_ms,
+                |d| d.adopt(&driver_device_id),
+            )
+            .await;
+            report(&me, |state, now| state.adopted(&device, result, now));
+        }
+        Work::Sweep { keep, .. } => {
+            let result = drive(
+                driver,
+                platform,
+                "sweeping",
+                |e| e.provision_ms,
+                |d| d.sweep(keep),
+            )
+            .await;
+            if let Err(e) = &result {
+                warn!(error = %e, %platform, "sweeping what an earlier run left failed");
+            }
+            report(&me, |state, now| state.swept(platform, result, now));
+        }
         Work::Shutdown {
             device,
             driver_device_id,
@@ -916,7 +1025,7 @@ async fn boot(
     driver: Option<&Arc<dyn Driver>>,
     platform: Platform,
     driver_device_id: &str,
-) -> Result<(), DriverError> {
+) -> Result<simlock_contract::model::DeviceAccess, DriverError> {
     drive(
         driver,
         platform,

@@ -278,6 +278,9 @@ const NOT_CONFIG: &[&str] = &[
     "SIMLOCK_DEVICE_ID",
     "SIMLOCK_DEVICE_UDID",
     "SIMLOCK_PLATFORM",
+    "SIMLOCK_IOS_DEVICE_SET",
+    "SIMLOCK_ADB_SERVER_PORT",
+    "SIMLOCK_ANDROID_SERIAL",
 ];
 
 /// `SIMLOCK_CAPACITY__IOS__MAX_RUNNING` → `capacity.ios.maxRunning`, by the documented rule.

@@ -34,6 +34,7 @@ fn lease_of(owner: &str) -> LeaseRecord {
         ttl_ms: 60_000,
         ttl_deadline: 60_000,
         last_renewed_at: 0,
+        access: None,
         id_chosen_by_requester: false,
         worker: None,
         worker_id: None,

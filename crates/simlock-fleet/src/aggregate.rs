@@ -40,6 +40,7 @@ impl Fleet {
                 queue_depth: None,
                 waiting: None,
                 capabilities: None,
+                drivers: None,
                 lease: None,
                 workers: None,
             };
@@ -77,6 +78,7 @@ impl Fleet {
             queue_depth: Some(self.queue_depth()),
             waiting: Some(self.all_waiting(ctx.viewer())),
             capabilities: None,
+            drivers: None,
             lease: Some(self.limits),
             workers: Some(views),
         }
@@ -175,7 +177,9 @@ impl Fleet {
             .filter(|v| v.connection == Connection::Connected)
         {
             for catalog in view.catalog.unwrap_or_default() {
-                if platform.is_some_and(|p| p != catalog.platform) {
+                // A worker whose driver cannot serve the platform adds nothing to it.
+                if platform.is_some_and(|p| p != catalog.platform) || catalog.unavailable.is_some()
+                {
                     continue;
                 }
                 defaults
@@ -193,6 +197,7 @@ impl Fleet {
                         model_aliases: BTreeMap::new(),
                         model_workers: Some(BTreeMap::new()),
                         runtime_workers: Some(BTreeMap::new()),
+                        unavailable: None,
                     });
                 for model in &catalog.models {
                     if !entry.models.contains(model) {

@@ -546,6 +546,45 @@ impl Fleet {
         self.views_changed();
     }
 
+    /// A worker's leased device crashed or recovered (its `device.crash-detected` or
+    /// `device.recovered` event): the owner of the gateway lease hears `device-unhealthy` or
+    /// `device-recovered` under the gateway's lease id. The owner comes from the index, never
+    /// from the relayed event; an unindexed lease is nobody's here.
+    pub(crate) fn device_health(&self, worker_id: &str, event: &EventEnvelope) {
+        let field = |k: &str| event.payload.get(k).and_then(Value::as_str);
+        let (Some(worker_lease_id), Some(device_id)) = (field("leaseId"), field("deviceId")) else {
+            return;
+        };
+        let entry = self
+            .state
+            .lock()
+            .index
+            .by_worker_lease(worker_id, worker_lease_id)
+            .cloned();
+        let Some(entry) = entry else { return };
+        let device_id = simlock_contract::ids::DeviceId::from_raw(device_id);
+        let push = if event.event == "device.recovered" {
+            let attempts = event
+                .payload
+                .get("attempts")
+                .and_then(Value::as_u64)
+                .and_then(|a| u32::try_from(a).ok())
+                .unwrap_or(1);
+            Push::DeviceRecovered {
+                lease_id: entry.lease_id.clone(),
+                device_id,
+                attempts,
+            }
+        } else {
+            Push::DeviceUnhealthy {
+                lease_id: entry.lease_id.clone(),
+                device_id,
+                reason: simlock_contract::push::UnhealthyReason::Crashed,
+            }
+        };
+        self.presence.notify(&entry.owner_id, &push, None);
+    }
+
     /// Tells `owner_id`'s connections (but `except`) that the gateway lease `lease_id` ended.
     pub(crate) fn notify_lease_lost(
         &self,
@@ -885,6 +924,7 @@ mod tests {
             id_chosen_by_requester: false,
             worker: None,
             worker_id: None,
+            access: None,
         }
     }
 

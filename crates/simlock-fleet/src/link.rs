@@ -140,6 +140,9 @@ impl Fleet {
         if name == "lease.released" || name == "lease.expired" {
             self.on_lease_end(conn, &event);
         }
+        if name == "device.crash-detected" || name == "device.recovered" {
+            self.device_health(&conn.worker_id, &event);
+        }
         if name == "lease.renewed" {
             // The most frequent event of all: updated in place, without a refresh (ADR 0015).
             let lease_id = event.payload.get("leaseId").and_then(Value::as_str);

@@ -210,6 +210,7 @@ mod tests {
                     os_version: "18.2".into(),
                 },
                 address: None,
+                access: None,
             },
             environment: std::collections::BTreeMap::new(),
             lease: LeaseRecord {
@@ -221,6 +222,7 @@ mod tests {
                 ttl_ms: 900_000,
                 ttl_deadline: 900_000,
                 last_renewed_at: 0,
+                access: None,
                 id_chosen_by_requester: false,
                 worker: None,
                 worker_id: None,
