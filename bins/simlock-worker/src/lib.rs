@@ -3,6 +3,7 @@
 
 use std::sync::Arc;
 
+use simlock_contract::event::{Event, EventModule};
 use simlock_contract::model::Mode;
 use simlock_core::{SystemFacts, Worker, WorkerParts};
 use simlock_daemon::clock::SharedClock;
@@ -142,9 +143,11 @@ pub async fn start(options: WorkerOptions) -> Result<RunningWorker, StartError> 
                 match held.start(&gate) {
                     Ok(()) => {
                         bus.emit(
-                            "daemon.started",
-                            "daemon",
-                            serde_json::json!({ "version": version, "mode": Mode::Worker }),
+                            EventModule::Daemon,
+                            &Event::DaemonStarted {
+                                version,
+                                mode: Mode::Worker,
+                            },
                         );
                     }
                     Err(e) => tracing::warn!(error = %e.message, "start-up failed"),

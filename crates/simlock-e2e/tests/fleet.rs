@@ -204,6 +204,7 @@ use futures::future::BoxFuture;
 use simlock_contract::model::{Connection, DeviceState};
 use simlock_contract::{ContractError, Hello, ProtocolRange, Push};
 use simlock_e2e::{PATIENCE, fake_worker, greet_gateway, session};
+use simlock_test_support::fake_worker::bookkeeping_or_refuse;
 use simlock_wire::{CallContext, Identity, Origin, Service};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -512,17 +513,7 @@ impl Service for FakeWorker {
             if hang {
                 futures::future::pending::<()>().await;
             }
-            match op.as_str() {
-                "status.get" => Ok(json!({
-                    "daemon": {"health": "running", "mode": "worker", "version": "fake", "instanceId": "fake"},
-                    "host": {"os": "linux", "osVersion": "", "arch": "x86_64", "tools": []}
-                })),
-                "list.get" => Ok(json!({"devices": []})),
-                "catalog.get" => Ok(json!({"platforms": []})),
-                "config.get" => Ok(json!({"mode": "worker", "lease": {"defaultTtlMs": 1000, "maxTtlMs": 2000}})),
-                "events.subscribe" => Ok(json!({"subscribed": true, "subscriptionId": "sub_1"})),
-                _ => Err(ContractError::internal("not faked")),
-            }
+            bookkeeping_or_refuse(&op, "fake")
         }
         .boxed()
     }
@@ -747,7 +738,7 @@ impl Service for EndFirstWorker {
         let (real, answer_permit) = (self.real.clone(), self.answer.clone());
         async move {
             if op == "events.subscribe" {
-                return Ok(json!({"subscribed": true, "subscriptionId": "sub_1"}));
+                return bookkeeping_or_refuse(&op, "fake");
             }
             let mut payload = payload.unwrap_or_else(|| json!({}));
             if let Some(fields) = payload.as_object_mut() {

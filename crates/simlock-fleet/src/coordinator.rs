@@ -8,6 +8,7 @@ use std::sync::atomic::Ordering;
 
 use serde_json::{Value, json};
 use simlock_contract::bounds::MAX_REQUESTER;
+use simlock_contract::event::{Event, EventModule, RejectionReason, WaitPolicy};
 use simlock_contract::ids::LeaseId;
 use simlock_contract::model::{LeaseGrant, WorkerRef, WorkerView};
 use simlock_contract::ops::{CancelResult, LeaseRequestInput};
@@ -123,16 +124,16 @@ fn assessment_error(assessment: &Assessment, wanted: &Wanted) -> Option<Contract
     }
 }
 
-fn rejection_reason(err: &ContractError) -> &'static str {
+fn rejection_reason(err: &ContractError) -> RejectionReason {
     match err.code {
-        ErrorCode::NoCapacity => "no-worker",
-        ErrorCode::QueueTimeout => "timeout",
-        ErrorCode::RequesterAlreadyLeased => "already-leased",
-        ErrorCode::LeaseIdTaken => "lease-id-taken",
-        ErrorCode::Cancelled => "cancelled",
-        ErrorCode::WorkerUnreachable => "worker-failed",
-        ErrorCode::DaemonStopping => "killed",
-        _ => "unresolvable-spec",
+        ErrorCode::NoCapacity => RejectionReason::NoWorker,
+        ErrorCode::QueueTimeout => RejectionReason::Timeout,
+        ErrorCode::RequesterAlreadyLeased => RejectionReason::AlreadyLeased,
+        ErrorCode::LeaseIdTaken => RejectionReason::LeaseIdTaken,
+        ErrorCode::Cancelled => RejectionReason::Cancelled,
+        ErrorCode::WorkerUnreachable => RejectionReason::WorkerFailed,
+        ErrorCode::DaemonStopping => RejectionReason::Killed,
+        _ => RejectionReason::UnresolvableSpec,
     }
 }
 
@@ -203,14 +204,13 @@ impl Fleet {
             }
         };
         self.bus.emit(
-            "lease.requested",
-            "fleet",
-            json!({
-                "requestId": waiter.id,
-                "requestSpec": waiter.wanted.requested(),
-                "requester": requester,
-                "waitPolicy": if waiter.no_wait { "no-wait" } else { "wait" },
-            }),
+            EventModule::Fleet,
+            &Event::LeaseRequested {
+                request_id: waiter.id.clone(),
+                request_spec: waiter.wanted.requested(),
+                requester: requester.clone(),
+                wait_policy: WaitPolicy::of(waiter.no_wait),
+            },
         );
         // The queue changed: wake the dispatcher and followers.
         self.views_changed();
@@ -327,18 +327,25 @@ impl Fleet {
         input: &LeaseRequestInput,
         err: &ContractError,
     ) {
-        let mut payload = json!({
-            "requestId": waiter.map(|w| w.id.to_string()),
-            "requester": requester,
-            "requestSpec": Wanted::of(input).requested(),
-            "reason": rejection_reason(err),
-        });
-        if err.code == ErrorCode::WorkerUnreachable
-            && let Some(details) = &err.details
-        {
-            payload["workerId"] = details.get("workerId").cloned().unwrap_or(Value::Null);
-        }
-        self.bus.emit("lease.rejected", "fleet", payload);
+        let worker_id = (err.code == ErrorCode::WorkerUnreachable)
+            .then(|| {
+                err.details
+                    .as_ref()?
+                    .get("workerId")?
+                    .as_str()
+                    .map(str::to_owned)
+            })
+            .flatten();
+        self.bus.emit(
+            EventModule::Fleet,
+            &Event::LeaseRejected {
+                request_id: waiter.map(|w| w.id.clone()),
+                requester: requester.to_owned(),
+                request_spec: Wanted::of(input).requested(),
+                reason: rejection_reason(err),
+                worker_id,
+            },
+        );
     }
 
     fn settle_waiter(&self, waiter: &Arc<Waiter>, outcome: Result<LeaseGrant, ContractError>) {
@@ -352,7 +359,7 @@ impl Fleet {
                 state.queue.depth()
             };
             self.bus
-                .emit("queue.changed", "fleet", json!({ "depth": depth }));
+                .emit(EventModule::Fleet, &Event::QueueChanged { depth });
         }
         self.views_changed();
     }
@@ -528,13 +535,15 @@ impl Fleet {
                 queue_position: position,
             });
             self.bus.emit(
-                "lease.queued",
-                "fleet",
-                json!({ "requestId": waiter.id, "queuePosition": position }),
+                EventModule::Fleet,
+                &Event::LeaseQueued {
+                    request_id: waiter.id.clone(),
+                    queue_position: position,
+                },
             );
             let depth = self.queue_depth();
             self.bus
-                .emit("queue.changed", "fleet", json!({ "depth": depth }));
+                .emit(EventModule::Fleet, &Event::QueueChanged { depth });
         }
         for (waiter, pick, conn) in starts {
             let fleet = self.clone();
@@ -647,18 +656,17 @@ impl Fleet {
 
     fn dispatched_event(&self, waiter: &Waiter, pick: &Pick, started: i64) {
         self.bus.emit(
-            "request.dispatched",
-            "fleet",
-            json!({
-                "requestId": waiter.id,
-                "workerId": pick.worker_id,
-                "requesterId": waiter.requester,
-                "platform": waiter.wanted.platform,
-                "model": pick.matched.model,
-                "reason": pick.reason.as_str(),
-                "stage": pick.stage,
-                "queuedMs": started.saturating_sub(waiter.created_at),
-            }),
+            EventModule::Fleet,
+            &Event::RequestDispatched {
+                request_id: waiter.id.clone(),
+                worker_id: pick.worker_id.clone(),
+                requester_id: waiter.requester.clone(),
+                platform: waiter.wanted.platform,
+                model: pick.matched.model.clone(),
+                reason: pick.reason,
+                stage: pick.stage,
+                queued_ms: started.saturating_sub(waiter.created_at),
+            },
         );
     }
 
@@ -679,9 +687,13 @@ impl Fleet {
         };
         let ended = self.state.lock().index.record_grant(entry);
         self.bus.emit(
-            "request.granted",
-            "fleet",
-            json!({ "requestId": waiter.id, "workerId": worker_id, "leaseId": lease_id, "workerLeaseId": grant.lease.id }),
+            EventModule::Fleet,
+            &Event::RequestGranted {
+                request_id: waiter.id.clone(),
+                worker_id: worker_id.to_owned(),
+                lease_id: lease_id.clone(),
+                worker_lease_id: grant.lease.id.to_string(),
+            },
         );
         // The environment names the lease as callers of the gateway know it.
         if let Some(id) = grant.environment.get_mut("SIMLOCK_LEASE_ID") {

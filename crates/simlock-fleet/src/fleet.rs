@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 use serde_json::{Value, json};
+use simlock_contract::event::{Event, EventModule, WorkerRemovedReason};
 use simlock_contract::ids::gateway_requester_prefix;
 use simlock_contract::model::{
     Connection, EventEnvelope, LeaseLimits, LeaseRecord, ProtocolPair, WorkerView,
@@ -402,9 +403,12 @@ impl Fleet {
             worker.view.label.clone()
         };
         self.bus.emit(
-            "worker.connected",
-            "fleet",
-            json!({ "workerId": conn.worker_id, "label": label, "version": version }),
+            EventModule::Fleet,
+            &Event::WorkerConnected {
+                worker_id: conn.worker_id.clone(),
+                label,
+                version,
+            },
         );
         info!(worker = %conn.worker_id, "worker connected");
         self.views_changed();
@@ -455,9 +459,12 @@ impl Fleet {
             (label, leases)
         };
         self.bus.emit(
-            "worker.disconnected",
-            "fleet",
-            json!({ "workerId": conn.worker_id, "label": label, "leaseCount": lease_count }),
+            EventModule::Fleet,
+            &Event::WorkerDisconnected {
+                worker_id: conn.worker_id.clone(),
+                label,
+                lease_count,
+            },
         );
         info!(worker = %conn.worker_id, "worker disconnected");
         self.views_changed();
@@ -636,13 +643,13 @@ impl Fleet {
                 worker.view.drained = drained;
             }
             drop(state);
+            let worker_id = worker_id.to_owned();
             let event = if drained {
-                "worker.drain-started"
+                Event::WorkerDrainStarted { worker_id }
             } else {
-                "worker.drain-ended"
+                Event::WorkerDrainEnded { worker_id }
             };
-            self.bus
-                .emit(event, "fleet", json!({ "workerId": worker_id }));
+            self.bus.emit(EventModule::Fleet, &event);
             self.views_changed();
         }
         Ok(drained)
@@ -675,9 +682,12 @@ impl Fleet {
         });
         if let Some(worker) = removed {
             self.bus.emit(
-                "worker.removed",
-                "fleet",
-                json!({ "workerId": worker_id, "label": worker.view.label, "reason": "operator" }),
+                EventModule::Fleet,
+                &Event::WorkerRemoved {
+                    worker_id: worker_id.to_owned(),
+                    label: worker.view.label,
+                    reason: WorkerRemovedReason::Operator,
+                },
             );
         }
         self.views_changed();
@@ -755,9 +765,12 @@ impl Fleet {
         let any = !removed.is_empty();
         for (id, label) in removed {
             self.bus.emit(
-                "worker.removed",
-                "fleet",
-                json!({ "workerId": id, "label": label, "reason": "retention" }),
+                EventModule::Fleet,
+                &Event::WorkerRemoved {
+                    worker_id: id,
+                    label,
+                    reason: WorkerRemovedReason::Retention,
+                },
             );
         }
         if any {

@@ -9,8 +9,8 @@ use simlock_contract::{ContractError, ErrorCode, Push};
 use tokio::sync::mpsc;
 
 use super::{guard, http_client, http_fake};
-use crate::test_util::{CancelScript, RequestScript};
 use crate::{FollowItem, HoldEnd, LeaseLost, LeaseNotice};
+use simlock_test_support::fake_daemon::{CancelScript, RequestScript};
 
 #[tokio::test]
 async fn typed_calls_answer_over_http() {

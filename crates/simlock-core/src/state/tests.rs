@@ -150,7 +150,11 @@ fn a_new_device_is_provisioned_booted_then_granted_and_every_step_is_stored() {
     );
     let fx = state.take_effects();
     assert_eq!(progress(&fx, &id), [Progress::Booting { eta_ms: 1_000 }]);
-    assert!(fx.events.iter().any(|e| e.name == "device.provisioned"));
+    assert!(
+        fx.events
+            .iter()
+            .any(|e| matches!(e.event, Event::DeviceProvisioned { .. }))
+    );
 
     state.booted(&device, Ok(()), 2_500);
     let writes = state.take_writes();
@@ -161,7 +165,7 @@ fn a_new_device_is_provisioned_booted_then_granted_and_every_step_is_stored() {
     assert_eq!(grant.lease.ttl_deadline, 2_500 + 900_000);
     assert_eq!(grant.device.driver_device_id, "udid");
     assert_eq!(grant.timing.estimated_ready_ms, 2_500);
-    let names: Vec<&str> = fx.events.iter().map(|e| e.name).collect();
+    let names: Vec<String> = fx.events.iter().map(|e| e.event.parts().0).collect();
     assert_eq!(names, ["device.ready", "lease.granted"]);
     assert_eq!(state.capacity().ios.running, 1);
     assert_eq!(

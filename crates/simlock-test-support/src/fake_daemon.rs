@@ -428,9 +428,17 @@ impl FakeDaemon {
         &self.pipeline
     }
 
-    /// Emits an event on the fake's bus.
+    /// Records an event on the fake's bus under module `fake`, with any name and payload (a
+    /// fake's events need not be ones a daemon records).
     pub fn emit(&self, event: &str, payload: Value) {
-        self.bus.emit(event, "fake", payload);
+        self.bus.relay(simlock_contract::model::EventEnvelope {
+            id: simlock_contract::ids::EventId::mint(),
+            seq: 0,
+            timestamp: self.clock.now_ms(),
+            event: event.to_owned(),
+            payload,
+            module: "fake".to_owned(),
+        });
     }
 
     /// Whether `daemon.stop` was called.
