@@ -218,9 +218,11 @@ pub enum Event {
         lease_id: String,
         /// Its device.
         device_id: DeviceId,
-        /// Its owner.
+        /// Its owner (empty when a sender left it out).
+        #[serde(default)]
         owner_id: String,
-        /// Why it ended.
+        /// Why it ended (`explicit` when a sender left it out).
+        #[serde(default = "explicit")]
         reason: LeaseEndReason,
     },
     /// A lease's deadline passed.
@@ -230,7 +232,8 @@ pub enum Event {
         lease_id: String,
         /// Its device.
         device_id: DeviceId,
-        /// Its owner.
+        /// Its owner (empty when a sender left it out).
+        #[serde(default)]
         owner_id: String,
     },
     /// The number of waiting requests changed.
@@ -367,6 +370,10 @@ pub enum Event {
     },
 }
 
+const fn explicit() -> LeaseEndReason {
+    LeaseEndReason::Explicit
+}
+
 impl Event {
     /// The event's name and its payload, as an [`EventEnvelope`] carries them.
     pub fn parts(&self) -> (String, Value) {
@@ -469,6 +476,23 @@ mod tests {
             Event::from_envelope(&envelope("lease.renewed", json!({"leaseId": 3}))),
             None,
             "a payload without the event's fields does not read"
+        );
+    }
+
+    #[test]
+    fn a_lease_end_without_its_owner_or_reason_still_reads() {
+        let read = Event::from_envelope(&envelope(
+            "lease.released",
+            json!({"leaseId": "lse_1", "deviceId": "dev_1"}),
+        ));
+        assert_eq!(
+            read,
+            Some(Event::LeaseReleased {
+                lease_id: "lse_1".into(),
+                device_id: DeviceId::from_raw("dev_1"),
+                owner_id: String::new(),
+                reason: LeaseEndReason::Explicit,
+            })
         );
     }
 

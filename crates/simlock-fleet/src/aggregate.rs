@@ -27,7 +27,7 @@ impl Fleet {
             health,
             mode: Mode::Gateway,
             version: version.to_owned(),
-            instance_id: self.gateway_id.clone(),
+            instance_id: self.gateway_id().to_owned(),
         };
         if health != Health::Running {
             return StatusOutput {

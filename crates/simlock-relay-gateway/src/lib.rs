@@ -41,7 +41,7 @@ use serde_json::json;
 use simlock_contract::bounds::{self, RELAY_GATEWAY_CREDENTIAL_HEADERS};
 use simlock_contract::ops::{RelayMethod, RelayRequestInput, RelayRequestOutput};
 use simlock_contract::{ContractError, ErrorCode, Push};
-use simlock_fleet::coordinator::{from_worker, unreachable};
+use simlock_fleet::error::{from_worker, unreachable};
 use simlock_fleet::{Fleet, WorkerConn};
 use simlock_link::{ChannelError, ChannelReader, ChannelWriter, FailureReason};
 use simlock_wire::CallEvent;
