@@ -19,6 +19,11 @@ pub mod queue;
 pub mod routing;
 pub mod views;
 
+#[cfg(any(test, feature = "sim"))]
+pub mod sim;
+#[cfg(test)]
+mod tests;
+
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 
 use simlock_contract::event::{Event, RejectionReason, WaitPolicy, WorkerRemovedReason};
@@ -210,6 +215,11 @@ struct Link {
     timeouts: u32,
     /// When the next periodic refresh is due (once subscribed).
     periodic_at: Option<i64>,
+    /// A failed catalog read was asked for again once: the next failure waits for the
+    /// periodic refresh.
+    catalog_retried: bool,
+    /// The catalog is still to be read (its last read failed).
+    catalog_due: bool,
     /// How many refreshes this uplink was asked for (folded ones included).
     asked: u64,
 }
@@ -534,6 +544,8 @@ impl Core {
             again: None,
             timeouts: 0,
             periodic_at: None,
+            catalog_retried: false,
+            catalog_due: false,
             asked: 0,
         });
         if let Some(previous) = previous {
@@ -663,6 +675,7 @@ impl Core {
             return;
         };
         link.asked += 1;
+        let catalog = catalog || link.catalog_due;
         if link.refreshing.is_some() {
             link.again = Some(link.again.unwrap_or(false) || catalog);
             return;
@@ -713,6 +726,10 @@ impl Core {
         };
         if let Some(link) = worker.link.as_mut() {
             link.timeouts = 0;
+            if refresh.catalog.is_some() {
+                link.catalog_due = false;
+                link.catalog_retried = false;
+            }
         }
         apply_status(&mut worker.view, &refresh.status, now);
         if let Some(devices) = refresh.devices {
@@ -764,9 +781,13 @@ impl Core {
                     self.fx.push_back(Effect::Close { generation });
                 }
             }
-            RefreshFailure::Failed(_) => {
-                if catalog {
-                    self.ask_refresh(&worker_id, true);
+            RefreshFailure::Failed(err) => {
+                // A read that failed because the uplink went needs no retry: the uplink ends.
+                if catalog && !err.code.is_transport() {
+                    link.catalog_due = true;
+                    if !std::mem::replace(&mut link.catalog_retried, true) {
+                        self.ask_refresh(&worker_id, true);
+                    }
                 }
             }
         }
@@ -784,7 +805,7 @@ impl Core {
             } else {
                 LeaseEndReason::Killed
             };
-            self.notify_lost(&entry, reason, except);
+            self.entry_ended(&entry, reason, except);
         }
     }
 
@@ -862,7 +883,7 @@ impl Core {
         let at = self.next_stamp();
         if let Some(entry) = self.index.end(worker_id, worker_lease_id, at) {
             let except = self.releasing.remove(&entry.lease_id).flatten();
-            self.notify_lost(&entry, reason, except);
+            self.entry_ended(&entry, reason, except);
             self.dispatch(now);
         } else if !self.index.ended(worker_id, worker_lease_id) {
             // Its grant may still be on its way (`LeaseIndex::record_grant`).
@@ -872,6 +893,26 @@ impl Core {
                 device_id,
                 reason,
             });
+        }
+    }
+
+    /// An indexed lease ended: its owner hears it, unless its grant's answer is still on its
+    /// way (a view listed the lease first): then the end waits for that answer, so the owner
+    /// hears the grant, then the end.
+    fn entry_ended(&mut self, entry: &Entry, reason: LeaseEndReason, except: Option<u64>) {
+        let in_flight = self.queue.waiters.iter().any(|w| {
+            w.requester == entry.requester_id
+                && w.attempt().is_some_and(|a| a.worker_id == entry.worker_id)
+        });
+        if in_flight {
+            self.index.end_unmatched(EndedLease {
+                worker_id: entry.worker_id.clone(),
+                worker_lease_id: entry.worker_lease_id.clone(),
+                device_id: entry.device_id().clone(),
+                reason,
+            });
+        } else {
+            self.notify_lost(entry, reason, except);
         }
     }
 
@@ -1249,7 +1290,7 @@ impl Core {
         match outcome {
             Ok(grant) => {
                 self.dispatched(attempt);
-                let grant = self.record_grant(&id, worker_id, grant);
+                let (grant, ended_first) = self.record_grant(&id, worker_id, grant);
                 if self.broken(Fault::GrantTwice) {
                     let twin = self
                         .queue
@@ -1262,6 +1303,11 @@ impl Core {
                     }
                 }
                 self.answer(&id, Ok(grant), now);
+                if let Some((entry, reason)) = ended_first {
+                    // Its end event overtook this answer: the caller still gets the grant it
+                    // asked for, then its owner the end; the index never holds the dead lease.
+                    self.notify_lost(&entry, reason, None);
+                }
             }
             Err(err) if err.code == ErrorCode::NoCapacity => {
                 // The view was stale: remember the refusal against it and read it again.
@@ -1315,15 +1361,16 @@ impl Core {
         self.dispatch(now);
     }
 
-    /// Indexes a worker's grant for waiter `id` and projects it for the caller.
+    /// Indexes a worker's grant for waiter `id` and projects it for the caller; answers, too,
+    /// the entry and the end reason when its end came first and its owner is still to hear it.
     fn record_grant(
         &mut self,
         id: &RequestId,
         worker_id: &str,
         mut grant: LeaseGrant,
-    ) -> LeaseGrant {
+    ) -> (LeaseGrant, Option<(Entry, LeaseEndReason)>) {
         let Some(waiter) = self.queue.get(id) else {
-            return grant;
+            return (grant, None);
         };
         let chosen = waiter.input.lease_id.is_some();
         let (requester, owner) = (waiter.requester.clone(), waiter.owner.clone());
@@ -1350,12 +1397,10 @@ impl Core {
             lease_id: lease_id.clone(),
             worker_lease_id: grant.lease.id.to_string(),
         });
-        if let Recorded::EndedFirst(end) = recorded {
-            // Its end event overtook this answer: the caller still gets the grant it asked for,
-            // and its owner the end (which may reach it just ahead of the grant's answer); the
-            // index never holds the dead lease.
-            self.notify_lost(&entry, end.reason, None);
-        }
+        let ended_first = match recorded {
+            Recorded::EndedFirst(end) => Some((entry, end.reason)),
+            Recorded::Indexed | Recorded::AlreadyEnded => None,
+        };
         // The environment names the lease as callers of the gateway know it.
         if let Some(env) = grant.environment.get_mut("SIMLOCK_LEASE_ID") {
             env.clone_from(&lease_id);
@@ -1367,7 +1412,7 @@ impl Core {
             id: worker_id.to_owned(),
             label: self.label_of(worker_id),
         });
-        grant
+        (grant, ended_first)
     }
 
     /// A grant nobody waits for: remembered as an orphan (no snapshot indexes it) and released.
