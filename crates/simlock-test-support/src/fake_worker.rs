@@ -125,3 +125,90 @@ pub async fn fake_worker(
     ));
     link
 }
+
+/// What a [`ProxyWorker`] does with a call once the real worker answered it, before the
+/// gateway gets the answer: `op` and the answer, or the error. Tests hold answers back with it
+/// (a view read that outlives a release, a worker that stalls).
+pub type AnswerHook = Arc<
+    dyn Fn(&str, &Result<Value, ContractError>) -> futures::future::BoxFuture<'static, ()>
+        + Send
+        + Sync,
+>;
+
+/// A worker in front of a real one: every call goes to the real worker over an admin session
+/// (the gateway's `owner` left out: only an uplink may name one), every event of the real
+/// worker goes up to the gateway, and each answer passes [`AnswerHook`] first.
+pub struct ProxyWorker {
+    real: simlock_wire::WireClient,
+    hook: AnswerHook,
+    gateway: parking_lot::Mutex<Option<Arc<simlock_wire::Connection>>>,
+}
+
+impl ProxyWorker {
+    /// A proxy for the real worker behind `real`, whose unsolicited pushes are `pushes` (the
+    /// session subscribes to the real worker's events when the gateway subscribes).
+    pub fn new(
+        real: simlock_wire::WireClient,
+        mut pushes: simlock_wire::Unsolicited,
+        hook: AnswerHook,
+    ) -> Arc<Self> {
+        let proxy = Arc::new(Self {
+            real,
+            hook,
+            gateway: parking_lot::Mutex::new(None),
+        });
+        let weak = Arc::downgrade(&proxy);
+        tokio::spawn(async move {
+            while let Some(frame) = pushes.recv().await {
+                let Some(proxy) = weak.upgrade() else { return };
+                if let Ok(simlock_contract::Push::Event { event, .. }) =
+                    simlock_contract::Push::from_frame(&frame)
+                    && let Some(conn) = proxy.gateway.lock().clone()
+                {
+                    conn.push_detached(&simlock_contract::Push::Event {
+                        subscription_id: simlock_contract::ids::SubscriptionId::from_raw(
+                            SUBSCRIPTION,
+                        ),
+                        event,
+                    });
+                }
+            }
+        });
+        proxy
+    }
+
+    /// A hook that lets every answer through.
+    pub fn no_hook() -> AnswerHook {
+        Arc::new(|_, _| Box::pin(async {}))
+    }
+}
+
+impl Service for ProxyWorker {
+    fn greet(&self, _origin: Origin, hello: &Hello) -> Result<Identity, ContractError> {
+        greet_gateway(hello)
+    }
+
+    fn dispatch(
+        &self,
+        ctx: simlock_wire::CallContext,
+        op: String,
+        payload: Option<Value>,
+    ) -> futures::future::BoxFuture<'static, Result<Value, ContractError>> {
+        let (real, hook) = (self.real.clone(), self.hook.clone());
+        if op == "events.subscribe" {
+            *self.gateway.lock() = Some(ctx.conn.clone());
+        }
+        Box::pin(async move {
+            let mut payload = payload.unwrap_or_else(|| Value::Object(Default::default()));
+            if let Some(fields) = payload.as_object_mut() {
+                fields.remove("owner");
+            }
+            let answer = real.call_value(&op, payload).await;
+            hook(&op, &answer).await;
+            if op == "events.subscribe" {
+                return bookkeeping_or_refuse(&op, "proxy");
+            }
+            answer
+        })
+    }
+}
