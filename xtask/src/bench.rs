@@ -1,4 +1,4 @@
-//! `cargo xtask bench [link|relay|all]`: runs the benchmarks and collects the final
+//! `cargo xtask bench [link|relay|fleet|all]`: runs the benchmarks and collects the final
 //! `<name> key=value ...` line each one prints.
 
 use std::process::ExitCode;
@@ -14,6 +14,9 @@ pub(crate) enum Which {
     Link,
     /// The relay path through a gateway and a worker over loopback sockets.
     Relay,
+    /// The fleet core's simulation (10 000 seeds) and lease cycles over HTTP through a gateway
+    /// and two workers, against one worker directly.
+    Fleet,
     /// Every benchmark that exists.
     All,
 }
@@ -36,6 +39,11 @@ const BENCHES: &[Bench] = &[
         package: "simlock-e2e",
         target: "relay",
     },
+    Bench {
+        name: "fleet",
+        package: "simlock-e2e",
+        target: "fleet",
+    },
 ];
 
 pub(crate) fn run(which: Which) -> Result<ExitCode> {
@@ -43,6 +51,7 @@ pub(crate) fn run(which: Which) -> Result<ExitCode> {
     let selected = BENCHES.iter().filter(|bench| match which {
         Which::Link => bench.name == "link",
         Which::Relay => bench.name == "relay",
+        Which::Fleet => bench.name == "fleet",
         Which::All => true,
     });
     let mut results = Vec::new();

@@ -118,6 +118,36 @@ pub fn run_seeds(first: u64, count: u64, fault: Option<Fault>) -> Result<SimRepo
     Ok(report)
 }
 
+/// Runs every seed of `first..first + count` (the first failures do not stop it): what the
+/// passing seeds saw, and each failing seed's error.
+pub fn run_all(first: u64, count: u64) -> (SimReport, Vec<String>) {
+    let mut report = SimReport::default();
+    let mut failures = Vec::new();
+    for seed in first..first + count {
+        match run_seeds(seed, 1, None) {
+            Ok(one) => report.add(&one),
+            Err(error) => failures.push(error),
+        }
+    }
+    (report, failures)
+}
+
+impl SimReport {
+    fn add(&mut self, other: &Self) {
+        self.seeds += other.seeds;
+        self.steps += other.steps;
+        self.grants += other.grants;
+        self.releases += other.releases;
+        self.expiries += other.expiries;
+        self.refusals += other.refusals;
+        self.disconnects += other.disconnects;
+        self.restarts += other.restarts;
+        self.orphans += other.orphans;
+        self.stale_reads += other.stale_reads;
+        self.asks_after_release += other.asks_after_release;
+    }
+}
+
 /// A call from the gateway to a worker.
 #[derive(Debug, Clone)]
 enum Call {
