@@ -148,7 +148,11 @@ async fn measure() -> BenchResult<(f64, f64)> {
     fleet.add_worker(worker_config()).await;
     fleet.add_worker(worker_config()).await;
     let gateway_url = format!("http://{}", fleet.gateway().running.http_addr().unwrap());
-    let tokens = mint(&fleet.gateway().running.socket_path(), &fleet.gateway_home()).await;
+    let tokens = mint(
+        &fleet.gateway().running.socket_path(),
+        &fleet.gateway_home(),
+    )
+    .await;
     let through_gateway = agents(&gateway_url, tokens).await;
 
     // Straight against one worker.

@@ -18,7 +18,7 @@
 //! - an end that names no entry is remembered for a while ([`ENDS_REMEMBERED`]), since its grant's
 //!   answer may still be on its way.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 
 use simlock_contract::ids::{DeviceId, LeaseId};
 use simlock_contract::model::{LeaseEndReason, LeaseRecord, WorkerRef};
@@ -85,6 +85,8 @@ pub struct EndedLease {
     pub device_id: DeviceId,
     /// Why it ended.
     pub reason: LeaseEndReason,
+    /// When the gateway heard it.
+    pub heard_at: Stamp,
 }
 
 /// A lease the gateway saw end, or is ending itself (an orphan: a grant nobody waits for).
@@ -119,7 +121,9 @@ pub const ENDS_REMEMBERED: usize = 256;
 pub struct LeaseIndex {
     prefix: String,
     entries: HashMap<String, Entry>,
-    by_requester: HashMap<String, String>,
+    /// A requester holds one lease, but may be seen with more for a while (a grant whose answer
+    /// was lost while another was granted): every one is kept, the oldest answers.
+    by_requester: HashMap<String, BTreeSet<(i64, String)>>,
     by_worker_lease: HashMap<(String, String), String>,
     tombstones: HashMap<(String, String), Tombstone>,
     /// The stamp of the newest snapshot applied, per worker: an older one is stale.
@@ -174,7 +178,9 @@ impl LeaseIndex {
         self.tombstones
             .remove(&key(&entry.worker_id, &entry.worker_lease_id));
         self.by_requester
-            .insert(entry.requester_id.clone(), entry.lease_id.clone());
+            .entry(entry.requester_id.clone())
+            .or_default()
+            .insert((entry.granted_at(), entry.lease_id.clone()));
         self.by_worker_lease.insert(
             key(&entry.worker_id, &entry.worker_lease_id),
             entry.lease_id.clone(),
@@ -184,8 +190,11 @@ impl LeaseIndex {
 
     fn remove(&mut self, lease_id: &str) -> Option<Entry> {
         let entry = self.entries.remove(lease_id)?;
-        if self.by_requester.get(&entry.requester_id) == Some(&entry.lease_id) {
-            self.by_requester.remove(&entry.requester_id);
+        if let Some(held) = self.by_requester.get_mut(&entry.requester_id) {
+            held.remove(&(entry.granted_at(), entry.lease_id.clone()));
+            if held.is_empty() {
+                self.by_requester.remove(&entry.requester_id);
+            }
         }
         self.by_worker_lease
             .remove(&key(&entry.worker_id, &entry.worker_lease_id));
@@ -232,6 +241,14 @@ impl LeaseIndex {
             end.worker_id == entry.worker_id && end.worker_lease_id == entry.worker_lease_id
         });
         if let Some(end) = early.and_then(|at| self.early_ends.remove(at)) {
+            // A view read may have listed it meanwhile: the lease is dead all the same.
+            if self
+                .entries
+                .get(&entry.lease_id)
+                .is_some_and(|e| e.granted_at() == entry.granted_at())
+            {
+                self.remove(&entry.lease_id);
+            }
             self.bury(
                 &entry.worker_id,
                 &entry.worker_lease_id,
@@ -338,6 +355,17 @@ impl LeaseIndex {
                     continue;
                 }
             }
+            // An end heard after the read was sent, whose grant is still on its way: the
+            // read is older than the end.
+            if !self.revive_stale
+                && self.early_ends.iter().any(|end| {
+                    end.worker_id == worker_id
+                        && end.worker_lease_id == lease.id.as_str()
+                        && end.heard_at > sent
+                })
+            {
+                continue;
+            }
             match self.entries.get_mut(&entry.lease_id) {
                 Some(existing) if existing.granted_at() == lease.granted_at => {
                     keep_newer_renewal(&mut existing.record, lease);
@@ -402,11 +430,12 @@ impl LeaseIndex {
         self.entries.get(lease_id)
     }
 
-    /// The lease `requester` holds.
+    /// The lease `requester` holds (the oldest, should the index know of more than one).
     pub fn by_requester(&self, requester: &str) -> Option<&Entry> {
         self.by_requester
-            .get(requester)
-            .and_then(|id| self.entries.get(id))
+            .get(requester)?
+            .iter()
+            .find_map(|(_, id)| self.entries.get(id))
     }
 
     /// The entry for a worker's lease.

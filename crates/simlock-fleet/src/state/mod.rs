@@ -892,6 +892,7 @@ impl Core {
                 worker_lease_id: worker_lease_id.to_owned(),
                 device_id,
                 reason,
+                heard_at: at,
             });
         }
     }
@@ -905,11 +906,13 @@ impl Core {
                 && w.attempt().is_some_and(|a| a.worker_id == entry.worker_id)
         });
         if in_flight {
+            let heard_at = self.next_stamp();
             self.index.end_unmatched(EndedLease {
                 worker_id: entry.worker_id.clone(),
                 worker_lease_id: entry.worker_lease_id.clone(),
                 device_id: entry.device_id().clone(),
                 reason,
+                heard_at,
             });
         } else {
             self.notify_lost(entry, reason, except);

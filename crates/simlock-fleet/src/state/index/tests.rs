@@ -38,6 +38,7 @@ fn end(worker: &str, lease: &str) -> EndedLease {
         worker_lease_id: lease.into(),
         device_id: DeviceId::from_raw("dev_1"),
         reason: LeaseEndReason::Expired,
+        heard_at: 10,
     }
 }
 
@@ -258,4 +259,18 @@ fn a_renewal_moves_the_deadline_forward_only() {
     index.apply_snapshot("w1", &[mine("lse_a")], 2);
     let record = &index.get("w1.lse_a").unwrap().record;
     assert_eq!(record.ttl_deadline, 2000);
+}
+
+#[test]
+fn a_view_read_older_than_an_unmatched_end_does_not_index_its_lease() {
+    let mut index = index();
+    // The end is heard at 10; a read sent at 5 lists the lease; then the grant's answer comes.
+    index.end_unmatched(end("w1", "lse_a"));
+    assert!(index.apply_snapshot("w1", &[mine("lse_a")], 5).is_empty());
+    assert!(index.is_empty(), "the read is older than the end");
+    assert_eq!(
+        index.record_grant(grant(&index, "w1", "lse_a", 11)),
+        Recorded::EndedFirst(end("w1", "lse_a"))
+    );
+    assert!(index.is_empty());
 }
