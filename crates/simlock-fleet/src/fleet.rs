@@ -6,6 +6,7 @@
 //! back as inputs.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
@@ -44,6 +45,9 @@ pub struct FleetTiming {
     pub call_timeout: Duration,
     /// Every worker view is refreshed this often (30 s).
     pub refresh_interval: Duration,
+    /// A refresh its events ask for waits this long after the previous one (50 ms); the asks
+    /// in between fold into it.
+    pub refresh_gap: Duration,
     /// A forwarded lease request is bounded by this (`gateway.leaseRequestTimeoutMs`).
     pub lease_request_timeout: Duration,
     /// A forwarded exec is stopped after this (`gateway.execTimeoutMs`).
@@ -60,6 +64,7 @@ impl FleetTiming {
         Self {
             call_timeout: Duration::from_secs(10),
             refresh_interval: Duration::from_secs(30),
+            refresh_gap: Duration::from_millis(50),
             lease_request_timeout: Duration::from_millis(config.gateway.lease_request_timeout_ms),
             exec_timeout: Duration::from_millis(config.gateway.exec_timeout_ms),
             disconnected_retention: Duration::from_millis(config.gateway.disconnected_retention_ms),
@@ -166,6 +171,9 @@ pub struct Fleet {
     pub(crate) shared: Mutex<Shared>,
     changes: watch::Sender<u64>,
     wake: Arc<Notify>,
+    /// The deadline the timer sleeps toward (`i64::MAX` for none); set under the lock, so a
+    /// decision wakes the timer only when it brought the next deadline forward.
+    timer_at: Arc<AtomicI64>,
     pub(crate) stopping: CancellationToken,
 }
 
@@ -198,6 +206,7 @@ impl Fleet {
             gateway_id: parts.gateway_id.clone(),
             limits: parts.limits,
             refresh_interval_ms: millis(parts.timing.refresh_interval),
+            refresh_gap_ms: millis(parts.timing.refresh_gap),
             lease_request_timeout_ms: millis(parts.timing.lease_request_timeout),
             disconnected_retention_ms: millis(parts.timing.disconnected_retention),
         };
@@ -219,6 +228,7 @@ impl Fleet {
             }),
             changes: watch::Sender::new(0),
             wake: Arc::new(Notify::new()),
+            timer_at: Arc::new(AtomicI64::new(i64::MAX)),
             stopping: CancellationToken::new(),
         });
         fleet.spawn_timer();
@@ -302,6 +312,7 @@ impl Fleet {
                         sent,
                         RefreshFailure::Failed(ContractError::connection_lost()),
                         false,
+                        self.clock.now_ms(),
                     ),
                 },
                 Effect::ReleaseOrphan {
@@ -324,7 +335,13 @@ impl Fleet {
             }
         }
         self.changes.send_modify(|n| *n = n.wrapping_add(1));
-        self.wake.notify_one();
+        if shared
+            .core
+            .next_deadline()
+            .is_some_and(|at| at < self.timer_at.load(Ordering::SeqCst))
+        {
+            self.wake.notify_one();
+        }
     }
 
     /// Sleeps until the core's next deadline and ticks then; a decision wakes it to sleep again
@@ -332,11 +349,17 @@ impl Fleet {
     fn spawn_timer(&self) {
         let me = self.me.clone();
         let stopping = self.stopping.clone();
-        let (wake, clock) = (self.wake.clone(), self.clock.clone());
+        let (wake, clock, timer_at) =
+            (self.wake.clone(), self.clock.clone(), self.timer_at.clone());
         tokio::spawn(async move {
             loop {
                 let Some(fleet) = me.upgrade() else { return };
-                let next = fleet.shared.lock().core.next_deadline();
+                let next = {
+                    let shared = fleet.shared.lock();
+                    let next = shared.core.next_deadline();
+                    timer_at.store(next.unwrap_or(i64::MAX), Ordering::SeqCst);
+                    next
+                };
                 drop(fleet);
                 let at = next.map(|at| simlock_daemon::clock::instant_at(&*clock, at));
                 let woken = wake.notified();
@@ -432,7 +455,7 @@ impl Fleet {
                     }
                     shared
                         .core
-                        .handle_refresh_failed(conn.generation, sent, failure, catalog);
+                        .handle_refresh_failed(conn.generation, sent, failure, catalog, now);
                 }
             });
         });

@@ -60,6 +60,9 @@ pub struct Settings {
     pub limits: LeaseLimits,
     /// Every worker view is read again this often, ms.
     pub refresh_interval_ms: i64,
+    /// A view read asked for by events waits this long after the previous one ended, ms (the
+    /// asks in between fold into it).
+    pub refresh_gap_ms: i64,
     /// A forwarded lease request fails if its worker has not answered in this long, ms.
     pub lease_request_timeout_ms: i64,
     /// A disconnected worker's view is forgotten after this long, ms.
@@ -211,6 +214,8 @@ struct Link {
     refreshing: Option<Stamp>,
     /// More were asked while it ran: one more follows (with the catalog if any asked for it).
     again: Option<bool>,
+    /// The next read goes out no sooner than this (the refresh gap after the last one).
+    spaced_until: i64,
     /// Status reads in a row that timed out.
     timeouts: u32,
     /// When the next periodic refresh is due (once subscribed).
@@ -393,6 +398,14 @@ impl Core {
             .map_or(0, |l| l.asked)
     }
 
+    /// Whether a view read is out or folded, waiting for its gap, on any uplink.
+    pub fn refreshes_pending(&self) -> bool {
+        self.workers
+            .values()
+            .filter_map(|w| w.link.as_ref())
+            .any(|l| l.refreshing.is_some() || l.again.is_some())
+    }
+
     /// Every uplink attached, with the join token it came with.
     pub fn uplinks(&self) -> Vec<(u64, String)> {
         self.workers
@@ -491,10 +504,15 @@ impl Core {
     /// periodic refresh, a disconnected worker passing retention, a book record expiring.
     pub fn next_deadline(&self) -> Option<i64> {
         let waiters = self.queue.waiters.iter().filter_map(Waiter::next_deadline);
-        let refreshes = self
-            .workers
-            .values()
-            .filter_map(|w| w.link.as_ref()?.periodic_at);
+        let refreshes = self.workers.values().filter_map(|w| {
+            let link = w.link.as_ref()?;
+            let folded =
+                (link.again.is_some() && link.refreshing.is_none()).then_some(link.spaced_until);
+            match (link.periodic_at, folded) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            }
+        });
         let retention = self
             .workers
             .values()
@@ -542,6 +560,7 @@ impl Core {
             token_id,
             refreshing: None,
             again: None,
+            spaced_until: i64::MIN,
             timeouts: 0,
             periodic_at: None,
             catalog_retried: false,
@@ -638,7 +657,7 @@ impl Core {
             if let Some(link) = w.link.as_mut() {
                 link.periodic_at = Some(now.saturating_add(interval));
             }
-            self.ask_refresh(&worker_id, true);
+            self.ask_refresh(&worker_id, true, now);
         }
     }
 
@@ -666,8 +685,9 @@ impl Core {
 
     // === Views ===
 
-    /// Asks for a refresh of `worker_id`'s view; asks made while one runs fold into one more.
-    fn ask_refresh(&mut self, worker_id: &str, catalog: bool) {
+    /// Asks for a refresh of `worker_id`'s view; asks made while one runs, or within the gap
+    /// after it, fold into one more.
+    fn ask_refresh(&mut self, worker_id: &str, catalog: bool, now: i64) {
         let Some(worker) = self.workers.get_mut(worker_id) else {
             return;
         };
@@ -676,10 +696,11 @@ impl Core {
         };
         link.asked += 1;
         let catalog = catalog || link.catalog_due;
-        if link.refreshing.is_some() {
+        if link.refreshing.is_some() || now < link.spaced_until {
             link.again = Some(link.again.unwrap_or(false) || catalog);
             return;
         }
+        link.again = None;
         let generation = link.generation;
         self.stamp += 1;
         let sent = self.stamp;
@@ -698,8 +719,9 @@ impl Core {
         });
     }
 
-    /// The refresh out on `generation` ended; the next one folded in goes out.
-    fn refresh_done(&mut self, generation: u64, sent: Stamp) -> Option<String> {
+    /// The refresh out on `generation` ended; the next one folded in goes out after the gap.
+    fn refresh_done(&mut self, generation: u64, sent: Stamp, now: i64) -> Option<String> {
+        let gap = self.settings.refresh_gap_ms;
         let (worker_id, worker) = self.current(generation)?;
         let worker_id = worker_id.clone();
         let link = worker.link.as_mut()?;
@@ -707,9 +729,12 @@ impl Core {
             return None;
         }
         link.refreshing = None;
-        if let Some(catalog) = link.again.take() {
+        link.spaced_until = now.saturating_add(gap);
+        if gap <= 0
+            && let Some(catalog) = link.again.take()
+        {
             link.asked -= 1;
-            self.ask_refresh(&worker_id, catalog);
+            self.ask_refresh(&worker_id, catalog, now);
         }
         Some(worker_id)
     }
@@ -717,7 +742,7 @@ impl Core {
     /// A refresh sent at `sent` read the worker's view: it is folded in, and the worker's part
     /// of the lease index is reconciled with it.
     pub fn handle_refreshed(&mut self, generation: u64, sent: Stamp, refresh: Refresh, now: i64) {
-        let Some(worker_id) = self.refresh_done(generation, sent) else {
+        let Some(worker_id) = self.refresh_done(generation, sent, now) else {
             return;
         };
         let max_ttl = self.settings.limits.max_ttl_ms;
@@ -761,8 +786,9 @@ impl Core {
         sent: Stamp,
         failure: RefreshFailure,
         catalog: bool,
+        now: i64,
     ) {
-        let Some(worker_id) = self.refresh_done(generation, sent) else {
+        let Some(worker_id) = self.refresh_done(generation, sent, now) else {
             return;
         };
         let Some(link) = self
@@ -786,7 +812,7 @@ impl Core {
                 if catalog && !err.code.is_transport() {
                     link.catalog_due = true;
                     if !std::mem::replace(&mut link.catalog_retried, true) {
-                        self.ask_refresh(&worker_id, true);
+                        self.ask_refresh(&worker_id, true, now);
                     }
                 }
             }
@@ -835,7 +861,7 @@ impl Core {
                     LeaseEndReason::Expired,
                     now,
                 );
-                self.ask_refresh(&worker_id, false);
+                self.ask_refresh(&worker_id, false, now);
             }
             Some(Event::LeaseReleased {
                 lease_id,
@@ -844,7 +870,7 @@ impl Core {
                 ..
             }) => {
                 self.lease_ended(&worker_id, &lease_id, device_id, reason, now);
-                self.ask_refresh(&worker_id, false);
+                self.ask_refresh(&worker_id, false, now);
             }
             Some(Event::LeaseRenewed {
                 lease_id,
@@ -857,11 +883,11 @@ impl Core {
                     renew_in_place(&mut w.view, &lease_id, new_deadline, envelope.timestamp)
                 });
                 if !in_view {
-                    self.ask_refresh(&worker_id, false);
+                    self.ask_refresh(&worker_id, false, now);
                 }
             }
             _ if envelope.event.starts_with("lease.") || envelope.event.starts_with("device.") => {
-                self.ask_refresh(&worker_id, false);
+                self.ask_refresh(&worker_id, false, now);
             }
             _ => {}
         }
@@ -1315,7 +1341,7 @@ impl Core {
             Err(err) if err.code == ErrorCode::NoCapacity => {
                 // The view was stale: remember the refusal against it and read it again.
                 let key = self.view(worker_id).map(view_key).unwrap_or_default();
-                self.ask_refresh(worker_id, false);
+                self.ask_refresh(worker_id, false, now);
                 let Some(waiter) = self.queue.get_mut(&id) else {
                     return;
                 };
@@ -1337,7 +1363,7 @@ impl Core {
                 ) =>
             {
                 // That worker can never serve this spec: try the others.
-                self.ask_refresh(worker_id, true);
+                self.ask_refresh(worker_id, true, now);
                 let Some(waiter) = self.queue.get_mut(&id) else {
                     return;
                 };
@@ -1752,7 +1778,28 @@ impl Core {
             {
                 link.periodic_at = Some(now.saturating_add(interval));
             }
-            self.ask_refresh(&worker_id, true);
+            self.ask_refresh(&worker_id, true, now);
+        }
+        let folded: Vec<(String, bool)> = self
+            .workers
+            .iter()
+            .filter_map(|(id, w)| {
+                let link = w.link.as_ref()?;
+                let due = link.refreshing.is_none() && link.spaced_until <= now;
+                link.again
+                    .filter(|_| due)
+                    .map(|catalog| (id.clone(), catalog))
+            })
+            .collect();
+        for (worker_id, catalog) in folded {
+            if let Some(link) = self
+                .workers
+                .get_mut(&worker_id)
+                .and_then(|w| w.link.as_mut())
+            {
+                link.asked -= 1;
+            }
+            self.ask_refresh(&worker_id, catalog, now);
         }
         self.sweep(now);
         self.queue.prune_book(now, BOOK_RETENTION_MS);

@@ -401,6 +401,7 @@ impl Sim {
                 max_ttl_ms: 60_000,
             },
             refresh_interval_ms: rng.random_range(500..3000),
+            refresh_gap_ms: pick(&mut rng, &[0, 10, 50, 200]),
             lease_request_timeout_ms: rng.random_range(200..2000),
             disconnected_retention_ms: rng.random_range(2000..20_000),
         };
@@ -581,6 +582,7 @@ impl Sim {
                         sent,
                         RefreshFailure::Failed(ContractError::connection_lost()),
                         catalog,
+                        self.now,
                     );
                 }
             }
@@ -812,6 +814,7 @@ impl Sim {
                     sent,
                     RefreshFailure::Failed(lost),
                     catalog,
+                    now,
                 ),
                 Call::Forward { attempt, .. } => {
                     self.core.handle_forward_answered(
@@ -1727,7 +1730,12 @@ impl Sim {
             if connected && idle && ended && round > 0 {
                 // One more full read of every view, asked after everything above.
                 let until = self.now + self.settings.refresh_interval_ms;
-                while self.now < until {
+                let mut spins = 0;
+                while self.now < until || self.core.refreshes_pending() {
+                    spins += 1;
+                    if spins > 1000 {
+                        return Err("the views' reads did not settle".into());
+                    }
                     self.advance_by(50, report)?;
                     while !self.net.is_empty() {
                         let msg = self.net.remove(0);

@@ -20,6 +20,7 @@ fn settings() -> Settings {
             max_ttl_ms: 60_000,
         },
         refresh_interval_ms: 30_000,
+        refresh_gap_ms: 0,
         lease_request_timeout_ms: 5_000,
         disconnected_retention_ms: 60_000,
     }
@@ -708,7 +709,7 @@ fn two_status_timeouts_in_a_row_close_the_uplink_and_a_read_resets_the_count() {
     let timeout = |core: &mut Core| {
         core.handle_worker_event(generation, event("device.ready", serde_json::json!({})), T0);
         let sent = refresh_sent(&core.take_effects()).unwrap();
-        core.handle_refresh_failed(generation, sent, RefreshFailure::StatusTimeout, false);
+        core.handle_refresh_failed(generation, sent, RefreshFailure::StatusTimeout, false, T0);
         core.take_effects()
     };
     assert!(
@@ -738,9 +739,9 @@ fn a_failed_catalog_read_is_asked_again_once_and_a_lost_uplink_is_not_retried() 
     core.handle_tick(T0 + 30_000);
     let sent = refresh_sent(&core.take_effects()).expect("the periodic full read");
     let failed = RefreshFailure::Failed(ContractError::internal("catalog broke"));
-    core.handle_refresh_failed(generation, sent, failed.clone(), true);
+    core.handle_refresh_failed(generation, sent, failed.clone(), true, T0);
     let again = refresh_sent(&core.take_effects()).expect("asked again once");
-    core.handle_refresh_failed(generation, again, failed, true);
+    core.handle_refresh_failed(generation, again, failed, true, T0);
     assert!(
         refresh_sent(&core.take_effects()).is_none(),
         "then it waits"
@@ -838,4 +839,35 @@ fn drain_and_removal_follow_their_rules() {
     core.handle_uplink_closed(generation, T0);
     assert_eq!(core.handle_remove("w1", T0), Ok(true));
     assert_eq!(core.handle_remove("w1", T0), Ok(false));
+}
+
+#[test]
+fn a_refresh_events_ask_for_waits_the_gap_after_the_last_one() {
+    let mut settings = settings();
+    settings.refresh_gap_ms = 50;
+    let mut core = Core::new(settings, Vec::new());
+    let generation = core.handle_uplink_opened("w1", None, "tok_j".into(), T0);
+    let sent = core.handle_probe_sent();
+    core.handle_connected(generation, "v".into(), &status(Vec::new(), 1), sent, T0);
+    core.handle_subscribed(generation, T0);
+    let sent = refresh_sent(&core.take_effects()).expect("the first read goes at once");
+    core.handle_refreshed(generation, sent, refresh(Vec::new(), 1), T0 + 5);
+    core.take_effects();
+    for n in 0..3 {
+        core.handle_worker_event(
+            generation,
+            event("device.ready", serde_json::json!({})),
+            T0 + 10 + n,
+        );
+    }
+    assert!(
+        refresh_sent(&core.take_effects()).is_none(),
+        "within the gap"
+    );
+    assert_eq!(core.next_deadline(), Some(T0 + 55));
+    core.handle_tick(T0 + 55);
+    assert!(
+        refresh_sent(&core.take_effects()).is_some(),
+        "one read for the three asks"
+    );
 }
