@@ -115,6 +115,10 @@ fn steps() -> Vec<Step> {
             plan: run(crate::e2e::scenario_command(), Some(Runner::Libtest)),
         },
         Step {
+            name: "e2e-drivers",
+            plan: run(crate::e2e::crash_command(), Some(Runner::Libtest)),
+        },
+        Step {
             name: "deny",
             plan: if deny {
                 // Advisories are left out: the advisory database is not reachable from CI.

@@ -42,7 +42,11 @@ enum Command {
         which: bench::Which,
     },
     /// Run the end-to-end fleet scenarios against the real binaries.
-    E2e,
+    E2e {
+        /// Instead: the manual check against this machine's real Xcode and/or Android SDK.
+        #[arg(long)]
+        real_devices: bool,
+    },
     /// Start a local demo fleet (gateway, workers, agents) on loopback.
     Fleet {
         /// Start the fleet, check it is healthy, tear it down and exit.
@@ -57,7 +61,7 @@ fn main() -> ExitCode {
         Command::Ci => ci::run(),
         Command::Layering => layering::run(),
         Command::Bench { which } => bench::run(which),
-        Command::E2e => e2e::run(),
+        Command::E2e { real_devices } => e2e::run(real_devices),
         Command::Fleet { once } => fleet::run(once),
     };
     match result {

@@ -102,6 +102,8 @@ pub async fn start(options: WorkerOptions) -> Result<RunningWorker, StartError> 
     if let Some(system) = options.system {
         parts.system = system;
     }
+    // Which driver serves each platform (logged once each); the virtual ones when asked.
+    parts.drivers = simlock_drivers::select(&base.config, base.home.root()).await;
     let worker = Worker::new(parts).map_err(|e| StartError::Domain(e.to_string()))?;
     let mut router = base.router();
     simlock_core::register(&mut router, &worker, base.gate.clone());
@@ -170,5 +172,6 @@ impl RunningWorker {
         self.uplink_stop.cancel();
         self.worker.shutdown();
         self.running.stop(reason).await;
+        self.worker.close_drivers().await;
     }
 }

@@ -184,10 +184,11 @@ impl Renewer {
                 };
                 match opened {
                     Some(Ok(notices)) => self.notices = Some(notices),
-                    // Opening the stream looks the lease up, and a lookup can race the grant
-                    // (a gateway's answer outruns what its lists show): only the daemon's word
-                    // that the lease ended (`lease-lost`, or `UNKNOWN_LEASE` to a renewal) ends
-                    // the hold.
+                    // Not proof that the lease is gone: opening the stream looks the lease up,
+                    // and a lookup can race the grant (a gateway's answer outruns what its lists
+                    // show). Only the daemon's word that the lease ended (`lease-lost`, or
+                    // `UNKNOWN_LEASE` to a renewal) ends the hold; the renewal decides, and the
+                    // stream is opened again after it.
                     Some(Err(e)) => {
                         debug!(error = %e, "lease notices unavailable; relying on renewals")
                     }

@@ -11,6 +11,7 @@ use serde_json::Value;
 
 use crate::ids::{DeviceId, RequestId};
 use crate::model::{DeviceSpec, EventEnvelope, LeaseEndReason, Mode, Platform, RequestedDevice};
+use crate::push::UnhealthyReason;
 
 /// The module that records an event ([`EventEnvelope::module`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -132,6 +133,23 @@ pub enum UplinkRejection {
     Unauthenticated,
     /// A valid token of another role.
     Forbidden,
+}
+
+/// Which device `device.crash-detected` names: its payload holds `leaseId` for a leased device
+/// (`null` when none), `spec` for a free one.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(untagged, rename_all_fields = "camelCase")]
+pub enum CrashedDevice {
+    /// A free ready device, with what it is.
+    Free {
+        /// What it is.
+        spec: DeviceSpec,
+    },
+    /// A leased device, with its lease.
+    Leased {
+        /// Its lease (`null` when none).
+        lease_id: Option<String>,
+    },
 }
 
 /// One event, by name, with its payload.
@@ -283,6 +301,106 @@ pub enum Event {
         device_id: DeviceId,
         /// What it was.
         spec: DeviceSpec,
+    },
+    /// A device was seen stopped by its driver: a leased one crashed (its holder hears
+    /// `device-unhealthy` and its recovery starts), a free ready one is marked shut down.
+    #[serde(rename = "device.crash-detected")]
+    DeviceCrashDetected {
+        /// The device.
+        device_id: DeviceId,
+        /// Which device it was: a leased one with its lease, or a free one with its spec.
+        #[serde(flatten)]
+        seen: CrashedDevice,
+        /// Why it counts as unhealthy.
+        reason: UnhealthyReason,
+    },
+    /// A crashed leased device was booted again under its lease.
+    #[serde(rename = "device.recovered")]
+    DeviceRecovered {
+        /// The device.
+        device_id: DeviceId,
+        /// Its lease.
+        lease_id: String,
+        /// The recovery attempts it took.
+        attempts: u32,
+    },
+    /// A recovery of a crashed device failed; another follows after a backoff.
+    #[serde(rename = "device.recovery-attempt-failed")]
+    DeviceRecoveryAttemptFailed {
+        /// The device.
+        device_id: DeviceId,
+        /// Its lease (`null` when none).
+        lease_id: Option<String>,
+        /// The attempts so far.
+        attempts: u32,
+        /// The driver's error.
+        error: String,
+    },
+    /// The last recovery of a crashed device failed: it is deleted and its lease ends.
+    #[serde(rename = "device.recovery-failed")]
+    DeviceRecoveryFailed {
+        /// The device.
+        device_id: DeviceId,
+        /// Its lease (`null` when none).
+        lease_id: Option<String>,
+        /// The attempts made.
+        attempts: u32,
+        /// The driver's error.
+        error: String,
+    },
+    /// A device that could not be wiped was quarantined until its next retry.
+    #[serde(rename = "device.quarantined")]
+    DeviceQuarantined {
+        /// The device.
+        device_id: DeviceId,
+        /// The reclaims that failed so far.
+        attempts: u32,
+        /// When its reclaim is retried, ms since the epoch.
+        next_retry_at: i64,
+        /// The driver's error.
+        error: String,
+    },
+    /// A quarantined device was wiped after all and is ready.
+    #[serde(rename = "device.quarantine-recovered")]
+    DeviceQuarantineRecovered {
+        /// The device.
+        device_id: DeviceId,
+        /// The reclaims that had failed.
+        attempts: u32,
+    },
+    /// A quarantined device failed past `quarantine.maxRetries` and is deleted.
+    #[serde(rename = "device.quarantine-abandoned")]
+    DeviceQuarantineAbandoned {
+        /// The device.
+        device_id: DeviceId,
+        /// The reclaims that failed.
+        attempts: u32,
+        /// The last error.
+        error: String,
+    },
+    /// After a restart, the driver deleted a device the registry did not know.
+    #[serde(rename = "device.orphan-purged")]
+    DeviceOrphanPurged {
+        /// Its platform.
+        platform: Platform,
+        /// The driver's id for it.
+        driver_device_id: String,
+    },
+    /// After a restart, a driver's sweep of what the registry did not know ended.
+    #[serde(rename = "driver.swept")]
+    DriverSwept {
+        /// The driver's platform.
+        platform: Platform,
+        /// How many devices it deleted.
+        purged: usize,
+    },
+    /// After a restart, a driver's sweep failed.
+    #[serde(rename = "device.sweep-failed")]
+    DeviceSweepFailed {
+        /// The driver's platform.
+        platform: Platform,
+        /// The driver's error.
+        error: String,
     },
     /// A gateway forwarded a request to a worker.
     #[serde(rename = "request.dispatched")]
@@ -494,6 +612,135 @@ mod tests {
                 reason: LeaseEndReason::Explicit,
             })
         );
+    }
+
+    #[test]
+    fn the_device_health_and_driver_events_keep_their_wire_payloads() {
+        let device = || DeviceId::from_raw("dev_1");
+        let spec = DeviceSpec {
+            platform: Platform::Ios,
+            model: "iPhone 16".into(),
+            os_version: "18.2".into(),
+        };
+        let cases = [
+            (
+                Event::DeviceCrashDetected {
+                    device_id: device(),
+                    seen: CrashedDevice::Leased {
+                        lease_id: Some("lse_1".into()),
+                    },
+                    reason: UnhealthyReason::Crashed,
+                },
+                "device.crash-detected",
+                json!({"deviceId": "dev_1", "leaseId": "lse_1", "reason": "crashed"}),
+            ),
+            (
+                Event::DeviceCrashDetected {
+                    device_id: device(),
+                    seen: CrashedDevice::Leased { lease_id: None },
+                    reason: UnhealthyReason::Crashed,
+                },
+                "device.crash-detected",
+                json!({"deviceId": "dev_1", "leaseId": null, "reason": "crashed"}),
+            ),
+            (
+                Event::DeviceCrashDetected {
+                    device_id: device(),
+                    seen: CrashedDevice::Free { spec: spec.clone() },
+                    reason: UnhealthyReason::Crashed,
+                },
+                "device.crash-detected",
+                json!({"deviceId": "dev_1", "spec": {"platform": "ios", "model": "iPhone 16", "osVersion": "18.2"}, "reason": "crashed"}),
+            ),
+            (
+                Event::DeviceRecovered {
+                    device_id: device(),
+                    lease_id: "lse_1".into(),
+                    attempts: 2,
+                },
+                "device.recovered",
+                json!({"deviceId": "dev_1", "leaseId": "lse_1", "attempts": 2}),
+            ),
+            (
+                Event::DeviceRecoveryAttemptFailed {
+                    device_id: device(),
+                    lease_id: None,
+                    attempts: 1,
+                    error: "boot failed".into(),
+                },
+                "device.recovery-attempt-failed",
+                json!({"deviceId": "dev_1", "leaseId": null, "attempts": 1, "error": "boot failed"}),
+            ),
+            (
+                Event::DeviceRecoveryFailed {
+                    device_id: device(),
+                    lease_id: Some("lse_1".into()),
+                    attempts: 3,
+                    error: "boot failed".into(),
+                },
+                "device.recovery-failed",
+                json!({"deviceId": "dev_1", "leaseId": "lse_1", "attempts": 3, "error": "boot failed"}),
+            ),
+            (
+                Event::DeviceQuarantined {
+                    device_id: device(),
+                    attempts: 1,
+                    next_retry_at: 32_000,
+                    error: "wipe failed".into(),
+                },
+                "device.quarantined",
+                json!({"deviceId": "dev_1", "attempts": 1, "nextRetryAt": 32_000, "error": "wipe failed"}),
+            ),
+            (
+                Event::DeviceQuarantineRecovered {
+                    device_id: device(),
+                    attempts: 2,
+                },
+                "device.quarantine-recovered",
+                json!({"deviceId": "dev_1", "attempts": 2}),
+            ),
+            (
+                Event::DeviceQuarantineAbandoned {
+                    device_id: device(),
+                    attempts: 4,
+                    error: "wipe failed".into(),
+                },
+                "device.quarantine-abandoned",
+                json!({"deviceId": "dev_1", "attempts": 4, "error": "wipe failed"}),
+            ),
+            (
+                Event::DeviceOrphanPurged {
+                    platform: Platform::Android,
+                    driver_device_id: "simlock-a1".into(),
+                },
+                "device.orphan-purged",
+                json!({"platform": "android", "driverDeviceId": "simlock-a1"}),
+            ),
+            (
+                Event::DriverSwept {
+                    platform: Platform::Ios,
+                    purged: 2,
+                },
+                "driver.swept",
+                json!({"platform": "ios", "purged": 2}),
+            ),
+            (
+                Event::DeviceSweepFailed {
+                    platform: Platform::Ios,
+                    error: "simctl failed".into(),
+                },
+                "device.sweep-failed",
+                json!({"platform": "ios", "error": "simctl failed"}),
+            ),
+        ];
+        for (event, name, payload) in cases {
+            assert_eq!(event.parts(), (name.to_owned(), payload.clone()), "{name}");
+            assert_eq!(
+                Event::from_envelope(&envelope(name, payload)),
+                Some(event),
+                "{name} reads back"
+            );
+        }
     }
 
     #[test]

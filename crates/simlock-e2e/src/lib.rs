@@ -18,7 +18,7 @@ use std::time::Duration;
 use serde_json::{Value, json};
 use simlock_contract::model::{Connection, WorkerView};
 use simlock_contract::{ContractError, Hello, PROTOCOL_RANGE};
-use simlock_daemon::config::{CapacityStrategy, Config};
+use simlock_daemon::config::{CapacityStrategy, Config, DriverChoice};
 use simlock_daemon::home::Home;
 use simlock_gateway::{GatewayOptions, RunningGateway};
 use simlock_wire::{Transport, Unsolicited, WireClient};
@@ -29,9 +29,12 @@ use tempfile::TempDir;
 /// fail a hang.
 pub const PATIENCE: Duration = Duration::from_secs(60);
 
-/// A worker configuration for tests: fixed capacity, quick virtual devices.
+/// A worker configuration for tests: fixed capacity, quick virtual devices (on both platforms,
+/// whatever tools the machine has).
 pub fn worker_config(max_running: u32) -> Config {
     let mut config = Config::default();
+    config.drivers.ios.driver = DriverChoice::Virtual;
+    config.drivers.android.driver = DriverChoice::Virtual;
     config.capacity.strategy = CapacityStrategy::Fixed;
     config.capacity.max_running = max_running;
     config.virtual_devices.provision_ms = 20;

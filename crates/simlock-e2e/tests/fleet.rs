@@ -687,6 +687,95 @@ async fn refused_uplinks_get_their_statuses_and_change_no_view() {
     fleet.stop().await;
 }
 
+/// A hand-made uplink handshake (a WebSocket client always sends version 13): the status line
+/// and the head.
+async fn raw_uplink(addr: &str, join: &str, version: Option<&str>) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let mut head = format!(
+        "GET /v1/uplink HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\
+         Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nx-simlock-worker-id: old-client\r\n\
+         Authorization: Bearer {join}\r\n"
+    );
+    if let Some(version) = version {
+        head.push_str(&format!("Sec-WebSocket-Version: {version}\r\n"));
+    }
+    head.push_str("\r\n");
+    stream.write_all(head.as_bytes()).await.unwrap();
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 4096];
+    let read = tokio::time::timeout(PATIENCE, async {
+        loop {
+            let text = String::from_utf8_lossy(&seen).into_owned();
+            // A refusal has a JSON body after its head; a 101 has nothing after it.
+            if let Some((head, body)) = text.split_once("\r\n\r\n")
+                && (head.starts_with("HTTP/1.1 101") || body.ends_with('}'))
+            {
+                return text;
+            }
+            let n = stream.read(&mut buf).await.unwrap();
+            if n == 0 {
+                return text;
+            }
+            seen.extend_from_slice(&buf[..n]);
+        }
+    });
+    read.await.expect("the gateway answered the handshake")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_uplink_with_another_websocket_version_or_none_gets_426_and_records_nothing() {
+    let fleet = TestFleet::start(gateway_config()).await;
+    let addr = fleet.gateway().running.http_addr().unwrap().to_string();
+    for version in [Some("8"), Some("12"), Some("13, 8"), None] {
+        let answer = raw_uplink(&addr, &fleet.join_token, version).await;
+        let (head, body) = answer.split_once("\r\n\r\n").unwrap();
+        assert!(head.starts_with("HTTP/1.1 426"), "{version:?}: {answer}");
+        assert!(
+            head.to_ascii_lowercase()
+                .contains("\r\nsec-websocket-version: 13"),
+            "{version:?}: the refusal names version 13: {head}"
+        );
+        let error: Value = serde_json::from_str(body).unwrap();
+        assert_eq!(error["error"]["code"], "BAD_REQUEST");
+        assert!(
+            error["error"]["message"]
+                .as_str()
+                .unwrap()
+                .starts_with("Sec-WebSocket-Version:"),
+            "{body}"
+        );
+    }
+    // The same handshake with version 13 is taken: the refusals were for the version alone.
+    let answer = raw_uplink(&addr, &fleet.join_token, Some("13")).await;
+    assert!(answer.starts_with("HTTP/1.1 101"), "{answer}");
+    fleet
+        .wait_for(|views| views.iter().any(|v| v.id == "old-client"))
+        .await;
+    let events = fleet
+        .operator()
+        .await
+        .call("events.replay", json!({}))
+        .await
+        .unwrap();
+    let about_it: Vec<&Value> = events["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["payload"]["workerId"] == "old-client")
+        .collect();
+    assert!(
+        about_it.iter().all(|e| e["event"] != "worker.rejected"),
+        "a refused version records nothing: {about_it:?}"
+    );
+    assert_eq!(
+        fleet.gateway().fleet.views().len(),
+        1,
+        "only the accepted handshake made a worker"
+    );
+    fleet.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn revoking_a_join_token_closes_its_uplinks() {
     let mut fleet = TestFleet::start(gateway_config()).await;

@@ -261,7 +261,7 @@ impl Fleet {
         while let Some(effect) = shared.core.poll_effect() {
             match effect {
                 Effect::Answer { request, outcome } => {
-                    let outcome = Box::new(outcome.map_err(ContractError::from));
+                    let outcome = Box::new((*outcome).map_err(ContractError::from));
                     for tx in shared.followers.remove(&request).unwrap_or_default() {
                         let _ = tx.send(Update::Done(outcome.clone()));
                     }

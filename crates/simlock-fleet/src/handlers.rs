@@ -43,7 +43,7 @@ pub fn register(
         let out = match input.kind {
             ListKind::Devices => ListOutput::Devices(f.devices()),
             ListKind::Leases => ListOutput::Leases(f.leases(&ctx)),
-            ListKind::Requests => ListOutput::Requests(f.all_waiting()),
+            ListKind::Requests => ListOutput::Requests(f.all_waiting(ctx.viewer())),
             ListKind::Rules => ListOutput::Rules(Vec::new()),
         };
         async move { Ok(out) }
@@ -105,8 +105,8 @@ pub fn register(
         async move { f.exec(&ctx, input).await }
     });
     let f = fleet.clone();
-    router.handle::<WorkerList, _, _>(move |_, _| {
-        let workers = f.views();
+    router.handle::<WorkerList, _, _>(move |ctx, _| {
+        let workers = f.views_seen_by(ctx.viewer());
         async move { Ok(WorkerListOutput { workers }) }
     });
     let f = fleet.clone();

@@ -196,7 +196,7 @@ impl Fleet {
     /// from the moment their grant is answered); others (leases made on a worker directly) as
     /// they are, with the worker's id, for admins. An agent sees only the gateway leases it owns.
     pub fn leases(&self, ctx: &CallCtx) -> Vec<LeaseRecord> {
-        self.shared.lock().core.leases(caller(ctx))
+        self.shared.lock().core.leases(ctx.viewer())
     }
 }
 

@@ -18,9 +18,9 @@ use parking_lot::Mutex;
 use serde_json::Value;
 use simlock_contract::ids::{DeviceId, LeaseId};
 use simlock_contract::model::{
-    Capacity, Connection, DaemonInfo, Device, DeviceSpec, DeviceState, GrantDevice, GrantTiming,
-    Health, HostFacts, LeaseEndReason, LeaseGrant, LeaseLimits, LeaseRecord, Mode, Platform,
-    PlatformCatalog, WorkerView,
+    Capacity, Connection, DaemonInfo, Device, DeviceAccess, DeviceSpec, DeviceState, GrantDevice,
+    GrantTiming, Health, HostFacts, LeaseEndReason, LeaseGrant, LeaseLimits, LeaseRecord, Mode,
+    Platform, PlatformCatalog, WorkerView,
 };
 use simlock_contract::ops::{
     CancelResult, CatalogGet, CatalogOutput, ConfigGet, ConfigView, DeviceExec, ExecOutput,
@@ -156,6 +156,7 @@ impl State {
             id_chosen_by_requester: false,
             worker: None,
             worker_id: None,
+            access: Some(access()),
         };
         self.leases
             .lock()
@@ -166,8 +167,9 @@ impl State {
                 driver_device_id: "UDID-1".to_owned(),
                 spec: spec(),
                 address: None,
+                access: Some(access()),
             },
-            environment: BTreeMap::from([("SIMLOCK_UDID".to_owned(), "UDID-1".to_owned())]),
+            environment: access().environment(lease.id.as_str(), &lease.device_id),
             lease,
             timing: GrantTiming::default(),
         }
@@ -191,6 +193,14 @@ impl State {
     }
 }
 
+/// How the fake's device is reached: a simulator in a set whose path needs shell quoting.
+fn access() -> DeviceAccess {
+    DeviceAccess::IosSimulator {
+        udid: "UDID-1".to_owned(),
+        device_set: "/tmp/it's a set".to_owned(),
+    }
+}
+
 fn spec() -> DeviceSpec {
     DeviceSpec {
         platform: Platform::Ios,
@@ -208,6 +218,10 @@ fn device() -> Device {
         created_at: 1_700_000_000_000,
         last_lease_ended_at: None,
         worker_id: None,
+        access: None,
+        quarantine_attempts: None,
+        quarantine_next_retry_at: None,
+        recovery_attempts: None,
     }
 }
 
@@ -595,6 +609,7 @@ fn register(router: &mut Router, state: &Arc<State>) {
                 max_ttl_ms: 14_400_000,
             }),
             workers: None,
+            drivers: None,
         };
         async move { Ok(output) }
     });
@@ -611,6 +626,7 @@ fn register(router: &mut Router, state: &Arc<State>) {
                 model_aliases: BTreeMap::new(),
                 model_workers: None,
                 runtime_workers: None,
+                unavailable: None,
             }],
         };
         async move { Ok(output) }

@@ -54,6 +54,7 @@ pub fn bookkeeping(op: &str, name: &str) -> Option<Result<Value, ContractError>>
             capabilities: None,
             lease: None,
             workers: None,
+            drivers: None,
         }),
         "list.get" => serde_json::to_value(ListOutput::Devices(Vec::new())),
         "catalog.get" => serde_json::to_value(CatalogOutput {

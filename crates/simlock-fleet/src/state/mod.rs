@@ -26,7 +26,9 @@ mod tests;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 
-use simlock_contract::event::{Event, RejectionReason, WaitPolicy, WorkerRemovedReason};
+use simlock_contract::event::{
+    CrashedDevice, Event, RejectionReason, WaitPolicy, WorkerRemovedReason,
+};
 use simlock_contract::ids::{LeaseId, RequestId};
 use simlock_contract::model::{
     Connection, EventEnvelope, LeaseEndReason, LeaseGrant, LeaseLimits, LeaseRecord, ProtocolPair,
@@ -35,6 +37,7 @@ use simlock_contract::model::{
 use simlock_contract::ops::{CancelResult, LeaseRequestInput, StatusOutput};
 use simlock_contract::push::{Progress, Push};
 use simlock_contract::{ContractError, ErrorCode, ProtocolRange};
+use simlock_daemon::context::Viewer;
 use tracing::{info, warn};
 
 use crate::error::FleetError;
@@ -80,10 +83,29 @@ pub struct Caller<'a> {
     pub connection: Option<u64>,
 }
 
-impl Caller<'_> {
-    fn may_act_for(self, owner: &str) -> bool {
-        self.admin || owner == self.principal
+impl<'a> Caller<'a> {
+    /// The caller as the one visibility rule sees it ([`Viewer::may_see`]).
+    pub const fn viewer(self) -> Viewer<'a> {
+        Viewer {
+            principal: self.principal,
+            admin: self.admin,
+        }
     }
+
+    fn may_act_for(self, owner: &str) -> bool {
+        self.viewer().may_see(owner)
+    }
+}
+
+/// How one of a worker's leases shows to a viewer at the gateway ([`Core::seen`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Seen<'a> {
+    /// A lease the gateway issued, and the viewer's to see (its owner, or an admin).
+    Issued(&'a Entry),
+    /// A lease made on the worker directly: an admin's to see.
+    Direct,
+    /// Not the viewer's to see.
+    Hidden,
 }
 
 /// A `lease.request` arriving at the gateway.
@@ -153,8 +175,8 @@ pub enum Effect {
     Answer {
         /// The request.
         request: RequestId,
-        /// Its outcome.
-        outcome: Result<LeaseGrant, FleetError>,
+        /// Its outcome (boxed: a grant is large beside the other effects).
+        outcome: Box<Result<LeaseGrant, FleetError>>,
     },
     /// Tell a waiter's callers how it goes.
     Progress {
@@ -447,9 +469,15 @@ impl Core {
 
     /// The fleet queue's waiting requests, oldest first.
     pub fn waiting(&self) -> Vec<WaitingRequest> {
+        self.waiting_seen_by(Viewer::ADMIN)
+    }
+
+    /// The fleet queue's waiting requests `viewer` may see (an agent its own), oldest first.
+    fn waiting_seen_by(&self, viewer: Viewer<'_>) -> Vec<WaitingRequest> {
         self.queue
             .waiters
             .iter()
+            .filter(|w| viewer.may_see(&w.owner))
             .map(|w| WaitingRequest {
                 id: w.id.clone(),
                 requester_id: w.requester.clone(),
@@ -466,33 +494,97 @@ impl Core {
             .collect()
     }
 
+    /// Every request waiting, as far as `viewer` may see them: the fleet queue's (an agent its
+    /// own), then each worker's own with its worker's id (an agent only those the gateway
+    /// forwarded for a pending request of its own; [`Self::may_see_forwarded`]).
+    pub fn all_waiting(&self, viewer: Viewer<'_>) -> Vec<WaitingRequest> {
+        let mut waiting = self.waiting_seen_by(viewer);
+        for view in self.view_refs() {
+            for w in view.waiting.as_deref().unwrap_or_default() {
+                if self.may_see_forwarded(viewer, &w.requester_id) {
+                    let mut w = w.clone();
+                    w.worker_id = Some(view.id.clone());
+                    waiting.push(w);
+                }
+            }
+        }
+        waiting
+    }
+
+    /// Every view, in id order, with the nested leases and waiting requests `viewer` may see:
+    /// an admin the views as the workers report them; an agent only its own leases (the rule
+    /// of the lease list, [`Self::seen`]) and requests ([`Self::may_see_forwarded`]).
+    pub fn views_seen_by(&self, viewer: Viewer<'_>) -> Vec<WorkerView> {
+        if viewer.admin {
+            return self.views();
+        }
+        self.view_refs()
+            .map(|view| {
+                let mut view = view.clone();
+                if let Some(leases) = view.leases.as_mut() {
+                    leases.retain(|lease| {
+                        matches!(self.seen(viewer, &view.id, lease), Seen::Issued(_))
+                    });
+                }
+                if let Some(waiting) = view.waiting.as_mut() {
+                    waiting.retain(|w| self.may_see_forwarded(viewer, &w.requester_id));
+                }
+                view
+            })
+            .collect()
+    }
+
+    /// The rule for a worker's lease at the gateway, for the lease list and the workers' nested
+    /// views alike: a lease the gateway issued is its owner's (and an admin's) to see, through
+    /// [`Viewer::may_see`]; one made on the worker directly is an admin's; one the index does
+    /// not hold (yet, or any more) is nobody's in the list.
+    pub fn seen(&self, viewer: Viewer<'_>, worker_id: &str, lease: &LeaseRecord) -> Seen<'_> {
+        match self.index.by_worker_lease(worker_id, lease.id.as_str()) {
+            Some(entry) if viewer.may_see(&entry.owner_id) => Seen::Issued(entry),
+            Some(_) => Seen::Hidden,
+            None if viewer.admin && !lease.requester_id.starts_with(&self.prefix) => Seen::Direct,
+            None => Seen::Hidden,
+        }
+    }
+
+    /// Whether `viewer` may see a request waiting on a worker: one the gateway forwarded (its
+    /// requester namespaced `gw:<id>:`) for a pending request of the viewer's. A request made
+    /// on the worker directly is an admin's to see.
+    fn may_see_forwarded(&self, viewer: Viewer<'_>, worker_requester: &str) -> bool {
+        viewer.admin
+            || worker_requester
+                .strip_prefix(self.prefix.as_str())
+                .and_then(|requester| self.pending_owner(requester))
+                .is_some_and(|owner| viewer.may_see(owner))
+    }
+
     /// Every lease on every worker, projected: the gateway's own with their gateway ids (from
     /// the index, so a lease is listed from the moment its grant is answered, before any view
     /// shows it); others (leases made on a worker directly) as they are, with the worker's id,
-    /// for admins. An agent sees only the gateway leases it owns.
-    pub fn leases(&self, caller: Caller<'_>) -> Vec<LeaseRecord> {
+    /// for admins. Who sees which is [`Self::seen`]'s rule: an agent sees only the gateway
+    /// leases it owns.
+    pub fn leases(&self, viewer: Viewer<'_>) -> Vec<LeaseRecord> {
         let mut out = Vec::new();
         for (worker_id, worker) in &self.workers {
             let view = &worker.view;
             let mut listed = BTreeSet::new();
             for lease in view.leases.as_deref().unwrap_or_default() {
-                match self.index.by_worker_lease(worker_id, lease.id.as_str()) {
-                    Some(entry) => {
+                match self.seen(viewer, worker_id, lease) {
+                    Seen::Issued(entry) => {
                         listed.insert(entry.lease_id.clone());
-                        if caller.may_act_for(&entry.owner_id) {
-                            out.push(entry.project(view.label.clone()));
-                        }
+                        out.push(entry.project(view.label.clone()));
                     }
-                    None if caller.admin && !lease.requester_id.starts_with(&self.prefix) => {
+                    Seen::Direct => {
                         let mut lease = lease.clone();
                         lease.worker_id = Some(view.id.clone());
                         out.push(lease);
                     }
-                    None => {}
+                    Seen::Hidden => {}
                 }
             }
+            // Granted, and not in the view yet: listed from the index.
             for entry in self.index.of_worker(worker_id) {
-                if !listed.contains(&entry.lease_id) && caller.may_act_for(&entry.owner_id) {
+                if !listed.contains(&entry.lease_id) && viewer.may_see(&entry.owner_id) {
                     out.push(entry.project(view.label.clone()));
                 }
             }
@@ -838,8 +930,9 @@ impl Core {
     // === Worker events ===
 
     /// A worker's event arrived on `generation`: lease ends end the gateway's lease and reach
-    /// its owner; a renew updates the view in place (ADR 0015); other lease and device events
-    /// ask for a refresh; every event but the `worker.*` ones (gateway-only facts) is relayed
+    /// its owner; a leased device's crash and recovery reach the gateway lease's owner as
+    /// `device-unhealthy` and `device-recovered`; a renew updates the view in place (ADR 0015);
+    /// other lease and device events ask for a refresh; every event but the `worker.*` ones (gateway-only facts) is relayed
     /// onto the gateway's bus with its worker id.
     pub fn handle_worker_event(&mut self, generation: u64, mut envelope: EventEnvelope, now: i64) {
         let Some(worker_id) = self.worker_of_generation(generation).map(str::to_owned) else {
@@ -886,6 +979,33 @@ impl Core {
                     self.ask_refresh(&worker_id, false, now);
                 }
             }
+            Some(Event::DeviceCrashDetected {
+                device_id,
+                seen:
+                    CrashedDevice::Leased {
+                        lease_id: Some(lease_id),
+                    },
+                reason,
+            }) => {
+                self.device_health(&worker_id, &lease_id, |lease_id| Push::DeviceUnhealthy {
+                    lease_id,
+                    device_id,
+                    reason,
+                });
+                self.ask_refresh(&worker_id, false, now);
+            }
+            Some(Event::DeviceRecovered {
+                device_id,
+                lease_id,
+                attempts,
+            }) => {
+                self.device_health(&worker_id, &lease_id, |lease_id| Push::DeviceRecovered {
+                    lease_id,
+                    device_id,
+                    attempts,
+                });
+                self.ask_refresh(&worker_id, false, now);
+            }
             _ if envelope.event.starts_with("lease.") || envelope.event.starts_with("device.") => {
                 self.ask_refresh(&worker_id, false, now);
             }
@@ -895,6 +1015,27 @@ impl Core {
             payload.insert("workerId".into(), serde_json::Value::String(worker_id));
         }
         self.fx.push_back(Effect::Relay(envelope));
+    }
+
+    /// A worker's leased device crashed or recovered: the owner of the gateway lease hears it
+    /// (`push`, under the gateway's lease id). The owner comes from the index, never from the
+    /// relayed event; a lease the index does not hold is nobody's here.
+    fn device_health(
+        &mut self,
+        worker_id: &str,
+        worker_lease_id: &str,
+        push: impl FnOnce(String) -> Push,
+    ) {
+        let Some(entry) = self.index.by_worker_lease(worker_id, worker_lease_id) else {
+            return;
+        };
+        let owner = entry.owner_id.clone();
+        let push = push(entry.lease_id.clone());
+        self.fx.push_back(Effect::Notice {
+            owner,
+            push,
+            except: None,
+        });
     }
 
     /// A worker says one of its leases ended: drop it from the index and tell its owner, once.
@@ -1106,7 +1247,7 @@ impl Core {
         self.queue.settle_book(id, &outcome, now);
         self.fx.push_back(Effect::Answer {
             request: id.clone(),
-            outcome,
+            outcome: Box::new(outcome),
         });
     }
 

@@ -51,12 +51,13 @@ pub struct Match {
     pub model: Option<String>,
 }
 
-/// The catalog entry for `platform` in `view`.
+/// The catalog entry for `platform` in `view`, when its driver can serve (an entry marked
+/// unavailable counts as no driver).
 fn catalog_of(view: &WorkerView, platform: Platform) -> Option<&PlatformCatalog> {
     view.catalog
         .as_ref()?
         .iter()
-        .find(|c| c.platform == platform)
+        .find(|c| c.platform == platform && c.unavailable.is_none())
 }
 
 /// Whether `view`'s catalog can serve `wanted`, and under which model name.

@@ -329,6 +329,7 @@ fn sim_catalog() -> Vec<PlatformCatalog> {
         model_aliases: BTreeMap::new(),
         model_workers: None,
         runtime_workers: None,
+        unavailable: None,
     }]
 }
 
@@ -383,6 +384,7 @@ impl SimWorker {
                 max_ttl_ms: 60_000,
             }),
             workers: None,
+            drivers: None,
         }
     }
 
@@ -614,7 +616,7 @@ impl Sim {
                     self.disconnect(w)?;
                 }
             }
-            Effect::Answer { request, outcome } => self.answered(&request, outcome)?,
+            Effect::Answer { request, outcome } => self.answered(&request, *outcome)?,
             Effect::Notice {
                 owner,
                 push,
@@ -1181,6 +1183,7 @@ impl Sim {
             id_chosen_by_requester: false,
             worker: None,
             worker_id: None,
+            access: None,
         };
         worker.leases.insert(id.clone(), record.clone());
         let event = Event::LeaseGranted {
@@ -1198,6 +1201,7 @@ impl Sim {
                 driver_device_id: "udid".into(),
                 spec: spec(),
                 address: None,
+                access: None,
             },
             environment: BTreeMap::from([("SIMLOCK_LEASE_ID".to_owned(), id)]),
             lease: record,
@@ -1659,7 +1663,7 @@ impl Sim {
                 }
                 if !self
                     .core
-                    .leases(caller)
+                    .leases(caller.viewer())
                     .iter()
                     .any(|l| l.id.as_str() == lease_id)
                 {

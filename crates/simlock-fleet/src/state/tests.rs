@@ -39,6 +39,7 @@ fn record(id: &str, requester: &str, granted_at: i64) -> LeaseRecord {
         id_chosen_by_requester: false,
         worker: None,
         worker_id: None,
+        access: None,
     }
 }
 
@@ -83,6 +84,7 @@ fn status(leases: Vec<LeaseRecord>, slots: u32) -> StatusOutput {
         capabilities: Some(Vec::new()),
         lease: None,
         workers: None,
+        drivers: None,
     }
 }
 
@@ -99,6 +101,7 @@ fn refresh(leases: Vec<LeaseRecord>, slots: u32) -> Refresh {
             model_aliases: BTreeMap::new(),
             model_workers: None,
             runtime_workers: None,
+            unavailable: None,
         }]),
         limits: None,
     }
@@ -115,6 +118,7 @@ fn grant(record: LeaseRecord) -> LeaseGrant {
                 os_version: "18.2".into(),
             },
             address: None,
+            access: None,
         },
         environment: BTreeMap::from([("SIMLOCK_LEASE_ID".to_owned(), record.id.to_string())]),
         lease: record,
@@ -181,7 +185,7 @@ fn answers(effects: &[Effect]) -> Vec<(RequestId, Result<String, ErrorCode>)> {
         .filter_map(|e| match e {
             Effect::Answer { request, outcome } => Some((
                 request.clone(),
-                outcome
+                (**outcome)
                     .as_ref()
                     .map(|g| g.lease.id.to_string())
                     .map_err(FleetError::code),
@@ -255,7 +259,7 @@ fn a_grant_is_indexed_in_the_decision_that_answers_it() {
             .worker_lease_id,
         "lse_a"
     );
-    let listed = core.leases(agent());
+    let listed = core.leases(agent().viewer());
     assert_eq!(listed.len(), 1);
     assert_eq!(listed[0].id.as_str(), "w1.lse_a");
     assert_eq!(listed[0].requester_id, "agent");
@@ -333,7 +337,7 @@ fn an_end_before_its_grants_answer_reaches_the_owner_after_the_grant() {
     let effects = core.take_effects();
     let answer = effects
         .iter()
-        .position(|e| matches!(e, Effect::Answer { outcome: Ok(_), .. }))
+        .position(|e| matches!(e, Effect::Answer { outcome, .. } if outcome.is_ok()))
         .unwrap();
     let notice = effects
         .iter()
@@ -870,4 +874,216 @@ fn a_refresh_events_ask_for_waits_the_gap_after_the_last_one() {
         refresh_sent(&core.take_effects()).is_some(),
         "one read for the three asks"
     );
+}
+
+fn requested_ios() -> simlock_contract::model::RequestedDevice {
+    simlock_contract::model::RequestedDevice {
+        platform: Platform::Ios,
+        model: None,
+        os_version: None,
+        requires: Vec::new(),
+    }
+}
+
+fn notices(effects: &[Effect]) -> Vec<(String, Push)> {
+    effects
+        .iter()
+        .filter_map(|e| match e {
+            Effect::Notice { owner, push, .. } => Some((owner.clone(), push.clone())),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn a_leased_devices_crash_and_recovery_reach_the_gateway_leases_owner() {
+    let (mut core, generation) = fleet(1);
+    let lease_id = granted(&mut core, generation);
+    let crashed = Event::DeviceCrashDetected {
+        device_id: DeviceId::from_raw("dev_1"),
+        seen: CrashedDevice::Leased {
+            lease_id: Some("lse_a".into()),
+        },
+        reason: simlock_contract::push::UnhealthyReason::Crashed,
+    };
+    let (name, payload) = crashed.parts();
+    core.handle_worker_event(generation, event(&name, payload), T0);
+    let effects = core.take_effects();
+    assert_eq!(
+        notices(&effects),
+        [(
+            "agent".to_owned(),
+            Push::DeviceUnhealthy {
+                lease_id: lease_id.clone(),
+                device_id: DeviceId::from_raw("dev_1"),
+                reason: simlock_contract::push::UnhealthyReason::Crashed,
+            }
+        )],
+        "under the gateway's lease id, to the owner the index names"
+    );
+    assert!(
+        refresh_sent(&effects).is_some(),
+        "a device event reads the view"
+    );
+    let recovered = Event::DeviceRecovered {
+        device_id: DeviceId::from_raw("dev_1"),
+        lease_id: "lse_a".into(),
+        attempts: 2,
+    };
+    let (name, payload) = recovered.parts();
+    core.handle_worker_event(generation, event(&name, payload), T0);
+    assert_eq!(
+        notices(&core.take_effects()),
+        [(
+            "agent".to_owned(),
+            Push::DeviceRecovered {
+                lease_id,
+                device_id: DeviceId::from_raw("dev_1"),
+                attempts: 2,
+            }
+        )]
+    );
+}
+
+#[test]
+fn a_crash_of_a_lease_the_index_does_not_hold_or_of_a_free_device_reaches_nobody() {
+    let (mut core, generation) = fleet(1);
+    granted(&mut core, generation);
+    // A lease made on the worker directly, whatever owner its event names.
+    let foreign = serde_json::json!({"deviceId": "dev_2", "leaseId": "lse_other", "reason": "crashed", "ownerId": "agent"});
+    core.handle_worker_event(generation, event("device.crash-detected", foreign), T0);
+    let recovered = serde_json::json!({"deviceId": "dev_2", "leaseId": "lse_other", "attempts": 1});
+    core.handle_worker_event(generation, event("device.recovered", recovered), T0);
+    // A free device seen stopped names no lease.
+    let free = Event::DeviceCrashDetected {
+        device_id: DeviceId::from_raw("dev_3"),
+        seen: CrashedDevice::Free {
+            spec: DeviceSpec {
+                platform: Platform::Ios,
+                model: "iPhone 16".into(),
+                os_version: "18.2".into(),
+            },
+        },
+        reason: simlock_contract::push::UnhealthyReason::Crashed,
+    };
+    let (name, payload) = free.parts();
+    core.handle_worker_event(generation, event(&name, payload), T0);
+    let effects = core.take_effects();
+    assert_eq!(notices(&effects), []);
+    assert_eq!(
+        effects
+            .iter()
+            .filter(|e| matches!(e, Effect::Relay(_)))
+            .count(),
+        3,
+        "each is relayed onto the gateway's bus all the same"
+    );
+}
+
+#[test]
+fn an_agent_sees_only_its_own_leases_and_requests_in_the_workers_views_and_the_waiting_list() {
+    let (mut core, generation) = fleet(2);
+    granted(&mut core, generation);
+    // Another agent waits in the fleet queue (the worker's view is full).
+    let full = refresh(
+        vec![
+            record("lse_a", "gw:g1:agent", T0),
+            record("lse_direct", "local", T0),
+        ],
+        2,
+    );
+    core.handle_worker_event(generation, event("device.ready", serde_json::json!({})), T0);
+    let sent = refresh_sent(&core.take_effects()).unwrap();
+    let mut full = full;
+    full.status.waiting = Some(vec![
+        WaitingRequest {
+            id: RequestId::from_raw("req_w1"),
+            requester_id: "gw:g1:other".into(),
+            spec: requested_ios(),
+            created_at: T0,
+            stage: WaitStage::Queued,
+            queue_position: Some(1),
+            worker_id: None,
+        },
+        WaitingRequest {
+            id: RequestId::from_raw("req_w2"),
+            requester_id: "local".into(),
+            spec: requested_ios(),
+            created_at: T0,
+            stage: WaitStage::Queued,
+            queue_position: Some(2),
+            worker_id: None,
+        },
+    ]);
+    core.handle_refreshed(generation, sent, full, T0);
+    core.take_effects();
+    core.handle_lease_request(
+        Ask {
+            request_id: RequestId::from_raw("req_o"),
+            input: ios(),
+            principal: "other".into(),
+        },
+        T0,
+    )
+    .unwrap();
+    core.take_effects();
+
+    let agent = agent().viewer();
+    let view = &core.views_seen_by(agent)[0];
+    let leases: Vec<&str> = view
+        .leases
+        .as_deref()
+        .unwrap()
+        .iter()
+        .map(|l| l.id.as_str())
+        .collect();
+    assert_eq!(leases, ["lse_a"], "its own, not the worker's local lease");
+    assert_eq!(
+        view.waiting.as_deref(),
+        Some(&[][..]),
+        "not another's request"
+    );
+    assert!(
+        core.all_waiting(agent).is_empty(),
+        "neither the fleet queue's nor the worker's requests of others"
+    );
+
+    let other = Viewer {
+        principal: "other",
+        admin: false,
+    };
+    let view = &core.views_seen_by(other)[0];
+    assert_eq!(view.leases.as_deref(), Some(&[][..]));
+    let waiting: Vec<&str> = view
+        .waiting
+        .as_deref()
+        .unwrap()
+        .iter()
+        .map(|w| w.id.as_str())
+        .collect();
+    assert_eq!(
+        waiting,
+        ["req_w1"],
+        "the request forwarded for its pending one"
+    );
+    let all: Vec<String> = core
+        .all_waiting(other)
+        .into_iter()
+        .map(|w| format!("{}@{}", w.id, w.worker_id.unwrap_or_default()))
+        .collect();
+    assert_eq!(all, ["req_o@", "req_w1@w1"]);
+
+    let admin = Viewer::ADMIN;
+    assert_eq!(
+        core.views_seen_by(admin),
+        core.views(),
+        "as the workers report them"
+    );
+    assert_eq!(core.all_waiting(admin).len(), 3);
+    let listed: Vec<String> = core
+        .leases(admin)
+        .into_iter()
+        .map(|l| l.id.to_string())
+        .collect();
+    assert_eq!(listed, ["w1.lse_a", "lse_direct"]);
 }

@@ -150,6 +150,7 @@ mod tests {
             id_chosen_by_requester: false,
             worker: None,
             worker_id: None,
+            access: None,
         }
     }
 

@@ -17,6 +17,7 @@ fn lease(id: &str, requester: &str) -> LeaseRecord {
         id_chosen_by_requester: false,
         worker: None,
         worker_id: None,
+        access: None,
     }
 }
 
