@@ -496,7 +496,7 @@ impl Core {
 
     /// Every request waiting, as far as `viewer` may see them: the fleet queue's (an agent its
     /// own), then each worker's own with its worker's id (an agent only those the gateway
-    /// forwarded for a pending request of its own; [`Self::may_see_forwarded`]).
+    /// forwarded for a pending request of its own).
     pub fn all_waiting(&self, viewer: Viewer<'_>) -> Vec<WaitingRequest> {
         let mut waiting = self.waiting_seen_by(viewer);
         for view in self.view_refs() {
@@ -513,7 +513,7 @@ impl Core {
 
     /// Every view, in id order, with the nested leases and waiting requests `viewer` may see:
     /// an admin the views as the workers report them; an agent only its own leases (the rule
-    /// of the lease list, [`Self::seen`]) and requests ([`Self::may_see_forwarded`]).
+    /// of the lease list, [`Self::seen`]) and the requests the gateway forwarded for it.
     pub fn views_seen_by(&self, viewer: Viewer<'_>) -> Vec<WorkerView> {
         if viewer.admin {
             return self.views();
