@@ -1,4 +1,4 @@
-//! `cargo xtask bench [link|relay|all]`: runs the benchmarks and collects the final
+//! `cargo xtask bench [link|relay|fleet|all]`: runs the benchmarks and collects the final
 //! `<name> key=value ...` line each one prints.
 
 use std::process::ExitCode;
@@ -17,6 +17,9 @@ pub(crate) enum Which {
     /// A 256 MiB agent-device upload through a worker's `/v1/agent-device`, against straight to
     /// the daemon.
     AgentDevice,
+    /// The fleet core's simulation (10 000 seeds) and lease cycles over HTTP through a gateway
+    /// and two workers, against one worker directly.
+    Fleet,
     /// Every benchmark that exists.
     All,
 }
@@ -40,6 +43,11 @@ const BENCHES: &[Bench] = &[
         target: "relay",
     },
     Bench {
+        name: "fleet",
+        package: "simlock-e2e",
+        target: "fleet",
+    },
+    Bench {
         name: "agent-device",
         package: "simlock-e2e",
         target: "agent_device",
@@ -55,6 +63,7 @@ pub(crate) fn run(which: Which) -> Result<ExitCode> {
         Which::Link => bench.name == "link",
         Which::Relay => bench.name == "relay",
         Which::AgentDevice => bench.name == "agent-device",
+        Which::Fleet => bench.name == "fleet",
         Which::All => true,
     });
     let mut results = Vec::new();

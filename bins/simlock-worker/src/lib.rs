@@ -8,6 +8,7 @@ use agent_device_front::{Front, FrontOptions, LeaseId};
 use agent_device_host::{AgentDeviceHost, Daemon, HostOptions, InProcessHostLink};
 use futures::FutureExt;
 
+use simlock_contract::event::{Event, EventModule};
 use simlock_contract::model::Mode;
 use simlock_core::{SystemFacts, Worker, WorkerParts};
 use simlock_daemon::clock::SharedClock;
@@ -257,9 +258,11 @@ pub async fn start(options: WorkerOptions) -> Result<RunningWorker, StartError> 
                 match held.start(&gate) {
                     Ok(()) => {
                         bus.emit(
-                            "daemon.started",
-                            "daemon",
-                            serde_json::json!({ "version": version, "mode": Mode::Worker }),
+                            EventModule::Daemon,
+                            &Event::DaemonStarted {
+                                version,
+                                mode: Mode::Worker,
+                            },
                         );
                     }
                     Err(e) => tracing::warn!(error = %e.message, "start-up failed"),

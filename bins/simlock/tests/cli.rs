@@ -11,11 +11,11 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use serde_json::{Value, json};
-use simlock_client::test_util::{CancelScript, FakeDaemon, RequestScript};
 use simlock_contract::ids::DeviceId;
 use simlock_contract::model::LeaseEndReason;
 use simlock_contract::push::{Progress, UnhealthyReason};
 use simlock_contract::{ContractError, ErrorCode, Push};
+use simlock_test_support::fake_daemon::{CancelScript, FakeDaemon, RequestScript};
 use tokio::io::{AsyncBufReadExt as _, AsyncRead, BufReader, Lines};
 use tokio::process::{Child, Command};
 

@@ -8,8 +8,8 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
-use serde_json::{Value, json};
 use simlock_contract::ContractError;
+use simlock_contract::event::{CrashedDevice, Event, EventModule, RejectionReason, WaitPolicy};
 use simlock_contract::ids::{DeviceId, LeaseId, RequestId};
 use simlock_contract::model::{
     Capacity, Device, DeviceAccess, DeviceSpec, DeviceState, GrantDevice, GrantTiming,
@@ -25,10 +25,10 @@ use crate::driver::{Adopted, DriverError, Estimates, Keep, Observation, RunState
 use crate::error::CoreError;
 use crate::queue::{LeaseTerms, Pending, Source, Stage, TimedOut, WaitQueue, Waiter};
 
-/// Module name of lease and queue events.
-const LEASES: &str = "lease-lifecycle";
-/// Module name of device events.
-const DEVICES: &str = "devices";
+/// The module of lease and queue events.
+const LEASES: EventModule = EventModule::LeaseLifecycle;
+/// The module of device events.
+const DEVICES: EventModule = EventModule::Devices;
 /// Device work attempts a waiting request survives before it fails.
 const MAX_WORK_FAILURES: u32 = 3;
 
@@ -210,9 +210,8 @@ pub(crate) enum Work {
 /// An event to emit.
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct Emitted {
-    pub name: &'static str,
-    pub module: &'static str,
-    pub payload: Value,
+    pub module: EventModule,
+    pub event: Event,
 }
 
 /// A lease-scoped push for an owner's connections.
@@ -340,12 +339,8 @@ impl State {
             .unwrap_or_default()
     }
 
-    fn emit(&mut self, name: &'static str, module: &'static str, payload: Value) {
-        self.fx.events.push(Emitted {
-            name,
-            module,
-            payload,
-        });
+    fn emit(&mut self, module: EventModule, event: Event) {
+        self.fx.events.push(Emitted { module, event });
     }
 
     fn progress(&mut self, id: &RequestId, progress: Progress) {
@@ -546,7 +541,7 @@ impl State {
         let depth = self.queue.depth();
         if depth != self.last_depth {
             self.last_depth = depth;
-            self.emit("queue.changed", LEASES, json!({ "depth": depth }));
+            self.emit(LEASES, Event::QueueChanged { depth });
         }
         std::mem::take(&mut self.fx)
     }
@@ -606,14 +601,13 @@ impl State {
         });
         self.dirty.requests.insert(id.clone());
         self.emit(
-            "lease.requested",
             LEASES,
-            json!({
-                "requestId": id,
-                "requestSpec": a.requested,
-                "requester": a.requester_id,
-                "waitPolicy": if a.no_wait { "no-wait" } else { "wait" },
-            }),
+            Event::LeaseRequested {
+                request_id: id.clone(),
+                request_spec: a.requested.clone(),
+                requester: a.requester_id.clone(),
+                wait_policy: WaitPolicy::of(a.no_wait),
+            },
         );
         let waiters_ahead = self.queue.depth() > 0;
         self.queue.push(Waiter {
@@ -632,13 +626,23 @@ impl State {
         });
         if a.no_wait && waiters_ahead {
             // A worker with anyone waiting refuses every noWait request: FIFO stays fair.
-            self.fail(&id, CoreError::NoCapacity { waiters_ahead }, "no-wait", now);
+            self.fail(
+                &id,
+                CoreError::NoCapacity { waiters_ahead },
+                RejectionReason::NoWait,
+                now,
+            );
             return Ok(Admitted::Follow(id));
         }
         self.dispatch(now);
         if self.queue.get(&id).is_some_and(|w| w.stage == Stage::New) {
             if a.no_wait {
-                self.fail(&id, CoreError::NoCapacity { waiters_ahead }, "no-wait", now);
+                self.fail(
+                    &id,
+                    CoreError::NoCapacity { waiters_ahead },
+                    RejectionReason::NoWait,
+                    now,
+                );
             } else {
                 self.queue_again(&id, now);
             }
@@ -649,7 +653,7 @@ impl State {
     /// Why a new request may not be admitted (the `lease.rejected` reason and the error): the
     /// one-lease rule (a lease or a pending request of the requester), or a chosen lease id
     /// that is held or promised.
-    fn refusal(&self, a: &Admission) -> Option<(&'static str, CoreError)> {
+    fn refusal(&self, a: &Admission) -> Option<(RejectionReason, CoreError)> {
         let already = |existing_lease_id, pending_request_id| CoreError::RequesterAlreadyLeased {
             requester_id: a.requester_id.clone(),
             existing_lease_id,
@@ -661,15 +665,22 @@ impl State {
             .find(|l| l.requester_id == a.requester_id)
         {
             let existing = lease.id.as_str().to_owned();
-            return Some(("already-leased", already(Some(existing), None)));
+            return Some((
+                RejectionReason::AlreadyLeased,
+                already(Some(existing), None),
+            ));
         }
         if let Some(waiter) = self.queue.of_requester(&a.requester_id) {
             let pending = waiter.id.to_string();
-            return Some(("already-leased", already(None, Some(pending))));
+            return Some((RejectionReason::AlreadyLeased, already(None, Some(pending))));
         }
         let chosen = a.terms.chosen_id.as_ref()?;
-        (self.leases.contains_key(chosen) || self.queue.holds_chosen_id(chosen))
-            .then(|| ("lease-id-taken", CoreError::LeaseIdTaken(chosen.clone())))
+        (self.leases.contains_key(chosen) || self.queue.holds_chosen_id(chosen)).then(|| {
+            (
+                RejectionReason::LeaseIdTaken,
+                CoreError::LeaseIdTaken(chosen.clone()),
+            )
+        })
     }
 
     /// Queues a new or failed-processing waiter, telling it where it is.
@@ -683,9 +694,11 @@ impl State {
                     },
                 );
                 self.emit(
-                    "lease.queued",
                     LEASES,
-                    json!({ "requestId": id, "queuePosition": position }),
+                    Event::LeaseQueued {
+                        request_id: id.clone(),
+                        queue_position: position,
+                    },
                 );
             }
             Some(Err(TimedOut)) => self.time_out(id, now),
@@ -693,16 +706,22 @@ impl State {
         }
     }
 
-    fn rejected(&mut self, id: &RequestId, requester: &str, spec: &RequestedDevice, reason: &str) {
+    fn rejected(
+        &mut self,
+        id: &RequestId,
+        requester: &str,
+        spec: &RequestedDevice,
+        reason: RejectionReason,
+    ) {
         self.emit(
-            "lease.rejected",
             LEASES,
-            json!({
-                "requestId": id,
-                "requester": requester,
-                "requestSpec": spec,
-                "reason": reason,
-            }),
+            Event::LeaseRejected {
+                request_id: Some(id.clone()),
+                requester: requester.to_owned(),
+                request_spec: spec.clone(),
+                reason,
+                worker_id: None,
+            },
         );
     }
 
@@ -723,7 +742,7 @@ impl State {
     }
 
     /// Ends a request without a lease.
-    fn fail(&mut self, id: &RequestId, error: CoreError, reason: &str, now: i64) {
+    fn fail(&mut self, id: &RequestId, error: CoreError, reason: RejectionReason, now: i64) {
         let state = if matches!(error, CoreError::Cancelled(_)) {
             RecordState::Cancelled
         } else {
@@ -747,7 +766,7 @@ impl State {
             request_id: id.clone(),
             timeout_ms,
         };
-        self.fail(id, error, "timeout", now);
+        self.fail(id, error, RejectionReason::Timeout, now);
     }
 
     // === Acquisition ===
@@ -1034,16 +1053,15 @@ impl State {
         };
         self.settle(id, Ok(grant), RecordState::Granted, now);
         self.emit(
-            "lease.granted",
             LEASES,
-            json!({
-                "leaseId": lease_id,
-                "deviceId": device.id,
-                "requester": waiter.requester_id,
-                "ownerId": waiter.terms.owner_id,
-                "requestId": id,
-                "source": source.as_str(),
-            }),
+            Event::LeaseGranted {
+                lease_id: lease_id.clone(),
+                device_id: device.id.clone(),
+                requester: waiter.requester_id.clone(),
+                owner_id: waiter.terms.owner_id.clone(),
+                request_id: id.clone(),
+                source: source.event(),
+            },
         );
     }
 
@@ -1059,7 +1077,7 @@ impl State {
             self.fail(
                 id,
                 CoreError::DeviceWork(why.to_owned()),
-                "worker-failed",
+                RejectionReason::WorkerFailed,
                 now,
             );
         } else {
@@ -1084,9 +1102,12 @@ impl State {
                 let (claim, spec) = (entry.claim.clone(), entry.spec.clone());
                 self.touch_device(device);
                 self.emit(
-                    "device.provisioned",
                     DEVICES,
-                    json!({ "deviceId": device, "spec": spec, "driverDeviceId": driver_device_id }),
+                    Event::DeviceProvisioned {
+                        device_id: device.clone(),
+                        spec: spec.clone(),
+                        driver_device_id: driver_device_id.clone(),
+                    },
                 );
                 if let Some(claim) = claim {
                     let eta = self.estimates(spec.platform).boot_ms;
@@ -1130,7 +1151,12 @@ impl State {
                         .map_or(Source::Booted, |p| p.source);
                     (claim, source)
                 });
-                self.ready(device, "device.ready", claim, now);
+                self.ready(
+                    device,
+                    |device_id, spec| Event::DeviceReady { device_id, spec },
+                    claim,
+                    now,
+                );
             }
             Err(e) => {
                 entry.busy = false;
@@ -1161,13 +1187,20 @@ impl State {
                 entry.access = Some(access);
                 if let Some(q) = entry.quarantine.take() {
                     self.emit(
-                        "device.quarantine-recovered",
                         DEVICES,
-                        json!({ "deviceId": device, "attempts": q.attempts }),
+                        Event::DeviceQuarantineRecovered {
+                            device_id: device.clone(),
+                            attempts: q.attempts,
+                        },
                     );
                 }
                 let claim = claim.map(|claim| (claim, Source::Warm));
-                self.ready(device, "device.reclaimed", claim, now);
+                self.ready(
+                    device,
+                    |device_id, spec| Event::DeviceReclaimed { device_id, spec },
+                    claim,
+                    now,
+                );
             }
             Err(e) => {
                 // A device that could not be wiped is never handed out: it is quarantined and
@@ -1192,9 +1225,12 @@ impl State {
         if attempts > q.max_retries {
             entry.quarantine = None;
             self.emit(
-                "device.quarantine-abandoned",
                 DEVICES,
-                json!({ "deviceId": device, "attempts": attempts, "error": why }),
+                Event::DeviceQuarantineAbandoned {
+                    device_id: device.clone(),
+                    attempts,
+                    error: why.to_owned(),
+                },
             );
             self.delete_device(device);
             return;
@@ -1209,14 +1245,13 @@ impl State {
         });
         self.touch_device(device);
         self.emit(
-            "device.quarantined",
             DEVICES,
-            json!({
-                "deviceId": device,
-                "attempts": attempts,
-                "nextRetryAt": next_retry_at,
-                "error": why,
-            }),
+            Event::DeviceQuarantined {
+                device_id: device.clone(),
+                attempts,
+                next_retry_at,
+                error: why.to_owned(),
+            },
         );
     }
 
@@ -1252,9 +1287,12 @@ impl State {
                     self.dirty.leases.insert(lease_id.clone());
                 }
                 self.emit(
-                    "device.recovered",
                     DEVICES,
-                    json!({ "deviceId": device, "leaseId": lease_id, "attempts": attempts }),
+                    Event::DeviceRecovered {
+                        device_id: device.clone(),
+                        lease_id: lease_id.clone(),
+                        attempts,
+                    },
                 );
                 self.fx.notices.push(Notice {
                     owner,
@@ -1273,28 +1311,26 @@ impl State {
                 entry.recovery_due = Some(now.saturating_add(ms(backoff)));
                 self.touch_device(device);
                 self.emit(
-                    "device.recovery-attempt-failed",
                     DEVICES,
-                    json!({
-                        "deviceId": device,
-                        "leaseId": lease.map(|(id, _)| id),
-                        "attempts": attempts,
-                        "error": e.to_string(),
-                    }),
+                    Event::DeviceRecoveryAttemptFailed {
+                        device_id: device.clone(),
+                        lease_id: lease.map(|(id, _)| id),
+                        attempts,
+                        error: e.to_string(),
+                    },
                 );
             }
             Err(e) => {
                 entry.recovery_attempts = 0;
                 entry.recovery_due = None;
                 self.emit(
-                    "device.recovery-failed",
                     DEVICES,
-                    json!({
-                        "deviceId": device,
-                        "leaseId": lease.as_ref().map(|(id, _)| id),
-                        "attempts": attempts,
-                        "error": e.to_string(),
-                    }),
+                    Event::DeviceRecoveryFailed {
+                        device_id: device.clone(),
+                        lease_id: lease.as_ref().map(|(id, _)| id.clone()),
+                        attempts,
+                        error: e.to_string(),
+                    },
                 );
                 // The device is not trusted again: it goes, and so does its lease.
                 self.delete_device(device);
@@ -1336,9 +1372,11 @@ impl State {
                     let spec = entry.spec.clone();
                     self.touch_device(device);
                     self.emit(
-                        "device.shutdown",
                         DEVICES,
-                        json!({ "deviceId": device, "spec": spec }),
+                        Event::DeviceShutdown {
+                            device_id: device.clone(),
+                            spec,
+                        },
                     );
                 }
                 _ => {}
@@ -1360,21 +1398,27 @@ impl State {
                 let count = purged.len();
                 for driver_device_id in purged {
                     self.emit(
-                        "device.orphan-purged",
                         DEVICES,
-                        json!({ "platform": platform, "driverDeviceId": driver_device_id }),
+                        Event::DeviceOrphanPurged {
+                            platform,
+                            driver_device_id,
+                        },
                     );
                 }
                 self.emit(
-                    "driver.swept",
                     DEVICES,
-                    json!({ "platform": platform, "purged": count }),
+                    Event::DriverSwept {
+                        platform,
+                        purged: count,
+                    },
                 );
             }
             Err(e) => self.emit(
-                "device.sweep-failed",
                 DEVICES,
-                json!({ "platform": platform, "error": e.to_string() }),
+                Event::DeviceSweepFailed {
+                    platform,
+                    error: e.to_string(),
+                },
             ),
         }
         // Requests that waited for the sweep may get a new device now.
@@ -1432,9 +1476,12 @@ impl State {
                 let spec = entry.spec.clone();
                 self.touch_device(&id);
                 self.emit(
-                    "device.crash-detected",
                     DEVICES,
-                    json!({ "deviceId": id, "spec": spec, "reason": "crashed" }),
+                    Event::DeviceCrashDetected {
+                        device_id: id.clone(),
+                        seen: CrashedDevice::Free { spec },
+                        reason: UnhealthyReason::Crashed,
+                    },
                 );
             }
         }
@@ -1451,13 +1498,14 @@ impl State {
         entry.recovery_attempts = 0;
         let platform = entry.spec.platform;
         self.emit(
-            "device.crash-detected",
             DEVICES,
-            json!({
-                "deviceId": device,
-                "leaseId": lease.as_ref().map(|(id, _)| id),
-                "reason": UnhealthyReason::Crashed,
-            }),
+            Event::DeviceCrashDetected {
+                device_id: device.clone(),
+                seen: CrashedDevice::Leased {
+                    lease_id: lease.as_ref().map(|(id, _)| id.clone()),
+                },
+                reason: UnhealthyReason::Crashed,
+            },
         );
         if let Some((lease_id, owner)) = lease {
             self.fx.notices.push(Notice {
@@ -1520,7 +1568,7 @@ impl State {
     fn ready(
         &mut self,
         device: &DeviceId,
-        event: &'static str,
+        event: fn(DeviceId, DeviceSpec) -> Event,
         claim: Option<(RequestId, Source)>,
         now: i64,
     ) {
@@ -1532,7 +1580,7 @@ impl State {
         entry.idle_since = now;
         let spec = entry.spec.clone();
         self.touch_device(device);
-        self.emit(event, DEVICES, json!({ "deviceId": device, "spec": spec }));
+        self.emit(DEVICES, event(device.clone(), spec));
         if let Some((claim, source)) = claim {
             self.grant(&claim, device, source, now);
         }
@@ -1552,9 +1600,11 @@ impl State {
         let spec = entry.spec.clone();
         if result.is_ok() {
             self.emit(
-                "device.shutdown",
                 DEVICES,
-                json!({ "deviceId": device, "spec": spec }),
+                Event::DeviceShutdown {
+                    device_id: device.clone(),
+                    spec,
+                },
             );
         }
         self.dispatch(now);
@@ -1565,9 +1615,11 @@ impl State {
         if let Some(entry) = self.devices.remove(device) {
             self.touch_device(device);
             self.emit(
-                "device.deleted",
                 DEVICES,
-                json!({ "deviceId": device, "spec": entry.spec }),
+                Event::DeviceDeleted {
+                    device_id: device.clone(),
+                    spec: entry.spec,
+                },
             );
         }
         self.dispatch(now);
@@ -1606,9 +1658,11 @@ impl State {
         let lease = lease.clone();
         self.dirty.leases.insert(lease_id.to_owned());
         self.emit(
-            "lease.renewed",
             LEASES,
-            json!({ "leaseId": lease_id, "newDeadline": lease.ttl_deadline }),
+            Event::LeaseRenewed {
+                lease_id: lease_id.to_owned(),
+                new_deadline: lease.ttl_deadline,
+            },
         );
         Ok(lease)
     }
@@ -1671,19 +1725,21 @@ impl State {
         }
         match reason {
             LeaseEndReason::Expired => self.emit(
-                "lease.expired",
                 LEASES,
-                json!({ "leaseId": lease_id, "deviceId": lease.device_id, "ownerId": lease.owner_id }),
+                Event::LeaseExpired {
+                    lease_id: lease_id.to_owned(),
+                    device_id: lease.device_id.clone(),
+                    owner_id: lease.owner_id.clone(),
+                },
             ),
             other => self.emit(
-                "lease.released",
                 LEASES,
-                json!({
-                    "leaseId": lease_id,
-                    "deviceId": lease.device_id,
-                    "ownerId": lease.owner_id,
-                    "reason": other,
-                }),
+                Event::LeaseReleased {
+                    lease_id: lease_id.to_owned(),
+                    device_id: lease.device_id.clone(),
+                    owner_id: lease.owner_id.clone(),
+                    reason: other,
+                },
             ),
         }
         self.fx.notices.push(Notice {
@@ -1715,7 +1771,12 @@ impl State {
             return Ok(CancelResult::NotCancellable);
         }
         let id = waiter.id.clone();
-        self.fail(&id, CoreError::Cancelled(id.clone()), "cancelled", now);
+        self.fail(
+            &id,
+            CoreError::Cancelled(id.clone()),
+            RejectionReason::Cancelled,
+            now,
+        );
         self.dispatch(now);
         Ok(CancelResult::Cancelled)
     }
@@ -1831,7 +1892,7 @@ impl State {
             self.fail(
                 &id,
                 CoreError::Restarted(id.clone()),
-                "daemon-restarted",
+                RejectionReason::DaemonRestarted,
                 now,
             );
         }
@@ -1867,9 +1928,11 @@ impl State {
                     self.devices.remove(&id);
                     self.touch_device(&id);
                     self.emit(
-                        "device.deleted",
                         DEVICES,
-                        json!({ "deviceId": id, "spec": spec }),
+                        Event::DeviceDeleted {
+                            device_id: id.clone(),
+                            spec,
+                        },
                     );
                 }
                 DeviceState::Provisioning => self.delete_device(&id),
@@ -1878,9 +1941,11 @@ impl State {
                     let spec = entry.spec.clone();
                     self.touch_device(&id);
                     self.emit(
-                        "device.shutdown",
                         DEVICES,
-                        json!({ "deviceId": id, "spec": spec }),
+                        Event::DeviceShutdown {
+                            device_id: id.clone(),
+                            spec,
+                        },
                     );
                 }
                 DeviceState::Leased if !leased.contains(&id) => self.reclaim(&id, None, now),

@@ -334,7 +334,7 @@ impl Worker {
         }
         let fx = shared.state.take_effects();
         for event in fx.events {
-            self.bus.emit(event.name, event.module, event.payload);
+            self.bus.emit(event.module, &event.event);
         }
         for notice in fx.notices {
             self.presence

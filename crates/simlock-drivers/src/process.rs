@@ -18,6 +18,7 @@ use serde::{Deserialize, Serialize};
 use tokio::io::AsyncWriteExt;
 use tokio::process::Command;
 use tokio::sync::watch;
+use tracing::warn;
 
 use crate::error::ToolError;
 
@@ -192,6 +193,19 @@ pub async fn stop_foreign(pid: u32, grace: Duration) {
     }
 }
 
+/// How long a killed tool call may take to be reaped (SIGKILL cannot be caught; only a process
+/// stuck in the kernel takes longer).
+const REAP_BOUND: Duration = Duration::from_secs(5);
+
+/// Everything `pipe` yields until its end (nothing for no pipe, or once it fails).
+async fn read_all(pipe: Option<&mut (impl tokio::io::AsyncRead + Unpin)>) -> Vec<u8> {
+    let mut out = Vec::new();
+    if let Some(pipe) = pipe {
+        let _ = tokio::io::AsyncReadExt::read_to_end(pipe, &mut out).await;
+    }
+    out
+}
+
 /// What a tool call printed.
 #[derive(Debug, Clone)]
 pub struct Output {
@@ -269,18 +283,29 @@ impl Runner {
                 let _ = pipe.write_all(text.as_bytes()).await;
             });
         }
-        let waited = tokio::time::timeout(timeout, child.wait_with_output()).await;
+        let mut stdout = child.stdout.take();
+        let mut stderr = child.stderr.take();
+        let finished = async {
+            let (status, out, err) = tokio::join!(
+                child.wait(),
+                read_all(stdout.as_mut()),
+                read_all(stderr.as_mut())
+            );
+            status.map(|status| (status, out, err))
+        };
+        let waited = tokio::time::timeout(timeout, finished).await;
+        let mut ended = true;
         let outcome = match waited {
-            Ok(Ok(out)) => {
-                let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-                let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
-                if out.status.success() {
+            Ok(Ok((status, out, err))) => {
+                let stdout = String::from_utf8_lossy(&out).into_owned();
+                let stderr = String::from_utf8_lossy(&err).into_owned();
+                if status.success() {
                     Ok(Output { stdout, stderr })
                 } else {
                     Err(ToolError::Failed {
                         command: line,
-                        status: out.status.to_string(),
-                        code: out.status.code(),
+                        status: status.to_string(),
+                        code: status.code(),
                         stderr,
                         stdout,
                     })
@@ -288,15 +313,27 @@ impl Runner {
             }
             Ok(Err(e)) => Err(ToolError::io(format!("waiting for `{line}`"), e)),
             Err(_) => {
-                // The child was dropped with the future (kill_on_drop); its group goes too.
+                // Its group goes too. It was killed once it is reaped: until then it may still
+                // run (a signal takes effect when the process is next scheduled), and the
+                // ledger keeps it.
                 signal(pid, rustix::process::Signal::KILL);
+                let _ = child.start_kill();
+                if tokio::time::timeout(REAP_BOUND, child.wait())
+                    .await
+                    .is_err()
+                {
+                    warn!(pid, command = %line, "a killed tool call was not reaped in time; the ledger keeps it");
+                    ended = false;
+                }
                 Err(ToolError::Timeout {
                     command: line,
                     ms: u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX),
                 })
             }
         };
-        self.ledger.forget(pid);
+        if ended {
+            self.ledger.forget(pid);
+        }
         outcome
     }
 
@@ -490,6 +527,38 @@ mod tests {
             .await
             .unwrap_err();
         assert!(matches!(err, ToolError::Spawn { .. }), "{err}");
+    }
+
+    #[tokio::test]
+    async fn a_call_past_its_bound_has_ended_when_its_timeout_is_answered() {
+        let dir = tempfile::tempdir().unwrap();
+        let ledger = Arc::new(Ledger::open(&dir.path().join("l")).unwrap());
+        let runner = Runner::new(ledger.clone(), Vec::new());
+        let pid_file = dir.path().join("pid");
+        let script = format!("echo $$ > '{}'; exec sleep 30", pid_file.display());
+        // The shell must have written its pid before the bound passes: the bound doubles
+        // until it has (the check is of what follows, never of how long anything took).
+        let mut bound = Duration::from_millis(50);
+        let pid = loop {
+            let err = runner
+                .run(Path::new("sh"), &["-c".into(), script.clone()], None, bound)
+                .await
+                .unwrap_err();
+            assert!(matches!(err, ToolError::Timeout { .. }), "{err}");
+            if let Some(pid) = std::fs::read_to_string(&pid_file)
+                .ok()
+                .and_then(|p| p.trim().parse::<u32>().ok())
+            {
+                break pid;
+            }
+            assert!(bound < Duration::from_secs(60), "the shell never ran");
+            bound *= 2;
+        };
+        assert!(
+            !pid_alive(pid),
+            "the killed call is gone, not only signalled"
+        );
+        assert!(ledger.entries().is_empty(), "and then forgotten");
     }
 
     #[tokio::test]

@@ -63,50 +63,7 @@ pub struct TestFleet {
     dir: TempDir,
 }
 
-/// How a fake worker greets its gateway: the gateway is its admin, under the principal it
-/// names (what `Service::greet` answers in every fake).
-///
-/// # Errors
-/// None; the signature is `greet`'s.
-pub fn greet_gateway(hello: &Hello) -> Result<simlock_wire::Identity, ContractError> {
-    Ok(simlock_wire::Identity {
-        role: simlock_contract::Role::Admin,
-        principal: hello.principal.clone().unwrap_or_default(),
-    })
-}
-
-/// A fake worker: dials the gateway's uplink like a worker and serves `service` with the given
-/// protocol range. Returns the link so the test can drop it.
-pub async fn fake_worker(
-    gateway_url: &str,
-    join_token: &str,
-    worker_id: &str,
-    service: std::sync::Arc<dyn simlock_wire::Service>,
-    range: simlock_contract::ProtocolRange,
-) -> simlock_link::LinkHandle {
-    let config = simlock_daemon::uplink::UplinkConfig {
-        url: gateway_url.to_owned(),
-        token: join_token.to_owned(),
-        worker_id: worker_id.to_owned(),
-        label: Some("fake".into()),
-    };
-    let (link, text) = simlock_daemon::uplink::dial(&config)
-        .await
-        .expect("the fake worker dials");
-    let transport = simlock_daemon::uplink::text_transport(&link, text);
-    let session = simlock_wire::SessionConfig {
-        range,
-        version: "fake".into(),
-    };
-    tokio::spawn(simlock_wire::serve_attached(
-        transport,
-        simlock_wire::Origin::GatewayUplink,
-        None,
-        service,
-        session,
-    ));
-    link
-}
+pub use simlock_test_support::fake_worker::{fake_worker, greet_gateway};
 
 /// A client session on a daemon's unix socket.
 pub struct Session {

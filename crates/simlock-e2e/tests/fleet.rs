@@ -204,6 +204,7 @@ use futures::future::BoxFuture;
 use simlock_contract::model::{Connection, DeviceState};
 use simlock_contract::{ContractError, Hello, ProtocolRange, Push};
 use simlock_e2e::{PATIENCE, fake_worker, greet_gateway, session};
+use simlock_test_support::fake_worker::bookkeeping_or_refuse;
 use simlock_wire::{CallContext, Identity, Origin, Service};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -512,17 +513,7 @@ impl Service for FakeWorker {
             if hang {
                 futures::future::pending::<()>().await;
             }
-            match op.as_str() {
-                "status.get" => Ok(json!({
-                    "daemon": {"health": "running", "mode": "worker", "version": "fake", "instanceId": "fake"},
-                    "host": {"os": "linux", "osVersion": "", "arch": "x86_64", "tools": []}
-                })),
-                "list.get" => Ok(json!({"devices": []})),
-                "catalog.get" => Ok(json!({"platforms": []})),
-                "config.get" => Ok(json!({"mode": "worker", "lease": {"defaultTtlMs": 1000, "maxTtlMs": 2000}})),
-                "events.subscribe" => Ok(json!({"subscribed": true, "subscriptionId": "sub_1"})),
-                _ => Err(ContractError::internal("not faked")),
-            }
+            bookkeeping_or_refuse(&op, "fake")
         }
         .boxed()
     }
@@ -699,11 +690,21 @@ async fn refused_uplinks_get_their_statuses_and_change_no_view() {
 /// A hand-made uplink handshake (a WebSocket client always sends version 13): the status line
 /// and the head.
 async fn raw_uplink(addr: &str, join: &str, version: Option<&str>) -> String {
+    open_raw_uplink(addr, join, version, "old-client").await.0
+}
+
+/// A raw uplink handshake as `worker_id`: the gateway's answer, and the socket, still open.
+async fn open_raw_uplink(
+    addr: &str,
+    join: &str,
+    version: Option<&str>,
+    worker_id: &str,
+) -> (String, tokio::net::TcpStream) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
     let mut head = format!(
         "GET /v1/uplink HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\
-         Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nx-simlock-worker-id: old-client\r\n\
+         Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nx-simlock-worker-id: {worker_id}\r\n\
          Authorization: Bearer {join}\r\n"
     );
     if let Some(version) = version {
@@ -729,7 +730,42 @@ async fn raw_uplink(addr: &str, join: &str, version: Option<&str>) -> String {
             seen.extend_from_slice(&buf[..n]);
         }
     });
-    read.await.expect("the gateway answered the handshake")
+    (
+        read.await.expect("the gateway answered the handshake"),
+        stream,
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_view_an_uplink_makes_before_its_greeting_wakes_the_fleets_watchers() {
+    // The watcher looks before the uplink opens, and nothing after the upgrade changes the
+    // fleet (the socket stays open and answers no greeting, whose bound is an hour): only the
+    // decision that made the view can wake it.
+    let fleet = TestFleet::start_with(gateway_config(), |timing| {
+        timing.call_timeout = std::time::Duration::from_secs(3600);
+    })
+    .await;
+    let gateway = fleet.gateway().fleet.clone();
+    let mut changes = gateway.changes();
+    changes.borrow_and_update();
+    assert!(gateway.view("silent").is_none());
+    let addr = fleet.gateway().running.http_addr().unwrap().to_string();
+    let (answer, _held_open) =
+        open_raw_uplink(&addr, &fleet.join_token, Some("13"), "silent").await;
+    assert!(answer.starts_with("HTTP/1.1 101"), "{answer}");
+    let seen = tokio::time::timeout(PATIENCE, async {
+        while gateway.view("silent").is_none() {
+            changes.changed().await.unwrap();
+        }
+    })
+    .await;
+    assert!(seen.is_ok(), "no change was told for the new view");
+    assert_eq!(
+        gateway.view("silent").unwrap().connection,
+        Connection::Disconnected,
+        "not connected before its greeting"
+    );
+    fleet.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -836,7 +872,7 @@ impl Service for EndFirstWorker {
         let (real, answer_permit) = (self.real.clone(), self.answer.clone());
         async move {
             if op == "events.subscribe" {
-                return Ok(json!({"subscribed": true, "subscriptionId": "sub_1"}));
+                return bookkeeping_or_refuse(&op, "fake");
             }
             let mut payload = payload.unwrap_or_else(|| json!({}));
             if let Some(fields) = payload.as_object_mut() {

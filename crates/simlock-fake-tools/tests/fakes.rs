@@ -45,6 +45,55 @@ fn err(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
 }
 
+/// `simctl bootstatus -b` of a simulator whose boot the knobs hold: once it reported the boot
+/// under way, the boot is let go, and what it printed to its end is answered.
+fn bootstatus_of_a_held_boot(m: &FakeMachine, xcrun: &Path, set: &str, udid: &str) -> Output {
+    use std::io::BufRead as _;
+    let mut child = Command::new(xcrun)
+        .args(["simctl", "--set", set, "bootstatus", udid, "-b"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let (tx, lines) = std::sync::mpsc::channel();
+    let reader = std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stdout).lines() {
+            let Ok(line) = line else { return };
+            if tx.send(line).is_err() {
+                return;
+            }
+        }
+    });
+    let mut printed = Vec::new();
+    let mut let_go = false;
+    loop {
+        match lines.recv_timeout(Duration::from_secs(60)) {
+            Ok(line) => {
+                if !let_go && line.contains("Waiting on System App") {
+                    m.set_knobs(|k| k.ios_hang_boot = false);
+                    let_go = true;
+                }
+                printed.push(line);
+            }
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => break,
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+                let _ = child.kill();
+                panic!("bootstatus said {printed:?}, then nothing");
+            }
+        }
+    }
+    assert!(
+        let_go,
+        "bootstatus never saw the boot under way: {printed:?}"
+    );
+    reader.join().unwrap();
+    let mut out = child.wait_with_output().unwrap();
+    out.stdout = printed.join("\n").into_bytes();
+    out
+}
+
 #[test]
 fn simctl_scopes_every_call_to_its_set() {
     let (dir, m) = machine();
@@ -94,7 +143,10 @@ fn simctl_scopes_every_call_to_its_set() {
         serde_json::json!([])
     );
 
-    // erase needs Shutdown; boot twice is a state error.
+    // erase needs Shutdown; boot twice is a state error. The boot is held until bootstatus
+    // has seen it booting (a boot's few milliseconds of wall time can pass before the next
+    // tool even starts on a loaded machine).
+    m.set_knobs(|k| k.ios_hang_boot = true);
     assert!(
         run(&xcrun, &["simctl", "--set", s, "boot", &udid], &[])
             .status
@@ -105,11 +157,7 @@ fn simctl_scopes_every_call_to_its_set() {
     assert!(
         err(&out).contains("current state: Booting") || err(&out).contains("current state: Booted")
     );
-    let out = run(
-        &xcrun,
-        &["simctl", "--set", s, "bootstatus", &udid, "-b"],
-        &[],
-    );
+    let out = bootstatus_of_a_held_boot(&m, &xcrun, s, &udid);
     assert!(out.status.success(), "{}", err(&out));
     assert!(text(&out).contains("Finished"), "{}", text(&out));
     let out = run(&xcrun, &["simctl", "--set", s, "erase", &udid], &[]);

@@ -11,7 +11,6 @@ use simlock_contract::ops::{CatalogOutput, StatusOutput};
 use simlock_daemon::context::{CallCtx, Viewer};
 
 use crate::fleet::Fleet;
-use crate::forward::{Seen, seen};
 
 fn add(a: &mut PlatformCapacity, b: &PlatformCapacity) {
     a.running += b.running;
@@ -28,7 +27,7 @@ impl Fleet {
             health,
             mode: Mode::Gateway,
             version: version.to_owned(),
-            instance_id: self.gateway_id.clone(),
+            instance_id: self.gateway_id().to_owned(),
         };
         if health != Health::Running {
             return StatusOutput {
@@ -102,68 +101,17 @@ impl Fleet {
     }
 
     /// The fleet queue's waiting requests, then each worker's own, as far as `viewer` may see
-    /// them: an agent its own pending requests, an admin all.
+    /// them (the core's [`crate::state::Core::all_waiting`]): an agent its own pending requests,
+    /// an admin all.
     pub fn all_waiting(&self, viewer: Viewer<'_>) -> Vec<WaitingRequest> {
-        let mut waiting = self.waiting();
-        waiting.retain(|w| self.may_see_pending(viewer, &w.requester_id));
-        for view in self.views() {
-            for mut w in view.waiting.unwrap_or_default() {
-                if viewer.admin || self.may_see_forwarded(viewer, &w.requester_id) {
-                    w.worker_id = Some(view.id.clone());
-                    waiting.push(w);
-                }
-            }
-        }
-        waiting
+        self.shared.lock().core.all_waiting(viewer)
     }
 
-    /// Every view, with the nested leases and waiting requests `viewer` may see: an admin the
-    /// views as the workers report them, an agent only its own leases (`forward::seen`, the
-    /// rule of the lease list) and its own requests.
+    /// Every view, with the nested leases and waiting requests `viewer` may see (the core's
+    /// [`crate::state::Core::views_seen_by`]): an admin the views as the workers report them,
+    /// an agent only its own leases (the rule of the lease list, `Core::seen`) and requests.
     pub fn views_seen_by(&self, viewer: Viewer<'_>) -> Vec<WorkerView> {
-        if viewer.admin {
-            return self.views();
-        }
-        let mut views = {
-            let state = self.state.lock();
-            let mut views: Vec<WorkerView> =
-                state.workers.values().map(|w| w.view.clone()).collect();
-            for view in &mut views {
-                if let Some(leases) = view.leases.as_mut() {
-                    leases.retain(|lease| {
-                        matches!(
-                            seen(&state.index, &self.prefix, viewer, &view.id, lease),
-                            Seen::Issued(_)
-                        )
-                    });
-                }
-            }
-            views
-        };
-        for view in &mut views {
-            if let Some(waiting) = view.waiting.as_mut() {
-                waiting.retain(|w| self.may_see_forwarded(viewer, &w.requester_id));
-            }
-        }
-        views
-    }
-
-    /// Whether `viewer` may see the fleet queue's pending request of `requester`.
-    fn may_see_pending(&self, viewer: Viewer<'_>, requester: &str) -> bool {
-        viewer.admin
-            || self
-                .pending_owner(requester)
-                .is_some_and(|owner| viewer.may_see(&owner))
-    }
-
-    /// Whether `viewer` may see a request waiting on a worker: one the gateway forwarded (its
-    /// requester namespaced `gw:<id>:`) for a pending request of the viewer's. A request made on
-    /// the worker directly is an admin's to see.
-    fn may_see_forwarded(&self, viewer: Viewer<'_>, worker_requester: &str) -> bool {
-        viewer.admin
-            || worker_requester
-                .strip_prefix(self.requester_prefix())
-                .is_some_and(|requester| self.may_see_pending(viewer, requester))
+        self.shared.lock().core.views_seen_by(viewer)
     }
 
     /// `catalog.get` on a gateway: the union of the connected workers' catalogs, with which

@@ -79,8 +79,10 @@ pub fn register(
         },
         move |ctx, input| {
             let requester = input.requester_id.unwrap_or_else(|| ctx.principal.clone());
-            let result = f.cancel_request(&requester);
-            async move { Ok(LeaseCancelOutput { result }) }
+            let outcome = f
+                .cancel_request(&ctx, &requester)
+                .map(|result| LeaseCancelOutput { result });
+            async move { outcome }
         },
     );
     let f = fleet.clone();

@@ -12,7 +12,7 @@ use futures::future::BoxFuture;
 use http::{HeaderValue, Request, Response, StatusCode, header};
 use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
-use serde_json::json;
+use simlock_contract::event::{Event, EventModule, UplinkRejection};
 use simlock_contract::model::TokenRole;
 use simlock_contract::{ContractError, bounds};
 use simlock_daemon::auth::verify_bearer;
@@ -62,11 +62,14 @@ impl UplinkMount {
         Arc::new(Self { fleet, tokens })
     }
 
-    fn rejected(&self, reason: &str, worker_id: Option<&str>, label: Option<&str>) {
+    fn rejected(&self, reason: UplinkRejection, worker_id: Option<&str>, label: Option<&str>) {
         self.fleet.bus.emit(
-            "worker.rejected",
-            "fleet",
-            json!({ "reason": reason, "workerId": worker_id, "label": label }),
+            EventModule::Fleet,
+            &Event::WorkerRejected {
+                reason,
+                worker_id: worker_id.map(str::to_owned),
+                label: label.map(str::to_owned),
+            },
         );
     }
 
@@ -92,12 +95,20 @@ impl UplinkMount {
         let token = match verify_bearer(&self.tokens, authorization) {
             Ok(token) => token,
             Err(err) => {
-                self.rejected("unauthenticated", Some(&worker_id), label.as_deref());
+                self.rejected(
+                    UplinkRejection::Unauthenticated,
+                    Some(&worker_id),
+                    label.as_deref(),
+                );
                 return error(&err);
             }
         };
         if token.role != TokenRole::Worker {
-            self.rejected("forbidden", Some(&worker_id), label.as_deref());
+            self.rejected(
+                UplinkRejection::Forbidden,
+                Some(&worker_id),
+                label.as_deref(),
+            );
             return error(&ContractError::forbidden(
                 "Only a worker (join) token may open an uplink",
             ));

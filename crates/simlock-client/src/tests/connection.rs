@@ -11,8 +11,8 @@ use simlock_wire::Transport;
 use tokio::io::{AsyncBufReadExt as _, AsyncWriteExt as _, BufReader};
 
 use super::{guard, guard_paused, pipe_client};
-use crate::test_util::{FakeDaemon, RequestScript};
 use crate::{Client, ConnectOptions};
+use simlock_test_support::fake_daemon::{FakeDaemon, RequestScript};
 
 #[tokio::test]
 async fn a_lost_connection_fails_pending_and_later_calls() {

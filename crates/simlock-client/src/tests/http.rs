@@ -9,8 +9,8 @@ use simlock_contract::{ContractError, ErrorCode, Push};
 use tokio::sync::mpsc;
 
 use super::{guard, http_client, http_fake};
-use crate::test_util::{CancelScript, RequestScript};
 use crate::{FollowItem, HoldEnd, LeaseLost, LeaseNotice};
+use simlock_test_support::fake_daemon::{CancelScript, RequestScript};
 
 #[tokio::test]
 async fn typed_calls_answer_over_http() {
@@ -369,6 +369,32 @@ async fn an_http_hold_renews_then_releases() {
             .iter()
             .all(|r| r.input == json!({"leaseId": lease_id}))
     );
+    assert_eq!(guard(hold.release()).await, HoldEnd::Released);
+    assert_eq!(
+        fake.calls_of("lease.release")[0].input,
+        json!({"leaseId": lease_id})
+    );
+    assert!(fake.leases().is_empty());
+}
+
+/// Issue 11, item 0: a lookup that raced the grant (the lease's event stream opened at once and
+/// its lease was not listed yet) is not the daemon's word: the hold renews and releases.
+#[tokio::test]
+async fn an_http_hold_whose_first_lookup_misses_the_lease_renews_and_releases() {
+    let fake = http_fake().await;
+    let agent = http_client(&fake, fake.agent_token());
+    let mut input = LeaseRequestInput::for_platform(Platform::Ios);
+    input.ttl_ms = Some(300);
+    let grant = guard(agent.request_lease(input, |_| {}, std::future::pending()))
+        .await
+        .unwrap();
+    fake.unlist_leases(true);
+    let lease_id = grant.lease.id.to_string();
+    let hold = agent.hold(grant);
+    // The stream's lookup misses the lease; renewals go on.
+    guard(fake.wait_for_calls("lease.list", 1)).await;
+    guard(fake.wait_for_calls("lease.renew", 2)).await;
+    fake.unlist_leases(false);
     assert_eq!(guard(hold.release()).await, HoldEnd::Released);
     assert_eq!(
         fake.calls_of("lease.release")[0].input,

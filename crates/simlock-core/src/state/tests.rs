@@ -161,7 +161,11 @@ fn a_new_device_is_provisioned_booted_then_granted_and_every_step_is_stored() {
     );
     let fx = state.take_effects();
     assert_eq!(progress(&fx, &id), [Progress::Booting { eta_ms: 1_000 }]);
-    assert!(fx.events.iter().any(|e| e.name == "device.provisioned"));
+    assert!(
+        fx.events
+            .iter()
+            .any(|e| matches!(e.event, Event::DeviceProvisioned { .. }))
+    );
 
     state.booted(&device, up(), 2_500);
     let writes = state.take_writes();
@@ -172,7 +176,7 @@ fn a_new_device_is_provisioned_booted_then_granted_and_every_step_is_stored() {
     assert_eq!(grant.lease.ttl_deadline, 2_500 + 900_000);
     assert_eq!(grant.device.driver_device_id, "udid");
     assert_eq!(grant.timing.estimated_ready_ms, 2_500);
-    let names: Vec<&str> = fx.events.iter().map(|e| e.name).collect();
+    let names: Vec<String> = fx.events.iter().map(|e| e.event.parts().0).collect();
     assert_eq!(names, ["device.ready", "lease.granted"]);
     assert_eq!(state.capacity().ios.running, 1);
     assert_eq!(
@@ -489,7 +493,10 @@ fn a_leased_device_seen_stopped_twice_is_recovered_under_its_lease_and_its_owner
     assert!(
         fx.events
             .iter()
-            .any(|e| e.name == "device.crash-detected" && e.payload["leaseId"] == lease.as_str())
+            .any(|e| matches!(&e.event, Event::DeviceCrashDetected {
+                seen: CrashedDevice::Leased { lease_id: Some(id) },
+                ..
+            } if id == lease.as_str()))
     );
     // While it recovers, probes conclude nothing about it.
     state.observe(Platform::Ios, &seen("udid-1", RunState::Stopped), 300);
@@ -542,7 +549,7 @@ fn failed_recoveries_back_off_then_the_lease_ends_device_lost() {
     assert!(
         fx.events
             .iter()
-            .any(|e| e.name == "device.recovery-failed" && e.payload["attempts"] == 3)
+            .any(|e| matches!(e.event, Event::DeviceRecoveryFailed { attempts: 3, .. }))
     );
     assert_eq!(
         notices(&fx),
@@ -580,6 +587,18 @@ fn a_lease_that_ends_during_a_recovery_is_reclaimed_once_the_recovery_ends() {
     assert!(notices(&fx).is_empty(), "nobody holds it any more");
 }
 
+/// The attempts and next retry of the first `device.quarantined` in `fx`.
+fn quarantined(fx: &Effects) -> Option<(u32, i64)> {
+    fx.events.iter().find_map(|e| match e.event {
+        Event::DeviceQuarantined {
+            attempts,
+            next_retry_at,
+            ..
+        } => Some((attempts, next_retry_at)),
+        _ => None,
+    })
+}
+
 #[test]
 fn a_failed_reclaim_quarantines_with_backoff_and_the_device_is_never_granted_meanwhile() {
     let mut state = State::new(settings(1));
@@ -595,16 +614,9 @@ fn a_failed_reclaim_quarantines_with_backoff_and_the_device_is_never_granted_mea
     };
     state.reclaimed(&device, failed(), 2_000);
     let fx = state.take_effects();
-    let q = fx
-        .events
-        .iter()
-        .find(|e| e.name == "device.quarantined")
-        .unwrap();
-    assert_eq!(q.payload["attempts"], 1);
-    assert_eq!(
-        q.payload["nextRetryAt"], 32_000,
-        "quarantine.retryBackoffMs"
-    );
+    let (attempts, next_retry_at) = quarantined(&fx).unwrap();
+    assert_eq!(attempts, 1);
+    assert_eq!(next_retry_at, 32_000, "quarantine.retryBackoffMs");
     assert_eq!(state.devices()[0].state, DeviceState::Quarantined);
     assert_eq!(
         state.capacity().ios.running,
@@ -631,21 +643,16 @@ fn a_failed_reclaim_quarantines_with_backoff_and_the_device_is_never_granted_mea
     );
     state.reclaimed(&device, failed(), 33_000);
     let fx = state.take_effects();
-    let q = fx
-        .events
-        .iter()
-        .find(|e| e.name == "device.quarantined")
-        .unwrap();
-    assert_eq!(q.payload["nextRetryAt"], 33_000 + 60_000, "doubled");
+    let (_, next_retry_at) = quarantined(&fx).unwrap();
+    assert_eq!(next_retry_at, 33_000 + 60_000, "doubled");
     state.tick(93_000);
     state.take_effects();
     state.reclaimed(&device, up(), 94_000);
     let fx = state.take_effects();
-    assert!(
-        fx.events
-            .iter()
-            .any(|e| e.name == "device.quarantine-recovered" && e.payload["attempts"] == 2)
-    );
+    assert!(fx.events.iter().any(|e| matches!(
+        e.event,
+        Event::DeviceQuarantineRecovered { attempts: 2, .. }
+    )));
     assert!(
         outcome(&fx, &request(2)).is_some_and(|o| o.is_ok()),
         "the waiter gets it now"
@@ -688,11 +695,10 @@ fn past_its_retries_a_quarantined_device_is_deleted() {
     state.take_effects();
     state.reclaimed(&device, failed(), 30_003);
     let fx = state.take_effects();
-    assert!(
-        fx.events
-            .iter()
-            .any(|e| e.name == "device.quarantine-abandoned" && e.payload["attempts"] == 2)
-    );
+    assert!(fx.events.iter().any(|e| matches!(
+        e.event,
+        Event::DeviceQuarantineAbandoned { attempts: 2, .. }
+    )));
     assert!(fx.work.iter().any(|w| matches!(w, Work::Delete { .. })));
 }
 

@@ -12,7 +12,7 @@ use std::io;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use parking_lot::Mutex;
 use serde_json::Value;
@@ -122,6 +122,8 @@ struct State {
     exec: Mutex<ExecScript>,
     pending: Mutex<Option<Pending>>,
     leases: Mutex<BTreeMap<String, LeaseRecord>>,
+    /// Lists (`lease.list`, `list.get`, `status.get`) leave the leases out.
+    unlisted: AtomicBool,
     next_lease: AtomicU64,
     calls: watch::Sender<Vec<Recorded>>,
 }
@@ -171,6 +173,14 @@ impl State {
             lease,
             timing: GrantTiming::default(),
         }
+    }
+
+    /// The leases the lists show.
+    fn listed(&self) -> Vec<LeaseRecord> {
+        if self.unlisted.load(Ordering::SeqCst) {
+            return Vec::new();
+        }
+        self.leases.lock().values().cloned().collect()
     }
 
     fn owned(&self, ctx: &CallCtx, lease_id: &str) -> Result<LeaseRecord, ContractError> {
@@ -312,6 +322,7 @@ impl FakeDaemon {
             exec: Mutex::new(ExecScript::default()),
             pending: Mutex::new(None),
             leases: Mutex::new(BTreeMap::new()),
+            unlisted: AtomicBool::new(false),
             next_lease: AtomicU64::new(0),
             calls,
         });
@@ -442,9 +453,17 @@ impl FakeDaemon {
         &self.pipeline
     }
 
-    /// Emits an event on the fake's bus.
+    /// Records an event on the fake's bus under module `fake`, with any name and payload (a
+    /// fake's events need not be ones a daemon records).
     pub fn emit(&self, event: &str, payload: Value) {
-        self.bus.emit(event, "fake", payload);
+        self.bus.relay(simlock_contract::model::EventEnvelope {
+            id: simlock_contract::ids::EventId::mint(),
+            seq: 0,
+            timestamp: self.clock.now_ms(),
+            event: event.to_owned(),
+            payload,
+            module: "fake".to_owned(),
+        });
     }
 
     /// Whether `daemon.stop` was called.
@@ -479,6 +498,12 @@ impl FakeDaemon {
     /// Whether a lease request is held.
     pub fn has_pending(&self) -> bool {
         self.state.pending.lock().is_some()
+    }
+
+    /// While `unlisted`, the lists (`lease.list`, `list.get`, `status.get`) leave every lease
+    /// out, as a lookup that raced a grant would; renewals and releases still find them.
+    pub fn unlist_leases(&self, unlisted: bool) {
+        self.state.unlisted.store(unlisted, Ordering::SeqCst);
     }
 
     /// Adds a lease as if granted to `owner`; answers its record.
@@ -559,7 +584,7 @@ fn register(router: &mut Router, state: &Arc<State>) {
     let s = state.clone();
     router.handle::<StatusGet, _, _>(move |ctx, input| {
         s.record("status.get", &ctx, &input);
-        let leases: Vec<LeaseRecord> = s.leases.lock().values().cloned().collect();
+        let leases = s.listed();
         let output = StatusOutput {
             daemon: DaemonInfo {
                 health: Health::Running,
@@ -625,7 +650,7 @@ fn register(router: &mut Router, state: &Arc<State>) {
         s.record("list.get", &ctx, &input);
         let output = match input.kind {
             ListKind::Devices => ListOutput::Devices(vec![device()]),
-            ListKind::Leases => ListOutput::Leases(s.leases.lock().values().cloned().collect()),
+            ListKind::Leases => ListOutput::Leases(s.listed()),
             ListKind::Rules => ListOutput::Rules(Vec::new()),
             ListKind::Requests => ListOutput::Requests(Vec::new()),
         };
@@ -721,11 +746,9 @@ fn register(router: &mut Router, state: &Arc<State>) {
     router.handle::<LeaseList, _, _>(move |ctx, input| {
         s.record("lease.list", &ctx, &input);
         let leases = s
-            .leases
-            .lock()
-            .values()
+            .listed()
+            .into_iter()
             .filter(|l| ctx.role == Role::Admin || l.owner_id == ctx.principal)
-            .cloned()
             .collect();
         async move { Ok(LeaseListOutput { leases }) }
     });
