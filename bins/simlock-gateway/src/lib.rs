@@ -1,8 +1,12 @@
 //! The gateway, composed: the daemon's parts, the fleet, and the uplink route. The binary and
 //! the in-process fleet tests both start it here.
 
+mod agent_device;
+
 use std::sync::Arc;
 use std::time::Duration;
+
+use agent_device_front::{Front, FrontOptions};
 
 use simlock_contract::model::{LeaseLimits, Mode};
 use simlock_daemon::clock::SharedClock;
@@ -54,6 +58,9 @@ pub struct RunningGateway {
     pub fleet: Arc<Fleet>,
     /// The relay to the workers' relay targets (its callers, and tests, use it in-process).
     pub relay: GatewayRelay,
+    /// The `/v1/agent-device` front, when `agentDevice.enabled`.
+    pub agent_device: Option<Front>,
+    stop: tokio_util::sync::CancellationToken,
 }
 
 /// Starts a gateway.
@@ -90,7 +97,6 @@ pub async fn start(options: GatewayOptions) -> Result<RunningGateway, StartError
         .map_err(StartError::Domain)?;
     let uplink: Arc<dyn Mount> = UplinkMount::new(fleet.clone(), base.tokens.clone());
     simlock_fleet::metrics::register_metrics(&base.metrics, &fleet);
-    let running = base.serve(router, true, vec![uplink]).await?;
     let relay = GatewayRelay::new(
         fleet.clone(),
         RelayOptions {
@@ -100,17 +106,50 @@ pub async fn start(options: GatewayOptions) -> Result<RunningGateway, StartError
             stall_timeout: timing.link_stall_timeout,
         },
     );
+    let stop = tokio_util::sync::CancellationToken::new();
+    let agent_device_config = base.config.agent_device.clone();
+    let (tokens, max_ttl_ms) = (base.tokens.clone(), base.config.lease.max_ttl_ms);
+    let link = agent_device_config.enabled.then(|| {
+        let port = agent_device::GatewayFleetPort::new(fleet.clone(), relay.clone());
+        agent_device::relay_link(&fleet, port, Duration::from_millis(max_ttl_ms), &stop)
+    });
+    let mut front = None;
+    let running = base
+        .serve_with(router, true, |pipeline| {
+            let mut mounts = vec![uplink];
+            if let Some(link) = link {
+                let built = Front::new(FrontOptions {
+                    link,
+                    pipeline: pipeline.clone(),
+                    tokens,
+                    lease_ttl_cap_ms: agent_device_config.lease_ttl_cap_ms,
+                    max_ttl_ms,
+                });
+                mounts.push(built.mount());
+                front = Some(built);
+            }
+            mounts
+        })
+        .await?;
     running.started();
     Ok(RunningGateway {
         running,
         fleet,
         relay,
+        agent_device: front,
+        stop,
     })
 }
 
 impl RunningGateway {
-    /// Stops the gateway: the fleet (waiting requests fail, uplinks close), then the hosts.
+    /// Stops the gateway: the agent-device front's waiting allocates (their lease requests end
+    /// cancelled) and renewals, then the fleet (waiting requests fail, uplinks close), then the
+    /// hosts.
     pub async fn stop(self, reason: &str) {
+        if let Some(front) = &self.agent_device {
+            front.stop();
+        }
+        self.stop.cancel();
         self.fleet.stop();
         self.running.stop(reason).await;
     }

@@ -48,8 +48,9 @@ pub struct WorkerFacts {
     pub id: String,
     /// Whether its uplink is up.
     pub connected: bool,
-    /// Whether its view lists `agent-device` as available, and why not.
-    pub agent_device: Result<(), Option<String>>,
+    /// Whether it can serve the agent-device leases it holds now (connected, `agent-device`
+    /// available; drained or not): the fleet's rule.
+    pub serves: bool,
     /// The platforms of its catalog (empty until the catalog was read).
     pub platforms: BTreeSet<Platform>,
     /// Its `lease.maxTtlMs`, once read.
@@ -69,10 +70,10 @@ pub struct RelayFailure {
 pub trait FleetPort: Send + Sync + 'static {
     /// The lease index's worker and owner for `lease`.
     fn placement(&self, lease: &LeaseId) -> Option<Placement>;
-    /// The workers capable of a new agent-device lease: connected, not drained, `agent-device`
-    /// available in their view, catalog and `lease.maxTtlMs` read.
+    /// The workers capable of a new agent-device lease (the fleet's rule: connected, not
+    /// drained, `agent-device` available in their view, catalog and `lease.maxTtlMs` read).
     fn capable_workers(&self) -> Vec<WorkerFacts>;
-    /// One worker, drained or not.
+    /// One worker the gateway knows, drained or not.
     fn worker(&self, id: &str) -> Option<WorkerFacts>;
     /// Relays one exchange to `worker`'s `agent-device` target.
     fn relay(
@@ -251,12 +252,10 @@ impl HostLink for RelayHostLink {
         // The holder serves a lease it holds while connected with agent-device available,
         // drained or not.
         match self.port.worker(&placement.worker) {
-            Some(worker) if worker.connected && worker.agent_device.is_ok() => {
-                HostStatus::Running(Serving {
-                    platforms: worker.platforms,
-                    lease_max_ttl_ms: worker.lease_max_ttl_ms,
-                })
-            }
+            Some(worker) if worker.serves => HostStatus::Running(Serving {
+                platforms: worker.platforms,
+                lease_max_ttl_ms: worker.lease_max_ttl_ms,
+            }),
             _ => HostStatus::Unavailable {
                 reason: HOLDER_CANNOT_SERVE.into(),
             },
@@ -399,7 +398,7 @@ mod tests {
         fn capable_workers(&self) -> Vec<WorkerFacts> {
             self.workers
                 .iter()
-                .filter(|w| w.connected && w.agent_device.is_ok() && !w.platforms.is_empty())
+                .filter(|w| w.serves && !w.platforms.is_empty())
                 .cloned()
                 .collect()
         }
@@ -425,11 +424,7 @@ mod tests {
         WorkerFacts {
             id: id.into(),
             connected: true,
-            agent_device: if available {
-                Ok(())
-            } else {
-                Err(Some("down".into()))
-            },
+            serves: available,
             platforms: platforms.iter().copied().collect(),
             lease_max_ttl_ms: Some(300_000),
         }

@@ -156,7 +156,7 @@ impl std::fmt::Debug for AgentDeviceHost {
 
 impl AgentDeviceHost {
     /// Stops whatever an earlier run left behind, then starts the daemon and supervises it.
-    /// Returns at once; [`Self::status`] says when it serves.
+    /// Returns at once; [`Self::state`] says when it serves.
     pub async fn start(options: HostOptions) -> Self {
         if let Daemon::Spawn(spec) = &options.daemon {
             process::stop_leftovers(&spec.state_dir, options.stop_grace).await;

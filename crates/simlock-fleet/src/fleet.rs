@@ -33,7 +33,7 @@ use tracing::{debug, info, warn};
 
 use crate::error::FleetError;
 use crate::state::index::Entry;
-use crate::state::{Core, Effect, Refresh, RefreshFailure, Settings, Stamp};
+use crate::state::{Core, Effect, Refresh, RefreshFailure, Settings, Stamp, routing};
 
 const MIGRATIONS: &[&str] =
     &["CREATE TABLE drained_workers (worker_id TEXT PRIMARY KEY, drained_at INTEGER NOT NULL)"];
@@ -76,6 +76,9 @@ impl FleetTiming {
 fn millis(d: Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
 }
+
+/// How many index removals a follower may lag behind.
+const DROPPED_BUFFER: usize = 1024;
 
 /// What the fleet is built from.
 pub struct FleetParts {
@@ -170,6 +173,8 @@ pub struct Fleet {
     presence: Presence,
     pub(crate) shared: Mutex<Shared>,
     changes: watch::Sender<u64>,
+    /// The leases that left the index, for whoever follows them.
+    dropped: tokio::sync::broadcast::Sender<String>,
     wake: Arc<Notify>,
     /// The deadline the timer sleeps toward (`i64::MAX` for none); set under the lock, so a
     /// decision wakes the timer only when it brought the next deadline forward.
@@ -227,6 +232,7 @@ impl Fleet {
                 followers: HashMap::new(),
             }),
             changes: watch::Sender::new(0),
+            dropped: tokio::sync::broadcast::channel(DROPPED_BUFFER).0,
             wake: Arc::new(Notify::new()),
             timer_at: Arc::new(AtomicI64::new(i64::MAX)),
             stopping: CancellationToken::new(),
@@ -273,6 +279,10 @@ impl Fleet {
                 }
                 Effect::Event(event) => {
                     self.bus.emit(EventModule::Fleet, &event);
+                }
+                Effect::Dropped { lease_id } => {
+                    // Nobody following is fine; a follower that lagged catches up by looking.
+                    let _ = self.dropped.send(lease_id);
                 }
                 Effect::Relay(envelope) => {
                     self.bus.relay(envelope);
@@ -565,6 +575,26 @@ impl Fleet {
     /// How many leases the gateway issued and indexes.
     pub fn lease_count(&self) -> usize {
         self.shared.lock().core.index().len()
+    }
+
+    /// Follows the leases that leave the index (ended, or their worker forgotten), by the
+    /// gateway's id. A follower that falls more than 1024 behind loses the oldest.
+    pub fn dropped_leases(&self) -> tokio::sync::broadcast::Receiver<String> {
+        self.dropped.subscribe()
+    }
+
+    /// Every worker that can take a new lease requiring `capability` now
+    /// ([`routing::capable`]), in id order.
+    pub fn capable_workers(&self, capability: &str) -> Vec<routing::CapableWorker> {
+        let shared = self.shared.lock();
+        let mut capable: Vec<routing::CapableWorker> = shared
+            .core
+            .views()
+            .iter()
+            .filter_map(|v| routing::capable(v, capability))
+            .collect();
+        capable.sort_by(|a, b| a.id.cmp(&b.id));
+        capable
     }
 
     /// Follows changes to the fleet (a counter that moves on every decision).

@@ -135,6 +135,8 @@ pub struct LeaseIndex {
     early_ends: VecDeque<EndedLease>,
     /// Broken on purpose ([`super::Fault::StaleViewRevives`]): snapshots ignore what ended.
     pub(crate) revive_stale: bool,
+    /// Ids of the entries that left the index since the core last took them.
+    dropped: Vec<String>,
 }
 
 /// The gateway lease id for a worker's lease.
@@ -174,7 +176,8 @@ impl LeaseIndex {
     }
 
     fn insert(&mut self, entry: Entry) {
-        self.remove(&entry.lease_id.clone());
+        // A newer record of the same lease replaces the old one: nothing left the index.
+        self.unlink(&entry.lease_id.clone());
         self.tombstones
             .remove(&key(&entry.worker_id, &entry.worker_lease_id));
         self.by_requester
@@ -188,7 +191,19 @@ impl LeaseIndex {
         self.entries.insert(entry.lease_id.clone(), entry);
     }
 
+    /// Takes an entry out of the index: it is gone, and that is told ([`Self::take_dropped`]).
     fn remove(&mut self, lease_id: &str) -> Option<Entry> {
+        let entry = self.unlink(lease_id)?;
+        self.dropped.push(entry.lease_id.clone());
+        Some(entry)
+    }
+
+    /// The ids of the entries that left the index since the last call.
+    pub fn take_dropped(&mut self) -> Vec<String> {
+        std::mem::take(&mut self.dropped)
+    }
+
+    fn unlink(&mut self, lease_id: &str) -> Option<Entry> {
         let entry = self.entries.remove(lease_id)?;
         if let Some(held) = self.by_requester.get_mut(&entry.requester_id) {
             held.remove(&(entry.granted_at(), entry.lease_id.clone()));

@@ -187,6 +187,12 @@ pub enum Effect {
     },
     /// Record an event on the gateway's bus (module `fleet`).
     Event(Event),
+    /// A lease left the index (it ended, its worker was forgotten): tell whoever follows the
+    /// index's removals (the agent-device front's relay host link).
+    Dropped {
+        /// The gateway's id for it.
+        lease_id: String,
+    },
     /// Record a worker's event on the gateway's bus, as it came plus its worker id.
     Relay(EventEnvelope),
     /// Push a lease notice to an owner's connections (but `except`).
@@ -336,13 +342,21 @@ impl Core {
     /// The next effect to carry out.
     pub fn poll_effect(&mut self) -> Option<Effect> {
         self.note_depth();
+        self.note_dropped();
         self.fx.pop_front()
     }
 
     /// Every effect queued so far, in order.
     pub fn take_effects(&mut self) -> Vec<Effect> {
         self.note_depth();
+        self.note_dropped();
         self.fx.drain(..).collect()
+    }
+
+    fn note_dropped(&mut self) {
+        for lease_id in self.index.take_dropped() {
+            self.fx.push_back(Effect::Dropped { lease_id });
+        }
     }
 
     fn note_depth(&mut self) {

@@ -98,6 +98,49 @@ pub fn has_capabilities(view: &WorkerView, requires: &[String]) -> bool {
     })
 }
 
+/// A worker that can take a new lease requiring a module's capability, with what it serves.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CapableWorker {
+    /// Its id.
+    pub id: String,
+    /// The platforms its catalog serves now.
+    pub platforms: std::collections::BTreeSet<Platform>,
+    /// Its `lease.maxTtlMs`.
+    pub lease_max_ttl_ms: u64,
+}
+
+/// Whether `view`'s worker can take a new lease requiring `capability` (the agent-device
+/// front's "capable worker"): it takes requests (connected, not drained, capacity and catalog
+/// read), lists `capability` as available, and its lease limits were read. A worker whose view
+/// lists the capability before its catalog or limits were read does not count yet.
+pub fn capable(view: &WorkerView, capability: &str) -> Option<CapableWorker> {
+    if !takes_requests(view) || !has_capabilities(view, &[capability.to_owned()]) {
+        return None;
+    }
+    let lease_max_ttl_ms = view.lease.as_ref()?.max_ttl_ms;
+    Some(CapableWorker {
+        id: view.id.clone(),
+        platforms: served_platforms(view),
+        lease_max_ttl_ms,
+    })
+}
+
+/// The platforms `view`'s catalog serves now.
+pub fn served_platforms(view: &WorkerView) -> std::collections::BTreeSet<Platform> {
+    view.catalog
+        .iter()
+        .flatten()
+        .filter(|c| c.unavailable.is_none())
+        .map(|c| c.platform)
+        .collect()
+}
+
+/// Whether `view`'s worker can serve a lease it already holds that needs `capability`:
+/// connected, with `capability` available. A drained worker keeps serving the leases it holds.
+pub fn serves_held(view: &WorkerView, capability: &str) -> bool {
+    view.connection == Connection::Connected && has_capabilities(view, &[capability.to_owned()])
+}
+
 /// Whether the worker takes new requests at all: connected, not drained, and the gateway holds
 /// its capacity and its catalog.
 pub fn takes_requests(view: &WorkerView) -> bool {

@@ -643,7 +643,10 @@ impl Sim {
                     }
                 }
             }
-            Effect::Progress { .. } | Effect::Event(_) | Effect::Relay(_) => {}
+            Effect::Progress { .. }
+            | Effect::Event(_)
+            | Effect::Relay(_)
+            | Effect::Dropped { .. } => {}
         }
         Ok(())
     }

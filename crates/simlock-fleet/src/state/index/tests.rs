@@ -275,3 +275,24 @@ fn a_view_read_older_than_an_unmatched_end_does_not_index_its_lease() {
     );
     assert!(index.is_empty());
 }
+
+#[test]
+fn an_entry_that_leaves_the_index_is_told_once_and_a_newer_record_of_it_is_not_a_removal() {
+    let mut index = index();
+    let entry = grant(&index, "w1", "lse_a", 1);
+    assert_eq!(index.record_grant(entry), Recorded::Indexed);
+    // A snapshot listing it again replaces the entry with a newer record: nothing left.
+    index.apply_snapshot("w1", &[mine("lse_a")], 2);
+    assert!(
+        index.take_dropped().is_empty(),
+        "a replacement is no removal"
+    );
+    assert!(index.end("w1", "lse_a", 3).is_some());
+    assert_eq!(index.take_dropped(), vec!["w1.lse_a".to_owned()]);
+    assert!(index.take_dropped().is_empty(), "told once");
+    // A snapshot missing a lease the gateway knew ends it, and that is told too.
+    let entry = grant(&index, "w1", "lse_b", 4);
+    index.record_grant(entry);
+    index.apply_snapshot("w1", &[], 5);
+    assert_eq!(index.take_dropped(), vec!["w1.lse_b".to_owned()]);
+}

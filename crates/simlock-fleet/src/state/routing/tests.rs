@@ -241,3 +241,65 @@ fn assess_fails_fast_in_table_order() {
         Assessment::CapabilityMissing("agent-device".into())
     );
 }
+
+#[test]
+fn a_capable_worker_takes_requests_has_the_capability_and_its_limits_were_read() {
+    let cap = "agent-device";
+    let mut v = view("w1", 1);
+    v.capabilities = Some(vec![CapabilityStatus {
+        name: cap.into(),
+        available: true,
+        reason: None,
+    }]);
+    v.lease = Some(simlock_contract::model::LeaseLimits {
+        default_ttl_ms: 60_000,
+        max_ttl_ms: 300_000,
+    });
+    let found = super::capable(&v, cap).expect("capable");
+    assert_eq!(found.id, "w1");
+    assert_eq!(found.lease_max_ttl_ms, 300_000);
+    assert_eq!(found.platforms, [Platform::Ios].into_iter().collect());
+    assert!(serves_held(&v, cap));
+    // Each condition alone takes it out.
+    let mut drained = v.clone();
+    drained.drained = true;
+    assert!(super::capable(&drained, cap).is_none(), "drained");
+    assert!(
+        serves_held(&drained, cap),
+        "a drained worker keeps serving what it holds"
+    );
+    let mut unread = v.clone();
+    unread.catalog_read_at = None;
+    assert!(
+        super::capable(&unread, cap).is_none(),
+        "catalog not read yet"
+    );
+    let mut no_limits = v.clone();
+    no_limits.lease = None;
+    assert!(
+        super::capable(&no_limits, cap).is_none(),
+        "lease limits not read yet"
+    );
+    let mut down = v.clone();
+    down.capabilities = Some(vec![CapabilityStatus {
+        name: cap.into(),
+        available: false,
+        reason: Some("the daemon is restarting".into()),
+    }]);
+    assert!(super::capable(&down, cap).is_none(), "unavailable");
+    assert!(!serves_held(&down, cap));
+    let mut gone = v.clone();
+    gone.connection = Connection::Disconnected;
+    assert!(super::capable(&gone, cap).is_none());
+    assert!(!serves_held(&gone, cap), "disconnected");
+    let mut unserved = v;
+    if let Some(catalog) = unserved.catalog.as_mut() {
+        catalog[0].unavailable = Some("xcrun is missing".into());
+    }
+    assert!(
+        super::capable(&unserved, cap)
+            .expect("capable")
+            .platforms
+            .is_empty()
+    );
+}
