@@ -11,6 +11,7 @@ use futures::FutureExt;
 use futures::future::BoxFuture;
 use http_body_util::BodyExt;
 use simlock_contract::model::Connection;
+use simlock_daemon::clock::SharedClock;
 use simlock_fleet::{Fleet, routing};
 use simlock_relay_gateway::{GatewayRelay, RelayCall};
 use tokio_util::sync::CancellationToken;
@@ -98,9 +99,10 @@ pub(crate) fn relay_link(
     fleet: &Arc<Fleet>,
     port: GatewayFleetPort,
     keep: Duration,
+    clock: SharedClock,
     stop: &CancellationToken,
 ) -> Arc<RelayHostLink> {
-    let link = Arc::new(RelayHostLink::new(Arc::new(port), keep));
+    let link = Arc::new(RelayHostLink::new(Arc::new(port), keep, clock));
     let mut dropped = fleet.dropped_leases();
     let (following, stop_following) = (link.clone(), stop.clone());
     tokio::spawn(async move {

@@ -33,6 +33,9 @@ pub struct GatewayOptions {
     pub timing: Option<FleetTiming>,
     /// The relay's deadline, for tests; 330 000 ms otherwise.
     pub relay_deadline: Option<Duration>,
+    /// The clock the agent-device front's memory of dropped leases reads, for tests that move
+    /// it; the daemon's otherwise.
+    pub agent_device_clock: Option<SharedClock>,
 }
 
 impl GatewayOptions {
@@ -45,6 +48,7 @@ impl GatewayOptions {
             clock: None,
             timing: None,
             relay_deadline: None,
+            agent_device_clock: None,
         }
     }
 }
@@ -111,7 +115,17 @@ pub async fn start(options: GatewayOptions) -> Result<RunningGateway, StartError
     let (tokens, max_ttl_ms) = (base.tokens.clone(), base.config.lease.max_ttl_ms);
     let link = agent_device_config.enabled.then(|| {
         let port = agent_device::GatewayFleetPort::new(fleet.clone(), relay.clone());
-        agent_device::relay_link(&fleet, port, Duration::from_millis(max_ttl_ms), &stop)
+        let clock = options
+            .agent_device_clock
+            .clone()
+            .unwrap_or_else(|| base.clock.clone());
+        agent_device::relay_link(
+            &fleet,
+            port,
+            Duration::from_millis(max_ttl_ms),
+            clock,
+            &stop,
+        )
     });
     let mut front = None;
     let running = base
@@ -147,7 +161,7 @@ impl RunningGateway {
     /// hosts.
     pub async fn stop(self, reason: &str) {
         if let Some(front) = &self.agent_device {
-            front.stop();
+            front.stop().await;
         }
         self.stop.cancel();
         self.fleet.stop();

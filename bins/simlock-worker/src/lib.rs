@@ -285,7 +285,7 @@ impl RunningWorker {
     /// agent-device daemon. Leases stay committed.
     pub async fn stop(self, reason: &str) {
         if let Some(agent_device) = &self.agent_device {
-            agent_device.front.stop();
+            agent_device.front.stop().await;
         }
         self.uplink_stop.cancel();
         self.worker.shutdown();

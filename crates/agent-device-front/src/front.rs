@@ -46,6 +46,8 @@ use crate::{Body, PREFIX};
 pub const AGENT_DEVICE_MAX_TTL_MS: u64 = 600_000;
 /// The largest upload preflight body: agent-device's own cap, 64 KiB.
 pub const MAX_PREFLIGHT_BODY: usize = 64 * 1024;
+/// The longest a stop waits for the waiting allocates to withdraw.
+pub const STOP_BOUND: Duration = Duration::from_secs(10);
 /// The largest answer the front reads whole (lease answers, preflight tickets, device lists).
 const MAX_ANSWER: usize = 4 * 1024 * 1024;
 
@@ -95,6 +97,8 @@ struct Inner {
     leases: FrontLeases,
     /// Fires when the daemon stops: waiting allocates end cancelled, renewals stop.
     stop: CancellationToken,
+    /// The allocates waiting for a grant, so a stop can wait until each withdrew its request.
+    waiting: tokio_util::task::TaskTracker,
 }
 
 impl Front {
@@ -109,6 +113,7 @@ impl Front {
                 max_ttl_ms: options.max_ttl_ms,
                 leases: FrontLeases::default(),
                 stop: CancellationToken::new(),
+                waiting: tokio_util::task::TaskTracker::new(),
             }),
         }
     }
@@ -120,10 +125,19 @@ impl Front {
         })
     }
 
-    /// Stops: allocates still waiting end with their lease request cancelled, and running
-    /// commands stop renewing. Call it before the daemon's domain stops.
-    pub fn stop(&self) {
+    /// Stops: allocates still waiting withdraw their lease requests (they end cancelled, not
+    /// with the daemon's `DAEMON_STOPPING`), and running commands stop renewing. Call it before
+    /// the daemon's domain stops; it waits (at most [`STOP_BOUND`]) until every waiting
+    /// allocate withdrew.
+    pub async fn stop(&self) {
         self.inner.stop.cancel();
+        self.inner.waiting.close();
+        if tokio::time::timeout(STOP_BOUND, self.inner.waiting.wait())
+            .await
+            .is_err()
+        {
+            warn!("waiting allocates did not withdraw within {STOP_BOUND:?}");
+        }
     }
 
     /// How many agent-device leases the front remembers (for tests and metrics).
@@ -301,7 +315,14 @@ fn authenticate(tokens: &TokenStore, headers: &HeaderMap) -> Result<Caller, Refu
 async fn health(inner: Arc<Inner>, request: Request<Body>) -> Response<Body> {
     let refusal = match inner.link.status(StatusScope::NewLease) {
         HostStatus::Running(_) => match inner.link.forward(request, None, None).await {
-            Ok(response) => return response,
+            // A host that answered it cannot serve says why; the CLI hides the reason of a
+            // health answer at 500 or above, so it is answered as 200.
+            Ok(mut response) => {
+                if response.status().is_server_error() {
+                    *response.status_mut() = StatusCode::OK;
+                }
+                return response;
+            }
             Err(refusal) => refusal,
         },
         HostStatus::Unavailable { reason } => Refusal::NotAvailable {
@@ -419,6 +440,24 @@ impl Exchange {
                     through_gateway: self.through_gateway(),
                 })
             })
+    }
+
+    /// The TTL of the caller's `lease`, for a heartbeat or a release, once the host holding it
+    /// can serve. On a worker the front's own memory decides whose the lease is; through a
+    /// gateway the relay host link does (it alone places leases, and remembers those the
+    /// index dropped), so a lease the front has no memory of is forwarded for the link to
+    /// refuse or place, with the holder's ceiling as its TTL.
+    fn lease_ttl(&self, lease: &LeaseId) -> Result<u64, Failed> {
+        let remembered = if self.through_gateway() {
+            self.inner.leases.owned(lease, &self.caller.principal)
+        } else {
+            Some(self.owned(lease)?)
+        };
+        let serving = self.serving(lease)?;
+        Ok(remembered.map_or_else(
+            || self.inner.ceiling(serving.lease_max_ttl_ms),
+            |entry| entry.ttl_ms,
+        ))
     }
 
     /// The status of the host holding `lease`, refused when it cannot serve.
@@ -624,7 +663,7 @@ async fn wait_for_grant(
     let ctx = || CallCtx::internal(principal.clone(), role, None);
     let (request_ctx, cancel_ctx, release_ctx) = (ctx(), ctx(), ctx());
     let lease = lease.clone();
-    tokio::spawn(async move {
+    inner.waiting.spawn(async move {
         let call = pipeline.call_typed::<LeaseRequest>(request_ctx, &input);
         tokio::pin!(call);
         let settled = tokio::select! {
@@ -715,9 +754,8 @@ async fn heartbeat(
     mut call: RpcCall,
     lease: &LeaseId,
 ) -> Result<Response<Body>, Failed> {
-    let entry = ctx.owned(lease)?;
-    ctx.serving(lease)?;
-    call.set_ttl(entry.ttl_ms);
+    let ttl_ms = ctx.lease_ttl(lease)?;
+    call.set_ttl(ttl_ms);
     let (parts, bytes) = ctx.exchange(call.to_bytes(), Some(lease)).await?;
     let answer = Answer::read(&bytes);
     if answer.lease_gone() {
@@ -730,7 +768,7 @@ async fn heartbeat(
     }
     let renew = LeaseRenewInput {
         lease_id: lease.to_string(),
-        ttl_ms: Some(entry.ttl_ms),
+        ttl_ms: Some(ttl_ms),
     };
     match ctx
         .inner
@@ -756,8 +794,7 @@ async fn heartbeat(
 /// The release: agent-device first (`released: false` is a normal answer), then the simlock
 /// lease. A release agent-device fails keeps the simlock lease.
 async fn release(ctx: &Exchange, call: RpcCall, lease: &LeaseId) -> Result<Response<Body>, Failed> {
-    ctx.owned(lease)?;
-    ctx.serving(lease)?;
+    ctx.lease_ttl(lease)?;
     let (parts, bytes) = ctx.exchange(call.to_bytes(), Some(lease)).await?;
     let answer = Answer::read(&bytes);
     if matches!(answer, Answer::Ok(_)) || answer.lease_gone() {

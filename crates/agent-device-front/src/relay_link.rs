@@ -17,7 +17,7 @@ use futures::future::BoxFuture;
 use http::{Request, Response};
 use parking_lot::Mutex;
 use simlock_contract::model::Platform;
-use tokio::time::Instant;
+use simlock_daemon::clock::SharedClock;
 
 use crate::lease_id::LeaseId;
 use crate::port::{Caller, HostLink, HostStatus, Serving, StatusScope};
@@ -96,8 +96,12 @@ pub struct LeaseMemory {
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct Remembered {
     placement: Placement,
-    /// When the index dropped the lease, if it did.
-    dropped_at: Option<Instant>,
+    /// When the index dropped the lease (ms since the epoch), if it did.
+    dropped_at: Option<i64>,
+}
+
+fn older_than(now: i64, at: i64, keep: Duration) -> bool {
+    u128::try_from(now.saturating_sub(at)).unwrap_or(0) > keep.as_millis()
 }
 
 impl LeaseMemory {
@@ -113,7 +117,7 @@ impl LeaseMemory {
     }
 
     /// The index dropped `lease` at `now`: the memory keeps routing it, stamped.
-    pub fn dropped(&mut self, lease: &LeaseId, now: Instant) {
+    pub fn dropped(&mut self, lease: &LeaseId, now: i64) {
         if let Some(entry) = self.entries.get_mut(lease)
             && entry.dropped_at.is_none()
         {
@@ -123,12 +127,9 @@ impl LeaseMemory {
 
     /// Where `lease` was last placed, unless it was dropped more than `keep` before `now`
     /// (then it is forgotten).
-    pub fn recall(&mut self, lease: &LeaseId, now: Instant, keep: Duration) -> Option<Placement> {
+    pub fn recall(&mut self, lease: &LeaseId, now: i64, keep: Duration) -> Option<Placement> {
         let entry = self.entries.get(lease)?;
-        if entry
-            .dropped_at
-            .is_some_and(|at| now.saturating_duration_since(at) > keep)
-        {
+        if entry.dropped_at.is_some_and(|at| older_than(now, at, keep)) {
             self.entries.remove(lease);
             return None;
         }
@@ -136,11 +137,19 @@ impl LeaseMemory {
     }
 
     /// Forgets every lease dropped more than `keep` before `now`.
-    pub fn sweep(&mut self, now: Instant, keep: Duration) {
-        self.entries.retain(|_, e| {
-            e.dropped_at
-                .is_none_or(|at| now.saturating_duration_since(at) <= keep)
-        });
+    pub fn sweep(&mut self, now: i64, keep: Duration) {
+        self.entries
+            .retain(|_, e| e.dropped_at.is_none_or(|at| !older_than(now, at, keep)));
+    }
+
+    /// Stamps, as dropped at `now`, every remembered lease `still_indexed` says the index no
+    /// longer holds (a removal the link was not told of).
+    pub fn stamp_missing(&mut self, now: i64, still_indexed: impl Fn(&LeaseId) -> bool) {
+        for (lease, entry) in &mut self.entries {
+            if entry.dropped_at.is_none() && !still_indexed(lease) {
+                entry.dropped_at = Some(now);
+            }
+        }
     }
 
     /// How many leases are remembered.
@@ -160,6 +169,8 @@ pub struct RelayHostLink {
     memory: Arc<Mutex<LeaseMemory>>,
     /// The gateway's `lease.maxTtlMs`: how long a dropped lease is remembered.
     keep: Duration,
+    /// The time the memory reads.
+    clock: SharedClock,
 }
 
 impl std::fmt::Debug for RelayHostLink {
@@ -172,25 +183,34 @@ impl std::fmt::Debug for RelayHostLink {
 
 impl RelayHostLink {
     /// A link over `port`, remembering dropped leases for `keep` (the gateway's
-    /// `lease.maxTtlMs`).
-    pub fn new(port: Arc<dyn FleetPort>, keep: Duration) -> Self {
+    /// `lease.maxTtlMs`) by `clock`.
+    pub fn new(port: Arc<dyn FleetPort>, keep: Duration, clock: SharedClock) -> Self {
         Self {
             port,
             memory: Arc::new(Mutex::new(LeaseMemory::default())),
             keep,
+            clock,
         }
     }
 
     /// The fleet's lease index dropped `lease` (the composition calls this from the index's
     /// removals).
     pub fn dropped(&self, lease: &LeaseId) {
-        self.memory.lock().dropped(lease, Instant::now());
+        self.memory.lock().dropped(lease, self.clock.now_ms());
     }
 
-    /// Forgets the leases dropped longer ago than the gateway's `lease.maxTtlMs`; the
-    /// composition calls it every [`SWEEP_EVERY`].
+    /// Stamps what the index dropped unannounced, and forgets the leases dropped longer ago
+    /// than the gateway's `lease.maxTtlMs`; the composition calls it every [`SWEEP_EVERY`].
     pub fn sweep(&self) {
-        self.memory.lock().sweep(Instant::now(), self.keep);
+        let now = self.clock.now_ms();
+        let mut memory = self.memory.lock();
+        memory.stamp_missing(now, |lease| self.port.placement(lease).is_some());
+        memory.sweep(now, self.keep);
+    }
+
+    /// How many leases the memory holds (for tests and metrics).
+    pub fn remembered(&self) -> usize {
+        self.memory.lock().len()
     }
 
     /// Sweeps every [`SWEEP_EVERY`] until `stop` fires.
@@ -216,7 +236,7 @@ impl RelayHostLink {
                 memory.placed(lease, placement.clone());
                 Some(placement)
             }
-            None => memory.recall(lease, Instant::now(), self.keep),
+            None => memory.recall(lease, self.clock.now_ms(), self.keep),
         }
     }
 
@@ -341,49 +361,61 @@ mod tests {
         }
     }
 
-    #[tokio::test(start_paused = true)]
-    async fn a_dropped_lease_is_recalled_until_keep_has_passed_and_not_a_moment_after() {
+    #[test]
+    fn a_dropped_lease_is_recalled_until_keep_has_passed_and_not_a_moment_after() {
         let keep = Duration::from_secs(3600);
         let mut memory = LeaseMemory::default();
         let l = lease();
         memory.placed(&l, placement("w1", "tok_a"));
-        let at = Instant::now();
+        let at = 1_000_000;
         memory.dropped(&l, at);
         assert_eq!(
-            memory.recall(&l, at + keep, keep),
+            memory.recall(&l, at + 3_600_000, keep),
             Some(placement("w1", "tok_a"))
         );
-        memory.sweep(at + keep, keep);
+        memory.sweep(at + 3_600_000, keep);
         assert_eq!(memory.len(), 1, "at the bound it is kept");
-        assert_eq!(
-            memory.recall(&l, at + keep + Duration::from_millis(1), keep),
-            None
-        );
+        assert_eq!(memory.recall(&l, at + 3_600_001, keep), None);
         assert!(memory.is_empty(), "past it, forgotten");
     }
 
-    #[tokio::test(start_paused = true)]
-    async fn a_lease_placed_again_is_no_longer_dropped_and_the_first_drop_stamps() {
+    #[test]
+    fn a_lease_placed_again_is_no_longer_dropped_and_the_first_drop_stamps() {
         let keep = Duration::from_secs(10);
         let mut memory = LeaseMemory::default();
         let l = lease();
         memory.placed(&l, placement("w1", "tok_a"));
-        let first = Instant::now();
-        memory.dropped(&l, first);
-        memory.dropped(&l, first + Duration::from_secs(9));
+        memory.dropped(&l, 0);
+        memory.dropped(&l, 9_000);
         assert_eq!(
-            memory.recall(&l, first + Duration::from_secs(11), keep),
+            memory.recall(&l, 11_000, keep),
             None,
             "stamped at the first drop"
         );
         memory.placed(&l, placement("w2", "tok_a"));
-        memory.dropped(&l, first + Duration::from_secs(20));
+        memory.dropped(&l, 20_000);
         memory.placed(&l, placement("w2", "tok_a"));
-        memory.sweep(first + Duration::from_secs(1000), keep);
+        memory.sweep(1_000_000, keep);
         assert_eq!(
-            memory.recall(&l, first + Duration::from_secs(1000), keep),
+            memory.recall(&l, 1_000_000, keep),
             Some(placement("w2", "tok_a"))
         );
+    }
+
+    #[test]
+    fn a_removal_nobody_announced_is_stamped_by_the_sweep() {
+        let keep = Duration::from_secs(10);
+        let mut memory = LeaseMemory::default();
+        let l = lease();
+        memory.placed(&l, placement("w1", "tok_a"));
+        memory.stamp_missing(5_000, |_| true);
+        memory.sweep(100_000, keep);
+        assert_eq!(memory.len(), 1, "still indexed: kept");
+        memory.stamp_missing(100_000, |_| false);
+        memory.sweep(110_000, keep);
+        assert_eq!(memory.len(), 1, "stamped at 100 s, kept to 110 s");
+        memory.sweep(110_001, keep);
+        assert!(memory.is_empty());
     }
 
     struct Fleet {
@@ -420,6 +452,10 @@ mod tests {
         }
     }
 
+    fn clock() -> SharedClock {
+        simlock_daemon::clock::TokioClock::starting_at(0).shared()
+    }
+
     fn worker(id: &str, platforms: &[Platform], available: bool) -> WorkerFacts {
         WorkerFacts {
             id: id.into(),
@@ -448,7 +484,7 @@ mod tests {
                 worker("w3", &[Platform::Android], false),
             ],
         };
-        let link = RelayHostLink::new(Arc::new(fleet), Duration::from_secs(60));
+        let link = RelayHostLink::new(Arc::new(fleet), Duration::from_secs(60), clock());
         let HostStatus::Running(serving) = link.status(StatusScope::NewLease) else {
             panic!("running");
         };
@@ -463,6 +499,7 @@ mod tests {
                 workers: vec![worker("w3", &[Platform::Android], false)],
             }),
             Duration::from_secs(60),
+            clock(),
         );
         assert_eq!(
             none.status(StatusScope::NewLease),
@@ -481,7 +518,7 @@ mod tests {
                 worker("w2", &[Platform::Android], true),
             ],
         });
-        let link = RelayHostLink::new(fleet, Duration::from_secs(60));
+        let link = RelayHostLink::new(fleet, Duration::from_secs(60), clock());
         let l = lease();
         let HostStatus::Running(serving) = link.status(StatusScope::Lease {
             lease: &l,

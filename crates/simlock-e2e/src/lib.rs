@@ -118,12 +118,22 @@ impl TestFleet {
         config: Config,
         tune: impl FnOnce(&mut simlock_fleet::FleetTiming),
     ) -> Self {
+        Self::start_customized(config, tune, |_| {}).await
+    }
+
+    /// As [`Self::start_with`], with the gateway's options changed by `customize` too.
+    pub async fn start_customized(
+        config: Config,
+        tune: impl FnOnce(&mut simlock_fleet::FleetTiming),
+        customize: impl FnOnce(&mut GatewayOptions),
+    ) -> Self {
         let dir = tempfile::tempdir().expect("a temporary directory");
         let home = Home::at(dir.path().join("gateway"));
         let mut options = GatewayOptions::new(home.clone(), config);
         let mut timing = simlock_fleet::FleetTiming::from_config(&options.config);
         tune(&mut timing);
         options.timing = Some(timing);
+        customize(&mut options);
         let gateway = simlock_gateway::start(options)
             .await
             .expect("the gateway starts");

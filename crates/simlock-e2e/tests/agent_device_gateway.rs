@@ -1,0 +1,847 @@
+//! agent-device through a gateway (seed 003): a real gateway and real workers over real
+//! uplinks, HTTP into the gateway's `/v1/agent-device`, an in-process fake agent-device per
+//! worker.
+
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    reason = "tests"
+)]
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::time::Duration;
+
+use agent_device_fake::{
+    DaemonError, Device, DevicesAnswer, ErrorCode, FakeAgentDevice, FakeOptions,
+};
+use http::Method;
+use serde_json::{Value, json};
+use simlock_contract::model::Platform;
+use simlock_daemon::clock::{Clock, SharedClock, TokioClock};
+use simlock_daemon::config::Config;
+use simlock_e2e::agent_device::{Http, rpc_call};
+use simlock_e2e::{PATIENCE, TestFleet, gateway_config, worker_config};
+
+/// A clock the test moves by hand on top of tokio's.
+#[derive(Debug)]
+struct Shifted {
+    base: TokioClock,
+    offset_ms: AtomicI64,
+}
+
+impl Clock for Shifted {
+    fn now_ms(&self) -> i64 {
+        self.base.now_ms() + self.offset_ms.load(Ordering::SeqCst)
+    }
+}
+
+struct Gw {
+    fleet: TestFleet,
+    fakes: Vec<FakeAgentDevice>,
+    clock: Arc<Shifted>,
+}
+
+fn enabled_gateway() -> Config {
+    let mut config = gateway_config();
+    config.agent_device.enabled = true;
+    config
+}
+
+/// A worker configuration: agent-device on (served by an attached fake) or off; only the
+/// platforms named in its virtual catalog.
+fn worker(agent_device: bool, platforms: &[Platform]) -> Config {
+    let mut config = worker_config(4);
+    config.agent_device.enabled = agent_device;
+    config.agent_device.command = Some(vec!["agent-device-attached".into()]);
+    config
+        .virtual_devices
+        .models
+        .retain(|m| platforms.contains(&m.platform));
+    config
+}
+
+impl Gw {
+    async fn start(config: Config) -> Self {
+        Self::start_tuned(config, |_| {}).await
+    }
+
+    async fn start_tuned(
+        config: Config,
+        tune: impl FnOnce(&mut simlock_fleet::FleetTiming),
+    ) -> Self {
+        let clock = Arc::new(Shifted {
+            base: TokioClock::system(),
+            offset_ms: AtomicI64::new(0),
+        });
+        let shared: SharedClock = clock.clone();
+        let fleet = TestFleet::start_customized(config, tune, |options| {
+            options.agent_device_clock = Some(shared);
+        })
+        .await;
+        Self {
+            fleet,
+            fakes: Vec::new(),
+            clock,
+        }
+    }
+
+    /// Adds worker `n` with `config`, its agent-device an in-process fake (when enabled).
+    async fn add(&mut self, config: Config) -> usize {
+        let n = self.fleet.workers.len();
+        let fake = FakeAgentDevice::start(FakeOptions::default()).unwrap();
+        let endpoint = agent_device_host::process::Endpoint {
+            port: fake.port(),
+            token: fake.token().to_owned(),
+        };
+        self.fleet
+            .join_worker(
+                n,
+                config,
+                |options| options.agent_device_attach = Some(endpoint),
+                true,
+            )
+            .await;
+        self.fakes.push(fake);
+        n
+    }
+
+    fn base(&self) -> String {
+        format!(
+            "http://{}/v1/agent-device",
+            self.fleet.gateway().running.http_addr().unwrap()
+        )
+    }
+
+    async fn token(&self) -> (String, String) {
+        let created = self
+            .fleet
+            .operator()
+            .await
+            .call("token.create", json!({"role": "agent", "label": "e2e"}))
+            .await
+            .unwrap();
+        (
+            created["token"]["id"].as_str().unwrap().to_owned(),
+            created["secret"].as_str().unwrap().to_owned(),
+        )
+    }
+
+    async fn leases(&self) -> Vec<Value> {
+        let listed = self
+            .fleet
+            .operator()
+            .await
+            .call("lease.list", json!({}))
+            .await
+            .unwrap();
+        listed["leases"].as_array().cloned().unwrap_or_default()
+    }
+
+    /// Waits until the gateway sees worker `n` capable of agent-device, or not.
+    async fn wait_capable(&self, n: usize, capable: bool) {
+        let id = self.fleet.worker_id(n);
+        self.fleet
+            .wait_until(|fleet| {
+                fleet
+                    .capable_workers(agent_device_front::CAPABILITY)
+                    .iter()
+                    .any(|w| w.id == id)
+                    == capable
+            })
+            .await;
+    }
+
+    async fn stop(self) {
+        self.fleet.stop().await;
+        for fake in self.fakes {
+            fake.stop().await;
+        }
+    }
+}
+
+fn allocate_call(id: &str, backend: &str, device: Option<&str>) -> Value {
+    let mut params =
+        json!({"session": "s1", "tenantId": "acme", "runId": "run1", "backend": backend});
+    if let Some(device) = device {
+        params["device"] = json!(device);
+    }
+    rpc_call(id, "lease.allocate", params)
+}
+
+fn command_call(id: &str, lease: &str, command: &str, flags: Value) -> Value {
+    let mut all = json!({"leaseId": lease, "runId": "run1", "tenant": "acme"});
+    if let (Some(into), Some(extra)) = (all.as_object_mut(), flags.as_object()) {
+        into.extend(extra.clone());
+    }
+    rpc_call(
+        id,
+        "command",
+        json!({"session": "s1", "command": command, "positionals": [], "flags": all,
+            "meta": {"leaseId": lease, "runId": "run1", "tenantId": "acme", "requestId": id}}),
+    )
+}
+
+fn lease_call(id: &str, method: &str, lease: &str) -> Value {
+    rpc_call(
+        id,
+        method,
+        json!({"session": "s1", "tenantId": "acme", "runId": "run1", "leaseId": lease}),
+    )
+}
+
+fn message(answer: &simlock_e2e::agent_device::Answer) -> String {
+    let body = answer.json();
+    body["error"]["data"]["message"]
+        .as_str()
+        .or_else(|| body["error"].as_str())
+        .unwrap_or_default()
+        .to_owned()
+}
+
+async fn allocate(http: &Http, gw: &Gw, token: &str) -> String {
+    let answer = http
+        .rpc(
+            &gw.base(),
+            token,
+            &allocate_call("a1", "android-instance", None),
+        )
+        .await;
+    assert_eq!(answer.status, 200, "{answer:?}");
+    answer.json()["result"]["data"]["lease"]["leaseId"]
+        .as_str()
+        .unwrap()
+        .to_owned()
+}
+
+/// The JSON-RPC bodies fake `fake` received for `method`.
+fn received(fake: &FakeAgentDevice, method: &str) -> Vec<Value> {
+    fake.requests()
+        .into_iter()
+        .filter(|r| r.path == "/rpc")
+        .filter_map(|r| serde_json::from_slice::<Value>(&r.body).ok())
+        .filter(|b| b["method"] == method)
+        .collect()
+}
+
+fn rpcs(fake: &FakeAgentDevice) -> usize {
+    fake.requests().iter().filter(|r| r.path == "/rpc").count()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_agent_device_off_on_the_gateway_every_route_answers_404() {
+    let mut gw = Gw::start(gateway_config()).await;
+    gw.add(worker(true, &[Platform::Android])).await;
+    let (_, secret) = gw.token().await;
+    let bearer = format!("Bearer {secret}");
+    for (method, route) in [
+        (Method::GET, "health"),
+        (Method::POST, "rpc"),
+        (Method::POST, "upload/preflight"),
+        (Method::GET, "artifacts/a1"),
+        (Method::GET, "sessions/s/requests/r/diagnostics"),
+    ] {
+        let answer = Http::new()
+            .send(
+                method,
+                &format!("{}/{route}", gw.base()),
+                &[("authorization", &bearer)],
+                "",
+            )
+            .await;
+        assert_eq!(answer.status, 404, "{route}");
+    }
+    gw.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_is_the_proxys_when_a_worker_is_capable_and_a_200_not_available_when_none_is() {
+    let mut gw = Gw::start(enabled_gateway()).await;
+    let http = Http::new();
+    let health = || async {
+        http.send(Method::GET, &format!("{}/health", gw.base()), &[], "")
+            .await
+    };
+    let none = health().await;
+    assert_eq!(none.status, 200);
+    assert_eq!(
+        none.json()["error"],
+        json!(
+            "agent-device is not available on this simlock: no worker connected to this gateway can serve agent-device"
+        )
+    );
+    gw.add(worker(true, &[Platform::Android])).await;
+    gw.wait_capable(0, true).await;
+    let up = http
+        .send(Method::GET, &format!("{}/health", gw.base()), &[], "")
+        .await;
+    assert_eq!(up.status, 200);
+    assert_eq!(
+        up.json()["upstream"]["service"],
+        json!("agent-device-daemon"),
+        "{up:?}"
+    );
+    // The worker's agent-device goes away while the gateway still counts it capable: the
+    // relayed health fails, and the front answers why, with 200.
+    gw.fleet
+        .worker(0)
+        .agent_device
+        .as_ref()
+        .unwrap()
+        .host
+        .stop()
+        .await;
+    let failed = http
+        .send(Method::GET, &format!("{}/health", gw.base()), &[], "")
+        .await;
+    assert_eq!(failed.status, 200);
+    assert!(
+        failed.json()["error"]
+            .as_str()
+            .unwrap()
+            .starts_with("agent-device is not available on this simlock: "),
+        "{failed:?}"
+    );
+    gw.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn allocates_land_on_the_capable_worker_for_the_token_with_the_clis_lease_id() {
+    let mut gw = Gw::start(enabled_gateway()).await;
+    gw.add(worker(false, &[Platform::Android])).await;
+    gw.add(worker(true, &[Platform::Android])).await;
+    gw.wait_capable(1, true).await;
+    let (principal, secret) = gw.token().await;
+    let http = Http::new();
+    let capable = gw.fleet.worker_id(1);
+    let gateway_id = gw.fleet.gateway().fleet.gateway_id().to_owned();
+    for round in 0..5 {
+        let lease = allocate(&http, &gw, &secret).await;
+        let leases = gw.leases().await;
+        let record = leases.iter().find(|l| l["id"] == lease).expect("indexed");
+        assert_eq!(record["workerId"], json!(capable), "round {round}");
+        assert_eq!(record["ownerId"], json!(principal));
+        assert_eq!(record["requesterId"], json!(lease));
+        // On the worker: the same id, the gateway's requester, and agent-device's allocate
+        // named the device with the worker's ceiling under the gateway's tenant.
+        let on_worker = gw
+            .fleet
+            .worker(1)
+            .worker
+            .lease(&lease)
+            .expect("on the worker");
+        assert_eq!(on_worker.requester_id, format!("gw:{gateway_id}:{lease}"));
+        let allocated = received(&gw.fakes[1], "agent_device.lease.allocate");
+        let last = allocated.last().unwrap();
+        assert_eq!(last["params"]["ttlMs"], json!(600_000));
+        assert_eq!(
+            last["params"]["tenantId"],
+            json!(agent_device_front::Tenant::through_gateway(&gateway_id, &principal).as_str())
+        );
+        let device = on_worker.device_id;
+        let driver = gw
+            .fleet
+            .worker(1)
+            .worker
+            .devices()
+            .into_iter()
+            .find(|d| d.id == device)
+            .unwrap()
+            .driver_device_id;
+        assert_eq!(
+            last["params"]["deviceKey"],
+            json!(format!("local:android:none:{driver}"))
+        );
+        let release = lease_call("r1", "lease.release", &lease);
+        let released = http.rpc(&gw.base(), &secret, &release).await;
+        assert_eq!(released.json()["result"]["ok"], json!(true), "{released:?}");
+    }
+    assert_eq!(rpcs(&gw.fakes[0]), 0, "the incapable worker got nothing");
+    gw.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_allocate_that_cannot_be_served_is_refused_with_the_seeds_reasons_and_leases_nothing() {
+    let mut gw = Gw::start(enabled_gateway()).await;
+    let (_, secret) = gw.token().await;
+    let http = Http::new();
+    let none = http
+        .rpc(
+            &gw.base(),
+            &secret,
+            &allocate_call("a0", "android-instance", None),
+        )
+        .await;
+    assert_eq!(
+        message(&none),
+        "agent-device is not available on this simlock: no worker connected to this gateway can serve agent-device"
+    );
+    // An incapable worker that knows "Pixel 9"; a capable one with Android but no Pixel 9.
+    let mut knows = worker(false, &[Platform::Android]);
+    knows.virtual_devices.models.retain(|m| m.name == "Pixel 9");
+    gw.add(knows).await;
+    let mut capable = worker(true, &[Platform::Android]);
+    capable
+        .virtual_devices
+        .models
+        .retain(|m| m.name == "Pixel 8");
+    gw.add(capable).await;
+    gw.wait_capable(1, true).await;
+    let ios = http
+        .rpc(
+            &gw.base(),
+            &secret,
+            &allocate_call("a1", "ios-simulator", None),
+        )
+        .await;
+    assert_eq!(
+        message(&ios),
+        "refused: ios is not available on this simlock"
+    );
+    let model = http
+        .rpc(
+            &gw.base(),
+            &secret,
+            &allocate_call("a2", "android-instance", Some("Pixel 9")),
+        )
+        .await;
+    assert_eq!(
+        message(&model),
+        "refused by simlock: No worker connected to this gateway can serve agent-device for this request"
+    );
+    assert!(gw.leases().await.is_empty(), "nothing was leased");
+    assert!(received(&gw.fakes[1], "agent_device.lease.allocate").is_empty());
+    gw.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn commands_heartbeats_and_releases_go_to_the_leases_worker_in_the_seeds_order() {
+    let mut gw = Gw::start(enabled_gateway()).await;
+    gw.add(worker(true, &[Platform::Android])).await;
+    gw.wait_capable(0, true).await;
+    let (principal, secret) = gw.token().await;
+    let http = Http::new();
+    let lease = allocate(&http, &gw, &secret).await;
+    let gateway_id = gw.fleet.gateway().fleet.gateway_id().to_owned();
+    let tenant = agent_device_front::Tenant::through_gateway(&gateway_id, &principal);
+    // A command: the prefixed tenant, and agent-device's reply unchanged.
+    let driver = gw.fleet.worker(0).worker.devices()[0]
+        .driver_device_id
+        .clone();
+    gw.fakes[0].set_devices(DevicesAnswer::List(vec![Device {
+        platform: agent_device_fake::Platform::Android,
+        id: driver.clone(),
+        name: "emulator".into(),
+        kind: agent_device_fake::DeviceKind::Emulator,
+        target: agent_device_fake::DeviceTarget::Mobile,
+        booted: true,
+    }]));
+    let opened = http
+        .rpc(
+            &gw.base(),
+            &secret,
+            &command_call("c1", &lease, "open", json!({})),
+        )
+        .await;
+    assert_eq!(opened.json()["result"]["ok"], json!(true), "{opened:?}");
+    let sent = received(&gw.fakes[0], "agent_device.command");
+    assert_eq!(
+        sent[0]["params"]["meta"]["tenantId"],
+        json!(tenant.as_str())
+    );
+    assert_eq!(sent[0]["params"]["flags"]["serial"], json!(driver));
+    // A heartbeat: agent-device first, then the simlock lease renewed to now plus the TTL.
+    let before = gw.leases().await[0]["ttlDeadline"].as_i64().unwrap();
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    let beat = http
+        .rpc(
+            &gw.base(),
+            &secret,
+            &lease_call("h1", "lease.heartbeat", &lease),
+        )
+        .await;
+    assert_eq!(beat.json()["result"]["ok"], json!(true), "{beat:?}");
+    assert_eq!(
+        received(&gw.fakes[0], "agent_device.lease.heartbeat").len(),
+        1
+    );
+    let renewed = gw.fleet.worker(0).worker.lease(&lease).unwrap();
+    assert!(renewed.ttl_deadline > before);
+    assert_eq!(renewed.ttl_deadline, renewed.last_renewed_at + 600_000);
+    // A release agent-device fails keeps the simlock lease; one that works ends both, and the
+    // device is reclaimed.
+    gw.fakes[0].fail_next_releases(1, DaemonError::new(ErrorCode::CommandFailed, "not now"));
+    let failed = http
+        .rpc(
+            &gw.base(),
+            &secret,
+            &lease_call("r1", "lease.release", &lease),
+        )
+        .await;
+    assert_eq!(message(&failed), "not now");
+    assert_eq!(gw.leases().await.len(), 1);
+    let mut events = gw.fleet.worker(0).running.base.bus.follow();
+    let released = http
+        .rpc(
+            &gw.base(),
+            &secret,
+            &lease_call("r2", "lease.release", &lease),
+        )
+        .await;
+    assert_eq!(released.json()["result"]["ok"], json!(true), "{released:?}");
+    assert!(gw.leases().await.is_empty());
+    loop {
+        let event = tokio::time::timeout(PATIENCE, events.recv())
+            .await
+            .unwrap()
+            .unwrap();
+        if event.event == "device.reclaimed" {
+            break;
+        }
+    }
+    gw.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_tokens_lease_or_an_unknown_one_is_not_yours_and_no_worker_receives_it() {
+    let mut gw = Gw::start(enabled_gateway()).await;
+    gw.add(worker(true, &[Platform::Android])).await;
+    gw.wait_capable(0, true).await;
+    let (_, alice) = gw.token().await;
+    let (_, bob) = gw.token().await;
+    let http = Http::new();
+    let lease = allocate(&http, &gw, &alice).await;
+    let seen = rpcs(&gw.fakes[0]);
+    let unknown = "f".repeat(32);
+    for (token, named) in [(&bob, lease.as_str()), (&alice, unknown.as_str())] {
+        let refused = http
+            .rpc(
+                &gw.base(),
+                token,
+                &command_call("c1", named, "snapshot", json!({})),
+            )
+            .await;
+        assert_eq!(refused.status, 403);
+        assert_eq!(
+            message(&refused),
+            format!("refused: lease {named} is not one of yours on this gateway")
+        );
+    }
+    let udid = http
+        .rpc(
+            &gw.base(),
+            &bob,
+            &command_call("c2", &lease, "snapshot", json!({"udid": "X"})),
+        )
+        .await;
+    assert_eq!(message(&udid), "refused: simlock picks the device");
+    assert_eq!(rpcs(&gw.fakes[0]), seen, "no worker received any of them");
+    // A request that names no lease (other than /health) is refused as too old.
+    let bare = rpc_call(
+        "c3",
+        "command",
+        json!({"session": "s", "command": "snapshot"}),
+    );
+    let old = http.rpc(&gw.base(), &alice, &bare).await;
+    assert_eq!(
+        message(&old),
+        "refused: this agent-device is too old to use through a gateway; update it"
+    );
+    gw.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_release_all_agent_device_ends_first_and_the_memory_routes_until_max_ttl_past_the_removal()
+ {
+    let mut config = enabled_gateway();
+    config.lease.default_ttl_ms = 60_000;
+    config.lease.max_ttl_ms = 600_000;
+    let mut gw = Gw::start(config).await;
+    gw.add(worker(true, &[Platform::Android])).await;
+    gw.wait_capable(0, true).await;
+    let (_, secret) = gw.token().await;
+    let http = Http::new();
+    let lease = allocate(&http, &gw, &secret).await;
+    let hold = gw.fakes[0].hold_commands("lease_release");
+    gw.fleet
+        .operator()
+        .await
+        .call("lease.release-all", json!({}))
+        .await
+        .unwrap();
+    tokio::time::timeout(PATIENCE, hold.wait_entered(1))
+        .await
+        .unwrap();
+    let devices = gw.fleet.worker(0).worker.devices();
+    assert_eq!(
+        devices[0].state,
+        simlock_contract::model::DeviceState::Reclaiming,
+        "agent-device's release comes before the wipe"
+    );
+    hold.release();
+    gw.fleet
+        .wait_until(|fleet| fleet.lease(&lease).is_none())
+        .await;
+    // The next heartbeat reaches the worker, whose agent-device says the lease is gone.
+    let beat = http
+        .rpc(
+            &gw.base(),
+            &secret,
+            &lease_call("h1", "lease.heartbeat", &lease),
+        )
+        .await;
+    assert_eq!(
+        beat.json()["error"]["data"]["details"]["reason"],
+        json!("LEASE_ENDED_BY_HOST"),
+        "{beat:?}"
+    );
+    // The link still routes it until the gateway's lease.maxTtlMs has passed since the
+    // removal; a second before, a heartbeat is relayed; a second after, it is not one of yours.
+    let relayed = rpcs(&gw.fakes[0]);
+    gw.clock.offset_ms.store(600_000 - 1_000, Ordering::SeqCst);
+    let again = http
+        .rpc(
+            &gw.base(),
+            &secret,
+            &lease_call("h2", "lease.heartbeat", &lease),
+        )
+        .await;
+    assert_ne!(again.status, 403, "still routed: {again:?}");
+    assert_eq!(rpcs(&gw.fakes[0]), relayed + 1, "relayed to the worker");
+    gw.clock.offset_ms.store(600_000 + 1_000, Ordering::SeqCst);
+    let gone = http
+        .rpc(
+            &gw.base(),
+            &secret,
+            &lease_call("h3", "lease.heartbeat", &lease),
+        )
+        .await;
+    assert_eq!(gone.status, 403);
+    assert_eq!(
+        message(&gone),
+        format!("refused: lease {lease} is not one of yours on this gateway")
+    );
+    gw.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drained_only_capable_worker_takes_no_allocate_but_serves_the_lease_it_holds() {
+    let mut gw = Gw::start(enabled_gateway()).await;
+    gw.add(worker(true, &[Platform::Android])).await;
+    gw.wait_capable(0, true).await;
+    let (_, secret) = gw.token().await;
+    let http = Http::new();
+    let lease = allocate(&http, &gw, &secret).await;
+    let id = gw.fleet.worker_id(0);
+    gw.fleet
+        .operator()
+        .await
+        .call("worker.drain", json!({"workerId": id}))
+        .await
+        .unwrap();
+    gw.wait_capable(0, false).await;
+    let refused = http
+        .rpc(
+            &gw.base(),
+            &secret,
+            &allocate_call("a2", "android-instance", None),
+        )
+        .await;
+    assert!(
+        message(&refused).starts_with("agent-device is not available on this simlock"),
+        "{refused:?}"
+    );
+    let beat = http
+        .rpc(
+            &gw.base(),
+            &secret,
+            &lease_call("h1", "lease.heartbeat", &lease),
+        )
+        .await;
+    assert_eq!(beat.json()["result"]["ok"], json!(true), "{beat:?}");
+    gw.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_whose_agent_device_went_down_unseen_answers_its_reason_and_the_lease_is_released()
+{
+    let mut gw = Gw::start(enabled_gateway()).await;
+    gw.add(worker(true, &[Platform::Android])).await;
+    gw.wait_capable(0, true).await;
+    let (_, secret) = gw.token().await;
+    // The daemon itself goes away; its worker still reports agent-device available.
+    let fake = gw.fakes.remove(0);
+    fake.stop().await;
+    let answer = Http::new()
+        .rpc(
+            &gw.base(),
+            &secret,
+            &allocate_call("a1", "android-instance", None),
+        )
+        .await;
+    assert!(
+        message(&answer).starts_with(
+            "agent-device is not available on this simlock: the agent-device daemon did not answer"
+        ),
+        "the worker's own reason: {answer:?}"
+    );
+    gw.fleet.wait_until(|fleet| fleet.lease_count() == 0).await;
+    gw.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_heartbeat_for_a_lease_whose_worker_stopped_being_capable_answers_not_available() {
+    let mut gw = Gw::start_tuned(enabled_gateway(), |t| {
+        t.refresh_interval = Duration::from_millis(100);
+    })
+    .await;
+    gw.add(worker(true, &[Platform::Android])).await;
+    gw.wait_capable(0, true).await;
+    let (_, secret) = gw.token().await;
+    let http = Http::new();
+    let lease = allocate(&http, &gw, &secret).await;
+    gw.fleet
+        .worker(0)
+        .agent_device
+        .as_ref()
+        .unwrap()
+        .host
+        .stop()
+        .await;
+    let id = gw.fleet.worker_id(0);
+    gw.fleet
+        .wait_for(|views| {
+            views.iter().any(|v| {
+                v.id == id
+                    && v.capabilities.as_ref().is_some_and(|caps| {
+                        caps.iter()
+                            .any(|c| c.name == "agent-device" && !c.available)
+                    })
+            })
+        })
+        .await;
+    let beat = http
+        .rpc(
+            &gw.base(),
+            &secret,
+            &lease_call("h1", "lease.heartbeat", &lease),
+        )
+        .await;
+    assert_eq!(
+        message(&beat),
+        "agent-device is not available on this simlock: the worker holding this lease cannot serve agent-device"
+    );
+    assert_eq!(gw.leases().await.len(), 1, "the lease stays");
+    gw.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_to_a_worker_without_the_target_answers_not_available_with_its_message() {
+    let mut gw = Gw::start(enabled_gateway()).await;
+    // The worker claims the capability in its config but runs no agent-device host.
+    let mut config = worker(false, &[Platform::Android]);
+    config.capabilities = vec!["agent-device".into()];
+    gw.add(config).await;
+    gw.wait_capable(0, true).await;
+    let (_, secret) = gw.token().await;
+    let answer = Http::new()
+        .rpc(
+            &gw.base(),
+            &secret,
+            &allocate_call("a1", "android-instance", None),
+        )
+        .await;
+    let text = message(&answer);
+    assert!(
+        text.starts_with("agent-device is not available on this simlock: ")
+            && text.contains("agent-device"),
+        "{answer:?}"
+    );
+    gw.fleet.wait_until(|fleet| fleet.lease_count() == 0).await;
+    gw.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_gateways_lease_ttl_cap_caps_the_ttl_of_its_leases() {
+    let mut config = enabled_gateway();
+    config.agent_device.lease_ttl_cap_ms = Some(120_000);
+    let mut gw = Gw::start(config).await;
+    gw.add(worker(true, &[Platform::Android])).await;
+    gw.wait_capable(0, true).await;
+    let (_, secret) = gw.token().await;
+    let lease = allocate(&Http::new(), &gw, &secret).await;
+    assert_eq!(
+        gw.fleet.worker(0).worker.lease(&lease).unwrap().ttl_ms,
+        120_000
+    );
+    let allocated = received(&gw.fakes[0], "agent_device.lease.allocate");
+    assert_eq!(allocated[0]["params"]["ttlMs"], json!(120_000));
+    gw.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_allocate_waits_for_a_device_a_hung_up_one_leaves_the_queue_and_a_stop_cancels_it() {
+    let mut gw = Gw::start(enabled_gateway()).await;
+    let mut config = worker(true, &[Platform::Android]);
+    config.capacity.max_running = 1;
+    gw.add(config).await;
+    gw.wait_capable(0, true).await;
+    let (_, alice) = gw.token().await;
+    let (_, bob) = gw.token().await;
+    let (_, carol) = gw.token().await;
+    let http = Http::new();
+    let first = allocate(&http, &gw, &alice).await;
+    let base = gw.base();
+    let (b, token) = (base.clone(), bob.clone());
+    let bob_waits = tokio::spawn(async move {
+        Http::new()
+            .rpc(&b, &token, &allocate_call("b1", "android-instance", None))
+            .await
+    });
+    let (b, token) = (base.clone(), carol.clone());
+    let carol_waits = tokio::spawn(async move {
+        Http::new()
+            .rpc(&b, &token, &allocate_call("c1", "android-instance", None))
+            .await
+    });
+    gw.fleet
+        .wait_until(|fleet| fleet.all_waiting(simlock_daemon::Viewer::ADMIN).len() == 2)
+        .await;
+    carol_waits.abort();
+    gw.fleet
+        .wait_until(|fleet| fleet.all_waiting(simlock_daemon::Viewer::ADMIN).len() == 1)
+        .await;
+    http.rpc(&base, &alice, &lease_call("r1", "lease.release", &first))
+        .await;
+    let granted = bob_waits.await.unwrap();
+    assert_eq!(granted.json()["result"]["ok"], json!(true), "{granted:?}");
+    assert_eq!(gw.leases().await.len(), 1, "Bob's; nothing for Carol");
+    // Stopping the gateway while an allocate waits ends its request cancelled.
+    let (b, token) = (base.clone(), carol.clone());
+    let waits = tokio::spawn(async move {
+        Http::new()
+            .rpc(&b, &token, &allocate_call("c2", "android-instance", None))
+            .await
+    });
+    gw.fleet
+        .wait_until(|fleet| fleet.all_waiting(simlock_daemon::Viewer::ADMIN).len() == 1)
+        .await;
+    // The gateway stops first (its workers stay up): the front withdraws the waiting request.
+    let Gw {
+        mut fleet, fakes, ..
+    } = gw;
+    let gateway = fleet.gateway.take().unwrap();
+    let stopping = tokio::spawn(async move { gateway.stop("test").await });
+    let answer = waits.await.unwrap();
+    assert_eq!(
+        answer.json()["error"]["data"]["message"],
+        json!("agent-device is not available on this simlock: this simlock is stopping"),
+        "ended cancelled, not DAEMON_STOPPING: {answer:?}"
+    );
+    stopping.await.unwrap();
+    fleet.stop().await;
+    for fake in fakes {
+        fake.stop().await;
+    }
+}
