@@ -845,3 +845,173 @@ async fn an_allocate_waits_for_a_device_a_hung_up_one_leaves_the_queue_and_a_sto
         fake.stop().await;
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_allocate_whose_worker_stopped_being_capable_before_the_forward_releases_its_lease() {
+    let mut gw = Gw::start_tuned(enabled_gateway(), |t| {
+        t.refresh_interval = Duration::from_millis(100);
+    })
+    .await;
+    let mut config = worker(true, &[Platform::Android]);
+    // Long enough a device creation for the gateway to see the worker's agent-device go.
+    config.virtual_devices.provision_ms = 5_000;
+    gw.add(config).await;
+    gw.wait_capable(0, true).await;
+    let (_, secret) = gw.token().await;
+    let (base, token) = (gw.base(), secret.clone());
+    let allocating = tokio::spawn(async move {
+        Http::new()
+            .rpc(
+                &base,
+                &token,
+                &allocate_call("a1", "android-instance", None),
+            )
+            .await
+    });
+    let id = gw.fleet.worker_id(0);
+    gw.fleet
+        .wait_until(|fleet| {
+            fleet.view(&id).is_some_and(|v| {
+                v.devices.as_ref().is_some_and(|d| {
+                    d.iter()
+                        .any(|d| d.state == simlock_contract::model::DeviceState::Provisioning)
+                })
+            })
+        })
+        .await;
+    gw.fleet
+        .worker(0)
+        .agent_device
+        .as_ref()
+        .unwrap()
+        .host
+        .stop()
+        .await;
+    gw.wait_capable(0, false).await;
+    assert!(
+        !allocating.is_finished(),
+        "the grant came before the view changed"
+    );
+    let answer = allocating.await.unwrap();
+    assert_eq!(
+        message(&answer),
+        "agent-device is not available on this simlock: the worker holding this lease cannot serve agent-device"
+    );
+    gw.fleet.wait_until(|fleet| fleet.lease_count() == 0).await;
+    assert!(received(&gw.fakes[0], "agent_device.lease.allocate").is_empty());
+    gw.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_command_longer_than_the_ttl_renews_through_the_gateway_and_does_not_expire() {
+    let mut config = enabled_gateway();
+    config.agent_device.lease_ttl_cap_ms = Some(6_000);
+    let mut gw = Gw::start(config).await;
+    gw.add(worker(true, &[Platform::Android])).await;
+    gw.wait_capable(0, true).await;
+    let (_, secret) = gw.token().await;
+    let lease = allocate(&Http::new(), &gw, &secret).await;
+    let hold = gw.fakes[0].hold_commands("snapshot");
+    let mut events = gw.fleet.worker(0).running.base.bus.follow();
+    let (base, token) = (gw.base(), secret.clone());
+    let call = command_call("c1", &lease, "snapshot", json!({}));
+    let running = tokio::spawn(async move { Http::new().rpc(&base, &token, &call).await });
+    tokio::time::timeout(PATIENCE, hold.wait_entered(1))
+        .await
+        .unwrap();
+    // Two and a half TTLs of the command running: renewals every TTL/3, no expiry.
+    let mut renewals = 0;
+    let until = tokio::time::Instant::now() + Duration::from_millis(15_000);
+    while let Ok(event) = tokio::time::timeout_at(until, events.recv()).await {
+        let event = event.unwrap();
+        assert_ne!(event.event, "lease.expired", "the lease expired");
+        if event.event == "lease.renewed" {
+            renewals += 1;
+        }
+    }
+    assert!(
+        renewals >= 5,
+        "renewed every TTL/3 through the gateway: {renewals}"
+    );
+    assert!(gw.fleet.worker(0).worker.lease(&lease).is_some());
+    hold.release();
+    let answer = running.await.unwrap();
+    assert_eq!(answer.json()["result"]["ok"], json!(true), "{answer:?}");
+    gw.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_on_the_workers_own_token_never_meets_the_gateway_agents_session() {
+    let mut gw = Gw::start(enabled_gateway()).await;
+    let mut config = worker(true, &[Platform::Android]);
+    config.http.enabled = Some(true);
+    config.http.port = 0;
+    gw.add(config).await;
+    gw.wait_capable(0, true).await;
+    let (gateway_principal, gateway_agent) = gw.token().await;
+    let http = Http::new();
+    let lease = allocate(&http, &gw, &gateway_agent).await;
+    let driver = gw.fleet.worker(0).worker.devices()[0]
+        .driver_device_id
+        .clone();
+    gw.fakes[0].set_devices(DevicesAnswer::List(vec![Device {
+        platform: agent_device_fake::Platform::Android,
+        id: driver,
+        name: "emulator".into(),
+        kind: agent_device_fake::DeviceKind::Emulator,
+        target: agent_device_fake::DeviceTarget::Mobile,
+        booted: true,
+    }]));
+    let opened = http
+        .rpc(
+            &gw.base(),
+            &gateway_agent,
+            &command_call("c1", &lease, "open", json!({})),
+        )
+        .await;
+    assert_eq!(opened.json()["result"]["ok"], json!(true), "{opened:?}");
+    // An agent of the worker's own tokens, straight at the worker.
+    let worker_base = format!(
+        "http://{}/v1/agent-device",
+        gw.fleet.worker(0).running.http_addr().unwrap()
+    );
+    let created = simlock_e2e::session(
+        &gw.fleet.worker(0).running.socket_path(),
+        "operator",
+        Some(&gw.fleet.worker_home(0)),
+    )
+    .await
+    .call("token.create", json!({"role": "agent", "label": "direct"}))
+    .await
+    .unwrap();
+    let direct = created["secret"].as_str().unwrap().to_owned();
+    let gateway_id = gw.fleet.gateway().fleet.gateway_id().to_owned();
+    let relayed_tenant =
+        agent_device_front::Tenant::through_gateway(&gateway_id, &gateway_principal);
+    let path = format!(
+        "{worker_base}/sessions/{}%3As1/requests/c1/diagnostics",
+        relayed_tenant.as_str()
+    );
+    let bearer = format!("Bearer {direct}");
+    let peek = http
+        .send(Method::GET, &path, &[("authorization", &bearer)], "")
+        .await;
+    assert_eq!(peek.status, 404, "another tenant's session: {peek:?}");
+    let sessions: Vec<String> = gw.fakes[0].sessions().into_iter().map(|s| s.name).collect();
+    assert!(
+        sessions
+            .iter()
+            .all(|s| s.starts_with(&format!("{}:", relayed_tenant.as_str()))),
+        "{sessions:?}"
+    );
+    // And the gateway agent's commands still work.
+    let again = http
+        .rpc(
+            &gw.base(),
+            &gateway_agent,
+            &lease_call("h1", "lease.heartbeat", &lease),
+        )
+        .await;
+    assert_eq!(again.json()["result"]["ok"], json!(true), "{again:?}");
+    gw.stop().await;
+}

@@ -465,3 +465,105 @@ async fn a_killed_daemon_is_restarted_and_meanwhile_allocates_answer_not_availab
     }
     worker.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_published_cli_through_a_gateway_lands_on_the_capable_worker_heartbeats_and_disconnects()
+ {
+    let pkg = real_package();
+    let mut gateway = simlock_e2e::gateway_config();
+    gateway.agent_device.enabled = true;
+    let mut fleet = simlock_e2e::TestFleet::start(gateway).await;
+    fleet.add_worker(simlock_e2e::worker_config(2)).await;
+    let mut capable = agent_device_config(real_daemon_command(&pkg));
+    capable.http.enabled = None;
+    let daemon_home = tempfile::tempdir().unwrap();
+    let home = daemon_home.path().display().to_string();
+    fleet
+        .join_worker(
+            1,
+            capable,
+            |options| {
+                options.agent_device_env = vec![("HOME".into(), home), ("CI".into(), "1".into())]
+            },
+            true,
+        )
+        .await;
+    let capable_id = fleet.worker_id(1);
+    fleet
+        .wait_until(|f| {
+            f.capable_workers("agent-device")
+                .iter()
+                .any(|w| w.id == capable_id)
+        })
+        .await;
+    let created = fleet
+        .operator()
+        .await
+        .call("token.create", json!({"role": "agent", "label": "cli"}))
+        .await
+        .unwrap();
+    let (principal, secret) = (
+        created["token"]["id"].as_str().unwrap().to_owned(),
+        created["secret"].as_str().unwrap().to_owned(),
+    );
+    let origin = format!("http://{}", fleet.gateway().running.http_addr().unwrap());
+    let recorder = Recorder::start(&origin).await;
+    let base = format!("{}/v1/agent-device", recorder.origin());
+    let health = Http::new()
+        .send(Method::GET, &format!("{base}/health"), &[], "")
+        .await;
+    assert_eq!(
+        health.json()["upstream"]["service"],
+        json!("agent-device-daemon"),
+        "{health:?}"
+    );
+    let cli = Cli::new(&pkg, &base, &secret);
+    let profile = cli.profile("android");
+    for round in 0..5 {
+        let connect = cli
+            .run(&["connect", "--remote-config", profile.to_str().unwrap()])
+            .await;
+        assert_eq!(connect.json["success"], json!(true), "{connect:?}");
+        let _ = cli.run(&["devices"]).await;
+        let listed = fleet
+            .operator()
+            .await
+            .call("lease.list", json!({}))
+            .await
+            .unwrap();
+        let leases = listed["leases"].as_array().unwrap().clone();
+        assert_eq!(leases.len(), 1, "round {round}: {leases:?}");
+        let lease = leases[0]["id"].as_str().unwrap().to_owned();
+        assert_eq!(
+            leases[0]["workerId"],
+            json!(capable_id),
+            "round {round} landed on the capable worker"
+        );
+        assert_eq!(leases[0]["ownerId"], json!(principal));
+        assert_eq!(leases[0]["requesterId"], json!(lease));
+        if round == 0 {
+            // The next command heartbeats through the relay, and the lease's expiry moves.
+            let before = fleet.worker(1).worker.lease(&lease).unwrap().ttl_deadline;
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            let seen = recorder.rpc_calls().len();
+            let _ = cli.run(&["snapshot"]).await;
+            let methods: Vec<String> = recorder.rpc_calls()[seen..]
+                .iter()
+                .map(|(m, _, _)| m.clone())
+                .collect();
+            assert_eq!(
+                methods,
+                ["agent_device.lease.heartbeat", "agent_device.command"]
+            );
+            let after = fleet.worker(1).worker.lease(&lease).unwrap().ttl_deadline;
+            assert!(after > before, "the expiry moved: {before} → {after}");
+        }
+        let disconnect = cli.run(&["disconnect"]).await;
+        assert_eq!(disconnect.json["success"], json!(true), "{disconnect:?}");
+        assert!(
+            fleet.worker(1).worker.lease(&lease).is_none(),
+            "both leases ended"
+        );
+    }
+    fleet.stop().await;
+}
