@@ -121,6 +121,19 @@ impl Holds {
         }
     }
 
+    /// Waits until no call waits on hold `id` (or it is gone).
+    pub(crate) async fn wait_none_waiting(&self, id: u64) {
+        let mut changes = self.changed.subscribe();
+        loop {
+            if self.status(id).is_none_or(|h| h.waiting == 0) {
+                return;
+            }
+            if changes.changed().await.is_err() {
+                return;
+            }
+        }
+    }
+
     /// Waits until `n` calls have reached hold `id` (or it is gone).
     pub(crate) async fn wait_entered(&self, id: u64, n: u64) {
         let mut changes = self.changed.subscribe();
@@ -181,6 +194,11 @@ impl CommandHold {
     /// Waits until `n` calls have reached it in all.
     pub async fn wait_entered(&self, n: u64) {
         self.holds.wait_entered(self.id, n).await;
+    }
+
+    /// Waits until no call waits on it (each was let through, or its client hung up).
+    pub async fn wait_none_waiting(&self) {
+        self.holds.wait_none_waiting(self.id).await;
     }
 
     /// Lets every waiting and later call through.

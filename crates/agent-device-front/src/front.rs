@@ -853,19 +853,40 @@ async fn devices(
         }
     }
     drop(pending);
+    let addresses: Vec<&str> = held.iter().map(|(_, e)| e.address.as_str()).collect();
+    match join_devices(&addresses, outcomes) {
+        Ok(Joined::Devices(joined)) => Ok(devices_answer(&call.id, joined)),
+        Ok(Joined::Error(answer)) => Ok(answer),
+        Err(failed) => Err(failed),
+    }
+}
+
+/// What the per-lease `devices` answers come to.
+enum Joined {
+    /// The joined list.
+    Devices(Vec<Value>),
+    /// The first failing lease's error reply.
+    Error(Response<Body>),
+}
+
+/// Joins the answers of the held leases, in lease order: each answer is cut to its own
+/// lease's device (`addresses[i]`) first, so two workers' devices of one id both appear, each
+/// from its own worker, and no other device gets through. The first failure in lease order
+/// wins; a lease cancelled because another failed adds nothing.
+fn join_devices(
+    addresses: &[&str],
+    outcomes: Vec<Option<Result<Listed, Failed>>>,
+) -> Result<Joined, Failed> {
     let mut joined = Vec::new();
-    for ((_, entry), outcome) in held.iter().zip(outcomes) {
+    for (address, outcome) in addresses.iter().zip(outcomes) {
         match outcome {
-            Some(Ok(Listed::Devices(list))) => {
-                joined.extend(keep_devices(list, &[entry.address.as_str()]));
-            }
-            Some(Ok(Listed::Error(answer))) => return Ok(answer),
+            Some(Ok(Listed::Devices(list))) => joined.extend(keep_devices(list, &[address])),
+            Some(Ok(Listed::Error(answer))) => return Ok(Joined::Error(answer)),
             Some(Err(failed)) => return Err(failed),
-            // Cancelled: another lease failed first.
             None => {}
         }
     }
-    Ok(devices_answer(&call.id, joined))
+    Ok(Joined::Devices(joined))
 }
 
 /// One `devices` answer.
@@ -1036,6 +1057,46 @@ mod tests {
             None
         );
         assert_eq!(p(Method::GET, "/v1/agent-device"), None);
+    }
+
+    #[test]
+    fn devices_of_one_id_on_two_workers_both_appear_each_from_its_own_answer() {
+        let device = |name: &str, id: &str| json!({"platform": "android", "id": id, "name": name});
+        let w1 = vec![
+            device("w1 emulator", "emulator-5554"),
+            device("w1 other", "emulator-5556"),
+        ];
+        let w2 = vec![
+            device("w2 emulator", "emulator-5554"),
+            device("w2 other", "emulator-5558"),
+        ];
+        let outcomes = vec![Some(Ok(Listed::Devices(w1))), Some(Ok(Listed::Devices(w2)))];
+        let Ok(Joined::Devices(joined)) =
+            join_devices(&["emulator-5554", "emulator-5554"], outcomes)
+        else {
+            panic!("joined");
+        };
+        let names: Vec<&str> = joined.iter().filter_map(|d| d["name"].as_str()).collect();
+        assert_eq!(
+            names,
+            ["w1 emulator", "w2 emulator"],
+            "each cut to its own lease, in lease order"
+        );
+    }
+
+    #[test]
+    fn the_first_failing_lease_in_lease_order_wins_and_a_cancelled_one_adds_nothing() {
+        let lease = |c: char| LeaseId::parse(&c.to_string().repeat(32)).unwrap();
+        let failed = |l: LeaseId| (Refusal::DevicesUnreadable(l), Surface::Route);
+        let outcomes = vec![
+            None,
+            Some(Err(failed(lease('b')))),
+            Some(Err(failed(lease('c')))),
+        ];
+        let Err((refusal, _)) = join_devices(&["a", "b", "c"], outcomes) else {
+            panic!("a failure");
+        };
+        assert_eq!(refusal, Refusal::DevicesUnreadable(lease('b')));
     }
 
     #[test]

@@ -585,3 +585,36 @@ async fn with_agent_device_off_every_route_answers_404() {
     }
     worker.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_a_worker_the_lease_header_is_not_read() {
+    let fake = FakeAgentDevice::start(FakeOptions::default()).unwrap();
+    let worker = AdWorker::with_fake(attached_config(), &fake).await;
+    let (_, secret) = worker.token("agent").await;
+    let (_, other) = worker.token("agent").await;
+    let http = Http::new();
+    let others = allocate(&http, &worker, &other, "s9").await;
+    let bearer = format!("Bearer {secret}");
+    let before = fake.requests().len();
+    for header in [Some(others.as_str()), Some("NOT-A-LEASE"), None] {
+        let mut headers = vec![("authorization", bearer.as_str())];
+        if let Some(value) = header {
+            headers.push(("x-agent-device-lease-id", value));
+        }
+        let answer = http
+            .send(
+                Method::GET,
+                &format!("{}/artifacts", worker.base()),
+                &headers,
+                "",
+            )
+            .await;
+        assert_eq!(
+            answer.status, 200,
+            "{header:?}: forwarded as ever: {answer:?}"
+        );
+    }
+    assert_eq!(fake.requests().len(), before + 3);
+    worker.stop().await;
+    fake.stop().await;
+}

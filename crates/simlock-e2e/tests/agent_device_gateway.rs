@@ -1015,3 +1015,451 @@ async fn an_agent_on_the_workers_own_token_never_meets_the_gateway_agents_sessio
     assert_eq!(again.json()["result"]["ok"], json!(true), "{again:?}");
     gw.stop().await;
 }
+
+// === Seed 001: devices, uploads, artifacts and diagnostics by lease ===
+
+/// A gateway with two capable workers of one Android device each, and a token holding one
+/// lease on each: `(gateway, secret, leases by worker index)`.
+async fn two_workers_two_leases() -> (Gw, String, [String; 2]) {
+    let mut gw = Gw::start(enabled_gateway()).await;
+    for _ in 0..2 {
+        let mut config = worker(true, &[Platform::Android]);
+        config.capacity.max_running = 1;
+        gw.add(config).await;
+    }
+    gw.wait_capable(0, true).await;
+    gw.wait_capable(1, true).await;
+    let (_, secret) = gw.token().await;
+    let http = Http::new();
+    let first = allocate(&http, &gw, &secret).await;
+    let second = allocate(&http, &gw, &secret).await;
+    let on = |lease: &str, leases: &[Value]| {
+        leases
+            .iter()
+            .find(|l| l["id"] == lease)
+            .map(|l| l["workerId"].as_str().unwrap().to_owned())
+            .unwrap()
+    };
+    let leases = gw.leases().await;
+    let w0 = gw.fleet.worker_id(0);
+    let by_worker = if on(&first, &leases) == w0 {
+        [first, second]
+    } else {
+        [second, first]
+    };
+    assert_ne!(
+        on(&by_worker[0], &leases),
+        on(&by_worker[1], &leases),
+        "one lease on each"
+    );
+    (gw, secret, by_worker)
+}
+
+async fn aux(
+    gw: &Gw,
+    method: Method,
+    route: &str,
+    token: &str,
+    lease_header: Option<&str>,
+    body: impl Into<bytes::Bytes>,
+) -> simlock_e2e::agent_device::Answer {
+    let bearer = format!("Bearer {token}");
+    let mut headers = vec![
+        ("authorization", bearer.as_str()),
+        ("x-agent-device-token", token),
+        ("content-type", "application/json"),
+    ];
+    if let Some(value) = lease_header {
+        headers.push(("x-agent-device-lease-id", value));
+    }
+    Http::new()
+        .send(method, &format!("{}/{route}", gw.base()), &headers, body)
+        .await
+}
+
+fn preflight_body(data: &[u8]) -> String {
+    use sha2::Digest as _;
+    let sha: String = sha2::Sha256::digest(data)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    json!({"uploadAttemptId": "u1", "sha256": sha, "fileName": "app.apk", "sizeBytes": data.len(),
+        "artifactType": "file", "platform": "android", "contentType": "application/octet-stream"})
+    .to_string()
+}
+
+fn paths(fake: &FakeAgentDevice) -> Vec<String> {
+    fake.requests().into_iter().map(|r| r.path).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upload_with_the_lease_header_reaches_the_leases_worker_with_the_callers_ticket() {
+    let (gw, secret, [_, on_w2]) = two_workers_two_leases().await;
+    let data = vec![5u8; 4096];
+    let ticket = aux(
+        &gw,
+        Method::POST,
+        "upload/preflight",
+        &secret,
+        Some(&on_w2),
+        preflight_body(&data),
+    )
+    .await;
+    assert_eq!(ticket.status, 200, "{ticket:?}");
+    assert!(
+        paths(&gw.fakes[1]).iter().any(|p| p == "/upload/preflight"),
+        "W2 got it"
+    );
+    assert!(
+        !paths(&gw.fakes[0]).iter().any(|p| p.starts_with("/upload")),
+        "W1 did not"
+    );
+    let ticket = ticket.json();
+    let url = ticket["upload"]["url"].as_str().unwrap().to_owned();
+    assert!(url.starts_with(&gw.base()), "the gateway's origin: {url}");
+    let headers = ticket["upload"]["headers"].as_object().unwrap().clone();
+    assert_eq!(headers["authorization"], json!(format!("Bearer {secret}")));
+    // W2's daemon saw its own token, never the caller's.
+    let preflight = gw.fakes[1]
+        .requests()
+        .into_iter()
+        .find(|r| r.path == "/upload/preflight")
+        .unwrap();
+    let auth = preflight
+        .headers
+        .iter()
+        .find(|(k, _)| k == "authorization")
+        .map(|(_, v)| v.clone());
+    assert_eq!(auth, Some(format!("Bearer {}", gw.fakes[1].token())));
+    assert!(!preflight.headers.iter().any(|(_, v)| v.contains(&secret)));
+    // The PUT to the ticket, with the lease header and the ticket's headers, reaches W2.
+    let mut put_headers: Vec<(String, String)> = headers
+        .iter()
+        .map(|(k, v)| (k.clone(), v.as_str().unwrap().to_owned()))
+        .collect();
+    put_headers.push(("x-agent-device-lease-id".into(), on_w2.clone()));
+    let refs: Vec<(&str, &str)> = put_headers
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.as_str()))
+        .collect();
+    let put = Http::new()
+        .send(Method::PUT, &url, &refs, data.clone())
+        .await;
+    assert_eq!(put.status, 200, "{put:?}");
+    let finalize = aux(
+        &gw,
+        Method::POST,
+        "upload/finalize",
+        &secret,
+        Some(&on_w2),
+        json!({"uploadId": ticket["uploadId"]}).to_string(),
+    )
+    .await;
+    assert_eq!(finalize.json()["ok"], json!(true), "{finalize:?}");
+    let uploads = gw.fakes[1].uploads();
+    assert_eq!(uploads.len(), 1);
+    assert_eq!(uploads[0].size, 4096);
+    gw.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn artifacts_diagnostics_and_legacy_uploads_follow_the_header_and_without_one_are_too_old() {
+    let (gw, secret, [on_w1, _]) = two_workers_two_leases().await;
+    let before = paths(&gw.fakes[0]).len();
+    // Sessions live under the caller's tenant on the worker (gw.<gateway>.<principal>).
+    let tenant = gw.fakes[0].leases()[0].tenant_id.to_string();
+    let diagnostics = format!("sessions/{tenant}%3As1/requests/r1/diagnostics");
+    for (method, route) in [
+        (Method::POST, "upload"),
+        (Method::GET, "artifacts/a1"),
+        (Method::GET, diagnostics.as_str()),
+    ] {
+        let _ = aux(&gw, method, route, &secret, Some(&on_w1), "").await;
+    }
+    let seen = paths(&gw.fakes[0]);
+    assert_eq!(seen.len(), before + 3, "all three reached W1: {seen:?}");
+    assert!(seen.iter().any(|p| p == "/artifacts/a1"));
+    let w2 = paths(&gw.fakes[1]).len();
+    for header in [None, Some("")] {
+        for (method, route) in [
+            (Method::POST, "upload/preflight"),
+            (Method::POST, "upload/finalize"),
+            (Method::POST, "upload"),
+            (Method::GET, "artifacts/a1"),
+            (Method::GET, "artifacts"),
+            (Method::GET, "sessions/s1/requests/r1/diagnostics"),
+        ] {
+            let refused = aux(&gw, method, route, &secret, header, "{}").await;
+            assert_eq!(
+                refused.json()["error"],
+                json!("refused: this agent-device is too old to use through a gateway; update it"),
+                "{route} {header:?}"
+            );
+        }
+    }
+    assert_eq!(paths(&gw.fakes[0]).len(), before + 3);
+    assert_eq!(
+        paths(&gw.fakes[1]).len(),
+        w2,
+        "nothing more reached either worker"
+    );
+    gw.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_header_naming_another_tokens_lease_or_no_lease_id_is_refused_and_never_echoed() {
+    let (gw, secret, [on_w1, _]) = two_workers_two_leases().await;
+    let (_, other) = gw.token().await;
+    let seen = (paths(&gw.fakes[0]).len(), paths(&gw.fakes[1]).len());
+    let refused = aux(
+        &gw,
+        Method::POST,
+        "upload/preflight",
+        &other,
+        Some(&on_w1),
+        "{}",
+    )
+    .await;
+    assert_eq!(refused.status, 403);
+    assert_eq!(
+        refused.json()["error"],
+        json!(format!(
+            "refused: lease {on_w1} is not one of yours on this gateway"
+        ))
+    );
+    for bad in ["a".repeat(40), on_w1.to_uppercase()] {
+        let refused = aux(&gw, Method::GET, "artifacts/a1", &secret, Some(&bad), "").await;
+        assert_eq!(refused.status, 400);
+        assert_eq!(
+            refused.json()["error"],
+            json!("refused: the x-agent-device-lease-id header is not a lease id")
+        );
+        assert!(
+            !String::from_utf8_lossy(&refused.body).contains(&bad),
+            "never echoed"
+        );
+    }
+    assert_eq!((paths(&gw.fakes[0]).len(), paths(&gw.fakes[1]).len()), seen);
+    // /health with another token's lease in the header is the proxy's health all the same.
+    let health = aux(&gw, Method::GET, "health", &other, Some(&on_w1), "").await;
+    assert_eq!(
+        health.json()["upstream"]["service"],
+        json!("agent-device-daemon")
+    );
+    gw.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upload_naming_a_lease_after_release_all_still_reaches_its_worker() {
+    let (gw, secret, [on_w1, _]) = two_workers_two_leases().await;
+    gw.fleet
+        .operator()
+        .await
+        .call("lease.release-all", json!({}))
+        .await
+        .unwrap();
+    gw.fleet.wait_until(|fleet| fleet.lease_count() == 0).await;
+    let data = vec![1u8; 16];
+    let answer = aux(
+        &gw,
+        Method::POST,
+        "upload/preflight",
+        &secret,
+        Some(&on_w1),
+        preflight_body(&data),
+    )
+    .await;
+    assert_eq!(answer.status, 200, "{answer:?}");
+    assert!(paths(&gw.fakes[0]).iter().any(|p| p == "/upload/preflight"));
+    gw.stop().await;
+}
+
+fn listed(fake_devices: &[(&str, &str)]) -> DevicesAnswer {
+    DevicesAnswer::List(
+        fake_devices
+            .iter()
+            .map(|(id, name)| Device {
+                platform: agent_device_fake::Platform::Android,
+                id: (*id).into(),
+                name: (*name).into(),
+                kind: agent_device_fake::DeviceKind::Emulator,
+                target: agent_device_fake::DeviceTarget::Mobile,
+                booted: true,
+            })
+            .collect(),
+    )
+}
+
+fn devices_call(id: &str) -> Value {
+    rpc_call(
+        id,
+        "command",
+        json!({"session": "default", "command": "devices", "positionals": [], "flags": {}, "meta": {}}),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn devices_through_the_gateway_joins_each_workers_answer_cut_to_its_lease() {
+    let (gw, secret, [on_w1, on_w2]) = two_workers_two_leases().await;
+    let address = |n: usize| {
+        gw.fleet.worker(n).worker.devices()[0]
+            .driver_device_id
+            .clone()
+    };
+    let (a1, a2) = (address(0), address(1));
+    gw.fakes[0].set_devices(listed(&[(&a1, "w1 device"), ("emulator-9", "w1 stranger")]));
+    gw.fakes[1].set_devices(listed(&[(&a2, "w2 device"), ("emulator-8", "w2 stranger")]));
+    let http = Http::new();
+    let answer = http.rpc(&gw.base(), &secret, &devices_call("d1")).await;
+    let names: Vec<Value> = answer.json()["result"]["data"]["devices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| d["name"].clone())
+        .collect();
+    let mut expected = vec![json!("w1 device"), json!("w2 device")];
+    // In lease order (the order they were allocated).
+    let leases = gw.leases().await;
+    if leases.iter().position(|l| l["id"] == on_w2) < leases.iter().position(|l| l["id"] == on_w1) {
+        expected.reverse();
+    }
+    assert_eq!(names.len(), 2, "{answer:?}");
+    assert!(names.iter().all(|n| expected.contains(n)), "{names:?}");
+    // Another token holding nothing gets the empty list, and no daemon is asked.
+    let (_, other) = gw.token().await;
+    let asked = (rpcs(&gw.fakes[0]), rpcs(&gw.fakes[1]));
+    let none = http.rpc(&gw.base(), &other, &devices_call("d2")).await;
+    assert_eq!(none.json()["result"]["data"]["devices"], json!([]));
+    assert_eq!((rpcs(&gw.fakes[0]), rpcs(&gw.fakes[1])), asked);
+    // W2 failing passes its error on; W2 answering no list is the seed's 502.
+    gw.fakes[1].set_devices(DevicesAnswer::Error(DaemonError::new(
+        ErrorCode::CommandFailed,
+        "w2 broke",
+    )));
+    let failed = http.rpc(&gw.base(), &secret, &devices_call("d3")).await;
+    assert_eq!(message(&failed), "w2 broke");
+    gw.fakes[1].set_devices(DevicesAnswer::NoList);
+    let unreadable = http.rpc(&gw.base(), &secret, &devices_call("d4")).await;
+    assert_eq!(unreadable.status, 502);
+    assert_eq!(
+        message(&unreadable),
+        format!("could not read the device list from the worker holding lease {on_w2}")
+    );
+    gw.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn devices_with_two_leases_on_one_worker_lists_both_once() {
+    let mut gw = Gw::start(enabled_gateway()).await;
+    let mut config = worker(true, &[Platform::Android]);
+    config.capacity.max_running = 2;
+    gw.add(config).await;
+    gw.wait_capable(0, true).await;
+    let (_, secret) = gw.token().await;
+    let http = Http::new();
+    allocate(&http, &gw, &secret).await;
+    allocate(&http, &gw, &secret).await;
+    let devices = gw.fleet.worker(0).worker.devices();
+    let ids: Vec<String> = devices.iter().map(|d| d.driver_device_id.clone()).collect();
+    assert_eq!(ids.len(), 2);
+    gw.fakes[0].set_devices(listed(&[
+        (&ids[0], "one"),
+        (&ids[1], "two"),
+        ("emulator-9", "other"),
+    ]));
+    let answer = http.rpc(&gw.base(), &secret, &devices_call("d1")).await;
+    let mut names: Vec<String> = answer.json()["result"]["data"]["devices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| d["name"].as_str().unwrap().to_owned())
+        .collect();
+    names.sort();
+    assert_eq!(names, ["one", "two"], "each once");
+    gw.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cli_that_hangs_up_during_devices_aborts_every_forward() {
+    let (gw, secret, _) = two_workers_two_leases().await;
+    let holds = [
+        gw.fakes[0].hold_commands("devices"),
+        gw.fakes[1].hold_commands("devices"),
+    ];
+    let (base, token) = (gw.base(), secret.clone());
+    let asking =
+        tokio::spawn(async move { Http::new().rpc(&base, &token, &devices_call("d1")).await });
+    for hold in &holds {
+        tokio::time::timeout(PATIENCE, hold.wait_entered(1))
+            .await
+            .unwrap();
+    }
+    asking.abort();
+    // Both held commands stop waiting: their callers (the relays) went away.
+    tokio::time::timeout(PATIENCE, async {
+        for hold in &holds {
+            hold.wait_none_waiting().await;
+        }
+    })
+    .await
+    .expect("every forward was aborted");
+    gw.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn release_materialized_paths_is_refused_and_install_from_source_goes_by_its_lease() {
+    let (gw, secret, [on_w1, _]) = two_workers_two_leases().await;
+    let http = Http::new();
+    let release = rpc_call(
+        "m1",
+        "release_materialized_paths",
+        json!({"materializationId": "m-1"}),
+    );
+    let refused = http.rpc(&gw.base(), &secret, &release).await;
+    assert_eq!(
+        message(&refused),
+        "refused: this agent-device is too old to use through a gateway; update it"
+    );
+    let install = rpc_call(
+        "i1",
+        "install_from_source",
+        json!({"platform": "android", "source": {"kind": "url", "url": "https://example.invalid/app.apk"},
+            "leaseId": on_w1, "session": "s1"}),
+    );
+    let _ = http.rpc(&gw.base(), &secret, &install).await;
+    assert_eq!(
+        received(&gw.fakes[0], "agent_device.install_from_source").len(),
+        1
+    );
+    assert!(received(&gw.fakes[1], "agent_device.install_from_source").is_empty());
+    gw.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_header_naming_a_lease_whose_worker_cannot_serve_answers_not_available() {
+    let mut gw = Gw::start_tuned(enabled_gateway(), |t| {
+        t.refresh_interval = Duration::from_millis(100);
+    })
+    .await;
+    gw.add(worker(true, &[Platform::Android])).await;
+    gw.wait_capable(0, true).await;
+    let (_, secret) = gw.token().await;
+    let lease = allocate(&Http::new(), &gw, &secret).await;
+    gw.fleet
+        .worker(0)
+        .agent_device
+        .as_ref()
+        .unwrap()
+        .host
+        .stop()
+        .await;
+    gw.wait_capable(0, false).await;
+    let answer = aux(&gw, Method::GET, "artifacts/a1", &secret, Some(&lease), "").await;
+    assert_eq!(
+        answer.json()["error"],
+        json!(
+            "agent-device is not available on this simlock: the worker holding this lease cannot serve agent-device"
+        )
+    );
+    gw.stop().await;
+}
