@@ -1020,7 +1020,7 @@ async fn an_agent_on_the_workers_own_token_never_meets_the_gateway_agents_sessio
 
 /// A gateway with two capable workers of one Android device each, and a token holding one
 /// lease on each: `(gateway, secret, leases by worker index)`.
-async fn two_workers_two_leases() -> (Gw, String, [String; 2]) {
+async fn two_workers_two_leases() -> (Gw, String, [String; 2], String) {
     let mut gw = Gw::start(enabled_gateway()).await;
     for _ in 0..2 {
         let mut config = worker(true, &[Platform::Android]);
@@ -1043,16 +1043,16 @@ async fn two_workers_two_leases() -> (Gw, String, [String; 2]) {
     let leases = gw.leases().await;
     let w0 = gw.fleet.worker_id(0);
     let by_worker = if on(&first, &leases) == w0 {
-        [first, second]
+        [first.clone(), second]
     } else {
-        [second, first]
+        [second, first.clone()]
     };
     assert_ne!(
         on(&by_worker[0], &leases),
         on(&by_worker[1], &leases),
         "one lease on each"
     );
-    (gw, secret, by_worker)
+    (gw, secret, by_worker, first)
 }
 
 async fn aux(
@@ -1094,7 +1094,7 @@ fn paths(fake: &FakeAgentDevice) -> Vec<String> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_upload_with_the_lease_header_reaches_the_leases_worker_with_the_callers_ticket() {
-    let (gw, secret, [_, on_w2]) = two_workers_two_leases().await;
+    let (gw, secret, [_, on_w2], _) = two_workers_two_leases().await;
     let data = vec![5u8; 4096];
     let ticket = aux(
         &gw,
@@ -1164,7 +1164,7 @@ async fn an_upload_with_the_lease_header_reaches_the_leases_worker_with_the_call
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn artifacts_diagnostics_and_legacy_uploads_follow_the_header_and_without_one_are_too_old() {
-    let (gw, secret, [on_w1, _]) = two_workers_two_leases().await;
+    let (gw, secret, [on_w1, _], _) = two_workers_two_leases().await;
     let before = paths(&gw.fakes[0]).len();
     // Sessions live under the caller's tenant on the worker (gw.<gateway>.<principal>).
     let tenant = gw.fakes[0].leases()[0].tenant_id.to_string();
@@ -1208,7 +1208,7 @@ async fn artifacts_diagnostics_and_legacy_uploads_follow_the_header_and_without_
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_header_naming_another_tokens_lease_or_no_lease_id_is_refused_and_never_echoed() {
-    let (gw, secret, [on_w1, _]) = two_workers_two_leases().await;
+    let (gw, secret, [on_w1, _], _) = two_workers_two_leases().await;
     let (_, other) = gw.token().await;
     let seen = (paths(&gw.fakes[0]).len(), paths(&gw.fakes[1]).len());
     let refused = aux(
@@ -1251,7 +1251,7 @@ async fn a_header_naming_another_tokens_lease_or_no_lease_id_is_refused_and_neve
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_upload_naming_a_lease_after_release_all_still_reaches_its_worker() {
-    let (gw, secret, [on_w1, _]) = two_workers_two_leases().await;
+    let (gw, secret, [on_w1, _], _) = two_workers_two_leases().await;
     gw.fleet
         .operator()
         .await
@@ -1300,7 +1300,7 @@ fn devices_call(id: &str) -> Value {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn devices_through_the_gateway_joins_each_workers_answer_cut_to_its_lease() {
-    let (gw, secret, [on_w1, on_w2]) = two_workers_two_leases().await;
+    let (gw, secret, [on_w1, on_w2], first) = two_workers_two_leases().await;
     let address = |n: usize| {
         gw.fleet.worker(n).worker.devices()[0]
             .driver_device_id
@@ -1317,14 +1317,13 @@ async fn devices_through_the_gateway_joins_each_workers_answer_cut_to_its_lease(
         .iter()
         .map(|d| d["name"].clone())
         .collect();
-    let mut expected = vec![json!("w1 device"), json!("w2 device")];
-    // In lease order (the order they were allocated).
-    let leases = gw.leases().await;
-    if leases.iter().position(|l| l["id"] == on_w2) < leases.iter().position(|l| l["id"] == on_w1) {
-        expected.reverse();
-    }
-    assert_eq!(names.len(), 2, "{answer:?}");
-    assert!(names.iter().all(|n| expected.contains(n)), "{names:?}");
+    // In lease order: the order they were allocated.
+    let expected = if first == on_w1 {
+        [json!("w1 device"), json!("w2 device")]
+    } else {
+        [json!("w2 device"), json!("w1 device")]
+    };
+    assert_eq!(names, expected, "each once, in lease order: {answer:?}");
     // Another token holding nothing gets the empty list, and no daemon is asked.
     let (_, other) = gw.token().await;
     let asked = (rpcs(&gw.fakes[0]), rpcs(&gw.fakes[1]));
@@ -1381,7 +1380,7 @@ async fn devices_with_two_leases_on_one_worker_lists_both_once() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cli_that_hangs_up_during_devices_aborts_every_forward() {
-    let (gw, secret, _) = two_workers_two_leases().await;
+    let (gw, secret, _, _) = two_workers_two_leases().await;
     let holds = [
         gw.fakes[0].hold_commands("devices"),
         gw.fakes[1].hold_commands("devices"),
@@ -1408,7 +1407,7 @@ async fn a_cli_that_hangs_up_during_devices_aborts_every_forward() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn release_materialized_paths_is_refused_and_install_from_source_goes_by_its_lease() {
-    let (gw, secret, [on_w1, _]) = two_workers_two_leases().await;
+    let (gw, secret, [on_w1, _], _) = two_workers_two_leases().await;
     let http = Http::new();
     let release = rpc_call(
         "m1",
