@@ -1462,3 +1462,156 @@ async fn a_header_naming_a_lease_whose_worker_cannot_serve_answers_not_available
     );
     gw.stop().await;
 }
+
+// === With the published 0.21.5 CLI through the gateway (it sends no lease header) ===
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_published_cli_lists_its_devices_on_two_workers_and_shows_the_too_old_refusals() {
+    use simlock_e2e::agent_device::{Cli, real_package};
+    let pkg = real_package();
+    let mut gw = Gw::start(enabled_gateway()).await;
+    for _ in 0..2 {
+        let mut config = worker(true, &[Platform::Android]);
+        config.capacity.max_running = 1;
+        gw.add(config).await;
+    }
+    gw.wait_capable(0, true).await;
+    gw.wait_capable(1, true).await;
+    let (_, secret) = gw.token().await;
+    // Two CLI sessions of one token: one lease on each worker.
+    let clis = [
+        Cli::new(&pkg, &gw.base(), &secret),
+        Cli::new(&pkg, &gw.base(), &secret),
+    ];
+    for cli in &clis {
+        let profile = cli.profile("android");
+        let connect = cli
+            .run(&["connect", "--remote-config", profile.to_str().unwrap()])
+            .await;
+        assert_eq!(connect.json["success"], json!(true), "{connect:?}");
+        let _ = cli.run(&["devices"]).await;
+    }
+    assert_eq!(gw.leases().await.len(), 2);
+    for n in 0..2 {
+        let address = gw.fleet.worker(n).worker.devices()[0]
+            .driver_device_id
+            .clone();
+        gw.fakes[n].set_devices(listed(&[(&address, &format!("device on w{n}"))]));
+    }
+    let listed_now = clis[0].run(&["devices"]).await;
+    let mut names: Vec<String> = listed_now.json["data"]["devices"]
+        .as_array()
+        .unwrap_or_else(|| panic!("{listed_now:?}"))
+        .iter()
+        .map(|d| d["name"].as_str().unwrap().to_owned())
+        .collect();
+    names.sort();
+    assert_eq!(names, ["device on w0", "device on w1"], "both, once each");
+    // An install: the CLI's upload names no lease, so the gateway refuses it as too old, and
+    // the CLI says so (no hang, no crash).
+    let apk = clis[0].dir().join("app.apk");
+    std::fs::write(&apk, vec![3u8; 1024]).unwrap();
+    let install = clis[0]
+        .run(&[
+            "install",
+            "com.example",
+            apk.to_str().unwrap(),
+            "--platform",
+            "android",
+        ])
+        .await;
+    assert_eq!(install.json["success"], json!(false), "{install:?}");
+    let shown = format!("{}{}", install.stdout, install.stderr);
+    assert!(
+        shown.contains("too old to use through a gateway"),
+        "the CLI shows the refusal: {install:?}"
+    );
+    // A failing command: its own error reaches the agent; the diagnostics fetch that follows
+    // is refused the same way.
+    for fake in &gw.fakes {
+        fake.fail_commands(
+            agent_device_fake::CommandFailure::new(DaemonError::new(
+                ErrorCode::CommandFailed,
+                "the app crashed",
+            ))
+            .for_command("snapshot"),
+        );
+    }
+    let failed = clis[0].run(&["snapshot"]).await;
+    assert_eq!(
+        failed.json["error"]["message"],
+        json!("the app crashed"),
+        "{failed:?}"
+    );
+    let diagnostics: Vec<u16> = gw
+        .fakes
+        .iter()
+        .flat_map(|f| f.requests())
+        .filter(|r| r.path.contains("/diagnostics"))
+        .filter_map(|r| r.status)
+        .collect();
+    assert!(
+        diagnostics.is_empty(),
+        "no diagnostics fetch reached a worker: {diagnostics:?}"
+    );
+    for cli in &clis {
+        let _ = cli.run(&["disconnect"]).await;
+    }
+    gw.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_64_mib_upload_with_the_header_lands_on_the_leases_worker_with_its_sha256_intact() {
+    let (gw, secret, [_, on_w2], _) = two_workers_two_leases().await;
+    let data: Vec<u8> = (0..64 * 1024 * 1024)
+        .map(|i| u8::try_from(i % 253).unwrap())
+        .collect();
+    let ticket = aux(
+        &gw,
+        Method::POST,
+        "upload/preflight",
+        &secret,
+        Some(&on_w2),
+        preflight_body(&data),
+    )
+    .await;
+    assert_eq!(ticket.status, 200, "{ticket:?}");
+    let ticket = ticket.json();
+    let url = ticket["upload"]["url"].as_str().unwrap().to_owned();
+    let mut headers: Vec<(String, String)> = ticket["upload"]["headers"]
+        .as_object()
+        .unwrap()
+        .iter()
+        .map(|(k, v)| (k.clone(), v.as_str().unwrap().to_owned()))
+        .collect();
+    headers.push(("x-agent-device-lease-id".into(), on_w2.clone()));
+    let refs: Vec<(&str, &str)> = headers
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.as_str()))
+        .collect();
+    let put = Http::new()
+        .send(Method::PUT, &url, &refs, data.clone())
+        .await;
+    assert_eq!(put.status, 200, "{put:?}");
+    let finalize = aux(
+        &gw,
+        Method::POST,
+        "upload/finalize",
+        &secret,
+        Some(&on_w2),
+        json!({"uploadId": ticket["uploadId"]}).to_string(),
+    )
+    .await;
+    assert_eq!(finalize.json()["ok"], json!(true), "{finalize:?}");
+    use sha2::Digest as _;
+    let expected: String = sha2::Sha256::digest(&data)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    let uploads = gw.fakes[1].uploads();
+    assert_eq!(uploads.len(), 1, "on W2 only");
+    assert_eq!(uploads[0].size, 64 * 1024 * 1024);
+    assert_eq!(uploads[0].sha256, expected, "every byte intact");
+    assert!(gw.fakes[0].uploads().is_empty());
+    gw.stop().await;
+}
