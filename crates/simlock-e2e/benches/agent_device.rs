@@ -1,14 +1,17 @@
 //! The agent-device upload benchmark: `cargo bench -p simlock-e2e --bench agent_device` (or
 //! `cargo xtask bench agent-device`).
 //!
-//! One worker serving `/v1/agent-device` over the published agent-device 0.21.5 daemon (fetched
-//! by `cargo xtask fetch-peers`). A 256 MiB upload — preflight, PUT, finalize, as the CLI does
-//! it — goes through the worker's front and straight to the same daemon, alternated, seven times
-//! each; the ratio of each pair's throughputs (direct time / through-the-worker time) is taken
-//! and the median reported. The daemon hashes the whole file at finalize on both paths; the
-//! PUT-only ratio is printed beside it.
+//! A gateway and one worker serving `/v1/agent-device` over the published agent-device 0.21.5
+//! daemon (fetched by `cargo xtask fetch-peers`). A 256 MiB upload — preflight, PUT, finalize,
+//! as the CLI does it — goes straight to the daemon, through the worker's front, and through the
+//! gateway and the worker (the lease header sent by hand), in turn, seven times each; each ratio
+//! is direct time / path time, and the medians are reported. The daemon hashes the whole file at
+//! finalize on every path; the PUT-only ratios are printed beside. While the gateway's upload
+//! runs, another lease on the same worker heartbeats through the gateway; while the direct
+//! upload runs, a lease of the daemon's own heartbeats straight to it: the p99 of each.
 //!
-//! The last line is the summary: `agent-device worker_upload_ratio=<x>`.
+//! The last line is the summary: `agent-device worker_upload_ratio=<x>
+//! gateway_upload_ratio=<x> heartbeat_p99_ms=<x> heartbeat_direct_p99_ms=<x>`.
 #![allow(
     clippy::print_stdout,
     clippy::unwrap_used,
@@ -26,7 +29,7 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
-use simlock_e2e::agent_device::{AdWorker, agent_device_config, real_daemon_command, real_package};
+use simlock_e2e::agent_device::{agent_device_config, real_daemon_command, real_package};
 use tokio::time::Instant;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -67,10 +70,12 @@ fn full(bytes: impl Into<Bytes>) -> Body {
 }
 
 struct Target {
-    /// The base the routes hang off: the daemon's root, or the worker's `/v1/agent-device`.
+    /// The base the routes hang off: the daemon's root, or a front's `/v1/agent-device`.
     base: String,
     /// The token the request carries.
     token: String,
+    /// The lease header a gateway reads, when the path goes through one.
+    lease: Option<String>,
 }
 
 struct Timing {
@@ -103,11 +108,14 @@ async fn upload(
         "platform": "android",
         "contentType": "application/octet-stream",
     });
-    let auth = vec![
+    let mut auth = vec![
         ("authorization".to_owned(), bearer.clone()),
         ("x-agent-device-token".to_owned(), target.token.clone()),
         ("content-type".to_owned(), "application/json".to_owned()),
     ];
+    if let Some(lease) = &target.lease {
+        auth.push(("x-agent-device-lease-id".to_owned(), lease.clone()));
+    }
     let ticket = send(
         Method::POST,
         format!("{}/upload/preflight", target.base),
@@ -124,12 +132,15 @@ async fn upload(
     let ticket: Value =
         serde_json::from_slice(&ticket.into_body().collect().await.unwrap().to_bytes()).unwrap();
     let url = ticket["upload"]["url"].as_str().unwrap().to_owned();
-    let headers: Vec<(String, String)> = ticket["upload"]["headers"]
+    let mut headers: Vec<(String, String)> = ticket["upload"]["headers"]
         .as_object()
         .unwrap()
         .iter()
         .map(|(k, v)| (k.clone(), v.as_str().unwrap().to_owned()))
         .collect();
+    if let Some(lease) = &target.lease {
+        headers.push(("x-agent-device-lease-id".to_owned(), lease.clone()));
+    }
     let put_started = Instant::now();
     let put = send(Method::PUT, url, headers, streamed(piece.clone()))
         .await
@@ -165,21 +176,209 @@ fn median(mut values: Vec<f64>) -> f64 {
     values[values.len() / 2]
 }
 
+fn p99(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    let at = (values.len() * 99).div_ceil(100).saturating_sub(1);
+    values.get(at).copied().unwrap_or(f64::NAN)
+}
+
+/// Heartbeats `call` to `rpc` with `token`, one after another, until `stop`; answers each
+/// round trip in ms.
+async fn heartbeats(
+    client: Client<hyper_util::client::legacy::connect::HttpConnector, Body>,
+    rpc: String,
+    token: String,
+    call: Value,
+    stop: tokio_util::sync::CancellationToken,
+) -> Vec<f64> {
+    let mut samples = Vec::new();
+    while !stop.is_cancelled() {
+        let started = Instant::now();
+        let request = Request::builder()
+            .method(Method::POST)
+            .uri(&rpc)
+            .header("content-type", "application/json")
+            .header("authorization", format!("Bearer {token}"))
+            .header("x-agent-device-token", &token)
+            .body(full(call.to_string()))
+            .unwrap();
+        let response = client.request(request).await.unwrap();
+        let body = response.into_body().collect().await.unwrap().to_bytes();
+        let answer: Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(answer["result"]["ok"], json!(true), "{answer}");
+        samples.push(started.elapsed().as_secs_f64() * 1000.0);
+    }
+    samples
+}
+
+/// Runs `upload` while heartbeats run beside it; answers the upload's timing and the beats.
+async fn upload_beside(
+    client: &Client<hyper_util::client::legacy::connect::HttpConnector, Body>,
+    target: &Target,
+    piece: &Bytes,
+    sha256: &str,
+    attempt: usize,
+    beat: (String, String, Value),
+) -> (Timing, Vec<f64>) {
+    let stop = tokio_util::sync::CancellationToken::new();
+    let beats = tokio::spawn(heartbeats(
+        client.clone(),
+        beat.0,
+        beat.1,
+        beat.2,
+        stop.clone(),
+    ));
+    let timing = upload(client, target, piece, sha256, attempt).await;
+    stop.cancel();
+    (timing, beats.await.unwrap())
+}
+
+async fn rpc(
+    client: &Client<hyper_util::client::legacy::connect::HttpConnector, Body>,
+    url: &str,
+    token: &str,
+    call: &Value,
+) -> Value {
+    let request = Request::builder()
+        .method(Method::POST)
+        .uri(url)
+        .header("content-type", "application/json")
+        .header("authorization", format!("Bearer {token}"))
+        .header("x-agent-device-token", token)
+        .body(full(call.to_string()))
+        .unwrap();
+    let response = client.request(request).await.unwrap();
+    serde_json::from_slice(&response.into_body().collect().await.unwrap().to_bytes()).unwrap()
+}
+
+fn lease_call(method: &str, params: Value) -> Value {
+    json!({"jsonrpc": "2.0", "id": "b1", "method": format!("agent_device.lease.{method}"), "params": params})
+}
+
 async fn bench() {
     let pkg = real_package();
-    let worker = AdWorker::start(agent_device_config(real_daemon_command(&pkg)), |_| {}).await;
-    worker.wait_running().await;
-    let (_, secret) = worker.token("agent").await;
-    let agent_device_host::DaemonState::Running(endpoint) = worker.host().state() else {
+    let mut gateway = simlock_e2e::gateway_config();
+    gateway.agent_device.enabled = true;
+    let mut fleet = simlock_e2e::TestFleet::start(gateway).await;
+    let daemon_home = tempfile::tempdir().unwrap();
+    let home = daemon_home.path().display().to_string();
+    let mut config = agent_device_config(real_daemon_command(&pkg));
+    config.capacity.max_running = 4;
+    fleet
+        .join_worker(
+            0,
+            config,
+            |options| {
+                options.agent_device_env = vec![("HOME".into(), home), ("CI".into(), "1".into())];
+            },
+            true,
+        )
+        .await;
+    let worker_id = fleet.worker_id(0);
+    fleet
+        .wait_until(|f| {
+            f.capable_workers("agent-device")
+                .iter()
+                .any(|w| w.id == worker_id)
+        })
+        .await;
+    let worker = fleet.worker(0);
+    let host = worker.agent_device.as_ref().unwrap().host.clone();
+    let agent_device_host::DaemonState::Running(endpoint) = host.state() else {
         panic!("the daemon runs");
     };
+    let mint = |session: simlock_e2e::Session| async move {
+        let created = session
+            .call("token.create", json!({"role": "agent", "label": "bench"}))
+            .await
+            .unwrap();
+        created["secret"].as_str().unwrap().to_owned()
+    };
+    let worker_secret = mint(
+        simlock_e2e::session(
+            &worker.running.socket_path(),
+            "operator",
+            Some(&fleet.worker_home(0)),
+        )
+        .await,
+    )
+    .await;
+    let gateway_secret = mint(fleet.operator().await).await;
+    let gateway_base = format!(
+        "http://{}/v1/agent-device",
+        fleet.gateway().running.http_addr().unwrap()
+    );
+    let worker_base = format!(
+        "http://{}/v1/agent-device",
+        worker.running.http_addr().unwrap()
+    );
+    let client = Client::builder(TokioExecutor::new()).build_http();
+    // Two leases through the gateway: one the upload names, one that heartbeats beside it.
+    let allocate = |session: &str| {
+        lease_call(
+            "allocate",
+            json!({"session": session, "tenantId": "bench", "runId": "run1", "backend": "android-instance"}),
+        )
+    };
+    let mut through = Vec::new();
+    for session in ["upload", "beats"] {
+        let answer = rpc(
+            &client,
+            &format!("{gateway_base}/rpc"),
+            &gateway_secret,
+            &allocate(session),
+        )
+        .await;
+        through.push(
+            answer["result"]["data"]["lease"]["leaseId"]
+                .as_str()
+                .unwrap()
+                .to_owned(),
+        );
+    }
+    let gateway_beat = (
+        format!("{gateway_base}/rpc"),
+        gateway_secret.clone(),
+        lease_call(
+            "heartbeat",
+            json!({"session": "beats", "tenantId": "bench", "runId": "run1", "leaseId": through[1]}),
+        ),
+    );
+    // A lease of the daemon's own, heartbeating straight to it: the baseline.
+    let daemon_rpc = format!("http://127.0.0.1:{}/rpc", endpoint.port);
+    let own = rpc(
+        &client,
+        &daemon_rpc,
+        &endpoint.token,
+        &lease_call(
+            "allocate",
+            json!({"session": "direct", "tenantId": "direct", "runId": "run1", "ttlMs": 600_000, "backend": "android-instance"}),
+        ),
+    )
+    .await;
+    let direct_beat = (
+        daemon_rpc.clone(),
+        endpoint.token.clone(),
+        lease_call(
+            "heartbeat",
+            json!({"session": "direct", "tenantId": "direct", "runId": "run1",
+                "leaseId": own["result"]["data"]["lease"]["leaseId"], "ttlMs": 600_000}),
+        ),
+    );
     let direct = Target {
         base: format!("http://127.0.0.1:{}", endpoint.port),
         token: endpoint.token.clone(),
+        lease: None,
     };
-    let through = Target {
-        base: worker.base(),
-        token: secret,
+    let via_worker = Target {
+        base: worker_base,
+        token: worker_secret,
+        lease: None,
+    };
+    let via_gateway = Target {
+        base: gateway_base,
+        token: gateway_secret,
+        lease: Some(through[0].clone()),
     };
     let piece = chunk();
     let mut hasher = Sha256::new();
@@ -191,38 +390,87 @@ async fn bench() {
         .iter()
         .map(|b| format!("{b:02x}"))
         .collect();
-    let client = Client::builder(TokioExecutor::new()).build_http();
     // One of each first, to warm up connections and the daemon.
-    let _ = upload(&client, &direct, &piece, &sha256, 0).await;
-    let _ = upload(&client, &through, &piece, &sha256, 1).await;
-    let mut ratios = Vec::new();
-    let mut put_ratios = Vec::new();
+    for (i, target) in [&direct, &via_worker, &via_gateway].into_iter().enumerate() {
+        let _ = upload(&client, target, &piece, &sha256, i).await;
+    }
+    let mut worker_ratios = Vec::new();
+    let mut gateway_ratios = Vec::new();
+    let mut put_ratios = (Vec::new(), Vec::new());
+    let (mut beats, mut direct_beats) = (Vec::new(), Vec::new());
+    let mibs = |t: Duration| 256.0 / t.as_secs_f64();
     for run in 0..RUNS {
-        // Alternate which goes first, so neither always meets a warmer machine.
-        let (d, w) = if run % 2 == 0 {
-            let d = upload(&client, &direct, &piece, &sha256, 10 + 2 * run).await;
-            let w = upload(&client, &through, &piece, &sha256, 11 + 2 * run).await;
-            (d, w)
-        } else {
-            let w = upload(&client, &through, &piece, &sha256, 11 + 2 * run).await;
-            let d = upload(&client, &direct, &piece, &sha256, 10 + 2 * run).await;
-            (d, w)
+        let attempt = 10 + 3 * run;
+        // Rotate who goes first, so no path always meets a warmer machine.
+        let mut order = [0, 1, 2];
+        order.rotate_left(run % 3);
+        let mut timings = [None, None, None];
+        for which in order {
+            timings[which] = Some(match which {
+                0 => {
+                    let (t, b) = upload_beside(
+                        &client,
+                        &direct,
+                        &piece,
+                        &sha256,
+                        attempt,
+                        direct_beat.clone(),
+                    )
+                    .await;
+                    direct_beats.extend(b);
+                    t
+                }
+                1 => upload(&client, &via_worker, &piece, &sha256, attempt + 1).await,
+                _ => {
+                    let (t, b) = upload_beside(
+                        &client,
+                        &via_gateway,
+                        &piece,
+                        &sha256,
+                        attempt + 2,
+                        gateway_beat.clone(),
+                    )
+                    .await;
+                    beats.extend(b);
+                    t
+                }
+            });
+        }
+        let [Some(d), Some(w), Some(g)] = timings else {
+            unreachable!("every path ran")
         };
-        let ratio = d.total.as_secs_f64() / w.total.as_secs_f64();
-        let put_ratio = d.put.as_secs_f64() / w.put.as_secs_f64();
-        let mibs = |t: Duration| 256.0 / t.as_secs_f64();
+        let ratio = |path: &Timing| d.total.as_secs_f64() / path.total.as_secs_f64();
+        let put = |path: &Timing| d.put.as_secs_f64() / path.put.as_secs_f64();
         println!(
-            "run {run}: direct {:.0} MiB/s (PUT {:.0}), through the worker {:.0} MiB/s (PUT {:.0}): ratio {ratio:.3} (PUT {put_ratio:.3})",
+            "run {run}: direct {:.0} MiB/s (PUT {:.0}), worker {:.0} (PUT {:.0}) ratio {:.3} (PUT {:.3}), gateway {:.0} (PUT {:.0}) ratio {:.3} (PUT {:.3})",
             mibs(d.total),
             mibs(d.put),
             mibs(w.total),
-            mibs(w.put)
+            mibs(w.put),
+            ratio(&w),
+            put(&w),
+            mibs(g.total),
+            mibs(g.put),
+            ratio(&g),
+            put(&g),
         );
-        ratios.push(ratio);
-        put_ratios.push(put_ratio);
+        worker_ratios.push(ratio(&w));
+        gateway_ratios.push(ratio(&g));
+        put_ratios.0.push(put(&w));
+        put_ratios.1.push(put(&g));
     }
-    let ratio = median(ratios);
-    println!("PUT-only median ratio {:.3}", median(put_ratios));
-    worker.stop().await;
-    println!("agent-device worker_upload_ratio={ratio:.3}");
+    println!(
+        "PUT-only median ratios: worker {:.3}, gateway {:.3}; heartbeats: {} through the gateway, {} direct",
+        median(put_ratios.0),
+        median(put_ratios.1),
+        beats.len(),
+        direct_beats.len()
+    );
+    let (worker_ratio, gateway_ratio) = (median(worker_ratios), median(gateway_ratios));
+    let (beat_p99, direct_p99) = (p99(beats), p99(direct_beats));
+    drop(daemon_home);
+    fleet.stop().await;
+    println!(
+        "agent-device worker_upload_ratio={worker_ratio:.3} gateway_upload_ratio={gateway_ratio:.3} heartbeat_p99_ms={beat_p99:.2} heartbeat_direct_p99_ms={direct_p99:.2}"
+    );
 }
