@@ -325,10 +325,9 @@ async fn health(inner: Arc<Inner>, request: Request<Body>) -> Response<Body> {
             }
             Err(refusal) => refusal,
         },
-        HostStatus::Unavailable { reason } => Refusal::NotAvailable {
-            reason,
-            retriable: true,
-        },
+        HostStatus::Unavailable { reason, retriable } => {
+            Refusal::NotAvailable { reason, retriable }
+        }
     };
     refusal.into_response_with_status(&Surface::Route, StatusCode::OK)
 }
@@ -467,10 +466,9 @@ impl Exchange {
             caller: &self.caller,
         }) {
             HostStatus::Running(serving) => Ok(serving),
-            HostStatus::Unavailable { reason } => Err(self.fail(Refusal::NotAvailable {
-                reason,
-                retriable: false,
-            })),
+            HostStatus::Unavailable { reason, retriable } => {
+                Err(self.fail(Refusal::NotAvailable { reason, retriable }))
+            }
         }
     }
 
@@ -562,11 +560,8 @@ async fn allocate(ctx: &Exchange, mut call: RpcCall) -> Result<Response<Body>, F
     inner.leases.prune(Instant::now());
     let serving = match inner.link.status(StatusScope::NewLease) {
         HostStatus::Running(serving) => serving,
-        HostStatus::Unavailable { reason } => {
-            return Err(ctx.fail(Refusal::NotAvailable {
-                reason,
-                retriable: true,
-            }));
+        HostStatus::Unavailable { reason, retriable } => {
+            return Err(ctx.fail(Refusal::NotAvailable { reason, retriable }));
         }
     };
     let platform = call
@@ -955,14 +950,13 @@ async fn auxiliary(
                     .ok()
                     .and_then(LeaseId::parse)
                     .ok_or_else(|| route_fail(Refusal::BadLeaseHeader))?;
-                if let HostStatus::Unavailable { reason } = inner.link.status(StatusScope::Lease {
-                    lease: &lease,
-                    caller: &caller,
-                }) {
-                    return Err(route_fail(Refusal::NotAvailable {
-                        reason,
-                        retriable: false,
-                    }));
+                if let HostStatus::Unavailable { reason, retriable } =
+                    inner.link.status(StatusScope::Lease {
+                        lease: &lease,
+                        caller: &caller,
+                    })
+                {
+                    return Err(route_fail(Refusal::NotAvailable { reason, retriable }));
                 }
                 Some(lease)
             }

@@ -10,6 +10,7 @@ pub mod body;
 mod front;
 pub mod lease_id;
 pub mod leases;
+pub mod placements;
 pub mod port;
 pub mod relay_link;
 pub mod reply;

@@ -34,7 +34,19 @@ pub enum HostStatus {
     Unavailable {
         /// A sentence for the agent.
         reason: String,
+        /// Whether trying again soon may work (the lease's worker is only away).
+        retriable: bool,
     },
+}
+
+impl HostStatus {
+    /// Unavailable for `reason`, worth trying again later.
+    pub fn unavailable(reason: impl Into<String>) -> Self {
+        Self::Unavailable {
+            reason: reason.into(),
+            retriable: true,
+        }
+    }
 }
 
 /// What a running host serves.

@@ -29,6 +29,9 @@ use crate::{Body, CAPABILITY};
 pub const NO_CAPABLE_WORKER: &str = "no worker connected to this gateway can serve agent-device";
 /// Why the worker holding a lease cannot serve it.
 pub const HOLDER_CANNOT_SERVE: &str = "the worker holding this lease cannot serve agent-device";
+/// Why a lease cannot be reached while its worker is away. Retriable, and never an answer on
+/// which the CLI allocates again: the lease is not ended, and no other lease replaces it.
+pub const HOLDER_DISCONNECTED: &str = "the worker holding this lease is disconnected; retry";
 /// How often the memory is swept of leases dropped long enough ago.
 pub const SWEEP_EVERY: Duration = Duration::from_secs(60);
 
@@ -87,6 +90,21 @@ pub trait FleetPort: Send + Sync + 'static {
     fn gateway_id(&self) -> String;
 }
 
+/// Where the link's memory is kept across restarts of the gateway, so that a lease whose worker
+/// has not reconnected yet is still known (and answered "disconnected; retry", not "not one of
+/// yours"). The lease index, rebuilt from what the workers report, stays the truth once they are
+/// back ([ADR 0025](../../../docs/adr/0025-a-gateway-restart-keeps-the-agent-device-leases.md)).
+pub trait PlacementStore: Send + Sync + 'static {
+    /// Everything kept: `(lease, placement, dropped_at)`.
+    fn load(&self) -> Vec<(LeaseId, Placement, Option<i64>)>;
+    /// `lease` is placed at `placement` (and not dropped).
+    fn placed(&self, lease: &LeaseId, placement: &Placement);
+    /// The index dropped `lease` at `at`.
+    fn dropped(&self, lease: &LeaseId, at: i64);
+    /// `lease` is forgotten.
+    fn forget(&self, lease: &LeaseId);
+}
+
 /// The link's memory of where leases are.
 #[derive(Debug, Default)]
 pub struct LeaseMemory {
@@ -106,22 +124,35 @@ fn older_than(now: i64, at: i64, keep: Duration) -> bool {
 
 impl LeaseMemory {
     /// The index placed `lease` at `placement` now: remembered, and no longer dropped.
-    pub fn placed(&mut self, lease: &LeaseId, placement: Placement) {
-        self.entries.insert(
-            lease.clone(),
-            Remembered {
-                placement,
-                dropped_at: None,
-            },
-        );
+    pub fn placed(&mut self, lease: &LeaseId, placement: Placement) -> bool {
+        let entry = Remembered {
+            placement,
+            dropped_at: None,
+        };
+        self.entries.insert(lease.clone(), entry.clone()).as_ref() != Some(&entry)
+    }
+
+    /// Takes back what a store kept: `(lease, placement, dropped_at)`.
+    pub fn restore(&mut self, kept: Vec<(LeaseId, Placement, Option<i64>)>) {
+        for (lease, placement, dropped_at) in kept {
+            self.entries.insert(
+                lease,
+                Remembered {
+                    placement,
+                    dropped_at,
+                },
+            );
+        }
     }
 
     /// The index dropped `lease` at `now`: the memory keeps routing it, stamped.
-    pub fn dropped(&mut self, lease: &LeaseId, now: i64) {
-        if let Some(entry) = self.entries.get_mut(lease)
-            && entry.dropped_at.is_none()
-        {
-            entry.dropped_at = Some(now);
+    pub fn dropped(&mut self, lease: &LeaseId, now: i64) -> bool {
+        match self.entries.get_mut(lease) {
+            Some(entry) if entry.dropped_at.is_none() => {
+                entry.dropped_at = Some(now);
+                true
+            }
+            _ => false,
         }
     }
 
@@ -137,24 +168,44 @@ impl LeaseMemory {
     }
 
     /// Forgets every lease dropped more than `keep` before `now`.
-    pub fn sweep(&mut self, now: i64, keep: Duration) {
-        self.entries
-            .retain(|_, e| e.dropped_at.is_none_or(|at| !older_than(now, at, keep)));
+    pub fn sweep(&mut self, now: i64, keep: Duration) -> Vec<LeaseId> {
+        let gone: Vec<LeaseId> = self
+            .entries
+            .iter()
+            .filter(|(_, e)| e.dropped_at.is_some_and(|at| older_than(now, at, keep)))
+            .map(|(l, _)| l.clone())
+            .collect();
+        for lease in &gone {
+            self.entries.remove(lease);
+        }
+        gone
     }
 
     /// Stamps, as dropped at `now`, every remembered lease `still_indexed` says the index no
     /// longer holds (a removal the link was not told of).
-    pub fn stamp_missing(&mut self, now: i64, still_indexed: impl Fn(&LeaseId) -> bool) {
+    pub fn stamp_missing(
+        &mut self,
+        now: i64,
+        still_indexed: impl Fn(&LeaseId) -> bool,
+    ) -> Vec<LeaseId> {
+        let mut stamped = Vec::new();
         for (lease, entry) in &mut self.entries {
             if entry.dropped_at.is_none() && !still_indexed(lease) {
                 entry.dropped_at = Some(now);
+                stamped.push(lease.clone());
             }
         }
+        stamped
     }
 
     /// How many leases are remembered.
     pub fn len(&self) -> usize {
         self.entries.len()
+    }
+
+    /// Whether `lease` is remembered.
+    pub fn contains(&self, lease: &LeaseId) -> bool {
+        self.entries.contains_key(lease)
     }
 
     /// Whether none is.
@@ -167,6 +218,7 @@ impl LeaseMemory {
 pub struct RelayHostLink {
     port: Arc<dyn FleetPort>,
     memory: Arc<Mutex<LeaseMemory>>,
+    store: Option<Arc<dyn PlacementStore>>,
     /// The gateway's `lease.maxTtlMs`: how long a dropped lease is remembered.
     keep: Duration,
     /// The time the memory reads.
@@ -188,15 +240,29 @@ impl RelayHostLink {
         Self {
             port,
             memory: Arc::new(Mutex::new(LeaseMemory::default())),
+            store: None,
             keep,
             clock,
         }
     }
 
+    /// The link, its memory kept in `store` (and what `store` kept taken back now).
+    #[must_use]
+    pub fn with_store(mut self, store: Arc<dyn PlacementStore>) -> Self {
+        self.memory.lock().restore(store.load());
+        self.store = Some(store);
+        self
+    }
+
     /// The fleet's lease index dropped `lease` (the composition calls this from the index's
     /// removals).
     pub fn dropped(&self, lease: &LeaseId) {
-        self.memory.lock().dropped(lease, self.clock.now_ms());
+        let now = self.clock.now_ms();
+        if self.memory.lock().dropped(lease, now)
+            && let Some(store) = &self.store
+        {
+            store.dropped(lease, now);
+        }
     }
 
     /// Stamps what the index dropped unannounced, and forgets the leases dropped longer ago
@@ -204,8 +270,17 @@ impl RelayHostLink {
     pub fn sweep(&self) {
         let now = self.clock.now_ms();
         let mut memory = self.memory.lock();
-        memory.stamp_missing(now, |lease| self.port.placement(lease).is_some());
-        memory.sweep(now, self.keep);
+        let stamped = memory.stamp_missing(now, |lease| self.port.placement(lease).is_some());
+        let forgotten = memory.sweep(now, self.keep);
+        drop(memory);
+        if let Some(store) = &self.store {
+            for lease in &stamped {
+                store.dropped(lease, now);
+            }
+            for lease in &forgotten {
+                store.forget(lease);
+            }
+        }
     }
 
     /// How many leases the memory holds (for tests and metrics).
@@ -233,10 +308,25 @@ impl RelayHostLink {
         let mut memory = self.memory.lock();
         match self.port.placement(lease) {
             Some(placement) => {
-                memory.placed(lease, placement.clone());
+                let changed = memory.placed(lease, placement.clone());
+                drop(memory);
+                if changed && let Some(store) = &self.store {
+                    store.placed(lease, &placement);
+                }
                 Some(placement)
             }
-            None => memory.recall(lease, self.clock.now_ms(), self.keep),
+            None => {
+                let had = memory.contains(lease);
+                let recalled = memory.recall(lease, self.clock.now_ms(), self.keep);
+                drop(memory);
+                if had
+                    && recalled.is_none()
+                    && let Some(store) = &self.store
+                {
+                    store.forget(lease);
+                }
+                recalled
+            }
         }
     }
 
@@ -245,12 +335,28 @@ impl RelayHostLink {
         self.place(lease).filter(|p| p.owner == caller.principal)
     }
 
+    /// The status of the worker holding a lease: serving while connected with agent-device
+    /// available (drained or not); away while its uplink is down (or it was not seen since the
+    /// gateway started), which is worth retrying; else unable.
+    fn holder_status(&self, placement: &Placement) -> HostStatus {
+        match self.port.worker(&placement.worker) {
+            Some(worker) if worker.serves => HostStatus::Running(Serving {
+                platforms: worker.platforms,
+                lease_max_ttl_ms: worker.lease_max_ttl_ms,
+            }),
+            Some(worker) if !worker.connected => HostStatus::unavailable(HOLDER_DISCONNECTED),
+            None => HostStatus::unavailable(HOLDER_DISCONNECTED),
+            Some(_) => HostStatus::Unavailable {
+                reason: HOLDER_CANNOT_SERVE.into(),
+                retriable: false,
+            },
+        }
+    }
+
     fn new_lease_status(&self) -> HostStatus {
         let capable = self.port.capable_workers();
         if capable.is_empty() {
-            return HostStatus::Unavailable {
-                reason: NO_CAPABLE_WORKER.into(),
-            };
+            return HostStatus::unavailable(NO_CAPABLE_WORKER);
         }
         HostStatus::Running(Serving {
             platforms: capable.into_iter().flat_map(|w| w.platforms).collect(),
@@ -269,17 +375,7 @@ impl HostLink for RelayHostLink {
         let Some(placement) = self.owned(lease, caller) else {
             return self.new_lease_status();
         };
-        // The holder serves a lease it holds while connected with agent-device available,
-        // drained or not.
-        match self.port.worker(&placement.worker) {
-            Some(worker) if worker.serves => HostStatus::Running(Serving {
-                platforms: worker.platforms,
-                lease_max_ttl_ms: worker.lease_max_ttl_ms,
-            }),
-            _ => HostStatus::Unavailable {
-                reason: HOLDER_CANNOT_SERVE.into(),
-            },
-        }
+        self.holder_status(&placement)
     }
 
     fn forward(
@@ -314,6 +410,21 @@ impl HostLink for RelayHostLink {
             };
             return async { Err(refusal) }.boxed();
         };
+        // A worker that is away is not tried: the answer comes at once, and says to retry.
+        if let HostStatus::Unavailable {
+            reason,
+            retriable: true,
+        } = self.holder_status(&placement)
+            && reason == HOLDER_DISCONNECTED
+        {
+            return async move {
+                Err(Refusal::NotAvailable {
+                    reason,
+                    retriable: true,
+                })
+            }
+            .boxed();
+        }
         let tenant = Tenant::through_gateway(&port.gateway_id(), &caller.principal);
         relay(&*port, &placement.worker, request, &tenant, Some(lease))
     }
@@ -503,9 +614,7 @@ mod tests {
         );
         assert_eq!(
             none.status(StatusScope::NewLease),
-            HostStatus::Unavailable {
-                reason: NO_CAPABLE_WORKER.into()
-            }
+            HostStatus::unavailable(NO_CAPABLE_WORKER)
         );
     }
 

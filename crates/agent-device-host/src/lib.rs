@@ -753,7 +753,7 @@ impl HostLink for InProcessHostLink {
                     StatusScope::Lease { .. } => Some(self.max_ttl_ms),
                 },
             }),
-            DaemonState::Unavailable(reason) => HostStatus::Unavailable { reason },
+            DaemonState::Unavailable(reason) => HostStatus::unavailable(reason),
         }
     }
 
