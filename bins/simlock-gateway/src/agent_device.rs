@@ -5,8 +5,10 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use agent_device_front::relay_link::{FleetPort, Placement, RelayFailure, WorkerFacts};
-use agent_device_front::{Body, CAPABILITY, LeaseId, RelayHostLink, Tenant};
+use agent_device_front::relay_link::{
+    FleetPort, Placement, PlacementStore, RelayFailure, WorkerFacts,
+};
+use agent_device_front::{Body, CAPABILITY, LeaseId, RecoveredLease, RelayHostLink, Tenant};
 use futures::FutureExt;
 use futures::future::BoxFuture;
 use http_body_util::BodyExt;
@@ -36,6 +38,15 @@ impl FleetPort for GatewayFleetPort {
         })
     }
 
+    fn device(&self, lease: &LeaseId) -> Option<RecoveredLease> {
+        let entry = self.fleet.lease(lease.as_str())?;
+        let access = entry.record.access?;
+        Some(RecoveredLease {
+            platform: access.platform(),
+            address: access.address().to_owned(),
+        })
+    }
+
     fn capable_workers(&self) -> Vec<WorkerFacts> {
         self.fleet
             .capable_workers(CAPABILITY)
@@ -46,15 +57,19 @@ impl FleetPort for GatewayFleetPort {
                 serves: true,
                 platforms: w.platforms,
                 lease_max_ttl_ms: Some(w.lease_max_ttl_ms),
+                leases_known: true,
             })
             .collect()
     }
 
     fn worker(&self, id: &str) -> Option<WorkerFacts> {
         let view = self.fleet.view(id)?;
+        let connected = view.connection == Connection::Connected;
         Some(WorkerFacts {
             id: view.id.clone(),
-            connected: view.connection == Connection::Connected,
+            connected,
+            // The greeting's status carries the leases, folded into the index with it.
+            leases_known: connected && view.leases.is_some(),
             serves: routing::serves_held(&view, CAPABILITY),
             platforms: routing::served_platforms(&view),
             lease_max_ttl_ms: view.lease.as_ref().map(|l| l.max_ttl_ms),
@@ -94,15 +109,17 @@ impl FleetPort for GatewayFleetPort {
     }
 }
 
-/// The relay host link over `port`, told of the index's removals and swept until `stop`.
+/// The relay host link over `port`, its memory kept in `store`, told of the index's removals
+/// and swept until `stop`.
 pub(crate) fn relay_link(
     fleet: &Arc<Fleet>,
     port: GatewayFleetPort,
+    store: Arc<dyn PlacementStore>,
     keep: Duration,
     clock: SharedClock,
     stop: &CancellationToken,
 ) -> Arc<RelayHostLink> {
-    let link = Arc::new(RelayHostLink::new(Arc::new(port), keep, clock));
+    let link = Arc::new(RelayHostLink::new(Arc::new(port), keep, clock).with_store(store));
     let mut dropped = fleet.dropped_leases();
     let (following, stop_following) = (link.clone(), stop.clone());
     tokio::spawn(async move {

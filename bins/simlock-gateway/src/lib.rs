@@ -6,6 +6,7 @@ mod agent_device;
 use std::sync::Arc;
 use std::time::Duration;
 
+use agent_device_front::placements::DbPlacements;
 use agent_device_front::{Front, FrontOptions};
 
 use simlock_contract::model::{LeaseLimits, Mode};
@@ -113,20 +114,24 @@ pub async fn start(options: GatewayOptions) -> Result<RunningGateway, StartError
     let stop = tokio_util::sync::CancellationToken::new();
     let agent_device_config = base.config.agent_device.clone();
     let (tokens, max_ttl_ms) = (base.tokens.clone(), base.config.lease.max_ttl_ms);
-    let link = agent_device_config.enabled.then(|| {
+    let link = if agent_device_config.enabled {
         let port = agent_device::GatewayFleetPort::new(fleet.clone(), relay.clone());
+        let store = Arc::new(DbPlacements::open(base.db.clone())?);
         let clock = options
             .agent_device_clock
             .clone()
             .unwrap_or_else(|| base.clock.clone());
-        agent_device::relay_link(
+        Some(agent_device::relay_link(
             &fleet,
             port,
+            store,
             Duration::from_millis(max_ttl_ms),
             clock,
             &stop,
-        )
-    });
+        ))
+    } else {
+        None
+    };
     let mut front = None;
     let running = base
         .serve_with(router, true, |pipeline| {

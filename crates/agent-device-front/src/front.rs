@@ -37,7 +37,7 @@ use tracing::{debug, warn};
 use crate::body::{Guarded, ReadError, read_to_bytes};
 use crate::lease_id::{LEASE_HEADER, LeaseId};
 use crate::leases::{FrontLease, FrontLeases};
-use crate::port::{Caller, HostLink, HostStatus, Serving, StatusScope};
+use crate::port::{Caller, HostLink, Serving, StatusScope};
 use crate::reply::{Refusal, Surface, json_response};
 use crate::rpc::{Answer, MAX_RPC_BODY, Method as RpcMethod, RpcCall, device_key};
 use crate::{Body, PREFIX};
@@ -313,8 +313,8 @@ fn authenticate(tokens: &TokenStore, headers: &HeaderMap) -> Result<Caller, Refu
 /// `/health`: the host's health when one serves; otherwise the front's own answer, always
 /// with status 200 (the CLI hides the reason of a health answer at 500 or above).
 async fn health(inner: Arc<Inner>, request: Request<Body>) -> Response<Body> {
-    let refusal = match inner.link.status(StatusScope::NewLease) {
-        HostStatus::Running(_) => match inner.link.forward(request, None, None).await {
+    let refusal = match inner.link.status(StatusScope::NewLease).serving() {
+        Ok(_) => match inner.link.forward(request, None, None).await {
             // A host that answered it cannot serve says why; the CLI hides the reason of a
             // health answer at 500 or above, so it is answered as 200.
             Ok(mut response) => {
@@ -325,9 +325,7 @@ async fn health(inner: Arc<Inner>, request: Request<Body>) -> Response<Body> {
             }
             Err(refusal) => refusal,
         },
-        HostStatus::Unavailable { reason, retriable } => {
-            Refusal::NotAvailable { reason, retriable }
-        }
+        Err(refusal) => refusal,
     };
     refusal.into_response_with_status(&Surface::Route, StatusCode::OK)
 }
@@ -428,17 +426,32 @@ impl Exchange {
         self.inner.link.reads_lease_header()
     }
 
-    /// The caller's lease, or the refusal that it is not one of theirs.
+    /// The caller's lease, or the refusal that it is not one of theirs. One the front has no
+    /// memory of (made by an earlier run of this gateway) is recovered from the host link,
+    /// which answers for its holder while it is away.
     fn owned(&self, lease: &LeaseId) -> Result<FrontLease, Failed> {
+        if let Some(entry) = self.inner.leases.owned(lease, &self.caller.principal) {
+            return Ok(entry);
+        }
+        let recovered = self
+            .inner
+            .link
+            .recover(lease, &self.caller)
+            .map_err(|r| self.fail(r))?;
+        let serving = self.serving(lease)?;
+        let entry = FrontLease {
+            principal: self.caller.principal.clone(),
+            platform: recovered.platform,
+            address: recovered.address,
+            ttl_ms: self.inner.ceiling(serving.lease_max_ttl_ms),
+            touched: Instant::now(),
+            seq: 0,
+        };
+        self.inner.leases.insert(lease.clone(), entry);
         self.inner
             .leases
             .owned(lease, &self.caller.principal)
-            .ok_or_else(|| {
-                self.fail(Refusal::NotYours {
-                    lease: lease.clone(),
-                    through_gateway: self.through_gateway(),
-                })
-            })
+            .ok_or_else(|| self.fail(Refusal::LeaseEnded(lease.clone())))
     }
 
     /// The TTL of the caller's `lease`, for a heartbeat or a release, once the host holding it
@@ -461,15 +474,14 @@ impl Exchange {
 
     /// The status of the host holding `lease`, refused when it cannot serve.
     fn serving(&self, lease: &LeaseId) -> Result<Serving, Failed> {
-        match self.inner.link.status(StatusScope::Lease {
-            lease,
-            caller: &self.caller,
-        }) {
-            HostStatus::Running(serving) => Ok(serving),
-            HostStatus::Unavailable { reason, retriable } => {
-                Err(self.fail(Refusal::NotAvailable { reason, retriable }))
-            }
-        }
+        self.inner
+            .link
+            .status(StatusScope::Lease {
+                lease,
+                caller: &self.caller,
+            })
+            .serving()
+            .map_err(|r| self.fail(r))
     }
 
     /// Forwards `body` as this request's body.
@@ -558,12 +570,11 @@ impl Inner {
 async fn allocate(ctx: &Exchange, mut call: RpcCall) -> Result<Response<Body>, Failed> {
     let inner = &ctx.inner;
     inner.leases.prune(Instant::now());
-    let serving = match inner.link.status(StatusScope::NewLease) {
-        HostStatus::Running(serving) => serving,
-        HostStatus::Unavailable { reason, retriable } => {
-            return Err(ctx.fail(Refusal::NotAvailable { reason, retriable }));
-        }
-    };
+    let serving = inner
+        .link
+        .status(StatusScope::NewLease)
+        .serving()
+        .map_err(|r| ctx.fail(r))?;
     let platform = call
         .allocate_platform()
         .map_err(|name| ctx.fail(Refusal::PlatformUnavailable(name)))?;
@@ -802,29 +813,51 @@ async fn release(ctx: &Exchange, call: RpcCall, lease: &LeaseId) -> Result<Respo
 /// `devices`: only the devices the token leases. With none held, the empty list, and no host
 /// is asked. On a worker one forward answers for all of them; through a gateway there is one
 /// forward per held lease, all at once, each cut to its own lease's device and joined in lease
-/// order (two workers' `emulator-5554` both appear, each from its own worker).
+/// order (two workers' `emulator-5554` both appear, each from its own worker). A lease whose
+/// worker is away is not asked; the answer names it in `unreadLeases`.
 async fn devices(
     ctx: &Exchange,
     call: RpcCall,
     lease: Option<&LeaseId>,
 ) -> Result<Response<Body>, Failed> {
-    let held = ctx.inner.leases.of_principal(&ctx.caller.principal);
-    if let Some(named) = lease
-        && !held.iter().any(|(l, _)| l == named)
-    {
-        return Err(ctx.fail(Refusal::NotYours {
-            lease: named.clone(),
-            through_gateway: ctx.through_gateway(),
-        }));
+    if let Some(named) = lease {
+        ctx.owned(named)?;
     }
+    let mut unread = Vec::new();
+    if ctx.through_gateway() {
+        // The leases an earlier run of this gateway made are the caller's too.
+        for l in ctx.inner.link.held(&ctx.caller) {
+            if let Err((refusal, _)) = ctx.owned(&l) {
+                unread.push((l, refusal));
+            }
+        }
+    }
+    let mut held = ctx.inner.leases.of_principal(&ctx.caller.principal);
+    if ctx.through_gateway() {
+        held.retain(|(l, _)| match ctx.serving(l) {
+            Ok(_) => true,
+            Err((refusal, _)) => {
+                unread.push((l.clone(), refusal));
+                false
+            }
+        });
+    }
+    // Ended leases are not unread: they are gone.
+    unread.retain(|(_, refusal)| matches!(refusal, Refusal::NotAvailable { .. }));
+    unread.sort_by(|(a, _), (b, _)| a.as_str().cmp(b.as_str()));
+    unread.dedup_by(|(a, _), (b, _)| a == b);
     let Some((first, _)) = held.first() else {
-        return Ok(devices_answer(&call.id, Vec::new()));
+        return Ok(devices_answer(&call.id, Vec::new(), &unread));
     };
     if !ctx.through_gateway() {
         let asked = lease.unwrap_or(first).clone();
         let addresses: Vec<&str> = held.iter().map(|(_, e)| e.address.as_str()).collect();
         return match read_devices(ctx, &call, &asked).await? {
-            Listed::Devices(list) => Ok(devices_answer(&call.id, keep_devices(list, &addresses))),
+            Listed::Devices(list) => Ok(devices_answer(
+                &call.id,
+                keep_devices(list, &addresses),
+                &unread,
+            )),
             Listed::Error(answer) => Ok(answer),
         };
     }
@@ -850,7 +883,7 @@ async fn devices(
     drop(pending);
     let addresses: Vec<&str> = held.iter().map(|(_, e)| e.address.as_str()).collect();
     match join_devices(&addresses, outcomes) {
-        Ok(Joined::Devices(joined)) => Ok(devices_answer(&call.id, joined)),
+        Ok(Joined::Devices(joined)) => Ok(devices_answer(&call.id, joined, &unread)),
         Ok(Joined::Error(answer)) => Ok(answer),
         Err(failed) => Err(failed),
     }
@@ -918,13 +951,33 @@ fn keep_devices(list: Vec<Value>, addresses: &[&str]) -> Vec<Value> {
         .collect()
 }
 
-fn devices_answer(id: &Value, devices: Vec<Value>) -> Response<Body> {
+/// The `devices` answer, with the leases whose device could not be read (`unreadLeases`:
+/// each lease's id, why, and whether a retry may read it) when there are any.
+fn devices_answer(
+    id: &Value,
+    devices: Vec<Value>,
+    unread: &[(LeaseId, Refusal)],
+) -> Response<Body> {
+    let mut data = json!({ "devices": devices });
+    if !unread.is_empty() {
+        let unread: Vec<Value> = unread
+            .iter()
+            .map(|(lease, refusal)| {
+                let (reason, retriable) = match refusal {
+                    Refusal::NotAvailable { reason, retriable } => (reason.clone(), *retriable),
+                    other => (other.to_string(), false),
+                };
+                json!({ "leaseId": lease.as_str(), "reason": reason, "retriable": retriable })
+            })
+            .collect();
+        data["unreadLeases"] = Value::Array(unread);
+    }
     json_response(
         StatusCode::OK,
         &json!({
             "jsonrpc": "2.0",
             "id": id,
-            "result": { "ok": true, "data": { "devices": devices } },
+            "result": { "ok": true, "data": data },
         }),
     )
 }
@@ -950,14 +1003,14 @@ async fn auxiliary(
                     .ok()
                     .and_then(LeaseId::parse)
                     .ok_or_else(|| route_fail(Refusal::BadLeaseHeader))?;
-                if let HostStatus::Unavailable { reason, retriable } =
-                    inner.link.status(StatusScope::Lease {
+                inner
+                    .link
+                    .status(StatusScope::Lease {
                         lease: &lease,
                         caller: &caller,
                     })
-                {
-                    return Err(route_fail(Refusal::NotAvailable { reason, retriable }));
-                }
+                    .serving()
+                    .map_err(route_fail)?;
                 Some(lease)
             }
         }

@@ -34,10 +34,17 @@ pub enum HostStatus {
     Unavailable {
         /// A sentence for the agent.
         reason: String,
-        /// Whether trying again soon may work (the lease's worker is only away).
+        /// Whether trying again soon may work.
         retriable: bool,
     },
+    /// The worker holding the lease is disconnected, or has not reported its leases since the
+    /// gateway started: the lease is not ended, and a retry may reach it.
+    HolderAway,
 }
+
+/// Why a lease cannot be reached while its worker is away. Retriable, and never an answer on
+/// which the CLI allocates again: the lease is not ended, and no other lease replaces it.
+pub const HOLDER_DISCONNECTED: &str = "the worker holding this lease is disconnected; retry";
 
 impl HostStatus {
     /// Unavailable for `reason`, worth trying again later.
@@ -46,6 +53,28 @@ impl HostStatus {
             reason: reason.into(),
             retriable: true,
         }
+    }
+
+    /// What the host serves.
+    ///
+    /// # Errors
+    /// The refusal the front answers when it serves nothing.
+    pub fn serving(self) -> Result<Serving, Refusal> {
+        match self {
+            Self::Running(serving) => Ok(serving),
+            Self::Unavailable { reason, retriable } => {
+                Err(Refusal::NotAvailable { reason, retriable })
+            }
+            Self::HolderAway => Err(holder_away()),
+        }
+    }
+}
+
+/// The refusal while the worker holding a lease is away.
+pub(crate) fn holder_away() -> Refusal {
+    Refusal::NotAvailable {
+        reason: HOLDER_DISCONNECTED.into(),
+        retriable: true,
     }
 }
 
@@ -57,6 +86,16 @@ pub struct Serving {
     /// The `lease.maxTtlMs` of the daemon holding the lease; given only for a status read
     /// with a lease id.
     pub lease_max_ttl_ms: Option<u64>,
+}
+
+/// A lease the front has no memory of (it was made by an earlier run of this gateway), as the
+/// host link knows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RecoveredLease {
+    /// The leased device's platform.
+    pub platform: Platform,
+    /// How agent-device names the device.
+    pub address: String,
 }
 
 /// Which status the front reads.
@@ -91,6 +130,26 @@ pub trait HostLink: Send + Sync + 'static {
         caller: Option<&Caller>,
         lease: Option<&LeaseId>,
     ) -> BoxFuture<'static, Result<Response<Body>, Refusal>>;
+
+    /// The device of `caller`'s `lease`, which the front has no memory of.
+    ///
+    /// # Errors
+    /// The answer instead: not the caller's lease (the default, on a worker, where the front's
+    /// memory is the truth), its holder away, or the lease ended.
+    fn recover(&self, lease: &LeaseId, caller: &Caller) -> Result<RecoveredLease, Refusal> {
+        let _ = caller;
+        Err(Refusal::NotYours {
+            lease: lease.clone(),
+            through_gateway: false,
+        })
+    }
+
+    /// The leases the link places for `caller` and has not seen end, in id order (none on a
+    /// worker).
+    fn held(&self, caller: &Caller) -> Vec<LeaseId> {
+        let _ = caller;
+        Vec::new()
+    }
 
     /// Capabilities the front's lease requests must require (`agent-device` through a
     /// gateway, none on a worker).

@@ -20,7 +20,7 @@ use simlock_contract::model::Platform;
 use simlock_daemon::clock::SharedClock;
 
 use crate::lease_id::LeaseId;
-use crate::port::{Caller, HostLink, HostStatus, Serving, StatusScope};
+use crate::port::{Caller, HostLink, HostStatus, RecoveredLease, Serving, StatusScope};
 use crate::reply::Refusal;
 use crate::tenant::Tenant;
 use crate::{Body, CAPABILITY};
@@ -29,9 +29,7 @@ use crate::{Body, CAPABILITY};
 pub const NO_CAPABLE_WORKER: &str = "no worker connected to this gateway can serve agent-device";
 /// Why the worker holding a lease cannot serve it.
 pub const HOLDER_CANNOT_SERVE: &str = "the worker holding this lease cannot serve agent-device";
-/// Why a lease cannot be reached while its worker is away. Retriable, and never an answer on
-/// which the CLI allocates again: the lease is not ended, and no other lease replaces it.
-pub const HOLDER_DISCONNECTED: &str = "the worker holding this lease is disconnected; retry";
+pub use crate::port::HOLDER_DISCONNECTED;
 /// How often the memory is swept of leases dropped long enough ago.
 pub const SWEEP_EVERY: Duration = Duration::from_secs(60);
 
@@ -58,6 +56,9 @@ pub struct WorkerFacts {
     pub platforms: BTreeSet<Platform>,
     /// Its `lease.maxTtlMs`, once read.
     pub lease_max_ttl_ms: Option<u64>,
+    /// Whether its lease list was read since the gateway started (until then the lease index
+    /// lacks its leases, and a lease the link remembers is not known to have ended).
+    pub leases_known: bool,
 }
 
 /// A relay that failed, as the fleet's relay answers it.
@@ -73,6 +74,8 @@ pub struct RelayFailure {
 pub trait FleetPort: Send + Sync + 'static {
     /// The lease index's worker and owner for `lease`.
     fn placement(&self, lease: &LeaseId) -> Option<Placement>;
+    /// The device of `lease` as the lease index has it.
+    fn device(&self, lease: &LeaseId) -> Option<RecoveredLease>;
     /// The workers capable of a new agent-device lease (the fleet's rule: connected, not
     /// drained, `agent-device` available in their view, catalog and `lease.maxTtlMs` read).
     fn capable_workers(&self) -> Vec<WorkerFacts>;
@@ -186,16 +189,35 @@ impl LeaseMemory {
     pub fn stamp_missing(
         &mut self,
         now: i64,
-        still_indexed: impl Fn(&LeaseId) -> bool,
+        still_indexed: impl Fn(&LeaseId, &Placement) -> bool,
     ) -> Vec<LeaseId> {
         let mut stamped = Vec::new();
         for (lease, entry) in &mut self.entries {
-            if entry.dropped_at.is_none() && !still_indexed(lease) {
+            if entry.dropped_at.is_none() && !still_indexed(lease, &entry.placement) {
                 entry.dropped_at = Some(now);
                 stamped.push(lease.clone());
             }
         }
         stamped
+    }
+
+    /// The leases remembered for `owner` and not dropped, in id order.
+    pub fn held_by(&self, owner: &str) -> Vec<LeaseId> {
+        let mut held: Vec<LeaseId> = self
+            .entries
+            .iter()
+            .filter(|(_, e)| e.dropped_at.is_none() && e.placement.owner == owner)
+            .map(|(l, _)| l.clone())
+            .collect();
+        held.sort_by(|a, b| a.as_str().cmp(b.as_str()));
+        held
+    }
+
+    /// Whether `lease` is remembered as dropped by the index.
+    pub fn is_dropped(&self, lease: &LeaseId) -> bool {
+        self.entries
+            .get(lease)
+            .is_some_and(|e| e.dropped_at.is_some())
     }
 
     /// How many leases are remembered.
@@ -212,6 +234,25 @@ impl LeaseMemory {
     pub fn is_empty(&self) -> bool {
         self.entries.is_empty()
     }
+}
+
+/// Where the link found a lease.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Source {
+    /// In the lease index.
+    Index,
+    /// Only in the memory, not dropped: made by an earlier run of the gateway, its worker's
+    /// leases not read since.
+    Remembered,
+    /// Only in the memory, dropped by the index.
+    Dropped,
+}
+
+/// A lease's placement and where it was found.
+#[derive(Debug, Clone)]
+struct Placed {
+    placement: Placement,
+    source: Source,
 }
 
 /// The relay host link.
@@ -270,7 +311,15 @@ impl RelayHostLink {
     pub fn sweep(&self) {
         let now = self.clock.now_ms();
         let mut memory = self.memory.lock();
-        let stamped = memory.stamp_missing(now, |lease| self.port.placement(lease).is_some());
+        // A lease whose worker has not reported its leases since the gateway started is not
+        // missing: the index cannot have it yet.
+        let stamped = memory.stamp_missing(now, |lease, placement| {
+            self.port.placement(lease).is_some()
+                || !self
+                    .port
+                    .worker(&placement.worker)
+                    .is_some_and(|w| w.leases_known)
+        });
         let forgotten = memory.sweep(now, self.keep);
         drop(memory);
         if let Some(store) = &self.store {
@@ -304,7 +353,7 @@ impl RelayHostLink {
     }
 
     /// Where `lease` is: the index first (remembered), else the memory.
-    fn place(&self, lease: &LeaseId) -> Option<Placement> {
+    fn place(&self, lease: &LeaseId) -> Option<Placed> {
         let mut memory = self.memory.lock();
         match self.port.placement(lease) {
             Some(placement) => {
@@ -313,7 +362,10 @@ impl RelayHostLink {
                 if changed && let Some(store) = &self.store {
                     store.placed(lease, &placement);
                 }
-                Some(placement)
+                Some(Placed {
+                    placement,
+                    source: Source::Index,
+                })
             }
             None => {
                 let had = memory.contains(lease);
@@ -325,27 +377,40 @@ impl RelayHostLink {
                 {
                     store.forget(lease);
                 }
-                recalled
+                let dropped = self.memory.lock().is_dropped(lease);
+                recalled.map(|placement| Placed {
+                    placement,
+                    source: if dropped {
+                        Source::Dropped
+                    } else {
+                        Source::Remembered
+                    },
+                })
             }
         }
     }
 
     /// The lease's worker when `caller` owns it.
-    fn owned(&self, lease: &LeaseId, caller: &Caller) -> Option<Placement> {
-        self.place(lease).filter(|p| p.owner == caller.principal)
+    fn owned(&self, lease: &LeaseId, caller: &Caller) -> Option<Placed> {
+        self.place(lease)
+            .filter(|p| p.placement.owner == caller.principal)
     }
 
     /// The status of the worker holding a lease: serving while connected with agent-device
-    /// available (drained or not); away while its uplink is down (or it was not seen since the
-    /// gateway started), which is worth retrying; else unable.
-    fn holder_status(&self, placement: &Placement) -> HostStatus {
-        match self.port.worker(&placement.worker) {
+    /// available (drained or not); away while its uplink is down, or while it was not seen
+    /// (or its leases not read) since the gateway started and the index does not have the
+    /// lease yet, which is worth retrying; else unable.
+    fn holder_status(&self, placed: &Placed) -> HostStatus {
+        match self.port.worker(&placed.placement.worker) {
+            Some(worker) if !worker.connected => HostStatus::HolderAway,
+            None => HostStatus::HolderAway,
+            Some(worker) if placed.source != Source::Index && !worker.leases_known => {
+                HostStatus::HolderAway
+            }
             Some(worker) if worker.serves => HostStatus::Running(Serving {
                 platforms: worker.platforms,
                 lease_max_ttl_ms: worker.lease_max_ttl_ms,
             }),
-            Some(worker) if !worker.connected => HostStatus::unavailable(HOLDER_DISCONNECTED),
-            None => HostStatus::unavailable(HOLDER_DISCONNECTED),
             Some(_) => HostStatus::Unavailable {
                 reason: HOLDER_CANNOT_SERVE.into(),
                 retriable: false,
@@ -372,10 +437,34 @@ impl HostLink for RelayHostLink {
         };
         // Nothing about another token's lease shows: its status is a new lease's, and the
         // forward that follows refuses it.
-        let Some(placement) = self.owned(lease, caller) else {
+        let Some(placed) = self.owned(lease, caller) else {
             return self.new_lease_status();
         };
-        self.holder_status(&placement)
+        self.holder_status(&placed)
+    }
+
+    fn recover(&self, lease: &LeaseId, caller: &Caller) -> Result<RecoveredLease, Refusal> {
+        let not_yours = || Refusal::NotYours {
+            lease: lease.clone(),
+            through_gateway: true,
+        };
+        let placed = self.owned(lease, caller).ok_or_else(not_yours)?;
+        self.holder_status(&placed).serving()?;
+        match placed.source {
+            Source::Index => self
+                .port
+                .device(lease)
+                .ok_or_else(|| Refusal::NotAvailable {
+                    reason: HOLDER_CANNOT_SERVE.into(),
+                    retriable: false,
+                }),
+            // Its worker reported its leases, and this one is not among them.
+            Source::Remembered | Source::Dropped => Err(Refusal::LeaseEnded(lease.clone())),
+        }
+    }
+
+    fn held(&self, caller: &Caller) -> Vec<LeaseId> {
+        self.memory.lock().held_by(&caller.principal)
     }
 
     fn forward(
@@ -402,8 +491,8 @@ impl HostLink for RelayHostLink {
             let tenant = Tenant::through_gateway(&port.gateway_id(), "");
             return relay(&*port, &worker.id, request, &tenant, None);
         };
-        let placement = caller.and_then(|c| self.owned(lease, c));
-        let (Some(placement), Some(caller)) = (placement, caller) else {
+        let placed = caller.and_then(|c| self.owned(lease, c));
+        let (Some(placed), Some(caller)) = (placed, caller) else {
             let refusal = Refusal::NotYours {
                 lease: lease.clone(),
                 through_gateway: true,
@@ -411,22 +500,17 @@ impl HostLink for RelayHostLink {
             return async { Err(refusal) }.boxed();
         };
         // A worker that is away is not tried: the answer comes at once, and says to retry.
-        if let HostStatus::Unavailable {
-            reason,
-            retriable: true,
-        } = self.holder_status(&placement)
-            && reason == HOLDER_DISCONNECTED
-        {
-            return async move {
-                Err(Refusal::NotAvailable {
-                    reason,
-                    retriable: true,
-                })
-            }
-            .boxed();
+        if self.holder_status(&placed) == HostStatus::HolderAway {
+            return async { Err(crate::port::holder_away()) }.boxed();
         }
         let tenant = Tenant::through_gateway(&port.gateway_id(), &caller.principal);
-        relay(&*port, &placement.worker, request, &tenant, Some(lease))
+        relay(
+            &*port,
+            &placed.placement.worker,
+            request,
+            &tenant,
+            Some(lease),
+        )
     }
 
     fn lease_requires(&self) -> Vec<String> {
@@ -519,10 +603,10 @@ mod tests {
         let mut memory = LeaseMemory::default();
         let l = lease();
         memory.placed(&l, placement("w1", "tok_a"));
-        memory.stamp_missing(5_000, |_| true);
+        memory.stamp_missing(5_000, |_, _| true);
         memory.sweep(100_000, keep);
         assert_eq!(memory.len(), 1, "still indexed: kept");
-        memory.stamp_missing(100_000, |_| false);
+        memory.stamp_missing(100_000, |_, _| false);
         memory.sweep(110_000, keep);
         assert_eq!(memory.len(), 1, "stamped at 100 s, kept to 110 s");
         memory.sweep(110_001, keep);
@@ -537,6 +621,12 @@ mod tests {
     impl FleetPort for Fleet {
         fn placement(&self, _: &LeaseId) -> Option<Placement> {
             self.placement.lock().clone()
+        }
+        fn device(&self, _: &LeaseId) -> Option<RecoveredLease> {
+            self.placement.lock().as_ref().map(|p| RecoveredLease {
+                platform: Platform::Android,
+                address: format!("{}-emulator-5554", p.worker),
+            })
         }
         fn capable_workers(&self) -> Vec<WorkerFacts> {
             self.workers
@@ -574,7 +664,121 @@ mod tests {
             serves: available,
             platforms: platforms.iter().copied().collect(),
             lease_max_ttl_ms: Some(300_000),
+            leases_known: true,
         }
+    }
+
+    /// What a restarted gateway's link knows of `lease` (at `w2`, `tok_a`'s) before the index
+    /// has it, its worker as `w2` is.
+    fn restarted(w2: Option<WorkerFacts>, dropped: Option<i64>) -> RelayHostLink {
+        #[derive(Default)]
+        struct Kept(Mutex<Vec<(LeaseId, Placement, Option<i64>)>>);
+        impl PlacementStore for Kept {
+            fn load(&self) -> Vec<(LeaseId, Placement, Option<i64>)> {
+                self.0.lock().clone()
+            }
+            fn placed(&self, _: &LeaseId, _: &Placement) {}
+            fn dropped(&self, _: &LeaseId, _: i64) {}
+            fn forget(&self, _: &LeaseId) {}
+        }
+        let fleet = Fleet {
+            placement: Mutex::new(None),
+            workers: w2.into_iter().collect(),
+        };
+        let kept = Kept::default();
+        kept.0
+            .lock()
+            .push((lease(), placement("w2", "tok_a"), dropped));
+        RelayHostLink::new(Arc::new(fleet), Duration::from_secs(600), clock())
+            .with_store(Arc::new(kept))
+    }
+
+    #[tokio::test]
+    async fn after_a_restart_a_lease_is_away_until_its_worker_reported_then_ended_if_not_listed() {
+        let l = lease();
+        let owner = caller("tok_a");
+        let scope = StatusScope::Lease {
+            lease: &l,
+            caller: &owner,
+        };
+        // Not seen since the start, connected but its leases unread: away, for its owner.
+        let unread = WorkerFacts {
+            leases_known: false,
+            ..worker("w2", &[Platform::Android], true)
+        };
+        for w2 in [None, Some(unread)] {
+            let link = restarted(w2, None);
+            assert_eq!(link.status(scope), HostStatus::HolderAway);
+            assert_eq!(link.recover(&l, &owner), Err(crate::port::holder_away()));
+            assert_eq!(link.held(&owner), vec![l.clone()]);
+            assert!(link.held(&caller("tok_b")).is_empty());
+            let answer = link
+                .forward(Request::new(crate::body::empty()), Some(&owner), Some(&l))
+                .await
+                .unwrap_err();
+            assert_eq!(answer, crate::port::holder_away(), "at once, not relayed");
+            assert_eq!(
+                link.recover(&l, &caller("tok_b")),
+                Err(Refusal::NotYours {
+                    lease: l.clone(),
+                    through_gateway: true
+                }),
+                "another token's is never shown"
+            );
+            link.sweep();
+            assert!(
+                !link.memory.lock().is_dropped(&l),
+                "a lease whose worker has not reported is not missing"
+            );
+        }
+        // Its worker reported and does not list it: ended, and the sweep stamps it.
+        let link = restarted(Some(worker("w2", &[Platform::Android], true)), None);
+        assert_eq!(
+            link.recover(&l, &owner),
+            Err(Refusal::LeaseEnded(l.clone()))
+        );
+        link.sweep();
+        assert!(link.memory.lock().is_dropped(&l));
+        assert!(link.held(&owner).is_empty(), "a dropped lease is not held");
+    }
+
+    #[tokio::test]
+    async fn an_indexed_lease_is_recovered_with_its_device_and_away_while_its_worker_is() {
+        let l = lease();
+        let owner = caller("tok_a");
+        let fleet = Fleet {
+            placement: Mutex::new(Some(placement("w2", "tok_a"))),
+            workers: vec![worker("w2", &[Platform::Android], true)],
+        };
+        let link = RelayHostLink::new(Arc::new(fleet), Duration::from_secs(60), clock());
+        assert_eq!(
+            link.recover(&l, &owner),
+            Ok(RecoveredLease {
+                platform: Platform::Android,
+                address: "w2-emulator-5554".into()
+            })
+        );
+        let away = Fleet {
+            placement: Mutex::new(Some(placement("w2", "tok_a"))),
+            workers: vec![WorkerFacts {
+                connected: false,
+                serves: false,
+                ..worker("w2", &[Platform::Android], true)
+            }],
+        };
+        let link = RelayHostLink::new(Arc::new(away), Duration::from_secs(60), clock());
+        assert_eq!(link.recover(&l, &owner), Err(crate::port::holder_away()));
+        assert_eq!(
+            link.status(StatusScope::Lease {
+                lease: &l,
+                caller: &owner
+            })
+            .serving(),
+            Err(Refusal::NotAvailable {
+                reason: HOLDER_DISCONNECTED.into(),
+                retriable: true
+            })
+        );
     }
 
     fn caller(principal: &str) -> Caller {
