@@ -110,7 +110,14 @@ pub(crate) async fn connect(cli: &Cli) -> Result<Client, ContractError> {
                 "--url needs a token: pass --token or set SIMLOCK_TOKEN",
             ));
         };
-        return Client::over_http(&url, &token, ConnectOptions::default());
+        let options = ConnectOptions {
+            ca_file: cli
+                .ca_file
+                .clone()
+                .filter(|path| !path.as_os_str().is_empty()),
+            ..ConnectOptions::default()
+        };
+        return Client::over_http(&url, &token, options);
     }
     let home = home_from_env();
     let mut options = ConnectOptions::default();

@@ -26,6 +26,7 @@ use rustls::sign::CertifiedKey;
 use rustls::{CertificateError, InvalidMessage, RootCertStore};
 use tracing::{info, warn};
 
+pub use rustls::client::{ClientConfig as TlsClientConfig, Resumption};
 pub use rustls::pki_types::ServerName;
 pub use tokio_rustls::{TlsAcceptor, TlsConnector};
 
@@ -401,6 +402,26 @@ pub fn classify(error: &io::Error, host: &str) -> TlsFailure {
         };
     };
     classify_rustls(rustls_error, host)
+}
+
+/// The TLS failure somewhere in `error`'s source chain (a client library's connect error wraps
+/// the handshake's), read by cause; `None` when the chain holds none.
+pub fn find_failure(error: &(dyn std::error::Error + 'static), host: &str) -> Option<TlsFailure> {
+    let mut next = Some(error);
+    while let Some(current) = next {
+        if let Some(rustls_error) = current.downcast_ref::<rustls::Error>() {
+            return Some(classify_rustls(rustls_error, host));
+        }
+        // An I/O error's `source` skips the error it wraps: look inside it first.
+        next = match current
+            .downcast_ref::<io::Error>()
+            .and_then(io::Error::get_ref)
+        {
+            Some(inner) => Some(inner as &(dyn std::error::Error + 'static)),
+            None => current.source(),
+        };
+    }
+    None
 }
 
 fn classify_rustls(error: &rustls::Error, host: &str) -> TlsFailure {

@@ -30,7 +30,7 @@ async fn handshake(
     host: &str,
 ) -> Result<Vec<u8>, TlsFailure> {
     let mut client = (*client).clone();
-    client.resumption = rustls::client::Resumption::disabled();
+    client.resumption = Resumption::disabled();
     let client = Arc::new(client);
     let (client_io, server_io) = tokio::io::duplex(64 * 1024);
     let acceptor = server.acceptor();
