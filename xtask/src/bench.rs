@@ -23,6 +23,8 @@ struct Bench {
     name: &'static str,
     package: &'static str,
     target: &'static str,
+    /// Whether it has a `--tls` variant.
+    tls: bool,
 }
 
 const BENCHES: &[Bench] = &[
@@ -30,20 +32,27 @@ const BENCHES: &[Bench] = &[
         name: "link",
         package: "simlock-link",
         target: "link",
+        tls: false,
     },
     Bench {
         name: "relay",
         package: "simlock-e2e",
         target: "relay",
+        tls: true,
     },
 ];
 
-pub(crate) fn run(which: Which) -> Result<ExitCode> {
+pub(crate) fn run(which: Which, tls: bool) -> Result<ExitCode> {
     let workspace = Workspace::load()?;
+    if tls && which == Which::Link {
+        eprintln!("bench link: there is no --tls variant (the link bench has no sockets)");
+        return Ok(ExitCode::FAILURE);
+    }
     let selected = BENCHES.iter().filter(|bench| match which {
         Which::Link => bench.name == "link",
         Which::Relay => bench.name == "relay",
-        Which::All => true,
+        // With --tls, only the benches that have a TLS variant.
+        Which::All => !tls || bench.tls,
     });
     let mut results = Vec::new();
     let mut failed = Vec::new();
@@ -62,7 +71,7 @@ pub(crate) fn run(which: Which) -> Result<ExitCode> {
             unavailable.push(bench.name);
             continue;
         }
-        let command = cmd::cargo([
+        let mut command = cmd::cargo([
             "bench",
             "--locked",
             "-p",
@@ -70,6 +79,9 @@ pub(crate) fn run(which: Which) -> Result<ExitCode> {
             "--bench",
             bench.target,
         ]);
+        if tls {
+            command.args(["--", "--tls"]);
+        }
         println!("== bench {}: {}", bench.name, cmd::display(&command));
         let (status, lines) = cmd::status_with_lines(command)?;
         if !status.success() {

@@ -229,3 +229,21 @@ fn host_names_and_addresses_are_server_names() {
     assert!(matches!(server_name("[::1]"), Ok(ServerName::IpAddress(_))));
     assert!(server_name("not a host").is_err());
 }
+
+#[test]
+fn a_failure_is_found_inside_the_errors_that_wrap_it() {
+    let rustls_error = rustls::Error::InvalidCertificate(CertificateError::UnknownIssuer);
+    let handshake = io::Error::new(io::ErrorKind::InvalidData, rustls_error);
+    // A connector's error wraps the handshake's I/O error, whose `source` skips what it wraps.
+    let connect = io::Error::other(handshake);
+    assert_eq!(
+        find_failure(&connect, "localhost"),
+        Some(TlsFailure::Untrusted)
+    );
+    let plain = io::Error::new(io::ErrorKind::ConnectionRefused, "refused");
+    assert_eq!(find_failure(&plain, "localhost"), None);
+    let eof = io::Error::new(io::ErrorKind::UnexpectedEof, "eof");
+    assert!(
+        matches!(classify(&eof, "h"), TlsFailure::Other(why) if why.contains("may not speak TLS"))
+    );
+}
