@@ -1,4 +1,4 @@
-//! `cargo xtask bench [link|relay|all]`: runs the benchmarks and collects the final
+//! `cargo xtask bench [link|relay|fleet|all] [--tls]`: runs the benchmarks and collects the final
 //! `<name> key=value ...` line each one prints.
 
 use std::process::ExitCode;
@@ -14,6 +14,9 @@ pub(crate) enum Which {
     Link,
     /// The relay path through a gateway and a worker over loopback sockets.
     Relay,
+    /// The fleet core's simulation (10 000 seeds) and lease cycles over HTTP through a gateway
+    /// and two workers, against one worker directly.
+    Fleet,
     /// Every benchmark that exists.
     All,
 }
@@ -40,17 +43,29 @@ const BENCHES: &[Bench] = &[
         target: "relay",
         tls: true,
     },
+    Bench {
+        name: "fleet",
+        package: "simlock-e2e",
+        target: "fleet",
+        tls: false,
+    },
 ];
 
 pub(crate) fn run(which: Which, tls: bool) -> Result<ExitCode> {
     let workspace = Workspace::load()?;
-    if tls && which == Which::Link {
-        eprintln!("bench link: there is no --tls variant (the link bench has no sockets)");
+    let no_tls_variant = match which {
+        Which::Link => Some(("link", "the link bench has no sockets")),
+        Which::Fleet => Some(("fleet", "the fleet bench measures decisions, not TLS")),
+        Which::Relay | Which::All => None,
+    };
+    if let (true, Some((name, why))) = (tls, no_tls_variant) {
+        eprintln!("bench {name}: there is no --tls variant ({why})");
         return Ok(ExitCode::FAILURE);
     }
     let selected = BENCHES.iter().filter(|bench| match which {
         Which::Link => bench.name == "link",
         Which::Relay => bench.name == "relay",
+        Which::Fleet => bench.name == "fleet",
         // With --tls, only the benches that have a TLS variant.
         Which::All => !tls || bench.tls,
     });

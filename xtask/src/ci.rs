@@ -133,6 +133,11 @@ fn steps() -> Vec<Step> {
             note: None,
         },
         Step {
+            name: "e2e-drivers",
+            plan: run(crate::e2e::crash_command(), Some(Runner::Libtest)),
+            note: None,
+        },
+        Step {
             name: "deny",
             plan: if deny {
                 run(

@@ -216,6 +216,11 @@ fn demo(
                 join.clone(),
                 "--label".into(),
                 format!("demo-{n}"),
+                // The demo's devices are virtual, whatever tools this machine has.
+                "--set".into(),
+                "drivers.ios.driver=virtual".into(),
+                "--set".into(),
+                "drivers.android.driver=virtual".into(),
             ],
         )?;
         daemons.push(worker);

@@ -42,10 +42,11 @@ pub(crate) const RULES: &[Rule] = &[
             "simlock-worker",
             "xtask",
             "simlock-e2e",
+            "simlock-fake-tools",
         ]),
         to: BINARIES,
         reach: Reach::Direct,
-        reason: "binaries are composition only; only binaries, xtask and the e2e tests may depend on one",
+        reason: "binaries are composition only; only binaries, xtask and the e2e and driver scenario tests may depend on one",
     },
     Rule {
         name: "nothing-depends-on-xtask",
@@ -439,7 +440,7 @@ mod tests {
         assert_eq!(
             rendered(&check(&workspace, RULES)),
             [
-                "simlock-daemon -> simlock-worker: breaks `binaries-are-leaves`: binaries are composition only; only binaries, xtask and the e2e tests may depend on one"
+                "simlock-daemon -> simlock-worker: breaks `binaries-are-leaves`: binaries are composition only; only binaries, xtask and the e2e and driver scenario tests may depend on one"
             ]
         );
     }

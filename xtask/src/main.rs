@@ -33,7 +33,8 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// The CI gate: fmt, clippy, tests, doc tests, docs and cargo-deny (when installed), in order.
+    /// The CI gate, in order: fmt, deps, clippy, tests, doc tests, docs, the binaries' e2e and
+    /// driver scenarios, cargo-deny and the fuzz targets (the last two when installed).
     Ci,
     /// Check the crate layering rules and print the edges between workspace crates.
     Layering,
@@ -47,7 +48,11 @@ enum Command {
         tls: bool,
     },
     /// Run the end-to-end fleet scenarios against the real binaries.
-    E2e,
+    E2e {
+        /// Instead: the manual check against this machine's real Xcode and/or Android SDK.
+        #[arg(long)]
+        real_devices: bool,
+    },
     /// Run the fuzz targets (cargo-fuzz) from their seeds: each for `--seconds` (default 60) or
     /// `--runs`; the closing line counts the runs per target.
     Fuzz {
@@ -76,7 +81,7 @@ fn main() -> ExitCode {
         Command::Ci => ci::run(),
         Command::Layering => layering::run(),
         Command::Bench { which, tls } => bench::run(which, tls),
-        Command::E2e => e2e::run(),
+        Command::E2e { real_devices } => e2e::run(real_devices),
         Command::Fleet { once } => fleet::run(once),
         Command::Fuzz {
             target,

@@ -74,42 +74,153 @@ fn rust_files_start_with_a_doc_line() {
     assert_no_problems("Rust files without a module doc line", &problems);
 }
 
-/// The link's state machine is sans-IO: it imports no runtime and reads no clock.
+/// The sans-IO cores: the link's state machine and the fleet's, each a crate and the module
+/// directory holding it. They take time and IO from their shells: no runtime, no clock.
+const SANS_IO_CORES: &[(&str, &str)] = &[("simlock-link", "proto"), ("simlock-fleet", "state")];
+
+/// Every sans-IO core imports no runtime and reads no clock.
 #[test]
-fn the_link_core_imports_no_runtime_and_reads_no_clock() {
-    let core = files(|path| {
-        path.extension().is_some_and(|ext| ext == "rs")
-            && path.components().any(|c| c.as_os_str() == "simlock-link")
-            && path.components().any(|c| c.as_os_str() == "proto")
-    });
-    assert!(!core.is_empty(), "found the link's proto module");
+fn the_sans_io_cores_import_no_runtime_and_read_no_clock() {
     let forbidden = [
         "tokio",
         "futures",
         "Instant::now",
         "SystemTime::now",
         "std::thread",
+        "parking_lot",
     ];
-    let problems: Vec<String> = core
-        .iter()
-        .flat_map(|path| {
-            let text = read(path);
-            forbidden
-                .iter()
-                .filter(|word| {
-                    text.lines()
-                        .any(|line| !line.trim_start().starts_with("//") && line.contains(*word))
+    for &(krate, dir) in SANS_IO_CORES {
+        let core = files(|path| {
+            path.extension().is_some_and(|ext| ext == "rs")
+                && path.components().any(|c| c.as_os_str() == krate)
+                && path.components().any(|c| c.as_os_str() == dir)
+        });
+        assert!(!core.is_empty(), "found the {krate} core in `{dir}`");
+        let problems: Vec<String> = core
+            .iter()
+            .flat_map(|path| {
+                let text = read(path);
+                forbidden
+                    .iter()
+                    .filter(|word| {
+                        text.lines().any(|line| {
+                            !line.trim_start().starts_with("//") && line.contains(*word)
+                        })
+                    })
+                    .map(|word| {
+                        format!(
+                            "{}: uses `{word}`; the {krate} core takes time and IO from its shell",
+                            path.display()
+                        )
+                    })
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        assert_no_problems("a sans-IO core reaches outside itself", &problems);
+    }
+}
+
+/// Crates whose top-level modules must not import each other in a cycle.
+const ACYCLIC_CRATES: &[&str] = &["simlock-fleet"];
+
+/// The top-level modules of `crate::` paths in `text` (outside comments).
+fn crate_modules(text: &str) -> std::collections::BTreeSet<String> {
+    let mut found = std::collections::BTreeSet::new();
+    for line in text.lines().filter(|l| !l.trim_start().starts_with("//")) {
+        let mut rest = line;
+        while let Some(at) = rest.find("crate::") {
+            rest = &rest[at + "crate::".len()..];
+            let name: String = rest
+                .chars()
+                .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                .collect();
+            if !name.is_empty() {
+                found.insert(name);
+            }
+        }
+    }
+    found
+}
+
+/// No two top-level modules of these crates depend on each other, directly or through others:
+/// each crate is layered inside too.
+#[test]
+fn the_layered_crates_have_no_module_import_cycle() {
+    for &krate in ACYCLIC_CRATES {
+        let src = Path::new("crates").join(krate).join("src");
+        let sources: Vec<PathBuf> = files(|path| path.extension().is_some_and(|ext| ext == "rs"))
+            .into_iter()
+            .filter(|path| path.starts_with(&src))
+            .collect();
+        let mut edges: std::collections::BTreeMap<String, std::collections::BTreeSet<String>> =
+            std::collections::BTreeMap::new();
+        for path in &sources {
+            let Some(module) = path
+                .strip_prefix(&src)
+                .ok()
+                .and_then(|rel| rel.components().next())
+                .map(|c| {
+                    c.as_os_str()
+                        .to_string_lossy()
+                        .trim_end_matches(".rs")
+                        .to_owned()
                 })
-                .map(|word| {
-                    format!(
-                        "{}: uses `{word}`; the link's core takes time and IO from its driver",
-                        path.display()
-                    )
-                })
-                .collect::<Vec<_>>()
-        })
-        .collect();
-    assert_no_problems("the link's sans-IO core reaches outside itself", &problems);
+            else {
+                continue;
+            };
+            if module == "lib" {
+                continue;
+            }
+            let uses = crate_modules(&read(path));
+            edges
+                .entry(module.clone())
+                .or_default()
+                .extend(uses.into_iter().filter(|m| *m != module));
+        }
+        assert!(edges.len() > 1, "found the modules of {krate}");
+        // Depth-first search for a back edge.
+        fn visit(
+            node: &str,
+            edges: &std::collections::BTreeMap<String, std::collections::BTreeSet<String>>,
+            path: &mut Vec<String>,
+            done: &mut std::collections::BTreeSet<String>,
+        ) -> Option<Vec<String>> {
+            if let Some(at) = path.iter().position(|n| n == node) {
+                let mut cycle = path[at..].to_vec();
+                cycle.push(node.to_owned());
+                return Some(cycle);
+            }
+            if done.contains(node) {
+                return None;
+            }
+            path.push(node.to_owned());
+            for next in edges.get(node).into_iter().flatten() {
+                if let Some(cycle) = visit(next, edges, path, done) {
+                    return Some(cycle);
+                }
+            }
+            path.pop();
+            done.insert(node.to_owned());
+            None
+        }
+        let mut done = std::collections::BTreeSet::new();
+        for node in edges.keys() {
+            if let Some(cycle) = visit(node, &edges, &mut Vec::new(), &mut done) {
+                panic!(
+                    "{krate}: the modules import each other: {}",
+                    cycle.join(" -> ")
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn a_module_cycle_is_found_in_crate_paths() {
+    let text =
+        "use crate::fleet::Fleet;\n// use crate::ignored\nlet x = crate::state::Core::new();";
+    let found: Vec<String> = crate_modules(text).into_iter().collect();
+    assert_eq!(found, ["fleet", "state"]);
 }
 
 #[test]

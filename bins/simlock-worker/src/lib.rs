@@ -3,6 +3,7 @@
 
 use std::sync::Arc;
 
+use simlock_contract::event::{Event, EventModule};
 use simlock_contract::model::Mode;
 use simlock_core::{SystemFacts, Worker, WorkerParts};
 use simlock_daemon::clock::SharedClock;
@@ -101,6 +102,8 @@ pub async fn start(options: WorkerOptions) -> Result<RunningWorker, StartError> 
     if let Some(system) = options.system {
         parts.system = system;
     }
+    // Which driver serves each platform (logged once each); the virtual ones when asked.
+    parts.drivers = simlock_drivers::select(&base.config, base.home.root()).await;
     let worker = Worker::new(parts).map_err(|e| StartError::Domain(e.to_string()))?;
     let mut router = base.router();
     simlock_core::register(&mut router, &worker, base.gate.clone());
@@ -152,9 +155,11 @@ pub async fn start(options: WorkerOptions) -> Result<RunningWorker, StartError> 
                 match held.start(&gate) {
                     Ok(()) => {
                         bus.emit(
-                            "daemon.started",
-                            "daemon",
-                            serde_json::json!({ "version": version, "mode": Mode::Worker }),
+                            EventModule::Daemon,
+                            &Event::DaemonStarted {
+                                version,
+                                mode: Mode::Worker,
+                            },
                         );
                     }
                     Err(e) => tracing::warn!(error = %e.message, "start-up failed"),
@@ -177,5 +182,6 @@ impl RunningWorker {
         self.uplink_stop.cancel();
         self.worker.shutdown();
         self.running.stop(reason).await;
+        self.worker.close_drivers().await;
     }
 }

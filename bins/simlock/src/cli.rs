@@ -3,6 +3,8 @@
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use simlock_contract::model::{Platform, TokenRole};
 
+use crate::duration::{parse_ms, positive_ms};
+
 /// Lease iOS simulators and Android emulators from a simlock daemon.
 ///
 /// Reaches the local daemon's socket ($SIMLOCK_HOME/daemon.sock, default ~/.simlock) unless
@@ -59,8 +61,8 @@ pub(crate) enum Command {
     Renew {
         /// The lease.
         lease_id: String,
-        /// A new TTL in milliseconds (default: the lease's own).
-        #[arg(long, value_name = "MS", value_parser = clap::value_parser!(u64).range(1..))]
+        /// A new TTL: 15m, 1h30m, 90s, or milliseconds (default: the lease's own).
+        #[arg(long, value_name = "DUR", value_parser = positive_ms)]
         ttl: Option<u64>,
     },
     /// Release a lease, or every lease (--all, operators).
@@ -92,9 +94,14 @@ pub(crate) enum Command {
         /// Keep printing events as they happen.
         #[arg(long)]
         follow: bool,
-        /// Only events this recent: 30s, 5m, 2h, 1d, 500ms.
-        #[arg(long, value_name = "DUR", value_parser = parse_duration_ms)]
+        /// Only events this recent: 30s, 5m, 2h, 1d, 1h30m, 500ms.
+        #[arg(long, value_name = "DUR", value_parser = parse_ms)]
         since: Option<u64>,
+    },
+    /// Print the shell exports that point tools at a leased device (eval "$(simlock env LEASE)").
+    Env {
+        /// The lease.
+        lease_id: String,
     },
     /// Run a tool against a leased device; its output streams, and its exit code is ours.
     Exec {
@@ -113,6 +120,21 @@ pub(crate) enum Command {
     },
     /// Stop the daemon (operators).
     Stop,
+    /// Serve MCP over stdio for a coding agent: lease, hold and release devices for its session.
+    ///
+    /// Register it with the agent CLI as a stdio server (docs/MCP.md). Its leases are renewed
+    /// while the session lasts and released when it ends: stdin closes, SIGTERM or SIGINT, or the
+    /// agent that started it exits.
+    Mcp(McpArgs),
+}
+
+/// `simlock mcp`.
+#[derive(Debug, Args)]
+pub(crate) struct McpArgs {
+    /// Who the session's leases are for (default: $SIMLOCK_AGENT_ID, else the agent's session
+    /// id, else the parent process; see docs/MCP.md).
+    #[arg(long, env = "SIMLOCK_AGENT_ID", value_name = "ID")]
+    pub(crate) requester: Option<String>,
 }
 
 /// `simlock lease`.
@@ -127,24 +149,29 @@ pub(crate) struct LeaseArgs {
     /// An OS version.
     #[arg(long, value_name = "VERSION")]
     pub(crate) os: Option<String>,
-    /// The lease's TTL in milliseconds (default: the daemon's).
-    #[arg(long, value_name = "MS", value_parser = clap::value_parser!(u64).range(1..))]
+    /// The lease's TTL: 15m, 1h30m, 90s, or milliseconds (default: the daemon's).
+    #[arg(long, value_name = "DUR", value_parser = positive_ms)]
     pub(crate) ttl: Option<u64>,
     /// Fail with exit 11 instead of waiting when no device is free.
     #[arg(long)]
     pub(crate) no_wait: bool,
-    /// The longest to wait in the queue, in milliseconds (then exit 10).
-    #[arg(long, value_name = "MS", value_parser = clap::value_parser!(u64).range(1..))]
+    /// The longest to wait in the queue: 90s, 5m, or milliseconds (then exit 10).
+    #[arg(long, value_name = "DUR", value_parser = positive_ms)]
     pub(crate) timeout: Option<u64>,
-    /// Who the lease is for (default: $SIMLOCK_AGENT_ID, else the connection's principal).
+    /// Who the lease is for (default: $SIMLOCK_AGENT_ID, else the agent's session id, else the
+    /// parent process; see docs/MCP.md).
     #[arg(long, env = "SIMLOCK_AGENT_ID", value_name = "ID")]
     pub(crate) requester: Option<String>,
     /// A capability the serving worker must have (repeatable).
     #[arg(long = "requires", value_name = "CAP")]
     pub(crate) requires: Vec<String>,
     /// Print the grant and exit without holding the lease (it lives until its TTL unless renewed).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "bind_pid")]
     pub(crate) detach: bool,
+    /// Release the lease once this process exits (checked at least every second), as when the
+    /// hold itself is stopped.
+    #[arg(long, value_name = "PID")]
+    pub(crate) bind_pid: Option<u32>,
 }
 
 /// `simlock token …`.
@@ -229,25 +256,6 @@ impl From<RoleArg> for TokenRole {
     }
 }
 
-/// `30s`, `5m`, `2h`, `1d`, `500ms`, or a number of milliseconds.
-pub(crate) fn parse_duration_ms(text: &str) -> Result<u64, String> {
-    let bad = || format!("{text:?} is not a duration like 30s, 5m, 2h, 1d or 500ms");
-    let at = text
-        .find(|c: char| !c.is_ascii_digit())
-        .unwrap_or(text.len());
-    let (number, unit) = text.split_at(at);
-    let n: u64 = number.parse().map_err(|_| bad())?;
-    let factor = match unit {
-        "" | "ms" => 1,
-        "s" => 1_000,
-        "m" => 60_000,
-        "h" => 3_600_000,
-        "d" => 86_400_000,
-        _ => return Err(bad()),
-    };
-    n.checked_mul(factor).ok_or_else(bad)
-}
-
 impl Command {
     /// Whether the command needs the admin role (on the socket, the admin secret is then sent).
     pub(crate) const fn needs_admin(&self) -> bool {
@@ -263,7 +271,9 @@ impl Command {
             | Self::Status
             | Self::Catalog { .. }
             | Self::Leases
-            | Self::Exec { .. } => false,
+            | Self::Env { .. }
+            | Self::Exec { .. }
+            | Self::Mcp(_) => false,
         }
     }
 }
@@ -271,19 +281,6 @@ impl Command {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn durations_parse_with_their_units() {
-        assert_eq!(parse_duration_ms("500"), Ok(500));
-        assert_eq!(parse_duration_ms("500ms"), Ok(500));
-        assert_eq!(parse_duration_ms("30s"), Ok(30_000));
-        assert_eq!(parse_duration_ms("5m"), Ok(300_000));
-        assert_eq!(parse_duration_ms("2h"), Ok(7_200_000));
-        assert_eq!(parse_duration_ms("1d"), Ok(86_400_000));
-        assert!(parse_duration_ms("5 m").is_err());
-        assert!(parse_duration_ms("m").is_err());
-        assert!(parse_duration_ms("3w").is_err());
-    }
 
     #[test]
     fn the_command_line_is_consistent() {

@@ -1,6 +1,8 @@
 //! `simlock lease`: request a device, print the grant, then hold it (renew at a third of its
-//! TTL) until Ctrl-C or SIGTERM releases it, or the daemon ends it (exit 14). `--detach` prints
-//! the grant and leaves the lease to its TTL.
+//! TTL) until Ctrl-C or SIGTERM releases it, the process named by `--bind-pid` exits (which
+//! releases it too), or the daemon ends it (exit 14). `--detach` prints the grant and leaves the
+//! lease to its TTL. With no `--requester`, the lease is for the agent session or the parent
+//! process (`identity`).
 
 use simlock_client::{Client, HoldEnd, LeaseLost};
 use simlock_contract::ops::LeaseRequestInput;
@@ -9,6 +11,8 @@ use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::watch;
 
 use crate::cli::LeaseArgs;
+use crate::identity;
+use crate::pidwatch::Bound;
 use crate::stderr::Reporter;
 use crate::view;
 
@@ -58,16 +62,24 @@ impl Signals {
     }
 }
 
-fn request_input(args: &LeaseArgs) -> LeaseRequestInput {
+fn request_input(args: &LeaseArgs, requester: String) -> LeaseRequestInput {
     let mut input = LeaseRequestInput::for_platform(args.platform.into());
     input.model = args.device.clone();
     input.os_version = args.os.clone();
     input.ttl_ms = args.ttl;
     input.timeout_ms = args.timeout;
     input.no_wait = args.no_wait.then_some(true);
-    input.requester_id = args.requester.clone().filter(|r| !r.trim().is_empty());
+    input.requester_id = Some(requester);
     input.requires = args.requires.clone();
     input
+}
+
+/// Resolves once `bound` is gone, looking at least every `period`; never without a binding.
+async fn unbound(bound: Option<Bound>, period: std::time::Duration) {
+    match bound {
+        Some(bound) => bound.gone(period).await,
+        None => std::future::pending().await,
+    }
 }
 
 pub(crate) async fn run(
@@ -75,10 +87,24 @@ pub(crate) async fn run(
     client: &Client,
     args: &LeaseArgs,
 ) -> Result<u8, ContractError> {
+    let bound = args.bind_pid.map(Bound::pid).transpose()?;
     let signals = Signals::listen()?;
     let reporter = Reporter::for_stderr();
+    let requester = identity::from_environment(args.requester.as_deref());
+    reporter.say(&format!(
+        "requesting a device for {} ({})",
+        requester.id(),
+        requester.source()
+    ));
+    // A bound process that exits while the request waits withdraws it, as an interrupt does.
+    let withdraw = async {
+        tokio::select! {
+            () = signals.nth(1) => {}
+            () = unbound(bound, crate::pidwatch::CHECK_EVERY) => {}
+        }
+    };
     let requested = tokio::select! {
-        outcome = client.request_lease(request_input(args), |p| reporter.progress(p), signals.nth(1)) => outcome,
+        outcome = client.request_lease(request_input(args, requester.id()), |p| reporter.progress(p), withdraw) => outcome,
         () = signals.nth(2) => {
             reporter.done();
             eprintln!("simlock: interrupted again; the daemon may still grant the request, and the lease then expires on its TTL");
@@ -107,11 +133,23 @@ pub(crate) async fn run(
     let mut hold = client.hold(grant);
     let mut notices = hold.notices();
     crate::emit(json, hold.grant(), view::grant);
+    let renewal = std::time::Duration::from_millis(hold.grant().lease.ttl_ms / 3);
     reporter.say(&format!(
-        "holding lease {lease_id}: renewing every {}; Ctrl-C releases it",
-        view::duration(hold.grant().lease.ttl_ms / 3)
+        "holding lease {lease_id}: renewing every {}; Ctrl-C releases it{}",
+        view::duration(hold.grant().lease.ttl_ms / 3),
+        bound
+            .map(|b| format!(", and so does the end of {}", b.describe()))
+            .unwrap_or_default()
     ));
     loop {
+        let release_now = async {
+            tokio::select! {
+                () = signals.nth(1) => {}
+                () = unbound(bound, renewal) => {
+                    reporter.say(&format!("{} exited; releasing lease {lease_id}", bound.map(|b| b.describe()).unwrap_or_default()));
+                }
+            }
+        };
         tokio::select! {
             end = hold.ended() => return Ok(ended(&lease_id, end)),
             notice = notices.recv() => {
@@ -119,7 +157,7 @@ pub(crate) async fn run(
                     reporter.notice(&notice);
                 }
             }
-            () = signals.nth(1) => {
+            () = release_now => {
                 let end = tokio::select! {
                     end = hold.release() => end,
                     () = signals.nth(2) => {

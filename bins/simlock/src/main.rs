@@ -9,7 +9,11 @@
 )]
 
 mod cli;
+mod duration;
+mod identity;
 mod lease;
+mod mcp;
+mod pidwatch;
 mod stderr;
 mod view;
 
@@ -99,37 +103,62 @@ pub(crate) fn emit<T: Serialize>(json: bool, value: &T, human: impl FnOnce(&T) -
     let _ = out_line(&text);
 }
 
-/// Connects as the command needs: over HTTP with `--url`, else to the local socket, sending the
-/// admin secret (or `--token`) as the credential for commands that need admin.
-pub(crate) async fn connect(cli: &Cli) -> Result<Client, ContractError> {
-    let nonempty = |s: &Option<String>| s.clone().filter(|s| !s.trim().is_empty());
-    if let Some(url) = nonempty(&cli.url) {
-        let Some(token) = nonempty(&cli.token) else {
-            return Err(ContractError::new(
-                ErrorCode::Usage,
-                "--url needs a token: pass --token or set SIMLOCK_TOKEN",
-            ));
-        };
-        let options = ConnectOptions {
+/// Where a command connects: a daemon's HTTP API (`--url`), else the local socket.
+#[derive(Debug, Clone)]
+pub(crate) struct Target {
+    url: Option<String>,
+    token: Option<String>,
+    ca_file: Option<std::path::PathBuf>,
+    admin: bool,
+}
+
+impl Target {
+    /// The target the command line names.
+    pub(crate) fn of(cli: &Cli) -> Self {
+        let nonempty = |s: &Option<String>| s.clone().filter(|s| !s.trim().is_empty());
+        Self {
+            url: nonempty(&cli.url),
+            token: nonempty(&cli.token),
             ca_file: cli
                 .ca_file
                 .clone()
                 .filter(|path| !path.as_os_str().is_empty()),
-            ..ConnectOptions::default()
-        };
-        return Client::over_http(&url, &token, options);
+            admin: cli.command.needs_admin(),
+        }
     }
-    let home = home_from_env();
-    let mut options = ConnectOptions::default();
-    if cli.command.needs_admin() {
-        options.credential = nonempty(&cli.token).or_else(|| admin_secret_in(&home));
+
+    /// Connects: over HTTP with `--url`, else to the local socket, sending the admin secret (or
+    /// `--token`) as the credential for commands that need admin.
+    pub(crate) async fn connect(&self) -> Result<Client, ContractError> {
+        if let Some(url) = &self.url {
+            let Some(token) = &self.token else {
+                return Err(ContractError::new(
+                    ErrorCode::Usage,
+                    "--url needs a token: pass --token or set SIMLOCK_TOKEN",
+                ));
+            };
+            let options = ConnectOptions {
+                ca_file: self.ca_file.clone(),
+                ..ConnectOptions::default()
+            };
+            return Client::over_http(url, token, options);
+        }
+        let home = home_from_env();
+        let mut options = ConnectOptions::default();
+        if self.admin {
+            options.credential = self.token.clone().or_else(|| admin_secret_in(&home));
+        }
+        Client::connect_home(&home, options).await
     }
-    Client::connect_home(&home, options).await
 }
 
 async fn execute(cli: &Cli) -> Result<u8, ContractError> {
     let json = cli.json;
-    let client = connect(cli).await?;
+    if let Command::Mcp(args) = &cli.command {
+        // The MCP server connects when a tool first needs the daemon, and again after a loss.
+        return mcp::run(Target::of(cli), args).await;
+    }
+    let client = Target::of(cli).connect().await?;
     match &cli.command {
         Command::Lease(args) => lease::run(json, &client, args).await,
         Command::Renew { lease_id, ttl } => {
@@ -190,6 +219,7 @@ async fn execute(cli: &Cli) -> Result<u8, ContractError> {
         }
         Command::Token(command) => token(json, &client, command).await,
         Command::Events { follow, since } => events(json, &client, *follow, *since).await,
+        Command::Env { lease_id } => env(json, &client, lease_id).await,
         Command::Exec {
             lease_id,
             tool,
@@ -201,6 +231,9 @@ async fn execute(cli: &Cli) -> Result<u8, ContractError> {
             emit(json, &out, |_| "the daemon is stopping".to_owned());
             Ok(0)
         }
+        Command::Mcp(_) => Err(ContractError::internal(
+            "simlock mcp runs before connecting",
+        )),
     }
 }
 
@@ -340,6 +373,30 @@ fn print_event(json: bool, event: &simlock_contract::model::EventEnvelope) -> st
     } else {
         out_line(&view::event(event))
     }
+}
+
+/// `simlock env`: the lease's environment (the same the grant and `simlock exec` carry), as
+/// `export` lines, or with `--json` as `{"environment": {…}}`.
+async fn env(json: bool, client: &Client, lease_id: &str) -> Result<u8, ContractError> {
+    let leases = client.leases().await?.leases;
+    let Some(lease) = leases.into_iter().find(|l| l.id.as_str() == lease_id) else {
+        return Err(ContractError::unknown_lease(lease_id));
+    };
+    let Some(access) = &lease.access else {
+        return Err(ContractError::new(
+            ErrorCode::Internal,
+            format!("the daemon did not say how to reach the device of lease {lease_id}"),
+        ));
+    };
+    let environment = access.environment(lease_id, &lease.device_id);
+    if json {
+        let _ = out_line(&json!({ "environment": environment }).to_string());
+    } else {
+        for (key, value) in &environment {
+            let _ = out_line(&format!("export {key}={}", view::shell_quote(value)));
+        }
+    }
+    Ok(0)
 }
 
 async fn exec(

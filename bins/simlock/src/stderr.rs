@@ -94,7 +94,8 @@ impl Reporter {
     }
 }
 
-fn describe(progress: &Progress) -> String {
+/// A progress in words, for the spinner and for MCP progress notifications.
+pub(crate) fn describe(progress: &Progress) -> String {
     match progress {
         Progress::Queued { queue_position } => {
             format!("waiting for a device: position {queue_position} in the queue")

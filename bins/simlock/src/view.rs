@@ -4,7 +4,8 @@ use std::fmt::Write as _;
 
 use serde_json::Value;
 use simlock_contract::model::{
-    Device, EventEnvelope, LeaseGrant, LeaseRecord, PlatformCapacity, TokenRecord, WorkerView,
+    Device, DeviceAccess, EventEnvelope, LeaseGrant, LeaseRecord, PlatformCapacity, TokenRecord,
+    WorkerView,
 };
 use simlock_contract::ops::{CatalogOutput, StatusOutput};
 
@@ -127,10 +128,36 @@ pub(crate) fn grant(grant: &LeaseGrant) -> String {
     if let Some(address) = &grant.device.address {
         let _ = write!(out, "\naddress {address}");
     }
+    if let Some(access) = &grant.device.access {
+        let _ = write!(out, "\nreach it: {}", reach(access));
+    }
     for (key, value) in &grant.environment {
         let _ = write!(out, "\n{key}={value}");
     }
     out
+}
+
+/// How an agent's own tools reach a device.
+pub(crate) fn reach(access: &DeviceAccess) -> String {
+    match access {
+        DeviceAccess::Virtual { .. } => "a virtual device: no tool reaches it".to_owned(),
+        DeviceAccess::IosSimulator { udid, device_set } => {
+            format!(
+                "xcrun simctl --set {} <command> {udid}",
+                shell_quote(device_set)
+            )
+        }
+        DeviceAccess::AndroidEmulator {
+            serial,
+            adb_server_port,
+            ..
+        } => format!("adb -P {adb_server_port} -s {serial} <command>"),
+    }
+}
+
+/// `value` as one POSIX shell word: single-quoted, a `'` written as `'\''`.
+pub(crate) fn shell_quote(value: &str) -> String {
+    format!("'{}'", value.replace('\'', "'\\''"))
 }
 
 /// Leases as a table.

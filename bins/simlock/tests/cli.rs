@@ -11,11 +11,11 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use serde_json::{Value, json};
-use simlock_client::test_util::{CancelScript, FakeDaemon, RequestScript};
 use simlock_contract::ids::DeviceId;
 use simlock_contract::model::LeaseEndReason;
 use simlock_contract::push::{Progress, UnhealthyReason};
 use simlock_contract::{ContractError, ErrorCode, Push};
+use simlock_test_support::fake_daemon::{CancelScript, FakeDaemon, RequestScript};
 use tokio::io::{AsyncBufReadExt as _, AsyncRead, BufReader, Lines};
 use tokio::process::{Child, Command};
 
@@ -43,8 +43,20 @@ fn simlock(home: &std::path::Path) -> Command {
         .env_remove("SIMLOCK_CA_FILE")
         .stdin(Stdio::null())
         .kill_on_drop(true);
+    // The agent session the tests themselves may run in.
+    for name in AGENT_SESSIONS {
+        command.env_remove(name);
+    }
     command
 }
+
+/// The session-id variables agent CLIs export (`docs/MCP.md`).
+const AGENT_SESSIONS: &[&str] = &[
+    "CLAUDE_CODE_SESSION_ID",
+    "CODEX_THREAD_ID",
+    "CURSOR_CONVERSATION_ID",
+    "GEMINI_SESSION_ID",
+];
 
 struct Run {
     code: i32,
@@ -215,6 +227,27 @@ async fn usage_errors_exit_2() {
     );
     assert_eq!(run(&fake, &["release"]).await.code, 2);
     assert_eq!(run(&fake, &["events", "--since", "soon"]).await.code, 2);
+    for bad in ["0", "0s", "soon", "5 m", "-5s"] {
+        let out = run(&fake, &["lease", "--platform", "ios", "--ttl", bad]).await;
+        assert_eq!(out.code, 2, "--ttl {bad}: {}", out.stderr);
+        let out = run(&fake, &["renew", "lse_1", "--ttl", bad]).await;
+        assert_eq!(out.code, 2, "renew --ttl {bad}: {}", out.stderr);
+        let out = run(&fake, &["lease", "--platform", "ios", "--timeout", bad]).await;
+        assert_eq!(out.code, 2, "--timeout {bad}: {}", out.stderr);
+    }
+    let out = run(&fake, &["lease", "--platform", "ios", "--ttl", "soon"]).await;
+    assert!(
+        out.stderr
+            .contains("is not a duration like 15m, 90s, 1h30m"),
+        "{}",
+        out.stderr
+    );
+    let out = run(
+        &fake,
+        &["lease", "--platform", "ios", "--detach", "--bind-pid", "1"],
+    )
+    .await;
+    assert_eq!(out.code, 2, "{}", out.stderr);
     assert_eq!(
         run(&fake, &["--url", "http://127.0.0.1:1", "status"])
             .await
@@ -264,7 +297,11 @@ async fn detach_prints_the_grant_and_leaves_the_lease() {
     let grant = out.json();
     assert_eq!(grant["lease"]["id"], "lse_1");
     assert_eq!(grant["lease"]["requesterId"], "agent-7");
-    assert_eq!(grant["environment"]["SIMLOCK_UDID"], "UDID-1");
+    assert_eq!(grant["environment"]["SIMLOCK_DEVICE_UDID"], "UDID-1");
+    assert_eq!(
+        grant["device"]["access"],
+        json!({"kind": "ios-simulator", "udid": "UDID-1", "deviceSet": "/tmp/it's a set"})
+    );
     assert_eq!(
         fake.calls_of("lease.request")[0].input,
         json!({"platform": "ios", "model": "iPhone 16", "ttlMs": 60000, "requesterId": "agent-7", "requires": ["agent-device"]})
@@ -283,6 +320,34 @@ async fn detach_prints_the_grant_and_leaves_the_lease() {
     assert_eq!(
         fake.calls_of("device.exec")[0].input,
         json!({"leaseId": "lse_1", "tool": "simctl", "args": ["list", "--json-ish"]})
+    );
+    // `simlock env` prints the same environment as shell exports, quoted for sh.
+    let env = run(&fake, &["env", "lse_1"]).await;
+    assert_eq!(env.code, 0, "{}", env.stderr);
+    assert!(
+        env.stdout
+            .contains("export SIMLOCK_IOS_DEVICE_SET='/tmp/it'\\''s a set'\n"),
+        "{}",
+        env.stdout
+    );
+    let script = format!(
+        "{}\nprintf '%s|%s' \"$SIMLOCK_IOS_DEVICE_SET\" \"$SIMLOCK_DEVICE_UDID\"",
+        env.stdout
+    );
+    let evaluated = run_in(Command::new("sh").args(["-c", &script])).await;
+    assert_eq!(evaluated.stdout, "/tmp/it's a set|UDID-1");
+    let env_json = run(&fake, &["--json", "env", "lse_1"]).await;
+    assert_eq!(
+        env_json.json()["environment"],
+        grant["environment"],
+        "the grant's environment"
+    );
+    let unknown = run(&fake, &["env", "lse_404"]).await;
+    assert_eq!(unknown.code, 1);
+    assert!(
+        unknown.stderr.contains("UNKNOWN_LEASE"),
+        "{}",
+        unknown.stderr
     );
     let released = run(&fake, &["release", "lse_1"]).await;
     assert_eq!(released.code, 0);
@@ -603,4 +668,86 @@ async fn a_held_lease_whose_renewals_keep_failing_exits_with_the_errors_code_and
             .is_some_and(|l| l.starts_with("simlock: ") && l.ends_with("(DAEMON_STOPPING)")),
         "{stderr:?}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn durations_are_typed_as_people_type_them() {
+    let fake = fake().await;
+    let out = run(
+        &fake,
+        &[
+            "--json",
+            "lease",
+            "--platform",
+            "ios",
+            "--ttl",
+            "15m",
+            "--timeout",
+            "90s",
+            "--detach",
+        ],
+    )
+    .await;
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    let input = &fake.calls_of("lease.request")[0].input;
+    assert_eq!(input["ttlMs"], 900_000);
+    assert_eq!(input["timeoutMs"], 90_000);
+    let renewed = run(&fake, &["renew", "lse_1", "--ttl", "1h30m"]).await;
+    assert_eq!(renewed.code, 0, "{}", renewed.stderr);
+    assert_eq!(
+        fake.calls_of("lease.renew")[0].input,
+        json!({"leaseId": "lse_1", "ttlMs": 5_400_000})
+    );
+    // The human view says it the same way.
+    assert!(renewed.stdout.contains("(ttl 1h30m)"), "{}", renewed.stdout);
+    // Milliseconds are still accepted.
+    let out = run(&fake, &["--json", "renew", "lse_1", "--ttl", "60000"]).await;
+    assert_eq!(out.json()["ttlMs"], 60_000);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_a_requester_the_agent_session_or_the_parent_process_names_it() {
+    let fake = fake().await;
+    let out = run_in(
+        simlock(fake.home())
+            .env("CODEX_THREAD_ID", "thread-9")
+            .args(["--json", "lease", "--platform", "ios", "--detach"]),
+    )
+    .await;
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert_eq!(out.json()["lease"]["requesterId"], "codex:thread-9");
+    assert_eq!(
+        fake.calls_of("lease.request")[0].input["requesterId"],
+        "codex:thread-9"
+    );
+    // No session: this test process started the CLI, so it is the requester.
+    let out = run(
+        &fake,
+        &["--json", "lease", "--platform", "android", "--detach"],
+    )
+    .await;
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    let requester = out.json()["lease"]["requesterId"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let (pid, host) = requester.split_once('@').expect("pid:<pid>@<host>");
+    assert_eq!(pid, format!("pid:{}", std::process::id()));
+    assert!(!host.is_empty());
+    // An explicit requester still wins over both.
+    let out = run_in(
+        simlock(fake.home())
+            .env("CLAUDE_CODE_SESSION_ID", "s-1")
+            .args([
+                "--json",
+                "lease",
+                "--platform",
+                "ios",
+                "--detach",
+                "--requester",
+                "me",
+            ]),
+    )
+    .await;
+    assert_eq!(out.json()["lease"]["requesterId"], "me");
 }

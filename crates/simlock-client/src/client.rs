@@ -479,8 +479,8 @@ impl Client {
     // === Lease requests, holds, exec, events, notices ===
 
     /// Starts `lease.request`. Over HTTP this is the lease-requests resource
-    /// (`POST /v1/lease-requests`, then its event stream), unless the input names a
-    /// `requesterId` or `owner`, which only `POST /v1/ops/lease.request` carries (without progress).
+    /// (`POST /v1/lease-requests`, then its event stream), unless the input names an `owner`,
+    /// which only `POST /v1/ops/lease.request` carries (without progress).
     ///
     /// # Errors
     /// `DAEMON_CONNECTION_LOST` when the connection has ended.

@@ -1,6 +1,8 @@
 //! [`LeaseHold`]: keeps a granted lease alive the way a holder must, renewing at a third of its
 //! TTL without naming a TTL, and stops when the daemon ends the lease: a `lease-lost` push, or
-//! `UNKNOWN_LEASE` on a renewal.
+//! `UNKNOWN_LEASE` on a renewal. Nothing else says a lease is gone: a lookup that misses it (the
+//! lease's event stream opening right after the grant) only means the hold renews without
+//! notices until the stream opens.
 
 use std::time::Duration;
 
@@ -182,7 +184,11 @@ impl Renewer {
                 };
                 match opened {
                     Some(Ok(notices)) => self.notices = Some(notices),
-                    Some(Err(e)) if e.code == ErrorCode::UnknownLease => return self.lost(None),
+                    // Not proof that the lease is gone: opening the stream looks the lease up,
+                    // and a lookup can race the grant (a gateway's answer outruns what its lists
+                    // show). Only the daemon's word that the lease ended (`lease-lost`, or
+                    // `UNKNOWN_LEASE` to a renewal) ends the hold; the renewal decides, and the
+                    // stream is opened again after it.
                     Some(Err(e)) => {
                         debug!(error = %e, "lease notices unavailable; relying on renewals")
                     }

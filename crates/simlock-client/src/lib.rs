@@ -30,9 +30,6 @@ pub mod request;
 mod sse;
 mod wire;
 
-#[cfg(any(test, feature = "test-util"))]
-pub mod test_util;
-
 #[cfg(test)]
 mod tests;
 

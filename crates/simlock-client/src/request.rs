@@ -119,7 +119,7 @@ impl PendingLease {
                     .begin(LeaseRequest::NAME, payload(&input)?, PROGRESS_QUEUE)
                     .await?,
             )),
-            Backend::Http(http) if input.requester_id.is_some() || input.owner.is_some() => {
+            Backend::Http(http) if input.owner.is_some() => {
                 let payload = payload(&input)?;
                 let (tx, outcome) = oneshot::channel();
                 let http = http.clone();
@@ -376,6 +376,9 @@ fn resource_body(input: &LeaseRequestInput) -> (Value, Vec<(&'static str, String
     }
     if let Some(lease_id) = &input.lease_id {
         body.insert("leaseId".into(), json!(lease_id));
+    }
+    if let Some(requester) = &input.requester_id {
+        body.insert("requesterId".into(), json!(requester));
     }
     let headers = input
         .idempotency_key

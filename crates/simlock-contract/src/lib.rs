@@ -9,6 +9,7 @@
 //! - [`protocol`]: `hello`, protocol ranges and their negotiation, session roles.
 //! - [`ops`]: the operation table and every operation's input and output.
 //! - [`push`]: the push kinds.
+//! - [`event`]: the events daemons record, each one's name, module and payload.
 //! - [`model`]: the shapes operations carry (devices, leases, catalogs, views, events).
 //! - [`error`]: the closed error table and [`ContractError`].
 //! - [`bounds`]: every input bound, declared once.
@@ -18,6 +19,7 @@
 pub mod bounds;
 mod decode;
 pub mod error;
+pub mod event;
 pub mod frame;
 pub mod http;
 pub mod ids;

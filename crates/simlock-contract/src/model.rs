@@ -66,14 +66,19 @@ pub enum DeviceState {
     Reclaiming,
     /// Created but not running.
     Shutdown,
+    /// Its reclaim failed: never handed out, retried with backoff, then deleted.
+    Quarantined,
     /// Gone.
     Deleted,
 }
 
 impl DeviceState {
-    /// Whether the device occupies a running slot (ready, leased or reclaiming).
+    /// Whether the device occupies a running slot (ready, leased, reclaiming or quarantined).
     pub const fn is_running(self) -> bool {
-        matches!(self, Self::Ready | Self::Leased | Self::Reclaiming)
+        matches!(
+            self,
+            Self::Ready | Self::Leased | Self::Reclaiming | Self::Quarantined
+        )
     }
 }
 
@@ -94,6 +99,18 @@ pub struct Device {
     /// When its last lease ended.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_lease_ended_at: Option<i64>,
+    /// How to reach it, once it has booted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub access: Option<DeviceAccess>,
+    /// Quarantined: the reclaims tried so far.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub quarantine_attempts: Option<u32>,
+    /// Quarantined: when the next reclaim is tried, ms since the epoch.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub quarantine_next_retry_at: Option<i64>,
+    /// Leased and crashed: the recoveries tried so far.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub recovery_attempts: Option<u32>,
     /// The worker holding it (gateway views only).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub worker_id: Option<String>,
@@ -130,6 +147,9 @@ pub struct LeaseRecord {
     pub ttl_deadline: i64,
     /// When it was last renewed (or granted).
     pub last_renewed_at: i64,
+    /// How to reach the leased device.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub access: Option<DeviceAccess>,
     /// Whether the requester chose the id.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub id_chosen_by_requester: bool,
@@ -154,6 +174,103 @@ pub struct GrantDevice {
     /// How to reach it, when the driver knows (an adb serial, a host:port).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub address: Option<String>,
+    /// What the agent needs to reach it with its own tools.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub access: Option<DeviceAccess>,
+}
+
+/// What an agent needs to reach its leased device with its own tools. A grant carries it, the
+/// lease record keeps it, and [`DeviceAccess::environment`] turns it into the environment that
+/// `simlock env` exports and `device.exec` runs tools with.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "kebab-case")]
+pub enum DeviceAccess {
+    /// A device of the virtual driver: a record; no tool reaches it.
+    #[serde(rename_all = "camelCase")]
+    Virtual {
+        /// Its platform.
+        platform: Platform,
+        /// The driver's id for it.
+        driver_device_id: String,
+    },
+    /// An iOS simulator in simlock's own device set: every `simctl` call names the set
+    /// (`xcrun simctl --set <deviceSet> … <udid>`); outside it, the UDID is unknown.
+    #[serde(rename_all = "camelCase")]
+    IosSimulator {
+        /// The simulator's UDID.
+        udid: String,
+        /// The device set it lives in (a directory).
+        device_set: String,
+    },
+    /// An Android emulator attached to simlock's own adb server: `adb -P <adbServerPort> -s
+    /// <serial> …` (or plain `adb` with the environment, which names both).
+    #[serde(rename_all = "camelCase")]
+    AndroidEmulator {
+        /// The adb serial, `emulator-<console port>`.
+        serial: String,
+        /// The port of simlock's adb server (never the user's 5037).
+        adb_server_port: u16,
+        /// The AVD's name.
+        avd_name: String,
+    },
+}
+
+impl DeviceAccess {
+    /// The device's platform.
+    pub const fn platform(&self) -> Platform {
+        match self {
+            Self::Virtual { platform, .. } => *platform,
+            Self::IosSimulator { .. } => Platform::Ios,
+            Self::AndroidEmulator { .. } => Platform::Android,
+        }
+    }
+
+    /// The driver's id for the device: the UDID, the AVD name, or the virtual id.
+    pub fn driver_device_id(&self) -> &str {
+        match self {
+            Self::Virtual {
+                driver_device_id, ..
+            } => driver_device_id,
+            Self::IosSimulator { udid, .. } => udid,
+            Self::AndroidEmulator { avd_name, .. } => avd_name,
+        }
+    }
+
+    /// The environment that points tools at the device of lease `lease_id`: simlock's own
+    /// variables, and the ones the platform's tools read (`ANDROID_ADB_SERVER_PORT` and
+    /// `ANDROID_SERIAL` for adb; the device set for `simctl --set`).
+    pub fn environment(&self, lease_id: &str, device_id: &DeviceId) -> BTreeMap<String, String> {
+        let mut env = BTreeMap::from([
+            ("SIMLOCK_LEASE_ID".to_owned(), lease_id.to_owned()),
+            ("SIMLOCK_DEVICE_ID".to_owned(), device_id.to_string()),
+            (
+                "SIMLOCK_DEVICE_UDID".to_owned(),
+                self.driver_device_id().to_owned(),
+            ),
+            (
+                "SIMLOCK_PLATFORM".to_owned(),
+                self.platform().as_str().to_owned(),
+            ),
+        ]);
+        match self {
+            Self::Virtual { .. } => {}
+            Self::IosSimulator { device_set, .. } => {
+                env.insert("SIMLOCK_IOS_DEVICE_SET".to_owned(), device_set.clone());
+            }
+            Self::AndroidEmulator {
+                serial,
+                adb_server_port,
+                ..
+            } => {
+                let port = adb_server_port.to_string();
+                env.insert("ANDROID_ADB_SERVER_PORT".to_owned(), port.clone());
+                env.insert("ANDROID_SERIAL".to_owned(), serial.clone());
+                env.insert("SIMLOCK_ADB_SERVER_PORT".to_owned(), port);
+                env.insert("SIMLOCK_ANDROID_SERIAL".to_owned(), serial.clone());
+            }
+        }
+        env
+    }
 }
 
 /// How long the parts of getting a device took or are expected to take.
@@ -256,6 +373,10 @@ pub struct PlatformCatalog {
     /// Which workers serve each runtime (gateway only).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub runtime_workers: Option<BTreeMap<String, Vec<String>>>,
+    /// Why the platform cannot be served now (its tools are missing or broken); the entry then
+    /// lists no models.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub unavailable: Option<String>,
 }
 
 impl PlatformCatalog {
@@ -348,6 +469,43 @@ pub struct CapabilityStatus {
     /// Why not, when it is not.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reason: Option<String>,
+}
+
+/// Which driver serves a platform on a worker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum DriverKind {
+    /// Devices that exist only as records.
+    Virtual,
+    /// iOS simulators through `xcrun simctl`.
+    Simctl,
+    /// Android emulators through `avdmanager`, `emulator` and `adb`.
+    AndroidSdk,
+}
+
+impl DriverKind {
+    /// The wire name.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Self::Virtual => "virtual",
+            Self::Simctl => "simctl",
+            Self::AndroidSdk => "android-sdk",
+        }
+    }
+}
+
+/// Which driver serves one platform of a worker, and whether it can serve now.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct DriverStatus {
+    /// The platform.
+    pub platform: Platform,
+    /// The driver chosen for it.
+    pub driver: DriverKind,
+    /// Whether it can serve.
+    pub available: bool,
+    /// Why it was chosen, or why it cannot serve.
+    pub reason: String,
 }
 
 /// A daemon's health.

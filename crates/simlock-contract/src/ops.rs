@@ -19,8 +19,8 @@ use crate::decode::Input;
 use crate::error::ContractError;
 use crate::ids::SubscriptionId;
 use crate::model::{
-    CapabilityStatus, Capacity, DaemonInfo, Device, EventEnvelope, HostFacts, LeaseGrant,
-    LeaseLimits, LeaseRecord, Mode, Platform, PlatformCatalog, TokenRecord, TokenRole,
+    CapabilityStatus, Capacity, DaemonInfo, Device, DriverStatus, EventEnvelope, HostFacts,
+    LeaseGrant, LeaseLimits, LeaseRecord, Mode, Platform, PlatformCatalog, TokenRecord, TokenRole,
     WaitingRequest, WorkerView,
 };
 use crate::protocol::{Hello, HelloReply, Role};
@@ -540,6 +540,9 @@ pub struct StatusOutput {
     /// What the worker can serve (worker only).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub capabilities: Option<Vec<CapabilityStatus>>,
+    /// Which driver serves each platform, and whether it can (worker only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub drivers: Option<Vec<DriverStatus>>,
     /// The lease limits.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lease: Option<LeaseLimits>,

@@ -7,7 +7,7 @@ use serde_json::{Value, json};
 use crate::error::{ContractError, ErrorCode};
 
 /// The range of protocol versions this build speaks. Every breaking change to the contract bumps it.
-pub const PROTOCOL_RANGE: ProtocolRange = ProtocolRange { min: 1, max: 1 };
+pub const PROTOCOL_RANGE: ProtocolRange = ProtocolRange { min: 2, max: 2 };
 
 /// An inclusive range of protocol versions.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Validate)]

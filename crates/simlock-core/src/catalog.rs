@@ -41,6 +41,7 @@ pub fn platform_catalog(platform: Platform, models: &[VirtualModel]) -> Option<P
         model_aliases,
         model_workers: None,
         runtime_workers: None,
+        unavailable: None,
     })
 }
 
@@ -81,6 +82,12 @@ impl Catalog {
             .platforms
             .get(&platform)
             .ok_or(CoreError::NoDriver(platform))?;
+        if let Some(reason) = &catalog.unavailable {
+            return Err(CoreError::PlatformUnavailable {
+                platform,
+                reason: reason.clone(),
+            });
+        }
         let name = match (model, os_version) {
             (Some(asked), _) => catalog
                 .resolve_model(asked)

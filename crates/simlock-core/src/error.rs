@@ -69,6 +69,14 @@ pub enum CoreError {
     /// No driver serves the platform.
     #[error("no driver for {0}")]
     NoDriver(Platform),
+    /// The platform's driver cannot serve now (its tools are missing or broken).
+    #[error("the {platform} driver is unavailable: {reason}")]
+    PlatformUnavailable {
+        /// The platform.
+        platform: Platform,
+        /// Why.
+        reason: String,
+    },
     /// The catalog has no such model.
     #[error("unknown model {model}")]
     UnknownModel {
@@ -201,6 +209,11 @@ impl From<CoreError> for ContractError {
             CoreError::NoDriver(platform) => Self::new(
                 ErrorCode::NoDriver,
                 format!("This worker has no {platform} driver"),
+            )
+            .with_details(json!({ "platform": platform })),
+            CoreError::PlatformUnavailable { platform, reason } => Self::new(
+                ErrorCode::NoDriver,
+                format!("This worker's {platform} driver is unavailable: {reason}"),
             )
             .with_details(json!({ "platform": platform })),
             CoreError::UnknownModel { platform, model } => Self::new(

@@ -17,7 +17,7 @@ use tokio::process::{Child, Command};
 use tracing::{debug, warn};
 
 use crate::error::CoreError;
-use crate::state::{ExecTarget, device_env};
+use crate::state::ExecTarget;
 
 /// How long a tool gets between SIGTERM and SIGKILL.
 const KILL_GRACE: Duration = Duration::from_secs(10);
@@ -43,12 +43,7 @@ pub(crate) async fn run(ctx: CallCtx, run: Run) -> Result<i32, CoreError> {
 }
 
 async fn run_to_end(ctx: CallCtx, run: Run) -> Result<i32, CoreError> {
-    let env = device_env(
-        &run.target.lease_id,
-        &run.target.device_id,
-        &run.target.driver_device_id,
-        run.target.platform,
-    );
+    let env = run.target.environment();
     let mut command = Command::new(&run.tool.command);
     command
         .args(&run.tool.args)

@@ -41,8 +41,8 @@ pub const GATEWAY_ONLY: &[&str] = &["worker.drain", "worker.undrain", "worker.re
 /// `worker.list` report it).
 pub fn register(router: &mut Router, worker: &Arc<Worker>, gate: StartupGate) {
     let (w, g) = (worker.clone(), gate.clone());
-    router.handle::<StatusGet, _, _>(move |_, _| {
-        let status = w.status(&g);
+    router.handle::<StatusGet, _, _>(move |ctx, _| {
+        let status = w.status(&g, ctx.viewer());
         async move { Ok(status) }
     });
     let w = worker.clone();
@@ -99,8 +99,8 @@ pub fn register(router: &mut Router, worker: &Arc<Worker>, gate: StartupGate) {
         async move { w.exec(&ctx, input).await }
     });
     let (w, g) = (worker.clone(), gate);
-    router.handle::<WorkerList, _, _>(move |_, _| {
-        let view = w.worker_view(&g);
+    router.handle::<WorkerList, _, _>(move |ctx, _| {
+        let view = w.worker_view(&g, ctx.viewer());
         async move {
             Ok(WorkerListOutput {
                 workers: vec![view],

@@ -40,7 +40,10 @@ pub mod system;
 pub mod worker;
 
 pub use book::{RecordState, RequestRecord};
-pub use driver::{Driver, DriverError, Estimates, VirtualDriver, virtual_drivers};
+pub use driver::{
+    Adopted, Driver, DriverError, Estimates, Keep, Observation, RunState, VirtualDriver,
+    virtual_drivers,
+};
 pub use error::CoreError;
 pub use handlers::register;
 pub use metrics::register_metrics;

@@ -6,6 +6,7 @@
 //! again; a deadline that passes while it is processing is enforced the next time it is
 //! queued or picked.
 
+use simlock_contract::event::GrantSource;
 use simlock_contract::ids::RequestId;
 use simlock_contract::model::{DeviceSpec, RequestedDevice};
 
@@ -32,11 +33,12 @@ pub(crate) enum Source {
 }
 
 impl Source {
-    pub(crate) const fn as_str(self) -> &'static str {
+    /// How `lease.granted` tells it.
+    pub(crate) const fn event(self) -> GrantSource {
         match self {
-            Self::Warm => "warm",
-            Self::Booted => "booted",
-            Self::Provisioned => "provisioned",
+            Self::Warm => GrantSource::Warm,
+            Self::Booted => GrantSource::Booted,
+            Self::Provisioned => GrantSource::Provisioned,
         }
     }
 }

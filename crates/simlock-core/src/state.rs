@@ -6,29 +6,29 @@
 //! ([`crate::worker`]) stores the rows, then carries out the effects, under the same lock, so
 //! effects follow the order of the decisions. A command that fails changes nothing.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 
-use serde_json::{Value, json};
 use simlock_contract::ContractError;
+use simlock_contract::event::{CrashedDevice, Event, EventModule, RejectionReason, WaitPolicy};
 use simlock_contract::ids::{DeviceId, LeaseId, RequestId};
 use simlock_contract::model::{
-    Capacity, Device, DeviceSpec, DeviceState, GrantDevice, GrantTiming, LeaseEndReason,
-    LeaseGrant, LeaseRecord, Platform, RequestedDevice, WaitStage, WaitingRequest,
+    Capacity, Device, DeviceAccess, DeviceSpec, DeviceState, GrantDevice, GrantTiming,
+    LeaseEndReason, LeaseGrant, LeaseRecord, Platform, RequestedDevice, WaitStage, WaitingRequest,
 };
 use simlock_contract::ops::CancelResult;
-use simlock_contract::push::{Progress, Push};
-use simlock_daemon::config::IdleConfig;
+use simlock_contract::push::{Progress, Push, UnhealthyReason};
+use simlock_daemon::config::{HealthConfig, IdleConfig, QuarantineConfig};
 
 use crate::book::{RecordState, RequestBook, RequestRecord};
 use crate::capacity::{Limits, Usage};
-use crate::driver::{DriverError, Estimates};
+use crate::driver::{Adopted, DriverError, Estimates, Keep, Observation, RunState};
 use crate::error::CoreError;
 use crate::queue::{LeaseTerms, Pending, Source, Stage, TimedOut, WaitQueue, Waiter};
 
-/// Module name of lease and queue events.
-const LEASES: &str = "lease-lifecycle";
-/// Module name of device events.
-const DEVICES: &str = "devices";
+/// The module of lease and queue events.
+const LEASES: EventModule = EventModule::LeaseLifecycle;
+/// The module of device events.
+const DEVICES: EventModule = EventModule::Devices;
 /// Device work attempts a waiting request survives before it fails.
 const MAX_WORK_FAILURES: u32 = 3;
 
@@ -42,6 +42,19 @@ pub(crate) struct Settings {
     pub idle: IdleConfig,
     pub limits: Limits,
     pub estimates: BTreeMap<Platform, Estimates>,
+    pub health: HealthConfig,
+    pub quarantine: QuarantineConfig,
+    /// Platforms whose driver makes real devices (swept at start-up).
+    pub real: BTreeSet<Platform>,
+}
+
+/// A device whose reclaim failed: when it is tried again, and how often it was.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Quarantine {
+    /// Reclaims that failed so far.
+    pub attempts: u32,
+    /// When the next one starts.
+    pub next_retry_at: i64,
 }
 
 /// One device in the registry.
@@ -57,12 +70,24 @@ pub(crate) struct DeviceEntry {
     pub idle_since: i64,
     /// When it was last granted or released (eviction takes the least recent).
     pub last_used_at: i64,
+    /// How it is reached, since it last booted.
+    pub access: Option<DeviceAccess>,
+    /// Set while quarantined.
+    pub quarantine: Option<Quarantine>,
+    /// Leased and crashed: the recoveries started so far (0: healthy).
+    pub recovery_attempts: u32,
     /// The request device work on it is for (not stored).
     pub claim: Option<RequestId>,
     /// A driver call on it is under way (not stored).
     pub busy: bool,
     /// When its reclaim should end (not stored).
     pub reclaim_until: Option<i64>,
+    /// Probes in a row that saw it stopped (not stored).
+    pub stopped_seen: u32,
+    /// When the next recovery of a crashed leased device starts (not stored).
+    pub recovery_due: Option<i64>,
+    /// Its lease ended while driver work on it ran: reclaim once that work ends (not stored).
+    pub reclaim_after_work: bool,
 }
 
 impl DeviceEntry {
@@ -74,8 +99,22 @@ impl DeviceEntry {
             driver_device_id: self.driver_device_id.clone(),
             created_at: self.created_at,
             last_lease_ended_at: self.last_lease_ended_at,
+            access: self.access.clone(),
+            quarantine_attempts: self.quarantine.map(|q| q.attempts),
+            quarantine_next_retry_at: self.quarantine.map(|q| q.next_retry_at),
+            recovery_attempts: (self.recovery_attempts > 0).then_some(self.recovery_attempts),
             worker_id: None,
         }
+    }
+
+    /// How the device is reached: what its driver said, else its virtual id.
+    fn access_or_virtual(&self) -> DeviceAccess {
+        self.access
+            .clone()
+            .unwrap_or_else(|| DeviceAccess::Virtual {
+                platform: self.spec.platform,
+                driver_device_id: self.driver_device_id.clone(),
+            })
     }
 
     fn free(&self) -> bool {
@@ -83,19 +122,8 @@ impl DeviceEntry {
     }
 }
 
-/// Who calls, for ownership checks.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Caller<'a> {
-    pub principal: &'a str,
-    pub admin: bool,
-}
-
-impl Caller<'_> {
-    /// Whether the caller may act on what `owner` owns: admins on anything, agents on their own.
-    fn may_act_for(self, owner: &str) -> bool {
-        self.admin || owner == self.principal
-    }
-}
+/// Who calls, for ownership checks: the daemon's one visibility rule.
+pub(crate) use simlock_daemon::context::Viewer as Caller;
 
 /// A lease request, checked and resolved, ready for admission.
 #[derive(Debug, Clone)]
@@ -145,6 +173,20 @@ pub(crate) enum Work {
         platform: Platform,
         driver_device_id: String,
     },
+    /// Boot a crashed leased device again, under its lease.
+    Recover {
+        device: DeviceId,
+        platform: Platform,
+        driver_device_id: String,
+    },
+    /// After a restart: find out whether a device held running still runs.
+    Adopt {
+        device: DeviceId,
+        platform: Platform,
+        driver_device_id: String,
+    },
+    /// After a restart: delete what the driver made that the registry does not know.
+    Sweep { platform: Platform, keep: Vec<Keep> },
     /// Stop an idle device.
     Shutdown {
         device: DeviceId,
@@ -163,9 +205,8 @@ pub(crate) enum Work {
 /// An event to emit.
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct Emitted {
-    pub name: &'static str,
-    pub module: &'static str,
-    pub payload: Value,
+    pub module: EventModule,
+    pub event: Event,
 }
 
 /// A lease-scoped push for an owner's connections.
@@ -211,26 +252,14 @@ struct Dirty {
 pub(crate) struct ExecTarget {
     pub lease_id: String,
     pub device_id: DeviceId,
-    pub driver_device_id: String,
-    pub platform: Platform,
+    pub access: DeviceAccess,
 }
 
-/// The environment that points tools at a leased device.
-pub(crate) fn device_env(
-    lease_id: &str,
-    device_id: &DeviceId,
-    driver_device_id: &str,
-    platform: Platform,
-) -> BTreeMap<String, String> {
-    BTreeMap::from([
-        ("SIMLOCK_LEASE_ID".to_owned(), lease_id.to_owned()),
-        ("SIMLOCK_DEVICE_ID".to_owned(), device_id.to_string()),
-        (
-            "SIMLOCK_DEVICE_UDID".to_owned(),
-            driver_device_id.to_owned(),
-        ),
-        ("SIMLOCK_PLATFORM".to_owned(), platform.as_str().to_owned()),
-    ])
+impl ExecTarget {
+    /// The environment tools run with: the same as the grant's (and `simlock env`'s).
+    pub(crate) fn environment(&self) -> BTreeMap<String, String> {
+        self.access.environment(&self.lease_id, &self.device_id)
+    }
 }
 
 /// The `ttlMs` cap: above `lease.maxTtlMs` is refused, never clamped. Answers the width.
@@ -260,6 +289,9 @@ pub(crate) struct State {
     dirty: Dirty,
     fx: Effects,
     last_depth: u32,
+    /// Platforms whose start-up sweep runs: no device is created on them until it ends (the
+    /// sweep deletes what the registry does not know, which a new device would be).
+    sweeping: BTreeSet<Platform>,
 }
 
 impl State {
@@ -273,6 +305,7 @@ impl State {
             dirty: Dirty::default(),
             fx: Effects::default(),
             last_depth: 0,
+            sweeping: BTreeSet::new(),
         }
     }
 
@@ -301,12 +334,8 @@ impl State {
             .unwrap_or_default()
     }
 
-    fn emit(&mut self, name: &'static str, module: &'static str, payload: Value) {
-        self.fx.events.push(Emitted {
-            name,
-            module,
-            payload,
-        });
+    fn emit(&mut self, module: EventModule, event: Event) {
+        self.fx.events.push(Emitted { module, event });
     }
 
     fn progress(&mut self, id: &RequestId, progress: Progress) {
@@ -353,6 +382,13 @@ impl State {
         leases
     }
 
+    /// The leases `caller` may see, oldest first.
+    pub(crate) fn visible_leases(&self, caller: Caller<'_>) -> Vec<LeaseRecord> {
+        let mut leases = self.leases();
+        leases.retain(|lease| caller.may_see(&lease.owner_id));
+        leases
+    }
+
     pub(crate) fn lease(&self, id: &str) -> Option<&LeaseRecord> {
         self.leases.get(id)
     }
@@ -361,10 +397,11 @@ impl State {
         self.queue.depth()
     }
 
-    pub(crate) fn waiting(&self) -> Vec<WaitingRequest> {
+    /// The requests without a lease yet that `caller` may see, oldest first.
+    pub(crate) fn waiting(&self, caller: Caller<'_>) -> Vec<WaitingRequest> {
         self.queue
             .iter()
-            .filter(|w| w.stage != Stage::New)
+            .filter(|w| w.stage != Stage::New && caller.may_see(&w.terms.owner_id))
             .map(|w| WaitingRequest {
                 id: w.id.clone(),
                 requester_id: w.requester_id.clone(),
@@ -390,11 +427,9 @@ impl State {
         caller: Caller<'_>,
     ) -> Result<Option<&Waiter>, CoreError> {
         match self.queue.of_requester(requester) {
-            Some(waiter) if !caller.may_act_for(&waiter.terms.owner_id) => {
-                Err(CoreError::Forbidden(format!(
-                    "requesterId: the pending request of {requester} is not yours"
-                )))
-            }
+            Some(waiter) if !caller.may_see(&waiter.terms.owner_id) => Err(CoreError::Forbidden(
+                format!("requesterId: the pending request of {requester} is not yours"),
+            )),
             found => Ok(found),
         }
     }
@@ -429,8 +464,7 @@ impl State {
         Ok(ExecTarget {
             lease_id: lease_id.to_owned(),
             device_id: device.id.clone(),
-            driver_device_id: device.driver_device_id.clone(),
-            platform: device.spec.platform,
+            access: device.access_or_virtual(),
         })
     }
 
@@ -449,8 +483,14 @@ impl State {
                 DeviceState::Shutdown => Some(d.idle_since.saturating_add(to_delete)),
                 _ => None,
             });
+        let retries = self.devices.values().filter_map(|d| match d.state {
+            DeviceState::Quarantined if !d.busy => d.quarantine.map(|q| q.next_retry_at),
+            DeviceState::Leased if !d.busy => d.recovery_due,
+            _ => None,
+        });
         leases
             .chain(devices)
+            .chain(retries)
             .chain(self.queue.next_deadline())
             .chain(self.book.next_expiry(self.settings.retention_ms))
             .min()
@@ -496,7 +536,7 @@ impl State {
         let depth = self.queue.depth();
         if depth != self.last_depth {
             self.last_depth = depth;
-            self.emit("queue.changed", LEASES, json!({ "depth": depth }));
+            self.emit(LEASES, Event::QueueChanged { depth });
         }
         std::mem::take(&mut self.fx)
     }
@@ -556,14 +596,13 @@ impl State {
         });
         self.dirty.requests.insert(id.clone());
         self.emit(
-            "lease.requested",
             LEASES,
-            json!({
-                "requestId": id,
-                "requestSpec": a.requested,
-                "requester": a.requester_id,
-                "waitPolicy": if a.no_wait { "no-wait" } else { "wait" },
-            }),
+            Event::LeaseRequested {
+                request_id: id.clone(),
+                request_spec: a.requested.clone(),
+                requester: a.requester_id.clone(),
+                wait_policy: WaitPolicy::of(a.no_wait),
+            },
         );
         let waiters_ahead = self.queue.depth() > 0;
         self.queue.push(Waiter {
@@ -582,13 +621,23 @@ impl State {
         });
         if a.no_wait && waiters_ahead {
             // A worker with anyone waiting refuses every noWait request: FIFO stays fair.
-            self.fail(&id, CoreError::NoCapacity { waiters_ahead }, "no-wait", now);
+            self.fail(
+                &id,
+                CoreError::NoCapacity { waiters_ahead },
+                RejectionReason::NoWait,
+                now,
+            );
             return Ok(Admitted::Follow(id));
         }
         self.dispatch(now);
         if self.queue.get(&id).is_some_and(|w| w.stage == Stage::New) {
             if a.no_wait {
-                self.fail(&id, CoreError::NoCapacity { waiters_ahead }, "no-wait", now);
+                self.fail(
+                    &id,
+                    CoreError::NoCapacity { waiters_ahead },
+                    RejectionReason::NoWait,
+                    now,
+                );
             } else {
                 self.queue_again(&id, now);
             }
@@ -599,7 +648,7 @@ impl State {
     /// Why a new request may not be admitted (the `lease.rejected` reason and the error): the
     /// one-lease rule (a lease or a pending request of the requester), or a chosen lease id
     /// that is held or promised.
-    fn refusal(&self, a: &Admission) -> Option<(&'static str, CoreError)> {
+    fn refusal(&self, a: &Admission) -> Option<(RejectionReason, CoreError)> {
         let already = |existing_lease_id, pending_request_id| CoreError::RequesterAlreadyLeased {
             requester_id: a.requester_id.clone(),
             existing_lease_id,
@@ -611,15 +660,22 @@ impl State {
             .find(|l| l.requester_id == a.requester_id)
         {
             let existing = lease.id.as_str().to_owned();
-            return Some(("already-leased", already(Some(existing), None)));
+            return Some((
+                RejectionReason::AlreadyLeased,
+                already(Some(existing), None),
+            ));
         }
         if let Some(waiter) = self.queue.of_requester(&a.requester_id) {
             let pending = waiter.id.to_string();
-            return Some(("already-leased", already(None, Some(pending))));
+            return Some((RejectionReason::AlreadyLeased, already(None, Some(pending))));
         }
         let chosen = a.terms.chosen_id.as_ref()?;
-        (self.leases.contains_key(chosen) || self.queue.holds_chosen_id(chosen))
-            .then(|| ("lease-id-taken", CoreError::LeaseIdTaken(chosen.clone())))
+        (self.leases.contains_key(chosen) || self.queue.holds_chosen_id(chosen)).then(|| {
+            (
+                RejectionReason::LeaseIdTaken,
+                CoreError::LeaseIdTaken(chosen.clone()),
+            )
+        })
     }
 
     /// Queues a new or failed-processing waiter, telling it where it is.
@@ -633,9 +689,11 @@ impl State {
                     },
                 );
                 self.emit(
-                    "lease.queued",
                     LEASES,
-                    json!({ "requestId": id, "queuePosition": position }),
+                    Event::LeaseQueued {
+                        request_id: id.clone(),
+                        queue_position: position,
+                    },
                 );
             }
             Some(Err(TimedOut)) => self.time_out(id, now),
@@ -643,16 +701,22 @@ impl State {
         }
     }
 
-    fn rejected(&mut self, id: &RequestId, requester: &str, spec: &RequestedDevice, reason: &str) {
+    fn rejected(
+        &mut self,
+        id: &RequestId,
+        requester: &str,
+        spec: &RequestedDevice,
+        reason: RejectionReason,
+    ) {
         self.emit(
-            "lease.rejected",
             LEASES,
-            json!({
-                "requestId": id,
-                "requester": requester,
-                "requestSpec": spec,
-                "reason": reason,
-            }),
+            Event::LeaseRejected {
+                request_id: Some(id.clone()),
+                requester: requester.to_owned(),
+                request_spec: spec.clone(),
+                reason,
+                worker_id: None,
+            },
         );
     }
 
@@ -673,7 +737,7 @@ impl State {
     }
 
     /// Ends a request without a lease.
-    fn fail(&mut self, id: &RequestId, error: CoreError, reason: &str, now: i64) {
+    fn fail(&mut self, id: &RequestId, error: CoreError, reason: RejectionReason, now: i64) {
         let state = if matches!(error, CoreError::Cancelled(_)) {
             RecordState::Cancelled
         } else {
@@ -697,7 +761,7 @@ impl State {
             request_id: id.clone(),
             timeout_ms,
         };
-        self.fail(id, error, "timeout", now);
+        self.fail(id, error, RejectionReason::Timeout, now);
     }
 
     // === Acquisition ===
@@ -768,6 +832,9 @@ impl State {
                     evict: Some(victim),
                 });
             }
+            return None;
+        }
+        if self.sweeping.contains(&spec.platform) {
             return None;
         }
         if room {
@@ -868,9 +935,15 @@ impl State {
                         last_lease_ended_at: None,
                         idle_since: now,
                         last_used_at: now,
+                        access: None,
+                        quarantine: None,
+                        recovery_attempts: 0,
                         claim: Some(id.clone()),
                         busy: true,
                         reclaim_until: None,
+                        stopped_seen: 0,
+                        recovery_due: None,
+                        reclaim_after_work: false,
                     },
                 );
                 self.touch_device(&device);
@@ -943,25 +1016,27 @@ impl State {
             ttl_deadline: now.saturating_add(ms(waiter.terms.ttl_ms)),
             last_renewed_at: now,
             id_chosen_by_requester: chosen,
+            access: Some(device.access_or_virtual()),
             worker: None,
             worker_id: None,
         };
         self.leases.insert(lease_id.clone(), lease.clone());
         self.dirty.leases.insert(lease_id.clone());
         let est = self.estimates(device.spec.platform);
+        let access = device.access_or_virtual();
+        let address = match &access {
+            DeviceAccess::AndroidEmulator { serial, .. } => Some(serial.clone()),
+            _ => None,
+        };
         let grant = LeaseGrant {
             device: GrantDevice {
                 id: device.id.clone(),
                 driver_device_id: device.driver_device_id.clone(),
                 spec: device.spec.clone(),
-                address: None,
+                address,
+                access: Some(access.clone()),
             },
-            environment: device_env(
-                &lease_id,
-                &device.id,
-                &device.driver_device_id,
-                device.spec.platform,
-            ),
+            environment: access.environment(&lease_id, &device.id),
             lease,
             timing: GrantTiming {
                 estimated_provision_ms: est.provision_ms,
@@ -972,16 +1047,15 @@ impl State {
         };
         self.settle(id, Ok(grant), RecordState::Granted, now);
         self.emit(
-            "lease.granted",
             LEASES,
-            json!({
-                "leaseId": lease_id,
-                "deviceId": device.id,
-                "requester": waiter.requester_id,
-                "ownerId": waiter.terms.owner_id,
-                "requestId": id,
-                "source": source.as_str(),
-            }),
+            Event::LeaseGranted {
+                lease_id: lease_id.clone(),
+                device_id: device.id.clone(),
+                requester: waiter.requester_id.clone(),
+                owner_id: waiter.terms.owner_id.clone(),
+                request_id: id.clone(),
+                source: source.event(),
+            },
         );
     }
 
@@ -997,7 +1071,7 @@ impl State {
             self.fail(
                 id,
                 CoreError::DeviceWork(why.to_owned()),
-                "worker-failed",
+                RejectionReason::WorkerFailed,
                 now,
             );
         } else {
@@ -1022,9 +1096,12 @@ impl State {
                 let (claim, spec) = (entry.claim.clone(), entry.spec.clone());
                 self.touch_device(device);
                 self.emit(
-                    "device.provisioned",
                     DEVICES,
-                    json!({ "deviceId": device, "spec": spec, "driverDeviceId": driver_device_id }),
+                    Event::DeviceProvisioned {
+                        device_id: device.clone(),
+                        spec: spec.clone(),
+                        driver_device_id: driver_device_id.clone(),
+                    },
                 );
                 if let Some(claim) = claim {
                     let eta = self.estimates(spec.platform).boot_ms;
@@ -1047,13 +1124,19 @@ impl State {
     }
 
     /// A device finished booting.
-    pub(crate) fn booted(&mut self, device: &DeviceId, result: Result<(), DriverError>, now: i64) {
+    pub(crate) fn booted(
+        &mut self,
+        device: &DeviceId,
+        result: Result<DeviceAccess, DriverError>,
+        now: i64,
+    ) {
         let Some(entry) = self.devices.get_mut(device) else {
             return;
         };
         let claim = entry.claim.take();
         match result {
-            Ok(()) => {
+            Ok(access) => {
+                entry.access = Some(access);
                 let claim = claim.map(|claim| {
                     let source = self
                         .queue
@@ -1062,7 +1145,12 @@ impl State {
                         .map_or(Source::Booted, |p| p.source);
                     (claim, source)
                 });
-                self.ready(device, "device.ready", claim, now);
+                self.ready(
+                    device,
+                    |device_id, spec| Event::DeviceReady { device_id, spec },
+                    claim,
+                    now,
+                );
             }
             Err(e) => {
                 entry.busy = false;
@@ -1080,7 +1168,7 @@ impl State {
     pub(crate) fn reclaimed(
         &mut self,
         device: &DeviceId,
-        result: Result<(), DriverError>,
+        result: Result<DeviceAccess, DriverError>,
         now: i64,
     ) {
         let Some(entry) = self.devices.get_mut(device) else {
@@ -1089,13 +1177,29 @@ impl State {
         let claim = entry.claim.take();
         entry.reclaim_until = None;
         match result {
-            Ok(()) => {
+            Ok(access) => {
+                entry.access = Some(access);
+                if let Some(q) = entry.quarantine.take() {
+                    self.emit(
+                        DEVICES,
+                        Event::DeviceQuarantineRecovered {
+                            device_id: device.clone(),
+                            attempts: q.attempts,
+                        },
+                    );
+                }
                 let claim = claim.map(|claim| (claim, Source::Warm));
-                self.ready(device, "device.reclaimed", claim, now);
+                self.ready(
+                    device,
+                    |device_id, spec| Event::DeviceReclaimed { device_id, spec },
+                    claim,
+                    now,
+                );
             }
             Err(e) => {
-                // A device that could not be wiped is not handed out again.
-                self.delete_device(device);
+                // A device that could not be wiped is never handed out: it is quarantined and
+                // retried with backoff, then deleted.
+                self.quarantine(device, &e.to_string(), now);
                 if let Some(claim) = claim {
                     self.work_failed(&claim, &e.to_string(), now);
                 }
@@ -1104,12 +1208,360 @@ impl State {
         self.dispatch(now);
     }
 
+    /// A reclaim of `device` failed: quarantine it (or, past `quarantine.maxRetries`, delete it).
+    fn quarantine(&mut self, device: &DeviceId, why: &str, now: i64) {
+        let q = self.settings.quarantine;
+        let Some(entry) = self.devices.get_mut(device) else {
+            return;
+        };
+        let attempts = entry.quarantine.map_or(1, |q| q.attempts.saturating_add(1));
+        // `attempts` reclaims failed: the first, then `attempts − 1` retries.
+        if attempts > q.max_retries {
+            entry.quarantine = None;
+            self.emit(
+                DEVICES,
+                Event::DeviceQuarantineAbandoned {
+                    device_id: device.clone(),
+                    attempts,
+                    error: why.to_owned(),
+                },
+            );
+            self.delete_device(device);
+            return;
+        }
+        let backoff = quarantine_backoff(&q, attempts);
+        let next_retry_at = now.saturating_add(ms(backoff));
+        entry.state = DeviceState::Quarantined;
+        entry.busy = false;
+        entry.quarantine = Some(Quarantine {
+            attempts,
+            next_retry_at,
+        });
+        self.touch_device(device);
+        self.emit(
+            DEVICES,
+            Event::DeviceQuarantined {
+                device_id: device.clone(),
+                attempts,
+                next_retry_at,
+                error: why.to_owned(),
+            },
+        );
+    }
+
+    /// A crashed leased device was booted again (or not).
+    pub(crate) fn recovered(
+        &mut self,
+        device: &DeviceId,
+        result: Result<DeviceAccess, DriverError>,
+        now: i64,
+    ) {
+        if self.reclaim_if_released(device, now) {
+            return;
+        }
+        let health = self.settings.health;
+        let lease = self.lease_of(device);
+        let Some(entry) = self.devices.get_mut(device) else {
+            return;
+        };
+        entry.busy = false;
+        let attempts = entry.recovery_attempts;
+        match result {
+            Ok(access) => {
+                entry.access = Some(access.clone());
+                entry.recovery_attempts = 0;
+                entry.recovery_due = None;
+                entry.stopped_seen = 0;
+                self.touch_device(device);
+                let Some((lease_id, owner)) = lease else {
+                    return;
+                };
+                if let Some(record) = self.leases.get_mut(&lease_id) {
+                    record.access = Some(access);
+                    self.dirty.leases.insert(lease_id.clone());
+                }
+                self.emit(
+                    DEVICES,
+                    Event::DeviceRecovered {
+                        device_id: device.clone(),
+                        lease_id: lease_id.clone(),
+                        attempts,
+                    },
+                );
+                self.fx.notices.push(Notice {
+                    owner,
+                    push: Push::DeviceRecovered {
+                        lease_id,
+                        device_id: device.clone(),
+                        attempts,
+                    },
+                    except: None,
+                });
+            }
+            Err(e) if attempts < health.max_recovery_attempts => {
+                let backoff = health
+                    .recovery_backoff_ms
+                    .saturating_mul(1u64 << attempts.saturating_sub(1).min(16));
+                entry.recovery_due = Some(now.saturating_add(ms(backoff)));
+                self.touch_device(device);
+                self.emit(
+                    DEVICES,
+                    Event::DeviceRecoveryAttemptFailed {
+                        device_id: device.clone(),
+                        lease_id: lease.map(|(id, _)| id),
+                        attempts,
+                        error: e.to_string(),
+                    },
+                );
+            }
+            Err(e) => {
+                entry.recovery_attempts = 0;
+                entry.recovery_due = None;
+                self.emit(
+                    DEVICES,
+                    Event::DeviceRecoveryFailed {
+                        device_id: device.clone(),
+                        lease_id: lease.as_ref().map(|(id, _)| id.clone()),
+                        attempts,
+                        error: e.to_string(),
+                    },
+                );
+                // The device is not trusted again: it goes, and so does its lease.
+                self.delete_device(device);
+                if let Some((lease_id, _)) = lease {
+                    self.end_lease(&lease_id, LeaseEndReason::DeviceLost, None, now);
+                }
+            }
+        }
+        self.dispatch(now);
+    }
+
+    /// After a restart, the driver said whether a device held running still runs.
+    pub(crate) fn adopted(
+        &mut self,
+        device: &DeviceId,
+        result: Result<Adopted, DriverError>,
+        now: i64,
+    ) {
+        if self.reclaim_if_released(device, now) {
+            return;
+        }
+        let Some(entry) = self.devices.get_mut(device) else {
+            return;
+        };
+        entry.busy = false;
+        match result {
+            Ok(Adopted::Running(access)) => {
+                if entry.access.as_ref() != Some(&access) {
+                    entry.access = Some(access);
+                    self.touch_device(device);
+                }
+            }
+            // A failed look is no conclusion: the health probes decide later.
+            Err(_) => {}
+            Ok(Adopted::Stopped) => match entry.state {
+                DeviceState::Leased => self.crashed(device, now),
+                DeviceState::Ready if entry.claim.is_none() => {
+                    entry.state = DeviceState::Shutdown;
+                    let spec = entry.spec.clone();
+                    self.touch_device(device);
+                    self.emit(
+                        DEVICES,
+                        Event::DeviceShutdown {
+                            device_id: device.clone(),
+                            spec,
+                        },
+                    );
+                }
+                _ => {}
+            },
+        }
+        self.dispatch(now);
+    }
+
+    /// After a restart, the driver deleted what the registry did not know.
+    pub(crate) fn swept(
+        &mut self,
+        platform: Platform,
+        result: Result<Vec<String>, DriverError>,
+        now: i64,
+    ) {
+        self.sweeping.remove(&platform);
+        match result {
+            Ok(purged) => {
+                let count = purged.len();
+                for driver_device_id in purged {
+                    self.emit(
+                        DEVICES,
+                        Event::DeviceOrphanPurged {
+                            platform,
+                            driver_device_id,
+                        },
+                    );
+                }
+                self.emit(
+                    DEVICES,
+                    Event::DriverSwept {
+                        platform,
+                        purged: count,
+                    },
+                );
+            }
+            Err(e) => self.emit(
+                DEVICES,
+                Event::DeviceSweepFailed {
+                    platform,
+                    error: e.to_string(),
+                },
+            ),
+        }
+        // Requests that waited for the sweep may get a new device now.
+        self.dispatch(now);
+    }
+
+    /// What a health probe of `platform` saw. A leased device seen stopped by
+    /// `health.stableObservations` probes in a row crashed: its holder is told and it is booted
+    /// again under the lease. A free ready device seen stopped as often is marked shut down.
+    pub(crate) fn observe(&mut self, platform: Platform, seen: &[Observation], now: i64) {
+        let stable = self.settings.health.stable_observations.max(1);
+        let states: HashMap<&str, RunState> = seen
+            .iter()
+            .map(|o| (o.driver_device_id.as_str(), o.state))
+            .collect();
+        let mut crashed = Vec::new();
+        let mut stopped = Vec::new();
+        for entry in self.devices.values_mut() {
+            let watched = matches!(entry.state, DeviceState::Leased | DeviceState::Ready);
+            if entry.spec.platform != platform
+                || !watched
+                || entry.busy
+                || entry.claim.is_some()
+                || entry.recovery_attempts > 0
+            {
+                continue;
+            }
+            // A device its driver no longer lists is as stopped as one it lists stopped.
+            let state = states
+                .get(entry.driver_device_id.as_str())
+                .copied()
+                .unwrap_or(RunState::Stopped);
+            match state {
+                RunState::Running => entry.stopped_seen = 0,
+                RunState::Transitioning => {}
+                RunState::Stopped => {
+                    entry.stopped_seen = entry.stopped_seen.saturating_add(1);
+                    if entry.stopped_seen >= stable {
+                        entry.stopped_seen = 0;
+                        if entry.state == DeviceState::Leased {
+                            crashed.push(entry.id.clone());
+                        } else {
+                            stopped.push(entry.id.clone());
+                        }
+                    }
+                }
+            }
+        }
+        for id in crashed {
+            self.crashed(&id, now);
+        }
+        for id in stopped {
+            if let Some(entry) = self.devices.get_mut(&id) {
+                entry.state = DeviceState::Shutdown;
+                let spec = entry.spec.clone();
+                self.touch_device(&id);
+                self.emit(
+                    DEVICES,
+                    Event::DeviceCrashDetected {
+                        device_id: id.clone(),
+                        seen: CrashedDevice::Free { spec },
+                        reason: UnhealthyReason::Crashed,
+                    },
+                );
+            }
+        }
+        self.dispatch(now);
+    }
+
+    /// A leased device stopped: its holder hears `device-unhealthy` and its first recovery
+    /// starts.
+    fn crashed(&mut self, device: &DeviceId, _now: i64) {
+        let lease = self.lease_of(device);
+        let Some(entry) = self.devices.get_mut(device) else {
+            return;
+        };
+        entry.recovery_attempts = 0;
+        let platform = entry.spec.platform;
+        self.emit(
+            DEVICES,
+            Event::DeviceCrashDetected {
+                device_id: device.clone(),
+                seen: CrashedDevice::Leased {
+                    lease_id: lease.as_ref().map(|(id, _)| id.clone()),
+                },
+                reason: UnhealthyReason::Crashed,
+            },
+        );
+        if let Some((lease_id, owner)) = lease {
+            self.fx.notices.push(Notice {
+                owner,
+                push: Push::DeviceUnhealthy {
+                    lease_id,
+                    device_id: device.clone(),
+                    reason: UnhealthyReason::Crashed,
+                },
+                except: None,
+            });
+        }
+        self.start_recovery(device, platform);
+    }
+
+    /// Starts the next boot of a crashed leased device.
+    fn start_recovery(&mut self, device: &DeviceId, platform: Platform) {
+        let Some(entry) = self.devices.get_mut(device) else {
+            return;
+        };
+        entry.recovery_attempts = entry.recovery_attempts.saturating_add(1);
+        entry.recovery_due = None;
+        entry.busy = true;
+        let work = Work::Recover {
+            device: device.clone(),
+            platform,
+            driver_device_id: entry.driver_device_id.clone(),
+        };
+        self.touch_device(device);
+        self.fx.work.push(work);
+    }
+
+    /// The lease on `device` and its owner, if it is leased.
+    fn lease_of(&self, device: &DeviceId) -> Option<(String, String)> {
+        self.leases
+            .values()
+            .find(|l| &l.device_id == device)
+            .map(|l| (l.id.as_str().to_owned(), l.owner_id.clone()))
+    }
+
+    /// When the lease of `device` ended while driver work on it ran, that work's result no
+    /// longer matters: the device is reclaimed now. Answers whether it was.
+    fn reclaim_if_released(&mut self, device: &DeviceId, now: i64) -> bool {
+        let Some(entry) = self.devices.get_mut(device) else {
+            return false;
+        };
+        if !entry.reclaim_after_work {
+            return false;
+        }
+        entry.reclaim_after_work = false;
+        entry.busy = false;
+        self.reclaim(device, now);
+        self.dispatch(now);
+        true
+    }
+
     /// Device work left `device` running and free: it is announced with `event`, then granted
     /// to the request that claimed it, if any.
     fn ready(
         &mut self,
         device: &DeviceId,
-        event: &'static str,
+        event: fn(DeviceId, DeviceSpec) -> Event,
         claim: Option<(RequestId, Source)>,
         now: i64,
     ) {
@@ -1121,7 +1573,7 @@ impl State {
         entry.idle_since = now;
         let spec = entry.spec.clone();
         self.touch_device(device);
-        self.emit(event, DEVICES, json!({ "deviceId": device, "spec": spec }));
+        self.emit(DEVICES, event(device.clone(), spec));
         if let Some((claim, source)) = claim {
             self.grant(&claim, device, source, now);
         }
@@ -1141,9 +1593,11 @@ impl State {
         let spec = entry.spec.clone();
         if result.is_ok() {
             self.emit(
-                "device.shutdown",
                 DEVICES,
-                json!({ "deviceId": device, "spec": spec }),
+                Event::DeviceShutdown {
+                    device_id: device.clone(),
+                    spec,
+                },
             );
         }
         self.dispatch(now);
@@ -1154,9 +1608,11 @@ impl State {
         if let Some(entry) = self.devices.remove(device) {
             self.touch_device(device);
             self.emit(
-                "device.deleted",
                 DEVICES,
-                json!({ "deviceId": device, "spec": entry.spec }),
+                Event::DeviceDeleted {
+                    device_id: device.clone(),
+                    spec: entry.spec,
+                },
             );
         }
         self.dispatch(now);
@@ -1172,7 +1628,7 @@ impl State {
     ) -> Result<&mut LeaseRecord, CoreError> {
         self.leases
             .get_mut(lease_id)
-            .filter(|lease| caller.may_act_for(&lease.owner_id))
+            .filter(|lease| caller.may_see(&lease.owner_id))
             .ok_or_else(|| CoreError::UnknownLease(lease_id.to_owned()))
     }
 
@@ -1195,9 +1651,11 @@ impl State {
         let lease = lease.clone();
         self.dirty.leases.insert(lease_id.to_owned());
         self.emit(
-            "lease.renewed",
             LEASES,
-            json!({ "leaseId": lease_id, "newDeadline": lease.ttl_deadline }),
+            Event::LeaseRenewed {
+                lease_id: lease_id.to_owned(),
+                new_deadline: lease.ttl_deadline,
+            },
         );
         Ok(lease)
     }
@@ -1245,23 +1703,35 @@ impl State {
             device.last_lease_ended_at = Some(now);
             device.last_used_at = now;
             device.idle_since = now;
-            self.reclaim(&lease.device_id, now);
+            device.recovery_attempts = 0;
+            device.recovery_due = None;
+            device.stopped_seen = 0;
+            if device.busy {
+                // A recovery or a restart's look at it runs: reclaim once it ends.
+                device.state = DeviceState::Reclaiming;
+                device.reclaim_after_work = true;
+                self.touch_device(&lease.device_id);
+            } else {
+                self.reclaim(&lease.device_id, now);
+            }
         }
         match reason {
             LeaseEndReason::Expired => self.emit(
-                "lease.expired",
                 LEASES,
-                json!({ "leaseId": lease_id, "deviceId": lease.device_id, "ownerId": lease.owner_id }),
+                Event::LeaseExpired {
+                    lease_id: lease_id.to_owned(),
+                    device_id: lease.device_id.clone(),
+                    owner_id: lease.owner_id.clone(),
+                },
             ),
             other => self.emit(
-                "lease.released",
                 LEASES,
-                json!({
-                    "leaseId": lease_id,
-                    "deviceId": lease.device_id,
-                    "ownerId": lease.owner_id,
-                    "reason": other,
-                }),
+                Event::LeaseReleased {
+                    lease_id: lease_id.to_owned(),
+                    device_id: lease.device_id.clone(),
+                    owner_id: lease.owner_id.clone(),
+                    reason: other,
+                },
             ),
         }
         self.fx.notices.push(Notice {
@@ -1293,7 +1763,12 @@ impl State {
             return Ok(CancelResult::NotCancellable);
         }
         let id = waiter.id.clone();
-        self.fail(&id, CoreError::Cancelled(id.clone()), "cancelled", now);
+        self.fail(
+            &id,
+            CoreError::Cancelled(id.clone()),
+            RejectionReason::Cancelled,
+            now,
+        );
         self.dispatch(now);
         Ok(CancelResult::Cancelled)
     }
@@ -1314,9 +1789,37 @@ impl State {
         for id in self.queue.due(now) {
             self.time_out(&id, now);
         }
+        self.retries(now);
         self.idle_tiers(now);
         self.prune(now);
         self.dispatch(now);
+    }
+
+    /// Starts what waited out its backoff: a quarantined device's next reclaim, a crashed
+    /// device's next recovery.
+    fn retries(&mut self, now: i64) {
+        let due: Vec<(DeviceId, DeviceState, Platform)> = self
+            .devices
+            .values()
+            .filter(|d| !d.busy)
+            .filter(|d| match d.state {
+                DeviceState::Quarantined => d.quarantine.is_some_and(|q| q.next_retry_at <= now),
+                DeviceState::Leased => d.recovery_due.is_some_and(|at| at <= now),
+                _ => false,
+            })
+            .map(|d| (d.id.clone(), d.state, d.spec.platform))
+            .collect();
+        for (id, state, platform) in due {
+            if state == DeviceState::Quarantined {
+                self.reclaim(&id, now);
+                // Still quarantined while the retry runs: never handed out meanwhile.
+                if let Some(entry) = self.devices.get_mut(&id) {
+                    entry.state = DeviceState::Quarantined;
+                }
+            } else {
+                self.start_recovery(&id, platform);
+            }
+        }
     }
 
     /// Shuts down devices idle past `idle.shutdownAfterMs` and deletes those idle past
@@ -1381,7 +1884,7 @@ impl State {
             self.fail(
                 &id,
                 CoreError::Restarted(id.clone()),
-                "daemon-restarted",
+                RejectionReason::DaemonRestarted,
                 now,
             );
         }
@@ -1417,9 +1920,11 @@ impl State {
                     self.devices.remove(&id);
                     self.touch_device(&id);
                     self.emit(
-                        "device.deleted",
                         DEVICES,
-                        json!({ "deviceId": id, "spec": spec }),
+                        Event::DeviceDeleted {
+                            device_id: id.clone(),
+                            spec,
+                        },
                     );
                 }
                 DeviceState::Provisioning => self.delete_device(&id),
@@ -1428,9 +1933,11 @@ impl State {
                     let spec = entry.spec.clone();
                     self.touch_device(&id);
                     self.emit(
-                        "device.shutdown",
                         DEVICES,
-                        json!({ "deviceId": id, "spec": spec }),
+                        Event::DeviceShutdown {
+                            device_id: id.clone(),
+                            spec,
+                        },
                     );
                 }
                 DeviceState::Leased if !leased.contains(&id) => self.reclaim(&id, now),
@@ -1439,8 +1946,34 @@ impl State {
                     self.devices.remove(&id);
                     self.touch_device(&id);
                 }
+                // The driver says whether it still runs; meanwhile it serves as it did.
+                DeviceState::Leased | DeviceState::Ready => {
+                    let work = Work::Adopt {
+                        device: id.clone(),
+                        platform: entry.spec.platform,
+                        driver_device_id: entry.driver_device_id.clone(),
+                    };
+                    self.fx.work.push(work);
+                }
                 _ => {}
             }
+        }
+        // What each driver made that the registry does not know (a device half made when the
+        // worker died, a process of the earlier run) goes; what the registry holds shut down is
+        // stopped.
+        let platforms: Vec<Platform> = self.settings.real.iter().copied().collect();
+        for platform in platforms {
+            let keep = self
+                .devices
+                .values()
+                .filter(|d| d.spec.platform == platform && !d.driver_device_id.is_empty())
+                .map(|d| Keep {
+                    driver_device_id: d.driver_device_id.clone(),
+                    stopped: d.state == DeviceState::Shutdown,
+                })
+                .collect();
+            self.sweeping.insert(platform);
+            self.fx.work.push(Work::Sweep { platform, keep });
         }
     }
 
@@ -1482,3 +2015,16 @@ enum Plan {
 
 #[cfg(test)]
 mod tests;
+
+/// The wait before quarantine retry `attempts` (1 = after the first failure):
+/// `retryBackoffMs × multiplier^(attempts−1)`, at most `maxRetryBackoffMs`.
+pub(crate) fn quarantine_backoff(q: &QuarantineConfig, attempts: u32) -> u64 {
+    let mut wait = q.retry_backoff_ms;
+    for _ in 1..attempts {
+        wait = wait.saturating_mul(u64::from(q.retry_backoff_multiplier));
+        if wait >= q.max_retry_backoff_ms {
+            break;
+        }
+    }
+    wait.min(q.max_retry_backoff_ms)
+}

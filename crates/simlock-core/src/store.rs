@@ -7,19 +7,20 @@
 use rusqlite::{Connection, Row, params};
 use serde_json::Value;
 use simlock_contract::ids::{DeviceId, LeaseId, RequestId};
-use simlock_contract::model::{DeviceSpec, DeviceState, LeaseRecord, Platform};
+use simlock_contract::model::{DeviceAccess, DeviceSpec, DeviceState, LeaseRecord, Platform};
 use simlock_contract::{ContractError, ErrorBody};
 use simlock_daemon::Database;
 use simlock_daemon::store::StoreError;
 
 use crate::book::{RecordState, RequestRecord};
-use crate::state::{DeviceEntry, Writes};
+use crate::state::{DeviceEntry, Quarantine, Writes};
 
 /// The component name under which the migrations are recorded.
 pub const COMPONENT: &str = "core";
 
 /// The schema, one migration per entry, applied in order once each.
-pub const MIGRATIONS: &[&str] = &["
+pub const MIGRATIONS: &[&str] = &[
+    "
 CREATE TABLE core_devices (
     id TEXT PRIMARY KEY,
     platform TEXT NOT NULL,
@@ -58,7 +59,15 @@ CREATE TABLE core_requests (
     failure_json TEXT
 );
 CREATE INDEX core_requests_key ON core_requests (requester_id, idempotency_key);
-"];
+",
+    "
+ALTER TABLE core_devices ADD COLUMN access_json TEXT;
+ALTER TABLE core_devices ADD COLUMN quarantine_attempts INTEGER;
+ALTER TABLE core_devices ADD COLUMN quarantine_next_retry_at INTEGER;
+ALTER TABLE core_devices ADD COLUMN recovery_attempts INTEGER;
+ALTER TABLE core_leases ADD COLUMN access_json TEXT;
+",
+];
 
 /// Creates or upgrades the worker's tables.
 ///
@@ -102,9 +111,25 @@ fn from_name<T: serde::de::DeserializeOwned>(index: usize, name: String) -> rusq
     })
 }
 
+fn access_column(row: &Row<'_>, index: usize) -> rusqlite::Result<Option<DeviceAccess>> {
+    row.get::<_, Option<String>>(index)?
+        .map(|text| from_json(index, &text))
+        .transpose()
+}
+
 fn device_row(row: &Row<'_>) -> rusqlite::Result<DeviceEntry> {
     let platform: Platform = from_name(1, row.get(1)?)?;
     let state: DeviceState = from_name(4, row.get(4)?)?;
+    let quarantine = match (
+        row.get::<_, Option<u32>>(11)?,
+        row.get::<_, Option<i64>>(12)?,
+    ) {
+        (Some(attempts), Some(next_retry_at)) => Some(Quarantine {
+            attempts,
+            next_retry_at,
+        }),
+        _ => None,
+    };
     Ok(DeviceEntry {
         id: DeviceId::from_raw(row.get::<_, String>(0)?),
         spec: DeviceSpec {
@@ -118,9 +143,15 @@ fn device_row(row: &Row<'_>) -> rusqlite::Result<DeviceEntry> {
         last_lease_ended_at: row.get(7)?,
         idle_since: row.get(8)?,
         last_used_at: row.get(9)?,
+        access: access_column(row, 10)?,
+        quarantine,
+        recovery_attempts: row.get::<_, Option<u32>>(13)?.unwrap_or_default(),
         claim: None,
         busy: false,
         reclaim_until: None,
+        stopped_seen: 0,
+        recovery_due: None,
+        reclaim_after_work: false,
     })
 }
 
@@ -135,6 +166,7 @@ fn lease_row(row: &Row<'_>) -> rusqlite::Result<LeaseRecord> {
         ttl_deadline: row.get(6)?,
         last_renewed_at: row.get(7)?,
         id_chosen_by_requester: row.get(8)?,
+        access: access_column(row, 9)?,
         worker: None,
         worker_id: None,
     })
@@ -179,14 +211,17 @@ pub(crate) fn load(db: &Database) -> Result<Stored, StoreError> {
         let devices = c
             .prepare(
                 "SELECT id, platform, model, os_version, state, driver_device_id, created_at,
-                        last_lease_ended_at, idle_since, last_used_at FROM core_devices ORDER BY id",
+                        last_lease_ended_at, idle_since, last_used_at, access_json,
+                        quarantine_attempts, quarantine_next_retry_at, recovery_attempts
+                 FROM core_devices ORDER BY id",
             )?
             .query_map([], device_row)?
             .collect::<rusqlite::Result<Vec<_>>>()?;
         let leases = c
             .prepare(
                 "SELECT id, device_id, requester_id, owner_id, granted_at, ttl_ms, ttl_deadline,
-                        last_renewed_at, id_chosen FROM core_leases ORDER BY granted_at, id",
+                        last_renewed_at, id_chosen, access_json
+                 FROM core_leases ORDER BY granted_at, id",
             )?
             .query_map([], lease_row)?
             .collect::<rusqlite::Result<Vec<_>>>()?;
@@ -223,12 +258,18 @@ fn write_rows(c: &Connection, writes: &Writes) -> rusqlite::Result<()> {
             Some(d) => {
                 c.prepare_cached(
                     "INSERT INTO core_devices (id, platform, model, os_version, state,
-                        driver_device_id, created_at, last_lease_ended_at, idle_since, last_used_at)
-                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)
+                        driver_device_id, created_at, last_lease_ended_at, idle_since, last_used_at,
+                        access_json, quarantine_attempts, quarantine_next_retry_at,
+                        recovery_attempts)
+                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14)
                      ON CONFLICT(id) DO UPDATE SET state = excluded.state,
                         driver_device_id = excluded.driver_device_id,
                         last_lease_ended_at = excluded.last_lease_ended_at,
-                        idle_since = excluded.idle_since, last_used_at = excluded.last_used_at",
+                        idle_since = excluded.idle_since, last_used_at = excluded.last_used_at,
+                        access_json = excluded.access_json,
+                        quarantine_attempts = excluded.quarantine_attempts,
+                        quarantine_next_retry_at = excluded.quarantine_next_retry_at,
+                        recovery_attempts = excluded.recovery_attempts",
                 )?
                 .execute(params![
                     d.id.as_str(),
@@ -241,6 +282,10 @@ fn write_rows(c: &Connection, writes: &Writes) -> rusqlite::Result<()> {
                     d.last_lease_ended_at,
                     d.idle_since,
                     d.last_used_at,
+                    d.access.as_ref().map(to_json).transpose()?,
+                    d.quarantine.map(|q| q.attempts),
+                    d.quarantine.map(|q| q.next_retry_at),
+                    (d.recovery_attempts > 0).then_some(d.recovery_attempts),
                 ])?;
             }
             None => {
@@ -260,13 +305,13 @@ fn write_rows(c: &Connection, writes: &Writes) -> rusqlite::Result<()> {
     for l in writes.leases.iter().filter_map(|(_, row)| row.as_ref()) {
         c.prepare_cached(
             "INSERT INTO core_leases (id, device_id, requester_id, owner_id, granted_at,
-                ttl_ms, ttl_deadline, last_renewed_at, id_chosen)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)
+                ttl_ms, ttl_deadline, last_renewed_at, id_chosen, access_json)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)
              ON CONFLICT(id) DO UPDATE SET device_id = excluded.device_id,
                 requester_id = excluded.requester_id, owner_id = excluded.owner_id,
                 granted_at = excluded.granted_at, ttl_ms = excluded.ttl_ms,
                 ttl_deadline = excluded.ttl_deadline, last_renewed_at = excluded.last_renewed_at,
-                id_chosen = excluded.id_chosen",
+                id_chosen = excluded.id_chosen, access_json = excluded.access_json",
         )?
         .execute(params![
             l.id.as_str(),
@@ -278,6 +323,7 @@ fn write_rows(c: &Connection, writes: &Writes) -> rusqlite::Result<()> {
             l.ttl_deadline,
             l.last_renewed_at,
             l.id_chosen_by_requester,
+            l.access.as_ref().map(to_json).transpose()?,
         ])?;
     }
     for (id, row) in &writes.requests {

@@ -181,6 +181,16 @@ impl Worker {
             idle: parts.config.idle,
             limits: Limits::from_config(&parts.config.capacity, &*parts.system),
             estimates: drivers.iter().map(|(p, d)| (*p, d.estimates())).collect(),
+            health: parts.config.health,
+            quarantine: parts.config.quarantine,
+            real: drivers
+                .iter()
+                .filter(|(_, d)| {
+                    let s = d.status();
+                    s.available && s.driver != simlock_contract::model::DriverKind::Virtual
+                })
+                .map(|(p, _)| *p)
+                .collect(),
         };
         Ok(Arc::new_cyclic(|me| Self {
             me: me.clone(),
@@ -226,6 +236,7 @@ impl Worker {
         match self.converge() {
             Ok(()) => {
                 self.spawn_scheduler();
+                self.spawn_health_probes();
                 gate.open();
                 info!(instance = %self.instance_id, "worker started");
                 Ok(())
@@ -252,6 +263,13 @@ impl Worker {
     /// Stops timers and device work. Leases stay stored; a later start restores them.
     pub fn shutdown(&self) {
         self.stop.cancel();
+    }
+
+    /// Stops what the drivers run for themselves (after [`Worker::shutdown`]).
+    pub async fn close_drivers(&self) {
+        for driver in self.drivers.values() {
+            driver.close().await;
+        }
     }
 
     /// The daemon's instance id.
@@ -303,7 +321,7 @@ impl Worker {
         }
         let fx = shared.state.take_effects();
         for event in fx.events {
-            self.bus.emit(event.name, event.module, event.payload);
+            self.bus.emit(event.module, &event.event);
         }
         for notice in fx.notices {
             self.presence
@@ -392,6 +410,45 @@ impl Worker {
         });
     }
 
+    /// Every `health.probeIntervalMs`, asks each driver which of its devices run and hands
+    /// what it saw to the state (a failed probe concludes nothing).
+    fn spawn_health_probes(&self) {
+        let health = self.config.health;
+        if !health.enabled {
+            return;
+        }
+        let me = self.me.clone();
+        let stop = self.stop.clone();
+        let drivers: Vec<Arc<dyn Driver>> = self.drivers.values().cloned().collect();
+        let period = std::time::Duration::from_millis(health.probe_interval_ms);
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(period);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            tick.tick().await;
+            loop {
+                tokio::select! {
+                    () = stop.cancelled() => break,
+                    _ = tick.tick() => {}
+                }
+                for driver in &drivers {
+                    let platform = driver.platform();
+                    let probe = bounded(platform, "probing", 0, driver.probe());
+                    let seen = tokio::select! {
+                        () = stop.cancelled() => return,
+                        seen = probe => seen,
+                    };
+                    match seen {
+                        Ok(Some(seen)) => {
+                            report(&me, |state, now| state.observe(platform, &seen, now))
+                        }
+                        Ok(None) => {}
+                        Err(e) => warn!(error = %e, "a health probe failed; it concludes nothing"),
+                    }
+                }
+            }
+        });
+    }
+
     // === Device work ===
 
     fn spawn_work(&self, work: Work) {
@@ -399,6 +456,9 @@ impl Worker {
             Work::Provision { spec, .. } => spec.platform,
             Work::Boot { platform, .. }
             | Work::Reclaim { platform, .. }
+            | Work::Recover { platform, .. }
+            | Work::Adopt { platform, .. }
+            | Work::Sweep { platform, .. }
             | Work::Shutdown { platform, .. }
             | Work::Delete { platform, .. } => *platform,
         };
@@ -416,14 +476,12 @@ impl Worker {
     // === Operations ===
 
     fn caller(ctx: &CallCtx) -> Caller<'_> {
-        Caller {
-            principal: &ctx.principal,
-            admin: ctx.role == Role::Admin,
-        }
+        ctx.viewer()
     }
 
-    /// `status.get`: while starting (or failed), only `daemon` and `host`.
-    pub fn status(&self, gate: &StartupGate) -> StatusOutput {
+    /// `status.get`: while starting (or failed), only `daemon` and `host`. The leases and waiting
+    /// requests are those `viewer` may see.
+    pub fn status(&self, gate: &StartupGate, viewer: Caller<'_>) -> StatusOutput {
         let at_gate = gate.health();
         // Capability probes run only for a full answer, and outside the worker's lock.
         let capabilities = (at_gate == Health::Running).then(|| self.capabilities.snapshot());
@@ -448,6 +506,7 @@ impl Worker {
             queue_depth: None,
             waiting: None,
             capabilities: None,
+            drivers: None,
             lease: None,
             workers: None,
         };
@@ -456,10 +515,11 @@ impl Worker {
         }
         out.capacity = Some(shared.state.capacity());
         out.devices = Some(shared.state.devices());
-        out.leases = Some(shared.state.leases());
+        out.leases = Some(shared.state.visible_leases(viewer));
         out.queue_depth = Some(shared.state.queue_depth());
-        out.waiting = Some(shared.state.waiting());
+        out.waiting = Some(shared.state.waiting(viewer));
         out.capabilities = capabilities;
+        out.drivers = Some(self.drivers.values().map(|d| d.status()).collect());
         out.lease = Some(self.lease_limits());
         out
     }
@@ -503,7 +563,7 @@ impl Worker {
 
     /// Requests without a lease yet, oldest first.
     pub fn waiting(&self) -> Vec<WaitingRequest> {
-        self.shared.lock().state.waiting()
+        self.shared.lock().state.waiting(Caller::ADMIN)
     }
 
     /// Capacity now.
@@ -526,9 +586,9 @@ impl Worker {
         self.shared.lock().state.queue_depth()
     }
 
-    /// `worker.list` on a worker: a fleet of one.
-    pub fn worker_view(&self, gate: &StartupGate) -> WorkerView {
-        let status = self.status(gate);
+    /// `worker.list` on a worker: a fleet of one, with what `viewer` may see.
+    pub fn worker_view(&self, gate: &StartupGate, viewer: Caller<'_>) -> WorkerView {
+        let status = self.status(gate, viewer);
         let running = status.daemon.health == Health::Running;
         WorkerView {
             id: self.instance_id.clone(),
@@ -738,12 +798,7 @@ impl Worker {
 
     /// `lease.list`: admins see every lease, agents their own.
     pub fn lease_list(&self, ctx: &CallCtx) -> LeaseListOutput {
-        let admin = ctx.role == Role::Admin;
-        let leases = self
-            .leases()
-            .into_iter()
-            .filter(|l| admin || l.owner_id == ctx.principal)
-            .collect();
+        let leases = self.shared.lock().state.visible_leases(Self::caller(ctx));
         LeaseListOutput { leases }
     }
 
@@ -815,7 +870,7 @@ async fn run_work(
                 platform,
                 "provisioning",
                 |e| e.provision_ms,
-                |d| d.provision(&spec),
+                |d| d.provision(&spec, &device),
             )
             .await;
             let mut next = None;
@@ -850,6 +905,53 @@ async fn run_work(
             )
             .await;
             report(&me, |state, now| state.reclaimed(&device, result, now));
+        }
+        Work::Recover {
+            device,
+            driver_device_id,
+            ..
+        } => {
+            let result = drive(
+                driver,
+                platform,
+                "recovering",
+                |e| e.boot_ms,
+                |d| d.recover(&driver_device_id),
+            )
+            .await;
+            if let Err(e) = &result {
+                warn!(error = %e, %device, "booting a crashed device again failed");
+            }
+            report(&me, |state, now| state.recovered(&device, result, now));
+        }
+        Work::Adopt {
+            device,
+            driver_device_id,
+            ..
+        } => {
+            let result = drive(
+                driver,
+                platform,
+                "adopting",
+                |e| e.boot_ms,
+                |d| d.adopt(&driver_device_id),
+            )
+            .await;
+            report(&me, |state, now| state.adopted(&device, result, now));
+        }
+        Work::Sweep { keep, .. } => {
+            let result = drive(
+                driver,
+                platform,
+                "sweeping",
+                |e| e.provision_ms,
+                |d| d.sweep(keep),
+            )
+            .await;
+            if let Err(e) = &result {
+                warn!(error = %e, %platform, "sweeping what an earlier run left failed");
+            }
+            report(&me, |state, now| state.swept(platform, result, now));
         }
         Work::Shutdown {
             device,
@@ -895,7 +997,7 @@ async fn boot(
     driver: Option<&Arc<dyn Driver>>,
     platform: Platform,
     driver_device_id: &str,
-) -> Result<(), DriverError> {
+) -> Result<simlock_contract::model::DeviceAccess, DriverError> {
     drive(
         driver,
         platform,

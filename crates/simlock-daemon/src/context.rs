@@ -33,6 +33,41 @@ enum PushSink {
 /// channel). Dropping it unclaimed releases what it holds.
 pub type Prepared = Box<dyn Any + Send>;
 
+/// Who is looking, for what they may see and act on: an admin everything, anyone else only what
+/// it owns. This is the one rule behind every list, every nested view and every action on owned
+/// things (leases, lease requests, their notices), on a worker and on a gateway alike.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Viewer<'a> {
+    /// The principal looking.
+    pub principal: &'a str,
+    /// Whether it is an admin.
+    pub admin: bool,
+}
+
+impl Viewer<'static> {
+    /// An admin that is no principal: for the daemon's own views (metrics, a worker's view of
+    /// itself for an operator) and tests.
+    pub const ADMIN: Self = Self {
+        principal: "",
+        admin: true,
+    };
+}
+
+impl<'a> Viewer<'a> {
+    /// The viewer of `principal` in `role`.
+    pub fn new(principal: &'a str, role: Role) -> Self {
+        Self {
+            principal,
+            admin: role == Role::Admin,
+        }
+    }
+
+    /// Whether the viewer may see, and act on, what `owner` owns.
+    pub fn may_see(self, owner: &str) -> bool {
+        self.admin || owner == self.principal
+    }
+}
+
 /// One call, as a handler sees it.
 #[derive(Debug, Clone)]
 pub struct CallCtx {
@@ -94,6 +129,11 @@ impl CallCtx {
             pushes: pushes.map_or(PushSink::Discard, PushSink::Channel),
             prepared: Arc::new(Mutex::new(None)),
         }
+    }
+
+    /// Who is calling, for what it may see: [`Viewer`].
+    pub fn viewer(&self) -> Viewer<'_> {
+        Viewer::new(&self.principal, self.role)
     }
 
     /// Whether the call came on the worker's uplink from its gateway.

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use parking_lot::Mutex;
-use serde_json::Value;
+use simlock_contract::event::{Event, EventModule};
 use simlock_contract::ids::{EventId, SubscriptionId};
 use simlock_contract::model::EventEnvelope;
 use simlock_contract::ops::{
@@ -50,15 +50,16 @@ impl EventBus {
         })
     }
 
-    /// Records a fact that just committed.
-    pub fn emit(&self, event: &str, module: &str, payload: Value) -> EventEnvelope {
+    /// Records a fact that just committed, as `module` tells it.
+    pub fn emit(&self, module: EventModule, event: &Event) -> EventEnvelope {
+        let (name, payload) = event.parts();
         let envelope = EventEnvelope {
             id: EventId::mint(),
             seq: 0,
             timestamp: self.clock.now_ms(),
-            event: event.to_owned(),
+            event: name,
             payload,
-            module: module.to_owned(),
+            module: module.as_str().to_owned(),
         };
         self.record(envelope)
     }
@@ -197,15 +198,19 @@ mod tests {
     #[tokio::test]
     async fn the_ring_keeps_the_newest_events_in_order() {
         let bus = EventBus::new(3, TokioClock::starting_at(100).shared());
-        for n in 0..5 {
-            bus.emit("test.fact", "test", json!({ "n": n }));
+        for depth in 0..5 {
+            let emitted = bus.emit(EventModule::Fleet, &Event::QueueChanged { depth });
+            assert_eq!(
+                (emitted.event.as_str(), emitted.module.as_str()),
+                ("queue.changed", "fleet")
+            );
         }
         let events = bus.replay(None);
-        let ns: Vec<_> = events
+        let depths: Vec<_> = events
             .iter()
-            .map(|e| e.payload["n"].as_i64().unwrap())
+            .map(|e| e.payload["depth"].as_i64().unwrap())
             .collect();
-        assert_eq!(ns, [2, 3, 4]);
+        assert_eq!(depths, [2, 3, 4]);
         let seqs: Vec<_> = events.iter().map(|e| e.seq).collect();
         assert_eq!(seqs, [3, 4, 5]);
         assert!(events.iter().all(|e| e.id.as_str().starts_with("evt_")));

@@ -33,7 +33,7 @@ pub mod uplink;
 
 pub use capabilities::Capabilities;
 pub use clock::{Clock, SharedClock, TokioClock};
-pub use context::{CallCtx, CallOrigin};
+pub use context::{CallCtx, CallOrigin, Viewer};
 pub use events::EventBus;
 pub use pipeline::{Pipeline, Router, Shutdown, StartupGate};
 pub use presence::Presence;

@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use serde_json::json;
+use simlock_contract::event::{Event, EventModule};
 use simlock_contract::model::Mode;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -282,9 +282,11 @@ impl Running {
     pub fn started(&self) {
         self.base.gate.open();
         self.base.bus.emit(
-            "daemon.started",
-            "daemon",
-            json!({ "version": self.base.version, "mode": self.base.mode }),
+            EventModule::Daemon,
+            &Event::DaemonStarted {
+                version: self.base.version.clone(),
+                mode: self.base.mode,
+            },
         );
     }
 
@@ -296,9 +298,12 @@ impl Running {
     /// Stops: new calls answer `DAEMON_STOPPING`, the hosts close, the admin secret goes.
     pub async fn stop(self, reason: &str) {
         info!(reason, "daemon stopping");
-        self.base
-            .bus
-            .emit("daemon.stopping", "daemon", json!({ "reason": reason }));
+        self.base.bus.emit(
+            EventModule::Daemon,
+            &Event::DaemonStopping {
+                reason: reason.to_owned(),
+            },
+        );
         self.pipeline.begin_stopping();
         self.stop.cancel();
         for task in self.tasks {

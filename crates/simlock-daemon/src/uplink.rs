@@ -20,6 +20,7 @@ use tokio_tungstenite::tungstenite::http::HeaderValue;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
+use crate::http::parse::percent_encode;
 use crate::pipeline::Pipeline;
 
 /// The first retry waits at most this long.
@@ -316,42 +317,10 @@ pub fn run(
     (task, state_rx)
 }
 
-/// Percent-encodes everything outside unreserved URI characters (labels may hold any text).
-pub fn percent_encode(text: &str) -> String {
-    let mut out = String::with_capacity(text.len());
-    for byte in text.bytes() {
-        if byte.is_ascii_alphanumeric() || b"-._~".contains(&byte) {
-            out.push(char::from(byte));
-        } else {
-            out.push_str(&format!("%{byte:02X}"));
-        }
-    }
-    out
-}
-
-/// Decodes [`percent_encode`]'s output (and any `%XX` text); invalid escapes stay as they are.
-pub fn percent_decode(text: &str) -> String {
-    let bytes = text.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        if bytes[i] == b'%'
-            && let Some(hex) = text.get(i + 1..i + 3)
-            && let Ok(byte) = u8::from_str_radix(hex, 16)
-        {
-            out.push(byte);
-            i += 3;
-        } else {
-            out.push(bytes[i]);
-            i += 1;
-        }
-    }
-    String::from_utf8_lossy(&out).into_owned()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::http::parse::percent_decode;
 
     #[test]
     fn backoff_doubles_from_half_a_second_to_a_30_second_cap_with_jitter_in_the_upper_half() {

@@ -32,7 +32,9 @@ use simlock_contract::ops::{
 use simlock_contract::push::UnhealthyReason;
 use simlock_contract::{ErrorBody, ErrorCode, OPERATIONS, Operation, Push};
 use simlock_daemon::config::{self, Config, VirtualConfig};
+use simlock_daemon::http::DRAIN_GRACE;
 use simlock_daemon::http::body::{KEEPALIVE, MAX_JSON_BODY};
+use simlock_daemon::http::parse;
 use simlock_daemon::http::requests::{MAX_WAIT, RequestState};
 use simlock_daemon::uplink::{BACKOFF_CAP, BACKOFF_START, DIAL_TIMEOUT, STABLE_AFTER};
 
@@ -277,6 +279,9 @@ const NOT_CONFIG: &[&str] = &[
     "SIMLOCK_DEVICE_ID",
     "SIMLOCK_DEVICE_UDID",
     "SIMLOCK_PLATFORM",
+    "SIMLOCK_IOS_DEVICE_SET",
+    "SIMLOCK_ADB_SERVER_PORT",
+    "SIMLOCK_ANDROID_SERIAL",
 ];
 
 /// `SIMLOCK_CAPACITY__IOS__MAX_RUNNING` → `capacity.ios.maxRunning`, by the documented rule.
@@ -458,7 +463,8 @@ fn routes() -> BTreeSet<String> {
         routes.insert(format!("{method} /v1/{}", path.join("/")));
     }
     assert!(
-        source.contains(r#"method == Method::GET && path == "/v1/healthz""#),
+        source.contains(r#"if path == "/v1/healthz" {"#)
+            && source.contains("return if method == Method::GET {"),
         "the health route moved"
     );
     routes.insert("GET /v1/healthz".to_owned());
@@ -632,7 +638,7 @@ fn event_names() -> BTreeSet<String> {
         names.insert(push.kind().to_owned());
     }
     let source = read("src/http/mod.rs");
-    for name in ["output", "exit", "error", "event", "lagged"] {
+    for name in ["output", "exit", "error", "event", "lagged", "stopping"] {
         assert!(
             source.contains(&format!("sse_event(\"{name}\"")),
             "the host sends no {name:?} event"
@@ -677,6 +683,10 @@ fn the_hosts_limits_are_documented() {
         format!("({MAX_JSON_BODY} bytes)"),
         format!("clamped to 0–{}", MAX_WAIT.as_secs()),
         format!("When no event was sent for {} s", KEEPALIVE.as_secs()),
+        format!(
+            "other open\n  connections get {} s to finish",
+            DRAIN_GRACE.as_secs()
+        ),
         "`: keepalive`".to_owned(),
         "`Retry-After: 5`".to_owned(),
     ] {
@@ -852,4 +862,77 @@ fn every_json_example_is_what_its_fence_says() {
     for kind in ["op", "error", "body", "request"] {
         assert!(checked.contains(kind), "no ```json {kind} example");
     }
+}
+
+/// The `config.get` example: a gateway's answer, exactly as the code builds it from the defaults
+/// and the one setting the example says it was started with.
+#[test]
+fn the_gateways_config_example_is_what_a_gateway_answers() {
+    let doc = http_doc();
+    let (_, example) = blocks(&doc)
+        .into_iter()
+        .find(|(info, _)| info == "json op=config.get")
+        .expect("a config.get example");
+    assert!(
+        doc.contains("started with\n`--set lease.maxTtlMs=7200000`"),
+        "the example names how its gateway was started"
+    );
+    let mut config = Config::default();
+    config.lease.max_ttl_ms = 7_200_000;
+    let real = serde_json::to_value(config::view(&config, Mode::Gateway)).unwrap();
+    let documented: Value = serde_json::from_str(&example).unwrap();
+    assert_eq!(documented, real, "the example is not a gateway's answer");
+    // The sections the prose lists are the example's.
+    let sections: Vec<&str> = real["settings"]
+        .as_object()
+        .unwrap()
+        .keys()
+        .map(String::as_str)
+        .collect();
+    let prose = doc
+        .split("A gateway answers the sections it reads, ")
+        .nth(1)
+        .and_then(|rest| rest.split("\nwith").next())
+        .expect("the gateway's sections are listed");
+    let mut listed = codes(prose);
+    listed.sort_unstable();
+    assert_eq!(listed, sections);
+    // A set join token is redacted with the marker the docs name.
+    let mut config = Config::default();
+    config.gateway.token = Some("slk_secret".into());
+    for mode in [Mode::Worker, Mode::Gateway] {
+        let view = serde_json::to_value(config::view(&config, mode)).unwrap();
+        let marker = view["settings"]["gateway"]["token"]
+            .as_str()
+            .unwrap()
+            .to_owned();
+        assert!(
+            doc.contains(&format!("`\"{marker}\"`")),
+            "{marker} is not named"
+        );
+    }
+}
+
+/// The values the docs say count as 0 for `?wait=` do.
+#[test]
+fn the_wait_values_documented_as_unreadable_count_as_zero() {
+    let doc = http_doc();
+    let sentence = doc
+        .split("a value that is not a finite\nnumber (")
+        .nth(1)
+        .and_then(|rest| rest.split(')').next())
+        .expect("the unreadable waits are listed");
+    let listed = codes(sentence);
+    assert!(listed.len() >= 3, "{sentence}");
+    for value in listed {
+        assert_eq!(
+            parse::wait(Some(value), MAX_WAIT),
+            Duration::ZERO,
+            "{value}"
+        );
+    }
+    assert_eq!(
+        parse::wait(Some("1.5"), MAX_WAIT),
+        Duration::from_millis(1500)
+    );
 }

@@ -45,8 +45,10 @@ struct Host {
 async fn host() -> Host {
     let clock = TokioClock::system().shared();
     let store = TokenStore::open(Database::open_in_memory().unwrap(), clock.clone()).unwrap();
+    let bus = EventBus::new(10, clock.clone());
     let mut router = Router::new();
     tokens::register(&mut router, &store);
+    simlock_daemon::events::register(&mut router, &bus);
     let pipeline = Arc::new(Pipeline::new(
         router,
         StartupGate::ready(),
@@ -58,7 +60,7 @@ async fn host() -> Host {
     let app = Arc::new(HttpApp {
         pipeline,
         tokens: store.clone(),
-        bus: EventBus::new(10, clock.clone()),
+        bus,
         clock: clock.clone(),
         requests: RequestBook::new(clock, 1000, 10),
         metrics: Metrics::new(),
@@ -194,6 +196,196 @@ async fn tokens_authenticate_and_roles_gate_routes() {
             .await
             .0,
         404
+    );
+    host.stop.cancel();
+}
+
+/// One exchange with extra header lines.
+async fn exchange_with(
+    addr: &str,
+    method: &str,
+    path: &str,
+    token: Option<&str>,
+    headers: &[&str],
+) -> (u16, String) {
+    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let mut head = format!(
+        "{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: 0\r\n"
+    );
+    if let Some(token) = token {
+        head.push_str(&format!("Authorization: Bearer {token}\r\n"));
+    }
+    for line in headers {
+        head.push_str(line);
+        head.push_str("\r\n");
+    }
+    head.push_str("\r\n");
+    stream.write_all(head.as_bytes()).await.unwrap();
+    let mut raw = Vec::new();
+    let _ = stream.read_to_end(&mut raw).await;
+    let text = String::from_utf8_lossy(&raw).into_owned();
+    let (head, rest) = text
+        .split_once("\r\n\r\n")
+        .unwrap_or_else(|| panic!("no response to {method} {path}: {text:?}"));
+    (
+        head.split_whitespace().nth(1).unwrap().parse().unwrap(),
+        rest.to_owned(),
+    )
+}
+
+fn code_of(body: &str) -> String {
+    let value: Value = serde_json::from_str(body).unwrap_or_else(|e| panic!("{e}: {body}"));
+    value["error"]["code"].as_str().unwrap().to_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wait_that_is_not_a_finite_number_answers_at_once_instead_of_panicking() {
+    let host = host().await;
+    let (agent, _) = host.tokens.create(TokenRole::Agent, None).unwrap();
+    for wait in [
+        "NaN", "nan", "inf", "-inf", "1e400", "-1", "%4EaN", "1%2E5", "", "x", "%zz",
+    ] {
+        let path = format!("/v1/lease-requests/req_nope?wait={wait}");
+        let (status, body) = exchange(&host.addr, "GET", &path, Some(&agent), b"").await;
+        assert_eq!(status, 404, "{wait}: {body}");
+        assert_eq!(code_of(&body), "UNKNOWN_LEASE_REQUEST", "{wait}");
+    }
+    // The host lives on.
+    assert_eq!(
+        exchange(&host.addr, "GET", "/v1/healthz", None, b"")
+            .await
+            .0,
+        200
+    );
+    host.stop.cancel();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn query_values_and_path_segments_are_percent_decoded() {
+    let host = host().await;
+    let (operator, _) = host.tokens.create(TokenRole::Operator, None).unwrap();
+    // `%74okens` is `tokens`.
+    let (status, body) = exchange(&host.addr, "GET", "/v1/%74okens", Some(&operator), b"").await;
+    assert_eq!(status, 200, "{body}");
+    // `5%73` is `5s`; `5%zz` stays as it is and is no duration.
+    let (status, body) = exchange(
+        &host.addr,
+        "GET",
+        "/v1/events?since=5%73",
+        Some(&operator),
+        b"",
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    let (status, body) = exchange(
+        &host.addr,
+        "GET",
+        "/v1/events?since=5%zz",
+        Some(&operator),
+        b"",
+    )
+    .await;
+    assert_eq!(status, 400, "{body}");
+    assert!(body.contains(r#"since: \"5%zz\""#), "{body}");
+    host.stop.cancel();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn healthz_needs_no_token_for_any_method_and_only_get_is_a_route() {
+    let host = host().await;
+    let (status, body) = exchange(&host.addr, "GET", "/v1/healthz", None, b"").await;
+    assert_eq!((status, body.as_str()), (200, r#"{"ok":true}"#));
+    for method in ["POST", "DELETE", "PUT", "PATCH"] {
+        let (status, body) = exchange(&host.addr, method, "/v1/healthz", None, b"").await;
+        assert_eq!(status, 404, "{method}: {body}");
+        assert_eq!(code_of(&body), "UNKNOWN_REQUEST", "{method}");
+    }
+    host.stop.cancel();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_websocket_upgrade_is_refused_before_auth_and_other_upgrades_are_ignored() {
+    let host = host().await;
+    let (operator, _) = host.tokens.create(TokenRole::Operator, None).unwrap();
+    for upgrade in ["websocket", "WebSocket", "h2c, websocket"] {
+        let (status, body) = exchange_with(
+            &host.addr,
+            "GET",
+            "/v1/tokens",
+            Some(&operator),
+            &["Connection: Upgrade", &format!("Upgrade: {upgrade}")],
+        )
+        .await;
+        assert_eq!(status, 404, "{upgrade}: {body}");
+        assert_eq!(code_of(&body), "UNKNOWN_REQUEST");
+        let (status, _) = exchange_with(
+            &host.addr,
+            "GET",
+            "/v1/tokens",
+            None,
+            &["Connection: Upgrade", &format!("Upgrade: {upgrade}")],
+        )
+        .await;
+        assert_eq!(status, 404, "before auth: {upgrade}");
+    }
+    // curl --http2 on plain HTTP asks for h2c: the request is served as HTTP/1.1.
+    let (status, body) = exchange_with(
+        &host.addr,
+        "GET",
+        "/v1/tokens",
+        Some(&operator),
+        &[
+            "Connection: Upgrade, HTTP2-Settings",
+            "Upgrade: h2c",
+            "HTTP2-Settings: AAMAAABkAARAAAAAAAIAAAAA",
+        ],
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    host.stop.cancel();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idempotency_key_that_is_not_visible_ascii_is_refused_not_dropped() {
+    let host = host().await;
+    let (agent, _) = host.tokens.create(TokenRole::Agent, None).unwrap();
+    let mut stream = tokio::net::TcpStream::connect(&host.addr).await.unwrap();
+    let mut head = format!(
+        "POST /v1/lease-requests HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: 2\r\nAuthorization: Bearer {agent}\r\n"
+    )
+    .into_bytes();
+    head.extend_from_slice(b"Idempotency-Key: caf\xc3\xa9\r\n\r\n{}");
+    stream.write_all(&head).await.unwrap();
+    let mut raw = Vec::new();
+    let _ = stream.read_to_end(&mut raw).await;
+    let text = String::from_utf8_lossy(&raw).into_owned();
+    let (head, body) = text.split_once("\r\n\r\n").expect("a response");
+    assert!(head.starts_with("HTTP/1.1 400"), "{head}");
+    assert_eq!(code_of(body), "BAD_REQUEST");
+    assert!(body.contains("Idempotency-Key"), "{body}");
+    host.stop.cancel();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_authorization_that_is_not_visible_ascii_is_no_bearer_not_a_missing_header() {
+    let host = host().await;
+    let mut stream = tokio::net::TcpStream::connect(&host.addr).await.unwrap();
+    stream
+        .write_all(
+            b"GET /v1/tokens HTTP/1.1\r\nHost: x\r\nConnection: close\r\nAuthorization: Bearer slk_\xc3\xa9\r\n\r\n",
+        )
+        .await
+        .unwrap();
+    let mut raw = Vec::new();
+    let _ = stream.read_to_end(&mut raw).await;
+    let text = String::from_utf8_lossy(&raw).into_owned();
+    let (head, body) = text.split_once("\r\n\r\n").expect("a response");
+    assert!(head.starts_with("HTTP/1.1 401"), "{head}");
+    let error: Value = serde_json::from_str(body).unwrap();
+    assert_eq!(error["error"]["code"], "UNAUTHENTICATED");
+    assert_eq!(
+        error["error"]["message"],
+        "Authorization must be Bearer <token>"
     );
     host.stop.cancel();
 }

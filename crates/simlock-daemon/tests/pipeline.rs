@@ -112,7 +112,7 @@ async fn client(pipeline: &Arc<Pipeline>, credential: Option<&str>) -> WireClien
     let (client, _) = WireClient::new(Transport::client_io(r, w));
     let hello = simlock_contract::Hello {
         client_version: None,
-        protocol_version: Some(1),
+        protocol_version: Some(2),
         protocol_range: None,
         principal: Some("p1".into()),
         credential: credential.map(String::from),

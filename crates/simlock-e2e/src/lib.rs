@@ -18,7 +18,7 @@ use std::time::Duration;
 use serde_json::{Value, json};
 use simlock_contract::model::{Connection, WorkerView};
 use simlock_contract::{ContractError, Hello, PROTOCOL_RANGE};
-use simlock_daemon::config::{CapacityStrategy, Config};
+use simlock_daemon::config::{CapacityStrategy, Config, DriverChoice};
 use simlock_daemon::home::Home;
 use simlock_gateway::{GatewayOptions, RunningGateway};
 use simlock_wire::{Transport, Unsolicited, WireClient};
@@ -29,9 +29,12 @@ use tempfile::TempDir;
 /// fail a hang.
 pub const PATIENCE: Duration = Duration::from_secs(60);
 
-/// A worker configuration for tests: fixed capacity, quick virtual devices.
+/// A worker configuration for tests: fixed capacity, quick virtual devices (on both platforms,
+/// whatever tools the machine has).
 pub fn worker_config(max_running: u32) -> Config {
     let mut config = Config::default();
+    config.drivers.ios.driver = DriverChoice::Virtual;
+    config.drivers.android.driver = DriverChoice::Virtual;
     config.capacity.strategy = CapacityStrategy::Fixed;
     config.capacity.max_running = max_running;
     config.virtual_devices.provision_ms = 20;
@@ -89,51 +92,7 @@ impl FleetTls {
     }
 }
 
-/// How a fake worker greets its gateway: the gateway is its admin, under the principal it
-/// names (what `Service::greet` answers in every fake).
-///
-/// # Errors
-/// None; the signature is `greet`'s.
-pub fn greet_gateway(hello: &Hello) -> Result<simlock_wire::Identity, ContractError> {
-    Ok(simlock_wire::Identity {
-        role: simlock_contract::Role::Admin,
-        principal: hello.principal.clone().unwrap_or_default(),
-    })
-}
-
-/// A fake worker: dials the gateway's uplink like a worker and serves `service` with the given
-/// protocol range. Returns the link so the test can drop it.
-pub async fn fake_worker(
-    gateway_url: &str,
-    join_token: &str,
-    worker_id: &str,
-    service: std::sync::Arc<dyn simlock_wire::Service>,
-    range: simlock_contract::ProtocolRange,
-) -> simlock_link::LinkHandle {
-    let config = simlock_daemon::uplink::UplinkConfig {
-        url: gateway_url.to_owned(),
-        token: join_token.to_owned(),
-        worker_id: worker_id.to_owned(),
-        label: Some("fake".into()),
-        tls: None,
-    };
-    let (link, text) = simlock_daemon::uplink::dial(&config)
-        .await
-        .expect("the fake worker dials");
-    let transport = simlock_daemon::uplink::text_transport(&link, text);
-    let session = simlock_wire::SessionConfig {
-        range,
-        version: "fake".into(),
-    };
-    tokio::spawn(simlock_wire::serve_attached(
-        transport,
-        simlock_wire::Origin::GatewayUplink,
-        None,
-        service,
-        session,
-    ));
-    link
-}
+pub use simlock_test_support::fake_worker::{fake_worker, greet_gateway};
 
 /// A client session on a daemon's unix socket.
 pub struct Session {

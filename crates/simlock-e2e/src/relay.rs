@@ -32,6 +32,8 @@ use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
+use simlock_test_support::fake_worker::bookkeeping_or_refuse;
+
 use crate::{PATIENCE, TestFleet, greet_gateway, worker_config};
 
 /// Waits (bounded by [`PATIENCE`]) until `done` holds, checking every few milliseconds. For
@@ -907,27 +909,10 @@ impl Service for ScriptedWorker {
                 async { Ok(json!({})) }.boxed()
             }
             other => {
-                let answer = fake_answer(other);
+                let answer = bookkeeping_or_refuse(other, "scripted");
                 async move { answer }.boxed()
             }
         }
-    }
-}
-
-/// What a fake worker answers to the gateway's bookkeeping calls.
-fn fake_answer(op: &str) -> Result<Value, ContractError> {
-    match op {
-        "status.get" => Ok(json!({
-            "daemon": {"health": "running", "mode": "worker", "version": "scripted", "instanceId": "scripted"},
-            "host": {"os": "linux", "osVersion": "", "arch": "x86_64", "tools": []}
-        })),
-        "list.get" => Ok(json!({"devices": []})),
-        "catalog.get" => Ok(json!({"platforms": []})),
-        "config.get" => {
-            Ok(json!({"mode": "worker", "lease": {"defaultTtlMs": 1000, "maxTtlMs": 2000}}))
-        }
-        "events.subscribe" => Ok(json!({"subscribed": true, "subscriptionId": "sub_1"})),
-        _ => Err(ContractError::internal("not scripted")),
     }
 }
 

@@ -64,6 +64,9 @@ impl Worker {
         command
             .arg("--home")
             .arg(home.path())
+            // Virtual devices, whatever tools this machine has.
+            .args(["--set", "drivers.ios.driver=virtual"])
+            .args(["--set", "drivers.android.driver=virtual"])
             .env("SIMLOCK_LOG", "warn")
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit());

@@ -204,6 +204,7 @@ use futures::future::BoxFuture;
 use simlock_contract::model::{Connection, DeviceState};
 use simlock_contract::{ContractError, Hello, ProtocolRange, Push};
 use simlock_e2e::{PATIENCE, fake_worker, greet_gateway, session};
+use simlock_test_support::fake_worker::bookkeeping_or_refuse;
 use simlock_wire::{CallContext, Identity, Origin, Service};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -512,17 +513,7 @@ impl Service for FakeWorker {
             if hang {
                 futures::future::pending::<()>().await;
             }
-            match op.as_str() {
-                "status.get" => Ok(json!({
-                    "daemon": {"health": "running", "mode": "worker", "version": "fake", "instanceId": "fake"},
-                    "host": {"os": "linux", "osVersion": "", "arch": "x86_64", "tools": []}
-                })),
-                "list.get" => Ok(json!({"devices": []})),
-                "catalog.get" => Ok(json!({"platforms": []})),
-                "config.get" => Ok(json!({"mode": "worker", "lease": {"defaultTtlMs": 1000, "maxTtlMs": 2000}})),
-                "events.subscribe" => Ok(json!({"subscribed": true, "subscriptionId": "sub_1"})),
-                _ => Err(ContractError::internal("not faked")),
-            }
+            bookkeeping_or_refuse(&op, "fake")
         }
         .boxed()
     }
@@ -696,6 +687,140 @@ async fn refused_uplinks_get_their_statuses_and_change_no_view() {
     fleet.stop().await;
 }
 
+/// A hand-made uplink handshake (a WebSocket client always sends version 13): the status line
+/// and the head.
+async fn raw_uplink(addr: &str, join: &str, version: Option<&str>) -> String {
+    open_raw_uplink(addr, join, version, "old-client").await.0
+}
+
+/// A raw uplink handshake as `worker_id`: the gateway's answer, and the socket, still open.
+async fn open_raw_uplink(
+    addr: &str,
+    join: &str,
+    version: Option<&str>,
+    worker_id: &str,
+) -> (String, tokio::net::TcpStream) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let mut head = format!(
+        "GET /v1/uplink HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\
+         Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nx-simlock-worker-id: {worker_id}\r\n\
+         Authorization: Bearer {join}\r\n"
+    );
+    if let Some(version) = version {
+        head.push_str(&format!("Sec-WebSocket-Version: {version}\r\n"));
+    }
+    head.push_str("\r\n");
+    stream.write_all(head.as_bytes()).await.unwrap();
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 4096];
+    let read = tokio::time::timeout(PATIENCE, async {
+        loop {
+            let text = String::from_utf8_lossy(&seen).into_owned();
+            // A refusal has a JSON body after its head; a 101 has nothing after it.
+            if let Some((head, body)) = text.split_once("\r\n\r\n")
+                && (head.starts_with("HTTP/1.1 101") || body.ends_with('}'))
+            {
+                return text;
+            }
+            let n = stream.read(&mut buf).await.unwrap();
+            if n == 0 {
+                return text;
+            }
+            seen.extend_from_slice(&buf[..n]);
+        }
+    });
+    (
+        read.await.expect("the gateway answered the handshake"),
+        stream,
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_view_an_uplink_makes_before_its_greeting_wakes_the_fleets_watchers() {
+    // The watcher looks before the uplink opens, and nothing after the upgrade changes the
+    // fleet (the socket stays open and answers no greeting, whose bound is an hour): only the
+    // decision that made the view can wake it.
+    let fleet = TestFleet::start_with(gateway_config(), |timing| {
+        timing.call_timeout = std::time::Duration::from_secs(3600);
+    })
+    .await;
+    let gateway = fleet.gateway().fleet.clone();
+    let mut changes = gateway.changes();
+    changes.borrow_and_update();
+    assert!(gateway.view("silent").is_none());
+    let addr = fleet.gateway().running.http_addr().unwrap().to_string();
+    let (answer, _held_open) =
+        open_raw_uplink(&addr, &fleet.join_token, Some("13"), "silent").await;
+    assert!(answer.starts_with("HTTP/1.1 101"), "{answer}");
+    let seen = tokio::time::timeout(PATIENCE, async {
+        while gateway.view("silent").is_none() {
+            changes.changed().await.unwrap();
+        }
+    })
+    .await;
+    assert!(seen.is_ok(), "no change was told for the new view");
+    assert_eq!(
+        gateway.view("silent").unwrap().connection,
+        Connection::Disconnected,
+        "not connected before its greeting"
+    );
+    fleet.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_uplink_with_another_websocket_version_or_none_gets_426_and_records_nothing() {
+    let fleet = TestFleet::start(gateway_config()).await;
+    let addr = fleet.gateway().running.http_addr().unwrap().to_string();
+    for version in [Some("8"), Some("12"), Some("13, 8"), None] {
+        let answer = raw_uplink(&addr, &fleet.join_token, version).await;
+        let (head, body) = answer.split_once("\r\n\r\n").unwrap();
+        assert!(head.starts_with("HTTP/1.1 426"), "{version:?}: {answer}");
+        assert!(
+            head.to_ascii_lowercase()
+                .contains("\r\nsec-websocket-version: 13"),
+            "{version:?}: the refusal names version 13: {head}"
+        );
+        let error: Value = serde_json::from_str(body).unwrap();
+        assert_eq!(error["error"]["code"], "BAD_REQUEST");
+        assert!(
+            error["error"]["message"]
+                .as_str()
+                .unwrap()
+                .starts_with("Sec-WebSocket-Version:"),
+            "{body}"
+        );
+    }
+    // The same handshake with version 13 is taken: the refusals were for the version alone.
+    let answer = raw_uplink(&addr, &fleet.join_token, Some("13")).await;
+    assert!(answer.starts_with("HTTP/1.1 101"), "{answer}");
+    fleet
+        .wait_for(|views| views.iter().any(|v| v.id == "old-client"))
+        .await;
+    let events = fleet
+        .operator()
+        .await
+        .call("events.replay", json!({}))
+        .await
+        .unwrap();
+    let about_it: Vec<&Value> = events["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["payload"]["workerId"] == "old-client")
+        .collect();
+    assert!(
+        about_it.iter().all(|e| e["event"] != "worker.rejected"),
+        "a refused version records nothing: {about_it:?}"
+    );
+    assert_eq!(
+        fleet.gateway().fleet.views().len(),
+        1,
+        "only the accepted handshake made a worker"
+    );
+    fleet.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn revoking_a_join_token_closes_its_uplinks() {
     let mut fleet = TestFleet::start(gateway_config()).await;
@@ -747,7 +872,7 @@ impl Service for EndFirstWorker {
         let (real, answer_permit) = (self.real.clone(), self.answer.clone());
         async move {
             if op == "events.subscribe" {
-                return Ok(json!({"subscribed": true, "subscriptionId": "sub_1"}));
+                return bookkeeping_or_refuse(&op, "fake");
             }
             let mut payload = payload.unwrap_or_else(|| json!({}));
             if let Some(fields) = payload.as_object_mut() {

@@ -2050,7 +2050,7 @@ async fn a_worker_internal_after_the_head_errors_the_body_with_its_message() {
 /// coordinator (the one classification).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn daemon_stopping_from_a_worker_reads_as_a_lost_uplink() {
-    assert!(simlock_fleet::coordinator::is_uplink_lost(
+    assert!(simlock_fleet::error::is_uplink_lost(
         &ContractError::stopping()
     ));
     let (fleet, _worker, _link) = scripted(worker_link(), |call| {

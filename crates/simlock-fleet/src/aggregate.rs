@@ -5,10 +5,10 @@ use std::collections::BTreeMap;
 
 use simlock_contract::model::{
     Capacity, Connection, DaemonInfo, Device, GlobalCapacity, Health, Mode, Platform,
-    PlatformCapacity, PlatformCatalog, WaitingRequest,
+    PlatformCapacity, PlatformCatalog, WaitingRequest, WorkerView,
 };
 use simlock_contract::ops::{CatalogOutput, StatusOutput};
-use simlock_daemon::context::CallCtx;
+use simlock_daemon::context::{CallCtx, Viewer};
 
 use crate::fleet::Fleet;
 
@@ -27,7 +27,7 @@ impl Fleet {
             health,
             mode: Mode::Gateway,
             version: version.to_owned(),
-            instance_id: self.gateway_id.clone(),
+            instance_id: self.gateway_id().to_owned(),
         };
         if health != Health::Running {
             return StatusOutput {
@@ -39,11 +39,12 @@ impl Fleet {
                 queue_depth: None,
                 waiting: None,
                 capabilities: None,
+                drivers: None,
                 lease: None,
                 workers: None,
             };
         }
-        let views = self.views();
+        let views = self.views_seen_by(ctx.viewer());
         let mut capacity = Capacity::default();
         let mut ram_ios = true;
         let mut ram_android = true;
@@ -74,8 +75,9 @@ impl Fleet {
             devices: Some(self.devices()),
             leases: Some(self.leases(ctx)),
             queue_depth: Some(self.queue_depth()),
-            waiting: Some(self.all_waiting()),
+            waiting: Some(self.all_waiting(ctx.viewer())),
             capabilities: None,
+            drivers: None,
             lease: Some(self.limits),
             workers: Some(views),
         }
@@ -98,16 +100,18 @@ impl Fleet {
             .collect()
     }
 
-    /// The fleet queue's waiting requests, then each worker's own.
-    pub fn all_waiting(&self) -> Vec<WaitingRequest> {
-        let mut waiting = self.waiting();
-        for view in self.views() {
-            for mut w in view.waiting.unwrap_or_default() {
-                w.worker_id = Some(view.id.clone());
-                waiting.push(w);
-            }
-        }
-        waiting
+    /// The fleet queue's waiting requests, then each worker's own, as far as `viewer` may see
+    /// them (the core's [`crate::state::Core::all_waiting`]): an agent its own pending requests,
+    /// an admin all.
+    pub fn all_waiting(&self, viewer: Viewer<'_>) -> Vec<WaitingRequest> {
+        self.shared.lock().core.all_waiting(viewer)
+    }
+
+    /// Every view, with the nested leases and waiting requests `viewer` may see (the core's
+    /// [`crate::state::Core::views_seen_by`]): an admin the views as the workers report them,
+    /// an agent only its own leases (the rule of the lease list, `Core::seen`) and requests.
+    pub fn views_seen_by(&self, viewer: Viewer<'_>) -> Vec<WorkerView> {
+        self.shared.lock().core.views_seen_by(viewer)
     }
 
     /// `catalog.get` on a gateway: the union of the connected workers' catalogs, with which
@@ -121,7 +125,9 @@ impl Fleet {
             .filter(|v| v.connection == Connection::Connected)
         {
             for catalog in view.catalog.unwrap_or_default() {
-                if platform.is_some_and(|p| p != catalog.platform) {
+                // A worker whose driver cannot serve the platform adds nothing to it.
+                if platform.is_some_and(|p| p != catalog.platform) || catalog.unavailable.is_some()
+                {
                     continue;
                 }
                 defaults
@@ -139,6 +145,7 @@ impl Fleet {
                         model_aliases: BTreeMap::new(),
                         model_workers: Some(BTreeMap::new()),
                         runtime_workers: Some(BTreeMap::new()),
+                        unavailable: None,
                     });
                 for model in &catalog.models {
                     if !entry.models.contains(model) {

@@ -43,7 +43,7 @@ pub fn register(
         let out = match input.kind {
             ListKind::Devices => ListOutput::Devices(f.devices()),
             ListKind::Leases => ListOutput::Leases(f.leases(&ctx)),
-            ListKind::Requests => ListOutput::Requests(f.all_waiting()),
+            ListKind::Requests => ListOutput::Requests(f.all_waiting(ctx.viewer())),
             ListKind::Rules => ListOutput::Rules(Vec::new()),
         };
         async move { Ok(out) }
@@ -79,8 +79,10 @@ pub fn register(
         },
         move |ctx, input| {
             let requester = input.requester_id.unwrap_or_else(|| ctx.principal.clone());
-            let result = f.cancel_request(&requester);
-            async move { Ok(LeaseCancelOutput { result }) }
+            let outcome = f
+                .cancel_request(&ctx, &requester)
+                .map(|result| LeaseCancelOutput { result });
+            async move { outcome }
         },
     );
     let f = fleet.clone();
@@ -103,8 +105,8 @@ pub fn register(
         async move { f.exec(&ctx, input).await }
     });
     let f = fleet.clone();
-    router.handle::<WorkerList, _, _>(move |_, _| {
-        let workers = f.views();
+    router.handle::<WorkerList, _, _>(move |ctx, _| {
+        let workers = f.views_seen_by(ctx.viewer());
         async move { Ok(WorkerListOutput { workers }) }
     });
     let f = fleet.clone();

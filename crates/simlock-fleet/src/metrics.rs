@@ -112,10 +112,6 @@ pub fn register_metrics(metrics: &Metrics, fleet: &Arc<Fleet>) {
     metrics.gauge(
         "simlock_leases",
         "Leases the gateway issued and indexes.",
-        move || {
-            read(&f, |fleet| {
-                vec![(vec![], fleet.state.lock().index.len() as f64)]
-            })
-        },
+        move || read(&f, |fleet| vec![(vec![], fleet.lease_count() as f64)]),
     );
 }

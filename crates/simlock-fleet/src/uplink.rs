@@ -1,7 +1,9 @@
 //! `GET /v1/uplink`: where workers dial in. Refusals, in order: no `x-simlock-worker-id` (or an
-//! invalid one) → 400; a missing or unknown join token → 401; a valid token of another role →
-//! 403 (both logged as `worker.rejected`). Otherwise the WebSocket upgrade is answered, the
-//! socket is wrapped in a link (gateway end), and the fleet drives the worker over it.
+//! invalid one) or a label past its bound → 400; a missing or unknown join token → 401; a valid
+//! token of another role → 403 (both logged as `worker.rejected`); not a WebSocket upgrade →
+//! 400; a `Sec-WebSocket-Version` other than 13 → 426 naming 13 (RFC 6455 §4.2.2). A refusal
+//! records no worker. Otherwise the WebSocket upgrade is answered, the socket is wrapped in a
+//! link (gateway end), and the fleet drives the worker over it.
 
 use std::sync::Arc;
 
@@ -10,14 +12,14 @@ use futures::future::BoxFuture;
 use http::{HeaderValue, Request, Response, StatusCode, header};
 use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
-use serde_json::json;
+use simlock_contract::event::{Event, EventModule, UplinkRejection};
 use simlock_contract::model::TokenRole;
 use simlock_contract::{ContractError, bounds};
 use simlock_daemon::auth::verify_bearer;
 use simlock_daemon::http::Mount;
 use simlock_daemon::http::body::{Body, empty, error, error_with_status};
+use simlock_daemon::http::parse::percent_decode;
 use simlock_daemon::tokens::TokenStore;
-use simlock_daemon::uplink::percent_decode;
 use simlock_link::{End, LinkConfig, websocket_config};
 use tokio::io::AsyncReadExt as _;
 use tokio::net::TcpStream;
@@ -60,11 +62,14 @@ impl UplinkMount {
         Arc::new(Self { fleet, tokens })
     }
 
-    fn rejected(&self, reason: &str, worker_id: Option<&str>, label: Option<&str>) {
+    fn rejected(&self, reason: UplinkRejection, worker_id: Option<&str>, label: Option<&str>) {
         self.fleet.bus.emit(
-            "worker.rejected",
-            "fleet",
-            json!({ "reason": reason, "workerId": worker_id, "label": label }),
+            EventModule::Fleet,
+            &Event::WorkerRejected {
+                reason,
+                worker_id: worker_id.map(str::to_owned),
+                label: label.map(str::to_owned),
+            },
         );
     }
 
@@ -85,16 +90,25 @@ impl UplinkMount {
         };
         let authorization = headers
             .get(header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok());
+            // A value that is not visible ASCII is no bearer token, not a missing header.
+            .map(|v| v.to_str().unwrap_or_default());
         let token = match verify_bearer(&self.tokens, authorization) {
             Ok(token) => token,
             Err(err) => {
-                self.rejected("unauthenticated", Some(&worker_id), label.as_deref());
+                self.rejected(
+                    UplinkRejection::Unauthenticated,
+                    Some(&worker_id),
+                    label.as_deref(),
+                );
                 return error(&err);
             }
         };
         if token.role != TokenRole::Worker {
-            self.rejected("forbidden", Some(&worker_id), label.as_deref());
+            self.rejected(
+                UplinkRejection::Forbidden,
+                Some(&worker_id),
+                label.as_deref(),
+            );
             return error(&ContractError::forbidden(
                 "Only a worker (join) token may open an uplink",
             ));
@@ -113,6 +127,9 @@ impl UplinkMount {
                 StatusCode::BAD_REQUEST,
             );
         };
+        if let Some(refused) = refuse_websocket_version(headers) {
+            return refused;
+        }
         let upgrade = hyper::upgrade::on(&mut request);
         let fleet = self.fleet.clone();
         let token_id = token.id.to_string();
@@ -187,6 +204,38 @@ impl UplinkMount {
     }
 }
 
+/// The WebSocket version this gateway speaks (RFC 6455).
+const WEBSOCKET_VERSION: &str = "13";
+
+/// The refusal of a `Sec-WebSocket-Version` other than 13, or none: `426 Upgrade Required`
+/// naming the version this gateway speaks (RFC 6455 §4.2.2).
+fn refuse_websocket_version(headers: &http::HeaderMap) -> Option<Response<Body>> {
+    let version = headers
+        .get(header::SEC_WEBSOCKET_VERSION)
+        .and_then(|v| v.to_str().ok())
+        .map(str::trim);
+    if version == Some(WEBSOCKET_VERSION) {
+        return None;
+    }
+    let message = match version {
+        None => format!(
+            "Sec-WebSocket-Version: required; this gateway speaks WebSocket version {WEBSOCKET_VERSION}"
+        ),
+        Some(other) => format!(
+            "Sec-WebSocket-Version: {other:?} is not spoken here; this gateway speaks WebSocket version {WEBSOCKET_VERSION}"
+        ),
+    };
+    let mut response = error_with_status(
+        &ContractError::bad_request(message),
+        StatusCode::UPGRADE_REQUIRED,
+    );
+    response.headers_mut().insert(
+        header::SEC_WEBSOCKET_VERSION,
+        HeaderValue::from_static(WEBSOCKET_VERSION),
+    );
+    Some(response)
+}
+
 /// The worker's label: percent-decoded, at most the contract's label bound (a peer's text that
 /// ends up in views and events).
 fn worker_label(header: Option<&HeaderValue>) -> Result<Option<String>, ContractError> {
@@ -223,7 +272,7 @@ fn link_config(fleet: &Fleet) -> LinkConfig {
 
 #[cfg(test)]
 mod tests {
-    use simlock_daemon::uplink::percent_encode;
+    use simlock_daemon::http::parse::percent_encode;
 
     use super::*;
 

@@ -41,7 +41,7 @@ use serde_json::json;
 use simlock_contract::bounds::{self, RELAY_GATEWAY_CREDENTIAL_HEADERS};
 use simlock_contract::ops::{RelayMethod, RelayRequestInput, RelayRequestOutput};
 use simlock_contract::{ContractError, ErrorCode, Push};
-use simlock_fleet::coordinator::{from_worker, unreachable};
+use simlock_fleet::error::{from_worker, unreachable};
 use simlock_fleet::{Fleet, WorkerConn};
 use simlock_link::{ChannelError, ChannelReader, ChannelWriter, FailureReason};
 use simlock_wire::CallEvent;
@@ -880,7 +880,10 @@ impl Driver {
         let client = self.conn.client.clone();
         let relay_id = self.relay_id.clone();
         tokio::spawn(async move {
-            let cancel = client.call_value("relay.cancel", json!({ "relayId": relay_id }));
+            let input = simlock_contract::ops::RelayCancelInput {
+                relay_id: relay_id.clone(),
+            };
+            let cancel = client.call::<simlock_contract::ops::RelayCancel>(&input);
             if let Ok(Err(error)) = tokio::time::timeout(CANCEL_TIMEOUT, cancel).await {
                 debug!(relay = %relay_id, error = %error, "relay.cancel failed");
             }

@@ -1,4 +1,4 @@
-//! TLS for simlock's hops, on rustls with the ring provider (ADR 0017).
+//! TLS for simlock's hops, on rustls with the ring provider (ADR 0024).
 //!
 //! - [`ServerTls`]: what a daemon's HTTP host serves with. Its certificate and key are PEM files;
 //!   every new connection's handshake reads them again, and a changed pair that parses and

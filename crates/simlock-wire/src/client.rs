@@ -232,6 +232,22 @@ impl WireClient {
         self.start(op, payload, Some(push_tx), push_rx).await
     }
 
+    /// Starts a typed call whose pushes the caller wants (see [`Self::begin`]); read its reply
+    /// with [`decode_output`].
+    ///
+    /// # Errors
+    /// `DAEMON_CONNECTION_LOST` when the connection has ended; `INTERNAL` when the input does
+    /// not serialize.
+    pub async fn begin_call<O: Operation>(
+        &self,
+        input: &O::Input,
+        push_capacity: usize,
+    ) -> Result<CallHandle, ContractError> {
+        let payload =
+            serde_json::to_value(input).map_err(|e| ContractError::internal(e.to_string()))?;
+        self.begin(O::NAME, payload, push_capacity).await
+    }
+
     async fn start(
         &self,
         op: &str,

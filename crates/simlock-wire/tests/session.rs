@@ -155,7 +155,7 @@ impl Raw {
 
     async fn hello(&mut self) {
         self.send(
-            json!({"id": 0, "type": "hello", "payload": {"protocolVersion": 1, "principal": "p1"}}),
+            json!({"id": 0, "type": "hello", "payload": {"protocolVersion": 2, "principal": "p1"}}),
         )
         .await;
         let reply = self.recv().await.unwrap();
@@ -257,7 +257,7 @@ async fn a_bad_hello_or_credential_is_refused_and_closes() {
 
     let mut raw = start(Arc::default());
     raw.send(
-        json!({"id": 1, "type": "hello", "payload": {"protocolVersion": 1, "credential": "guess"}}),
+        json!({"id": 1, "type": "hello", "payload": {"protocolVersion": 2, "credential": "guess"}}),
     )
     .await;
     let reply = raw.recv().await.unwrap();
@@ -268,17 +268,17 @@ async fn a_bad_hello_or_credential_is_refused_and_closes() {
 #[tokio::test]
 async fn a_mismatched_range_stays_open_and_refuses_everything_but_daemon_stop() {
     let mut raw = start(Arc::default());
-    raw.send(json!({"id": 1, "type": "hello", "payload": {"protocolRange": {"min": 2, "max": 3}}}))
+    raw.send(json!({"id": 1, "type": "hello", "payload": {"protocolRange": {"min": 3, "max": 4}}}))
         .await;
     let reply = raw.recv().await.unwrap();
     assert_eq!(reply["error"]["code"], "PROTOCOL_VERSION_UNSUPPORTED");
     assert_eq!(
         reply["error"]["details"]["client"],
-        json!({"min": 2, "max": 3})
+        json!({"min": 3, "max": 4})
     );
     assert_eq!(
         reply["error"]["details"]["daemon"],
-        json!({"min": 1, "max": 1})
+        json!({"min": 2, "max": 2})
     );
     raw.send(json!({"id": 2, "type": "echo", "payload": {}}))
         .await;
@@ -299,10 +299,10 @@ async fn hello_negotiates_the_highest_common_version_and_reports_the_identity() 
     raw.send(json!({"id": "h", "type": "hello", "payload": {"protocolRange": {"min": 1, "max": 9}, "principal": "agent-7", "credential": "admin-secret"}})).await;
     let reply = raw.recv().await.unwrap();
     assert_eq!(reply["id"], "h");
-    assert_eq!(reply["payload"]["protocolVersion"], 1);
+    assert_eq!(reply["payload"]["protocolVersion"], 2);
     assert_eq!(reply["payload"]["role"], "admin");
     assert_eq!(reply["payload"]["principal"], "agent-7");
-    raw.send(json!({"id": 2, "type": "hello", "payload": {"protocolVersion": 1}}))
+    raw.send(json!({"id": 2, "type": "hello", "payload": {"protocolVersion": 2}}))
         .await;
     assert_eq!(raw.recv().await.unwrap()["error"]["code"], "BAD_REQUEST");
 }
@@ -398,7 +398,7 @@ fn hello() -> Hello {
     Hello {
         client_version: None,
         protocol_version: None,
-        protocol_range: Some(ProtocolRange { min: 1, max: 1 }),
+        protocol_range: Some(ProtocolRange { min: 2, max: 2 }),
         principal: Some("tester".into()),
         credential: None,
     }
@@ -496,7 +496,7 @@ async fn a_push_waits_while_the_reader_does_not_read() {
         config(),
     ));
     let (r, mut w) = tokio::io::split(client);
-    w.write_all(b"{\"id\":0,\"type\":\"hello\",\"payload\":{\"protocolVersion\":1}}\n")
+    w.write_all(b"{\"id\":0,\"type\":\"hello\",\"payload\":{\"protocolVersion\":2}}\n")
         .await
         .unwrap();
     w.write_all(b"{\"id\":1,\"type\":\"pushy\",\"payload\":{\"count\":10000}}\n")

@@ -8,8 +8,8 @@ use simlock_contract::{ContractError, ErrorCode};
 use tokio::sync::oneshot;
 
 use super::{guard, pipe_client, socket_client, socket_fake};
-use crate::test_util::{CancelScript, FakeDaemon, RequestScript};
 use crate::{Client, PendingLease, RequestEvent};
+use simlock_test_support::fake_daemon::{CancelScript, FakeDaemon, RequestScript};
 
 fn input() -> LeaseRequestInput {
     let mut input = LeaseRequestInput::for_platform(Platform::Ios);

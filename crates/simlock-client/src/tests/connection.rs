@@ -11,8 +11,8 @@ use simlock_wire::Transport;
 use tokio::io::{AsyncBufReadExt as _, AsyncWriteExt as _, BufReader};
 
 use super::{guard, guard_paused, pipe_client};
-use crate::test_util::{FakeDaemon, RequestScript};
 use crate::{Client, ConnectOptions};
+use simlock_test_support::fake_daemon::{FakeDaemon, RequestScript};
 
 #[tokio::test]
 async fn a_lost_connection_fails_pending_and_later_calls() {
@@ -45,8 +45,8 @@ async fn a_lost_connection_fails_pending_and_later_calls() {
 /// `hello`'s success.
 fn hello_ok(call: &Value) -> Value {
     json!({"id": call["id"], "ok": true, "payload": {
-        "protocolVersion": 1,
-        "daemonProtocolRange": {"min": 1, "max": 1},
+        "protocolVersion": 2,
+        "daemonProtocolRange": {"min": 2, "max": 2},
         "version": "scripted",
         "role": "agent",
         "principal": "someone"
@@ -117,12 +117,12 @@ async fn a_protocol_mismatch_is_refused_at_hello() {
         // The client offers the contract's range.
         assert_eq!(
             call["payload"]["protocolRange"],
-            json!({"min": 1, "max": 1})
+            json!({"min": 2, "max": 2})
         );
         Some(json!({"id": call["id"], "ok": false, "error": {
             "code": "PROTOCOL_VERSION_UNSUPPORTED",
             "message": "Protocol version mismatch: client speaks 1..1, daemon speaks 7..8",
-            "details": {"client": {"min": 1, "max": 1}, "daemon": {"min": 7, "max": 8}, "daemonVersion": "9"}
+            "details": {"client": {"min": 2, "max": 2}, "daemon": {"min": 7, "max": 8}, "daemonVersion": "9"}
         }}))
     });
     let err = guard(Client::over_transport(transport, ConnectOptions::default()))

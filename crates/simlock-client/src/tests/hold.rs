@@ -11,8 +11,8 @@ use simlock_contract::{ErrorCode, Push};
 use tokio::time::Instant;
 
 use super::{guard_paused, pipe_client};
-use crate::test_util::FakeDaemon;
 use crate::{Client, HoldEnd, LeaseLost, LeaseNotice};
+use simlock_test_support::fake_daemon::FakeDaemon;
 
 async fn grant(client: &Client, ttl_ms: u64) -> LeaseGrant {
     let mut input = LeaseRequestInput::for_platform(Platform::Ios);

@@ -9,8 +9,8 @@ use simlock_contract::{ContractError, ErrorCode, Push};
 use tokio::sync::mpsc;
 
 use super::{guard, http_client, http_fake};
-use crate::test_util::{CancelScript, RequestScript};
 use crate::{FollowItem, HoldEnd, LeaseLost, LeaseNotice};
+use simlock_test_support::fake_daemon::{CancelScript, RequestScript};
 
 #[tokio::test]
 async fn typed_calls_answer_over_http() {
@@ -123,15 +123,29 @@ async fn a_refused_request_fails_with_its_code_over_http() {
 }
 
 #[tokio::test]
-async fn a_named_requester_goes_through_the_operation() {
+async fn a_named_requester_goes_through_the_resource_with_its_progress() {
     let fake = http_fake().await;
-    let operator = http_client(&fake, fake.operator_token());
+    fake.script_request(RequestScript::Hold(vec![Progress::Queued {
+        queue_position: 2,
+    }]));
+    let agent = http_client(&fake, fake.agent_token());
     let mut input = LeaseRequestInput::for_platform(Platform::Ios);
     input.requester_id = Some("agent-3".into());
-    let grant = guard(operator.request_lease(input, |_| {}, std::future::pending()))
-        .await
-        .unwrap();
+    let mut pending = guard(agent.begin_lease_request(input)).await.unwrap();
+    assert_eq!(
+        guard(pending.next()).await,
+        crate::RequestEvent::Progress(Progress::Queued { queue_position: 2 })
+    );
+    assert!(fake.settle_pending(Ok(())));
+    let crate::RequestEvent::Done(Ok(grant)) = guard(pending.next()).await else {
+        panic!("no grant");
+    };
     assert_eq!(grant.lease.requester_id, "agent-3");
+    assert_eq!(grant.lease.owner_id, fake.agent_token_id());
+    assert_eq!(
+        fake.calls_of("lease.request")[0].input,
+        json!({"platform": "ios", "requesterId": "agent-3"})
+    );
 }
 
 #[tokio::test]
@@ -314,6 +328,31 @@ async fn an_http_hold_stops_on_lease_lost() {
 }
 
 #[tokio::test]
+async fn an_http_hold_whose_lease_is_not_listed_yet_lets_the_renewal_decide() {
+    // A gateway lists a lease once its worker's view has it; the lease's event stream can answer
+    // UNKNOWN_LEASE just after the grant. Only the renewal says the lease is gone.
+    let fake = http_fake().await;
+    let agent = http_client(&fake, fake.agent_token());
+    let mut input = LeaseRequestInput::for_platform(Platform::Ios);
+    input.ttl_ms = Some(300);
+    let mut grant = guard(agent.request_lease(input, |_| {}, std::future::pending()))
+        .await
+        .unwrap();
+    grant.lease.id = simlock_contract::ids::LeaseId::from_raw("lse_not_listed");
+    let mut hold = agent.hold(grant);
+    assert_eq!(
+        guard(hold.ended()).await,
+        HoldEnd::Lost(LeaseLost {
+            lease_id: "lse_not_listed".into(),
+            reason: None
+        })
+    );
+    let renewals = fake.calls_of("lease.renew");
+    assert_eq!(renewals.len(), 1, "the renewal decided");
+    assert_eq!(renewals[0].input, json!({"leaseId": "lse_not_listed"}));
+}
+
+#[tokio::test]
 async fn an_http_hold_renews_then_releases() {
     let fake = http_fake().await;
     let agent = http_client(&fake, fake.agent_token());
@@ -330,6 +369,32 @@ async fn an_http_hold_renews_then_releases() {
             .iter()
             .all(|r| r.input == json!({"leaseId": lease_id}))
     );
+    assert_eq!(guard(hold.release()).await, HoldEnd::Released);
+    assert_eq!(
+        fake.calls_of("lease.release")[0].input,
+        json!({"leaseId": lease_id})
+    );
+    assert!(fake.leases().is_empty());
+}
+
+/// Issue 11, item 0: a lookup that raced the grant (the lease's event stream opened at once and
+/// its lease was not listed yet) is not the daemon's word: the hold renews and releases.
+#[tokio::test]
+async fn an_http_hold_whose_first_lookup_misses_the_lease_renews_and_releases() {
+    let fake = http_fake().await;
+    let agent = http_client(&fake, fake.agent_token());
+    let mut input = LeaseRequestInput::for_platform(Platform::Ios);
+    input.ttl_ms = Some(300);
+    let grant = guard(agent.request_lease(input, |_| {}, std::future::pending()))
+        .await
+        .unwrap();
+    fake.unlist_leases(true);
+    let lease_id = grant.lease.id.to_string();
+    let hold = agent.hold(grant);
+    // The stream's lookup misses the lease; renewals go on.
+    guard(fake.wait_for_calls("lease.list", 1)).await;
+    guard(fake.wait_for_calls("lease.renew", 2)).await;
+    fake.unlist_leases(false);
     assert_eq!(guard(hold.release()).await, HoldEnd::Released);
     assert_eq!(
         fake.calls_of("lease.release")[0].input,

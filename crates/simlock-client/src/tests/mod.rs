@@ -8,8 +8,8 @@ mod socket;
 
 use std::time::Duration;
 
-use crate::test_util::{Cut, FakeDaemon};
 use crate::{Client, ConnectOptions};
+use simlock_test_support::fake_daemon::{Cut, FakeDaemon};
 
 /// A hang guard: a test that waits longer than this has failed.
 const GUARD: Duration = Duration::from_secs(20);

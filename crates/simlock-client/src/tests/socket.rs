@@ -7,8 +7,8 @@ use simlock_contract::push::{OutputStream, Progress, UnhealthyReason};
 use simlock_contract::{ContractError, ErrorCode, Push, Role};
 
 use super::{guard, socket_client, socket_fake};
-use crate::test_util::RequestScript;
 use crate::{Client, ConnectOptions, ExecEvent, FollowItem, LeaseNotice};
+use simlock_test_support::fake_daemon::RequestScript;
 
 #[tokio::test]
 async fn typed_calls_answer_over_the_socket() {

@@ -105,7 +105,7 @@ fn the_table_holds_every_operation_the_design_keeps() {
 #[test]
 fn strict_inputs_refuse_unknown_keys_and_the_others_ignore_them() {
     let valid: &[(&str, Value)] = &[
-        ("hello", json!({"protocolVersion": 1})),
+        ("hello", json!({"protocolVersion": 2})),
         ("status.get", json!({})),
         ("catalog.get", json!({})),
         ("config.get", json!({})),
@@ -373,7 +373,7 @@ fn admin_input_bounds() {
 
 #[test]
 fn hello_bounds() {
-    let base = json!({"protocolVersion": 1});
+    let base = json!({"protocolVersion": 2});
     check_bound(
         "hello",
         &base,

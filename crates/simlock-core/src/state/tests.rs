@@ -27,7 +27,18 @@ fn settings(max: u32) -> Settings {
             ram: None,
         },
         estimates: BTreeMap::from([(Platform::Ios, est), (Platform::Android, est)]),
+        health: HealthConfig::default(),
+        quarantine: QuarantineConfig::default(),
+        real: BTreeSet::new(),
     }
+}
+
+/// What a driver answers for a device it booted: the virtual kind, in these tests.
+fn up() -> Result<DeviceAccess, DriverError> {
+    Ok(DeviceAccess::Virtual {
+        platform: Platform::Ios,
+        driver_device_id: "udid".into(),
+    })
 }
 
 fn spec(platform: Platform, model: &str) -> DeviceSpec {
@@ -102,7 +113,7 @@ fn lease_new(state: &mut State, n: u32, spec: DeviceSpec, now: i64) -> LeaseGran
             .provisioned(&device, Ok(format!("udid-{n}")), now)
             .is_some()
     );
-    state.booted(&device, Ok(()), now);
+    state.booted(&device, up(), now);
     outcome(&state.take_effects(), &request(n))
         .expect("settled")
         .expect("granted")
@@ -150,9 +161,13 @@ fn a_new_device_is_provisioned_booted_then_granted_and_every_step_is_stored() {
     );
     let fx = state.take_effects();
     assert_eq!(progress(&fx, &id), [Progress::Booting { eta_ms: 1_000 }]);
-    assert!(fx.events.iter().any(|e| e.name == "device.provisioned"));
+    assert!(
+        fx.events
+            .iter()
+            .any(|e| matches!(e.event, Event::DeviceProvisioned { .. }))
+    );
 
-    state.booted(&device, Ok(()), 2_500);
+    state.booted(&device, up(), 2_500);
     let writes = state.take_writes();
     assert_eq!(writes.leases.len(), 1);
     let fx = state.take_effects();
@@ -161,7 +176,7 @@ fn a_new_device_is_provisioned_booted_then_granted_and_every_step_is_stored() {
     assert_eq!(grant.lease.ttl_deadline, 2_500 + 900_000);
     assert_eq!(grant.device.driver_device_id, "udid");
     assert_eq!(grant.timing.estimated_ready_ms, 2_500);
-    let names: Vec<&str> = fx.events.iter().map(|e| e.name).collect();
+    let names: Vec<String> = fx.events.iter().map(|e| e.event.parts().0).collect();
     assert_eq!(names, ["device.ready", "lease.granted"]);
     assert_eq!(state.capacity().ios.running, 1);
     assert_eq!(
@@ -194,7 +209,7 @@ fn a_queue_deadline_passed_during_device_work_fails_the_request_when_it_would_wa
 
     // At 6 s the device frees; it is of another spec, so it is evicted and a new one made.
     release(&mut state, &first, 6_000);
-    state.reclaimed(&first.device.id, Ok(()), 6_500);
+    state.reclaimed(&first.device.id, up(), 6_500);
     let fx = state.take_effects();
     assert!(
         fx.work
@@ -267,7 +282,7 @@ fn eviction_takes_the_least_recently_used_idle_device_and_never_a_leased_one() {
     let a = lease_new(&mut state, 1, spec(Platform::Ios, "A"), 0);
     let b = lease_new(&mut state, 2, spec(Platform::Ios, "B"), 0);
     release(&mut state, &b, 10_000);
-    state.reclaimed(&b.device.id, Ok(()), 10_500);
+    state.reclaimed(&b.device.id, up(), 10_500);
     state.take_effects();
     // Full: one leased, one idle. A request of a third spec evicts the idle one.
     state
@@ -312,7 +327,7 @@ fn idle_tiers_skip_leased_devices() {
     state.admit(long, 0).unwrap();
     let device = provision_of(&state.take_effects());
     state.provisioned(&device, Ok("u".into()), 0);
-    state.booted(&device, Ok(()), 0);
+    state.booted(&device, up(), 0);
     state.take_effects();
     state.tick(5_000_000);
     let fx = state.take_effects();
@@ -354,7 +369,7 @@ fn only_the_oldest_waiter_claims_a_reclaiming_device() {
         state.cancel("agent-3", agent("agent-3"), 20).unwrap(),
         CancelResult::Cancelled
     );
-    state.reclaimed(&a.device.id, Ok(()), 510);
+    state.reclaimed(&a.device.id, up(), 510);
     let grant = outcome(&state.take_effects(), &request(2))
         .unwrap()
         .unwrap();
@@ -426,4 +441,330 @@ fn a_settled_request_is_forgotten_at_its_retention_deadline_not_before() {
         "both rows are deleted"
     );
     assert_eq!(state.next_deadline(), Some(900_000), "the lease's deadline");
+}
+
+fn seen(id: &str, state: RunState) -> Vec<Observation> {
+    vec![Observation {
+        driver_device_id: id.into(),
+        state,
+    }]
+}
+
+fn recovers(fx: &Effects) -> usize {
+    fx.work
+        .iter()
+        .filter(|w| matches!(w, Work::Recover { .. }))
+        .count()
+}
+
+fn notices(fx: &Effects) -> Vec<Push> {
+    fx.notices.iter().map(|n| n.push.clone()).collect()
+}
+
+#[test]
+fn a_leased_device_seen_stopped_twice_is_recovered_under_its_lease_and_its_owner_hears_both() {
+    let mut state = State::new(settings(2));
+    let grant = lease_new(&mut state, 1, spec(Platform::Ios, "A"), 0);
+    let device = grant.device.id.clone();
+    let lease = grant.lease.id.to_string();
+    state.take_effects();
+    state.observe(Platform::Ios, &seen("udid-1", RunState::Stopped), 100);
+    assert_eq!(
+        recovers(&state.take_effects()),
+        0,
+        "one sighting is no conclusion"
+    );
+    state.observe(Platform::Ios, &seen("udid-1", RunState::Transitioning), 150);
+    state.observe(Platform::Ios, &[], 200);
+    let fx = state.take_effects();
+    assert_eq!(
+        recovers(&fx),
+        1,
+        "a device missing from the probe counts as stopped"
+    );
+    assert_eq!(
+        notices(&fx),
+        [Push::DeviceUnhealthy {
+            lease_id: lease.clone(),
+            device_id: device.clone(),
+            reason: UnhealthyReason::Crashed
+        }]
+    );
+    assert!(
+        fx.events
+            .iter()
+            .any(|e| matches!(&e.event, Event::DeviceCrashDetected {
+                seen: CrashedDevice::Leased { lease_id: Some(id) },
+                ..
+            } if id == lease.as_str()))
+    );
+    // While it recovers, probes conclude nothing about it.
+    state.observe(Platform::Ios, &seen("udid-1", RunState::Stopped), 300);
+    state.observe(Platform::Ios, &seen("udid-1", RunState::Stopped), 400);
+    assert_eq!(recovers(&state.take_effects()), 0);
+    state.recovered(&device, up(), 500);
+    let fx = state.take_effects();
+    assert_eq!(
+        notices(&fx),
+        [Push::DeviceRecovered {
+            lease_id: lease.clone(),
+            device_id: device.clone(),
+            attempts: 1
+        }]
+    );
+    assert!(state.lease(&lease).is_some(), "the same lease");
+    assert_eq!(state.devices()[0].state, DeviceState::Leased);
+    assert_eq!(state.devices()[0].recovery_attempts, None);
+}
+
+#[test]
+fn failed_recoveries_back_off_then_the_lease_ends_device_lost() {
+    let mut state = State::new(settings(2));
+    let grant = lease_new(&mut state, 1, spec(Platform::Ios, "A"), 0);
+    let device = grant.device.id.clone();
+    let lease = grant.lease.id.to_string();
+    state.observe(Platform::Ios, &[], 10);
+    state.observe(Platform::Ios, &[], 20);
+    assert_eq!(recovers(&state.take_effects()), 1);
+    let failed = || {
+        Err(DriverError {
+            platform: Platform::Ios,
+            message: "no".into(),
+        })
+    };
+    // 5 s, then 10 s (recoveryBackoffMs doubling), then the third failure gives up.
+    state.recovered(&device, failed(), 1_000);
+    assert_eq!(state.next_deadline(), Some(6_000));
+    state.tick(5_999);
+    assert_eq!(recovers(&state.take_effects()), 0, "not before its backoff");
+    state.tick(6_000);
+    assert_eq!(recovers(&state.take_effects()), 1);
+    assert_eq!(state.devices()[0].recovery_attempts, Some(2));
+    state.recovered(&device, failed(), 7_000);
+    assert_eq!(state.next_deadline(), Some(17_000));
+    state.tick(17_000);
+    assert_eq!(recovers(&state.take_effects()), 1);
+    state.recovered(&device, failed(), 18_000);
+    let fx = state.take_effects();
+    assert!(
+        fx.events
+            .iter()
+            .any(|e| matches!(e.event, Event::DeviceRecoveryFailed { attempts: 3, .. }))
+    );
+    assert_eq!(
+        notices(&fx),
+        [Push::LeaseLost {
+            lease_id: lease.clone(),
+            device_id: device.clone(),
+            reason: LeaseEndReason::DeviceLost
+        }]
+    );
+    assert!(state.lease(&lease).is_none());
+    assert!(
+        fx.work.iter().any(|w| matches!(w, Work::Delete { .. })),
+        "the untrusted device goes"
+    );
+}
+
+#[test]
+fn a_lease_that_ends_during_a_recovery_is_reclaimed_once_the_recovery_ends() {
+    let mut state = State::new(settings(2));
+    let grant = lease_new(&mut state, 1, spec(Platform::Ios, "A"), 0);
+    let device = grant.device.id.clone();
+    state.observe(Platform::Ios, &[], 10);
+    state.observe(Platform::Ios, &[], 20);
+    state.take_effects();
+    release(&mut state, &grant, 30);
+    let fx = state.take_effects();
+    assert!(
+        !fx.work.iter().any(|w| matches!(w, Work::Reclaim { .. })),
+        "no reclaim while the recovery's boot runs"
+    );
+    assert_eq!(state.devices()[0].state, DeviceState::Reclaiming);
+    state.recovered(&device, up(), 40);
+    let fx = state.take_effects();
+    assert!(fx.work.iter().any(|w| matches!(w, Work::Reclaim { .. })));
+    assert!(notices(&fx).is_empty(), "nobody holds it any more");
+}
+
+/// The attempts and next retry of the first `device.quarantined` in `fx`.
+fn quarantined(fx: &Effects) -> Option<(u32, i64)> {
+    fx.events.iter().find_map(|e| match e.event {
+        Event::DeviceQuarantined {
+            attempts,
+            next_retry_at,
+            ..
+        } => Some((attempts, next_retry_at)),
+        _ => None,
+    })
+}
+
+#[test]
+fn a_failed_reclaim_quarantines_with_backoff_and_the_device_is_never_granted_meanwhile() {
+    let mut state = State::new(settings(1));
+    let first = lease_new(&mut state, 1, spec(Platform::Ios, "A"), 0);
+    let device = first.device.id.clone();
+    release(&mut state, &first, 1_000);
+    state.take_effects();
+    let failed = || {
+        Err(DriverError {
+            platform: Platform::Ios,
+            message: "erase failed".into(),
+        })
+    };
+    state.reclaimed(&device, failed(), 2_000);
+    let fx = state.take_effects();
+    let (attempts, next_retry_at) = quarantined(&fx).unwrap();
+    assert_eq!(attempts, 1);
+    assert_eq!(next_retry_at, 32_000, "quarantine.retryBackoffMs");
+    assert_eq!(state.devices()[0].state, DeviceState::Quarantined);
+    assert_eq!(
+        state.capacity().ios.running,
+        1,
+        "it still takes a running slot"
+    );
+    // A request for its spec waits: the quarantined device is not handed out.
+    state
+        .admit(admission(2, spec(Platform::Ios, "A"), None), 3_000)
+        .unwrap();
+    let fx = state.take_effects();
+    assert!(outcome(&fx, &request(2)).is_none());
+    assert_eq!(state.next_deadline(), Some(32_000));
+    state.tick(32_000);
+    let fx = state.take_effects();
+    assert!(
+        fx.work.iter().any(|w| matches!(w, Work::Reclaim { .. })),
+        "the retry"
+    );
+    assert_eq!(
+        state.devices()[0].state,
+        DeviceState::Quarantined,
+        "still quarantined while it runs"
+    );
+    state.reclaimed(&device, failed(), 33_000);
+    let fx = state.take_effects();
+    let (_, next_retry_at) = quarantined(&fx).unwrap();
+    assert_eq!(next_retry_at, 33_000 + 60_000, "doubled");
+    state.tick(93_000);
+    state.take_effects();
+    state.reclaimed(&device, up(), 94_000);
+    let fx = state.take_effects();
+    assert!(fx.events.iter().any(|e| matches!(
+        e.event,
+        Event::DeviceQuarantineRecovered { attempts: 2, .. }
+    )));
+    assert!(
+        outcome(&fx, &request(2)).is_some_and(|o| o.is_ok()),
+        "the waiter gets it now"
+    );
+}
+
+#[test]
+fn quarantine_backoff_grows_by_its_multiplier_up_to_its_cap() {
+    let q = QuarantineConfig {
+        max_retries: 10,
+        retry_backoff_ms: 30_000,
+        retry_backoff_multiplier: 2,
+        max_retry_backoff_ms: 300_000,
+    };
+    let waits: Vec<u64> = (1..=6).map(|n| quarantine_backoff(&q, n)).collect();
+    assert_eq!(waits, [30_000, 60_000, 120_000, 240_000, 300_000, 300_000]);
+    let huge = QuarantineConfig {
+        retry_backoff_multiplier: u32::MAX,
+        ..q
+    };
+    assert_eq!(quarantine_backoff(&huge, 40), 300_000, "no overflow");
+}
+
+#[test]
+fn past_its_retries_a_quarantined_device_is_deleted() {
+    let mut s = settings(1);
+    s.quarantine.max_retries = 1;
+    let mut state = State::new(s);
+    let first = lease_new(&mut state, 1, spec(Platform::Ios, "A"), 0);
+    let device = first.device.id.clone();
+    release(&mut state, &first, 1);
+    let failed = || {
+        Err(DriverError {
+            platform: Platform::Ios,
+            message: "no".into(),
+        })
+    };
+    state.reclaimed(&device, failed(), 2);
+    state.tick(30_002);
+    state.take_effects();
+    state.reclaimed(&device, failed(), 30_003);
+    let fx = state.take_effects();
+    assert!(fx.events.iter().any(|e| matches!(
+        e.event,
+        Event::DeviceQuarantineAbandoned { attempts: 2, .. }
+    )));
+    assert!(fx.work.iter().any(|w| matches!(w, Work::Delete { .. })));
+}
+
+#[test]
+fn after_a_restart_running_devices_are_adopted_and_a_stopped_leased_one_is_recovered() {
+    let mut state = State::new(settings(2));
+    let a = lease_new(&mut state, 1, spec(Platform::Ios, "A"), 0);
+    let b = lease_new(&mut state, 2, spec(Platform::Ios, "B"), 0);
+    release(&mut state, &b, 1);
+    state.reclaimed(&b.device.id, up(), 2);
+    state.take_effects();
+    state.take_writes();
+    let devices: Vec<DeviceEntry> = state.devices.values().cloned().collect();
+    let leases: Vec<LeaseRecord> = state.leases();
+    let mut real = settings(2);
+    real.real = BTreeSet::from([Platform::Ios, Platform::Android]);
+    let mut again = State::new(real);
+    again.restore(devices, leases, Vec::new());
+    again.converge(10);
+    let fx = again.take_effects();
+    let adopts = fx
+        .work
+        .iter()
+        .filter(|w| matches!(w, Work::Adopt { .. }))
+        .count();
+    assert_eq!(adopts, 2, "the leased and the ready device");
+    let sweeps: Vec<&Work> = fx
+        .work
+        .iter()
+        .filter(|w| matches!(w, Work::Sweep { .. }))
+        .collect();
+    assert_eq!(sweeps.len(), 2, "one per real driver");
+    // Until its sweep ends, nothing is created on a platform: the sweep would take it for a
+    // leftover.
+    again
+        .admit(admission(3, spec(Platform::Ios, "C"), None), 15)
+        .unwrap();
+    let fx = again.take_effects();
+    assert!(!fx.work.iter().any(|w| matches!(w, Work::Provision { .. })));
+    assert_eq!(
+        progress(&fx, &request(3)),
+        [Progress::Queued { queue_position: 1 }]
+    );
+    again.swept(Platform::Ios, Ok(vec![]), 16);
+    let fx = again.take_effects();
+    assert!(
+        fx.work.iter().any(|w| matches!(w, Work::Provision { .. })),
+        "then it is"
+    );
+    again.adopted(&b.device.id, Ok(Adopted::Stopped), 20);
+    assert_eq!(
+        again
+            .devices()
+            .iter()
+            .find(|d| d.id == b.device.id)
+            .unwrap()
+            .state,
+        DeviceState::Shutdown,
+        "a ready device that stopped is shut down"
+    );
+    again.adopted(&a.device.id, Ok(Adopted::Stopped), 20);
+    let fx = again.take_effects();
+    assert_eq!(
+        recovers(&fx),
+        1,
+        "a leased one that stopped is recovered under its lease"
+    );
+    assert!(matches!(notices(&fx)[..], [Push::DeviceUnhealthy { .. }]));
 }

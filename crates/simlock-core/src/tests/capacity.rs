@@ -22,7 +22,7 @@ async fn the_resource_strategy_derives_limits_from_the_machine() {
         }),
         ..Build::default()
     });
-    let status = h.worker.status(&h.gate);
+    let status = h.worker.status(&h.gate, simlock_daemon::Viewer::ADMIN);
     assert_eq!(status.daemon.health, Health::Running);
     let capacity = status.capacity.unwrap();
     assert_eq!(capacity.ios.max_running, 4, "max(1, 8/2)");

@@ -453,7 +453,7 @@ async fn required_capabilities_must_be_available() {
     input.requires = vec!["gpu".into()];
     let grant = h.lease("agent-a", input).await.unwrap();
     assert_eq!(grant.lease.requester_id, "agent-a");
-    let status = h.worker.status(&h.gate);
+    let status = h.worker.status(&h.gate, simlock_daemon::Viewer::ADMIN);
     assert_eq!(status.capabilities.unwrap().len(), 2);
 }
 

@@ -57,10 +57,20 @@ async fn a_restart_restores_every_lease_expires_overdue_ones_and_fails_open_requ
     tokio::time::advance(Duration::from_secs(120)).await;
     let second = build(Database::open(&path).unwrap(), false);
     assert_eq!(
-        second.worker.status(&second.gate).daemon.health,
+        second
+            .worker
+            .status(&second.gate, simlock_daemon::Viewer::ADMIN)
+            .daemon
+            .health,
         Health::Starting
     );
-    assert!(second.worker.status(&second.gate).leases.is_none());
+    assert!(
+        second
+            .worker
+            .status(&second.gate, simlock_daemon::Viewer::ADMIN)
+            .leases
+            .is_none()
+    );
     let mut events = second.bus.follow();
     second.worker.start(&second.gate).unwrap();
 
@@ -172,7 +182,13 @@ async fn a_decision_that_cannot_be_stored_is_not_announced_and_the_worker_stops_
         .await
         .unwrap_err();
     assert_store_failed(&err);
-    assert_eq!(h.worker.status(&h.gate).daemon.health, Health::Failed);
+    assert_eq!(
+        h.worker
+            .status(&h.gate, simlock_daemon::Viewer::ADMIN)
+            .daemon
+            .health,
+        Health::Failed
+    );
     // Release-all too: it does not answer an empty success as if nothing were held.
     let err = h
         .call_raw(admin("op"), "lease.release-all", serde_json::json!({}))

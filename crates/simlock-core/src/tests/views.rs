@@ -28,13 +28,25 @@ async fn status_answers_only_daemon_and_host_while_starting() {
         .unwrap();
     let keys: Vec<&String> = value.as_object().unwrap().keys().collect();
     assert_eq!(keys, ["daemon", "host"]);
-    let fleet = h.worker.worker_view(&h.gate);
+    let fleet = h.worker.worker_view(&h.gate, simlock_daemon::Viewer::ADMIN);
     assert_eq!(fleet.health, Some(Health::Starting));
     assert!(fleet.host.is_some() && fleet.capacity.is_none() && fleet.catalog.is_none());
 
     h.worker.start(&h.gate).unwrap();
     let grant = h.lease("agent-a", ios()).await.unwrap();
+    // An agent sees its own lease; another agent sees none of it, an admin all.
     let status = h.call::<StatusGet>(agent("x"), &Empty {}).await.unwrap();
+    assert_eq!(
+        status.leases,
+        Some(vec![]),
+        "another agent's lease is not shown"
+    );
+    let by_admin = h.call::<StatusGet>(admin("op"), &Empty {}).await.unwrap();
+    assert_eq!(by_admin.leases.unwrap(), vec![grant.lease.clone()]);
+    let status = h
+        .call::<StatusGet>(agent("agent-a"), &Empty {})
+        .await
+        .unwrap();
     assert_eq!(status.daemon.health, Health::Running);
     assert_eq!(status.leases.unwrap(), vec![grant.lease.clone()]);
     assert_eq!(status.devices.unwrap().len(), 1);
@@ -127,7 +139,7 @@ async fn the_queue_depth_metric_counts_what_status_calls_the_queue() {
     let (c, _c_pushes) = h.spawn_lease("agent-c", ios());
     next_event(&mut events, "lease.queued").await;
     assert_eq!(h.worker.waiting().len(), 3, "two starting, one queued");
-    let status = h.worker.status(&h.gate);
+    let status = h.worker.status(&h.gate, simlock_daemon::Viewer::ADMIN);
     assert_eq!(status.queue_depth, Some(1));
     let text = metrics.render();
     assert!(text.contains("\nsimlock_queue_depth 1\n"), "{text}");
@@ -141,6 +153,39 @@ async fn the_queue_depth_metric_counts_what_status_calls_the_queue() {
         "{text}"
     );
     for task in [a, b, c] {
+        task.abort();
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_agent_sees_only_its_own_leases_and_waiting_requests_in_status() {
+    let h = Harness::new();
+    let mut events = h.bus.follow();
+    let grant = h.lease("agent-a", ios()).await.unwrap();
+    // Capacity 2: one more request gets device work, the next queues.
+    let (b, mut b_pushes) = h.spawn_lease("agent-b", ios());
+    next_push(&mut b_pushes).await;
+    let (c, _c_pushes) = h.spawn_lease("agent-c", ios());
+    next_event(&mut events, "lease.queued").await;
+    let requesters = |status: &simlock_contract::ops::StatusOutput| -> Vec<String> {
+        let waiting = status.waiting.as_ref().unwrap();
+        waiting.iter().map(|w| w.requester_id.clone()).collect()
+    };
+    for (who, leases, waiting) in [
+        ("agent-a", vec![grant.lease.clone()], vec![]),
+        ("agent-b", vec![], vec!["agent-b".to_owned()]),
+        ("agent-c", vec![], vec!["agent-c".to_owned()]),
+        ("nobody", vec![], vec![]),
+    ] {
+        let status = h.call::<StatusGet>(agent(who), &Empty {}).await.unwrap();
+        assert_eq!(status.leases.as_ref(), Some(&leases), "{who}");
+        assert_eq!(requesters(&status), waiting, "{who}");
+        assert_eq!(status.queue_depth, Some(1), "{who}: counts are everyone's");
+    }
+    let status = h.call::<StatusGet>(admin("op"), &Empty {}).await.unwrap();
+    assert_eq!(status.leases.as_ref().map(Vec::len), Some(1));
+    assert_eq!(requesters(&status).len(), 2);
+    for task in [b, c] {
         task.abort();
     }
 }

@@ -27,7 +27,7 @@ async fn connect(h: &Harness, origin: Origin, principal: &str) -> (WireClient, U
     client
         .hello(&Hello {
             client_version: None,
-            protocol_version: Some(1),
+            protocol_version: Some(2),
             protocol_range: None,
             principal: Some(principal.to_owned()),
             credential: None,

@@ -13,6 +13,7 @@ use hyper::body::{Frame, Incoming};
 use serde::Serialize;
 use serde_json::{Map, Value};
 use simlock_contract::{ContractError, ErrorCode};
+use tokio_util::sync::CancellationToken;
 
 /// An error a body may carry.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -111,18 +112,40 @@ pub fn sse_event(name: &str, data: &Value) -> Bytes {
     Bytes::from(format!("event: {name}\ndata: {data}\n\n"))
 }
 
+/// What a stream's last event says when the daemon stops.
+pub fn stopping_error() -> ContractError {
+    ContractError::new(ErrorCode::DaemonStopping, "The daemon is stopping")
+}
+
 /// A `text/event-stream` response over `events`, with a keepalive comment after each idle
-/// [`KEEPALIVE`]. The response ends when `events` ends.
-pub fn sse<S>(events: S) -> Response<Body>
+/// [`KEEPALIVE`]. The response ends when `events` ends, or at once when `stop` fires: then the
+/// events already at hand are sent, then `on_stop` (when not empty), and the stream ends, so a
+/// stopping daemon never waits on an open stream.
+pub fn sse<S>(events: S, stop: &CancellationToken, on_stop: Bytes) -> Response<Body>
 where
     S: Stream<Item = Bytes> + Send + 'static,
 {
-    let frames = futures::stream::unfold(Box::pin(events), |mut events| async move {
-        let bytes = tokio::select! {
-            next = events.next() => next?,
-            () = tokio::time::sleep(KEEPALIVE) => Bytes::from_static(b": keepalive\n\n"),
+    let state = (Box::pin(events), stop.clone(), Some(on_stop));
+    // The state's last part is `None` once the stop's event went out: the stream is over.
+    let frames = futures::stream::unfold(state, |(mut events, stop, on_stop)| async move {
+        let on_stop = on_stop?;
+        let (bytes, on_stop) = tokio::select! {
+            biased;
+            next = events.next() => (next?, Some(on_stop)),
+            () = stop.cancelled() => {
+                if on_stop.is_empty() {
+                    return None;
+                }
+                (on_stop, None)
+            }
+            () = tokio::time::sleep(KEEPALIVE) => {
+                (Bytes::from_static(b": keepalive\n\n"), Some(on_stop))
+            }
         };
-        Some((Ok::<_, BoxError>(Frame::data(bytes)), events))
+        Some((
+            Ok::<_, BoxError>(Frame::data(bytes)),
+            (events, stop, on_stop),
+        ))
     });
     let mut response = Response::new(StreamBody::new(frames).boxed_unsync());
     let headers = response.headers_mut();

@@ -3,6 +3,7 @@
 //! agent-device front). Every route maps to an operation; see `docs/HTTP-API.md`.
 
 pub mod body;
+pub mod parse;
 pub mod requests;
 
 use std::net::SocketAddr;
@@ -28,11 +29,13 @@ use tracing::{debug, info, warn};
 
 use self::body::{
     Body, error, error_with_status, json as json_response, read_json, sse, sse_event,
+    stopping_error,
 };
+use self::parse::Query;
 use self::requests::{RequestBook, Submitted};
 use crate::auth::{HttpCaller, bearer};
 use crate::clock::SharedClock;
-use crate::context::CallCtx;
+use crate::context::{CallCtx, Viewer};
 use crate::events::EventBus;
 use crate::metrics::Metrics;
 use crate::pipeline::Pipeline;
@@ -41,7 +44,7 @@ use crate::tokens::TokenStore;
 /// How long a connection may take to send its request head.
 const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long open connections get to finish when the daemon stops.
-const DRAIN_GRACE: Duration = Duration::from_secs(5);
+pub const DRAIN_GRACE: Duration = Duration::from_secs(5);
 
 /// The header on the answer a TLS listener gives to plain text (`http://` or `ws://` to an
 /// HTTPS port): `x-simlock-tls: required`. The worker's dialler reads it to name the cause.
@@ -148,10 +151,11 @@ async fn accept_connection(
     tls: Option<simlock_tls::TlsAcceptor>,
     shutdown: CancellationToken,
 ) {
+    let stop = shutdown.clone();
     let Some(acceptor) = tls else {
         let service = service_fn(move |request| {
-            let app = app.clone();
-            async move { Ok::<_, std::convert::Infallible>(route(&app, request).await) }
+            let (app, stop) = (app.clone(), stop.clone());
+            async move { Ok::<_, std::convert::Infallible>(route(&app, request, &stop).await) }
         });
         return serve_connection(TokioIo::new(stream), peer, service, shutdown).await;
     };
@@ -183,8 +187,8 @@ async fn accept_connection(
         }
     };
     let service = service_fn(move |request| {
-        let app = app.clone();
-        async move { Ok::<_, std::convert::Infallible>(route(&app, request).await) }
+        let (app, stop) = (app.clone(), stop.clone());
+        async move { Ok::<_, std::convert::Infallible>(route(&app, request, &stop).await) }
     });
     serve_connection(TokioIo::new(stream), peer, service, shutdown).await;
 }
@@ -242,18 +246,59 @@ fn not_found(method: &Method, path: &str) -> Response<Body> {
     error_with_status(&err, StatusCode::NOT_FOUND)
 }
 
-async fn route(app: &Arc<HttpApp>, request: Request<Incoming>) -> Response<Body> {
+/// Whether the request asks for a WebSocket: only a mount takes one. Other upgrades (`h2c`)
+/// are ignored, as RFC 9110 lets a server do, and the request is served as it is.
+fn asks_for_websocket(request: &Request<Incoming>) -> bool {
+    request
+        .headers()
+        .get_all(http::header::UPGRADE)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .any(|protocol| {
+            let name = protocol.trim().split('/').next().unwrap_or_default();
+            name.eq_ignore_ascii_case("websocket")
+        })
+}
+
+/// The `Idempotency-Key` header, if sent.
+///
+/// # Errors
+/// `BAD_REQUEST` for a value that is not visible ASCII: dropping it would make a retry a new
+/// request.
+fn idempotency_key(request: &Request<Incoming>) -> Result<Option<String>, ContractError> {
+    request
+        .headers()
+        .get("idempotency-key")
+        .map(|v| {
+            v.to_str().map(String::from).map_err(|_| {
+                ContractError::bad_request("Idempotency-Key: must be visible ASCII text")
+            })
+        })
+        .transpose()
+}
+
+async fn route(
+    app: &Arc<HttpApp>,
+    request: Request<Incoming>,
+    stop: &CancellationToken,
+) -> Response<Body> {
     let path = request.uri().path().to_owned();
     if let Some(mount) = app.mounts.iter().find(|m| m.matches(&path)) {
         return mount.serve(request).await;
     }
     let method = request.method().clone();
-    if request.headers().contains_key(http::header::UPGRADE) {
-        // Only a mount (the gateway's /v1/uplink) takes an upgrade.
+    if asks_for_websocket(&request) {
+        // Only a mount (the gateway's /v1/uplink) takes a WebSocket.
         return not_found(&method, &path);
     }
-    if method == Method::GET && path == "/v1/healthz" {
-        return json_response(StatusCode::OK, &json!({ "ok": true }));
+    if path == "/v1/healthz" {
+        // No token here, for any method; only GET is a route.
+        return if method == Method::GET {
+            json_response(StatusCode::OK, &json!({ "ok": true }))
+        } else {
+            not_found(&method, &path)
+        };
     }
     let Some(rest) = path.strip_prefix("/v1/") else {
         return not_found(&method, &path);
@@ -261,20 +306,21 @@ async fn route(app: &Arc<HttpApp>, request: Request<Incoming>) -> Response<Body>
     let authorization = request
         .headers()
         .get(http::header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok());
+        // A value that is not visible ASCII is no bearer token, not a missing header.
+        .map(|v| v.to_str().unwrap_or_default());
     let caller = match bearer(&app.tokens, authorization) {
         Ok(caller) => caller,
         Err(err) => return error(&err),
     };
-    let segments: Vec<String> = rest.split('/').map(String::from).collect();
+    let segments = parse::segments(rest);
     let segments: Vec<&str> = segments.iter().map(String::as_str).collect();
-    let query = request.uri().query().unwrap_or("").to_owned();
+    let query = Query::parse(request.uri().query().unwrap_or(""));
     match (&method, segments.as_slice()) {
         (&Method::GET, ["status"]) => op(app, &caller, "status.get", json!({})).await,
         (&Method::GET, ["catalog"]) => {
             let mut payload = Map::new();
-            if let Some(platform) = query_param(&query, "platform") {
-                payload.insert("platform".into(), Value::String(platform));
+            if let Some(platform) = query.get("platform") {
+                payload.insert("platform".into(), Value::String(platform.to_owned()));
             }
             op(app, &caller, "catalog.get", Value::Object(payload)).await
         }
@@ -284,20 +330,19 @@ async fn route(app: &Arc<HttpApp>, request: Request<Incoming>) -> Response<Body>
             op(app, &caller, "list.get", json!({"kind": "requests"})).await
         }
         (&Method::GET, ["lease-requests", id]) => {
-            let wait = query_param(&query, "wait")
-                .and_then(|w| w.parse::<f64>().ok())
-                .unwrap_or(0.0);
-            let wait = Duration::from_secs_f64(wait.clamp(0.0, requests::MAX_WAIT.as_secs_f64()));
-            match app
-                .requests
-                .poll(id, caller.token.id.as_str(), caller.role, wait)
-                .await
-            {
+            let wait = parse::wait(query.get("wait"), requests::MAX_WAIT);
+            let (principal, role) = (caller.token.id.as_str(), caller.role);
+            // A stop answers a long-poll at once, with the view as it stands.
+            let polled = tokio::select! {
+                polled = app.requests.poll(id, principal, role, wait) => polled,
+                () = stop.cancelled() => app.requests.poll(id, principal, role, Duration::ZERO).await,
+            };
+            match polled {
                 Ok(view) => json_response(StatusCode::OK, &json!({ "request": view })),
                 Err(err) => error(&err),
             }
         }
-        (&Method::GET, ["lease-requests", id, "events"]) => request_events(app, &caller, id),
+        (&Method::GET, ["lease-requests", id, "events"]) => request_events(app, &caller, id, stop),
         (&Method::DELETE, ["lease-requests", id]) => {
             match app
                 .requests
@@ -329,16 +374,16 @@ async fn route(app: &Arc<HttpApp>, request: Request<Incoming>) -> Response<Body>
             let id = (*id).to_owned();
             with_body(request, move |mut body| {
                 body.insert("leaseId".into(), Value::String(id));
-                async move { exec(app, &caller, Value::Object(body)).await }
+                async move { exec(app, &caller, Value::Object(body), stop).await }
             })
             .await
         }
-        (&Method::GET, ["leases", id, "events"]) => lease_events(app, &caller, id).await,
+        (&Method::GET, ["leases", id, "events"]) => lease_events(app, &caller, id, stop).await,
         (&Method::GET, ["devices"]) => {
             op(app, &caller, "list.get", json!({"kind": "devices"})).await
         }
         (&Method::GET, ["events"]) => {
-            let since = match query_param(&query, "since").map(|s| parse_since(&s)) {
+            let since = match query.get("since").map(parse::since) {
                 None => None,
                 Some(Ok(ms)) => Some(app.clock.now_ms().saturating_sub(ms)),
                 Some(Err(err)) => return error(&err),
@@ -351,7 +396,7 @@ async fn route(app: &Arc<HttpApp>, request: Request<Incoming>) -> Response<Body>
             )
             .await
         }
-        (&Method::GET, ["events", "stream"]) => event_stream(app, &caller),
+        (&Method::GET, ["events", "stream"]) => event_stream(app, &caller, stop),
         (&Method::GET, ["tokens"]) => op(app, &caller, "token.list", json!({})).await,
         (&Method::POST, ["tokens"]) => {
             let response = with_body(request, |body| async move {
@@ -439,36 +484,6 @@ fn created(mut response: Response<Body>) -> Response<Body> {
     response
 }
 
-fn query_param(query: &str, name: &str) -> Option<String> {
-    query
-        .split('&')
-        .filter_map(|pair| pair.split_once('='))
-        .find(|(k, _)| *k == name)
-        .map(|(_, v)| v.to_owned())
-}
-
-/// `30s`, `5m`, `2h`, `1d`, `500ms`, or a number of ms.
-fn parse_since(text: &str) -> Result<i64, ContractError> {
-    let bad = || {
-        ContractError::bad_request(format!(
-            "since: {text:?} is not a duration like 30s, 5m, 2h, 1d or 500ms"
-        ))
-    };
-    let (number, unit) = text
-        .find(|c: char| !c.is_ascii_digit())
-        .map_or((text, ""), |at| text.split_at(at));
-    let n: i64 = number.parse().map_err(|_| bad())?;
-    let factor = match unit {
-        "" | "ms" => 1,
-        "s" => 1_000,
-        "m" => 60_000,
-        "h" => 3_600_000,
-        "d" => 86_400_000,
-        _ => return Err(bad()),
-    };
-    n.checked_mul(factor).ok_or_else(bad)
-}
-
 /// The HTTP body of a lease request and the operation input it maps to.
 const REQUEST_KEYS: &[(&str, &str)] = &[
     ("platform", "platform"),
@@ -487,11 +502,10 @@ async fn submit_request(
     caller: &HttpCaller,
     request: Request<Incoming>,
 ) -> Response<Body> {
-    let idempotency_key = request
-        .headers()
-        .get("idempotency-key")
-        .and_then(|v| v.to_str().ok())
-        .map(String::from);
+    let idempotency_key = match idempotency_key(&request) {
+        Ok(key) => key,
+        Err(err) => return error(&err),
+    };
     let body = match read_json(request.into_body()).await {
         Ok(Value::Object(body)) => body,
         Ok(_) => return error(&ContractError::bad_request("body: must be a JSON object")),
@@ -536,7 +550,12 @@ async fn submit_request(
     }
 }
 
-fn request_events(app: &Arc<HttpApp>, caller: &HttpCaller, id: &str) -> Response<Body> {
+fn request_events(
+    app: &Arc<HttpApp>,
+    caller: &HttpCaller,
+    id: &str,
+    stop: &CancellationToken,
+) -> Response<Body> {
     let rx = match app.requests.view(id, caller.token.id.as_str(), caller.role) {
         Ok(rx) => rx,
         Err(err) => return error(&err),
@@ -565,7 +584,7 @@ fn request_events(app: &Arc<HttpApp>, caller: &HttpCaller, id: &str) -> Response
             }
         }
     });
-    sse(events)
+    sse(events, stop, stopping_event())
 }
 
 async fn visible_lease(
@@ -585,19 +604,20 @@ async fn visible_lease(
         .ok_or_else(|| ContractError::unknown_lease(id))
 }
 
-async fn lease_events(app: &Arc<HttpApp>, caller: &HttpCaller, id: &str) -> Response<Body> {
+async fn lease_events(
+    app: &Arc<HttpApp>,
+    caller: &HttpCaller,
+    id: &str,
+    stop: &CancellationToken,
+) -> Response<Body> {
     // Follow first, then check the lease, so nothing between the two is missed.
     let notices = app.pipeline.presence().follow();
     if let Err(err) = visible_lease(app, caller, id).await {
         return error(&err);
     }
-    let (owner, admin, id) = (
-        caller.token.id.to_string(),
-        caller.role == Role::Admin,
-        id.to_owned(),
-    );
+    let (principal, role, id) = (caller.token.id.to_string(), caller.role, id.to_owned());
     let events = futures::stream::unfold((notices, false), move |(mut rx, done)| {
-        let (owner, id) = (owner.clone(), id.clone());
+        let (principal, id) = (principal.clone(), id.clone());
         async move {
             if done {
                 return None;
@@ -618,7 +638,7 @@ async fn lease_events(app: &Arc<HttpApp>, caller: &HttpCaller, id: &str) -> Resp
                     | Push::Event { .. }
                     | Push::RelayHead { .. } => continue,
                 };
-                if lease != id || (notice.owner != owner && !admin) {
+                if lease != id || !Viewer::new(&principal, role).may_see(&notice.owner) {
                     continue;
                 }
                 let payload = notice.push.payload().unwrap_or(Value::Null);
@@ -627,10 +647,15 @@ async fn lease_events(app: &Arc<HttpApp>, caller: &HttpCaller, id: &str) -> Resp
             }
         }
     });
-    sse(events)
+    sse(events, stop, stopping_event())
 }
 
-async fn exec(app: &Arc<HttpApp>, caller: &HttpCaller, payload: Value) -> Response<Body> {
+async fn exec(
+    app: &Arc<HttpApp>,
+    caller: &HttpCaller,
+    payload: Value,
+    stop: &CancellationToken,
+) -> Response<Body> {
     let (tx, mut rx) = mpsc::channel::<Push>(16);
     let call = app
         .pipeline
@@ -658,12 +683,12 @@ async fn exec(app: &Arc<HttpApp>, caller: &HttpCaller, payload: Value) -> Respon
                 return match outcome {
                     Ok(value) => {
                         events.push(sse_event("exit", &value));
-                        sse(futures::stream::iter(events))
+                        sse(futures::stream::iter(events), stop, Bytes::new())
                     }
                     Err(err) if events.is_empty() => error(&err),
                     Err(err) => {
                         events.push(sse_event("error", &json!({ "error": err.to_body().to_inline() })));
-                        sse(futures::stream::iter(events))
+                        sse(futures::stream::iter(events), stop, Bytes::new())
                     }
                 };
             }
@@ -696,10 +721,15 @@ async fn exec(app: &Arc<HttpApp>, caller: &HttpCaller, payload: Value) -> Respon
         }
     })
     .filter(|bytes| futures::future::ready(!bytes.is_empty()));
-    sse(events)
+    // A stop ends the stream with the one `error` an exec stream may end with; the tool runs on.
+    sse(events, stop, error_event(&stopping_error()))
 }
 
-fn event_stream(app: &Arc<HttpApp>, caller: &HttpCaller) -> Response<Body> {
+fn event_stream(
+    app: &Arc<HttpApp>,
+    caller: &HttpCaller,
+    stop: &CancellationToken,
+) -> Response<Body> {
     if caller.role != Role::Admin {
         return error(&ContractError::forbidden(
             "/v1/events/stream requires an operator token",
@@ -718,5 +748,16 @@ fn event_stream(app: &Arc<HttpApp>, caller: &HttpCaller) -> Response<Body> {
             Err(tokio::sync::broadcast::error::RecvError::Closed) => None,
         }
     });
-    sse(events)
+    sse(events, stop, stopping_event())
+}
+
+/// The `error` event of an exec stream.
+fn error_event(err: &ContractError) -> Bytes {
+    sse_event("error", &json!({ "error": err.to_body().to_inline() }))
+}
+
+/// The last event of a lease-request, lease or event stream when the daemon stops.
+fn stopping_event() -> Bytes {
+    let data = json!({ "error": stopping_error().to_body().to_inline() });
+    sse_event("stopping", &data)
 }

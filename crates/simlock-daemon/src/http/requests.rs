@@ -23,7 +23,7 @@ use tracing::debug;
 pub use simlock_contract::http::{RequestState, RequestView};
 
 use crate::clock::SharedClock;
-use crate::context::CallCtx;
+use crate::context::{CallCtx, Viewer};
 use crate::pipeline::Pipeline;
 
 /// The longest long-poll: 60 s.
@@ -267,7 +267,7 @@ impl RequestBook {
             )
             .with_details(serde_json::json!({ "requestId": id }))
         })?;
-        if record.owner != principal && role != Role::Admin {
+        if !Viewer::new(principal, role).may_see(&record.owner) {
             return Err(ContractError::forbidden(format!(
                 "Lease request {id} belongs to another token"
             )));

@@ -51,12 +51,13 @@ pub struct Match {
     pub model: Option<String>,
 }
 
-/// The catalog entry for `platform` in `view`.
+/// The catalog entry for `platform` in `view`, when its driver can serve (an entry marked
+/// unavailable counts as no driver).
 fn catalog_of(view: &WorkerView, platform: Platform) -> Option<&PlatformCatalog> {
     view.catalog
         .as_ref()?
         .iter()
-        .find(|c| c.platform == platform)
+        .find(|c| c.platform == platform && c.unavailable.is_none())
 }
 
 /// Whether `view`'s catalog can serve `wanted`, and under which model name.
@@ -143,23 +144,9 @@ fn free_or_evictable(view: &WorkerView, platform: Platform) -> u32 {
 }
 
 /// Why a worker was picked.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Reason {
-    /// It has a ready device that fits.
-    WarmHit,
-    /// It has the most free capacity.
-    FreeCapacity,
-}
-
-impl Reason {
-    /// The reason's name in events.
-    pub const fn as_str(self) -> &'static str {
-        match self {
-            Self::WarmHit => "warm-hit",
-            Self::FreeCapacity => "free-capacity",
-        }
-    }
-}
+pub use simlock_contract::event::DispatchReason as Reason;
+/// The stage that decided a pick.
+pub use simlock_contract::event::DispatchStage as Stage;
 
 /// The routing decision.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -171,7 +158,7 @@ pub struct Pick {
     /// Why.
     pub reason: Reason,
     /// The stage that decided.
-    pub stage: &'static str,
+    pub stage: Stage,
 }
 
 /// Picks a worker among `views` (already stripped of the ones this request may not try) for
@@ -204,7 +191,7 @@ pub fn select(views: &[&WorkerView], wanted: &Wanted) -> Option<Pick> {
             worker_id: view.id.clone(),
             matched: matched.clone(),
             reason: Reason::WarmHit,
-            stage: "warm-hit",
+            stage: Stage::WarmHit,
         });
     }
 
@@ -221,7 +208,7 @@ pub fn select(views: &[&WorkerView], wanted: &Wanted) -> Option<Pick> {
             worker_id: view.id.clone(),
             matched: matched.clone(),
             reason: Reason::FreeCapacity,
-            stage: "free-slot",
+            stage: Stage::FreeSlot,
         });
     }
     let (view, matched) = candidates.into_iter().find(|(v, _)| {
@@ -232,7 +219,7 @@ pub fn select(views: &[&WorkerView], wanted: &Wanted) -> Option<Pick> {
         worker_id: view.id.clone(),
         matched,
         reason: Reason::FreeCapacity,
-        stage: "free-capacity",
+        stage: Stage::FreeCapacity,
     })
 }
 

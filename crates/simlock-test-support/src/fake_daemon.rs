@@ -12,15 +12,15 @@ use std::io;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use parking_lot::Mutex;
 use serde_json::Value;
 use simlock_contract::ids::{DeviceId, LeaseId};
 use simlock_contract::model::{
-    Capacity, Connection, DaemonInfo, Device, DeviceSpec, DeviceState, GrantDevice, GrantTiming,
-    Health, HostFacts, LeaseEndReason, LeaseGrant, LeaseLimits, LeaseRecord, Mode, Platform,
-    PlatformCatalog, WorkerView,
+    Capacity, Connection, DaemonInfo, Device, DeviceAccess, DeviceSpec, DeviceState, GrantDevice,
+    GrantTiming, Health, HostFacts, LeaseEndReason, LeaseGrant, LeaseLimits, LeaseRecord, Mode,
+    Platform, PlatformCatalog, WorkerView,
 };
 use simlock_contract::ops::{
     CancelResult, CatalogGet, CatalogOutput, ConfigGet, ConfigView, DeviceExec, ExecOutput,
@@ -122,6 +122,8 @@ struct State {
     exec: Mutex<ExecScript>,
     pending: Mutex<Option<Pending>>,
     leases: Mutex<BTreeMap<String, LeaseRecord>>,
+    /// Lists (`lease.list`, `list.get`, `status.get`) leave the leases out.
+    unlisted: AtomicBool,
     next_lease: AtomicU64,
     calls: watch::Sender<Vec<Recorded>>,
 }
@@ -154,6 +156,7 @@ impl State {
             id_chosen_by_requester: false,
             worker: None,
             worker_id: None,
+            access: Some(access()),
         };
         self.leases
             .lock()
@@ -164,11 +167,20 @@ impl State {
                 driver_device_id: "UDID-1".to_owned(),
                 spec: spec(),
                 address: None,
+                access: Some(access()),
             },
-            environment: BTreeMap::from([("SIMLOCK_UDID".to_owned(), "UDID-1".to_owned())]),
+            environment: access().environment(lease.id.as_str(), &lease.device_id),
             lease,
             timing: GrantTiming::default(),
         }
+    }
+
+    /// The leases the lists show.
+    fn listed(&self) -> Vec<LeaseRecord> {
+        if self.unlisted.load(Ordering::SeqCst) {
+            return Vec::new();
+        }
+        self.leases.lock().values().cloned().collect()
     }
 
     fn owned(&self, ctx: &CallCtx, lease_id: &str) -> Result<LeaseRecord, ContractError> {
@@ -178,6 +190,14 @@ impl State {
             .filter(|l| ctx.role == Role::Admin || l.owner_id == ctx.principal)
             .cloned()
             .ok_or_else(|| ContractError::unknown_lease(lease_id))
+    }
+}
+
+/// How the fake's device is reached: a simulator in a set whose path needs shell quoting.
+fn access() -> DeviceAccess {
+    DeviceAccess::IosSimulator {
+        udid: "UDID-1".to_owned(),
+        device_set: "/tmp/it's a set".to_owned(),
     }
 }
 
@@ -198,6 +218,10 @@ fn device() -> Device {
         created_at: 1_700_000_000_000,
         last_lease_ended_at: None,
         worker_id: None,
+        access: None,
+        quarantine_attempts: None,
+        quarantine_next_retry_at: None,
+        recovery_attempts: None,
     }
 }
 
@@ -299,6 +323,7 @@ impl FakeDaemon {
             exec: Mutex::new(ExecScript::default()),
             pending: Mutex::new(None),
             leases: Mutex::new(BTreeMap::new()),
+            unlisted: AtomicBool::new(false),
             next_lease: AtomicU64::new(0),
             calls,
         });
@@ -445,9 +470,17 @@ impl FakeDaemon {
         &self.pipeline
     }
 
-    /// Emits an event on the fake's bus.
+    /// Records an event on the fake's bus under module `fake`, with any name and payload (a
+    /// fake's events need not be ones a daemon records).
     pub fn emit(&self, event: &str, payload: Value) {
-        self.bus.emit(event, "fake", payload);
+        self.bus.relay(simlock_contract::model::EventEnvelope {
+            id: simlock_contract::ids::EventId::mint(),
+            seq: 0,
+            timestamp: self.clock.now_ms(),
+            event: event.to_owned(),
+            payload,
+            module: "fake".to_owned(),
+        });
     }
 
     /// Whether `daemon.stop` was called.
@@ -482,6 +515,12 @@ impl FakeDaemon {
     /// Whether a lease request is held.
     pub fn has_pending(&self) -> bool {
         self.state.pending.lock().is_some()
+    }
+
+    /// While `unlisted`, the lists (`lease.list`, `list.get`, `status.get`) leave every lease
+    /// out, as a lookup that raced a grant would; renewals and releases still find them.
+    pub fn unlist_leases(&self, unlisted: bool) {
+        self.state.unlisted.store(unlisted, Ordering::SeqCst);
     }
 
     /// Adds a lease as if granted to `owner`; answers its record.
@@ -562,7 +601,7 @@ fn register(router: &mut Router, state: &Arc<State>) {
     let s = state.clone();
     router.handle::<StatusGet, _, _>(move |ctx, input| {
         s.record("status.get", &ctx, &input);
-        let leases: Vec<LeaseRecord> = s.leases.lock().values().cloned().collect();
+        let leases = s.listed();
         let output = StatusOutput {
             daemon: DaemonInfo {
                 health: Health::Running,
@@ -587,6 +626,7 @@ fn register(router: &mut Router, state: &Arc<State>) {
                 max_ttl_ms: 14_400_000,
             }),
             workers: None,
+            drivers: None,
         };
         async move { Ok(output) }
     });
@@ -603,6 +643,7 @@ fn register(router: &mut Router, state: &Arc<State>) {
                 model_aliases: BTreeMap::new(),
                 model_workers: None,
                 runtime_workers: None,
+                unavailable: None,
             }],
         };
         async move { Ok(output) }
@@ -626,7 +667,7 @@ fn register(router: &mut Router, state: &Arc<State>) {
         s.record("list.get", &ctx, &input);
         let output = match input.kind {
             ListKind::Devices => ListOutput::Devices(vec![device()]),
-            ListKind::Leases => ListOutput::Leases(s.leases.lock().values().cloned().collect()),
+            ListKind::Leases => ListOutput::Leases(s.listed()),
             ListKind::Rules => ListOutput::Rules(Vec::new()),
             ListKind::Requests => ListOutput::Requests(Vec::new()),
         };
@@ -722,11 +763,9 @@ fn register(router: &mut Router, state: &Arc<State>) {
     router.handle::<LeaseList, _, _>(move |ctx, input| {
         s.record("lease.list", &ctx, &input);
         let leases = s
-            .leases
-            .lock()
-            .values()
+            .listed()
+            .into_iter()
             .filter(|l| ctx.role == Role::Admin || l.owner_id == ctx.principal)
-            .cloned()
             .collect();
         async move { Ok(LeaseListOutput { leases }) }
     });

@@ -28,6 +28,7 @@ fn catalog() -> Vec<PlatformCatalog> {
         model_aliases: aliases,
         model_workers: None,
         runtime_workers: None,
+        unavailable: None,
     }]
 }
 
@@ -85,6 +86,10 @@ fn ready_device(model: &str, os: &str) -> Device {
         created_at: 0,
         last_lease_ended_at: None,
         worker_id: None,
+        access: None,
+        quarantine_attempts: None,
+        quarantine_next_retry_at: None,
+        recovery_attempts: None,
     }
 }
 

@@ -1,0 +1,110 @@
+//! Durations as a person types them: `15m`, `90s`, `1h30m`, `2d`, `500ms`, or a bare number of
+//! milliseconds (what the CLI took before, still accepted). One parser for every flag and for the
+//! MCP tools' arguments; the views print durations the same way (`view::duration`).
+
+/// The units, longest name first so `ms` is not read as `m` then `s`.
+const UNITS: &[(&str, u64)] = &[
+    ("ms", 1),
+    ("s", 1_000),
+    ("m", 60_000),
+    ("h", 3_600_000),
+    ("d", 86_400_000),
+];
+
+/// What a duration may look like, for messages.
+pub(crate) const SHAPES: &str = "15m, 90s, 1h30m, 2d, 500ms or a number of milliseconds";
+
+/// Parses a duration into milliseconds: one or more `<number><unit>` parts (`1h30m`), or a bare
+/// number of milliseconds. Surrounding spaces are ignored; spaces inside are not allowed.
+///
+/// # Errors
+/// A message naming the text and the shapes a duration may take.
+pub(crate) fn parse_ms(text: &str) -> Result<u64, String> {
+    let bad = || format!("{text:?} is not a duration like {SHAPES}");
+    let trimmed = text.trim();
+    if trimmed.is_empty() {
+        return Err(bad());
+    }
+    if trimmed.bytes().all(|b| b.is_ascii_digit()) {
+        return trimmed.parse().map_err(|_| bad());
+    }
+    let mut rest = trimmed;
+    let mut total: u64 = 0;
+    while !rest.is_empty() {
+        let digits = rest.bytes().take_while(u8::is_ascii_digit).count();
+        if digits == 0 {
+            return Err(bad());
+        }
+        let (number, after) = rest.split_at(digits);
+        let n: u64 = number.parse().map_err(|_| bad())?;
+        let Some((unit, factor)) = UNITS.iter().find(|(unit, _)| after.starts_with(unit)) else {
+            return Err(bad());
+        };
+        let part = n.checked_mul(*factor).ok_or_else(bad)?;
+        total = total.checked_add(part).ok_or_else(bad)?;
+        rest = &after[unit.len()..];
+    }
+    Ok(total)
+}
+
+/// [`parse_ms`] for clap, refusing zero (every duration the CLI takes must be positive).
+pub(crate) fn positive_ms(text: &str) -> Result<u64, String> {
+    match parse_ms(text)? {
+        0 => Err(format!("{text:?} is zero; a duration must be positive")),
+        ms => Ok(ms),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn single_units_parse() {
+        assert_eq!(parse_ms("500"), Ok(500));
+        assert_eq!(parse_ms("500ms"), Ok(500));
+        assert_eq!(parse_ms("90s"), Ok(90_000));
+        assert_eq!(parse_ms("15m"), Ok(900_000));
+        assert_eq!(parse_ms("2h"), Ok(7_200_000));
+        assert_eq!(parse_ms("1d"), Ok(86_400_000));
+        assert_eq!(parse_ms(" 30s "), Ok(30_000));
+    }
+
+    #[test]
+    fn compound_durations_add_up() {
+        assert_eq!(parse_ms("1h30m"), Ok(5_400_000));
+        assert_eq!(parse_ms("1h30m30s"), Ok(5_430_000));
+        assert_eq!(parse_ms("1m500ms"), Ok(60_500));
+        assert_eq!(parse_ms("1d2h"), Ok(93_600_000));
+    }
+
+    #[test]
+    fn what_the_views_print_parses_back() {
+        for ms in [500, 45_000, 900_000, 5_430_000, 3_600_000, 86_400_000] {
+            assert_eq!(parse_ms(&crate::view::duration(ms)), Ok(ms), "{ms}");
+        }
+    }
+
+    #[test]
+    fn malformed_durations_are_refused_with_the_shapes() {
+        for text in ["", " ", "m", "5 m", "3w", "1.5h", "-5s", "5m-", "h1", "1hh"] {
+            let err = parse_ms(text).expect_err(text);
+            assert!(err.contains(SHAPES), "{err}");
+        }
+    }
+
+    #[test]
+    fn an_overflow_is_refused_not_wrapped() {
+        assert!(parse_ms("18446744073709551615").is_ok());
+        assert!(parse_ms("18446744073709551616").is_err());
+        assert!(parse_ms("213503982335d").is_err());
+        assert!(parse_ms("213503982334d1d").is_err());
+    }
+
+    #[test]
+    fn zero_is_not_a_positive_duration() {
+        assert_eq!(positive_ms("1s"), Ok(1_000));
+        assert!(positive_ms("0").is_err());
+        assert!(positive_ms("0s").is_err());
+    }
+}

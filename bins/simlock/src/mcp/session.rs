@@ -1,0 +1,357 @@
+//! One MCP session's shell around its [`LeaseBook`]: the daemon connection (made when a tool
+//! first needs it, made again once it is lost), a [`LeaseHold`] task per lease, the client's
+//! notifications, and the end of the session, which releases every lease it holds.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use rmcp::model::{ProgressNotificationParam, ProgressToken};
+use rmcp::{Peer, RoleServer};
+use serde_json::{Value, json};
+use simlock_client::{Client, HoldEnd, LeaseHold, LeaseLost, LeaseNotice};
+use simlock_contract::model::{LeaseGrant, LeaseRecord};
+use simlock_contract::ops::LeaseRequestInput;
+use simlock_contract::push::Progress;
+use simlock_contract::{ContractError, ErrorCode};
+use tokio::sync::{mpsc, oneshot};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use super::book::{Entry, LeaseBook, Standing};
+use super::notify::{Level, Notifier};
+use crate::Target;
+use crate::identity::Requester;
+use crate::view;
+
+/// The longest the end of a session waits for its releases (and withdrawn requests).
+pub(crate) const CLOSE_BOUND: Duration = Duration::from_secs(15);
+/// Progress notifications a slow client may leave unsent before newer ones are dropped.
+const PROGRESS_QUEUE: usize = 16;
+
+/// A request to a hold's task to release its lease; it answers how the hold ended.
+type ReleaseAsk = oneshot::Sender<HoldEnd>;
+
+/// One MCP session.
+#[derive(Debug)]
+pub(crate) struct Session {
+    target: Target,
+    requester: Requester,
+    client: tokio::sync::Mutex<Option<Client>>,
+    book: Mutex<LeaseBook>,
+    releases: Mutex<HashMap<String, mpsc::Sender<ReleaseAsk>>>,
+    notifier: Notifier,
+    closing: CancellationToken,
+    tasks: TaskTracker,
+}
+
+impl Session {
+    pub(crate) fn new(target: Target, requester: Requester) -> Arc<Self> {
+        Arc::new(Self {
+            target,
+            requester,
+            client: tokio::sync::Mutex::new(None),
+            book: Mutex::new(LeaseBook::default()),
+            releases: Mutex::new(HashMap::new()),
+            notifier: Notifier::default(),
+            closing: CancellationToken::new(),
+            tasks: TaskTracker::new(),
+        })
+    }
+
+    /// Who the session's leases are for.
+    pub(crate) const fn requester(&self) -> &Requester {
+        &self.requester
+    }
+
+    /// Where the session's notifications go.
+    pub(crate) const fn notifier(&self) -> &Notifier {
+        &self.notifier
+    }
+
+    /// The daemon connection: the open one, or a new one.
+    ///
+    /// # Errors
+    /// The connection's failure (`DAEMON_CONNECTION_LOST` naming the socket, a usage error).
+    pub(crate) async fn client(&self) -> Result<Client, ContractError> {
+        let mut slot = self.client.lock().await;
+        if let Some(client) = slot.as_ref().filter(|c| !c.is_closed()) {
+            return Ok(client.clone());
+        }
+        let client = self.target.connect().await?;
+        *slot = Some(client.clone());
+        Ok(client)
+    }
+
+    /// Reads the book.
+    pub(crate) fn with_book<T>(&self, read: impl FnOnce(&LeaseBook) -> T) -> T {
+        read(&self.book.lock())
+    }
+
+    /// Requests a lease for the session's requester, reporting progress to `progress` when the
+    /// client asked for it, withdrawing the request when `cancel` fires or the session ends;
+    /// then holds the grant.
+    ///
+    /// # Errors
+    /// The daemon's refusal (`NO_CAPACITY`, `REQUESTER_ALREADY_LEASED`, …), `CANCELLED`, or the
+    /// connection's failure.
+    pub(crate) async fn lease(
+        self: &Arc<Self>,
+        mut input: LeaseRequestInput,
+        progress: Option<(Peer<RoleServer>, ProgressToken)>,
+        cancel: CancellationToken,
+    ) -> Result<LeaseGrant, ContractError> {
+        if self.closing.is_cancelled() {
+            return Err(ending());
+        }
+        input.requester_id = Some(self.requester.id());
+        let client = self.client().await?;
+        let sink = progress.map(|(peer, token)| self.forward_progress(peer, token));
+        // A task of its own: it runs to its end (withdrawing the request, or holding or releasing
+        // the grant) even when the call is dropped as the session ends.
+        let session = Arc::clone(self);
+        let task = self.tasks.spawn(async move {
+            let closing = session.closing.clone();
+            let abort = async move {
+                tokio::select! {
+                    () = cancel.cancelled() => {}
+                    () = closing.cancelled() => {}
+                }
+            };
+            let on_progress = |p: &Progress| {
+                if let Some(sink) = &sink {
+                    // Progress is advisory: a client that reads slowly misses some.
+                    let _ = sink.try_send(*p);
+                }
+            };
+            let grant = client.request_lease(input, on_progress, abort).await?;
+            if session.closing.is_cancelled() {
+                let _ = client.release(grant.lease.id.as_str()).await;
+                return Err(ending());
+            }
+            session.hold(&client, grant.clone());
+            Ok(grant)
+        });
+        task.await.unwrap_or_else(|e| {
+            Err(ContractError::internal(format!(
+                "the lease request stopped: {e}"
+            )))
+        })
+    }
+
+    /// A task that sends each progress as an MCP progress notification.
+    fn forward_progress(
+        &self,
+        peer: Peer<RoleServer>,
+        token: ProgressToken,
+    ) -> mpsc::Sender<Progress> {
+        let (tx, mut rx) = mpsc::channel::<Progress>(PROGRESS_QUEUE);
+        self.tasks.spawn(async move {
+            let mut count = 0.0_f64;
+            while let Some(progress) = rx.recv().await {
+                count += 1.0;
+                let note = ProgressNotificationParam::new(token.clone(), count)
+                    .with_message(crate::stderr::describe(&progress));
+                if peer.notify_progress(note).await.is_err() {
+                    return;
+                }
+            }
+        });
+        tx
+    }
+
+    /// Holds `grant` on `client` until it is released, lost, or the session ends.
+    fn hold(self: &Arc<Self>, client: &Client, grant: LeaseGrant) {
+        let lease_id = grant.lease.id.to_string();
+        let hold = client.hold(grant.clone());
+        let (tx, rx) = mpsc::channel(1);
+        self.book.lock().hold(grant);
+        self.releases.lock().insert(lease_id, tx);
+        self.tasks.spawn(Arc::clone(self).keep(hold, rx));
+    }
+
+    /// A hold's task.
+    async fn keep(self: Arc<Self>, mut hold: LeaseHold, mut asks: mpsc::Receiver<ReleaseAsk>) {
+        /// What woke the task.
+        enum Step {
+            Ended(HoldEnd),
+            Release(Option<ReleaseAsk>),
+            Health(Option<LeaseNotice>),
+        }
+        let lease_id = hold.lease_id().to_owned();
+        let mut health = hold.notices();
+        loop {
+            let step = tokio::select! {
+                end = hold.ended() => Step::Ended(end),
+                Some(ask) = asks.recv() => Step::Release(Some(ask)),
+                () = self.closing.cancelled() => Step::Release(None),
+                notice = health.recv() => Step::Health(notice.ok()),
+            };
+            match step {
+                Step::Ended(end) => {
+                    self.settled(&lease_id, &end).await;
+                    return;
+                }
+                Step::Release(ask) => {
+                    let end = hold.release().await;
+                    self.settled(&lease_id, &end).await;
+                    if let Some(ask) = ask {
+                        let _ = ask.send(end);
+                    }
+                    return;
+                }
+                Step::Health(Some(notice)) => self.tell_health(&notice).await,
+                Step::Health(None) => {}
+            }
+        }
+    }
+
+    /// Records how a hold ended and, when the daemon ended it, tells the client.
+    async fn settled(&self, lease_id: &str, end: &HoldEnd) {
+        self.releases.lock().remove(lease_id);
+        let standing = match end {
+            HoldEnd::Released => Standing::Released,
+            HoldEnd::Lost(LeaseLost { reason, .. }) => Standing::Lost(*reason),
+            HoldEnd::Failed(e) => Standing::Failed(e.clone()),
+        };
+        let settled = self.book.lock().settle(lease_id, standing);
+        if let Some(entry) = settled
+            && !matches!(entry.standing, Standing::Released)
+        {
+            self.tell_end(&entry).await;
+        }
+    }
+
+    /// Releases the session's lease `lease_id` (default: the one it holds).
+    ///
+    /// # Errors
+    /// `UNKNOWN_LEASE` when the lease is not this session's, already ended (saying why), or the
+    /// daemon no longer knows it; the release's own failure.
+    pub(crate) async fn release(&self, lease_id: Option<&str>) -> Result<String, ContractError> {
+        let lease_id = self.book.lock().pick_held(lease_id)?.lease_id().to_owned();
+        let asks = self.releases.lock().get(&lease_id).cloned();
+        let (tx, rx) = oneshot::channel();
+        let sent = match asks {
+            Some(asks) => asks.send(tx).await.is_ok(),
+            None => false,
+        };
+        let end = if sent { rx.await.ok() } else { None };
+        match end {
+            Some(HoldEnd::Released) => Ok(lease_id),
+            Some(HoldEnd::Failed(e)) => Err(e),
+            // Lost, or the hold ended on its own meanwhile: say how it stands now.
+            Some(HoldEnd::Lost(_)) | None => {
+                let err = self.book.lock().pick_held(Some(&lease_id)).err();
+                Err(err.unwrap_or_else(|| {
+                    ContractError::internal(format!("the hold of lease {lease_id} stopped"))
+                }))
+            }
+        }
+    }
+
+    /// The daemon's current record of a held lease (`None`: the daemon no longer lists it).
+    ///
+    /// # Errors
+    /// The connection's or the call's failure.
+    pub(crate) async fn record(
+        &self,
+        lease_id: &str,
+    ) -> Result<Option<LeaseRecord>, ContractError> {
+        let client = self.client().await?;
+        let list = client.leases().await?;
+        Ok(list.leases.into_iter().find(|l| l.id.as_str() == lease_id))
+    }
+
+    /// Ends the session: withdraws pending requests and releases every held lease, waiting at
+    /// most [`CLOSE_BOUND`]. Answers the leases that were released.
+    pub(crate) async fn close(&self) -> Vec<String> {
+        let before: Vec<String> =
+            self.with_book(|b| b.held().map(|e| e.lease_id().to_owned()).collect());
+        self.closing.cancel();
+        self.tasks.close();
+        if tokio::time::timeout(CLOSE_BOUND, self.tasks.wait())
+            .await
+            .is_err()
+        {
+            eprintln!(
+                "simlock mcp: the session's releases did not finish within {}; leases left expire on their TTL",
+                view::duration(u64::try_from(CLOSE_BOUND.as_millis()).unwrap_or(u64::MAX))
+            );
+        }
+        self.with_book(|b| {
+            before
+                .into_iter()
+                .filter(|id| {
+                    b.entries()
+                        .any(|e| e.lease_id() == id && e.standing == Standing::Released)
+                })
+                .collect()
+        })
+    }
+
+    /// Tells the client the daemon ended a lease of the session.
+    async fn tell_end(&self, entry: &Entry) {
+        let lease = entry.lease_id();
+        let device = &entry.grant.device;
+        let (event, level, reason) = match &entry.standing {
+            Standing::Lost(reason) => (
+                "lease-lost",
+                Level::Warning,
+                reason.map(|r| view::value_name(&r)),
+            ),
+            Standing::Failed(_) => ("lease-failed", Level::Error, None),
+            Standing::Held | Standing::Released => return,
+        };
+        let mut data = json!({
+            "event": event,
+            "leaseId": lease,
+            "deviceId": device.id,
+            "requesterId": entry.grant.lease.requester_id,
+            "message": format!(
+                "simlock ended lease {lease}: {}; this session no longer holds device {} ({} {})",
+                entry.standing.why(),
+                device.id,
+                device.spec.model,
+                device.spec.os_version,
+            ),
+        });
+        if let (Some(reason), Some(map)) = (reason, data.as_object_mut()) {
+            map.insert("reason".into(), Value::from(reason));
+        }
+        self.notifier.tell(level, data).await;
+    }
+
+    /// Tells the client about its device's health.
+    async fn tell_health(&self, notice: &LeaseNotice) {
+        let (level, message) = match notice {
+            LeaseNotice::Unhealthy { device_id, .. } => (
+                Level::Warning,
+                format!(
+                    "device {device_id} crashed; simlock is booting it again under the same lease \
+                     (apps, log streams and port forwards on it are gone)"
+                ),
+            ),
+            LeaseNotice::Recovered {
+                device_id,
+                attempts,
+                ..
+            } => (
+                Level::Info,
+                format!("device {device_id} is ready again after {attempts} attempt(s)"),
+            ),
+            LeaseNotice::Lost { .. } => return,
+        };
+        let push = notice.clone().into_push();
+        let mut data = json!({ "event": push.kind(), "message": message });
+        if let (Ok(Value::Object(payload)), Some(map)) = (push.payload(), data.as_object_mut()) {
+            map.extend(payload);
+        }
+        self.notifier.tell(level, data).await;
+    }
+}
+
+/// `CANCELLED` for a request that comes as the session ends.
+fn ending() -> ContractError {
+    ContractError::new(ErrorCode::Cancelled, "The MCP session is ending")
+}

@@ -1,0 +1,604 @@
+//! Running the device tools, and keeping every process a driver starts findable by pid.
+//!
+//! Each process a driver starts is written to its **ledger** (one file per pid under
+//! `$SIMLOCK_HOME/drivers/<platform>/processes/`) before anything waits on it, and forgotten only
+//! once it is known to have ended. A worker killed with SIGKILL therefore leaves a ledger naming
+//! everything it had running: at the next start the driver stops what it does not adopt (a tool
+//! call that was under way, an adb server, an emulator of a device it no longer has), by pid,
+//! after checking the pid still runs the recorded program (a pid can be reused).
+//!
+//! Every process runs in a process group of its own, so stopping it stops its children too.
+
+use std::path::{Path, PathBuf};
+use std::process::{ExitStatus, Stdio};
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use tokio::io::AsyncWriteExt;
+use tokio::process::Command;
+use tokio::sync::watch;
+use tracing::warn;
+
+use crate::error::ToolError;
+
+/// What a ledger entry is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Role {
+    /// A tool call the driver waits on.
+    Tool,
+    /// An emulator (a device: it may outlive the worker and be adopted).
+    Emulator,
+    /// The driver's own adb server.
+    AdbServer,
+}
+
+/// A process the driver started.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Entry {
+    /// Its pid (also its process group).
+    pub pid: u32,
+    /// The program, as it was started.
+    pub program: String,
+    /// Its arguments.
+    pub args: Vec<String>,
+    /// What it is.
+    pub role: Role,
+    /// The device it serves, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device: Option<String>,
+    /// The port it holds, if any (an emulator's console port, the adb server's port).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub port: Option<u16>,
+}
+
+/// The processes one driver started, on disk.
+#[derive(Debug)]
+pub struct Ledger {
+    dir: PathBuf,
+}
+
+impl Ledger {
+    /// The ledger in `dir` (created, mode 0700).
+    ///
+    /// # Errors
+    /// When the directory cannot be made.
+    pub fn open(dir: &Path) -> Result<Self, ToolError> {
+        make_private_dir(dir)?;
+        Ok(Self {
+            dir: dir.to_path_buf(),
+        })
+    }
+
+    fn path(&self, pid: u32) -> PathBuf {
+        self.dir.join(format!("{pid}.json"))
+    }
+
+    /// Records a started process.
+    ///
+    /// # Errors
+    /// When the entry cannot be written.
+    pub fn record(&self, entry: &Entry) -> Result<(), ToolError> {
+        let text = serde_json::to_vec(entry)
+            .map_err(|e| ToolError::State(format!("ledger entry: {e}")))?;
+        let tmp = self.dir.join(format!(".{}.tmp", entry.pid));
+        std::fs::write(&tmp, text).map_err(|e| ToolError::io("writing the process ledger", e))?;
+        std::fs::rename(&tmp, self.path(entry.pid))
+            .map_err(|e| ToolError::io("writing the process ledger", e))
+    }
+
+    /// Forgets a process that ended.
+    pub fn forget(&self, pid: u32) {
+        let _ = std::fs::remove_file(self.path(pid));
+    }
+
+    /// Every recorded process.
+    pub fn entries(&self) -> Vec<Entry> {
+        let Ok(dir) = std::fs::read_dir(&self.dir) else {
+            return Vec::new();
+        };
+        let mut entries: Vec<Entry> = dir
+            .filter_map(Result::ok)
+            .filter(|e| e.file_name().to_string_lossy().ends_with(".json"))
+            .filter_map(|e| std::fs::read(e.path()).ok())
+            .filter_map(|bytes| serde_json::from_slice(&bytes).ok())
+            .collect();
+        entries.sort_by_key(|e| e.pid);
+        entries
+    }
+}
+
+/// Makes `dir` (and its parents), owner-only.
+///
+/// # Errors
+/// When it cannot be made.
+pub fn make_private_dir(dir: &Path) -> Result<(), ToolError> {
+    std::fs::create_dir_all(dir)
+        .map_err(|e| ToolError::io(format!("creating {}", dir.display()), e))?;
+    use std::os::unix::fs::PermissionsExt as _;
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
+        .map_err(|e| ToolError::io(format!("securing {}", dir.display()), e))
+}
+
+/// Whether `pid` runs (and is not a zombie waiting to be reaped).
+pub fn pid_alive(pid: u32) -> bool {
+    if let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        return stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.trim_start().chars().next())
+            .is_some_and(|s| s != 'Z' && s != 'X');
+    }
+    if Path::new("/proc/self").exists() {
+        return false;
+    }
+    to_pid(pid).is_some_and(|p| rustix::process::test_kill_process(p).is_ok())
+}
+
+fn to_pid(pid: u32) -> Option<rustix::process::Pid> {
+    i32::try_from(pid)
+        .ok()
+        .and_then(rustix::process::Pid::from_raw)
+}
+
+/// The program `pid` runs, as it was started (its first argument).
+fn program_of(pid: u32) -> Option<String> {
+    if let Ok(cmdline) = std::fs::read(format!("/proc/{pid}/cmdline")) {
+        return cmdline
+            .split(|b| *b == 0)
+            .next()
+            .map(|a| String::from_utf8_lossy(a).into_owned());
+    }
+    // Where there is no /proc (macOS): ask ps.
+    let out = std::process::Command::new("ps")
+        .args(["-o", "command=", "-p", &pid.to_string()])
+        .stderr(Stdio::null())
+        .output()
+        .ok()?;
+    let text = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+    (!text.is_empty()).then_some(text)
+}
+
+/// Whether the recorded process still runs its program (not a reused pid).
+pub fn still_runs(entry: &Entry) -> bool {
+    pid_alive(entry.pid)
+        && program_of(entry.pid)
+            .is_some_and(|p| p == entry.program || p.starts_with(&format!("{} ", entry.program)))
+}
+
+/// Sends `signal` to `pid`'s process group (and to `pid`, should it have left the group).
+pub fn signal(pid: u32, signal: rustix::process::Signal) {
+    if let Some(p) = to_pid(pid) {
+        let _ = rustix::process::kill_process_group(p, signal);
+        let _ = rustix::process::kill_process(p, signal);
+    }
+}
+
+/// Stops a process that is not our child (one an earlier run started): SIGTERM, then SIGKILL
+/// once `grace` passed. The liveness checks are bounded polls: nothing else tells us when a
+/// process we did not start has ended.
+pub async fn stop_foreign(pid: u32, grace: Duration) {
+    signal(pid, rustix::process::Signal::TERM);
+    let deadline = tokio::time::Instant::now() + grace;
+    while pid_alive(pid) && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    if pid_alive(pid) {
+        signal(pid, rustix::process::Signal::KILL);
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        while pid_alive(pid) && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+/// How long a killed tool call may take to be reaped (SIGKILL cannot be caught; only a process
+/// stuck in the kernel takes longer).
+const REAP_BOUND: Duration = Duration::from_secs(5);
+
+/// Everything `pipe` yields until its end (nothing for no pipe, or once it fails).
+async fn read_all(pipe: Option<&mut (impl tokio::io::AsyncRead + Unpin)>) -> Vec<u8> {
+    let mut out = Vec::new();
+    if let Some(pipe) = pipe {
+        let _ = tokio::io::AsyncReadExt::read_to_end(pipe, &mut out).await;
+    }
+    out
+}
+
+/// What a tool call printed.
+#[derive(Debug, Clone)]
+pub struct Output {
+    /// Standard output.
+    pub stdout: String,
+    /// Standard error.
+    pub stderr: String,
+}
+
+/// Runs one platform's tools: with the driver's scoping environment, bounded, recorded in its
+/// ledger while they run.
+#[derive(Debug, Clone)]
+pub struct Runner {
+    ledger: Arc<Ledger>,
+    env: Vec<(String, String)>,
+}
+
+impl Runner {
+    /// A runner that records in `ledger` and sets `env` on every process.
+    pub fn new(ledger: Arc<Ledger>, env: Vec<(String, String)>) -> Self {
+        Self { ledger, env }
+    }
+
+    /// The ledger.
+    pub fn ledger(&self) -> &Arc<Ledger> {
+        &self.ledger
+    }
+
+    fn command(&self, program: &Path, args: &[String]) -> Command {
+        let mut command = Command::new(program);
+        command.args(args).envs(self.env.iter().cloned());
+        command.process_group(0);
+        command
+    }
+
+    /// Runs `program args` to its end, feeding `stdin`, and answers what it printed; a
+    /// failure exit is [`ToolError::Failed`]. Past `timeout` the process group is killed.
+    ///
+    /// # Errors
+    /// [`ToolError::Spawn`], [`ToolError::Timeout`] or [`ToolError::Failed`].
+    pub async fn run(
+        &self,
+        program: &Path,
+        args: &[String],
+        stdin: Option<&str>,
+        timeout: Duration,
+    ) -> Result<Output, ToolError> {
+        let line = command_line(program, args);
+        let mut command = self.command(program, args);
+        command
+            .stdin(if stdin.is_some() {
+                Stdio::piped()
+            } else {
+                Stdio::null()
+            })
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true);
+        let mut child = command.spawn().map_err(|source| ToolError::Spawn {
+            program: program.display().to_string(),
+            source,
+        })?;
+        let pid = child.id().unwrap_or_default();
+        self.ledger.record(&Entry {
+            pid,
+            program: program.display().to_string(),
+            args: args.to_vec(),
+            role: Role::Tool,
+            device: None,
+            port: None,
+        })?;
+        if let (Some(text), Some(mut pipe)) = (stdin, child.stdin.take()) {
+            let text = text.to_owned();
+            tokio::spawn(async move {
+                let _ = pipe.write_all(text.as_bytes()).await;
+            });
+        }
+        let mut stdout = child.stdout.take();
+        let mut stderr = child.stderr.take();
+        let finished = async {
+            let (status, out, err) = tokio::join!(
+                child.wait(),
+                read_all(stdout.as_mut()),
+                read_all(stderr.as_mut())
+            );
+            status.map(|status| (status, out, err))
+        };
+        let waited = tokio::time::timeout(timeout, finished).await;
+        let mut ended = true;
+        let outcome = match waited {
+            Ok(Ok((status, out, err))) => {
+                let stdout = String::from_utf8_lossy(&out).into_owned();
+                let stderr = String::from_utf8_lossy(&err).into_owned();
+                if status.success() {
+                    Ok(Output { stdout, stderr })
+                } else {
+                    Err(ToolError::Failed {
+                        command: line,
+                        status: status.to_string(),
+                        code: status.code(),
+                        stderr,
+                        stdout,
+                    })
+                }
+            }
+            Ok(Err(e)) => Err(ToolError::io(format!("waiting for `{line}`"), e)),
+            Err(_) => {
+                // Its group goes too. It was killed once it is reaped: until then it may still
+                // run (a signal takes effect when the process is next scheduled), and the
+                // ledger keeps it.
+                signal(pid, rustix::process::Signal::KILL);
+                let _ = child.start_kill();
+                if tokio::time::timeout(REAP_BOUND, child.wait())
+                    .await
+                    .is_err()
+                {
+                    warn!(pid, command = %line, "a killed tool call was not reaped in time; the ledger keeps it");
+                    ended = false;
+                }
+                Err(ToolError::Timeout {
+                    command: line,
+                    ms: u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX),
+                })
+            }
+        };
+        if ended {
+            self.ledger.forget(pid);
+        }
+        outcome
+    }
+
+    /// Starts a long-running process with its output going to its log, and keeps reaping it
+    /// in the background; it is not killed when the handle goes (a device may outlive the
+    /// worker).
+    ///
+    /// # Errors
+    /// When it cannot be started or recorded.
+    pub fn spawn(&self, start: &Start<'_>) -> Result<Spawned, ToolError> {
+        let Start {
+            program,
+            args,
+            env: extra_env,
+            log,
+            role,
+            device,
+            port,
+        } = start;
+        let (role, port, device) = (*role, *port, device.clone());
+        let log_file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(log)
+            .map_err(|e| ToolError::io(format!("opening {}", log.display()), e))?;
+        let err_file = log_file
+            .try_clone()
+            .map_err(|e| ToolError::io(format!("opening {}", log.display()), e))?;
+        let mut command = self.command(program, args);
+        command
+            .envs(extra_env.iter().cloned())
+            .stdin(Stdio::null())
+            .stdout(log_file)
+            .stderr(err_file)
+            .kill_on_drop(false);
+        let mut child = command.spawn().map_err(|source| ToolError::Spawn {
+            program: program.display().to_string(),
+            source,
+        })?;
+        let pid = child.id().unwrap_or_default();
+        let entry = Entry {
+            pid,
+            program: program.display().to_string(),
+            args: args.to_vec(),
+            role,
+            device,
+            port,
+        };
+        if let Err(e) = self.ledger.record(&entry) {
+            signal(pid, rustix::process::Signal::KILL);
+            return Err(e);
+        }
+        let (tx, rx) = watch::channel(None);
+        let ledger = self.ledger.clone();
+        tokio::spawn(async move {
+            let status = child.wait().await.ok();
+            ledger.forget(pid);
+            let _ = tx.send(Some(status));
+        });
+        Ok(Spawned { entry, exited: rx })
+    }
+}
+
+/// What [`Runner::spawn`] starts.
+#[derive(Debug, Clone)]
+pub struct Start<'a> {
+    /// The program.
+    pub program: &'a Path,
+    /// Its arguments.
+    pub args: &'a [String],
+    /// Environment beyond the runner's.
+    pub env: &'a [(String, String)],
+    /// Where its stdout and stderr go.
+    pub log: &'a Path,
+    /// What it is.
+    pub role: Role,
+    /// The device it serves.
+    pub device: Option<String>,
+    /// The port it holds.
+    pub port: Option<u16>,
+}
+
+/// A long-running process the driver started in this run.
+#[derive(Debug, Clone)]
+pub struct Spawned {
+    /// Its ledger entry.
+    pub entry: Entry,
+    exited: watch::Receiver<Option<Option<ExitStatus>>>,
+}
+
+impl Spawned {
+    /// Whether it has ended.
+    pub fn has_exited(&self) -> bool {
+        self.exited.borrow().is_some()
+    }
+
+    /// Waits until it ends, at most `within`; answers whether it did.
+    pub async fn wait_exit(&self, within: Duration) -> bool {
+        let mut rx = self.exited.clone();
+        tokio::time::timeout(within, rx.wait_for(Option::is_some))
+            .await
+            .is_ok_and(|r| r.is_ok())
+    }
+
+    /// Stops it: SIGTERM, then SIGKILL once `grace` passed; waits until it is reaped.
+    pub async fn stop(&self, grace: Duration) {
+        if self.has_exited() {
+            return;
+        }
+        signal(self.entry.pid, rustix::process::Signal::TERM);
+        if !self.wait_exit(grace).await {
+            signal(self.entry.pid, rustix::process::Signal::KILL);
+            self.wait_exit(Duration::from_secs(5)).await;
+        }
+    }
+}
+
+/// The command as one line, for messages.
+pub fn command_line(program: &Path, args: &[String]) -> String {
+    let name = program.file_name().map_or_else(
+        || program.display().to_string(),
+        |n| n.to_string_lossy().into_owned(),
+    );
+    std::iter::once(name)
+        .chain(args.iter().cloned())
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// Stops every process of `ledger` that `keep` does not claim, by pid, after checking each
+/// still runs its recorded program; forgets the ones that are gone. Answers what it stopped.
+pub async fn reap(ledger: &Ledger, keep: impl Fn(&Entry) -> bool) -> Vec<Entry> {
+    let mut stopped = Vec::new();
+    for entry in ledger.entries() {
+        if !still_runs(&entry) {
+            ledger.forget(entry.pid);
+            continue;
+        }
+        if keep(&entry) {
+            continue;
+        }
+        tracing::info!(pid = entry.pid, program = %entry.program, role = ?entry.role, "stopping a process an earlier run left");
+        stop_foreign(entry.pid, Duration::from_secs(5)).await;
+        ledger.forget(entry.pid);
+        stopped.push(entry);
+    }
+    stopped
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_call_past_its_bound_is_killed_and_forgotten() {
+        let dir = tempfile::tempdir().unwrap();
+        let ledger = Arc::new(Ledger::open(&dir.path().join("l")).unwrap());
+        let runner = Runner::new(ledger.clone(), Vec::new());
+        let err = runner
+            .run(
+                Path::new("sleep"),
+                &["30".to_owned()],
+                None,
+                Duration::from_millis(50),
+            )
+            .await
+            .unwrap_err();
+        assert!(matches!(err, ToolError::Timeout { .. }), "{err}");
+        assert!(ledger.entries().is_empty());
+        let err = runner
+            .run(
+                Path::new("sh"),
+                &["-c".into(), "echo no >&2; exit 3".into()],
+                None,
+                Duration::from_secs(10),
+            )
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(err, ToolError::Failed { code: Some(3), .. }),
+            "{err}"
+        );
+        assert!(err.says("NO"));
+        let err = runner
+            .run(
+                Path::new("/nonexistent/tool"),
+                &[],
+                None,
+                Duration::from_secs(1),
+            )
+            .await
+            .unwrap_err();
+        assert!(matches!(err, ToolError::Spawn { .. }), "{err}");
+    }
+
+    #[tokio::test]
+    async fn a_call_past_its_bound_has_ended_when_its_timeout_is_answered() {
+        let dir = tempfile::tempdir().unwrap();
+        let ledger = Arc::new(Ledger::open(&dir.path().join("l")).unwrap());
+        let runner = Runner::new(ledger.clone(), Vec::new());
+        let pid_file = dir.path().join("pid");
+        let script = format!("echo $$ > '{}'; exec sleep 30", pid_file.display());
+        // The shell must have written its pid before the bound passes: the bound doubles
+        // until it has (the check is of what follows, never of how long anything took).
+        let mut bound = Duration::from_millis(50);
+        let pid = loop {
+            let err = runner
+                .run(Path::new("sh"), &["-c".into(), script.clone()], None, bound)
+                .await
+                .unwrap_err();
+            assert!(matches!(err, ToolError::Timeout { .. }), "{err}");
+            if let Some(pid) = std::fs::read_to_string(&pid_file)
+                .ok()
+                .and_then(|p| p.trim().parse::<u32>().ok())
+            {
+                break pid;
+            }
+            assert!(bound < Duration::from_secs(60), "the shell never ran");
+            bound *= 2;
+        };
+        assert!(
+            !pid_alive(pid),
+            "the killed call is gone, not only signalled"
+        );
+        assert!(ledger.entries().is_empty(), "and then forgotten");
+    }
+
+    #[tokio::test]
+    async fn a_process_left_by_an_earlier_run_is_found_and_stopped_by_pid() {
+        let dir = tempfile::tempdir().unwrap();
+        let ledger = Arc::new(Ledger::open(&dir.path().join("l")).unwrap());
+        let runner = Runner::new(ledger.clone(), Vec::new());
+        let log = dir.path().join("log");
+        let spawned = runner
+            .spawn(&Start {
+                program: Path::new("sleep"),
+                args: &["30".to_owned()],
+                env: &[],
+                log: &log,
+                role: Role::Emulator,
+                device: Some("avd".into()),
+                port: None,
+            })
+            .unwrap();
+        let pid = spawned.entry.pid;
+        assert!(still_runs(&ledger.entries()[0]));
+        // A second ledger on the same directory: what a restarted worker reads.
+        let again = Ledger::open(&dir.path().join("l")).unwrap();
+        let kept = reap(&again, |e| e.role == Role::Emulator).await;
+        assert!(kept.is_empty() && pid_alive(pid), "a kept process runs on");
+        let stopped = reap(&again, |_| false).await;
+        assert_eq!(stopped.len(), 1);
+        assert!(spawned.wait_exit(Duration::from_secs(10)).await);
+        assert!(again.entries().is_empty());
+        // A recorded pid that now runs another program is not ours: only forgotten.
+        let stranger = Entry {
+            pid: std::process::id(),
+            program: "/not/what/runs".into(),
+            args: vec![],
+            role: Role::Tool,
+            device: None,
+            port: None,
+        };
+        again.record(&stranger).unwrap();
+        assert!(reap(&again, |_| false).await.is_empty());
+        assert!(again.entries().is_empty());
+    }
+}

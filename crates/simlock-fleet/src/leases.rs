@@ -1,0 +1,206 @@
+//! Lease operations on leases the gateway issued: renew, release and exec go to the worker that
+//! holds the lease (`WORKER_UNREACHABLE` while its uplink is down), as typed calls; the fleet
+//! core decides where a lease is and who may act on it, and takes in the worker's answers.
+//! Lists come from the core's index.
+
+use std::time::Duration;
+
+use simlock_contract::model::LeaseRecord;
+use simlock_contract::ops::{
+    DeviceExec, ExecInput, ExecOutput, LeaseIdInput, LeaseRelease, LeaseReleaseOutput, LeaseRenew,
+    LeaseRenewInput,
+};
+use simlock_contract::{ContractError, Operation, Push};
+use simlock_daemon::context::CallCtx;
+use simlock_wire::{CallEvent, decode_output};
+
+use crate::error::FleetError;
+use crate::fleet::Fleet;
+use crate::requests::caller;
+use crate::state::{Caller, LeaseTarget};
+
+impl Fleet {
+    /// Calls `O` on the worker holding `target`, bounded by the call timeout.
+    async fn call_worker<O: Operation>(
+        &self,
+        target: &LeaseTarget,
+        input: &O::Input,
+    ) -> Result<O::Output, FleetError> {
+        let Some(conn) = self.conn_of(target.generation) else {
+            return Err(FleetError::unreachable(&target.worker_id));
+        };
+        let bound = self.timing.call_timeout;
+        match tokio::time::timeout(bound, conn.client.call::<O>(input)).await {
+            Ok(outcome) => outcome.map_err(|e| FleetError::from_worker(&target.worker_id, e)),
+            Err(_) => Err(no_answer(target, O::NAME, bound)),
+        }
+    }
+
+    /// `lease.renew` through the gateway.
+    ///
+    /// # Errors
+    /// `UNKNOWN_LEASE`, `BAD_REQUEST` over the cap, `WORKER_UNREACHABLE`, or the worker's error.
+    pub async fn renew(
+        &self,
+        ctx: &CallCtx,
+        input: LeaseRenewInput,
+    ) -> Result<LeaseRecord, ContractError> {
+        if let Some(ttl) = input.ttl_ms
+            && ttl > self.limits.max_ttl_ms
+        {
+            return Err(ContractError::bad_request(format!(
+                "ttlMs: {ttl} is above lease.maxTtlMs ({})",
+                self.limits.max_ttl_ms
+            )));
+        }
+        let target = self
+            .shared
+            .lock()
+            .core
+            .lease_target(&input.lease_id, caller(ctx))?;
+        let forwarded = LeaseRenewInput {
+            lease_id: target.worker_lease_id.clone(),
+            ttl_ms: input.ttl_ms,
+        };
+        let outcome = self.call_worker::<LeaseRenew>(&target, &forwarded).await;
+        self.decide(|shared, now| shared.core.handle_renew_answered(&target, outcome, now))
+            .map_err(ContractError::from)
+    }
+
+    /// `lease.release` through the gateway.
+    ///
+    /// # Errors
+    /// `UNKNOWN_LEASE`, `WORKER_UNREACHABLE`, or the worker's error.
+    pub async fn release(
+        &self,
+        ctx: &CallCtx,
+        lease_id: &str,
+    ) -> Result<LeaseReleaseOutput, ContractError> {
+        self.release_as(caller(ctx), lease_id)
+            .await
+            .map(|lease_id| LeaseReleaseOutput { lease_id })
+            .map_err(ContractError::from)
+    }
+
+    async fn release_as(&self, caller: Caller<'_>, lease_id: &str) -> Result<String, FleetError> {
+        let target = self.decide(|shared, _| shared.core.handle_release_sent(lease_id, caller))?;
+        let input = LeaseIdInput {
+            lease_id: target.worker_lease_id.clone(),
+        };
+        let outcome = self
+            .call_worker::<LeaseRelease>(&target, &input)
+            .await
+            .map(|_| ());
+        self.decide(|shared, now| shared.core.handle_release_answered(&target, outcome, now))
+    }
+
+    /// `lease.release-all` through the gateway: every lease it issued.
+    ///
+    /// # Errors
+    /// `WORKER_UNREACHABLE` with `details.releasedLeaseIds` when some could not be released.
+    pub async fn release_all(&self, ctx: &CallCtx) -> Result<Vec<String>, ContractError> {
+        let ids = self.shared.lock().core.lease_ids();
+        let mut released = Vec::new();
+        let mut failed: Option<FleetError> = None;
+        for id in ids {
+            match self.release_as(caller(ctx), &id).await {
+                Ok(id) => released.push(id),
+                Err(FleetError::UnknownLease(_)) => {}
+                Err(err) => {
+                    failed.get_or_insert(err);
+                }
+            }
+        }
+        match failed {
+            None => Ok(released),
+            Some(err) => {
+                let worker_id = match &err {
+                    FleetError::WorkerUnreachable { worker_id, .. } => Some(worker_id.clone()),
+                    _ => ContractError::from(err.clone())
+                        .details
+                        .and_then(|d| d.get("workerId")?.as_str().map(str::to_owned)),
+                };
+                Err(FleetError::SomeNotReleased {
+                    worker_id,
+                    message: ContractError::from(err).message,
+                    released,
+                }
+                .into())
+            }
+        }
+    }
+
+    /// `device.exec` through the gateway: forwarded with the namespaced requester (the worker
+    /// checks it again), its pushes relayed to the caller, stopped after `gateway.execTimeoutMs`.
+    ///
+    /// # Errors
+    /// `FORBIDDEN`, `UNKNOWN_LEASE`, `WORKER_UNREACHABLE`, `EXEC_TIMEOUT`, or the worker's error.
+    pub async fn exec(&self, ctx: &CallCtx, input: ExecInput) -> Result<ExecOutput, ContractError> {
+        let target = self.shared.lock().core.exec_target(
+            &input.lease_id,
+            caller(ctx),
+            input.requester_id.as_deref(),
+        )?;
+        let Some(conn) = self.conn_of(target.generation) else {
+            return Err(crate::error::unreachable(&target.worker_id));
+        };
+        let forwarded = ExecInput {
+            lease_id: target.worker_lease_id.clone(),
+            requester_id: Some(target.worker_requester_id.clone()),
+            ..input
+        };
+        let run = async {
+            let mut call = conn.client.begin_call::<DeviceExec>(&forwarded, 16).await?;
+            loop {
+                match call.next().await {
+                    CallEvent::Push(frame) => match Push::from_frame(&frame) {
+                        Ok(Push::Started { .. }) => {
+                            let _ = ctx
+                                .push(Push::Started {
+                                    request_id: ctx.request_id().clone(),
+                                })
+                                .await;
+                        }
+                        Ok(Push::Output { stream, chunk, .. }) => {
+                            let _ = ctx
+                                .push(Push::Output {
+                                    request_id: ctx.request_id().clone(),
+                                    stream,
+                                    chunk,
+                                })
+                                .await;
+                        }
+                        _ => {}
+                    },
+                    CallEvent::Reply(reply) => return reply.and_then(decode_output::<DeviceExec>),
+                }
+            }
+        };
+        match tokio::time::timeout(self.timing.exec_timeout, run).await {
+            Ok(Ok(output)) => Ok(output),
+            Ok(Err(err)) => {
+                let err = FleetError::from_worker(&target.worker_id, err);
+                Err(self
+                    .decide(|shared, now| shared.core.handle_lease_call_failed(&target, err, now))
+                    .into())
+            }
+            Err(_) => Err(FleetError::ExecTimeout {
+                worker_id: target.worker_id.clone(),
+                timeout_ms: self.timing.exec_timeout.as_millis(),
+            }
+            .into()),
+        }
+    }
+
+    /// Every lease on every worker, projected: the gateway's own with their gateway ids (listed
+    /// from the moment their grant is answered); others (leases made on a worker directly) as
+    /// they are, with the worker's id, for admins. An agent sees only the gateway leases it owns.
+    pub fn leases(&self, ctx: &CallCtx) -> Vec<LeaseRecord> {
+        self.shared.lock().core.leases(ctx.viewer())
+    }
+}
+
+/// `WORKER_UNREACHABLE` for a worker that did not answer `op` within `bound`.
+fn no_answer(target: &LeaseTarget, op: &str, bound: Duration) -> FleetError {
+    FleetError::no_answer(&target.worker_id, op, bound.as_millis())
+}

@@ -1,0 +1,509 @@
+//! The lease index: which worker holds each lease the gateway issued, for whom, and the worker's
+//! record of it as last heard. Plain data.
+//!
+//! A gateway lease id is `<workerId>.<workerLeaseId>`, or the bare id when the requester chose it.
+//! Nothing is persisted: the index is rebuilt from each worker's reported leases (those whose
+//! requester carries this gateway's `gw:<id>:` prefix).
+//!
+//! Every fact the index takes in carries a [`Stamp`]: the moment, in the order of the fleet's
+//! decisions, the gateway learned it. A snapshot of a worker's leases is stamped when its
+//! `status.get` is sent, so it shows every end and grant the gateway heard of before that, and
+//! maybe some after. Hence:
+//!
+//! - a lease the gateway saw end is remembered (a *tombstone*), and a snapshot sent before the end
+//!   cannot bring it back (a released lease never returns from a stale view);
+//! - a lease indexed from a grant's answer is dropped by a snapshot only when that snapshot was
+//!   sent after the answer and the worker no longer lists it (the worker's own word, never a view
+//!   that raced the grant);
+//! - an end that names no entry is remembered for a while ([`ENDS_REMEMBERED`]), since its grant's
+//!   answer may still be on its way.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+
+use simlock_contract::ids::{DeviceId, LeaseId};
+use simlock_contract::model::{LeaseEndReason, LeaseRecord, WorkerRef};
+
+/// A moment in the order of the fleet's decisions (strictly increasing per gateway).
+pub type Stamp = u64;
+
+/// One lease the gateway issued.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Entry {
+    /// The id callers use.
+    pub lease_id: String,
+    /// The worker holding it.
+    pub worker_id: String,
+    /// The worker's id for it.
+    pub worker_lease_id: String,
+    /// The requester, without the gateway's prefix.
+    pub requester_id: String,
+    /// Who may renew and release it.
+    pub owner_id: String,
+    /// Whether the requester chose the id.
+    pub chosen: bool,
+    /// The worker's record of it, as last heard (grant, renewals, snapshots).
+    pub record: LeaseRecord,
+    /// When the gateway learned the worker holds it.
+    pub(crate) known_at: Stamp,
+}
+
+impl Entry {
+    /// When it was granted (the worker's clock).
+    pub const fn granted_at(&self) -> i64 {
+        self.record.granted_at
+    }
+
+    /// Its device.
+    pub const fn device_id(&self) -> &DeviceId {
+        &self.record.device_id
+    }
+
+    /// The record as the gateway's callers see it: the gateway's id, requester and owner, and
+    /// the worker it lives on.
+    pub fn project(&self, label: Option<String>) -> LeaseRecord {
+        let mut record = self.record.clone();
+        record.id = LeaseId::from_raw(self.lease_id.clone());
+        record.requester_id.clone_from(&self.requester_id);
+        record.owner_id.clone_from(&self.owner_id);
+        record.worker = Some(WorkerRef {
+            id: self.worker_id.clone(),
+            label,
+        });
+        record.worker_id = Some(self.worker_id.clone());
+        record
+    }
+}
+
+/// A worker lease's end, as the gateway heard it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EndedLease {
+    /// The worker that held it.
+    pub worker_id: String,
+    /// The worker's id for it.
+    pub worker_lease_id: String,
+    /// Its device.
+    pub device_id: DeviceId,
+    /// Why it ended.
+    pub reason: LeaseEndReason,
+    /// When the gateway heard it.
+    pub heard_at: Stamp,
+}
+
+/// A lease the gateway saw end, or is ending itself (an orphan: a grant nobody waits for).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Tombstone {
+    /// Which lease: a chosen id can be granted again, to a new lease with a new grant time.
+    granted_at: i64,
+    /// When the gateway heard it end.
+    ended_at: Stamp,
+    /// The gateway is releasing it; until the worker answers, no snapshot brings it back.
+    orphan: bool,
+}
+
+/// How recording a forwarded grant went.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Recorded {
+    /// The lease is indexed.
+    Indexed,
+    /// Its end overtook the answer and nobody was told yet: its owner must hear of it now.
+    EndedFirst(EndedLease),
+    /// Its end overtook the answer and its owner was told when it came.
+    AlreadyEnded,
+}
+
+/// How many ends of leases it does not hold the index remembers. Ends of leases that are not
+/// this gateway's (a worker's local callers, other gateways) come too: they are the many, and
+/// the ones that matter are matched within moments.
+pub const ENDS_REMEMBERED: usize = 256;
+
+/// The index.
+#[derive(Debug, Default, Clone)]
+pub struct LeaseIndex {
+    prefix: String,
+    entries: HashMap<String, Entry>,
+    /// A requester holds one lease, but may be seen with more for a while (a grant whose answer
+    /// was lost while another was granted): every one is kept, the oldest answers.
+    by_requester: HashMap<String, BTreeSet<(i64, String)>>,
+    by_worker_lease: HashMap<(String, String), String>,
+    tombstones: HashMap<(String, String), Tombstone>,
+    /// The stamp of the newest snapshot applied, per worker: an older one is stale.
+    applied: BTreeMap<String, Stamp>,
+    /// Ends that named no entry, newest last, at most [`ENDS_REMEMBERED`]. A worker answers a
+    /// grant and then sends events on one uplink, but the gateway handles the answer in the
+    /// forwarding task and the events in the uplink's reader, so a short lease's end can come
+    /// before its grant is recorded.
+    early_ends: VecDeque<EndedLease>,
+    /// Broken on purpose ([`super::Fault::StaleViewRevives`]): snapshots ignore what ended.
+    pub(crate) revive_stale: bool,
+}
+
+/// The gateway lease id for a worker's lease.
+pub fn gateway_lease_id(worker_id: &str, worker_lease_id: &str, chosen: bool) -> String {
+    if chosen {
+        worker_lease_id.to_owned()
+    } else {
+        format!("{worker_id}.{worker_lease_id}")
+    }
+}
+
+/// The worker a gateway lease id names, when it is `<workerId>.<workerLeaseId>` (a chosen id
+/// names none).
+pub fn worker_of(lease_id: &str) -> Option<&str> {
+    lease_id
+        .split_once('.')
+        .map(|(worker, _)| worker)
+        .filter(|w| !w.is_empty())
+}
+
+fn key(worker_id: &str, worker_lease_id: &str) -> (String, String) {
+    (worker_id.to_owned(), worker_lease_id.to_owned())
+}
+
+impl LeaseIndex {
+    /// An empty index for the gateway whose requester prefix is `prefix` (`gw:<id>:`).
+    pub fn new(prefix: String) -> Self {
+        Self {
+            prefix,
+            ..Self::default()
+        }
+    }
+
+    /// The requester prefix.
+    pub fn prefix(&self) -> &str {
+        &self.prefix
+    }
+
+    fn insert(&mut self, entry: Entry) {
+        self.remove(&entry.lease_id.clone());
+        self.tombstones
+            .remove(&key(&entry.worker_id, &entry.worker_lease_id));
+        self.by_requester
+            .entry(entry.requester_id.clone())
+            .or_default()
+            .insert((entry.granted_at(), entry.lease_id.clone()));
+        self.by_worker_lease.insert(
+            key(&entry.worker_id, &entry.worker_lease_id),
+            entry.lease_id.clone(),
+        );
+        self.entries.insert(entry.lease_id.clone(), entry);
+    }
+
+    fn remove(&mut self, lease_id: &str) -> Option<Entry> {
+        let entry = self.entries.remove(lease_id)?;
+        if let Some(held) = self.by_requester.get_mut(&entry.requester_id) {
+            held.remove(&(entry.granted_at(), entry.lease_id.clone()));
+            if held.is_empty() {
+                self.by_requester.remove(&entry.requester_id);
+            }
+        }
+        self.by_worker_lease
+            .remove(&key(&entry.worker_id, &entry.worker_lease_id));
+        Some(entry)
+    }
+
+    fn bury(&mut self, worker_id: &str, worker_lease_id: &str, granted_at: i64, at: Stamp) {
+        self.tombstones.insert(
+            key(worker_id, worker_lease_id),
+            Tombstone {
+                granted_at,
+                ended_at: at,
+                orphan: false,
+            },
+        );
+    }
+
+    fn buried(&self, worker_id: &str, record: &LeaseRecord) -> Option<&Tombstone> {
+        self.tombstones
+            .get(&key(worker_id, record.id.as_str()))
+            .filter(|t| t.granted_at == record.granted_at)
+    }
+
+    /// A new entry for `lease`, reported by `worker_id` and known since `at`, if it is one of
+    /// this gateway's.
+    pub fn entry_for(&self, worker_id: &str, lease: &LeaseRecord, at: Stamp) -> Option<Entry> {
+        let requester = lease.requester_id.strip_prefix(&self.prefix)?;
+        Some(Entry {
+            lease_id: gateway_lease_id(worker_id, lease.id.as_str(), lease.id_chosen_by_requester),
+            worker_id: worker_id.to_owned(),
+            worker_lease_id: lease.id.to_string(),
+            requester_id: requester.to_owned(),
+            owner_id: lease.owner_id.clone(),
+            chosen: lease.id_chosen_by_requester,
+            record: lease.clone(),
+            known_at: at,
+        })
+    }
+
+    /// Records a forwarded grant, learned at `entry.known_at`. Unless its end already came
+    /// ([`Self::end_unmatched`]) or ended the entry a snapshot made for it, it is indexed.
+    pub fn record_grant(&mut self, entry: Entry) -> Recorded {
+        let early = self.early_ends.iter().position(|end| {
+            end.worker_id == entry.worker_id && end.worker_lease_id == entry.worker_lease_id
+        });
+        if let Some(end) = early.and_then(|at| self.early_ends.remove(at)) {
+            // A view read may have listed it meanwhile: the lease is dead all the same.
+            if self
+                .entries
+                .get(&entry.lease_id)
+                .is_some_and(|e| e.granted_at() == entry.granted_at())
+            {
+                self.remove(&entry.lease_id);
+            }
+            self.bury(
+                &entry.worker_id,
+                &entry.worker_lease_id,
+                entry.granted_at(),
+                entry.known_at,
+            );
+            return Recorded::EndedFirst(end);
+        }
+        if self.buried(&entry.worker_id, &entry.record).is_some() {
+            return Recorded::AlreadyEnded;
+        }
+        self.insert(entry);
+        Recorded::Indexed
+    }
+
+    /// A worker's lease ended, as it said at `at` (an event, a release's answer, `UNKNOWN_LEASE`):
+    /// the entry goes and is remembered as ended. Answers the entry, if there was one.
+    pub fn end(&mut self, worker_id: &str, worker_lease_id: &str, at: Stamp) -> Option<Entry> {
+        let id = self
+            .by_worker_lease
+            .get(&key(worker_id, worker_lease_id))
+            .cloned()?;
+        let entry = self.remove(&id)?;
+        self.bury(worker_id, worker_lease_id, entry.granted_at(), at);
+        Some(entry)
+    }
+
+    /// Whether the gateway already heard `worker_lease_id` of `worker_id` end (or is releasing
+    /// it as an orphan).
+    pub fn ended(&self, worker_id: &str, worker_lease_id: &str) -> bool {
+        self.tombstones
+            .contains_key(&key(worker_id, worker_lease_id))
+    }
+
+    /// Remembers an end that named no entry, in case its grant is still on its way.
+    pub fn end_unmatched(&mut self, end: EndedLease) {
+        if self.early_ends.len() >= ENDS_REMEMBERED {
+            self.early_ends.pop_front();
+        }
+        self.early_ends.push_back(end);
+    }
+
+    /// A grant nobody waits for any more (its waiter was answered first): it is being released,
+    /// and until the worker answers that release no snapshot indexes it.
+    pub fn orphan(&mut self, worker_id: &str, record: &LeaseRecord, at: Stamp) {
+        self.tombstones.insert(
+            key(worker_id, record.id.as_str()),
+            Tombstone {
+                granted_at: record.granted_at,
+                ended_at: at,
+                orphan: true,
+            },
+        );
+    }
+
+    /// The worker answered the release of an orphan (or said it is gone) at `at`.
+    pub fn orphan_released(&mut self, worker_id: &str, worker_lease_id: &str, at: Stamp) {
+        if let Some(t) = self
+            .tombstones
+            .get_mut(&key(worker_id, worker_lease_id))
+            .filter(|t| t.orphan)
+        {
+            t.orphan = false;
+            t.ended_at = at;
+        }
+    }
+
+    /// The orphans of `worker_id` still to release.
+    pub fn orphans_of(&self, worker_id: &str) -> Vec<String> {
+        let mut ids: Vec<String> = self
+            .tombstones
+            .iter()
+            .filter(|((w, _), t)| w == worker_id && t.orphan)
+            .map(|((_, id), _)| id.clone())
+            .collect();
+        ids.sort();
+        ids
+    }
+
+    /// Folds in a snapshot of `worker_id`'s leases whose `status.get` was sent at `sent`.
+    /// Answers the entries it shows to have ended: the worker no longer lists them although the
+    /// gateway knew of them before the snapshot was asked. A snapshot older than one already
+    /// applied changes nothing.
+    pub fn apply_snapshot(
+        &mut self,
+        worker_id: &str,
+        leases: &[LeaseRecord],
+        sent: Stamp,
+    ) -> Vec<Entry> {
+        if self.applied.get(worker_id).is_some_and(|&at| at > sent) {
+            return Vec::new();
+        }
+        self.applied.insert(worker_id.to_owned(), sent);
+        let mut seen = Vec::new();
+        for lease in leases {
+            let Some(entry) = self.entry_for(worker_id, lease, sent) else {
+                continue;
+            };
+            seen.push(entry.lease_id.clone());
+            if let Some(tomb) = self.buried(worker_id, lease).filter(|_| !self.revive_stale) {
+                // Ended before the snapshot was asked and still listed: the worker holds it
+                // after all (it is the arbiter). Ended after: the snapshot is older than the end.
+                if tomb.orphan || tomb.ended_at > sent {
+                    continue;
+                }
+            }
+            // An end heard after the read was sent, whose grant is still on its way: the
+            // read is older than the end.
+            if !self.revive_stale
+                && self.early_ends.iter().any(|end| {
+                    end.worker_id == worker_id
+                        && end.worker_lease_id == lease.id.as_str()
+                        && end.heard_at > sent
+                })
+            {
+                continue;
+            }
+            match self.entries.get_mut(&entry.lease_id) {
+                Some(existing) if existing.granted_at() == lease.granted_at => {
+                    keep_newer_renewal(&mut existing.record, lease);
+                }
+                _ => self.insert(entry),
+            }
+        }
+        let gone: Vec<String> = self
+            .entries
+            .values()
+            .filter(|e| e.worker_id == worker_id && !seen.contains(&e.lease_id))
+            .filter(|e| e.known_at < sent)
+            .map(|e| e.lease_id.clone())
+            .collect();
+        let mut ended = Vec::new();
+        for id in gone {
+            if let Some(entry) = self.remove(&id) {
+                self.bury(worker_id, &entry.worker_lease_id, entry.granted_at(), sent);
+                ended.push(entry);
+            }
+        }
+        // What the snapshot settles need not be remembered: an ended lease it does not list is
+        // gone for good; an orphan it does not list is released (or expired).
+        let listed: Vec<&str> = leases.iter().map(|l| l.id.as_str()).collect();
+        self.tombstones.retain(|(w, id), t| {
+            if w != worker_id || t.ended_at > sent {
+                true
+            } else {
+                t.orphan && listed.contains(&id.as_str())
+            }
+        });
+        ended
+    }
+
+    /// A renewal the worker answered or announced: the entry takes the newer deadline.
+    pub fn renewed(&mut self, worker_id: &str, worker_lease_id: &str, deadline: i64, at: i64) {
+        if let Some(entry) = self
+            .by_worker_lease
+            .get(&key(worker_id, worker_lease_id))
+            .and_then(|id| self.entries.get_mut(id))
+            && at >= entry.record.last_renewed_at
+        {
+            entry.record.ttl_deadline = deadline;
+            entry.record.last_renewed_at = at;
+        }
+    }
+
+    /// A renewal's answer: the entry takes the worker's record (width included).
+    pub fn renewal_answered(&mut self, lease_id: &str, record: &LeaseRecord) {
+        if let Some(entry) = self.entries.get_mut(lease_id)
+            && entry.granted_at() == record.granted_at
+            && record.last_renewed_at >= entry.record.last_renewed_at
+        {
+            entry.record.ttl_ms = record.ttl_ms;
+            entry.record.ttl_deadline = record.ttl_deadline;
+            entry.record.last_renewed_at = record.last_renewed_at;
+        }
+    }
+
+    /// The entry for gateway lease `lease_id`.
+    pub fn get(&self, lease_id: &str) -> Option<&Entry> {
+        self.entries.get(lease_id)
+    }
+
+    /// The lease `requester` holds (the oldest, should the index know of more than one).
+    pub fn by_requester(&self, requester: &str) -> Option<&Entry> {
+        self.by_requester
+            .get(requester)?
+            .iter()
+            .find_map(|(_, id)| self.entries.get(id))
+    }
+
+    /// The entry for a worker's lease.
+    pub fn by_worker_lease(&self, worker_id: &str, worker_lease_id: &str) -> Option<&Entry> {
+        self.by_worker_lease
+            .get(&key(worker_id, worker_lease_id))
+            .and_then(|id| self.entries.get(id))
+    }
+
+    /// Forgets every lease of a worker that is gone for good.
+    pub fn forget_worker(&mut self, worker_id: &str) {
+        let ids: Vec<String> = self
+            .entries
+            .values()
+            .filter(|e| e.worker_id == worker_id)
+            .map(|e| e.lease_id.clone())
+            .collect();
+        for id in ids {
+            self.remove(&id);
+        }
+        self.tombstones.retain(|(w, _), _| w != worker_id);
+        self.applied.remove(worker_id);
+        self.early_ends.retain(|e| e.worker_id != worker_id);
+    }
+
+    /// Every entry, in no order.
+    pub fn entries(&self) -> impl Iterator<Item = &Entry> {
+        self.entries.values()
+    }
+
+    /// The entries of `worker_id`, oldest grant first.
+    pub fn of_worker(&self, worker_id: &str) -> Vec<&Entry> {
+        let mut entries: Vec<&Entry> = self
+            .entries
+            .values()
+            .filter(|e| e.worker_id == worker_id)
+            .collect();
+        entries.sort_by(|a, b| (a.granted_at(), &a.lease_id).cmp(&(b.granted_at(), &b.lease_id)));
+        entries
+    }
+
+    /// How many leases are indexed.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// Whether none are.
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// How many ended leases are remembered (tombstones and unmatched ends), for the bound tests.
+    pub fn remembered(&self) -> (usize, usize) {
+        (self.tombstones.len(), self.early_ends.len())
+    }
+}
+
+/// A snapshot read before a renewal the record already took in keeps the renewal (ADR 0015).
+pub(crate) fn keep_newer_renewal(held: &mut LeaseRecord, snapshot: &LeaseRecord) {
+    if snapshot.last_renewed_at >= held.last_renewed_at {
+        let (deadline, renewed) = (snapshot.ttl_deadline, snapshot.last_renewed_at);
+        *held = LeaseRecord {
+            ttl_deadline: deadline,
+            last_renewed_at: renewed,
+            ..snapshot.clone()
+        };
+    }
+}
+
+#[cfg(test)]
+mod tests;

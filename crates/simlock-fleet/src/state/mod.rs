@@ -1,0 +1,2073 @@
+//! The fleet core: every decision the gateway makes, as plain data taking `now`. No tokio, no
+//! clock, no I/O (checked by `cargo xtask ci`).
+//!
+//! Inputs are `handle_*` calls: an uplink opened, passed its handshake, closed; a view was read;
+//! a worker answered a forwarded request or sent an event; a caller asked, cancelled, renewed,
+//! released; time passed ([`Core::handle_tick`]). Each one changes the state and queues what
+//! must follow as [`Effect`]s (forward this request to that worker, answer this waiter, push this
+//! notice, record this event, read that view, release that orphan, close that uplink), which the
+//! async shell ([`crate::fleet`]) drains and carries out under the same lock, in order. Queries
+//! (`views`, `lease`, `leases`, `waiting`) read the state as it is.
+//!
+//! The decisions follow one order, and [`Stamp`]s name moments in it: a view read is stamped
+//! when its `status.get` goes out, so the lease index can tell a snapshot taken before a release
+//! from one taken after (see [`index`]). A waiter is answered in the same decision that indexes
+//! its grant, so from the moment a caller holds a grant, the gateway knows its lease.
+
+pub mod index;
+pub mod queue;
+pub mod routing;
+pub mod views;
+
+#[cfg(any(test, feature = "sim"))]
+pub mod sim;
+#[cfg(test)]
+mod tests;
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+
+use simlock_contract::event::{
+    CrashedDevice, Event, RejectionReason, WaitPolicy, WorkerRemovedReason,
+};
+use simlock_contract::ids::{LeaseId, RequestId};
+use simlock_contract::model::{
+    Connection, EventEnvelope, LeaseEndReason, LeaseGrant, LeaseLimits, LeaseRecord, ProtocolPair,
+    WaitStage, WaitingRequest, WorkerRef, WorkerView,
+};
+use simlock_contract::ops::{CancelResult, LeaseRequestInput, StatusOutput};
+use simlock_contract::push::{Progress, Push};
+use simlock_contract::{ContractError, ErrorCode, ProtocolRange};
+use simlock_daemon::context::Viewer;
+use tracing::{info, warn};
+
+use crate::error::FleetError;
+pub use index::Stamp;
+use index::{EndedLease, Entry, LeaseIndex, Recorded, gateway_lease_id, worker_of};
+use queue::{Attempt, Booked, Queue, Stage, Waiter};
+use routing::{Assessment, Match, Pick, Wanted, assess, select};
+pub use views::Refresh;
+use views::{apply_status, blank_view, renew_in_place, view_key};
+
+/// How long an answered request's idempotency key is remembered (10 min).
+pub const BOOK_RETENTION_MS: i64 = 600_000;
+
+/// Consecutive `status.get` timeouts that close an uplink.
+pub const MAX_STATUS_TIMEOUTS: u32 = 2;
+
+/// What the decisions need from configuration.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// The gateway's instance id.
+    pub gateway_id: String,
+    /// The gateway's lease limits.
+    pub limits: LeaseLimits,
+    /// Every worker view is read again this often, ms.
+    pub refresh_interval_ms: i64,
+    /// A view read asked for by events waits this long after the previous one ended, ms (the
+    /// asks in between fold into it).
+    pub refresh_gap_ms: i64,
+    /// A forwarded lease request fails if its worker has not answered in this long, ms.
+    pub lease_request_timeout_ms: i64,
+    /// A disconnected worker's view is forgotten after this long, ms.
+    pub disconnected_retention_ms: i64,
+}
+
+/// Who calls, for ownership checks.
+#[derive(Debug, Clone, Copy)]
+pub struct Caller<'a> {
+    /// The caller's principal.
+    pub principal: &'a str,
+    /// Whether the caller is an admin (operators, the gateway's own uplinks).
+    pub admin: bool,
+    /// The caller's connection, if it has one (its own `lease-lost` is skipped).
+    pub connection: Option<u64>,
+}
+
+impl<'a> Caller<'a> {
+    /// The caller as the one visibility rule sees it ([`Viewer::may_see`]).
+    pub const fn viewer(self) -> Viewer<'a> {
+        Viewer {
+            principal: self.principal,
+            admin: self.admin,
+        }
+    }
+
+    fn may_act_for(self, owner: &str) -> bool {
+        self.viewer().may_see(owner)
+    }
+}
+
+/// How one of a worker's leases shows to a viewer at the gateway ([`Core::seen`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Seen<'a> {
+    /// A lease the gateway issued, and the viewer's to see (its owner, or an admin).
+    Issued(&'a Entry),
+    /// A lease made on the worker directly: an admin's to see.
+    Direct,
+    /// Not the viewer's to see.
+    Hidden,
+}
+
+/// A `lease.request` arriving at the gateway.
+#[derive(Debug, Clone)]
+pub struct Ask {
+    /// The request's id (minted by the shell).
+    pub request_id: RequestId,
+    /// The input as the caller sent it.
+    pub input: LeaseRequestInput,
+    /// The caller's principal (the lease's owner).
+    pub principal: String,
+}
+
+/// How admission ended.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Admitted {
+    /// A new waiter: follow it until it is answered.
+    New(RequestId),
+    /// A repeat of a request still waiting (same idempotency key): follow that one.
+    Joined(RequestId),
+    /// A repeat of an answered request: its outcome.
+    Replay(Box<Result<LeaseGrant, FleetError>>),
+}
+
+/// Why a view could not be read.
+#[derive(Debug, Clone, PartialEq)]
+pub enum RefreshFailure {
+    /// `status.get` did not answer within the call bound.
+    StatusTimeout,
+    /// A call failed.
+    Failed(ContractError),
+}
+
+/// Where a lease lives, for a call about it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LeaseTarget {
+    /// The gateway's id for it.
+    pub lease_id: String,
+    /// The worker holding it.
+    pub worker_id: String,
+    /// The uplink to that worker.
+    pub generation: u64,
+    /// The worker's id for it.
+    pub worker_lease_id: String,
+    /// Its requester, without the gateway's prefix.
+    pub requester_id: String,
+    /// The requester as the worker knows it (with the gateway's prefix).
+    pub worker_requester_id: String,
+}
+
+/// What the shell must carry out, in order.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Effect {
+    /// Forward a lease request to a worker (with `noWait`, its own model name, the namespaced
+    /// requester and the owner) and report its progress and answer for `attempt`.
+    Forward {
+        /// The forward.
+        attempt: u64,
+        /// The worker.
+        worker_id: String,
+        /// Its uplink.
+        generation: u64,
+        /// The request the worker gets.
+        input: LeaseRequestInput,
+    },
+    /// Answer every caller of a waiter; it is gone from the queue.
+    Answer {
+        /// The request.
+        request: RequestId,
+        /// Its outcome (boxed: a grant is large beside the other effects).
+        outcome: Box<Result<LeaseGrant, FleetError>>,
+    },
+    /// Tell a waiter's callers how it goes.
+    Progress {
+        /// The request.
+        request: RequestId,
+        /// What happened.
+        progress: Progress,
+    },
+    /// Record an event on the gateway's bus (module `fleet`).
+    Event(Event),
+    /// Record a worker's event on the gateway's bus, as it came plus its worker id.
+    Relay(EventEnvelope),
+    /// Push a lease notice to an owner's connections (but `except`).
+    Notice {
+        /// The owner.
+        owner: String,
+        /// The push.
+        push: Push,
+        /// The connection that asked for what ended the lease.
+        except: Option<u64>,
+    },
+    /// Read a worker's view again: `status.get` and the device list, the catalog and config
+    /// too when `catalog`; report with `sent` ([`Core::handle_refreshed`]).
+    Refresh {
+        /// The worker.
+        worker_id: String,
+        /// Its uplink.
+        generation: u64,
+        /// The moment the read goes out.
+        sent: Stamp,
+        /// Whether to read the catalog and config.
+        catalog: bool,
+    },
+    /// Release a lease a worker granted to a request nobody waits for any more; report with
+    /// [`Core::handle_orphan_released`].
+    ReleaseOrphan {
+        /// The worker.
+        worker_id: String,
+        /// Its uplink.
+        generation: u64,
+        /// The worker's id for the lease.
+        worker_lease_id: String,
+    },
+    /// Close an uplink.
+    Close {
+        /// The uplink.
+        generation: u64,
+    },
+}
+
+/// A worker's live uplink, as the decisions see it.
+#[derive(Debug, Clone)]
+struct Link {
+    generation: u64,
+    token_id: String,
+    /// A refresh is out (its stamp).
+    refreshing: Option<Stamp>,
+    /// More were asked while it ran: one more follows (with the catalog if any asked for it).
+    again: Option<bool>,
+    /// The next read goes out no sooner than this (the refresh gap after the last one).
+    spaced_until: i64,
+    /// Status reads in a row that timed out.
+    timeouts: u32,
+    /// When the next periodic refresh is due (once subscribed).
+    periodic_at: Option<i64>,
+    /// A failed catalog read was asked for again once: the next failure waits for the
+    /// periodic refresh.
+    catalog_retried: bool,
+    /// The catalog is still to be read (its last read failed).
+    catalog_due: bool,
+    /// How many refreshes this uplink was asked for (folded ones included).
+    asked: u64,
+}
+
+#[derive(Debug, Clone)]
+struct Worker {
+    view: WorkerView,
+    link: Option<Link>,
+}
+
+/// A deliberately broken decision, to show the simulation catches it. Only the simulation's
+/// own tests set one ([`Core::break_with`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fault {
+    /// A grant is recorded twice: its lease also answers the next waiter of the same platform.
+    GrantTwice,
+    /// A view read before a release brings the released lease back (race (a) of issue 13).
+    StaleViewRevives,
+    /// A grant's lease is known only once a view lists it (race (b) of issue 13).
+    GrantKnownFromViews,
+}
+
+/// The fleet's state and every decision about it.
+#[derive(Debug, Clone)]
+pub struct Core {
+    settings: Settings,
+    prefix: String,
+    workers: BTreeMap<String, Worker>,
+    index: LeaseIndex,
+    queue: Queue,
+    /// Gateway leases being released by a caller, with the caller's connection, so the owner's
+    /// `lease-lost` skips the connection that asked.
+    releasing: HashMap<String, Option<u64>>,
+    stamp: Stamp,
+    next_generation: u64,
+    next_attempt: u64,
+    last_depth: u32,
+    stopping: bool,
+    fx: VecDeque<Effect>,
+    fault: Option<Fault>,
+}
+
+impl Core {
+    /// A fleet with no worker connected; `drained` are the workers drained before a restart,
+    /// with when.
+    pub fn new(settings: Settings, drained: Vec<(String, i64)>) -> Self {
+        let prefix = simlock_contract::ids::gateway_requester_prefix(&settings.gateway_id);
+        let workers = drained
+            .into_iter()
+            .map(|(id, at)| {
+                let mut view = blank_view(&id, None, at, Connection::Disconnected);
+                view.drained = true;
+                (id, Worker { view, link: None })
+            })
+            .collect();
+        Self {
+            index: LeaseIndex::new(prefix.clone()),
+            prefix,
+            settings,
+            workers,
+            queue: Queue::default(),
+            releasing: HashMap::new(),
+            stamp: 0,
+            next_generation: 1,
+            next_attempt: 1,
+            last_depth: 0,
+            stopping: false,
+            fx: VecDeque::new(),
+            fault: None,
+        }
+    }
+
+    /// Breaks one decision on purpose: the simulation's own tests show it catches each
+    /// [`Fault`] with the seed that shows it. Nothing else calls this.
+    #[doc(hidden)]
+    pub fn break_with(&mut self, fault: Fault) {
+        self.fault = Some(fault);
+        self.index.revive_stale = fault == Fault::StaleViewRevives;
+    }
+
+    fn broken(&self, fault: Fault) -> bool {
+        self.fault == Some(fault)
+    }
+
+    // === Effects ===
+
+    /// The next effect to carry out.
+    pub fn poll_effect(&mut self) -> Option<Effect> {
+        self.note_depth();
+        self.fx.pop_front()
+    }
+
+    /// Every effect queued so far, in order.
+    pub fn take_effects(&mut self) -> Vec<Effect> {
+        self.note_depth();
+        self.fx.drain(..).collect()
+    }
+
+    fn note_depth(&mut self) {
+        let depth = self.queue.depth();
+        if depth != self.last_depth {
+            self.last_depth = depth;
+            self.fx
+                .push_back(Effect::Event(Event::QueueChanged { depth }));
+        }
+    }
+
+    fn event(&mut self, event: Event) {
+        self.fx.push_back(Effect::Event(event));
+    }
+
+    fn next_stamp(&mut self) -> Stamp {
+        self.stamp += 1;
+        self.stamp
+    }
+
+    // === Queries ===
+
+    /// The gateway's requester prefix: `gw:<id>:`.
+    pub fn prefix(&self) -> &str {
+        &self.prefix
+    }
+
+    /// The lease limits.
+    pub const fn limits(&self) -> LeaseLimits {
+        self.settings.limits
+    }
+
+    /// Every view, in id order.
+    pub fn views(&self) -> Vec<WorkerView> {
+        self.workers.values().map(|w| w.view.clone()).collect()
+    }
+
+    /// Every view, in id order, without copying.
+    pub fn view_refs(&self) -> impl Iterator<Item = &WorkerView> {
+        self.workers.values().map(|w| &w.view)
+    }
+
+    /// One worker's view.
+    pub fn view(&self, worker_id: &str) -> Option<&WorkerView> {
+        self.workers.get(worker_id).map(|w| &w.view)
+    }
+
+    /// A worker's label.
+    pub fn label_of(&self, worker_id: &str) -> Option<String> {
+        self.workers.get(worker_id)?.view.label.clone()
+    }
+
+    /// The uplink of `worker_id` that takes calls: attached and connected (handshake passed).
+    pub fn live_generation(&self, worker_id: &str) -> Option<u64> {
+        let worker = self.workers.get(worker_id)?;
+        (worker.view.connection == Connection::Connected)
+            .then(|| worker.link.as_ref().map(|l| l.generation))
+            .flatten()
+    }
+
+    /// The worker an uplink belongs to, while it is attached.
+    pub fn worker_of_generation(&self, generation: u64) -> Option<&str> {
+        self.workers
+            .iter()
+            .find(|(_, w)| w.link.as_ref().is_some_and(|l| l.generation == generation))
+            .map(|(id, _)| id.as_str())
+    }
+
+    /// How many refreshes an uplink was asked for (folded ones included).
+    pub fn refreshes_asked(&self, generation: u64) -> u64 {
+        self.workers
+            .values()
+            .filter_map(|w| w.link.as_ref())
+            .find(|l| l.generation == generation)
+            .map_or(0, |l| l.asked)
+    }
+
+    /// Whether a view read is out or folded, waiting for its gap, on any uplink.
+    pub fn refreshes_pending(&self) -> bool {
+        self.workers
+            .values()
+            .filter_map(|w| w.link.as_ref())
+            .any(|l| l.refreshing.is_some() || l.again.is_some())
+    }
+
+    /// Every uplink attached, with the join token it came with.
+    pub fn uplinks(&self) -> Vec<(u64, String)> {
+        self.workers
+            .values()
+            .filter_map(|w| w.link.as_ref())
+            .map(|l| (l.generation, l.token_id.clone()))
+            .collect()
+    }
+
+    /// The lease index.
+    pub const fn index(&self) -> &LeaseIndex {
+        &self.index
+    }
+
+    /// The index entry of `lease_id`.
+    pub fn lease(&self, lease_id: &str) -> Option<&Entry> {
+        self.index.get(lease_id)
+    }
+
+    /// The waiter `id`, while it waits.
+    pub fn waiter(&self, id: &RequestId) -> Option<&Waiter> {
+        self.queue.get(id)
+    }
+
+    /// The waiters, oldest first.
+    pub fn waiters(&self) -> &[Waiter] {
+        &self.queue.waiters
+    }
+
+    /// The number of requests waiting in the fleet queue.
+    pub fn queue_depth(&self) -> u32 {
+        self.queue.depth()
+    }
+
+    /// The owner of `requester`'s pending request, if it has one.
+    pub fn pending_owner(&self, requester: &str) -> Option<&str> {
+        self.queue.pending_of(requester).map(|w| w.owner.as_str())
+    }
+
+    /// The fleet queue's waiting requests, oldest first.
+    pub fn waiting(&self) -> Vec<WaitingRequest> {
+        self.waiting_seen_by(Viewer::ADMIN)
+    }
+
+    /// The fleet queue's waiting requests `viewer` may see (an agent its own), oldest first.
+    fn waiting_seen_by(&self, viewer: Viewer<'_>) -> Vec<WaitingRequest> {
+        self.queue
+            .waiters
+            .iter()
+            .filter(|w| viewer.may_see(&w.owner))
+            .map(|w| WaitingRequest {
+                id: w.id.clone(),
+                requester_id: w.requester.clone(),
+                spec: w.wanted.requested(),
+                created_at: w.created_at,
+                stage: if w.is_queued() {
+                    WaitStage::Queued
+                } else {
+                    WaitStage::Starting
+                },
+                queue_position: w.is_queued().then(|| self.queue.position(&w.id)),
+                worker_id: w.attempt().map(|a| a.worker_id.clone()),
+            })
+            .collect()
+    }
+
+    /// Every request waiting, as far as `viewer` may see them: the fleet queue's (an agent its
+    /// own), then each worker's own with its worker's id (an agent only those the gateway
+    /// forwarded for a pending request of its own).
+    pub fn all_waiting(&self, viewer: Viewer<'_>) -> Vec<WaitingRequest> {
+        let mut waiting = self.waiting_seen_by(viewer);
+        for view in self.view_refs() {
+            for w in view.waiting.as_deref().unwrap_or_default() {
+                if self.may_see_forwarded(viewer, &w.requester_id) {
+                    let mut w = w.clone();
+                    w.worker_id = Some(view.id.clone());
+                    waiting.push(w);
+                }
+            }
+        }
+        waiting
+    }
+
+    /// Every view, in id order, with the nested leases and waiting requests `viewer` may see:
+    /// an admin the views as the workers report them; an agent only its own leases (the rule
+    /// of the lease list, [`Self::seen`]) and the requests the gateway forwarded for it.
+    pub fn views_seen_by(&self, viewer: Viewer<'_>) -> Vec<WorkerView> {
+        if viewer.admin {
+            return self.views();
+        }
+        self.view_refs()
+            .map(|view| {
+                let mut view = view.clone();
+                if let Some(leases) = view.leases.as_mut() {
+                    leases.retain(|lease| {
+                        matches!(self.seen(viewer, &view.id, lease), Seen::Issued(_))
+                    });
+                }
+                if let Some(waiting) = view.waiting.as_mut() {
+                    waiting.retain(|w| self.may_see_forwarded(viewer, &w.requester_id));
+                }
+                view
+            })
+            .collect()
+    }
+
+    /// The rule for a worker's lease at the gateway, for the lease list and the workers' nested
+    /// views alike: a lease the gateway issued is its owner's (and an admin's) to see, through
+    /// [`Viewer::may_see`]; one made on the worker directly is an admin's; one the index does
+    /// not hold (yet, or any more) is nobody's in the list.
+    pub fn seen(&self, viewer: Viewer<'_>, worker_id: &str, lease: &LeaseRecord) -> Seen<'_> {
+        match self.index.by_worker_lease(worker_id, lease.id.as_str()) {
+            Some(entry) if viewer.may_see(&entry.owner_id) => Seen::Issued(entry),
+            Some(_) => Seen::Hidden,
+            None if viewer.admin && !lease.requester_id.starts_with(&self.prefix) => Seen::Direct,
+            None => Seen::Hidden,
+        }
+    }
+
+    /// Whether `viewer` may see a request waiting on a worker: one the gateway forwarded (its
+    /// requester namespaced `gw:<id>:`) for a pending request of the viewer's. A request made
+    /// on the worker directly is an admin's to see.
+    fn may_see_forwarded(&self, viewer: Viewer<'_>, worker_requester: &str) -> bool {
+        viewer.admin
+            || worker_requester
+                .strip_prefix(self.prefix.as_str())
+                .and_then(|requester| self.pending_owner(requester))
+                .is_some_and(|owner| viewer.may_see(owner))
+    }
+
+    /// Every lease on every worker, projected: the gateway's own with their gateway ids (from
+    /// the index, so a lease is listed from the moment its grant is answered, before any view
+    /// shows it); others (leases made on a worker directly) as they are, with the worker's id,
+    /// for admins. Who sees which is [`Self::seen`]'s rule: an agent sees only the gateway
+    /// leases it owns.
+    pub fn leases(&self, viewer: Viewer<'_>) -> Vec<LeaseRecord> {
+        let mut out = Vec::new();
+        for (worker_id, worker) in &self.workers {
+            let view = &worker.view;
+            let mut listed = BTreeSet::new();
+            for lease in view.leases.as_deref().unwrap_or_default() {
+                match self.seen(viewer, worker_id, lease) {
+                    Seen::Issued(entry) => {
+                        listed.insert(entry.lease_id.clone());
+                        out.push(entry.project(view.label.clone()));
+                    }
+                    Seen::Direct => {
+                        let mut lease = lease.clone();
+                        lease.worker_id = Some(view.id.clone());
+                        out.push(lease);
+                    }
+                    Seen::Hidden => {}
+                }
+            }
+            // Granted, and not in the view yet: listed from the index.
+            for entry in self.index.of_worker(worker_id) {
+                if !listed.contains(&entry.lease_id) && viewer.may_see(&entry.owner_id) {
+                    out.push(entry.project(view.label.clone()));
+                }
+            }
+        }
+        out
+    }
+
+    /// The next moment [`Self::handle_tick`] has something to do: a waiter's deadline, a
+    /// periodic refresh, a disconnected worker passing retention, a book record expiring.
+    pub fn next_deadline(&self) -> Option<i64> {
+        let waiters = self.queue.waiters.iter().filter_map(Waiter::next_deadline);
+        let refreshes = self.workers.values().filter_map(|w| {
+            let link = w.link.as_ref()?;
+            let folded =
+                (link.again.is_some() && link.refreshing.is_none()).then_some(link.spaced_until);
+            match (link.periodic_at, folded) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            }
+        });
+        let retention = self
+            .workers
+            .values()
+            .filter(|w| w.link.is_none() && w.view.connection == Connection::Disconnected)
+            .map(|w| {
+                w.view
+                    .last_seen_at
+                    .saturating_add(self.settings.disconnected_retention_ms)
+            });
+        waiters
+            .chain(refreshes)
+            .chain(retention)
+            .chain(self.queue.next_book_expiry(BOOK_RETENTION_MS))
+            .min()
+    }
+
+    // === Uplinks ===
+
+    /// A worker's uplink opened (before its handshake): it replaces any previous one, which
+    /// is closed. Answers the new uplink's generation.
+    pub fn handle_uplink_opened(
+        &mut self,
+        worker_id: &str,
+        label: Option<String>,
+        token_id: String,
+        now: i64,
+    ) -> u64 {
+        let generation = self.next_generation;
+        self.next_generation += 1;
+        let worker = self
+            .workers
+            .entry(worker_id.to_owned())
+            .or_insert_with(|| Worker {
+                view: blank_view(worker_id, None, now, Connection::Disconnected),
+                link: None,
+            });
+        if label.is_some() {
+            worker.view.label = label;
+        }
+        // The view waits for the handshake before it counts as connected.
+        worker.view.catalog_read_at = None;
+        worker.view.connection = Connection::Disconnected;
+        let previous = worker.link.replace(Link {
+            generation,
+            token_id,
+            refreshing: None,
+            again: None,
+            spaced_until: i64::MIN,
+            timeouts: 0,
+            periodic_at: None,
+            catalog_retried: false,
+            catalog_due: false,
+            asked: 0,
+        });
+        if let Some(previous) = previous {
+            info!(
+                worker = worker_id,
+                "a reconnect replaces the previous uplink"
+            );
+            self.fx.push_back(Effect::Close {
+                generation: previous.generation,
+            });
+        }
+        self.dispatch(now);
+        generation
+    }
+
+    /// The moment the handshake's first `status.get` goes out (a stamp for
+    /// [`Self::handle_connected`]).
+    pub fn handle_probe_sent(&mut self) -> Stamp {
+        self.next_stamp()
+    }
+
+    fn current(&mut self, generation: u64) -> Option<(&String, &mut Worker)> {
+        self.workers
+            .iter_mut()
+            .find(|(_, w)| w.link.as_ref().is_some_and(|l| l.generation == generation))
+    }
+
+    /// The handshake passed: the worker is connected with its first status, sent at `sent`.
+    /// Its leases are indexed at once, so a renew right after a gateway restart finds its lease.
+    pub fn handle_connected(
+        &mut self,
+        generation: u64,
+        version: String,
+        status: &StatusOutput,
+        sent: Stamp,
+        now: i64,
+    ) {
+        let Some((worker_id, worker)) = self.current(generation) else {
+            return;
+        };
+        let worker_id = worker_id.clone();
+        worker.view.connection = Connection::Connected;
+        worker.view.protocol = None;
+        worker.view.version = Some(version.clone());
+        apply_status(&mut worker.view, status, now);
+        let label = worker.view.label.clone();
+        if let Some(leases) = &status.leases {
+            self.fold_snapshot(&worker_id, leases, sent, now);
+        }
+        info!(worker = %worker_id, "worker connected");
+        self.event(Event::WorkerConnected {
+            worker_id: worker_id.clone(),
+            label,
+            version,
+        });
+        // Orphans a lost uplink kept from being released go now.
+        for worker_lease_id in self.index.orphans_of(&worker_id) {
+            self.fx.push_back(Effect::ReleaseOrphan {
+                worker_id: worker_id.clone(),
+                generation,
+                worker_lease_id,
+            });
+        }
+        self.dispatch(now);
+    }
+
+    /// The worker speaks no protocol version the gateway does. The uplink stays open.
+    pub fn handle_incompatible(
+        &mut self,
+        generation: u64,
+        gateway: ProtocolRange,
+        worker: ProtocolRange,
+        now: i64,
+    ) {
+        if let Some((worker_id, w)) = self.current(generation) {
+            warn!(worker = %worker_id, ?worker, ?gateway, "worker speaks no protocol version in common");
+            w.view.connection = Connection::Incompatible;
+            w.view.protocol = Some(ProtocolPair { gateway, worker });
+            w.view.last_seen_at = now;
+        }
+        self.dispatch(now);
+    }
+
+    /// The gateway subscribed to the worker's events: its first full refresh is asked for, and
+    /// the periodic ones are armed.
+    pub fn handle_subscribed(&mut self, generation: u64, now: i64) {
+        let interval = self.settings.refresh_interval_ms;
+        if let Some((worker_id, w)) = self.current(generation) {
+            let worker_id = worker_id.clone();
+            if let Some(link) = w.link.as_mut() {
+                link.periodic_at = Some(now.saturating_add(interval));
+            }
+            self.ask_refresh(&worker_id, true, now);
+        }
+    }
+
+    /// An uplink ended. A replaced uplink's late close changes nothing.
+    pub fn handle_uplink_closed(&mut self, generation: u64, now: i64) {
+        let Some((worker_id, worker)) = self.current(generation) else {
+            return;
+        };
+        let worker_id = worker_id.clone();
+        worker.link = None;
+        let was_connected = worker.view.connection == Connection::Connected;
+        worker.view.connection = Connection::Disconnected;
+        worker.view.last_seen_at = now;
+        if was_connected {
+            info!(worker = %worker_id, "worker disconnected");
+            let event = Event::WorkerDisconnected {
+                worker_id,
+                label: worker.view.label.clone(),
+                lease_count: worker.view.leases.as_ref().map_or(0, Vec::len),
+            };
+            self.event(event);
+        }
+        self.dispatch(now);
+    }
+
+    // === Views ===
+
+    /// Asks for a refresh of `worker_id`'s view; asks made while one runs, or within the gap
+    /// after it, fold into one more.
+    fn ask_refresh(&mut self, worker_id: &str, catalog: bool, now: i64) {
+        let Some(worker) = self.workers.get_mut(worker_id) else {
+            return;
+        };
+        let Some(link) = worker.link.as_mut() else {
+            return;
+        };
+        link.asked += 1;
+        let catalog = catalog || link.catalog_due;
+        if link.refreshing.is_some() || now < link.spaced_until {
+            link.again = Some(link.again.unwrap_or(false) || catalog);
+            return;
+        }
+        link.again = None;
+        let generation = link.generation;
+        self.stamp += 1;
+        let sent = self.stamp;
+        if let Some(link) = self
+            .workers
+            .get_mut(worker_id)
+            .and_then(|w| w.link.as_mut())
+        {
+            link.refreshing = Some(sent);
+        }
+        self.fx.push_back(Effect::Refresh {
+            worker_id: worker_id.to_owned(),
+            generation,
+            sent,
+            catalog,
+        });
+    }
+
+    /// The refresh out on `generation` ended; the next one folded in goes out after the gap.
+    fn refresh_done(&mut self, generation: u64, sent: Stamp, now: i64) -> Option<String> {
+        let gap = self.settings.refresh_gap_ms;
+        let (worker_id, worker) = self.current(generation)?;
+        let worker_id = worker_id.clone();
+        let link = worker.link.as_mut()?;
+        if link.refreshing != Some(sent) {
+            return None;
+        }
+        link.refreshing = None;
+        link.spaced_until = now.saturating_add(gap);
+        if gap <= 0
+            && let Some(catalog) = link.again.take()
+        {
+            link.asked -= 1;
+            self.ask_refresh(&worker_id, catalog, now);
+        }
+        Some(worker_id)
+    }
+
+    /// A refresh sent at `sent` read the worker's view: it is folded in, and the worker's part
+    /// of the lease index is reconciled with it.
+    pub fn handle_refreshed(&mut self, generation: u64, sent: Stamp, refresh: Refresh, now: i64) {
+        let Some(worker_id) = self.refresh_done(generation, sent, now) else {
+            return;
+        };
+        let max_ttl = self.settings.limits.max_ttl_ms;
+        let Some(worker) = self.workers.get_mut(&worker_id) else {
+            return;
+        };
+        if let Some(link) = worker.link.as_mut() {
+            link.timeouts = 0;
+            if refresh.catalog.is_some() {
+                link.catalog_due = false;
+                link.catalog_retried = false;
+            }
+        }
+        apply_status(&mut worker.view, &refresh.status, now);
+        if let Some(devices) = refresh.devices {
+            worker.view.devices = Some(devices);
+        }
+        if let Some(catalog) = refresh.catalog {
+            worker.view.catalog = Some(catalog);
+            worker.view.catalog_read_at = Some(now);
+        }
+        if let Some(limits) = refresh.limits {
+            if limits.max_ttl_ms < max_ttl {
+                warn!(worker = %worker_id, worker_max = limits.max_ttl_ms, gateway_max = max_ttl,
+                    "the worker's lease.maxTtlMs is below the gateway's; longer leases will be refused there");
+            }
+            worker.view.lease = Some(limits);
+        }
+        let leases = worker.view.leases.clone().unwrap_or_default();
+        if refresh.status.leases.is_some() {
+            self.fold_snapshot(&worker_id, &leases, sent, now);
+        }
+        self.dispatch(now);
+    }
+
+    /// A refresh sent at `sent` failed. Two status timeouts in a row close the uplink; a
+    /// failed catalog read is asked for again.
+    pub fn handle_refresh_failed(
+        &mut self,
+        generation: u64,
+        sent: Stamp,
+        failure: RefreshFailure,
+        catalog: bool,
+        now: i64,
+    ) {
+        let Some(worker_id) = self.refresh_done(generation, sent, now) else {
+            return;
+        };
+        let Some(link) = self
+            .workers
+            .get_mut(&worker_id)
+            .and_then(|w| w.link.as_mut())
+        else {
+            return;
+        };
+        match failure {
+            RefreshFailure::StatusTimeout => {
+                link.timeouts += 1;
+                warn!(worker = %worker_id, timeouts = link.timeouts, "the worker's status read timed out");
+                if link.timeouts >= MAX_STATUS_TIMEOUTS {
+                    warn!(worker = %worker_id, "closing an uplink that missed {MAX_STATUS_TIMEOUTS} status reads in a row");
+                    self.fx.push_back(Effect::Close { generation });
+                }
+            }
+            RefreshFailure::Failed(err) => {
+                // A read that failed because the uplink went needs no retry: the uplink ends.
+                if catalog && !err.code.is_transport() {
+                    link.catalog_due = true;
+                    if !std::mem::replace(&mut link.catalog_retried, true) {
+                        self.ask_refresh(&worker_id, true, now);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Reconciles the index with a snapshot of `worker_id`'s leases sent at `sent`: leases the
+    /// gateway knew of and the worker no longer lists ended, and their owners hear it.
+    fn fold_snapshot(&mut self, worker_id: &str, leases: &[LeaseRecord], sent: Stamp, now: i64) {
+        for entry in self.index.apply_snapshot(worker_id, leases, sent) {
+            let except = self.releasing.remove(&entry.lease_id).flatten();
+            let reason = if except.is_some() {
+                LeaseEndReason::Explicit
+            } else if entry.record.ttl_deadline <= now {
+                LeaseEndReason::Expired
+            } else {
+                LeaseEndReason::Killed
+            };
+            self.entry_ended(&entry, reason, except);
+        }
+    }
+
+    // === Worker events ===
+
+    /// A worker's event arrived on `generation`: lease ends end the gateway's lease and reach
+    /// its owner; a leased device's crash and recovery reach the gateway lease's owner as
+    /// `device-unhealthy` and `device-recovered`; a renew updates the view in place (ADR 0015);
+    /// other lease and device events ask for a refresh; every event but the `worker.*` ones (gateway-only facts) is relayed
+    /// onto the gateway's bus with its worker id.
+    pub fn handle_worker_event(&mut self, generation: u64, mut envelope: EventEnvelope, now: i64) {
+        let Some(worker_id) = self.worker_of_generation(generation).map(str::to_owned) else {
+            return;
+        };
+        if envelope.event.starts_with("worker.") {
+            return;
+        }
+        match Event::from_envelope(&envelope) {
+            Some(Event::LeaseExpired {
+                lease_id,
+                device_id,
+                ..
+            }) => {
+                self.lease_ended(
+                    &worker_id,
+                    &lease_id,
+                    device_id,
+                    LeaseEndReason::Expired,
+                    now,
+                );
+                self.ask_refresh(&worker_id, false, now);
+            }
+            Some(Event::LeaseReleased {
+                lease_id,
+                device_id,
+                reason,
+                ..
+            }) => {
+                self.lease_ended(&worker_id, &lease_id, device_id, reason, now);
+                self.ask_refresh(&worker_id, false, now);
+            }
+            Some(Event::LeaseRenewed {
+                lease_id,
+                new_deadline,
+            }) => {
+                // The most frequent event of all: updated in place, without a refresh.
+                self.index
+                    .renewed(&worker_id, &lease_id, new_deadline, envelope.timestamp);
+                let in_view = self.workers.get_mut(&worker_id).is_some_and(|w| {
+                    renew_in_place(&mut w.view, &lease_id, new_deadline, envelope.timestamp)
+                });
+                if !in_view {
+                    self.ask_refresh(&worker_id, false, now);
+                }
+            }
+            Some(Event::DeviceCrashDetected {
+                device_id,
+                seen:
+                    CrashedDevice::Leased {
+                        lease_id: Some(lease_id),
+                    },
+                reason,
+            }) => {
+                self.device_health(&worker_id, &lease_id, |lease_id| Push::DeviceUnhealthy {
+                    lease_id,
+                    device_id,
+                    reason,
+                });
+                self.ask_refresh(&worker_id, false, now);
+            }
+            Some(Event::DeviceRecovered {
+                device_id,
+                lease_id,
+                attempts,
+            }) => {
+                self.device_health(&worker_id, &lease_id, |lease_id| Push::DeviceRecovered {
+                    lease_id,
+                    device_id,
+                    attempts,
+                });
+                self.ask_refresh(&worker_id, false, now);
+            }
+            _ if envelope.event.starts_with("lease.") || envelope.event.starts_with("device.") => {
+                self.ask_refresh(&worker_id, false, now);
+            }
+            _ => {}
+        }
+        if let serde_json::Value::Object(payload) = &mut envelope.payload {
+            payload.insert("workerId".into(), serde_json::Value::String(worker_id));
+        }
+        self.fx.push_back(Effect::Relay(envelope));
+    }
+
+    /// A worker's leased device crashed or recovered: the owner of the gateway lease hears it
+    /// (`push`, under the gateway's lease id). The owner comes from the index, never from the
+    /// relayed event; a lease the index does not hold is nobody's here.
+    fn device_health(
+        &mut self,
+        worker_id: &str,
+        worker_lease_id: &str,
+        push: impl FnOnce(String) -> Push,
+    ) {
+        let Some(entry) = self.index.by_worker_lease(worker_id, worker_lease_id) else {
+            return;
+        };
+        let owner = entry.owner_id.clone();
+        let push = push(entry.lease_id.clone());
+        self.fx.push_back(Effect::Notice {
+            owner,
+            push,
+            except: None,
+        });
+    }
+
+    /// A worker says one of its leases ended: drop it from the index and tell its owner, once.
+    fn lease_ended(
+        &mut self,
+        worker_id: &str,
+        worker_lease_id: &str,
+        device_id: simlock_contract::ids::DeviceId,
+        reason: LeaseEndReason,
+        now: i64,
+    ) {
+        let at = self.next_stamp();
+        if let Some(entry) = self.index.end(worker_id, worker_lease_id, at) {
+            let except = self.releasing.remove(&entry.lease_id).flatten();
+            self.entry_ended(&entry, reason, except);
+            self.dispatch(now);
+        } else if !self.index.ended(worker_id, worker_lease_id) {
+            // Its grant may still be on its way (`LeaseIndex::record_grant`).
+            self.index.end_unmatched(EndedLease {
+                worker_id: worker_id.to_owned(),
+                worker_lease_id: worker_lease_id.to_owned(),
+                device_id,
+                reason,
+                heard_at: at,
+            });
+        }
+    }
+
+    /// An indexed lease ended: its owner hears it, unless its grant's answer is still on its
+    /// way (a view listed the lease first): then the end waits for that answer, so the owner
+    /// hears the grant, then the end.
+    fn entry_ended(&mut self, entry: &Entry, reason: LeaseEndReason, except: Option<u64>) {
+        let in_flight = self.queue.waiters.iter().any(|w| {
+            w.requester == entry.requester_id
+                && w.attempt().is_some_and(|a| a.worker_id == entry.worker_id)
+        });
+        if in_flight {
+            let heard_at = self.next_stamp();
+            self.index.end_unmatched(EndedLease {
+                worker_id: entry.worker_id.clone(),
+                worker_lease_id: entry.worker_lease_id.clone(),
+                device_id: entry.device_id().clone(),
+                reason,
+                heard_at,
+            });
+        } else {
+            self.notify_lost(entry, reason, except);
+        }
+    }
+
+    fn notify_lost(&mut self, entry: &Entry, reason: LeaseEndReason, except: Option<u64>) {
+        self.fx.push_back(Effect::Notice {
+            owner: entry.owner_id.clone(),
+            push: Push::LeaseLost {
+                lease_id: entry.lease_id.clone(),
+                device_id: entry.device_id().clone(),
+                reason,
+            },
+            except,
+        });
+    }
+
+    // === Lease requests ===
+
+    /// Admits a `lease.request`: the input's rules, an idempotent repeat, one lease per
+    /// requester, the chosen id, the fast-fail table, then a new waiter and a dispatch pass.
+    ///
+    /// # Errors
+    /// Every refusal of the table.
+    pub fn handle_lease_request(&mut self, ask: Ask, now: i64) -> Result<Admitted, FleetError> {
+        let Ask {
+            request_id,
+            mut input,
+            principal,
+        } = ask;
+        if self.stopping {
+            return Err(FleetError::Stopping);
+        }
+        if input.owner.is_some() {
+            return Err(FleetError::Forbidden(
+                "owner may only be set by a gateway on its worker's uplink".into(),
+            ));
+        }
+        let limits = self.settings.limits;
+        let ttl = input.ttl_ms.unwrap_or(limits.default_ttl_ms);
+        if ttl > limits.max_ttl_ms {
+            return Err(FleetError::BadRequest(format!(
+                "ttlMs: {ttl} is above lease.maxTtlMs ({})",
+                limits.max_ttl_ms
+            )));
+        }
+        input.ttl_ms = Some(ttl);
+        let requester = input
+            .requester_id
+            .clone()
+            .unwrap_or_else(|| principal.clone());
+        let room = simlock_contract::bounds::MAX_REQUESTER.saturating_sub(self.prefix.len());
+        if requester.chars().count() > room {
+            return Err(FleetError::BadRequest(format!(
+                "requesterId: at most {room} characters through a gateway"
+            )));
+        }
+        self.queue.prune_book(now, BOOK_RETENTION_MS);
+        if let Some(key) = &input.idempotency_key
+            && let Some(booked) = self.queue.book.get(&(requester.clone(), key.clone()))
+        {
+            if booked.principal != principal {
+                return Err(FleetError::IdempotencyForeign);
+            }
+            if booked.fingerprint != Waiter::fingerprint(&input) {
+                return Err(FleetError::IdempotencyConflict);
+            }
+            return Ok(match &booked.outcome {
+                Some(outcome) => Admitted::Replay(Box::new(outcome.clone())),
+                None => Admitted::Joined(booked.request.clone()),
+            });
+        }
+        let wanted = Wanted::of(&input);
+        if let Err(refusal) = self.refusal(&input, &requester, &wanted) {
+            self.rejected(None, &requester, &wanted, &refusal);
+            return Err(refusal);
+        }
+        let waiter = Waiter::new(
+            request_id.clone(),
+            input.clone(),
+            requester.clone(),
+            principal.clone(),
+            now,
+        );
+        if let Some(key) = &input.idempotency_key {
+            self.queue.book.insert(
+                (requester.clone(), key.clone()),
+                Booked {
+                    principal,
+                    fingerprint: Waiter::fingerprint(&input),
+                    request: request_id.clone(),
+                    outcome: None,
+                    settled_at: None,
+                },
+            );
+        }
+        self.event(Event::LeaseRequested {
+            request_id: request_id.clone(),
+            request_spec: waiter.wanted.requested(),
+            requester,
+            wait_policy: WaitPolicy::of(waiter.no_wait),
+        });
+        self.queue.waiters.push(waiter);
+        self.dispatch(now);
+        Ok(Admitted::New(request_id))
+    }
+
+    /// Why a new request is refused before it is queued, if it is.
+    fn refusal(
+        &self,
+        input: &LeaseRequestInput,
+        requester: &str,
+        wanted: &Wanted,
+    ) -> Result<(), FleetError> {
+        if let Some(existing) = self.index.by_requester(requester) {
+            return Err(FleetError::RequesterHoldsLease {
+                requester_id: requester.to_owned(),
+                lease_id: existing.lease_id.clone(),
+            });
+        }
+        if self.queue.pending_of(requester).is_some() {
+            return Err(FleetError::RequesterPending(requester.to_owned()));
+        }
+        if let Some(id) = &input.lease_id
+            && self.index.get(id).is_some()
+        {
+            return Err(FleetError::LeaseIdTaken(id.clone()));
+        }
+        let views: Vec<&WorkerView> = self.view_refs().collect();
+        match assessment_error(&assess(&views, wanted), wanted) {
+            Some(err) => Err(err),
+            None => Ok(()),
+        }
+    }
+
+    fn rejected(
+        &mut self,
+        request: Option<&RequestId>,
+        requester: &str,
+        wanted: &Wanted,
+        err: &FleetError,
+    ) {
+        let worker_id = match err {
+            FleetError::WorkerUnreachable { worker_id, .. } => Some(worker_id.clone()),
+            _ => None,
+        };
+        self.event(Event::LeaseRejected {
+            request_id: request.cloned(),
+            requester: requester.to_owned(),
+            request_spec: wanted.requested(),
+            reason: rejection_reason(err),
+            worker_id,
+        });
+    }
+
+    /// Answers a waiter and takes it out of the queue.
+    fn answer(&mut self, id: &RequestId, outcome: Result<LeaseGrant, FleetError>, now: i64) {
+        let Some(waiter) = self.queue.remove(id) else {
+            return;
+        };
+        if let Err(err) = &outcome {
+            self.rejected(Some(id), &waiter.requester, &waiter.wanted, err);
+        }
+        self.queue.settle_book(id, &outcome, now);
+        self.fx.push_back(Effect::Answer {
+            request: id.clone(),
+            outcome: Box::new(outcome),
+        });
+    }
+
+    /// `lease.cancel` of `requester`'s pending request, by `caller`.
+    ///
+    /// # Errors
+    /// `FORBIDDEN` when the pending request is another principal's.
+    pub fn handle_cancel(
+        &mut self,
+        requester: &str,
+        caller: Caller<'_>,
+        now: i64,
+    ) -> Result<CancelResult, FleetError> {
+        let Some(waiter) = self.queue.pending_of(requester) else {
+            return Ok(CancelResult::NotFound);
+        };
+        if !caller.may_act_for(&waiter.owner) {
+            return Err(FleetError::Forbidden(
+                "That pending request belongs to another principal".into(),
+            ));
+        }
+        if !waiter.is_queued() {
+            return Ok(CancelResult::NotCancellable);
+        }
+        let id = waiter.id.clone();
+        self.answer(&id, Err(FleetError::Cancelled), now);
+        self.dispatch(now);
+        Ok(CancelResult::Cancelled)
+    }
+
+    /// One pass over the queue, oldest first: deadlines, the fast-fail table again, then a
+    /// worker for each waiter (one new forward per worker per pass).
+    fn dispatch(&mut self, now: i64) {
+        let mut claimed: BTreeSet<String> = BTreeSet::new();
+        let ids: Vec<RequestId> = self
+            .queue
+            .waiters
+            .iter()
+            .filter(|w| w.is_queued())
+            .map(|w| w.id.clone())
+            .collect();
+        for id in ids {
+            let Some(waiter) = self.queue.get(&id) else {
+                continue;
+            };
+            if waiter.deadline.is_some_and(|d| d <= now) {
+                self.answer(&id, Err(FleetError::QueueTimeout(id.clone())), now);
+                continue;
+            }
+            let views: Vec<&WorkerView> = self.workers.values().map(|w| &w.view).collect();
+            // A drain or a lost uplink can leave a waiting spec that no known worker serves.
+            if let Some(err) = assessment_error(&assess(&views, &waiter.wanted), &waiter.wanted)
+                && !matches!(err, FleetError::NoCapacity(_))
+            {
+                self.answer(&id, Err(err), now);
+                continue;
+            }
+            let eligible: Vec<&WorkerView> = views
+                .iter()
+                .copied()
+                .filter(|v| !claimed.contains(&v.id) && !waiter.excluded.contains(&v.id))
+                .filter(|v| {
+                    waiter
+                        .refusals
+                        .get(&v.id)
+                        .is_none_or(|key| *key != view_key(v))
+                })
+                .collect();
+            if eligible.is_empty()
+                && !waiter.excluded.is_empty()
+                && views.iter().all(|v| waiter.excluded.contains(&v.id))
+            {
+                let err = waiter
+                    .last_refusal
+                    .clone()
+                    .unwrap_or(FleetError::NoCapacity("No worker can serve this request"));
+                self.answer(&id, Err(err), now);
+                continue;
+            }
+            let pick = select(&eligible, &waiter.wanted);
+            let generation = pick
+                .as_ref()
+                .and_then(|p| self.workers.get(&p.worker_id))
+                .and_then(|w| w.link.as_ref())
+                .map(|l| l.generation);
+            match (pick, generation) {
+                (Some(pick), Some(generation)) => {
+                    claimed.insert(pick.worker_id.clone());
+                    self.forward(&id, pick, generation, now);
+                }
+                _ => self.no_pick(&id, now),
+            }
+        }
+    }
+
+    /// No worker takes `id` in this pass: a `noWait` request fails (after its second walk when
+    /// a stale view refused it), another is announced as queued once.
+    fn no_pick(&mut self, id: &RequestId, now: i64) {
+        let position = self.queue.position(id);
+        let Some(waiter) = self.queue.get_mut(id) else {
+            return;
+        };
+        let walked_before = std::mem::replace(&mut waiter.walked, true);
+        if waiter.no_wait {
+            if walked_before || !waiter.second_walk {
+                self.answer(
+                    id,
+                    Err(FleetError::NoCapacity(
+                        "No worker connected to this gateway has a device free now",
+                    )),
+                    now,
+                );
+            }
+        } else if !std::mem::replace(&mut waiter.announced, true) {
+            self.fx.push_back(Effect::Progress {
+                request: id.clone(),
+                progress: Progress::Queued {
+                    queue_position: position,
+                },
+            });
+            self.event(Event::LeaseQueued {
+                request_id: id.clone(),
+                queue_position: position,
+            });
+        }
+    }
+
+    fn forward(&mut self, id: &RequestId, pick: Pick, generation: u64, now: i64) {
+        let attempt = self.next_attempt;
+        self.next_attempt += 1;
+        let timeout = self.settings.lease_request_timeout_ms;
+        let prefix = self.prefix.clone();
+        let Some(waiter) = self.queue.get_mut(id) else {
+            return;
+        };
+        let input = forward_input(&prefix, waiter, &pick.matched);
+        let worker_id = pick.worker_id.clone();
+        waiter.stage = Stage::Forwarded(Attempt {
+            id: attempt,
+            worker_id: worker_id.clone(),
+            generation,
+            pick,
+            started: now,
+            deadline: now.saturating_add(timeout),
+            dispatched: false,
+        });
+        self.fx.push_back(Effect::Forward {
+            attempt,
+            worker_id,
+            generation,
+            input,
+        });
+    }
+
+    fn dispatched(&mut self, attempt: u64) {
+        let Some(waiter) = self.queue.by_attempt(attempt) else {
+            return;
+        };
+        let requester = waiter.requester.clone();
+        let (request_id, platform, created_at) =
+            (waiter.id.clone(), waiter.wanted.platform, waiter.created_at);
+        let Stage::Forwarded(a) = &mut waiter.stage else {
+            return;
+        };
+        if std::mem::replace(&mut a.dispatched, true) {
+            return;
+        }
+        let event = Event::RequestDispatched {
+            request_id,
+            worker_id: a.worker_id.clone(),
+            requester_id: requester,
+            platform,
+            model: a.pick.matched.model.clone(),
+            reason: a.pick.reason,
+            stage: a.pick.stage,
+            queued_ms: a.started.saturating_sub(created_at),
+        };
+        self.event(event);
+    }
+
+    /// The worker reported progress on forward `attempt`: the caller hears it (and the first
+    /// report records `request.dispatched`).
+    pub fn handle_forward_progress(&mut self, attempt: u64, progress: Progress) {
+        self.dispatched(attempt);
+        if let Some(waiter) = self.queue.by_attempt(attempt) {
+            let request = waiter.id.clone();
+            self.fx.push_back(Effect::Progress { request, progress });
+        }
+    }
+
+    /// The worker answered forward `attempt` (sent on `generation` to `worker_id`): a grant is
+    /// indexed and answered in one decision; `NO_CAPACITY` (a stale view) and refusals of the
+    /// spec send the waiter back to the queue; anything else answers it. A grant for a request
+    /// nobody waits for any more is released.
+    pub fn handle_forward_answered(
+        &mut self,
+        attempt: u64,
+        worker_id: &str,
+        generation: u64,
+        outcome: Result<LeaseGrant, ContractError>,
+        now: i64,
+    ) {
+        let current = self.queue.by_attempt(attempt).map(|w| w.id.clone());
+        let Some(id) = current else {
+            if let Ok(grant) = outcome {
+                self.orphaned(worker_id, generation, &grant.lease);
+            }
+            return;
+        };
+        match outcome {
+            Ok(grant) => {
+                self.dispatched(attempt);
+                let (grant, ended_first) = self.record_grant(&id, worker_id, grant);
+                if self.broken(Fault::GrantTwice) {
+                    let twin = self
+                        .queue
+                        .waiters
+                        .iter()
+                        .find(|w| w.id != id && w.wanted.platform == grant.device.spec.platform)
+                        .map(|w| w.id.clone());
+                    if let Some(twin) = twin {
+                        self.answer(&twin, Ok(grant.clone()), now);
+                    }
+                }
+                self.answer(&id, Ok(grant), now);
+                if let Some((entry, reason)) = ended_first {
+                    // Its end event overtook this answer: the caller still gets the grant it
+                    // asked for, then its owner the end; the index never holds the dead lease.
+                    self.notify_lost(&entry, reason, None);
+                }
+            }
+            Err(err) if err.code == ErrorCode::NoCapacity => {
+                // The view was stale: remember the refusal against it and read it again.
+                let key = self.view(worker_id).map(view_key).unwrap_or_default();
+                self.ask_refresh(worker_id, false, now);
+                let Some(waiter) = self.queue.get_mut(&id) else {
+                    return;
+                };
+                waiter.refusals.insert(worker_id.to_owned(), key);
+                if waiter.no_wait && std::mem::replace(&mut waiter.second_walk, true) {
+                    self.answer(&id, Err(FleetError::Worker(err)), now);
+                } else {
+                    waiter.walked = false;
+                    waiter.stage = Stage::Queued;
+                }
+            }
+            Err(err)
+                if matches!(
+                    err.code,
+                    ErrorCode::UnknownModel
+                        | ErrorCode::RuntimeMissing
+                        | ErrorCode::NoDriver
+                        | ErrorCode::CapabilityMissing
+                ) =>
+            {
+                // That worker can never serve this spec: try the others.
+                self.ask_refresh(worker_id, true, now);
+                let Some(waiter) = self.queue.get_mut(&id) else {
+                    return;
+                };
+                waiter.excluded.insert(worker_id.to_owned());
+                waiter.last_refusal = Some(if err.code == ErrorCode::CapabilityMissing {
+                    FleetError::CapabilityMissing(
+                        err.details
+                            .as_ref()
+                            .and_then(|d| d.get("capability"))
+                            .and_then(serde_json::Value::as_str)
+                            .unwrap_or_default()
+                            .to_owned(),
+                    )
+                } else {
+                    FleetError::Worker(err)
+                });
+                waiter.walked = false;
+                waiter.stage = Stage::Queued;
+            }
+            Err(err) => {
+                self.answer(&id, Err(FleetError::from_worker(worker_id, err)), now);
+            }
+        }
+        self.dispatch(now);
+    }
+
+    /// Indexes a worker's grant for waiter `id` and projects it for the caller; answers, too,
+    /// the entry and the end reason when its end came first and its owner is still to hear it.
+    fn record_grant(
+        &mut self,
+        id: &RequestId,
+        worker_id: &str,
+        mut grant: LeaseGrant,
+    ) -> (LeaseGrant, Option<(Entry, LeaseEndReason)>) {
+        let Some(waiter) = self.queue.get(id) else {
+            return (grant, None);
+        };
+        let chosen = waiter.input.lease_id.is_some();
+        let (requester, owner) = (waiter.requester.clone(), waiter.owner.clone());
+        let lease_id = gateway_lease_id(worker_id, grant.lease.id.as_str(), chosen);
+        let at = self.next_stamp();
+        let entry = Entry {
+            lease_id: lease_id.clone(),
+            worker_id: worker_id.to_owned(),
+            worker_lease_id: grant.lease.id.to_string(),
+            requester_id: requester.clone(),
+            owner_id: owner.clone(),
+            chosen,
+            record: grant.lease.clone(),
+            known_at: at,
+        };
+        let recorded = if self.broken(Fault::GrantKnownFromViews) {
+            Recorded::AlreadyEnded
+        } else {
+            self.index.record_grant(entry.clone())
+        };
+        self.event(Event::RequestGranted {
+            request_id: id.clone(),
+            worker_id: worker_id.to_owned(),
+            lease_id: lease_id.clone(),
+            worker_lease_id: grant.lease.id.to_string(),
+        });
+        let ended_first = match recorded {
+            Recorded::EndedFirst(end) => Some((entry, end.reason)),
+            Recorded::Indexed | Recorded::AlreadyEnded => None,
+        };
+        // The environment names the lease as callers of the gateway know it.
+        if let Some(env) = grant.environment.get_mut("SIMLOCK_LEASE_ID") {
+            env.clone_from(&lease_id);
+        }
+        grant.lease.id = LeaseId::from_raw(lease_id);
+        grant.lease.requester_id = requester;
+        grant.lease.owner_id = owner;
+        grant.lease.worker = Some(WorkerRef {
+            id: worker_id.to_owned(),
+            label: self.label_of(worker_id),
+        });
+        (grant, ended_first)
+    }
+
+    /// A grant nobody waits for: remembered as an orphan (no snapshot indexes it) and released.
+    fn orphaned(&mut self, worker_id: &str, generation: u64, lease: &LeaseRecord) {
+        let at = self.next_stamp();
+        self.index.orphan(worker_id, lease, at);
+        self.fx.push_back(Effect::ReleaseOrphan {
+            worker_id: worker_id.to_owned(),
+            generation,
+            worker_lease_id: lease.id.to_string(),
+        });
+    }
+
+    /// The worker answered the release of an orphan: released, or already gone, it is done; a
+    /// lost uplink leaves it for the worker's next connection.
+    pub fn handle_orphan_released(
+        &mut self,
+        worker_id: &str,
+        worker_lease_id: &str,
+        outcome: Result<(), ContractError>,
+    ) {
+        match outcome {
+            Err(err) if err.code.is_transport() => {}
+            _ => {
+                let at = self.next_stamp();
+                self.index.orphan_released(worker_id, worker_lease_id, at);
+            }
+        }
+    }
+
+    // === Leases ===
+
+    /// A miss in the index: `UNKNOWN_LEASE` only when the gateway can vouch for it (the worker
+    /// the id names is connected and its view read), else `WORKER_UNREACHABLE` naming it.
+    fn missing(&self, lease_id: &str) -> FleetError {
+        match worker_of(lease_id) {
+            Some(worker) if self.live_generation(worker).is_none() => {
+                FleetError::unreachable(worker)
+            }
+            _ => FleetError::UnknownLease(lease_id.to_owned()),
+        }
+    }
+
+    fn target(&self, entry: &Entry) -> Result<LeaseTarget, FleetError> {
+        let generation = self
+            .live_generation(&entry.worker_id)
+            .ok_or_else(|| FleetError::unreachable(&entry.worker_id))?;
+        Ok(LeaseTarget {
+            lease_id: entry.lease_id.clone(),
+            worker_id: entry.worker_id.clone(),
+            generation,
+            worker_lease_id: entry.worker_lease_id.clone(),
+            requester_id: entry.requester_id.clone(),
+            worker_requester_id: format!("{}{}", self.prefix, entry.requester_id),
+        })
+    }
+
+    /// Where `lease_id` lives, if `caller` may act on it (its owner, or an admin).
+    ///
+    /// # Errors
+    /// `UNKNOWN_LEASE` (also for another's lease), `WORKER_UNREACHABLE` while its uplink is
+    /// down.
+    pub fn lease_target(
+        &self,
+        lease_id: &str,
+        caller: Caller<'_>,
+    ) -> Result<LeaseTarget, FleetError> {
+        let entry = self
+            .index
+            .get(lease_id)
+            .ok_or_else(|| self.missing(lease_id))?;
+        if !caller.may_act_for(&entry.owner_id) {
+            return Err(FleetError::UnknownLease(lease_id.to_owned()));
+        }
+        self.target(entry)
+    }
+
+    /// Where `lease_id` lives for a `device.exec`: an agent must own it; an admin is held to
+    /// its requester (`requester`, else the admin's principal).
+    ///
+    /// # Errors
+    /// `FORBIDDEN`, `UNKNOWN_LEASE`, `WORKER_UNREACHABLE`.
+    pub fn exec_target(
+        &self,
+        lease_id: &str,
+        caller: Caller<'_>,
+        requester: Option<&str>,
+    ) -> Result<LeaseTarget, FleetError> {
+        if !caller.admin && requester.is_some() {
+            return Err(FleetError::Forbidden(
+                "Only an admin may name requesterId on device.exec".into(),
+            ));
+        }
+        let entry = self
+            .index
+            .get(lease_id)
+            .ok_or_else(|| self.missing(lease_id))?;
+        let allowed = if caller.admin {
+            entry.requester_id == requester.unwrap_or(caller.principal)
+        } else {
+            entry.owner_id == caller.principal
+        };
+        if !allowed {
+            return Err(FleetError::UnknownLease(lease_id.to_owned()));
+        }
+        self.target(entry)
+    }
+
+    /// A `lease.release` of `lease_id` by `caller` goes out.
+    ///
+    /// # Errors
+    /// As [`Self::lease_target`].
+    pub fn handle_release_sent(
+        &mut self,
+        lease_id: &str,
+        caller: Caller<'_>,
+    ) -> Result<LeaseTarget, FleetError> {
+        let target = self.lease_target(lease_id, caller)?;
+        self.releasing
+            .insert(target.lease_id.clone(), caller.connection);
+        Ok(target)
+    }
+
+    /// The worker answered a release: the lease ends (its owner's other connections hear it
+    /// once); `UNKNOWN_LEASE` means it was gone already.
+    ///
+    /// # Errors
+    /// `UNKNOWN_LEASE`, `WORKER_UNREACHABLE`, or the worker's error.
+    pub fn handle_release_answered(
+        &mut self,
+        target: &LeaseTarget,
+        outcome: Result<(), FleetError>,
+        now: i64,
+    ) -> Result<String, FleetError> {
+        match outcome {
+            Ok(()) => {
+                let except = self.releasing.remove(&target.lease_id).flatten();
+                let at = self.next_stamp();
+                if let Some(entry) = self
+                    .index
+                    .end(&target.worker_id, &target.worker_lease_id, at)
+                {
+                    self.notify_lost(&entry, LeaseEndReason::Explicit, except);
+                }
+                self.dispatch(now);
+                Ok(target.lease_id.clone())
+            }
+            Err(err) => {
+                self.releasing.remove(&target.lease_id);
+                Err(self.lease_error(target, err, now))
+            }
+        }
+    }
+
+    /// The worker answered a renew: the index and the view take the new deadline in place.
+    ///
+    /// # Errors
+    /// `UNKNOWN_LEASE`, `WORKER_UNREACHABLE`, or the worker's error.
+    pub fn handle_renew_answered(
+        &mut self,
+        target: &LeaseTarget,
+        outcome: Result<LeaseRecord, FleetError>,
+        now: i64,
+    ) -> Result<LeaseRecord, FleetError> {
+        let record = outcome.map_err(|err| self.lease_error(target, err, now))?;
+        self.index.renewal_answered(&target.lease_id, &record);
+        if let Some(worker) = self.workers.get_mut(&target.worker_id) {
+            renew_in_place(
+                &mut worker.view,
+                &target.worker_lease_id,
+                record.ttl_deadline,
+                record.last_renewed_at,
+            );
+        }
+        let label = self.label_of(&target.worker_id);
+        Ok(match self.index.get(&target.lease_id) {
+            Some(entry) => entry.project(label),
+            None => {
+                // Ended between the answer and now: the worker's record, projected.
+                let mut record = record;
+                record.id = LeaseId::from_raw(target.lease_id.clone());
+                record.requester_id.clone_from(&target.requester_id);
+                record.worker = Some(WorkerRef {
+                    id: target.worker_id.clone(),
+                    label,
+                });
+                record.worker_id = Some(target.worker_id.clone());
+                record
+            }
+        })
+    }
+
+    /// A call about a lease failed with `err` (the worker's answer, a lost uplink, a timeout):
+    /// the worker's `UNKNOWN_LEASE` is its word that the lease is gone (the index forgets it and
+    /// its owner hears it); anything else is answered as it is.
+    pub fn handle_lease_call_failed(
+        &mut self,
+        target: &LeaseTarget,
+        err: FleetError,
+        now: i64,
+    ) -> FleetError {
+        self.lease_error(target, err, now)
+    }
+
+    fn lease_error(&mut self, target: &LeaseTarget, err: FleetError, now: i64) -> FleetError {
+        if !matches!(&err, FleetError::Worker(e) if e.code == ErrorCode::UnknownLease) {
+            return err;
+        }
+        let at = self.next_stamp();
+        if let Some(entry) = self
+            .index
+            .end(&target.worker_id, &target.worker_lease_id, at)
+        {
+            let reason = if entry.record.ttl_deadline <= now {
+                LeaseEndReason::Expired
+            } else {
+                LeaseEndReason::Killed
+            };
+            self.notify_lost(&entry, reason, None);
+            self.dispatch(now);
+        }
+        FleetError::UnknownLease(target.lease_id.clone())
+    }
+
+    /// The ids of every lease the gateway issued (`lease.release-all`).
+    pub fn lease_ids(&self) -> Vec<String> {
+        let mut ids: Vec<String> = self.index.entries().map(|e| e.lease_id.clone()).collect();
+        ids.sort();
+        ids
+    }
+
+    // === Workers ===
+
+    /// Whether draining (or undraining) `worker_id` changes anything.
+    ///
+    /// # Errors
+    /// `UNKNOWN_WORKER`.
+    pub fn drain_changes(&self, worker_id: &str, drained: bool) -> Result<bool, FleetError> {
+        let worker = self
+            .workers
+            .get(worker_id)
+            .ok_or_else(|| FleetError::UnknownWorker(worker_id.to_owned()))?;
+        Ok(worker.view.drained != drained)
+    }
+
+    /// A worker was drained or undrained (and the change stored).
+    pub fn handle_drained(&mut self, worker_id: &str, drained: bool, now: i64) {
+        let Some(worker) = self.workers.get_mut(worker_id) else {
+            return;
+        };
+        if worker.view.drained == drained {
+            return;
+        }
+        worker.view.drained = drained;
+        let worker_id = worker_id.to_owned();
+        self.event(if drained {
+            Event::WorkerDrainStarted { worker_id }
+        } else {
+            Event::WorkerDrainEnded { worker_id }
+        });
+        self.dispatch(now);
+    }
+
+    /// An operator forgets a disconnected worker (and its drain flag). Answers whether it was
+    /// known.
+    ///
+    /// # Errors
+    /// `WORKER_CONNECTED` while its uplink is up.
+    pub fn handle_remove(&mut self, worker_id: &str, now: i64) -> Result<bool, FleetError> {
+        match self.workers.get(worker_id) {
+            None => return Ok(false),
+            Some(w) if w.link.is_some() => {
+                return Err(FleetError::WorkerConnected(worker_id.to_owned()));
+            }
+            Some(_) => {}
+        }
+        if let Some(worker) = self.workers.remove(worker_id) {
+            self.index.forget_worker(worker_id);
+            self.event(Event::WorkerRemoved {
+                worker_id: worker_id.to_owned(),
+                label: worker.view.label,
+                reason: WorkerRemovedReason::Operator,
+            });
+        }
+        self.dispatch(now);
+        Ok(true)
+    }
+
+    // === Time ===
+
+    /// Time passed: waiters past their deadline are answered (queued ones `QUEUE_TIMEOUT`,
+    /// forwarded ones `WORKER_UNREACHABLE` and their grant, should it come, released), periodic
+    /// refreshes go out, disconnected workers past retention that hold no live lease of this
+    /// gateway are forgotten (a drained one keeps its flag), old book records go.
+    pub fn handle_tick(&mut self, now: i64) {
+        let timed_out: Vec<(RequestId, String, u64)> = self
+            .queue
+            .waiters
+            .iter()
+            .filter_map(|w| {
+                let a = w.attempt()?;
+                (a.deadline <= now).then(|| (w.id.clone(), a.worker_id.clone(), a.id))
+            })
+            .collect();
+        for (id, worker_id, _) in timed_out {
+            let bound = u128::try_from(self.settings.lease_request_timeout_ms).unwrap_or(0);
+            self.answer(
+                &id,
+                Err(FleetError::no_answer(
+                    &worker_id,
+                    "the lease request",
+                    bound,
+                )),
+                now,
+            );
+        }
+        let due: Vec<String> = self
+            .workers
+            .iter()
+            .filter(|(_, w)| {
+                w.link
+                    .as_ref()
+                    .and_then(|l| l.periodic_at)
+                    .is_some_and(|at| at <= now)
+            })
+            .map(|(id, _)| id.clone())
+            .collect();
+        let interval = self.settings.refresh_interval_ms;
+        for worker_id in due {
+            if let Some(link) = self
+                .workers
+                .get_mut(&worker_id)
+                .and_then(|w| w.link.as_mut())
+            {
+                link.periodic_at = Some(now.saturating_add(interval));
+            }
+            self.ask_refresh(&worker_id, true, now);
+        }
+        let folded: Vec<(String, bool)> = self
+            .workers
+            .iter()
+            .filter_map(|(id, w)| {
+                let link = w.link.as_ref()?;
+                let due = link.refreshing.is_none() && link.spaced_until <= now;
+                link.again
+                    .filter(|_| due)
+                    .map(|catalog| (id.clone(), catalog))
+            })
+            .collect();
+        for (worker_id, catalog) in folded {
+            if let Some(link) = self
+                .workers
+                .get_mut(&worker_id)
+                .and_then(|w| w.link.as_mut())
+            {
+                link.asked -= 1;
+            }
+            self.ask_refresh(&worker_id, catalog, now);
+        }
+        self.sweep(now);
+        self.queue.prune_book(now, BOOK_RETENTION_MS);
+        self.dispatch(now);
+    }
+
+    /// Forgets disconnected workers past retention that hold no live gateway lease.
+    fn sweep(&mut self, now: i64) {
+        let retention = self.settings.disconnected_retention_ms;
+        let expired: Vec<String> = self
+            .workers
+            .iter()
+            .filter(|(_, w)| w.link.is_none() && w.view.connection == Connection::Disconnected)
+            .filter(|(_, w)| w.view.last_seen_at <= now.saturating_sub(retention))
+            .filter(|(id, w)| {
+                let in_view = w
+                    .view
+                    .leases
+                    .as_deref()
+                    .unwrap_or_default()
+                    .iter()
+                    .any(|l| l.requester_id.starts_with(&self.prefix) && l.ttl_deadline > now);
+                let indexed = self
+                    .index
+                    .of_worker(id)
+                    .iter()
+                    .any(|e| e.record.ttl_deadline > now);
+                !in_view && !indexed
+            })
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in expired {
+            let Some(worker) = self.workers.remove(&id) else {
+                continue;
+            };
+            self.index.forget_worker(&id);
+            if worker.view.drained {
+                // Retention keeps the drain flag: the worker comes back drained.
+                let mut view = blank_view(&id, worker.view.label, now, Connection::Disconnected);
+                view.drained = true;
+                self.workers.insert(id, Worker { view, link: None });
+                continue;
+            }
+            self.event(Event::WorkerRemoved {
+                worker_id: id,
+                label: worker.view.label,
+                reason: WorkerRemovedReason::Retention,
+            });
+        }
+    }
+
+    /// The gateway stops: every waiter fails `DAEMON_STOPPING`, every uplink closes, and new
+    /// requests are refused.
+    pub fn handle_stop(&mut self, now: i64) {
+        self.stopping = true;
+        let ids: Vec<RequestId> = self.queue.waiters.iter().map(|w| w.id.clone()).collect();
+        for id in ids {
+            self.answer(&id, Err(FleetError::Stopping), now);
+        }
+        let generations: Vec<u64> = self
+            .workers
+            .values()
+            .filter_map(|w| w.link.as_ref().map(|l| l.generation))
+            .collect();
+        for generation in generations {
+            self.fx.push_back(Effect::Close { generation });
+        }
+    }
+}
+
+/// The error of a fast-fail assessment, if it refuses.
+fn assessment_error(assessment: &Assessment, wanted: &Wanted) -> Option<FleetError> {
+    let platform = wanted.platform;
+    match assessment {
+        Assessment::Serviceable => None,
+        Assessment::NoWorker => Some(FleetError::NoCapacity(
+            "No worker connected to this gateway can take this request now",
+        )),
+        Assessment::NoDriver => Some(FleetError::NoDriver(platform)),
+        Assessment::UnknownModel => Some(FleetError::UnknownModel {
+            platform,
+            model: wanted.model.clone().unwrap_or_default(),
+        }),
+        Assessment::RuntimeMissing => Some(FleetError::RuntimeMissing {
+            platform,
+            os: wanted
+                .os_version
+                .clone()
+                .unwrap_or_else(|| "default".into()),
+        }),
+        Assessment::CapabilityMissing(capability) => {
+            Some(FleetError::CapabilityMissing(capability.clone()))
+        }
+    }
+}
+
+/// How `lease.rejected` names a refusal.
+fn rejection_reason(err: &FleetError) -> RejectionReason {
+    match err.code() {
+        ErrorCode::NoCapacity => RejectionReason::NoWorker,
+        ErrorCode::QueueTimeout => RejectionReason::Timeout,
+        ErrorCode::RequesterAlreadyLeased => RejectionReason::AlreadyLeased,
+        ErrorCode::LeaseIdTaken => RejectionReason::LeaseIdTaken,
+        ErrorCode::Cancelled => RejectionReason::Cancelled,
+        ErrorCode::WorkerUnreachable => RejectionReason::WorkerFailed,
+        ErrorCode::DaemonStopping => RejectionReason::Killed,
+        _ => RejectionReason::UnresolvableSpec,
+    }
+}
+
+/// The `lease.request` a worker gets: its own model name, the namespaced requester, the owner,
+/// and `noWait` (the gateway never routes into a worker's queue).
+fn forward_input(prefix: &str, waiter: &Waiter, matched: &Match) -> LeaseRequestInput {
+    LeaseRequestInput {
+        platform: waiter.wanted.platform,
+        model: matched
+            .model
+            .clone()
+            .or_else(|| waiter.wanted.model.clone()),
+        os_version: waiter.wanted.os_version.clone(),
+        requester_id: Some(format!("{prefix}{}", waiter.requester)),
+        no_wait: Some(true),
+        timeout_ms: None,
+        ttl_ms: waiter.input.ttl_ms,
+        idempotency_key: None,
+        owner: Some(waiter.owner.clone()),
+        lease_id: waiter.input.lease_id.clone(),
+        requires: waiter.wanted.requires.clone(),
+    }
+}

@@ -1,0 +1,1089 @@
+//! The fleet core, one decision per test: inputs in, effects and state out, time given.
+
+use std::collections::BTreeMap;
+
+use simlock_contract::ids::{DeviceId, EventId};
+use simlock_contract::model::{
+    Capacity, DaemonInfo, DeviceSpec, GlobalCapacity, GrantDevice, GrantTiming, Health, HostFacts,
+    Mode, Platform, PlatformCapacity, PlatformCatalog,
+};
+
+use super::*;
+
+const T0: i64 = 1_000_000;
+
+fn settings() -> Settings {
+    Settings {
+        gateway_id: "g1".into(),
+        limits: LeaseLimits {
+            default_ttl_ms: 1000,
+            max_ttl_ms: 60_000,
+        },
+        refresh_interval_ms: 30_000,
+        refresh_gap_ms: 0,
+        lease_request_timeout_ms: 5_000,
+        disconnected_retention_ms: 60_000,
+    }
+}
+
+fn record(id: &str, requester: &str, granted_at: i64) -> LeaseRecord {
+    LeaseRecord {
+        id: LeaseId::from_raw(id),
+        device_id: DeviceId::from_raw("dev_1"),
+        requester_id: requester.into(),
+        owner_id: "agent".into(),
+        granted_at,
+        ttl_ms: 1000,
+        ttl_deadline: granted_at + 1000,
+        last_renewed_at: granted_at,
+        id_chosen_by_requester: false,
+        worker: None,
+        worker_id: None,
+        access: None,
+    }
+}
+
+fn status(leases: Vec<LeaseRecord>, slots: u32) -> StatusOutput {
+    let running = u32::try_from(leases.len()).unwrap();
+    let platform = PlatformCapacity {
+        running,
+        max_running: slots,
+        reserved: 0,
+        warm: 0,
+        over_limit: false,
+        at_ram_budget: false,
+    };
+    StatusOutput {
+        daemon: DaemonInfo {
+            health: Health::Running,
+            mode: Mode::Worker,
+            version: "t".into(),
+            instance_id: "w".into(),
+        },
+        host: HostFacts {
+            os: "linux".into(),
+            os_version: String::new(),
+            arch: "x86_64".into(),
+            tools: Vec::new(),
+        },
+        capacity: Some(Capacity {
+            ios: platform,
+            android: PlatformCapacity::default(),
+            global: GlobalCapacity {
+                running,
+                max_running: slots,
+                reserved: 0,
+                warm: 0,
+                over_limit: false,
+            },
+        }),
+        devices: Some(Vec::new()),
+        leases: Some(leases),
+        queue_depth: Some(0),
+        waiting: Some(Vec::new()),
+        capabilities: Some(Vec::new()),
+        lease: None,
+        workers: None,
+        drivers: None,
+    }
+}
+
+fn refresh(leases: Vec<LeaseRecord>, slots: u32) -> Refresh {
+    Refresh {
+        status: status(leases, slots),
+        devices: Some(Vec::new()),
+        catalog: Some(vec![PlatformCatalog {
+            platform: Platform::Ios,
+            models: vec!["iPhone 16".into()],
+            runtimes: vec!["18.2".into()],
+            default_runtime: None,
+            model_runtimes: BTreeMap::from([("iPhone 16".to_owned(), vec!["18.2".to_owned()])]),
+            model_aliases: BTreeMap::new(),
+            model_workers: None,
+            runtime_workers: None,
+            unavailable: None,
+        }]),
+        limits: None,
+    }
+}
+
+fn grant(record: LeaseRecord) -> LeaseGrant {
+    LeaseGrant {
+        device: GrantDevice {
+            id: record.device_id.clone(),
+            driver_device_id: "udid".into(),
+            spec: DeviceSpec {
+                platform: Platform::Ios,
+                model: "iPhone 16".into(),
+                os_version: "18.2".into(),
+            },
+            address: None,
+            access: None,
+        },
+        environment: BTreeMap::from([("SIMLOCK_LEASE_ID".to_owned(), record.id.to_string())]),
+        lease: record,
+        timing: GrantTiming::default(),
+    }
+}
+
+fn agent() -> Caller<'static> {
+    Caller {
+        principal: "agent",
+        admin: false,
+        connection: Some(7),
+    }
+}
+
+/// A core with worker `w1` connected, subscribed and read in full, with `slots` free slots.
+/// Answers the core and the uplink's generation.
+fn fleet(slots: u32) -> (Core, u64) {
+    let mut core = Core::new(settings(), Vec::new());
+    let generation = core.handle_uplink_opened("w1", Some("one".into()), "tok_j".into(), T0);
+    let sent = core.handle_probe_sent();
+    core.handle_connected(generation, "v".into(), &status(Vec::new(), slots), sent, T0);
+    core.handle_subscribed(generation, T0);
+    let effects = core.take_effects();
+    let sent = refresh_sent(&effects).expect("the first full read is asked");
+    core.handle_refreshed(generation, sent, refresh(Vec::new(), slots), T0);
+    core.take_effects();
+    (core, generation)
+}
+
+fn refresh_sent(effects: &[Effect]) -> Option<Stamp> {
+    effects.iter().find_map(|e| match e {
+        Effect::Refresh { sent, .. } => Some(*sent),
+        _ => None,
+    })
+}
+
+fn ask(
+    core: &mut Core,
+    n: u32,
+    input: LeaseRequestInput,
+    now: i64,
+) -> Result<Admitted, FleetError> {
+    core.handle_lease_request(
+        Ask {
+            request_id: RequestId::from_raw(format!("req_{n}")),
+            input,
+            principal: "agent".into(),
+        },
+        now,
+    )
+}
+
+fn forward(effects: &[Effect]) -> Option<(u64, LeaseRequestInput)> {
+    effects.iter().find_map(|e| match e {
+        Effect::Forward { attempt, input, .. } => Some((*attempt, input.clone())),
+        _ => None,
+    })
+}
+
+fn answers(effects: &[Effect]) -> Vec<(RequestId, Result<String, ErrorCode>)> {
+    effects
+        .iter()
+        .filter_map(|e| match e {
+            Effect::Answer { request, outcome } => Some((
+                request.clone(),
+                (**outcome)
+                    .as_ref()
+                    .map(|g| g.lease.id.to_string())
+                    .map_err(FleetError::code),
+            )),
+            _ => None,
+        })
+        .collect()
+}
+
+fn ios() -> LeaseRequestInput {
+    LeaseRequestInput::for_platform(Platform::Ios)
+}
+
+/// A lease granted through the core: answers the gateway's id for it.
+fn granted(core: &mut Core, generation: u64) -> String {
+    ask(core, 1, ios(), T0).unwrap();
+    let (attempt, input) = forward(&core.take_effects()).expect("forwarded");
+    let requester = input.requester_id.unwrap();
+    core.handle_forward_answered(
+        attempt,
+        "w1",
+        generation,
+        Ok(grant(record("lse_a", &requester, T0))),
+        T0,
+    );
+    let answered = answers(&core.take_effects());
+    answered[0].1.clone().unwrap()
+}
+
+/// A lease granted through the core and read back in its worker's view, which is then full.
+fn granted_full(core: &mut Core, generation: u64) -> String {
+    let lease_id = granted(core, generation);
+    core.handle_worker_event(
+        generation,
+        event("lease.granted", serde_json::json!({})),
+        T0,
+    );
+    let sent = refresh_sent(&core.take_effects()).unwrap();
+    let held = record("lse_a", "gw:g1:agent", T0);
+    core.handle_refreshed(generation, sent, refresh(vec![held], 1), T0);
+    core.take_effects();
+    lease_id
+}
+
+#[test]
+fn a_forward_carries_no_wait_the_namespaced_requester_and_the_owner() {
+    let (mut core, _) = fleet(1);
+    let mut input = ios();
+    input.ttl_ms = Some(5000);
+    assert_eq!(
+        ask(&mut core, 1, input, T0),
+        Ok(Admitted::New(RequestId::from_raw("req_1")))
+    );
+    let (_, forwarded) = forward(&core.take_effects()).unwrap();
+    assert_eq!(forwarded.no_wait, Some(true));
+    assert_eq!(forwarded.requester_id.as_deref(), Some("gw:g1:agent"));
+    assert_eq!(forwarded.owner.as_deref(), Some("agent"));
+    assert_eq!(forwarded.ttl_ms, Some(5000));
+}
+
+#[test]
+fn a_grant_is_indexed_in_the_decision_that_answers_it() {
+    let (mut core, generation) = fleet(1);
+    let lease_id = granted(&mut core, generation);
+    assert_eq!(lease_id, "w1.lse_a");
+    // No view lists it yet: the lookups and the owner's list still know it.
+    assert!(core.view("w1").unwrap().leases.as_ref().unwrap().is_empty());
+    assert_eq!(
+        core.lease_target(&lease_id, agent())
+            .unwrap()
+            .worker_lease_id,
+        "lse_a"
+    );
+    let listed = core.leases(agent().viewer());
+    assert_eq!(listed.len(), 1);
+    assert_eq!(listed[0].id.as_str(), "w1.lse_a");
+    assert_eq!(listed[0].requester_id, "agent");
+    // One lease per requester.
+    assert!(matches!(
+        ask(&mut core, 2, ios(), T0),
+        Err(FleetError::RequesterHoldsLease { lease_id, .. }) if lease_id == "w1.lse_a"
+    ));
+}
+
+#[test]
+fn a_view_read_before_a_release_does_not_bring_the_lease_back() {
+    let (mut core, generation) = fleet(1);
+    let lease_id = granted(&mut core, generation);
+    // A read goes out (the worker still holds the lease when it reads it) ...
+    core.handle_worker_event(generation, event("device.ready", serde_json::json!({})), T0);
+    let sent = refresh_sent(&core.take_effects()).unwrap();
+    // ... then the release is answered ...
+    let target = core.handle_release_sent(&lease_id, agent()).unwrap();
+    core.handle_release_answered(&target, Ok(()), T0).unwrap();
+    let effects = core.take_effects();
+    assert!(
+        effects.iter().any(|e| matches!(
+            e,
+            Effect::Notice {
+                except: Some(7),
+                ..
+            }
+        )),
+        "the owner's other connections hear it: {effects:?}"
+    );
+    // ... and the read comes back listing it.
+    let held = record("lse_a", "gw:g1:agent", T0);
+    core.handle_refreshed(generation, sent, refresh(vec![held], 1), T0);
+    assert!(core.lease(&lease_id).is_none());
+    assert_eq!(
+        ask(&mut core, 2, ios(), T0),
+        Ok(Admitted::New(RequestId::from_raw("req_2"))),
+        "the requester may ask again at once"
+    );
+}
+
+fn event(name: &str, payload: serde_json::Value) -> EventEnvelope {
+    EventEnvelope {
+        id: EventId::from_raw("evt_1"),
+        seq: 1,
+        timestamp: T0,
+        event: name.into(),
+        payload,
+        module: "lease-lifecycle".into(),
+    }
+}
+
+#[test]
+fn an_end_before_its_grants_answer_reaches_the_owner_after_the_grant() {
+    let (mut core, generation) = fleet(1);
+    ask(&mut core, 1, ios(), T0).unwrap();
+    let (attempt, _) = forward(&core.take_effects()).unwrap();
+    core.handle_worker_event(
+        generation,
+        event(
+            "lease.expired",
+            serde_json::json!({"leaseId": "lse_a", "deviceId": "dev_1", "ownerId": "agent"}),
+        ),
+        T0,
+    );
+    core.take_effects();
+    core.handle_forward_answered(
+        attempt,
+        "w1",
+        generation,
+        Ok(grant(record("lse_a", "gw:g1:agent", T0))),
+        T0,
+    );
+    let effects = core.take_effects();
+    let answer = effects
+        .iter()
+        .position(|e| matches!(e, Effect::Answer { outcome, .. } if outcome.is_ok()))
+        .unwrap();
+    let notice = effects
+        .iter()
+        .position(|e| matches!(e, Effect::Notice { .. }))
+        .unwrap();
+    assert!(answer < notice, "the grant, then its end: {effects:?}");
+    assert!(core.lease("w1.lse_a").is_none());
+}
+
+#[test]
+fn a_queued_request_times_out_at_its_deadline_and_a_forward_at_the_lease_request_bound() {
+    let (mut core, generation) = fleet(1);
+    let _held = granted_full(&mut core, generation);
+    let mut waiting = ios();
+    waiting.requester_id = Some("other".into());
+    waiting.timeout_ms = Some(200);
+    ask(&mut core, 2, waiting, T0).unwrap();
+    let effects = core.take_effects();
+    assert!(
+        effects.iter().any(|e| matches!(
+            e,
+            Effect::Progress {
+                progress: Progress::Queued { queue_position: 1 },
+                ..
+            }
+        )),
+        "{effects:?}"
+    );
+    assert_eq!(core.next_deadline(), Some(T0 + 200));
+    core.handle_tick(T0 + 200);
+    assert_eq!(
+        answers(&core.take_effects()),
+        [(RequestId::from_raw("req_2"), Err(ErrorCode::QueueTimeout))]
+    );
+
+    // A forward the worker does not answer fails at the bound; its late grant is released.
+    let (mut core, generation) = fleet(1);
+    ask(&mut core, 1, ios(), T0).unwrap();
+    let (attempt, _) = forward(&core.take_effects()).unwrap();
+    assert_eq!(core.next_deadline(), Some(T0 + 5_000));
+    core.handle_tick(T0 + 5_000);
+    assert_eq!(
+        answers(&core.take_effects()),
+        [(
+            RequestId::from_raw("req_1"),
+            Err(ErrorCode::WorkerUnreachable)
+        )]
+    );
+    core.handle_forward_answered(
+        attempt,
+        "w1",
+        generation,
+        Ok(grant(record("lse_late", "gw:g1:agent", T0))),
+        T0 + 6_000,
+    );
+    let effects = core.take_effects();
+    assert!(
+        effects.iter().any(|e| matches!(e, Effect::ReleaseOrphan { worker_lease_id, .. } if worker_lease_id == "lse_late")),
+        "{effects:?}"
+    );
+    assert!(answers(&effects).is_empty(), "nobody is answered twice");
+    // Until its release is answered, no view indexes it.
+    let late = record("lse_late", "gw:g1:agent", T0);
+    core.handle_worker_event(generation, event("device.ready", serde_json::json!({})), T0);
+    let sent = refresh_sent(&core.take_effects()).unwrap();
+    core.handle_refreshed(generation, sent, refresh(vec![late], 1), T0 + 6_000);
+    assert!(core.lease("w1.lse_late").is_none());
+}
+
+#[test]
+fn no_capacity_from_a_stale_view_requeues_and_a_no_wait_request_gets_one_more_walk() {
+    let (mut core, generation) = fleet(1);
+    let mut input = ios();
+    input.no_wait = Some(true);
+    ask(&mut core, 1, input, T0).unwrap();
+    let (attempt, _) = forward(&core.take_effects()).unwrap();
+    core.handle_forward_answered(
+        attempt,
+        "w1",
+        generation,
+        Err(ContractError::new(ErrorCode::NoCapacity, "full")),
+        T0,
+    );
+    let effects = core.take_effects();
+    assert!(refresh_sent(&effects).is_some(), "the view is read again");
+    assert!(answers(&effects).is_empty(), "{effects:?}");
+    // The same view refused it: it is not tried again; a noWait request then fails.
+    core.handle_tick(T0 + 1);
+    assert_eq!(
+        answers(&core.take_effects()),
+        [(RequestId::from_raw("req_1"), Err(ErrorCode::NoCapacity))]
+    );
+}
+
+#[test]
+fn a_worker_that_refuses_the_spec_is_not_tried_again_and_its_refusal_is_answered() {
+    let (mut core, generation) = fleet(1);
+    let mut input = ios();
+    input.requires = vec!["gpu".into()];
+    // The view lists no capability: the fast-fail table refuses at once.
+    assert!(matches!(
+        ask(&mut core, 1, input, T0),
+        Err(FleetError::CapabilityMissing(cap)) if cap == "gpu"
+    ));
+    ask(&mut core, 2, ios(), T0).unwrap();
+    let (attempt, _) = forward(&core.take_effects()).unwrap();
+    core.handle_forward_answered(
+        attempt,
+        "w1",
+        generation,
+        Err(ContractError::new(ErrorCode::RuntimeMissing, "no runtime")),
+        T0,
+    );
+    assert_eq!(
+        answers(&core.take_effects()),
+        [(RequestId::from_raw("req_2"), Err(ErrorCode::RuntimeMissing))],
+        "no worker is left"
+    );
+}
+
+#[test]
+fn cancelling_answers_a_queued_request_refuses_another_principal_and_leaves_a_forward() {
+    let (mut core, generation) = fleet(1);
+    let _held = granted_full(&mut core, generation);
+    let mut queued = ios();
+    queued.requester_id = Some("second".into());
+    ask(&mut core, 2, queued, T0).unwrap();
+    core.take_effects();
+    let stranger = Caller {
+        principal: "stranger",
+        admin: false,
+        connection: None,
+    };
+    assert!(matches!(
+        core.handle_cancel("second", stranger, T0),
+        Err(FleetError::Forbidden(_))
+    ));
+    assert_eq!(
+        core.handle_cancel("second", agent(), T0),
+        Ok(CancelResult::Cancelled)
+    );
+    assert_eq!(
+        answers(&core.take_effects()),
+        [(RequestId::from_raw("req_2"), Err(ErrorCode::Cancelled))]
+    );
+    assert_eq!(
+        core.handle_cancel("second", agent(), T0),
+        Ok(CancelResult::NotFound)
+    );
+
+    let (mut core, _) = fleet(1);
+    ask(&mut core, 1, ios(), T0).unwrap();
+    core.take_effects();
+    assert_eq!(
+        core.handle_cancel("agent", agent(), T0),
+        Ok(CancelResult::NotCancellable),
+        "a forwarded request is the worker's now"
+    );
+}
+
+#[test]
+fn an_idempotency_key_joins_replays_and_refuses_a_conflict_or_another_principal() {
+    let (mut core, generation) = fleet(1);
+    let mut input = ios();
+    input.idempotency_key = Some("k1".into());
+    ask(&mut core, 1, input.clone(), T0).unwrap();
+    let (attempt, forwarded) = forward(&core.take_effects()).unwrap();
+    assert_eq!(
+        ask(&mut core, 2, input.clone(), T0),
+        Ok(Admitted::Joined(RequestId::from_raw("req_1")))
+    );
+    core.handle_forward_answered(
+        attempt,
+        "w1",
+        generation,
+        Ok(grant(record("lse_a", &forwarded.requester_id.unwrap(), T0))),
+        T0,
+    );
+    core.take_effects();
+    match ask(&mut core, 3, input.clone(), T0) {
+        Ok(Admitted::Replay(outcome)) => {
+            assert_eq!(outcome.unwrap().lease.id.as_str(), "w1.lse_a");
+        }
+        other => panic!("{other:?}"),
+    }
+    let mut other_spec = input.clone();
+    other_spec.model = Some("iPad".into());
+    assert_eq!(
+        ask(&mut core, 4, other_spec, T0),
+        Err(FleetError::IdempotencyConflict)
+    );
+    // Another principal naming the same requester reaches the key and is refused.
+    let mut theirs = input;
+    theirs.requester_id = Some("agent".into());
+    let foreign = core.handle_lease_request(
+        Ask {
+            request_id: RequestId::from_raw("req_5"),
+            input: theirs,
+            principal: "intruder".into(),
+        },
+        T0,
+    );
+    assert_eq!(foreign, Err(FleetError::IdempotencyForeign));
+}
+
+#[test]
+fn inputs_past_the_gateways_rules_are_refused_and_change_nothing() {
+    let (mut core, _) = fleet(1);
+    let mut long = ios();
+    long.ttl_ms = Some(60_001);
+    assert!(
+        matches!(ask(&mut core, 1, long, T0), Err(FleetError::BadRequest(m)) if m.starts_with("ttlMs"))
+    );
+    let mut at_cap = ios();
+    at_cap.ttl_ms = Some(60_000);
+    at_cap.requester_id = Some("capped".into());
+    assert!(ask(&mut core, 2, at_cap, T0).is_ok(), "at the cap");
+    let mut owned = ios();
+    owned.owner = Some("someone".into());
+    assert!(matches!(
+        ask(&mut core, 3, owned, T0),
+        Err(FleetError::Forbidden(_))
+    ));
+    let room = simlock_contract::bounds::MAX_REQUESTER - "gw:g1:".len();
+    let mut fits = ios();
+    fits.requester_id = Some("r".repeat(room));
+    assert!(
+        ask(&mut core, 4, fits, T0).is_ok(),
+        "a requester at the room left"
+    );
+    let mut past = ios();
+    past.requester_id = Some("r".repeat(room + 1));
+    assert!(
+        matches!(ask(&mut core, 5, past, T0), Err(FleetError::BadRequest(m)) if m.starts_with("requesterId"))
+    );
+    assert_eq!(core.waiters().len(), 2);
+}
+
+#[test]
+fn a_lookup_answers_unknown_only_when_the_gateway_can_vouch_for_it() {
+    let (mut core, generation) = fleet(1);
+    assert!(matches!(
+        core.lease_target("w1.lse_none", agent()),
+        Err(FleetError::UnknownLease(_))
+    ));
+    assert!(
+        matches!(
+            core.lease_target("w9.lse_none", agent()),
+            Err(FleetError::WorkerUnreachable { worker_id, .. }) if worker_id == "w9"
+        ),
+        "a worker it has no view of"
+    );
+    let lease_id = granted(&mut core, generation);
+    let stranger = Caller {
+        principal: "stranger",
+        admin: false,
+        connection: None,
+    };
+    assert!(matches!(
+        core.lease_target(&lease_id, stranger),
+        Err(FleetError::UnknownLease(_))
+    ));
+    core.handle_uplink_closed(generation, T0);
+    assert!(matches!(
+        core.lease_target(&lease_id, agent()),
+        Err(FleetError::WorkerUnreachable { .. })
+    ));
+    assert!(
+        core.lease(&lease_id).is_some(),
+        "a lost uplink ends no lease"
+    );
+}
+
+#[test]
+fn a_workers_unknown_lease_is_its_word_and_the_owner_hears_it() {
+    let (mut core, generation) = fleet(1);
+    let lease_id = granted(&mut core, generation);
+    let target = core.lease_target(&lease_id, agent()).unwrap();
+    let err = core
+        .handle_renew_answered(
+            &target,
+            Err(FleetError::Worker(ContractError::unknown_lease("lse_a"))),
+            T0,
+        )
+        .unwrap_err();
+    assert_eq!(err, FleetError::UnknownLease(lease_id.clone()));
+    assert!(core.lease(&lease_id).is_none());
+    assert!(
+        core.take_effects()
+            .iter()
+            .any(|e| matches!(e, Effect::Notice { .. }))
+    );
+    // A timeout is no such word.
+    let (mut core, generation) = fleet(1);
+    let lease_id = granted(&mut core, generation);
+    let target = core.lease_target(&lease_id, agent()).unwrap();
+    let err = core
+        .handle_renew_answered(
+            &target,
+            Err(FleetError::no_answer("w1", "lease.renew", 10)),
+            T0,
+        )
+        .unwrap_err();
+    assert!(
+        matches!(err, FleetError::WorkerUnreachable { ref message, .. } if message.contains("did not answer lease.renew"))
+    );
+    assert!(core.lease(&lease_id).is_some());
+}
+
+#[test]
+fn asks_for_a_refresh_while_one_runs_fold_into_one_more() {
+    let (mut core, generation) = fleet(1);
+    let before = core.refreshes_asked(generation);
+    for _ in 0..3 {
+        core.handle_worker_event(generation, event("device.ready", serde_json::json!({})), T0);
+    }
+    let effects = core.take_effects();
+    let sent: Vec<Stamp> = effects
+        .iter()
+        .filter_map(|e| match e {
+            Effect::Refresh { sent, .. } => Some(*sent),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(sent.len(), 1, "one read out at a time");
+    assert_eq!(core.refreshes_asked(generation), before + 3);
+    core.handle_refreshed(generation, sent[0], refresh(Vec::new(), 1), T0);
+    assert!(
+        refresh_sent(&core.take_effects()).is_some(),
+        "one more for the folded asks"
+    );
+}
+
+#[test]
+fn a_renew_event_updates_the_view_in_place_without_a_refresh() {
+    let (mut core, generation) = fleet(1);
+    let lease_id = granted(&mut core, generation);
+    core.handle_worker_event(
+        generation,
+        event("lease.granted", serde_json::json!({})),
+        T0,
+    );
+    let sent = refresh_sent(&core.take_effects()).unwrap();
+    let held = record("lse_a", "gw:g1:agent", T0);
+    core.handle_refreshed(generation, sent, refresh(vec![held], 1), T0);
+    core.take_effects();
+    let asked = core.refreshes_asked(generation);
+    let mut renewed = event(
+        "lease.renewed",
+        serde_json::json!({"leaseId": "lse_a", "newDeadline": T0 + 9000}),
+    );
+    renewed.timestamp = T0 + 10;
+    core.handle_worker_event(generation, renewed, T0 + 10);
+    assert_eq!(core.refreshes_asked(generation), asked);
+    let view = core.view("w1").unwrap();
+    assert_eq!(view.leases.as_ref().unwrap()[0].ttl_deadline, T0 + 9000);
+    assert_eq!(
+        core.lease(&lease_id).unwrap().record.ttl_deadline,
+        T0 + 9000
+    );
+    let relayed = core.take_effects();
+    assert!(
+        relayed
+            .iter()
+            .any(|e| matches!(e, Effect::Relay(env) if env.payload["workerId"] == "w1")),
+        "relayed with its worker id: {relayed:?}"
+    );
+}
+
+#[test]
+fn two_status_timeouts_in_a_row_close_the_uplink_and_a_read_resets_the_count() {
+    let (mut core, generation) = fleet(1);
+    let timeout = |core: &mut Core| {
+        core.handle_worker_event(generation, event("device.ready", serde_json::json!({})), T0);
+        let sent = refresh_sent(&core.take_effects()).unwrap();
+        core.handle_refresh_failed(generation, sent, RefreshFailure::StatusTimeout, false, T0);
+        core.take_effects()
+    };
+    assert!(
+        !timeout(&mut core)
+            .iter()
+            .any(|e| matches!(e, Effect::Close { .. }))
+    );
+    core.handle_worker_event(generation, event("device.ready", serde_json::json!({})), T0);
+    let sent = refresh_sent(&core.take_effects()).unwrap();
+    core.handle_refreshed(generation, sent, refresh(Vec::new(), 1), T0);
+    core.take_effects();
+    assert!(
+        !timeout(&mut core)
+            .iter()
+            .any(|e| matches!(e, Effect::Close { .. }))
+    );
+    assert!(
+        timeout(&mut core)
+            .iter()
+            .any(|e| matches!(e, Effect::Close { generation: g } if *g == generation))
+    );
+}
+
+#[test]
+fn a_failed_catalog_read_is_asked_again_once_and_a_lost_uplink_is_not_retried() {
+    let (mut core, generation) = fleet(1);
+    core.handle_tick(T0 + 30_000);
+    let sent = refresh_sent(&core.take_effects()).expect("the periodic full read");
+    let failed = RefreshFailure::Failed(ContractError::internal("catalog broke"));
+    core.handle_refresh_failed(generation, sent, failed.clone(), true, T0);
+    let again = refresh_sent(&core.take_effects()).expect("asked again once");
+    core.handle_refresh_failed(generation, again, failed, true, T0);
+    assert!(
+        refresh_sent(&core.take_effects()).is_none(),
+        "then it waits"
+    );
+    core.handle_worker_event(generation, event("device.ready", serde_json::json!({})), T0);
+    let effects = core.take_effects();
+    assert!(
+        effects
+            .iter()
+            .any(|e| matches!(e, Effect::Refresh { catalog: true, .. })),
+        "the next read takes the catalog: {effects:?}"
+    );
+}
+
+#[test]
+fn a_stale_uplinks_inputs_change_nothing_and_a_reconnect_closes_the_old_one() {
+    let (mut core, first) = fleet(1);
+    let second = core.handle_uplink_opened("w1", None, "tok_j".into(), T0);
+    let effects = core.take_effects();
+    assert!(effects.contains(&Effect::Close { generation: first }));
+    assert_eq!(
+        core.view("w1").unwrap().label.as_deref(),
+        Some("one"),
+        "the label stays"
+    );
+    core.handle_uplink_closed(first, T0);
+    assert_eq!(core.worker_of_generation(second), Some("w1"));
+    core.handle_connected(first, "old".into(), &status(Vec::new(), 1), 0, T0);
+    assert_ne!(core.view("w1").unwrap().version.as_deref(), Some("old"));
+}
+
+#[test]
+fn stopping_answers_every_waiter_closes_every_uplink_and_refuses_new_requests() {
+    let (mut core, generation) = fleet(1);
+    ask(&mut core, 1, ios(), T0).unwrap();
+    core.take_effects();
+    core.handle_stop(T0);
+    let effects = core.take_effects();
+    assert_eq!(
+        answers(&effects),
+        [(RequestId::from_raw("req_1"), Err(ErrorCode::DaemonStopping))]
+    );
+    assert!(effects.contains(&Effect::Close { generation }));
+    assert_eq!(ask(&mut core, 2, ios(), T0), Err(FleetError::Stopping));
+}
+
+#[test]
+fn a_disconnected_worker_is_forgotten_after_retention_unless_it_holds_a_live_lease() {
+    let (mut core, generation) = fleet(1);
+    let mut input = ios();
+    input.ttl_ms = Some(60_000);
+    ask(&mut core, 1, input, T0).unwrap();
+    let (attempt, forwarded) = forward(&core.take_effects()).unwrap();
+    let mut held = record("lse_a", &forwarded.requester_id.unwrap(), T0);
+    held.ttl_deadline = T0 + 120_000;
+    core.handle_forward_answered(attempt, "w1", generation, Ok(grant(held)), T0);
+    core.handle_uplink_closed(generation, T0);
+    core.take_effects();
+    core.handle_tick(T0 + 60_000);
+    assert!(core.view("w1").is_some(), "its lease lives on");
+    core.handle_tick(T0 + 120_001);
+    assert!(core.view("w1").is_none());
+    assert!(core.lease("w1.lse_a").is_none());
+
+    let mut core = Core::new(settings(), vec![("w2".into(), T0)]);
+    let generation = core.handle_uplink_opened("w2", None, "tok_j".into(), T0);
+    core.handle_uplink_closed(generation, T0);
+    core.handle_tick(T0 + 60_000);
+    assert!(
+        core.view("w2").is_some_and(|v| v.drained),
+        "a drained worker keeps its flag"
+    );
+}
+
+#[test]
+fn drain_and_removal_follow_their_rules() {
+    let (mut core, generation) = fleet(1);
+    assert_eq!(core.drain_changes("w1", true), Ok(true));
+    core.handle_drained("w1", true, T0);
+    assert_eq!(core.drain_changes("w1", true), Ok(false), "idempotent");
+    let mut input = ios();
+    input.no_wait = Some(true);
+    assert!(
+        matches!(ask(&mut core, 1, input, T0), Err(FleetError::NoCapacity(_))),
+        "a drained worker takes no request"
+    );
+    assert_eq!(
+        core.drain_changes("nobody", true),
+        Err(FleetError::UnknownWorker("nobody".into()))
+    );
+    assert_eq!(
+        core.handle_remove("w1", T0),
+        Err(FleetError::WorkerConnected("w1".into()))
+    );
+    core.handle_uplink_closed(generation, T0);
+    assert_eq!(core.handle_remove("w1", T0), Ok(true));
+    assert_eq!(core.handle_remove("w1", T0), Ok(false));
+}
+
+#[test]
+fn a_refresh_events_ask_for_waits_the_gap_after_the_last_one() {
+    let mut settings = settings();
+    settings.refresh_gap_ms = 50;
+    let mut core = Core::new(settings, Vec::new());
+    let generation = core.handle_uplink_opened("w1", None, "tok_j".into(), T0);
+    let sent = core.handle_probe_sent();
+    core.handle_connected(generation, "v".into(), &status(Vec::new(), 1), sent, T0);
+    core.handle_subscribed(generation, T0);
+    let sent = refresh_sent(&core.take_effects()).expect("the first read goes at once");
+    core.handle_refreshed(generation, sent, refresh(Vec::new(), 1), T0 + 5);
+    core.take_effects();
+    for n in 0..3 {
+        core.handle_worker_event(
+            generation,
+            event("device.ready", serde_json::json!({})),
+            T0 + 10 + n,
+        );
+    }
+    assert!(
+        refresh_sent(&core.take_effects()).is_none(),
+        "within the gap"
+    );
+    assert_eq!(core.next_deadline(), Some(T0 + 55));
+    core.handle_tick(T0 + 55);
+    assert!(
+        refresh_sent(&core.take_effects()).is_some(),
+        "one read for the three asks"
+    );
+}
+
+fn requested_ios() -> simlock_contract::model::RequestedDevice {
+    simlock_contract::model::RequestedDevice {
+        platform: Platform::Ios,
+        model: None,
+        os_version: None,
+        requires: Vec::new(),
+    }
+}
+
+fn notices(effects: &[Effect]) -> Vec<(String, Push)> {
+    effects
+        .iter()
+        .filter_map(|e| match e {
+            Effect::Notice { owner, push, .. } => Some((owner.clone(), push.clone())),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn a_leased_devices_crash_and_recovery_reach_the_gateway_leases_owner() {
+    let (mut core, generation) = fleet(1);
+    let lease_id = granted(&mut core, generation);
+    let crashed = Event::DeviceCrashDetected {
+        device_id: DeviceId::from_raw("dev_1"),
+        seen: CrashedDevice::Leased {
+            lease_id: Some("lse_a".into()),
+        },
+        reason: simlock_contract::push::UnhealthyReason::Crashed,
+    };
+    let (name, payload) = crashed.parts();
+    core.handle_worker_event(generation, event(&name, payload), T0);
+    let effects = core.take_effects();
+    assert_eq!(
+        notices(&effects),
+        [(
+            "agent".to_owned(),
+            Push::DeviceUnhealthy {
+                lease_id: lease_id.clone(),
+                device_id: DeviceId::from_raw("dev_1"),
+                reason: simlock_contract::push::UnhealthyReason::Crashed,
+            }
+        )],
+        "under the gateway's lease id, to the owner the index names"
+    );
+    assert!(
+        refresh_sent(&effects).is_some(),
+        "a device event reads the view"
+    );
+    let recovered = Event::DeviceRecovered {
+        device_id: DeviceId::from_raw("dev_1"),
+        lease_id: "lse_a".into(),
+        attempts: 2,
+    };
+    let (name, payload) = recovered.parts();
+    core.handle_worker_event(generation, event(&name, payload), T0);
+    assert_eq!(
+        notices(&core.take_effects()),
+        [(
+            "agent".to_owned(),
+            Push::DeviceRecovered {
+                lease_id,
+                device_id: DeviceId::from_raw("dev_1"),
+                attempts: 2,
+            }
+        )]
+    );
+}
+
+#[test]
+fn a_crash_of_a_lease_the_index_does_not_hold_or_of_a_free_device_reaches_nobody() {
+    let (mut core, generation) = fleet(1);
+    granted(&mut core, generation);
+    // A lease made on the worker directly, whatever owner its event names.
+    let foreign = serde_json::json!({"deviceId": "dev_2", "leaseId": "lse_other", "reason": "crashed", "ownerId": "agent"});
+    core.handle_worker_event(generation, event("device.crash-detected", foreign), T0);
+    let recovered = serde_json::json!({"deviceId": "dev_2", "leaseId": "lse_other", "attempts": 1});
+    core.handle_worker_event(generation, event("device.recovered", recovered), T0);
+    // A free device seen stopped names no lease.
+    let free = Event::DeviceCrashDetected {
+        device_id: DeviceId::from_raw("dev_3"),
+        seen: CrashedDevice::Free {
+            spec: DeviceSpec {
+                platform: Platform::Ios,
+                model: "iPhone 16".into(),
+                os_version: "18.2".into(),
+            },
+        },
+        reason: simlock_contract::push::UnhealthyReason::Crashed,
+    };
+    let (name, payload) = free.parts();
+    core.handle_worker_event(generation, event(&name, payload), T0);
+    let effects = core.take_effects();
+    assert_eq!(notices(&effects), []);
+    assert_eq!(
+        effects
+            .iter()
+            .filter(|e| matches!(e, Effect::Relay(_)))
+            .count(),
+        3,
+        "each is relayed onto the gateway's bus all the same"
+    );
+}
+
+#[test]
+fn an_agent_sees_only_its_own_leases_and_requests_in_the_workers_views_and_the_waiting_list() {
+    let (mut core, generation) = fleet(2);
+    granted(&mut core, generation);
+    // Another agent waits in the fleet queue (the worker's view is full).
+    let full = refresh(
+        vec![
+            record("lse_a", "gw:g1:agent", T0),
+            record("lse_direct", "local", T0),
+        ],
+        2,
+    );
+    core.handle_worker_event(generation, event("device.ready", serde_json::json!({})), T0);
+    let sent = refresh_sent(&core.take_effects()).unwrap();
+    let mut full = full;
+    full.status.waiting = Some(vec![
+        WaitingRequest {
+            id: RequestId::from_raw("req_w1"),
+            requester_id: "gw:g1:other".into(),
+            spec: requested_ios(),
+            created_at: T0,
+            stage: WaitStage::Queued,
+            queue_position: Some(1),
+            worker_id: None,
+        },
+        WaitingRequest {
+            id: RequestId::from_raw("req_w2"),
+            requester_id: "local".into(),
+            spec: requested_ios(),
+            created_at: T0,
+            stage: WaitStage::Queued,
+            queue_position: Some(2),
+            worker_id: None,
+        },
+    ]);
+    core.handle_refreshed(generation, sent, full, T0);
+    core.take_effects();
+    core.handle_lease_request(
+        Ask {
+            request_id: RequestId::from_raw("req_o"),
+            input: ios(),
+            principal: "other".into(),
+        },
+        T0,
+    )
+    .unwrap();
+    core.take_effects();
+
+    let agent = agent().viewer();
+    let view = &core.views_seen_by(agent)[0];
+    let leases: Vec<&str> = view
+        .leases
+        .as_deref()
+        .unwrap()
+        .iter()
+        .map(|l| l.id.as_str())
+        .collect();
+    assert_eq!(leases, ["lse_a"], "its own, not the worker's local lease");
+    assert_eq!(
+        view.waiting.as_deref(),
+        Some(&[][..]),
+        "not another's request"
+    );
+    assert!(
+        core.all_waiting(agent).is_empty(),
+        "neither the fleet queue's nor the worker's requests of others"
+    );
+
+    let other = Viewer {
+        principal: "other",
+        admin: false,
+    };
+    let view = &core.views_seen_by(other)[0];
+    assert_eq!(view.leases.as_deref(), Some(&[][..]));
+    let waiting: Vec<&str> = view
+        .waiting
+        .as_deref()
+        .unwrap()
+        .iter()
+        .map(|w| w.id.as_str())
+        .collect();
+    assert_eq!(
+        waiting,
+        ["req_w1"],
+        "the request forwarded for its pending one"
+    );
+    let all: Vec<String> = core
+        .all_waiting(other)
+        .into_iter()
+        .map(|w| format!("{}@{}", w.id, w.worker_id.unwrap_or_default()))
+        .collect();
+    assert_eq!(all, ["req_o@", "req_w1@w1"]);
+
+    let admin = Viewer::ADMIN;
+    assert_eq!(
+        core.views_seen_by(admin),
+        core.views(),
+        "as the workers report them"
+    );
+    assert_eq!(core.all_waiting(admin).len(), 3);
+    let listed: Vec<String> = core
+        .leases(admin)
+        .into_iter()
+        .map(|l| l.id.to_string())
+        .collect();
+    assert_eq!(listed, ["w1.lse_a", "lse_direct"]);
+}

@@ -1,0 +1,192 @@
+//! Worker views: what the gateway knows of each worker, folded from its `status.get` and the
+//! refreshes after it. Plain data.
+
+use simlock_contract::model::{
+    Connection, Device, LeaseLimits, LeaseRecord, PlatformCatalog, WorkerView,
+};
+use simlock_contract::ops::StatusOutput;
+
+use super::index::keep_newer_renewal;
+
+/// What one refresh read from a worker.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Refresh {
+    /// Its status.
+    pub status: StatusOutput,
+    /// Its devices, when the list read.
+    pub devices: Option<Vec<Device>>,
+    /// Its catalog, when asked for.
+    pub catalog: Option<Vec<PlatformCatalog>>,
+    /// Its lease limits, when asked for.
+    pub limits: Option<LeaseLimits>,
+}
+
+/// A view of a worker the gateway knows nothing of yet.
+pub fn blank_view(id: &str, label: Option<String>, now: i64, connection: Connection) -> WorkerView {
+    WorkerView {
+        id: id.to_owned(),
+        label,
+        connection,
+        drained: false,
+        last_seen_at: now,
+        health: None,
+        version: None,
+        protocol: None,
+        capacity: None,
+        lease: None,
+        queue_depth: None,
+        leases: None,
+        devices: None,
+        catalog: None,
+        catalog_read_at: None,
+        host: None,
+        waiting: None,
+        capabilities: None,
+    }
+}
+
+/// Folds the view fields a worker's `status.get` carries into `view`.
+pub fn apply_status(view: &mut WorkerView, status: &StatusOutput, now: i64) {
+    view.last_seen_at = now;
+    view.health = Some(status.daemon.health);
+    view.version = Some(status.daemon.version.clone());
+    view.host = Some(status.host.clone());
+    if status.capacity.is_some() {
+        view.capacity = status.capacity;
+    }
+    if let Some(leases) = &status.leases {
+        let mut leases = leases.clone();
+        keep_newer_renewals(view.leases.as_deref().unwrap_or_default(), &mut leases);
+        view.leases = Some(leases);
+    }
+    if let Some(devices) = &status.devices {
+        view.devices = Some(devices.clone());
+    }
+    if status.queue_depth.is_some() {
+        view.queue_depth = status.queue_depth;
+    }
+    if let Some(waiting) = &status.waiting {
+        view.waiting = Some(waiting.clone());
+    }
+    if let Some(capabilities) = &status.capabilities {
+        view.capabilities = Some(capabilities.clone());
+    }
+    if status.lease.is_some() {
+        view.lease = status.lease;
+    }
+}
+
+/// A snapshot of leases read before a `lease.renewed` event that the view already took in
+/// (ADR 0015): the renewal in `held` is newer than the snapshot's, and stays.
+pub fn keep_newer_renewals(held: &[LeaseRecord], snapshot: &mut [LeaseRecord]) {
+    for lease in snapshot {
+        if let Some(old) = held.iter().find(|old| old.id == lease.id) {
+            let mut kept = old.clone();
+            keep_newer_renewal(&mut kept, lease);
+            lease.ttl_deadline = kept.ttl_deadline;
+            lease.last_renewed_at = kept.last_renewed_at;
+        }
+    }
+}
+
+/// The record of `worker_lease_id` in `view` takes a renewal in place (ADR 0015). Answers
+/// whether the view held that lease.
+pub fn renew_in_place(
+    view: &mut WorkerView,
+    worker_lease_id: &str,
+    deadline: i64,
+    at: i64,
+) -> bool {
+    let record = view
+        .leases
+        .iter_mut()
+        .flatten()
+        .find(|lease| lease.id.as_str() == worker_lease_id);
+    record.is_some_and(|record| {
+        if at >= record.last_renewed_at {
+            record.ttl_deadline = deadline;
+            record.last_renewed_at = at;
+        }
+        true
+    })
+}
+
+/// The view key a refusal is remembered against: a worker that refused with `NO_CAPACITY` is
+/// not tried again for that request until its view changes.
+pub fn view_key(view: &WorkerView) -> String {
+    let leases: Vec<&str> = view
+        .leases
+        .as_deref()
+        .unwrap_or_default()
+        .iter()
+        .map(|l| l.id.as_str())
+        .collect();
+    serde_json::json!({
+        "capacity": view.capacity,
+        "devices": view.devices,
+        "health": view.health,
+        "leases": leases,
+        "queueDepth": view.queue_depth,
+    })
+    .to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use simlock_contract::ids::{DeviceId, LeaseId};
+
+    use super::*;
+
+    fn lease(id: &str, renewed_at: i64, deadline: i64) -> LeaseRecord {
+        LeaseRecord {
+            id: LeaseId::from_raw(id),
+            device_id: DeviceId::from_raw("dev_1"),
+            requester_id: "gw:g1:agent".into(),
+            owner_id: "agent".into(),
+            granted_at: 5,
+            ttl_ms: 1000,
+            ttl_deadline: deadline,
+            last_renewed_at: renewed_at,
+            id_chosen_by_requester: false,
+            worker: None,
+            worker_id: None,
+            access: None,
+        }
+    }
+
+    #[test]
+    fn a_snapshot_older_than_a_renew_the_view_took_keeps_the_renew() {
+        let held = [lease("lse_a", 200, 1200), lease("lse_b", 50, 1050)];
+        let mut snapshot = [
+            lease("lse_a", 100, 1100),
+            lease("lse_b", 300, 1300),
+            lease("lse_c", 10, 1010),
+        ];
+        keep_newer_renewals(&held, &mut snapshot);
+        assert_eq!(
+            (snapshot[0].last_renewed_at, snapshot[0].ttl_deadline),
+            (200, 1200),
+            "the renew seen after the snapshot stays"
+        );
+        assert_eq!(
+            (snapshot[1].last_renewed_at, snapshot[1].ttl_deadline),
+            (300, 1300),
+            "a newer snapshot wins"
+        );
+        assert_eq!(snapshot[2].ttl_deadline, 1010, "a new lease is taken as is");
+    }
+
+    #[test]
+    fn a_renew_lands_in_place_only_on_a_listed_lease_and_never_moves_back() {
+        let mut view = blank_view("w1", None, 0, Connection::Connected);
+        view.leases = Some(vec![lease("lse_a", 100, 1100)]);
+        assert!(renew_in_place(&mut view, "lse_a", 2000, 150));
+        assert!(
+            renew_in_place(&mut view, "lse_a", 1500, 120),
+            "an older renew is no news"
+        );
+        let held = &view.leases.as_ref().unwrap()[0];
+        assert_eq!((held.ttl_deadline, held.last_renewed_at), (2000, 150));
+        assert!(!renew_in_place(&mut view, "lse_other", 2000, 150));
+    }
+}
