@@ -284,6 +284,12 @@ pub(crate) fn run() -> Result<ExitCode> {
 fn print_summary(outcomes: &[(&str, Outcome)], total: Duration) {
     println!();
     println!("== ci summary");
+    let width = outcomes
+        .iter()
+        .map(|(name, _)| name.len())
+        .chain(["total".len()])
+        .max()
+        .unwrap_or_default();
     for (name, outcome) in outcomes {
         let (state, time) = match outcome {
             Outcome::Passed(took) => ("ok".to_owned(), cmd::format_duration(*took)),
@@ -291,9 +297,9 @@ fn print_summary(outcomes: &[(&str, Outcome)], total: Duration) {
             Outcome::Skipped(why) => (format!("skipped ({why})"), String::new()),
             Outcome::NotRun => ("not run".to_owned(), String::new()),
         };
-        println!("  {name:<8} {time:>9}  {state}");
+        println!("  {name:<width$} {time:>9}  {state}");
     }
-    println!("  {:<8} {:>9}", "total", cmd::format_duration(total));
+    println!("  {:<width$} {:>9}", "total", cmd::format_duration(total));
 }
 
 /// Which result lines a test step prints.
