@@ -55,7 +55,7 @@ pub(crate) fn run(which: Which, tls: bool) -> Result<ExitCode> {
     let workspace = Workspace::load()?;
     let no_tls_variant = match which {
         Which::Link => Some(("link", "the link bench has no sockets")),
-        Which::Fleet => Some(("fleet", "the fleet bench measures decisions, not TLS")),
+        Which::Fleet => Some(("fleet", "only the relay bench has one")),
         Which::Relay | Which::All => None,
     };
     if let (true, Some((name, why))) = (tls, no_tls_variant) {
