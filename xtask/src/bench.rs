@@ -1,4 +1,4 @@
-//! `cargo xtask bench [link|relay|fleet|all]`: runs the benchmarks and collects the final
+//! `cargo xtask bench [link|relay|fleet|agent-device|all] [--tls]`: runs the benchmarks and collects the final
 //! `<name> key=value ...` line each one prints.
 
 use std::process::ExitCode;
@@ -29,6 +29,8 @@ struct Bench {
     name: &'static str,
     package: &'static str,
     target: &'static str,
+    /// Whether it has a `--tls` variant.
+    tls: bool,
 }
 
 const BENCHES: &[Bench] = &[
@@ -36,27 +38,41 @@ const BENCHES: &[Bench] = &[
         name: "link",
         package: "simlock-link",
         target: "link",
+        tls: false,
     },
     Bench {
         name: "relay",
         package: "simlock-e2e",
         target: "relay",
+        tls: true,
     },
     Bench {
         name: "fleet",
         package: "simlock-e2e",
         target: "fleet",
+        tls: false,
     },
     Bench {
         name: "agent-device",
         package: "simlock-e2e",
         target: "agent_device",
+        tls: false,
     },
 ];
 
-pub(crate) fn run(which: Which) -> Result<ExitCode> {
+pub(crate) fn run(which: Which, tls: bool) -> Result<ExitCode> {
     let workspace = Workspace::load()?;
-    if matches!(which, Which::AgentDevice | Which::All) {
+    let no_tls_variant = match which {
+        Which::Link => Some(("link", "the link bench has no sockets")),
+        Which::Fleet => Some(("fleet", "only the relay bench has one")),
+        Which::AgentDevice => Some(("agent-device", "only the relay bench has one")),
+        Which::Relay | Which::All => None,
+    };
+    if let (true, Some((name, why))) = (tls, no_tls_variant) {
+        eprintln!("bench {name}: there is no --tls variant ({why})");
+        return Ok(ExitCode::FAILURE);
+    }
+    if matches!(which, Which::AgentDevice | Which::All) && !tls {
         crate::peers::fetch_agent_device()?;
     }
     let selected = BENCHES.iter().filter(|bench| match which {
@@ -64,7 +80,8 @@ pub(crate) fn run(which: Which) -> Result<ExitCode> {
         Which::Relay => bench.name == "relay",
         Which::AgentDevice => bench.name == "agent-device",
         Which::Fleet => bench.name == "fleet",
-        Which::All => true,
+        // With --tls, only the benches that have a TLS variant.
+        Which::All => !tls || bench.tls,
     });
     let mut results = Vec::new();
     let mut failed = Vec::new();
@@ -83,7 +100,7 @@ pub(crate) fn run(which: Which) -> Result<ExitCode> {
             unavailable.push(bench.name);
             continue;
         }
-        let command = cmd::cargo([
+        let mut command = cmd::cargo([
             "bench",
             "--locked",
             "-p",
@@ -91,6 +108,9 @@ pub(crate) fn run(which: Which) -> Result<ExitCode> {
             "--bench",
             bench.target,
         ]);
+        if tls {
+            command.args(["--", "--tls"]);
+        }
         println!("== bench {}: {}", bench.name, cmd::display(&command));
         let (status, lines) = cmd::status_with_lines(command)?;
         if !status.success() {

@@ -15,7 +15,12 @@ use crate::cmd::{self, Stopwatch};
 struct Step {
     name: &'static str,
     plan: Plan,
+    /// Printed before the step runs.
+    note: Option<&'static str>,
 }
+
+/// Inputs each fuzz target gets in CI: the same work on any machine, a few seconds a target.
+pub(crate) const CI_FUZZ_RUNS: u64 = 100_000;
 
 enum Plan {
     Run {
@@ -39,6 +44,7 @@ fn steps() -> Vec<Step> {
     let run = |command: Command, tests: Option<Runner>| Plan::Run { command, tests };
     let nextest = cmd::succeeds(cmd::cargo(["nextest", "--version"]));
     let deny = cmd::succeeds(cmd::cargo(["deny", "--version"]));
+    let fuzz = cmd::succeeds(cmd::cargo(["fuzz", "--version"]));
 
     let (tests, runner) = if nextest {
         let command = cmd::cargo([
@@ -75,6 +81,12 @@ fn steps() -> Vec<Step> {
         Step {
             name: "fmt",
             plan: run(fmt, None),
+            note: None,
+        },
+        Step {
+            name: "deps",
+            plan: run(xtask(["deps"]), None),
+            note: Some("every dependency a manifest names is used (`cargo xtask deps`)"),
         },
         Step {
             name: "clippy",
@@ -90,10 +102,12 @@ fn steps() -> Vec<Step> {
                 ]),
                 None,
             ),
+            note: None,
         },
         Step {
             name: "test",
             plan: run(tests, Some(runner)),
+            note: None,
         },
         Step {
             name: "doctest",
@@ -101,38 +115,87 @@ fn steps() -> Vec<Step> {
                 cmd::cargo(["test", "--workspace", "--doc", "--locked"]),
                 Some(Runner::Libtest),
             ),
+            note: None,
         },
         Step {
             name: "doc",
             plan: run(doc, None),
+            note: None,
         },
         Step {
             name: "binaries",
             plan: run(crate::e2e::build_command(), None),
+            note: None,
         },
         Step {
             name: "e2e",
             plan: run(crate::e2e::scenario_command(), Some(Runner::Libtest)),
+            note: None,
         },
         Step {
             name: "e2e-drivers",
             plan: run(crate::e2e::crash_command(), Some(Runner::Libtest)),
+            note: None,
         },
         Step {
             name: "deny",
             plan: if deny {
-                // Advisories are left out: the advisory database is not reachable from CI.
                 run(
-                    cmd::cargo(["deny", "--locked", "check", "bans", "licenses", "sources"]),
+                    cmd::cargo([
+                        "deny",
+                        "--locked",
+                        "check",
+                        "--hide-inclusion-graph",
+                        "bans",
+                        "licenses",
+                        "sources",
+                    ]),
                     None,
                 )
             } else {
                 Plan::Skip {
-                    why: "cargo-deny is not installed",
+                    why: "cargo-deny is not installed (`.ci/run` installs it)",
                 }
             },
+            note: Some(
+                "bans, licenses and sources; advisories are NOT checked: the RustSec advisory database cannot be fetched from this machine (run `cargo deny check advisories` where it can be)",
+            ),
+        },
+        Step {
+            name: "fuzz",
+            plan: if fuzz {
+                run(
+                    xtask([
+                        "fuzz".to_owned(),
+                        "--runs".to_owned(),
+                        CI_FUZZ_RUNS.to_string(),
+                    ]),
+                    None,
+                )
+            } else {
+                Plan::Skip {
+                    why: "cargo-fuzz is not installed (`.ci/run` installs it)",
+                }
+            },
+            note: None,
         },
     ]
+}
+
+/// `cargo xtask <args>`: this same binary, run again (no second build).
+fn xtask<I, S>(args: I) -> Command
+where
+    I: IntoIterator<Item = S>,
+    S: Into<OsString>,
+{
+    let mut command = match std::env::current_exe() {
+        Ok(exe) => Command::new(exe),
+        Err(_) => cmd::cargo(["xtask"]),
+    };
+    command
+        .args(args.into_iter().map(Into::into))
+        .current_dir(cmd::workspace_root());
+    command
 }
 
 /// `RUSTDOCFLAGS` with `-D warnings` appended to whatever the caller already set.
@@ -175,6 +238,9 @@ pub(crate) fn run() -> Result<ExitCode> {
         };
         let shown = cmd::display(&command);
         println!("== [{}/{count}] {}: {shown}", index + 1, step.name);
+        if let Some(note) = step.note {
+            println!("== [{}/{count}] {}: {note}", index + 1, step.name);
+        }
         let watch = Stopwatch::start();
         let status = match tests {
             Some(runner) => {
@@ -225,6 +291,12 @@ pub(crate) fn run() -> Result<ExitCode> {
 fn print_summary(outcomes: &[(&str, Outcome)], total: Duration) {
     println!();
     println!("== ci summary");
+    let width = outcomes
+        .iter()
+        .map(|(name, _)| name.len())
+        .chain(["total".len()])
+        .max()
+        .unwrap_or_default();
     for (name, outcome) in outcomes {
         let (state, time) = match outcome {
             Outcome::Passed(took) => ("ok".to_owned(), cmd::format_duration(*took)),
@@ -232,9 +304,9 @@ fn print_summary(outcomes: &[(&str, Outcome)], total: Duration) {
             Outcome::Skipped(why) => (format!("skipped ({why})"), String::new()),
             Outcome::NotRun => ("not run".to_owned(), String::new()),
         };
-        println!("  {name:<8} {time:>9}  {state}");
+        println!("  {name:<width$} {time:>9}  {state}");
     }
-    println!("  {:<8} {:>9}", "total", cmd::format_duration(total));
+    println!("  {:<width$} {:>9}", "total", cmd::format_duration(total));
 }
 
 /// Which result lines a test step prints.

@@ -10,8 +10,10 @@
 mod bench;
 mod ci;
 mod cmd;
+mod deps;
 mod e2e;
 mod fleet;
+mod fuzz;
 mod layering;
 mod metadata;
 mod peers;
@@ -32,7 +34,8 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// The CI gate: fmt, clippy, tests, doc tests, docs and cargo-deny (when installed), in order.
+    /// The CI gate, in order: fmt, deps, clippy, tests, doc tests, docs, the binaries' e2e and
+    /// driver scenarios, cargo-deny and the fuzz targets (the last two when installed).
     Ci,
     /// Check the crate layering rules and print the edges between workspace crates.
     Layering,
@@ -41,6 +44,9 @@ enum Command {
         /// Which benchmark to run.
         #[arg(value_enum, default_value_t = bench::Which::All)]
         which: bench::Which,
+        /// The relay over TLS: the uplink is `wss://`, the baseline direct HTTPS.
+        #[arg(long)]
+        tls: bool,
     },
     /// Run the end-to-end fleet scenarios against the real binaries.
     E2e {
@@ -50,6 +56,20 @@ enum Command {
     },
     /// Fetch the real test peers (the published agent-device) into `.cache/`.
     FetchPeers,
+    /// Run the fuzz targets (cargo-fuzz) from their seeds: each for `--seconds` (default 60) or
+    /// `--runs`; the closing line counts the runs per target.
+    Fuzz {
+        /// Only this target (default: every target).
+        target: Option<String>,
+        /// Seconds per target.
+        #[arg(long, conflicts_with = "runs")]
+        seconds: Option<u64>,
+        /// Inputs per target (CI uses a fixed count).
+        #[arg(long)]
+        runs: Option<u64>,
+    },
+    /// Check that every dependency a manifest names is used.
+    Deps,
     /// Start a local demo fleet (gateway, workers, agents) on loopback.
     Fleet {
         /// Start the fleet, check it is healthy, tear it down and exit.
@@ -63,10 +83,22 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Ci => ci::run(),
         Command::Layering => layering::run(),
-        Command::Bench { which } => bench::run(which),
+        Command::Bench { which, tls } => bench::run(which, tls),
         Command::E2e { real_devices } => e2e::run(real_devices),
         Command::FetchPeers => peers::run(),
         Command::Fleet { once } => fleet::run(once),
+        Command::Fuzz {
+            target,
+            seconds,
+            runs,
+        } => {
+            let budget = match (seconds, runs) {
+                (_, Some(runs)) => fuzz::Budget::Runs(runs),
+                (seconds, None) => fuzz::Budget::Seconds(seconds.unwrap_or(60)),
+            };
+            fuzz::run(target.as_deref(), budget)
+        }
+        Command::Deps => deps::run(),
     };
     match result {
         Ok(code) => code,

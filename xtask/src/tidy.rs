@@ -11,7 +11,7 @@ use std::{
 use crate::cmd::workspace_root;
 
 /// The directories holding the workspace's own code.
-const CODE_DIRS: &[&str] = &["crates", "bins", "xtask"];
+const CODE_DIRS: &[&str] = &["crates", "bins", "xtask", "fuzz"];
 
 /// Every file under `CODE_DIRS` whose name satisfies `keep`, skipping build output (`target/`,
 /// including `fuzz/target/`), `node_modules/` and hidden directories. Sorted, relative to the root.

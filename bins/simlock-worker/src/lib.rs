@@ -187,12 +187,22 @@ pub async fn start(options: WorkerOptions) -> Result<RunningWorker, StartError> 
         .map_err(StartError::Domain)?;
     let http = base.config.http.enabled.unwrap_or(false);
     let gateway = match (&base.config.gateway.url, &base.config.gateway.token) {
-        (Some(url), Some(token)) => Some(UplinkConfig {
-            url: url.clone(),
-            token: token.clone(),
-            worker_id: base.instance_id.clone(),
-            label: base.config.gateway.label.clone(),
-        }),
+        (Some(url), Some(token)) => {
+            // A CA file that cannot be read fails start-up; TLS failures later are retried.
+            let ca_file = base
+                .config
+                .gateway
+                .ca_file
+                .as_deref()
+                .map(|path| base.home.resolve(path));
+            Some(UplinkConfig {
+                url: url.clone(),
+                token: token.clone(),
+                worker_id: base.instance_id.clone(),
+                label: base.config.gateway.label.clone(),
+                tls: uplink::uplink_tls(url, ca_file.as_deref())?,
+            })
+        }
         _ => None,
     };
     simlock_core::register_metrics(&base.metrics, &worker);

@@ -14,7 +14,8 @@ use crate::duration::{parse_ms, positive_ms};
 #[derive(Debug, Parser)]
 #[command(name = "simlock", version)]
 pub(crate) struct Cli {
-    /// A daemon's HTTP base URL (http://host:port); default: the local socket.
+    /// A daemon's HTTP base URL (http://host:port or https://host:port); default: the local
+    /// socket.
     #[arg(
         long,
         global = true,
@@ -34,6 +35,16 @@ pub(crate) struct Cli {
         help_heading = "Connection"
     )]
     pub(crate) token: Option<String>,
+    /// CA certificates (PEM) an https:// daemon's certificate may chain to, besides the
+    /// platform's roots.
+    #[arg(
+        long,
+        global = true,
+        env = "SIMLOCK_CA_FILE",
+        value_name = "FILE",
+        help_heading = "Connection"
+    )]
+    pub(crate) ca_file: Option<std::path::PathBuf>,
     /// Print one JSON document on stdout (the operation's output) instead of a human view.
     #[arg(long, global = true, help_heading = "Output")]
     pub(crate) json: bool,

@@ -108,6 +108,7 @@ pub(crate) fn emit<T: Serialize>(json: bool, value: &T, human: impl FnOnce(&T) -
 pub(crate) struct Target {
     url: Option<String>,
     token: Option<String>,
+    ca_file: Option<std::path::PathBuf>,
     admin: bool,
 }
 
@@ -118,6 +119,10 @@ impl Target {
         Self {
             url: nonempty(&cli.url),
             token: nonempty(&cli.token),
+            ca_file: cli
+                .ca_file
+                .clone()
+                .filter(|path| !path.as_os_str().is_empty()),
             admin: cli.command.needs_admin(),
         }
     }
@@ -132,7 +137,11 @@ impl Target {
                     "--url needs a token: pass --token or set SIMLOCK_TOKEN",
                 ));
             };
-            return Client::over_http(url, token, ConnectOptions::default());
+            let options = ConnectOptions {
+                ca_file: self.ca_file.clone(),
+                ..ConnectOptions::default()
+            };
+            return Client::over_http(url, token, options);
         }
         let home = home_from_env();
         let mut options = ConnectOptions::default();

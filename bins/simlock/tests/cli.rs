@@ -40,6 +40,7 @@ fn simlock(home: &std::path::Path) -> Command {
         .env_remove("SIMLOCK_URL")
         .env_remove("SIMLOCK_TOKEN")
         .env_remove("SIMLOCK_AGENT_ID")
+        .env_remove("SIMLOCK_CA_FILE")
         .stdin(Stdio::null())
         .kill_on_drop(true);
     // The agent session the tests themselves may run in.
@@ -548,6 +549,79 @@ async fn url_and_token_reach_the_http_api() {
         "{}",
         stranger.stderr
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cli_leases_over_https_trusting_its_ca_file() {
+    let pki = tempfile::tempdir().unwrap();
+    let ca = simlock_tls::testing::TestCa::new("simlock CLI test CA");
+    let files = ca.leaf(&["127.0.0.1", "localhost"]).write(pki.path());
+    let ca_file = ca.write(&pki.path().join("ca.pem"));
+    let tls = simlock_tls::ServerTls::load(
+        simlock_tls::PemFile::new(&files.cert, "http.tls.certFile"),
+        simlock_tls::PemFile::new(&files.key, "http.tls.keyFile"),
+    )
+    .unwrap();
+    let fake = FakeDaemon::new().unwrap().with_https(tls).await.unwrap();
+    let url = fake.url().unwrap();
+    assert!(url.starts_with("https://127.0.0.1:"), "{url}");
+
+    // The platform's roots alone do not trust the test CA: the error names the flag.
+    let untrusted = run(
+        &fake,
+        &["--url", &url, "--token", fake.agent_token(), "status"],
+    )
+    .await;
+    assert_eq!(untrusted.code, 1, "{}", untrusted.stderr);
+    assert!(
+        untrusted.stderr.contains("not signed by a trusted CA")
+            && untrusted.stderr.contains("--ca-file"),
+        "{}",
+        untrusted.stderr
+    );
+    assert!(fake.calls().is_empty());
+
+    let out = run_in(simlock(fake.home()).env("SIMLOCK_CA_FILE", &ca_file).args([
+        "--url",
+        &url,
+        "--token",
+        fake.agent_token(),
+        "--json",
+        "lease",
+        "--platform",
+        "ios",
+        "--detach",
+    ]))
+    .await;
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert_eq!(out.json()["lease"]["ownerId"], fake.agent_token_id());
+    let ca_arg = ca_file.display().to_string();
+    let status = run(
+        &fake,
+        &[
+            "--url",
+            &url,
+            "--token",
+            fake.operator_token(),
+            "--ca-file",
+            &ca_arg,
+            "--json",
+            "status",
+        ],
+    )
+    .await;
+    assert_eq!(status.code, 0, "{}", status.stderr);
+    assert_eq!(status.json()["daemon"]["instanceId"], "fake-worker");
+
+    // Plain http:// to the TLS port is told to use https://.
+    let plain = url.replacen("https://", "http://", 1);
+    let out = run(
+        &fake,
+        &["--url", &plain, "--token", fake.agent_token(), "status"],
+    )
+    .await;
+    assert_ne!(out.code, 0);
+    assert!(out.stderr.contains("use https://"), "{}", out.stderr);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

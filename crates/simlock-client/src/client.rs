@@ -47,6 +47,9 @@ pub struct ConnectOptions {
     /// The longest an HTTP stream may stay silent (the daemon sends a keepalive every 15 s)
     /// before it fails `DAEMON_CONNECTION_LOST`.
     pub stream_idle_timeout: Duration,
+    /// CA certificates (PEM) an `https://` daemon's certificate may chain to, besides the
+    /// platform's roots.
+    pub ca_file: Option<PathBuf>,
 }
 
 impl Default for ConnectOptions {
@@ -58,6 +61,7 @@ impl Default for ConnectOptions {
             call_timeout: Duration::from_secs(60),
             settle_timeout: Duration::from_secs(600),
             stream_idle_timeout: Duration::from_secs(45),
+            ca_file: None,
         }
     }
 }
@@ -74,6 +78,13 @@ impl ConnectOptions {
     #[must_use]
     pub fn credential(mut self, credential: impl Into<String>) -> Self {
         self.credential = Some(credential.into());
+        self
+    }
+
+    /// The options with a CA file for `https://` daemons.
+    #[must_use]
+    pub fn ca_file(mut self, path: impl Into<PathBuf>) -> Self {
+        self.ca_file = Some(path.into());
         self
     }
 
@@ -184,17 +195,25 @@ impl Client {
         })
     }
 
-    /// A client for the daemon serving HTTP at `base_url` (`http://host:port`, optionally with a
-    /// path prefix), authenticating with the bearer `token`. Nothing is sent until the first call.
+    /// A client for the daemon serving HTTP at `base_url` (`http://host:port` or
+    /// `https://host:port`, optionally with a path prefix), authenticating with the bearer
+    /// `token`. Nothing is sent until the first call. Over `https://` the daemon's certificate
+    /// must chain to the platform's roots or to [`ConnectOptions::ca_file`].
     ///
     /// # Errors
-    /// `BAD_REQUEST` when the URL is not a plain `http://` URL.
+    /// `BAD_REQUEST` when the URL is not an `http://` or `https://` URL, or the CA file cannot
+    /// be read.
     pub fn over_http(
         base_url: &str,
         token: &str,
         options: ConnectOptions,
     ) -> Result<Self, ContractError> {
-        let backend = HttpBackend::new(base_url, token, options.stream_idle_timeout)?;
+        let backend = HttpBackend::new(
+            base_url,
+            token,
+            options.stream_idle_timeout,
+            options.ca_file.as_deref(),
+        )?;
         Ok(Self {
             backend: Backend::Http(Arc::new(backend)),
             options: Arc::new(options),

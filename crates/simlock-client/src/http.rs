@@ -11,6 +11,7 @@ use bytes::Bytes;
 use http::{HeaderValue, Method, Request, Response, StatusCode, header};
 use http_body_util::{BodyExt as _, Full, Limited};
 use hyper::body::Incoming;
+use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::Client as HyperClient;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
@@ -22,10 +23,30 @@ use crate::sse::SseStream;
 /// The largest JSON answer read.
 const MAX_ANSWER: usize = simlock_contract::bounds::MAX_CLIENT_LINE;
 
+/// The pooled client: plain for `http://`, TLS for `https://`.
+enum Pool {
+    Plain(HyperClient<HttpConnector, Full<Bytes>>),
+    Tls(HyperClient<HttpsConnector<HttpConnector>, Full<Bytes>>),
+}
+
+impl Pool {
+    async fn request(
+        &self,
+        request: Request<Full<Bytes>>,
+    ) -> Result<Response<Incoming>, hyper_util::client::legacy::Error> {
+        match self {
+            Self::Plain(client) => client.request(request).await,
+            Self::Tls(client) => client.request(request).await,
+        }
+    }
+}
+
 /// A daemon's HTTP API.
 pub(crate) struct HttpBackend {
-    client: HyperClient<HttpConnector, Full<Bytes>>,
+    client: Pool,
     base: String,
+    /// The host a TLS certificate must name.
+    host: String,
     authorization: HeaderValue,
     idle: Duration,
 }
@@ -39,24 +60,26 @@ impl std::fmt::Debug for HttpBackend {
 }
 
 impl HttpBackend {
-    /// A backend for `base_url` with the bearer `token`.
-    pub(crate) fn new(base_url: &str, token: &str, idle: Duration) -> Result<Self, ContractError> {
+    /// A backend for `base_url` with the bearer `token`; an `https://` URL trusts the platform's
+    /// roots plus the certificates in `ca_file`.
+    pub(crate) fn new(
+        base_url: &str,
+        token: &str,
+        idle: Duration,
+        ca_file: Option<&std::path::Path>,
+    ) -> Result<Self, ContractError> {
         let uri: http::Uri = base_url.parse().map_err(|e| {
             ContractError::bad_request(format!("url: {base_url:?} is not a URL: {e}"))
         })?;
-        match uri.scheme_str() {
-            Some("http") => {}
-            Some("https") => {
-                return Err(ContractError::bad_request(format!(
-                    "url: {base_url}: https is not supported yet; use http://"
-                )));
-            }
+        let tls = match uri.scheme_str() {
+            Some("http") => false,
+            Some("https") => true,
             _ => {
                 return Err(ContractError::bad_request(format!(
-                    "url: {base_url:?} must start with http://"
+                    "url: {base_url:?} must start with http:// or https://"
                 )));
             }
-        }
+        };
         if uri.authority().is_none() {
             return Err(ContractError::bad_request(format!(
                 "url: {base_url:?} names no host"
@@ -69,9 +92,23 @@ impl HttpBackend {
         }
         let authorization = HeaderValue::from_str(&format!("Bearer {}", token.trim()))
             .map_err(|_| ContractError::bad_request("token: not a valid header value"))?;
-        let client = HyperClient::builder(TokioExecutor::new()).build_http();
+        let builder = HyperClient::builder(TokioExecutor::new());
+        let client = if tls {
+            let ca_file = ca_file.map(|path| simlock_tls::PemFile::new(path, CA_FILE_SETTING));
+            let config = simlock_tls::client_config(ca_file.as_ref())
+                .map_err(|e| ContractError::bad_request(e.to_string()))?;
+            let connector = hyper_rustls::HttpsConnectorBuilder::new()
+                .with_tls_config((*config).clone())
+                .https_only()
+                .enable_http1()
+                .build();
+            Pool::Tls(builder.build(connector))
+        } else {
+            Pool::Plain(builder.build_http())
+        };
         Ok(Self {
             client,
+            host: uri.host().unwrap_or_default().to_owned(),
             base: base_url.trim_end_matches('/').to_owned(),
             authorization,
             idle,
@@ -108,13 +145,13 @@ impl HttpBackend {
             .body(Full::new(bytes))
             .map_err(|e| ContractError::bad_request(format!("{method} {uri}: {e}")))?;
         self.client.request(request).await.map_err(|e| {
+            let why = match simlock_tls::find_failure(&e, &self.host) {
+                Some(failure) => tls_hint(&failure),
+                None => chain(&e),
+            };
             ContractError::new(
                 ErrorCode::DaemonConnectionLost,
-                format!(
-                    "cannot reach the simlock daemon at {}: {}",
-                    self.base,
-                    chain(&e)
-                ),
+                format!("cannot reach the simlock daemon at {}: {why}", self.base),
             )
             .with_details(serde_json::json!({ "url": self.base }))
         })
@@ -226,6 +263,25 @@ pub(crate) fn segment(text: &str) -> String {
     out
 }
 
+/// How the CA file is named to people: the CLI's flag and variable
+/// ([`crate::ConnectOptions::ca_file`] in code).
+const CA_FILE_SETTING: &str = "--ca-file (SIMLOCK_CA_FILE)";
+
+/// A TLS failure, and what to change.
+fn tls_hint(failure: &simlock_tls::TlsFailure) -> String {
+    use simlock_tls::TlsFailure;
+    let fix = match failure {
+        TlsFailure::Untrusted => format!("trust the CA that signed it with {CA_FILE_SETTING}"),
+        TlsFailure::NameMismatch { .. } => {
+            "the URL must name a host the certificate covers".to_owned()
+        }
+        TlsFailure::Expired(_) => "the daemon's certificate must be renewed".to_owned(),
+        TlsFailure::NotTls => "use an http:// URL for it".to_owned(),
+        TlsFailure::Other(_) => format!("check the URL and {CA_FILE_SETTING}"),
+    };
+    format!("TLS: {failure}; {fix}")
+}
+
 /// An error and its sources, on one line.
 fn chain(error: &dyn std::error::Error) -> String {
     let mut text = error.to_string();
@@ -266,16 +322,21 @@ mod tests {
     }
 
     #[test]
-    fn only_plain_http_urls_are_taken() {
+    fn http_and_https_urls_are_taken() {
         let idle = Duration::from_secs(1);
-        assert!(HttpBackend::new("http://127.0.0.1:4700/", "t", idle).is_ok());
+        assert!(HttpBackend::new("http://127.0.0.1:4700/", "t", idle, None).is_ok());
+        assert!(HttpBackend::new("https://localhost:4700/", "t", idle, None).is_ok());
         assert_eq!(
-            HttpBackend::new("https://x", "t", idle).unwrap_err().code,
+            HttpBackend::new("ftp://x", "t", idle, None)
+                .unwrap_err()
+                .code,
             ErrorCode::BadRequest
         );
-        assert_eq!(
-            HttpBackend::new("ftp://x", "t", idle).unwrap_err().code,
-            ErrorCode::BadRequest
-        );
+        let missing = std::path::Path::new("/nonexistent/ca.pem");
+        let err = HttpBackend::new("https://x", "t", idle, Some(missing)).unwrap_err();
+        assert_eq!(err.code, ErrorCode::BadRequest);
+        assert!(err.message.contains("--ca-file"), "{}", err.message);
+        // A plain URL never reads the CA file.
+        assert!(HttpBackend::new("http://x", "t", idle, Some(missing)).is_ok());
     }
 }

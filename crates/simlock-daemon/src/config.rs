@@ -38,6 +38,7 @@ const NOT_CONFIG_ENV: &[&str] = &[
     "SIMLOCK_AGENT_ID",
     "SIMLOCK_URL",
     "SIMLOCK_TOKEN",
+    "SIMLOCK_CA_FILE",
     "SIMLOCK_LOG",
 ];
 
@@ -125,6 +126,8 @@ pub struct HttpConfig {
     pub host: String,
     /// The port (0 picks a free one).
     pub port: u16,
+    /// HTTPS (and WSS for uplinks) instead of plain HTTP.
+    pub tls: HttpTlsConfig,
 }
 
 impl Default for HttpConfig {
@@ -133,8 +136,20 @@ impl Default for HttpConfig {
             enabled: None,
             host: "127.0.0.1".into(),
             port: 4700,
+            tls: HttpTlsConfig::default(),
         }
     }
+}
+
+/// `http.tls.*`: with both files set, the listener speaks TLS only (HTTPS, and WSS for uplinks).
+/// Each new connection reads the files again, so a replaced pair is served without a restart.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct HttpTlsConfig {
+    /// The certificate chain, PEM, leaf first (relative paths from the home directory).
+    pub cert_file: Option<String>,
+    /// The certificate's private key, PEM (PKCS#8, PKCS#1 or SEC1).
+    pub key_file: Option<String>,
 }
 
 /// How running slots are counted.
@@ -455,12 +470,14 @@ impl Default for QuarantineConfig {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", default)]
 pub struct GatewayConfig {
-    /// Worker: the gateway's base URL, `ws://` (`wss://` needs a TLS proxy for now, ADR 0010).
+    /// Worker: the gateway's base URL, `ws://host:port` or `wss://host:port` (TLS, ADR 0024).
     pub url: Option<String>,
     /// Worker: the join token (a gateway token of role `worker`).
     pub token: Option<String>,
     /// Worker: a label for people.
     pub label: Option<String>,
+    /// Worker: CA certificates (PEM) trusted for a `wss://` gateway besides the platform's roots.
+    pub ca_file: Option<String>,
     /// Gateway: the routing policy (only `warm-then-free`).
     pub routing: String,
     /// Gateway: how long a disconnected worker's view is kept (24 h).
@@ -477,6 +494,7 @@ impl Default for GatewayConfig {
             url: None,
             token: None,
             label: None,
+            ca_file: None,
             routing: "warm-then-free".into(),
             disconnected_retention_ms: 86_400_000,
             exec_timeout_ms: 660_000,
@@ -562,6 +580,7 @@ const WORKER_ONLY_KEYS: &[&str] = &[
     "gateway.token",
     "gateway.label",
     "agentDevice.command",
+    "gateway.caFile",
 ];
 /// Keys holding maps whose entries are the user's own names.
 const OPEN_MAPS: &[&str] = &["exec.tools"];
@@ -642,6 +661,19 @@ pub fn load(
         }
     }
     validate(&config, mode)?;
+    if mode == Mode::Worker
+        && config.gateway.ca_file.is_some()
+        && config
+            .gateway
+            .url
+            .as_deref()
+            .is_some_and(|url| url.starts_with("ws://"))
+    {
+        warnings.push(
+            "gateway.caFile is set but gateway.url is ws:// (no TLS): the CA file is not used"
+                .into(),
+        );
+    }
     Ok(Loaded { config, warnings })
 }
 
@@ -707,6 +739,15 @@ pub fn validate(config: &Config, mode: Mode) -> Result<(), ConfigError> {
             ));
         }
     }
+    match (&config.http.tls.cert_file, &config.http.tls.key_file) {
+        (Some(_), None) | (None, Some(_)) => {
+            return bad("http.tls.certFile and http.tls.keyFile must be set together".into());
+        }
+        (Some(cert), Some(key)) if cert.is_empty() || key.is_empty() => {
+            return bad("http.tls.certFile and http.tls.keyFile must name files".into());
+        }
+        _ => {}
+    }
     match mode {
         Mode::Gateway => {
             if config.http.enabled == Some(false) {
@@ -721,18 +762,18 @@ pub fn validate(config: &Config, mode: Mode) -> Result<(), ConfigError> {
         }
         Mode::Worker => {
             match (&config.gateway.url, &config.gateway.token) {
-                (Some(url), Some(_)) if url.starts_with("wss://") => {
+                (Some(url), Some(_)) if !url.starts_with("ws://") && !url.starts_with("wss://") => {
                     return bad(format!(
-                        "gateway.url: wss:// is not supported by this build ({url}); dial ws:// through a TLS-terminating proxy"
+                        "gateway.url must start with ws:// or wss://, got {url}"
                     ));
-                }
-                (Some(url), Some(_)) if !url.starts_with("ws://") => {
-                    return bad(format!("gateway.url must start with ws://, got {url}"));
                 }
                 (Some(_), None) | (None, Some(_)) => {
                     return bad("gateway.url and gateway.token must be set together".into());
                 }
                 _ => {}
+            }
+            if config.gateway.ca_file.as_deref() == Some("") {
+                return bad("gateway.caFile must name a file".into());
             }
             if config.capacity.strategy == CapacityStrategy::Fixed
                 && config.capacity.max_running == 0
@@ -881,6 +922,9 @@ const OPTIONAL_TEXT_KEYS: &[&str] = &[
     "gateway.url",
     "gateway.token",
     "gateway.label",
+    "gateway.caFile",
+    "http.tls.certFile",
+    "http.tls.keyFile",
     "drivers.ios.deviceSet",
     "drivers.android.sdkRoot",
     "drivers.android.avdHome",
@@ -962,6 +1006,9 @@ fn known_keys() -> Vec<String> {
             "gateway.url",
             "gateway.token",
             "gateway.label",
+            "gateway.caFile",
+            "http.tls.certFile",
+            "http.tls.keyFile",
             "capacity.ios.maxRunning",
             "capacity.android.maxRunning",
             "agentDevice.leaseTtlCapMs",
@@ -1204,12 +1251,70 @@ mod tests {
     }
 
     #[test]
-    fn a_wss_gateway_fails_start_up_naming_the_key() {
-        let toml = "[gateway]\nurl = \"wss://gw\"\ntoken = \"slk_x\"";
-        let err = load_with(toml, &[], Mode::Worker).unwrap_err().to_string();
+    fn a_wss_gateway_and_tls_files_load() {
+        let toml = "[gateway]\nurl = \"wss://gw\"\ntoken = \"slk_x\"\ncaFile = \"ca.pem\"";
+        let loaded = load_with(toml, &[], Mode::Worker).unwrap();
+        assert_eq!(loaded.config.gateway.url.as_deref(), Some("wss://gw"));
+        assert_eq!(loaded.config.gateway.ca_file.as_deref(), Some("ca.pem"));
+        assert!(loaded.warnings.is_empty(), "{:?}", loaded.warnings);
+        let toml = "[http.tls]\ncertFile = \"/etc/simlock/cert.pem\"\nkeyFile = \"key.pem\"";
+        let loaded = load_with(toml, &[], Mode::Gateway).unwrap();
+        assert_eq!(
+            loaded.config.http.tls.cert_file.as_deref(),
+            Some("/etc/simlock/cert.pem")
+        );
+        assert!(loaded.warnings.is_empty(), "{:?}", loaded.warnings);
+        let env = [
+            ("SIMLOCK_HTTP__TLS__CERT_FILE", "1"),
+            ("SIMLOCK_HTTP__TLS__KEY_FILE", "2"),
+        ];
+        let loaded = load_with("", &env, Mode::Worker).unwrap();
+        assert_eq!(loaded.config.http.tls.key_file.as_deref(), Some("2"));
+    }
+
+    #[test]
+    fn tls_settings_that_cannot_work_fail_naming_the_keys() {
+        let err = load_with("[http.tls]\ncertFile = \"c.pem\"", &[], Mode::Gateway)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("http.tls.certFile") && err.contains("http.tls.keyFile"),
+            "{err}"
+        );
+        let err = load_with("[http.tls]\nkeyFile = \"k.pem\"", &[], Mode::Worker)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("http.tls.keyFile"), "{err}");
+        let err = load_with(
+            "[gateway]\nurl = \"https://gw\"\ntoken = \"slk_x\"",
+            &[],
+            Mode::Worker,
+        )
+        .unwrap_err()
+        .to_string();
         assert!(
             err.contains("gateway.url") && err.contains("wss://"),
             "{err}"
+        );
+        let err = load_with("[gateway]\ncaFile = \"\"", &[], Mode::Worker)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("gateway.caFile"), "{err}");
+        let toml = "[gateway]\nurl = \"ws://gw\"\ntoken = \"slk_x\"\ncaFile = \"ca.pem\"";
+        let loaded = load_with(toml, &[], Mode::Worker).unwrap();
+        assert!(
+            loaded.warnings.iter().any(|w| w.contains("gateway.caFile")),
+            "{:?}",
+            loaded.warnings
+        );
+        let loaded = load_with("[gateway]\ncaFile = \"ca.pem\"", &[], Mode::Gateway).unwrap();
+        assert!(
+            loaded
+                .warnings
+                .iter()
+                .any(|w| w.contains("gateway.caFile is a worker setting")),
+            "{:?}",
+            loaded.warnings
         );
     }
 

@@ -49,6 +49,11 @@ impl Home {
         &self.root
     }
 
+    /// A file a setting names: an absolute path as it is, a relative one from the home.
+    pub fn resolve(&self, path: &str) -> PathBuf {
+        self.root.join(path)
+    }
+
     /// The unix socket.
     pub fn socket(&self) -> PathBuf {
         self.root.join("daemon.sock")

@@ -56,6 +56,9 @@ pub enum StartError {
         /// Why.
         source: std::io::Error,
     },
+    /// The HTTP listener's certificate or key (`http.tls.*`), or the uplink's CA file.
+    #[error(transparent)]
+    Tls(#[from] simlock_tls::TlsError),
     /// The domain refused to start.
     #[error("{0}")]
     Domain(String),
@@ -193,7 +196,19 @@ impl Base {
         let listener = claim(&self.home.socket()).await?;
         let mut tasks = vec![serve_socket(listener, pipeline.clone(), stop.clone())];
         let mut http_addr = None;
+        let mut http_tls = false;
         if http {
+            let tls = match (
+                &self.config.http.tls.cert_file,
+                &self.config.http.tls.key_file,
+            ) {
+                (Some(cert), Some(key)) => Some(simlock_tls::ServerTls::load(
+                    simlock_tls::PemFile::new(self.home.resolve(cert), "http.tls.certFile"),
+                    simlock_tls::PemFile::new(self.home.resolve(key), "http.tls.keyFile"),
+                )?),
+                _ => None,
+            };
+            http_tls = tls.is_some();
             let address = format!("{}:{}", self.config.http.host, self.config.http.port);
             let listener = bind(&self.config.http.host, self.config.http.port)
                 .await
@@ -215,9 +230,9 @@ impl Base {
                 metrics: self.metrics.clone(),
                 mounts,
             });
-            tasks.push(serve_http(listener, app, stop.clone()));
+            tasks.push(serve_http(listener, app, tls, stop.clone()));
         }
-        info!(mode = ?self.mode, instance = %self.instance_id, socket = %self.home.socket().display(), http = ?http_addr, "daemon serving");
+        info!(mode = ?self.mode, instance = %self.instance_id, socket = %self.home.socket().display(), http = ?http_addr, tls = http_tls, "daemon serving");
         Ok(Running {
             base: self,
             pipeline,
@@ -225,6 +240,7 @@ impl Base {
             stop,
             tasks,
             http_addr,
+            http_tls,
         })
     }
 }
@@ -244,6 +260,7 @@ pub struct Running {
     stop: CancellationToken,
     tasks: Vec<JoinHandle<()>>,
     http_addr: Option<SocketAddr>,
+    http_tls: bool,
 }
 
 impl std::fmt::Debug for Running {
@@ -259,6 +276,11 @@ impl Running {
     /// The HTTP address, when HTTP is served.
     pub const fn http_addr(&self) -> Option<SocketAddr> {
         self.http_addr
+    }
+
+    /// Whether the HTTP listener speaks TLS (`http.tls.*`).
+    pub const fn http_tls(&self) -> bool {
+        self.http_tls
     }
 
     /// The unix socket.

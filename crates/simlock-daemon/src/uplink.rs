@@ -35,7 +35,7 @@ pub const DIAL_TIMEOUT: Duration = Duration::from_secs(10);
 /// Where and how the worker dials its gateway.
 #[derive(Debug, Clone)]
 pub struct UplinkConfig {
-    /// The gateway's base URL (`ws://host:port`).
+    /// The gateway's base URL (`ws://host:port`, or `wss://host:port` for TLS).
     pub url: String,
     /// The join token.
     pub token: String,
@@ -43,6 +43,26 @@ pub struct UplinkConfig {
     pub worker_id: String,
     /// A label for people.
     pub label: Option<String>,
+    /// What a `wss://` gateway's certificate is checked against ([`uplink_tls`]); `None` for
+    /// `ws://` (a `wss://` URL without it trusts the platform's roots only).
+    pub tls: Option<Arc<simlock_tls::TlsClientConfig>>,
+}
+
+/// The TLS trust for the gateway at `url`: none for `ws://`; for `wss://` the platform's roots
+/// plus the certificates in `ca_file` (`gateway.caFile`, already resolved). Read once, at
+/// start-up.
+///
+/// # Errors
+/// The CA file cannot be read or holds no certificate (the message names `gateway.caFile`).
+pub fn uplink_tls(
+    url: &str,
+    ca_file: Option<&std::path::Path>,
+) -> Result<Option<Arc<simlock_tls::TlsClientConfig>>, simlock_tls::TlsError> {
+    if !url.starts_with("wss://") {
+        return Ok(None);
+    }
+    let ca_file = ca_file.map(|path| simlock_tls::PemFile::new(path, "gateway.caFile"));
+    simlock_tls::client_config(ca_file.as_ref()).map(Some)
 }
 
 /// How the uplink stands.
@@ -66,9 +86,34 @@ pub enum DialError {
     /// The gateway refused the join token or the worker (HTTP status).
     #[error("rejected with HTTP {0}: check gateway.token")]
     Rejected(u16),
+    /// The TLS handshake with a `wss://` gateway failed.
+    #[error("{}", tls_message(.0))]
+    Tls(simlock_tls::TlsFailure),
+    /// A `ws://` URL reached a port that speaks TLS.
+    #[error("the gateway speaks TLS on this port: gateway.url must start with wss://")]
+    TlsRequired,
     /// Anything else.
     #[error("{0}")]
     Other(String),
+}
+
+/// A TLS failure, and the setting to change.
+fn tls_message(failure: &simlock_tls::TlsFailure) -> String {
+    use simlock_tls::TlsFailure;
+    let fix = match failure {
+        TlsFailure::Untrusted => "add the CA that signed it to gateway.caFile",
+        TlsFailure::NameMismatch { .. } => {
+            "gateway.url must name a host the gateway's certificate covers"
+        }
+        TlsFailure::Expired(_) => {
+            "the gateway's certificate (its http.tls.certFile) must be renewed"
+        }
+        TlsFailure::NotTls => {
+            "use a ws:// gateway.url, or serve TLS on the gateway (http.tls.certFile and http.tls.keyFile)"
+        }
+        TlsFailure::Other(_) => "check gateway.url and gateway.caFile",
+    };
+    format!("TLS with the gateway: {failure}: {fix}")
 }
 
 /// The delay before retry number `attempt` (1-based): `BACKOFF_START · 2^(attempt−1)`, capped at
@@ -103,11 +148,7 @@ pub async fn dial_with(
     link: LinkConfig,
 ) -> Result<(LinkHandle, simlock_link::TextReceiver), DialError> {
     let url = uplink_url(&config.url);
-    if url.starts_with("wss://") {
-        return Err(DialError::Other(
-            "wss:// is not supported by this build; use ws:// behind a TLS proxy".into(),
-        ));
-    }
+    let tls = url.starts_with("wss://");
     let mut request = url
         .as_str()
         .into_client_request()
@@ -125,7 +166,10 @@ pub async fn dial_with(
         headers.insert("x-simlock-worker-label", value);
     }
     let host = request.uri().host().unwrap_or_default().to_owned();
-    let port = request.uri().port_u16().unwrap_or(80);
+    let port = request
+        .uri()
+        .port_u16()
+        .unwrap_or(if tls { 443 } else { 80 });
     let connect = async {
         let stream = TcpStream::connect((host.as_str(), port))
             .await
@@ -134,25 +178,58 @@ pub async fn dial_with(
         // calls quick behind bulk data.
         let _ = tune_tcp(&stream);
         let receive_buffer = ReceiveBuffer::of(&stream);
+        if !tls {
+            return handshake(request, stream, link, receive_buffer).await;
+        }
+        let trust = match &config.tls {
+            Some(trust) => trust.clone(),
+            None => {
+                simlock_tls::client_config(None).map_err(|e| DialError::Other(e.to_string()))?
+            }
+        };
+        let name = simlock_tls::server_name(&host)
+            .map_err(|e| DialError::Other(format!("gateway.url: {e}")))?;
+        let stream = simlock_tls::TlsConnector::from(trust)
+            .connect(name, stream)
+            .await
+            .map_err(|e| DialError::Tls(simlock_tls::classify(&e, &host)))?;
+        handshake(request, stream, link, receive_buffer).await
+    };
+    tokio::time::timeout(DIAL_TIMEOUT, connect)
+        .await
+        .map_err(|_| {
+            DialError::Unreachable(format!("no answer within {} s", DIAL_TIMEOUT.as_secs()))
+        })?
+}
+
+/// The WebSocket handshake over `stream` (plain TCP or TLS), then the link over it.
+async fn handshake<S>(
+    request: tokio_tungstenite::tungstenite::handshake::client::Request,
+    stream: S,
+    link: LinkConfig,
+    receive_buffer: ReceiveBuffer,
+) -> Result<(LinkHandle, simlock_link::TextReceiver), DialError>
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let (ws, _) =
         tokio_tungstenite::client_async_with_config(request, stream, Some(websocket_config()))
             .await
-            .map(|(ws, response)| (ws, response, receive_buffer))
             .map_err(|e| match e {
                 tokio_tungstenite::tungstenite::Error::Http(response) => {
+                    if response
+                        .headers()
+                        .contains_key(crate::http::TLS_REQUIRED_HEADER)
+                    {
+                        return DialError::TlsRequired;
+                    }
                     match response.status().as_u16() {
                         status @ (401 | 403) => DialError::Rejected(status),
                         status => DialError::Other(format!("the gateway answered HTTP {status}")),
                     }
                 }
                 other => DialError::Unreachable(other.to_string()),
-            })
-    };
-    let (ws, _, receive_buffer) =
-        tokio::time::timeout(DIAL_TIMEOUT, connect)
-            .await
-            .map_err(|_| {
-                DialError::Unreachable(format!("no answer within {} s", DIAL_TIMEOUT.as_secs()))
-            })??;
+            })?;
     Ok(spawn_tuned(ws, link, receive_buffer))
 }
 

@@ -272,6 +272,7 @@ const NOT_CONFIG: &[&str] = &[
     "SIMLOCK_JOIN_TOKEN",
     "SIMLOCK_URL",
     "SIMLOCK_TOKEN",
+    "SIMLOCK_CA_FILE",
     "SIMLOCK_AGENT_ID",
     // The environment of a leased device.
     "SIMLOCK_LEASE_ID",

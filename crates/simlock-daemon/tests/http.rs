@@ -69,7 +69,7 @@ async fn host() -> Host {
     let listener = bind("127.0.0.1", 0).await.unwrap();
     let addr = listener.local_addr().unwrap().to_string();
     let stop = CancellationToken::new();
-    serve_http(listener, app, stop.clone());
+    serve_http(listener, app, None, stop.clone());
     Host {
         addr,
         tokens: store,

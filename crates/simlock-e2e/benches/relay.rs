@@ -14,6 +14,10 @@
 //! - a 4 GiB response body through the relay, every byte checked against a pattern, with the
 //!   RSS sampled along the way (constant memory: growth under 64 MiB).
 //!
+//! With `--tls` (`cargo xtask bench relay --tls`) the gateway serves WSS and the worker dials
+//! `wss://` (certificates made at start), and the direct baseline is HTTPS over loopback with
+//! the same rustls settings, so the ratios compare TLS with TLS.
+//!
 //! The last line is the summary:
 //! `relay upload_ratio=<x> download_ratio=<x> renew_p99_ms=<x> stalled64_rss_mib=<x> body4g_ok=<true|false>`.
 #![allow(
@@ -38,8 +42,8 @@ use hyper::service::service_fn;
 use hyper_util::rt::TokioIo;
 use serde_json::json;
 use simlock_e2e::relay::{
-    PatternBody, PatternCheck, fill_pattern, fleet_with, gateway_link_stats, get, no_channel_open,
-    relay_targets, request, wait_until,
+    PatternBody, PatternCheck, fill_pattern, fleet_with, fleet_with_tls, gateway_link_stats, get,
+    no_channel_open, relay_targets, request, wait_until,
 };
 use simlock_relay_gateway::{GatewayRelay, RelayCall};
 use simlock_relay_worker::{BoxError, RelayRequest, RelayTarget, RelayTargets};
@@ -61,8 +65,9 @@ fn main() -> BenchResult<()> {
     // task on it, as a gateway's HTTP connection reading a relayed body does; the main thread
     // only waits (a caller polled there would be a third thread, woken across threads for every
     // chunk).
+    let tls = std::env::args().any(|arg| arg == "--tls");
     let runtime = simlock_daemon::launch::runtime()?;
-    let summary = runtime.block_on(async { tokio::spawn(measure()).await })??;
+    let summary = runtime.block_on(async { tokio::spawn(measure(tls)).await })??;
     println!("{summary}");
     Ok(())
 }
@@ -172,47 +177,99 @@ fn mib_per_s(bytes: u64, elapsed: Duration) -> f64 {
 
 // === Direct loopback HTTP, the baseline ===
 
-async fn hyper_server() -> BenchResult<std::net::SocketAddr> {
+/// TLS on both ends of the direct baseline, with the fleet's certificates.
+#[derive(Clone)]
+struct DirectTls {
+    acceptor: simlock_tls::TlsAcceptor,
+    connector: simlock_tls::TlsConnector,
+}
+
+impl DirectTls {
+    fn of(fleet: &simlock_e2e::TestFleet) -> BenchResult<Self> {
+        let tls = fleet.tls.as_ref().ok_or("the fleet serves no TLS")?;
+        let server = simlock_tls::ServerTls::load(
+            simlock_tls::PemFile::new(&tls.files.cert, "cert"),
+            simlock_tls::PemFile::new(&tls.files.key, "key"),
+        )?;
+        let client =
+            simlock_tls::client_config(Some(&simlock_tls::PemFile::new(&tls.ca_file, "ca")))?;
+        Ok(Self {
+            acceptor: server.acceptor(),
+            connector: simlock_tls::TlsConnector::from(client),
+        })
+    }
+}
+
+async fn serve_direct<I>(io: I)
+where
+    I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let service = service_fn(|request: http::Request<hyper::body::Incoming>| async move {
+        if request.method() == http::Method::PUT {
+            let read = drain(request.into_body()).await.unwrap_or(0);
+            Ok::<_, Infallible>(http::Response::new(
+                http_body_util::Full::new(Bytes::from(read.to_string())).boxed(),
+            ))
+        } else {
+            let len: u64 = request.uri().path()[1..].parse().unwrap_or(0);
+            Ok(http::Response::new(Repeat::new(len).boxed()))
+        }
+    });
+    let _ = hyper::server::conn::http1::Builder::new()
+        .serve_connection(TokioIo::new(io), service)
+        .await;
+}
+
+async fn hyper_server(tls: Option<DirectTls>) -> BenchResult<std::net::SocketAddr> {
     let listener = TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
     tokio::spawn(async move {
         while let Ok((stream, _)) = listener.accept().await {
             let _ = stream.set_nodelay(true);
+            let tls = tls.clone();
             tokio::spawn(async move {
-                let service =
-                    service_fn(|request: http::Request<hyper::body::Incoming>| async move {
-                        if request.method() == http::Method::PUT {
-                            let read = drain(request.into_body()).await.unwrap_or(0);
-                            Ok::<_, Infallible>(http::Response::new(
-                                http_body_util::Full::new(Bytes::from(read.to_string())).boxed(),
-                            ))
-                        } else {
-                            let len: u64 = request.uri().path()[1..].parse().unwrap_or(0);
-                            Ok(http::Response::new(Repeat::new(len).boxed()))
+                match tls {
+                    None => serve_direct(stream).await,
+                    Some(tls) => {
+                        if let Ok(stream) = tls.acceptor.accept(stream).await {
+                            serve_direct(stream).await;
                         }
-                    });
-                let _ = hyper::server::conn::http1::Builder::new()
-                    .serve_connection(TokioIo::new(stream), service)
-                    .await;
+                    }
+                }
             });
         }
     });
     Ok(addr)
 }
 
+type DirectSender = hyper::client::conn::http1::SendRequest<
+    http_body_util::combinators::BoxBody<Bytes, Infallible>,
+>;
+
+async fn direct_sender<I>(io: I) -> BenchResult<DirectSender>
+where
+    I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let (sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(io)).await?;
+    tokio::spawn(connection);
+    Ok(sender)
+}
+
 async fn hyper_transfer(
     addr: std::net::SocketAddr,
+    tls: Option<&DirectTls>,
     upload: bool,
     len: u64,
 ) -> BenchResult<Duration> {
     let stream = TcpStream::connect(addr).await?;
     stream.set_nodelay(true)?;
-    let (mut sender, connection) = hyper::client::conn::http1::handshake::<
-        _,
-        http_body_util::combinators::BoxBody<Bytes, Infallible>,
-    >(TokioIo::new(stream))
-    .await?;
-    tokio::spawn(connection);
+    let mut sender = match tls {
+        None => direct_sender(stream).await?,
+        Some(tls) => {
+            let name = simlock_tls::server_name("localhost")?;
+            direct_sender(tls.connector.connect(name, stream).await?).await?
+        }
+    };
     let started = Instant::now();
     let request = if upload {
         request(
@@ -323,8 +380,22 @@ fn percentile(values: &[f64], p: f64) -> f64 {
     sorted[rank - 1]
 }
 
-async fn measure() -> BenchResult<String> {
-    let (fleet, worker) = fleet_with(bench_targets()).await;
+async fn measure(tls: bool) -> BenchResult<String> {
+    let (fleet, worker) = if tls {
+        fleet_with_tls(bench_targets()).await
+    } else {
+        fleet_with(bench_targets()).await
+    };
+    println!(
+        "uplink {}, direct baseline over {}",
+        fleet.gateway_url(),
+        if tls { "HTTPS" } else { "HTTP" }
+    );
+    let direct_tls = if tls {
+        Some(DirectTls::of(&fleet)?)
+    } else {
+        None
+    };
     let relay = fleet.gateway().relay.clone();
     // Warm up both paths.
     relay_transfer(&relay, &worker, true, 8 * MIB).await?;
@@ -387,16 +458,19 @@ async fn measure() -> BenchResult<String> {
         percentile(&idle, 0.50),
         percentile(&idle, 0.99)
     );
-    let addr = hyper_server().await?;
-    hyper_transfer(addr, true, 8 * MIB).await?;
-    hyper_transfer(addr, false, 8 * MIB).await?;
+    let addr = hyper_server(direct_tls.clone()).await?;
+    hyper_transfer(addr, direct_tls.as_ref(), true, 8 * MIB).await?;
+    hyper_transfer(addr, direct_tls.as_ref(), false, 8 * MIB).await?;
     let samples = Arc::new(parking_lot::Mutex::new(Vec::new()));
     let mut up_ratios = Vec::new();
     let mut down_ratios = Vec::new();
     for run in 0..RUNS {
         for upload in [true, false] {
             let cpu0 = cpu_ns();
-            let direct = mib_per_s(GIB, hyper_transfer(addr, upload, GIB).await?);
+            let direct = mib_per_s(
+                GIB,
+                hyper_transfer(addr, direct_tls.as_ref(), upload, GIB).await?,
+            );
             let cpu1 = cpu_ns();
             let stop = Arc::new(AtomicBool::new(false));
             let run_samples = Arc::new(parking_lot::Mutex::new(Vec::new()));

@@ -60,7 +60,37 @@ pub struct TestFleet {
     pub workers: Vec<Option<RunningWorker>>,
     /// A join token for workers.
     pub join_token: String,
+    /// The certificates of a gateway that serves TLS ([`TestFleet::start_tls`]).
+    pub tls: Option<FleetTls>,
     dir: TempDir,
+}
+
+/// A TLS gateway's certificates, made at test time: a CA, and a leaf for `localhost` and
+/// `127.0.0.1` that the gateway serves (`http.tls.*`). Its workers trust the CA (`gateway.caFile`).
+pub struct FleetTls {
+    /// The CA.
+    pub ca: simlock_tls::testing::TestCa,
+    /// The CA's certificate file.
+    pub ca_file: std::path::PathBuf,
+    /// The gateway's certificate and key files.
+    pub files: simlock_tls::testing::LeafFiles,
+}
+
+impl FleetTls {
+    /// A CA and a leaf for `localhost` and `127.0.0.1`, written into `dir`.
+    pub fn new(dir: &Path) -> Self {
+        std::fs::create_dir_all(dir).expect("the certificate directory");
+        let ca = simlock_tls::testing::TestCa::new("simlock e2e CA");
+        let files = ca.leaf(&["localhost", "127.0.0.1"]).write(dir);
+        let ca_file = ca.write(&dir.join("ca.pem"));
+        Self { ca, ca_file, files }
+    }
+
+    /// `config` serving TLS with these files.
+    pub fn serve(&self, config: &mut Config) {
+        config.http.tls.cert_file = Some(self.files.cert.display().to_string());
+        config.http.tls.key_file = Some(self.files.key.display().to_string());
+    }
 }
 
 pub use simlock_test_support::fake_worker::{fake_worker, greet_gateway};
@@ -118,7 +148,7 @@ impl TestFleet {
         config: Config,
         tune: impl FnOnce(&mut simlock_fleet::FleetTiming),
     ) -> Self {
-        Self::start_customized(config, tune, |_| {}).await
+        Self::start_full(config, tune, |_| {}, false).await
     }
 
     /// As [`Self::start_with`], with the gateway's options changed by `customize` too.
@@ -127,7 +157,26 @@ impl TestFleet {
         tune: impl FnOnce(&mut simlock_fleet::FleetTiming),
         customize: impl FnOnce(&mut GatewayOptions),
     ) -> Self {
+        Self::start_full(config, tune, customize, false).await
+    }
+
+    /// A gateway with `config` that serves HTTPS and WSS with certificates made here
+    /// ([`FleetTls`]); its workers dial `wss://localhost:<port>` trusting the CA.
+    pub async fn start_tls(config: Config) -> Self {
+        Self::start_full(config, |_| {}, |_| {}, true).await
+    }
+
+    async fn start_full(
+        mut config: Config,
+        tune: impl FnOnce(&mut simlock_fleet::FleetTiming),
+        customize: impl FnOnce(&mut GatewayOptions),
+        tls: bool,
+    ) -> Self {
         let dir = tempfile::tempdir().expect("a temporary directory");
+        let tls = tls.then(|| FleetTls::new(&dir.path().join("pki")));
+        if let Some(tls) = &tls {
+            tls.serve(&mut config);
+        }
         let home = Home::at(dir.path().join("gateway"));
         let mut options = GatewayOptions::new(home.clone(), config);
         let mut timing = simlock_fleet::FleetTiming::from_config(&options.config);
@@ -147,6 +196,7 @@ impl TestFleet {
             gateway: Some(gateway),
             workers: Vec::new(),
             join_token,
+            tls,
             dir,
         }
     }
@@ -161,15 +211,19 @@ impl TestFleet {
         Home::at(self.dir.path().join("gateway"))
     }
 
-    /// The gateway's uplink base URL.
+    /// The gateway's uplink base URL: `ws://127.0.0.1:<port>`, or `wss://localhost:<port>` for a
+    /// TLS gateway.
     pub fn gateway_url(&self) -> String {
-        format!(
-            "ws://{}",
-            self.gateway()
-                .running
-                .http_addr()
-                .expect("the gateway serves HTTP")
-        )
+        let addr = self
+            .gateway()
+            .running
+            .http_addr()
+            .expect("the gateway serves HTTP");
+        if self.tls.is_some() {
+            format!("wss://localhost:{}", addr.port())
+        } else {
+            format!("ws://{addr}")
+        }
     }
 
     /// Starts worker number `self.workers.len()` with `config`, joined to the gateway, and waits
@@ -192,6 +246,9 @@ impl TestFleet {
     ) {
         config.gateway.url = Some(self.gateway_url());
         config.gateway.token = Some(self.join_token.clone());
+        if let Some(tls) = &self.tls {
+            config.gateway.ca_file = Some(tls.ca_file.display().to_string());
+        }
         config.gateway.label = Some(format!("worker-{n}"));
         let mut options = WorkerOptions::new(self.worker_home(n), config);
         customize(&mut options);
@@ -280,6 +337,9 @@ impl TestFleet {
 
     /// Stops the gateway and starts it again on the same home and port.
     pub async fn restart_gateway(&mut self, mut config: Config) {
+        if let Some(tls) = &self.tls {
+            tls.serve(&mut config);
+        }
         if let Some(gateway) = self.gateway.take() {
             // It comes back where its workers dial.
             if config.http.port == 0

@@ -89,6 +89,14 @@ pub async fn fleet_with(targets: RelayTargets) -> (TestFleet, String) {
     (fleet, id)
 }
 
+/// [`fleet_with`] over TLS: the gateway serves HTTPS and WSS, the worker dials `wss://`.
+pub async fn fleet_with_tls(targets: RelayTargets) -> (TestFleet, String) {
+    let mut fleet = TestFleet::start_tls(crate::gateway_config()).await;
+    add_relay_worker(&mut fleet, worker_config(2), targets, None).await;
+    let id = fleet.worker_id(0);
+    (fleet, id)
+}
+
 // === Calls through the gateway's relay ===
 
 /// Relays `call` to `worker` through the fleet's gateway, bounded by [`PATIENCE`].
@@ -920,6 +928,7 @@ pub async fn dial(
         token: join_token.to_owned(),
         worker_id: worker_id.to_owned(),
         label: None,
+        tls: None,
     };
     simlock_daemon::uplink::dial_with(&config, link_config)
         .await

@@ -160,15 +160,34 @@ impl UplinkMount {
                     .await;
                     simlock_link::spawn_tuned(ws, link_config(&fleet), receive_buffer)
                 }
-                Err(upgraded) => {
-                    let ws = WebSocketStream::from_raw_socket(
-                        TokioIo::new(upgraded),
-                        Role::Server,
-                        Some(websocket_config()),
-                    )
-                    .await;
-                    simlock_link::spawn(ws, link_config(&fleet))
-                }
+                Err(upgraded) => match upgraded.downcast::<TokioIo<simlock_tls::ServerStream>>() {
+                    Ok(parts) => {
+                        // The same over TLS: the socket under the TLS stream is tuned, and the
+                        // (decrypted) bytes hyper already read come first.
+                        let stream = parts.io.into_inner();
+                        let _ = simlock_link::tune_tcp(stream.get_ref().0);
+                        let receive_buffer = simlock_link::ReceiveBuffer::of(stream.get_ref().0);
+                        let (read, write) = tokio::io::split(stream);
+                        let read = std::io::Cursor::new(parts.read_buf).chain(read);
+                        let io = tokio::io::join(read, write);
+                        let ws = WebSocketStream::from_raw_socket(
+                            io,
+                            Role::Server,
+                            Some(websocket_config()),
+                        )
+                        .await;
+                        simlock_link::spawn_tuned(ws, link_config(&fleet), receive_buffer)
+                    }
+                    Err(upgraded) => {
+                        let ws = WebSocketStream::from_raw_socket(
+                            TokioIo::new(upgraded),
+                            Role::Server,
+                            Some(websocket_config()),
+                        )
+                        .await;
+                        simlock_link::spawn(ws, link_config(&fleet))
+                    }
+                },
             };
             info!(worker = %worker_id, "uplink accepted");
             fleet.accept_uplink(worker_id, label, token_id, link, text);

@@ -263,6 +263,7 @@ pub struct FakeDaemon {
     stop: CancellationToken,
     socket: Option<PathBuf>,
     http: Option<SocketAddr>,
+    https: bool,
 }
 
 impl std::fmt::Debug for FakeDaemon {
@@ -355,6 +356,7 @@ impl FakeDaemon {
             stop: CancellationToken::new(),
             socket: None,
             http: None,
+            https: false,
         })
     }
 
@@ -374,7 +376,20 @@ impl FakeDaemon {
     ///
     /// # Errors
     /// When no port can be bound.
-    pub async fn with_http(mut self) -> io::Result<Self> {
+    pub async fn with_http(self) -> io::Result<Self> {
+        self.serve_http(None).await
+    }
+
+    /// Also serves HTTPS on `127.0.0.1` (a free port) with `tls`; [`Self::url`] is then
+    /// `https://127.0.0.1:<port>`.
+    ///
+    /// # Errors
+    /// When no port can be bound.
+    pub async fn with_https(self, tls: simlock_tls::ServerTls) -> io::Result<Self> {
+        self.serve_http(Some(tls)).await
+    }
+
+    async fn serve_http(mut self, tls: Option<simlock_tls::ServerTls>) -> io::Result<Self> {
         let listener = bind("127.0.0.1", 0).await?;
         let addr = listener.local_addr()?;
         let app = Arc::new(HttpApp {
@@ -386,7 +401,8 @@ impl FakeDaemon {
             metrics: Metrics::new(),
             mounts: Vec::new(),
         });
-        serve_http(listener, app, self.stop.clone());
+        self.https = tls.is_some();
+        serve_http(listener, app, tls, self.stop.clone());
         self.http = Some(addr);
         Ok(self)
     }
@@ -423,9 +439,10 @@ impl FakeDaemon {
         self.socket.as_deref()
     }
 
-    /// `http://127.0.0.1:<port>`, when served.
+    /// `http://127.0.0.1:<port>` (`https://` with [`Self::with_https`]), when served.
     pub fn url(&self) -> Option<String> {
-        self.http.map(|addr| format!("http://{addr}"))
+        let scheme = if self.https { "https" } else { "http" };
+        self.http.map(|addr| format!("{scheme}://{addr}"))
     }
 
     /// The per-start admin secret (also in `<home>/admin.token`).

@@ -108,6 +108,7 @@ pub async fn fake_worker(
         token: join_token.to_owned(),
         worker_id: worker_id.to_owned(),
         label: Some("fake".into()),
+        tls: None,
     };
     let (link, text) = simlock_daemon::uplink::dial(&config)
         .await

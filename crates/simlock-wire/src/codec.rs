@@ -53,7 +53,8 @@ impl Decoder for LineCodec {
                 if self.discarding {
                     buf.clear();
                     self.scanned = 0;
-                } else if buf.len() > self.max {
+                } else if buf.len() > self.max + usize::from(buf.last() == Some(&b'\r')) {
+                    // A line at the cap may wait for its newline behind its `\r`.
                     self.discarding = true;
                     buf.clear();
                     self.scanned = 0;
@@ -164,6 +165,18 @@ mod tests {
         buf.extend_from_slice(b"end\nok\n");
         assert_eq!(codec.decode(&mut buf).unwrap(), Some(Line::TooLong));
         assert_eq!(codec.decode(&mut buf).unwrap(), Some(frame("ok")));
+    }
+
+    /// Found by the `wire_lines` fuzz target: a line at the cap whose `\r` arrived in one read
+    /// and its `\n` in the next was dropped as too long (whole, it passed).
+    #[test]
+    fn a_line_at_the_cap_passes_when_its_crlf_is_split_across_reads() {
+        let lines = decode_all(&mut LineCodec::new(5), &[b"abab\xeb\r", b"\n"]);
+        assert_eq!(lines, [Line::Frame(Bytes::from_static(b"abab\xeb"))]);
+        let lines = decode_all(&mut LineCodec::new(5), &[b"ababa\r", b"\r\n"]);
+        assert_eq!(lines, [Line::TooLong], "a `\\r` inside the line counts");
+        let lines = decode_all(&mut LineCodec::new(5), &[b"ababab\r", b"\n"]);
+        assert_eq!(lines, [Line::TooLong]);
     }
 
     proptest! {

@@ -46,6 +46,10 @@ const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long open connections get to finish when the daemon stops.
 pub const DRAIN_GRACE: Duration = Duration::from_secs(5);
 
+/// The header on the answer a TLS listener gives to plain text (`http://` or `ws://` to an
+/// HTTPS port): `x-simlock-tls: required`. The worker's dialler reads it to name the cause.
+pub const TLS_REQUIRED_HEADER: &str = "x-simlock-tls";
+
 /// Routes another crate serves on the same listener (it authenticates them itself).
 pub trait Mount: Send + Sync + 'static {
     /// Whether this mount serves `path`.
@@ -88,15 +92,20 @@ pub async fn bind(host: &str, port: u16) -> std::io::Result<TcpListener> {
     TcpListener::bind((host, port)).await
 }
 
-/// Serves HTTP on `listener` until `shutdown`, then gives open connections a short grace.
+/// Serves HTTP on `listener` until `shutdown`, then gives open connections a short grace. With
+/// `tls`, every connection must open with a TLS handshake (HTTPS, and WSS for uplinks); plain
+/// text gets a plain `400` saying so.
 pub fn serve_http(
     listener: TcpListener,
     app: Arc<HttpApp>,
+    tls: Option<simlock_tls::ServerTls>,
     shutdown: CancellationToken,
 ) -> JoinHandle<()> {
+    let acceptor = tls.map(|tls| tls.acceptor());
     tokio::spawn(async move {
         if let Ok(addr) = listener.local_addr() {
-            info!(%addr, "listening for HTTP");
+            let scheme = if acceptor.is_some() { "HTTPS" } else { "HTTP" };
+            info!(%addr, "listening for {scheme}");
         }
         let mut connections = tokio::task::JoinSet::new();
         loop {
@@ -115,7 +124,13 @@ pub fn serve_http(
             let _ = stream.set_nodelay(true);
             let app = app.clone();
             let shutdown = shutdown.clone();
-            connections.spawn(serve_connection(stream, peer, app, shutdown));
+            connections.spawn(accept_connection(
+                stream,
+                peer,
+                app,
+                acceptor.clone(),
+                shutdown,
+            ));
             while connections.try_join_next().is_some() {}
         }
         let _ = tokio::time::timeout(DRAIN_GRACE, async {
@@ -126,24 +141,89 @@ pub fn serve_http(
     })
 }
 
-async fn serve_connection(
+/// Serves one accepted connection: plain HTTP, or with `tls` the handshake first. A TLS
+/// listener peeks at the first byte: a connection that does not open with a handshake record
+/// is plain text, answered by [`tls_required`].
+async fn accept_connection(
     stream: tokio::net::TcpStream,
     peer: SocketAddr,
     app: Arc<HttpApp>,
+    tls: Option<simlock_tls::TlsAcceptor>,
     shutdown: CancellationToken,
 ) {
     let stop = shutdown.clone();
+    let Some(acceptor) = tls else {
+        let service = service_fn(move |request| {
+            let (app, stop) = (app.clone(), stop.clone());
+            async move { Ok::<_, std::convert::Infallible>(route(&app, request, &stop).await) }
+        });
+        return serve_connection(TokioIo::new(stream), peer, service, shutdown).await;
+    };
+    let mut first = [0u8; 1];
+    match tokio::time::timeout(HEADER_READ_TIMEOUT, stream.peek(&mut first)).await {
+        Ok(Ok(1..)) if first[0] == simlock_tls::HANDSHAKE_RECORD => {}
+        Ok(Ok(1..)) => {
+            debug!(%peer, "plain text on the TLS listener");
+            let service =
+                service_fn(|_request| async { Ok::<_, std::convert::Infallible>(tls_required()) });
+            return serve_connection(TokioIo::new(stream), peer, service, shutdown).await;
+        }
+        // Closed, failed or silent before sending anything.
+        _ => return,
+    }
+    let accepted = tokio::select! {
+        () = shutdown.cancelled() => return,
+        accepted = tokio::time::timeout(HEADER_READ_TIMEOUT, acceptor.accept(stream)) => accepted,
+    };
+    let stream = match accepted {
+        Ok(Ok(stream)) => stream,
+        Ok(Err(e)) => {
+            debug!(%peer, error = %e, "TLS handshake failed");
+            return;
+        }
+        Err(_) => {
+            debug!(%peer, "TLS handshake timed out");
+            return;
+        }
+    };
     let service = service_fn(move |request| {
         let (app, stop) = (app.clone(), stop.clone());
         async move { Ok::<_, std::convert::Infallible>(route(&app, request, &stop).await) }
     });
+    serve_connection(TokioIo::new(stream), peer, service, shutdown).await;
+}
+
+/// The answer to plain text on a TLS listener: `400`, `x-simlock-tls: required`, and the
+/// connection closes.
+fn tls_required() -> Response<Body> {
+    let err = ContractError::bad_request(
+        "This port speaks TLS: use https:// (and wss:// for a worker's gateway.url)",
+    );
+    let mut response = error_with_status(&err, StatusCode::BAD_REQUEST);
+    let headers = response.headers_mut();
+    headers.insert(
+        TLS_REQUIRED_HEADER,
+        http::HeaderValue::from_static("required"),
+    );
+    headers.insert(
+        http::header::CONNECTION,
+        http::HeaderValue::from_static("close"),
+    );
+    response
+}
+
+async fn serve_connection<I, S>(io: I, peer: SocketAddr, service: S, shutdown: CancellationToken)
+where
+    I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
+    S: hyper::service::HttpService<Incoming, ResBody = Body> + Send,
+    S::Future: Send + 'static,
+    S::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
     let mut builder = hyper::server::conn::http1::Builder::new();
     builder
         .timer(TokioTimer::new())
         .header_read_timeout(HEADER_READ_TIMEOUT);
-    let connection = builder
-        .serve_connection(TokioIo::new(stream), service)
-        .with_upgrades();
+    let connection = builder.serve_connection(io, service).with_upgrades();
     tokio::pin!(connection);
     tokio::select! {
         outcome = connection.as_mut() => {

@@ -1,0 +1,464 @@
+//! TLS for simlock's hops, on rustls with the ring provider (ADR 0024).
+//!
+//! - [`ServerTls`]: what a daemon's HTTP host serves with. Its certificate and key are PEM files;
+//!   every new connection's handshake reads them again, and a changed pair that parses and
+//!   matches is served from then on (rotation needs no restart). A pair that does not load keeps
+//!   the previous certificate in service and is logged once.
+//! - [`client_config`]: what the worker's uplink and the HTTP client trust: the platform's roots
+//!   (read once per process, `rustls-native-certs`) plus the certificates of an optional CA file.
+//! - [`classify`]: a failed handshake read as a [`TlsFailure`] that names its cause, so that each
+//!   caller can say which setting to change.
+//!
+//! Nothing here knows the configuration: callers name their files with a [`PemFile`], which
+//! carries the key (or flag) that named the file, for the messages.
+
+use std::io;
+use std::path::PathBuf;
+use std::sync::{Arc, OnceLock};
+
+use parking_lot::Mutex;
+use rustls::client::ClientConfig;
+use rustls::crypto::CryptoProvider;
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use rustls::server::{ClientHello, ResolvesServerCert, ServerConfig};
+use rustls::sign::CertifiedKey;
+use rustls::{CertificateError, InvalidMessage, RootCertStore};
+use tracing::{info, warn};
+
+pub use rustls::client::{ClientConfig as TlsClientConfig, Resumption};
+pub use rustls::pki_types::ServerName;
+pub use tokio_rustls::{TlsAcceptor, TlsConnector};
+
+/// A TLS stream a server accepted over TCP.
+pub type ServerStream = tokio_rustls::server::TlsStream<tokio::net::TcpStream>;
+/// A TLS stream a client opened over TCP.
+pub type ClientStream = tokio_rustls::client::TlsStream<tokio::net::TcpStream>;
+
+/// The first byte of every TLS record that opens a connection (a handshake record). A server
+/// that peeks anything else was sent plain text (`http://` or `ws://` to a TLS port).
+pub const HANDSHAKE_RECORD: u8 = 0x16;
+
+/// A PEM file and the setting that named it (`http.tls.certFile`, `--ca-file`, …).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PemFile {
+    /// The file.
+    pub path: PathBuf,
+    /// The configuration key or flag that named it, for messages.
+    pub key: &'static str,
+}
+
+impl PemFile {
+    /// `path`, named by `key`.
+    pub fn new(path: impl Into<PathBuf>, key: &'static str) -> Self {
+        Self {
+            path: path.into(),
+            key,
+        }
+    }
+
+    fn read(&self) -> Result<Vec<u8>, TlsError> {
+        std::fs::read(&self.path).map_err(|source| TlsError::Read {
+            key: self.key,
+            path: self.path.clone(),
+            source,
+        })
+    }
+
+    fn invalid(&self, why: impl std::fmt::Display) -> TlsError {
+        TlsError::Invalid {
+            key: self.key,
+            path: self.path.clone(),
+            why: why.to_string(),
+        }
+    }
+}
+
+/// Why TLS material could not be loaded. Every message names the setting and the file.
+#[derive(Debug, thiserror::Error)]
+pub enum TlsError {
+    /// The file could not be read.
+    #[error("{key}: cannot read {}: {source}", path.display())]
+    Read {
+        /// The setting.
+        key: &'static str,
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        source: io::Error,
+    },
+    /// The file does not hold what the setting needs.
+    #[error("{key}: {}: {why}", path.display())]
+    Invalid {
+        /// The setting.
+        key: &'static str,
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        why: String,
+    },
+    /// The key is not the certificate's.
+    #[error("{key_key} ({}) is not the key of the certificate in {cert_key} ({})", key_path.display(), cert_path.display())]
+    Mismatch {
+        /// The certificate's setting.
+        cert_key: &'static str,
+        /// The certificate file.
+        cert_path: PathBuf,
+        /// The key's setting.
+        key_key: &'static str,
+        /// The key file.
+        key_path: PathBuf,
+    },
+    /// rustls refused the configuration (no protocol version in common with the provider).
+    #[error("TLS configuration: {0}")]
+    Config(String),
+}
+
+/// The one crypto provider every simlock TLS configuration uses.
+pub fn provider() -> Arc<CryptoProvider> {
+    static PROVIDER: OnceLock<Arc<CryptoProvider>> = OnceLock::new();
+    PROVIDER
+        .get_or_init(|| Arc::new(rustls::crypto::ring::default_provider()))
+        .clone()
+}
+
+/// Reads the certificates of a PEM file (at least one).
+///
+/// # Errors
+/// [`TlsError`] naming the file's setting.
+pub fn read_certificates(file: &PemFile) -> Result<Vec<CertificateDer<'static>>, TlsError> {
+    parse_certificates(file, &file.read()?)
+}
+
+fn parse_certificates(
+    file: &PemFile,
+    bytes: &[u8],
+) -> Result<Vec<CertificateDer<'static>>, TlsError> {
+    let certificates = CertificateDer::pem_slice_iter(bytes)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| file.invalid(format!("not PEM certificates: {e}")))?;
+    if certificates.is_empty() {
+        return Err(file.invalid("holds no PEM certificate (-----BEGIN CERTIFICATE-----)"));
+    }
+    Ok(certificates)
+}
+
+/// A certificate chain and its key, parsed and checked to belong together.
+fn certified_key(
+    cert: &PemFile,
+    cert_bytes: &[u8],
+    key: &PemFile,
+    key_bytes: &[u8],
+) -> Result<Arc<CertifiedKey>, TlsError> {
+    let chain = parse_certificates(cert, cert_bytes)?;
+    let private = PrivateKeyDer::from_pem_slice(key_bytes)
+        .map_err(|e| key.invalid(format!("no PEM private key: {e}")))?;
+    let signing = provider()
+        .key_provider
+        .load_private_key(private)
+        .map_err(|e| key.invalid(e))?;
+    let certified = CertifiedKey::new(chain, signing);
+    certified.keys_match().map_err(|error| match error {
+        rustls::Error::InconsistentKeys(_) => TlsError::Mismatch {
+            cert_key: cert.key,
+            cert_path: cert.path.clone(),
+            key_key: key.key,
+            key_path: key.path.clone(),
+        },
+        other => cert.invalid(other),
+    })?;
+    Ok(Arc::new(certified))
+}
+
+/// What a server serves: a certificate and key read from PEM files, read again at every new
+/// connection so that a replaced pair is served without a restart.
+#[derive(Debug, Clone)]
+pub struct ServerTls {
+    config: Arc<ServerConfig>,
+    resolver: Arc<ReloadingResolver>,
+}
+
+impl ServerTls {
+    /// Loads `cert` (the chain, leaf first) and `key`; both must load now.
+    ///
+    /// # Errors
+    /// [`TlsError`] naming the setting of the file that does not load.
+    pub fn load(cert: PemFile, key: PemFile) -> Result<Self, TlsError> {
+        let cert_bytes = cert.read()?;
+        let key_bytes = key.read()?;
+        let certified = certified_key(&cert, &cert_bytes, &key, &key_bytes)?;
+        let resolver = Arc::new(ReloadingResolver {
+            cert,
+            key,
+            state: Mutex::new(Served {
+                cert_bytes,
+                key_bytes,
+                certified,
+                refused: None,
+            }),
+        });
+        let mut config = ServerConfig::builder_with_provider(provider())
+            .with_safe_default_protocol_versions()
+            .map_err(|e| TlsError::Config(e.to_string()))?
+            .with_no_client_auth()
+            .with_cert_resolver(resolver.clone());
+        // The hosts speak HTTP/1.1 only (and WebSocket upgrades over it).
+        config.alpn_protocols = vec![b"http/1.1".to_vec()];
+        Ok(Self {
+            config: Arc::new(config),
+            resolver,
+        })
+    }
+
+    /// The acceptor for new connections.
+    pub fn acceptor(&self) -> TlsAcceptor {
+        TlsAcceptor::from(self.config.clone())
+    }
+
+    /// The rustls configuration.
+    pub fn config(&self) -> Arc<ServerConfig> {
+        self.config.clone()
+    }
+
+    /// The leaf certificate new connections are served now (after reading the files again).
+    pub fn current_certificate(&self) -> CertificateDer<'static> {
+        let certified = self.resolver.refresh();
+        certified
+            .cert
+            .first()
+            .cloned()
+            .unwrap_or_else(|| CertificateDer::from(Vec::new()))
+    }
+}
+
+/// The pair in service, and the bytes of a replacement that did not load (logged once).
+#[derive(Debug)]
+struct Served {
+    cert_bytes: Vec<u8>,
+    key_bytes: Vec<u8>,
+    certified: Arc<CertifiedKey>,
+    refused: Option<(Vec<u8>, Vec<u8>)>,
+}
+
+#[derive(Debug)]
+struct ReloadingResolver {
+    cert: PemFile,
+    key: PemFile,
+    state: Mutex<Served>,
+}
+
+impl ReloadingResolver {
+    /// Reads both files; a changed pair that loads replaces the one in service.
+    fn refresh(&self) -> Arc<CertifiedKey> {
+        let read = self.cert.read().and_then(|c| Ok((c, self.key.read()?)));
+        let mut state = self.state.lock();
+        let (cert_bytes, key_bytes) = match read {
+            Ok(pair) => pair,
+            Err(error) => {
+                // A file being replaced can be missing for a moment: keep serving.
+                warn!(%error, "TLS certificate not re-read; the one in service stays");
+                return state.certified.clone();
+            }
+        };
+        if cert_bytes == state.cert_bytes && key_bytes == state.key_bytes {
+            return state.certified.clone();
+        }
+        let seen = state
+            .refused
+            .as_ref()
+            .is_some_and(|(c, k)| *c == cert_bytes && *k == key_bytes);
+        if seen {
+            return state.certified.clone();
+        }
+        match certified_key(&self.cert, &cert_bytes, &self.key, &key_bytes) {
+            Ok(certified) => {
+                info!(cert = %self.cert.path.display(), "TLS certificate reloaded");
+                *state = Served {
+                    cert_bytes,
+                    key_bytes,
+                    certified,
+                    refused: None,
+                };
+            }
+            Err(error) => {
+                // Half of a rotation (a new certificate before its key) lands here too.
+                warn!(%error, "TLS certificate changed but does not load; the one in service stays");
+                state.refused = Some((cert_bytes, key_bytes));
+            }
+        }
+        state.certified.clone()
+    }
+}
+
+impl ResolvesServerCert for ReloadingResolver {
+    fn resolve(&self, _hello: ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
+        Some(self.refresh())
+    }
+}
+
+/// The platform's trusted roots, read once per process. Certificates the platform store holds
+/// but rustls cannot read are skipped (and logged once).
+fn platform_roots() -> Arc<Vec<CertificateDer<'static>>> {
+    static ROOTS: OnceLock<Arc<Vec<CertificateDer<'static>>>> = OnceLock::new();
+    ROOTS
+        .get_or_init(|| {
+            let found = rustls_native_certs::load_native_certs();
+            for error in &found.errors {
+                warn!(%error, "a platform root certificate could not be read");
+            }
+            Arc::new(found.certs)
+        })
+        .clone()
+}
+
+/// A client configuration trusting the platform's roots plus every certificate in `ca_file`.
+///
+/// # Errors
+/// [`TlsError`] when the CA file cannot be read or holds no certificate rustls accepts as a
+/// root.
+pub fn client_config(ca_file: Option<&PemFile>) -> Result<Arc<ClientConfig>, TlsError> {
+    let mut roots = RootCertStore::empty();
+    let (_, _) = roots.add_parsable_certificates(platform_roots().iter().cloned());
+    if let Some(file) = ca_file {
+        for certificate in read_certificates(file)? {
+            roots
+                .add(certificate)
+                .map_err(|e| file.invalid(format!("not a CA certificate rustls accepts: {e}")))?;
+        }
+    }
+    let config = ClientConfig::builder_with_provider(provider())
+        .with_safe_default_protocol_versions()
+        .map_err(|e| TlsError::Config(e.to_string()))?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    Ok(Arc::new(config))
+}
+
+/// The name a client checks the server's certificate against: the URL's host (an IP address
+/// checks against the certificate's IP addresses).
+///
+/// # Errors
+/// A description when `host` is neither a DNS name nor an IP address.
+pub fn server_name(host: &str) -> Result<ServerName<'static>, String> {
+    // A URL writes an IPv6 address in brackets.
+    let bare = host
+        .strip_prefix('[')
+        .and_then(|h| h.strip_suffix(']'))
+        .unwrap_or(host);
+    ServerName::try_from(bare.to_owned()).map_err(|e| format!("{host:?} is not a host name: {e}"))
+}
+
+/// Why a TLS handshake failed, by cause.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TlsFailure {
+    /// The peer's certificate chains to no root the client trusts.
+    Untrusted,
+    /// The certificate does not cover the host the client dialled.
+    NameMismatch {
+        /// The host dialled.
+        host: String,
+        /// The names the certificate covers, when rustls reports them.
+        presented: Vec<String>,
+    },
+    /// The certificate has expired or is not valid yet.
+    Expired(String),
+    /// The peer answered something that is not TLS (a plain HTTP server on that port).
+    NotTls,
+    /// Anything else (the rustls error, or the I/O error in the handshake).
+    Other(String),
+}
+
+impl std::fmt::Display for TlsFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Untrusted => write!(f, "the certificate is not signed by a trusted CA"),
+            Self::NameMismatch { host, presented } if presented.is_empty() => {
+                write!(f, "the certificate is not valid for {host}")
+            }
+            Self::NameMismatch { host, presented } => write!(
+                f,
+                "the certificate is not valid for {host} (it names {})",
+                presented.join(", ")
+            ),
+            Self::Expired(why) => write!(f, "the certificate is out of its validity: {why}"),
+            Self::NotTls => write!(f, "the server does not speak TLS on this port"),
+            Self::Other(why) => write!(f, "{why}"),
+        }
+    }
+}
+
+/// Reads a failed client handshake (`TlsConnector::connect`'s error) against `host` by cause.
+pub fn classify(error: &io::Error, host: &str) -> TlsFailure {
+    let Some(rustls_error) = error
+        .get_ref()
+        .and_then(|inner| inner.downcast_ref::<rustls::Error>())
+    else {
+        return match error.kind() {
+            // A plain server that does not answer a ClientHello closes or resets.
+            io::ErrorKind::UnexpectedEof => TlsFailure::Other(format!(
+                "the server closed the connection during the TLS handshake ({error}); it may not speak TLS on this port"
+            )),
+            _ => TlsFailure::Other(error.to_string()),
+        };
+    };
+    classify_rustls(rustls_error, host)
+}
+
+/// The TLS failure somewhere in `error`'s source chain (a client library's connect error wraps
+/// the handshake's), read by cause; `None` when the chain holds none.
+pub fn find_failure(error: &(dyn std::error::Error + 'static), host: &str) -> Option<TlsFailure> {
+    let mut next = Some(error);
+    while let Some(current) = next {
+        if let Some(rustls_error) = current.downcast_ref::<rustls::Error>() {
+            return Some(classify_rustls(rustls_error, host));
+        }
+        // An I/O error's `source` skips the error it wraps: look inside it first.
+        next = match current
+            .downcast_ref::<io::Error>()
+            .and_then(io::Error::get_ref)
+        {
+            Some(inner) => Some(inner as &(dyn std::error::Error + 'static)),
+            None => current.source(),
+        };
+    }
+    None
+}
+
+fn classify_rustls(error: &rustls::Error, host: &str) -> TlsFailure {
+    match error {
+        rustls::Error::InvalidCertificate(certificate) => match certificate {
+            CertificateError::UnknownIssuer | CertificateError::BadSignature => {
+                TlsFailure::Untrusted
+            }
+            CertificateError::NotValidForName => TlsFailure::NameMismatch {
+                host: host.to_owned(),
+                presented: Vec::new(),
+            },
+            CertificateError::NotValidForNameContext { presented, .. } => {
+                TlsFailure::NameMismatch {
+                    host: host.to_owned(),
+                    presented: presented.clone(),
+                }
+            }
+            CertificateError::Expired
+            | CertificateError::ExpiredContext { .. }
+            | CertificateError::NotValidYet
+            | CertificateError::NotValidYetContext { .. } => {
+                TlsFailure::Expired(certificate.to_string())
+            }
+            other => TlsFailure::Other(format!("invalid certificate: {other}")),
+        },
+        rustls::Error::InvalidMessage(
+            InvalidMessage::InvalidContentType
+            | InvalidMessage::UnknownProtocolVersion
+            | InvalidMessage::MessageTooLarge,
+        ) => TlsFailure::NotTls,
+        other => TlsFailure::Other(other.to_string()),
+    }
+}
+
+#[cfg(any(test, feature = "test-util"))]
+pub mod testing;
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,249 @@
+//! Handshakes over in-memory pipes with certificates made here.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::path::Path;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use super::testing::{LeafFiles, TestCa};
+use super::*;
+
+fn server(files: &LeafFiles) -> ServerTls {
+    ServerTls::load(
+        PemFile::new(&files.cert, "http.tls.certFile"),
+        PemFile::new(&files.key, "http.tls.keyFile"),
+    )
+    .unwrap()
+}
+
+fn ca_file(ca: &TestCa, dir: &Path) -> PemFile {
+    PemFile::new(ca.write(&dir.join("ca.pem")), "gateway.caFile")
+}
+
+/// One handshake over a pipe: the client dials `host`; answers the leaf the server presented.
+/// The client resumes no earlier session (a resumed session shows the certificate it was first
+/// shown, not the one in service now).
+async fn handshake(
+    server: &ServerTls,
+    client: Arc<ClientConfig>,
+    host: &str,
+) -> Result<Vec<u8>, TlsFailure> {
+    let mut client = (*client).clone();
+    client.resumption = Resumption::disabled();
+    let client = Arc::new(client);
+    let (client_io, server_io) = tokio::io::duplex(64 * 1024);
+    let acceptor = server.acceptor();
+    let served = tokio::spawn(async move {
+        if let Ok(mut stream) = acceptor.accept(server_io).await {
+            let mut byte = [0u8; 1];
+            let _ = stream.read_exact(&mut byte).await;
+            let _ = stream.write_all(&byte).await;
+            let _ = stream.flush().await;
+        }
+    });
+    let connector = TlsConnector::from(client);
+    let dialled = connector
+        .connect(server_name(host).unwrap(), client_io)
+        .await;
+    let result = match dialled {
+        Ok(mut stream) => {
+            stream.write_all(b"x").await.unwrap();
+            let mut echo = [0u8; 1];
+            stream.read_exact(&mut echo).await.unwrap();
+            assert_eq!(&echo, b"x");
+            let (_, connection) = stream.get_ref();
+            Ok(connection.peer_certificates().unwrap()[0].to_vec())
+        }
+        Err(error) => Err(classify(&error, host)),
+    };
+    served.abort();
+    result
+}
+
+#[tokio::test]
+async fn a_client_trusting_the_ca_gets_the_servers_leaf() {
+    let dir = tempfile::tempdir().unwrap();
+    let ca = TestCa::new("simlock test CA");
+    let leaf = ca.leaf(&["localhost", "127.0.0.1"]);
+    let server = server(&leaf.write(dir.path()));
+    let client = client_config(Some(&ca_file(&ca, dir.path()))).unwrap();
+    for host in ["localhost", "127.0.0.1"] {
+        assert_eq!(
+            handshake(&server, client.clone(), host).await,
+            Ok(leaf.leaf_der())
+        );
+    }
+}
+
+#[tokio::test]
+async fn an_unknown_ca_and_a_wrong_name_are_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let ca = TestCa::new("simlock test CA");
+    let server = server(&ca.leaf(&["gateway.test"]).write(dir.path()));
+    // The platform's roots alone do not know a CA made here.
+    let platform_only = client_config(None).unwrap();
+    assert_eq!(
+        handshake(&server, platform_only, "gateway.test").await,
+        Err(TlsFailure::Untrusted)
+    );
+    let trusting = client_config(Some(&ca_file(&ca, dir.path()))).unwrap();
+    let Err(TlsFailure::NameMismatch { host, presented }) =
+        handshake(&server, trusting, "localhost").await
+    else {
+        panic!("a name mismatch");
+    };
+    assert_eq!(host, "localhost");
+    assert!(
+        presented.iter().any(|name| name.contains("gateway.test")),
+        "{presented:?}"
+    );
+}
+
+#[tokio::test]
+async fn a_plain_text_answer_is_not_tls() {
+    let (client_io, mut server_io) = tokio::io::duplex(64 * 1024);
+    tokio::spawn(async move {
+        let mut hello = [0u8; 5];
+        let _ = server_io.read_exact(&mut hello).await;
+        let _ = server_io
+            .write_all(b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\n\r\n")
+            .await;
+    });
+    let connector = TlsConnector::from(client_config(None).unwrap());
+    let error = connector
+        .connect(server_name("localhost").unwrap(), client_io)
+        .await
+        .unwrap_err();
+    assert_eq!(classify(&error, "localhost"), TlsFailure::NotTls);
+}
+
+#[test]
+fn files_that_do_not_load_are_named_by_their_setting() {
+    let dir = tempfile::tempdir().unwrap();
+    let ca = TestCa::new("simlock test CA");
+    let files = ca.leaf(&["localhost"]).write(dir.path());
+    let cert = PemFile::new(&files.cert, "http.tls.certFile");
+    let key = PemFile::new(&files.key, "http.tls.keyFile");
+    let missing = PemFile::new(dir.path().join("nope.pem"), "http.tls.certFile");
+
+    let error = ServerTls::load(missing.clone(), key.clone()).unwrap_err();
+    assert!(
+        matches!(
+            error,
+            TlsError::Read {
+                key: "http.tls.certFile",
+                ..
+            }
+        ),
+        "{error}"
+    );
+    assert!(error.to_string().contains("nope.pem"), "{error}");
+
+    let garbage = dir.path().join("garbage.pem");
+    std::fs::write(&garbage, "not a certificate").unwrap();
+    let error = ServerTls::load(PemFile::new(&garbage, "http.tls.certFile"), key.clone())
+        .unwrap_err()
+        .to_string();
+    assert!(error.starts_with("http.tls.certFile: "), "{error}");
+    assert!(error.contains("no PEM certificate"), "{error}");
+
+    // The certificate file holds no key.
+    let error = ServerTls::load(cert.clone(), PemFile::new(&files.cert, "http.tls.keyFile"))
+        .unwrap_err()
+        .to_string();
+    assert!(error.starts_with("http.tls.keyFile: "), "{error}");
+
+    // Another leaf's key.
+    let other = tempfile::tempdir().unwrap();
+    let other = ca.leaf(&["localhost"]).write(other.path());
+    let error = ServerTls::load(cert, PemFile::new(&other.key, "http.tls.keyFile")).unwrap_err();
+    assert!(matches!(error, TlsError::Mismatch { .. }), "{error}");
+    let text = error.to_string();
+    assert!(
+        text.contains("http.tls.keyFile") && text.contains("http.tls.certFile"),
+        "{text}"
+    );
+
+    let error = client_config(Some(&PemFile::new(
+        dir.path().join("nope.pem"),
+        "gateway.caFile",
+    )))
+    .unwrap_err()
+    .to_string();
+    assert!(error.starts_with("gateway.caFile: cannot read"), "{error}");
+    let error = client_config(Some(&PemFile::new(&garbage, "gateway.caFile")))
+        .unwrap_err()
+        .to_string();
+    assert!(error.starts_with("gateway.caFile: "), "{error}");
+}
+
+#[tokio::test]
+async fn a_rotated_pair_is_served_to_new_connections_and_half_a_rotation_is_not() {
+    let dir = tempfile::tempdir().unwrap();
+    let ca = TestCa::new("simlock test CA");
+    let first = ca.leaf(&["localhost"]);
+    let files = first.write(dir.path());
+    let server = server(&files);
+    let client = client_config(Some(&ca_file(&ca, dir.path()))).unwrap();
+    assert_eq!(
+        handshake(&server, client.clone(), "localhost").await,
+        Ok(first.leaf_der())
+    );
+
+    // The new certificate lands before its key: the old pair stays in service.
+    let second = ca.leaf(&["localhost"]);
+    std::fs::write(&files.cert, &second.cert_pem).unwrap();
+    assert_eq!(
+        handshake(&server, client.clone(), "localhost").await,
+        Ok(first.leaf_der())
+    );
+    assert_eq!(server.current_certificate().to_vec(), first.leaf_der());
+
+    // Then the key: the next connection gets the new certificate.
+    std::fs::write(&files.key, &second.key_pem).unwrap();
+    assert_eq!(
+        handshake(&server, client.clone(), "localhost").await,
+        Ok(second.leaf_der())
+    );
+    assert_eq!(server.current_certificate().to_vec(), second.leaf_der());
+
+    // A file missing for a moment keeps the pair in service.
+    std::fs::remove_file(&files.key).unwrap();
+    assert_eq!(
+        handshake(&server, client, "localhost").await,
+        Ok(second.leaf_der())
+    );
+}
+
+#[test]
+fn host_names_and_addresses_are_server_names() {
+    assert!(matches!(
+        server_name("localhost"),
+        Ok(ServerName::DnsName(_))
+    ));
+    assert!(matches!(
+        server_name("127.0.0.1"),
+        Ok(ServerName::IpAddress(_))
+    ));
+    assert!(matches!(server_name("[::1]"), Ok(ServerName::IpAddress(_))));
+    assert!(server_name("not a host").is_err());
+}
+
+#[test]
+fn a_failure_is_found_inside_the_errors_that_wrap_it() {
+    let rustls_error = rustls::Error::InvalidCertificate(CertificateError::UnknownIssuer);
+    let handshake = io::Error::new(io::ErrorKind::InvalidData, rustls_error);
+    // A connector's error wraps the handshake's I/O error, whose `source` skips what it wraps.
+    let connect = io::Error::other(handshake);
+    assert_eq!(
+        find_failure(&connect, "localhost"),
+        Some(TlsFailure::Untrusted)
+    );
+    let plain = io::Error::new(io::ErrorKind::ConnectionRefused, "refused");
+    assert_eq!(find_failure(&plain, "localhost"), None);
+    let eof = io::Error::new(io::ErrorKind::UnexpectedEof, "eof");
+    assert!(
+        matches!(classify(&eof, "h"), TlsFailure::Other(why) if why.contains("may not speak TLS"))
+    );
+}
