@@ -71,6 +71,14 @@ impl Gw {
         config: Config,
         tune: impl FnOnce(&mut simlock_fleet::FleetTiming),
     ) -> Self {
+        Self::start_customized(config, tune, |_| {}).await
+    }
+
+    async fn start_customized(
+        config: Config,
+        tune: impl FnOnce(&mut simlock_fleet::FleetTiming),
+        customize: impl FnOnce(&mut simlock_gateway::GatewayOptions),
+    ) -> Self {
         let clock = Arc::new(Shifted {
             base: TokioClock::system(),
             offset_ms: AtomicI64::new(0),
@@ -78,6 +86,7 @@ impl Gw {
         let shared: SharedClock = clock.clone();
         let fleet = TestFleet::start_customized(config, tune, |options| {
             options.agent_device_clock = Some(shared);
+            customize(options);
         })
         .await;
         Self {
@@ -89,22 +98,45 @@ impl Gw {
 
     /// Adds worker `n` with `config`, its agent-device an in-process fake (when enabled).
     async fn add(&mut self, config: Config) -> usize {
+        self.add_via(config, None).await
+    }
+
+    /// As [`Self::add`], the worker's uplink dialled through `cable` when given.
+    async fn add_via(&mut self, config: Config, cable: Option<&Cable>) -> usize {
         let n = self.fleet.workers.len();
         let fake = FakeAgentDevice::start(FakeOptions::default()).unwrap();
         let endpoint = agent_device_host::process::Endpoint {
             port: fake.port(),
             token: fake.token().to_owned(),
         };
+        let url = cable.map(|c| format!("ws://{}", c.addr));
         self.fleet
             .join_worker(
                 n,
                 config,
-                |options| options.agent_device_attach = Some(endpoint),
+                |options| {
+                    options.agent_device_attach = Some(endpoint);
+                    if let Some(url) = url {
+                        options.config.gateway.url = Some(url);
+                    }
+                },
                 true,
             )
             .await;
         self.fakes.push(fake);
         n
+    }
+
+    /// Waits until the gateway lists worker `n` as `connection`.
+    async fn wait_connection(&self, n: usize, connection: simlock_contract::model::Connection) {
+        let id = self.fleet.worker_id(n);
+        self.fleet
+            .wait_for(|views| {
+                views
+                    .iter()
+                    .any(|v| v.id == id && v.connection == connection)
+            })
+            .await;
     }
 
     fn base(&self) -> String {
@@ -1613,5 +1645,319 @@ async fn a_64_mib_upload_with_the_header_lands_on_the_leases_worker_with_its_sha
     assert_eq!(uploads[0].size, 64 * 1024 * 1024);
     assert_eq!(uploads[0].sha256, expected, "every byte intact");
     assert!(gw.fakes[0].uploads().is_empty());
+    gw.stop().await;
+}
+
+// === A disconnected worker and a gateway restart (issue 16) ===
+
+/// A TCP cable between a worker and the gateway that a test cuts and mends: cut, it closes every
+/// connection through it and refuses new ones (the worker sees its uplink drop and keeps
+/// redialling); mended, it carries them again.
+struct Cable {
+    addr: std::net::SocketAddr,
+    up: Arc<tokio::sync::watch::Sender<bool>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Cable {
+    async fn to(target: std::net::SocketAddr) -> Self {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let up = Arc::new(tokio::sync::watch::channel(true).0);
+        let watched = up.clone();
+        let task = tokio::spawn(async move {
+            while let Ok((mut inbound, _)) = listener.accept().await {
+                if !*watched.borrow() {
+                    continue;
+                }
+                let mut state = watched.subscribe();
+                tokio::spawn(async move {
+                    let Ok(mut outbound) = tokio::net::TcpStream::connect(target).await else {
+                        return;
+                    };
+                    tokio::select! {
+                        _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound) => {}
+                        _ = state.wait_for(|up| !*up) => {}
+                    }
+                });
+            }
+        });
+        Self { addr, up, task }
+    }
+
+    fn cut(&self) {
+        self.up.send_replace(false);
+    }
+
+    fn mend(&self) {
+        self.up.send_replace(true);
+    }
+}
+
+impl Drop for Cable {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// The device the fake of worker `n` lists: the one the worker leases.
+fn list_the_leased_device(gw: &Gw, n: usize) -> String {
+    let driver = gw.fleet.worker(n).worker.devices()[0]
+        .driver_device_id
+        .clone();
+    gw.fakes[n].set_devices(listed(&[(driver.as_str(), "emulator")]));
+    driver
+}
+
+/// Every call for `lease` while its worker is away: a command, a heartbeat, `devices`, an upload
+/// preflight, an artifact and diagnostics with the lease header. Each answers at once with the
+/// retriable disconnected reply (never an `UNAUTHORIZED` the CLI would allocate again on), and
+/// `devices` lists what it could read and names the lease it could not.
+async fn every_call_answers_retry(gw: &Gw, secret: &str, lease: &str) {
+    let http = Http::new();
+    let reason = agent_device_front::relay_link::HOLDER_DISCONNECTED;
+    let unavailable = format!("agent-device is not available on this simlock: {reason}");
+    for call in [
+        command_call("c", lease, "snapshot", json!({})),
+        lease_call("h", "lease.heartbeat", lease),
+    ] {
+        let answer = http.rpc(&gw.base(), secret, &call).await;
+        assert_eq!(answer.status, 503, "{answer:?}");
+        let data = &answer.json()["error"]["data"];
+        assert_eq!(data["code"], "UNAVAILABLE", "{answer:?}");
+        assert_eq!(data["message"], json!(unavailable));
+        assert_eq!(data["retriable"], json!(true));
+    }
+    let devices = http.rpc(&gw.base(), secret, &devices_call("d")).await;
+    assert_eq!(
+        devices.json()["result"]["data"],
+        json!({"devices": [], "unreadLeases": [
+            {"leaseId": lease, "reason": reason, "retriable": true}
+        ]}),
+        "{devices:?}"
+    );
+    for (method, route, body) in [
+        (Method::POST, "upload/preflight", preflight_body(b"app")),
+        (Method::GET, "artifacts/a1", String::new()),
+        (
+            Method::GET,
+            "sessions/s1/requests/r1/diagnostics",
+            String::new(),
+        ),
+    ] {
+        let answer = aux(gw, method, route, secret, Some(lease), body).await;
+        assert_eq!(answer.status, 503, "{route}: {answer:?}");
+        assert_eq!(answer.json()["error"], json!(unavailable), "{route}");
+        assert_eq!(answer.json()["retriable"], json!(true), "{route}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn while_the_uplink_is_down_the_lease_answers_retry_at_once_and_afterwards_its_device_serves()
+{
+    use simlock_contract::model::Connection;
+    // A relay deadline no test outlives: that every call answers shows none was waited out.
+    let mut gw = Gw::start_customized(
+        enabled_gateway(),
+        |_| {},
+        |options| options.relay_deadline = Some(Duration::from_secs(3600)),
+    )
+    .await;
+    let cable = Cable::to(gw.fleet.gateway().running.http_addr().unwrap()).await;
+    gw.add_via(worker(true, &[Platform::Android]), Some(&cable))
+        .await;
+    gw.wait_capable(0, true).await;
+    let (_, secret) = gw.token().await;
+    let http = Http::new();
+    let lease = allocate(&http, &gw, &secret).await;
+    let driver = list_the_leased_device(&gw, 0);
+    let opened = http
+        .rpc(
+            &gw.base(),
+            &secret,
+            &command_call("c1", &lease, "open", json!({})),
+        )
+        .await;
+    assert_eq!(opened.json()["result"]["ok"], json!(true), "{opened:?}");
+
+    cable.cut();
+    gw.wait_connection(0, Connection::Disconnected).await;
+    let seen = gw.fakes[0].requests().len();
+    every_call_answers_retry(&gw, &secret, &lease).await;
+    assert_eq!(
+        gw.fakes[0].requests().len(),
+        seen,
+        "nothing was relayed to the away worker"
+    );
+    assert_eq!(gw.leases().await.len(), 1, "the lease is not released");
+    assert!(gw.fleet.worker(0).worker.lease(&lease).is_some());
+
+    cable.mend();
+    gw.wait_connection(0, Connection::Connected).await;
+    let beat = http
+        .rpc(
+            &gw.base(),
+            &secret,
+            &lease_call("h2", "lease.heartbeat", &lease),
+        )
+        .await;
+    assert_eq!(beat.json()["result"]["ok"], json!(true), "{beat:?}");
+    assert_eq!(
+        received(&gw.fakes[0], "agent_device.lease.heartbeat").len(),
+        1,
+        "the heartbeat sent while away was answered, not held back and delivered late"
+    );
+    let snapshot = http
+        .rpc(
+            &gw.base(),
+            &secret,
+            &command_call("c3", &lease, "snapshot", json!({})),
+        )
+        .await;
+    assert_eq!(snapshot.json()["result"]["ok"], json!(true), "{snapshot:?}");
+    let commands = received(&gw.fakes[0], "agent_device.command");
+    assert_eq!(
+        commands.last().unwrap()["params"]["flags"]["serial"],
+        json!(driver)
+    );
+    let devices = http.rpc(&gw.base(), &secret, &devices_call("d2")).await;
+    let data = &devices.json()["result"]["data"];
+    assert_eq!(data["devices"][0]["id"], json!(driver), "{devices:?}");
+    assert_eq!(data.get("unreadLeases"), None, "every lease was read");
+    assert_eq!(gw.leases().await.len(), 1, "no other lease replaced it");
+    gw.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_away_past_the_ttl_ends_the_lease_by_host_when_it_returns_and_reclaims_the_device()
+{
+    use simlock_contract::model::Connection;
+    let mut config = enabled_gateway();
+    config.agent_device.lease_ttl_cap_ms = Some(5_000);
+    let mut gw = Gw::start(config).await;
+    let cable = Cable::to(gw.fleet.gateway().running.http_addr().unwrap()).await;
+    gw.add_via(worker(true, &[Platform::Android]), Some(&cable))
+        .await;
+    gw.wait_capable(0, true).await;
+    let (_, secret) = gw.token().await;
+    let http = Http::new();
+    let lease = allocate(&http, &gw, &secret).await;
+    let mut events = gw.fleet.worker(0).running.base.bus.follow();
+    cable.cut();
+    gw.wait_connection(0, Connection::Disconnected).await;
+    // The worker's own clock ends the lease while it is away, and takes its device back.
+    loop {
+        let event = tokio::time::timeout(PATIENCE, events.recv())
+            .await
+            .unwrap()
+            .unwrap();
+        if event.event == "device.reclaimed" {
+            break;
+        }
+    }
+    assert!(gw.fleet.worker(0).worker.lease(&lease).is_none());
+    cable.mend();
+    gw.wait_connection(0, Connection::Connected).await;
+    gw.fleet
+        .wait_until(|fleet| fleet.lease(&lease).is_none())
+        .await;
+    let beat = http
+        .rpc(
+            &gw.base(),
+            &secret,
+            &lease_call("h1", "lease.heartbeat", &lease),
+        )
+        .await;
+    assert_eq!(beat.status, 401, "{beat:?}");
+    assert_eq!(
+        beat.json()["error"]["data"]["details"]["reason"],
+        "LEASE_ENDED_BY_HOST",
+        "{beat:?}"
+    );
+    gw.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_gateway_restart_its_leases_answer_retry_until_their_worker_is_back_then_serve_their_owners_only()
+ {
+    use simlock_contract::model::Connection;
+    let mut gw = Gw::start(enabled_gateway()).await;
+    let cable = Cable::to(gw.fleet.gateway().running.http_addr().unwrap()).await;
+    gw.add_via(worker(true, &[Platform::Android]), Some(&cable))
+        .await;
+    gw.wait_capable(0, true).await;
+    let (_, alice) = gw.token().await;
+    let (_, bob) = gw.token().await;
+    let http = Http::new();
+    let lease = allocate(&http, &gw, &alice).await;
+    let driver = list_the_leased_device(&gw, 0);
+
+    // The worker stays away while the gateway restarts on the same home.
+    cable.cut();
+    gw.wait_connection(0, Connection::Disconnected).await;
+    gw.fleet.restart_gateway(enabled_gateway()).await;
+    every_call_answers_retry(&gw, &alice, &lease).await;
+    let not_yours = format!("refused: lease {lease} is not one of yours on this gateway");
+    let refused = http
+        .rpc(
+            &gw.base(),
+            &bob,
+            &command_call("b1", &lease, "snapshot", json!({})),
+        )
+        .await;
+    assert_eq!(refused.status, 403, "{refused:?}");
+    assert_eq!(message(&refused), not_yours);
+    let bobs = http.rpc(&gw.base(), &bob, &devices_call("bd")).await;
+    assert_eq!(bobs.json()["result"]["data"], json!({"devices": []}));
+
+    // Back within one view refresh of its reconnection: placed, owner-checked and relayed.
+    cable.mend();
+    gw.fleet
+        .wait_until(|fleet| fleet.lease(&lease).is_some())
+        .await;
+    let beat = http
+        .rpc(
+            &gw.base(),
+            &alice,
+            &lease_call("h1", "lease.heartbeat", &lease),
+        )
+        .await;
+    assert_eq!(beat.json()["result"]["ok"], json!(true), "{beat:?}");
+    let snapshot = http
+        .rpc(
+            &gw.base(),
+            &alice,
+            &command_call("c1", &lease, "snapshot", json!({})),
+        )
+        .await;
+    assert_eq!(snapshot.json()["result"]["ok"], json!(true), "{snapshot:?}");
+    let commands = received(&gw.fakes[0], "agent_device.command");
+    assert_eq!(
+        commands.last().unwrap()["params"]["flags"]["serial"],
+        json!(driver)
+    );
+    let devices = http.rpc(&gw.base(), &alice, &devices_call("d1")).await;
+    assert_eq!(
+        devices.json()["result"]["data"]["devices"][0]["id"],
+        json!(driver),
+        "{devices:?}"
+    );
+    let refused = http
+        .rpc(
+            &gw.base(),
+            &bob,
+            &command_call("b2", &lease, "snapshot", json!({})),
+        )
+        .await;
+    assert_eq!(message(&refused), not_yours);
+    let released = http
+        .rpc(
+            &gw.base(),
+            &alice,
+            &lease_call("r1", "lease.release", &lease),
+        )
+        .await;
+    assert_eq!(released.json()["result"]["ok"], json!(true), "{released:?}");
+    gw.fleet.wait_until(|fleet| fleet.lease_count() == 0).await;
     gw.stop().await;
 }
