@@ -742,6 +742,66 @@ mod tests {
         assert!(link.held(&owner).is_empty(), "a dropped lease is not held");
     }
 
+    /// A fleet whose relays take an hour: any that is tried shows on a paused clock.
+    struct Slow(Fleet);
+
+    impl FleetPort for Slow {
+        fn placement(&self, lease: &LeaseId) -> Option<Placement> {
+            self.0.placement(lease)
+        }
+        fn device(&self, lease: &LeaseId) -> Option<RecoveredLease> {
+            self.0.device(lease)
+        }
+        fn capable_workers(&self) -> Vec<WorkerFacts> {
+            self.0.capable_workers()
+        }
+        fn worker(&self, id: &str) -> Option<WorkerFacts> {
+            self.0.worker(id)
+        }
+        fn relay(
+            &self,
+            _: &str,
+            _: Request<Body>,
+            _: &Tenant,
+            _: Option<&LeaseId>,
+        ) -> BoxFuture<'static, Result<Response<Body>, RelayFailure>> {
+            async {
+                tokio::time::sleep(Duration::from_secs(3600)).await;
+                Err(RelayFailure {
+                    message: "the relay's deadline passed".into(),
+                })
+            }
+            .boxed()
+        }
+        fn gateway_id(&self) -> String {
+            self.0.gateway_id()
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_lease_whose_worker_is_disconnected_is_answered_with_no_time_passing() {
+        let fleet = Slow(Fleet {
+            placement: Mutex::new(Some(placement("w2", "tok_a"))),
+            workers: vec![WorkerFacts {
+                connected: false,
+                serves: false,
+                ..worker("w2", &[Platform::Android], true)
+            }],
+        });
+        let link = RelayHostLink::new(Arc::new(fleet), Duration::from_secs(60), clock());
+        let start = tokio::time::Instant::now();
+        let answer = link
+            .forward(
+                Request::new(crate::body::empty()),
+                Some(&caller("tok_a")),
+                Some(&lease()),
+            )
+            .await
+            .unwrap_err();
+        assert_eq!(answer, crate::port::holder_away());
+        assert_eq!(tokio::time::Instant::now(), start, "no relay was tried");
+    }
+
     #[tokio::test]
     async fn an_indexed_lease_is_recovered_with_its_device_and_away_while_its_worker_is() {
         let l = lease();

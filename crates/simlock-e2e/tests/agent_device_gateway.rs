@@ -1961,3 +1961,66 @@ async fn after_a_gateway_restart_its_leases_answer_retry_until_their_worker_is_b
     gw.fleet.wait_until(|fleet| fleet.lease_count() == 0).await;
     gw.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_published_cli_session_survives_its_workers_uplink_drop_without_allocating_again() {
+    use simlock_contract::model::Connection;
+    use simlock_e2e::agent_device::{Cli, real_package};
+    let pkg = real_package();
+    let mut gw = Gw::start(enabled_gateway()).await;
+    let cable = Cable::to(gw.fleet.gateway().running.http_addr().unwrap()).await;
+    gw.add_via(worker(true, &[Platform::Android]), Some(&cable))
+        .await;
+    gw.wait_capable(0, true).await;
+    let (_, secret) = gw.token().await;
+    let cli = Cli::new(&pkg, &gw.base(), &secret);
+    let profile = cli.profile("android");
+    let connect = cli
+        .run(&["connect", "--remote-config", profile.to_str().unwrap()])
+        .await;
+    assert_eq!(connect.json["success"], json!(true), "{connect:?}");
+    // The first command allocates.
+    let _ = cli.run(&["devices"]).await;
+    list_the_leased_device(&gw, 0);
+    let before = cli.run(&["snapshot"]).await;
+    assert_eq!(before.json["success"], json!(true), "{before:?}");
+    let simlock_lease = gw.leases().await[0]["id"].clone();
+    // The lease as the worker's agent-device knows it.
+    let lease = received(&gw.fakes[0], "agent_device.command")[0]["params"]["meta"]["leaseId"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+
+    cable.cut();
+    gw.wait_connection(0, Connection::Disconnected).await;
+    let away = cli.run(&["snapshot"]).await;
+    assert_eq!(away.json["success"], json!(false), "{away:?}");
+    let shown = format!("{}{}", away.stdout, away.stderr);
+    assert!(
+        shown.contains(agent_device_front::relay_link::HOLDER_DISCONNECTED),
+        "the CLI shows why: {away:?}"
+    );
+
+    cable.mend();
+    gw.wait_connection(0, Connection::Connected).await;
+    let after = cli.run(&["snapshot"]).await;
+    assert_eq!(after.json["success"], json!(true), "{after:?}");
+    let leases = gw.leases().await;
+    assert_eq!(leases.len(), 1, "{leases:?}");
+    assert_eq!(
+        leases[0]["id"], simlock_lease,
+        "the same lease after the drop"
+    );
+    assert_eq!(
+        received(&gw.fakes[0], "agent_device.lease.allocate").len(),
+        1,
+        "the CLI never allocated again"
+    );
+    let sent = received(&gw.fakes[0], "agent_device.command");
+    assert!(sent.len() >= 3, "{sent:?}");
+    for sent in sent {
+        assert_eq!(sent["params"]["meta"]["leaseId"], json!(lease), "{sent}");
+    }
+    let _ = cli.run(&["disconnect"]).await;
+    gw.stop().await;
+}
