@@ -73,22 +73,7 @@ impl Worker {
         if http {
             command.args(["--http", "--port", "0"]);
         }
-        let mut child = command.spawn().unwrap();
-        let stdout = child.stdout.take().unwrap();
-        // The ready line names the HTTP address; the reader thread ends with the process.
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            let mut lines = BufReader::new(stdout).lines();
-            if let Some(Ok(line)) = lines.next() {
-                let _ = tx.send(line);
-            }
-            for _ in lines {}
-        });
-        let line = rx
-            .recv_timeout(PATIENCE)
-            .expect("the worker printed its ready line");
-        let ready: Value = serde_json::from_str(&line).unwrap();
-        assert_eq!(ready["ready"], "worker");
+        let (child, ready) = spawn_ready(&mut command, "worker");
         Self {
             child,
             home,
@@ -114,6 +99,29 @@ impl Drop for Worker {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// Starts a daemon whose stdout is piped and reads its JSON ready line (bounded); the reader
+/// thread ends with the process.
+fn spawn_ready(command: &mut Command, role: &str) -> (Child, Value) {
+    let mut child = command.spawn().unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut lines = BufReader::new(stdout).lines();
+        if let Some(Ok(line)) = lines.next() {
+            let _ = tx.send(line);
+        }
+        for _ in lines {}
+    });
+    let Ok(line) = rx.recv_timeout(PATIENCE) else {
+        let _ = child.kill();
+        let _ = child.wait();
+        panic!("the {role} printed no ready line within {PATIENCE:?}");
+    };
+    let ready: Value = serde_json::from_str(&line).unwrap();
+    assert_eq!(ready["ready"], role, "{line}");
+    (child, ready)
 }
 
 struct Cli {
@@ -976,4 +984,398 @@ fn no_agent_device_daemon_outlives_its_worker_stopped_or_killed_and_restarted() 
         agent_device_pids(worker.home.path()).is_empty(),
         "nothing is left recorded"
     );
+}
+
+/// A gateway process on a home the test keeps, so that it can be killed and started again on it.
+struct Gateway {
+    child: Child,
+    http: String,
+}
+
+impl Gateway {
+    /// Starts `simlock-gateway` on `home`, HTTP on `port` (0 picks one), agent-device on.
+    fn start(home: &Path, port: u16) -> Self {
+        let mut command = Command::new(bin("simlock-gateway"));
+        command
+            .arg("--home")
+            .arg(home)
+            .args(["--port", &port.to_string()])
+            .args(["--set", "agentDevice.enabled=true"])
+            .env("SIMLOCK_LOG", "warn")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit());
+        let (child, ready) = spawn_ready(&mut command, "gateway");
+        Self {
+            child,
+            http: ready["http"].as_str().unwrap().to_owned(),
+        }
+    }
+
+    fn port(&self) -> u16 {
+        self.http.rsplit_once(':').unwrap().1.parse().unwrap()
+    }
+}
+
+impl Drop for Gateway {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A worker whose agent-device daemon is stopped with it whatever happens: dropping it kills
+/// the worker, then any daemon it recorded that still runs (a killed worker leaves its daemon).
+struct AgentDeviceWorker(Worker);
+
+impl Drop for AgentDeviceWorker {
+    fn drop(&mut self) {
+        let _ = self.0.child.kill();
+        let _ = self.0.child.wait();
+        for daemon in agent_device_pids(self.0.home.path()) {
+            if agent_device_host::process::is_alive(&daemon) {
+                let _ = Command::new("kill")
+                    .args(["-9", &daemon.pid.to_string()])
+                    .status();
+            }
+        }
+    }
+}
+
+/// Polls `probe` (each poll a real call to another process) until it answers `Some`, at most
+/// [`PATIENCE`]; `probe` also says what it last saw, for the failure.
+#[allow(
+    clippy::disallowed_methods,
+    reason = "a bound on polling another process, not a timing assertion"
+)]
+fn poll<T>(what: &str, mut probe: impl FnMut() -> Result<T, String>) -> T {
+    let deadline = std::time::Instant::now() + PATIENCE;
+    loop {
+        match probe() {
+            Ok(found) => return found,
+            Err(seen) => assert!(
+                std::time::Instant::now() < deadline,
+                "timed out waiting for {what}; last seen: {seen}"
+            ),
+        }
+        std::thread::yield_now();
+    }
+}
+
+/// The gateway's one worker, once it is connected with agent-device available and its catalog
+/// read (what the front needs to place an allocate there).
+fn serving_worker(gateway_home: &Path) -> Result<Value, String> {
+    let listed = run_cli(gateway_home, &["workers"], &[]);
+    let workers = listed.json["workers"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    match workers.as_slice() {
+        [worker]
+            if worker["connection"] == "connected"
+                && agent_device_available(worker)
+                && worker["catalogReadAt"].is_i64() =>
+        {
+            Ok(worker.clone())
+        }
+        _ => Err(format!("{} {}", listed.json, listed.stderr)),
+    }
+}
+
+/// Every lease the gateway's index has (`GET /v1/leases` with an operator token).
+fn gateway_leases(gateway: &str, operator: &str) -> Vec<Value> {
+    let (status, body) = http(gateway, "GET", "/v1/leases", Some(operator), &[], None);
+    assert_eq!(status, 200, "{body}");
+    serde_json::from_str::<Value>(&body).unwrap()["leases"]
+        .as_array()
+        .cloned()
+        .unwrap()
+}
+
+/// One JSON-RPC call to the gateway's `/v1/agent-device/rpc`, as the CLI sends it.
+fn agent_device_rpc(gateway: &str, token: &str, call: &Value) -> (u16, Value) {
+    let (status, body) = http(
+        gateway,
+        "POST",
+        "/v1/agent-device/rpc",
+        Some(token),
+        &[
+            ("content-type", "application/json"),
+            ("x-agent-device-token", token),
+        ],
+        Some(call),
+    );
+    (status, serde_json::from_str(&body).unwrap_or(Value::Null))
+}
+
+fn ad_lease_call(id: &str, method: &str, lease: &str) -> Value {
+    simlock_e2e::agent_device::rpc_call(
+        id,
+        method,
+        json!({"session": "s1", "tenantId": "acme", "runId": "run1", "leaseId": lease}),
+    )
+}
+
+fn ad_command_call(id: &str, lease: &str, command: &str) -> Value {
+    simlock_e2e::agent_device::rpc_call(
+        id,
+        "command",
+        json!({"session": "s1", "command": command, "positionals": [],
+            "flags": {"leaseId": lease, "runId": "run1", "tenant": "acme", "platform": "android"},
+            "meta": {"leaseId": lease, "runId": "run1", "tenantId": "acme", "requestId": id}}),
+    )
+}
+
+/// The fake agent-device's address (its control API is beside its RPC), from the `daemon.json`
+/// it wrote in the worker's home.
+fn fake_daemon(worker_home: &Path) -> String {
+    let info = std::fs::read_to_string(worker_home.join("agent-device").join("daemon.json"))
+        .expect("the fake daemon wrote its daemon.json");
+    let info: Value = serde_json::from_str(&info).unwrap();
+    format!("127.0.0.1:{}", info["httpPort"].as_u64().unwrap())
+}
+
+/// `GET /__fake/<what>` on the fake daemon.
+fn fake_read(daemon: &str, what: &str) -> Value {
+    let (status, body) = http(daemon, "GET", &format!("/__fake/{what}"), None, &[], None);
+    assert_eq!(status, 200, "{body}");
+    serde_json::from_str(&body).unwrap()
+}
+
+#[test]
+fn agent_device_leases_through_a_gateway_killed_with_sigkill_work_again_for_their_owners_only() {
+    if !enabled() {
+        return;
+    }
+    let gateway_home = tempfile::tempdir().unwrap();
+    let gateway = Gateway::start(gateway_home.path(), 0);
+    let token = |role: &str| {
+        let created = run_cli(
+            gateway_home.path(),
+            &["token", "create", "--role", role],
+            &[],
+        );
+        assert_eq!(created.code, 0, "{}", created.stderr);
+        created.json["secret"].as_str().unwrap().to_owned()
+    };
+    let (join, operator, alice, bob) = (
+        token("worker"),
+        token("operator"),
+        token("agent"),
+        token("agent"),
+    );
+    let fake = bin("agent-device-fake").display().to_string();
+    let config = format!(
+        "{}\n[gateway]\nurl = \"ws://{}\"\ntoken = \"{join}\"\n[agentDevice]\nenabled = true\ncommand = {}\n",
+        fixed(1),
+        gateway.http,
+        serde_json::to_string(&[fake]).unwrap()
+    );
+    let worker = AgentDeviceWorker(Worker::start(&config, false));
+    // The worker may dial in before its daemon is up; the gateway then sees agent-device
+    // available at its next view refresh (up to 30 s): a capability's change asks for none.
+    let view = poll(
+        "the worker to serve agent-device through the gateway",
+        || serving_worker(gateway_home.path()),
+    );
+    let worker_id = view["id"].as_str().unwrap().to_owned();
+
+    // Alice allocates through the gateway and opens a session on the leased device.
+    let (status, allocated) = agent_device_rpc(
+        &gateway.http,
+        &alice,
+        &simlock_e2e::agent_device::rpc_call(
+            "a1",
+            "lease.allocate",
+            json!({"session": "s1", "tenantId": "acme", "runId": "run1", "backend": "android-instance"}),
+        ),
+    );
+    assert_eq!(status, 200, "{allocated}");
+    let lease = allocated["result"]["data"]["lease"]["leaseId"]
+        .as_str()
+        .unwrap_or_else(|| panic!("an allocated lease: {allocated}"))
+        .to_owned();
+    let before = gateway_leases(&gateway.http, &operator);
+    assert_eq!(before.len(), 1, "{before:?}");
+    assert_eq!(before[0]["id"], lease.as_str());
+    assert_eq!(before[0]["workerId"], worker_id.as_str());
+    let device = before[0]["deviceId"].clone();
+    // agent-device holds one lease (under its own id) on the leased device.
+    let only_lease = |leases: Value| match leases.as_array().map(Vec::as_slice) {
+        Some([one]) => one.clone(),
+        _ => panic!("agent-device holds one lease: {leases}"),
+    };
+    let daemon = fake_daemon(worker.0.home.path());
+    let held = only_lease(fake_read(&daemon, "leases"));
+    let driver = held["deviceKey"]
+        .as_str()
+        .and_then(|key| key.strip_prefix("local:android:none:"))
+        .unwrap_or_else(|| panic!("an Android device key: {held}"))
+        .to_owned();
+    // The fake lists the worker's device, so that `open` finds the serial simlock sends.
+    let emulator = agent_device_fake::Device::android_emulator(&driver, "Pixel");
+    let (status, body) = http(
+        &daemon,
+        "PUT",
+        "/__fake/devices",
+        None,
+        &[("content-type", "application/json")],
+        Some(&json!({"list": [emulator]})),
+    );
+    assert_eq!(status, 200, "{body}");
+    let (status, opened) = agent_device_rpc(
+        &gateway.http,
+        &alice,
+        &ad_command_call("c1", &lease, "open"),
+    );
+    assert_eq!(status, 200, "{opened}");
+    assert_eq!(opened["result"]["ok"], json!(true), "{opened}");
+    let sessions = fake_read(&daemon, "sessions");
+    assert_eq!(sessions[0]["device"]["id"], driver.as_str(), "{sessions}");
+
+    // The worker is held still, so that the restarted gateway sees it away; the gateway dies.
+    let worker_pid = worker.0.child.id().to_string();
+    assert!(
+        Command::new("kill")
+            .args(["-STOP", &worker_pid])
+            .status()
+            .unwrap()
+            .success()
+    );
+    let port = gateway.port();
+    drop(gateway); // SIGKILL
+    let gateway = Gateway::start(gateway_home.path(), port);
+    assert_eq!(gateway.port(), port);
+    // Until its worker is back, the lease is its owner's and away: retry, not "not yours", and
+    // never an ended lease.
+    let (status, away) = agent_device_rpc(
+        &gateway.http,
+        &alice,
+        &ad_lease_call("h0", "lease.heartbeat", &lease),
+    );
+    assert_eq!(status, 503, "{away}");
+    assert_eq!(
+        away["error"]["data"]["message"],
+        "agent-device is not available on this simlock: the worker holding this lease is disconnected; retry",
+        "{away}"
+    );
+    assert_eq!(away["error"]["data"]["retriable"], json!(true), "{away}");
+    assert_eq!(away["error"]["data"]["code"], "UNAVAILABLE", "{away}");
+    let not_yours = format!("refused: lease {lease} is not one of yours on this gateway");
+    let (status, refused) = agent_device_rpc(
+        &gateway.http,
+        &bob,
+        &ad_command_call("b0", &lease, "snapshot"),
+    );
+    assert_eq!(status, 403, "{refused}");
+    assert_eq!(refused["error"]["data"]["message"], not_yours.as_str());
+    assert!(
+        Command::new("kill")
+            .args(["-CONT", &worker_pid])
+            .status()
+            .unwrap()
+            .success()
+    );
+
+    // The worker reconnects and reports its leases: the same lease, on the same worker.
+    poll("the worker back, its lease indexed", || {
+        let view = serving_worker(gateway_home.path())?;
+        let leases = gateway_leases(&gateway.http, &operator);
+        if view["id"] == worker_id.as_str()
+            && leases.len() == 1
+            && leases[0]["id"] == lease.as_str()
+            && leases[0]["workerId"] == worker_id.as_str()
+            && leases[0]["ownerId"] == before[0]["ownerId"]
+            && leases[0]["deviceId"] == device
+        {
+            Ok(())
+        } else {
+            Err(format!("{view} {leases:?}"))
+        }
+    });
+    let (status, beat) = agent_device_rpc(
+        &gateway.http,
+        &alice,
+        &ad_lease_call("h1", "lease.heartbeat", &lease),
+    );
+    assert_eq!(status, 200, "{beat}");
+    assert_eq!(beat["result"]["ok"], json!(true), "{beat}");
+    let (status, snapshot) = agent_device_rpc(
+        &gateway.http,
+        &alice,
+        &ad_command_call("c2", &lease, "snapshot"),
+    );
+    assert_eq!(status, 200, "{snapshot}");
+    assert_eq!(snapshot["result"]["ok"], json!(true), "{snapshot}");
+    // Both reached the same agent-device lease and session on the same device.
+    let after = only_lease(fake_read(&daemon, "leases"));
+    assert_eq!(after["leaseId"], held["leaseId"]);
+    assert_eq!(after["deviceKey"], held["deviceKey"]);
+    assert_eq!(
+        after["heartbeats"].as_u64().unwrap(),
+        held["heartbeats"].as_u64().unwrap() + 1,
+        "the heartbeat reached it: {after}"
+    );
+    assert_eq!(fake_read(&daemon, "sessions"), sessions, "the same session");
+    let (status, refused) = agent_device_rpc(
+        &gateway.http,
+        &bob,
+        &ad_command_call("b1", &lease, "snapshot"),
+    );
+    assert_eq!(status, 403, "{refused}");
+    assert_eq!(refused["error"]["data"]["message"], not_yours.as_str());
+    let (status, refused) = agent_device_rpc(
+        &gateway.http,
+        &bob,
+        &ad_lease_call("b2", "lease.heartbeat", &lease),
+    );
+    assert_eq!(status, 403, "{refused}");
+    assert_eq!(refused["error"]["data"]["message"], not_yours.as_str());
+
+    // Alice's release ends it everywhere.
+    let (status, released) = agent_device_rpc(
+        &gateway.http,
+        &alice,
+        &ad_lease_call("r1", "lease.release", &lease),
+    );
+    assert_eq!(status, 200, "{released}");
+    assert_eq!(released["result"]["ok"], json!(true), "{released}");
+    assert!(gateway_leases(&gateway.http, &operator).is_empty());
+    assert!(
+        fake_read(&daemon, "leases").as_array().unwrap().is_empty(),
+        "agent-device's lease ended too"
+    );
+
+    // Stopped, the worker stops its agent-device daemon; the gateway stops cleanly.
+    let daemons = agent_device_pids(worker.0.home.path());
+    assert!(!daemons.is_empty(), "the daemon's pid is recorded");
+    let mut worker = worker;
+    assert!(
+        Command::new("kill")
+            .args(["-TERM", &worker_pid])
+            .status()
+            .unwrap()
+            .success()
+    );
+    let exited = wait_exit(&mut worker.0.child);
+    assert!(exited.is_some_and(|s| s.success()), "{exited:?}");
+    for daemon in &daemons {
+        assert!(
+            !agent_device_host::process::is_alive(daemon),
+            "{daemon:?} survived its worker"
+        );
+    }
+    assert!(
+        agent_device_pids(worker.0.home.path()).is_empty(),
+        "nothing is left recorded"
+    );
+    let mut gateway = gateway;
+    assert!(
+        Command::new("kill")
+            .args(["-TERM", &gateway.child.id().to_string()])
+            .status()
+            .unwrap()
+            .success()
+    );
+    let exited = wait_exit(&mut gateway.child);
+    assert!(exited.is_some_and(|s| s.success()), "{exited:?}");
 }
