@@ -33,6 +33,9 @@ pub(crate) fn build_command() -> Command {
         "simlock-gateway",
         "-p",
         "simlock",
+        // The agent-device a worker runs in the gateway-restart scenario.
+        "-p",
+        "agent-device-fake",
     ])
 }
 
