@@ -61,8 +61,8 @@ const CANCEL_TIMEOUT: Duration = Duration::from_secs(10);
 /// ahead never grants credit: a caller that never reads still holds at most one window.
 const READ_AHEAD: usize = 64 * 1024;
 
-/// An error a caller's request body may carry.
-pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+/// An error a caller's request body may carry: the daemon's one error box.
+pub use simlock_daemon::http::body::BoxError;
 
 /// How a [`GatewayRelay`] works.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -12,18 +12,18 @@ use bytes::Bytes;
 use futures::future::BoxFuture;
 use futures::{FutureExt, Stream};
 use http_body::{Body, Frame, SizeHint};
-use http_body_util::combinators::UnsyncBoxBody;
 use http_body_util::{BodyExt, Empty, Full, StreamBody};
 use parking_lot::Mutex;
 use simlock_contract::bounds;
 use simlock_link::{ChannelError, ChannelReader, FailureReason};
 use tokio_util::sync::CancellationToken;
 
-/// An error a target or a body may carry.
-pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+/// An error a target or a body may carry: the daemon's one error box.
+pub use simlock_daemon::http::body::BoxError;
 
-/// The body of a target's response: any body of [`Bytes`], boxed.
-pub type ResponseBody = UnsyncBoxBody<Bytes, BoxError>;
+/// The body of a target's response: any body of [`Bytes`], boxed (the daemon's HTTP body, so
+/// nothing is copied between them).
+pub type ResponseBody = simlock_daemon::http::body::Body;
 
 /// One relayed exchange, as a target receives it.
 #[derive(Debug)]
