@@ -906,7 +906,10 @@ fn environment() -> Env {
         .iter()
         .filter_map(|name| name.strip_prefix(ENV_PREFIX))
         .collect();
-    Env::prefixed(ENV_PREFIX)
+    // `Env::prefixed` would match the prefix in any case; environment names are case-sensitive,
+    // and `simlock_…` is not ours.
+    Env::raw()
+        .filter_map(|name| name.as_str().strip_prefix(ENV_PREFIX).map(Into::into))
         .ignore(&not_config)
         .split("__")
         .map(|name| {
@@ -1538,6 +1541,8 @@ mod tests {
             ("SIMLOCK_", "1"),
             // Not ours at all.
             ("OTHER_LEASE__MAX_TTL_MS", "1"),
+            ("simlock_http__port", "1"),
+            ("Simlock_HTTP__PORT", "1"),
         ];
         let loaded = load_with("", &env, Mode::Worker).unwrap();
         assert_eq!(loaded.config, Config::default());
