@@ -3,15 +3,16 @@
 //! Unknown keys are warned about; a bad value fails start-up naming the key.
 //!
 //! An environment variable names a key in upper snake case with `__` between sections:
-//! `SIMLOCK_LEASE__MAX_TTL_MS=60000` sets `lease.maxTtlMs`.
+//! `SIMLOCK_LEASE__MAX_TTL_MS=60000` sets `lease.maxTtlMs`. Figment's own [`Env`] provider reads
+//! them; a text key's value is taken as it is.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 
 use figment::Figment;
-use figment::providers::{Format, Serialized, Toml};
+use figment::providers::{Env, Format, Serialized, Toml};
 use serde::{Deserialize, Serialize};
-use serde_json::{Map, Value};
+use serde_json::Value;
 use simlock_contract::model::{Mode, Platform};
 
 /// The top-level configuration keys; an environment variable names one of them first.
@@ -31,6 +32,9 @@ const TOP_LEVEL_KEYS: &[&str] = &[
     "health",
     "quarantine",
 ];
+
+/// The prefix of every configuration variable.
+const ENV_PREFIX: &str = "SIMLOCK_";
 
 /// Environment variables that are not config keys.
 const NOT_CONFIG_ENV: &[&str] = &[
@@ -585,18 +589,13 @@ const WORKER_ONLY_KEYS: &[&str] = &[
 /// Keys holding maps whose entries are the user's own names.
 const OPEN_MAPS: &[&str] = &["exec.tools"];
 
-/// Loads the configuration of a daemon of `mode` from `home`, the environment `env` and the
-/// flags `overrides` (dotted keys, e.g. `http.port`).
+/// Loads the configuration of a daemon of `mode` from `home`, the process's `SIMLOCK_*`
+/// environment (through figment's [`Env`]) and the flags `overrides` (dotted keys, e.g. `http.port`).
 ///
 /// # Errors
 /// A file that cannot be read or parsed, a value of the wrong type (naming the key), or a
 /// combination that cannot work (naming the keys).
-pub fn load(
-    home: &Path,
-    mode: Mode,
-    env: impl IntoIterator<Item = (String, String)>,
-    overrides: &[(String, Value)],
-) -> Result<Loaded, ConfigError> {
+pub fn load(home: &Path, mode: Mode, overrides: &[(String, Value)]) -> Result<Loaded, ConfigError> {
     let path = home.join("config.toml");
     let mut figment = Figment::from(Serialized::defaults(Config::default()));
     let mut provided: Vec<Value> = Vec::new();
@@ -616,18 +615,19 @@ pub fn load(
             });
         }
     }
-    let env_table = env_overlay(env);
-    if env_table.as_object().is_some_and(|o| !o.is_empty()) {
-        figment = figment.merge(Serialized::defaults(env_table.clone()));
-        provided.push(env_table);
-    }
-    let mut flags = Value::Object(Map::new());
-    for (key, value) in overrides {
-        insert_dotted(&mut flags, key, value.clone());
-    }
-    if flags.as_object().is_some_and(|o| !o.is_empty()) {
-        figment = figment.merge(Serialized::defaults(flags.clone()));
-        provided.push(flags);
+    let flags = overrides
+        .iter()
+        .fold(Figment::new(), |layer, (key, value)| {
+            layer.merge(Serialized::default(key, value))
+        });
+    for layer in [environment_layer(), flags] {
+        let table: Value = layer
+            .extract()
+            .map_err(|e| ConfigError::Invalid(describe(&e)))?;
+        if table.as_object().is_some_and(|o| !o.is_empty()) {
+            figment = figment.merge(layer);
+            provided.push(table);
+        }
     }
     let config: Config = figment
         .extract()
@@ -893,28 +893,55 @@ fn describe(error: &figment::Error) -> String {
     parts.join("; ")
 }
 
-/// `SIMLOCK_LEASE__MAX_TTL_MS=5` → `{"lease": {"maxTtlMs": 5}}`. Values read as JSON when they
-/// parse as JSON (numbers, booleans, arrays), else as strings.
-fn env_overlay(env: impl IntoIterator<Item = (String, String)>) -> Value {
-    let mut table = Value::Object(Map::new());
-    for (name, raw) in env {
-        let Some(rest) = name.strip_prefix("SIMLOCK_") else {
-            continue;
-        };
-        if NOT_CONFIG_ENV.contains(&name.as_str()) || rest.is_empty() {
-            continue;
-        }
-        let key: Vec<String> = rest.split("__").map(camel_from_upper_snake).collect();
-        // Only names that start with a configuration section are configuration; other
-        // SIMLOCK_* variables belong to other tools (tests, the CLI).
-        if !TOP_LEVEL_KEYS.contains(&key[0].as_str()) {
-            continue;
-        }
-        let key = key.join(".");
-        let value = coerce(&key, &raw);
-        insert_dotted(&mut table, &key, value);
+/// The `SIMLOCK_*` variables that are configuration, as figment's [`Env`] reads them from the
+/// process: `SIMLOCK_LEASE__MAX_TTL_MS` is `lease.maxTtlMs` (`__` splits the key, each part is
+/// turned from upper snake case into camelCase). Left out: the names in [`NOT_CONFIG_ENV`], and
+/// names whose first part is no section (they belong to other tools: tests, the CLI, a leased
+/// device's environment).
+///
+/// A filter or map added to the returned `Env` turns figment's lower-casing of keys back on;
+/// call `.lowercase(false)` after it.
+fn environment() -> Env {
+    let not_config: Vec<&str> = NOT_CONFIG_ENV
+        .iter()
+        .filter_map(|name| name.strip_prefix(ENV_PREFIX))
+        .collect();
+    // `Env::prefixed` would match the prefix in any case; environment names are case-sensitive,
+    // and `simlock_…` is not ours.
+    Env::raw()
+        .filter_map(|name| name.as_str().strip_prefix(ENV_PREFIX).map(Into::into))
+        .ignore(&not_config)
+        .split("__")
+        .map(|name| {
+            name.as_str()
+                .split('.')
+                .map(camel_from_upper_snake)
+                .collect::<Vec<_>>()
+                .join(".")
+                .into()
+        })
+        .filter(|key| {
+            key.as_str()
+                .split('.')
+                .next()
+                .is_some_and(|section| TOP_LEVEL_KEYS.contains(&section))
+        })
+        .lowercase(false)
+}
+
+/// The environment layer: [`environment`] with its values parsed by figment (numbers, booleans,
+/// `[…]` arrays, `{k = v}` tables, `"…"` strings, else text), except text keys
+/// ([`is_text_key`]), whose values are taken as they are (`SIMLOCK_GATEWAY__LABEL=42` is the
+/// label "42").
+fn environment_layer() -> Figment {
+    let text = text_keys();
+    let text: Vec<&str> = text.iter().map(String::as_str).collect();
+    // Each filter or map of figment's `Env` turns lower-casing back on: keep the camelCase keys.
+    let mut layer = Figment::from(environment().ignore(&text).lowercase(false));
+    for (key, raw) in environment().only(&text).lowercase(false).iter() {
+        layer = layer.merge(Serialized::default(key.as_str(), raw));
     }
-    table
+    layer
 }
 
 /// Keys whose value is text though their default is absent.
@@ -930,19 +957,38 @@ const OPTIONAL_TEXT_KEYS: &[&str] = &[
     "drivers.android.avdHome",
 ];
 
-/// Reads a value given as text (an environment variable, `--set KEY=VALUE`) for `key`: text
-/// keys keep it as it is (`gateway.label=42` is the label "42"); other keys read it as JSON when
-/// it parses (numbers, booleans, arrays), else as text, so a bad value fails naming the key.
+/// The text keys: those whose default is a string, and [`OPTIONAL_TEXT_KEYS`].
+fn text_keys() -> Vec<String> {
+    let mut keys = Vec::new();
+    if let Ok(defaults) = serde_json::to_value(Config::default()) {
+        let mut leaves = Vec::new();
+        leaf_keys(&defaults, "", &mut leaves);
+        keys.extend(leaves.into_iter().filter(|key| {
+            key.split('.')
+                .try_fold(&defaults, |v, k| v.get(k))
+                .is_some_and(Value::is_string)
+        }));
+    }
+    keys.extend(OPTIONAL_TEXT_KEYS.iter().map(|k| (*k).to_owned()));
+    keys
+}
+
+/// Whether `key` holds text, so a value given as text is taken as it is.
+fn is_text_key(key: &str) -> bool {
+    text_keys().iter().any(|k| k == key)
+}
+
+/// Reads a `--set KEY=VALUE` value for `key`: text keys keep it as it is (`gateway.label=42` is
+/// the label "42"); other keys read it as JSON when it parses (numbers, booleans, arrays), else
+/// as text, so a bad value fails naming the key.
 pub fn coerce(key: &str, raw: &str) -> Value {
-    let default = serde_json::to_value(Config::default())
-        .ok()
-        .and_then(|d| key.split('.').try_fold(d, |v, k| v.get(k).cloned()));
-    if matches!(default, Some(Value::String(_))) || OPTIONAL_TEXT_KEYS.contains(&key) {
+    if is_text_key(key) {
         return Value::String(raw.to_owned());
     }
     serde_json::from_str(raw).unwrap_or_else(|_| Value::String(raw.to_owned()))
 }
 
+/// `MAX_TTL_MS` → `maxTtlMs`: one part of an environment variable's name as a key.
 fn camel_from_upper_snake(part: &str) -> String {
     let mut out = String::new();
     let mut upper = false;
@@ -957,21 +1003,6 @@ fn camel_from_upper_snake(part: &str) -> String {
         }
     }
     out
-}
-
-fn insert_dotted(table: &mut Value, key: &str, value: Value) {
-    let mut node = table;
-    let parts: Vec<&str> = key.split('.').collect();
-    for (i, part) in parts.iter().enumerate() {
-        let Value::Object(map) = node else { return };
-        if i + 1 == parts.len() {
-            map.insert((*part).to_owned(), value);
-            return;
-        }
-        node = map
-            .entry((*part).to_owned())
-            .or_insert_with(|| Value::Object(Map::new()));
-    }
 }
 
 fn leaf_keys(value: &Value, prefix: &str, out: &mut Vec<String>) {
@@ -1028,13 +1059,30 @@ mod tests {
 
     use super::*;
 
+    /// Runs `f` with `env` set in the process environment: figment's `Jail` lets one test at a
+    /// time set variables, and restores them afterwards.
+    #[allow(
+        clippy::result_large_err,
+        reason = "figment's Jail takes a closure returning figment's own Result"
+    )]
+    fn with_env<T>(env: &[(&str, &str)], f: impl FnOnce() -> T) -> T {
+        let mut out = None;
+        figment::Jail::expect_with(|jail| {
+            for (name, value) in env {
+                jail.set_env(name, value);
+            }
+            out = Some(f());
+            Ok(())
+        });
+        out.unwrap()
+    }
+
     fn load_with(toml: &str, env: &[(&str, &str)], mode: Mode) -> Result<Loaded, ConfigError> {
         let dir = tempfile::tempdir().unwrap();
         if !toml.is_empty() {
             std::fs::write(dir.path().join("config.toml"), toml).unwrap();
         }
-        let env = env.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned()));
-        load(dir.path(), mode, env, &[])
+        with_env(env, || load(dir.path(), mode, &[]))
     }
 
     #[test]
@@ -1057,12 +1105,9 @@ mod tests {
         assert_eq!(loaded.config.http.port, 2);
         let dir = tempfile::tempdir().unwrap();
         let flags = [("http.port".to_owned(), json!(3))];
-        let loaded = load(
-            dir.path(),
-            Mode::Worker,
-            [("SIMLOCK_HTTP__PORT".to_owned(), "2".to_owned())],
-            &flags,
-        )
+        let loaded = with_env(&[("SIMLOCK_HTTP__PORT", "2")], || {
+            load(dir.path(), Mode::Worker, &flags)
+        })
         .unwrap();
         assert_eq!(loaded.config.http.port, 3);
     }
@@ -1375,15 +1420,159 @@ mod tests {
 
     #[test]
     fn environment_names_map_to_camel_case_keys() {
-        let table = env_overlay([
-            ("SIMLOCK_LEASE__MAX_TTL_MS".to_owned(), "60000".to_owned()),
-            ("SIMLOCK_GATEWAY__URL".to_owned(), "ws://x".to_owned()),
-            ("OTHER".to_owned(), "1".to_owned()),
-            ("SIMLOCK_E2E".to_owned(), "1".to_owned()),
-        ]);
+        let env = [
+            ("SIMLOCK_LEASE__MAX_TTL_MS", "60000"),
+            ("SIMLOCK_GATEWAY__URL", "ws://x"),
+            ("OTHER", "1"),
+            ("SIMLOCK_E2E", "1"),
+        ];
+        let table: Value = with_env(&env, || environment_layer().extract().unwrap());
         assert_eq!(
             table,
             json!({"lease": {"maxTtlMs": 60000}, "gateway": {"url": "ws://x"}})
         );
+    }
+
+    #[test]
+    fn environment_values_are_typed_and_text_keys_keep_their_text() {
+        let env = [
+            ("SIMLOCK_LEASE__MAX_TTL_MS", "5"),
+            ("SIMLOCK_LEASE__DEFAULT_TTL_MS", "5"),
+            ("SIMLOCK_HTTP__ENABLED", "true"),
+            ("SIMLOCK_DRIVERS__ANDROID__HEADLESS", "false"),
+            ("SIMLOCK_CAPACITY__IOS__MAX_RUNNING", "3"),
+            ("SIMLOCK_EVENT_BUFFER__CAPACITY", "7"),
+            ("SIMLOCK_CAPABILITIES", r#"["gpu", "agent-device"]"#),
+            ("SIMLOCK_AGENT_DEVICE__COMMAND", r#"["node","x.js"]"#),
+            ("SIMLOCK_AGENT_DEVICE__ENABLED", "true"),
+            // Text keys given digits, a float, a quoted word and spaces stay text as given.
+            ("SIMLOCK_GATEWAY__LABEL", "007"),
+            ("SIMLOCK_HTTP__HOST", "1.5"),
+            ("SIMLOCK_LOG__LEVEL", "42"),
+            ("SIMLOCK_DRIVERS__IOS__DEVICE_SET", "42"),
+            ("SIMLOCK_DRIVERS__ANDROID__SDK_ROOT", r#""/sdk""#),
+            ("SIMLOCK_DRIVERS__IOS__XCRUN", " /usr/bin/xcrun "),
+            ("SIMLOCK_CAPACITY__STRATEGY", "fixed"),
+        ];
+        let loaded = load_with("", &env, Mode::Worker).unwrap();
+        assert!(loaded.warnings.is_empty(), "{:?}", loaded.warnings);
+        let c = loaded.config;
+        assert_eq!((c.lease.max_ttl_ms, c.lease.default_ttl_ms), (5, 5));
+        assert_eq!(c.http.enabled, Some(true));
+        assert!(!c.drivers.android.headless);
+        assert_eq!(c.capacity.ios.max_running, Some(3));
+        assert_eq!(c.event_buffer.capacity, 7);
+        assert_eq!(c.capabilities, ["gpu", "agent-device"]);
+        assert_eq!(
+            c.agent_device.command,
+            Some(vec!["node".to_owned(), "x.js".to_owned()])
+        );
+        assert_eq!(c.gateway.label.as_deref(), Some("007"));
+        assert_eq!(c.http.host, "1.5");
+        assert_eq!(c.log.level, "42");
+        assert_eq!(c.drivers.ios.device_set.as_deref(), Some("42"));
+        assert_eq!(c.drivers.android.sdk_root.as_deref(), Some(r#""/sdk""#));
+        assert_eq!(c.drivers.ios.xcrun, " /usr/bin/xcrun ");
+        assert_eq!(c.capacity.strategy, CapacityStrategy::Fixed);
+    }
+
+    #[test]
+    fn an_open_map_entry_comes_from_the_environment() {
+        let env = [
+            ("SIMLOCK_EXEC__TOOLS__ECHO__COMMAND", "/bin/echo"),
+            ("SIMLOCK_EXEC__TOOLS__ECHO__ARGS", r#"["-n"]"#),
+        ];
+        let echo = ToolConfig {
+            command: "/bin/echo".into(),
+            args: vec!["-n".into()],
+        };
+        let loaded = load_with("", &env, Mode::Worker).unwrap();
+        assert!(loaded.warnings.is_empty(), "{:?}", loaded.warnings);
+        assert_eq!(loaded.config.exec.tools["echo"], echo);
+        // The whole map as one figment table.
+        let env = [(
+            "SIMLOCK_EXEC__TOOLS",
+            r#"{echo = {command = "/bin/echo", args = ["-n"]}}"#,
+        )];
+        let loaded = load_with("", &env, Mode::Worker).unwrap();
+        assert!(loaded.warnings.is_empty(), "{:?}", loaded.warnings);
+        assert_eq!(loaded.config.exec.tools["echo"], echo);
+    }
+
+    #[test]
+    fn a_bad_environment_value_fails_naming_its_key() {
+        for (name, value, key) in [
+            ("SIMLOCK_LEASE__MAX_TTL_MS", "soon", "lease.maxTtlMs"),
+            ("SIMLOCK_LEASE__MAX_TTL_MS", "-1", "lease.maxTtlMs"),
+            ("SIMLOCK_LEASE__MAX_TTL_MS", "1.5", "lease.maxTtlMs"),
+            ("SIMLOCK_HTTP__PORT", "65536", "http.port"),
+            ("SIMLOCK_HTTP__ENABLED", "yes", "http.enabled"),
+            ("SIMLOCK_CAPABILITIES", "gpu", "capabilities"),
+            (
+                "SIMLOCK_AGENT_DEVICE__COMMAND",
+                "node x.js",
+                "agentDevice.command",
+            ),
+            ("SIMLOCK_CAPACITY__STRATEGY", "lots", "capacity.strategy"),
+            ("SIMLOCK_DRIVERS__IOS__DRIVER", "42", "drivers.ios.driver"),
+        ] {
+            let err = load_with("", &[(name, value)], Mode::Worker)
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(key), "{name}={value}: {err}");
+        }
+        // One below the limit passes.
+        let loaded = load_with("", &[("SIMLOCK_HTTP__PORT", "65535")], Mode::Worker).unwrap();
+        assert_eq!(loaded.config.http.port, 65535);
+    }
+
+    #[test]
+    fn simlock_names_that_are_not_configuration_are_ignored() {
+        let env = [
+            // Named a section, but not configuration.
+            ("SIMLOCK_LOG", "not a filter"),
+            ("SIMLOCK_HOME", "/nowhere"),
+            ("SIMLOCK_TOKEN", "123"),
+            ("SIMLOCK_CA_FILE", ""),
+            // Their first part names no section.
+            ("SIMLOCK_LEASE_ID", "abc"),
+            ("SIMLOCK_E2E", "1"),
+            ("SIMLOCK_NOT_A_SECTION__PORT", "x"),
+            ("SIMLOCK_", "1"),
+            // Not ours at all.
+            ("OTHER_LEASE__MAX_TTL_MS", "1"),
+            ("simlock_http__port", "1"),
+            ("Simlock_HTTP__PORT", "1"),
+        ];
+        let loaded = load_with("", &env, Mode::Worker).unwrap();
+        assert_eq!(loaded.config, Config::default());
+        assert!(loaded.warnings.is_empty(), "{:?}", loaded.warnings);
+        // A name inside a section that is no key is warned about, as a file's would be.
+        let loaded = load_with("", &[("SIMLOCK_LEASE__MAX_TTL_MX", "5")], Mode::Worker).unwrap();
+        assert_eq!(
+            loaded.warnings,
+            vec!["unknown configuration key lease.maxTtlMx is ignored".to_owned()]
+        );
+    }
+
+    #[test]
+    fn the_environment_sits_between_the_file_and_the_flags() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(
+            dir.path().join("config.toml"),
+            "[gateway]\nlabel = \"file\"\n[log]\nlevel = \"warn\"",
+        )
+        .unwrap();
+        let env = [
+            ("SIMLOCK_GATEWAY__LABEL", "42"),
+            ("SIMLOCK_LOG__LEVEL", "9"),
+        ];
+        let loaded = with_env(&env, || load(dir.path(), Mode::Worker, &[])).unwrap();
+        assert_eq!(loaded.config.gateway.label.as_deref(), Some("42"));
+        assert_eq!(loaded.config.log.level, "9");
+        let flags = [("gateway.label".to_owned(), coerce("gateway.label", "43"))];
+        let loaded = with_env(&env, || load(dir.path(), Mode::Worker, &flags)).unwrap();
+        assert_eq!(loaded.config.gateway.label.as_deref(), Some("43"));
+        assert_eq!(loaded.config.log.level, "9");
     }
 }

@@ -78,7 +78,7 @@ where
     F: FnOnce(Home, Config) -> Fut,
     Fut: Future<Output = Result<D, StartError>>,
 {
-    let loaded = match config::load(home.root(), mode, std::env::vars(), overrides) {
+    let loaded = match config::load(home.root(), mode, overrides) {
         Ok(loaded) => loaded,
         Err(e) => {
             eprintln!("{name}: {e}");

@@ -256,7 +256,7 @@ fn the_example_files_load_without_warnings() {
         };
         let home = scratch_home(n);
         std::fs::write(home.join("config.toml"), &body).unwrap();
-        let loaded = config::load(&home, mode, Vec::<(String, String)>::new(), &[]);
+        let loaded = config::load(&home, mode, &[]);
         let _ = std::fs::remove_dir_all(&home);
         let loaded = loaded.unwrap_or_else(|e| panic!("{e}\n{body}"));
         assert!(loaded.warnings.is_empty(), "{:?}\n{body}", loaded.warnings);
@@ -340,6 +340,10 @@ fn every_configuration_variable_names_a_key() {
 }
 
 #[test]
+#[allow(
+    clippy::result_large_err,
+    reason = "figment's Jail takes a closure returning figment's own Result"
+)]
 fn the_environment_examples_set_their_keys() {
     let doc = config_doc();
     let home = std::env::temp_dir().join(format!("simlock-docs-no-home-{}", std::process::id()));
@@ -360,13 +364,13 @@ fn the_environment_examples_set_their_keys() {
                 .strip_prefix('\'')
                 .and_then(|v| v.strip_suffix('\''))
                 .unwrap_or(value);
-            let loaded = config::load(
-                &home,
-                Mode::Worker,
-                [(name.to_owned(), value.to_owned())],
-                &[],
-            )
-            .unwrap_or_else(|e| panic!("{line}: {e}"));
+            let mut loaded = None;
+            figment::Jail::expect_with(|jail| {
+                jail.set_env(name, value);
+                loaded = Some(config::load(&home, Mode::Worker, &[]));
+                Ok(())
+            });
+            let loaded = loaded.unwrap().unwrap_or_else(|e| panic!("{line}: {e}"));
             let key = key_of_variable(name);
             let expected = config::coerce(&key, value);
             let config = serde_json::to_value(&loaded.config).unwrap();
