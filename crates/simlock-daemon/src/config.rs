@@ -586,6 +586,8 @@ const WORKER_ONLY_KEYS: &[&str] = &[
     "agentDevice.command",
     "gateway.caFile",
 ];
+/// The shortest lease agent-device 0.21.5 takes (its `ttlMs` bounds are 5 000–600 000 ms).
+pub const AGENT_DEVICE_MIN_TTL_MS: u64 = 5_000;
 /// Keys holding maps whose entries are the user's own names.
 const OPEN_MAPS: &[&str] = &["exec.tools"];
 
@@ -729,8 +731,10 @@ pub fn validate(config: &Config, mode: Mode) -> Result<(), ConfigError> {
         return bad("eventBuffer.capacity must be above 0".into());
     }
     if let Some(cap) = config.agent_device.lease_ttl_cap_ms {
-        if cap == 0 {
-            return bad("agentDevice.leaseTtlCapMs must be above 0".into());
+        if cap < AGENT_DEVICE_MIN_TTL_MS {
+            return bad(format!(
+                "agentDevice.leaseTtlCapMs ({cap}) is below {AGENT_DEVICE_MIN_TTL_MS}, the shortest lease agent-device takes"
+            ));
         }
         if cap > config.lease.max_ttl_ms {
             return bad(format!(
@@ -738,6 +742,12 @@ pub fn validate(config: &Config, mode: Mode) -> Result<(), ConfigError> {
                 config.lease.max_ttl_ms
             ));
         }
+    }
+    if config.agent_device.enabled && config.lease.max_ttl_ms < AGENT_DEVICE_MIN_TTL_MS {
+        return bad(format!(
+            "agentDevice.enabled needs lease.maxTtlMs ({}) at least {AGENT_DEVICE_MIN_TTL_MS}, the shortest lease agent-device takes",
+            config.lease.max_ttl_ms
+        ));
     }
     match (&config.http.tls.cert_file, &config.http.tls.key_file) {
         (Some(_), None) | (None, Some(_)) => {
@@ -1377,8 +1387,22 @@ mod tests {
                 err.contains("agentDevice.leaseTtlCapMs") && err.contains("lease.maxTtlMs"),
                 "{err}"
             );
-            let err = load_with(&cap(0), &[], mode).unwrap_err().to_string();
-            assert!(err.contains("agentDevice.leaseTtlCapMs"), "{err}");
+            assert!(load_with(&cap(5_000), &[], mode).is_ok(), "agent-device's shortest");
+            for below in [0, 4_999] {
+                let err = load_with(&cap(below), &[], mode).unwrap_err().to_string();
+                assert!(
+                    err.contains("agentDevice.leaseTtlCapMs") && err.contains("5000"),
+                    "{err}"
+                );
+            }
+            let short = "[lease]\ndefaultTtlMs = 1000\nmaxTtlMs = 4999\n[agentDevice]\nenabled = true\ncommand = [\"d\"]";
+            let err = load_with(short, &[], mode).unwrap_err().to_string();
+            assert!(
+                err.contains("agentDevice.enabled") && err.contains("lease.maxTtlMs"),
+                "{err}"
+            );
+            let off = "[lease]\ndefaultTtlMs = 1000\nmaxTtlMs = 4999";
+            assert!(load_with(off, &[], mode).is_ok(), "without agent-device it is fine");
         }
         let err = load_with("[agentDevice]\nenabled = true", &[], Mode::Worker)
             .unwrap_err()
@@ -1436,8 +1460,8 @@ mod tests {
     #[test]
     fn environment_values_are_typed_and_text_keys_keep_their_text() {
         let env = [
-            ("SIMLOCK_LEASE__MAX_TTL_MS", "5"),
-            ("SIMLOCK_LEASE__DEFAULT_TTL_MS", "5"),
+            ("SIMLOCK_LEASE__MAX_TTL_MS", "5000"),
+            ("SIMLOCK_LEASE__DEFAULT_TTL_MS", "5000"),
             ("SIMLOCK_HTTP__ENABLED", "true"),
             ("SIMLOCK_DRIVERS__ANDROID__HEADLESS", "false"),
             ("SIMLOCK_CAPACITY__IOS__MAX_RUNNING", "3"),
@@ -1457,7 +1481,7 @@ mod tests {
         let loaded = load_with("", &env, Mode::Worker).unwrap();
         assert!(loaded.warnings.is_empty(), "{:?}", loaded.warnings);
         let c = loaded.config;
-        assert_eq!((c.lease.max_ttl_ms, c.lease.default_ttl_ms), (5, 5));
+        assert_eq!((c.lease.max_ttl_ms, c.lease.default_ttl_ms), (5000, 5000));
         assert_eq!(c.http.enabled, Some(true));
         assert!(!c.drivers.android.headless);
         assert_eq!(c.capacity.ios.max_running, Some(3));

@@ -32,7 +32,7 @@ use sha2::{Digest, Sha256};
 use simlock_e2e::agent_device::{agent_device_config, real_daemon_command, real_package};
 use tokio::time::Instant;
 
-type BoxError = Box<dyn std::error::Error + Send + Sync>;
+use simlock_daemon::http::body::BoxError;
 type Body = http_body_util::combinators::BoxBody<Bytes, BoxError>;
 
 const MIB: usize = 1024 * 1024;
