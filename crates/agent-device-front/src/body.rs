@@ -8,11 +8,11 @@ use bytes::Bytes;
 use http_body::{Frame, SizeHint};
 use http_body_util::{BodyExt, Full};
 
-/// An error a body may carry: the daemon's one error box.
-pub use simlock_daemon::http::body::BoxError;
 /// Every body the edge passes on: requests to a host link, responses to the caller. It is the
 /// daemon's HTTP body and the relay's body, so nothing is copied between them.
 pub use simlock_daemon::http::body::Body;
+/// An error a body may carry: the daemon's one error box.
+pub use simlock_daemon::http::body::BoxError;
 
 /// A body holding `bytes`.
 pub fn full(bytes: impl Into<Bytes>) -> Body {

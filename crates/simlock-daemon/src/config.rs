@@ -1387,7 +1387,10 @@ mod tests {
                 err.contains("agentDevice.leaseTtlCapMs") && err.contains("lease.maxTtlMs"),
                 "{err}"
             );
-            assert!(load_with(&cap(5_000), &[], mode).is_ok(), "agent-device's shortest");
+            assert!(
+                load_with(&cap(5_000), &[], mode).is_ok(),
+                "agent-device's shortest"
+            );
             for below in [0, 4_999] {
                 let err = load_with(&cap(below), &[], mode).unwrap_err().to_string();
                 assert!(
@@ -1402,7 +1405,10 @@ mod tests {
                 "{err}"
             );
             let off = "[lease]\ndefaultTtlMs = 1000\nmaxTtlMs = 4999";
-            assert!(load_with(off, &[], mode).is_ok(), "without agent-device it is fine");
+            assert!(
+                load_with(off, &[], mode).is_ok(),
+                "without agent-device it is fine"
+            );
         }
         let err = load_with("[agentDevice]\nenabled = true", &[], Mode::Worker)
             .unwrap_err()

@@ -474,8 +474,8 @@ async fn the_published_cli_through_a_gateway_lands_on_the_capable_worker_heartbe
     gateway.agent_device.enabled = true;
     let mut fleet = simlock_e2e::TestFleet::start(gateway).await;
     fleet.add_worker(simlock_e2e::worker_config(2)).await;
-    let mut capable = agent_device_config(real_daemon_command(&pkg));
-    capable.http.enabled = None;
+    // HTTP on, for the agent of the worker's own tokens.
+    let capable = agent_device_config(real_daemon_command(&pkg));
     let daemon_home = tempfile::tempdir().unwrap();
     let home = daemon_home.path().display().to_string();
     fleet
@@ -557,6 +557,10 @@ async fn the_published_cli_through_a_gateway_lands_on_the_capable_worker_heartbe
             );
             let after = fleet.worker(1).worker.lease(&lease).unwrap().ttl_deadline;
             assert!(after > before, "the expiry moved: {before} → {after}");
+            an_agent_of_the_worker_never_reads_the_gateway_agents_session(
+                &fleet, &recorder, &base, &secret, &lease,
+            )
+            .await;
         }
         let disconnect = cli.run(&["disconnect"]).await;
         assert_eq!(disconnect.json["success"], json!(true), "{disconnect:?}");
@@ -566,4 +570,84 @@ async fn the_published_cli_through_a_gateway_lands_on_the_capable_worker_heartbe
         );
     }
     fleet.stop().await;
+}
+
+/// The gateway agent's failed command left a diagnostics record in its session on the worker's
+/// daemon: the gateway agent reads it (naming its lease), and an agent of the worker's own
+/// tokens, straight at the worker, does not, by the session's name or its tenant-qualified one.
+async fn an_agent_of_the_worker_never_reads_the_gateway_agents_session(
+    fleet: &simlock_e2e::TestFleet,
+    recorder: &Recorder,
+    base: &str,
+    secret: &str,
+    lease: &str,
+) {
+    let record = recorder
+        .rpc_calls()
+        .into_iter()
+        .rev()
+        .find_map(|(method, _, answer)| {
+            (method == "agent_device.command")
+                .then(|| answer["error"]["data"]["diagnosticsRecord"].clone())
+                .filter(|r| r.is_object())
+        })
+        .expect("the failed command's diagnostics record");
+    let (session, request) = (
+        record["session"].as_str().unwrap(),
+        record["requestId"].as_str().unwrap(),
+    );
+    let enc = |s: &str| s.replace(':', "%3A");
+    let path = |session: &str| {
+        format!(
+            "sessions/{}/requests/{}/diagnostics",
+            enc(session),
+            enc(request)
+        )
+    };
+    let bearer = format!("Bearer {secret}");
+    let own = Http::new()
+        .send(
+            Method::GET,
+            &format!("{base}/{}", path(session)),
+            &[
+                ("authorization", bearer.as_str()),
+                ("x-agent-device-lease-id", lease),
+            ],
+            "",
+        )
+        .await;
+    assert_eq!(own.status, 200, "the gateway agent reads its own: {own:?}");
+    let created = simlock_e2e::session(
+        &fleet.worker(1).running.socket_path(),
+        "operator",
+        Some(&fleet.worker_home(1)),
+    )
+    .await
+    .call("token.create", json!({"role": "agent", "label": "direct"}))
+    .await
+    .unwrap();
+    let direct = format!("Bearer {}", created["secret"].as_str().unwrap());
+    let worker_base = format!(
+        "http://{}/v1/agent-device",
+        fleet.worker(1).running.http_addr().unwrap()
+    );
+    let gateway_id = fleet.gateway().fleet.gateway_id().to_owned();
+    let principal = fleet
+        .gateway()
+        .fleet
+        .lease(lease)
+        .expect("indexed")
+        .owner_id;
+    let tenant = agent_device_front::Tenant::through_gateway(&gateway_id, &principal);
+    for named in [session.to_owned(), format!("{}:{session}", tenant.as_str())] {
+        let peek = Http::new()
+            .send(
+                Method::GET,
+                &format!("{worker_base}/{}", path(&named)),
+                &[("authorization", direct.as_str())],
+                "",
+            )
+            .await;
+        assert_eq!(peek.status, 404, "{named}: {peek:?}");
+    }
 }
