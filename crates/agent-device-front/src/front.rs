@@ -46,7 +46,7 @@ use crate::{Body, PREFIX};
 pub const AGENT_DEVICE_MAX_TTL_MS: u64 = 600_000;
 /// The largest upload preflight body: agent-device's own cap, 64 KiB.
 pub const MAX_PREFLIGHT_BODY: usize = 64 * 1024;
-/// The longest a stop waits for the waiting allocates to withdraw.
+/// The longest a stop waits for the waiting allocates to withdraw and the renewals to end.
 pub const STOP_BOUND: Duration = Duration::from_secs(10);
 /// The largest answer the front reads whole (lease answers, preflight tickets, device lists).
 const MAX_ANSWER: usize = 4 * 1024 * 1024;
@@ -97,7 +97,8 @@ struct Inner {
     leases: FrontLeases,
     /// Fires when the daemon stops: waiting allocates end cancelled, renewals stop.
     stop: CancellationToken,
-    /// The allocates waiting for a grant, so a stop can wait until each withdrew its request.
+    /// The allocates waiting for a grant and the renewals of running commands, so a stop can
+    /// wait until each allocate withdrew its request and no renewal is in flight.
     waiting: tokio_util::task::TaskTracker,
 }
 
@@ -128,7 +129,7 @@ impl Front {
     /// Stops: allocates still waiting withdraw their lease requests (they end cancelled, not
     /// with the daemon's `DAEMON_STOPPING`), and running commands stop renewing. Call it before
     /// the daemon's domain stops; it waits (at most [`STOP_BOUND`]) until every waiting
-    /// allocate withdrew.
+    /// allocate withdrew and every renewal ended, so none is sent after it returns.
     pub async fn stop(&self) {
         self.inner.stop.cancel();
         self.inner.waiting.close();
@@ -136,7 +137,7 @@ impl Front {
             .await
             .is_err()
         {
-            warn!("waiting allocates did not withdraw within {STOP_BOUND:?}");
+            warn!("waiting allocates and renewals did not end within {STOP_BOUND:?}");
         }
     }
 
@@ -726,7 +727,8 @@ fn spawn_renewal(
     let inner = inner.clone();
     let (caller, lease) = (caller.clone(), lease.clone());
     let period = Duration::from_millis((ttl_ms / 3).max(1));
-    tokio::spawn(async move {
+    let tracker = inner.waiting.clone();
+    tracker.spawn(async move {
         loop {
             tokio::select! {
                 () = tokio::time::sleep(period) => {}

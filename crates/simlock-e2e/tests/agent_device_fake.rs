@@ -152,7 +152,7 @@ async fn a_screenshot_artifact_downloads_through_the_worker_with_the_published_c
 }
 
 #[tokio::test]
-async fn a_long_command_keeps_its_simlock_lease_alive_past_two_ttls() {
+async fn a_long_command_keeps_its_simlock_lease_alive_past_two_ttls_until_the_front_stops() {
     let fake = FakeAgentDevice::start(FakeOptions::default()).unwrap();
     let mut config = attached_config();
     config.agent_device.lease_ttl_cap_ms = Some(10_000);
@@ -189,6 +189,21 @@ async fn a_long_command_keeps_its_simlock_lease_alive_past_two_ttls() {
     }
     assert!(renewals >= 6, "renewed every TTL/3: {renewals}");
     assert_eq!(worker.leases().await.len(), 1, "the lease is alive");
+    // A front that stopped renews no more, the command still running: the next word of the
+    // lease is its expiry.
+    let front = &worker.worker().agent_device.as_ref().unwrap().front;
+    front.stop().await;
+    let mut after_stop = worker.worker().running.base.bus.follow();
+    loop {
+        let event = tokio::time::timeout(Duration::from_secs(30), after_stop.recv())
+            .await
+            .expect("the lease expires within a TTL")
+            .unwrap();
+        assert_ne!(event.event, "lease.renewed", "renewed after the stop");
+        if event.event == "lease.expired" {
+            break;
+        }
+    }
     tokio::time::resume();
     hold.release();
     let answer = running.await.unwrap();
