@@ -52,12 +52,10 @@ const TARGETS: &[Target] = &[
         covers: "the relay's header filter and bounds",
         ready: true,
     },
-    // The agent-device front's request parsing: its target goes here (and in fuzz/Cargo.toml)
-    // when crates/agent-device-front has a parser.
     Target {
         name: "agent_device_request",
-        covers: "the agent-device front's request parsing",
-        ready: false,
+        covers: "the agent-device front's request parsing: /rpc bodies, answers, lease ids, tenants",
+        ready: true,
     },
 ];
 
