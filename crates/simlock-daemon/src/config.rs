@@ -988,14 +988,17 @@ fn is_text_key(key: &str) -> bool {
     text_keys().iter().any(|k| k == key)
 }
 
-/// Reads a `--set KEY=VALUE` value for `key`: text keys keep it as it is (`gateway.label=42` is
-/// the label "42"); other keys read it as JSON when it parses (numbers, booleans, arrays), else
-/// as text, so a bad value fails naming the key.
+/// Reads a `--set KEY=VALUE` value for `key` as an environment variable's is read: text keys
+/// keep it as it is (`gateway.label=42` is the label "42"); other keys as figment reads a value
+/// (numbers, booleans, arrays, else text), so a bad value fails naming the key.
 pub fn coerce(key: &str, raw: &str) -> Value {
     if is_text_key(key) {
         return Value::String(raw.to_owned());
     }
-    serde_json::from_str(raw).unwrap_or_else(|_| Value::String(raw.to_owned()))
+    let parsed: figment::value::Value = raw
+        .parse()
+        .unwrap_or_else(|never: std::convert::Infallible| match never {});
+    serde_json::to_value(parsed).unwrap_or_else(|_| Value::String(raw.to_owned()))
 }
 
 /// `MAX_TTL_MS` → `maxTtlMs`: one part of an environment variable's name as a key.
