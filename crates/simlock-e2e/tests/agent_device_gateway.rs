@@ -935,7 +935,7 @@ async fn an_allocate_whose_worker_stopped_being_capable_before_the_forward_relea
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_command_longer_than_the_ttl_renews_through_the_gateway_and_does_not_expire() {
+async fn a_command_longer_than_the_ttl_renews_through_the_gateway_until_its_front_stops() {
     let mut config = enabled_gateway();
     config.agent_device.lease_ttl_cap_ms = Some(6_000);
     let mut gw = Gw::start(config).await;
@@ -966,6 +966,29 @@ async fn a_command_longer_than_the_ttl_renews_through_the_gateway_and_does_not_e
         "renewed every TTL/3 through the gateway: {renewals}"
     );
     assert!(gw.fleet.worker(0).worker.lease(&lease).is_some());
+    // The gateway's front stops (as the gateway's stop does first), the command still held and
+    // the uplink up: no renewal follows, and the next word of the lease is its expiry.
+    gw.fleet
+        .gateway()
+        .agent_device
+        .as_ref()
+        .unwrap()
+        .stop()
+        .await;
+    let mut after_stop = gw.fleet.worker(0).running.base.bus.follow();
+    loop {
+        let event = tokio::time::timeout(PATIENCE, after_stop.recv())
+            .await
+            .unwrap()
+            .unwrap();
+        assert_ne!(
+            event.event, "lease.renewed",
+            "renewed after the front stopped"
+        );
+        if event.event == "lease.expired" {
+            break;
+        }
+    }
     hold.release();
     let answer = running.await.unwrap();
     assert_eq!(answer.json()["result"]["ok"], json!(true), "{answer:?}");
