@@ -5,7 +5,7 @@ use std::collections::BTreeSet;
 use std::sync::Arc;
 
 use agent_device_front::{Front, FrontOptions, LeaseId};
-use agent_device_host::{AgentDeviceHost, Daemon, HostOptions, InProcessHostLink};
+use agent_device_host::{AgentDeviceHost, Daemon, DaemonState, HostOptions, InProcessHostLink};
 use futures::FutureExt;
 
 use simlock_contract::event::{Event, EventModule};
@@ -160,8 +160,10 @@ pub async fn start(options: WorkerOptions) -> Result<RunningWorker, StartError> 
                 }),
             };
             let host = AgentDeviceHost::start(host_options).await;
-            let probe = host.clone();
-            parts.capabilities.register(move || probe.capability());
+            // Read at each `status.get`; each change goes on the bus as `capability.changed`.
+            parts
+                .capabilities
+                .watch(host.watch(), DaemonState::capability);
             let ending = host.clone();
             parts.lease_end.push(Arc::new(move |lease: String| {
                 let host = ending.clone();

@@ -102,6 +102,22 @@ pub enum DaemonState {
     Unavailable(String),
 }
 
+impl DaemonState {
+    /// The worker's `agent-device` capability while the daemon stands so: available while it
+    /// runs, unavailable with the reason otherwise.
+    pub fn capability(&self) -> CapabilityStatus {
+        let (available, reason) = match self {
+            Self::Running(_) => (true, None),
+            Self::Unavailable(reason) => (false, Some(reason.clone())),
+        };
+        CapabilityStatus {
+            name: agent_device_front::CAPABILITY.into(),
+            available,
+            reason,
+        }
+    }
+}
+
 /// One agent-device lease the host forwarded the allocate of.
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct HostLease {
@@ -209,18 +225,7 @@ impl AgentDeviceHost {
 
     /// The worker's `agent-device` capability now.
     pub fn capability(&self) -> CapabilityStatus {
-        match self.state() {
-            DaemonState::Running(_) => CapabilityStatus {
-                name: agent_device_front::CAPABILITY.into(),
-                available: true,
-                reason: None,
-            },
-            DaemonState::Unavailable(reason) => CapabilityStatus {
-                name: agent_device_front::CAPABILITY.into(),
-                available: false,
-                reason: Some(reason),
-            },
-        }
+        self.shared.state.borrow().capability()
     }
 
     /// Stops the daemon (SIGTERM, SIGKILL after the grace) and the supervision.

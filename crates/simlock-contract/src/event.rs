@@ -24,6 +24,8 @@ pub enum EventModule {
     Devices,
     /// A gateway's fleet: its queue, routing and workers.
     Fleet,
+    /// A worker's capabilities (`status.get`'s `capabilities`).
+    Capabilities,
 }
 
 impl EventModule {
@@ -34,6 +36,7 @@ impl EventModule {
             Self::LeaseLifecycle => "lease-lifecycle",
             Self::Devices => "devices",
             Self::Fleet => "fleet",
+            Self::Capabilities => "capabilities",
         }
     }
 }
@@ -402,6 +405,18 @@ pub enum Event {
         /// The driver's error.
         error: String,
     },
+    /// A capability a module reports live became available or unavailable, or its reason
+    /// changed (a worker's `agent-device` when its daemon starts or goes down).
+    #[serde(rename = "capability.changed")]
+    CapabilityChanged {
+        /// The capability's name.
+        name: String,
+        /// Whether it is available now.
+        available: bool,
+        /// Why not, when it is not.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        reason: Option<String>,
+    },
     /// A gateway forwarded a request to a worker.
     #[serde(rename = "request.dispatched")]
     RequestDispatched {
@@ -744,16 +759,68 @@ mod tests {
     }
 
     #[test]
+    fn a_capability_change_keeps_its_wire_payload() {
+        let down = Event::CapabilityChanged {
+            name: "agent-device".into(),
+            available: false,
+            reason: Some("the agent-device daemon is stopped".into()),
+        };
+        let payload = json!({"name": "agent-device", "available": false,
+            "reason": "the agent-device daemon is stopped"});
+        assert_eq!(
+            down.parts(),
+            ("capability.changed".to_owned(), payload.clone())
+        );
+        assert_eq!(
+            Event::from_envelope(&envelope("capability.changed", payload)),
+            Some(down)
+        );
+        let up = Event::CapabilityChanged {
+            name: "agent-device".into(),
+            available: true,
+            reason: None,
+        };
+        let payload = json!({"name": "agent-device", "available": true});
+        assert_eq!(
+            up.parts(),
+            ("capability.changed".to_owned(), payload.clone()),
+            "no reason, no field"
+        );
+        assert_eq!(
+            Event::from_envelope(&envelope("capability.changed", payload)),
+            Some(up)
+        );
+        assert_eq!(
+            Event::from_envelope(&envelope(
+                "capability.changed",
+                json!({"name": "agent-device"})
+            )),
+            None,
+            "a change without `available` does not read"
+        );
+    }
+
+    #[test]
     fn every_module_has_its_wire_name() {
         let names: Vec<&str> = [
             EventModule::Daemon,
             EventModule::LeaseLifecycle,
             EventModule::Devices,
             EventModule::Fleet,
+            EventModule::Capabilities,
         ]
         .into_iter()
         .map(EventModule::as_str)
         .collect();
-        assert_eq!(names, ["daemon", "lease-lifecycle", "devices", "fleet"]);
+        assert_eq!(
+            names,
+            [
+                "daemon",
+                "lease-lifecycle",
+                "devices",
+                "fleet",
+                "capabilities"
+            ]
+        );
     }
 }

@@ -102,7 +102,7 @@ impl WorkerParts {
         version: String,
     ) -> Self {
         Self {
-            capabilities: Capabilities::new(config.capabilities.clone()),
+            capabilities: Capabilities::new(config.capabilities.clone(), bus.clone()),
             system: Arc::new(HostSystem),
             drivers: virtual_drivers(&config.virtual_devices),
             config,

@@ -130,7 +130,7 @@ impl Harness {
             .unwrap_or_else(|| TokioClock::starting_at(T0).shared());
         let bus = EventBus::new(10_000, clock.clone());
         let presence = Presence::new();
-        let capabilities = Capabilities::new(b.config.capabilities.clone());
+        let capabilities = Capabilities::new(b.config.capabilities.clone(), bus.clone());
         let parts = WorkerParts {
             drivers: b
                 .drivers

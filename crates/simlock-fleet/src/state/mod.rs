@@ -946,8 +946,10 @@ impl Core {
     /// A worker's event arrived on `generation`: lease ends end the gateway's lease and reach
     /// its owner; a leased device's crash and recovery reach the gateway lease's owner as
     /// `device-unhealthy` and `device-recovered`; a renew updates the view in place (ADR 0015);
-    /// other lease and device events ask for a refresh; every event but the `worker.*` ones (gateway-only facts) is relayed
-    /// onto the gateway's bus with its worker id.
+    /// other lease and device events, and `capability.changed` (so the view's capabilities, and
+    /// the workers capable of a `requires`, follow within one spaced refresh), ask for a
+    /// refresh; every event but the `worker.*` ones (gateway-only facts) is relayed onto the
+    /// gateway's bus with its worker id.
     pub fn handle_worker_event(&mut self, generation: u64, mut envelope: EventEnvelope, now: i64) {
         let Some(worker_id) = self.worker_of_generation(generation).map(str::to_owned) else {
             return;
@@ -1020,6 +1022,7 @@ impl Core {
                 });
                 self.ask_refresh(&worker_id, false, now);
             }
+            Some(Event::CapabilityChanged { .. }) => self.ask_refresh(&worker_id, false, now),
             _ if envelope.event.starts_with("lease.") || envelope.event.starts_with("device.") => {
                 self.ask_refresh(&worker_id, false, now);
             }

@@ -4,8 +4,8 @@ use std::collections::BTreeMap;
 
 use simlock_contract::ids::{DeviceId, EventId};
 use simlock_contract::model::{
-    Capacity, DaemonInfo, DeviceSpec, GlobalCapacity, GrantDevice, GrantTiming, Health, HostFacts,
-    Mode, Platform, PlatformCapacity, PlatformCatalog,
+    CapabilityStatus, Capacity, DaemonInfo, DeviceSpec, GlobalCapacity, GrantDevice, GrantTiming,
+    Health, HostFacts, Mode, Platform, PlatformCapacity, PlatformCatalog,
 };
 
 use super::*;
@@ -1086,4 +1086,118 @@ fn an_agent_sees_only_its_own_leases_and_requests_in_the_workers_views_and_the_w
         .map(|l| l.id.to_string())
         .collect();
     assert_eq!(listed, ["w1.lse_a", "lse_direct"]);
+}
+
+/// A read of `w1` whose status lists `agent-device` as `available` (with `reason` when not),
+/// with its lease limits.
+fn refresh_with_agent_device(available: bool, reason: Option<&str>) -> Refresh {
+    let mut read = refresh(Vec::new(), 1);
+    read.status.capabilities = Some(vec![CapabilityStatus {
+        name: "agent-device".into(),
+        available,
+        reason: reason.map(str::to_owned),
+    }]);
+    read.limits = Some(LeaseLimits {
+        default_ttl_ms: 1000,
+        max_ttl_ms: 60_000,
+    });
+    read
+}
+
+fn capability_changed(available: bool, reason: Option<&str>) -> EventEnvelope {
+    let (name, payload) = Event::CapabilityChanged {
+        name: "agent-device".into(),
+        available,
+        reason: reason.map(str::to_owned),
+    }
+    .parts();
+    let mut envelope = event(&name, payload);
+    envelope.module = "capabilities".into();
+    envelope
+}
+
+fn capable_of_agent_device(core: &Core) -> bool {
+    core.view("w1")
+        .and_then(|v| routing::capable(v, "agent-device"))
+        .is_some()
+}
+
+#[test]
+fn a_capability_change_asks_for_a_spaced_view_read_long_before_the_periodic_one() {
+    let mut settings = settings();
+    settings.refresh_gap_ms = 50;
+    let mut core = Core::new(settings, Vec::new());
+    let generation = core.handle_uplink_opened("w1", None, "tok_j".into(), T0);
+    let sent = core.handle_probe_sent();
+    core.handle_connected(generation, "v".into(), &status(Vec::new(), 1), sent, T0);
+    core.handle_subscribed(generation, T0);
+    // The worker joined while its agent-device daemon was starting.
+    let sent = refresh_sent(&core.take_effects()).expect("the first read goes at once");
+    let starting = refresh_with_agent_device(false, Some("the agent-device daemon is starting"));
+    core.handle_refreshed(generation, sent, starting, T0 + 5);
+    core.take_effects();
+    assert!(!capable_of_agent_device(&core));
+    assert_eq!(
+        core.next_deadline(),
+        Some(T0 + 30_000),
+        "only the periodic read is due"
+    );
+
+    // Its daemon started: the change is read after the gap, not at the periodic read.
+    core.handle_worker_event(generation, capability_changed(true, None), T0 + 10);
+    let effects = core.take_effects();
+    assert!(
+        effects.iter().any(
+            |e| matches!(e, Effect::Relay(env) if env.event == "capability.changed"
+                && env.payload["workerId"] == "w1")
+        ),
+        "relayed onto the gateway's bus with its worker: {effects:?}"
+    );
+    assert!(refresh_sent(&effects).is_none(), "within the gap");
+    assert_eq!(core.next_deadline(), Some(T0 + 55));
+    core.handle_tick(T0 + 55);
+    let effects = core.take_effects();
+    let (sent, catalog) = effects
+        .iter()
+        .find_map(|e| match e {
+            Effect::Refresh { sent, catalog, .. } => Some((*sent, *catalog)),
+            _ => None,
+        })
+        .expect("a read once the gap passed");
+    assert!(!catalog, "a capability change reads no catalog");
+    core.handle_refreshed(
+        generation,
+        sent,
+        refresh_with_agent_device(true, None),
+        T0 + 60,
+    );
+    core.take_effects();
+    assert!(capable_of_agent_device(&core), "capable after one read");
+
+    // Its daemon went down: out of the capable workers after the next read, at once here.
+    core.handle_worker_event(
+        generation,
+        capability_changed(false, Some("the agent-device daemon is stopped")),
+        T0 + 200,
+    );
+    let sent = refresh_sent(&core.take_effects()).expect("past the gap, read at once");
+    assert!(
+        capable_of_agent_device(&core),
+        "the event itself changes nothing: the read does"
+    );
+    let stopped = refresh_with_agent_device(false, Some("the agent-device daemon is stopped"));
+    core.handle_refreshed(generation, sent, stopped, T0 + 205);
+    assert!(!capable_of_agent_device(&core));
+    let listed = core.view("w1").unwrap().capabilities.clone().unwrap();
+    assert_eq!(
+        listed[0].reason.as_deref(),
+        Some("the agent-device daemon is stopped")
+    );
+}
+
+#[test]
+fn a_capability_change_of_an_unknown_uplink_is_ignored() {
+    let (mut core, generation) = fleet(1);
+    core.handle_worker_event(generation + 1, capability_changed(true, None), T0);
+    assert!(core.take_effects().is_empty());
 }
