@@ -352,6 +352,17 @@ mod tests {
         RpcCall::parse(value.to_string().as_bytes()).unwrap()
     }
 
+    #[test]
+    fn a_call_forwarded_again_keeps_every_number_it_carried() {
+        // Found by the agent_device_request fuzz target: the default float parser read
+        // 4444444444444444444444444445444440 as a float one digit off its shortest form.
+        let body = br#"{"id":"c1","method":"agent_device.command","params":{"x":[4444444444444444444444444445444440,55.956297025341211,1e-7,0.1]}}"#;
+        let parsed = RpcCall::parse(body).unwrap();
+        let again = RpcCall::parse(&parsed.to_bytes()).unwrap();
+        assert_eq!(again, parsed);
+        assert_eq!(again.to_bytes(), parsed.to_bytes());
+    }
+
     fn rpc_code(err: Refusal) -> i64 {
         match err {
             Refusal::Invalid { rpc_code, .. } => rpc_code,
