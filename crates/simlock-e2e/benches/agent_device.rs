@@ -5,10 +5,11 @@
 //! daemon (fetched by `cargo xtask fetch-peers`). A 256 MiB upload — preflight, PUT, finalize,
 //! as the CLI does it — goes straight to the daemon, through the worker's front, and through the
 //! gateway and the worker (the lease header sent by hand), in turn, seven times each; each ratio
-//! is direct time / path time, and the medians are reported. The daemon hashes the whole file at
-//! finalize on every path; the PUT-only ratios are printed beside. While the gateway's upload
-//! runs, another lease on the same worker heartbeats through the gateway; while the direct
-//! upload runs, a lease of the daemon's own heartbeats straight to it: the p99 of each.
+//! is direct time / path time, and the medians are reported; those uploads run alone. The daemon
+//! hashes the whole file at finalize on every path; the PUT-only ratios are printed beside. Then,
+//! each run, one more upload on the gateway's path while another lease on the same worker
+//! heartbeats through the gateway, and one more straight to the daemon while a lease of the
+//! daemon's own heartbeats straight to it, both paced every 10 ms: the p99 of each.
 //!
 //! The last line is the summary: `agent-device worker_upload_ratio=<x>
 //! gateway_upload_ratio=<x> heartbeat_p99_ms=<x> heartbeat_direct_p99_ms=<x>`.
@@ -39,6 +40,8 @@ const MIB: usize = 1024 * 1024;
 const SIZE: usize = 256 * MIB;
 const CHUNK: usize = 256 * 1024;
 const RUNS: usize = 7;
+/// How often a heartbeat is sent beside an upload.
+const BEAT_EVERY: Duration = Duration::from_millis(10);
 
 fn main() {
     let runtime = simlock_daemon::launch::runtime().expect("a runtime");
@@ -192,7 +195,11 @@ async fn heartbeats(
     stop: tokio_util::sync::CancellationToken,
 ) -> Vec<f64> {
     let mut samples = Vec::new();
+    // Paced, so both paths carry the same load whatever their round trip.
+    let mut pace = tokio::time::interval(BEAT_EVERY);
+    pace.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     while !stop.is_cancelled() {
+        pace.tick().await;
         let started = Instant::now();
         let request = Request::builder()
             .method(Method::POST)
@@ -400,42 +407,37 @@ async fn bench() {
     let (mut beats, mut direct_beats) = (Vec::new(), Vec::new());
     let mibs = |t: Duration| 256.0 / t.as_secs_f64();
     for run in 0..RUNS {
-        let attempt = 10 + 3 * run;
-        // Rotate who goes first, so no path always meets a warmer machine.
+        let attempt = 10 + 5 * run;
+        // Rotate who goes first, so no path always meets a warmer machine. The three uploads
+        // of the ratios run alone: nothing else loads the daemon's event loop.
         let mut order = [0, 1, 2];
         order.rotate_left(run % 3);
         let mut timings = [None, None, None];
         for which in order {
-            timings[which] = Some(match which {
-                0 => {
-                    let (t, b) = upload_beside(
-                        &client,
-                        &direct,
-                        &piece,
-                        &sha256,
-                        attempt,
-                        direct_beat.clone(),
-                    )
-                    .await;
-                    direct_beats.extend(b);
-                    t
-                }
-                1 => upload(&client, &via_worker, &piece, &sha256, attempt + 1).await,
-                _ => {
-                    let (t, b) = upload_beside(
-                        &client,
-                        &via_gateway,
-                        &piece,
-                        &sha256,
-                        attempt + 2,
-                        gateway_beat.clone(),
-                    )
-                    .await;
-                    beats.extend(b);
-                    t
-                }
-            });
+            let target = [&direct, &via_worker, &via_gateway][which];
+            timings[which] = Some(upload(&client, target, &piece, &sha256, attempt + which).await);
         }
+        // Then the heartbeats, paced alike, each beside an upload on its own path.
+        let (_, b) = upload_beside(
+            &client,
+            &direct,
+            &piece,
+            &sha256,
+            attempt + 3,
+            direct_beat.clone(),
+        )
+        .await;
+        direct_beats.extend(b);
+        let (_, b) = upload_beside(
+            &client,
+            &via_gateway,
+            &piece,
+            &sha256,
+            attempt + 4,
+            gateway_beat.clone(),
+        )
+        .await;
+        beats.extend(b);
         let [Some(d), Some(w), Some(g)] = timings else {
             unreachable!("every path ran")
         };
