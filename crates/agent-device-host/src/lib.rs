@@ -53,6 +53,8 @@ pub const CALL_TIMEOUT: Duration = Duration::from_secs(5);
 const MAX_RPC_BODY: usize = agent_device_front::rpc::AGENT_DEVICE_MAX_RPC_BODY;
 /// The largest answer the host rewrites (lease answers, tickets).
 const MAX_ANSWER: usize = 4 * 1024 * 1024;
+/// The largest frame a request body is joined into on its way to the daemon.
+const UPSTREAM_FRAME: usize = 256 * 1024;
 
 /// Which daemon a host serves.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -375,6 +377,9 @@ impl AgentDeviceHost {
         }
         let headers =
             proxy::upstream_headers(&parts.headers, &endpoint.token, tenant.as_str(), false);
+        // Uploads reach the daemon in frames of up to UPSTREAM_FRAME, whatever sizes they came
+        // in (the link's parts are 16 KiB): the daemon pays per chunk it parses.
+        let body = agent_device_front::body::Coalesced::new(body, UPSTREAM_FRAME).boxed_unsync();
         let upstream = proxy::upstream_request(
             parts.method.clone(),
             endpoint.port,
