@@ -1,12 +1,11 @@
 //! The one body type of the edge, and bodies that hold something alive while they stream.
 
-use std::convert::Infallible;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
 use http_body::{Frame, SizeHint};
-use http_body_util::{BodyExt, Full};
+use http_body_util::BodyExt;
 
 /// Every body the edge passes on: requests to a host link, responses to the caller. It is the
 /// daemon's HTTP body and the relay's body, so nothing is copied between them.
@@ -14,17 +13,8 @@ pub use simlock_daemon::http::body::Body;
 /// An error a body may carry: the daemon's one error box.
 pub use simlock_daemon::http::body::BoxError;
 
-/// A body holding `bytes`.
-pub fn full(bytes: impl Into<Bytes>) -> Body {
-    Full::new(bytes.into())
-        .map_err(|never: Infallible| match never {})
-        .boxed_unsync()
-}
-
-/// An empty body.
-pub fn empty() -> Body {
-    full(Bytes::new())
-}
+/// A body holding its bytes, and an empty one: the daemon's.
+pub use simlock_daemon::http::body::{empty, full};
 
 /// Reads a whole body of at most `limit` bytes.
 ///
@@ -42,6 +32,20 @@ pub async fn read_to_bytes(mut body: Body, limit: usize) -> Result<Bytes, ReadEr
         }
     }
     Ok(out.freeze())
+}
+
+impl ReadError {
+    /// The refusal the front and the host answer for it: past a bound, or a body that failed
+    /// (as agent-device answers a body it cannot read, `-32700`).
+    pub fn refusal(&self) -> crate::Refusal {
+        match self {
+            Self::TooLarge(limit) => crate::Refusal::BodyTooLarge(*limit),
+            Self::Body(message) => crate::Refusal::Invalid {
+                rpc_code: -32700,
+                message: message.clone(),
+            },
+        }
+    }
 }
 
 /// Why a body could not be read whole.

@@ -34,7 +34,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
-use crate::body::{Guarded, ReadError, read_to_bytes};
+use crate::body::{Guarded, read_to_bytes};
 use crate::lease_id::{LEASE_HEADER, LeaseId};
 use crate::leases::{FrontLease, FrontLeases};
 use crate::port::{Caller, HostLink, Serving, StatusScope};
@@ -340,7 +340,7 @@ async fn rpc(
     let anonymous = Surface::Rpc { id: Value::Null };
     let bytes = read_to_bytes(body, MAX_RPC_BODY)
         .await
-        .map_err(|e| (read_refusal(&e), anonymous.clone()))?;
+        .map_err(|e| (e.refusal(), anonymous.clone()))?;
     let mut call = RpcCall::parse(&bytes).map_err(|r| (r, anonymous))?;
     let surface = Surface::Rpc {
         id: call.id.clone(),
@@ -397,16 +397,6 @@ fn lease_required() -> Refusal {
     Refusal::Invalid {
         rpc_code: -32602,
         message: "Invalid params: leaseId is required".into(),
-    }
-}
-
-fn read_refusal(error: &ReadError) -> Refusal {
-    match error {
-        ReadError::TooLarge(limit) => Refusal::BodyTooLarge(*limit),
-        ReadError::Body(message) => Refusal::Invalid {
-            rpc_code: -32700,
-            message: message.clone(),
-        },
     }
 }
 
@@ -1024,7 +1014,7 @@ async fn auxiliary(
         let (parts, body) = request.into_parts();
         let bytes = read_to_bytes(body, MAX_PREFLIGHT_BODY)
             .await
-            .map_err(|e| route_fail(read_refusal(&e)))?;
+            .map_err(|e| route_fail(e.refusal()))?;
         Request::from_parts(parts, crate::body::full(bytes))
     } else {
         request

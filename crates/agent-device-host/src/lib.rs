@@ -329,7 +329,7 @@ impl AgentDeviceHost {
         if route == "/rpc" {
             let bytes = read_to_bytes(body, MAX_RPC_BODY)
                 .await
-                .map_err(|e| (read_refusal(&e), Surface::Rpc { id: Value::Null }))?;
+                .map_err(|e| (e.refusal(), Surface::Rpc { id: Value::Null }))?;
             let call = RpcRewrite::parse(&bytes).ok_or((
                 Refusal::Invalid {
                     rpc_code: -32700,
@@ -553,16 +553,6 @@ impl AgentDeviceHost {
     /// The relay target `agent-device`: requests a gateway relays, for the tenant it computed.
     pub fn relay_target(&self) -> Arc<dyn RelayTarget> {
         Arc::new(HostTarget { host: self.clone() })
-    }
-}
-
-fn read_refusal(error: &ReadError) -> Refusal {
-    match error {
-        ReadError::TooLarge(limit) => Refusal::BodyTooLarge(*limit),
-        ReadError::Body(message) => Refusal::Invalid {
-            rpc_code: -32700,
-            message: message.clone(),
-        },
     }
 }
 
