@@ -5,7 +5,7 @@
 //! The resource is built on the operation and its `progress` pushes only, so the same code
 //! serves a worker and a gateway.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
@@ -41,16 +41,52 @@ struct Record {
 
 /// The lease requests made over HTTP.
 pub struct RequestBook {
-    records: Mutex<HashMap<String, Arc<Record>>>,
+    records: Mutex<Records>,
     clock: SharedClock,
     retention_ms: i64,
     max_records: usize,
 }
 
+/// The records, and the settled ones in the order they settled, so that pruning costs what it
+/// drops and not a scan of every record.
+#[derive(Default)]
+struct Records {
+    by_id: HashMap<String, Arc<Record>>,
+    /// `(settled_at, id)` of every recorded request that settled, oldest first.
+    settled: VecDeque<(i64, String)>,
+}
+
+impl Records {
+    /// Drops what settled `retention_ms` or more before `now`, then the oldest settled while
+    /// `max` or more are held (room for one more); pending ones stay.
+    fn prune(&mut self, now: i64, retention_ms: i64, max: usize) {
+        while let Some((at, _)) = self.settled.front()
+            && now.saturating_sub(*at) >= retention_ms
+        {
+            if let Some((_, id)) = self.settled.pop_front() {
+                self.by_id.remove(&id);
+            }
+        }
+        while self.by_id.len() >= max {
+            let Some((_, id)) = self.settled.pop_front() else {
+                break;
+            };
+            self.by_id.remove(&id);
+        }
+    }
+
+    /// `id` settled at `at`: it joins the order, once it is recorded.
+    fn settled(&mut self, id: &str, at: i64) {
+        if self.by_id.contains_key(id) {
+            self.settled.push_back((at, id.to_owned()));
+        }
+    }
+}
+
 impl std::fmt::Debug for RequestBook {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RequestBook")
-            .field("records", &self.records.lock().len())
+            .field("records", &self.records.lock().by_id.len())
             .finish_non_exhaustive()
     }
 }
@@ -68,7 +104,7 @@ impl RequestBook {
     /// A book keeping settled requests `retention_ms`, at most `max_records` of them.
     pub fn new(clock: SharedClock, retention_ms: u64, max_records: usize) -> Arc<Self> {
         Arc::new(Self {
-            records: Mutex::new(HashMap::new()),
+            records: Mutex::new(Records::default()),
             clock,
             retention_ms: i64::try_from(retention_ms).unwrap_or(i64::MAX),
             max_records: max_records.max(1),
@@ -113,6 +149,7 @@ impl RequestBook {
         let call = pipeline.call(ctx, "lease.request", Some(payload));
         let task_record = record.clone();
         let clock = self.clock.clone();
+        let (book, key) = (self.clone(), id.as_str().to_owned());
         tokio::spawn(async move {
             let mut call = call;
             let outcome = loop {
@@ -125,7 +162,12 @@ impl RequestBook {
             while let Ok(push) = push_rx.try_recv() {
                 apply_progress(&task_record, &push);
             }
-            settle(&task_record, outcome, clock.now_ms());
+            let now = clock.now_ms();
+            // Under the book's lock, so that the submit's insert and this settle agree on who
+            // puts it in the settled order.
+            let mut records = book.records.lock();
+            settle(&task_record, outcome, now);
+            records.settled(&key, now);
         });
         // Answer once something happened: a push, or the outcome.
         let _ = changes.changed().await;
@@ -137,7 +179,13 @@ impl RequestBook {
             );
             return Submitted::Refused(err);
         }
-        self.records.lock().insert(id.as_str().to_owned(), record);
+        let mut records = self.records.lock();
+        let settled_at = *record.settled_at.lock();
+        records.by_id.insert(id.as_str().to_owned(), record);
+        if let Some(at) = settled_at {
+            records.settled(id.as_str(), at);
+        }
+        drop(records);
         Submitted::Accepted(Box::new(view))
     }
 
@@ -260,7 +308,7 @@ impl RequestBook {
     }
 
     fn record(&self, id: &str, principal: &str, role: Role) -> Result<Arc<Record>, ContractError> {
-        let record = self.records.lock().get(id).cloned().ok_or_else(|| {
+        let record = self.records.lock().by_id.get(id).cloned().ok_or_else(|| {
             ContractError::new(
                 ErrorCode::UnknownLeaseRequest,
                 format!("Unknown lease request {id}"),
@@ -275,26 +323,13 @@ impl RequestBook {
         Ok(record)
     }
 
-    /// Drops settled records past retention, and the oldest settled ones over the cap.
+    /// Drops settled records past retention, and the oldest settled ones while the book is
+    /// full (pending requests are never dropped). Costs what it drops.
     fn prune(&self) {
         let now = self.clock.now_ms();
-        let mut records = self.records.lock();
-        records.retain(|_, r| {
-            r.settled_at
-                .lock()
-                .is_none_or(|at| now.saturating_sub(at) < self.retention_ms)
-        });
-        if records.len() >= self.max_records {
-            let mut settled: Vec<(String, i64)> = records
-                .iter()
-                .filter_map(|(id, r)| r.settled_at.lock().map(|at| (id.clone(), at)))
-                .collect();
-            settled.sort_by_key(|(_, at)| *at);
-            let excess = records.len() + 1 - self.max_records;
-            for (id, _) in settled.into_iter().take(excess) {
-                records.remove(&id);
-            }
-        }
+        self.records
+            .lock()
+            .prune(now, self.retention_ms, self.max_records);
     }
 }
 
@@ -357,4 +392,78 @@ fn settle(record: &Record, outcome: Result<Value, ContractError>, now: i64) {
             }
         }
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record() -> Arc<Record> {
+        Arc::new(Record {
+            owner: "tok_a".into(),
+            requester: "r".into(),
+            view: watch::Sender::new(RequestView {
+                id: RequestId::mint(),
+                state: RequestState::Pending,
+                queue_position: None,
+                eta_seconds: None,
+                created_at: 0,
+                lease: None,
+                error: None,
+            }),
+            settled_at: Mutex::new(None),
+            progressed: AtomicBool::new(false),
+        })
+    }
+
+    /// A book with `settled` requests settled at the given times and `pending` ones.
+    fn book(settled: &[i64], pending: usize) -> Records {
+        let mut records = Records::default();
+        for (i, at) in settled.iter().enumerate() {
+            let id = format!("s{i}");
+            records.by_id.insert(id.clone(), record());
+            records.settled(&id, *at);
+        }
+        for i in 0..pending {
+            records.by_id.insert(format!("p{i}"), record());
+        }
+        records
+    }
+
+    fn ids(records: &Records) -> Vec<String> {
+        let mut ids: Vec<String> = records.by_id.keys().cloned().collect();
+        ids.sort();
+        ids
+    }
+
+    #[test]
+    fn a_settled_request_goes_at_its_retention_and_not_a_moment_before() {
+        let mut records = book(&[0, 1, 2], 1);
+        records.prune(9, 10, 100);
+        assert_eq!(ids(&records), ["p0", "s0", "s1", "s2"], "before the bound");
+        records.prune(10, 10, 100);
+        assert_eq!(ids(&records), ["p0", "s1", "s2"], "at it");
+        records.prune(1_000, 10, 100);
+        assert_eq!(ids(&records), ["p0"], "pending ones stay");
+    }
+
+    #[test]
+    fn a_full_book_drops_the_oldest_settled_first_and_never_a_pending_one() {
+        let mut records = book(&[5, 6, 7], 2);
+        records.prune(8, 1_000, 4);
+        assert_eq!(ids(&records), ["p0", "p1", "s2"], "room for one more");
+        let mut all_pending = book(&[], 3);
+        all_pending.prune(8, 1_000, 2);
+        assert_eq!(ids(&all_pending), ["p0", "p1", "p2"]);
+    }
+
+    #[test]
+    fn a_request_joins_the_settled_order_only_once_it_is_recorded() {
+        let mut records = Records::default();
+        records.settled("early", 1);
+        assert!(
+            records.settled.is_empty(),
+            "not recorded yet: the submit adds it"
+        );
+    }
 }
