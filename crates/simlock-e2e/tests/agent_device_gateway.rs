@@ -812,6 +812,23 @@ async fn the_gateways_lease_ttl_cap_caps_the_ttl_of_its_leases() {
     gw.stop().await;
 }
 
+/// The requests waiting anywhere in the fleet, each once: a request the gateway forwarded is
+/// both the gateway's waiter and, once the worker's view is read again, the worker's own
+/// (requester `gw:<gateway>:<L>`).
+fn waiting_requests(fleet: &simlock_fleet::Fleet) -> std::collections::BTreeSet<String> {
+    fleet
+        .all_waiting(simlock_daemon::Viewer::ADMIN)
+        .into_iter()
+        .map(|w| {
+            w.requester_id
+                .rsplit(':')
+                .next()
+                .unwrap_or_default()
+                .to_owned()
+        })
+        .collect()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_allocate_waits_for_a_device_a_hung_up_one_leaves_the_queue_and_a_stop_cancels_it() {
     let mut gw = Gw::start(enabled_gateway()).await;
@@ -824,6 +841,22 @@ async fn an_allocate_waits_for_a_device_a_hung_up_one_leaves_the_queue_and_a_sto
     let (_, carol) = gw.token().await;
     let http = Http::new();
     let first = allocate(&http, &gw, &alice).await;
+    // The gateway sees the worker full before the others ask, so their requests wait in the
+    // gateway's queue, where a hang-up withdraws them. (One the gateway forwarded on a view
+    // read before the grant would wait in the worker's queue instead, past the gateway's
+    // cancel: it is granted and released at once when its device frees.)
+    let id = gw.fleet.worker_id(0);
+    gw.fleet
+        .wait_for(|views| {
+            views.iter().any(|v| {
+                v.id == id
+                    && v.capacity.as_ref().is_some_and(|c| {
+                        let android = c.platform(Platform::Android);
+                        android.running >= android.max_running
+                    })
+            })
+        })
+        .await;
     let base = gw.base();
     let (b, token) = (base.clone(), bob.clone());
     let bob_waits = tokio::spawn(async move {
@@ -838,11 +871,11 @@ async fn an_allocate_waits_for_a_device_a_hung_up_one_leaves_the_queue_and_a_sto
             .await
     });
     gw.fleet
-        .wait_until(|fleet| fleet.all_waiting(simlock_daemon::Viewer::ADMIN).len() == 2)
+        .wait_until(|fleet| waiting_requests(fleet).len() == 2)
         .await;
     carol_waits.abort();
     gw.fleet
-        .wait_until(|fleet| fleet.all_waiting(simlock_daemon::Viewer::ADMIN).len() == 1)
+        .wait_until(|fleet| waiting_requests(fleet).len() == 1)
         .await;
     http.rpc(&base, &alice, &lease_call("r1", "lease.release", &first))
         .await;
@@ -857,7 +890,7 @@ async fn an_allocate_waits_for_a_device_a_hung_up_one_leaves_the_queue_and_a_sto
             .await
     });
     gw.fleet
-        .wait_until(|fleet| fleet.all_waiting(simlock_daemon::Viewer::ADMIN).len() == 1)
+        .wait_until(|fleet| waiting_requests(fleet).len() == 1)
         .await;
     // The gateway stops first (its workers stay up): the front withdraws the waiting request.
     let Gw {
