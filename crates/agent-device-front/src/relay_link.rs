@@ -368,7 +368,7 @@ impl RelayHostLink {
                 })
             }
             None => {
-                let had = memory.contains(lease);
+                let (had, dropped) = (memory.contains(lease), memory.is_dropped(lease));
                 let recalled = memory.recall(lease, self.clock.now_ms(), self.keep);
                 drop(memory);
                 if had
@@ -377,7 +377,6 @@ impl RelayHostLink {
                 {
                     store.forget(lease);
                 }
-                let dropped = self.memory.lock().is_dropped(lease);
                 recalled.map(|placement| Placed {
                     placement,
                     source: if dropped {

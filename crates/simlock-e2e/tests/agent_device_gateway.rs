@@ -1165,15 +1165,50 @@ async fn aux(
         .await
 }
 
-fn preflight_body(data: &[u8]) -> String {
+fn sha256_hex(data: &[u8]) -> String {
     use sha2::Digest as _;
-    let sha: String = sha2::Sha256::digest(data)
+    sha2::Sha256::digest(data)
         .iter()
         .map(|b| format!("{b:02x}"))
-        .collect();
+        .collect()
+}
+
+fn preflight_body(data: &[u8]) -> String {
+    let sha = sha256_hex(data);
     json!({"uploadAttemptId": "u1", "sha256": sha, "fileName": "app.apk", "sizeBytes": data.len(),
         "artifactType": "file", "platform": "android", "contentType": "application/octet-stream"})
     .to_string()
+}
+
+/// The CLI's PUT to an upload `ticket` (its URL, its headers and the lease header), then the
+/// finalize naming `lease`: each answers ok.
+async fn put_and_finalize(gw: &Gw, secret: &str, lease: &str, ticket: &Value, data: &[u8]) {
+    let url = ticket["upload"]["url"].as_str().unwrap();
+    let mut headers: Vec<(String, String)> = ticket["upload"]["headers"]
+        .as_object()
+        .unwrap()
+        .iter()
+        .map(|(k, v)| (k.clone(), v.as_str().unwrap().to_owned()))
+        .collect();
+    headers.push(("x-agent-device-lease-id".into(), lease.to_owned()));
+    let refs: Vec<(&str, &str)> = headers
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.as_str()))
+        .collect();
+    let put = Http::new()
+        .send(Method::PUT, url, &refs, data.to_vec())
+        .await;
+    assert_eq!(put.status, 200, "{put:?}");
+    let finalize = aux(
+        gw,
+        Method::POST,
+        "upload/finalize",
+        secret,
+        Some(lease),
+        json!({"uploadId": ticket["uploadId"]}).to_string(),
+    )
+    .await;
+    assert_eq!(finalize.json()["ok"], json!(true), "{finalize:?}");
 }
 
 fn paths(fake: &FakeAgentDevice) -> Vec<String> {
@@ -1221,29 +1256,7 @@ async fn an_upload_with_the_lease_header_reaches_the_leases_worker_with_the_call
     assert_eq!(auth, Some(format!("Bearer {}", gw.fakes[1].token())));
     assert!(!preflight.headers.iter().any(|(_, v)| v.contains(&secret)));
     // The PUT to the ticket, with the lease header and the ticket's headers, reaches W2.
-    let mut put_headers: Vec<(String, String)> = headers
-        .iter()
-        .map(|(k, v)| (k.clone(), v.as_str().unwrap().to_owned()))
-        .collect();
-    put_headers.push(("x-agent-device-lease-id".into(), on_w2.clone()));
-    let refs: Vec<(&str, &str)> = put_headers
-        .iter()
-        .map(|(k, v)| (k.as_str(), v.as_str()))
-        .collect();
-    let put = Http::new()
-        .send(Method::PUT, &url, &refs, data.clone())
-        .await;
-    assert_eq!(put.status, 200, "{put:?}");
-    let finalize = aux(
-        &gw,
-        Method::POST,
-        "upload/finalize",
-        &secret,
-        Some(&on_w2),
-        json!({"uploadId": ticket["uploadId"]}).to_string(),
-    )
-    .await;
-    assert_eq!(finalize.json()["ok"], json!(true), "{finalize:?}");
+    put_and_finalize(&gw, &secret, &on_w2, &ticket, &data).await;
     let uploads = gw.fakes[1].uploads();
     assert_eq!(uploads.len(), 1);
     assert_eq!(uploads[0].size, 4096);
@@ -1664,38 +1677,8 @@ async fn a_64_mib_upload_with_the_header_lands_on_the_leases_worker_with_its_sha
     )
     .await;
     assert_eq!(ticket.status, 200, "{ticket:?}");
-    let ticket = ticket.json();
-    let url = ticket["upload"]["url"].as_str().unwrap().to_owned();
-    let mut headers: Vec<(String, String)> = ticket["upload"]["headers"]
-        .as_object()
-        .unwrap()
-        .iter()
-        .map(|(k, v)| (k.clone(), v.as_str().unwrap().to_owned()))
-        .collect();
-    headers.push(("x-agent-device-lease-id".into(), on_w2.clone()));
-    let refs: Vec<(&str, &str)> = headers
-        .iter()
-        .map(|(k, v)| (k.as_str(), v.as_str()))
-        .collect();
-    let put = Http::new()
-        .send(Method::PUT, &url, &refs, data.clone())
-        .await;
-    assert_eq!(put.status, 200, "{put:?}");
-    let finalize = aux(
-        &gw,
-        Method::POST,
-        "upload/finalize",
-        &secret,
-        Some(&on_w2),
-        json!({"uploadId": ticket["uploadId"]}).to_string(),
-    )
-    .await;
-    assert_eq!(finalize.json()["ok"], json!(true), "{finalize:?}");
-    use sha2::Digest as _;
-    let expected: String = sha2::Sha256::digest(&data)
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect();
+    put_and_finalize(&gw, &secret, &on_w2, &ticket.json(), &data).await;
+    let expected = sha256_hex(&data);
     let uploads = gw.fakes[1].uploads();
     assert_eq!(uploads.len(), 1, "on W2 only");
     assert_eq!(uploads[0].size, 64 * 1024 * 1024);
