@@ -13,13 +13,16 @@ pub use simlock_daemon::http::body::Body;
 /// An error a body may carry: the daemon's one error box.
 pub use simlock_daemon::http::body::BoxError;
 
-/// A body holding its bytes, and an empty one: the daemon's.
-pub use simlock_daemon::http::body::{empty, full};
+/// A body holding its bytes, an empty one and a JSON response: the daemon's.
+pub use simlock_daemon::http::body::{empty, full, json};
 
 /// Reads a whole body of at most `limit` bytes.
 ///
 /// # Errors
 /// [`ReadError::TooLarge`] past `limit`; [`ReadError::Body`] when the body fails.
+///
+/// (Not `http_body_util::Limited` + `collect`: that future is not `Send` for every lifetime
+/// with this body type, and the front's futures must be.)
 pub async fn read_to_bytes(mut body: Body, limit: usize) -> Result<Bytes, ReadError> {
     let mut out = bytes::BytesMut::new();
     while let Some(frame) = body.frame().await {
@@ -244,6 +247,22 @@ mod tests {
             });
         }
         out
+    }
+
+    #[tokio::test]
+    async fn a_body_at_its_bound_is_read_and_one_byte_more_is_too_large() {
+        let script = |n: usize| Script(vec![data(&"a".repeat(n - 1)), data("b")].into());
+        let read = read_to_bytes(script(8).boxed_unsync(), 8).await.unwrap();
+        assert_eq!(read.len(), 8);
+        assert_eq!(
+            read_to_bytes(script(9).boxed_unsync(), 8).await,
+            Err(ReadError::TooLarge(8))
+        );
+        let failing = Script(vec![data("ab"), Some(Err("cut".into()))].into());
+        assert_eq!(
+            read_to_bytes(failing.boxed_unsync(), 8).await,
+            Err(ReadError::Body("cut".into()))
+        );
     }
 
     #[tokio::test]

@@ -34,11 +34,12 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
+use crate::body::json as json_response;
 use crate::body::{Guarded, read_to_bytes};
 use crate::lease_id::{LEASE_HEADER, LeaseId};
 use crate::leases::{FrontLease, FrontLeases};
 use crate::port::{Caller, HostLink, Serving, StatusScope};
-use crate::reply::{Refusal, Surface, json_response};
+use crate::reply::{Refusal, Surface};
 use crate::rpc::{Answer, MAX_RPC_BODY, Method as RpcMethod, RpcCall, device_key};
 use crate::{Body, PREFIX};
 
@@ -139,11 +140,6 @@ impl Front {
         {
             warn!("waiting allocates and renewals did not end within {STOP_BOUND:?}");
         }
-    }
-
-    /// How many agent-device leases the front remembers (for tests and metrics).
-    pub fn lease_count(&self) -> usize {
-        self.inner.leases.len()
     }
 }
 
@@ -438,11 +434,8 @@ impl Exchange {
             touched: Instant::now(),
             seq: 0,
         };
-        self.inner.leases.insert(lease.clone(), entry);
-        self.inner
-            .leases
-            .owned(lease, &self.caller.principal)
-            .ok_or_else(|| self.fail(Refusal::LeaseEnded(lease.clone())))
+        self.inner.leases.insert(lease.clone(), entry.clone());
+        Ok(entry)
     }
 
     /// The TTL of the caller's `lease`, for a heartbeat or a release, once the host holding it
@@ -681,7 +674,9 @@ async fn wait_for_grant(
                     debug!(%lease, code = %e.code, "lease.cancel for an abandoned allocate failed");
                 }
                 // The request ends now: cancelled, or granted because its device work had
-                // started; such a grant is released at once.
+                // started (or it waits in a worker's queue, past the gateway's cancel); such a
+                // grant is released at once. The wait is bounded by the request's own queue
+                // timeout and by the daemon's stop, which ends every call.
                 if call.await.is_ok() {
                     release_simlock_lease(&pipeline, release_ctx, &lease).await;
                 }

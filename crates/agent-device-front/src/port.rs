@@ -81,7 +81,8 @@ pub(crate) fn holder_away() -> Refusal {
 /// What a running host serves.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Serving {
-    /// The platforms its devices have.
+    /// The platforms its devices have; what a new lease may ask for (a link may leave it empty
+    /// for a status read with a lease id, which needs only the ceiling).
     pub platforms: BTreeSet<Platform>,
     /// The `lease.maxTtlMs` of the daemon holding the lease; given only for a status read
     /// with a lease id.

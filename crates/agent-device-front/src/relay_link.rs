@@ -332,11 +332,6 @@ impl RelayHostLink {
         }
     }
 
-    /// How many leases the memory holds (for tests and metrics).
-    pub fn remembered(&self) -> usize {
-        self.memory.lock().len()
-    }
-
     /// Sweeps every [`SWEEP_EVERY`] until `stop` fires.
     pub fn spawn_sweeper(self: &Arc<Self>, stop: tokio_util::sync::CancellationToken) {
         let link = self.clone();

@@ -2,8 +2,7 @@
 //! prints them: a JSON-RPC error (`data.code`, `data.message`) on `/rpc`, `{ok:false, error,
 //! code}` on every other route. The texts are the seeds' own.
 
-use bytes::Bytes;
-use http::{HeaderValue, Response, StatusCode, header};
+use http::{Response, StatusCode};
 use serde_json::{Map, Value, json};
 use simlock_contract::{ContractError, ErrorCode};
 
@@ -216,20 +215,8 @@ impl Refusal {
                 Value::Object(body)
             }
         };
-        json_response(status, &body)
+        crate::body::json(status, &body)
     }
-}
-
-/// A JSON response.
-pub fn json_response(status: StatusCode, value: &Value) -> Response<Body> {
-    let bytes = Bytes::from(value.to_string());
-    let mut response = Response::new(crate::body::full(bytes));
-    *response.status_mut() = status;
-    response.headers_mut().insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("application/json"),
-    );
-    response
 }
 
 #[cfg(test)]

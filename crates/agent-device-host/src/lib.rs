@@ -517,10 +517,7 @@ impl AgentDeviceHost {
             "rpcProtocolVersion": upstream.get("rpcProtocolVersion").cloned().unwrap_or(Value::Null),
             "upstream": upstream,
         });
-        Ok(agent_device_front::reply::json_response(
-            StatusCode::OK,
-            &body,
-        ))
+        Ok(agent_device_front::body::json(StatusCode::OK, &body))
     }
 
     fn endpoint(&self) -> Result<Endpoint, Refusal> {
@@ -746,11 +743,15 @@ impl InProcessHostLink {
 impl HostLink for InProcessHostLink {
     fn status(&self, scope: StatusScope<'_>) -> HostStatus {
         match self.host.state() {
-            DaemonState::Running(_) => HostStatus::Running(Serving {
-                platforms: (self.platforms)(),
-                lease_max_ttl_ms: match scope {
-                    StatusScope::NewLease => None,
-                    StatusScope::Lease { .. } => Some(self.max_ttl_ms),
+            // The catalog is read for a new lease alone: a lease's calls need only the ceiling.
+            DaemonState::Running(_) => HostStatus::Running(match scope {
+                StatusScope::NewLease => Serving {
+                    platforms: (self.platforms)(),
+                    lease_max_ttl_ms: None,
+                },
+                StatusScope::Lease { .. } => Serving {
+                    platforms: BTreeSet::new(),
+                    lease_max_ttl_ms: Some(self.max_ttl_ms),
                 },
             }),
             DaemonState::Unavailable(reason) => HostStatus::unavailable(reason),
