@@ -147,9 +147,10 @@ impl AdWorker {
                 if done(&watch.borrow_and_update()) {
                     return;
                 }
-                if watch.changed().await.is_err() {
-                    return;
-                }
+                assert!(
+                    watch.changed().await.is_ok(),
+                    "the host went away before its state was as expected"
+                );
             }
         })
         .await;

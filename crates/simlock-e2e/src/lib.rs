@@ -300,9 +300,10 @@ impl TestFleet {
                 if done(&fleet) {
                     return;
                 }
-                if changes.changed().await.is_err() {
-                    return;
-                }
+                assert!(
+                    changes.changed().await.is_ok(),
+                    "the fleet went away before it reached the expected state"
+                );
             }
         })
         .await;

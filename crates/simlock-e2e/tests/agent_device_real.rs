@@ -404,6 +404,7 @@ async fn a_killed_daemon_is_restarted_and_meanwhile_allocates_answer_not_availab
     worker.wait_running().await;
     let (_, secret) = worker.token("agent").await;
     let first = daemon_pids(&worker);
+    assert!(!first.is_empty(), "the daemon's pid is recorded");
 
     std::fs::write(&hold, b"").unwrap();
     for pid in &first {

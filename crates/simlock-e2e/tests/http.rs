@@ -144,22 +144,26 @@ async fn lease_request(addr: SocketAddr, token: &str, settled: bool) -> Value {
         assert_eq!(created.body["request"]["state"], "queued", "{created:?}");
         return created.body["request"].clone();
     }
-    loop {
-        let polled = send(
-            addr,
-            "GET",
-            &format!("/v1/lease-requests/{id}?wait=30"),
-            Some(token),
-            None,
-        )
-        .await;
-        assert_eq!(polled.status, 200, "{polled:?}");
-        match polled.body["request"]["state"].as_str().unwrap() {
-            "granted" => return polled.body["request"].clone(),
-            "failed" | "cancelled" => panic!("the request settled without a lease: {polled:?}"),
-            _ => {}
+    // Each poll waits at most 30 s; the whole wait is bounded too.
+    simlock_e2e::relay::patient("the grant", async {
+        loop {
+            let polled = send(
+                addr,
+                "GET",
+                &format!("/v1/lease-requests/{id}?wait=30"),
+                Some(token),
+                None,
+            )
+            .await;
+            assert_eq!(polled.status, 200, "{polled:?}");
+            match polled.body["request"]["state"].as_str().unwrap() {
+                "granted" => return polled.body["request"].clone(),
+                "failed" | "cancelled" => panic!("the request settled without a lease: {polled:?}"),
+                _ => {}
+            }
         }
-    }
+    })
+    .await
 }
 
 fn ids(list: &Value) -> Vec<String> {

@@ -226,7 +226,9 @@ async fn a_boot_that_hangs_fails_after_its_bound_and_the_device_is_not_handed_ou
     for d in rig.devices().await {
         assert_ne!(d.state, DeviceState::Leased);
     }
-    for s in rig.machine.simulators(&rig.device_set()) {
+    let simulators = rig.machine.simulators(&rig.device_set());
+    assert!(!simulators.is_empty(), "a boot was tried");
+    for s in simulators {
         assert_eq!(
             s.state,
             SimState::Shutdown,
