@@ -164,7 +164,6 @@ pub(crate) struct Shared {
 pub struct Fleet {
     me: Weak<Self>,
     gateway_id: String,
-    prefix: String,
     pub(crate) limits: LeaseLimits,
     pub(crate) timing: FleetTiming,
     db: Database,
@@ -218,7 +217,6 @@ impl Fleet {
         let core = Core::new(settings, drained);
         let fleet = Arc::new_cyclic(|me| Self {
             me: me.clone(),
-            prefix: core.prefix().to_owned(),
             gateway_id: parts.gateway_id,
             limits: parts.limits,
             timing: parts.timing,
@@ -244,11 +242,6 @@ impl Fleet {
     /// The gateway's instance id.
     pub fn gateway_id(&self) -> &str {
         &self.gateway_id
-    }
-
-    /// The prefix of the requester ids the gateway forwards: `gw:<id>:`.
-    pub fn requester_prefix(&self) -> &str {
-        &self.prefix
     }
 
     // === The one decision section ===
@@ -586,15 +579,13 @@ impl Fleet {
     /// Every worker that can take a new lease requiring `capability` now
     /// ([`routing::capable`]), in id order.
     pub fn capable_workers(&self, capability: &str) -> Vec<routing::CapableWorker> {
-        let shared = self.shared.lock();
-        let mut capable: Vec<routing::CapableWorker> = shared
+        // The views come in id order.
+        self.shared
+            .lock()
             .core
-            .views()
-            .iter()
+            .view_refs()
             .filter_map(|v| routing::capable(v, capability))
-            .collect();
-        capable.sort_by(|a, b| a.id.cmp(&b.id));
-        capable
+            .collect()
     }
 
     /// Follows changes to the fleet (a counter that moves on every decision).
