@@ -195,6 +195,7 @@ impl ServerTls {
                 key_bytes,
                 certified,
                 refused: None,
+                unreadable: None,
             }),
         });
         let mut config = ServerConfig::builder_with_provider(provider())
@@ -238,6 +239,8 @@ struct Served {
     key_bytes: Vec<u8>,
     certified: Arc<CertifiedKey>,
     refused: Option<(Vec<u8>, Vec<u8>)>,
+    /// Why the files could not be read last time, so it is logged once, not per handshake.
+    unreadable: Option<String>,
 }
 
 #[derive(Debug)]
@@ -256,10 +259,15 @@ impl ReloadingResolver {
             Ok(pair) => pair,
             Err(error) => {
                 // A file being replaced can be missing for a moment: keep serving.
-                warn!(%error, "TLS certificate not re-read; the one in service stays");
+                let why = error.to_string();
+                if state.unreadable.as_deref() != Some(why.as_str()) {
+                    warn!(%error, "TLS certificate not re-read; the one in service stays");
+                    state.unreadable = Some(why);
+                }
                 return state.certified.clone();
             }
         };
+        state.unreadable = None;
         if cert_bytes == state.cert_bytes && key_bytes == state.key_bytes {
             return state.certified.clone();
         }
@@ -278,6 +286,7 @@ impl ReloadingResolver {
                     key_bytes,
                     certified,
                     refused: None,
+                    unreadable: None,
                 };
             }
             Err(error) => {
