@@ -559,7 +559,7 @@ async fn the_published_cli_through_a_gateway_lands_on_the_capable_worker_heartbe
             let after = fleet.worker(1).worker.lease(&lease).unwrap().ttl_deadline;
             assert!(after > before, "the expiry moved: {before} → {after}");
             an_agent_of_the_worker_never_reads_the_gateway_agents_session(
-                &fleet, &recorder, &base, &secret, &lease,
+                &pkg, &fleet, &recorder, &base, &secret, &lease,
             )
             .await;
         }
@@ -577,6 +577,7 @@ async fn the_published_cli_through_a_gateway_lands_on_the_capable_worker_heartbe
 /// daemon: the gateway agent reads it (naming its lease), and an agent of the worker's own
 /// tokens, straight at the worker, does not, by the session's name or its tenant-qualified one.
 async fn an_agent_of_the_worker_never_reads_the_gateway_agents_session(
+    pkg: &std::path::Path,
     fleet: &simlock_e2e::TestFleet,
     recorder: &Recorder,
     base: &str,
@@ -651,4 +652,33 @@ async fn an_agent_of_the_worker_never_reads_the_gateway_agents_session(
             .await;
         assert_eq!(peek.status, 404, "{named}: {peek:?}");
     }
+    // The same agent with the published CLI, connected to the worker straight: its failed
+    // command's diagnostics, which the CLI fetches and saves, are its own session's, and the
+    // gateway agent's request is not among them.
+    let cli = Cli::new(pkg, &worker_base, created["secret"].as_str().unwrap());
+    let profile = cli.profile("android");
+    let connect = cli
+        .run(&["connect", "--remote-config", profile.to_str().unwrap()])
+        .await;
+    assert_eq!(connect.json["success"], json!(true), "{connect:?}");
+    let failed = cli.run(&["snapshot"]).await;
+    assert_eq!(
+        failed.json["error"]["code"],
+        json!("TOOL_MISSING"),
+        "{failed:?}"
+    );
+    let own = &failed.json["error"]["diagnosticsRecord"];
+    assert!(own["requestId"].is_string(), "{failed:?}");
+    assert_ne!(own["requestId"], json!(request));
+    assert_ne!(own["session"], json!(session), "its own session");
+    let log_path = failed.json["error"]["logPath"]
+        .as_str()
+        .expect("a log path");
+    let saved = std::fs::read_to_string(log_path).expect("the CLI saved its diagnostics");
+    assert!(
+        !saved.contains(request) && !saved.contains(tenant.as_str()),
+        "nothing of the gateway agent's session: {saved}"
+    );
+    let disconnect = cli.run(&["disconnect"]).await;
+    assert_eq!(disconnect.json["success"], json!(true), "{disconnect:?}");
 }
