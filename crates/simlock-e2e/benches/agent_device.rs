@@ -9,7 +9,9 @@
 //! hashes the whole file at finalize on every path; the PUT-only ratios are printed beside. Then,
 //! each run, one more upload on the gateway's path while another lease on the same worker
 //! heartbeats through the gateway, and one more straight to the daemon while a lease of the
-//! daemon's own heartbeats straight to it, both paced every 10 ms: the p99 of each.
+//! daemon's own heartbeats straight to it, both paced every 10 ms: the p99 of each. Each path's
+//! CPU per GiB (simlock's process, the daemon) is printed beside; the daemon's stored uploads are
+//! removed after each one, so the disk's write-back of earlier runs weighs on none of them.
 //!
 //! The last line is the summary: `agent-device worker_upload_ratio=<x>
 //! gateway_upload_ratio=<x> heartbeat_p99_ms=<x> heartbeat_direct_p99_ms=<x>`.
@@ -174,6 +176,31 @@ async fn upload(
     }
 }
 
+/// CPU seconds (user and system, every thread) process `pid` has used so far, read from
+/// `/proc/<pid>/stat` (in clock ticks of 1/100 s, Linux's `USER_HZ`).
+fn cpu_seconds(pid: &str) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    // The fields after the command's closing parenthesis; utime and stime are the 14th and 15th.
+    let rest = &stat[stat.rfind(')').unwrap() + 2..];
+    let fields: Vec<&str> = rest.split(' ').collect();
+    let ticks = fields[11].parse::<f64>().unwrap() + fields[12].parse::<f64>().unwrap();
+    ticks / 100.0
+}
+
+/// Removes the uploads the daemon keeps under `tmp` (each a directory of its own), between
+/// uploads, when nothing is being written.
+fn forget_uploads(tmp: &std::path::Path) {
+    for entry in std::fs::read_dir(tmp).unwrap().flatten() {
+        if entry
+            .file_name()
+            .to_string_lossy()
+            .starts_with("agent-device-")
+        {
+            std::fs::remove_dir_all(entry.path()).unwrap();
+        }
+    }
+}
+
 fn median(mut values: Vec<f64>) -> f64 {
     values.sort_by(f64::total_cmp);
     values[values.len() / 2]
@@ -289,6 +316,15 @@ async fn bench() {
                 .any(|w| w.id == worker_id)
         })
         .await;
+    // The daemon keeps each upload in its temporary directory; the bench empties it after every
+    // upload, so no run waits on the disk writing back earlier runs' files (that made the rate
+    // fall across a run, by up to half, whatever the path).
+    let state_dir = fleet.worker_home(0).root().join("agent-device");
+    let daemon_tmp = agent_device_host::process::temp_dir(&state_dir);
+    let daemon_pid = {
+        let file = std::fs::read(state_dir.join("daemon.json")).unwrap();
+        serde_json::from_slice::<Value>(&file).unwrap()["pid"].to_string()
+    };
     let worker = fleet.worker(0);
     let host = worker.agent_device.as_ref().unwrap().host.clone();
     let agent_device_host::DaemonState::Running(endpoint) = host.state() else {
@@ -400,12 +436,15 @@ async fn bench() {
     // One of each first, to warm up connections and the daemon.
     for (i, target) in [&direct, &via_worker, &via_gateway].into_iter().enumerate() {
         let _ = upload(&client, target, &piece, &sha256, i).await;
+        forget_uploads(&daemon_tmp);
     }
     let mut worker_ratios = Vec::new();
     let mut gateway_ratios = Vec::new();
     let mut put_ratios = (Vec::new(), Vec::new());
     let (mut beats, mut direct_beats) = (Vec::new(), Vec::new());
     let mibs = |t: Duration| 256.0 / t.as_secs_f64();
+    // CPU seconds per path: simlock's process (the client, the worker and the gateway), the daemon.
+    let mut cpu = [(0.0, 0.0); 3];
     for run in 0..RUNS {
         let attempt = 10 + 5 * run;
         // Rotate who goes first, so no path always meets a warmer machine. The three uploads
@@ -415,7 +454,11 @@ async fn bench() {
         let mut timings = [None, None, None];
         for which in order {
             let target = [&direct, &via_worker, &via_gateway][which];
+            let before = (cpu_seconds("self"), cpu_seconds(&daemon_pid));
             timings[which] = Some(upload(&client, target, &piece, &sha256, attempt + which).await);
+            cpu[which].0 += cpu_seconds("self") - before.0;
+            cpu[which].1 += cpu_seconds(&daemon_pid) - before.1;
+            forget_uploads(&daemon_tmp);
         }
         // Then the heartbeats, paced alike, each beside an upload on its own path.
         let (_, b) = upload_beside(
@@ -428,6 +471,7 @@ async fn bench() {
         )
         .await;
         direct_beats.extend(b);
+        forget_uploads(&daemon_tmp);
         let (_, b) = upload_beside(
             &client,
             &via_gateway,
@@ -438,6 +482,7 @@ async fn bench() {
         )
         .await;
         beats.extend(b);
+        forget_uploads(&daemon_tmp);
         let [Some(d), Some(w), Some(g)] = timings else {
             unreachable!("every path ran")
         };
@@ -468,6 +513,14 @@ async fn bench() {
         beats.len(),
         direct_beats.len()
     );
+    let gib = (RUNS * SIZE) as f64 / (1024.0 * MIB as f64);
+    for (name, (ours, daemon)) in ["direct", "worker", "gateway"].iter().zip(cpu) {
+        println!(
+            "CPU per GiB {name}: simlock process {:.2} s, daemon {:.2} s",
+            ours / gib,
+            daemon / gib
+        );
+    }
     let (worker_ratio, gateway_ratio) = (median(worker_ratios), median(gateway_ratios));
     let (beat_p99, direct_p99) = (p99(beats), p99(direct_beats));
     drop(daemon_home);
