@@ -191,21 +191,19 @@ fn civil_from_days(days: i64) -> (i64, u32, u32) {
 /// Decodes `%XX` escapes in a route segment; `None` when an escape is malformed or the result is
 /// not UTF-8 (JavaScript's `decodeURIComponent` throws there).
 pub(crate) fn percent_decode(segment: &str) -> Option<String> {
-    let bytes = segment.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        if bytes[i] == b'%' {
-            let high = bytes.get(i + 1).and_then(|b| char::from(*b).to_digit(16))?;
-            let low = bytes.get(i + 2).and_then(|b| char::from(*b).to_digit(16))?;
-            out.push(u8::try_from(high * 16 + low).ok()?);
-            i += 3;
-        } else {
-            out.push(bytes[i]);
-            i += 1;
-        }
+    let escapes_whole = segment.match_indices('%').all(|(at, _)| {
+        segment
+            .as_bytes()
+            .get(at + 1..at + 3)
+            .is_some_and(|digits| digits.iter().all(u8::is_ascii_hexdigit))
+    });
+    if !escapes_whole {
+        return None;
     }
-    String::from_utf8(out).ok()
+    percent_encoding::percent_decode_str(segment)
+        .decode_utf8()
+        .ok()
+        .map(std::borrow::Cow::into_owned)
 }
 
 #[cfg(test)]

@@ -366,12 +366,8 @@ impl AgentDeviceHost {
             return self.health(&endpoint).await.map_err(|r| (r, surface));
         }
         if let Some(rest) = route.strip_prefix("/sessions/") {
-            let session = rest.split('/').next().and_then(proxy::decoded_segment);
-            let inside = session
-                .as_deref()
-                .and_then(|s| s.strip_prefix(tenant.as_str()))
-                .is_some_and(|s| s.starts_with(':'));
-            if !inside {
+            let segment = rest.split('/').next().unwrap_or_default();
+            if !proxy::session_inside(segment, tenant.as_str()) {
                 return Err((Refusal::NotFound, surface));
             }
         }

@@ -14,6 +14,7 @@ use serde_json::{Map, Value};
 
 use agent_device_front::LeaseId;
 use agent_device_front::rpc::with_object;
+use simlock_daemon::http::parse::percent_decode;
 
 /// Request headers passed to the daemon (agent-device's proxy list, plus `content-length`).
 pub const REQUEST_HEADERS: &[&str] = &[
@@ -326,25 +327,13 @@ pub fn rewrite_ticket(ticket: &mut Value, public_prefix: &str) {
     }
 }
 
-/// The session a diagnostics path names, URL-decoded.
-pub fn decoded_segment(segment: &str) -> Option<String> {
-    let bytes = segment.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        match bytes[i] {
-            b'%' => {
-                let hex = segment.get(i + 1..i + 3)?;
-                out.push(u8::from_str_radix(hex, 16).ok()?);
-                i += 3;
-            }
-            b => {
-                out.push(b);
-                i += 1;
-            }
-        }
-    }
-    String::from_utf8(out).ok()
+/// Whether the session a diagnostics path names (`segment`, percent-encoded) is one of
+/// `tenant`'s (`<tenant>:<session>`, the daemon's own scoping). A segment the daemon could not
+/// decode (a malformed escape, bytes that are not UTF-8) decodes here to text it refuses too.
+pub fn session_inside(segment: &str, tenant: &str) -> bool {
+    percent_decode(segment)
+        .strip_prefix(tenant)
+        .is_some_and(|rest| rest.starts_with(':'))
 }
 
 /// Builds the request for the daemon.
@@ -544,14 +533,24 @@ mod tests {
     }
 
     #[test]
-    fn path_segments_are_url_decoded() {
-        assert_eq!(
-            decoded_segment("acme%3Aadc-1").as_deref(),
-            Some("acme:adc-1")
+    fn a_session_is_inside_its_tenant_once_url_decoded() {
+        assert!(session_inside("acme%3Aadc-1", "acme"));
+        assert!(session_inside("acme:adc-1", "acme"));
+        assert!(
+            !session_inside("acme", "acme"),
+            "no session after the tenant"
         );
-        assert_eq!(decoded_segment("plain").as_deref(), Some("plain"));
-        assert_eq!(decoded_segment("bad%zz"), None);
-        assert_eq!(decoded_segment("cut%4"), None);
-        assert_eq!(decoded_segment("%ff"), None, "not UTF-8");
+        assert!(!session_inside("acmeX%3Aadc-1", "acme"));
+        assert!(!session_inside("other%3Aadc-1", "acme"));
+        assert!(!session_inside("bad%zz", "acme"));
+        assert!(
+            !session_inside("acme%3", "acme"),
+            "a cut escape is no colon"
+        );
+        assert!(!session_inside("%ff", "acme"), "not UTF-8");
+        assert!(
+            session_inside("acme%3A%ff", "acme"),
+            "inside; the daemon refuses the rest itself"
+        );
     }
 }

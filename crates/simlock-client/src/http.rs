@@ -250,17 +250,16 @@ pub(crate) fn error_from_body(status: StatusCode, bytes: &[u8]) -> ContractError
     })
 }
 
+/// Every byte but the unreserved ones (`A–Z a–z 0–9 - . _ ~`): what a path segment escapes.
+const ESCAPED: &percent_encoding::AsciiSet = &percent_encoding::NON_ALPHANUMERIC
+    .remove(b'-')
+    .remove(b'.')
+    .remove(b'_')
+    .remove(b'~');
+
 /// A path segment, percent-encoded beyond the unreserved characters.
 pub(crate) fn segment(text: &str) -> String {
-    let mut out = String::with_capacity(text.len());
-    for byte in text.bytes() {
-        if byte.is_ascii_alphanumeric() || matches!(byte, b'-' | b'.' | b'_' | b'~') {
-            out.push(char::from(byte));
-        } else {
-            let _ = write!(out, "%{byte:02X}");
-        }
-    }
-    out
+    percent_encoding::utf8_percent_encode(text, ESCAPED).to_string()
 }
 
 /// How the CA file is named to people: the CLI's flag and variable

@@ -3,54 +3,28 @@
 //! send and answers a value or a contract error; none can panic (property tests below and in
 //! `tests/http.rs` throw arbitrary text at them).
 
-use std::fmt::Write as _;
 use std::time::Duration;
 
+use percent_encoding::{AsciiSet, NON_ALPHANUMERIC, percent_decode_str, utf8_percent_encode};
 use simlock_contract::ContractError;
+
+/// Every byte but the unreserved ones (`A–Z a–z 0–9 - . _ ~`, RFC 3986 §2.3): what
+/// [`percent_encode`] escapes.
+pub const ESCAPED: &AsciiSet = &NON_ALPHANUMERIC
+    .remove(b'-')
+    .remove(b'.')
+    .remove(b'_')
+    .remove(b'~');
 
 /// Encodes `text` for a header or a URL: every byte but `A–Z a–z 0–9 - . _ ~` as `%XX`.
 pub fn percent_encode(text: &str) -> String {
-    let mut out = String::with_capacity(text.len());
-    for byte in text.bytes() {
-        if byte.is_ascii_alphanumeric() || b"-._~".contains(&byte) {
-            out.push(char::from(byte));
-        } else {
-            let _ = write!(out, "%{byte:02X}");
-        }
-    }
-    out
+    utf8_percent_encode(text, ESCAPED).to_string()
 }
 
 /// Decodes every `%XX` (two hex digits) in `text`; anything else, `+` included, stays as it is.
 /// Bytes that do not form UTF-8 become U+FFFD.
 pub fn percent_decode(text: &str) -> String {
-    let bytes = text.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        if bytes[i] == b'%'
-            && let (Some(high), Some(low)) = (
-                bytes.get(i + 1).copied().and_then(hex),
-                bytes.get(i + 2).copied().and_then(hex),
-            )
-        {
-            out.push(high << 4 | low);
-            i += 3;
-        } else {
-            out.push(bytes[i]);
-            i += 1;
-        }
-    }
-    String::from_utf8_lossy(&out).into_owned()
-}
-
-const fn hex(byte: u8) -> Option<u8> {
-    match byte {
-        b'0'..=b'9' => Some(byte - b'0'),
-        b'a'..=b'f' => Some(byte - b'a' + 10),
-        b'A'..=b'F' => Some(byte - b'A' + 10),
-        _ => None,
-    }
+    percent_decode_str(text).decode_utf8_lossy().into_owned()
 }
 
 /// The segments of a path below `/v1/`, each percent-decoded after the split (so `%2F` stays
