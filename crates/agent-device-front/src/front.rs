@@ -285,25 +285,20 @@ fn authenticate(tokens: &TokenStore, headers: &HeaderMap) -> Result<Caller, Refu
             .and_then(|v| v.to_str().ok())
             .map(|t| format!("Bearer {t}"))
     });
-    let caller =
-        simlock_daemon::auth::bearer(tokens, header.as_deref()).map_err(|e| match e.code {
-            ErrorCode::Forbidden => Refusal::Forbidden(e.message),
-            ErrorCode::Unauthenticated => Refusal::Unauthenticated(e.message),
-            _ => Refusal::NotAvailable {
-                reason: format!("the token could not be checked: {}", e.message),
-                retriable: true,
-            },
-        })?;
-    let credential = header
-        .as_deref()
-        .and_then(|h| h.get(7..))
-        .map(str::trim)
-        .unwrap_or_default()
-        .to_owned();
+    let refused = |e: ContractError| match e.code {
+        ErrorCode::Forbidden => Refusal::Forbidden(e.message),
+        ErrorCode::Unauthenticated => Refusal::Unauthenticated(e.message),
+        _ => Refusal::NotAvailable {
+            reason: format!("the token could not be checked: {}", e.message),
+            retriable: true,
+        },
+    };
+    let secret = simlock_daemon::auth::bearer_secret(header.as_deref()).map_err(refused)?;
+    let caller = simlock_daemon::auth::http_caller(tokens, secret).map_err(refused)?;
     Ok(Caller {
         principal: caller.token.id.as_str().to_owned(),
         role: caller.role,
-        credential,
+        credential: secret.to_owned(),
     })
 }
 

@@ -76,7 +76,15 @@ pub fn bearer(
     tokens: &TokenStore,
     authorization: Option<&str>,
 ) -> Result<HttpCaller, ContractError> {
-    let token = verify_bearer(tokens, authorization)?;
+    http_caller(tokens, bearer_secret(authorization)?)
+}
+
+/// Authenticates `secret` (read from a bearer header) as an HTTP caller, as [`bearer`] does.
+///
+/// # Errors
+/// `UNAUTHENTICATED` for an unknown token; `FORBIDDEN` for a worker token.
+pub fn http_caller(tokens: &TokenStore, secret: &str) -> Result<HttpCaller, ContractError> {
+    let token = verify(tokens, secret)?;
     let role = match token.role {
         TokenRole::Agent => Role::Agent,
         TokenRole::Operator => Role::Admin,
@@ -97,17 +105,32 @@ pub fn verify_bearer(
     tokens: &TokenStore,
     authorization: Option<&str>,
 ) -> Result<TokenRecord, ContractError> {
-    let unauthenticated = |m: &str| ContractError::new(ErrorCode::Unauthenticated, m);
+    verify(tokens, bearer_secret(authorization)?)
+}
+
+/// The secret of an `Authorization: Bearer <secret>` header (`bearer` in lower case too),
+/// trimmed.
+///
+/// # Errors
+/// `UNAUTHENTICATED` when the header is missing, is not a bearer or carries no secret.
+pub fn bearer_secret(authorization: Option<&str>) -> Result<&str, ContractError> {
     let header = authorization
         .ok_or_else(|| unauthenticated("Authorization: Bearer <token> is required"))?;
-    let secret = header
+    header
         .strip_prefix("Bearer ")
         .or_else(|| header.strip_prefix("bearer "))
         .map(str::trim)
         .filter(|s| !s.is_empty())
-        .ok_or_else(|| unauthenticated("Authorization must be Bearer <token>"))?;
+        .ok_or_else(|| unauthenticated("Authorization must be Bearer <token>"))
+}
+
+fn verify(tokens: &TokenStore, secret: &str) -> Result<TokenRecord, ContractError> {
     tokens
         .verify(secret)
         .map_err(|e| ContractError::internal(e.to_string()))?
         .ok_or_else(|| unauthenticated("Unknown token"))
+}
+
+fn unauthenticated(message: &str) -> ContractError {
+    ContractError::new(ErrorCode::Unauthenticated, message)
 }
