@@ -38,7 +38,7 @@ use crate::body::json as json_response;
 use crate::body::{Guarded, read_to_bytes};
 use crate::lease_id::{LEASE_HEADER, LeaseId};
 use crate::leases::{FrontLease, FrontLeases};
-use crate::port::{Caller, HostLink, Serving, StatusScope};
+use crate::port::{Caller, HostLink, Hosts, Serving, StatusScope};
 use crate::reply::{Refusal, Surface};
 use crate::rpc::{Answer, MAX_RPC_BODY, Method as RpcMethod, RpcCall, device_key};
 use crate::{Body, PREFIX};
@@ -404,8 +404,9 @@ impl Exchange {
         (refusal, self.surface.clone())
     }
 
-    fn through_gateway(&self) -> bool {
-        self.inner.link.reads_lease_header()
+    /// Whether each lease is on a host of its own (through a gateway).
+    fn hosts_per_lease(&self) -> bool {
+        self.inner.link.hosts() == Hosts::PerLease
     }
 
     /// The caller's lease, or the refusal that it is not one of theirs. One the front has no
@@ -439,7 +440,7 @@ impl Exchange {
     /// index dropped), so a lease the front has no memory of is forwarded for the link to
     /// refuse or place, with the holder's ceiling as its TTL.
     fn lease_ttl(&self, lease: &LeaseId) -> Result<u64, Failed> {
-        let remembered = if self.through_gateway() {
+        let remembered = if self.hosts_per_lease() {
             self.inner.leases.owned(lease, &self.caller.principal)
         } else {
             Some(self.owned(lease)?)
@@ -806,7 +807,7 @@ async fn devices(
         ctx.owned(named)?;
     }
     let mut unread = Vec::new();
-    if ctx.through_gateway() {
+    if ctx.hosts_per_lease() {
         // The leases an earlier run of this gateway made are the caller's too.
         for l in ctx.inner.link.held(&ctx.caller) {
             if let Err((refusal, _)) = ctx.owned(&l) {
@@ -815,7 +816,7 @@ async fn devices(
         }
     }
     let mut held = ctx.inner.leases.of_principal(&ctx.caller.principal);
-    if ctx.through_gateway() {
+    if ctx.hosts_per_lease() {
         held.retain(|(l, _)| match ctx.serving(l) {
             Ok(_) => true,
             Err((refusal, _)) => {
@@ -831,7 +832,7 @@ async fn devices(
     let Some((first, _)) = held.first() else {
         return Ok(devices_answer(&call.id, Vec::new(), &unread));
     };
-    if !ctx.through_gateway() {
+    if !ctx.hosts_per_lease() {
         let asked = lease.unwrap_or(first).clone();
         let addresses: Vec<&str> = held.iter().map(|(_, e)| e.address.as_str()).collect();
         return match read_devices(ctx, &call, &asked).await? {
@@ -973,7 +974,7 @@ async fn auxiliary(
     request: Request<Body>,
 ) -> Result<Response<Body>, Failed> {
     let surface = Surface::Route;
-    let lease = if inner.link.reads_lease_header() {
+    let lease = if inner.link.hosts().reads_lease_header() {
         match request
             .headers()
             .get(LEASE_HEADER)

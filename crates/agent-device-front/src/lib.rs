@@ -20,7 +20,7 @@ pub mod tenant;
 pub use body::{Body, BoxError};
 pub use front::{AGENT_DEVICE_MAX_TTL_MS, Front, FrontOptions, MAX_PREFLIGHT_BODY, STOP_BOUND};
 pub use lease_id::{LEASE_HEADER, LeaseId};
-pub use port::{Caller, HostLink, HostStatus, RecoveredLease, Serving, StatusScope};
+pub use port::{Caller, HostLink, HostStatus, Hosts, RecoveredLease, Serving, StatusScope};
 pub use relay_link::{FleetPort, RelayHostLink};
 pub use reply::{Refusal, Surface};
 pub use tenant::Tenant;

@@ -141,7 +141,7 @@ pub trait HostLink: Send + Sync + 'static {
         let _ = caller;
         Err(Refusal::NotYours {
             lease: lease.clone(),
-            through_gateway: false,
+            hosts: Hosts::One,
         })
     }
 
@@ -156,7 +156,26 @@ pub trait HostLink: Send + Sync + 'static {
     /// gateway, none on a worker).
     fn lease_requires(&self) -> Vec<String>;
 
-    /// Whether the front reads the lease header and fans `devices` out per lease (through a
-    /// gateway only).
-    fn reads_lease_header(&self) -> bool;
+    /// Where the link's leases are held: by its one host, or each by its own.
+    fn hosts(&self) -> Hosts;
+}
+
+/// Where a host link's leases are held, which decides how the front routes and whose word on
+/// a lease counts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Hosts {
+    /// One host holds them all (a worker's own daemon): the front's memory says whose a lease
+    /// is, and requests go to that host whatever lease they name.
+    One,
+    /// Each lease is on the host that holds it (the relay host link, through a gateway): the
+    /// lease header routes uploads, artifacts and diagnostics, `devices` asks every holder,
+    /// and the link answers for leases the front does not remember.
+    PerLease,
+}
+
+impl Hosts {
+    /// Whether the front reads the lease header (`x-agent-device-lease-id`).
+    pub const fn reads_lease_header(self) -> bool {
+        matches!(self, Self::PerLease)
+    }
 }

@@ -20,7 +20,7 @@ use simlock_contract::model::Platform;
 use simlock_daemon::clock::SharedClock;
 
 use crate::lease_id::LeaseId;
-use crate::port::{Caller, HostLink, HostStatus, RecoveredLease, Serving, StatusScope};
+use crate::port::{Caller, HostLink, HostStatus, Hosts, RecoveredLease, Serving, StatusScope};
 use crate::reply::Refusal;
 use crate::tenant::Tenant;
 use crate::{Body, CAPABILITY};
@@ -440,7 +440,7 @@ impl HostLink for RelayHostLink {
     fn recover(&self, lease: &LeaseId, caller: &Caller) -> Result<RecoveredLease, Refusal> {
         let not_yours = || Refusal::NotYours {
             lease: lease.clone(),
-            through_gateway: true,
+            hosts: Hosts::PerLease,
         };
         let placed = self.owned(lease, caller).ok_or_else(not_yours)?;
         self.holder_status(&placed).serving()?;
@@ -489,7 +489,7 @@ impl HostLink for RelayHostLink {
         let (Some(placed), Some(caller)) = (placed, caller) else {
             let refusal = Refusal::NotYours {
                 lease: lease.clone(),
-                through_gateway: true,
+                hosts: Hosts::PerLease,
             };
             return async { Err(refusal) }.boxed();
         };
@@ -511,8 +511,8 @@ impl HostLink for RelayHostLink {
         vec![CAPABILITY.to_owned()]
     }
 
-    fn reads_lease_header(&self) -> bool {
-        true
+    fn hosts(&self) -> Hosts {
+        Hosts::PerLease
     }
 }
 
@@ -715,7 +715,7 @@ mod tests {
                 link.recover(&l, &caller("tok_b")),
                 Err(Refusal::NotYours {
                     lease: l.clone(),
-                    through_gateway: true
+                    hosts: Hosts::PerLease
                 }),
                 "another token's is never shown"
             );
@@ -915,7 +915,7 @@ mod tests {
             refused,
             Refusal::NotYours {
                 lease: l.clone(),
-                through_gateway: true
+                hosts: Hosts::PerLease
             }
         );
         assert_eq!(

@@ -8,6 +8,7 @@ use simlock_contract::{ContractError, ErrorCode};
 
 use crate::Body;
 use crate::lease_id::{LEASE_HEADER, LeaseId};
+use crate::port::Hosts;
 
 /// Which envelope a reply takes.
 #[derive(Debug, Clone, PartialEq)]
@@ -47,12 +48,12 @@ pub enum Refusal {
     #[error("refused: simlock picks the device")]
     SimlockPicksDevice,
     /// The lease is not the caller's, or not known here.
-    #[error("refused: lease {lease} is not one of yours{}", if *.through_gateway { " on this gateway" } else { "" })]
+    #[error("refused: lease {lease} is not one of yours{}", answered_on(*.hosts))]
     NotYours {
         /// The lease named.
         lease: LeaseId,
-        /// Whether a gateway answers.
-        through_gateway: bool,
+        /// The answering link's hosts: [`Hosts::PerLease`] is a gateway.
+        hosts: Hosts,
     },
     /// A request that names no lease reached a gateway.
     #[error("refused: this agent-device is too old to use through a gateway; update it")]
@@ -219,6 +220,14 @@ impl Refusal {
     }
 }
 
+/// Where a refusal of a lease is answered from, in its message.
+const fn answered_on(hosts: Hosts) -> &'static str {
+    match hosts {
+        Hosts::One => "",
+        Hosts::PerLease => " on this gateway",
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use http_body_util::BodyExt;
@@ -253,7 +262,7 @@ mod tests {
         let lease = LeaseId::parse("0123456789abcdef0123456789abcdef").unwrap();
         let response = Refusal::NotYours {
             lease: lease.clone(),
-            through_gateway: true,
+            hosts: Hosts::PerLease,
         }
         .into_response(&Surface::Route);
         assert_eq!(response.status(), StatusCode::FORBIDDEN);
@@ -291,7 +300,7 @@ mod tests {
         assert_eq!(
             Refusal::NotYours {
                 lease: lease.clone(),
-                through_gateway: false
+                hosts: Hosts::One
             }
             .to_string(),
             format!("refused: lease {lease} is not one of yours")

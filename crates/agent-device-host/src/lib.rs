@@ -775,7 +775,7 @@ impl HostLink for InProcessHostLink {
         Vec::new()
     }
 
-    fn reads_lease_header(&self) -> bool {
-        false
+    fn hosts(&self) -> agent_device_front::Hosts {
+        agent_device_front::Hosts::One
     }
 }
