@@ -39,7 +39,7 @@ use tracing::{debug, info, warn};
 
 use crate::process::{DaemonSpec, Endpoint};
 use crate::proxy::RpcRewrite;
-use crate::supervise::Supervision;
+use crate::supervise::{Phase, Supervision};
 
 /// How long a daemon gets to say where it serves.
 pub const START_TIMEOUT: Duration = Duration::from_secs(30);
@@ -571,7 +571,7 @@ async fn supervise(
             spawned = process::spawn(&spec, options.start_timeout, options.stop_grace) => spawned,
             () = stop.cancelled() => break,
         };
-        let retry_at = match spawned {
+        match spawned {
             Ok(mut daemon) => {
                 supervision.handle_started(now());
                 shared
@@ -604,21 +604,23 @@ async fn supervise(
                     }
                 };
                 warn!(%reason, "agent-device daemon down");
-                shared
-                    .state
-                    .send_replace(DaemonState::Unavailable(reason.clone()));
-                supervision.handle_down(now(), reason)
+                supervision.handle_down(now(), reason);
             }
             Err(e) => {
                 let reason = format!("{e}; retrying");
                 warn!(%reason, "agent-device daemon did not start");
-                shared
-                    .state
-                    .send_replace(DaemonState::Unavailable(reason.clone()));
-                supervision.handle_down(now(), reason)
+                supervision.handle_down(now(), reason);
             }
+        }
+        // The machine says why the daemon is down and when the next start is due.
+        if let Phase::Down { reason, .. } = supervision.phase() {
+            shared
+                .state
+                .send_replace(DaemonState::Unavailable(reason.clone()));
+        }
+        let Some(retry_at) = supervision.poll_timeout() else {
+            break;
         };
-        let Some(retry_at) = retry_at else { break };
         tokio::select! {
             () = tokio::time::sleep_until(epoch + retry_at) => {}
             () = stop.cancelled() => break,
