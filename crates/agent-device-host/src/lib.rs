@@ -49,6 +49,10 @@ pub const STOP_GRACE: Duration = Duration::from_secs(5);
 pub const HEALTH_INTERVAL: Duration = Duration::from_secs(10);
 /// The bound on one `/health` read, and on each call the host makes on its own.
 pub const CALL_TIMEOUT: Duration = Duration::from_secs(5);
+/// The bound on a forwarded `/rpc` call, until its answer's head: agent-device's own proxy's
+/// upstream bound. A command the daemon never answers ends there, and its lease's renewals
+/// with it.
+pub const COMMAND_TIMEOUT: Duration = Duration::from_secs(300);
 /// The largest `/rpc` body (agent-device's own cap; the front that sent it took 4 KiB less).
 const MAX_RPC_BODY: usize = agent_device_front::rpc::AGENT_DEVICE_MAX_RPC_BODY;
 /// The largest answer the host rewrites (lease answers, tickets).
@@ -436,7 +440,15 @@ impl AgentDeviceHost {
             agent_device_front::body::full(body),
         )
         .ok_or(Refusal::NotFound)?;
-        let response = self.send(upstream).await?;
+        let response = tokio::time::timeout(COMMAND_TIMEOUT, self.send(upstream))
+            .await
+            .map_err(|_| Refusal::NotAvailable {
+                reason: format!(
+                    "the agent-device daemon did not answer {method} within {} s",
+                    COMMAND_TIMEOUT.as_secs()
+                ),
+                retriable: true,
+            })??;
         let response = proxy::downstream(response, caller_request_id.as_ref());
         let Some(lease) = lease.filter(|_| method.starts_with("lease.")) else {
             return Ok(response);

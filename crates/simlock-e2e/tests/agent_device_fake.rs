@@ -212,6 +212,64 @@ async fn a_long_command_keeps_its_simlock_lease_alive_past_two_ttls_until_the_fr
     fake.stop().await;
 }
 
+/// A command the daemon never answers ends at agent-device's own proxy bound: the CLI gets a
+/// retriable refusal naming it (not a request that hangs for as long as the lease renews).
+#[tokio::test]
+async fn a_command_the_daemon_never_answers_is_refused_at_the_proxys_bound() {
+    let fake = FakeAgentDevice::start(FakeOptions::default()).unwrap();
+    let worker = AdWorker::with_fake(attached_config(), &fake).await;
+    let (_, secret) = worker.token("agent").await;
+    let lease = allocate(&Http::new(), &worker, &secret, "s1").await;
+    let hold = fake.hold_commands("snapshot");
+    let call = command_call("c1", "s1", &lease, "snapshot", json!({}));
+    // Not `Http`: its own bound is shorter than the host's.
+    let request = http::Request::post(format!("{}/rpc", worker.base()))
+        .header("content-type", "application/json")
+        .header("authorization", format!("Bearer {secret}"))
+        .body(http_body_util::Full::new(bytes::Bytes::from(
+            call.to_string(),
+        )))
+        .unwrap();
+    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .build_http();
+    let running = tokio::spawn(async move {
+        let response = client.request(request).await.unwrap();
+        let status = response.status();
+        let body = http_body_util::BodyExt::collect(response.into_body())
+            .await
+            .unwrap()
+            .to_bytes();
+        (status, body)
+    });
+    tokio::time::timeout(PATIENCE, hold.wait_entered(1))
+        .await
+        .unwrap();
+    tokio::time::pause();
+    let started = tokio::time::Instant::now();
+    let (status, body) = tokio::time::timeout(Duration::from_secs(400), running)
+        .await
+        .expect("an answer by the host's bound")
+        .unwrap();
+    let waited = started.elapsed();
+    tokio::time::resume();
+    assert!(
+        waited >= agent_device_host::COMMAND_TIMEOUT - Duration::from_secs(1),
+        "answered at {waited:?}, before the bound"
+    );
+    let answer: Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(status, 503, "{answer}");
+    assert_eq!(
+        answer["error"]["data"]["message"],
+        json!(
+            "agent-device is not available on this simlock: the agent-device daemon did not answer command within 300 s"
+        ),
+    );
+    assert_eq!(answer["error"]["data"]["retriable"], json!(true));
+    hold.release();
+    worker.stop().await;
+    fake.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn release_all_ends_the_agent_device_lease_before_the_device_is_reclaimed() {
     let fake = FakeAgentDevice::start(FakeOptions::default()).unwrap();
