@@ -184,16 +184,24 @@ impl LeaseMemory {
         gone
     }
 
-    /// Stamps, as dropped at `now`, every remembered lease `still_indexed` says the index no
-    /// longer holds (a removal the link was not told of).
-    pub fn stamp_missing(
-        &mut self,
-        now: i64,
-        still_indexed: impl Fn(&LeaseId, &Placement) -> bool,
-    ) -> Vec<LeaseId> {
+    /// The remembered leases not stamped as dropped, with their placements.
+    pub fn unstamped(&self) -> Vec<(LeaseId, Placement)> {
+        self.entries
+            .iter()
+            .filter(|(_, e)| e.dropped_at.is_none())
+            .map(|(l, e)| (l.clone(), e.placement.clone()))
+            .collect()
+    }
+
+    /// Stamps, as dropped at `now`, each of `missing` (leases the index no longer holds: removals
+    /// the link was not told of) still remembered as placed there and not stamped yet.
+    pub fn stamp(&mut self, now: i64, missing: &[(LeaseId, Placement)]) -> Vec<LeaseId> {
         let mut stamped = Vec::new();
-        for (lease, entry) in &mut self.entries {
-            if entry.dropped_at.is_none() && !still_indexed(lease, &entry.placement) {
+        for (lease, placement) in missing {
+            if let Some(entry) = self.entries.get_mut(lease)
+                && entry.dropped_at.is_none()
+                && entry.placement == *placement
+            {
                 entry.dropped_at = Some(now);
                 stamped.push(lease.clone());
             }
@@ -310,16 +318,26 @@ impl RelayHostLink {
     /// than the gateway's `lease.maxTtlMs`; the composition calls it every [`SWEEP_EVERY`].
     pub fn sweep(&self) {
         let now = self.clock.now_ms();
+        // The fleet is read with the memory's lock released, each worker once.
+        let remembered = self.memory.lock().unstamped();
+        let mut leases_known: HashMap<String, bool> = HashMap::new();
+        let missing: Vec<(LeaseId, Placement)> = remembered
+            .into_iter()
+            .filter(|(lease, placement)| {
+                // A lease whose worker has not reported its leases since the gateway started
+                // is not missing: the index cannot have it yet.
+                self.port.placement(lease).is_none()
+                    && *leases_known
+                        .entry(placement.worker.clone())
+                        .or_insert_with(|| {
+                            self.port
+                                .worker(&placement.worker)
+                                .is_some_and(|w| w.leases_known)
+                        })
+            })
+            .collect();
         let mut memory = self.memory.lock();
-        // A lease whose worker has not reported its leases since the gateway started is not
-        // missing: the index cannot have it yet.
-        let stamped = memory.stamp_missing(now, |lease, placement| {
-            self.port.placement(lease).is_some()
-                || !self
-                    .port
-                    .worker(&placement.worker)
-                    .is_some_and(|w| w.leases_known)
-        });
+        let stamped = memory.stamp(now, &missing);
         let forgotten = memory.sweep(now, self.keep);
         drop(memory);
         if let Some(store) = &self.store {
@@ -597,10 +615,21 @@ mod tests {
         let mut memory = LeaseMemory::default();
         let l = lease();
         memory.placed(&l, placement("w1", "tok_a"));
-        memory.stamp_missing(5_000, |_, _| true);
+        memory.stamp(5_000, &[]);
         memory.sweep(100_000, keep);
         assert_eq!(memory.len(), 1, "still indexed: kept");
-        memory.stamp_missing(100_000, |_, _| false);
+        let elsewhere = [(l.clone(), placement("w2", "tok_a"))];
+        assert!(
+            memory.stamp(100_000, &elsewhere).is_empty(),
+            "placed again elsewhere since it was read: not stamped"
+        );
+        assert_eq!(
+            memory.unstamped(),
+            vec![(l.clone(), placement("w1", "tok_a"))]
+        );
+        let missing = memory.unstamped();
+        assert_eq!(memory.stamp(100_000, &missing), vec![l.clone()]);
+        assert!(memory.stamp(100_500, &missing).is_empty(), "stamped once");
         memory.sweep(110_000, keep);
         assert_eq!(memory.len(), 1, "stamped at 100 s, kept to 110 s");
         memory.sweep(110_001, keep);
