@@ -84,6 +84,11 @@ impl Fleet {
 
     async fn release_as(&self, caller: Caller<'_>, lease_id: &str) -> Result<String, FleetError> {
         let target = self.decide(|shared, _| shared.core.handle_release_sent(lease_id, caller))?;
+        // A caller that hangs up before the worker answers drops this future: the core hears it.
+        let abandoned = Abandoned {
+            fleet: self,
+            target: Some(&target),
+        };
         let input = LeaseIdInput {
             lease_id: target.worker_lease_id.clone(),
         };
@@ -91,6 +96,7 @@ impl Fleet {
             .call_worker::<LeaseRelease>(&target, &input)
             .await
             .map(|_| ());
+        abandoned.answered();
         self.decide(|shared, now| shared.core.handle_release_answered(&target, outcome, now))
     }
 
@@ -197,6 +203,29 @@ impl Fleet {
     /// they are, with the worker's id, for admins. An agent sees only the gateway leases it owns.
     pub fn leases(&self, ctx: &CallCtx) -> Vec<LeaseRecord> {
         self.shared.lock().core.leases(ctx.viewer())
+    }
+}
+
+/// A release on its way to the worker: dropped before its answer (the caller hung up), it tells
+/// the core the release is abandoned.
+struct Abandoned<'a> {
+    fleet: &'a Fleet,
+    target: Option<&'a LeaseTarget>,
+}
+
+impl Abandoned<'_> {
+    /// The worker answered: nothing to tell.
+    fn answered(mut self) {
+        self.target = None;
+    }
+}
+
+impl Drop for Abandoned<'_> {
+    fn drop(&mut self) {
+        if let Some(target) = self.target.take() {
+            self.fleet
+                .decide(|shared, _| shared.core.handle_release_abandoned(target));
+        }
     }
 }
 

@@ -1761,7 +1761,7 @@ impl Sim {
             self.core
                 .waiters()
                 .iter()
-                .map(|w| (w.id.clone(), w.stage.clone()))
+                .map(|w| (w.id.clone(), w.stage().clone()))
                 .collect::<Vec<_>>(),
             self.agents
                 .iter()
