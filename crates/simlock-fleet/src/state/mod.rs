@@ -638,7 +638,11 @@ impl Core {
     /// The next moment [`Self::handle_tick`] has something to do: a waiter's deadline, a
     /// periodic refresh, a disconnected worker passing retention, a book record expiring.
     pub fn next_deadline(&self) -> Option<i64> {
-        let waiters = self.queue.waiters().iter().filter_map(Waiter::next_deadline);
+        let waiters = self
+            .queue
+            .waiters()
+            .iter()
+            .filter_map(Waiter::next_deadline);
         let refreshes = self.workers.values().filter_map(|w| {
             let link = w.link.as_ref()?;
             let folded =
@@ -680,13 +684,10 @@ impl Core {
         let generation = self.next_generation;
         self.next_generation += 1;
         let revision = self.revisions + 1;
-        let worker = self
-            .workers
-            .entry(worker_id.to_owned())
-            .or_insert_with(|| {
-                let view = blank_view(worker_id, None, now, Connection::Disconnected);
-                Worker::new(view, revision, false)
-            });
+        let worker = self.workers.entry(worker_id.to_owned()).or_insert_with(|| {
+            let view = blank_view(worker_id, None, now, Connection::Disconnected);
+            Worker::new(view, revision, false)
+        });
         self.revisions = self.revisions.max(worker.revision);
         worker.retained = false;
         if label.is_some() {

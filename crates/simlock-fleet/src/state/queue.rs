@@ -397,7 +397,11 @@ mod tests {
     #[test]
     fn a_settle_records_the_outcome_once_and_ignores_a_request_with_no_key() {
         let mut book = book(100, &[], 1);
-        book.settle(&RequestId::from_raw("nobody"), &Err(FleetError::Cancelled), 5);
+        book.settle(
+            &RequestId::from_raw("nobody"),
+            &Err(FleetError::Cancelled),
+            5,
+        );
         assert_eq!(book.next_expiry(10), None);
         book.settle(&RequestId::from_raw("p0"), &Err(FleetError::Cancelled), 5);
         let record = book.get("r", "p0").unwrap();

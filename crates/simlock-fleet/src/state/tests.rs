@@ -1241,10 +1241,20 @@ fn a_drained_worker_forgotten_past_retention_is_not_swept_again() {
     core.take_effects();
     let retention = settings().disconnected_retention_ms;
     core.handle_tick(T0 + retention);
-    let kept = core.view("w1").expect("a drained worker keeps its flag").clone();
+    let kept = core
+        .view("w1")
+        .expect("a drained worker keeps its flag")
+        .clone();
     assert!(kept.drained);
-    assert_eq!(kept.last_seen_at, T0, "it was last seen when its uplink closed");
-    assert_eq!(core.next_deadline(), None, "nothing is due for what is kept");
+    assert_eq!(
+        kept.last_seen_at, T0,
+        "it was last seen when its uplink closed"
+    );
+    assert_eq!(
+        core.next_deadline(),
+        None,
+        "nothing is due for what is kept"
+    );
     // Retention after retention, nothing changes.
     for n in 2..5 {
         core.handle_tick(T0 + n * retention);
@@ -1255,5 +1265,8 @@ fn a_drained_worker_forgotten_past_retention_is_not_swept_again() {
     let mut core = Core::new(settings(), vec![("w2".into(), T0)]);
     assert_eq!(core.next_deadline(), None);
     core.handle_tick(T0 + 3 * retention);
-    assert_eq!(core.view("w2").map(|v| (v.drained, v.last_seen_at)), Some((true, T0)));
+    assert_eq!(
+        core.view("w2").map(|v| (v.drained, v.last_seen_at)),
+        Some((true, T0))
+    );
 }
