@@ -73,12 +73,18 @@ impl EventBus {
     fn record(&self, mut envelope: EventEnvelope) -> EventEnvelope {
         let mut ring = self.ring.lock();
         envelope.seq = self.seq.fetch_add(1, Ordering::SeqCst);
-        if ring.len() == self.capacity {
-            ring.pop_front();
-        }
+        let oldest = (ring.len() == self.capacity)
+            .then(|| ring.pop_front())
+            .flatten();
         ring.push_back(envelope.clone());
-        // Sent under the lock so followers see events in sequence order.
-        let _ = self.live.send(envelope.clone());
+        // Sent under the lock so followers see events in sequence order; with nobody
+        // following, there is nothing to copy.
+        if self.live.receiver_count() > 0 {
+            let _ = self.live.send(envelope.clone());
+        }
+        drop(ring);
+        // The event that made room is freed outside the lock.
+        drop(oldest);
         envelope
     }
 

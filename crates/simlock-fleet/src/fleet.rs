@@ -26,7 +26,7 @@ use simlock_daemon::events::EventBus;
 use simlock_daemon::presence::Presence;
 use simlock_daemon::store::{Database, StoreError};
 use simlock_link::LinkHandle;
-use simlock_wire::{CallEvent, WireClient, decode_output};
+use simlock_wire::{RawCallEvent, WireClient, decode_raw};
 use tokio::sync::{Notify, mpsc, watch};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
@@ -402,9 +402,10 @@ impl Fleet {
             let run = async {
                 let mut call = conn.client.begin_call::<LeaseRequest>(&input, 16).await?;
                 loop {
-                    match call.next().await {
-                        CallEvent::Push(frame) => {
-                            if let Ok(Push::Progress { progress, .. }) = Push::from_frame(&frame)
+                    match call.next_raw().await {
+                        RawCallEvent::Push(frame) => {
+                            if let Ok(Push::Progress { progress, .. }) =
+                                Push::from_owned_frame(frame)
                                 && let Some(fleet) = me.upgrade()
                             {
                                 fleet.decide(|shared, _| {
@@ -412,8 +413,8 @@ impl Fleet {
                                 });
                             }
                         }
-                        CallEvent::Reply(reply) => {
-                            return reply.and_then(decode_output::<LeaseRequest>);
+                        RawCallEvent::Reply(reply) => {
+                            return reply.and_then(|raw| decode_raw::<LeaseRequest>(&raw));
                         }
                     }
                 }
