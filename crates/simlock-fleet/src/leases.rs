@@ -45,13 +45,11 @@ impl Fleet {
         ctx: &CallCtx,
         input: LeaseRenewInput,
     ) -> Result<LeaseRecord, ContractError> {
-        if let Some(ttl) = input.ttl_ms
-            && ttl > self.limits.max_ttl_ms
-        {
-            return Err(ContractError::bad_request(format!(
-                "ttlMs: {ttl} is above lease.maxTtlMs ({})",
-                self.limits.max_ttl_ms
-            )));
+        if input.ttl_ms.is_some() {
+            // Absent keeps the lease's width; present is held to the one rule.
+            self.limits
+                .ttl(input.ttl_ms)
+                .map_err(|e| ContractError::bad_request(e.to_string()))?;
         }
         let target = self
             .shared

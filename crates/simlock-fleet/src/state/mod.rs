@@ -1190,14 +1190,11 @@ impl Core {
                 "owner may only be set by a gateway on its worker's uplink".into(),
             ));
         }
-        let limits = self.settings.limits;
-        let ttl = input.ttl_ms.unwrap_or(limits.default_ttl_ms);
-        if ttl > limits.max_ttl_ms {
-            return Err(FleetError::BadRequest(format!(
-                "ttlMs: {ttl} is above lease.maxTtlMs ({})",
-                limits.max_ttl_ms
-            )));
-        }
+        let ttl = self
+            .settings
+            .limits
+            .ttl(input.ttl_ms)
+            .map_err(|e| FleetError::BadRequest(e.to_string()))?;
         input.ttl_ms = Some(ttl);
         let requester = input
             .requester_id
