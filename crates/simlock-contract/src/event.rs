@@ -526,10 +526,49 @@ impl Event {
     /// The event an envelope holds, if its name is one this build knows and its payload has
     /// that event's fields (more fields are ignored).
     pub fn from_envelope(envelope: &EventEnvelope) -> Option<Self> {
-        let mut tagged = serde_json::Map::new();
-        tagged.insert("event".into(), Value::String(envelope.event.clone()));
-        tagged.insert("payload".into(), envelope.payload.clone());
-        serde_json::from_value(Value::Object(tagged)).ok()
+        // Read in place, as if it were `{"event": …, "payload": …}`: the payload is not copied.
+        let tagged = Tagged {
+            event: &envelope.event,
+            payload: &envelope.payload,
+            at: 0,
+        };
+        Self::deserialize(serde::de::value::MapAccessDeserializer::new(tagged)).ok()
+    }
+}
+
+/// An envelope's name and payload, read as the map an event serialises to.
+struct Tagged<'a> {
+    event: &'a str,
+    payload: &'a Value,
+    at: u8,
+}
+
+impl<'de> serde::de::MapAccess<'de> for Tagged<'de> {
+    type Error = serde_json::Error;
+
+    fn next_key_seed<K: serde::de::DeserializeSeed<'de>>(
+        &mut self,
+        seed: K,
+    ) -> Result<Option<K::Value>, Self::Error> {
+        let key = match self.at {
+            0 => "event",
+            1 => "payload",
+            _ => return Ok(None),
+        };
+        seed.deserialize(serde::de::value::BorrowedStrDeserializer::new(key))
+            .map(Some)
+    }
+
+    fn next_value_seed<V: serde::de::DeserializeSeed<'de>>(
+        &mut self,
+        seed: V,
+    ) -> Result<V::Value, Self::Error> {
+        self.at += 1;
+        if self.at == 1 {
+            seed.deserialize(serde::de::value::BorrowedStrDeserializer::new(self.event))
+        } else {
+            seed.deserialize(self.payload)
+        }
     }
 }
 

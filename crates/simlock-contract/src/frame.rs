@@ -13,6 +13,7 @@ use std::fmt;
 
 use serde::de::Error as _;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
+use serde_json::value::RawValue;
 use serde_json::{Map, Number, Value};
 
 use crate::error::{ContractError, ErrorBody, ErrorCode};
@@ -78,6 +79,19 @@ pub struct Call {
     /// The operation's input; absent means `{}`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub payload: Option<Value>,
+}
+
+/// A call frame as a client writes it: the same line as [`Call`], its payload serialised straight
+/// from its type.
+#[derive(Debug, Serialize)]
+pub struct CallOut<'a, P: ?Sized> {
+    /// The caller's id for this call.
+    pub id: FrameId,
+    /// The operation's name.
+    #[serde(rename = "type")]
+    pub op: &'a str,
+    /// The operation's input.
+    pub payload: &'a P,
 }
 
 /// Why a line is not a call frame; answered `BAD_FRAME` with `id: null`.
@@ -254,6 +268,74 @@ impl Inbound {
     }
 }
 
+/// What a client reads, read in one pass: a push (its payload as a value), or a reply whose
+/// payload stays raw JSON, for its caller to decode straight into its type.
+#[derive(Debug, Clone)]
+pub enum RawInbound {
+    /// A result or error for a call.
+    Reply {
+        /// The id of the call answered; `None` only for `BAD_FRAME`.
+        id: Option<FrameId>,
+        /// The result's payload (`{}` when absent), or the error.
+        outcome: Result<Box<RawValue>, ErrorBody>,
+    },
+    /// A push.
+    Push(PushFrame),
+}
+
+impl RawInbound {
+    /// Parses one line a daemon sent, as [`Inbound::parse`] does, without building the reply's
+    /// payload as a value.
+    ///
+    /// # Errors
+    /// A message when the line is neither a reply nor a push.
+    pub fn parse(line: &[u8]) -> Result<Self, String> {
+        #[derive(Deserialize)]
+        struct Wire<'a> {
+            #[serde(default)]
+            push: Option<String>,
+            #[serde(default)]
+            ok: Option<bool>,
+            #[serde(default)]
+            id: Option<FrameId>,
+            #[serde(default, borrow)]
+            payload: Option<&'a RawValue>,
+            #[serde(default)]
+            error: Option<ErrorBody>,
+        }
+        let wire: Wire<'_> =
+            serde_json::from_slice(line).map_err(|e| format!("invalid JSON: {e}"))?;
+        if let Some(push) = wire.push {
+            let payload = wire
+                .payload
+                .ok_or_else(|| "invalid push: missing field `payload`".to_owned())?;
+            let payload =
+                serde_json::from_str(payload.get()).map_err(|e| format!("invalid push: {e}"))?;
+            return Ok(Self::Push(PushFrame { push, payload }));
+        }
+        match wire.ok {
+            Some(true) => {
+                let payload = match wire.payload {
+                    Some(raw) => raw.to_owned(),
+                    None => RawValue::from_string("{}".to_owned())
+                        .map_err(|e| format!("invalid reply: {e}"))?,
+                };
+                Ok(Self::Reply {
+                    id: wire.id,
+                    outcome: Ok(payload),
+                })
+            }
+            Some(false) => Ok(Self::Reply {
+                id: wire.id,
+                outcome: Err(wire
+                    .error
+                    .ok_or_else(|| "invalid reply: missing field `error`".to_owned())?),
+            }),
+            None => Err("neither a reply nor a push".to_owned()),
+        }
+    }
+}
+
 /// Serialises a frame as one line, newline included.
 ///
 /// # Errors
@@ -268,6 +350,48 @@ pub fn to_line<T: Serialize>(frame: &T) -> Result<String, serde_json::Error> {
 mod tests {
     use super::*;
     use serde_json::json;
+
+    #[test]
+    fn a_call_written_from_its_type_reads_back_as_the_call() {
+        let payload = serde_json::json!({"leaseId": "lse_1", "ttlMs": 5});
+        let line = to_line(&CallOut {
+            id: FrameId::from(9),
+            op: "lease.renew",
+            payload: &payload,
+        })
+        .unwrap();
+        let call = Call::parse(line.trim_end().as_bytes()).unwrap();
+        assert_eq!(
+            (call.id, call.op.as_str(), call.payload),
+            (FrameId::from(9), "lease.renew", Some(payload))
+        );
+    }
+
+    #[test]
+    fn a_raw_read_agrees_with_the_value_read() {
+        let lines: [&[u8]; 7] = [
+            br#"{"id":3,"ok":true,"payload":{"leaseId":"lse_1","n":[1,2]}}"#,
+            br#"{"id":"x","ok":true}"#,
+            br#"{"id":"x","ok":true,"payload":null}"#,
+            br#"{"id":4,"ok":false,"error":{"code":"UNKNOWN_LEASE","message":"gone"}}"#,
+            br#"{"push":"started","payload":{"requestId":3}}"#,
+            br#"{"id":5,"ok":false}"#,
+            br#"{"id":5}"#,
+        ];
+        for line in lines {
+            match (Inbound::parse(line), RawInbound::parse(line)) {
+                (Ok(Inbound::Reply(reply)), Ok(RawInbound::Reply { id, outcome })) => {
+                    assert_eq!(reply.id, id);
+                    let outcome =
+                        outcome.map(|raw| serde_json::from_str::<Value>(raw.get()).unwrap());
+                    assert_eq!(reply.outcome, outcome);
+                }
+                (Ok(Inbound::Push(push)), Ok(RawInbound::Push(raw))) => assert_eq!(push, raw),
+                (Err(_), Err(_)) => {}
+                (value, raw) => panic!("{value:?} against {raw:?}"),
+            }
+        }
+    }
 
     #[test]
     fn a_call_parses_with_either_id_kind() {

@@ -613,6 +613,37 @@ pub struct LeaseLimits {
     pub max_ttl_ms: u64,
 }
 
+impl LeaseLimits {
+    /// The one `ttlMs` rule, for requests and renewals alike: absent means the default, above
+    /// `lease.maxTtlMs` is refused, never clamped. Answers the width.
+    ///
+    /// # Errors
+    /// [`TtlAboveMax`] naming both.
+    pub const fn ttl(&self, ttl_ms: Option<u64>) -> Result<u64, TtlAboveMax> {
+        let asked = match ttl_ms {
+            Some(ttl) => ttl,
+            None => self.default_ttl_ms,
+        };
+        if asked > self.max_ttl_ms {
+            return Err(TtlAboveMax {
+                asked,
+                max: self.max_ttl_ms,
+            });
+        }
+        Ok(asked)
+    }
+}
+
+/// A `ttlMs` above `lease.maxTtlMs` ([`LeaseLimits::ttl`]); answered `BAD_REQUEST`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("ttlMs: {asked} is above lease.maxTtlMs ({max})")]
+pub struct TtlAboveMax {
+    /// The width asked for.
+    pub asked: u64,
+    /// The most allowed.
+    pub max: u64,
+}
+
 /// A gateway's view of one worker.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
@@ -737,4 +768,31 @@ pub enum LeaseEndReason {
     DeviceLost,
     /// Its TTL passed.
     Expired,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_ttl_rule_takes_the_default_passes_the_most_and_refuses_one_past_it() {
+        let limits = LeaseLimits {
+            default_ttl_ms: 1_000,
+            max_ttl_ms: 60_000,
+        };
+        assert_eq!(limits.ttl(None), Ok(1_000));
+        assert_eq!(limits.ttl(Some(60_000)), Ok(60_000));
+        let refused = limits.ttl(Some(60_001)).unwrap_err();
+        assert_eq!(
+            refused,
+            TtlAboveMax {
+                asked: 60_001,
+                max: 60_000
+            }
+        );
+        assert_eq!(
+            refused.to_string(),
+            "ttlMs: 60001 is above lease.maxTtlMs (60000)"
+        );
+    }
 }

@@ -180,9 +180,23 @@ impl Push {
     /// # Errors
     /// A message naming the kind when the payload breaks the push's schema.
     pub fn from_frame(frame: &PushFrame) -> Result<Self, String> {
-        let value = serde_json::json!({ "push": frame.push, "payload": frame.payload });
-        let push: Self = serde_json::from_value(value)
-            .map_err(|e| format!("invalid {} push: {e}", frame.push))?;
+        Self::from_owned_frame(frame.clone())
+    }
+
+    /// Reads a push frame back into its type, taking it (its payload is moved, not copied).
+    ///
+    /// # Errors
+    /// A message naming the kind when the payload breaks the push's schema.
+    pub fn from_owned_frame(frame: PushFrame) -> Result<Self, String> {
+        let PushFrame {
+            push: kind,
+            payload,
+        } = frame;
+        let mut object = serde_json::Map::new();
+        object.insert("push".into(), Value::String(kind.clone()));
+        object.insert("payload".into(), payload);
+        let push: Self = serde_json::from_value(Value::Object(object))
+            .map_err(|e| format!("invalid {kind} push: {e}"))?;
         if let Self::RelayHead { status, .. } = &push
             && (!(100..=599).contains(status) || *status == 101)
         {

@@ -269,14 +269,13 @@ impl ExecTarget {
 
 /// The `ttlMs` cap: above `lease.maxTtlMs` is refused, never clamped. Answers the width.
 pub(crate) fn check_ttl(settings: &Settings, ttl_ms: Option<u64>) -> Result<u64, CoreError> {
-    let ttl = ttl_ms.unwrap_or(settings.default_ttl_ms);
-    if ttl > settings.max_ttl_ms {
-        return Err(CoreError::BadRequest(format!(
-            "ttlMs: {ttl} is above lease.maxTtlMs ({})",
-            settings.max_ttl_ms
-        )));
-    }
-    Ok(ttl)
+    let limits = simlock_contract::model::LeaseLimits {
+        default_ttl_ms: settings.default_ttl_ms,
+        max_ttl_ms: settings.max_ttl_ms,
+    };
+    limits
+        .ttl(ttl_ms)
+        .map_err(|e| CoreError::BadRequest(e.to_string()))
 }
 
 fn ms(value: u64) -> i64 {

@@ -51,7 +51,7 @@ impl EventBus {
     }
 
     /// Records a fact that just committed, as `module` tells it.
-    pub fn emit(&self, module: EventModule, event: &Event) -> EventEnvelope {
+    pub fn emit(&self, module: EventModule, event: &Event) -> u64 {
         let (name, payload) = event.parts();
         let envelope = EventEnvelope {
             id: EventId::mint(),
@@ -65,21 +65,30 @@ impl EventBus {
     }
 
     /// Records an event that happened elsewhere (a worker's, on the gateway), keeping its id and
-    /// timestamp; it gets this bus's next sequence number.
-    pub fn relay(&self, envelope: EventEnvelope) -> EventEnvelope {
+    /// timestamp; it gets this bus's next sequence number (answered).
+    pub fn relay(&self, envelope: EventEnvelope) -> u64 {
         self.record(envelope)
     }
 
-    fn record(&self, mut envelope: EventEnvelope) -> EventEnvelope {
+    /// Keeps the event in the ring (no copy) and sends a copy to followers, if any; answers its
+    /// sequence number.
+    fn record(&self, mut envelope: EventEnvelope) -> u64 {
         let mut ring = self.ring.lock();
-        envelope.seq = self.seq.fetch_add(1, Ordering::SeqCst);
-        if ring.len() == self.capacity {
-            ring.pop_front();
+        let seq = self.seq.fetch_add(1, Ordering::SeqCst);
+        envelope.seq = seq;
+        let oldest = (ring.len() == self.capacity)
+            .then(|| ring.pop_front())
+            .flatten();
+        // Sent under the lock so followers see events in sequence order; with nobody
+        // following, there is nothing to copy.
+        if self.live.receiver_count() > 0 {
+            let _ = self.live.send(envelope.clone());
         }
-        ring.push_back(envelope.clone());
-        // Sent under the lock so followers see events in sequence order.
-        let _ = self.live.send(envelope.clone());
-        envelope
+        ring.push_back(envelope);
+        drop(ring);
+        // The event that made room is freed outside the lock.
+        drop(oldest);
+        seq
     }
 
     /// Follows events from now on.
@@ -199,10 +208,11 @@ mod tests {
     async fn the_ring_keeps_the_newest_events_in_order() {
         let bus = EventBus::new(3, TokioClock::starting_at(100).shared());
         for depth in 0..5 {
-            let emitted = bus.emit(EventModule::Fleet, &Event::QueueChanged { depth });
+            let seq = bus.emit(EventModule::Fleet, &Event::QueueChanged { depth });
+            let emitted = bus.replay(None).pop().unwrap();
             assert_eq!(
-                (emitted.event.as_str(), emitted.module.as_str()),
-                ("queue.changed", "fleet")
+                (emitted.event.as_str(), emitted.module.as_str(), emitted.seq),
+                ("queue.changed", "fleet", seq)
             );
         }
         let events = bus.replay(None);
@@ -228,10 +238,11 @@ mod tests {
             payload: json!({}),
             module: "lease-lifecycle".into(),
         };
-        let relayed = bus.relay(original);
+        let seq = bus.relay(original);
+        let relayed = bus.replay(None).pop().unwrap();
         assert_eq!(
-            (relayed.id.as_str(), relayed.timestamp, relayed.seq),
-            ("evt_remote", 7, 1)
+            (relayed.id.as_str(), relayed.timestamp, relayed.seq, seq),
+            ("evt_remote", 7, 1, 1)
         );
         assert_eq!(follower.recv().await.unwrap(), relayed);
         assert_eq!(bus.replay(Some(8)), vec![]);

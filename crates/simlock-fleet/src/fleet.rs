@@ -26,7 +26,7 @@ use simlock_daemon::events::EventBus;
 use simlock_daemon::presence::Presence;
 use simlock_daemon::store::{Database, StoreError};
 use simlock_link::LinkHandle;
-use simlock_wire::{CallEvent, WireClient, decode_output};
+use simlock_wire::{RawCallEvent, WireClient, decode_raw};
 use tokio::sync::{Notify, mpsc, watch};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
@@ -167,6 +167,10 @@ pub struct Fleet {
     pub(crate) limits: LeaseLimits,
     pub(crate) timing: FleetTiming,
     db: Database,
+    /// Held by every change that is stored (drains, removals) from before its decision until
+    /// it is stored and applied, always taken before the fleet's lock: stores happen in the
+    /// order of their decisions, and none under the fleet's lock.
+    persist: Mutex<()>,
     pub(crate) bus: Arc<EventBus>,
     pub(crate) clock: SharedClock,
     presence: Presence,
@@ -221,6 +225,7 @@ impl Fleet {
             limits: parts.limits,
             timing: parts.timing,
             db: parts.db,
+            persist: Mutex::new(()),
             bus: parts.bus,
             clock: parts.clock,
             presence: parts.presence,
@@ -402,9 +407,10 @@ impl Fleet {
             let run = async {
                 let mut call = conn.client.begin_call::<LeaseRequest>(&input, 16).await?;
                 loop {
-                    match call.next().await {
-                        CallEvent::Push(frame) => {
-                            if let Ok(Push::Progress { progress, .. }) = Push::from_frame(&frame)
+                    match call.next_raw().await {
+                        RawCallEvent::Push(frame) => {
+                            if let Ok(Push::Progress { progress, .. }) =
+                                Push::from_owned_frame(frame)
                                 && let Some(fleet) = me.upgrade()
                             {
                                 fleet.decide(|shared, _| {
@@ -412,8 +418,8 @@ impl Fleet {
                                 });
                             }
                         }
-                        CallEvent::Reply(reply) => {
-                            return reply.and_then(decode_output::<LeaseRequest>);
+                        RawCallEvent::Reply(reply) => {
+                            return reply.and_then(|raw| decode_raw::<LeaseRequest>(&raw));
                         }
                     }
                 }
@@ -600,23 +606,43 @@ impl Fleet {
     /// # Errors
     /// `UNKNOWN_WORKER`, or `INTERNAL` on a store failure.
     pub fn set_drained(&self, worker_id: &str, drained: bool) -> Result<bool, ContractError> {
-        self.decide(|shared, now| {
-            if !shared.core.drain_changes(worker_id, drained)? {
-                return Ok(drained);
-            }
-            self.db
-                .with(|c| {
-                    if drained {
-                        c.execute("INSERT OR REPLACE INTO drained_workers (worker_id, drained_at) VALUES (?1, ?2)", rusqlite::params![worker_id, now])
-                    } else {
-                        c.execute("DELETE FROM drained_workers WHERE worker_id = ?1", [worker_id])
-                    }
-                })
-                .map_err(|e| store_error(&e))?;
+        let _stored_in_order = self.persist.lock();
+        let now = self.clock.now_ms();
+        if !self
+            .shared
+            .lock()
+            .core
+            .drain_changes(worker_id, drained)
+            .map_err(ContractError::from)?
+        {
+            return Ok(drained);
+        }
+        // Stored outside the fleet's lock; a failure changes nothing.
+        self.db
+            .with(|c| {
+                if drained {
+                    c.execute("INSERT OR REPLACE INTO drained_workers (worker_id, drained_at) VALUES (?1, ?2)", rusqlite::params![worker_id, now])
+                } else {
+                    c.execute("DELETE FROM drained_workers WHERE worker_id = ?1", [worker_id])
+                }
+            })
+            .map_err(|e| ContractError::from(store_error(&e)))?;
+        let known = self.decide(|shared, now| {
+            let known = shared.core.view(worker_id).is_some();
             shared.core.handle_drained(worker_id, drained, now);
-            Ok(drained)
-        })
-        .map_err(|e: FleetError| e.into())
+            known
+        });
+        if !known {
+            // Retention forgot it in between: what was stored goes too.
+            let _ = self.db.with(|c| {
+                c.execute(
+                    "DELETE FROM drained_workers WHERE worker_id = ?1",
+                    [worker_id],
+                )
+            });
+            return Err(FleetError::UnknownWorker(worker_id.to_owned()).into());
+        }
+        Ok(drained)
     }
 
     /// Forgets a disconnected worker (and its drain flag).
@@ -624,17 +650,19 @@ impl Fleet {
     /// # Errors
     /// `WORKER_CONNECTED` while its uplink is up.
     pub fn remove(&self, worker_id: &str) -> Result<bool, ContractError> {
-        self.decide(|shared, now| {
-            let removed = shared.core.handle_remove(worker_id, now)?;
-            let _ = self.db.with(|c| {
-                c.execute(
-                    "DELETE FROM drained_workers WHERE worker_id = ?1",
-                    [worker_id],
-                )
-            });
-            Ok(removed)
-        })
-        .map_err(|e: FleetError| e.into())
+        let _stored_in_order = self.persist.lock();
+        let removed = self
+            .decide(|shared, now| shared.core.handle_remove(worker_id, now))
+            .map_err(ContractError::from)?;
+        // Forgotten first, then stored, outside the fleet's lock: a drain of the same worker
+        // waits for this store.
+        let _ = self.db.with(|c| {
+            c.execute(
+                "DELETE FROM drained_workers WHERE worker_id = ?1",
+                [worker_id],
+            )
+        });
+        Ok(removed)
     }
 
     /// Closes every uplink opened with token `token_id` (it was revoked).

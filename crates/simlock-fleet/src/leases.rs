@@ -12,7 +12,7 @@ use simlock_contract::ops::{
 };
 use simlock_contract::{ContractError, Operation, Push};
 use simlock_daemon::context::CallCtx;
-use simlock_wire::{CallEvent, decode_output};
+use simlock_wire::{RawCallEvent, decode_raw};
 
 use crate::error::FleetError;
 use crate::fleet::Fleet;
@@ -45,13 +45,11 @@ impl Fleet {
         ctx: &CallCtx,
         input: LeaseRenewInput,
     ) -> Result<LeaseRecord, ContractError> {
-        if let Some(ttl) = input.ttl_ms
-            && ttl > self.limits.max_ttl_ms
-        {
-            return Err(ContractError::bad_request(format!(
-                "ttlMs: {ttl} is above lease.maxTtlMs ({})",
-                self.limits.max_ttl_ms
-            )));
+        if input.ttl_ms.is_some() {
+            // Absent keeps the lease's width; present is held to the one rule.
+            self.limits
+                .ttl(input.ttl_ms)
+                .map_err(|e| ContractError::bad_request(e.to_string()))?;
         }
         let target = self
             .shared
@@ -84,6 +82,11 @@ impl Fleet {
 
     async fn release_as(&self, caller: Caller<'_>, lease_id: &str) -> Result<String, FleetError> {
         let target = self.decide(|shared, _| shared.core.handle_release_sent(lease_id, caller))?;
+        // A caller that hangs up before the worker answers drops this future: the core hears it.
+        let abandoned = Abandoned {
+            fleet: self,
+            target: Some(&target),
+        };
         let input = LeaseIdInput {
             lease_id: target.worker_lease_id.clone(),
         };
@@ -91,6 +94,7 @@ impl Fleet {
             .call_worker::<LeaseRelease>(&target, &input)
             .await
             .map(|_| ());
+        abandoned.answered();
         self.decide(|shared, now| shared.core.handle_release_answered(&target, outcome, now))
     }
 
@@ -152,8 +156,8 @@ impl Fleet {
         let run = async {
             let mut call = conn.client.begin_call::<DeviceExec>(&forwarded, 16).await?;
             loop {
-                match call.next().await {
-                    CallEvent::Push(frame) => match Push::from_frame(&frame) {
+                match call.next_raw().await {
+                    RawCallEvent::Push(frame) => match Push::from_owned_frame(frame) {
                         Ok(Push::Started { .. }) => {
                             let _ = ctx
                                 .push(Push::Started {
@@ -172,7 +176,9 @@ impl Fleet {
                         }
                         _ => {}
                     },
-                    CallEvent::Reply(reply) => return reply.and_then(decode_output::<DeviceExec>),
+                    RawCallEvent::Reply(reply) => {
+                        return reply.and_then(|raw| decode_raw::<DeviceExec>(&raw));
+                    }
                 }
             }
         };
@@ -197,6 +203,29 @@ impl Fleet {
     /// they are, with the worker's id, for admins. An agent sees only the gateway leases it owns.
     pub fn leases(&self, ctx: &CallCtx) -> Vec<LeaseRecord> {
         self.shared.lock().core.leases(ctx.viewer())
+    }
+}
+
+/// A release on its way to the worker: dropped before its answer (the caller hung up), it tells
+/// the core the release is abandoned.
+struct Abandoned<'a> {
+    fleet: &'a Fleet,
+    target: Option<&'a LeaseTarget>,
+}
+
+impl Abandoned<'_> {
+    /// The worker answered: nothing to tell.
+    fn answered(mut self) {
+        self.target = None;
+    }
+}
+
+impl Drop for Abandoned<'_> {
+    fn drop(&mut self) {
+        if let Some(target) = self.target.take() {
+            self.fleet
+                .decide(|shared, _| shared.core.handle_release_abandoned(target));
+        }
     }
 }
 

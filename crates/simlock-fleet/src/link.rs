@@ -125,7 +125,7 @@ impl Fleet {
                 () = self.stopping.cancelled() => break,
                 () = conn.client.closed() => break,
                 push = unsolicited.recv() => match push {
-                    Some(frame) => self.on_push(conn, &frame),
+                    Some(frame) => self.on_push(conn, frame),
                     None => break,
                 },
             }
@@ -133,9 +133,13 @@ impl Fleet {
         info!(worker = %conn.worker_id, "uplink ended");
     }
 
-    fn on_push(&self, conn: &WorkerConn, frame: &PushFrame) {
-        let Ok(Push::Event { event, .. }) = Push::from_frame(frame) else {
+    fn on_push(&self, conn: &WorkerConn, frame: PushFrame) {
+        if frame.push != "event" {
             debug!(worker = %conn.worker_id, push = %frame.push, "ignoring a push from the worker");
+            return;
+        }
+        let Ok(Push::Event { event, .. }) = Push::from_owned_frame(frame) else {
+            debug!(worker = %conn.worker_id, "ignoring an event push from the worker that breaks its schema");
             return;
         };
         self.on_event(conn, event);

@@ -9,8 +9,9 @@ use bytes::Bytes;
 use futures::{SinkExt, StreamExt};
 use parking_lot::Mutex;
 use serde_json::Value;
+use serde_json::value::RawValue;
 use simlock_contract::{
-    Call, ContractError, FrameId, Hello, HelloReply, Inbound, Operation, PushFrame, Reply,
+    CallOut, ContractError, FrameId, Hello, HelloReply, Operation, PushFrame, RawInbound,
     frame::to_line,
 };
 use tokio::sync::{mpsc, oneshot};
@@ -27,8 +28,12 @@ const UNSOLICITED_QUEUE: usize = 1024;
 
 type ReplyResult = Result<Value, ContractError>;
 
+/// A reply as it came: its payload still raw JSON, decoded once, straight into what the caller
+/// wants (an operation's output, or a value).
+pub type RawReply = Result<Box<RawValue>, ContractError>;
+
 struct Pending {
-    reply: oneshot::Sender<ReplyResult>,
+    reply: oneshot::Sender<RawReply>,
     pushes: Option<mpsc::Sender<PushFrame>>,
 }
 
@@ -75,12 +80,21 @@ pub enum CallEvent {
     Reply(ReplyResult),
 }
 
+/// What a call in flight yields, its reply raw ([`CallHandle::next_raw`]).
+#[derive(Debug)]
+pub enum RawCallEvent {
+    /// A push for this call (every push that preceded the reply comes before it).
+    Push(PushFrame),
+    /// The reply, to decode with [`decode_raw`]; nothing follows it.
+    Reply(RawReply),
+}
+
 /// A call in flight with its own pushes. Dropping it abandons the call: its reply and pushes
 /// are discarded.
 pub struct CallHandle {
     id: u64,
     pushes: mpsc::Receiver<PushFrame>,
-    reply: Option<oneshot::Receiver<ReplyResult>>,
+    reply: Option<oneshot::Receiver<RawReply>>,
     inner: Arc<Inner>,
 }
 
@@ -101,12 +115,21 @@ impl CallHandle {
     /// The next push or the reply. After the reply, answers the reply's terminal
     /// `DAEMON_CONNECTION_LOST` if called again.
     pub async fn next(&mut self) -> CallEvent {
+        match self.next_raw().await {
+            RawCallEvent::Push(push) => CallEvent::Push(push),
+            RawCallEvent::Reply(reply) => CallEvent::Reply(reply.and_then(|raw| to_value(&raw))),
+        }
+    }
+
+    /// The next push or the reply, its payload raw (decode it with [`decode_raw`]). After the
+    /// reply, answers `DAEMON_CONNECTION_LOST` if called again.
+    pub async fn next_raw(&mut self) -> RawCallEvent {
         let Some(reply) = self.reply.as_mut() else {
-            return CallEvent::Reply(Err(ContractError::connection_lost()));
+            return RawCallEvent::Reply(Err(ContractError::connection_lost()));
         };
         tokio::select! {
             biased;
-            Some(push) = self.pushes.recv() => CallEvent::Push(push),
+            Some(push) = self.pushes.recv() => RawCallEvent::Push(push),
             outcome = reply => {
                 // Pushes the reader routed before the reply are still queued: hand them out first.
                 if let Ok(push) = self.pushes.try_recv() {
@@ -114,10 +137,10 @@ impl CallHandle {
                     let (tx, rx) = oneshot::channel();
                     let _ = tx.send(outcome);
                     self.reply = Some(rx);
-                    return CallEvent::Push(push);
+                    return RawCallEvent::Push(push);
                 }
                 self.reply = None;
-                CallEvent::Reply(outcome.unwrap_or_else(|_| Err(ContractError::connection_lost())))
+                RawCallEvent::Reply(outcome.unwrap_or_else(|_| Err(ContractError::connection_lost())))
             }
         }
     }
@@ -126,9 +149,17 @@ impl CallHandle {
     ///
     /// # Errors
     /// The call's error, or `DAEMON_CONNECTION_LOST`.
-    pub async fn finish(mut self) -> ReplyResult {
+    pub async fn finish(self) -> ReplyResult {
+        self.finish_raw().await.and_then(|raw| to_value(&raw))
+    }
+
+    /// Waits for the reply, discarding pushes; its payload raw.
+    ///
+    /// # Errors
+    /// The call's error, or `DAEMON_CONNECTION_LOST`.
+    pub async fn finish_raw(mut self) -> RawReply {
         loop {
-            if let CallEvent::Reply(outcome) = self.next().await {
+            if let RawCallEvent::Reply(outcome) = self.next_raw().await {
                 return outcome;
             }
         }
@@ -229,7 +260,7 @@ impl WireClient {
         push_capacity: usize,
     ) -> Result<CallHandle, ContractError> {
         let (push_tx, push_rx) = mpsc::channel(push_capacity.max(1));
-        self.start(op, payload, Some(push_tx), push_rx).await
+        self.start(op, &payload, Some(push_tx), push_rx).await
     }
 
     /// Starts a typed call whose pushes the caller wants (see [`Self::begin`]); read its reply
@@ -243,15 +274,15 @@ impl WireClient {
         input: &O::Input,
         push_capacity: usize,
     ) -> Result<CallHandle, ContractError> {
-        let payload =
-            serde_json::to_value(input).map_err(|e| ContractError::internal(e.to_string()))?;
-        self.begin(O::NAME, payload, push_capacity).await
+        let (push_tx, push_rx) = mpsc::channel(push_capacity.max(1));
+        self.start(O::NAME, input, Some(push_tx), push_rx).await
     }
 
-    async fn start(
+    /// Writes the call line with `payload` serialised straight into it (no value built).
+    async fn start<P: serde::Serialize + ?Sized>(
         &self,
         op: &str,
-        payload: Value,
+        payload: &P,
         pushes: Option<mpsc::Sender<PushFrame>>,
         push_rx: mpsc::Receiver<PushFrame>,
     ) -> Result<CallHandle, ContractError> {
@@ -259,10 +290,10 @@ impl WireClient {
             return Err(ContractError::connection_lost());
         }
         let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
-        let call = Call {
+        let call = CallOut {
             id: FrameId::from(id),
-            op: op.to_owned(),
-            payload: Some(payload),
+            op,
+            payload,
         };
         let line = to_line(&call).map_err(|e| ContractError::internal(e.to_string()))?;
         // A daemon answers an oversized line `BAD_FRAME` with no id, which no call could match:
@@ -300,7 +331,10 @@ impl WireClient {
     /// The daemon's error, or `DAEMON_CONNECTION_LOST`.
     pub async fn call_value(&self, op: &str, payload: Value) -> Result<Value, ContractError> {
         let (_, push_rx) = mpsc::channel(1);
-        self.start(op, payload, None, push_rx).await?.finish().await
+        self.start(op, &payload, None, push_rx)
+            .await?
+            .finish()
+            .await
     }
 
     /// Calls a typed operation.
@@ -309,10 +343,13 @@ impl WireClient {
     /// The daemon's error, `DAEMON_CONNECTION_LOST`, or `INTERNAL` when the output does not
     /// match the operation's output type.
     pub async fn call<O: Operation>(&self, input: &O::Input) -> Result<O::Output, ContractError> {
-        let payload =
-            serde_json::to_value(input).map_err(|e| ContractError::internal(e.to_string()))?;
-        let value = self.call_value(O::NAME, payload).await?;
-        decode_output::<O>(value)
+        let (_, push_rx) = mpsc::channel(1);
+        let raw = self
+            .start(O::NAME, input, None, push_rx)
+            .await?
+            .finish_raw()
+            .await?;
+        decode_raw::<O>(&raw)
     }
 
     /// Sends `hello`.
@@ -337,10 +374,24 @@ pub fn decode_output<O: Operation>(value: Value) -> Result<O::Output, ContractEr
         .map_err(|e| ContractError::internal(format!("invalid {} output: {e}", O::NAME)))
 }
 
+/// Reads an operation's output straight from its raw reply, `INTERNAL` when it does not match.
+///
+/// # Errors
+/// `INTERNAL` naming the operation.
+pub fn decode_raw<O: Operation>(raw: &RawValue) -> Result<O::Output, ContractError> {
+    serde_json::from_str(raw.get())
+        .map_err(|e| ContractError::internal(format!("invalid {} output: {e}", O::NAME)))
+}
+
+fn to_value(raw: &RawValue) -> Result<Value, ContractError> {
+    serde_json::from_str(raw.get())
+        .map_err(|e| ContractError::internal(format!("invalid reply payload: {e}")))
+}
+
 async fn route(inner: &Inner, unsolicited: &mpsc::Sender<PushFrame>, bytes: &[u8]) {
-    match Inbound::parse(bytes) {
-        Ok(Inbound::Reply(reply)) => deliver_reply(inner, reply),
-        Ok(Inbound::Push(push)) => {
+    match RawInbound::parse(bytes) {
+        Ok(RawInbound::Reply { id, outcome }) => deliver_reply(inner, id, outcome),
+        Ok(RawInbound::Push(push)) => {
             let scoped = push.payload.get("requestId").is_some();
             if scoped {
                 let target = push
@@ -361,9 +412,13 @@ async fn route(inner: &Inner, unsolicited: &mpsc::Sender<PushFrame>, bytes: &[u8
     }
 }
 
-fn deliver_reply(inner: &Inner, reply: Reply) {
-    let Some(id) = reply.id.as_ref().and_then(FrameId::as_u64) else {
-        if let Err(body) = &reply.outcome {
+fn deliver_reply(
+    inner: &Inner,
+    id: Option<FrameId>,
+    outcome: Result<Box<RawValue>, simlock_contract::ErrorBody>,
+) {
+    let Some(id) = id.as_ref().and_then(FrameId::as_u64) else {
+        if let Err(body) = &outcome {
             warn!(code = %body.code, message = %body.message, "the daemon refused a line");
         }
         return;
@@ -371,6 +426,7 @@ fn deliver_reply(inner: &Inner, reply: Reply) {
     let Some(pending) = inner.pending.lock().remove(&id) else {
         return;
     };
-    let outcome = reply.outcome.map_err(ContractError::from_body);
-    let _ = pending.reply.send(outcome);
+    let _ = pending
+        .reply
+        .send(outcome.map_err(ContractError::from_body));
 }

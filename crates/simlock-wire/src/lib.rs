@@ -13,7 +13,10 @@ pub mod codec;
 pub mod session;
 pub mod transport;
 
-pub use client::{CallEvent, CallHandle, Unsolicited, WireClient, decode_output};
+pub use client::{
+    CallEvent, CallHandle, RawCallEvent, RawReply, Unsolicited, WireClient, decode_output,
+    decode_raw,
+};
 pub use codec::{Line, LineCodec};
 pub use session::{
     CallContext, Closed, Connection, Identity, Origin, Service, SessionConfig, serve,

@@ -156,10 +156,9 @@ impl Connection {
 }
 
 fn encode_push(push: &Push) -> Option<Bytes> {
-    match push
-        .to_frame()
-        .and_then(|frame| simlock_contract::frame::to_line(&frame))
-    {
+    // A push serialises as its frame (`{"push": …, "payload": …}`): written straight, no value
+    // built in between.
+    match simlock_contract::frame::to_line(push) {
         Ok(line) => Some(Bytes::from(line)),
         Err(e) => {
             warn!(push = push.kind(), error = %e, "a push could not be serialised");

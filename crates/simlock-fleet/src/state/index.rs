@@ -125,7 +125,10 @@ pub struct LeaseIndex {
     /// was lost while another was granted): every one is kept, the oldest answers.
     by_requester: HashMap<String, BTreeSet<(i64, String)>>,
     by_worker_lease: HashMap<(String, String), String>,
-    tombstones: HashMap<(String, String), Tombstone>,
+    /// Each worker's entries, oldest grant first: a worker's part is read without a scan.
+    by_worker: HashMap<String, BTreeSet<(i64, String)>>,
+    /// In (worker, lease) order, so a worker's are a range.
+    tombstones: BTreeMap<(String, String), Tombstone>,
     /// The stamp of the newest snapshot applied, per worker: an older one is stale.
     applied: BTreeMap<String, Stamp>,
     /// Ends that named no entry, newest last, at most [`ENDS_REMEMBERED`]. A worker answers a
@@ -188,6 +191,10 @@ impl LeaseIndex {
             key(&entry.worker_id, &entry.worker_lease_id),
             entry.lease_id.clone(),
         );
+        self.by_worker
+            .entry(entry.worker_id.clone())
+            .or_default()
+            .insert((entry.granted_at(), entry.lease_id.clone()));
         self.entries.insert(entry.lease_id.clone(), entry);
     }
 
@@ -213,7 +220,31 @@ impl LeaseIndex {
         }
         self.by_worker_lease
             .remove(&key(&entry.worker_id, &entry.worker_lease_id));
+        if let Some(held) = self.by_worker.get_mut(&entry.worker_id) {
+            held.remove(&(entry.granted_at(), entry.lease_id.clone()));
+            if held.is_empty() {
+                self.by_worker.remove(&entry.worker_id);
+            }
+        }
         Some(entry)
+    }
+
+    /// The ids of `worker_id`'s entries, oldest grant first.
+    fn ids_of(&self, worker_id: &str) -> Vec<String> {
+        self.by_worker
+            .get(worker_id)
+            .map(|held| held.iter().map(|(_, id)| id.clone()).collect())
+            .unwrap_or_default()
+    }
+
+    /// The tombstones of `worker_id`.
+    fn tombstones_of<'a>(
+        &'a self,
+        worker_id: &'a str,
+    ) -> impl Iterator<Item = (&'a (String, String), &'a Tombstone)> + 'a {
+        self.tombstones
+            .range((worker_id.to_owned(), String::new())..)
+            .take_while(move |((w, _), _)| w == worker_id)
     }
 
     fn bury(&mut self, worker_id: &str, worker_lease_id: &str, granted_at: i64, at: Stamp) {
@@ -333,14 +364,11 @@ impl LeaseIndex {
 
     /// The orphans of `worker_id` still to release.
     pub fn orphans_of(&self, worker_id: &str) -> Vec<String> {
-        let mut ids: Vec<String> = self
-            .tombstones
-            .iter()
-            .filter(|((w, _), t)| w == worker_id && t.orphan)
+        // In lease order already.
+        self.tombstones_of(worker_id)
+            .filter(|(_, t)| t.orphan)
             .map(|((_, id), _)| id.clone())
-            .collect();
-        ids.sort();
-        ids
+            .collect()
     }
 
     /// Folds in a snapshot of `worker_id`'s leases whose `status.get` was sent at `sent`.
@@ -388,12 +416,12 @@ impl LeaseIndex {
                 _ => self.insert(entry),
             }
         }
+        let seen: BTreeSet<String> = seen.into_iter().collect();
         let gone: Vec<String> = self
-            .entries
-            .values()
-            .filter(|e| e.worker_id == worker_id && !seen.contains(&e.lease_id))
-            .filter(|e| e.known_at < sent)
-            .map(|e| e.lease_id.clone())
+            .ids_of(worker_id)
+            .into_iter()
+            .filter(|id| !seen.contains(id))
+            .filter(|id| self.entries.get(id).is_some_and(|e| e.known_at < sent))
             .collect();
         let mut ended = Vec::new();
         for id in gone {
@@ -404,14 +432,17 @@ impl LeaseIndex {
         }
         // What the snapshot settles need not be remembered: an ended lease it does not list is
         // gone for good; an orphan it does not list is released (or expired).
-        let listed: Vec<&str> = leases.iter().map(|l| l.id.as_str()).collect();
-        self.tombstones.retain(|(w, id), t| {
-            if w != worker_id || t.ended_at > sent {
-                true
-            } else {
-                t.orphan && listed.contains(&id.as_str())
-            }
-        });
+        let listed: BTreeSet<&str> = leases.iter().map(|l| l.id.as_str()).collect();
+        let settled: Vec<(String, String)> = self
+            .tombstones_of(worker_id)
+            .filter(|((_, id), t)| {
+                t.ended_at <= sent && !(t.orphan && listed.contains(id.as_str()))
+            })
+            .map(|(k, _)| k.clone())
+            .collect();
+        for k in settled {
+            self.tombstones.remove(&k);
+        }
         ended
     }
 
@@ -462,16 +493,16 @@ impl LeaseIndex {
 
     /// Forgets every lease of a worker that is gone for good.
     pub fn forget_worker(&mut self, worker_id: &str) {
-        let ids: Vec<String> = self
-            .entries
-            .values()
-            .filter(|e| e.worker_id == worker_id)
-            .map(|e| e.lease_id.clone())
-            .collect();
-        for id in ids {
+        for id in self.ids_of(worker_id) {
             self.remove(&id);
         }
-        self.tombstones.retain(|(w, _), _| w != worker_id);
+        let buried: Vec<(String, String)> = self
+            .tombstones_of(worker_id)
+            .map(|(k, _)| k.clone())
+            .collect();
+        for k in buried {
+            self.tombstones.remove(&k);
+        }
         self.applied.remove(worker_id);
         self.early_ends.retain(|e| e.worker_id != worker_id);
     }
@@ -483,13 +514,12 @@ impl LeaseIndex {
 
     /// The entries of `worker_id`, oldest grant first.
     pub fn of_worker(&self, worker_id: &str) -> Vec<&Entry> {
-        let mut entries: Vec<&Entry> = self
-            .entries
-            .values()
-            .filter(|e| e.worker_id == worker_id)
-            .collect();
-        entries.sort_by(|a, b| (a.granted_at(), &a.lease_id).cmp(&(b.granted_at(), &b.lease_id)));
-        entries
+        self.by_worker
+            .get(worker_id)
+            .into_iter()
+            .flatten()
+            .filter_map(|(_, id)| self.entries.get(id))
+            .collect()
     }
 
     /// How many leases are indexed.

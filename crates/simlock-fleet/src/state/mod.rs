@@ -261,6 +261,28 @@ struct Link {
 struct Worker {
     view: WorkerView,
     link: Option<Link>,
+    /// The view's revision: it moves whenever what a refusal is remembered against changes
+    /// (capacity, devices, health, leases, queue depth; [`view_key`]), and is unique per
+    /// gateway, so a worker forgotten and seen again never repeats one.
+    revision: u64,
+    /// The key the revision stands for.
+    key: String,
+    /// Forgotten past retention while drained: only its drain flag is kept, so it is not swept
+    /// again.
+    retained: bool,
+}
+
+impl Worker {
+    fn new(view: WorkerView, revision: u64, retained: bool) -> Self {
+        let key = view_key(&view);
+        Self {
+            view,
+            link: None,
+            revision,
+            key,
+            retained,
+        }
+    }
 }
 
 /// A deliberately broken decision, to show the simulation catches it. Only the simulation's
@@ -281,6 +303,10 @@ pub struct Core {
     settings: Settings,
     prefix: String,
     workers: BTreeMap<String, Worker>,
+    /// The worker of each attached uplink.
+    generations: HashMap<u64, String>,
+    /// The last view revision handed out.
+    revisions: u64,
     index: LeaseIndex,
     queue: Queue,
     /// Gateway leases being released by a caller, with the caller's connection, so the owner's
@@ -300,12 +326,15 @@ impl Core {
     /// with when.
     pub fn new(settings: Settings, drained: Vec<(String, i64)>) -> Self {
         let prefix = simlock_contract::ids::gateway_requester_prefix(&settings.gateway_id);
+        let mut revisions = 0;
         let workers = drained
             .into_iter()
             .map(|(id, at)| {
                 let mut view = blank_view(&id, None, at, Connection::Disconnected);
                 view.drained = true;
-                (id, Worker { view, link: None })
+                revisions += 1;
+                // Nothing is known of it but its drain flag: there is nothing to sweep.
+                (id, Worker::new(view, revisions, true))
             })
             .collect();
         Self {
@@ -313,6 +342,8 @@ impl Core {
             prefix,
             settings,
             workers,
+            generations: HashMap::new(),
+            revisions,
             queue: Queue::default(),
             releasing: HashMap::new(),
             stamp: 0,
@@ -419,18 +450,14 @@ impl Core {
 
     /// The worker an uplink belongs to, while it is attached.
     pub fn worker_of_generation(&self, generation: u64) -> Option<&str> {
-        self.workers
-            .iter()
-            .find(|(_, w)| w.link.as_ref().is_some_and(|l| l.generation == generation))
-            .map(|(id, _)| id.as_str())
+        self.generations.get(&generation).map(String::as_str)
     }
 
     /// How many refreshes an uplink was asked for (folded ones included).
     pub fn refreshes_asked(&self, generation: u64) -> u64 {
-        self.workers
-            .values()
-            .filter_map(|w| w.link.as_ref())
-            .find(|l| l.generation == generation)
+        self.generations
+            .get(&generation)
+            .and_then(|id| self.workers.get(id)?.link.as_ref())
             .map_or(0, |l| l.asked)
     }
 
@@ -468,7 +495,7 @@ impl Core {
 
     /// The waiters, oldest first.
     pub fn waiters(&self) -> &[Waiter] {
-        &self.queue.waiters
+        self.queue.waiters()
     }
 
     /// The number of requests waiting in the fleet queue.
@@ -488,11 +515,13 @@ impl Core {
 
     /// The fleet queue's waiting requests `viewer` may see (an agent its own), oldest first.
     fn waiting_seen_by(&self, viewer: Viewer<'_>) -> Vec<WaitingRequest> {
+        // A waiter's place is its index among them all, counted in the same pass.
         self.queue
-            .waiters
+            .waiters()
             .iter()
-            .filter(|w| viewer.may_see(&w.owner))
-            .map(|w| WaitingRequest {
+            .zip(1u32..)
+            .filter(|(w, _)| viewer.may_see(&w.owner))
+            .map(|(w, position)| WaitingRequest {
                 id: w.id.clone(),
                 requester_id: w.requester.clone(),
                 spec: w.wanted.requested(),
@@ -502,7 +531,7 @@ impl Core {
                 } else {
                     WaitStage::Starting
                 },
-                queue_position: w.is_queued().then(|| self.queue.position(&w.id)),
+                queue_position: w.is_queued().then_some(position),
                 worker_id: w.attempt().map(|a| a.worker_id.clone()),
             })
             .collect()
@@ -609,7 +638,11 @@ impl Core {
     /// The next moment [`Self::handle_tick`] has something to do: a waiter's deadline, a
     /// periodic refresh, a disconnected worker passing retention, a book record expiring.
     pub fn next_deadline(&self) -> Option<i64> {
-        let waiters = self.queue.waiters.iter().filter_map(Waiter::next_deadline);
+        let waiters = self
+            .queue
+            .waiters()
+            .iter()
+            .filter_map(Waiter::next_deadline);
         let refreshes = self.workers.values().filter_map(|w| {
             let link = w.link.as_ref()?;
             let folded =
@@ -622,7 +655,9 @@ impl Core {
         let retention = self
             .workers
             .values()
-            .filter(|w| w.link.is_none() && w.view.connection == Connection::Disconnected)
+            .filter(|w| {
+                w.link.is_none() && w.view.connection == Connection::Disconnected && !w.retained
+            })
             .map(|w| {
                 w.view
                     .last_seen_at
@@ -631,7 +666,7 @@ impl Core {
         waiters
             .chain(refreshes)
             .chain(retention)
-            .chain(self.queue.next_book_expiry(BOOK_RETENTION_MS))
+            .chain(self.queue.book.next_expiry(BOOK_RETENTION_MS))
             .min()
     }
 
@@ -648,13 +683,13 @@ impl Core {
     ) -> u64 {
         let generation = self.next_generation;
         self.next_generation += 1;
-        let worker = self
-            .workers
-            .entry(worker_id.to_owned())
-            .or_insert_with(|| Worker {
-                view: blank_view(worker_id, None, now, Connection::Disconnected),
-                link: None,
-            });
+        let revision = self.revisions + 1;
+        let worker = self.workers.entry(worker_id.to_owned()).or_insert_with(|| {
+            let view = blank_view(worker_id, None, now, Connection::Disconnected);
+            Worker::new(view, revision, false)
+        });
+        self.revisions = self.revisions.max(worker.revision);
+        worker.retained = false;
         if label.is_some() {
             worker.view.label = label;
         }
@@ -673,7 +708,9 @@ impl Core {
             catalog_due: false,
             asked: 0,
         });
+        self.generations.insert(generation, worker_id.to_owned());
         if let Some(previous) = previous {
+            self.generations.remove(&previous.generation);
             info!(
                 worker = worker_id,
                 "a reconnect replaces the previous uplink"
@@ -692,10 +729,24 @@ impl Core {
         self.next_stamp()
     }
 
-    fn current(&mut self, generation: u64) -> Option<(&String, &mut Worker)> {
-        self.workers
-            .iter_mut()
-            .find(|(_, w)| w.link.as_ref().is_some_and(|l| l.generation == generation))
+    fn current(&mut self, generation: u64) -> Option<(String, &mut Worker)> {
+        let worker_id = self.generations.get(&generation)?;
+        let worker = self.workers.get_mut(worker_id)?;
+        Some((worker_id.clone(), worker))
+    }
+
+    /// The view of `worker_id` changed: its revision moves if what refusals are remembered
+    /// against did.
+    fn view_changed(&mut self, worker_id: &str) {
+        let Some(worker) = self.workers.get_mut(worker_id) else {
+            return;
+        };
+        let key = view_key(&worker.view);
+        if key != worker.key {
+            worker.key = key;
+            self.revisions += 1;
+            worker.revision = self.revisions;
+        }
     }
 
     /// The handshake passed: the worker is connected with its first status, sent at `sent`.
@@ -711,12 +762,12 @@ impl Core {
         let Some((worker_id, worker)) = self.current(generation) else {
             return;
         };
-        let worker_id = worker_id.clone();
         worker.view.connection = Connection::Connected;
         worker.view.protocol = None;
         worker.view.version = Some(version.clone());
         apply_status(&mut worker.view, status, now);
         let label = worker.view.label.clone();
+        self.view_changed(&worker_id);
         if let Some(leases) = &status.leases {
             self.fold_snapshot(&worker_id, leases, sent, now);
         }
@@ -759,7 +810,6 @@ impl Core {
     pub fn handle_subscribed(&mut self, generation: u64, now: i64) {
         let interval = self.settings.refresh_interval_ms;
         if let Some((worker_id, w)) = self.current(generation) {
-            let worker_id = worker_id.clone();
             if let Some(link) = w.link.as_mut() {
                 link.periodic_at = Some(now.saturating_add(interval));
             }
@@ -772,17 +822,21 @@ impl Core {
         let Some((worker_id, worker)) = self.current(generation) else {
             return;
         };
-        let worker_id = worker_id.clone();
         worker.link = None;
         let was_connected = worker.view.connection == Connection::Connected;
         worker.view.connection = Connection::Disconnected;
         worker.view.last_seen_at = now;
+        let (label, lease_count) = (
+            worker.view.label.clone(),
+            worker.view.leases.as_ref().map_or(0, Vec::len),
+        );
+        self.generations.remove(&generation);
         if was_connected {
             info!(worker = %worker_id, "worker disconnected");
             let event = Event::WorkerDisconnected {
                 worker_id,
-                label: worker.view.label.clone(),
-                lease_count: worker.view.leases.as_ref().map_or(0, Vec::len),
+                label,
+                lease_count,
             };
             self.event(event);
         }
@@ -829,7 +883,6 @@ impl Core {
     fn refresh_done(&mut self, generation: u64, sent: Stamp, now: i64) -> Option<String> {
         let gap = self.settings.refresh_gap_ms;
         let (worker_id, worker) = self.current(generation)?;
-        let worker_id = worker_id.clone();
         let link = worker.link.as_mut()?;
         if link.refreshing != Some(sent) {
             return None;
@@ -878,6 +931,7 @@ impl Core {
             worker.view.lease = Some(limits);
         }
         let leases = worker.view.leases.clone().unwrap_or_default();
+        self.view_changed(&worker_id);
         if refresh.status.leases.is_some() {
             self.fold_snapshot(&worker_id, &leases, sent, now);
         }
@@ -1085,7 +1139,7 @@ impl Core {
     /// way (a view listed the lease first): then the end waits for that answer, so the owner
     /// hears the grant, then the end.
     fn entry_ended(&mut self, entry: &Entry, reason: LeaseEndReason, except: Option<u64>) {
-        let in_flight = self.queue.waiters.iter().any(|w| {
+        let in_flight = self.queue.waiters().iter().any(|w| {
             w.requester == entry.requester_id
                 && w.attempt().is_some_and(|a| a.worker_id == entry.worker_id)
         });
@@ -1136,14 +1190,11 @@ impl Core {
                 "owner may only be set by a gateway on its worker's uplink".into(),
             ));
         }
-        let limits = self.settings.limits;
-        let ttl = input.ttl_ms.unwrap_or(limits.default_ttl_ms);
-        if ttl > limits.max_ttl_ms {
-            return Err(FleetError::BadRequest(format!(
-                "ttlMs: {ttl} is above lease.maxTtlMs ({})",
-                limits.max_ttl_ms
-            )));
-        }
+        let ttl = self
+            .settings
+            .limits
+            .ttl(input.ttl_ms)
+            .map_err(|e| FleetError::BadRequest(e.to_string()))?;
         input.ttl_ms = Some(ttl);
         let requester = input
             .requester_id
@@ -1155,9 +1206,9 @@ impl Core {
                 "requesterId: at most {room} characters through a gateway"
             )));
         }
-        self.queue.prune_book(now, BOOK_RETENTION_MS);
+        self.queue.book.prune(now, BOOK_RETENTION_MS);
         if let Some(key) = &input.idempotency_key
-            && let Some(booked) = self.queue.book.get(&(requester.clone(), key.clone()))
+            && let Some(booked) = self.queue.book.get(&requester, key)
         {
             if booked.principal != principal {
                 return Err(FleetError::IdempotencyForeign);
@@ -1184,7 +1235,8 @@ impl Core {
         );
         if let Some(key) = &input.idempotency_key {
             self.queue.book.insert(
-                (requester.clone(), key.clone()),
+                requester.clone(),
+                key.clone(),
                 Booked {
                     principal,
                     fingerprint: Waiter::fingerprint(&input),
@@ -1200,7 +1252,7 @@ impl Core {
             requester,
             wait_policy: WaitPolicy::of(waiter.no_wait),
         });
-        self.queue.waiters.push(waiter);
+        self.queue.push(waiter);
         self.dispatch(now);
         Ok(Admitted::New(request_id))
     }
@@ -1261,7 +1313,7 @@ impl Core {
         if let Err(err) = &outcome {
             self.rejected(Some(id), &waiter.requester, &waiter.wanted, err);
         }
-        self.queue.settle_book(id, &outcome, now);
+        self.queue.book.settle(id, &outcome, now);
         self.fx.push_back(Effect::Answer {
             request: id.clone(),
             outcome: Box::new(outcome),
@@ -1301,7 +1353,7 @@ impl Core {
         let mut claimed: BTreeSet<String> = BTreeSet::new();
         let ids: Vec<RequestId> = self
             .queue
-            .waiters
+            .waiters()
             .iter()
             .filter(|w| w.is_queued())
             .map(|w| w.id.clone())
@@ -1327,10 +1379,11 @@ impl Core {
                 .copied()
                 .filter(|v| !claimed.contains(&v.id) && !waiter.excluded.contains(&v.id))
                 .filter(|v| {
-                    waiter
-                        .refusals
-                        .get(&v.id)
-                        .is_none_or(|key| *key != view_key(v))
+                    waiter.refusals.get(&v.id).is_none_or(|revision| {
+                        self.workers
+                            .get(&v.id)
+                            .is_none_or(|w| w.revision != *revision)
+                    })
                 })
                 .collect();
             if eligible.is_empty()
@@ -1363,7 +1416,6 @@ impl Core {
     /// No worker takes `id` in this pass: a `noWait` request fails (after its second walk when
     /// a stale view refused it), another is announced as queued once.
     fn no_pick(&mut self, id: &RequestId, now: i64) {
-        let position = self.queue.position(id);
         let Some(waiter) = self.queue.get_mut(id) else {
             return;
         };
@@ -1379,6 +1431,7 @@ impl Core {
                 );
             }
         } else if !std::mem::replace(&mut waiter.announced, true) {
+            let position = self.queue.position(id);
             self.fx.push_back(Effect::Progress {
                 request: id.clone(),
                 progress: Progress::Queued {
@@ -1402,15 +1455,18 @@ impl Core {
         };
         let input = forward_input(&prefix, waiter, &pick.matched);
         let worker_id = pick.worker_id.clone();
-        waiter.stage = Stage::Forwarded(Attempt {
-            id: attempt,
-            worker_id: worker_id.clone(),
-            generation,
-            pick,
-            started: now,
-            deadline: now.saturating_add(timeout),
-            dispatched: false,
-        });
+        self.queue.set_stage(
+            id,
+            Stage::Forwarded(Attempt {
+                id: attempt,
+                worker_id: worker_id.clone(),
+                generation,
+                pick,
+                started: now,
+                deadline: now.saturating_add(timeout),
+                dispatched: false,
+            }),
+        );
         self.fx.push_back(Effect::Forward {
             attempt,
             worker_id,
@@ -1426,7 +1482,7 @@ impl Core {
         let requester = waiter.requester.clone();
         let (request_id, platform, created_at) =
             (waiter.id.clone(), waiter.wanted.platform, waiter.created_at);
-        let Stage::Forwarded(a) = &mut waiter.stage else {
+        let Some(a) = waiter.attempt_mut() else {
             return;
         };
         if std::mem::replace(&mut a.dispatched, true) {
@@ -1481,7 +1537,7 @@ impl Core {
                 if self.broken(Fault::GrantTwice) {
                     let twin = self
                         .queue
-                        .waiters
+                        .waiters()
                         .iter()
                         .find(|w| w.id != id && w.wanted.platform == grant.device.spec.platform)
                         .map(|w| w.id.clone());
@@ -1498,17 +1554,17 @@ impl Core {
             }
             Err(err) if err.code == ErrorCode::NoCapacity => {
                 // The view was stale: remember the refusal against it and read it again.
-                let key = self.view(worker_id).map(view_key).unwrap_or_default();
+                let revision = self.workers.get(worker_id).map_or(0, |w| w.revision);
                 self.ask_refresh(worker_id, false, now);
                 let Some(waiter) = self.queue.get_mut(&id) else {
                     return;
                 };
-                waiter.refusals.insert(worker_id.to_owned(), key);
+                waiter.refusals.insert(worker_id.to_owned(), revision);
                 if waiter.no_wait && std::mem::replace(&mut waiter.second_walk, true) {
                     self.answer(&id, Err(FleetError::Worker(err)), now);
                 } else {
                     waiter.walked = false;
-                    waiter.stage = Stage::Queued;
+                    self.queue.set_stage(&id, Stage::Queued);
                 }
             }
             Err(err)
@@ -1539,7 +1595,7 @@ impl Core {
                     FleetError::Worker(err)
                 });
                 waiter.walked = false;
-                waiter.stage = Stage::Queued;
+                self.queue.set_stage(&id, Stage::Queued);
             }
             Err(err) => {
                 self.answer(&id, Err(FleetError::from_worker(worker_id, err)), now);
@@ -1723,6 +1779,13 @@ impl Core {
         Ok(target)
     }
 
+    /// The caller of a release sent for `target` hung up before the worker answered: the
+    /// release is nobody's any more. Should the worker have carried it out, its own event says
+    /// so; a later end of the lease is told as what it is, and reaches every connection.
+    pub fn handle_release_abandoned(&mut self, target: &LeaseTarget) {
+        self.releasing.remove(&target.lease_id);
+    }
+
     /// The worker answered a release: the lease ends (its owner's other connections hear it
     /// once); `UNKNOWN_LEASE` means it was gone already.
     ///
@@ -1897,7 +1960,7 @@ impl Core {
     pub fn handle_tick(&mut self, now: i64) {
         let timed_out: Vec<(RequestId, String, u64)> = self
             .queue
-            .waiters
+            .waiters()
             .iter()
             .filter_map(|w| {
                 let a = w.attempt()?;
@@ -1960,7 +2023,7 @@ impl Core {
             self.ask_refresh(&worker_id, catalog, now);
         }
         self.sweep(now);
-        self.queue.prune_book(now, BOOK_RETENTION_MS);
+        self.queue.book.prune(now, BOOK_RETENTION_MS);
         self.dispatch(now);
     }
 
@@ -1970,7 +2033,9 @@ impl Core {
         let expired: Vec<String> = self
             .workers
             .iter()
-            .filter(|(_, w)| w.link.is_none() && w.view.connection == Connection::Disconnected)
+            .filter(|(_, w)| {
+                w.link.is_none() && w.view.connection == Connection::Disconnected && !w.retained
+            })
             .filter(|(_, w)| w.view.last_seen_at <= now.saturating_sub(retention))
             .filter(|(id, w)| {
                 let in_view = w
@@ -1995,10 +2060,18 @@ impl Core {
             };
             self.index.forget_worker(&id);
             if worker.view.drained {
-                // Retention keeps the drain flag: the worker comes back drained.
-                let mut view = blank_view(&id, worker.view.label, now, Connection::Disconnected);
+                // Retention keeps the drain flag: the worker comes back drained. What is kept
+                // is not swept again, and says when the worker was last seen.
+                let mut view = blank_view(
+                    &id,
+                    worker.view.label,
+                    worker.view.last_seen_at,
+                    Connection::Disconnected,
+                );
                 view.drained = true;
-                self.workers.insert(id, Worker { view, link: None });
+                self.revisions += 1;
+                self.workers
+                    .insert(id, Worker::new(view, self.revisions, true));
                 continue;
             }
             self.event(Event::WorkerRemoved {
@@ -2013,7 +2086,7 @@ impl Core {
     /// requests are refused.
     pub fn handle_stop(&mut self, now: i64) {
         self.stopping = true;
-        let ids: Vec<RequestId> = self.queue.waiters.iter().map(|w| w.id.clone()).collect();
+        let ids: Vec<RequestId> = self.queue.waiters().iter().map(|w| w.id.clone()).collect();
         for id in ids {
             self.answer(&id, Err(FleetError::Stopping), now);
         }

@@ -2,7 +2,7 @@
 //! when it arrives, and the book of idempotency keys with their outcomes. Plain data: a waiter
 //! is a record the fleet's decisions read and change under one lock, nothing in it is shared.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap, VecDeque};
 
 use simlock_contract::ids::RequestId;
 use simlock_contract::model::LeaseGrant;
@@ -58,10 +58,10 @@ pub struct Waiter {
     pub deadline: Option<i64>,
     /// `noWait`.
     pub no_wait: bool,
-    /// Where it is.
-    pub stage: Stage,
-    /// Workers that refused with `NO_CAPACITY`, with the view key they had then.
-    pub refusals: HashMap<String, String>,
+    /// Where it is (it moves through [`Queue::set_stage`], which keeps the queue's count).
+    stage: Stage,
+    /// Workers that refused with `NO_CAPACITY`, with the view revision they had then.
+    pub refusals: HashMap<String, u64>,
     /// Workers that can never serve this request (they refused its spec).
     pub excluded: BTreeSet<String>,
     /// The last refusal of the spec, answered when no worker is left.
@@ -110,9 +110,22 @@ impl Waiter {
         self.stage == Stage::Queued
     }
 
+    /// Where it is.
+    pub const fn stage(&self) -> &Stage {
+        &self.stage
+    }
+
     /// The forward under way, if any.
     pub const fn attempt(&self) -> Option<&Attempt> {
         match &self.stage {
+            Stage::Forwarded(attempt) => Some(attempt),
+            Stage::Queued => None,
+        }
+    }
+
+    /// The forward under way, to change (its `dispatched` mark).
+    pub const fn attempt_mut(&mut self) -> Option<&mut Attempt> {
+        match &mut self.stage {
             Stage::Forwarded(attempt) => Some(attempt),
             Stage::Queued => None,
         }
@@ -137,6 +150,10 @@ impl Waiter {
     }
 }
 
+/// How many idempotency keys the book holds at most: past it, the oldest answered ones go first
+/// (a key still waiting is never dropped; those are bounded by the queue).
+pub const BOOK_CAP: usize = 10_000;
+
 /// A recorded idempotency key.
 #[derive(Debug, Clone)]
 pub struct Booked {
@@ -152,16 +169,124 @@ pub struct Booked {
     pub settled_at: Option<i64>,
 }
 
+/// A book key: (requester, idempotency key).
+type BookKey = (String, String);
+
+/// The book of idempotency keys: the records, the waiting ones by request (so an answer finds
+/// its key at once), and the answered ones in the order they were answered, so that pruning
+/// costs what it drops and never a scan of every record.
+#[derive(Debug, Clone)]
+pub struct Book {
+    records: HashMap<BookKey, Booked>,
+    /// The key of each request still waiting.
+    waiting: HashMap<RequestId, BookKey>,
+    /// `(settled_at, key)` of every answered record, oldest first.
+    settled: VecDeque<(i64, BookKey)>,
+    cap: usize,
+}
+
+impl Default for Book {
+    fn default() -> Self {
+        Self::with_cap(BOOK_CAP)
+    }
+}
+
+impl Book {
+    /// An empty book holding at most `cap` records (at least one).
+    pub fn with_cap(cap: usize) -> Self {
+        Self {
+            records: HashMap::new(),
+            waiting: HashMap::new(),
+            settled: VecDeque::new(),
+            cap: cap.max(1),
+        }
+    }
+
+    /// The record of `key` of `requester`.
+    pub fn get(&self, requester: &str, key: &str) -> Option<&Booked> {
+        self.records.get(&(requester.to_owned(), key.to_owned()))
+    }
+
+    /// How many records it holds.
+    pub fn len(&self) -> usize {
+        self.records.len()
+    }
+
+    /// Whether it holds none.
+    pub fn is_empty(&self) -> bool {
+        self.records.is_empty()
+    }
+
+    /// Records `key` of `requester` for a request that waits; when the book is full, the oldest
+    /// answered record makes room.
+    pub fn insert(&mut self, requester: String, key: String, booked: Booked) {
+        while self.records.len() >= self.cap {
+            let Some((_, oldest)) = self.settled.pop_front() else {
+                break;
+            };
+            self.records.remove(&oldest);
+        }
+        let key = (requester, key);
+        self.waiting.insert(booked.request.clone(), key.clone());
+        self.records.insert(key, booked);
+    }
+
+    /// Records the outcome of `id`, if a key names it.
+    pub fn settle(&mut self, id: &RequestId, outcome: &Result<LeaseGrant, FleetError>, now: i64) {
+        let Some(key) = self.waiting.remove(id) else {
+            return;
+        };
+        if let Some(booked) = self.records.get_mut(&key) {
+            booked.outcome = Some(outcome.clone());
+            booked.settled_at = Some(now);
+            self.settled.push_back((now, key));
+        }
+    }
+
+    /// Drops the records answered `retention_ms` or more before `now`.
+    pub fn prune(&mut self, now: i64, retention_ms: i64) {
+        while let Some((at, _)) = self.settled.front()
+            && now.saturating_sub(*at) >= retention_ms
+        {
+            if let Some((_, key)) = self.settled.pop_front() {
+                self.records.remove(&key);
+            }
+        }
+    }
+
+    /// When the oldest answered record passes `retention_ms`.
+    pub fn next_expiry(&self, retention_ms: i64) -> Option<i64> {
+        self.settled
+            .front()
+            .map(|(at, _)| at.saturating_add(retention_ms))
+    }
+}
+
 /// The queue and the book.
 #[derive(Debug, Default, Clone)]
 pub struct Queue {
     /// The waiters, oldest first.
-    pub waiters: Vec<Waiter>,
+    waiters: Vec<Waiter>,
+    /// How many of them are queued (not forwarded).
+    queued: u32,
     /// Idempotency keys by (requester, key).
-    pub book: BTreeMap<(String, String), Booked>,
+    pub book: Book,
 }
 
 impl Queue {
+    /// The waiters, oldest first.
+    pub fn waiters(&self) -> &[Waiter] {
+        &self.waiters
+    }
+
+    /// A new waiter joins the end of the queue.
+    pub fn push(&mut self, waiter: Waiter) {
+        if waiter.is_queued() {
+            self.queued += 1;
+        }
+        self.waiters.push(waiter);
+    }
+
     /// The waiter of `requester`, if it has one.
     pub fn pending_of(&self, requester: &str) -> Option<&Waiter> {
         self.waiters.iter().find(|w| w.requester == requester)
@@ -172,9 +297,23 @@ impl Queue {
         self.waiters.iter().find(|w| &w.id == id)
     }
 
-    /// The waiter `id`, to change.
+    /// The waiter `id`, to change (its stage changes through [`Self::set_stage`]).
     pub fn get_mut(&mut self, id: &RequestId) -> Option<&mut Waiter> {
         self.waiters.iter_mut().find(|w| &w.id == id)
+    }
+
+    /// Moves waiter `id` to `stage`.
+    pub fn set_stage(&mut self, id: &RequestId, stage: Stage) {
+        let Some(waiter) = self.waiters.iter_mut().find(|w| &w.id == id) else {
+            return;
+        };
+        let was_queued = waiter.is_queued();
+        waiter.stage = stage;
+        match (was_queued, waiter.is_queued()) {
+            (true, false) => self.queued -= 1,
+            (false, true) => self.queued += 1,
+            _ => {}
+        }
     }
 
     /// The waiter whose forward is `attempt`.
@@ -187,37 +326,11 @@ impl Queue {
     /// Takes `id` out of the queue.
     pub fn remove(&mut self, id: &RequestId) -> Option<Waiter> {
         let at = self.waiters.iter().position(|w| &w.id == id)?;
-        Some(self.waiters.remove(at))
-    }
-
-    /// Records the outcome of `id` in the book, if a key names it.
-    pub fn settle_book(
-        &mut self,
-        id: &RequestId,
-        outcome: &Result<LeaseGrant, FleetError>,
-        now: i64,
-    ) {
-        for booked in self.book.values_mut().filter(|b| &b.request == id) {
-            booked.outcome = Some(outcome.clone());
-            booked.settled_at = Some(now);
+        let waiter = self.waiters.remove(at);
+        if waiter.is_queued() {
+            self.queued -= 1;
         }
-    }
-
-    /// Drops book records answered longer ago than `retention_ms`.
-    pub fn prune_book(&mut self, now: i64, retention_ms: i64) {
-        self.book.retain(|_, b| {
-            b.settled_at
-                .is_none_or(|at| now.saturating_sub(at) < retention_ms)
-        });
-    }
-
-    /// When the oldest answered book record passes `retention_ms`.
-    pub fn next_book_expiry(&self, retention_ms: i64) -> Option<i64> {
-        self.book
-            .values()
-            .filter_map(|b| b.settled_at)
-            .min()
-            .map(|at| at.saturating_add(retention_ms))
+        Some(waiter)
     }
 
     /// The 1-based place of `id` among the waiters not answered yet.
@@ -227,7 +340,94 @@ impl Queue {
     }
 
     /// How many are queued (not forwarded).
-    pub fn depth(&self) -> u32 {
-        u32::try_from(self.waiters.iter().filter(|w| w.is_queued()).count()).unwrap_or(u32::MAX)
+    pub const fn depth(&self) -> u32 {
+        self.queued
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn booked(request: &str) -> Booked {
+        Booked {
+            principal: "agent".into(),
+            fingerprint: String::new(),
+            request: RequestId::from_raw(request),
+            outcome: None,
+            settled_at: None,
+        }
+    }
+
+    fn keys(book: &Book) -> Vec<String> {
+        let mut keys: Vec<String> = book.records.keys().map(|(_, k)| k.clone()).collect();
+        keys.sort();
+        keys
+    }
+
+    /// A book with `settled` keys answered at the given times and `pending` ones waiting.
+    fn book(cap: usize, settled: &[i64], pending: usize) -> Book {
+        let mut book = Book::with_cap(cap);
+        for (i, at) in settled.iter().enumerate() {
+            let id = format!("s{i}");
+            book.insert("r".into(), id.clone(), booked(&id));
+            book.settle(&RequestId::from_raw(&id), &Err(FleetError::Cancelled), *at);
+        }
+        for i in 0..pending {
+            let id = format!("p{i}");
+            book.insert("r".into(), id.clone(), booked(&id));
+        }
+        book
+    }
+
+    #[test]
+    fn an_answered_key_goes_at_its_retention_and_not_a_moment_before() {
+        let mut book = book(100, &[0, 1, 2], 1);
+        assert_eq!(book.next_expiry(10), Some(10));
+        book.prune(9, 10);
+        assert_eq!(keys(&book), ["p0", "s0", "s1", "s2"], "before the bound");
+        book.prune(10, 10);
+        assert_eq!(keys(&book), ["p0", "s1", "s2"], "at it");
+        assert_eq!(book.next_expiry(10), Some(11));
+        book.prune(1_000, 10);
+        assert_eq!(keys(&book), ["p0"], "waiting ones stay");
+        assert_eq!(book.next_expiry(10), None);
+    }
+
+    #[test]
+    fn a_settle_records_the_outcome_once_and_ignores_a_request_with_no_key() {
+        let mut book = book(100, &[], 1);
+        book.settle(
+            &RequestId::from_raw("nobody"),
+            &Err(FleetError::Cancelled),
+            5,
+        );
+        assert_eq!(book.next_expiry(10), None);
+        book.settle(&RequestId::from_raw("p0"), &Err(FleetError::Cancelled), 5);
+        let record = book.get("r", "p0").unwrap();
+        assert_eq!(record.settled_at, Some(5));
+        assert!(matches!(record.outcome, Some(Err(FleetError::Cancelled))));
+        book.settle(&RequestId::from_raw("p0"), &Err(FleetError::Stopping), 6);
+        assert_eq!(book.get("r", "p0").unwrap().settled_at, Some(5), "once");
+        assert_eq!(book.settled.len(), 1);
+    }
+
+    #[test]
+    fn a_full_book_drops_the_oldest_answered_key_first_and_never_a_waiting_one() {
+        // At the cap: all kept.
+        let at_cap = book(BOOK_CAP, &vec![1; BOOK_CAP - 1], 1);
+        assert_eq!(at_cap.len(), BOOK_CAP);
+        // One past it: the oldest answered one makes room.
+        let mut past = at_cap;
+        past.insert("r".into(), "new".into(), booked("new"));
+        assert_eq!(past.len(), BOOK_CAP);
+        assert!(past.get("r", "s0").is_none(), "the oldest answered went");
+        assert!(past.get("r", "s1").is_some());
+        assert!(past.get("r", "p0").is_some(), "a waiting key stays");
+        assert!(past.get("r", "new").is_some());
+        // Only waiting keys: none is dropped.
+        let mut waiting = book(2, &[], 2);
+        waiting.insert("r".into(), "p2".into(), booked("p2"));
+        assert_eq!(keys(&waiting), ["p0", "p1", "p2"]);
     }
 }

@@ -21,6 +21,11 @@
 //! - **a granted lease is known to its owner from the moment the grant is answered** (while its
 //!   end is not declared, a lookup never answers `UNKNOWN_LEASE`, and the index and the owner's
 //!   list hold it whenever its worker's view is current) — race (b) of issue 13;
+//! - **an end is told as it is** (a `lease-lost` says `explicit` only while a release of the
+//!   lease waits for its answer, or when its worker carried one out: a release whose caller hung
+//!   up leaves nothing behind);
+//! - **a disconnected worker is not seen again until it reconnects** (its view's `lastSeenAt`
+//!   stays put, retention after retention, a drained one's included);
 //! - and once quiet, **the index equals what the workers hold** (and the views list it).
 //!
 //! Also compiled into the fleet benchmark, which runs 10 000 seeds. A failure names its seed,
@@ -235,6 +240,11 @@ struct SimWorker {
     /// The uplink it is on, and whether its events go up it.
     uplink: Option<u64>,
     subscribed: bool,
+    /// The leases it ended on a release call.
+    released: BTreeSet<String>,
+    /// When the gateway's view says it was last seen, as it read once its uplink closed (or
+    /// the gateway restarted): a disconnected worker is not seen again until it reconnects.
+    seen_at: Option<i64>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -301,6 +311,10 @@ struct Sim {
     granted: BTreeMap<(usize, String, i64), RequestId>,
     live: BTreeMap<String, LiveGrant>,
     gone: BTreeSet<String>,
+    /// Gateway leases with a release sent whose caller still waits for its answer.
+    releasing: BTreeSet<String>,
+    /// Gateway leases whose release's caller hung up before the answer came.
+    hung_up: BTreeSet<String>,
     trace: Vec<String>,
     tracing: bool,
     grants: u64,
@@ -415,6 +429,8 @@ impl Sim {
                 next_lease: 0,
                 uplink: None,
                 subscribed: false,
+                released: BTreeSet::new(),
+                seen_at: None,
             })
             .collect();
         let agents = (0..rng.random_range(2..=6))
@@ -448,6 +464,8 @@ impl Sim {
             granted: BTreeMap::new(),
             live: BTreeMap::new(),
             gone: BTreeSet::new(),
+            releasing: BTreeSet::new(),
+            hung_up: BTreeSet::new(),
             trace: Vec::new(),
             tracing: std::env::var_os(TRACE_VAR).is_some(),
             grants: 0,
@@ -622,7 +640,21 @@ impl Sim {
                 push,
                 except,
             } => {
-                if let Push::LeaseLost { lease_id, .. } = push {
+                if let Push::LeaseLost {
+                    lease_id, reason, ..
+                } = push
+                {
+                    if reason == LeaseEndReason::Explicit && !self.releasing.contains(&lease_id) {
+                        let released = split(&lease_id).is_some_and(|(worker, id)| {
+                            self.worker_index(worker)
+                                .is_some_and(|w| self.workers[w].released.contains(id))
+                        });
+                        if !released {
+                            return Err(format!(
+                                "an end is told as it is: {lease_id} is told released, but no release of it waits for its answer and its worker released nothing"
+                            ));
+                        }
+                    }
                     self.declare_gone(&lease_id, "a lease-lost notice")?;
                     for agent in &mut self.agents {
                         if agent.name == owner
@@ -769,6 +801,7 @@ impl Sim {
         );
         self.workers[w].uplink = Some(generation);
         self.workers[w].subscribed = false;
+        self.workers[w].seen_at = None;
         let sent = self.core.handle_probe_sent();
         self.note(|| format!("connect {id} as {generation}"));
         self.send(w, generation, Kind::Call(Call::Probe { sent }));
@@ -842,7 +875,13 @@ impl Sim {
                     );
                     self.renewed(agent, &target, outcome)?;
                 }
+                Call::Release { agent, target } if self.hung_up.remove(&target.lease_id) => {
+                    if self.holds_lease(agent, &target.lease_id) {
+                        self.set_busy(agent, false);
+                    }
+                }
                 Call::Release { agent, target } => {
+                    self.releasing.remove(&target.lease_id);
                     let outcome = self.core.handle_release_answered(
                         &target,
                         Err(FleetError::from_worker(&worker_id, lost)),
@@ -856,7 +895,9 @@ impl Sim {
         if !closed_first {
             self.core.handle_uplink_closed(generation, now);
         }
-        self.drain()
+        self.drain()?;
+        self.workers[w].seen_at = self.core.view(&worker_id).map(|v| v.last_seen_at);
+        Ok(())
     }
 
     /// The gateway stops and starts again: a new core, rebuilt from what the workers say.
@@ -869,6 +910,8 @@ impl Sim {
             self.disconnect(w)?;
         }
         self.net.clear();
+        self.releasing.clear();
+        self.hung_up.clear();
         for agent in &mut self.agents {
             if let AgentState::Holding { busy, .. } = &mut agent.state {
                 *busy = false;
@@ -884,6 +927,9 @@ impl Sim {
         }
         self.incarnation += 1;
         self.booked.clear();
+        for w in 0..self.workers.len() {
+            self.workers[w].seen_at = self.core.view(&self.workers[w].id).map(|v| v.last_seen_at);
+        }
         Ok(())
     }
 
@@ -1047,11 +1093,19 @@ impl Sim {
                 self.drain()?;
                 self.renewed(agent, &target, outcome)?;
             }
+            Answer::Release { agent, target, .. } if self.hung_up.remove(&target.lease_id) => {
+                // Nobody waits for this answer any more.
+                self.note(|| format!("release of {} answered, its caller gone", target.lease_id));
+                if self.holds_lease(agent, &target.lease_id) {
+                    self.set_busy(agent, false);
+                }
+            }
             Answer::Release {
                 agent,
                 target,
                 outcome,
             } => {
+                self.releasing.remove(&target.lease_id);
                 let outcome = self.core.handle_release_answered(
                     &target,
                     outcome.map_err(|e| FleetError::from_worker(&worker_id, e)),
@@ -1140,6 +1194,11 @@ impl Sim {
             }
             Call::Release { agent, target } => {
                 let outcome = self.end_lease(w, &target.worker_lease_id, LeaseEndReason::Explicit);
+                if outcome.is_ok() {
+                    self.workers[w]
+                        .released
+                        .insert(target.worker_lease_id.clone());
+                }
                 Answer::Release {
                     agent,
                     target,
@@ -1148,6 +1207,9 @@ impl Sim {
             }
             Call::Orphan { worker_lease_id } => {
                 let outcome = self.end_lease(w, &worker_lease_id, LeaseEndReason::Explicit);
+                if outcome.is_ok() {
+                    self.workers[w].released.insert(worker_lease_id.clone());
+                }
                 Answer::Orphan {
                     worker_lease_id,
                     outcome,
@@ -1534,7 +1596,23 @@ impl Sim {
         let target = self.core.handle_release_sent(lease, caller);
         self.drain()?;
         match target {
-            Ok(target) => self.send_lease_call(a, target, true),
+            Ok(target) => {
+                let lease_id = target.lease_id.clone();
+                let w = self.worker_index(&target.worker_id);
+                let on_uplink = w.is_some_and(|w| self.on_uplink(w, target.generation));
+                let hang_up = on_uplink && self.rng.random_ratio(1, 6);
+                self.releasing.insert(lease_id.clone());
+                self.send_lease_call(a, target.clone(), true)?;
+                if hang_up {
+                    // The caller hangs up before the worker answers.
+                    self.note(|| format!("the caller of the release of {lease_id} hangs up"));
+                    self.releasing.remove(&lease_id);
+                    self.hung_up.insert(lease_id);
+                    self.core.handle_release_abandoned(&target);
+                    self.drain()?;
+                }
+                Ok(())
+            }
             Err(FleetError::UnknownLease(_)) => {
                 self.declare_gone(lease, "UNKNOWN_LEASE to a release")?;
                 self.agents[a].state = AgentState::Idle;
@@ -1567,6 +1645,7 @@ impl Sim {
         let now = self.now;
         let err = FleetError::unreachable(&target.worker_id);
         if release {
+            self.releasing.remove(&target.lease_id);
             let outcome = self.core.handle_release_answered(&target, Err(err), now);
             self.drain()?;
             self.released(a, &target, outcome)
@@ -1624,6 +1703,17 @@ impl Sim {
     // === Invariants ===
 
     fn check(&mut self) -> Result<(), String> {
+        for worker in &self.workers {
+            if let (None, Some(seen_at), Some(view)) =
+                (worker.uplink, worker.seen_at, self.core.view(&worker.id))
+                && view.last_seen_at != seen_at
+            {
+                return Err(format!(
+                    "a disconnected worker is not seen again until it reconnects: {} was last seen at {seen_at}, its view now says {}",
+                    worker.id, view.last_seen_at
+                ));
+            }
+        }
         for lease_id in &self.gone {
             if self.core.lease(lease_id).is_some() {
                 return Err(format!(
@@ -1761,7 +1851,7 @@ impl Sim {
             self.core
                 .waiters()
                 .iter()
-                .map(|w| (w.id.clone(), w.stage.clone()))
+                .map(|w| (w.id.clone(), w.stage().clone()))
                 .collect::<Vec<_>>(),
             self.agents
                 .iter()

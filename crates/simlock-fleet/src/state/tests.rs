@@ -1201,3 +1201,72 @@ fn a_capability_change_of_an_unknown_uplink_is_ignored() {
     core.handle_worker_event(generation + 1, capability_changed(true, None), T0);
     assert!(core.take_effects().is_empty());
 }
+
+#[test]
+fn a_release_whose_caller_hung_up_leaves_the_leases_later_end_told_as_it_is() {
+    let (mut core, generation) = fleet(1);
+    let lease_id = granted_full(&mut core, generation);
+    let target = core.handle_release_sent(&lease_id, agent()).unwrap();
+    // The caller hangs up before the worker answers (the release never reached it).
+    core.handle_release_abandoned(&target);
+    core.take_effects();
+    // The lease then runs out: a read sent after its deadline no longer lists it.
+    core.handle_worker_event(generation, event("device.ready", serde_json::json!({})), T0);
+    let sent = refresh_sent(&core.take_effects()).unwrap();
+    core.handle_refreshed(generation, sent, refresh(Vec::new(), 1), T0 + 1_000);
+    let lost = core
+        .take_effects()
+        .into_iter()
+        .find_map(|e| match e {
+            Effect::Notice {
+                push: Push::LeaseLost { reason, .. },
+                except,
+                ..
+            } => Some((reason, except)),
+            _ => None,
+        })
+        .expect("the owner hears the end");
+    assert_eq!(
+        lost,
+        (LeaseEndReason::Expired, None),
+        "an expiry, heard by every connection of the owner, the one that hung up included"
+    );
+}
+
+#[test]
+fn a_drained_worker_forgotten_past_retention_is_not_swept_again() {
+    let (mut core, generation) = fleet(1);
+    core.handle_drained("w1", true, T0);
+    core.handle_uplink_closed(generation, T0);
+    core.take_effects();
+    let retention = settings().disconnected_retention_ms;
+    core.handle_tick(T0 + retention);
+    let kept = core
+        .view("w1")
+        .expect("a drained worker keeps its flag")
+        .clone();
+    assert!(kept.drained);
+    assert_eq!(
+        kept.last_seen_at, T0,
+        "it was last seen when its uplink closed"
+    );
+    assert_eq!(
+        core.next_deadline(),
+        None,
+        "nothing is due for what is kept"
+    );
+    // Retention after retention, nothing changes.
+    for n in 2..5 {
+        core.handle_tick(T0 + n * retention);
+        assert_eq!(core.view("w1"), Some(&kept));
+        assert!(core.take_effects().is_empty());
+    }
+    // A drained worker loaded after a restart is kept the same way.
+    let mut core = Core::new(settings(), vec![("w2".into(), T0)]);
+    assert_eq!(core.next_deadline(), None);
+    core.handle_tick(T0 + 3 * retention);
+    assert_eq!(
+        core.view("w2").map(|v| (v.drained, v.last_seen_at)),
+        Some((true, T0))
+    );
+}
