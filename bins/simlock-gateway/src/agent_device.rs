@@ -12,9 +12,8 @@ use agent_device_front::{Body, CAPABILITY, LeaseId, RecoveredLease, RelayHostLin
 use futures::FutureExt;
 use futures::future::BoxFuture;
 use http_body_util::BodyExt;
-use simlock_contract::model::Connection;
 use simlock_daemon::clock::SharedClock;
-use simlock_fleet::{Fleet, routing};
+use simlock_fleet::Fleet;
 use simlock_relay_gateway::{GatewayRelay, RelayCall};
 use tokio_util::sync::CancellationToken;
 
@@ -63,16 +62,14 @@ impl FleetPort for GatewayFleetPort {
     }
 
     fn worker(&self, id: &str) -> Option<WorkerFacts> {
-        let view = self.fleet.view(id)?;
-        let connected = view.connection == Connection::Connected;
+        let holder = self.fleet.holder(id, CAPABILITY)?;
         Some(WorkerFacts {
-            id: view.id.clone(),
-            connected,
-            // The greeting's status carries the leases, folded into the index with it.
-            leases_known: connected && view.leases.is_some(),
-            serves: routing::serves_held(&view, CAPABILITY),
-            platforms: routing::served_platforms(&view),
-            lease_max_ttl_ms: view.lease.as_ref().map(|l| l.max_ttl_ms),
+            id: holder.id,
+            connected: holder.connected,
+            leases_known: holder.leases_known,
+            serves: holder.serves,
+            platforms: holder.platforms,
+            lease_max_ttl_ms: holder.lease_max_ttl_ms,
         })
     }
 

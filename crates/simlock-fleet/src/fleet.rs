@@ -549,6 +549,15 @@ impl Fleet {
         self.shared.lock().core.view(worker_id).cloned()
     }
 
+    /// `worker_id` as a holder of leases needing `capability`, read in place.
+    pub fn holder(&self, worker_id: &str, capability: &str) -> Option<routing::Holder> {
+        self.shared
+            .lock()
+            .core
+            .view(worker_id)
+            .map(|view| routing::holder(view, capability))
+    }
+
     /// A worker's label, without copying its view.
     pub fn label_of(&self, worker_id: &str) -> Option<String> {
         self.shared.lock().core.label_of(worker_id)

@@ -141,6 +141,37 @@ pub fn serves_held(view: &WorkerView, capability: &str) -> bool {
     view.connection == Connection::Connected && has_capabilities(view, &[capability.to_owned()])
 }
 
+/// What the gateway knows of a worker that holds leases needing a module's capability.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Holder {
+    /// Its id.
+    pub id: String,
+    /// Whether its uplink is up.
+    pub connected: bool,
+    /// Whether its lease list was read since the gateway started (the greeting's status
+    /// carries it, folded into the index with it): until then the index lacks its leases.
+    pub leases_known: bool,
+    /// Whether it serves the leases it holds ([`serves_held`]).
+    pub serves: bool,
+    /// The platforms its catalog serves now.
+    pub platforms: std::collections::BTreeSet<Platform>,
+    /// Its `lease.maxTtlMs`, once read.
+    pub lease_max_ttl_ms: Option<u64>,
+}
+
+/// `view`'s worker as a holder of leases needing `capability`.
+pub fn holder(view: &WorkerView, capability: &str) -> Holder {
+    let connected = view.connection == Connection::Connected;
+    Holder {
+        id: view.id.clone(),
+        connected,
+        leases_known: connected && view.leases.is_some(),
+        serves: serves_held(view, capability),
+        platforms: served_platforms(view),
+        lease_max_ttl_ms: view.lease.as_ref().map(|l| l.max_ttl_ms),
+    }
+}
+
 /// Whether the worker takes new requests at all: connected, not drained, and the gateway holds
 /// its capacity and its catalog.
 pub fn takes_requests(view: &WorkerView) -> bool {

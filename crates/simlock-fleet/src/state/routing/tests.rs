@@ -303,3 +303,35 @@ fn a_capable_worker_takes_requests_has_the_capability_and_its_limits_were_read()
             .is_empty()
     );
 }
+
+#[test]
+fn a_holder_knows_its_leases_only_while_connected_with_its_lease_list_read() {
+    let cap = "agent-device";
+    let mut v = capable(view("w1", 1), cap, true);
+    v.lease = Some(simlock_contract::model::LeaseLimits {
+        default_ttl_ms: 60_000,
+        max_ttl_ms: 300_000,
+    });
+    let held = holder(&v, cap);
+    assert_eq!(held.id, "w1");
+    assert!(held.connected && held.leases_known && held.serves);
+    assert_eq!(held.platforms, [Platform::Ios].into_iter().collect());
+    assert_eq!(held.lease_max_ttl_ms, Some(300_000));
+    let mut unread = v.clone();
+    unread.leases = None;
+    let held = holder(&unread, cap);
+    assert!(
+        held.connected && !held.leases_known,
+        "its leases not read yet"
+    );
+    let mut gone = v;
+    gone.connection = Connection::Disconnected;
+    let held = holder(&gone, cap);
+    assert!(!held.connected && !held.leases_known && !held.serves);
+    let unlisted = holder(&capable(view("w2", 1), cap, false), cap);
+    assert!(
+        unlisted.connected && !unlisted.serves,
+        "its capability is unavailable"
+    );
+    assert_eq!(unlisted.lease_max_ttl_ms, None, "limits not read yet");
+}
