@@ -10,8 +10,9 @@ use agent_device_front::placements::DbPlacements;
 use agent_device_front::{Front, FrontOptions};
 
 use simlock_contract::model::{LeaseLimits, Mode};
+use simlock_contract::ops::ConfigView;
 use simlock_daemon::clock::SharedClock;
-use simlock_daemon::config::Config;
+use simlock_daemon::config::{self, Config, ConfigError, Loaded, Sections};
 use simlock_daemon::home::Home;
 use simlock_daemon::http::Mount;
 use simlock_daemon::runtime::{Base, Running, StartError};
@@ -19,13 +20,46 @@ use simlock_fleet::uplink::UplinkMount;
 use simlock_fleet::{Fleet, FleetParts, FleetTiming, handlers};
 use simlock_relay_gateway::{GatewayRelay, RelayOptions};
 
+/// Every configuration section of simlock, as a gateway registers them: those it reads (the
+/// fleet's, the agent-device front's) and those only a worker reads, so their keys are warned
+/// about as a worker's. The worker registers the same list.
+pub fn sections() -> Sections {
+    Sections::new()
+}
+
+/// A gateway's configuration: the daemon's own section and the sections of the crates a gateway
+/// composes, each typed by the crate that reads it.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct GatewayConfig {
+    /// The daemon's own section (`lease`, `http`, `log`, `eventBuffer`) and the sections not
+    /// yet moved to their crates.
+    pub daemon: Config,
+}
+
+impl GatewayConfig {
+    /// The sections of `loaded` (loaded with [`sections`]).
+    ///
+    /// # Errors
+    /// A section that was not registered.
+    pub fn from_loaded(loaded: &Loaded) -> Result<Self, ConfigError> {
+        Ok(Self {
+            daemon: loaded.config.clone(),
+        })
+    }
+
+    /// `config.get`'s answer.
+    pub fn view(&self) -> ConfigView {
+        config::view(&self.daemon, &sections(), &[], Mode::Gateway)
+    }
+}
+
 /// What a gateway is started with.
 #[derive(Debug, Clone)]
 pub struct GatewayOptions {
     /// Its home.
     pub home: Home,
     /// Its configuration (already loaded and validated).
-    pub config: Config,
+    pub config: GatewayConfig,
     /// Its version.
     pub version: String,
     /// Time, for tests; the system's otherwise.
@@ -41,7 +75,7 @@ pub struct GatewayOptions {
 
 impl GatewayOptions {
     /// Options with the given home and configuration.
-    pub fn new(home: Home, config: Config) -> Self {
+    pub fn new(home: Home, config: GatewayConfig) -> Self {
         Self {
             home,
             config,
@@ -75,10 +109,11 @@ pub struct RunningGateway {
 pub async fn start(options: GatewayOptions) -> Result<RunningGateway, StartError> {
     let timing = options
         .timing
-        .unwrap_or_else(|| FleetTiming::from_config(&options.config));
+        .unwrap_or_else(|| FleetTiming::from_config(&options.config.daemon));
+    let config_view = options.config.view();
     let base = Base::open(
         options.home,
-        options.config,
+        options.config.daemon,
         Mode::Gateway,
         options.version,
         options.clock,
@@ -97,7 +132,7 @@ pub async fn start(options: GatewayOptions) -> Result<RunningGateway, StartError
         presence: base.presence.clone(),
     })?;
     let mut router = base.router();
-    handlers::register(&mut router, &fleet, &base.gate, &base.config, &base.version);
+    handlers::register(&mut router, &fleet, &base.gate, config_view, &base.version);
     simlock_daemon::pipeline::check_complete(&router, &simlock_daemon::pipeline::all_operations())
         .map_err(StartError::Domain)?;
     let uplink: Arc<dyn Mount> = UplinkMount::new(fleet.clone(), base.tokens.clone());

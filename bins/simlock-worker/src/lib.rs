@@ -10,9 +10,10 @@ use futures::FutureExt;
 
 use simlock_contract::event::{Event, EventModule};
 use simlock_contract::model::Mode;
+use simlock_contract::ops::ConfigView;
 use simlock_core::{SystemFacts, Worker, WorkerParts};
 use simlock_daemon::clock::SharedClock;
-use simlock_daemon::config::Config;
+use simlock_daemon::config::{self, Config, ConfigError, Loaded, Sections};
 use simlock_daemon::home::Home;
 use simlock_daemon::runtime::{Base, Running, StartError};
 use simlock_daemon::uplink::{self, UplinkConfig, UplinkState};
@@ -20,13 +21,46 @@ use simlock_relay_worker::RelayTargets;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
+/// Every configuration section of simlock, as a worker registers them: those it reads (the
+/// core's, the drivers', the agent-device edge's) and those only a gateway reads, so their keys
+/// are warned about as a gateway's. The gateway registers the same list.
+pub fn sections() -> Sections {
+    Sections::new()
+}
+
+/// A worker's configuration: the daemon's own section and the sections of the crates a worker
+/// composes, each typed by the crate that reads it.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct WorkerConfig {
+    /// The daemon's own section (`lease`, `http`, `log`, `eventBuffer`, `capabilities`, the
+    /// uplink's `gateway.*`) and the sections not yet moved to their crates.
+    pub daemon: Config,
+}
+
+impl WorkerConfig {
+    /// The sections of `loaded` (loaded with [`sections`]).
+    ///
+    /// # Errors
+    /// A section that was not registered.
+    pub fn from_loaded(loaded: &Loaded) -> Result<Self, ConfigError> {
+        Ok(Self {
+            daemon: loaded.config.clone(),
+        })
+    }
+
+    /// `config.get`'s answer.
+    pub fn view(&self) -> ConfigView {
+        config::view(&self.daemon, &sections(), &[], Mode::Worker)
+    }
+}
+
 /// What a worker is started with.
 #[derive(Clone)]
 pub struct WorkerOptions {
     /// Its home.
     pub home: Home,
     /// Its configuration (already loaded and validated).
-    pub config: Config,
+    pub config: WorkerConfig,
     /// Its version.
     pub version: String,
     /// Time, for tests; the system's otherwise.
@@ -55,7 +89,7 @@ impl std::fmt::Debug for WorkerOptions {
 
 impl WorkerOptions {
     /// Options with the given home and configuration.
-    pub fn new(home: Home, config: Config) -> Self {
+    pub fn new(home: Home, config: WorkerConfig) -> Self {
         Self {
             home,
             config,
@@ -122,9 +156,11 @@ impl std::fmt::Debug for RunningWorker {
 /// # Errors
 /// [`StartError`].
 pub async fn start(options: WorkerOptions) -> Result<RunningWorker, StartError> {
+    let config = options.config;
+    let config_view = config.view();
     let base = Base::open(
         options.home,
-        options.config,
+        config.daemon,
         Mode::Worker,
         options.version,
         options.clock,
@@ -138,6 +174,7 @@ pub async fn start(options: WorkerOptions) -> Result<RunningWorker, StartError> 
         base.instance_id.clone(),
         base.version.clone(),
     );
+    parts.config_view = config_view;
     if let Some(system) = options.system {
         parts.system = system;
     }

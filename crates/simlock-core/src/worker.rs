@@ -51,6 +51,9 @@ use crate::system::{HostSystem, SystemFacts};
 pub struct WorkerParts {
     /// The daemon's configuration.
     pub config: Config,
+    /// `config.get`'s answer: every section the worker was started with, as the binary that
+    /// composes them builds it (the default shows the daemon's own section alone).
+    pub config_view: ConfigView,
     /// The state store.
     pub db: Database,
     /// Wall time.
@@ -105,6 +108,7 @@ impl WorkerParts {
             capabilities: Capabilities::new(config.capabilities.clone(), bus.clone()),
             system: Arc::new(HostSystem),
             drivers: virtual_drivers(&config.virtual_devices),
+            config_view: config::view(&config, &config::Sections::new(), &[], Mode::Worker),
             config,
             db,
             clock,
@@ -140,6 +144,7 @@ pub struct Worker {
     shared: Mutex<Shared>,
     settings: Settings,
     config: Config,
+    config_view: ConfigView,
     catalog: Catalog,
     drivers: BTreeMap<Platform, Arc<dyn Driver>>,
     db: Database,
@@ -213,6 +218,7 @@ impl Worker {
             }),
             settings,
             config: parts.config,
+            config_view: parts.config_view,
             catalog,
             drivers,
             db: parts.db,
@@ -546,7 +552,7 @@ impl Worker {
 
     /// `config.get`: the configuration as JSON, the join token redacted.
     pub fn config_view(&self) -> ConfigView {
-        config::view(&self.config, Mode::Worker)
+        self.config_view.clone()
     }
 
     /// `list.get`.

@@ -6,6 +6,9 @@
 //! `SIMLOCK_LEASE__MAX_TTL_MS=60000` sets `lease.maxTtlMs`. Figment's own [`Env`] provider reads
 //! them; a text key's value is taken as it is.
 
+mod section;
+
+use std::any::TypeId;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 
@@ -15,23 +18,10 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use simlock_contract::model::{Mode, Platform};
 
-/// The top-level configuration keys; an environment variable names one of them first.
-const TOP_LEVEL_KEYS: &[&str] = &[
-    "lease",
-    "http",
-    "capacity",
-    "idle",
-    "exec",
-    "virtual",
-    "gateway",
-    "eventBuffer",
-    "log",
-    "capabilities",
-    "agentDevice",
-    "drivers",
-    "health",
-    "quarantine",
-];
+pub use section::{
+    BOTH, GATEWAY, Section, SectionError, SectionValue, Sections, WORKER, section_value,
+};
+use section::{Held, merge_into};
 
 /// The prefix of every configuration variable.
 const ENV_PREFIX: &str = "SIMLOCK_";
@@ -554,12 +544,44 @@ pub enum ConfigError {
 }
 
 /// A loaded configuration and what was noticed while loading it.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct Loaded {
-    /// The configuration.
+    /// The daemon's own section.
     pub config: Config,
     /// Unknown keys, and keys this daemon mode ignores.
     pub warnings: Vec<String>,
+    /// Every registered section, as loaded.
+    sections: Vec<(TypeId, Held)>,
+}
+
+impl std::fmt::Debug for Loaded {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Loaded")
+            .field("config", &self.config)
+            .field("warnings", &self.warnings)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Loaded {
+    /// The registered section `S`, as loaded (and checked, when this daemon reads it).
+    ///
+    /// # Errors
+    /// `S` was not registered with the [`Sections`] the configuration was loaded with.
+    pub fn section<S: Section>(&self) -> Result<S, ConfigError> {
+        self.sections
+            .iter()
+            .find(|(id, _)| *id == TypeId::of::<S>())
+            .and_then(|(_, held)| held.downcast_ref::<S>())
+            .cloned()
+            .ok_or_else(|| {
+                ConfigError::Invalid(format!(
+                    "the section {} ({}) is not registered",
+                    S::KEY,
+                    std::any::type_name::<S>()
+                ))
+            })
+    }
 }
 
 /// Keys a gateway reads; every other key is warned about and ignored there.
@@ -592,37 +614,75 @@ pub const AGENT_DEVICE_MIN_TTL_MS: u64 = 5_000;
 const OPEN_MAPS: &[&str] = &["exec.tools"];
 
 /// Loads the configuration of a daemon of `mode` from `home`, the process's `SIMLOCK_*`
-/// environment (through figment's [`Env`]) and the flags `overrides` (dotted keys, e.g. `http.port`).
+/// environment (through figment's [`Env`]) and the flags `overrides` (dotted keys, e.g. `http.port`),
+/// with the `sections` its binary registers.
 ///
 /// # Errors
 /// A file that cannot be read or parsed, a value of the wrong type (naming the key), or a
 /// combination that cannot work (naming the keys).
-pub fn load(home: &Path, mode: Mode, overrides: &[(String, Value)]) -> Result<Loaded, ConfigError> {
+pub fn load(
+    home: &Path,
+    mode: Mode,
+    overrides: &[(String, Value)],
+    sections: &Sections,
+) -> Result<Loaded, ConfigError> {
     let path = home.join("config.toml");
-    let mut figment = Figment::from(Serialized::defaults(Config::default()));
-    let mut provided: Vec<Value> = Vec::new();
-    match std::fs::read_to_string(&path) {
-        Ok(text) => {
-            let table: Value = Figment::from(Toml::string(&text)).extract().map_err(|e| {
-                ConfigError::Invalid(format!("{}: {}", path.display(), describe(&e)))
-            })?;
-            provided.push(table);
-            figment = figment.merge(Toml::string(&text));
-        }
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+    let text = match std::fs::read_to_string(&path) {
+        Ok(text) => Some(text),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
         Err(source) => {
             return Err(ConfigError::File {
                 path: path.display().to_string(),
                 source,
             });
         }
+    };
+    let file = text
+        .as_deref()
+        .map(|text| (path.display().to_string(), text));
+    load_layers(file, environment_layer(sections), overrides, mode, sections)
+}
+
+/// As [`load`], from the file text `toml` alone (no environment, no flags): for the tests of a
+/// crate's section.
+///
+/// # Errors
+/// As [`load`].
+pub fn load_text(toml: &str, mode: Mode, sections: &Sections) -> Result<Loaded, ConfigError> {
+    load_layers(
+        Some(("config.toml".to_owned(), toml)),
+        Figment::new(),
+        &[],
+        mode,
+        sections,
+    )
+}
+
+fn load_layers(
+    file: Option<(String, &str)>,
+    environment: Figment,
+    overrides: &[(String, Value)],
+    mode: Mode,
+    sections: &Sections,
+) -> Result<Loaded, ConfigError> {
+    let mut figment = Figment::from(Serialized::defaults(Config::default()));
+    for (table, value) in sections.defaults() {
+        figment = figment.merge(Serialized::default(&table, value));
+    }
+    let mut provided: Vec<Value> = Vec::new();
+    if let Some((path, text)) = file {
+        let table: Value = Figment::from(Toml::string(text))
+            .extract()
+            .map_err(|e| ConfigError::Invalid(format!("{path}: {}", describe(&e))))?;
+        provided.push(table);
+        figment = figment.merge(Toml::string(text));
     }
     let flags = overrides
         .iter()
         .fold(Figment::new(), |layer, (key, value)| {
             layer.merge(Serialized::default(key, value))
         });
-    for layer in [environment_layer(), flags] {
+    for layer in [environment, flags] {
         let table: Value = layer
             .extract()
             .map_err(|e| ConfigError::Invalid(describe(&e)))?;
@@ -634,35 +694,39 @@ pub fn load(home: &Path, mode: Mode, overrides: &[(String, Value)]) -> Result<Lo
     let config: Config = figment
         .extract()
         .map_err(|e| ConfigError::Invalid(describe(&e)))?;
+    let mut held = Vec::new();
+    for entry in &sections.entries {
+        let section = (entry.extract)(&figment)
+            .map_err(|e| ConfigError::Invalid(describe_at(entry.key, &e)))?;
+        held.push((entry, section));
+    }
 
-    let known = known_keys();
+    let keys = Keys::of(sections);
     let mut warnings = Vec::new();
     let mut seen = BTreeSet::new();
     for table in &provided {
-        let mut keys = Vec::new();
-        leaf_keys(table, "", &mut keys);
-        for key in keys {
+        let mut found = Vec::new();
+        leaf_keys(table, "", &keys.open_maps, &mut found);
+        for key in found {
             if !seen.insert(key.clone()) {
                 continue;
             }
-            if !known
-                .iter()
-                .any(|k| key == *k || OPEN_MAPS.iter().any(|m| key.starts_with(&format!("{m}."))))
-            {
-                warnings.push(format!("unknown configuration key {key} is ignored"));
-            } else if mode == Mode::Gateway
-                && (!GATEWAY_SECTIONS
-                    .iter()
-                    .any(|s| key.starts_with(&format!("{s}.")))
-                    || WORKER_ONLY_KEYS.contains(&key.as_str()))
-            {
-                warnings.push(format!("{key} is a worker setting; a gateway ignores it"));
-            } else if mode == Mode::Worker && GATEWAY_ONLY_KEYS.contains(&key.as_str()) {
-                warnings.push(format!("{key} is a gateway setting; a worker ignores it"));
+            match keys.modes(&key) {
+                None => warnings.push(format!("unknown configuration key {key} is ignored")),
+                Some(modes) if !modes.contains(&mode) => warnings.push(match mode {
+                    Mode::Gateway => format!("{key} is a worker setting; a gateway ignores it"),
+                    Mode::Worker => format!("{key} is a gateway setting; a worker ignores it"),
+                }),
+                Some(_) => {}
             }
         }
     }
     validate(&config, mode)?;
+    for (entry, section) in &held {
+        if entry.modes.contains(&mode) {
+            (entry.check)(section, &config, mode).map_err(|e| ConfigError::Invalid(e.message))?;
+        }
+    }
     if mode == Mode::Worker
         && config.gateway.ca_file.is_some()
         && config
@@ -676,25 +740,126 @@ pub fn load(home: &Path, mode: Mode, overrides: &[(String, Value)]) -> Result<Lo
                 .into(),
         );
     }
-    Ok(Loaded { config, warnings })
+    Ok(Loaded {
+        config,
+        warnings,
+        sections: held
+            .into_iter()
+            .map(|(entry, section)| (entry.type_id, section))
+            .collect(),
+    })
 }
 
-/// The configuration as `config.get` answers it: the lease limits, and every section this daemon
-/// reads (a gateway's: lease, http, gateway, eventBuffer, log), the join token redacted.
-pub fn view(config: &Config, mode: Mode) -> simlock_contract::ops::ConfigView {
-    let mut settings = BTreeMap::new();
-    if let Ok(Value::Object(map)) = serde_json::to_value(config) {
-        for (key, mut value) in map {
-            if mode == Mode::Gateway && !GATEWAY_SECTIONS.contains(&key.as_str()) {
-                continue;
-            }
-            if key == "gateway"
-                && let Some(token) = value.get_mut("token").filter(|t| !t.is_null())
-            {
-                *token = Value::String("[redacted]".into());
-            }
-            settings.insert(key, value);
+/// Which daemons read a key the daemon's own section holds.
+fn daemon_modes(key: &str) -> &'static [Mode] {
+    if WORKER_ONLY_KEYS.contains(&key)
+        || !GATEWAY_SECTIONS
+            .iter()
+            .any(|s| key == *s || key.starts_with(&format!("{s}.")))
+    {
+        WORKER
+    } else if GATEWAY_ONLY_KEYS.contains(&key) {
+        GATEWAY
+    } else {
+        BOTH
+    }
+}
+
+/// The one list of known keys: the daemon's own and those of every registered section, with
+/// the daemons that read each.
+struct Keys {
+    known: BTreeMap<String, Vec<Mode>>,
+    open_maps: Vec<String>,
+}
+
+impl Keys {
+    fn of(sections: &Sections) -> Self {
+        let mut open_maps: Vec<String> = OPEN_MAPS.iter().map(|m| (*m).to_owned()).collect();
+        for entry in &sections.entries {
+            open_maps.extend(entry.open_maps.iter().map(|m| format!("{}.{m}", entry.key)));
         }
+        let mut known = BTreeMap::new();
+        if let Ok(defaults) = serde_json::to_value(Config::default()) {
+            let mut leaves = Vec::new();
+            leaf_keys(&defaults, "", &open_maps, &mut leaves);
+            for key in leaves {
+                let modes = daemon_modes(&key).to_vec();
+                known.insert(key, modes);
+            }
+        }
+        for entry in &sections.entries {
+            let mut leaves = Vec::new();
+            leaf_keys(&(entry.defaults)(), entry.key, &open_maps, &mut leaves);
+            for key in leaves {
+                let relative = key.strip_prefix(&format!("{}.", entry.key)).unwrap_or("");
+                known.insert(key.clone(), entry.modes_of(relative));
+            }
+        }
+        Self { known, open_maps }
+    }
+
+    /// The daemons that read `key`, `None` when it is no key.
+    fn modes(&self, key: &str) -> Option<Vec<Mode>> {
+        if let Some(modes) = self.known.get(key) {
+            return Some(modes.clone());
+        }
+        self.open_maps
+            .iter()
+            .find(|m| key.starts_with(&format!("{m}.")))
+            .and_then(|m| self.known.get(m).cloned())
+    }
+
+    /// The tables a daemon of `mode` reads some key of.
+    fn tables_read_by(&self, mode: Mode) -> BTreeSet<String> {
+        self.known
+            .iter()
+            .filter(|(_, modes)| modes.contains(&mode))
+            .filter_map(|(key, _)| key.split('.').next().map(str::to_owned))
+            .collect()
+    }
+
+    /// Every top-level key; an environment variable names one of them first.
+    fn tables(&self) -> BTreeSet<String> {
+        self.known
+            .keys()
+            .filter_map(|key| key.split('.').next().map(str::to_owned))
+            .collect()
+    }
+}
+
+/// The configuration as `config.get` answers it: the lease limits, and every table this daemon
+/// reads a key of (a gateway's: lease, http, gateway, eventBuffer, log, agentDevice), the join
+/// token redacted. `values` are the registered sections this daemon was started with (see
+/// [`section_value`]); a registered section left out shows its defaults.
+pub fn view(
+    config: &Config,
+    sections: &Sections,
+    values: &[SectionValue],
+    mode: Mode,
+) -> simlock_contract::ops::ConfigView {
+    let read = Keys::of(sections).tables_read_by(mode);
+    let mut all = match serde_json::to_value(config) {
+        Ok(Value::Object(map)) => map,
+        _ => serde_json::Map::new(),
+    };
+    for entry in &sections.entries {
+        let value = values
+            .iter()
+            .find(|v| v.type_id == entry.type_id)
+            .map_or_else(|| (entry.defaults)(), |v| v.value.clone());
+        merge_into(&mut all, entry.key, value);
+    }
+    let mut settings = BTreeMap::new();
+    for (key, mut value) in all {
+        if !read.contains(&key) {
+            continue;
+        }
+        if key == "gateway"
+            && let Some(token) = value.get_mut("token").filter(|t| !t.is_null())
+        {
+            *token = Value::String("[redacted]".into());
+        }
+        settings.insert(key, value);
     }
     simlock_contract::ops::ConfigView {
         mode,
@@ -890,9 +1055,18 @@ fn validate_drivers(config: &Config) -> Result<(), ConfigError> {
 }
 
 fn describe(error: &figment::Error) -> String {
+    describe_at("", error)
+}
+
+/// [`describe`] for an error of the table `table` (its paths start below it).
+fn describe_at(table: &str, error: &figment::Error) -> String {
     let mut parts = Vec::new();
     for e in error.clone() {
-        let key = e.path.join(".");
+        let key = std::iter::once(table)
+            .filter(|t| !t.is_empty())
+            .chain(e.path.iter().map(String::as_str))
+            .collect::<Vec<_>>()
+            .join(".");
         let what = e.kind.to_string();
         if key.is_empty() {
             parts.push(what)
@@ -911,7 +1085,8 @@ fn describe(error: &figment::Error) -> String {
 ///
 /// A filter or map added to the returned `Env` turns figment's lower-casing of keys back on;
 /// call `.lowercase(false)` after it.
-fn environment() -> Env {
+fn environment(sections: &Sections) -> Env {
+    let tables = Keys::of(sections).tables();
     let not_config: Vec<&str> = NOT_CONFIG_ENV
         .iter()
         .filter_map(|name| name.strip_prefix(ENV_PREFIX))
@@ -930,11 +1105,11 @@ fn environment() -> Env {
                 .join(".")
                 .into()
         })
-        .filter(|key| {
+        .filter(move |key| {
             key.as_str()
                 .split('.')
                 .next()
-                .is_some_and(|section| TOP_LEVEL_KEYS.contains(&section))
+                .is_some_and(|section| tables.contains(section))
         })
         .lowercase(false)
 }
@@ -943,12 +1118,12 @@ fn environment() -> Env {
 /// `[…]` arrays, `{k = v}` tables, `"…"` strings, else text), except text keys
 /// ([`is_text_key`]), whose values are taken as they are (`SIMLOCK_GATEWAY__LABEL=42` is the
 /// label "42").
-fn environment_layer() -> Figment {
-    let text = text_keys();
+fn environment_layer(sections: &Sections) -> Figment {
+    let text = text_keys(sections);
     let text: Vec<&str> = text.iter().map(String::as_str).collect();
     // Each filter or map of figment's `Env` turns lower-casing back on: keep the camelCase keys.
-    let mut layer = Figment::from(environment().ignore(&text).lowercase(false));
-    for (key, raw) in environment().only(&text).lowercase(false).iter() {
+    let mut layer = Figment::from(environment(sections).ignore(&text).lowercase(false));
+    for (key, raw) in environment(sections).only(&text).lowercase(false).iter() {
         layer = layer.merge(Serialized::default(key.as_str(), raw));
     }
     layer
@@ -967,12 +1142,18 @@ const OPTIONAL_TEXT_KEYS: &[&str] = &[
     "drivers.android.avdHome",
 ];
 
-/// The text keys: those whose default is a string, and [`OPTIONAL_TEXT_KEYS`].
-fn text_keys() -> Vec<String> {
+/// The text keys: those whose default is a string, [`OPTIONAL_TEXT_KEYS`] and the registered
+/// sections' [`Section::TEXT_KEYS`].
+fn text_keys(sections: &Sections) -> Vec<String> {
     let mut keys = Vec::new();
-    if let Ok(defaults) = serde_json::to_value(Config::default()) {
+    if let Ok(Value::Object(mut defaults)) = serde_json::to_value(Config::default()) {
+        for (table, value) in sections.defaults() {
+            merge_into(&mut defaults, &table, value);
+        }
+        let defaults = Value::Object(defaults);
+        let open_maps = Keys::of(sections).open_maps;
         let mut leaves = Vec::new();
-        leaf_keys(&defaults, "", &mut leaves);
+        leaf_keys(&defaults, "", &open_maps, &mut leaves);
         keys.extend(leaves.into_iter().filter(|key| {
             key.split('.')
                 .try_fold(&defaults, |v, k| v.get(k))
@@ -980,19 +1161,22 @@ fn text_keys() -> Vec<String> {
         }));
     }
     keys.extend(OPTIONAL_TEXT_KEYS.iter().map(|k| (*k).to_owned()));
+    for entry in &sections.entries {
+        keys.extend(entry.text_keys.iter().map(|k| format!("{}.{k}", entry.key)));
+    }
     keys
 }
 
 /// Whether `key` holds text, so a value given as text is taken as it is.
-fn is_text_key(key: &str) -> bool {
-    text_keys().iter().any(|k| k == key)
+fn is_text_key(key: &str, sections: &Sections) -> bool {
+    text_keys(sections).iter().any(|k| k == key)
 }
 
 /// Reads a `--set KEY=VALUE` value for `key` as an environment variable's is read: text keys
 /// keep it as it is (`gateway.label=42` is the label "42"); other keys as figment reads a value
 /// (numbers, booleans, arrays, else text), so a bad value fails naming the key.
-pub fn coerce(key: &str, raw: &str) -> Value {
-    if is_text_key(key) {
+pub fn coerce(key: &str, raw: &str, sections: &Sections) -> Value {
+    if is_text_key(key, sections) {
         return Value::String(raw.to_owned());
     }
     let parsed: figment::value::Value = raw
@@ -1018,7 +1202,7 @@ fn camel_from_upper_snake(part: &str) -> String {
     out
 }
 
-fn leaf_keys(value: &Value, prefix: &str, out: &mut Vec<String>) {
+fn leaf_keys(value: &Value, prefix: &str, open_maps: &[String], out: &mut Vec<String>) {
     match value {
         Value::Object(map) if !map.is_empty() => {
             for (key, child) in map {
@@ -1027,43 +1211,15 @@ fn leaf_keys(value: &Value, prefix: &str, out: &mut Vec<String>) {
                 } else {
                     format!("{prefix}.{key}")
                 };
-                if OPEN_MAPS.contains(&path.as_str()) {
+                if open_maps.contains(&path) {
                     out.push(path);
                     continue;
                 }
-                leaf_keys(child, &path, out);
+                leaf_keys(child, &path, open_maps, out);
             }
         }
         _ => out.push(prefix.to_owned()),
     }
-}
-
-fn known_keys() -> Vec<String> {
-    let mut keys = Vec::new();
-    if let Ok(defaults) = serde_json::to_value(Config::default()) {
-        leaf_keys(&defaults, "", &mut keys);
-    }
-    // Optional keys that the defaults leave out.
-    keys.extend(
-        [
-            "http.enabled",
-            "gateway.url",
-            "gateway.token",
-            "gateway.label",
-            "gateway.caFile",
-            "http.tls.certFile",
-            "http.tls.keyFile",
-            "capacity.ios.maxRunning",
-            "capacity.android.maxRunning",
-            "agentDevice.leaseTtlCapMs",
-            "agentDevice.command",
-            "drivers.ios.deviceSet",
-            "drivers.android.sdkRoot",
-            "drivers.android.avdHome",
-        ]
-        .map(String::from),
-    );
-    keys
 }
 
 #[cfg(test)]
@@ -1078,7 +1234,7 @@ mod tests {
         clippy::result_large_err,
         reason = "figment's Jail takes a closure returning figment's own Result"
     )]
-    fn with_env<T>(env: &[(&str, &str)], f: impl FnOnce() -> T) -> T {
+    pub(super) fn with_env<T>(env: &[(&str, &str)], f: impl FnOnce() -> T) -> T {
         let mut out = None;
         figment::Jail::expect_with(|jail| {
             for (name, value) in env {
@@ -1095,7 +1251,7 @@ mod tests {
         if !toml.is_empty() {
             std::fs::write(dir.path().join("config.toml"), toml).unwrap();
         }
-        with_env(env, || load(dir.path(), mode, &[]))
+        with_env(env, || load(dir.path(), mode, &[], &Sections::new()))
     }
 
     #[test]
@@ -1119,7 +1275,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let flags = [("http.port".to_owned(), json!(3))];
         let loaded = with_env(&[("SIMLOCK_HTTP__PORT", "2")], || {
-            load(dir.path(), Mode::Worker, &flags)
+            load(dir.path(), Mode::Worker, &flags, &Sections::new())
         })
         .unwrap();
         assert_eq!(loaded.config.http.port, 3);
@@ -1203,10 +1359,10 @@ mod tests {
     fn the_view_redacts_the_join_token_and_keeps_a_gateways_own_sections() {
         let mut config = Config::default();
         config.gateway.token = Some("slk_secret".into());
-        let worker = view(&config, Mode::Worker);
+        let worker = view(&config, &Sections::new(), &[], Mode::Worker);
         assert_eq!(worker.settings["gateway"]["token"], json!("[redacted]"));
         assert!(worker.settings.contains_key("capacity"));
-        let gateway = view(&config, Mode::Gateway);
+        let gateway = view(&config, &Sections::new(), &[], Mode::Gateway);
         assert_eq!(gateway.settings["gateway"]["token"], json!("[redacted]"));
         assert!(
             !gateway.settings.contains_key("capacity"),
@@ -1222,11 +1378,20 @@ mod tests {
 
     #[test]
     fn text_keys_keep_numeric_looking_text_and_other_keys_read_json() {
-        assert_eq!(coerce("gateway.label", "42"), json!("42"));
-        assert_eq!(coerce("http.host", "127.0.0.1"), json!("127.0.0.1"));
-        assert_eq!(coerce("http.port", "4701"), json!(4701));
-        assert_eq!(coerce("http.enabled", "true"), json!(true));
-        assert_eq!(coerce("capabilities", r#"["gpu"]"#), json!(["gpu"]));
+        assert_eq!(coerce("gateway.label", "42", &Sections::new()), json!("42"));
+        assert_eq!(
+            coerce("http.host", "127.0.0.1", &Sections::new()),
+            json!("127.0.0.1")
+        );
+        assert_eq!(coerce("http.port", "4701", &Sections::new()), json!(4701));
+        assert_eq!(
+            coerce("http.enabled", "true", &Sections::new()),
+            json!(true)
+        );
+        assert_eq!(
+            coerce("capabilities", r#"["gpu"]"#, &Sections::new()),
+            json!(["gpu"])
+        );
         let env = [
             ("SIMLOCK_GATEWAY__LABEL", "42"),
             ("SIMLOCK_GATEWAY__URL", "ws://g"),
@@ -1305,7 +1470,10 @@ mod tests {
         let e = err("[drivers.ios]\ndriver = \"xcode\"");
         assert!(e.contains("drivers.ios.driver"), "{e}");
         // Paths are text, even when they look like numbers.
-        assert_eq!(coerce("drivers.ios.deviceSet", "42"), json!("42"));
+        assert_eq!(
+            coerce("drivers.ios.deviceSet", "42", &Sections::new()),
+            json!("42")
+        );
     }
 
     #[test]
@@ -1459,7 +1627,9 @@ mod tests {
             ("OTHER", "1"),
             ("SIMLOCK_E2E", "1"),
         ];
-        let table: Value = with_env(&env, || environment_layer().extract().unwrap());
+        let table: Value = with_env(&env, || {
+            environment_layer(&Sections::new()).extract().unwrap()
+        });
         assert_eq!(
             table,
             json!({"lease": {"maxTtlMs": 60000}, "gateway": {"url": "ws://x"}})
@@ -1600,12 +1770,197 @@ mod tests {
             ("SIMLOCK_GATEWAY__LABEL", "42"),
             ("SIMLOCK_LOG__LEVEL", "9"),
         ];
-        let loaded = with_env(&env, || load(dir.path(), Mode::Worker, &[])).unwrap();
+        let loaded = with_env(&env, || {
+            load(dir.path(), Mode::Worker, &[], &Sections::new())
+        })
+        .unwrap();
         assert_eq!(loaded.config.gateway.label.as_deref(), Some("42"));
         assert_eq!(loaded.config.log.level, "9");
-        let flags = [("gateway.label".to_owned(), coerce("gateway.label", "43"))];
-        let loaded = with_env(&env, || load(dir.path(), Mode::Worker, &flags)).unwrap();
+        let flags = [(
+            "gateway.label".to_owned(),
+            coerce("gateway.label", "43", &Sections::new()),
+        )];
+        let loaded = with_env(&env, || {
+            load(dir.path(), Mode::Worker, &flags, &Sections::new())
+        })
+        .unwrap();
         assert_eq!(loaded.config.gateway.label.as_deref(), Some("43"));
         assert_eq!(loaded.config.log.level, "9");
+    }
+}
+
+/// The registry: sections of crates above the daemon, as test sections here.
+#[cfg(test)]
+mod section_tests {
+    use serde::{Deserialize, Serialize};
+    use serde_json::json;
+
+    use super::*;
+
+    /// A worker's section with one rule and one unset text key.
+    #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+    #[serde(rename_all = "camelCase", default)]
+    struct Probe {
+        limit: u32,
+        path: Option<String>,
+    }
+
+    impl Default for Probe {
+        fn default() -> Self {
+            Self {
+                limit: 3,
+                path: None,
+            }
+        }
+    }
+
+    impl Section for Probe {
+        const KEY: &'static str = "probe";
+        const MODES: &'static [Mode] = WORKER;
+        const TEXT_KEYS: &'static [&'static str] = &["path"];
+
+        fn check(&self, daemon: &Config, _mode: Mode) -> Result<(), SectionError> {
+            if self.limit == 0 {
+                return Err(SectionError::new("probe.limit must be above 0"));
+            }
+            if u64::from(self.limit) > daemon.lease.max_ttl_ms {
+                return Err(SectionError::new("probe.limit is above lease.maxTtlMs"));
+            }
+            Ok(())
+        }
+    }
+
+    /// A section both daemons read, sharing the `gateway` table, with a worker-only key.
+    #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+    #[serde(rename_all = "camelCase", default)]
+    struct Shared {
+        mirror: bool,
+        local: Option<u32>,
+    }
+
+    impl Section for Shared {
+        const KEY: &'static str = "gateway";
+        const MODES: &'static [Mode] = BOTH;
+        const ONLY: &'static [(&'static str, Mode)] = &[("local", Mode::Worker)];
+    }
+
+    fn registered() -> Sections {
+        Sections::new().with::<Probe>().with::<Shared>()
+    }
+
+    #[test]
+    fn unknown_keys_are_checked_against_the_union_of_the_registered_sections() {
+        let toml = "[probe]\nlimit = 5\n[gateway]\nmirror = true";
+        let loaded = load_text(toml, Mode::Worker, &registered()).unwrap();
+        assert!(loaded.warnings.is_empty(), "{:?}", loaded.warnings);
+        assert_eq!(loaded.section::<Probe>().unwrap().limit, 5);
+        assert!(loaded.section::<Shared>().unwrap().mirror);
+        // The daemon's own keys are known beside them.
+        assert_eq!(loaded.config, Config::default());
+        let loaded = load_text("[probe]\nlimitt = 5", Mode::Worker, &registered()).unwrap();
+        assert_eq!(
+            loaded.warnings,
+            ["unknown configuration key probe.limitt is ignored"]
+        );
+        // Not registered: not a key.
+        let loaded = load_text(toml, Mode::Worker, &Sections::new()).unwrap();
+        assert_eq!(
+            loaded.warnings,
+            [
+                "unknown configuration key gateway.mirror is ignored",
+                "unknown configuration key probe.limit is ignored"
+            ]
+        );
+        let err = loaded.section::<Probe>().unwrap_err().to_string();
+        assert!(
+            err.contains("probe") && err.contains("not registered"),
+            "{err}"
+        );
+        // Registered twice is registered once.
+        assert_eq!(registered().with::<Probe>().tables(), ["probe", "gateway"]);
+    }
+
+    #[test]
+    fn a_sections_bad_value_and_its_check_fail_naming_the_key() {
+        let err = load_text("[probe]\nlimit = \"many\"", Mode::Worker, &registered())
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("probe.limit"), "{err}");
+        let err = load_text("[probe]\nlimit = 0", Mode::Worker, &registered())
+            .unwrap_err()
+            .to_string();
+        assert_eq!(err, "configuration: probe.limit must be above 0");
+        assert!(
+            load_text("[probe]\nlimit = 1", Mode::Worker, &registered()).is_ok(),
+            "one past the bound"
+        );
+        // The check reads the daemon's own section.
+        let toml = "[lease]\ndefaultTtlMs = 1\nmaxTtlMs = 2\n[probe]\nlimit = 3";
+        let err = load_text(toml, Mode::Worker, &registered())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("probe.limit") && err.contains("lease.maxTtlMs"),
+            "{err}"
+        );
+        // A gateway does not read the section: not checked, warned.
+        let loaded = load_text("[probe]\nlimit = 0", Mode::Gateway, &registered()).unwrap();
+        assert_eq!(
+            loaded.warnings,
+            ["probe.limit is a worker setting; a gateway ignores it"]
+        );
+    }
+
+    #[test]
+    fn a_key_of_the_other_mode_is_warned() {
+        let toml = "[gateway]\nmirror = true\nlocal = 4\nrouting = \"warm-then-free\"";
+        let gateway = load_text(toml, Mode::Gateway, &registered()).unwrap();
+        assert_eq!(
+            gateway.warnings,
+            ["gateway.local is a worker setting; a gateway ignores it"]
+        );
+        let worker = load_text(toml, Mode::Worker, &registered()).unwrap();
+        assert_eq!(
+            worker.warnings,
+            ["gateway.routing is a gateway setting; a worker ignores it"]
+        );
+    }
+
+    #[test]
+    fn a_sections_text_key_and_variables_come_from_the_environment() {
+        assert_eq!(coerce("probe.path", "42", &registered()), json!("42"));
+        assert_eq!(coerce("probe.limit", "42", &registered()), json!(42));
+        let env = [
+            ("SIMLOCK_PROBE__PATH", "007"),
+            ("SIMLOCK_PROBE__LIMIT", "9"),
+        ];
+        let table: Value =
+            tests::with_env(&env, || environment_layer(&registered()).extract().unwrap());
+        assert_eq!(table, json!({"probe": {"path": "007", "limit": 9}}));
+        // Without the section, its variables are no configuration.
+        let table: Value = tests::with_env(&env, || {
+            environment_layer(&Sections::new()).extract().unwrap()
+        });
+        assert_eq!(table, json!({}));
+    }
+
+    #[test]
+    fn the_view_shows_the_sections_of_the_tables_a_daemon_reads() {
+        let probe = Probe {
+            limit: 7,
+            path: None,
+        };
+        let values = [section_value(&probe)];
+        let worker = view(&Config::default(), &registered(), &values, Mode::Worker);
+        assert_eq!(worker.settings["probe"], json!({"limit": 7, "path": null}));
+        // Sections sharing a table are merged; one left out shows its defaults.
+        assert_eq!(worker.settings["gateway"]["mirror"], json!(false));
+        assert_eq!(
+            worker.settings["gateway"]["routing"],
+            json!("warm-then-free")
+        );
+        let gateway = view(&Config::default(), &registered(), &values, Mode::Gateway);
+        assert!(!gateway.settings.contains_key("probe"));
+        assert_eq!(gateway.settings["gateway"]["local"], json!(null));
     }
 }

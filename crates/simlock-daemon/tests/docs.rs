@@ -256,7 +256,7 @@ fn the_example_files_load_without_warnings() {
         };
         let home = scratch_home(n);
         std::fs::write(home.join("config.toml"), &body).unwrap();
-        let loaded = config::load(&home, mode, &[]);
+        let loaded = config::load(&home, mode, &[], &config::Sections::new());
         let _ = std::fs::remove_dir_all(&home);
         let loaded = loaded.unwrap_or_else(|e| panic!("{e}\n{body}"));
         assert!(loaded.warnings.is_empty(), "{:?}\n{body}", loaded.warnings);
@@ -367,12 +367,17 @@ fn the_environment_examples_set_their_keys() {
             let mut loaded = None;
             figment::Jail::expect_with(|jail| {
                 jail.set_env(name, value);
-                loaded = Some(config::load(&home, Mode::Worker, &[]));
+                loaded = Some(config::load(
+                    &home,
+                    Mode::Worker,
+                    &[],
+                    &config::Sections::new(),
+                ));
                 Ok(())
             });
             let loaded = loaded.unwrap().unwrap_or_else(|e| panic!("{line}: {e}"));
             let key = key_of_variable(name);
-            let expected = config::coerce(&key, value);
+            let expected = config::coerce(&key, value, &config::Sections::new());
             let config = serde_json::to_value(&loaded.config).unwrap();
             assert_eq!(at(&config, &key), Some(&expected), "{line} sets {key}");
             seen += 1;
@@ -897,7 +902,13 @@ fn the_gateways_config_example_is_what_a_gateway_answers() {
     );
     let mut config = Config::default();
     config.lease.max_ttl_ms = 7_200_000;
-    let real = serde_json::to_value(config::view(&config, Mode::Gateway)).unwrap();
+    let real = serde_json::to_value(config::view(
+        &config,
+        &config::Sections::new(),
+        &[],
+        Mode::Gateway,
+    ))
+    .unwrap();
     let documented: Value = serde_json::from_str(&example).unwrap();
     assert_eq!(documented, real, "the example is not a gateway's answer");
     // The sections the prose lists are the example's.
@@ -919,7 +930,8 @@ fn the_gateways_config_example_is_what_a_gateway_answers() {
     let mut config = Config::default();
     config.gateway.token = Some("slk_secret".into());
     for mode in [Mode::Worker, Mode::Gateway] {
-        let view = serde_json::to_value(config::view(&config, mode)).unwrap();
+        let view = serde_json::to_value(config::view(&config, &config::Sections::new(), &[], mode))
+            .unwrap();
         let marker = view["settings"]["gateway"]["token"]
             .as_str()
             .unwrap()

@@ -265,12 +265,12 @@ fn lease_call(method: &str, params: Value) -> Value {
 async fn bench() {
     let pkg = real_package();
     let mut gateway = simlock_e2e::gateway_config();
-    gateway.agent_device.enabled = true;
+    gateway.daemon.agent_device.enabled = true;
     let mut fleet = simlock_e2e::TestFleet::start(gateway).await;
     let daemon_home = tempfile::tempdir().unwrap();
     let home = daemon_home.path().display().to_string();
     let mut config = agent_device_config(real_daemon_command(&pkg));
-    config.capacity.max_running = 4;
+    config.daemon.capacity.max_running = 4;
     fleet
         .join_worker(
             0,

@@ -155,7 +155,7 @@ async fn a_screenshot_artifact_downloads_through_the_worker_with_the_published_c
 async fn a_long_command_keeps_its_simlock_lease_alive_past_two_ttls_until_the_front_stops() {
     let fake = FakeAgentDevice::start(FakeOptions::default()).unwrap();
     let mut config = attached_config();
-    config.agent_device.lease_ttl_cap_ms = Some(10_000);
+    config.daemon.agent_device.lease_ttl_cap_ms = Some(10_000);
     let worker = AdWorker::with_fake(config, &fake).await;
     let (_, secret) = worker.token("agent").await;
     let http = Http::new();
@@ -272,7 +272,7 @@ async fn release_all_ends_the_agent_device_lease_before_the_device_is_reclaimed(
 async fn a_heartbeat_goes_to_agent_device_first_then_renews_the_simlock_lease_to_its_ttl() {
     let fake = FakeAgentDevice::start(FakeOptions::default()).unwrap();
     let mut config = attached_config();
-    config.agent_device.lease_ttl_cap_ms = Some(120_000);
+    config.daemon.agent_device.lease_ttl_cap_ms = Some(120_000);
     let worker = AdWorker::with_fake(config, &fake).await;
     let (_, secret) = worker.token("agent").await;
     let http = Http::new();
@@ -476,7 +476,7 @@ async fn devices_lists_only_the_devices_the_token_leases() {
 async fn an_allocate_waits_for_a_device_and_one_whose_caller_hangs_up_is_withdrawn() {
     let fake = FakeAgentDevice::start(FakeOptions::default()).unwrap();
     let mut config = attached_config();
-    config.capacity.max_running = 1;
+    config.daemon.capacity.max_running = 1;
     let worker = AdWorker::with_fake(config, &fake).await;
     let (_, alice) = worker.token("agent").await;
     let (_, bob) = worker.token("agent").await;
@@ -545,6 +545,7 @@ async fn a_platform_the_worker_has_no_device_of_is_refused_and_nothing_is_leased
     let fake = FakeAgentDevice::start(FakeOptions::default()).unwrap();
     let mut config = attached_config();
     config
+        .daemon
         .virtual_devices
         .models
         .retain(|m| m.platform == simlock_contract::model::Platform::Android);
@@ -575,8 +576,8 @@ async fn a_platform_the_worker_has_no_device_of_is_refused_and_nothing_is_leased
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_agent_device_off_every_route_answers_404() {
     let mut config = simlock_e2e::worker_config(1);
-    config.http.enabled = Some(true);
-    config.http.port = 0;
+    config.daemon.http.enabled = Some(true);
+    config.daemon.http.port = 0;
     let worker = AdWorker::start(config, |_| {}).await;
     let (_, secret) = worker.token("agent").await;
     let bearer = format!("Bearer {secret}");

@@ -20,9 +20,10 @@ use http::Method;
 use serde_json::{Value, json};
 use simlock_contract::model::Platform;
 use simlock_daemon::clock::{Clock, SharedClock, TokioClock};
-use simlock_daemon::config::Config;
 use simlock_e2e::agent_device::{Http, rpc_call};
 use simlock_e2e::{PATIENCE, TestFleet, gateway_config, worker_config};
+use simlock_gateway::GatewayConfig;
+use simlock_worker::WorkerConfig;
 
 /// A clock the test moves by hand on top of tokio's.
 #[derive(Debug)]
@@ -43,19 +44,20 @@ struct Gw {
     clock: Arc<Shifted>,
 }
 
-fn enabled_gateway() -> Config {
+fn enabled_gateway() -> GatewayConfig {
     let mut config = gateway_config();
-    config.agent_device.enabled = true;
+    config.daemon.agent_device.enabled = true;
     config
 }
 
 /// A worker configuration: agent-device on (served by an attached fake) or off; only the
 /// platforms named in its virtual catalog.
-fn worker(agent_device: bool, platforms: &[Platform]) -> Config {
+fn worker(agent_device: bool, platforms: &[Platform]) -> WorkerConfig {
     let mut config = worker_config(4);
-    config.agent_device.enabled = agent_device;
-    config.agent_device.command = Some(vec!["agent-device-attached".into()]);
+    config.daemon.agent_device.enabled = agent_device;
+    config.daemon.agent_device.command = Some(vec!["agent-device-attached".into()]);
     config
+        .daemon
         .virtual_devices
         .models
         .retain(|m| platforms.contains(&m.platform));
@@ -63,19 +65,19 @@ fn worker(agent_device: bool, platforms: &[Platform]) -> Config {
 }
 
 impl Gw {
-    async fn start(config: Config) -> Self {
+    async fn start(config: GatewayConfig) -> Self {
         Self::start_tuned(config, |_| {}).await
     }
 
     async fn start_tuned(
-        config: Config,
+        config: GatewayConfig,
         tune: impl FnOnce(&mut simlock_fleet::FleetTiming),
     ) -> Self {
         Self::start_customized(config, tune, |_| {}).await
     }
 
     async fn start_customized(
-        config: Config,
+        config: GatewayConfig,
         tune: impl FnOnce(&mut simlock_fleet::FleetTiming),
         customize: impl FnOnce(&mut simlock_gateway::GatewayOptions),
     ) -> Self {
@@ -97,12 +99,12 @@ impl Gw {
     }
 
     /// Adds worker `n` with `config`, its agent-device an in-process fake (when enabled).
-    async fn add(&mut self, config: Config) -> usize {
+    async fn add(&mut self, config: WorkerConfig) -> usize {
         self.add_via(config, None).await
     }
 
     /// As [`Self::add`], the worker's uplink dialled through `cable` when given.
-    async fn add_via(&mut self, config: Config, cable: Option<&Cable>) -> usize {
+    async fn add_via(&mut self, config: WorkerConfig, cable: Option<&Cable>) -> usize {
         let n = self.fleet.workers.len();
         let fake = FakeAgentDevice::start(FakeOptions::default()).unwrap();
         let endpoint = agent_device_host::process::Endpoint {
@@ -117,7 +119,7 @@ impl Gw {
                 |options| {
                     options.agent_device_attach = Some(endpoint);
                     if let Some(url) = url {
-                        options.config.gateway.url = Some(url);
+                        options.config.daemon.gateway.url = Some(url);
                     }
                 },
                 true,
@@ -411,10 +413,15 @@ async fn an_allocate_that_cannot_be_served_is_refused_with_the_seeds_reasons_and
     );
     // An incapable worker that knows "Pixel 9"; a capable one with Android but no Pixel 9.
     let mut knows = worker(false, &[Platform::Android]);
-    knows.virtual_devices.models.retain(|m| m.name == "Pixel 9");
+    knows
+        .daemon
+        .virtual_devices
+        .models
+        .retain(|m| m.name == "Pixel 9");
     gw.add(knows).await;
     let mut capable = worker(true, &[Platform::Android]);
     capable
+        .daemon
         .virtual_devices
         .models
         .retain(|m| m.name == "Pixel 8");
@@ -587,8 +594,8 @@ async fn another_tokens_lease_or_an_unknown_one_is_not_yours_and_no_worker_recei
 async fn after_release_all_agent_device_ends_first_and_the_memory_routes_until_max_ttl_past_the_removal()
  {
     let mut config = enabled_gateway();
-    config.lease.default_ttl_ms = 60_000;
-    config.lease.max_ttl_ms = 600_000;
+    config.daemon.lease.default_ttl_ms = 60_000;
+    config.daemon.lease.max_ttl_ms = 600_000;
     let mut gw = Gw::start(config).await;
     gw.add(worker(true, &[Platform::Android])).await;
     gw.wait_capable(0, true).await;
@@ -773,7 +780,7 @@ async fn a_relay_to_a_worker_without_the_target_answers_not_available_with_its_m
     let mut gw = Gw::start(enabled_gateway()).await;
     // The worker claims the capability in its config but runs no agent-device host.
     let mut config = worker(false, &[Platform::Android]);
-    config.capabilities = vec!["agent-device".into()];
+    config.daemon.capabilities = vec!["agent-device".into()];
     gw.add(config).await;
     gw.wait_capable(0, true).await;
     let (_, secret) = gw.token().await;
@@ -797,7 +804,7 @@ async fn a_relay_to_a_worker_without_the_target_answers_not_available_with_its_m
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_gateways_lease_ttl_cap_caps_the_ttl_of_its_leases() {
     let mut config = enabled_gateway();
-    config.agent_device.lease_ttl_cap_ms = Some(120_000);
+    config.daemon.agent_device.lease_ttl_cap_ms = Some(120_000);
     let mut gw = Gw::start(config).await;
     gw.add(worker(true, &[Platform::Android])).await;
     gw.wait_capable(0, true).await;
@@ -833,7 +840,7 @@ fn waiting_requests(fleet: &simlock_fleet::Fleet) -> std::collections::BTreeSet<
 async fn an_allocate_waits_for_a_device_a_hung_up_one_leaves_the_queue_and_a_stop_cancels_it() {
     let mut gw = Gw::start(enabled_gateway()).await;
     let mut config = worker(true, &[Platform::Android]);
-    config.capacity.max_running = 1;
+    config.daemon.capacity.max_running = 1;
     gw.add(config).await;
     gw.wait_capable(0, true).await;
     let (_, alice) = gw.token().await;
@@ -919,7 +926,7 @@ async fn an_allocate_whose_worker_stopped_being_capable_before_the_forward_relea
     .await;
     let mut config = worker(true, &[Platform::Android]);
     // Long enough a device creation for the gateway to see the worker's agent-device go.
-    config.virtual_devices.provision_ms = 5_000;
+    config.daemon.virtual_devices.provision_ms = 5_000;
     gw.add(config).await;
     gw.wait_capable(0, true).await;
     let (_, secret) = gw.token().await;
@@ -970,7 +977,7 @@ async fn an_allocate_whose_worker_stopped_being_capable_before_the_forward_relea
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_command_longer_than_the_ttl_renews_through_the_gateway_until_its_front_stops() {
     let mut config = enabled_gateway();
-    config.agent_device.lease_ttl_cap_ms = Some(6_000);
+    config.daemon.agent_device.lease_ttl_cap_ms = Some(6_000);
     let mut gw = Gw::start(config).await;
     gw.add(worker(true, &[Platform::Android])).await;
     gw.wait_capable(0, true).await;
@@ -1032,8 +1039,8 @@ async fn a_command_longer_than_the_ttl_renews_through_the_gateway_until_its_fron
 async fn an_agent_on_the_workers_own_token_never_meets_the_gateway_agents_session() {
     let mut gw = Gw::start(enabled_gateway()).await;
     let mut config = worker(true, &[Platform::Android]);
-    config.http.enabled = Some(true);
-    config.http.port = 0;
+    config.daemon.http.enabled = Some(true);
+    config.daemon.http.port = 0;
     gw.add(config).await;
     gw.wait_capable(0, true).await;
     let (gateway_principal, gateway_agent) = gw.token().await;
@@ -1112,7 +1119,7 @@ async fn two_workers_two_leases() -> (Gw, String, [String; 2], String) {
     let mut gw = Gw::start(enabled_gateway()).await;
     for _ in 0..2 {
         let mut config = worker(true, &[Platform::Android]);
-        config.capacity.max_running = 1;
+        config.daemon.capacity.max_running = 1;
         gw.add(config).await;
     }
     gw.wait_capable(0, true).await;
@@ -1452,7 +1459,7 @@ async fn devices_through_the_gateway_joins_each_workers_answer_cut_to_its_lease(
 async fn devices_with_two_leases_on_one_worker_lists_both_once() {
     let mut gw = Gw::start(enabled_gateway()).await;
     let mut config = worker(true, &[Platform::Android]);
-    config.capacity.max_running = 2;
+    config.daemon.capacity.max_running = 2;
     gw.add(config).await;
     gw.wait_capable(0, true).await;
     let (_, secret) = gw.token().await;
@@ -1573,7 +1580,7 @@ async fn the_published_cli_lists_its_devices_on_two_workers_and_shows_the_too_ol
     let mut gw = Gw::start(enabled_gateway()).await;
     for _ in 0..2 {
         let mut config = worker(true, &[Platform::Android]);
-        config.capacity.max_running = 1;
+        config.daemon.capacity.max_running = 1;
         gw.add(config).await;
     }
     gw.wait_capable(0, true).await;
@@ -1872,7 +1879,7 @@ async fn a_worker_away_past_the_ttl_ends_the_lease_by_host_when_it_returns_and_r
 {
     use simlock_contract::model::Connection;
     let mut config = enabled_gateway();
-    config.agent_device.lease_ttl_cap_ms = Some(5_000);
+    config.daemon.agent_device.lease_ttl_cap_ms = Some(5_000);
     let mut gw = Gw::start(config).await;
     let cable = Cable::to(gw.fleet.gateway().running.http_addr().unwrap()).await;
     gw.add_via(worker(true, &[Platform::Android]), Some(&cable))

@@ -399,7 +399,7 @@ async fn a_killed_daemon_is_restarted_and_meanwhile_allocates_answer_not_availab
         hold.display()
     );
     let mut config = agent_device_config(vec!["sh".into(), "-c".into(), script]);
-    config.virtual_devices.boot_ms = 10;
+    config.daemon.virtual_devices.boot_ms = 10;
     let worker = AdWorker::start(config, |_| {}).await;
     worker.wait_running().await;
     let (_, secret) = worker.token("agent").await;
@@ -472,7 +472,7 @@ async fn the_published_cli_through_a_gateway_lands_on_the_capable_worker_heartbe
  {
     let pkg = real_package();
     let mut gateway = simlock_e2e::gateway_config();
-    gateway.agent_device.enabled = true;
+    gateway.daemon.agent_device.enabled = true;
     let mut fleet = simlock_e2e::TestFleet::start(gateway).await;
     fleet.add_worker(simlock_e2e::worker_config(2)).await;
     // HTTP on, for the agent of the worker's own tokens.

@@ -17,23 +17,23 @@ use agent_device_host::process::Endpoint;
 use serde_json::json;
 use simlock_contract::Push;
 use simlock_contract::model::{CapabilityStatus, EventEnvelope};
-use simlock_daemon::config::Config;
 use simlock_e2e::{PATIENCE, Session, TestFleet, gateway_config, worker_config};
+use simlock_worker::WorkerConfig;
 
 /// Long enough that no periodic read happens during a test: only an event explains a change.
 const NO_PERIODIC_READ: Duration = Duration::from_secs(3600);
 
 async fn gateway() -> TestFleet {
     let mut config = gateway_config();
-    config.agent_device.enabled = true;
+    config.daemon.agent_device.enabled = true;
     TestFleet::start_with(config, |timing| timing.refresh_interval = NO_PERIODIC_READ).await
 }
 
 /// A worker serving agent-device with `command` (ignored when a daemon is attached).
-fn worker(command: Vec<String>) -> Config {
+fn worker(command: Vec<String>) -> WorkerConfig {
     let mut config = worker_config(2);
-    config.agent_device.enabled = true;
-    config.agent_device.command = Some(command);
+    config.daemon.agent_device.enabled = true;
+    config.daemon.agent_device.command = Some(command);
     config
 }
 

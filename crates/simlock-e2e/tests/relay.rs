@@ -108,9 +108,9 @@ fn failing(message: &'static str) -> Arc<dyn RelayTarget> {
     })
 }
 
-fn exec_config(script: &str) -> simlock_daemon::config::Config {
+fn exec_config(script: &str) -> simlock_worker::WorkerConfig {
     let mut config = worker_config(2);
-    config.exec.tools.insert(
+    config.daemon.exec.tools.insert(
         "talk".into(),
         simlock_daemon::config::ToolConfig {
             command: "/bin/sh".into(),

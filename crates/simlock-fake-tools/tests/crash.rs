@@ -22,8 +22,9 @@ use std::process::{Child, Command, Stdio};
 
 use simlock_contract::model::{DeviceState, LeaseGrant, Platform};
 use simlock_contract::ops::LeaseRequestInput;
-use simlock_daemon::config::{Config, DriverChoice};
+use simlock_daemon::config::DriverChoice;
 use simlock_fake_tools::{Fault, FaultKind, SimState};
+use simlock_worker::WorkerConfig;
 use support::{PATIENCE, Rig, android_access, ios_access, within};
 
 fn enabled() -> bool {
@@ -49,19 +50,25 @@ fn worker_bin() -> PathBuf {
 }
 
 /// The `--set` flags that give the worker binary the rig's configuration.
-fn sets(c: &Config) -> Vec<String> {
+fn sets(c: &WorkerConfig) -> Vec<String> {
     let choice = |d: DriverChoice| match d {
         DriverChoice::Auto => "auto",
         DriverChoice::Virtual => "virtual",
         DriverChoice::Simctl => "simctl",
         DriverChoice::AndroidSdk => "android-sdk",
     };
-    let (i, a) = (&c.drivers.ios, &c.drivers.android);
+    let (i, a) = (&c.daemon.drivers.ios, &c.daemon.drivers.android);
     let mut out = vec![
         "capacity.strategy=fixed".to_owned(),
-        format!("capacity.maxRunning={}", c.capacity.max_running),
-        format!("health.probeIntervalMs={}", c.health.probe_interval_ms),
-        format!("health.recoveryBackoffMs={}", c.health.recovery_backoff_ms),
+        format!("capacity.maxRunning={}", c.daemon.capacity.max_running),
+        format!(
+            "health.probeIntervalMs={}",
+            c.daemon.health.probe_interval_ms
+        ),
+        format!(
+            "health.recoveryBackoffMs={}",
+            c.daemon.health.recovery_backoff_ms
+        ),
         format!("drivers.ios.driver={}", choice(i.driver)),
         format!("drivers.ios.xcrun={}", i.xcrun),
         format!("drivers.ios.bootTimeoutMs={}", i.boot_timeout_ms),
@@ -382,7 +389,7 @@ async fn ios_kill9_mid_boot_leaves_no_orphan_and_no_booted_simulator() {
         return;
     }
     let mut rig = Rig::new(Platform::Ios);
-    rig.config.drivers.ios.boot_timeout_ms = 600_000;
+    rig.config.daemon.drivers.ios.boot_timeout_ms = 600_000;
     let worker = Process::start(&rig);
     let held = rig.lease("holder", Platform::Ios).await.unwrap();
     // bootstatus hangs silently (a printing one dies of SIGPIPE with the worker's pipe).

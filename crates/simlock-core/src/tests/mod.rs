@@ -135,6 +135,12 @@ impl Harness {
             drivers: b
                 .drivers
                 .unwrap_or_else(|| virtual_drivers(&b.config.virtual_devices)),
+            config_view: simlock_daemon::config::view(
+                &b.config,
+                &simlock_daemon::config::Sections::new(),
+                &[],
+                simlock_contract::model::Mode::Worker,
+            ),
             config: b.config,
             db,
             clock: clock.clone(),
