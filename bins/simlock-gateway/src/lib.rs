@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use agent_device_front::placements::DbPlacements;
-use agent_device_front::{Front, FrontOptions};
+use agent_device_front::{AgentDeviceConfig, Front, FrontOptions};
 
 use simlock_contract::model::{LeaseLimits, Mode};
 use simlock_contract::ops::ConfigView;
@@ -25,6 +25,8 @@ use simlock_relay_gateway::{GatewayRelay, RelayOptions};
 /// about as a worker's. The worker registers the same list.
 pub fn sections() -> Sections {
     Sections::new()
+        .with::<AgentDeviceConfig>()
+        .with::<simlock_drivers::DriversConfig>()
 }
 
 /// A gateway's configuration: the daemon's own section and the sections of the crates a gateway
@@ -34,6 +36,8 @@ pub struct GatewayConfig {
     /// The daemon's own section (`lease`, `http`, `log`, `eventBuffer`) and the sections not
     /// yet moved to their crates.
     pub daemon: Config,
+    /// `agentDevice.*` (the front's).
+    pub agent_device: AgentDeviceConfig,
 }
 
 impl GatewayConfig {
@@ -44,12 +48,14 @@ impl GatewayConfig {
     pub fn from_loaded(loaded: &Loaded) -> Result<Self, ConfigError> {
         Ok(Self {
             daemon: loaded.config.clone(),
+            agent_device: loaded.section()?,
         })
     }
 
     /// `config.get`'s answer.
     pub fn view(&self) -> ConfigView {
-        config::view(&self.daemon, &sections(), &[], Mode::Gateway)
+        let values = [config::section_value(&self.agent_device)];
+        config::view(&self.daemon, &sections(), &values, Mode::Gateway)
     }
 }
 
@@ -111,6 +117,7 @@ pub async fn start(options: GatewayOptions) -> Result<RunningGateway, StartError
         .timing
         .unwrap_or_else(|| FleetTiming::from_config(&options.config.daemon));
     let config_view = options.config.view();
+    let agent_device_config = options.config.agent_device.clone();
     let base = Base::open(
         options.home,
         options.config.daemon,
@@ -147,7 +154,6 @@ pub async fn start(options: GatewayOptions) -> Result<RunningGateway, StartError
         },
     );
     let stop = tokio_util::sync::CancellationToken::new();
-    let agent_device_config = base.config.agent_device.clone();
     let (tokens, max_ttl_ms) = (base.tokens.clone(), base.config.lease.max_ttl_ms);
     let link = if agent_device_config.enabled {
         let port = agent_device::GatewayFleetPort::new(fleet.clone(), relay.clone());

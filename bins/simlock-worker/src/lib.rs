@@ -4,7 +4,7 @@
 use std::collections::BTreeSet;
 use std::sync::Arc;
 
-use agent_device_front::{Front, FrontOptions, LeaseId};
+use agent_device_front::{AgentDeviceConfig, Front, FrontOptions, LeaseId};
 use agent_device_host::{AgentDeviceHost, Daemon, DaemonState, HostOptions, InProcessHostLink};
 use futures::FutureExt;
 
@@ -17,6 +17,7 @@ use simlock_daemon::config::{self, Config, ConfigError, Loaded, Sections};
 use simlock_daemon::home::Home;
 use simlock_daemon::runtime::{Base, Running, StartError};
 use simlock_daemon::uplink::{self, UplinkConfig, UplinkState};
+use simlock_drivers::DriversConfig;
 use simlock_relay_worker::RelayTargets;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
@@ -26,6 +27,8 @@ use tokio_util::sync::CancellationToken;
 /// are warned about as a gateway's. The gateway registers the same list.
 pub fn sections() -> Sections {
     Sections::new()
+        .with::<AgentDeviceConfig>()
+        .with::<DriversConfig>()
 }
 
 /// A worker's configuration: the daemon's own section and the sections of the crates a worker
@@ -35,6 +38,10 @@ pub struct WorkerConfig {
     /// The daemon's own section (`lease`, `http`, `log`, `eventBuffer`, `capabilities`, the
     /// uplink's `gateway.*`) and the sections not yet moved to their crates.
     pub daemon: Config,
+    /// `agentDevice.*` (the front's and the host's).
+    pub agent_device: AgentDeviceConfig,
+    /// `drivers.*`.
+    pub drivers: DriversConfig,
 }
 
 impl WorkerConfig {
@@ -45,12 +52,18 @@ impl WorkerConfig {
     pub fn from_loaded(loaded: &Loaded) -> Result<Self, ConfigError> {
         Ok(Self {
             daemon: loaded.config.clone(),
+            agent_device: loaded.section()?,
+            drivers: loaded.section()?,
         })
     }
 
     /// `config.get`'s answer.
     pub fn view(&self) -> ConfigView {
-        config::view(&self.daemon, &sections(), &[], Mode::Worker)
+        let values = [
+            config::section_value(&self.agent_device),
+            config::section_value(&self.drivers),
+        ];
+        config::view(&self.daemon, &sections(), &values, Mode::Worker)
     }
 }
 
@@ -106,8 +119,8 @@ impl WorkerOptions {
 
 /// The agent-device daemon's environment: simlock's own adb server and SDK (so it reaches the
 /// emulators simlock leases, never the user's adb server), then the caller's additions.
-fn agent_device_env(config: &Config, extra: &[(String, String)]) -> Vec<(String, String)> {
-    let android = &config.drivers.android;
+fn agent_device_env(drivers: &DriversConfig, extra: &[(String, String)]) -> Vec<(String, String)> {
+    let android = &drivers.android;
     let mut env = vec![(
         "ANDROID_ADB_SERVER_PORT".to_owned(),
         android.adb_server_port.to_string(),
@@ -179,12 +192,14 @@ pub async fn start(options: WorkerOptions) -> Result<RunningWorker, StartError> 
         parts.system = system;
     }
     // Which driver serves each platform (logged once each); the virtual ones when asked.
-    parts.drivers = simlock_drivers::select(&base.config, base.home.root()).await;
+    parts.drivers = simlock_drivers::select(
+        &config.drivers,
+        &base.config.virtual_devices,
+        base.home.root(),
+    )
+    .await;
     let mut relay_targets = options.relay_targets;
-    let host = match (
-        &base.config.agent_device.enabled,
-        &base.config.agent_device.command,
-    ) {
+    let host = match (&config.agent_device.enabled, &config.agent_device.command) {
         (true, Some(command)) => {
             let state_dir = base.home.root().join("agent-device");
             let mut host_options = HostOptions::new(command.clone(), state_dir.clone());
@@ -193,7 +208,7 @@ pub async fn start(options: WorkerOptions) -> Result<RunningWorker, StartError> 
                 None => Daemon::Spawn(agent_device_host::process::DaemonSpec {
                     command: command.clone(),
                     state_dir,
-                    env: agent_device_env(&base.config, &options.agent_device_env),
+                    env: agent_device_env(&config.drivers, &options.agent_device_env),
                 }),
             };
             let host = AgentDeviceHost::start(host_options).await;
@@ -263,7 +278,7 @@ pub async fn start(options: WorkerOptions) -> Result<RunningWorker, StartError> 
     });
     let (tokens, cap, max_ttl) = (
         base.tokens.clone(),
-        base.config.agent_device.lease_ttl_cap_ms,
+        config.agent_device.lease_ttl_cap_ms,
         base.config.lease.max_ttl_ms,
     );
     let mut agent_device = None;

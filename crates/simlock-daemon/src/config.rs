@@ -21,7 +21,7 @@ use simlock_contract::model::{Mode, Platform};
 pub use section::{
     BOTH, GATEWAY, Section, SectionError, SectionValue, Sections, WORKER, section_value,
 };
-use section::{Held, merge_into};
+use section::{Entry, Held, merge_into};
 
 /// The prefix of every configuration variable.
 const ENV_PREFIX: &str = "SIMLOCK_";
@@ -61,28 +61,10 @@ pub struct Config {
     pub log: LogConfig,
     /// Capabilities this worker offers, besides those its modules report (worker).
     pub capabilities: Vec<String>,
-    /// The agent-device front (both) and its daemon (worker).
-    pub agent_device: AgentDeviceConfig,
-    /// Which driver serves each platform, and the real drivers' settings (worker).
-    pub drivers: DriversConfig,
     /// Watching leased devices, and recovering crashed ones (worker).
     pub health: HealthConfig,
     /// Devices whose reclaim failed (worker).
     pub quarantine: QuarantineConfig,
-}
-
-/// `agentDevice.*`: Callstack's agent-device CLI served at `/v1/agent-device`.
-#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase", default)]
-pub struct AgentDeviceConfig {
-    /// Serve `/v1/agent-device` (both daemons). Off by default: every route answers 404.
-    pub enabled: bool,
-    /// A cap on the TTL of the leases the front makes (both daemons); at most
-    /// `lease.maxTtlMs`.
-    pub lease_ttl_cap_ms: Option<u64>,
-    /// Worker: the argv that starts an agent-device daemon, e.g.
-    /// `["node", "/opt/agent-device/dist/src/internal/daemon.js"]`.
-    pub command: Option<Vec<String>>,
 }
 
 /// `lease.*`.
@@ -312,101 +294,6 @@ impl Default for VirtualConfig {
     }
 }
 
-/// Which driver serves a platform.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum DriverChoice {
-    /// The real driver when its tools are found and work, else the virtual one.
-    Auto,
-    /// The virtual driver, always.
-    Virtual,
-    /// iOS: `xcrun simctl`; the platform is unavailable (with the reason) when it does not work.
-    Simctl,
-    /// Android: the SDK's `avdmanager`, `emulator` and `adb`; unavailable when they do not work.
-    AndroidSdk,
-}
-
-/// `drivers.*`.
-#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase", default)]
-pub struct DriversConfig {
-    /// iOS simulators.
-    pub ios: IosDriverConfig,
-    /// Android emulators.
-    pub android: AndroidDriverConfig,
-}
-
-/// `drivers.ios.*`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase", default)]
-pub struct IosDriverConfig {
-    /// `auto` (default), `simctl` or `virtual`.
-    pub driver: DriverChoice,
-    /// The `xcrun` program: a path, or a name looked up in `PATH`.
-    pub xcrun: String,
-    /// The device set simlock owns (`simctl --set`); default `$SIMLOCK_HOME/devices/ios`.
-    pub device_set: Option<String>,
-    /// The most one `simctl` call may take (30 s); the call is killed past it.
-    pub call_timeout_ms: u64,
-    /// The most a boot may take until `bootstatus` says it finished (120 s).
-    pub boot_timeout_ms: u64,
-}
-
-impl Default for IosDriverConfig {
-    fn default() -> Self {
-        Self {
-            driver: DriverChoice::Auto,
-            xcrun: "xcrun".into(),
-            device_set: None,
-            call_timeout_ms: 30_000,
-            boot_timeout_ms: 120_000,
-        }
-    }
-}
-
-/// `drivers.android.*`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase", default)]
-pub struct AndroidDriverConfig {
-    /// `auto` (default), `android-sdk` or `virtual`.
-    pub driver: DriverChoice,
-    /// The SDK's root; default `$ANDROID_HOME`, else `$ANDROID_SDK_ROOT`.
-    pub sdk_root: Option<String>,
-    /// The AVD home simlock owns (`ANDROID_AVD_HOME`); default `$SIMLOCK_HOME/devices/android`.
-    pub avd_home: Option<String>,
-    /// The port of simlock's own adb server (5038; never the user's 5037).
-    pub adb_server_port: u16,
-    /// The lowest emulator console port (even; the adb port is the next one).
-    pub console_port_min: u16,
-    /// The highest emulator console port.
-    pub console_port_max: u16,
-    /// Launch emulators without a window, audio or boot animation.
-    pub headless: bool,
-    /// The most one tool call may take (30 s); the call is killed past it.
-    pub call_timeout_ms: u64,
-    /// The most a boot may take until the emulator reports `sys.boot_completed` (180 s).
-    pub boot_timeout_ms: u64,
-    /// How often a booting emulator is asked whether it finished (2 s).
-    pub boot_poll_ms: u64,
-}
-
-impl Default for AndroidDriverConfig {
-    fn default() -> Self {
-        Self {
-            driver: DriverChoice::Auto,
-            sdk_root: None,
-            avd_home: None,
-            adb_server_port: 5038,
-            console_port_min: 5586,
-            console_port_max: 5682,
-            headless: true,
-            call_timeout_ms: 30_000,
-            boot_timeout_ms: 180_000,
-            boot_poll_ms: 2_000,
-        }
-    }
-}
-
 /// `health.*`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", default)]
@@ -551,7 +438,7 @@ pub struct Loaded {
     /// Unknown keys, and keys this daemon mode ignores.
     pub warnings: Vec<String>,
     /// Every registered section, as loaded.
-    sections: Vec<(TypeId, Held)>,
+    sections: Vec<(Entry, Held)>,
 }
 
 impl std::fmt::Debug for Loaded {
@@ -564,6 +451,19 @@ impl std::fmt::Debug for Loaded {
 }
 
 impl Loaded {
+    /// The whole configuration as loaded: the daemon's own section and every registered one,
+    /// by table (the join token in clear: not for views).
+    pub fn value(&self) -> Value {
+        let mut all = match serde_json::to_value(&self.config) {
+            Ok(Value::Object(map)) => map,
+            _ => serde_json::Map::new(),
+        };
+        for (entry, held) in &self.sections {
+            merge_into(&mut all, entry.key, (entry.value)(held));
+        }
+        Value::Object(all)
+    }
+
     /// The registered section `S`, as loaded (and checked, when this daemon reads it).
     ///
     /// # Errors
@@ -571,7 +471,7 @@ impl Loaded {
     pub fn section<S: Section>(&self) -> Result<S, ConfigError> {
         self.sections
             .iter()
-            .find(|(id, _)| *id == TypeId::of::<S>())
+            .find(|(entry, _)| entry.type_id == TypeId::of::<S>())
             .and_then(|(_, held)| held.downcast_ref::<S>())
             .cloned()
             .ok_or_else(|| {
@@ -585,14 +485,7 @@ impl Loaded {
 }
 
 /// Keys a gateway reads; every other key is warned about and ignored there.
-const GATEWAY_SECTIONS: &[&str] = &[
-    "lease",
-    "http",
-    "gateway",
-    "eventBuffer",
-    "log",
-    "agentDevice",
-];
+const GATEWAY_SECTIONS: &[&str] = &["lease", "http", "gateway", "eventBuffer", "log"];
 /// Keys only a gateway reads.
 const GATEWAY_ONLY_KEYS: &[&str] = &[
     "gateway.routing",
@@ -605,11 +498,8 @@ const WORKER_ONLY_KEYS: &[&str] = &[
     "gateway.url",
     "gateway.token",
     "gateway.label",
-    "agentDevice.command",
     "gateway.caFile",
 ];
-/// The shortest lease agent-device 0.21.5 takes (its `ttlMs` bounds are 5 000–600 000 ms).
-pub const AGENT_DEVICE_MIN_TTL_MS: u64 = 5_000;
 /// Keys holding maps whose entries are the user's own names.
 const OPEN_MAPS: &[&str] = &["exec.tools"];
 
@@ -745,7 +635,7 @@ fn load_layers(
         warnings,
         sections: held
             .into_iter()
-            .map(|(entry, section)| (entry.type_id, section))
+            .map(|(entry, section)| (*entry, section))
             .collect(),
     })
 }
@@ -895,25 +785,6 @@ pub fn validate(config: &Config, mode: Mode) -> Result<(), ConfigError> {
     if config.event_buffer.capacity == 0 {
         return bad("eventBuffer.capacity must be above 0".into());
     }
-    if let Some(cap) = config.agent_device.lease_ttl_cap_ms {
-        if cap < AGENT_DEVICE_MIN_TTL_MS {
-            return bad(format!(
-                "agentDevice.leaseTtlCapMs ({cap}) is below {AGENT_DEVICE_MIN_TTL_MS}, the shortest lease agent-device takes"
-            ));
-        }
-        if cap > config.lease.max_ttl_ms {
-            return bad(format!(
-                "agentDevice.leaseTtlCapMs ({cap}) is above lease.maxTtlMs ({})",
-                config.lease.max_ttl_ms
-            ));
-        }
-    }
-    if config.agent_device.enabled && config.lease.max_ttl_ms < AGENT_DEVICE_MIN_TTL_MS {
-        return bad(format!(
-            "agentDevice.enabled needs lease.maxTtlMs ({}) at least {AGENT_DEVICE_MIN_TTL_MS}, the shortest lease agent-device takes",
-            config.lease.max_ttl_ms
-        ));
-    }
     match (&config.http.tls.cert_file, &config.http.tls.key_file) {
         (Some(_), None) | (None, Some(_)) => {
             return bad("http.tls.certFile and http.tls.keyFile must be set together".into());
@@ -973,20 +844,7 @@ pub fn validate(config: &Config, mode: Mode) -> Result<(), ConfigError> {
                     ));
                 }
             }
-            if config.agent_device.enabled {
-                match &config.agent_device.command {
-                    None => {
-                        return bad("agentDevice.command must be set when agentDevice.enabled is true on a worker: the argv that starts an agent-device daemon, e.g. [\"node\", \"<agent-device>/dist/src/internal/daemon.js\"]".into());
-                    }
-                    Some(argv) if argv.first().is_none_or(|p| p.trim().is_empty()) => {
-                        return bad(
-                            "agentDevice.command: the first element must name a program".into()
-                        );
-                    }
-                    Some(_) => {}
-                }
-            }
-            validate_drivers(config)?;
+            validate_health(config)?;
             if config.virtual_devices.models.is_empty() {
                 return bad("virtual.models is empty: a worker needs at least one model".into());
             }
@@ -1000,50 +858,11 @@ pub fn validate(config: &Config, mode: Mode) -> Result<(), ConfigError> {
     Ok(())
 }
 
-/// The worker's driver, health and quarantine rules.
-fn validate_drivers(config: &Config) -> Result<(), ConfigError> {
+/// The worker's health and quarantine rules.
+fn validate_health(config: &Config) -> Result<(), ConfigError> {
     let bad = |msg: String| Err(ConfigError::Invalid(msg));
-    let (ios, android) = (&config.drivers.ios, &config.drivers.android);
-    if ios.driver == DriverChoice::AndroidSdk {
-        return bad(
-            "drivers.ios.driver: android-sdk drives Android; use auto, simctl or virtual".into(),
-        );
-    }
-    if android.driver == DriverChoice::Simctl {
-        return bad(
-            "drivers.android.driver: simctl drives iOS; use auto, android-sdk or virtual".into(),
-        );
-    }
-    for (key, ms) in [
-        ("drivers.ios.callTimeoutMs", ios.call_timeout_ms),
-        ("drivers.ios.bootTimeoutMs", ios.boot_timeout_ms),
-        ("drivers.android.callTimeoutMs", android.call_timeout_ms),
-        ("drivers.android.bootTimeoutMs", android.boot_timeout_ms),
-        ("drivers.android.bootPollMs", android.boot_poll_ms),
-        ("health.probeIntervalMs", config.health.probe_interval_ms),
-    ] {
-        if ms == 0 {
-            return bad(format!("{key} must be above 0"));
-        }
-    }
-    if android.adb_server_port < 1024 || android.adb_server_port == 5037 {
-        return bad(format!(
-            "drivers.android.adbServerPort: {} is not simlock's own port (1024–65535, never the user's 5037)",
-            android.adb_server_port
-        ));
-    }
-    let (min, max) = (android.console_port_min, android.console_port_max);
-    if min % 2 != 0 || max % 2 != 0 || min < 1024 || max < min || max == u16::MAX {
-        return bad(format!(
-            "drivers.android.consolePortMin and drivers.android.consolePortMax: even ports from 1024 with min ≤ max (got {min}–{max})"
-        ));
-    }
-    if (min..=max.saturating_add(1)).contains(&android.adb_server_port) {
-        return bad(format!(
-            "drivers.android.adbServerPort ({}) is inside the console ports {min}–{}",
-            android.adb_server_port,
-            max.saturating_add(1)
-        ));
+    if config.health.probe_interval_ms == 0 {
+        return bad("health.probeIntervalMs must be above 0".into());
     }
     if config.health.stable_observations == 0 {
         return bad("health.stableObservations must be above 0".into());
@@ -1137,9 +956,6 @@ const OPTIONAL_TEXT_KEYS: &[&str] = &[
     "gateway.caFile",
     "http.tls.certFile",
     "http.tls.keyFile",
-    "drivers.ios.deviceSet",
-    "drivers.android.sdkRoot",
-    "drivers.android.avdHome",
 ];
 
 /// The text keys: those whose default is a string, [`OPTIONAL_TEXT_KEYS`] and the registered
@@ -1421,40 +1237,10 @@ mod tests {
     }
 
     #[test]
-    fn driver_settings_past_their_limits_fail_naming_the_key() {
+    fn health_and_quarantine_settings_past_their_limits_fail_naming_the_key() {
         let ok = |toml: &str| load_with(toml, &[], Mode::Worker).is_ok();
         let err = |toml: &str| load_with(toml, &[], Mode::Worker).unwrap_err().to_string();
-        assert!(ok("[drivers.android]\nadbServerPort = 1024"));
-        for port in [1023, 5037] {
-            let e = err(&format!("[drivers.android]\nadbServerPort = {port}"));
-            assert!(e.contains("drivers.android.adbServerPort"), "{e}");
-        }
-        let e = err("[drivers.android]\nadbServerPort = 5600");
-        assert!(e.contains("inside the console ports"), "{e}");
-        assert!(
-            ok("[drivers.android]\nadbServerPort = 5684"),
-            "one past the last adb port"
-        );
-        assert!(
-            !ok("[drivers.android]\nadbServerPort = 5683"),
-            "the last adb port"
-        );
-        for bad in [
-            "consolePortMin = 5587",
-            "consolePortMax = 5683",
-            "consolePortMin = 5700\nconsolePortMax = 5600",
-            "consolePortMin = 1022",
-        ] {
-            let e = err(&format!("[drivers.android]\n{bad}"));
-            assert!(e.contains("drivers.android.consolePortMin"), "{bad}: {e}");
-        }
-        assert!(ok(
-            "[drivers.android]\nconsolePortMin = 5600\nconsolePortMax = 5600"
-        ));
         for (section, key) in [
-            ("drivers.ios", "callTimeoutMs"),
-            ("drivers.ios", "bootTimeoutMs"),
-            ("drivers.android", "bootPollMs"),
             ("health", "probeIntervalMs"),
             ("health", "stableObservations"),
             ("quarantine", "retryBackoffMultiplier"),
@@ -1463,17 +1249,6 @@ mod tests {
             assert!(e.contains(&format!("{section}.{key}")), "{e}");
             assert!(ok(&format!("[{section}]\n{key} = 1")));
         }
-        let e = err("[drivers.ios]\ndriver = \"android-sdk\"");
-        assert!(e.contains("drivers.ios.driver"), "{e}");
-        let e = err("[drivers.android]\ndriver = \"simctl\"");
-        assert!(e.contains("drivers.android.driver"), "{e}");
-        let e = err("[drivers.ios]\ndriver = \"xcode\"");
-        assert!(e.contains("drivers.ios.driver"), "{e}");
-        // Paths are text, even when they look like numbers.
-        assert_eq!(
-            coerce("drivers.ios.deviceSet", "42", &Sections::new()),
-            json!("42")
-        );
     }
 
     #[test]
@@ -1545,81 +1320,6 @@ mod tests {
     }
 
     #[test]
-    fn agent_device_keys_are_checked_on_both_sides_and_the_command_is_the_workers() {
-        let cap = |ms: u64| {
-            format!(
-                "[lease]\ndefaultTtlMs = 60000\nmaxTtlMs = 600000\n[agentDevice]\nleaseTtlCapMs = {ms}"
-            )
-        };
-        for mode in [Mode::Worker, Mode::Gateway] {
-            assert!(load_with(&cap(600_000), &[], mode).is_ok(), "at the bound");
-            let err = load_with(&cap(600_001), &[], mode).unwrap_err().to_string();
-            assert!(
-                err.contains("agentDevice.leaseTtlCapMs") && err.contains("lease.maxTtlMs"),
-                "{err}"
-            );
-            assert!(
-                load_with(&cap(5_000), &[], mode).is_ok(),
-                "agent-device's shortest"
-            );
-            for below in [0, 4_999] {
-                let err = load_with(&cap(below), &[], mode).unwrap_err().to_string();
-                assert!(
-                    err.contains("agentDevice.leaseTtlCapMs") && err.contains("5000"),
-                    "{err}"
-                );
-            }
-            let short = "[lease]\ndefaultTtlMs = 1000\nmaxTtlMs = 4999\n[agentDevice]\nenabled = true\ncommand = [\"d\"]";
-            let err = load_with(short, &[], mode).unwrap_err().to_string();
-            assert!(
-                err.contains("agentDevice.enabled") && err.contains("lease.maxTtlMs"),
-                "{err}"
-            );
-            let off = "[lease]\ndefaultTtlMs = 1000\nmaxTtlMs = 4999";
-            assert!(
-                load_with(off, &[], mode).is_ok(),
-                "without agent-device it is fine"
-            );
-        }
-        let err = load_with("[agentDevice]\nenabled = true", &[], Mode::Worker)
-            .unwrap_err()
-            .to_string();
-        assert!(err.contains("agentDevice.command"), "{err}");
-        let err = load_with(
-            "[agentDevice]\nenabled = true\ncommand = []",
-            &[],
-            Mode::Worker,
-        )
-        .unwrap_err()
-        .to_string();
-        assert!(err.contains("agentDevice.command"), "{err}");
-        let worker = load_with(
-            "[agentDevice]\nenabled = true\ncommand = [\"node\", \"d.js\"]",
-            &[],
-            Mode::Worker,
-        )
-        .unwrap();
-        assert!(worker.warnings.is_empty(), "{:?}", worker.warnings);
-        let gateway = load_with(
-            "[agentDevice]\nenabled = true\ncommand = [\"node\", \"d.js\"]",
-            &[],
-            Mode::Gateway,
-        )
-        .unwrap();
-        assert_eq!(
-            gateway.warnings,
-            vec!["agentDevice.command is a worker setting; a gateway ignores it".to_owned()]
-        );
-        assert!(gateway.config.agent_device.enabled);
-        let env = [("SIMLOCK_AGENT_DEVICE__COMMAND", r#"["node","x.js"]"#)];
-        let loaded = load_with("", &env, Mode::Worker).unwrap();
-        assert_eq!(
-            loaded.config.agent_device.command,
-            Some(vec!["node".to_owned(), "x.js".to_owned()])
-        );
-    }
-
-    #[test]
     fn environment_names_map_to_camel_case_keys() {
         let env = [
             ("SIMLOCK_LEASE__MAX_TTL_MS", "60000"),
@@ -1642,19 +1342,13 @@ mod tests {
             ("SIMLOCK_LEASE__MAX_TTL_MS", "5000"),
             ("SIMLOCK_LEASE__DEFAULT_TTL_MS", "5000"),
             ("SIMLOCK_HTTP__ENABLED", "true"),
-            ("SIMLOCK_DRIVERS__ANDROID__HEADLESS", "false"),
             ("SIMLOCK_CAPACITY__IOS__MAX_RUNNING", "3"),
             ("SIMLOCK_EVENT_BUFFER__CAPACITY", "7"),
             ("SIMLOCK_CAPABILITIES", r#"["gpu", "agent-device"]"#),
-            ("SIMLOCK_AGENT_DEVICE__COMMAND", r#"["node","x.js"]"#),
-            ("SIMLOCK_AGENT_DEVICE__ENABLED", "true"),
             // Text keys given digits, a float, a quoted word and spaces stay text as given.
             ("SIMLOCK_GATEWAY__LABEL", "007"),
             ("SIMLOCK_HTTP__HOST", "1.5"),
             ("SIMLOCK_LOG__LEVEL", "42"),
-            ("SIMLOCK_DRIVERS__IOS__DEVICE_SET", "42"),
-            ("SIMLOCK_DRIVERS__ANDROID__SDK_ROOT", r#""/sdk""#),
-            ("SIMLOCK_DRIVERS__IOS__XCRUN", " /usr/bin/xcrun "),
             ("SIMLOCK_CAPACITY__STRATEGY", "fixed"),
         ];
         let loaded = load_with("", &env, Mode::Worker).unwrap();
@@ -1662,20 +1356,12 @@ mod tests {
         let c = loaded.config;
         assert_eq!((c.lease.max_ttl_ms, c.lease.default_ttl_ms), (5000, 5000));
         assert_eq!(c.http.enabled, Some(true));
-        assert!(!c.drivers.android.headless);
         assert_eq!(c.capacity.ios.max_running, Some(3));
         assert_eq!(c.event_buffer.capacity, 7);
         assert_eq!(c.capabilities, ["gpu", "agent-device"]);
-        assert_eq!(
-            c.agent_device.command,
-            Some(vec!["node".to_owned(), "x.js".to_owned()])
-        );
         assert_eq!(c.gateway.label.as_deref(), Some("007"));
         assert_eq!(c.http.host, "1.5");
         assert_eq!(c.log.level, "42");
-        assert_eq!(c.drivers.ios.device_set.as_deref(), Some("42"));
-        assert_eq!(c.drivers.android.sdk_root.as_deref(), Some(r#""/sdk""#));
-        assert_eq!(c.drivers.ios.xcrun, " /usr/bin/xcrun ");
         assert_eq!(c.capacity.strategy, CapacityStrategy::Fixed);
     }
 
@@ -1711,13 +1397,7 @@ mod tests {
             ("SIMLOCK_HTTP__PORT", "65536", "http.port"),
             ("SIMLOCK_HTTP__ENABLED", "yes", "http.enabled"),
             ("SIMLOCK_CAPABILITIES", "gpu", "capabilities"),
-            (
-                "SIMLOCK_AGENT_DEVICE__COMMAND",
-                "node x.js",
-                "agentDevice.command",
-            ),
             ("SIMLOCK_CAPACITY__STRATEGY", "lots", "capacity.strategy"),
-            ("SIMLOCK_DRIVERS__IOS__DRIVER", "42", "drivers.ios.driver"),
         ] {
             let err = load_with("", &[(name, value)], Mode::Worker)
                 .unwrap_err()

@@ -265,7 +265,7 @@ fn lease_call(method: &str, params: Value) -> Value {
 async fn bench() {
     let pkg = real_package();
     let mut gateway = simlock_e2e::gateway_config();
-    gateway.daemon.agent_device.enabled = true;
+    gateway.agent_device.enabled = true;
     let mut fleet = simlock_e2e::TestFleet::start(gateway).await;
     let daemon_home = tempfile::tempdir().unwrap();
     let home = daemon_home.path().display().to_string();

@@ -54,8 +54,8 @@ pub fn agent_device_config(command: Vec<String>) -> WorkerConfig {
     let mut config = worker_config(4);
     config.daemon.http.enabled = Some(true);
     config.daemon.http.port = 0;
-    config.daemon.agent_device.enabled = true;
-    config.daemon.agent_device.command = Some(command);
+    config.agent_device.enabled = true;
+    config.agent_device.command = Some(command);
     config
 }
 

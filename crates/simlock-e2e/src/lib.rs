@@ -19,8 +19,9 @@ use std::time::Duration;
 use serde_json::{Value, json};
 use simlock_contract::model::{Connection, WorkerView};
 use simlock_contract::{ContractError, Hello, PROTOCOL_RANGE};
-use simlock_daemon::config::{CapacityStrategy, DriverChoice};
+use simlock_daemon::config::CapacityStrategy;
 use simlock_daemon::home::Home;
+use simlock_drivers::DriverChoice;
 use simlock_gateway::{GatewayConfig, GatewayOptions, RunningGateway};
 use simlock_wire::{Transport, Unsolicited, WireClient};
 use simlock_worker::{RunningWorker, WorkerConfig, WorkerOptions};
@@ -34,8 +35,8 @@ pub const PATIENCE: Duration = Duration::from_secs(60);
 /// whatever tools the machine has).
 pub fn worker_config(max_running: u32) -> WorkerConfig {
     let mut config = WorkerConfig::default();
-    config.daemon.drivers.ios.driver = DriverChoice::Virtual;
-    config.daemon.drivers.android.driver = DriverChoice::Virtual;
+    config.drivers.ios.driver = DriverChoice::Virtual;
+    config.drivers.android.driver = DriverChoice::Virtual;
     config.daemon.capacity.strategy = CapacityStrategy::Fixed;
     config.daemon.capacity.max_running = max_running;
     config.daemon.virtual_devices.provision_ms = 20;

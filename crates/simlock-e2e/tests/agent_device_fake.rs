@@ -155,7 +155,7 @@ async fn a_screenshot_artifact_downloads_through_the_worker_with_the_published_c
 async fn a_long_command_keeps_its_simlock_lease_alive_past_two_ttls_until_the_front_stops() {
     let fake = FakeAgentDevice::start(FakeOptions::default()).unwrap();
     let mut config = attached_config();
-    config.daemon.agent_device.lease_ttl_cap_ms = Some(10_000);
+    config.agent_device.lease_ttl_cap_ms = Some(10_000);
     let worker = AdWorker::with_fake(config, &fake).await;
     let (_, secret) = worker.token("agent").await;
     let http = Http::new();
@@ -272,7 +272,7 @@ async fn release_all_ends_the_agent_device_lease_before_the_device_is_reclaimed(
 async fn a_heartbeat_goes_to_agent_device_first_then_renews_the_simlock_lease_to_its_ttl() {
     let fake = FakeAgentDevice::start(FakeOptions::default()).unwrap();
     let mut config = attached_config();
-    config.daemon.agent_device.lease_ttl_cap_ms = Some(120_000);
+    config.agent_device.lease_ttl_cap_ms = Some(120_000);
     let worker = AdWorker::with_fake(config, &fake).await;
     let (_, secret) = worker.token("agent").await;
     let http = Http::new();

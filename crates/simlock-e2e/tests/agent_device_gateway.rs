@@ -46,7 +46,7 @@ struct Gw {
 
 fn enabled_gateway() -> GatewayConfig {
     let mut config = gateway_config();
-    config.daemon.agent_device.enabled = true;
+    config.agent_device.enabled = true;
     config
 }
 
@@ -54,8 +54,8 @@ fn enabled_gateway() -> GatewayConfig {
 /// platforms named in its virtual catalog.
 fn worker(agent_device: bool, platforms: &[Platform]) -> WorkerConfig {
     let mut config = worker_config(4);
-    config.daemon.agent_device.enabled = agent_device;
-    config.daemon.agent_device.command = Some(vec!["agent-device-attached".into()]);
+    config.agent_device.enabled = agent_device;
+    config.agent_device.command = Some(vec!["agent-device-attached".into()]);
     config
         .daemon
         .virtual_devices
@@ -804,7 +804,7 @@ async fn a_relay_to_a_worker_without_the_target_answers_not_available_with_its_m
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_gateways_lease_ttl_cap_caps_the_ttl_of_its_leases() {
     let mut config = enabled_gateway();
-    config.daemon.agent_device.lease_ttl_cap_ms = Some(120_000);
+    config.agent_device.lease_ttl_cap_ms = Some(120_000);
     let mut gw = Gw::start(config).await;
     gw.add(worker(true, &[Platform::Android])).await;
     gw.wait_capable(0, true).await;
@@ -977,7 +977,7 @@ async fn an_allocate_whose_worker_stopped_being_capable_before_the_forward_relea
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_command_longer_than_the_ttl_renews_through_the_gateway_until_its_front_stops() {
     let mut config = enabled_gateway();
-    config.daemon.agent_device.lease_ttl_cap_ms = Some(6_000);
+    config.agent_device.lease_ttl_cap_ms = Some(6_000);
     let mut gw = Gw::start(config).await;
     gw.add(worker(true, &[Platform::Android])).await;
     gw.wait_capable(0, true).await;
@@ -1879,7 +1879,7 @@ async fn a_worker_away_past_the_ttl_ends_the_lease_by_host_when_it_returns_and_r
 {
     use simlock_contract::model::Connection;
     let mut config = enabled_gateway();
-    config.daemon.agent_device.lease_ttl_cap_ms = Some(5_000);
+    config.agent_device.lease_ttl_cap_ms = Some(5_000);
     let mut gw = Gw::start(config).await;
     let cable = Cable::to(gw.fleet.gateway().running.http_addr().unwrap()).await;
     gw.add_via(worker(true, &[Platform::Android]), Some(&cable))

@@ -472,7 +472,7 @@ async fn the_published_cli_through_a_gateway_lands_on_the_capable_worker_heartbe
  {
     let pkg = real_package();
     let mut gateway = simlock_e2e::gateway_config();
-    gateway.daemon.agent_device.enabled = true;
+    gateway.agent_device.enabled = true;
     let mut fleet = simlock_e2e::TestFleet::start(gateway).await;
     fleet.add_worker(simlock_e2e::worker_config(2)).await;
     // HTTP on, for the agent of the worker's own tokens.

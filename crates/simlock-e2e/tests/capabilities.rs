@@ -25,15 +25,15 @@ const NO_PERIODIC_READ: Duration = Duration::from_secs(3600);
 
 async fn gateway() -> TestFleet {
     let mut config = gateway_config();
-    config.daemon.agent_device.enabled = true;
+    config.agent_device.enabled = true;
     TestFleet::start_with(config, |timing| timing.refresh_interval = NO_PERIODIC_READ).await
 }
 
 /// A worker serving agent-device with `command` (ignored when a daemon is attached).
 fn worker(command: Vec<String>) -> WorkerConfig {
     let mut config = worker_config(2);
-    config.daemon.agent_device.enabled = true;
-    config.daemon.agent_device.command = Some(command);
+    config.agent_device.enabled = true;
+    config.agent_device.command = Some(command);
     config
 }
 

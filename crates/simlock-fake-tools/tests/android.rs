@@ -70,7 +70,7 @@ async fn a_fresh_worker_builds_its_android_catalog_from_the_sdk_and_runs_its_own
         .unwrap();
     assert_eq!(driver.driver, DriverKind::AndroidSdk);
     assert!(driver.available, "{}", driver.reason);
-    let port = rig.config.daemon.drivers.android.adb_server_port;
+    let port = rig.config.drivers.android.adb_server_port;
     let servers = rig.machine.adb_servers();
     assert_eq!(servers.len(), 1, "{servers:?}");
     let server = &servers[0];
@@ -102,15 +102,15 @@ async fn a_lease_boots_an_emulator_and_a_second_lease_gets_it_clean_from_the_bas
     let first = rig.lease("agent-a", Platform::Android).await.unwrap();
     let (serial, port, avd) = android_access(&first);
     let (min, max) = (
-        rig.config.daemon.drivers.android.console_port_min,
-        rig.config.daemon.drivers.android.console_port_max,
+        rig.config.drivers.android.console_port_min,
+        rig.config.drivers.android.console_port_max,
     );
     let console: u16 = serial.trim_start_matches("emulator-").parse().unwrap();
     assert!(
         (min..=max).contains(&console) && console.is_multiple_of(2),
         "{serial} in {min}–{max}"
     );
-    assert_eq!(port, rig.config.daemon.drivers.android.adb_server_port);
+    assert_eq!(port, rig.config.drivers.android.adb_server_port);
     assert_eq!(avd, format!("simlock_{}", first.device.id));
     assert_eq!(first.device.address.as_deref(), Some(serial.as_str()));
     assert_eq!(
@@ -223,7 +223,7 @@ async fn eight_parallel_leases_never_share_an_emulator_a_serial_or_a_port() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_boot_that_hangs_fails_after_its_bound_and_the_emulator_is_stopped() {
     let mut rig = Rig::new(Platform::Android);
-    rig.config.daemon.drivers.android.boot_timeout_ms = 300;
+    rig.config.drivers.android.boot_timeout_ms = 300;
     rig.machine.set_knobs(|k| k.emulator_hang_boot = true);
     rig.start().await;
     let err = rig.lease("agent", Platform::Android).await.unwrap_err();

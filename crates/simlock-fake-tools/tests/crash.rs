@@ -22,7 +22,7 @@ use std::process::{Child, Command, Stdio};
 
 use simlock_contract::model::{DeviceState, LeaseGrant, Platform};
 use simlock_contract::ops::LeaseRequestInput;
-use simlock_daemon::config::DriverChoice;
+use simlock_drivers::DriverChoice;
 use simlock_fake_tools::{Fault, FaultKind, SimState};
 use simlock_worker::WorkerConfig;
 use support::{PATIENCE, Rig, android_access, ios_access, within};
@@ -57,7 +57,7 @@ fn sets(c: &WorkerConfig) -> Vec<String> {
         DriverChoice::Simctl => "simctl",
         DriverChoice::AndroidSdk => "android-sdk",
     };
-    let (i, a) = (&c.daemon.drivers.ios, &c.daemon.drivers.android);
+    let (i, a) = (&c.drivers.ios, &c.drivers.android);
     let mut out = vec![
         "capacity.strategy=fixed".to_owned(),
         format!("capacity.maxRunning={}", c.daemon.capacity.max_running),
@@ -389,7 +389,7 @@ async fn ios_kill9_mid_boot_leaves_no_orphan_and_no_booted_simulator() {
         return;
     }
     let mut rig = Rig::new(Platform::Ios);
-    rig.config.daemon.drivers.ios.boot_timeout_ms = 600_000;
+    rig.config.drivers.ios.boot_timeout_ms = 600_000;
     let worker = Process::start(&rig);
     let held = rig.lease("holder", Platform::Ios).await.unwrap();
     // bootstatus hangs silently (a printing one dies of SIGPIPE with the worker's pipe).

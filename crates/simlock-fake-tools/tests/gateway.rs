@@ -53,7 +53,7 @@ async fn a_real_grants_access_details_reach_the_agent_unchanged_through_a_gatewa
         "the worker's access, unchanged"
     );
     let (serial, port, _) = android_access(&grant);
-    assert_eq!(port, rig.config.daemon.drivers.android.adb_server_port);
+    assert_eq!(port, rig.config.drivers.android.adb_server_port);
     assert_eq!(grant.environment["ANDROID_SERIAL"], serial);
     assert_eq!(
         grant.environment["ANDROID_ADB_SERVER_PORT"],

@@ -208,7 +208,7 @@ async fn eight_parallel_leases_never_share_a_simulator() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_boot_that_hangs_fails_after_its_bound_and_the_device_is_not_handed_out() {
     let mut rig = Rig::new(Platform::Ios);
-    rig.config.daemon.drivers.ios.boot_timeout_ms = 300;
+    rig.config.drivers.ios.boot_timeout_ms = 300;
     rig.machine.set_knobs(|k| k.ios_hang_boot = true);
     rig.start().await;
     let err = rig.lease("agent", Platform::Ios).await.unwrap_err();
@@ -527,7 +527,7 @@ async fn garbled_simctl_output_is_a_typed_error_not_a_crash() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tool_call_past_its_bound_is_killed_and_fails_typed() {
     let mut rig = Rig::new(Platform::Ios);
-    rig.config.daemon.drivers.ios.call_timeout_ms = 300;
+    rig.config.drivers.ios.call_timeout_ms = 300;
     rig.machine.set_knobs(|k| {
         k.faults
             .push(fault("create", FaultKind::Slow { ms: 60_000 }, None))

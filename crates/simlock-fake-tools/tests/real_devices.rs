@@ -18,8 +18,9 @@ use std::process::Command;
 use std::time::Duration;
 
 use simlock_contract::model::{DeviceAccess, Platform};
-use simlock_daemon::config::{CapacityStrategy, DriverChoice};
+use simlock_daemon::config::CapacityStrategy;
 use simlock_daemon::home::Home;
+use simlock_drivers::DriverChoice;
 use simlock_worker::WorkerConfig;
 
 /// The SDK's adb, else the one on PATH.
@@ -50,14 +51,14 @@ async fn check(platform: Platform) {
     let mut config = WorkerConfig::default();
     config.daemon.capacity.strategy = CapacityStrategy::Fixed;
     config.daemon.capacity.max_running = 1;
-    config.daemon.drivers.ios.driver = DriverChoice::Virtual;
-    config.daemon.drivers.android.driver = DriverChoice::Virtual;
+    config.drivers.ios.driver = DriverChoice::Virtual;
+    config.drivers.android.driver = DriverChoice::Virtual;
     match platform {
-        Platform::Ios => config.daemon.drivers.ios.driver = DriverChoice::Simctl,
+        Platform::Ios => config.drivers.ios.driver = DriverChoice::Simctl,
         Platform::Android => {
-            config.daemon.drivers.android.driver = DriverChoice::AndroidSdk;
+            config.drivers.android.driver = DriverChoice::AndroidSdk;
             // Not the default 5038, in case another simlock runs here.
-            config.daemon.drivers.android.adb_server_port = 5098;
+            config.drivers.android.adb_server_port = 5098;
         }
     }
     let worker = simlock_worker::start(simlock_worker::WorkerOptions::new(home.clone(), config))

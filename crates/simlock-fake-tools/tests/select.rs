@@ -12,11 +12,16 @@
 mod support;
 
 use simlock_contract::model::{DriverKind, DriverStatus, Platform};
-use simlock_daemon::config::DriverChoice;
+use simlock_drivers::DriverChoice;
 use support::Rig;
 
 async fn statuses(rig: &Rig) -> Vec<DriverStatus> {
-    let drivers = simlock_drivers::select(&rig.config.daemon, rig.home.root()).await;
+    let drivers = simlock_drivers::select(
+        &rig.config.drivers,
+        &rig.config.daemon.virtual_devices,
+        rig.home.root(),
+    )
+    .await;
     let statuses = drivers.iter().map(|d| d.status()).collect();
     for d in drivers {
         d.close().await;
@@ -31,9 +36,9 @@ fn of(statuses: &[DriverStatus], platform: Platform) -> &DriverStatus {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn auto_takes_the_real_driver_where_the_tools_work_and_says_why_it_did_not_elsewhere() {
     let mut rig = Rig::new(Platform::Android);
-    rig.config.daemon.drivers.ios.driver = DriverChoice::Auto;
-    rig.config.daemon.drivers.ios.xcrun = rig.dir.path().join("no/xcrun").display().to_string();
-    rig.config.daemon.drivers.android.driver = DriverChoice::Auto;
+    rig.config.drivers.ios.driver = DriverChoice::Auto;
+    rig.config.drivers.ios.xcrun = rig.dir.path().join("no/xcrun").display().to_string();
+    rig.config.drivers.android.driver = DriverChoice::Auto;
     let s = statuses(&rig).await;
     let ios = of(&s, Platform::Ios);
     assert_eq!(ios.driver, DriverKind::Virtual);
@@ -47,7 +52,7 @@ async fn auto_takes_the_real_driver_where_the_tools_work_and_says_why_it_did_not
     assert_eq!(android.driver, DriverKind::AndroidSdk, "{}", android.reason);
 
     // Tools that are there but broken: auto falls back, with the reason.
-    rig.config.daemon.drivers.ios.xcrun = rig.machine.xcrun().display().to_string();
+    rig.config.drivers.ios.xcrun = rig.machine.xcrun().display().to_string();
     rig.machine.set_knobs(|k| {
         k.faults.push(simlock_fake_tools::Fault {
             tool: "xcrun".into(),
@@ -59,8 +64,7 @@ async fn auto_takes_the_real_driver_where_the_tools_work_and_says_why_it_did_not
             times: Some(1),
         });
     });
-    rig.config.daemon.drivers.android.sdk_root =
-        Some(rig.dir.path().join("no-sdk").display().to_string());
+    rig.config.drivers.android.sdk_root = Some(rig.dir.path().join("no-sdk").display().to_string());
     let s = statuses(&rig).await;
     let ios = of(&s, Platform::Ios);
     assert_eq!(ios.driver, DriverKind::Virtual);
@@ -79,9 +83,9 @@ async fn auto_takes_the_real_driver_where_the_tools_work_and_says_why_it_did_not
     );
 
     // The same, chosen explicitly: unavailable, never virtual.
-    rig.config.daemon.drivers.ios.driver = DriverChoice::Simctl;
-    rig.config.daemon.drivers.ios.xcrun = rig.dir.path().join("no/xcrun").display().to_string();
-    rig.config.daemon.drivers.android.driver = DriverChoice::AndroidSdk;
+    rig.config.drivers.ios.driver = DriverChoice::Simctl;
+    rig.config.drivers.ios.xcrun = rig.dir.path().join("no/xcrun").display().to_string();
+    rig.config.drivers.android.driver = DriverChoice::AndroidSdk;
     let s = statuses(&rig).await;
     for platform in Platform::ALL {
         let st = of(&s, platform);

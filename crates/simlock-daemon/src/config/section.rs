@@ -90,6 +90,7 @@ pub(super) struct Entry {
     pub(super) defaults: fn() -> Value,
     pub(super) extract: fn(&Figment) -> Result<Held, Box<figment::Error>>,
     pub(super) check: fn(&Held, &Config, Mode) -> Result<(), SectionError>,
+    pub(super) value: fn(&Held) -> Value,
 }
 
 impl Entry {
@@ -111,6 +112,11 @@ impl Entry {
             check: |held, daemon, mode| match held.downcast_ref::<S>() {
                 Some(section) => section.check(daemon, mode),
                 None => Ok(()),
+            },
+            value: |held| {
+                held.downcast_ref::<S>()
+                    .and_then(|s| serde_json::to_value(s).ok())
+                    .unwrap_or(Value::Null)
             },
         }
     }
@@ -162,6 +168,25 @@ impl Sections {
             .map(|e| e.key)
             .filter(|k| seen.insert(*k))
             .collect()
+    }
+
+    /// The one list of known keys: the daemon's own and every registered section's (a key
+    /// holding a map of the user's names, such as `exec.tools`, is one key).
+    pub fn keys(&self) -> Vec<String> {
+        super::Keys::of(self).known.into_keys().collect()
+    }
+
+    /// The whole default configuration: the daemon's own section and every registered
+    /// section's defaults.
+    pub fn default_values(&self) -> Value {
+        let mut all = match serde_json::to_value(Config::default()) {
+            Ok(Value::Object(map)) => map,
+            _ => serde_json::Map::new(),
+        };
+        for (table, value) in self.defaults() {
+            merge_into(&mut all, &table, value);
+        }
+        Value::Object(all)
     }
 
     /// Every registered section's defaults, merged by table (the tables of sections sharing

@@ -10,8 +10,9 @@ use simlock_client::{Client, ConnectOptions, EventFollow, FollowItem, LeaseNotic
 use simlock_contract::model::{DeviceAccess, DeviceState, EventEnvelope, LeaseGrant, Platform};
 use simlock_contract::ops::{LeaseRequestInput, ListKind, ListOutput};
 use simlock_contract::{ContractError, Operation};
-use simlock_daemon::config::{CapacityStrategy, DriverChoice};
+use simlock_daemon::config::CapacityStrategy;
 use simlock_daemon::home::Home;
+use simlock_drivers::DriverChoice;
 use simlock_fake_tools::{FakeMachine, Profile, Tools};
 use simlock_worker::WorkerConfig;
 use simlock_worker::{RunningWorker, WorkerOptions};
@@ -72,26 +73,25 @@ impl Rig {
         config.daemon.quarantine.retry_backoff_ms = 100;
         config.daemon.quarantine.max_retry_backoff_ms = 400;
         config.daemon.quarantine.max_retries = 2;
-        config.daemon.drivers.ios.driver = DriverChoice::Virtual;
-        config.daemon.drivers.android.driver = DriverChoice::Virtual;
+        config.drivers.ios.driver = DriverChoice::Virtual;
+        config.drivers.android.driver = DriverChoice::Virtual;
         match platform {
             Platform::Ios => {
-                config.daemon.drivers.ios.driver = DriverChoice::Simctl;
-                config.daemon.drivers.ios.xcrun = machine.xcrun().display().to_string();
-                config.daemon.drivers.ios.call_timeout_ms = 60_000;
-                config.daemon.drivers.ios.boot_timeout_ms = 120_000;
+                config.drivers.ios.driver = DriverChoice::Simctl;
+                config.drivers.ios.xcrun = machine.xcrun().display().to_string();
+                config.drivers.ios.call_timeout_ms = 60_000;
+                config.drivers.ios.boot_timeout_ms = 120_000;
             }
             Platform::Android => {
                 let (min, max) = console_window();
-                config.daemon.drivers.android.driver = DriverChoice::AndroidSdk;
-                config.daemon.drivers.android.sdk_root =
-                    Some(machine.sdk_root().display().to_string());
-                config.daemon.drivers.android.adb_server_port = free_port();
-                config.daemon.drivers.android.console_port_min = min;
-                config.daemon.drivers.android.console_port_max = max;
-                config.daemon.drivers.android.call_timeout_ms = 60_000;
-                config.daemon.drivers.android.boot_timeout_ms = 120_000;
-                config.daemon.drivers.android.boot_poll_ms = 20;
+                config.drivers.android.driver = DriverChoice::AndroidSdk;
+                config.drivers.android.sdk_root = Some(machine.sdk_root().display().to_string());
+                config.drivers.android.adb_server_port = free_port();
+                config.drivers.android.console_port_min = min;
+                config.drivers.android.console_port_max = max;
+                config.drivers.android.call_timeout_ms = 60_000;
+                config.drivers.android.boot_timeout_ms = 120_000;
+                config.drivers.android.boot_poll_ms = 20;
             }
         }
         Self {
