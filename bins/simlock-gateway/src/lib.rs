@@ -17,7 +17,7 @@ use simlock_daemon::home::Home;
 use simlock_daemon::http::Mount;
 use simlock_daemon::runtime::{Base, Running, StartError};
 use simlock_fleet::uplink::UplinkMount;
-use simlock_fleet::{Fleet, FleetParts, FleetTiming, handlers};
+use simlock_fleet::{Fleet, FleetConfig, FleetParts, FleetTiming, handlers};
 use simlock_relay_gateway::{GatewayRelay, RelayOptions};
 
 /// Every configuration section of simlock, as a gateway registers them: those it reads (the
@@ -26,6 +26,7 @@ use simlock_relay_gateway::{GatewayRelay, RelayOptions};
 pub fn sections() -> Sections {
     Sections::new()
         .with::<AgentDeviceConfig>()
+        .with::<FleetConfig>()
         .with::<simlock_drivers::DriversConfig>()
 }
 
@@ -38,6 +39,8 @@ pub struct GatewayConfig {
     pub daemon: Config,
     /// `agentDevice.*` (the front's).
     pub agent_device: AgentDeviceConfig,
+    /// The fleet's `gateway.*`.
+    pub fleet: FleetConfig,
 }
 
 impl GatewayConfig {
@@ -49,12 +52,16 @@ impl GatewayConfig {
         Ok(Self {
             daemon: loaded.config.clone(),
             agent_device: loaded.section()?,
+            fleet: loaded.section()?,
         })
     }
 
     /// `config.get`'s answer.
     pub fn view(&self) -> ConfigView {
-        let values = [config::section_value(&self.agent_device)];
+        let values = [
+            config::section_value(&self.agent_device),
+            config::section_value(&self.fleet),
+        ];
         config::view(&self.daemon, &sections(), &values, Mode::Gateway)
     }
 }
@@ -115,7 +122,7 @@ pub struct RunningGateway {
 pub async fn start(options: GatewayOptions) -> Result<RunningGateway, StartError> {
     let timing = options
         .timing
-        .unwrap_or_else(|| FleetTiming::from_config(&options.config.daemon));
+        .unwrap_or_else(|| FleetTiming::from_config(&options.config.fleet));
     let config_view = options.config.view();
     let agent_device_config = options.config.agent_device.clone();
     let base = Base::open(

@@ -29,6 +29,7 @@ pub fn sections() -> Sections {
     Sections::new()
         .with::<AgentDeviceConfig>()
         .with::<DriversConfig>()
+        .with::<simlock_fleet::FleetConfig>()
 }
 
 /// A worker's configuration: the daemon's own section and the sections of the crates a worker

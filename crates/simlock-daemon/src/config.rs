@@ -53,8 +53,8 @@ pub struct Config {
     /// The built-in virtual devices (worker).
     #[serde(rename = "virtual")]
     pub virtual_devices: VirtualConfig,
-    /// The uplink (worker: where to dial) and the fleet (gateway).
-    pub gateway: GatewayConfig,
+    /// The uplink (worker: where to dial).
+    pub gateway: GatewayUplinkConfig,
     /// The event ring buffer.
     pub event_buffer: EventBufferConfig,
     /// Logging.
@@ -347,41 +347,19 @@ impl Default for QuarantineConfig {
     }
 }
 
-/// `gateway.*`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+/// `gateway.*` as a worker reads them: where its uplink dials. (The gateway's own `gateway.*`
+/// keys are the fleet's section, `simlock_fleet::FleetConfig`.)
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", default)]
-pub struct GatewayConfig {
-    /// Worker: the gateway's base URL, `ws://host:port` or `wss://host:port` (TLS, ADR 0024).
+pub struct GatewayUplinkConfig {
+    /// The gateway's base URL, `ws://host:port` or `wss://host:port` (TLS, ADR 0024).
     pub url: Option<String>,
-    /// Worker: the join token (a gateway token of role `worker`).
+    /// The join token (a gateway token of role `worker`).
     pub token: Option<String>,
-    /// Worker: a label for people.
+    /// A label for people.
     pub label: Option<String>,
-    /// Worker: CA certificates (PEM) trusted for a `wss://` gateway besides the platform's roots.
+    /// CA certificates (PEM) trusted for a `wss://` gateway besides the platform's roots.
     pub ca_file: Option<String>,
-    /// Gateway: the routing policy (only `warm-then-free`).
-    pub routing: String,
-    /// Gateway: how long a disconnected worker's view is kept (24 h).
-    pub disconnected_retention_ms: u64,
-    /// Gateway: backstop for a forwarded exec (11 min).
-    pub exec_timeout_ms: u64,
-    /// Gateway: bound on a forwarded lease request (5 min).
-    pub lease_request_timeout_ms: u64,
-}
-
-impl Default for GatewayConfig {
-    fn default() -> Self {
-        Self {
-            url: None,
-            token: None,
-            label: None,
-            ca_file: None,
-            routing: "warm-then-free".into(),
-            disconnected_retention_ms: 86_400_000,
-            exec_timeout_ms: 660_000,
-            lease_request_timeout_ms: 300_000,
-        }
-    }
 }
 
 /// `eventBuffer.*`.
@@ -486,13 +464,6 @@ impl Loaded {
 
 /// Keys a gateway reads; every other key is warned about and ignored there.
 const GATEWAY_SECTIONS: &[&str] = &["lease", "http", "gateway", "eventBuffer", "log"];
-/// Keys only a gateway reads.
-const GATEWAY_ONLY_KEYS: &[&str] = &[
-    "gateway.routing",
-    "gateway.disconnectedRetentionMs",
-    "gateway.execTimeoutMs",
-    "gateway.leaseRequestTimeoutMs",
-];
 /// Keys only a worker reads.
 const WORKER_ONLY_KEYS: &[&str] = &[
     "gateway.url",
@@ -648,8 +619,6 @@ fn daemon_modes(key: &str) -> &'static [Mode] {
             .any(|s| key == *s || key.starts_with(&format!("{s}.")))
     {
         WORKER
-    } else if GATEWAY_ONLY_KEYS.contains(&key) {
-        GATEWAY
     } else {
         BOTH
     }
@@ -798,12 +767,6 @@ pub fn validate(config: &Config, mode: Mode) -> Result<(), ConfigError> {
         Mode::Gateway => {
             if config.http.enabled == Some(false) {
                 return bad("http.enabled cannot be false on a gateway: workers and agents reach it over HTTP".into());
-            }
-            if config.gateway.routing != "warm-then-free" {
-                return bad(format!(
-                    "gateway.routing: unknown policy {:?} (only warm-then-free)",
-                    config.gateway.routing
-                ));
             }
         }
         Mode::Worker => {
@@ -1179,10 +1142,13 @@ mod tests {
         assert_eq!(worker.settings["gateway"]["token"], json!("[redacted]"));
         assert!(worker.settings.contains_key("capacity"));
         let gateway = view(&config, &Sections::new(), &[], Mode::Gateway);
-        assert_eq!(gateway.settings["gateway"]["token"], json!("[redacted]"));
         assert!(
             !gateway.settings.contains_key("capacity"),
             "a gateway does not read worker sections"
+        );
+        assert!(
+            !gateway.settings.contains_key("gateway"),
+            "without the fleet's section a gateway reads none of gateway.*"
         );
         assert_eq!(gateway.lease.max_ttl_ms, config.lease.max_ttl_ms);
         assert!(
@@ -1524,8 +1490,31 @@ mod section_tests {
         const ONLY: &'static [(&'static str, Mode)] = &[("local", Mode::Worker)];
     }
 
+    /// A gateway's section in the same table.
+    #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+    #[serde(rename_all = "camelCase", default)]
+    struct Policy {
+        policy: String,
+    }
+
+    impl Default for Policy {
+        fn default() -> Self {
+            Self {
+                policy: "first".into(),
+            }
+        }
+    }
+
+    impl Section for Policy {
+        const KEY: &'static str = "gateway";
+        const MODES: &'static [Mode] = GATEWAY;
+    }
+
     fn registered() -> Sections {
-        Sections::new().with::<Probe>().with::<Shared>()
+        Sections::new()
+            .with::<Probe>()
+            .with::<Shared>()
+            .with::<Policy>()
     }
 
     #[test]
@@ -1558,6 +1547,8 @@ mod section_tests {
         );
         // Registered twice is registered once.
         assert_eq!(registered().with::<Probe>().tables(), ["probe", "gateway"]);
+        let defaults = load_text("", Mode::Gateway, &registered()).unwrap();
+        assert_eq!(defaults.section::<Policy>().unwrap(), Policy::default());
     }
 
     #[test]
@@ -1593,7 +1584,7 @@ mod section_tests {
 
     #[test]
     fn a_key_of_the_other_mode_is_warned() {
-        let toml = "[gateway]\nmirror = true\nlocal = 4\nrouting = \"warm-then-free\"";
+        let toml = "[gateway]\nmirror = true\nlocal = 4\npolicy = \"last\"";
         let gateway = load_text(toml, Mode::Gateway, &registered()).unwrap();
         assert_eq!(
             gateway.warnings,
@@ -1602,7 +1593,7 @@ mod section_tests {
         let worker = load_text(toml, Mode::Worker, &registered()).unwrap();
         assert_eq!(
             worker.warnings,
-            ["gateway.routing is a gateway setting; a worker ignores it"]
+            ["gateway.policy is a gateway setting; a worker ignores it"]
         );
     }
 
@@ -1635,12 +1626,12 @@ mod section_tests {
         assert_eq!(worker.settings["probe"], json!({"limit": 7, "path": null}));
         // Sections sharing a table are merged; one left out shows its defaults.
         assert_eq!(worker.settings["gateway"]["mirror"], json!(false));
-        assert_eq!(
-            worker.settings["gateway"]["routing"],
-            json!("warm-then-free")
-        );
-        let gateway = view(&Config::default(), &registered(), &values, Mode::Gateway);
+        assert_eq!(worker.settings["gateway"]["policy"], json!("first"));
+        let mut config = Config::default();
+        config.gateway.token = Some("slk_secret".into());
+        let gateway = view(&config, &registered(), &values, Mode::Gateway);
         assert!(!gateway.settings.contains_key("probe"));
         assert_eq!(gateway.settings["gateway"]["local"], json!(null));
+        assert_eq!(gateway.settings["gateway"]["token"], json!("[redacted]"));
     }
 }

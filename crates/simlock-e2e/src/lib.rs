@@ -180,7 +180,7 @@ impl TestFleet {
         }
         let home = Home::at(dir.path().join("gateway"));
         let mut options = GatewayOptions::new(home.clone(), config);
-        let mut timing = simlock_fleet::FleetTiming::from_config(&options.config.daemon);
+        let mut timing = simlock_fleet::FleetTiming::from_config(&options.config.fleet);
         tune(&mut timing);
         options.timing = Some(timing);
         customize(&mut options);
