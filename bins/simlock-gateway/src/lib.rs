@@ -24,7 +24,7 @@ use simlock_relay_gateway::{GatewayRelay, RelayOptions};
 /// fleet's, the agent-device front's) and those only a worker reads, so their keys are warned
 /// about as a worker's. The worker registers the same list.
 pub fn sections() -> Sections {
-    Sections::new()
+    simlock_core::CoreConfig::register(Sections::new())
         .with::<AgentDeviceConfig>()
         .with::<FleetConfig>()
         .with::<simlock_drivers::DriversConfig>()
@@ -34,8 +34,7 @@ pub fn sections() -> Sections {
 /// composes, each typed by the crate that reads it.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct GatewayConfig {
-    /// The daemon's own section (`lease`, `http`, `log`, `eventBuffer`) and the sections not
-    /// yet moved to their crates.
+    /// The daemon's own section (`lease`, `http`, `log`, `eventBuffer`).
     pub daemon: Config,
     /// `agentDevice.*` (the front's).
     pub agent_device: AgentDeviceConfig,

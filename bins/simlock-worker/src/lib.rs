@@ -11,6 +11,10 @@ use futures::FutureExt;
 use simlock_contract::event::{Event, EventModule};
 use simlock_contract::model::Mode;
 use simlock_contract::ops::ConfigView;
+use simlock_core::config::{
+    CapacityConfig, CoreConfig, ExecConfig, HealthConfig, IdleConfig, QuarantineConfig,
+    VirtualConfig,
+};
 use simlock_core::{SystemFacts, Worker, WorkerParts};
 use simlock_daemon::clock::SharedClock;
 use simlock_daemon::config::{self, Config, ConfigError, Loaded, Sections};
@@ -26,7 +30,7 @@ use tokio_util::sync::CancellationToken;
 /// core's, the drivers', the agent-device edge's) and those only a gateway reads, so their keys
 /// are warned about as a gateway's. The gateway registers the same list.
 pub fn sections() -> Sections {
-    Sections::new()
+    CoreConfig::register(Sections::new())
         .with::<AgentDeviceConfig>()
         .with::<DriversConfig>()
         .with::<simlock_fleet::FleetConfig>()
@@ -37,8 +41,20 @@ pub fn sections() -> Sections {
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct WorkerConfig {
     /// The daemon's own section (`lease`, `http`, `log`, `eventBuffer`, `capabilities`, the
-    /// uplink's `gateway.*`) and the sections not yet moved to their crates.
+    /// uplink's `gateway.*`).
     pub daemon: Config,
+    /// `capacity.*` (the core's).
+    pub capacity: CapacityConfig,
+    /// `idle.*` (the core's).
+    pub idle: IdleConfig,
+    /// `exec.*` (the core's).
+    pub exec: ExecConfig,
+    /// `virtual.*` (the core's).
+    pub virtual_devices: VirtualConfig,
+    /// `health.*` (the core's).
+    pub health: HealthConfig,
+    /// `quarantine.*` (the core's).
+    pub quarantine: QuarantineConfig,
     /// `agentDevice.*` (the front's and the host's).
     pub agent_device: AgentDeviceConfig,
     /// `drivers.*`.
@@ -51,19 +67,37 @@ impl WorkerConfig {
     /// # Errors
     /// A section that was not registered.
     pub fn from_loaded(loaded: &Loaded) -> Result<Self, ConfigError> {
+        let core = CoreConfig::from_loaded(loaded)?;
         Ok(Self {
             daemon: loaded.config.clone(),
+            capacity: core.capacity,
+            idle: core.idle,
+            exec: core.exec,
+            virtual_devices: core.virtual_devices,
+            health: core.health,
+            quarantine: core.quarantine,
             agent_device: loaded.section()?,
             drivers: loaded.section()?,
         })
     }
 
+    /// The core's sections.
+    pub fn core(&self) -> CoreConfig {
+        CoreConfig {
+            capacity: self.capacity.clone(),
+            idle: self.idle,
+            exec: self.exec.clone(),
+            virtual_devices: self.virtual_devices.clone(),
+            health: self.health,
+            quarantine: self.quarantine,
+        }
+    }
+
     /// `config.get`'s answer.
     pub fn view(&self) -> ConfigView {
-        let values = [
-            config::section_value(&self.agent_device),
-            config::section_value(&self.drivers),
-        ];
+        let mut values = self.core().values();
+        values.push(config::section_value(&self.agent_device));
+        values.push(config::section_value(&self.drivers));
         config::view(&self.daemon, &sections(), &values, Mode::Worker)
     }
 }
@@ -172,6 +206,7 @@ impl std::fmt::Debug for RunningWorker {
 pub async fn start(options: WorkerOptions) -> Result<RunningWorker, StartError> {
     let config = options.config;
     let config_view = config.view();
+    let core = config.core();
     let base = Base::open(
         options.home,
         config.daemon,
@@ -179,26 +214,14 @@ pub async fn start(options: WorkerOptions) -> Result<RunningWorker, StartError> 
         options.version,
         options.clock,
     )?;
-    let mut parts = WorkerParts::new(
-        base.config.clone(),
-        base.db.clone(),
-        base.clock.clone(),
-        base.bus.clone(),
-        base.presence.clone(),
-        base.instance_id.clone(),
-        base.version.clone(),
-    );
+    let mut parts = WorkerParts::new(&base, core);
     parts.config_view = config_view;
     if let Some(system) = options.system {
         parts.system = system;
     }
     // Which driver serves each platform (logged once each); the virtual ones when asked.
-    parts.drivers = simlock_drivers::select(
-        &config.drivers,
-        &base.config.virtual_devices,
-        base.home.root(),
-    )
-    .await;
+    parts.drivers =
+        simlock_drivers::select(&config.drivers, &config.virtual_devices, base.home.root()).await;
     let mut relay_targets = options.relay_targets;
     let host = match (&config.agent_device.enabled, &config.agent_device.command) {
         (true, Some(command)) => {

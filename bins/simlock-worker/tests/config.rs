@@ -10,6 +10,7 @@
 )]
 
 use simlock_contract::model::Mode;
+use simlock_core::config::{CapacityStrategy, ToolConfig};
 use simlock_daemon::config::{self, ConfigError, Loaded};
 use simlock_worker::{WorkerConfig, sections};
 
@@ -35,6 +36,8 @@ fn the_sections_read_the_environment_typed() {
         ("SIMLOCK_AGENT_DEVICE__ENABLED", "true"),
         ("SIMLOCK_HTTP__PORT", "7"),
         ("SIMLOCK_DRIVERS__ANDROID__HEADLESS", "false"),
+        ("SIMLOCK_CAPACITY__IOS__MAX_RUNNING", "3"),
+        ("SIMLOCK_CAPACITY__STRATEGY", "fixed"),
         // Text keys given digits, a quoted word and spaces stay text as given.
         ("SIMLOCK_DRIVERS__IOS__DEVICE_SET", "42"),
         ("SIMLOCK_DRIVERS__ANDROID__SDK_ROOT", r#""/sdk""#),
@@ -50,6 +53,8 @@ fn the_sections_read_the_environment_typed() {
     );
     assert_eq!(config.daemon.http.port, 7);
     assert!(!config.drivers.android.headless);
+    assert_eq!(config.capacity.ios.max_running, Some(3));
+    assert_eq!(config.capacity.strategy, CapacityStrategy::Fixed);
     assert_eq!(config.drivers.ios.device_set.as_deref(), Some("42"));
     assert_eq!(
         config.drivers.android.sdk_root.as_deref(),
@@ -92,4 +97,61 @@ fn the_loaded_sections_make_the_workers_configuration_and_view() {
             assert_eq!(all[&table], value, "{table}");
         }
     }
+}
+
+#[test]
+fn an_open_map_entry_comes_from_the_environment() {
+    let env = [
+        ("SIMLOCK_EXEC__TOOLS__ECHO__COMMAND", "/bin/echo"),
+        ("SIMLOCK_EXEC__TOOLS__ECHO__ARGS", r#"["-n"]"#),
+    ];
+    let echo = ToolConfig {
+        command: "/bin/echo".into(),
+        args: vec!["-n".into()],
+    };
+    let loaded = load_env(&env).unwrap();
+    assert!(loaded.warnings.is_empty(), "{:?}", loaded.warnings);
+    assert_eq!(
+        WorkerConfig::from_loaded(&loaded).unwrap().exec.tools["echo"],
+        echo
+    );
+    // The whole map as one figment table.
+    let env = [(
+        "SIMLOCK_EXEC__TOOLS",
+        r#"{echo = {command = "/bin/echo", args = ["-n"]}}"#,
+    )];
+    let loaded = load_env(&env).unwrap();
+    assert!(loaded.warnings.is_empty(), "{:?}", loaded.warnings);
+    assert_eq!(
+        WorkerConfig::from_loaded(&loaded).unwrap().exec.tools["echo"],
+        echo
+    );
+}
+
+#[test]
+fn a_gateway_warns_about_a_workers_sections_as_a_workers() {
+    let home = std::env::temp_dir().join(format!("simlock-gw-no-home-{}", std::process::id()));
+    let flags = [
+        ("idle.shutdownAfterMs".to_owned(), serde_json::json!(1000)),
+        ("drivers.ios.xcrun".to_owned(), serde_json::json!("x")),
+        ("agentDevice.command".to_owned(), serde_json::json!(["d"])),
+        (
+            "gateway.routing".to_owned(),
+            serde_json::json!("warm-then-free"),
+        ),
+    ];
+    let loaded = config::load(&home, Mode::Gateway, &flags, &sections()).unwrap();
+    assert_eq!(
+        loaded.warnings,
+        [
+            "agentDevice.command is a worker setting; a gateway ignores it",
+            "drivers.ios.xcrun is a worker setting; a gateway ignores it",
+            "idle.shutdownAfterMs is a worker setting; a gateway ignores it",
+        ]
+    );
+    let loaded = config::load(&home, Mode::Worker, &flags, &sections()).unwrap();
+    assert_eq!(
+        loaded.warnings,
+        ["gateway.routing is a gateway setting; a worker ignores it"]
+    );
 }

@@ -16,7 +16,7 @@ use figment::Figment;
 use figment::providers::{Env, Format, Serialized, Toml};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
-use simlock_contract::model::{Mode, Platform};
+use simlock_contract::model::Mode;
 
 pub use section::{
     BOTH, GATEWAY, Section, SectionError, SectionValue, Sections, WORKER, section_value,
@@ -44,15 +44,6 @@ pub struct Config {
     pub lease: LeaseConfig,
     /// The HTTP listener.
     pub http: HttpConfig,
-    /// How many devices may run (worker).
-    pub capacity: CapacityConfig,
-    /// When idle devices are shut down and deleted (worker).
-    pub idle: IdleConfig,
-    /// `device.exec` (worker).
-    pub exec: ExecConfig,
-    /// The built-in virtual devices (worker).
-    #[serde(rename = "virtual")]
-    pub virtual_devices: VirtualConfig,
     /// The uplink (worker: where to dial).
     pub gateway: GatewayUplinkConfig,
     /// The event ring buffer.
@@ -61,10 +52,6 @@ pub struct Config {
     pub log: LogConfig,
     /// Capabilities this worker offers, besides those its modules report (worker).
     pub capabilities: Vec<String>,
-    /// Watching leased devices, and recovering crashed ones (worker).
-    pub health: HealthConfig,
-    /// Devices whose reclaim failed (worker).
-    pub quarantine: QuarantineConfig,
 }
 
 /// `lease.*`.
@@ -126,225 +113,6 @@ pub struct HttpTlsConfig {
     pub cert_file: Option<String>,
     /// The certificate's private key, PEM (PKCS#8, PKCS#1 or SEC1).
     pub key_file: Option<String>,
-}
-
-/// How running slots are counted.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum CapacityStrategy {
-    /// Derived from the machine's CPUs and RAM.
-    Resource,
-    /// A fixed number.
-    Fixed,
-}
-
-/// `capacity.*`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase", default)]
-pub struct CapacityConfig {
-    /// `resource` (default) or `fixed`.
-    pub strategy: CapacityStrategy,
-    /// `fixed`: devices that may run at once, both platforms together (default 2).
-    pub max_running: u32,
-    /// Per-platform caps (`fixed` defaults each to `maxRunning`).
-    pub ios: PlatformLimit,
-    /// Per-platform caps.
-    pub android: PlatformLimit,
-    /// `resource`: RAM one iOS device takes (1.5 GiB).
-    pub ios_bytes_per_device: u64,
-    /// `resource`: RAM one Android device takes (4 GiB).
-    pub android_bytes_per_device: u64,
-}
-
-impl Default for CapacityConfig {
-    fn default() -> Self {
-        Self {
-            strategy: CapacityStrategy::Resource,
-            max_running: 2,
-            ios: PlatformLimit::default(),
-            android: PlatformLimit::default(),
-            ios_bytes_per_device: 1536 * 1024 * 1024,
-            android_bytes_per_device: 4 * 1024 * 1024 * 1024,
-        }
-    }
-}
-
-/// A per-platform cap.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase", default)]
-pub struct PlatformLimit {
-    /// Devices of this platform that may run at once.
-    pub max_running: Option<u32>,
-}
-
-/// `idle.*`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase", default)]
-pub struct IdleConfig {
-    /// An unleased running device is shut down after this long (10 min).
-    pub shutdown_after_ms: u64,
-    /// An unleased device is deleted after this long (1 h).
-    pub delete_after_ms: u64,
-}
-
-impl Default for IdleConfig {
-    fn default() -> Self {
-        Self {
-            shutdown_after_ms: 600_000,
-            delete_after_ms: 3_600_000,
-        }
-    }
-}
-
-/// One tool `device.exec` may run.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct ToolConfig {
-    /// The program.
-    pub command: String,
-    /// Arguments put before the caller's.
-    #[serde(default)]
-    pub args: Vec<String>,
-}
-
-/// `exec.*`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase", default)]
-pub struct ExecConfig {
-    /// A run is stopped after this long (10 min): SIGTERM, then SIGKILL 10 s later.
-    pub timeout_ms: u64,
-    /// The tools exec may run, by the name callers use. None by default.
-    pub tools: BTreeMap<String, ToolConfig>,
-}
-
-impl Default for ExecConfig {
-    fn default() -> Self {
-        Self {
-            timeout_ms: 600_000,
-            tools: BTreeMap::new(),
-        }
-    }
-}
-
-/// One model of the virtual catalog.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct VirtualModel {
-    /// The platform.
-    pub platform: Platform,
-    /// The model's name.
-    pub name: String,
-    /// Other names it answers to.
-    #[serde(default)]
-    pub aliases: Vec<String>,
-    /// The runtimes (OS versions) it runs.
-    pub runtimes: Vec<String>,
-}
-
-/// `virtual.*`: the built-in virtual devices.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase", default)]
-pub struct VirtualConfig {
-    /// How long creating a device takes.
-    pub provision_ms: u64,
-    /// How long booting takes.
-    pub boot_ms: u64,
-    /// How long wiping after a lease takes.
-    pub reclaim_ms: u64,
-    /// The catalog; the default has three iOS models on two runtimes and two Android models
-    /// on two API levels.
-    pub models: Vec<VirtualModel>,
-}
-
-impl Default for VirtualConfig {
-    fn default() -> Self {
-        let model = |platform, name: &str, aliases: &[&str], runtimes: &[&str]| VirtualModel {
-            platform,
-            name: name.into(),
-            aliases: aliases.iter().map(|a| (*a).into()).collect(),
-            runtimes: runtimes.iter().map(|r| (*r).into()).collect(),
-        };
-        Self {
-            provision_ms: 1_500,
-            boot_ms: 1_000,
-            reclaim_ms: 500,
-            models: vec![
-                model(
-                    Platform::Ios,
-                    "iPhone 16",
-                    &["iphone16", "iphone"],
-                    &["18.2", "17.5"],
-                ),
-                model(Platform::Ios, "iPhone 16 Pro", &["iphone16pro"], &["18.2"]),
-                model(
-                    Platform::Ios,
-                    "iPad Air 11-inch (M2)",
-                    &["ipad", "ipad-air"],
-                    &["18.2", "17.5"],
-                ),
-                model(
-                    Platform::Android,
-                    "Pixel 8",
-                    &["pixel8", "pixel"],
-                    &["34", "35"],
-                ),
-                model(Platform::Android, "Pixel 9", &["pixel9"], &["35"]),
-            ],
-        }
-    }
-}
-
-/// `health.*`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase", default)]
-pub struct HealthConfig {
-    /// Watch leased devices at all.
-    pub enabled: bool,
-    /// How often the drivers are asked which devices run (30 s).
-    pub probe_interval_ms: u64,
-    /// Consecutive probes that must see a leased device stopped before it counts as crashed (2).
-    pub stable_observations: u32,
-    /// Boots tried under the lease before it ends with `device-lost` (3).
-    pub max_recovery_attempts: u32,
-    /// The wait before the second boot; doubled for each one after (5 s).
-    pub recovery_backoff_ms: u64,
-}
-
-impl Default for HealthConfig {
-    fn default() -> Self {
-        Self {
-            enabled: true,
-            probe_interval_ms: 30_000,
-            stable_observations: 2,
-            max_recovery_attempts: 3,
-            recovery_backoff_ms: 5_000,
-        }
-    }
-}
-
-/// `quarantine.*`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase", default)]
-pub struct QuarantineConfig {
-    /// Reclaims retried on a quarantined device before it is deleted (3).
-    pub max_retries: u32,
-    /// The wait before the first retry (30 s).
-    pub retry_backoff_ms: u64,
-    /// Each later wait is the one before times this (2).
-    pub retry_backoff_multiplier: u32,
-    /// The longest wait (5 min).
-    pub max_retry_backoff_ms: u64,
-}
-
-impl Default for QuarantineConfig {
-    fn default() -> Self {
-        Self {
-            max_retries: 3,
-            retry_backoff_ms: 30_000,
-            retry_backoff_multiplier: 2,
-            max_retry_backoff_ms: 300_000,
-        }
-    }
 }
 
 /// `gateway.*` as a worker reads them: where its uplink dials. (The gateway's own `gateway.*`
@@ -471,8 +239,6 @@ const WORKER_ONLY_KEYS: &[&str] = &[
     "gateway.label",
     "gateway.caFile",
 ];
-/// Keys holding maps whose entries are the user's own names.
-const OPEN_MAPS: &[&str] = &["exec.tools"];
 
 /// Loads the configuration of a daemon of `mode` from `home`, the process's `SIMLOCK_*`
 /// environment (through figment's [`Env`]) and the flags `overrides` (dotted keys, e.g. `http.port`),
@@ -633,7 +399,7 @@ struct Keys {
 
 impl Keys {
     fn of(sections: &Sections) -> Self {
-        let mut open_maps: Vec<String> = OPEN_MAPS.iter().map(|m| (*m).to_owned()).collect();
+        let mut open_maps: Vec<String> = Vec::new();
         for entry in &sections.entries {
             open_maps.extend(entry.open_maps.iter().map(|m| format!("{}.{m}", entry.key)));
         }
@@ -784,14 +550,6 @@ pub fn validate(config: &Config, mode: Mode) -> Result<(), ConfigError> {
             if config.gateway.ca_file.as_deref() == Some("") {
                 return bad("gateway.caFile must name a file".into());
             }
-            if config.capacity.strategy == CapacityStrategy::Fixed
-                && config.capacity.max_running == 0
-            {
-                return bad("capacity.maxRunning must be above 0".into());
-            }
-            if config.idle.delete_after_ms < config.idle.shutdown_after_ms {
-                return bad("idle.deleteAfterMs is below idle.shutdownAfterMs".into());
-            }
             if let Some(label) = &config.gateway.label
                 && label.chars().count() > simlock_contract::bounds::MAX_LABEL
             {
@@ -807,31 +565,7 @@ pub fn validate(config: &Config, mode: Mode) -> Result<(), ConfigError> {
                     ));
                 }
             }
-            validate_health(config)?;
-            if config.virtual_devices.models.is_empty() {
-                return bad("virtual.models is empty: a worker needs at least one model".into());
-            }
-            for model in &config.virtual_devices.models {
-                if model.runtimes.is_empty() {
-                    return bad(format!("virtual.models: {} has no runtimes", model.name));
-                }
-            }
         }
-    }
-    Ok(())
-}
-
-/// The worker's health and quarantine rules.
-fn validate_health(config: &Config) -> Result<(), ConfigError> {
-    let bad = |msg: String| Err(ConfigError::Invalid(msg));
-    if config.health.probe_interval_ms == 0 {
-        return bad("health.probeIntervalMs must be above 0".into());
-    }
-    if config.health.stable_observations == 0 {
-        return bad("health.stableObservations must be above 0".into());
-    }
-    if config.quarantine.retry_backoff_multiplier == 0 {
-        return bad("quarantine.retryBackoffMultiplier must be above 0".into());
     }
     Ok(())
 }
@@ -1063,7 +797,7 @@ mod tests {
     #[test]
     fn unknown_keys_warn_and_mode_foreign_keys_warn() {
         let loaded = load_with(
-            "[lease]\nmaxTtlMS = 5\n[idle]\nshutdownAfterMs = 1000\ndeleteAfterMs = 2000",
+            "[lease]\nmaxTtlMS = 5\n[gateway]\nlabel = \"mac\"",
             &[],
             Mode::Gateway,
         )
@@ -1077,18 +811,10 @@ mod tests {
             loaded
                 .warnings
                 .iter()
-                .any(|w| w.contains("idle.shutdownAfterMs is a worker setting")),
+                .any(|w| w.contains("gateway.label is a worker setting")),
             "{:?}",
             loaded.warnings
         );
-        let loaded = load_with(
-            "[exec.tools.echo]\ncommand = \"/bin/echo\"",
-            &[],
-            Mode::Worker,
-        )
-        .unwrap();
-        assert!(loaded.warnings.is_empty(), "{:?}", loaded.warnings);
-        assert_eq!(loaded.config.exec.tools["echo"].command, "/bin/echo");
     }
 
     #[test]
@@ -1140,11 +866,11 @@ mod tests {
         config.gateway.token = Some("slk_secret".into());
         let worker = view(&config, &Sections::new(), &[], Mode::Worker);
         assert_eq!(worker.settings["gateway"]["token"], json!("[redacted]"));
-        assert!(worker.settings.contains_key("capacity"));
+        assert!(worker.settings.contains_key("capabilities"));
         let gateway = view(&config, &Sections::new(), &[], Mode::Gateway);
         assert!(
-            !gateway.settings.contains_key("capacity"),
-            "a gateway does not read worker sections"
+            !gateway.settings.contains_key("capabilities"),
+            "a gateway does not read worker keys"
         );
         assert!(
             !gateway.settings.contains_key("gateway"),
@@ -1200,21 +926,6 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("gateway.label"), "{err}");
-    }
-
-    #[test]
-    fn health_and_quarantine_settings_past_their_limits_fail_naming_the_key() {
-        let ok = |toml: &str| load_with(toml, &[], Mode::Worker).is_ok();
-        let err = |toml: &str| load_with(toml, &[], Mode::Worker).unwrap_err().to_string();
-        for (section, key) in [
-            ("health", "probeIntervalMs"),
-            ("health", "stableObservations"),
-            ("quarantine", "retryBackoffMultiplier"),
-        ] {
-            let e = err(&format!("[{section}]\n{key} = 0"));
-            assert!(e.contains(&format!("{section}.{key}")), "{e}");
-            assert!(ok(&format!("[{section}]\n{key} = 1")));
-        }
     }
 
     #[test]
@@ -1308,50 +1019,23 @@ mod tests {
             ("SIMLOCK_LEASE__MAX_TTL_MS", "5000"),
             ("SIMLOCK_LEASE__DEFAULT_TTL_MS", "5000"),
             ("SIMLOCK_HTTP__ENABLED", "true"),
-            ("SIMLOCK_CAPACITY__IOS__MAX_RUNNING", "3"),
             ("SIMLOCK_EVENT_BUFFER__CAPACITY", "7"),
             ("SIMLOCK_CAPABILITIES", r#"["gpu", "agent-device"]"#),
             // Text keys given digits, a float, a quoted word and spaces stay text as given.
             ("SIMLOCK_GATEWAY__LABEL", "007"),
             ("SIMLOCK_HTTP__HOST", "1.5"),
             ("SIMLOCK_LOG__LEVEL", "42"),
-            ("SIMLOCK_CAPACITY__STRATEGY", "fixed"),
         ];
         let loaded = load_with("", &env, Mode::Worker).unwrap();
         assert!(loaded.warnings.is_empty(), "{:?}", loaded.warnings);
         let c = loaded.config;
         assert_eq!((c.lease.max_ttl_ms, c.lease.default_ttl_ms), (5000, 5000));
         assert_eq!(c.http.enabled, Some(true));
-        assert_eq!(c.capacity.ios.max_running, Some(3));
         assert_eq!(c.event_buffer.capacity, 7);
         assert_eq!(c.capabilities, ["gpu", "agent-device"]);
         assert_eq!(c.gateway.label.as_deref(), Some("007"));
         assert_eq!(c.http.host, "1.5");
         assert_eq!(c.log.level, "42");
-        assert_eq!(c.capacity.strategy, CapacityStrategy::Fixed);
-    }
-
-    #[test]
-    fn an_open_map_entry_comes_from_the_environment() {
-        let env = [
-            ("SIMLOCK_EXEC__TOOLS__ECHO__COMMAND", "/bin/echo"),
-            ("SIMLOCK_EXEC__TOOLS__ECHO__ARGS", r#"["-n"]"#),
-        ];
-        let echo = ToolConfig {
-            command: "/bin/echo".into(),
-            args: vec!["-n".into()],
-        };
-        let loaded = load_with("", &env, Mode::Worker).unwrap();
-        assert!(loaded.warnings.is_empty(), "{:?}", loaded.warnings);
-        assert_eq!(loaded.config.exec.tools["echo"], echo);
-        // The whole map as one figment table.
-        let env = [(
-            "SIMLOCK_EXEC__TOOLS",
-            r#"{echo = {command = "/bin/echo", args = ["-n"]}}"#,
-        )];
-        let loaded = load_with("", &env, Mode::Worker).unwrap();
-        assert!(loaded.warnings.is_empty(), "{:?}", loaded.warnings);
-        assert_eq!(loaded.config.exec.tools["echo"], echo);
     }
 
     #[test]
@@ -1363,7 +1047,6 @@ mod tests {
             ("SIMLOCK_HTTP__PORT", "65536", "http.port"),
             ("SIMLOCK_HTTP__ENABLED", "yes", "http.enabled"),
             ("SIMLOCK_CAPABILITIES", "gpu", "capabilities"),
-            ("SIMLOCK_CAPACITY__STRATEGY", "lots", "capacity.strategy"),
         ] {
             let err = load_with("", &[(name, value)], Mode::Worker)
                 .unwrap_err()

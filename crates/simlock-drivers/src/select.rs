@@ -14,8 +14,8 @@ use simlock_contract::ids::DeviceId;
 use simlock_contract::model::{
     DeviceAccess, DeviceSpec, DriverKind, DriverStatus, Platform, PlatformCatalog,
 };
+use simlock_core::config::VirtualConfig;
 use simlock_core::{Adopted, Driver, DriverError, Estimates, Keep, Observation, VirtualDriver};
-use simlock_daemon::config::VirtualConfig;
 
 use crate::config::{DriverChoice, DriversConfig};
 use tracing::{info, warn};

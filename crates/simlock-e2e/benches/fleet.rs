@@ -27,7 +27,7 @@ use serde_json::json;
 use simlock_client::{Client, ConnectOptions};
 use simlock_contract::model::Platform;
 use simlock_contract::ops::LeaseRequestInput;
-use simlock_daemon::config::CapacityStrategy;
+use simlock_core::config::CapacityStrategy;
 use simlock_e2e::{TestFleet, gateway_config, session};
 use simlock_fleet::state::sim;
 use simlock_worker::WorkerConfig;
@@ -75,11 +75,11 @@ fn main() -> BenchResult<()> {
 /// A worker whose virtual devices take no time, with room for every agent.
 fn worker_config() -> WorkerConfig {
     let mut config = WorkerConfig::default();
-    config.daemon.capacity.strategy = CapacityStrategy::Fixed;
-    config.daemon.capacity.max_running = u32::try_from(AGENTS).unwrap();
-    config.daemon.virtual_devices.provision_ms = 0;
-    config.daemon.virtual_devices.boot_ms = 0;
-    config.daemon.virtual_devices.reclaim_ms = 0;
+    config.capacity.strategy = CapacityStrategy::Fixed;
+    config.capacity.max_running = u32::try_from(AGENTS).unwrap();
+    config.virtual_devices.provision_ms = 0;
+    config.virtual_devices.boot_ms = 0;
+    config.virtual_devices.reclaim_ms = 0;
     config
 }
 

@@ -19,7 +19,7 @@ use std::time::Duration;
 use serde_json::{Value, json};
 use simlock_contract::model::{Connection, WorkerView};
 use simlock_contract::{ContractError, Hello, PROTOCOL_RANGE};
-use simlock_daemon::config::CapacityStrategy;
+use simlock_core::config::CapacityStrategy;
 use simlock_daemon::home::Home;
 use simlock_drivers::DriverChoice;
 use simlock_gateway::{GatewayConfig, GatewayOptions, RunningGateway};
@@ -37,11 +37,11 @@ pub fn worker_config(max_running: u32) -> WorkerConfig {
     let mut config = WorkerConfig::default();
     config.drivers.ios.driver = DriverChoice::Virtual;
     config.drivers.android.driver = DriverChoice::Virtual;
-    config.daemon.capacity.strategy = CapacityStrategy::Fixed;
-    config.daemon.capacity.max_running = max_running;
-    config.daemon.virtual_devices.provision_ms = 20;
-    config.daemon.virtual_devices.boot_ms = 20;
-    config.daemon.virtual_devices.reclaim_ms = 10;
+    config.capacity.strategy = CapacityStrategy::Fixed;
+    config.capacity.max_running = max_running;
+    config.virtual_devices.provision_ms = 20;
+    config.virtual_devices.boot_ms = 20;
+    config.virtual_devices.reclaim_ms = 10;
     config
 }
 

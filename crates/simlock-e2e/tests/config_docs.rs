@@ -17,7 +17,8 @@ use std::path::{Path, PathBuf};
 
 use serde_json::Value;
 use simlock_contract::model::Mode;
-use simlock_daemon::config::{self, Sections, VirtualConfig};
+use simlock_core::config::VirtualConfig;
+use simlock_daemon::config::{self, Sections};
 use simlock_gateway::GatewayConfig;
 use simlock_worker::WorkerConfig;
 

@@ -18,7 +18,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use simlock_contract::model::{DeviceAccess, Platform};
-use simlock_daemon::config::CapacityStrategy;
+use simlock_core::config::CapacityStrategy;
 use simlock_daemon::home::Home;
 use simlock_drivers::DriverChoice;
 use simlock_worker::WorkerConfig;
@@ -49,8 +49,8 @@ async fn check(platform: Platform) {
     let dir = tempfile::tempdir().unwrap();
     let home = Home::at(dir.path().join("home"));
     let mut config = WorkerConfig::default();
-    config.daemon.capacity.strategy = CapacityStrategy::Fixed;
-    config.daemon.capacity.max_running = 1;
+    config.capacity.strategy = CapacityStrategy::Fixed;
+    config.capacity.max_running = 1;
     config.drivers.ios.driver = DriverChoice::Virtual;
     config.drivers.android.driver = DriverChoice::Virtual;
     match platform {

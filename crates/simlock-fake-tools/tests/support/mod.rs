@@ -10,7 +10,7 @@ use simlock_client::{Client, ConnectOptions, EventFollow, FollowItem, LeaseNotic
 use simlock_contract::model::{DeviceAccess, DeviceState, EventEnvelope, LeaseGrant, Platform};
 use simlock_contract::ops::{LeaseRequestInput, ListKind, ListOutput};
 use simlock_contract::{ContractError, Operation};
-use simlock_daemon::config::CapacityStrategy;
+use simlock_core::config::CapacityStrategy;
 use simlock_daemon::home::Home;
 use simlock_drivers::DriverChoice;
 use simlock_fake_tools::{FakeMachine, Profile, Tools};
@@ -66,13 +66,13 @@ impl Rig {
             FakeMachine::create(&dir.path().join("machine"), &tools(), &Profile::default());
         let home = Home::at(dir.path().join("home"));
         let mut config = WorkerConfig::default();
-        config.daemon.capacity.strategy = CapacityStrategy::Fixed;
-        config.daemon.capacity.max_running = 8;
-        config.daemon.health.probe_interval_ms = 100;
-        config.daemon.health.recovery_backoff_ms = 50;
-        config.daemon.quarantine.retry_backoff_ms = 100;
-        config.daemon.quarantine.max_retry_backoff_ms = 400;
-        config.daemon.quarantine.max_retries = 2;
+        config.capacity.strategy = CapacityStrategy::Fixed;
+        config.capacity.max_running = 8;
+        config.health.probe_interval_ms = 100;
+        config.health.recovery_backoff_ms = 50;
+        config.quarantine.retry_backoff_ms = 100;
+        config.quarantine.max_retry_backoff_ms = 400;
+        config.quarantine.max_retries = 2;
         config.drivers.ios.driver = DriverChoice::Virtual;
         config.drivers.android.driver = DriverChoice::Virtual;
         match platform {
