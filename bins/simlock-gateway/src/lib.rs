@@ -12,7 +12,7 @@ use agent_device_front::{AgentDeviceConfig, Front, FrontOptions};
 use simlock_contract::model::{LeaseLimits, Mode};
 use simlock_contract::ops::ConfigView;
 use simlock_daemon::clock::SharedClock;
-use simlock_daemon::config::{self, Config, ConfigError, Loaded, Sections};
+use simlock_daemon::config::{self, ConfigError, DaemonConfig, Loaded, Sections};
 use simlock_daemon::home::Home;
 use simlock_daemon::http::Mount;
 use simlock_daemon::runtime::{Base, Running, StartError};
@@ -35,7 +35,7 @@ pub fn sections() -> Sections {
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct GatewayConfig {
     /// The daemon's own section (`lease`, `http`, `log`, `eventBuffer`).
-    pub daemon: Config,
+    pub daemon: DaemonConfig,
     /// `agentDevice.*` (the front's).
     pub agent_device: AgentDeviceConfig,
     /// The fleet's `gateway.*`.

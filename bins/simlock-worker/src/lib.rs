@@ -17,7 +17,7 @@ use simlock_core::config::{
 };
 use simlock_core::{SystemFacts, Worker, WorkerParts};
 use simlock_daemon::clock::SharedClock;
-use simlock_daemon::config::{self, Config, ConfigError, Loaded, Sections};
+use simlock_daemon::config::{self, ConfigError, DaemonConfig, Loaded, Sections};
 use simlock_daemon::home::Home;
 use simlock_daemon::runtime::{Base, Running, StartError};
 use simlock_daemon::uplink::{self, UplinkConfig, UplinkState};
@@ -42,7 +42,7 @@ pub fn sections() -> Sections {
 pub struct WorkerConfig {
     /// The daemon's own section (`lease`, `http`, `log`, `eventBuffer`, `capabilities`, the
     /// uplink's `gateway.*`).
-    pub daemon: Config,
+    pub daemon: DaemonConfig,
     /// `capacity.*` (the core's).
     pub capacity: CapacityConfig,
     /// `idle.*` (the core's).

@@ -4,7 +4,7 @@
 
 use serde::{Deserialize, Serialize};
 use simlock_contract::model::Mode;
-use simlock_daemon::config::{BOTH, Config, Section, SectionError};
+use simlock_daemon::config::{BOTH, DaemonConfig, Section, SectionError};
 
 /// The shortest lease agent-device 0.21.5 takes (its `ttlMs` bounds are 5 000–600 000 ms).
 pub const AGENT_DEVICE_MIN_TTL_MS: u64 = 5_000;
@@ -28,7 +28,7 @@ impl Section for AgentDeviceConfig {
     const MODES: &'static [Mode] = BOTH;
     const ONLY: &'static [(&'static str, Mode)] = &[("command", Mode::Worker)];
 
-    fn check(&self, daemon: &Config, mode: Mode) -> Result<(), SectionError> {
+    fn check(&self, daemon: &DaemonConfig, mode: Mode) -> Result<(), SectionError> {
         let max_ttl_ms = daemon.lease.max_ttl_ms;
         if let Some(cap) = self.lease_ttl_cap_ms {
             if cap < AGENT_DEVICE_MIN_TTL_MS {

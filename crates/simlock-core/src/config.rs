@@ -6,7 +6,9 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 use simlock_contract::model::{Mode, Platform};
-use simlock_daemon::config::{Config, Section, SectionError, SectionValue, WORKER, section_value};
+use simlock_daemon::config::{
+    DaemonConfig, Section, SectionError, SectionValue, WORKER, section_value,
+};
 
 /// The core's sections together, as a worker is started with them.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -292,7 +294,7 @@ impl Section for CapacityConfig {
     const KEY: &'static str = "capacity";
     const MODES: &'static [Mode] = WORKER;
 
-    fn check(&self, _daemon: &Config, _mode: Mode) -> Result<(), SectionError> {
+    fn check(&self, _daemon: &DaemonConfig, _mode: Mode) -> Result<(), SectionError> {
         if self.strategy == CapacityStrategy::Fixed && self.max_running == 0 {
             return Err(SectionError::new("capacity.maxRunning must be above 0"));
         }
@@ -304,7 +306,7 @@ impl Section for IdleConfig {
     const KEY: &'static str = "idle";
     const MODES: &'static [Mode] = WORKER;
 
-    fn check(&self, _daemon: &Config, _mode: Mode) -> Result<(), SectionError> {
+    fn check(&self, _daemon: &DaemonConfig, _mode: Mode) -> Result<(), SectionError> {
         if self.delete_after_ms < self.shutdown_after_ms {
             return Err(SectionError::new(
                 "idle.deleteAfterMs is below idle.shutdownAfterMs",
@@ -324,7 +326,7 @@ impl Section for VirtualConfig {
     const KEY: &'static str = "virtual";
     const MODES: &'static [Mode] = WORKER;
 
-    fn check(&self, _daemon: &Config, _mode: Mode) -> Result<(), SectionError> {
+    fn check(&self, _daemon: &DaemonConfig, _mode: Mode) -> Result<(), SectionError> {
         if self.models.is_empty() {
             return Err(SectionError::new(
                 "virtual.models is empty: a worker needs at least one model",
@@ -346,7 +348,7 @@ impl Section for HealthConfig {
     const KEY: &'static str = "health";
     const MODES: &'static [Mode] = WORKER;
 
-    fn check(&self, _daemon: &Config, _mode: Mode) -> Result<(), SectionError> {
+    fn check(&self, _daemon: &DaemonConfig, _mode: Mode) -> Result<(), SectionError> {
         if self.probe_interval_ms == 0 {
             return Err(SectionError::new("health.probeIntervalMs must be above 0"));
         }
@@ -363,7 +365,7 @@ impl Section for QuarantineConfig {
     const KEY: &'static str = "quarantine";
     const MODES: &'static [Mode] = WORKER;
 
-    fn check(&self, _daemon: &Config, _mode: Mode) -> Result<(), SectionError> {
+    fn check(&self, _daemon: &DaemonConfig, _mode: Mode) -> Result<(), SectionError> {
         if self.retry_backoff_multiplier == 0 {
             return Err(SectionError::new(
                 "quarantine.retryBackoffMultiplier must be above 0",
@@ -449,8 +451,12 @@ mod tests {
         assert_eq!(config.exec, exec);
         let values = config.values();
         assert_eq!(values.len(), 6);
-        let view =
-            simlock_daemon::config::view(&Config::default(), &sections(), &values, Mode::Worker);
+        let view = simlock_daemon::config::view(
+            &DaemonConfig::default(),
+            &sections(),
+            &values,
+            Mode::Worker,
+        );
         assert_eq!(
             view.settings["exec"]["tools"]["echo"]["command"],
             json!("/bin/echo")

@@ -27,7 +27,7 @@ use simlock_contract::ops::{
 use simlock_contract::protocol::Role;
 use simlock_contract::push::Push;
 use simlock_daemon::clock::instant_at;
-use simlock_daemon::config::{self, Config};
+use simlock_daemon::config::{self, DaemonConfig};
 use simlock_daemon::runtime::Base;
 use simlock_daemon::{
     CallCtx, Capabilities, Database, EventBus, Presence, SharedClock, StartupGate,
@@ -52,7 +52,7 @@ use crate::system::{HostSystem, SystemFacts};
 #[derive(Clone)]
 pub struct WorkerParts {
     /// The daemon's own configuration section (`lease`, `capabilities`, the uplink's label).
-    pub config: Config,
+    pub config: DaemonConfig,
     /// The core's sections.
     pub core: CoreConfig,
     /// `config.get`'s answer: every section the worker was started with, as the binary that
@@ -148,7 +148,7 @@ pub struct Worker {
     me: Weak<Self>,
     shared: Mutex<Shared>,
     settings: Settings,
-    config: Config,
+    config: DaemonConfig,
     core: CoreConfig,
     config_view: ConfigView,
     catalog: Catalog,
@@ -304,7 +304,7 @@ impl Worker {
     }
 
     /// The configuration the worker runs with.
-    pub const fn config(&self) -> &Config {
+    pub const fn config(&self) -> &DaemonConfig {
         &self.config
     }
 

@@ -2,6 +2,10 @@
 //! command-line flags. Keys keep the original's names (`lease.maxTtlMs`, `gateway.url`, …).
 //! Unknown keys are warned about; a bad value fails start-up naming the key.
 //!
+//! The daemon owns the loader, the layering, the one list of known keys and its own section
+//! ([`DaemonConfig`]); every other section is a [`Section`] of the crate that reads it, which the
+//! binaries register ([`Sections`], ADR 0026).
+//!
 //! An environment variable names a key in upper snake case with `__` between sections:
 //! `SIMLOCK_LEASE__MAX_TTL_MS=60000` sets `lease.maxTtlMs`. Figment's own [`Env`] provider reads
 //! them; a text key's value is taken as it is.
@@ -36,10 +40,12 @@ const NOT_CONFIG_ENV: &[&str] = &[
     "SIMLOCK_LOG",
 ];
 
-/// The whole configuration of a daemon.
+/// The daemon's own section: the keys the daemon runtime reads itself (its listener, logging,
+/// event buffer, lease limits and request book, a worker's capabilities and uplink). Every other
+/// section is a [`Section`] of the crate that reads it.
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", default)]
-pub struct Config {
+pub struct DaemonConfig {
     /// Lease limits.
     pub lease: LeaseConfig,
     /// The HTTP listener.
@@ -180,7 +186,7 @@ pub enum ConfigError {
 #[derive(Clone)]
 pub struct Loaded {
     /// The daemon's own section.
-    pub config: Config,
+    pub config: DaemonConfig,
     /// Unknown keys, and keys this daemon mode ignores.
     pub warnings: Vec<String>,
     /// Every registered section, as loaded.
@@ -292,7 +298,7 @@ fn load_layers(
     mode: Mode,
     sections: &Sections,
 ) -> Result<Loaded, ConfigError> {
-    let mut figment = Figment::from(Serialized::defaults(Config::default()));
+    let mut figment = Figment::from(Serialized::defaults(DaemonConfig::default()));
     for (table, value) in sections.defaults() {
         figment = figment.merge(Serialized::default(&table, value));
     }
@@ -318,7 +324,7 @@ fn load_layers(
             provided.push(table);
         }
     }
-    let config: Config = figment
+    let config: DaemonConfig = figment
         .extract()
         .map_err(|e| ConfigError::Invalid(describe(&e)))?;
     let mut held = Vec::new();
@@ -404,7 +410,7 @@ impl Keys {
             open_maps.extend(entry.open_maps.iter().map(|m| format!("{}.{m}", entry.key)));
         }
         let mut known = BTreeMap::new();
-        if let Ok(defaults) = serde_json::to_value(Config::default()) {
+        if let Ok(defaults) = serde_json::to_value(DaemonConfig::default()) {
             let mut leaves = Vec::new();
             leaf_keys(&defaults, "", &open_maps, &mut leaves);
             for key in leaves {
@@ -457,7 +463,7 @@ impl Keys {
 /// token redacted. `values` are the registered sections this daemon was started with (see
 /// [`section_value`]); a registered section left out shows its defaults.
 pub fn view(
-    config: &Config,
+    config: &DaemonConfig,
     sections: &Sections,
     values: &[SectionValue],
     mode: Mode,
@@ -500,7 +506,7 @@ pub fn view(
 ///
 /// # Errors
 /// A message naming the keys.
-pub fn validate(config: &Config, mode: Mode) -> Result<(), ConfigError> {
+pub fn validate(config: &DaemonConfig, mode: Mode) -> Result<(), ConfigError> {
     let bad = |msg: String| Err(ConfigError::Invalid(msg));
     if config.lease.default_ttl_ms == 0 || config.lease.max_ttl_ms == 0 {
         return bad("lease.defaultTtlMs and lease.maxTtlMs must be above 0".into());
@@ -659,7 +665,7 @@ const OPTIONAL_TEXT_KEYS: &[&str] = &[
 /// sections' [`Section::TEXT_KEYS`].
 fn text_keys(sections: &Sections) -> Vec<String> {
     let mut keys = Vec::new();
-    if let Ok(Value::Object(mut defaults)) = serde_json::to_value(Config::default()) {
+    if let Ok(Value::Object(mut defaults)) = serde_json::to_value(DaemonConfig::default()) {
         for (table, value) in sections.defaults() {
             merge_into(&mut defaults, &table, value);
         }
@@ -770,7 +776,7 @@ mod tests {
     #[test]
     fn defaults_load_without_a_file() {
         let loaded = load_with("", &[], Mode::Worker).unwrap();
-        assert_eq!(loaded.config, Config::default());
+        assert_eq!(loaded.config, DaemonConfig::default());
         assert!(loaded.warnings.is_empty());
         assert_eq!(loaded.config.lease.max_ttl_ms, 14_400_000);
     }
@@ -862,7 +868,7 @@ mod tests {
 
     #[test]
     fn the_view_redacts_the_join_token_and_keeps_a_gateways_own_sections() {
-        let mut config = Config::default();
+        let mut config = DaemonConfig::default();
         config.gateway.token = Some("slk_secret".into());
         let worker = view(&config, &Sections::new(), &[], Mode::Worker);
         assert_eq!(worker.settings["gateway"]["token"], json!("[redacted]"));
@@ -1077,7 +1083,7 @@ mod tests {
             ("Simlock_HTTP__PORT", "1"),
         ];
         let loaded = load_with("", &env, Mode::Worker).unwrap();
-        assert_eq!(loaded.config, Config::default());
+        assert_eq!(loaded.config, DaemonConfig::default());
         assert!(loaded.warnings.is_empty(), "{:?}", loaded.warnings);
         // A name inside a section that is no key is warned about, as a file's would be.
         let loaded = load_with("", &[("SIMLOCK_LEASE__MAX_TTL_MX", "5")], Mode::Worker).unwrap();
@@ -1148,7 +1154,7 @@ mod section_tests {
         const MODES: &'static [Mode] = WORKER;
         const TEXT_KEYS: &'static [&'static str] = &["path"];
 
-        fn check(&self, daemon: &Config, _mode: Mode) -> Result<(), SectionError> {
+        fn check(&self, daemon: &DaemonConfig, _mode: Mode) -> Result<(), SectionError> {
             if self.limit == 0 {
                 return Err(SectionError::new("probe.limit must be above 0"));
             }
@@ -1208,7 +1214,7 @@ mod section_tests {
         assert_eq!(loaded.section::<Probe>().unwrap().limit, 5);
         assert!(loaded.section::<Shared>().unwrap().mirror);
         // The daemon's own keys are known beside them.
-        assert_eq!(loaded.config, Config::default());
+        assert_eq!(loaded.config, DaemonConfig::default());
         let loaded = load_text("[probe]\nlimitt = 5", Mode::Worker, &registered()).unwrap();
         assert_eq!(
             loaded.warnings,
@@ -1305,12 +1311,17 @@ mod section_tests {
             path: None,
         };
         let values = [section_value(&probe)];
-        let worker = view(&Config::default(), &registered(), &values, Mode::Worker);
+        let worker = view(
+            &DaemonConfig::default(),
+            &registered(),
+            &values,
+            Mode::Worker,
+        );
         assert_eq!(worker.settings["probe"], json!({"limit": 7, "path": null}));
         // Sections sharing a table are merged; one left out shows its defaults.
         assert_eq!(worker.settings["gateway"]["mirror"], json!(false));
         assert_eq!(worker.settings["gateway"]["policy"], json!("first"));
-        let mut config = Config::default();
+        let mut config = DaemonConfig::default();
         config.gateway.token = Some("slk_secret".into());
         let gateway = view(&config, &registered(), &values, Mode::Gateway);
         assert!(!gateway.settings.contains_key("probe"));

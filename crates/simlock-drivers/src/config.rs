@@ -3,7 +3,7 @@
 
 use serde::{Deserialize, Serialize};
 use simlock_contract::model::Mode;
-use simlock_daemon::config::{Config, Section, SectionError, WORKER};
+use simlock_daemon::config::{DaemonConfig, Section, SectionError, WORKER};
 
 /// Which driver serves a platform.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -106,7 +106,7 @@ impl Section for DriversConfig {
     const TEXT_KEYS: &'static [&'static str] =
         &["ios.deviceSet", "android.sdkRoot", "android.avdHome"];
 
-    fn check(&self, _daemon: &Config, _mode: Mode) -> Result<(), SectionError> {
+    fn check(&self, _daemon: &DaemonConfig, _mode: Mode) -> Result<(), SectionError> {
         let bad = |msg: String| Err(SectionError::new(msg));
         let (ios, android) = (&self.ios, &self.android);
         if ios.driver == DriverChoice::AndroidSdk {

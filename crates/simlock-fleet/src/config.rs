@@ -4,7 +4,7 @@
 
 use serde::{Deserialize, Serialize};
 use simlock_contract::model::Mode;
-use simlock_daemon::config::{Config, GATEWAY, Section, SectionError};
+use simlock_daemon::config::{DaemonConfig, GATEWAY, Section, SectionError};
 
 /// The only routing policy.
 pub const WARM_THEN_FREE: &str = "warm-then-free";
@@ -38,7 +38,7 @@ impl Section for FleetConfig {
     const KEY: &'static str = "gateway";
     const MODES: &'static [Mode] = GATEWAY;
 
-    fn check(&self, _daemon: &Config, _mode: Mode) -> Result<(), SectionError> {
+    fn check(&self, _daemon: &DaemonConfig, _mode: Mode) -> Result<(), SectionError> {
         if self.routing != WARM_THEN_FREE {
             return Err(SectionError::new(format!(
                 "gateway.routing: unknown policy {:?} (only warm-then-free)",

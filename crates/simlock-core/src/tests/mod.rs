@@ -21,7 +21,7 @@ use simlock_contract::model::{
 };
 use simlock_contract::ops::{LeaseRequest, LeaseRequestInput};
 use simlock_contract::{ContractError, Operation, Push, Role};
-use simlock_daemon::config::Config;
+use simlock_daemon::config::DaemonConfig;
 
 use crate::config::{CapacityStrategy, CoreConfig, ToolConfig};
 use simlock_daemon::pipeline::Greeter;
@@ -54,7 +54,7 @@ impl Greeter for TestGreeter {
 /// A worker's configuration in tests: the daemon's section and the core's.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct TestConfig {
-    pub daemon: Config,
+    pub daemon: DaemonConfig,
     pub core: CoreConfig,
 }
 

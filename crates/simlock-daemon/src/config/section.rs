@@ -16,7 +16,7 @@ use serde::de::DeserializeOwned;
 use serde_json::Value;
 use simlock_contract::model::Mode;
 
-use super::Config;
+use super::DaemonConfig;
 
 /// Both daemons read the section.
 pub const BOTH: &[Mode] = &[Mode::Worker, Mode::Gateway];
@@ -50,7 +50,7 @@ pub trait Section: Serialize + DeserializeOwned + Default + Clone + Send + Sync 
     ///
     /// # Errors
     /// A [`SectionError`] naming the keys it refuses.
-    fn check(&self, daemon: &Config, mode: Mode) -> Result<(), SectionError> {
+    fn check(&self, daemon: &DaemonConfig, mode: Mode) -> Result<(), SectionError> {
         let _ = (daemon, mode);
         Ok(())
     }
@@ -89,7 +89,7 @@ pub(super) struct Entry {
     pub(super) type_name: &'static str,
     pub(super) defaults: fn() -> Value,
     pub(super) extract: fn(&Figment) -> Result<Held, Box<figment::Error>>,
-    pub(super) check: fn(&Held, &Config, Mode) -> Result<(), SectionError>,
+    pub(super) check: fn(&Held, &DaemonConfig, Mode) -> Result<(), SectionError>,
     pub(super) value: fn(&Held) -> Value,
 }
 
@@ -179,7 +179,7 @@ impl Sections {
     /// The whole default configuration: the daemon's own section and every registered
     /// section's defaults.
     pub fn default_values(&self) -> Value {
-        let mut all = match serde_json::to_value(Config::default()) {
+        let mut all = match serde_json::to_value(DaemonConfig::default()) {
             Ok(Value::Object(map)) => map,
             _ => serde_json::Map::new(),
         };
