@@ -1250,6 +1250,13 @@ mod section_tests {
             .unwrap_err()
             .to_string();
         assert_eq!(err, "configuration: probe.limit must be above 0");
+        // A section's table given as something else fails naming it, on either daemon.
+        for mode in [Mode::Worker, Mode::Gateway] {
+            let err = load_text("probe = 5", mode, &registered())
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains("probe: invalid type"), "{err}");
+        }
         assert!(
             load_text("[probe]\nlimit = 1", Mode::Worker, &registered()).is_ok(),
             "one past the bound"

@@ -105,6 +105,14 @@ impl Entry {
             type_name: std::any::type_name::<S>(),
             defaults: || serde_json::to_value(S::default()).unwrap_or(Value::Null),
             extract: |figment| {
+                // A focus on a value that is no table would read as the defaults.
+                if let Ok(value) = figment.find_value(S::KEY)
+                    && value.as_dict().is_none()
+                {
+                    return Err(Box::new(figment::Error::from(
+                        figment::error::Kind::InvalidType(value.to_actual(), "a table".into()),
+                    )));
+                }
                 // Focused, an error's path is below the table; the loader puts the table first.
                 let section: S = figment.focus(S::KEY).extract().map_err(Box::new)?;
                 Ok(Arc::new(section))
