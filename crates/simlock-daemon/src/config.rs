@@ -236,9 +236,10 @@ impl Loaded {
     }
 }
 
-/// Keys a gateway reads; every other key is warned about and ignored there.
+/// The tables of the daemon's own section a gateway reads (less [`WORKER_ONLY_KEYS`]); its
+/// other keys are a worker's.
 const GATEWAY_SECTIONS: &[&str] = &["lease", "http", "gateway", "eventBuffer", "log"];
-/// Keys only a worker reads.
+/// Keys of the daemon's own section only a worker reads.
 const WORKER_ONLY_KEYS: &[&str] = &[
     "gateway.url",
     "gateway.token",
