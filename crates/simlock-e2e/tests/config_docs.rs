@@ -174,6 +174,24 @@ fn every_configuration_key_has_a_row_and_every_row_is_a_key() {
 }
 
 #[test]
+fn the_read_by_column_is_the_daemons_that_read_each_key() {
+    let doc = config_doc();
+    let sections = sections(Mode::Worker);
+    let rows = table(&doc, KEY_TABLE);
+    assert!(!rows.is_empty());
+    for row in rows {
+        let key = first_code(row[0]).unwrap();
+        let expected = match sections.modes_of(key).unwrap_or_default().as_slice() {
+            [Mode::Worker, Mode::Gateway] => "both",
+            [Mode::Worker] => "worker",
+            [Mode::Gateway] => "gateway",
+            other => panic!("{key} is read by {other:?}"),
+        };
+        assert_eq!(row[3], expected, "{key}: read by");
+    }
+}
+
+#[test]
 fn documented_defaults_are_the_real_defaults() {
     let doc = config_doc();
     let defaults = defaults();

@@ -184,6 +184,12 @@ impl Sections {
         super::Keys::of(self).known.into_keys().collect()
     }
 
+    /// The daemons that read `key` (one of [`Sections::keys`], or an entry of an open map),
+    /// `None` when it is no key.
+    pub fn modes_of(&self, key: &str) -> Option<Vec<Mode>> {
+        super::Keys::of(self).modes(key)
+    }
+
     /// The whole default configuration: the daemon's own section and every registered
     /// section's defaults.
     pub fn default_values(&self) -> Value {
