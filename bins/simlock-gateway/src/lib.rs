@@ -7,17 +7,63 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use agent_device_front::placements::DbPlacements;
-use agent_device_front::{Front, FrontOptions};
+use agent_device_front::{AgentDeviceConfig, Front, FrontOptions};
 
 use simlock_contract::model::{LeaseLimits, Mode};
+use simlock_contract::ops::ConfigView;
 use simlock_daemon::clock::SharedClock;
-use simlock_daemon::config::Config;
+use simlock_daemon::config::{self, ConfigError, DaemonConfig, Loaded, Sections};
 use simlock_daemon::home::Home;
 use simlock_daemon::http::Mount;
 use simlock_daemon::runtime::{Base, Running, StartError};
 use simlock_fleet::uplink::UplinkMount;
-use simlock_fleet::{Fleet, FleetParts, FleetTiming, handlers};
+use simlock_fleet::{Fleet, FleetConfig, FleetParts, FleetTiming, handlers};
 use simlock_relay_gateway::{GatewayRelay, RelayOptions};
+
+/// Every configuration section of simlock, as a gateway registers them: those it reads (the
+/// fleet's, the agent-device front's) and those only a worker reads, so their keys are warned
+/// about as a worker's. The worker registers the same list.
+pub fn sections() -> Sections {
+    simlock_core::CoreConfig::register(Sections::new())
+        .with::<AgentDeviceConfig>()
+        .with::<FleetConfig>()
+        .with::<simlock_drivers::DriversConfig>()
+}
+
+/// A gateway's configuration: the daemon's own section and the sections of the crates a gateway
+/// composes, each typed by the crate that reads it.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct GatewayConfig {
+    /// The daemon's own section (`lease`, `http`, `log`, `eventBuffer`).
+    pub daemon: DaemonConfig,
+    /// `agentDevice.*` (the front's).
+    pub agent_device: AgentDeviceConfig,
+    /// The fleet's `gateway.*`.
+    pub fleet: FleetConfig,
+}
+
+impl GatewayConfig {
+    /// The sections of `loaded` (loaded with [`sections`]).
+    ///
+    /// # Errors
+    /// A section that was not registered.
+    pub fn from_loaded(loaded: &Loaded) -> Result<Self, ConfigError> {
+        Ok(Self {
+            daemon: loaded.config.clone(),
+            agent_device: loaded.section()?,
+            fleet: loaded.section()?,
+        })
+    }
+
+    /// `config.get`'s answer.
+    pub fn view(&self) -> ConfigView {
+        let values = [
+            config::section_value(&self.agent_device),
+            config::section_value(&self.fleet),
+        ];
+        config::view(&self.daemon, &sections(), &values, Mode::Gateway)
+    }
+}
 
 /// What a gateway is started with.
 #[derive(Debug, Clone)]
@@ -25,7 +71,7 @@ pub struct GatewayOptions {
     /// Its home.
     pub home: Home,
     /// Its configuration (already loaded and validated).
-    pub config: Config,
+    pub config: GatewayConfig,
     /// Its version.
     pub version: String,
     /// Time, for tests; the system's otherwise.
@@ -41,7 +87,7 @@ pub struct GatewayOptions {
 
 impl GatewayOptions {
     /// Options with the given home and configuration.
-    pub fn new(home: Home, config: Config) -> Self {
+    pub fn new(home: Home, config: GatewayConfig) -> Self {
         Self {
             home,
             config,
@@ -75,10 +121,12 @@ pub struct RunningGateway {
 pub async fn start(options: GatewayOptions) -> Result<RunningGateway, StartError> {
     let timing = options
         .timing
-        .unwrap_or_else(|| FleetTiming::from_config(&options.config));
+        .unwrap_or_else(|| FleetTiming::from_config(&options.config.fleet));
+    let config_view = options.config.view();
+    let agent_device_config = options.config.agent_device.clone();
     let base = Base::open(
         options.home,
-        options.config,
+        options.config.daemon,
         Mode::Gateway,
         options.version,
         options.clock,
@@ -97,7 +145,7 @@ pub async fn start(options: GatewayOptions) -> Result<RunningGateway, StartError
         presence: base.presence.clone(),
     })?;
     let mut router = base.router();
-    handlers::register(&mut router, &fleet, &base.gate, &base.config, &base.version);
+    handlers::register(&mut router, &fleet, &base.gate, config_view, &base.version);
     simlock_daemon::pipeline::check_complete(&router, &simlock_daemon::pipeline::all_operations())
         .map_err(StartError::Domain)?;
     let uplink: Arc<dyn Mount> = UplinkMount::new(fleet.clone(), base.tokens.clone());
@@ -112,7 +160,6 @@ pub async fn start(options: GatewayOptions) -> Result<RunningGateway, StartError
         },
     );
     let stop = tokio_util::sync::CancellationToken::new();
-    let agent_device_config = base.config.agent_device.clone();
     let (tokens, max_ttl_ms) = (base.tokens.clone(), base.config.lease.max_ttl_ms);
     let link = if agent_device_config.enabled {
         let port = agent_device::GatewayFleetPort::new(fleet.clone(), relay.clone());

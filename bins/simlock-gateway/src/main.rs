@@ -7,8 +7,8 @@ use clap::Parser;
 use simlock_contract::model::Mode;
 use simlock_daemon::home::Home;
 use simlock_daemon::launch::{self, EXIT_CONFIG};
-use simlock_daemon::runtime::Running;
-use simlock_gateway::{GatewayOptions, RunningGateway, start};
+use simlock_daemon::runtime::{Running, StartError};
+use simlock_gateway::{GatewayConfig, GatewayOptions, RunningGateway, start};
 
 /// simlock-gateway: one URL for a fleet of simlock workers.
 #[derive(Debug, Parser)]
@@ -39,7 +39,8 @@ fn main() -> ExitCode {
     if let Some(host) = args.host {
         overrides.push(("http.host".to_owned(), serde_json::json!(host)));
     }
-    match launch::parse_sets(&args.set) {
+    let sections = simlock_gateway::sections();
+    match launch::parse_sets(&args.set, &sections) {
         Ok(sets) => overrides.extend(sets),
         Err(e) => {
             eprintln!("simlock-gateway: {e}");
@@ -51,7 +52,12 @@ fn main() -> ExitCode {
         Mode::Gateway,
         home,
         &overrides,
-        |home, config| async move { start(GatewayOptions::new(home, config)).await.map(Gateway) },
+        &sections,
+        |home, loaded| async move {
+            let config = GatewayConfig::from_loaded(&loaded)
+                .map_err(|e| StartError::Domain(e.to_string()))?;
+            start(GatewayOptions::new(home, config)).await.map(Gateway)
+        },
     )
 }
 

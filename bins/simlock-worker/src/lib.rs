@@ -4,21 +4,103 @@
 use std::collections::BTreeSet;
 use std::sync::Arc;
 
-use agent_device_front::{Front, FrontOptions, LeaseId};
+use agent_device_front::{AgentDeviceConfig, Front, FrontOptions, LeaseId};
 use agent_device_host::{AgentDeviceHost, Daemon, DaemonState, HostOptions, InProcessHostLink};
 use futures::FutureExt;
 
 use simlock_contract::event::{Event, EventModule};
 use simlock_contract::model::Mode;
+use simlock_contract::ops::ConfigView;
+use simlock_core::config::{
+    CapacityConfig, CoreConfig, ExecConfig, HealthConfig, IdleConfig, QuarantineConfig,
+    VirtualConfig,
+};
 use simlock_core::{SystemFacts, Worker, WorkerParts};
 use simlock_daemon::clock::SharedClock;
-use simlock_daemon::config::Config;
+use simlock_daemon::config::{self, ConfigError, DaemonConfig, Loaded, Sections};
 use simlock_daemon::home::Home;
 use simlock_daemon::runtime::{Base, Running, StartError};
 use simlock_daemon::uplink::{self, UplinkConfig, UplinkState};
+use simlock_drivers::DriversConfig;
 use simlock_relay_worker::RelayTargets;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
+
+/// Every configuration section of simlock, as a worker registers them: those it reads (the
+/// core's, the drivers', the agent-device edge's) and those only a gateway reads, so their keys
+/// are warned about as a gateway's. The gateway registers the same list.
+pub fn sections() -> Sections {
+    CoreConfig::register(Sections::new())
+        .with::<AgentDeviceConfig>()
+        .with::<DriversConfig>()
+        .with::<simlock_fleet::FleetConfig>()
+}
+
+/// A worker's configuration: the daemon's own section and the sections of the crates a worker
+/// composes, each typed by the crate that reads it.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct WorkerConfig {
+    /// The daemon's own section (`lease`, `http`, `log`, `eventBuffer`, `capabilities`, the
+    /// uplink's `gateway.*`).
+    pub daemon: DaemonConfig,
+    /// `capacity.*` (the core's).
+    pub capacity: CapacityConfig,
+    /// `idle.*` (the core's).
+    pub idle: IdleConfig,
+    /// `exec.*` (the core's).
+    pub exec: ExecConfig,
+    /// `virtual.*` (the core's).
+    pub virtual_devices: VirtualConfig,
+    /// `health.*` (the core's).
+    pub health: HealthConfig,
+    /// `quarantine.*` (the core's).
+    pub quarantine: QuarantineConfig,
+    /// `agentDevice.*` (the front's and the host's).
+    pub agent_device: AgentDeviceConfig,
+    /// `drivers.*`.
+    pub drivers: DriversConfig,
+}
+
+impl WorkerConfig {
+    /// The sections of `loaded` (loaded with [`sections`]).
+    ///
+    /// # Errors
+    /// A section that was not registered.
+    pub fn from_loaded(loaded: &Loaded) -> Result<Self, ConfigError> {
+        let core = CoreConfig::from_loaded(loaded)?;
+        Ok(Self {
+            daemon: loaded.config.clone(),
+            capacity: core.capacity,
+            idle: core.idle,
+            exec: core.exec,
+            virtual_devices: core.virtual_devices,
+            health: core.health,
+            quarantine: core.quarantine,
+            agent_device: loaded.section()?,
+            drivers: loaded.section()?,
+        })
+    }
+
+    /// The core's sections.
+    pub fn core(&self) -> CoreConfig {
+        CoreConfig {
+            capacity: self.capacity.clone(),
+            idle: self.idle,
+            exec: self.exec.clone(),
+            virtual_devices: self.virtual_devices.clone(),
+            health: self.health,
+            quarantine: self.quarantine,
+        }
+    }
+
+    /// `config.get`'s answer.
+    pub fn view(&self) -> ConfigView {
+        let mut values = self.core().values();
+        values.push(config::section_value(&self.agent_device));
+        values.push(config::section_value(&self.drivers));
+        config::view(&self.daemon, &sections(), &values, Mode::Worker)
+    }
+}
 
 /// What a worker is started with.
 #[derive(Clone)]
@@ -26,7 +108,7 @@ pub struct WorkerOptions {
     /// Its home.
     pub home: Home,
     /// Its configuration (already loaded and validated).
-    pub config: Config,
+    pub config: WorkerConfig,
     /// Its version.
     pub version: String,
     /// Time, for tests; the system's otherwise.
@@ -55,7 +137,7 @@ impl std::fmt::Debug for WorkerOptions {
 
 impl WorkerOptions {
     /// Options with the given home and configuration.
-    pub fn new(home: Home, config: Config) -> Self {
+    pub fn new(home: Home, config: WorkerConfig) -> Self {
         Self {
             home,
             config,
@@ -72,8 +154,8 @@ impl WorkerOptions {
 
 /// The agent-device daemon's environment: simlock's own adb server and SDK (so it reaches the
 /// emulators simlock leases, never the user's adb server), then the caller's additions.
-fn agent_device_env(config: &Config, extra: &[(String, String)]) -> Vec<(String, String)> {
-    let android = &config.drivers.android;
+fn agent_device_env(drivers: &DriversConfig, extra: &[(String, String)]) -> Vec<(String, String)> {
+    let android = &drivers.android;
     let mut env = vec![(
         "ANDROID_ADB_SERVER_PORT".to_owned(),
         android.adb_server_port.to_string(),
@@ -122,32 +204,26 @@ impl std::fmt::Debug for RunningWorker {
 /// # Errors
 /// [`StartError`].
 pub async fn start(options: WorkerOptions) -> Result<RunningWorker, StartError> {
+    let config = options.config;
+    let config_view = config.view();
+    let core = config.core();
     let base = Base::open(
         options.home,
-        options.config,
+        config.daemon,
         Mode::Worker,
         options.version,
         options.clock,
     )?;
-    let mut parts = WorkerParts::new(
-        base.config.clone(),
-        base.db.clone(),
-        base.clock.clone(),
-        base.bus.clone(),
-        base.presence.clone(),
-        base.instance_id.clone(),
-        base.version.clone(),
-    );
+    let mut parts = WorkerParts::new(&base, core);
+    parts.config_view = config_view;
     if let Some(system) = options.system {
         parts.system = system;
     }
     // Which driver serves each platform (logged once each); the virtual ones when asked.
-    parts.drivers = simlock_drivers::select(&base.config, base.home.root()).await;
+    parts.drivers =
+        simlock_drivers::select(&config.drivers, &config.virtual_devices, base.home.root()).await;
     let mut relay_targets = options.relay_targets;
-    let host = match (
-        &base.config.agent_device.enabled,
-        &base.config.agent_device.command,
-    ) {
+    let host = match (&config.agent_device.enabled, &config.agent_device.command) {
         (true, Some(command)) => {
             let state_dir = base.home.root().join("agent-device");
             let mut host_options = HostOptions::new(command.clone(), state_dir.clone());
@@ -156,7 +232,7 @@ pub async fn start(options: WorkerOptions) -> Result<RunningWorker, StartError> 
                 None => Daemon::Spawn(agent_device_host::process::DaemonSpec {
                     command: command.clone(),
                     state_dir,
-                    env: agent_device_env(&base.config, &options.agent_device_env),
+                    env: agent_device_env(&config.drivers, &options.agent_device_env),
                 }),
             };
             let host = AgentDeviceHost::start(host_options).await;
@@ -226,7 +302,7 @@ pub async fn start(options: WorkerOptions) -> Result<RunningWorker, StartError> 
     });
     let (tokens, cap, max_ttl) = (
         base.tokens.clone(),
-        base.config.agent_device.lease_ttl_cap_ms,
+        config.agent_device.lease_ttl_cap_ms,
         base.config.lease.max_ttl_ms,
     );
     let mut agent_device = None;

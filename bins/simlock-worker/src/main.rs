@@ -7,8 +7,8 @@ use clap::Parser;
 use simlock_contract::model::Mode;
 use simlock_daemon::home::Home;
 use simlock_daemon::launch::{self, EXIT_CONFIG};
-use simlock_daemon::runtime::Running;
-use simlock_worker::{RunningWorker, WorkerOptions, start};
+use simlock_daemon::runtime::{Running, StartError};
+use simlock_worker::{RunningWorker, WorkerConfig, WorkerOptions, start};
 
 /// simlock-worker: leases this machine's simulators and emulators to coding agents.
 #[derive(Debug, Parser)]
@@ -57,7 +57,8 @@ fn main() -> ExitCode {
             overrides.push((key.to_owned(), serde_json::json!(value)));
         }
     }
-    match launch::parse_sets(&args.set) {
+    let sections = simlock_worker::sections();
+    match launch::parse_sets(&args.set, &sections) {
         Ok(sets) => overrides.extend(sets),
         Err(e) => {
             eprintln!("simlock-worker: {e}");
@@ -69,7 +70,12 @@ fn main() -> ExitCode {
         Mode::Worker,
         home,
         &overrides,
-        |home, config| async move { start(WorkerOptions::new(home, config)).await.map(Worker) },
+        &sections,
+        |home, loaded| async move {
+            let config = WorkerConfig::from_loaded(&loaded)
+                .map_err(|e| StartError::Domain(e.to_string()))?;
+            start(WorkerOptions::new(home, config)).await.map(Worker)
+        },
     )
 }
 

@@ -20,9 +20,9 @@ use rmcp::{ClientHandler, RoleClient, ServiceExt as _};
 use serde_json::{Value, json};
 use simlock_client::{Client, ConnectOptions, FollowItem};
 use simlock_contract::model::EventEnvelope;
-use simlock_daemon::config::Config;
 use simlock_daemon::home::Home;
 use simlock_e2e::{PATIENCE, TestFleet, gateway_config, worker_config};
+use simlock_worker::WorkerConfig;
 use simlock_worker::{RunningWorker, WorkerOptions};
 use tokio::process::{Child, Command};
 use tokio::sync::mpsc;
@@ -54,7 +54,7 @@ struct Worker {
 }
 
 impl Worker {
-    async fn start(config: Config) -> Self {
+    async fn start(config: WorkerConfig) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let home = Home::at(dir.path().join("w"));
         let running = simlock_worker::start(WorkerOptions::new(home.clone(), config))

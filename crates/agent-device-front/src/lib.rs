@@ -7,6 +7,7 @@
 //! the relay through a gateway. It imports nothing of the worker's or the fleet's domain.
 
 pub mod body;
+pub mod config;
 mod front;
 pub mod lease_id;
 pub mod leases;
@@ -18,6 +19,7 @@ pub mod rpc;
 pub mod tenant;
 
 pub use body::{Body, BoxError};
+pub use config::AgentDeviceConfig;
 pub use front::{AGENT_DEVICE_MAX_TTL_MS, Front, FrontOptions, MAX_PREFLIGHT_BODY, STOP_BOUND};
 pub use lease_id::{LEASE_HEADER, LeaseId};
 pub use port::{Caller, HostLink, HostStatus, Hosts, RecoveredLease, Serving, StatusScope};

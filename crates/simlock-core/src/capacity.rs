@@ -4,8 +4,8 @@
 //! Running devices are ready, leased or reclaiming; reservations are devices being
 //! provisioned or booted. Free slots = `maxRunning − running − reserved`.
 
+use crate::config::{CapacityConfig, CapacityStrategy};
 use simlock_contract::model::{Capacity, GlobalCapacity, Platform, PlatformCapacity};
-use simlock_daemon::config::{CapacityConfig, CapacityStrategy};
 
 use crate::system::{GIB, SystemFacts};
 
@@ -204,7 +204,7 @@ impl Usage {
 
 #[cfg(test)]
 mod tests {
-    use simlock_daemon::config::PlatformLimit;
+    use crate::config::PlatformLimit;
 
     use super::*;
     use crate::system::FixedSystem;

@@ -7,8 +7,8 @@
 
 use std::collections::BTreeMap;
 
+use crate::config::VirtualModel;
 use simlock_contract::model::{DeviceSpec, Platform, PlatformCatalog};
-use simlock_daemon::config::VirtualModel;
 
 use crate::error::CoreError;
 
@@ -156,7 +156,7 @@ fn runs(catalog: &PlatformCatalog, model: &str, os: &str) -> bool {
 
 #[cfg(test)]
 mod tests {
-    use simlock_daemon::config::VirtualConfig;
+    use crate::config::VirtualConfig;
 
     use super::*;
 

@@ -7,13 +7,13 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::config::VirtualConfig;
 use futures::FutureExt;
 use futures::future::BoxFuture;
 use simlock_contract::ids::DeviceId;
 use simlock_contract::model::{
     DeviceAccess, DeviceSpec, DriverKind, DriverStatus, Platform, PlatformCatalog,
 };
-use simlock_daemon::config::VirtualConfig;
 
 use crate::catalog::platform_catalog;
 

@@ -9,9 +9,9 @@
 use std::process::{ExitStatus, Stdio};
 use std::time::Duration;
 
+use crate::config::ToolConfig;
 use simlock_contract::push::{OutputStream, Push};
 use simlock_daemon::CallCtx;
-use simlock_daemon::config::ToolConfig;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
 use tokio::process::{Child, Command};
 use tracing::{debug, warn};

@@ -28,6 +28,7 @@
 pub mod book;
 pub mod capacity;
 pub mod catalog;
+pub mod config;
 pub mod driver;
 pub mod error;
 mod exec;
@@ -40,6 +41,7 @@ pub mod system;
 pub mod worker;
 
 pub use book::{RecordState, RequestRecord};
+pub use config::CoreConfig;
 pub use driver::{
     Adopted, Driver, DriverError, Estimates, Keep, Observation, RunState, VirtualDriver,
     virtual_drivers,

@@ -8,6 +8,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
+use crate::config::{HealthConfig, IdleConfig, QuarantineConfig};
 use simlock_contract::ContractError;
 use simlock_contract::event::{CrashedDevice, Event, EventModule, RejectionReason, WaitPolicy};
 use simlock_contract::ids::{DeviceId, LeaseId, RequestId};
@@ -17,7 +18,6 @@ use simlock_contract::model::{
 };
 use simlock_contract::ops::CancelResult;
 use simlock_contract::push::{Progress, Push, UnhealthyReason};
-use simlock_daemon::config::{HealthConfig, IdleConfig, QuarantineConfig};
 
 use crate::book::{RecordState, RequestBook, RequestRecord};
 use crate::capacity::{Limits, Usage};

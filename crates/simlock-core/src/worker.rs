@@ -27,7 +27,8 @@ use simlock_contract::ops::{
 use simlock_contract::protocol::Role;
 use simlock_contract::push::Push;
 use simlock_daemon::clock::instant_at;
-use simlock_daemon::config::{self, Config};
+use simlock_daemon::config::{self, DaemonConfig};
+use simlock_daemon::runtime::Base;
 use simlock_daemon::{
     CallCtx, Capabilities, Database, EventBus, Presence, SharedClock, StartupGate,
 };
@@ -38,6 +39,7 @@ use tracing::{error, info, warn};
 use crate::book::RequestRecord;
 use crate::capacity::Limits;
 use crate::catalog::Catalog;
+use crate::config::CoreConfig;
 use crate::driver::{Driver, DriverError, Estimates, virtual_drivers};
 use crate::error::CoreError;
 use crate::exec;
@@ -49,8 +51,13 @@ use crate::system::{HostSystem, SystemFacts};
 /// Everything a worker is built from.
 #[derive(Clone)]
 pub struct WorkerParts {
-    /// The daemon's configuration.
-    pub config: Config,
+    /// The daemon's own configuration section (`lease`, `capabilities`, the uplink's label).
+    pub config: DaemonConfig,
+    /// The core's sections.
+    pub core: CoreConfig,
+    /// `config.get`'s answer: every section the worker was started with, as the binary that
+    /// composes them builds it (the default shows the daemon's and the core's sections).
+    pub config_view: ConfigView,
     /// The state store.
     pub db: Database,
     /// Wall time.
@@ -90,28 +97,30 @@ impl std::fmt::Debug for WorkerParts {
 }
 
 impl WorkerParts {
-    /// Parts with the defaults: capabilities from `config.capabilities`, the real machine's
-    /// facts, and the virtual drivers of `config.virtual`.
-    pub fn new(
-        config: Config,
-        db: Database,
-        clock: SharedClock,
-        bus: Arc<EventBus>,
-        presence: Presence,
-        instance_id: String,
-        version: String,
-    ) -> Self {
+    /// Parts from the daemon's `base` and the core's sections, with the defaults: capabilities
+    /// from `capabilities`, the real machine's facts, and the virtual drivers of
+    /// `core.virtual_devices`.
+    pub fn new(base: &Base, core: CoreConfig) -> Self {
+        let config = base.config.clone();
+        let bus = base.bus.clone();
         Self {
             capabilities: Capabilities::new(config.capabilities.clone(), bus.clone()),
             system: Arc::new(HostSystem),
-            drivers: virtual_drivers(&config.virtual_devices),
+            drivers: virtual_drivers(&core.virtual_devices),
+            config_view: config::view(
+                &config,
+                &CoreConfig::register(config::Sections::new()),
+                &core.values(),
+                Mode::Worker,
+            ),
             config,
-            db,
-            clock,
+            core,
+            db: base.db.clone(),
+            clock: base.clock.clone(),
             bus,
-            presence,
-            instance_id,
-            version,
+            presence: base.presence.clone(),
+            instance_id: base.instance_id.clone(),
+            version: base.version.clone(),
             lease_end: Vec::new(),
         }
     }
@@ -139,7 +148,9 @@ pub struct Worker {
     me: Weak<Self>,
     shared: Mutex<Shared>,
     settings: Settings,
-    config: Config,
+    config: DaemonConfig,
+    core: CoreConfig,
+    config_view: ConfigView,
     catalog: Catalog,
     drivers: BTreeMap<Platform, Arc<dyn Driver>>,
     db: Database,
@@ -190,11 +201,11 @@ impl Worker {
             retention_ms: parts.config.lease.request_retention_ms,
             max_records: usize::try_from(parts.config.lease.max_request_records)
                 .unwrap_or(usize::MAX),
-            idle: parts.config.idle,
-            limits: Limits::from_config(&parts.config.capacity, &*parts.system),
+            idle: parts.core.idle,
+            limits: Limits::from_config(&parts.core.capacity, &*parts.system),
             estimates: drivers.iter().map(|(p, d)| (*p, d.estimates())).collect(),
-            health: parts.config.health,
-            quarantine: parts.config.quarantine,
+            health: parts.core.health,
+            quarantine: parts.core.quarantine,
             real: drivers
                 .iter()
                 .filter(|(_, d)| {
@@ -213,6 +224,8 @@ impl Worker {
             }),
             settings,
             config: parts.config,
+            core: parts.core,
+            config_view: parts.config_view,
             catalog,
             drivers,
             db: parts.db,
@@ -291,7 +304,7 @@ impl Worker {
     }
 
     /// The configuration the worker runs with.
-    pub const fn config(&self) -> &Config {
+    pub const fn config(&self) -> &DaemonConfig {
         &self.config
     }
 
@@ -426,7 +439,7 @@ impl Worker {
     /// Every `health.probeIntervalMs`, asks each driver which of its devices run and hands
     /// what it saw to the state (a failed probe concludes nothing).
     fn spawn_health_probes(&self) {
-        let health = self.config.health;
+        let health = self.core.health;
         if !health.enabled {
             return;
         }
@@ -546,7 +559,7 @@ impl Worker {
 
     /// `config.get`: the configuration as JSON, the join token redacted.
     pub fn config_view(&self) -> ConfigView {
-        config::view(&self.config, Mode::Worker)
+        self.config_view.clone()
     }
 
     /// `list.get`.
@@ -841,10 +854,10 @@ impl Worker {
             Self::caller(ctx),
             input.requester_id.as_deref(),
         )?;
-        let Some(tool) = self.config.exec.tools.get(&input.tool).cloned() else {
+        let Some(tool) = self.core.exec.tools.get(&input.tool).cloned() else {
             return Err(CoreError::UnknownTool {
                 tool: input.tool,
-                known: self.config.exec.tools.keys().cloned().collect(),
+                known: self.core.exec.tools.keys().cloned().collect(),
             }
             .into());
         };
@@ -854,7 +867,7 @@ impl Worker {
             args: input.args,
             stdin: input.stdin,
             target,
-            timeout_ms: self.config.exec.timeout_ms,
+            timeout_ms: self.core.exec.timeout_ms,
         };
         let exit_code = exec::run(ctx.clone(), run).await?;
         Ok(ExecOutput { exit_code })

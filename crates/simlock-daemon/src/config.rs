@@ -2,10 +2,17 @@
 //! command-line flags. Keys keep the original's names (`lease.maxTtlMs`, `gateway.url`, …).
 //! Unknown keys are warned about; a bad value fails start-up naming the key.
 //!
+//! The daemon owns the loader, the layering, the one list of known keys and its own section
+//! ([`DaemonConfig`]); every other section is a [`Section`] of the crate that reads it, which the
+//! binaries register ([`Sections`], ADR 0026).
+//!
 //! An environment variable names a key in upper snake case with `__` between sections:
 //! `SIMLOCK_LEASE__MAX_TTL_MS=60000` sets `lease.maxTtlMs`. Figment's own [`Env`] provider reads
 //! them; a text key's value is taken as it is.
 
+mod section;
+
+use std::any::TypeId;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 
@@ -13,25 +20,12 @@ use figment::Figment;
 use figment::providers::{Env, Format, Serialized, Toml};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
-use simlock_contract::model::{Mode, Platform};
+use simlock_contract::model::Mode;
 
-/// The top-level configuration keys; an environment variable names one of them first.
-const TOP_LEVEL_KEYS: &[&str] = &[
-    "lease",
-    "http",
-    "capacity",
-    "idle",
-    "exec",
-    "virtual",
-    "gateway",
-    "eventBuffer",
-    "log",
-    "capabilities",
-    "agentDevice",
-    "drivers",
-    "health",
-    "quarantine",
-];
+pub use section::{
+    BOTH, GATEWAY, Section, SectionError, SectionValue, Sections, WORKER, section_value,
+};
+use section::{Entry, Held, merge_into};
 
 /// The prefix of every configuration variable.
 const ENV_PREFIX: &str = "SIMLOCK_";
@@ -46,53 +40,24 @@ const NOT_CONFIG_ENV: &[&str] = &[
     "SIMLOCK_LOG",
 ];
 
-/// The whole configuration of a daemon.
+/// The daemon's own section: the keys the daemon runtime reads itself (its listener, logging,
+/// event buffer, lease limits and request book, a worker's capabilities and uplink). Every other
+/// section is a [`Section`] of the crate that reads it.
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", default)]
-pub struct Config {
+pub struct DaemonConfig {
     /// Lease limits.
     pub lease: LeaseConfig,
     /// The HTTP listener.
     pub http: HttpConfig,
-    /// How many devices may run (worker).
-    pub capacity: CapacityConfig,
-    /// When idle devices are shut down and deleted (worker).
-    pub idle: IdleConfig,
-    /// `device.exec` (worker).
-    pub exec: ExecConfig,
-    /// The built-in virtual devices (worker).
-    #[serde(rename = "virtual")]
-    pub virtual_devices: VirtualConfig,
-    /// The uplink (worker: where to dial) and the fleet (gateway).
-    pub gateway: GatewayConfig,
+    /// The uplink (worker: where to dial).
+    pub gateway: GatewayUplinkConfig,
     /// The event ring buffer.
     pub event_buffer: EventBufferConfig,
     /// Logging.
     pub log: LogConfig,
     /// Capabilities this worker offers, besides those its modules report (worker).
     pub capabilities: Vec<String>,
-    /// The agent-device front (both) and its daemon (worker).
-    pub agent_device: AgentDeviceConfig,
-    /// Which driver serves each platform, and the real drivers' settings (worker).
-    pub drivers: DriversConfig,
-    /// Watching leased devices, and recovering crashed ones (worker).
-    pub health: HealthConfig,
-    /// Devices whose reclaim failed (worker).
-    pub quarantine: QuarantineConfig,
-}
-
-/// `agentDevice.*`: Callstack's agent-device CLI served at `/v1/agent-device`.
-#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase", default)]
-pub struct AgentDeviceConfig {
-    /// Serve `/v1/agent-device` (both daemons). Off by default: every route answers 404.
-    pub enabled: bool,
-    /// A cap on the TTL of the leases the front makes (both daemons); at most
-    /// `lease.maxTtlMs`.
-    pub lease_ttl_cap_ms: Option<u64>,
-    /// Worker: the argv that starts an agent-device daemon, e.g.
-    /// `["node", "/opt/agent-device/dist/src/internal/daemon.js"]`.
-    pub command: Option<Vec<String>>,
 }
 
 /// `lease.*`.
@@ -156,355 +121,19 @@ pub struct HttpTlsConfig {
     pub key_file: Option<String>,
 }
 
-/// How running slots are counted.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum CapacityStrategy {
-    /// Derived from the machine's CPUs and RAM.
-    Resource,
-    /// A fixed number.
-    Fixed,
-}
-
-/// `capacity.*`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase", default)]
-pub struct CapacityConfig {
-    /// `resource` (default) or `fixed`.
-    pub strategy: CapacityStrategy,
-    /// `fixed`: devices that may run at once, both platforms together (default 2).
-    pub max_running: u32,
-    /// Per-platform caps (`fixed` defaults each to `maxRunning`).
-    pub ios: PlatformLimit,
-    /// Per-platform caps.
-    pub android: PlatformLimit,
-    /// `resource`: RAM one iOS device takes (1.5 GiB).
-    pub ios_bytes_per_device: u64,
-    /// `resource`: RAM one Android device takes (4 GiB).
-    pub android_bytes_per_device: u64,
-}
-
-impl Default for CapacityConfig {
-    fn default() -> Self {
-        Self {
-            strategy: CapacityStrategy::Resource,
-            max_running: 2,
-            ios: PlatformLimit::default(),
-            android: PlatformLimit::default(),
-            ios_bytes_per_device: 1536 * 1024 * 1024,
-            android_bytes_per_device: 4 * 1024 * 1024 * 1024,
-        }
-    }
-}
-
-/// A per-platform cap.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase", default)]
-pub struct PlatformLimit {
-    /// Devices of this platform that may run at once.
-    pub max_running: Option<u32>,
-}
-
-/// `idle.*`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase", default)]
-pub struct IdleConfig {
-    /// An unleased running device is shut down after this long (10 min).
-    pub shutdown_after_ms: u64,
-    /// An unleased device is deleted after this long (1 h).
-    pub delete_after_ms: u64,
-}
-
-impl Default for IdleConfig {
-    fn default() -> Self {
-        Self {
-            shutdown_after_ms: 600_000,
-            delete_after_ms: 3_600_000,
-        }
-    }
-}
-
-/// One tool `device.exec` may run.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct ToolConfig {
-    /// The program.
-    pub command: String,
-    /// Arguments put before the caller's.
-    #[serde(default)]
-    pub args: Vec<String>,
-}
-
-/// `exec.*`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase", default)]
-pub struct ExecConfig {
-    /// A run is stopped after this long (10 min): SIGTERM, then SIGKILL 10 s later.
-    pub timeout_ms: u64,
-    /// The tools exec may run, by the name callers use. None by default.
-    pub tools: BTreeMap<String, ToolConfig>,
-}
-
-impl Default for ExecConfig {
-    fn default() -> Self {
-        Self {
-            timeout_ms: 600_000,
-            tools: BTreeMap::new(),
-        }
-    }
-}
-
-/// One model of the virtual catalog.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct VirtualModel {
-    /// The platform.
-    pub platform: Platform,
-    /// The model's name.
-    pub name: String,
-    /// Other names it answers to.
-    #[serde(default)]
-    pub aliases: Vec<String>,
-    /// The runtimes (OS versions) it runs.
-    pub runtimes: Vec<String>,
-}
-
-/// `virtual.*`: the built-in virtual devices.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase", default)]
-pub struct VirtualConfig {
-    /// How long creating a device takes.
-    pub provision_ms: u64,
-    /// How long booting takes.
-    pub boot_ms: u64,
-    /// How long wiping after a lease takes.
-    pub reclaim_ms: u64,
-    /// The catalog; the default has three iOS models on two runtimes and two Android models
-    /// on two API levels.
-    pub models: Vec<VirtualModel>,
-}
-
-impl Default for VirtualConfig {
-    fn default() -> Self {
-        let model = |platform, name: &str, aliases: &[&str], runtimes: &[&str]| VirtualModel {
-            platform,
-            name: name.into(),
-            aliases: aliases.iter().map(|a| (*a).into()).collect(),
-            runtimes: runtimes.iter().map(|r| (*r).into()).collect(),
-        };
-        Self {
-            provision_ms: 1_500,
-            boot_ms: 1_000,
-            reclaim_ms: 500,
-            models: vec![
-                model(
-                    Platform::Ios,
-                    "iPhone 16",
-                    &["iphone16", "iphone"],
-                    &["18.2", "17.5"],
-                ),
-                model(Platform::Ios, "iPhone 16 Pro", &["iphone16pro"], &["18.2"]),
-                model(
-                    Platform::Ios,
-                    "iPad Air 11-inch (M2)",
-                    &["ipad", "ipad-air"],
-                    &["18.2", "17.5"],
-                ),
-                model(
-                    Platform::Android,
-                    "Pixel 8",
-                    &["pixel8", "pixel"],
-                    &["34", "35"],
-                ),
-                model(Platform::Android, "Pixel 9", &["pixel9"], &["35"]),
-            ],
-        }
-    }
-}
-
-/// Which driver serves a platform.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum DriverChoice {
-    /// The real driver when its tools are found and work, else the virtual one.
-    Auto,
-    /// The virtual driver, always.
-    Virtual,
-    /// iOS: `xcrun simctl`; the platform is unavailable (with the reason) when it does not work.
-    Simctl,
-    /// Android: the SDK's `avdmanager`, `emulator` and `adb`; unavailable when they do not work.
-    AndroidSdk,
-}
-
-/// `drivers.*`.
+/// `gateway.*` as a worker reads them: where its uplink dials. (The gateway's own `gateway.*`
+/// keys are the fleet's section, `simlock_fleet::FleetConfig`.)
 #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", default)]
-pub struct DriversConfig {
-    /// iOS simulators.
-    pub ios: IosDriverConfig,
-    /// Android emulators.
-    pub android: AndroidDriverConfig,
-}
-
-/// `drivers.ios.*`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase", default)]
-pub struct IosDriverConfig {
-    /// `auto` (default), `simctl` or `virtual`.
-    pub driver: DriverChoice,
-    /// The `xcrun` program: a path, or a name looked up in `PATH`.
-    pub xcrun: String,
-    /// The device set simlock owns (`simctl --set`); default `$SIMLOCK_HOME/devices/ios`.
-    pub device_set: Option<String>,
-    /// The most one `simctl` call may take (30 s); the call is killed past it.
-    pub call_timeout_ms: u64,
-    /// The most a boot may take until `bootstatus` says it finished (120 s).
-    pub boot_timeout_ms: u64,
-}
-
-impl Default for IosDriverConfig {
-    fn default() -> Self {
-        Self {
-            driver: DriverChoice::Auto,
-            xcrun: "xcrun".into(),
-            device_set: None,
-            call_timeout_ms: 30_000,
-            boot_timeout_ms: 120_000,
-        }
-    }
-}
-
-/// `drivers.android.*`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase", default)]
-pub struct AndroidDriverConfig {
-    /// `auto` (default), `android-sdk` or `virtual`.
-    pub driver: DriverChoice,
-    /// The SDK's root; default `$ANDROID_HOME`, else `$ANDROID_SDK_ROOT`.
-    pub sdk_root: Option<String>,
-    /// The AVD home simlock owns (`ANDROID_AVD_HOME`); default `$SIMLOCK_HOME/devices/android`.
-    pub avd_home: Option<String>,
-    /// The port of simlock's own adb server (5038; never the user's 5037).
-    pub adb_server_port: u16,
-    /// The lowest emulator console port (even; the adb port is the next one).
-    pub console_port_min: u16,
-    /// The highest emulator console port.
-    pub console_port_max: u16,
-    /// Launch emulators without a window, audio or boot animation.
-    pub headless: bool,
-    /// The most one tool call may take (30 s); the call is killed past it.
-    pub call_timeout_ms: u64,
-    /// The most a boot may take until the emulator reports `sys.boot_completed` (180 s).
-    pub boot_timeout_ms: u64,
-    /// How often a booting emulator is asked whether it finished (2 s).
-    pub boot_poll_ms: u64,
-}
-
-impl Default for AndroidDriverConfig {
-    fn default() -> Self {
-        Self {
-            driver: DriverChoice::Auto,
-            sdk_root: None,
-            avd_home: None,
-            adb_server_port: 5038,
-            console_port_min: 5586,
-            console_port_max: 5682,
-            headless: true,
-            call_timeout_ms: 30_000,
-            boot_timeout_ms: 180_000,
-            boot_poll_ms: 2_000,
-        }
-    }
-}
-
-/// `health.*`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase", default)]
-pub struct HealthConfig {
-    /// Watch leased devices at all.
-    pub enabled: bool,
-    /// How often the drivers are asked which devices run (30 s).
-    pub probe_interval_ms: u64,
-    /// Consecutive probes that must see a leased device stopped before it counts as crashed (2).
-    pub stable_observations: u32,
-    /// Boots tried under the lease before it ends with `device-lost` (3).
-    pub max_recovery_attempts: u32,
-    /// The wait before the second boot; doubled for each one after (5 s).
-    pub recovery_backoff_ms: u64,
-}
-
-impl Default for HealthConfig {
-    fn default() -> Self {
-        Self {
-            enabled: true,
-            probe_interval_ms: 30_000,
-            stable_observations: 2,
-            max_recovery_attempts: 3,
-            recovery_backoff_ms: 5_000,
-        }
-    }
-}
-
-/// `quarantine.*`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase", default)]
-pub struct QuarantineConfig {
-    /// Reclaims retried on a quarantined device before it is deleted (3).
-    pub max_retries: u32,
-    /// The wait before the first retry (30 s).
-    pub retry_backoff_ms: u64,
-    /// Each later wait is the one before times this (2).
-    pub retry_backoff_multiplier: u32,
-    /// The longest wait (5 min).
-    pub max_retry_backoff_ms: u64,
-}
-
-impl Default for QuarantineConfig {
-    fn default() -> Self {
-        Self {
-            max_retries: 3,
-            retry_backoff_ms: 30_000,
-            retry_backoff_multiplier: 2,
-            max_retry_backoff_ms: 300_000,
-        }
-    }
-}
-
-/// `gateway.*`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase", default)]
-pub struct GatewayConfig {
-    /// Worker: the gateway's base URL, `ws://host:port` or `wss://host:port` (TLS, ADR 0024).
+pub struct GatewayUplinkConfig {
+    /// The gateway's base URL, `ws://host:port` or `wss://host:port` (TLS, ADR 0024).
     pub url: Option<String>,
-    /// Worker: the join token (a gateway token of role `worker`).
+    /// The join token (a gateway token of role `worker`).
     pub token: Option<String>,
-    /// Worker: a label for people.
+    /// A label for people.
     pub label: Option<String>,
-    /// Worker: CA certificates (PEM) trusted for a `wss://` gateway besides the platform's roots.
+    /// CA certificates (PEM) trusted for a `wss://` gateway besides the platform's roots.
     pub ca_file: Option<String>,
-    /// Gateway: the routing policy (only `warm-then-free`).
-    pub routing: String,
-    /// Gateway: how long a disconnected worker's view is kept (24 h).
-    pub disconnected_retention_ms: u64,
-    /// Gateway: backstop for a forwarded exec (11 min).
-    pub exec_timeout_ms: u64,
-    /// Gateway: bound on a forwarded lease request (5 min).
-    pub lease_request_timeout_ms: u64,
-}
-
-impl Default for GatewayConfig {
-    fn default() -> Self {
-        Self {
-            url: None,
-            token: None,
-            label: None,
-            ca_file: None,
-            routing: "warm-then-free".into(),
-            disconnected_retention_ms: 86_400_000,
-            exec_timeout_ms: 660_000,
-            lease_request_timeout_ms: 300_000,
-        }
-    }
 }
 
 /// `eventBuffer.*`.
@@ -554,75 +183,140 @@ pub enum ConfigError {
 }
 
 /// A loaded configuration and what was noticed while loading it.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct Loaded {
-    /// The configuration.
-    pub config: Config,
+    /// The daemon's own section.
+    pub config: DaemonConfig,
     /// Unknown keys, and keys this daemon mode ignores.
     pub warnings: Vec<String>,
+    /// Every registered section, as loaded.
+    sections: Vec<(Entry, Held)>,
 }
 
-/// Keys a gateway reads; every other key is warned about and ignored there.
-const GATEWAY_SECTIONS: &[&str] = &[
-    "lease",
-    "http",
-    "gateway",
-    "eventBuffer",
-    "log",
-    "agentDevice",
-];
-/// Keys only a gateway reads.
-const GATEWAY_ONLY_KEYS: &[&str] = &[
-    "gateway.routing",
-    "gateway.disconnectedRetentionMs",
-    "gateway.execTimeoutMs",
-    "gateway.leaseRequestTimeoutMs",
-];
-/// Keys only a worker reads.
+impl std::fmt::Debug for Loaded {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Loaded")
+            .field("config", &self.config)
+            .field("warnings", &self.warnings)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Loaded {
+    /// The whole configuration as loaded: the daemon's own section and every registered one,
+    /// by table (the join token in clear: not for views).
+    pub fn value(&self) -> Value {
+        let mut all = match serde_json::to_value(&self.config) {
+            Ok(Value::Object(map)) => map,
+            _ => serde_json::Map::new(),
+        };
+        for (entry, held) in &self.sections {
+            merge_into(&mut all, entry.key, (entry.value)(held));
+        }
+        Value::Object(all)
+    }
+
+    /// The registered section `S`, as loaded (and checked, when this daemon reads it).
+    ///
+    /// # Errors
+    /// `S` was not registered with the [`Sections`] the configuration was loaded with.
+    pub fn section<S: Section>(&self) -> Result<S, ConfigError> {
+        self.sections
+            .iter()
+            .find(|(entry, _)| entry.type_id == TypeId::of::<S>())
+            .and_then(|(_, held)| held.downcast_ref::<S>())
+            .cloned()
+            .ok_or_else(|| {
+                ConfigError::Invalid(format!(
+                    "the section {} ({}) is not registered",
+                    S::KEY,
+                    std::any::type_name::<S>()
+                ))
+            })
+    }
+}
+
+/// The tables of the daemon's own section a gateway reads (less [`WORKER_ONLY_KEYS`]); its
+/// other keys are a worker's.
+const GATEWAY_SECTIONS: &[&str] = &["lease", "http", "gateway", "eventBuffer", "log"];
+/// Keys of the daemon's own section only a worker reads.
 const WORKER_ONLY_KEYS: &[&str] = &[
     "gateway.url",
     "gateway.token",
     "gateway.label",
-    "agentDevice.command",
     "gateway.caFile",
 ];
-/// The shortest lease agent-device 0.21.5 takes (its `ttlMs` bounds are 5 000–600 000 ms).
-pub const AGENT_DEVICE_MIN_TTL_MS: u64 = 5_000;
-/// Keys holding maps whose entries are the user's own names.
-const OPEN_MAPS: &[&str] = &["exec.tools"];
 
 /// Loads the configuration of a daemon of `mode` from `home`, the process's `SIMLOCK_*`
-/// environment (through figment's [`Env`]) and the flags `overrides` (dotted keys, e.g. `http.port`).
+/// environment (through figment's [`Env`]) and the flags `overrides` (dotted keys, e.g. `http.port`),
+/// with the `sections` its binary registers.
 ///
 /// # Errors
 /// A file that cannot be read or parsed, a value of the wrong type (naming the key), or a
 /// combination that cannot work (naming the keys).
-pub fn load(home: &Path, mode: Mode, overrides: &[(String, Value)]) -> Result<Loaded, ConfigError> {
+pub fn load(
+    home: &Path,
+    mode: Mode,
+    overrides: &[(String, Value)],
+    sections: &Sections,
+) -> Result<Loaded, ConfigError> {
     let path = home.join("config.toml");
-    let mut figment = Figment::from(Serialized::defaults(Config::default()));
-    let mut provided: Vec<Value> = Vec::new();
-    match std::fs::read_to_string(&path) {
-        Ok(text) => {
-            let table: Value = Figment::from(Toml::string(&text)).extract().map_err(|e| {
-                ConfigError::Invalid(format!("{}: {}", path.display(), describe(&e)))
-            })?;
-            provided.push(table);
-            figment = figment.merge(Toml::string(&text));
-        }
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+    let text = match std::fs::read_to_string(&path) {
+        Ok(text) => Some(text),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
         Err(source) => {
             return Err(ConfigError::File {
                 path: path.display().to_string(),
                 source,
             });
         }
+    };
+    let file = text
+        .as_deref()
+        .map(|text| (path.display().to_string(), text));
+    load_layers(file, environment_layer(sections), overrides, mode, sections)
+}
+
+/// As [`load`], from the file text `toml` alone (no environment, no flags): for the tests of a
+/// crate's section.
+///
+/// # Errors
+/// As [`load`].
+pub fn load_text(toml: &str, mode: Mode, sections: &Sections) -> Result<Loaded, ConfigError> {
+    load_layers(
+        Some(("config.toml".to_owned(), toml)),
+        Figment::new(),
+        &[],
+        mode,
+        sections,
+    )
+}
+
+fn load_layers(
+    file: Option<(String, &str)>,
+    environment: Figment,
+    overrides: &[(String, Value)],
+    mode: Mode,
+    sections: &Sections,
+) -> Result<Loaded, ConfigError> {
+    let mut figment = Figment::from(Serialized::defaults(DaemonConfig::default()));
+    for (table, value) in sections.defaults() {
+        figment = figment.merge(Serialized::default(&table, value));
+    }
+    let mut provided: Vec<Value> = Vec::new();
+    if let Some((path, text)) = file {
+        let table: Value = Figment::from(Toml::string(text))
+            .extract()
+            .map_err(|e| ConfigError::Invalid(format!("{path}: {}", describe(&e))))?;
+        provided.push(table);
+        figment = figment.merge(Toml::string(text));
     }
     let flags = overrides
         .iter()
         .fold(Figment::new(), |layer, (key, value)| {
             layer.merge(Serialized::default(key, value))
         });
-    for layer in [environment_layer(), flags] {
+    for layer in [environment, flags] {
         let table: Value = layer
             .extract()
             .map_err(|e| ConfigError::Invalid(describe(&e)))?;
@@ -631,38 +325,42 @@ pub fn load(home: &Path, mode: Mode, overrides: &[(String, Value)]) -> Result<Lo
             provided.push(table);
         }
     }
-    let config: Config = figment
+    let config: DaemonConfig = figment
         .extract()
         .map_err(|e| ConfigError::Invalid(describe(&e)))?;
+    let mut held = Vec::new();
+    for entry in &sections.entries {
+        let section = (entry.extract)(&figment)
+            .map_err(|e| ConfigError::Invalid(describe_at(entry.key, &e)))?;
+        held.push((entry, section));
+    }
 
-    let known = known_keys();
+    let keys = Keys::of(sections);
     let mut warnings = Vec::new();
     let mut seen = BTreeSet::new();
     for table in &provided {
-        let mut keys = Vec::new();
-        leaf_keys(table, "", &mut keys);
-        for key in keys {
+        let mut found = Vec::new();
+        leaf_keys(table, "", &keys.open_maps, &mut found);
+        for key in found {
             if !seen.insert(key.clone()) {
                 continue;
             }
-            if !known
-                .iter()
-                .any(|k| key == *k || OPEN_MAPS.iter().any(|m| key.starts_with(&format!("{m}."))))
-            {
-                warnings.push(format!("unknown configuration key {key} is ignored"));
-            } else if mode == Mode::Gateway
-                && (!GATEWAY_SECTIONS
-                    .iter()
-                    .any(|s| key.starts_with(&format!("{s}.")))
-                    || WORKER_ONLY_KEYS.contains(&key.as_str()))
-            {
-                warnings.push(format!("{key} is a worker setting; a gateway ignores it"));
-            } else if mode == Mode::Worker && GATEWAY_ONLY_KEYS.contains(&key.as_str()) {
-                warnings.push(format!("{key} is a gateway setting; a worker ignores it"));
+            match keys.modes(&key) {
+                None => warnings.push(format!("unknown configuration key {key} is ignored")),
+                Some(modes) if !modes.contains(&mode) => warnings.push(match mode {
+                    Mode::Gateway => format!("{key} is a worker setting; a gateway ignores it"),
+                    Mode::Worker => format!("{key} is a gateway setting; a worker ignores it"),
+                }),
+                Some(_) => {}
             }
         }
     }
     validate(&config, mode)?;
+    for (entry, section) in &held {
+        if entry.modes.contains(&mode) {
+            (entry.check)(section, &config, mode).map_err(|e| ConfigError::Invalid(e.message))?;
+        }
+    }
     if mode == Mode::Worker
         && config.gateway.ca_file.is_some()
         && config
@@ -676,25 +374,124 @@ pub fn load(home: &Path, mode: Mode, overrides: &[(String, Value)]) -> Result<Lo
                 .into(),
         );
     }
-    Ok(Loaded { config, warnings })
+    Ok(Loaded {
+        config,
+        warnings,
+        sections: held
+            .into_iter()
+            .map(|(entry, section)| (*entry, section))
+            .collect(),
+    })
 }
 
-/// The configuration as `config.get` answers it: the lease limits, and every section this daemon
-/// reads (a gateway's: lease, http, gateway, eventBuffer, log), the join token redacted.
-pub fn view(config: &Config, mode: Mode) -> simlock_contract::ops::ConfigView {
-    let mut settings = BTreeMap::new();
-    if let Ok(Value::Object(map)) = serde_json::to_value(config) {
-        for (key, mut value) in map {
-            if mode == Mode::Gateway && !GATEWAY_SECTIONS.contains(&key.as_str()) {
-                continue;
-            }
-            if key == "gateway"
-                && let Some(token) = value.get_mut("token").filter(|t| !t.is_null())
-            {
-                *token = Value::String("[redacted]".into());
-            }
-            settings.insert(key, value);
+/// Which daemons read a key the daemon's own section holds.
+fn daemon_modes(key: &str) -> &'static [Mode] {
+    if WORKER_ONLY_KEYS.contains(&key)
+        || !GATEWAY_SECTIONS
+            .iter()
+            .any(|s| key == *s || key.starts_with(&format!("{s}.")))
+    {
+        WORKER
+    } else {
+        BOTH
+    }
+}
+
+/// The one list of known keys: the daemon's own and those of every registered section, with
+/// the daemons that read each.
+struct Keys {
+    known: BTreeMap<String, Vec<Mode>>,
+    open_maps: Vec<String>,
+}
+
+impl Keys {
+    fn of(sections: &Sections) -> Self {
+        let mut open_maps: Vec<String> = Vec::new();
+        for entry in &sections.entries {
+            open_maps.extend(entry.open_maps.iter().map(|m| format!("{}.{m}", entry.key)));
         }
+        let mut known = BTreeMap::new();
+        if let Ok(defaults) = serde_json::to_value(DaemonConfig::default()) {
+            let mut leaves = Vec::new();
+            leaf_keys(&defaults, "", &open_maps, &mut leaves);
+            for key in leaves {
+                let modes = daemon_modes(&key).to_vec();
+                known.insert(key, modes);
+            }
+        }
+        for entry in &sections.entries {
+            let mut leaves = Vec::new();
+            leaf_keys(&(entry.defaults)(), entry.key, &open_maps, &mut leaves);
+            for key in leaves {
+                let relative = key.strip_prefix(&format!("{}.", entry.key)).unwrap_or("");
+                known.insert(key.clone(), entry.modes_of(relative));
+            }
+        }
+        Self { known, open_maps }
+    }
+
+    /// The daemons that read `key`, `None` when it is no key.
+    fn modes(&self, key: &str) -> Option<Vec<Mode>> {
+        if let Some(modes) = self.known.get(key) {
+            return Some(modes.clone());
+        }
+        self.open_maps
+            .iter()
+            .find(|m| key.starts_with(&format!("{m}.")))
+            .and_then(|m| self.known.get(m).cloned())
+    }
+
+    /// The tables a daemon of `mode` reads some key of.
+    fn tables_read_by(&self, mode: Mode) -> BTreeSet<String> {
+        self.known
+            .iter()
+            .filter(|(_, modes)| modes.contains(&mode))
+            .filter_map(|(key, _)| key.split('.').next().map(str::to_owned))
+            .collect()
+    }
+
+    /// Every top-level key; an environment variable names one of them first.
+    fn tables(&self) -> BTreeSet<String> {
+        self.known
+            .keys()
+            .filter_map(|key| key.split('.').next().map(str::to_owned))
+            .collect()
+    }
+}
+
+/// The configuration as `config.get` answers it: the lease limits, and every table this daemon
+/// reads a key of (a gateway's: lease, http, gateway, eventBuffer, log, agentDevice), the join
+/// token redacted. `values` are the registered sections this daemon was started with (see
+/// [`section_value`]); a registered section left out shows its defaults.
+pub fn view(
+    config: &DaemonConfig,
+    sections: &Sections,
+    values: &[SectionValue],
+    mode: Mode,
+) -> simlock_contract::ops::ConfigView {
+    let read = Keys::of(sections).tables_read_by(mode);
+    let mut all = match serde_json::to_value(config) {
+        Ok(Value::Object(map)) => map,
+        _ => serde_json::Map::new(),
+    };
+    for entry in &sections.entries {
+        let value = values
+            .iter()
+            .find(|v| v.type_id == entry.type_id)
+            .map_or_else(|| (entry.defaults)(), |v| v.value.clone());
+        merge_into(&mut all, entry.key, value);
+    }
+    let mut settings = BTreeMap::new();
+    for (key, mut value) in all {
+        if !read.contains(&key) {
+            continue;
+        }
+        if key == "gateway"
+            && let Some(token) = value.get_mut("token").filter(|t| !t.is_null())
+        {
+            *token = Value::String("[redacted]".into());
+        }
+        settings.insert(key, value);
     }
     simlock_contract::ops::ConfigView {
         mode,
@@ -710,7 +507,7 @@ pub fn view(config: &Config, mode: Mode) -> simlock_contract::ops::ConfigView {
 ///
 /// # Errors
 /// A message naming the keys.
-pub fn validate(config: &Config, mode: Mode) -> Result<(), ConfigError> {
+pub fn validate(config: &DaemonConfig, mode: Mode) -> Result<(), ConfigError> {
     let bad = |msg: String| Err(ConfigError::Invalid(msg));
     if config.lease.default_ttl_ms == 0 || config.lease.max_ttl_ms == 0 {
         return bad("lease.defaultTtlMs and lease.maxTtlMs must be above 0".into());
@@ -730,25 +527,6 @@ pub fn validate(config: &Config, mode: Mode) -> Result<(), ConfigError> {
     if config.event_buffer.capacity == 0 {
         return bad("eventBuffer.capacity must be above 0".into());
     }
-    if let Some(cap) = config.agent_device.lease_ttl_cap_ms {
-        if cap < AGENT_DEVICE_MIN_TTL_MS {
-            return bad(format!(
-                "agentDevice.leaseTtlCapMs ({cap}) is below {AGENT_DEVICE_MIN_TTL_MS}, the shortest lease agent-device takes"
-            ));
-        }
-        if cap > config.lease.max_ttl_ms {
-            return bad(format!(
-                "agentDevice.leaseTtlCapMs ({cap}) is above lease.maxTtlMs ({})",
-                config.lease.max_ttl_ms
-            ));
-        }
-    }
-    if config.agent_device.enabled && config.lease.max_ttl_ms < AGENT_DEVICE_MIN_TTL_MS {
-        return bad(format!(
-            "agentDevice.enabled needs lease.maxTtlMs ({}) at least {AGENT_DEVICE_MIN_TTL_MS}, the shortest lease agent-device takes",
-            config.lease.max_ttl_ms
-        ));
-    }
     match (&config.http.tls.cert_file, &config.http.tls.key_file) {
         (Some(_), None) | (None, Some(_)) => {
             return bad("http.tls.certFile and http.tls.keyFile must be set together".into());
@@ -762,12 +540,6 @@ pub fn validate(config: &Config, mode: Mode) -> Result<(), ConfigError> {
         Mode::Gateway => {
             if config.http.enabled == Some(false) {
                 return bad("http.enabled cannot be false on a gateway: workers and agents reach it over HTTP".into());
-            }
-            if config.gateway.routing != "warm-then-free" {
-                return bad(format!(
-                    "gateway.routing: unknown policy {:?} (only warm-then-free)",
-                    config.gateway.routing
-                ));
             }
         }
         Mode::Worker => {
@@ -785,14 +557,6 @@ pub fn validate(config: &Config, mode: Mode) -> Result<(), ConfigError> {
             if config.gateway.ca_file.as_deref() == Some("") {
                 return bad("gateway.caFile must name a file".into());
             }
-            if config.capacity.strategy == CapacityStrategy::Fixed
-                && config.capacity.max_running == 0
-            {
-                return bad("capacity.maxRunning must be above 0".into());
-            }
-            if config.idle.delete_after_ms < config.idle.shutdown_after_ms {
-                return bad("idle.deleteAfterMs is below idle.shutdownAfterMs".into());
-            }
             if let Some(label) = &config.gateway.label
                 && label.chars().count() > simlock_contract::bounds::MAX_LABEL
             {
@@ -808,91 +572,24 @@ pub fn validate(config: &Config, mode: Mode) -> Result<(), ConfigError> {
                     ));
                 }
             }
-            if config.agent_device.enabled {
-                match &config.agent_device.command {
-                    None => {
-                        return bad("agentDevice.command must be set when agentDevice.enabled is true on a worker: the argv that starts an agent-device daemon, e.g. [\"node\", \"<agent-device>/dist/src/internal/daemon.js\"]".into());
-                    }
-                    Some(argv) if argv.first().is_none_or(|p| p.trim().is_empty()) => {
-                        return bad(
-                            "agentDevice.command: the first element must name a program".into()
-                        );
-                    }
-                    Some(_) => {}
-                }
-            }
-            validate_drivers(config)?;
-            if config.virtual_devices.models.is_empty() {
-                return bad("virtual.models is empty: a worker needs at least one model".into());
-            }
-            for model in &config.virtual_devices.models {
-                if model.runtimes.is_empty() {
-                    return bad(format!("virtual.models: {} has no runtimes", model.name));
-                }
-            }
         }
-    }
-    Ok(())
-}
-
-/// The worker's driver, health and quarantine rules.
-fn validate_drivers(config: &Config) -> Result<(), ConfigError> {
-    let bad = |msg: String| Err(ConfigError::Invalid(msg));
-    let (ios, android) = (&config.drivers.ios, &config.drivers.android);
-    if ios.driver == DriverChoice::AndroidSdk {
-        return bad(
-            "drivers.ios.driver: android-sdk drives Android; use auto, simctl or virtual".into(),
-        );
-    }
-    if android.driver == DriverChoice::Simctl {
-        return bad(
-            "drivers.android.driver: simctl drives iOS; use auto, android-sdk or virtual".into(),
-        );
-    }
-    for (key, ms) in [
-        ("drivers.ios.callTimeoutMs", ios.call_timeout_ms),
-        ("drivers.ios.bootTimeoutMs", ios.boot_timeout_ms),
-        ("drivers.android.callTimeoutMs", android.call_timeout_ms),
-        ("drivers.android.bootTimeoutMs", android.boot_timeout_ms),
-        ("drivers.android.bootPollMs", android.boot_poll_ms),
-        ("health.probeIntervalMs", config.health.probe_interval_ms),
-    ] {
-        if ms == 0 {
-            return bad(format!("{key} must be above 0"));
-        }
-    }
-    if android.adb_server_port < 1024 || android.adb_server_port == 5037 {
-        return bad(format!(
-            "drivers.android.adbServerPort: {} is not simlock's own port (1024–65535, never the user's 5037)",
-            android.adb_server_port
-        ));
-    }
-    let (min, max) = (android.console_port_min, android.console_port_max);
-    if min % 2 != 0 || max % 2 != 0 || min < 1024 || max < min || max == u16::MAX {
-        return bad(format!(
-            "drivers.android.consolePortMin and drivers.android.consolePortMax: even ports from 1024 with min ≤ max (got {min}–{max})"
-        ));
-    }
-    if (min..=max.saturating_add(1)).contains(&android.adb_server_port) {
-        return bad(format!(
-            "drivers.android.adbServerPort ({}) is inside the console ports {min}–{}",
-            android.adb_server_port,
-            max.saturating_add(1)
-        ));
-    }
-    if config.health.stable_observations == 0 {
-        return bad("health.stableObservations must be above 0".into());
-    }
-    if config.quarantine.retry_backoff_multiplier == 0 {
-        return bad("quarantine.retryBackoffMultiplier must be above 0".into());
     }
     Ok(())
 }
 
 fn describe(error: &figment::Error) -> String {
+    describe_at("", error)
+}
+
+/// [`describe`] for an error of the table `table` (its paths start below it).
+fn describe_at(table: &str, error: &figment::Error) -> String {
     let mut parts = Vec::new();
     for e in error.clone() {
-        let key = e.path.join(".");
+        let key = std::iter::once(table)
+            .filter(|t| !t.is_empty())
+            .chain(e.path.iter().map(String::as_str))
+            .collect::<Vec<_>>()
+            .join(".");
         let what = e.kind.to_string();
         if key.is_empty() {
             parts.push(what)
@@ -911,7 +608,8 @@ fn describe(error: &figment::Error) -> String {
 ///
 /// A filter or map added to the returned `Env` turns figment's lower-casing of keys back on;
 /// call `.lowercase(false)` after it.
-fn environment() -> Env {
+fn environment(sections: &Sections) -> Env {
+    let tables = Keys::of(sections).tables();
     let not_config: Vec<&str> = NOT_CONFIG_ENV
         .iter()
         .filter_map(|name| name.strip_prefix(ENV_PREFIX))
@@ -930,11 +628,11 @@ fn environment() -> Env {
                 .join(".")
                 .into()
         })
-        .filter(|key| {
+        .filter(move |key| {
             key.as_str()
                 .split('.')
                 .next()
-                .is_some_and(|section| TOP_LEVEL_KEYS.contains(&section))
+                .is_some_and(|section| tables.contains(section))
         })
         .lowercase(false)
 }
@@ -943,12 +641,12 @@ fn environment() -> Env {
 /// `[…]` arrays, `{k = v}` tables, `"…"` strings, else text), except text keys
 /// ([`is_text_key`]), whose values are taken as they are (`SIMLOCK_GATEWAY__LABEL=42` is the
 /// label "42").
-fn environment_layer() -> Figment {
-    let text = text_keys();
+fn environment_layer(sections: &Sections) -> Figment {
+    let text = text_keys(sections);
     let text: Vec<&str> = text.iter().map(String::as_str).collect();
     // Each filter or map of figment's `Env` turns lower-casing back on: keep the camelCase keys.
-    let mut layer = Figment::from(environment().ignore(&text).lowercase(false));
-    for (key, raw) in environment().only(&text).lowercase(false).iter() {
+    let mut layer = Figment::from(environment(sections).ignore(&text).lowercase(false));
+    for (key, raw) in environment(sections).only(&text).lowercase(false).iter() {
         layer = layer.merge(Serialized::default(key.as_str(), raw));
     }
     layer
@@ -962,17 +660,20 @@ const OPTIONAL_TEXT_KEYS: &[&str] = &[
     "gateway.caFile",
     "http.tls.certFile",
     "http.tls.keyFile",
-    "drivers.ios.deviceSet",
-    "drivers.android.sdkRoot",
-    "drivers.android.avdHome",
 ];
 
-/// The text keys: those whose default is a string, and [`OPTIONAL_TEXT_KEYS`].
-fn text_keys() -> Vec<String> {
+/// The text keys: those whose default is a string, [`OPTIONAL_TEXT_KEYS`] and the registered
+/// sections' [`Section::TEXT_KEYS`].
+fn text_keys(sections: &Sections) -> Vec<String> {
     let mut keys = Vec::new();
-    if let Ok(defaults) = serde_json::to_value(Config::default()) {
+    if let Ok(Value::Object(mut defaults)) = serde_json::to_value(DaemonConfig::default()) {
+        for (table, value) in sections.defaults() {
+            merge_into(&mut defaults, &table, value);
+        }
+        let defaults = Value::Object(defaults);
+        let open_maps = Keys::of(sections).open_maps;
         let mut leaves = Vec::new();
-        leaf_keys(&defaults, "", &mut leaves);
+        leaf_keys(&defaults, "", &open_maps, &mut leaves);
         keys.extend(leaves.into_iter().filter(|key| {
             key.split('.')
                 .try_fold(&defaults, |v, k| v.get(k))
@@ -980,19 +681,22 @@ fn text_keys() -> Vec<String> {
         }));
     }
     keys.extend(OPTIONAL_TEXT_KEYS.iter().map(|k| (*k).to_owned()));
+    for entry in &sections.entries {
+        keys.extend(entry.text_keys.iter().map(|k| format!("{}.{k}", entry.key)));
+    }
     keys
 }
 
 /// Whether `key` holds text, so a value given as text is taken as it is.
-fn is_text_key(key: &str) -> bool {
-    text_keys().iter().any(|k| k == key)
+fn is_text_key(key: &str, sections: &Sections) -> bool {
+    text_keys(sections).iter().any(|k| k == key)
 }
 
 /// Reads a `--set KEY=VALUE` value for `key` as an environment variable's is read: text keys
 /// keep it as it is (`gateway.label=42` is the label "42"); other keys as figment reads a value
 /// (numbers, booleans, arrays, else text), so a bad value fails naming the key.
-pub fn coerce(key: &str, raw: &str) -> Value {
-    if is_text_key(key) {
+pub fn coerce(key: &str, raw: &str, sections: &Sections) -> Value {
+    if is_text_key(key, sections) {
         return Value::String(raw.to_owned());
     }
     let parsed: figment::value::Value = raw
@@ -1018,7 +722,7 @@ fn camel_from_upper_snake(part: &str) -> String {
     out
 }
 
-fn leaf_keys(value: &Value, prefix: &str, out: &mut Vec<String>) {
+fn leaf_keys(value: &Value, prefix: &str, open_maps: &[String], out: &mut Vec<String>) {
     match value {
         Value::Object(map) if !map.is_empty() => {
             for (key, child) in map {
@@ -1027,43 +731,15 @@ fn leaf_keys(value: &Value, prefix: &str, out: &mut Vec<String>) {
                 } else {
                     format!("{prefix}.{key}")
                 };
-                if OPEN_MAPS.contains(&path.as_str()) {
+                if open_maps.contains(&path) {
                     out.push(path);
                     continue;
                 }
-                leaf_keys(child, &path, out);
+                leaf_keys(child, &path, open_maps, out);
             }
         }
         _ => out.push(prefix.to_owned()),
     }
-}
-
-fn known_keys() -> Vec<String> {
-    let mut keys = Vec::new();
-    if let Ok(defaults) = serde_json::to_value(Config::default()) {
-        leaf_keys(&defaults, "", &mut keys);
-    }
-    // Optional keys that the defaults leave out.
-    keys.extend(
-        [
-            "http.enabled",
-            "gateway.url",
-            "gateway.token",
-            "gateway.label",
-            "gateway.caFile",
-            "http.tls.certFile",
-            "http.tls.keyFile",
-            "capacity.ios.maxRunning",
-            "capacity.android.maxRunning",
-            "agentDevice.leaseTtlCapMs",
-            "agentDevice.command",
-            "drivers.ios.deviceSet",
-            "drivers.android.sdkRoot",
-            "drivers.android.avdHome",
-        ]
-        .map(String::from),
-    );
-    keys
 }
 
 #[cfg(test)]
@@ -1078,7 +754,7 @@ mod tests {
         clippy::result_large_err,
         reason = "figment's Jail takes a closure returning figment's own Result"
     )]
-    fn with_env<T>(env: &[(&str, &str)], f: impl FnOnce() -> T) -> T {
+    pub(super) fn with_env<T>(env: &[(&str, &str)], f: impl FnOnce() -> T) -> T {
         let mut out = None;
         figment::Jail::expect_with(|jail| {
             for (name, value) in env {
@@ -1095,13 +771,13 @@ mod tests {
         if !toml.is_empty() {
             std::fs::write(dir.path().join("config.toml"), toml).unwrap();
         }
-        with_env(env, || load(dir.path(), mode, &[]))
+        with_env(env, || load(dir.path(), mode, &[], &Sections::new()))
     }
 
     #[test]
     fn defaults_load_without_a_file() {
         let loaded = load_with("", &[], Mode::Worker).unwrap();
-        assert_eq!(loaded.config, Config::default());
+        assert_eq!(loaded.config, DaemonConfig::default());
         assert!(loaded.warnings.is_empty());
         assert_eq!(loaded.config.lease.max_ttl_ms, 14_400_000);
     }
@@ -1119,7 +795,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let flags = [("http.port".to_owned(), json!(3))];
         let loaded = with_env(&[("SIMLOCK_HTTP__PORT", "2")], || {
-            load(dir.path(), Mode::Worker, &flags)
+            load(dir.path(), Mode::Worker, &flags, &Sections::new())
         })
         .unwrap();
         assert_eq!(loaded.config.http.port, 3);
@@ -1128,7 +804,7 @@ mod tests {
     #[test]
     fn unknown_keys_warn_and_mode_foreign_keys_warn() {
         let loaded = load_with(
-            "[lease]\nmaxTtlMS = 5\n[idle]\nshutdownAfterMs = 1000\ndeleteAfterMs = 2000",
+            "[lease]\nmaxTtlMS = 5\n[gateway]\nlabel = \"mac\"",
             &[],
             Mode::Gateway,
         )
@@ -1142,18 +818,10 @@ mod tests {
             loaded
                 .warnings
                 .iter()
-                .any(|w| w.contains("idle.shutdownAfterMs is a worker setting")),
+                .any(|w| w.contains("gateway.label is a worker setting")),
             "{:?}",
             loaded.warnings
         );
-        let loaded = load_with(
-            "[exec.tools.echo]\ncommand = \"/bin/echo\"",
-            &[],
-            Mode::Worker,
-        )
-        .unwrap();
-        assert!(loaded.warnings.is_empty(), "{:?}", loaded.warnings);
-        assert_eq!(loaded.config.exec.tools["echo"].command, "/bin/echo");
     }
 
     #[test]
@@ -1201,16 +869,19 @@ mod tests {
 
     #[test]
     fn the_view_redacts_the_join_token_and_keeps_a_gateways_own_sections() {
-        let mut config = Config::default();
+        let mut config = DaemonConfig::default();
         config.gateway.token = Some("slk_secret".into());
-        let worker = view(&config, Mode::Worker);
+        let worker = view(&config, &Sections::new(), &[], Mode::Worker);
         assert_eq!(worker.settings["gateway"]["token"], json!("[redacted]"));
-        assert!(worker.settings.contains_key("capacity"));
-        let gateway = view(&config, Mode::Gateway);
-        assert_eq!(gateway.settings["gateway"]["token"], json!("[redacted]"));
+        assert!(worker.settings.contains_key("capabilities"));
+        let gateway = view(&config, &Sections::new(), &[], Mode::Gateway);
         assert!(
-            !gateway.settings.contains_key("capacity"),
-            "a gateway does not read worker sections"
+            !gateway.settings.contains_key("capabilities"),
+            "a gateway does not read worker keys"
+        );
+        assert!(
+            !gateway.settings.contains_key("gateway"),
+            "without the fleet's section a gateway reads none of gateway.*"
         );
         assert_eq!(gateway.lease.max_ttl_ms, config.lease.max_ttl_ms);
         assert!(
@@ -1222,11 +893,20 @@ mod tests {
 
     #[test]
     fn text_keys_keep_numeric_looking_text_and_other_keys_read_json() {
-        assert_eq!(coerce("gateway.label", "42"), json!("42"));
-        assert_eq!(coerce("http.host", "127.0.0.1"), json!("127.0.0.1"));
-        assert_eq!(coerce("http.port", "4701"), json!(4701));
-        assert_eq!(coerce("http.enabled", "true"), json!(true));
-        assert_eq!(coerce("capabilities", r#"["gpu"]"#), json!(["gpu"]));
+        assert_eq!(coerce("gateway.label", "42", &Sections::new()), json!("42"));
+        assert_eq!(
+            coerce("http.host", "127.0.0.1", &Sections::new()),
+            json!("127.0.0.1")
+        );
+        assert_eq!(coerce("http.port", "4701", &Sections::new()), json!(4701));
+        assert_eq!(
+            coerce("http.enabled", "true", &Sections::new()),
+            json!(true)
+        );
+        assert_eq!(
+            coerce("capabilities", r#"["gpu"]"#, &Sections::new()),
+            json!(["gpu"])
+        );
         let env = [
             ("SIMLOCK_GATEWAY__LABEL", "42"),
             ("SIMLOCK_GATEWAY__URL", "ws://g"),
@@ -1253,59 +933,6 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("gateway.label"), "{err}");
-    }
-
-    #[test]
-    fn driver_settings_past_their_limits_fail_naming_the_key() {
-        let ok = |toml: &str| load_with(toml, &[], Mode::Worker).is_ok();
-        let err = |toml: &str| load_with(toml, &[], Mode::Worker).unwrap_err().to_string();
-        assert!(ok("[drivers.android]\nadbServerPort = 1024"));
-        for port in [1023, 5037] {
-            let e = err(&format!("[drivers.android]\nadbServerPort = {port}"));
-            assert!(e.contains("drivers.android.adbServerPort"), "{e}");
-        }
-        let e = err("[drivers.android]\nadbServerPort = 5600");
-        assert!(e.contains("inside the console ports"), "{e}");
-        assert!(
-            ok("[drivers.android]\nadbServerPort = 5684"),
-            "one past the last adb port"
-        );
-        assert!(
-            !ok("[drivers.android]\nadbServerPort = 5683"),
-            "the last adb port"
-        );
-        for bad in [
-            "consolePortMin = 5587",
-            "consolePortMax = 5683",
-            "consolePortMin = 5700\nconsolePortMax = 5600",
-            "consolePortMin = 1022",
-        ] {
-            let e = err(&format!("[drivers.android]\n{bad}"));
-            assert!(e.contains("drivers.android.consolePortMin"), "{bad}: {e}");
-        }
-        assert!(ok(
-            "[drivers.android]\nconsolePortMin = 5600\nconsolePortMax = 5600"
-        ));
-        for (section, key) in [
-            ("drivers.ios", "callTimeoutMs"),
-            ("drivers.ios", "bootTimeoutMs"),
-            ("drivers.android", "bootPollMs"),
-            ("health", "probeIntervalMs"),
-            ("health", "stableObservations"),
-            ("quarantine", "retryBackoffMultiplier"),
-        ] {
-            let e = err(&format!("[{section}]\n{key} = 0"));
-            assert!(e.contains(&format!("{section}.{key}")), "{e}");
-            assert!(ok(&format!("[{section}]\n{key} = 1")));
-        }
-        let e = err("[drivers.ios]\ndriver = \"android-sdk\"");
-        assert!(e.contains("drivers.ios.driver"), "{e}");
-        let e = err("[drivers.android]\ndriver = \"simctl\"");
-        assert!(e.contains("drivers.android.driver"), "{e}");
-        let e = err("[drivers.ios]\ndriver = \"xcode\"");
-        assert!(e.contains("drivers.ios.driver"), "{e}");
-        // Paths are text, even when they look like numbers.
-        assert_eq!(coerce("drivers.ios.deviceSet", "42"), json!("42"));
     }
 
     #[test]
@@ -1377,81 +1004,6 @@ mod tests {
     }
 
     #[test]
-    fn agent_device_keys_are_checked_on_both_sides_and_the_command_is_the_workers() {
-        let cap = |ms: u64| {
-            format!(
-                "[lease]\ndefaultTtlMs = 60000\nmaxTtlMs = 600000\n[agentDevice]\nleaseTtlCapMs = {ms}"
-            )
-        };
-        for mode in [Mode::Worker, Mode::Gateway] {
-            assert!(load_with(&cap(600_000), &[], mode).is_ok(), "at the bound");
-            let err = load_with(&cap(600_001), &[], mode).unwrap_err().to_string();
-            assert!(
-                err.contains("agentDevice.leaseTtlCapMs") && err.contains("lease.maxTtlMs"),
-                "{err}"
-            );
-            assert!(
-                load_with(&cap(5_000), &[], mode).is_ok(),
-                "agent-device's shortest"
-            );
-            for below in [0, 4_999] {
-                let err = load_with(&cap(below), &[], mode).unwrap_err().to_string();
-                assert!(
-                    err.contains("agentDevice.leaseTtlCapMs") && err.contains("5000"),
-                    "{err}"
-                );
-            }
-            let short = "[lease]\ndefaultTtlMs = 1000\nmaxTtlMs = 4999\n[agentDevice]\nenabled = true\ncommand = [\"d\"]";
-            let err = load_with(short, &[], mode).unwrap_err().to_string();
-            assert!(
-                err.contains("agentDevice.enabled") && err.contains("lease.maxTtlMs"),
-                "{err}"
-            );
-            let off = "[lease]\ndefaultTtlMs = 1000\nmaxTtlMs = 4999";
-            assert!(
-                load_with(off, &[], mode).is_ok(),
-                "without agent-device it is fine"
-            );
-        }
-        let err = load_with("[agentDevice]\nenabled = true", &[], Mode::Worker)
-            .unwrap_err()
-            .to_string();
-        assert!(err.contains("agentDevice.command"), "{err}");
-        let err = load_with(
-            "[agentDevice]\nenabled = true\ncommand = []",
-            &[],
-            Mode::Worker,
-        )
-        .unwrap_err()
-        .to_string();
-        assert!(err.contains("agentDevice.command"), "{err}");
-        let worker = load_with(
-            "[agentDevice]\nenabled = true\ncommand = [\"node\", \"d.js\"]",
-            &[],
-            Mode::Worker,
-        )
-        .unwrap();
-        assert!(worker.warnings.is_empty(), "{:?}", worker.warnings);
-        let gateway = load_with(
-            "[agentDevice]\nenabled = true\ncommand = [\"node\", \"d.js\"]",
-            &[],
-            Mode::Gateway,
-        )
-        .unwrap();
-        assert_eq!(
-            gateway.warnings,
-            vec!["agentDevice.command is a worker setting; a gateway ignores it".to_owned()]
-        );
-        assert!(gateway.config.agent_device.enabled);
-        let env = [("SIMLOCK_AGENT_DEVICE__COMMAND", r#"["node","x.js"]"#)];
-        let loaded = load_with("", &env, Mode::Worker).unwrap();
-        assert_eq!(
-            loaded.config.agent_device.command,
-            Some(vec!["node".to_owned(), "x.js".to_owned()])
-        );
-    }
-
-    #[test]
     fn environment_names_map_to_camel_case_keys() {
         let env = [
             ("SIMLOCK_LEASE__MAX_TTL_MS", "60000"),
@@ -1459,7 +1011,9 @@ mod tests {
             ("OTHER", "1"),
             ("SIMLOCK_E2E", "1"),
         ];
-        let table: Value = with_env(&env, || environment_layer().extract().unwrap());
+        let table: Value = with_env(&env, || {
+            environment_layer(&Sections::new()).extract().unwrap()
+        });
         assert_eq!(
             table,
             json!({"lease": {"maxTtlMs": 60000}, "gateway": {"url": "ws://x"}})
@@ -1472,64 +1026,23 @@ mod tests {
             ("SIMLOCK_LEASE__MAX_TTL_MS", "5000"),
             ("SIMLOCK_LEASE__DEFAULT_TTL_MS", "5000"),
             ("SIMLOCK_HTTP__ENABLED", "true"),
-            ("SIMLOCK_DRIVERS__ANDROID__HEADLESS", "false"),
-            ("SIMLOCK_CAPACITY__IOS__MAX_RUNNING", "3"),
             ("SIMLOCK_EVENT_BUFFER__CAPACITY", "7"),
             ("SIMLOCK_CAPABILITIES", r#"["gpu", "agent-device"]"#),
-            ("SIMLOCK_AGENT_DEVICE__COMMAND", r#"["node","x.js"]"#),
-            ("SIMLOCK_AGENT_DEVICE__ENABLED", "true"),
             // Text keys given digits, a float, a quoted word and spaces stay text as given.
             ("SIMLOCK_GATEWAY__LABEL", "007"),
             ("SIMLOCK_HTTP__HOST", "1.5"),
             ("SIMLOCK_LOG__LEVEL", "42"),
-            ("SIMLOCK_DRIVERS__IOS__DEVICE_SET", "42"),
-            ("SIMLOCK_DRIVERS__ANDROID__SDK_ROOT", r#""/sdk""#),
-            ("SIMLOCK_DRIVERS__IOS__XCRUN", " /usr/bin/xcrun "),
-            ("SIMLOCK_CAPACITY__STRATEGY", "fixed"),
         ];
         let loaded = load_with("", &env, Mode::Worker).unwrap();
         assert!(loaded.warnings.is_empty(), "{:?}", loaded.warnings);
         let c = loaded.config;
         assert_eq!((c.lease.max_ttl_ms, c.lease.default_ttl_ms), (5000, 5000));
         assert_eq!(c.http.enabled, Some(true));
-        assert!(!c.drivers.android.headless);
-        assert_eq!(c.capacity.ios.max_running, Some(3));
         assert_eq!(c.event_buffer.capacity, 7);
         assert_eq!(c.capabilities, ["gpu", "agent-device"]);
-        assert_eq!(
-            c.agent_device.command,
-            Some(vec!["node".to_owned(), "x.js".to_owned()])
-        );
         assert_eq!(c.gateway.label.as_deref(), Some("007"));
         assert_eq!(c.http.host, "1.5");
         assert_eq!(c.log.level, "42");
-        assert_eq!(c.drivers.ios.device_set.as_deref(), Some("42"));
-        assert_eq!(c.drivers.android.sdk_root.as_deref(), Some(r#""/sdk""#));
-        assert_eq!(c.drivers.ios.xcrun, " /usr/bin/xcrun ");
-        assert_eq!(c.capacity.strategy, CapacityStrategy::Fixed);
-    }
-
-    #[test]
-    fn an_open_map_entry_comes_from_the_environment() {
-        let env = [
-            ("SIMLOCK_EXEC__TOOLS__ECHO__COMMAND", "/bin/echo"),
-            ("SIMLOCK_EXEC__TOOLS__ECHO__ARGS", r#"["-n"]"#),
-        ];
-        let echo = ToolConfig {
-            command: "/bin/echo".into(),
-            args: vec!["-n".into()],
-        };
-        let loaded = load_with("", &env, Mode::Worker).unwrap();
-        assert!(loaded.warnings.is_empty(), "{:?}", loaded.warnings);
-        assert_eq!(loaded.config.exec.tools["echo"], echo);
-        // The whole map as one figment table.
-        let env = [(
-            "SIMLOCK_EXEC__TOOLS",
-            r#"{echo = {command = "/bin/echo", args = ["-n"]}}"#,
-        )];
-        let loaded = load_with("", &env, Mode::Worker).unwrap();
-        assert!(loaded.warnings.is_empty(), "{:?}", loaded.warnings);
-        assert_eq!(loaded.config.exec.tools["echo"], echo);
     }
 
     #[test]
@@ -1541,13 +1054,6 @@ mod tests {
             ("SIMLOCK_HTTP__PORT", "65536", "http.port"),
             ("SIMLOCK_HTTP__ENABLED", "yes", "http.enabled"),
             ("SIMLOCK_CAPABILITIES", "gpu", "capabilities"),
-            (
-                "SIMLOCK_AGENT_DEVICE__COMMAND",
-                "node x.js",
-                "agentDevice.command",
-            ),
-            ("SIMLOCK_CAPACITY__STRATEGY", "lots", "capacity.strategy"),
-            ("SIMLOCK_DRIVERS__IOS__DRIVER", "42", "drivers.ios.driver"),
         ] {
             let err = load_with("", &[(name, value)], Mode::Worker)
                 .unwrap_err()
@@ -1578,7 +1084,7 @@ mod tests {
             ("Simlock_HTTP__PORT", "1"),
         ];
         let loaded = load_with("", &env, Mode::Worker).unwrap();
-        assert_eq!(loaded.config, Config::default());
+        assert_eq!(loaded.config, DaemonConfig::default());
         assert!(loaded.warnings.is_empty(), "{:?}", loaded.warnings);
         // A name inside a section that is no key is warned about, as a file's would be.
         let loaded = load_with("", &[("SIMLOCK_LEASE__MAX_TTL_MX", "5")], Mode::Worker).unwrap();
@@ -1600,12 +1106,234 @@ mod tests {
             ("SIMLOCK_GATEWAY__LABEL", "42"),
             ("SIMLOCK_LOG__LEVEL", "9"),
         ];
-        let loaded = with_env(&env, || load(dir.path(), Mode::Worker, &[])).unwrap();
+        let loaded = with_env(&env, || {
+            load(dir.path(), Mode::Worker, &[], &Sections::new())
+        })
+        .unwrap();
         assert_eq!(loaded.config.gateway.label.as_deref(), Some("42"));
         assert_eq!(loaded.config.log.level, "9");
-        let flags = [("gateway.label".to_owned(), coerce("gateway.label", "43"))];
-        let loaded = with_env(&env, || load(dir.path(), Mode::Worker, &flags)).unwrap();
+        let flags = [(
+            "gateway.label".to_owned(),
+            coerce("gateway.label", "43", &Sections::new()),
+        )];
+        let loaded = with_env(&env, || {
+            load(dir.path(), Mode::Worker, &flags, &Sections::new())
+        })
+        .unwrap();
         assert_eq!(loaded.config.gateway.label.as_deref(), Some("43"));
         assert_eq!(loaded.config.log.level, "9");
+    }
+}
+
+/// The registry: sections of crates above the daemon, as test sections here.
+#[cfg(test)]
+mod section_tests {
+    use serde::{Deserialize, Serialize};
+    use serde_json::json;
+
+    use super::*;
+
+    /// A worker's section with one rule and one unset text key.
+    #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+    #[serde(rename_all = "camelCase", default)]
+    struct Probe {
+        limit: u32,
+        path: Option<String>,
+    }
+
+    impl Default for Probe {
+        fn default() -> Self {
+            Self {
+                limit: 3,
+                path: None,
+            }
+        }
+    }
+
+    impl Section for Probe {
+        const KEY: &'static str = "probe";
+        const MODES: &'static [Mode] = WORKER;
+        const TEXT_KEYS: &'static [&'static str] = &["path"];
+
+        fn check(&self, daemon: &DaemonConfig, _mode: Mode) -> Result<(), SectionError> {
+            if self.limit == 0 {
+                return Err(SectionError::new("probe.limit must be above 0"));
+            }
+            if u64::from(self.limit) > daemon.lease.max_ttl_ms {
+                return Err(SectionError::new("probe.limit is above lease.maxTtlMs"));
+            }
+            Ok(())
+        }
+    }
+
+    /// A section both daemons read, sharing the `gateway` table, with a worker-only key.
+    #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+    #[serde(rename_all = "camelCase", default)]
+    struct Shared {
+        mirror: bool,
+        local: Option<u32>,
+    }
+
+    impl Section for Shared {
+        const KEY: &'static str = "gateway";
+        const MODES: &'static [Mode] = BOTH;
+        const ONLY: &'static [(&'static str, Mode)] = &[("local", Mode::Worker)];
+    }
+
+    /// A gateway's section in the same table.
+    #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+    #[serde(rename_all = "camelCase", default)]
+    struct Policy {
+        policy: String,
+    }
+
+    impl Default for Policy {
+        fn default() -> Self {
+            Self {
+                policy: "first".into(),
+            }
+        }
+    }
+
+    impl Section for Policy {
+        const KEY: &'static str = "gateway";
+        const MODES: &'static [Mode] = GATEWAY;
+    }
+
+    fn registered() -> Sections {
+        Sections::new()
+            .with::<Probe>()
+            .with::<Shared>()
+            .with::<Policy>()
+    }
+
+    #[test]
+    fn unknown_keys_are_checked_against_the_union_of_the_registered_sections() {
+        let toml = "[probe]\nlimit = 5\n[gateway]\nmirror = true";
+        let loaded = load_text(toml, Mode::Worker, &registered()).unwrap();
+        assert!(loaded.warnings.is_empty(), "{:?}", loaded.warnings);
+        assert_eq!(loaded.section::<Probe>().unwrap().limit, 5);
+        assert!(loaded.section::<Shared>().unwrap().mirror);
+        // The daemon's own keys are known beside them.
+        assert_eq!(loaded.config, DaemonConfig::default());
+        let loaded = load_text("[probe]\nlimitt = 5", Mode::Worker, &registered()).unwrap();
+        assert_eq!(
+            loaded.warnings,
+            ["unknown configuration key probe.limitt is ignored"]
+        );
+        // Not registered: not a key.
+        let loaded = load_text(toml, Mode::Worker, &Sections::new()).unwrap();
+        assert_eq!(
+            loaded.warnings,
+            [
+                "unknown configuration key gateway.mirror is ignored",
+                "unknown configuration key probe.limit is ignored"
+            ]
+        );
+        let err = loaded.section::<Probe>().unwrap_err().to_string();
+        assert!(
+            err.contains("probe") && err.contains("not registered"),
+            "{err}"
+        );
+        // Registered twice is registered once.
+        assert_eq!(registered().with::<Probe>().tables(), ["probe", "gateway"]);
+        let defaults = load_text("", Mode::Gateway, &registered()).unwrap();
+        assert_eq!(defaults.section::<Policy>().unwrap(), Policy::default());
+    }
+
+    #[test]
+    fn a_sections_bad_value_and_its_check_fail_naming_the_key() {
+        let err = load_text("[probe]\nlimit = \"many\"", Mode::Worker, &registered())
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("probe.limit"), "{err}");
+        let err = load_text("[probe]\nlimit = 0", Mode::Worker, &registered())
+            .unwrap_err()
+            .to_string();
+        assert_eq!(err, "configuration: probe.limit must be above 0");
+        // A section's table given as something else fails naming it, on either daemon.
+        for mode in [Mode::Worker, Mode::Gateway] {
+            let err = load_text("probe = 5", mode, &registered())
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains("probe: invalid type"), "{err}");
+        }
+        assert!(
+            load_text("[probe]\nlimit = 1", Mode::Worker, &registered()).is_ok(),
+            "one past the bound"
+        );
+        // The check reads the daemon's own section.
+        let toml = "[lease]\ndefaultTtlMs = 1\nmaxTtlMs = 2\n[probe]\nlimit = 3";
+        let err = load_text(toml, Mode::Worker, &registered())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("probe.limit") && err.contains("lease.maxTtlMs"),
+            "{err}"
+        );
+        // A gateway does not read the section: not checked, warned.
+        let loaded = load_text("[probe]\nlimit = 0", Mode::Gateway, &registered()).unwrap();
+        assert_eq!(
+            loaded.warnings,
+            ["probe.limit is a worker setting; a gateway ignores it"]
+        );
+    }
+
+    #[test]
+    fn a_key_of_the_other_mode_is_warned() {
+        let toml = "[gateway]\nmirror = true\nlocal = 4\npolicy = \"last\"";
+        let gateway = load_text(toml, Mode::Gateway, &registered()).unwrap();
+        assert_eq!(
+            gateway.warnings,
+            ["gateway.local is a worker setting; a gateway ignores it"]
+        );
+        let worker = load_text(toml, Mode::Worker, &registered()).unwrap();
+        assert_eq!(
+            worker.warnings,
+            ["gateway.policy is a gateway setting; a worker ignores it"]
+        );
+    }
+
+    #[test]
+    fn a_sections_text_key_and_variables_come_from_the_environment() {
+        assert_eq!(coerce("probe.path", "42", &registered()), json!("42"));
+        assert_eq!(coerce("probe.limit", "42", &registered()), json!(42));
+        let env = [
+            ("SIMLOCK_PROBE__PATH", "007"),
+            ("SIMLOCK_PROBE__LIMIT", "9"),
+        ];
+        let table: Value =
+            tests::with_env(&env, || environment_layer(&registered()).extract().unwrap());
+        assert_eq!(table, json!({"probe": {"path": "007", "limit": 9}}));
+        // Without the section, its variables are no configuration.
+        let table: Value = tests::with_env(&env, || {
+            environment_layer(&Sections::new()).extract().unwrap()
+        });
+        assert_eq!(table, json!({}));
+    }
+
+    #[test]
+    fn the_view_shows_the_sections_of_the_tables_a_daemon_reads() {
+        let probe = Probe {
+            limit: 7,
+            path: None,
+        };
+        let values = [section_value(&probe)];
+        let worker = view(
+            &DaemonConfig::default(),
+            &registered(),
+            &values,
+            Mode::Worker,
+        );
+        assert_eq!(worker.settings["probe"], json!({"limit": 7, "path": null}));
+        // Sections sharing a table are merged; one left out shows its defaults.
+        assert_eq!(worker.settings["gateway"]["mirror"], json!(false));
+        assert_eq!(worker.settings["gateway"]["policy"], json!("first"));
+        let mut config = DaemonConfig::default();
+        config.gateway.token = Some("slk_secret".into());
+        let gateway = view(&config, &registered(), &values, Mode::Gateway);
+        assert!(!gateway.settings.contains_key("probe"));
+        assert_eq!(gateway.settings["gateway"]["local"], json!(null));
+        assert_eq!(gateway.settings["gateway"]["token"], json!("[redacted]"));
     }
 }

@@ -8,7 +8,7 @@ use std::process::ExitCode;
 use serde_json::{Value, json};
 use simlock_contract::model::Mode;
 
-use crate::config::{self, Config};
+use crate::config::{self, Loaded, Sections};
 use crate::home::Home;
 use crate::runtime::{Running, StartError};
 
@@ -28,13 +28,13 @@ pub trait Launched: Send + 'static {
 ///
 /// # Errors
 /// The flag that is not `KEY=VALUE`.
-pub fn parse_sets(sets: &[String]) -> Result<Vec<(String, Value)>, String> {
+pub fn parse_sets(sets: &[String], sections: &Sections) -> Result<Vec<(String, Value)>, String> {
     sets.iter()
         .map(|pair| {
             let (key, value) = pair
                 .split_once('=')
                 .ok_or_else(|| format!("--set takes KEY=VALUE, got {pair:?}"))?;
-            Ok((key.to_owned(), config::coerce(key, value)))
+            Ok((key.to_owned(), config::coerce(key, value, sections)))
         })
         .collect()
 }
@@ -60,7 +60,8 @@ pub fn runtime() -> std::io::Result<tokio::runtime::Runtime> {
         .build()
 }
 
-/// Runs a daemon binary: `start` composes the daemon from its home and configuration.
+/// Runs a daemon binary: loads the configuration with the `sections` the binary registers, then
+/// `start` composes the daemon from its home and the loaded configuration.
 #[allow(
     clippy::print_stdout,
     clippy::print_stderr,
@@ -71,14 +72,15 @@ pub fn run<D, F, Fut>(
     mode: Mode,
     home: Home,
     overrides: &[(String, Value)],
+    sections: &Sections,
     start: F,
 ) -> ExitCode
 where
     D: Launched,
-    F: FnOnce(Home, Config) -> Fut,
+    F: FnOnce(Home, Loaded) -> Fut,
     Fut: Future<Output = Result<D, StartError>>,
 {
-    let loaded = match config::load(home.root(), mode, overrides) {
+    let loaded = match config::load(home.root(), mode, overrides, sections) {
         Ok(loaded) => loaded,
         Err(e) => {
             eprintln!("{name}: {e}");
@@ -97,7 +99,7 @@ where
         }
     };
     runtime.block_on(async move {
-        let daemon = match start(home, loaded.config).await {
+        let daemon = match start(home, loaded).await {
             Ok(daemon) => daemon,
             Err(e) => {
                 eprintln!("{name}: {e}");
@@ -124,11 +126,14 @@ mod tests {
 
     #[test]
     fn sets_read_values_by_their_keys_type() {
-        let sets = parse_sets(&[
-            "http.port=5".into(),
-            "gateway.label=42".into(),
-            "http.enabled=true".into(),
-        ])
+        let sets = parse_sets(
+            &[
+                "http.port=5".into(),
+                "gateway.label=42".into(),
+                "http.enabled=true".into(),
+            ],
+            &Sections::new(),
+        )
         .unwrap();
         assert_eq!(
             sets,
@@ -139,7 +144,7 @@ mod tests {
             ]
         );
         assert!(
-            parse_sets(&["nokey".into()])
+            parse_sets(&["nokey".into()], &Sections::new())
                 .unwrap_err()
                 .contains("KEY=VALUE")
         );

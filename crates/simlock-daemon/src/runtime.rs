@@ -16,7 +16,7 @@ use tracing::{info, warn};
 
 use crate::auth::DaemonGreeter;
 use crate::clock::{SharedClock, TokioClock};
-use crate::config::Config;
+use crate::config::DaemonConfig;
 use crate::events::{self, EventBus};
 use crate::home::{AdminSecret, Home};
 use crate::http::requests::RequestBook;
@@ -69,7 +69,7 @@ pub struct Base {
     /// Its home.
     pub home: Home,
     /// Its configuration.
-    pub config: Config,
+    pub config: DaemonConfig,
     /// Worker or gateway.
     pub mode: Mode,
     /// Its version.
@@ -110,7 +110,7 @@ impl Base {
     /// [`StartError`].
     pub fn open(
         home: Home,
-        config: Config,
+        config: DaemonConfig,
         mode: Mode,
         version: String,
         clock: Option<SharedClock>,

@@ -5,9 +5,9 @@
 //!   as what its fence says (an operation's output, a lease-request view, an error with its
 //!   status, a request body); the status table is the contract's error table; the lease-request
 //!   body keys are the host's; every SSE event named is one the host sends.
-//! - Configuration: every key is in the key table and every row is a key; each documented
-//!   default is `Config::default()`'s; the example files load without warnings; the environment
-//!   examples set the keys they claim; the flags are the binaries' flags.
+//! - Configuration: the uplink's constants are the documented ones. The keys, defaults,
+//!   examples and flags are checked against the sections the binaries register, in
+//!   `simlock-e2e`'s `tests/config_docs.rs`.
 
 #![allow(
     clippy::unwrap_used,
@@ -17,13 +17,13 @@
 )]
 
 use std::collections::BTreeSet;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Duration;
 
 use serde_json::{Map, Value};
 use simlock_contract::error::ERROR_TABLE;
 use simlock_contract::ids::DeviceId;
-use simlock_contract::model::{LeaseEndReason, LeaseGrant, Mode};
+use simlock_contract::model::{LeaseEndReason, LeaseGrant};
 use simlock_contract::ops::{
     CatalogGet, ConfigGet, DaemonStop, DeviceExec, EventsReplay, LeaseCancel, LeaseList,
     LeaseRelease, LeaseReleaseAll, LeaseRenew, LeaseRequest, ListGet, StatusGet, TokenCreate,
@@ -31,7 +31,6 @@ use simlock_contract::ops::{
 };
 use simlock_contract::push::UnhealthyReason;
 use simlock_contract::{ErrorBody, ErrorCode, OPERATIONS, Operation, Push};
-use simlock_daemon::config::{self, Config, VirtualConfig};
 use simlock_daemon::http::DRAIN_GRACE;
 use simlock_daemon::http::body::{KEEPALIVE, MAX_JSON_BODY};
 use simlock_daemon::http::parse;
@@ -92,342 +91,6 @@ fn first_code(text: &str) -> Option<&str> {
 /// Every `` `literal` `` in `text`.
 fn codes(text: &str) -> Vec<&str> {
     text.split('`').skip(1).step_by(2).collect()
-}
-
-/// The value at a dotted key.
-fn at<'a>(value: &'a Value, key: &str) -> Option<&'a Value> {
-    key.split('.').try_fold(value, |v, part| v.get(part))
-}
-
-// === Configuration ===
-
-/// The leaf keys of a configuration value (empty tables and arrays are leaves).
-fn leaf_keys(value: &Value, prefix: &str, out: &mut BTreeSet<String>) {
-    match value {
-        Value::Object(map) if !map.is_empty() => {
-            for (key, child) in map {
-                let path = if prefix.is_empty() {
-                    key.clone()
-                } else {
-                    format!("{prefix}.{key}")
-                };
-                leaf_keys(child, &path, out);
-            }
-        }
-        _ => {
-            out.insert(prefix.to_owned());
-        }
-    }
-}
-
-fn defaults() -> Value {
-    serde_json::to_value(Config::default()).unwrap()
-}
-
-/// Every key: the defaults' leaves and the optional keys the defaults may leave out.
-fn known_keys() -> BTreeSet<String> {
-    let mut keys = BTreeSet::new();
-    leaf_keys(&defaults(), "", &mut keys);
-    for key in [
-        "http.enabled",
-        "gateway.url",
-        "gateway.token",
-        "gateway.label",
-        "capacity.ios.maxRunning",
-        "capacity.android.maxRunning",
-    ] {
-        keys.insert(key.to_owned());
-    }
-    keys
-}
-
-const KEY_TABLE: &str = "| key | default | type | read by | meaning |";
-
-/// The key table: (key, default cell).
-fn key_rows(doc: &str) -> Vec<(String, String)> {
-    table(doc, KEY_TABLE)
-        .into_iter()
-        .map(|row| {
-            assert_eq!(row.len(), 5, "a key row has five cells: {row:?}");
-            let key = row[0]
-                .strip_prefix('`')
-                .and_then(|k| k.strip_suffix('`'))
-                .unwrap_or_else(|| panic!("the key cell is one `key`: {row:?}"));
-            (key.to_owned(), row[1].to_owned())
-        })
-        .collect()
-}
-
-#[test]
-fn every_configuration_key_has_a_row_and_every_row_is_a_key() {
-    let doc = config_doc();
-    let rows = key_rows(&doc);
-    let documented: BTreeSet<String> = rows.iter().map(|(k, _)| k.clone()).collect();
-    assert_eq!(documented.len(), rows.len(), "a key is listed twice");
-    let known = known_keys();
-    let missing: Vec<_> = known.difference(&documented).collect();
-    assert!(
-        missing.is_empty(),
-        "keys missing from the table: {missing:?}"
-    );
-    let unknown: Vec<_> = documented.difference(&known).collect();
-    assert!(unknown.is_empty(), "rows that are not keys: {unknown:?}");
-}
-
-#[test]
-fn documented_defaults_are_the_real_defaults() {
-    let doc = config_doc();
-    let defaults = defaults();
-    for (key, cell) in key_rows(&doc) {
-        let real = at(&defaults, &key).cloned().unwrap_or(Value::Null);
-        if let Some(literal) = first_code(&cell) {
-            let documented: Value = serde_json::from_str(literal)
-                .unwrap_or_else(|e| panic!("{key}: default `{literal}` is not a value: {e}"));
-            assert_eq!(documented, real, "{key}: the documented default is wrong");
-        } else if key == "virtual.models" {
-            assert!(cell.contains("five models"), "{key}: {cell}");
-            assert_eq!(VirtualConfig::default().models.len(), 5);
-        } else {
-            assert!(
-                real.is_null() && cell.starts_with("unset"),
-                "{key}: the default cell {cell:?} names no value, but the default is {real}"
-            );
-        }
-    }
-}
-
-#[test]
-fn the_default_catalog_table_is_the_default_models() {
-    let doc = config_doc();
-    let rows = table(&doc, "| platform | name | aliases | runtimes |");
-    let split = |cell: &str| -> Vec<String> {
-        cell.split(',')
-            .map(str::trim)
-            .filter(|s| !s.is_empty())
-            .map(String::from)
-            .collect()
-    };
-    let documented: Vec<(String, String, Vec<String>, Vec<String>)> = rows
-        .iter()
-        .map(|row| {
-            (
-                row[0].to_owned(),
-                row[1].to_owned(),
-                split(row[2]),
-                split(row[3]),
-            )
-        })
-        .collect();
-    let real: Vec<(String, String, Vec<String>, Vec<String>)> = VirtualConfig::default()
-        .models
-        .into_iter()
-        .map(|m| {
-            (
-                m.platform.as_str().to_owned(),
-                m.name,
-                m.aliases,
-                m.runtimes,
-            )
-        })
-        .collect();
-    assert_eq!(documented, real);
-}
-
-/// A fresh, empty home directory.
-fn scratch_home(n: usize) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("simlock-docs-{}-{n}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
-
-#[test]
-fn the_example_files_load_without_warnings() {
-    let doc = config_doc();
-    let mut seen = 0;
-    for (n, (info, body)) in blocks(&doc).into_iter().enumerate() {
-        let Some(mode) = info.strip_prefix("toml mode=") else {
-            continue;
-        };
-        let mode = match mode {
-            "worker" => Mode::Worker,
-            "gateway" => Mode::Gateway,
-            other => panic!("unknown mode {other:?}"),
-        };
-        let home = scratch_home(n);
-        std::fs::write(home.join("config.toml"), &body).unwrap();
-        let loaded = config::load(&home, mode, &[]);
-        let _ = std::fs::remove_dir_all(&home);
-        let loaded = loaded.unwrap_or_else(|e| panic!("{e}\n{body}"));
-        assert!(loaded.warnings.is_empty(), "{:?}\n{body}", loaded.warnings);
-        seen += 1;
-    }
-    assert!(seen >= 2, "a worker and a gateway example");
-}
-
-/// `SIMLOCK_` variables that are not configuration keys.
-const NOT_CONFIG: &[&str] = &[
-    "SIMLOCK_HOME",
-    "SIMLOCK_LOG",
-    "SIMLOCK_JOIN_TOKEN",
-    "SIMLOCK_URL",
-    "SIMLOCK_TOKEN",
-    "SIMLOCK_CA_FILE",
-    "SIMLOCK_AGENT_ID",
-    // The environment of a leased device.
-    "SIMLOCK_LEASE_ID",
-    "SIMLOCK_DEVICE_ID",
-    "SIMLOCK_DEVICE_UDID",
-    "SIMLOCK_PLATFORM",
-    "SIMLOCK_IOS_DEVICE_SET",
-    "SIMLOCK_ADB_SERVER_PORT",
-    "SIMLOCK_ANDROID_SERIAL",
-];
-
-/// `SIMLOCK_CAPACITY__IOS__MAX_RUNNING` → `capacity.ios.maxRunning`, by the documented rule.
-fn key_of_variable(name: &str) -> String {
-    let rest = name.strip_prefix("SIMLOCK_").unwrap();
-    rest.split("__")
-        .map(|part| {
-            let mut out = String::new();
-            let mut upper = false;
-            for c in part.chars() {
-                if c == '_' {
-                    upper = true;
-                } else if upper {
-                    out.extend(c.to_uppercase());
-                    upper = false;
-                } else {
-                    out.extend(c.to_lowercase());
-                }
-            }
-            out
-        })
-        .collect::<Vec<_>>()
-        .join(".")
-}
-
-/// Every `SIMLOCK_…` name in `doc`.
-fn variables(doc: &str) -> BTreeSet<String> {
-    let mut out = BTreeSet::new();
-    for (at, _) in doc.match_indices("SIMLOCK_") {
-        let name: String = doc[at..]
-            .chars()
-            .take_while(|c| c.is_ascii_uppercase() || c.is_ascii_digit() || *c == '_')
-            .collect();
-        if name.len() > "SIMLOCK_".len() {
-            out.insert(name);
-        }
-    }
-    out
-}
-
-#[test]
-fn every_configuration_variable_names_a_key() {
-    let doc = config_doc();
-    let known = known_keys();
-    for name in variables(&doc) {
-        if NOT_CONFIG.contains(&name.as_str()) {
-            continue;
-        }
-        let key = key_of_variable(&name);
-        assert!(known.contains(&key), "{name} names no key ({key})");
-    }
-    for row in table(&doc, "| variable | key |") {
-        let (name, key) = (first_code(row[0]).unwrap(), first_code(row[1]).unwrap());
-        assert_eq!(key_of_variable(name), key, "{row:?}");
-    }
-}
-
-#[test]
-#[allow(
-    clippy::result_large_err,
-    reason = "figment's Jail takes a closure returning figment's own Result"
-)]
-fn the_environment_examples_set_their_keys() {
-    let doc = config_doc();
-    let home = std::env::temp_dir().join(format!("simlock-docs-no-home-{}", std::process::id()));
-    assert!(!home.exists());
-    let mut seen = 0;
-    for (info, body) in blocks(&doc) {
-        if info != "sh" {
-            continue;
-        }
-        for line in body.lines() {
-            let Some((name, value)) = line.split_once('=') else {
-                continue;
-            };
-            if !name.starts_with("SIMLOCK_") || NOT_CONFIG.contains(&name) {
-                continue;
-            }
-            let value = value
-                .strip_prefix('\'')
-                .and_then(|v| v.strip_suffix('\''))
-                .unwrap_or(value);
-            let mut loaded = None;
-            figment::Jail::expect_with(|jail| {
-                jail.set_env(name, value);
-                loaded = Some(config::load(&home, Mode::Worker, &[]));
-                Ok(())
-            });
-            let loaded = loaded.unwrap().unwrap_or_else(|e| panic!("{line}: {e}"));
-            let key = key_of_variable(name);
-            let expected = config::coerce(&key, value);
-            let config = serde_json::to_value(&loaded.config).unwrap();
-            assert_eq!(at(&config, &key), Some(&expected), "{line} sets {key}");
-            seen += 1;
-        }
-    }
-    assert!(seen >= 10, "the environment examples were not found");
-}
-
-/// The long flags a binary's `Args` declares.
-fn declared_flags(main_rs: &str) -> BTreeSet<String> {
-    let mut flags = BTreeSet::new();
-    let mut pending = false;
-    for line in main_rs.lines().map(str::trim) {
-        if let Some(attr) = line.strip_prefix("#[arg(") {
-            if let Some(named) = attr.split("long = \"").nth(1) {
-                flags.insert(format!("--{}", named.split('"').next().unwrap()));
-            } else if attr.starts_with("long") {
-                pending = true;
-            }
-        } else if pending && let Some((field, _)) = line.split_once(':') {
-            flags.insert(format!("--{}", field.trim().replace('_', "-")));
-            pending = false;
-        }
-    }
-    flags
-}
-
-/// The flags the doc's table for `binary` lists.
-fn documented_flags(doc: &str, binary: &str) -> BTreeSet<String> {
-    let section: String = doc
-        .lines()
-        .skip_while(|l| *l != format!("### {binary}"))
-        .skip(1)
-        .take_while(|l| !l.starts_with('#'))
-        .collect::<Vec<_>>()
-        .join("\n");
-    table(&section, "| flag | same as | meaning |")
-        .iter()
-        .map(|row| {
-            first_code(row[0])
-                .and_then(|c| c.split_whitespace().next())
-                .unwrap()
-                .to_owned()
-        })
-        .collect()
-}
-
-#[test]
-fn the_flags_are_the_binaries_flags() {
-    let doc = config_doc();
-    for binary in ["simlock-worker", "simlock-gateway"] {
-        let declared = declared_flags(&read(&format!("../../bins/{binary}/src/main.rs")));
-        assert!(declared.contains("--home") && declared.contains("--set"));
-        assert_eq!(documented_flags(&doc, binary), declared, "{binary}");
-    }
 }
 
 #[test]
@@ -843,16 +506,6 @@ fn check_body(op: &str, value: &Value) {
 }
 
 #[test]
-fn the_configuration_json_examples_parse() {
-    for (info, body) in blocks(&config_doc()) {
-        if info.starts_with("json") {
-            let parsed: Result<Value, _> = serde_json::from_str(&body);
-            assert!(parsed.is_ok(), "not JSON: {body}");
-        }
-    }
-}
-
-#[test]
 fn every_json_example_is_what_its_fence_says() {
     let doc = http_doc();
     let mut checked = BTreeSet::new();
@@ -879,55 +532,6 @@ fn every_json_example_is_what_its_fence_says() {
     }
     for kind in ["op", "error", "body", "request"] {
         assert!(checked.contains(kind), "no ```json {kind} example");
-    }
-}
-
-/// The `config.get` example: a gateway's answer, exactly as the code builds it from the defaults
-/// and the one setting the example says it was started with.
-#[test]
-fn the_gateways_config_example_is_what_a_gateway_answers() {
-    let doc = http_doc();
-    let (_, example) = blocks(&doc)
-        .into_iter()
-        .find(|(info, _)| info == "json op=config.get")
-        .expect("a config.get example");
-    assert!(
-        doc.contains("started with\n`--set lease.maxTtlMs=7200000`"),
-        "the example names how its gateway was started"
-    );
-    let mut config = Config::default();
-    config.lease.max_ttl_ms = 7_200_000;
-    let real = serde_json::to_value(config::view(&config, Mode::Gateway)).unwrap();
-    let documented: Value = serde_json::from_str(&example).unwrap();
-    assert_eq!(documented, real, "the example is not a gateway's answer");
-    // The sections the prose lists are the example's.
-    let sections: Vec<&str> = real["settings"]
-        .as_object()
-        .unwrap()
-        .keys()
-        .map(String::as_str)
-        .collect();
-    let prose = doc
-        .split("A gateway answers the sections it reads, ")
-        .nth(1)
-        .and_then(|rest| rest.split("\nwith").next())
-        .expect("the gateway's sections are listed");
-    let mut listed = codes(prose);
-    listed.sort_unstable();
-    assert_eq!(listed, sections);
-    // A set join token is redacted with the marker the docs name.
-    let mut config = Config::default();
-    config.gateway.token = Some("slk_secret".into());
-    for mode in [Mode::Worker, Mode::Gateway] {
-        let view = serde_json::to_value(config::view(&config, mode)).unwrap();
-        let marker = view["settings"]["gateway"]["token"]
-            .as_str()
-            .unwrap()
-            .to_owned();
-        assert!(
-            doc.contains(&format!("`\"{marker}\"`")),
-            "{marker} is not named"
-        );
     }
 }
 

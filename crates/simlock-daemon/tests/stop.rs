@@ -15,7 +15,7 @@ use simlock_contract::model::{LeaseGrant, LeaseRecord, Mode, TokenRole};
 use simlock_contract::ops::{DeviceExec, ExecOutput, LeaseList, LeaseListOutput, LeaseRequest};
 use simlock_contract::push::Progress;
 use simlock_contract::{ContractError, Push};
-use simlock_daemon::config::Config;
+use simlock_daemon::config::DaemonConfig;
 use simlock_daemon::home::Home;
 use simlock_daemon::http::DRAIN_GRACE;
 use simlock_daemon::runtime::Base;
@@ -81,7 +81,7 @@ fn post(path: &str, token: &str, body: &str) -> String {
 #[tokio::test]
 async fn a_stop_ends_every_open_stream_at_once_with_a_last_event() {
     let dir = tempfile::tempdir().unwrap();
-    let mut config = Config::default();
+    let mut config = DaemonConfig::default();
     config.http.port = 0;
     let base = Base::open(
         Home::at(dir.path().join("home")),

@@ -4,6 +4,7 @@
 //! - [`android`]: Android emulators over `avdmanager`, `emulator` and `adb`, with their own AVD
 //!   home and simlock's own adb server.
 //! - [`mod@select`]: which driver serves each platform (config, or auto-detection), logged once.
+//! - [`config`]: the `drivers.*` configuration section.
 //! - [`process`]: running tools, and the ledger that finds every process again after a crash.
 //!
 //! Facts about the tools (argv, formats, exit codes, timings) come from
@@ -11,11 +12,13 @@
 #![warn(missing_docs)]
 
 pub mod android;
+pub mod config;
 pub mod error;
 pub mod ios;
 mod locks;
 pub mod process;
 pub mod select;
 
+pub use config::{AndroidDriverConfig, DriverChoice, DriversConfig, IosDriverConfig};
 pub use error::ToolError;
 pub use select::{Unavailable, select};

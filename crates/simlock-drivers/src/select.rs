@@ -14,8 +14,10 @@ use simlock_contract::ids::DeviceId;
 use simlock_contract::model::{
     DeviceAccess, DeviceSpec, DriverKind, DriverStatus, Platform, PlatformCatalog,
 };
+use simlock_core::config::VirtualConfig;
 use simlock_core::{Adopted, Driver, DriverError, Estimates, Keep, Observation, VirtualDriver};
-use simlock_daemon::config::{Config, DriverChoice};
+
+use crate::config::{DriverChoice, DriversConfig};
 use tracing::{info, warn};
 
 use crate::android::{AndroidDriver, AndroidSettings, Sdk};
@@ -146,8 +148,8 @@ enum Choice {
     Unavailable(DriverKind, String),
 }
 
-async fn ios(config: &Config, home: &Path) -> Choice {
-    let c = &config.drivers.ios;
+async fn ios(config: &DriversConfig, home: &Path) -> Choice {
+    let c = &config.ios;
     let auto = match c.driver {
         DriverChoice::Virtual => return Choice::Virtual("drivers.ios.driver is virtual".into()),
         DriverChoice::AndroidSdk => {
@@ -186,8 +188,8 @@ async fn ios(config: &Config, home: &Path) -> Choice {
     }
 }
 
-async fn android(config: &Config, home: &Path) -> Choice {
-    let c = &config.drivers.android;
+async fn android(config: &DriversConfig, home: &Path) -> Choice {
+    let c = &config.android;
     let auto = match c.driver {
         DriverChoice::Virtual => {
             return Choice::Virtual("drivers.android.driver is virtual".into());
@@ -245,8 +247,13 @@ async fn android(config: &Config, home: &Path) -> Choice {
 }
 
 /// The drivers of a worker whose home is `home`, one per platform served, each choice logged
-/// once (which driver, and why).
-pub async fn select(config: &Config, home: &Path) -> Vec<Arc<dyn Driver>> {
+/// once (which driver, and why); a platform served virtually gets the models of
+/// `virtual_devices`.
+pub async fn select(
+    config: &DriversConfig,
+    virtual_devices: &VirtualConfig,
+    home: &Path,
+) -> Vec<Arc<dyn Driver>> {
     let mut drivers: Vec<Arc<dyn Driver>> = Vec::new();
     for platform in Platform::ALL {
         let choice = match platform {
@@ -255,12 +262,10 @@ pub async fn select(config: &Config, home: &Path) -> Vec<Arc<dyn Driver>> {
         };
         let driver: Option<Arc<dyn Driver>> = match choice {
             Choice::Real(d) => Some(d),
-            Choice::Virtual(why) => {
-                VirtualDriver::new(platform, &config.virtual_devices).map(|d| {
-                    Arc::new(d.because(format!("{why}; virtual devices from configuration")))
-                        as Arc<dyn Driver>
-                })
-            }
+            Choice::Virtual(why) => VirtualDriver::new(platform, virtual_devices).map(|d| {
+                Arc::new(d.because(format!("{why}; virtual devices from configuration")))
+                    as Arc<dyn Driver>
+            }),
             Choice::Unavailable(kind, why) => Some(Arc::new(Unavailable::new(platform, kind, why))),
         };
         match &driver {

@@ -27,9 +27,10 @@ use serde_json::json;
 use simlock_client::{Client, ConnectOptions};
 use simlock_contract::model::Platform;
 use simlock_contract::ops::LeaseRequestInput;
-use simlock_daemon::config::{CapacityStrategy, Config};
+use simlock_core::config::CapacityStrategy;
 use simlock_e2e::{TestFleet, gateway_config, session};
 use simlock_fleet::state::sim;
+use simlock_worker::WorkerConfig;
 use tokio::time::Instant;
 
 type BenchResult<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
@@ -72,8 +73,8 @@ fn main() -> BenchResult<()> {
 }
 
 /// A worker whose virtual devices take no time, with room for every agent.
-fn worker_config() -> Config {
-    let mut config = Config::default();
+fn worker_config() -> WorkerConfig {
+    let mut config = WorkerConfig::default();
     config.capacity.strategy = CapacityStrategy::Fixed;
     config.capacity.max_running = u32::try_from(AGENTS).unwrap();
     config.virtual_devices.provision_ms = 0;
@@ -159,8 +160,8 @@ async fn measure() -> BenchResult<(f64, f64)> {
     let dir = tempfile::tempdir()?;
     let home = simlock_daemon::home::Home::at(dir.path().join("direct"));
     let mut config = worker_config();
-    config.http.enabled = Some(true);
-    config.http.port = 0;
+    config.daemon.http.enabled = Some(true);
+    config.daemon.http.port = 0;
     let direct = simlock_worker::start(simlock_worker::WorkerOptions::new(home.clone(), config))
         .await
         .unwrap();

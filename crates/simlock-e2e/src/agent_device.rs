@@ -16,8 +16,8 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use parking_lot::Mutex;
 use serde_json::{Value, json};
-use simlock_daemon::config::Config;
 use simlock_daemon::home::Home;
+use simlock_worker::WorkerConfig;
 use simlock_worker::{RunningWorker, WorkerOptions};
 use tempfile::TempDir;
 
@@ -50,10 +50,10 @@ pub fn real_daemon_command(pkg: &Path) -> Vec<String> {
 }
 
 /// A worker configuration serving agent-device with `command`.
-pub fn agent_device_config(command: Vec<String>) -> Config {
+pub fn agent_device_config(command: Vec<String>) -> WorkerConfig {
     let mut config = worker_config(4);
-    config.http.enabled = Some(true);
-    config.http.port = 0;
+    config.daemon.http.enabled = Some(true);
+    config.daemon.http.port = 0;
     config.agent_device.enabled = true;
     config.agent_device.command = Some(command);
     config
@@ -61,7 +61,7 @@ pub fn agent_device_config(command: Vec<String>) -> Config {
 
 /// A worker configuration serving agent-device from a daemon that already runs (a fake
 /// attached in-process): the command is never started.
-pub fn attached_config() -> Config {
+pub fn attached_config() -> WorkerConfig {
     agent_device_config(vec!["agent-device-attached".into()])
 }
 
@@ -78,7 +78,7 @@ pub struct AdWorker {
 impl AdWorker {
     /// Starts a worker with `config`, its options changed by `customize`; the agent-device
     /// daemon gets a `HOME` of its own.
-    pub async fn start(config: Config, customize: impl FnOnce(&mut WorkerOptions)) -> Self {
+    pub async fn start(config: WorkerConfig, customize: impl FnOnce(&mut WorkerOptions)) -> Self {
         let dir = tempfile::tempdir().expect("a temporary directory");
         let home = Home::at(dir.path().join("worker"));
         let daemon_home = dir.path().join("daemon-home");
@@ -100,7 +100,10 @@ impl AdWorker {
     }
 
     /// Starts a worker with `config` serving the in-process `fake`.
-    pub async fn with_fake(config: Config, fake: &agent_device_fake::FakeAgentDevice) -> Self {
+    pub async fn with_fake(
+        config: WorkerConfig,
+        fake: &agent_device_fake::FakeAgentDevice,
+    ) -> Self {
         let endpoint = agent_device_host::process::Endpoint {
             port: fake.port(),
             token: fake.token().to_owned(),

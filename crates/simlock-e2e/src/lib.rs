@@ -19,11 +19,12 @@ use std::time::Duration;
 use serde_json::{Value, json};
 use simlock_contract::model::{Connection, WorkerView};
 use simlock_contract::{ContractError, Hello, PROTOCOL_RANGE};
-use simlock_daemon::config::{CapacityStrategy, Config, DriverChoice};
+use simlock_core::config::CapacityStrategy;
 use simlock_daemon::home::Home;
-use simlock_gateway::{GatewayOptions, RunningGateway};
+use simlock_drivers::DriverChoice;
+use simlock_gateway::{GatewayConfig, GatewayOptions, RunningGateway};
 use simlock_wire::{Transport, Unsolicited, WireClient};
-use simlock_worker::{RunningWorker, WorkerOptions};
+use simlock_worker::{RunningWorker, WorkerConfig, WorkerOptions};
 use tempfile::TempDir;
 
 /// The bound on every wait in a test: long enough for a loaded 2-core machine, short enough to
@@ -32,8 +33,8 @@ pub const PATIENCE: Duration = Duration::from_secs(60);
 
 /// A worker configuration for tests: fixed capacity, quick virtual devices (on both platforms,
 /// whatever tools the machine has).
-pub fn worker_config(max_running: u32) -> Config {
-    let mut config = Config::default();
+pub fn worker_config(max_running: u32) -> WorkerConfig {
+    let mut config = WorkerConfig::default();
     config.drivers.ios.driver = DriverChoice::Virtual;
     config.drivers.android.driver = DriverChoice::Virtual;
     config.capacity.strategy = CapacityStrategy::Fixed;
@@ -46,9 +47,9 @@ pub fn worker_config(max_running: u32) -> Config {
 
 /// A gateway configuration for tests: HTTP on a port the system picks when it binds (a port
 /// probed free and bound later could be taken in between by another test's connection).
-pub fn gateway_config() -> Config {
-    let mut config = Config::default();
-    config.http.port = 0;
+pub fn gateway_config() -> GatewayConfig {
+    let mut config = GatewayConfig::default();
+    config.daemon.http.port = 0;
     config
 }
 
@@ -87,9 +88,9 @@ impl FleetTls {
     }
 
     /// `config` serving TLS with these files.
-    pub fn serve(&self, config: &mut Config) {
-        config.http.tls.cert_file = Some(self.files.cert.display().to_string());
-        config.http.tls.key_file = Some(self.files.key.display().to_string());
+    pub fn serve(&self, config: &mut GatewayConfig) {
+        config.daemon.http.tls.cert_file = Some(self.files.cert.display().to_string());
+        config.daemon.http.tls.key_file = Some(self.files.key.display().to_string());
     }
 }
 
@@ -138,14 +139,14 @@ pub async fn session(path: &Path, principal: &str, admin_home: Option<&Home>) ->
 
 impl TestFleet {
     /// A gateway with `config`, and a join token minted on it.
-    pub async fn start(config: Config) -> Self {
+    pub async fn start(config: GatewayConfig) -> Self {
         Self::start_with(config, |_| {}).await
     }
 
     /// A gateway with `config` and its fleet timing changed by `tune` (short timeouts for the
     /// tests that wait on them), and a join token minted on it.
     pub async fn start_with(
-        config: Config,
+        config: GatewayConfig,
         tune: impl FnOnce(&mut simlock_fleet::FleetTiming),
     ) -> Self {
         Self::start_full(config, tune, |_| {}, false).await
@@ -153,7 +154,7 @@ impl TestFleet {
 
     /// As [`Self::start_with`], with the gateway's options changed by `customize` too.
     pub async fn start_customized(
-        config: Config,
+        config: GatewayConfig,
         tune: impl FnOnce(&mut simlock_fleet::FleetTiming),
         customize: impl FnOnce(&mut GatewayOptions),
     ) -> Self {
@@ -162,12 +163,12 @@ impl TestFleet {
 
     /// A gateway with `config` that serves HTTPS and WSS with certificates made here
     /// ([`FleetTls`]); its workers dial `wss://localhost:<port>` trusting the CA.
-    pub async fn start_tls(config: Config) -> Self {
+    pub async fn start_tls(config: GatewayConfig) -> Self {
         Self::start_full(config, |_| {}, |_| {}, true).await
     }
 
     async fn start_full(
-        mut config: Config,
+        mut config: GatewayConfig,
         tune: impl FnOnce(&mut simlock_fleet::FleetTiming),
         customize: impl FnOnce(&mut GatewayOptions),
         tls: bool,
@@ -179,7 +180,7 @@ impl TestFleet {
         }
         let home = Home::at(dir.path().join("gateway"));
         let mut options = GatewayOptions::new(home.clone(), config);
-        let mut timing = simlock_fleet::FleetTiming::from_config(&options.config);
+        let mut timing = simlock_fleet::FleetTiming::from_config(&options.config.fleet);
         tune(&mut timing);
         options.timing = Some(timing);
         customize(&mut options);
@@ -228,7 +229,7 @@ impl TestFleet {
 
     /// Starts worker number `self.workers.len()` with `config`, joined to the gateway, and waits
     /// until the gateway lists it connected with its catalog read.
-    pub async fn add_worker(&mut self, config: Config) -> usize {
+    pub async fn add_worker(&mut self, config: WorkerConfig) -> usize {
         let n = self.workers.len();
         self.join_worker(n, config, |_| {}, true).await;
         n
@@ -240,16 +241,16 @@ impl TestFleet {
     pub async fn join_worker(
         &mut self,
         n: usize,
-        mut config: Config,
+        mut config: WorkerConfig,
         customize: impl FnOnce(&mut WorkerOptions),
         catalog: bool,
     ) {
-        config.gateway.url = Some(self.gateway_url());
-        config.gateway.token = Some(self.join_token.clone());
+        config.daemon.gateway.url = Some(self.gateway_url());
+        config.daemon.gateway.token = Some(self.join_token.clone());
         if let Some(tls) = &self.tls {
-            config.gateway.ca_file = Some(tls.ca_file.display().to_string());
+            config.daemon.gateway.ca_file = Some(tls.ca_file.display().to_string());
         }
-        config.gateway.label = Some(format!("worker-{n}"));
+        config.daemon.gateway.label = Some(format!("worker-{n}"));
         let mut options = WorkerOptions::new(self.worker_home(n), config);
         customize(&mut options);
         let worker = simlock_worker::start(options)
@@ -337,16 +338,16 @@ impl TestFleet {
     }
 
     /// Stops the gateway and starts it again on the same home and port.
-    pub async fn restart_gateway(&mut self, mut config: Config) {
+    pub async fn restart_gateway(&mut self, mut config: GatewayConfig) {
         if let Some(tls) = &self.tls {
             tls.serve(&mut config);
         }
         if let Some(gateway) = self.gateway.take() {
             // It comes back where its workers dial.
-            if config.http.port == 0
+            if config.daemon.http.port == 0
                 && let Some(addr) = gateway.running.http_addr()
             {
-                config.http.port = addr.port();
+                config.daemon.http.port = addr.port();
             }
             gateway.stop("test").await;
         }
@@ -359,7 +360,7 @@ impl TestFleet {
     }
 
     /// Starts worker `n` again on its home, after [`Self::stop_worker`].
-    pub async fn restart_worker(&mut self, n: usize, config: Config) {
+    pub async fn restart_worker(&mut self, n: usize, config: WorkerConfig) {
         self.join_worker(n, config, |_| {}, true).await;
     }
 

@@ -18,13 +18,13 @@ use parking_lot::Mutex;
 use serde_json::{Value, json};
 use simlock_contract::model::Connection as ViewConnection;
 use simlock_contract::{ContractError, Hello, PROTOCOL_RANGE, PushFrame, Role};
-use simlock_daemon::config::Config;
 use simlock_daemon::home::Home;
 use simlock_daemon::uplink::{client_text_transport, text_transport};
 use simlock_link::{Channel, End, LinkConfig, LinkHandle, TextReceiver};
 use simlock_relay_gateway::{RelayBody, RelayCall};
 use simlock_relay_worker::{BoxError, RelayRequest, RelayTarget, RelayTargets, ResponseBody};
 use simlock_wire::{CallContext, CallEvent, CallHandle, Identity, Origin, Service, WireClient};
+use simlock_worker::WorkerConfig;
 use simlock_worker::{RunningWorker, WorkerOptions};
 use tempfile::TempDir;
 use tokio::net::TcpListener;
@@ -60,7 +60,7 @@ pub async fn patient<F: Future>(what: &str, future: F) -> F::Output {
 /// given). Waits until the gateway has its uplink; with no hold, also its catalog.
 pub async fn add_relay_worker(
     fleet: &mut TestFleet,
-    config: Config,
+    config: WorkerConfig,
     targets: RelayTargets,
     hold: Option<CancellationToken>,
 ) -> usize {
@@ -635,7 +635,7 @@ impl RawWorker {
 
     /// [`Self::start`] with a worker configuration of the test's.
     pub async fn start_with(
-        mut config: Config,
+        mut config: WorkerConfig,
         targets: RelayTargets,
         held: bool,
         link_config: LinkConfig,
@@ -645,9 +645,9 @@ impl RawWorker {
             .await
             .expect("a loopback listener");
         let addr = listener.local_addr().expect("an address");
-        config.gateway.url = Some(format!("ws://{addr}"));
-        config.gateway.token = Some("slk_test".into());
-        config.gateway.label = Some("raw".into());
+        config.daemon.gateway.url = Some(format!("ws://{addr}"));
+        config.daemon.gateway.token = Some("slk_test".into());
+        config.daemon.gateway.label = Some("raw".into());
         let mut options = WorkerOptions::new(Home::at(dir.path().join("worker")), config);
         options.relay_targets = targets;
         let hold = CancellationToken::new();

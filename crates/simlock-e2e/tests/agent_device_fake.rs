@@ -633,8 +633,8 @@ async fn a_platform_the_worker_has_no_device_of_is_refused_and_nothing_is_leased
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_agent_device_off_every_route_answers_404() {
     let mut config = simlock_e2e::worker_config(1);
-    config.http.enabled = Some(true);
-    config.http.port = 0;
+    config.daemon.http.enabled = Some(true);
+    config.daemon.http.port = 0;
     let worker = AdWorker::start(config, |_| {}).await;
     let (_, secret) = worker.token("agent").await;
     let bearer = format!("Bearer {secret}");

@@ -20,9 +20,10 @@ use http::Method;
 use serde_json::{Value, json};
 use simlock_contract::model::Platform;
 use simlock_daemon::clock::{Clock, SharedClock, TokioClock};
-use simlock_daemon::config::Config;
 use simlock_e2e::agent_device::{Http, rpc_call};
 use simlock_e2e::{PATIENCE, TestFleet, gateway_config, worker_config};
+use simlock_gateway::GatewayConfig;
+use simlock_worker::WorkerConfig;
 
 /// A clock the test moves by hand on top of tokio's.
 #[derive(Debug)]
@@ -43,7 +44,7 @@ struct Gw {
     clock: Arc<Shifted>,
 }
 
-fn enabled_gateway() -> Config {
+fn enabled_gateway() -> GatewayConfig {
     let mut config = gateway_config();
     config.agent_device.enabled = true;
     config
@@ -51,7 +52,7 @@ fn enabled_gateway() -> Config {
 
 /// A worker configuration: agent-device on (served by an attached fake) or off; only the
 /// platforms named in its virtual catalog.
-fn worker(agent_device: bool, platforms: &[Platform]) -> Config {
+fn worker(agent_device: bool, platforms: &[Platform]) -> WorkerConfig {
     let mut config = worker_config(4);
     config.agent_device.enabled = agent_device;
     config.agent_device.command = Some(vec!["agent-device-attached".into()]);
@@ -63,19 +64,19 @@ fn worker(agent_device: bool, platforms: &[Platform]) -> Config {
 }
 
 impl Gw {
-    async fn start(config: Config) -> Self {
+    async fn start(config: GatewayConfig) -> Self {
         Self::start_tuned(config, |_| {}).await
     }
 
     async fn start_tuned(
-        config: Config,
+        config: GatewayConfig,
         tune: impl FnOnce(&mut simlock_fleet::FleetTiming),
     ) -> Self {
         Self::start_customized(config, tune, |_| {}).await
     }
 
     async fn start_customized(
-        config: Config,
+        config: GatewayConfig,
         tune: impl FnOnce(&mut simlock_fleet::FleetTiming),
         customize: impl FnOnce(&mut simlock_gateway::GatewayOptions),
     ) -> Self {
@@ -97,12 +98,12 @@ impl Gw {
     }
 
     /// Adds worker `n` with `config`, its agent-device an in-process fake (when enabled).
-    async fn add(&mut self, config: Config) -> usize {
+    async fn add(&mut self, config: WorkerConfig) -> usize {
         self.add_via(config, None).await
     }
 
     /// As [`Self::add`], the worker's uplink dialled through `cable` when given.
-    async fn add_via(&mut self, config: Config, cable: Option<&Cable>) -> usize {
+    async fn add_via(&mut self, config: WorkerConfig, cable: Option<&Cable>) -> usize {
         let n = self.fleet.workers.len();
         let fake = FakeAgentDevice::start(FakeOptions::default()).unwrap();
         let endpoint = agent_device_host::process::Endpoint {
@@ -117,7 +118,7 @@ impl Gw {
                 |options| {
                     options.agent_device_attach = Some(endpoint);
                     if let Some(url) = url {
-                        options.config.gateway.url = Some(url);
+                        options.config.daemon.gateway.url = Some(url);
                     }
                 },
                 true,
@@ -587,8 +588,8 @@ async fn another_tokens_lease_or_an_unknown_one_is_not_yours_and_no_worker_recei
 async fn after_release_all_agent_device_ends_first_and_the_memory_routes_until_max_ttl_past_the_removal()
  {
     let mut config = enabled_gateway();
-    config.lease.default_ttl_ms = 60_000;
-    config.lease.max_ttl_ms = 600_000;
+    config.daemon.lease.default_ttl_ms = 60_000;
+    config.daemon.lease.max_ttl_ms = 600_000;
     let mut gw = Gw::start(config).await;
     gw.add(worker(true, &[Platform::Android])).await;
     gw.wait_capable(0, true).await;
@@ -773,7 +774,7 @@ async fn a_relay_to_a_worker_without_the_target_answers_not_available_with_its_m
     let mut gw = Gw::start(enabled_gateway()).await;
     // The worker claims the capability in its config but runs no agent-device host.
     let mut config = worker(false, &[Platform::Android]);
-    config.capabilities = vec!["agent-device".into()];
+    config.daemon.capabilities = vec!["agent-device".into()];
     gw.add(config).await;
     gw.wait_capable(0, true).await;
     let (_, secret) = gw.token().await;
@@ -1032,8 +1033,8 @@ async fn a_command_longer_than_the_ttl_renews_through_the_gateway_until_its_fron
 async fn an_agent_on_the_workers_own_token_never_meets_the_gateway_agents_session() {
     let mut gw = Gw::start(enabled_gateway()).await;
     let mut config = worker(true, &[Platform::Android]);
-    config.http.enabled = Some(true);
-    config.http.port = 0;
+    config.daemon.http.enabled = Some(true);
+    config.daemon.http.port = 0;
     gw.add(config).await;
     gw.wait_capable(0, true).await;
     let (gateway_principal, gateway_agent) = gw.token().await;

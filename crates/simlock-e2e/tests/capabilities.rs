@@ -17,8 +17,8 @@ use agent_device_host::process::Endpoint;
 use serde_json::json;
 use simlock_contract::Push;
 use simlock_contract::model::{CapabilityStatus, EventEnvelope};
-use simlock_daemon::config::Config;
 use simlock_e2e::{PATIENCE, Session, TestFleet, gateway_config, worker_config};
+use simlock_worker::WorkerConfig;
 
 /// Long enough that no periodic read happens during a test: only an event explains a change.
 const NO_PERIODIC_READ: Duration = Duration::from_secs(3600);
@@ -30,7 +30,7 @@ async fn gateway() -> TestFleet {
 }
 
 /// A worker serving agent-device with `command` (ignored when a daemon is attached).
-fn worker(command: Vec<String>) -> Config {
+fn worker(command: Vec<String>) -> WorkerConfig {
     let mut config = worker_config(2);
     config.agent_device.enabled = true;
     config.agent_device.command = Some(command);

@@ -272,7 +272,7 @@ async fn a_warm_device_wins_and_otherwise_the_worker_with_the_most_free_capacity
 async fn required_capabilities_route_only_to_the_workers_listing_them() {
     let mut fleet = TestFleet::start(gateway_config()).await;
     let mut capable = worker_config(6);
-    capable.capabilities = vec!["gpu".into()];
+    capable.daemon.capabilities = vec!["gpu".into()];
     fleet.add_worker(worker_config(6)).await;
     fleet.add_worker(capable).await;
     let gpu_worker = fleet.worker_id(1);
@@ -1027,7 +1027,7 @@ async fn exec_through_the_gateway_streams_the_workers_output_to_the_owner() {
     let mut config = worker_config(1);
     config.exec.tools.insert(
         "echo".into(),
-        simlock_daemon::config::ToolConfig {
+        simlock_core::config::ToolConfig {
             command: "echo".into(),
             args: vec![],
         },

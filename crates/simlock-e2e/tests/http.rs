@@ -310,8 +310,8 @@ async fn own_leases_are(addr: SocketAddr, token: &str, lease: &str) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn agents_on_a_worker_see_only_their_own_leases_and_requests() {
     let mut config = worker_config(2);
-    config.http.enabled = Some(true);
-    config.http.port = 0;
+    config.daemon.http.enabled = Some(true);
+    config.daemon.http.port = 0;
     let dir = tempfile::tempdir().unwrap();
     let worker = simlock_worker::start(simlock_worker::WorkerOptions::new(
         simlock_daemon::home::Home::at(dir.path().join("worker")),
@@ -578,8 +578,8 @@ fn check_metrics(what: &str, text: &str) {
 async fn the_metrics_of_both_daemons_pass_prometheus_s_own_parser() {
     let mut fleet = TestFleet::start(gateway_config()).await;
     let mut config = worker_config(2);
-    config.http.enabled = Some(true);
-    config.http.port = 0;
+    config.daemon.http.enabled = Some(true);
+    config.daemon.http.port = 0;
     fleet.add_worker(config).await;
     // A lease, so every family has samples.
     let agent = fleet.agent("agent-1").await;
@@ -898,8 +898,8 @@ fn arbitrary_paths_queries_and_headers_get_a_well_formed_answer_from_both_daemon
     let (fleet, gateway, worker, gateway_agent, worker_agent) = runtime.block_on(async {
         let mut fleet = TestFleet::start(gateway_config()).await;
         let mut config = worker_config(1);
-        config.http.enabled = Some(true);
-        config.http.port = 0;
+        config.daemon.http.enabled = Some(true);
+        config.daemon.http.port = 0;
         fleet.add_worker(config).await;
         let gateway = fleet.gateway().running.http_addr().unwrap();
         let worker = fleet.worker(0).running.http_addr().unwrap();

@@ -108,11 +108,11 @@ fn failing(message: &'static str) -> Arc<dyn RelayTarget> {
     })
 }
 
-fn exec_config(script: &str) -> simlock_daemon::config::Config {
+fn exec_config(script: &str) -> simlock_worker::WorkerConfig {
     let mut config = worker_config(2);
     config.exec.tools.insert(
         "talk".into(),
-        simlock_daemon::config::ToolConfig {
+        simlock_core::config::ToolConfig {
             command: "/bin/sh".into(),
             args: vec!["-c".into(), script.into(), "sh".into()],
         },

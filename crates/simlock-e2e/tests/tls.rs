@@ -193,8 +193,8 @@ async fn an_untrusted_ca_a_wrong_name_and_plain_ws_are_named_and_open_no_uplink(
 async fn a_worker_that_does_not_trust_the_gateway_keeps_retrying() {
     let (fleet, port) = tls_gateway().await;
     let mut config = worker_config(1);
-    config.gateway.url = Some(format!("wss://localhost:{port}"));
-    config.gateway.token = Some(fleet.join_token.clone());
+    config.daemon.gateway.url = Some(format!("wss://localhost:{port}"));
+    config.daemon.gateway.token = Some(fleet.join_token.clone());
     let home = fleet.worker_home(0);
     let worker = simlock_worker::start(simlock_worker::WorkerOptions::new(home, config))
         .await
@@ -229,9 +229,9 @@ async fn a_worker_that_does_not_trust_the_gateway_keeps_retrying() {
 async fn a_missing_ca_file_or_certificate_fails_start_up_naming_the_key() {
     let dir = tempfile::tempdir().unwrap();
     let mut config = worker_config(1);
-    config.gateway.url = Some("wss://localhost:1".into());
-    config.gateway.token = Some("slk_x".into());
-    config.gateway.ca_file = Some("missing-ca.pem".into());
+    config.daemon.gateway.url = Some("wss://localhost:1".into());
+    config.daemon.gateway.token = Some("slk_x".into());
+    config.daemon.gateway.ca_file = Some("missing-ca.pem".into());
     let options = simlock_worker::WorkerOptions::new(Home::at(dir.path().join("w")), config);
     let error = simlock_worker::start(options)
         .await
@@ -244,8 +244,8 @@ async fn a_missing_ca_file_or_certificate_fails_start_up_naming_the_key() {
     );
 
     let mut config = gateway_config();
-    config.http.tls.cert_file = Some("missing-cert.pem".into());
-    config.http.tls.key_file = Some("missing-key.pem".into());
+    config.daemon.http.tls.cert_file = Some("missing-cert.pem".into());
+    config.daemon.http.tls.key_file = Some("missing-key.pem".into());
     let options = simlock_gateway::GatewayOptions::new(Home::at(dir.path().join("g")), config);
     let error = simlock_gateway::start(options)
         .await

@@ -427,14 +427,14 @@ async fn exec_runs_tools_with_the_grants_environment_and_they_reach_the_device()
     let adb = rig.machine.sdk_root().join("platform-tools/adb");
     rig.config.exec.tools.insert(
         "adb".into(),
-        simlock_daemon::config::ToolConfig {
+        simlock_core::config::ToolConfig {
             command: adb.display().to_string(),
             args: vec![],
         },
     );
     rig.config.exec.tools.insert(
         "env".into(),
-        simlock_daemon::config::ToolConfig {
+        simlock_core::config::ToolConfig {
             command: "env".into(),
             args: vec![],
         },

@@ -22,8 +22,9 @@ use std::process::{Child, Command, Stdio};
 
 use simlock_contract::model::{DeviceState, LeaseGrant, Platform};
 use simlock_contract::ops::LeaseRequestInput;
-use simlock_daemon::config::{Config, DriverChoice};
+use simlock_drivers::DriverChoice;
 use simlock_fake_tools::{Fault, FaultKind, SimState};
+use simlock_worker::WorkerConfig;
 use support::{PATIENCE, Rig, android_access, ios_access, within};
 
 fn enabled() -> bool {
@@ -49,7 +50,7 @@ fn worker_bin() -> PathBuf {
 }
 
 /// The `--set` flags that give the worker binary the rig's configuration.
-fn sets(c: &Config) -> Vec<String> {
+fn sets(c: &WorkerConfig) -> Vec<String> {
     let choice = |d: DriverChoice| match d {
         DriverChoice::Auto => "auto",
         DriverChoice::Virtual => "virtual",

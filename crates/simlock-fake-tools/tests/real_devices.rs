@@ -18,8 +18,10 @@ use std::process::Command;
 use std::time::Duration;
 
 use simlock_contract::model::{DeviceAccess, Platform};
-use simlock_daemon::config::{CapacityStrategy, Config, DriverChoice};
+use simlock_core::config::CapacityStrategy;
 use simlock_daemon::home::Home;
+use simlock_drivers::DriverChoice;
+use simlock_worker::WorkerConfig;
 
 /// The SDK's adb, else the one on PATH.
 fn adb() -> std::path::PathBuf {
@@ -46,7 +48,7 @@ fn on_path(program: &str) -> bool {
 async fn check(platform: Platform) {
     let dir = tempfile::tempdir().unwrap();
     let home = Home::at(dir.path().join("home"));
-    let mut config = Config::default();
+    let mut config = WorkerConfig::default();
     config.capacity.strategy = CapacityStrategy::Fixed;
     config.capacity.max_running = 1;
     config.drivers.ios.driver = DriverChoice::Virtual;

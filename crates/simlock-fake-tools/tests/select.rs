@@ -12,11 +12,16 @@
 mod support;
 
 use simlock_contract::model::{DriverKind, DriverStatus, Platform};
-use simlock_daemon::config::DriverChoice;
+use simlock_drivers::DriverChoice;
 use support::Rig;
 
 async fn statuses(rig: &Rig) -> Vec<DriverStatus> {
-    let drivers = simlock_drivers::select(&rig.config, rig.home.root()).await;
+    let drivers = simlock_drivers::select(
+        &rig.config.drivers,
+        &rig.config.virtual_devices,
+        rig.home.root(),
+    )
+    .await;
     let statuses = drivers.iter().map(|d| d.status()).collect();
     for d in drivers {
         d.close().await;

@@ -21,7 +21,6 @@ use simlock_contract::ops::{
 use simlock_contract::push::Progress;
 use simlock_contract::{ContractError, Push};
 use simlock_daemon::clock::SharedClock;
-use simlock_daemon::config::Config;
 use simlock_daemon::events::EventBus;
 use simlock_daemon::presence::Presence;
 use simlock_daemon::store::{Database, StoreError};
@@ -31,6 +30,7 @@ use tokio::sync::{Notify, mpsc, watch};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
+use crate::config::FleetConfig;
 use crate::error::FleetError;
 use crate::state::index::Entry;
 use crate::state::{Core, Effect, Refresh, RefreshFailure, Settings, Stamp, routing};
@@ -60,14 +60,14 @@ pub struct FleetTiming {
 
 impl FleetTiming {
     /// The timing `config` asks for.
-    pub fn from_config(config: &Config) -> Self {
+    pub fn from_config(config: &FleetConfig) -> Self {
         Self {
             call_timeout: Duration::from_secs(10),
             refresh_interval: Duration::from_secs(30),
             refresh_gap: Duration::from_millis(50),
-            lease_request_timeout: Duration::from_millis(config.gateway.lease_request_timeout_ms),
-            exec_timeout: Duration::from_millis(config.gateway.exec_timeout_ms),
-            disconnected_retention: Duration::from_millis(config.gateway.disconnected_retention_ms),
+            lease_request_timeout: Duration::from_millis(config.lease_request_timeout_ms),
+            exec_timeout: Duration::from_millis(config.exec_timeout_ms),
+            disconnected_retention: Duration::from_millis(config.disconnected_retention_ms),
             link_stall_timeout: simlock_link::config::STALL_TIMEOUT,
         }
     }

@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use simlock_contract::model::Mode;
+use simlock_contract::ops::ConfigView;
 use simlock_contract::ops::{
     CatalogGet, ConfigGet, DeviceExec, LeaseCancel, LeaseCancelOutput, LeaseList, LeaseListOutput,
     LeaseRelease, LeaseReleaseAll, LeaseRenew, LeaseRequest, ListGet, ListKind, ListOutput,
@@ -10,7 +10,6 @@ use simlock_contract::ops::{
     WorkerRemove, WorkerRemoveOutput, WorkerUndrain,
 };
 use simlock_contract::{ContractError, ErrorCode, Role};
-use simlock_daemon::config::Config;
 use simlock_daemon::pipeline::{Router, StartupGate};
 
 use crate::fleet::Fleet;
@@ -20,7 +19,7 @@ pub fn register(
     router: &mut Router,
     fleet: &Arc<Fleet>,
     gate: &StartupGate,
-    config: &Config,
+    config_view: ConfigView,
     version: &str,
 ) {
     let (f, g, v) = (fleet.clone(), gate.clone(), version.to_owned());
@@ -33,7 +32,7 @@ pub fn register(
         let out = f.catalog(input.platform);
         async move { Ok(out) }
     });
-    let view = simlock_daemon::config::view(config, Mode::Gateway);
+    let view = config_view;
     router.handle::<ConfigGet, _, _>(move |_, _| {
         let out = view.clone();
         async move { Ok(out) }

@@ -11,6 +11,7 @@
 #![warn(missing_docs)]
 
 pub mod aggregate;
+pub mod config;
 pub mod error;
 pub mod fleet;
 pub mod handlers;
@@ -21,6 +22,7 @@ mod requests;
 pub mod state;
 pub mod uplink;
 
+pub use config::FleetConfig;
 pub use error::FleetError;
 pub use fleet::{Fleet, FleetParts, FleetTiming, WorkerConn};
 /// Routing: which worker serves a lease request (pure functions of the views).

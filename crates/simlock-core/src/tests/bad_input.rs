@@ -19,7 +19,7 @@ async fn busy() -> (
     tokio::task::JoinHandle<Result<LeaseGrant, ContractError>>,
 ) {
     let mut config = config();
-    config.capacity.max_running = 1;
+    config.core.capacity.max_running = 1;
     let h = Harness::with_config(config);
     let grant = h.lease("agent-a", ios()).await.unwrap();
     let mut events = h.bus.follow();

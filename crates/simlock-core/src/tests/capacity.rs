@@ -2,18 +2,18 @@
 
 use std::time::Duration;
 
+use crate::config::CapacityStrategy;
 use serde_json::json;
 use simlock_contract::model::{DeviceState, Platform};
 use simlock_contract::ops::{LeaseIdInput, LeaseRelease};
 use simlock_contract::{ErrorCode, model::Health};
-use simlock_daemon::config::CapacityStrategy;
 
 use super::*;
 
 #[tokio::test(start_paused = true)]
 async fn the_resource_strategy_derives_limits_from_the_machine() {
     let mut config = config();
-    config.capacity.strategy = CapacityStrategy::Resource;
+    config.core.capacity.strategy = CapacityStrategy::Resource;
     let h = Harness::build(Build {
         config,
         system: Arc::new(FixedSystem {
@@ -32,7 +32,7 @@ async fn the_resource_strategy_derives_limits_from_the_machine() {
 
     // 10 GiB: a 6 GiB budget holds one Android device (4 GiB) but not two.
     let mut config = super::config();
-    config.capacity.strategy = CapacityStrategy::Resource;
+    config.core.capacity.strategy = CapacityStrategy::Resource;
     let h = Harness::build(Build {
         config,
         system: Arc::new(FixedSystem {
@@ -63,8 +63,8 @@ async fn the_resource_strategy_derives_limits_from_the_machine() {
 #[tokio::test(start_paused = true)]
 async fn idle_devices_are_shut_down_then_deleted_and_leased_ones_never_touched() {
     let mut config = config();
-    config.idle.shutdown_after_ms = 60_000;
-    config.idle.delete_after_ms = 180_000;
+    config.core.idle.shutdown_after_ms = 60_000;
+    config.core.idle.delete_after_ms = 180_000;
     let h = Harness::with_config(config);
     let mut events = h.bus.follow();
     let mut long = android();
@@ -108,7 +108,7 @@ async fn idle_devices_are_shut_down_then_deleted_and_leased_ones_never_touched()
 #[tokio::test(start_paused = true)]
 async fn a_shutdown_device_is_booted_for_a_request_of_its_spec() {
     let mut config = config();
-    config.idle.shutdown_after_ms = 60_000;
+    config.core.idle.shutdown_after_ms = 60_000;
     let h = Harness::with_config(config);
     let mut events = h.bus.follow();
     let first = h.lease("agent-a", ios()).await.unwrap();

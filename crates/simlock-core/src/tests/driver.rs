@@ -91,7 +91,7 @@ impl Driver for Hangs {
 #[tokio::test(start_paused = true)]
 async fn a_driver_call_past_its_bound_fails_and_the_request_settles() {
     let config = config();
-    let inner = virtual_drivers(&config.virtual_devices)
+    let inner = virtual_drivers(&config.core.virtual_devices)
         .into_iter()
         .find(|d| d.platform() == Platform::Ios)
         .unwrap();
@@ -123,8 +123,8 @@ async fn a_quarantined_device_and_a_leases_access_survive_a_restart() {
     let clock = TokioClock::starting_at(T0).shared();
     let build = |fail_reclaim: bool| {
         let mut config = config();
-        config.health.enabled = false;
-        let inner = virtual_drivers(&config.virtual_devices)
+        config.core.health.enabled = false;
+        let inner = virtual_drivers(&config.core.virtual_devices)
             .into_iter()
             .find(|d| d.platform() == Platform::Ios)
             .unwrap();

@@ -13,11 +13,11 @@ use simlock_contract::{ErrorCode, Push};
 
 use super::*;
 
-fn instant_config() -> Config {
+fn instant_config() -> TestConfig {
     let mut config = config();
-    config.virtual_devices.provision_ms = 0;
-    config.virtual_devices.boot_ms = 0;
-    config.virtual_devices.reclaim_ms = 0;
+    config.core.virtual_devices.provision_ms = 0;
+    config.core.virtual_devices.boot_ms = 0;
+    config.core.virtual_devices.reclaim_ms = 0;
     config
 }
 
@@ -132,7 +132,7 @@ async fn an_unknown_tool_is_refused_before_anything_starts() {
 #[tokio::test]
 async fn a_tool_that_cannot_start_fails_before_started() {
     let mut config = instant_config();
-    config.exec.tools.insert(
+    config.core.exec.tools.insert(
         "ghost".into(),
         ToolConfig {
             command: "/nonexistent/simlock-test-tool".into(),
@@ -205,7 +205,7 @@ async fn exec_is_for_the_lease_owner_and_admins_are_held_to_the_requester() {
 #[tokio::test(start_paused = true)]
 async fn a_tool_that_runs_past_the_timeout_is_stopped() {
     let mut config = config();
-    config.exec.timeout_ms = 1_000;
+    config.core.exec.timeout_ms = 1_000;
     let h = Harness::with_config(config);
     let grant = h.lease("agent-a", ios()).await.unwrap();
     let (ctx, mut pushes) = agent_with_pushes("agent-a");
@@ -229,7 +229,7 @@ async fn a_tool_that_runs_past_the_timeout_is_stopped() {
 #[tokio::test]
 async fn a_timed_out_tool_gets_sigterm_first_and_is_gone_when_the_call_answers() {
     let mut config = instant_config();
-    config.exec.timeout_ms = 2_000;
+    config.core.exec.timeout_ms = 2_000;
     let h = Harness::with_config(config);
     let grant = within(GUARD, h.lease("agent-a", ios())).await.unwrap();
     let dir = tempfile::tempdir().unwrap();

@@ -425,7 +425,7 @@ async fn owner_is_refused_off_the_gateway_uplink() {
 #[tokio::test(start_paused = true)]
 async fn required_capabilities_must_be_available() {
     let mut config = config();
-    config.capabilities = vec!["gpu".into()];
+    config.daemon.capabilities = vec!["gpu".into()];
     let h = Harness::with_config(config);
     h.capabilities.register(|| CapabilityStatus {
         name: "agent-device".into(),

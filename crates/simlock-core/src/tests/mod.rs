@@ -21,7 +21,9 @@ use simlock_contract::model::{
 };
 use simlock_contract::ops::{LeaseRequest, LeaseRequestInput};
 use simlock_contract::{ContractError, Operation, Push, Role};
-use simlock_daemon::config::{CapacityStrategy, Config, ToolConfig};
+use simlock_daemon::config::DaemonConfig;
+
+use crate::config::{CapacityStrategy, CoreConfig, ToolConfig};
 use simlock_daemon::pipeline::Greeter;
 use simlock_daemon::presence::Notice;
 use simlock_daemon::{
@@ -49,17 +51,24 @@ impl Greeter for TestGreeter {
     }
 }
 
+/// A worker's configuration in tests: the daemon's section and the core's.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct TestConfig {
+    pub daemon: DaemonConfig,
+    pub core: CoreConfig,
+}
+
 /// A worker config for tests: fixed capacity 2, the default catalog and timings, and a few
 /// exec tools.
-pub(crate) fn config() -> Config {
-    let mut config = Config::default();
-    config.capacity.strategy = CapacityStrategy::Fixed;
-    config.capacity.max_running = 2;
+pub(crate) fn config() -> TestConfig {
+    let mut config = TestConfig::default();
+    config.core.capacity.strategy = CapacityStrategy::Fixed;
+    config.core.capacity.max_running = 2;
     let tool = |command: &str, args: &[&str]| ToolConfig {
         command: command.into(),
         args: args.iter().map(|a| (*a).to_owned()).collect(),
     };
-    config.exec.tools = BTreeMap::from([
+    config.core.exec.tools = BTreeMap::from([
         ("sh".to_owned(), tool("sh", &["-c"])),
         ("cat".to_owned(), tool("cat", &[])),
         ("sleep".to_owned(), tool("sleep", &[])),
@@ -79,7 +88,7 @@ pub(crate) struct Harness {
 }
 
 pub(crate) struct Build {
-    pub config: Config,
+    pub config: TestConfig,
     pub db: Option<Database>,
     pub clock: Option<SharedClock>,
     pub system: Arc<dyn SystemFacts>,
@@ -113,7 +122,7 @@ impl Harness {
         Self::build(Build::default())
     }
 
-    pub(crate) fn with_config(config: Config) -> Self {
+    pub(crate) fn with_config(config: TestConfig) -> Self {
         Self::build(Build {
             config,
             ..Build::default()
@@ -130,12 +139,19 @@ impl Harness {
             .unwrap_or_else(|| TokioClock::starting_at(T0).shared());
         let bus = EventBus::new(10_000, clock.clone());
         let presence = Presence::new();
-        let capabilities = Capabilities::new(b.config.capabilities.clone(), bus.clone());
+        let capabilities = Capabilities::new(b.config.daemon.capabilities.clone(), bus.clone());
         let parts = WorkerParts {
             drivers: b
                 .drivers
-                .unwrap_or_else(|| virtual_drivers(&b.config.virtual_devices)),
-            config: b.config,
+                .unwrap_or_else(|| virtual_drivers(&b.config.core.virtual_devices)),
+            config_view: simlock_daemon::config::view(
+                &b.config.daemon,
+                &CoreConfig::register(simlock_daemon::config::Sections::new()),
+                &b.config.core.values(),
+                simlock_contract::model::Mode::Worker,
+            ),
+            config: b.config.daemon,
+            core: b.config.core,
             db,
             clock: clock.clone(),
             bus: bus.clone(),

@@ -61,9 +61,9 @@ async fn status_answers_only_daemon_and_host_while_starting() {
 #[tokio::test(start_paused = true)]
 async fn catalog_config_lists_and_the_fleet_of_one() {
     let mut config = config();
-    config.gateway.url = Some("ws://gw".into());
-    config.gateway.token = Some("slk_secret".into());
-    config.gateway.label = Some("mac-1".into());
+    config.daemon.gateway.url = Some("ws://gw".into());
+    config.daemon.gateway.token = Some("slk_secret".into());
+    config.daemon.gateway.label = Some("mac-1".into());
     let h = Harness::with_config(config);
 
     let all = h

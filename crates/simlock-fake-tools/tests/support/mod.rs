@@ -10,9 +10,11 @@ use simlock_client::{Client, ConnectOptions, EventFollow, FollowItem, LeaseNotic
 use simlock_contract::model::{DeviceAccess, DeviceState, EventEnvelope, LeaseGrant, Platform};
 use simlock_contract::ops::{LeaseRequestInput, ListKind, ListOutput};
 use simlock_contract::{ContractError, Operation};
-use simlock_daemon::config::{CapacityStrategy, Config, DriverChoice};
+use simlock_core::config::CapacityStrategy;
 use simlock_daemon::home::Home;
+use simlock_drivers::DriverChoice;
 use simlock_fake_tools::{FakeMachine, Profile, Tools};
+use simlock_worker::WorkerConfig;
 use simlock_worker::{RunningWorker, WorkerOptions};
 use tempfile::TempDir;
 
@@ -50,7 +52,7 @@ pub(crate) struct Rig {
     pub(crate) worker: Option<RunningWorker>,
     pub(crate) machine: FakeMachine,
     pub(crate) home: Home,
-    pub(crate) config: Config,
+    pub(crate) config: WorkerConfig,
     /// Last: the directory goes after everything in it.
     pub(crate) dir: TempDir,
 }
@@ -63,7 +65,7 @@ impl Rig {
         let machine =
             FakeMachine::create(&dir.path().join("machine"), &tools(), &Profile::default());
         let home = Home::at(dir.path().join("home"));
-        let mut config = Config::default();
+        let mut config = WorkerConfig::default();
         config.capacity.strategy = CapacityStrategy::Fixed;
         config.capacity.max_running = 8;
         config.health.probe_interval_ms = 100;

@@ -1,0 +1,145 @@
+//! `agentDevice.*`: the agent-device edge's configuration section (ADR 0026). Both daemons read
+//! `enabled` and `leaseTtlCapMs` (the front); a worker alone reads `command` (its host starts
+//! that daemon).
+
+use serde::{Deserialize, Serialize};
+use simlock_contract::model::Mode;
+use simlock_daemon::config::{BOTH, DaemonConfig, Section, SectionError};
+
+/// The shortest lease agent-device 0.21.5 takes (its `ttlMs` bounds are 5 000–600 000 ms).
+pub const AGENT_DEVICE_MIN_TTL_MS: u64 = 5_000;
+
+/// `agentDevice.*`: Callstack's agent-device CLI served at `/v1/agent-device`.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct AgentDeviceConfig {
+    /// Serve `/v1/agent-device` (both daemons). Off by default: every route answers 404.
+    pub enabled: bool,
+    /// A cap on the TTL of the leases the front makes (both daemons); at most
+    /// `lease.maxTtlMs`.
+    pub lease_ttl_cap_ms: Option<u64>,
+    /// Worker: the argv that starts an agent-device daemon, e.g.
+    /// `["node", "/opt/agent-device/dist/src/internal/daemon.js"]`.
+    pub command: Option<Vec<String>>,
+}
+
+impl Section for AgentDeviceConfig {
+    const KEY: &'static str = "agentDevice";
+    const MODES: &'static [Mode] = BOTH;
+    const ONLY: &'static [(&'static str, Mode)] = &[("command", Mode::Worker)];
+
+    fn check(&self, daemon: &DaemonConfig, mode: Mode) -> Result<(), SectionError> {
+        let max_ttl_ms = daemon.lease.max_ttl_ms;
+        if let Some(cap) = self.lease_ttl_cap_ms {
+            if cap < AGENT_DEVICE_MIN_TTL_MS {
+                return Err(SectionError::new(format!(
+                    "agentDevice.leaseTtlCapMs ({cap}) is below {AGENT_DEVICE_MIN_TTL_MS}, the shortest lease agent-device takes"
+                )));
+            }
+            if cap > max_ttl_ms {
+                return Err(SectionError::new(format!(
+                    "agentDevice.leaseTtlCapMs ({cap}) is above lease.maxTtlMs ({max_ttl_ms})"
+                )));
+            }
+        }
+        if self.enabled && max_ttl_ms < AGENT_DEVICE_MIN_TTL_MS {
+            return Err(SectionError::new(format!(
+                "agentDevice.enabled needs lease.maxTtlMs ({max_ttl_ms}) at least {AGENT_DEVICE_MIN_TTL_MS}, the shortest lease agent-device takes"
+            )));
+        }
+        if mode == Mode::Worker && self.enabled {
+            match &self.command {
+                None => {
+                    return Err(SectionError::new(
+                        "agentDevice.command must be set when agentDevice.enabled is true on a worker: the argv that starts an agent-device daemon, e.g. [\"node\", \"<agent-device>/dist/src/internal/daemon.js\"]",
+                    ));
+                }
+                Some(argv) if argv.first().is_none_or(|p| p.trim().is_empty()) => {
+                    return Err(SectionError::new(
+                        "agentDevice.command: the first element must name a program",
+                    ));
+                }
+                Some(_) => {}
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use simlock_daemon::config::{ConfigError, Loaded, Sections, load_text};
+
+    use super::*;
+
+    fn load_with(toml: &str, mode: Mode) -> Result<Loaded, ConfigError> {
+        load_text(toml, mode, &Sections::new().with::<AgentDeviceConfig>())
+    }
+
+    #[test]
+    fn agent_device_keys_are_checked_on_both_sides_and_the_command_is_the_workers() {
+        let cap = |ms: u64| {
+            format!(
+                "[lease]\ndefaultTtlMs = 60000\nmaxTtlMs = 600000\n[agentDevice]\nleaseTtlCapMs = {ms}"
+            )
+        };
+        for mode in [Mode::Worker, Mode::Gateway] {
+            assert!(load_with(&cap(600_000), mode).is_ok(), "at the bound");
+            let err = load_with(&cap(600_001), mode).unwrap_err().to_string();
+            assert!(
+                err.contains("agentDevice.leaseTtlCapMs") && err.contains("lease.maxTtlMs"),
+                "{err}"
+            );
+            assert!(
+                load_with(&cap(5_000), mode).is_ok(),
+                "agent-device's shortest"
+            );
+            for below in [0, 4_999] {
+                let err = load_with(&cap(below), mode).unwrap_err().to_string();
+                assert!(
+                    err.contains("agentDevice.leaseTtlCapMs") && err.contains("5000"),
+                    "{err}"
+                );
+            }
+            let short = "[lease]\ndefaultTtlMs = 1000\nmaxTtlMs = 4999\n[agentDevice]\nenabled = true\ncommand = [\"d\"]";
+            let err = load_with(short, mode).unwrap_err().to_string();
+            assert!(
+                err.contains("agentDevice.enabled") && err.contains("lease.maxTtlMs"),
+                "{err}"
+            );
+            let off = "[lease]\ndefaultTtlMs = 1000\nmaxTtlMs = 4999";
+            assert!(
+                load_with(off, mode).is_ok(),
+                "without agent-device it is fine"
+            );
+        }
+        let err = load_with("[agentDevice]\nenabled = true", Mode::Worker)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("agentDevice.command"), "{err}");
+        let err = load_with("[agentDevice]\nenabled = true\ncommand = []", Mode::Worker)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("agentDevice.command"), "{err}");
+        let worker = load_with(
+            "[agentDevice]\nenabled = true\ncommand = [\"node\", \"d.js\"]",
+            Mode::Worker,
+        )
+        .unwrap();
+        assert!(worker.warnings.is_empty(), "{:?}", worker.warnings);
+        let gateway = load_with(
+            "[agentDevice]\nenabled = true\ncommand = [\"node\", \"d.js\"]",
+            Mode::Gateway,
+        )
+        .unwrap();
+        assert_eq!(
+            gateway.warnings,
+            vec!["agentDevice.command is a worker setting; a gateway ignores it".to_owned()]
+        );
+        assert!(gateway.section::<AgentDeviceConfig>().unwrap().enabled);
+        let err = load_with("[agentDevice]\ncommand = \"node x.js\"", Mode::Worker)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("agentDevice.command"), "{err}");
+    }
+}

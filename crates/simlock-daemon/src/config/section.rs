@@ -1,0 +1,244 @@
+//! A configuration section a crate above the daemon owns (ADR 0026): its type, defaults, keys and
+//! rules live in that crate; the daemon's loader only layers, extracts and checks it.
+//!
+//! A binary registers every section of simlock in one [`Sections`] (those its own daemon reads
+//! and those the other reads, so keys of the other mode are warned about as such); the loader
+//! extracts each registered section from the merged layers, checks those this daemon reads, and
+//! hands them out typed through [`Loaded::section`](super::Loaded::section).
+
+use std::any::{Any, TypeId};
+use std::collections::BTreeSet;
+use std::sync::Arc;
+
+use figment::Figment;
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use serde_json::Value;
+use simlock_contract::model::Mode;
+
+use super::DaemonConfig;
+
+/// Both daemons read the section.
+pub const BOTH: &[Mode] = &[Mode::Worker, Mode::Gateway];
+/// Only a worker reads the section.
+pub const WORKER: &[Mode] = &[Mode::Worker];
+/// Only a gateway reads the section.
+pub const GATEWAY: &[Mode] = &[Mode::Gateway];
+
+/// A configuration section owned by the crate that reads it.
+///
+/// Its defaults are its [`Default`], its known keys the leaves of its serialised default (an
+/// unset `Option` is a leaf), its rules its [`Section::check`].
+pub trait Section: Serialize + DeserializeOwned + Default + Clone + Send + Sync + 'static {
+    /// The top-level table it reads (`drivers`, `agentDevice`). Two sections may share a
+    /// table when their keys are disjoint (the daemon's uplink keys and the fleet's under
+    /// `gateway`).
+    const KEY: &'static str;
+    /// The daemons that read it: [`BOTH`], [`WORKER`] or [`GATEWAY`].
+    const MODES: &'static [Mode];
+    /// Keys below [`Section::KEY`] that only one of [`Section::MODES`] reads
+    /// (`("command", Mode::Worker)` for `agentDevice.command`).
+    const ONLY: &'static [(&'static str, Mode)] = &[];
+    /// Keys below [`Section::KEY`] that hold text though their default is unset, so a value
+    /// given in the environment or a flag is taken as it is.
+    const TEXT_KEYS: &'static [&'static str] = &[];
+    /// Keys below [`Section::KEY`] that hold maps whose entries are the user's own names.
+    const OPEN_MAPS: &'static [&'static str] = &[];
+
+    /// Checks what no single value's type can, on a daemon of `mode` (one of
+    /// [`Section::MODES`]); `daemon` is the daemon's own section (`lease`, `http`, …).
+    ///
+    /// # Errors
+    /// A [`SectionError`] naming the keys it refuses.
+    fn check(&self, daemon: &DaemonConfig, mode: Mode) -> Result<(), SectionError> {
+        let _ = (daemon, mode);
+        Ok(())
+    }
+}
+
+/// A section's refusal: the message names the keys (`drivers.ios.callTimeoutMs must be above
+/// 0`); start-up fails with it.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{message}")]
+pub struct SectionError {
+    /// What is wrong, naming the keys.
+    pub message: String,
+}
+
+impl SectionError {
+    /// A refusal with `message`.
+    pub fn new(message: impl Into<String>) -> Self {
+        Self {
+            message: message.into(),
+        }
+    }
+}
+
+/// A section as the loader holds it, typed but behind `Any`.
+pub(super) type Held = Arc<dyn Any + Send + Sync>;
+
+/// One registered section, its type erased.
+#[derive(Clone, Copy)]
+pub(super) struct Entry {
+    pub(super) key: &'static str,
+    pub(super) modes: &'static [Mode],
+    pub(super) only: &'static [(&'static str, Mode)],
+    pub(super) text_keys: &'static [&'static str],
+    pub(super) open_maps: &'static [&'static str],
+    pub(super) type_id: TypeId,
+    pub(super) type_name: &'static str,
+    pub(super) defaults: fn() -> Value,
+    pub(super) extract: fn(&Figment) -> Result<Held, Box<figment::Error>>,
+    pub(super) check: fn(&Held, &DaemonConfig, Mode) -> Result<(), SectionError>,
+    pub(super) value: fn(&Held) -> Value,
+}
+
+impl Entry {
+    fn of<S: Section>() -> Self {
+        Self {
+            key: S::KEY,
+            modes: S::MODES,
+            only: S::ONLY,
+            text_keys: S::TEXT_KEYS,
+            open_maps: S::OPEN_MAPS,
+            type_id: TypeId::of::<S>(),
+            type_name: std::any::type_name::<S>(),
+            defaults: || serde_json::to_value(S::default()).unwrap_or(Value::Null),
+            extract: |figment| {
+                // A focus on a value that is no table would read as the defaults.
+                if let Ok(value) = figment.find_value(S::KEY)
+                    && value.as_dict().is_none()
+                {
+                    return Err(Box::new(figment::Error::from(
+                        figment::error::Kind::InvalidType(value.to_actual(), "a table".into()),
+                    )));
+                }
+                // Focused, an error's path is below the table; the loader puts the table first.
+                let section: S = figment.focus(S::KEY).extract().map_err(Box::new)?;
+                Ok(Arc::new(section))
+            },
+            check: |held, daemon, mode| match held.downcast_ref::<S>() {
+                Some(section) => section.check(daemon, mode),
+                None => Ok(()),
+            },
+            value: |held| {
+                held.downcast_ref::<S>()
+                    .and_then(|s| serde_json::to_value(s).ok())
+                    .unwrap_or(Value::Null)
+            },
+        }
+    }
+
+    /// The modes that read `relative` (a key below [`Entry::key`]).
+    pub(super) fn modes_of(&self, relative: &str) -> Vec<Mode> {
+        match self.only.iter().find(|(k, _)| *k == relative) {
+            Some((_, mode)) => vec![*mode],
+            None => self.modes.to_vec(),
+        }
+    }
+}
+
+/// The sections a binary registers: every section of simlock, its own daemon's and the
+/// other's (see the module docs).
+#[derive(Clone, Default)]
+pub struct Sections {
+    pub(super) entries: Vec<Entry>,
+}
+
+impl std::fmt::Debug for Sections {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list()
+            .entries(self.entries.iter().map(|e| e.type_name))
+            .finish()
+    }
+}
+
+impl Sections {
+    /// No sections: the daemon's own only.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Registers `S`.
+    #[must_use]
+    pub fn with<S: Section>(mut self) -> Self {
+        if !self.entries.iter().any(|e| e.type_id == TypeId::of::<S>()) {
+            self.entries.push(Entry::of::<S>());
+        }
+        self
+    }
+
+    /// The registered sections' tables, in registration order, each once.
+    pub fn tables(&self) -> Vec<&'static str> {
+        let mut seen = BTreeSet::new();
+        self.entries
+            .iter()
+            .map(|e| e.key)
+            .filter(|k| seen.insert(*k))
+            .collect()
+    }
+
+    /// The one list of known keys: the daemon's own and every registered section's (a key
+    /// holding a map of the user's names, such as `exec.tools`, is one key).
+    pub fn keys(&self) -> Vec<String> {
+        super::Keys::of(self).known.into_keys().collect()
+    }
+
+    /// The daemons that read `key` (one of [`Sections::keys`], or an entry of an open map),
+    /// `None` when it is no key.
+    pub fn modes_of(&self, key: &str) -> Option<Vec<Mode>> {
+        super::Keys::of(self).modes(key)
+    }
+
+    /// The whole default configuration: the daemon's own section and every registered
+    /// section's defaults.
+    pub fn default_values(&self) -> Value {
+        let mut all = match serde_json::to_value(DaemonConfig::default()) {
+            Ok(Value::Object(map)) => map,
+            _ => serde_json::Map::new(),
+        };
+        for (table, value) in self.defaults() {
+            merge_into(&mut all, &table, value);
+        }
+        Value::Object(all)
+    }
+
+    /// Every registered section's defaults, merged by table (the tables of sections sharing
+    /// one, such as `gateway`, hold both sections' keys).
+    pub fn defaults(&self) -> serde_json::Map<String, Value> {
+        let mut out = serde_json::Map::new();
+        for entry in &self.entries {
+            merge_into(&mut out, entry.key, (entry.defaults)());
+        }
+        out
+    }
+}
+
+/// Puts `value` at `table` in `out`, merging objects key by key.
+pub(super) fn merge_into(out: &mut serde_json::Map<String, Value>, table: &str, value: Value) {
+    match (out.get_mut(table), value) {
+        (Some(Value::Object(have)), Value::Object(more)) => {
+            for (k, v) in more {
+                have.insert(k, v);
+            }
+        }
+        (_, value) => {
+            out.insert(table.to_owned(), value);
+        }
+    }
+}
+
+/// A section's value as a daemon was started with it, for [`super::view`].
+#[derive(Debug, Clone)]
+pub struct SectionValue {
+    pub(super) type_id: TypeId,
+    pub(super) value: Value,
+}
+
+/// `section` as [`super::view`] shows it.
+pub fn section_value<S: Section>(section: &S) -> SectionValue {
+    SectionValue {
+        type_id: TypeId::of::<S>(),
+        value: serde_json::to_value(section).unwrap_or(Value::Null),
+    }
+}

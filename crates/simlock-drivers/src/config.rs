@@ -1,0 +1,241 @@
+//! `drivers.*`: which driver serves each platform, and the real drivers' settings (ADR 0026:
+//! the section is this crate's; a worker reads it).
+
+use serde::{Deserialize, Serialize};
+use simlock_contract::model::Mode;
+use simlock_daemon::config::{DaemonConfig, Section, SectionError, WORKER};
+
+/// Which driver serves a platform.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum DriverChoice {
+    /// The real driver when its tools are found and work, else the virtual one.
+    Auto,
+    /// The virtual driver, always.
+    Virtual,
+    /// iOS: `xcrun simctl`; the platform is unavailable (with the reason) when it does not work.
+    Simctl,
+    /// Android: the SDK's `avdmanager`, `emulator` and `adb`; unavailable when they do not work.
+    AndroidSdk,
+}
+
+/// `drivers.*`.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct DriversConfig {
+    /// iOS simulators.
+    pub ios: IosDriverConfig,
+    /// Android emulators.
+    pub android: AndroidDriverConfig,
+}
+
+/// `drivers.ios.*`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct IosDriverConfig {
+    /// `auto` (default), `simctl` or `virtual`.
+    pub driver: DriverChoice,
+    /// The `xcrun` program: a path, or a name looked up in `PATH`.
+    pub xcrun: String,
+    /// The device set simlock owns (`simctl --set`); default `$SIMLOCK_HOME/devices/ios`.
+    pub device_set: Option<String>,
+    /// The most one `simctl` call may take (30 s); the call is killed past it.
+    pub call_timeout_ms: u64,
+    /// The most a boot may take until `bootstatus` says it finished (120 s).
+    pub boot_timeout_ms: u64,
+}
+
+impl Default for IosDriverConfig {
+    fn default() -> Self {
+        Self {
+            driver: DriverChoice::Auto,
+            xcrun: "xcrun".into(),
+            device_set: None,
+            call_timeout_ms: 30_000,
+            boot_timeout_ms: 120_000,
+        }
+    }
+}
+
+/// `drivers.android.*`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct AndroidDriverConfig {
+    /// `auto` (default), `android-sdk` or `virtual`.
+    pub driver: DriverChoice,
+    /// The SDK's root; default `$ANDROID_HOME`, else `$ANDROID_SDK_ROOT`.
+    pub sdk_root: Option<String>,
+    /// The AVD home simlock owns (`ANDROID_AVD_HOME`); default `$SIMLOCK_HOME/devices/android`.
+    pub avd_home: Option<String>,
+    /// The port of simlock's own adb server (5038; never the user's 5037).
+    pub adb_server_port: u16,
+    /// The lowest emulator console port (even; the adb port is the next one).
+    pub console_port_min: u16,
+    /// The highest emulator console port.
+    pub console_port_max: u16,
+    /// Launch emulators without a window, audio or boot animation.
+    pub headless: bool,
+    /// The most one tool call may take (30 s); the call is killed past it.
+    pub call_timeout_ms: u64,
+    /// The most a boot may take until the emulator reports `sys.boot_completed` (180 s).
+    pub boot_timeout_ms: u64,
+    /// How often a booting emulator is asked whether it finished (2 s).
+    pub boot_poll_ms: u64,
+}
+
+impl Default for AndroidDriverConfig {
+    fn default() -> Self {
+        Self {
+            driver: DriverChoice::Auto,
+            sdk_root: None,
+            avd_home: None,
+            adb_server_port: 5038,
+            console_port_min: 5586,
+            console_port_max: 5682,
+            headless: true,
+            call_timeout_ms: 30_000,
+            boot_timeout_ms: 180_000,
+            boot_poll_ms: 2_000,
+        }
+    }
+}
+
+impl Section for DriversConfig {
+    const KEY: &'static str = "drivers";
+    const MODES: &'static [Mode] = WORKER;
+    const TEXT_KEYS: &'static [&'static str] =
+        &["ios.deviceSet", "android.sdkRoot", "android.avdHome"];
+
+    fn check(&self, _daemon: &DaemonConfig, _mode: Mode) -> Result<(), SectionError> {
+        let bad = |msg: String| Err(SectionError::new(msg));
+        let (ios, android) = (&self.ios, &self.android);
+        if ios.driver == DriverChoice::AndroidSdk {
+            return bad(
+                "drivers.ios.driver: android-sdk drives Android; use auto, simctl or virtual"
+                    .into(),
+            );
+        }
+        if android.driver == DriverChoice::Simctl {
+            return bad(
+                "drivers.android.driver: simctl drives iOS; use auto, android-sdk or virtual"
+                    .into(),
+            );
+        }
+        for (key, ms) in [
+            ("drivers.ios.callTimeoutMs", ios.call_timeout_ms),
+            ("drivers.ios.bootTimeoutMs", ios.boot_timeout_ms),
+            ("drivers.android.callTimeoutMs", android.call_timeout_ms),
+            ("drivers.android.bootTimeoutMs", android.boot_timeout_ms),
+            ("drivers.android.bootPollMs", android.boot_poll_ms),
+        ] {
+            if ms == 0 {
+                return bad(format!("{key} must be above 0"));
+            }
+        }
+        if android.adb_server_port < 1024 || android.adb_server_port == 5037 {
+            return bad(format!(
+                "drivers.android.adbServerPort: {} is not simlock's own port (1024–65535, never the user's 5037)",
+                android.adb_server_port
+            ));
+        }
+        let (min, max) = (android.console_port_min, android.console_port_max);
+        if min % 2 != 0 || max % 2 != 0 || min < 1024 || max < min || max == u16::MAX {
+            return bad(format!(
+                "drivers.android.consolePortMin and drivers.android.consolePortMax: even ports from 1024 with min ≤ max (got {min}–{max})"
+            ));
+        }
+        if (min..=max.saturating_add(1)).contains(&android.adb_server_port) {
+            return bad(format!(
+                "drivers.android.adbServerPort ({}) is inside the console ports {min}–{}",
+                android.adb_server_port,
+                max.saturating_add(1)
+            ));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+    use simlock_daemon::config::{ConfigError, Loaded, Sections, coerce, load_text};
+
+    use super::*;
+
+    fn sections() -> Sections {
+        Sections::new().with::<DriversConfig>()
+    }
+
+    fn load_with(toml: &str) -> Result<Loaded, ConfigError> {
+        load_text(toml, Mode::Worker, &sections())
+    }
+
+    #[test]
+    fn driver_settings_past_their_limits_fail_naming_the_key() {
+        let ok = |toml: &str| load_with(toml).is_ok();
+        let err = |toml: &str| load_with(toml).unwrap_err().to_string();
+        assert!(ok("[drivers.android]\nadbServerPort = 1024"));
+        for port in [1023, 5037] {
+            let e = err(&format!("[drivers.android]\nadbServerPort = {port}"));
+            assert!(e.contains("drivers.android.adbServerPort"), "{e}");
+        }
+        let e = err("[drivers.android]\nadbServerPort = 5600");
+        assert!(e.contains("inside the console ports"), "{e}");
+        assert!(
+            ok("[drivers.android]\nadbServerPort = 5684"),
+            "one past the last adb port"
+        );
+        assert!(
+            !ok("[drivers.android]\nadbServerPort = 5683"),
+            "the last adb port"
+        );
+        for bad in [
+            "consolePortMin = 5587",
+            "consolePortMax = 5683",
+            "consolePortMin = 5700\nconsolePortMax = 5600",
+            "consolePortMin = 1022",
+        ] {
+            let e = err(&format!("[drivers.android]\n{bad}"));
+            assert!(e.contains("drivers.android.consolePortMin"), "{bad}: {e}");
+        }
+        assert!(ok(
+            "[drivers.android]\nconsolePortMin = 5600\nconsolePortMax = 5600"
+        ));
+        for (section, key) in [
+            ("drivers.ios", "callTimeoutMs"),
+            ("drivers.ios", "bootTimeoutMs"),
+            ("drivers.android", "bootPollMs"),
+            ("drivers.android", "callTimeoutMs"),
+            ("drivers.android", "bootTimeoutMs"),
+        ] {
+            let e = err(&format!("[{section}]\n{key} = 0"));
+            assert!(e.contains(&format!("{section}.{key}")), "{e}");
+            assert!(ok(&format!("[{section}]\n{key} = 1")));
+        }
+        let e = err("[drivers.ios]\ndriver = \"android-sdk\"");
+        assert!(e.contains("drivers.ios.driver"), "{e}");
+        let e = err("[drivers.android]\ndriver = \"simctl\"");
+        assert!(e.contains("drivers.android.driver"), "{e}");
+        let e = err("[drivers.ios]\ndriver = \"xcode\"");
+        assert!(e.contains("drivers.ios.driver"), "{e}");
+        // Paths are text, even when they look like numbers.
+        assert_eq!(
+            coerce("drivers.ios.deviceSet", "42", &sections()),
+            json!("42")
+        );
+    }
+
+    #[test]
+    fn a_gateway_warns_about_and_does_not_check_the_drivers() {
+        let loaded = load_text(
+            "[drivers.ios]\ncallTimeoutMs = 0",
+            Mode::Gateway,
+            &sections(),
+        )
+        .unwrap();
+        assert_eq!(
+            loaded.warnings,
+            ["drivers.ios.callTimeoutMs is a worker setting; a gateway ignores it"]
+        );
+    }
+}
