@@ -17,7 +17,6 @@
 )]
 
 use std::collections::BTreeSet;
-use std::path::Path;
 use std::time::Duration;
 
 use serde_json::{Map, Value};
@@ -36,61 +35,21 @@ use simlock_daemon::http::body::{KEEPALIVE, MAX_JSON_BODY};
 use simlock_daemon::http::parse;
 use simlock_daemon::http::requests::{MAX_WAIT, RequestState};
 use simlock_daemon::uplink::{BACKOFF_CAP, BACKOFF_START, DIAL_TIMEOUT, STABLE_AFTER};
+use simlock_test_support::markdown::{blocks, codes, doc, first_code, table, workspace_file};
 
 // === Reading ===
 
+/// A file of this crate's (or, through `..`, a neighbour's) sources.
 fn read(relative: &str) -> String {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join(relative);
-    std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+    workspace_file(&format!("crates/simlock-daemon/{relative}"))
 }
 
 fn http_doc() -> String {
-    read("../../docs/HTTP-API.md")
+    doc("HTTP-API.md")
 }
 
 fn config_doc() -> String {
-    read("../../docs/CONFIGURATION.md")
-}
-
-/// Every fenced block: (info string, body).
-fn blocks(doc: &str) -> Vec<(String, String)> {
-    let mut out = Vec::new();
-    let mut lines = doc.lines();
-    while let Some(line) = lines.next() {
-        if let Some(info) = line.strip_prefix("```") {
-            let body: Vec<&str> = lines
-                .by_ref()
-                .take_while(|l| !l.starts_with("```"))
-                .collect();
-            out.push((info.trim().to_owned(), body.join("\n")));
-        }
-    }
-    out
-}
-
-/// The cells of a table row, trimmed (`None` for a line that is not a row).
-fn cells(line: &str) -> Option<Vec<&str>> {
-    let inner = line.trim().strip_prefix('|')?.strip_suffix('|')?;
-    Some(inner.split('|').map(str::trim).collect())
-}
-
-/// The rows of the table whose header line is `header`, without the separator.
-fn table<'a>(doc: &'a str, header: &str) -> Vec<Vec<&'a str>> {
-    let mut lines = doc.lines().skip_while(|l| l.trim() != header);
-    assert!(lines.next().is_some(), "no table headed {header:?}");
-    lines.skip(1).map_while(cells).collect()
-}
-
-/// The first `` `literal` `` in `text`.
-fn first_code(text: &str) -> Option<&str> {
-    let start = text.find('`')? + 1;
-    let len = text[start..].find('`')?;
-    Some(&text[start..start + len])
-}
-
-/// Every `` `literal` `` in `text`.
-fn codes(text: &str) -> Vec<&str> {
-    text.split('`').skip(1).step_by(2).collect()
+    doc("CONFIGURATION.md")
 }
 
 #[test]

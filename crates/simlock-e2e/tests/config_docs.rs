@@ -13,13 +13,14 @@
 )]
 
 use std::collections::BTreeSet;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use serde_json::Value;
 use simlock_contract::model::Mode;
 use simlock_core::config::VirtualConfig;
 use simlock_daemon::config::{self, Sections};
 use simlock_gateway::GatewayConfig;
+use simlock_test_support::markdown::{blocks, codes, doc, first_code, table, workspace_file};
 use simlock_worker::WorkerConfig;
 
 /// The sections a daemon of `mode` registers.
@@ -39,58 +40,12 @@ fn both_binaries_register_the_same_keys() {
 
 // === Reading ===
 
-fn read(relative: &str) -> String {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join(relative);
-    std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
-}
-
 fn http_doc() -> String {
-    read("../../docs/HTTP-API.md")
+    doc("HTTP-API.md")
 }
 
 fn config_doc() -> String {
-    read("../../docs/CONFIGURATION.md")
-}
-
-/// Every fenced block: (info string, body).
-fn blocks(doc: &str) -> Vec<(String, String)> {
-    let mut out = Vec::new();
-    let mut lines = doc.lines();
-    while let Some(line) = lines.next() {
-        if let Some(info) = line.strip_prefix("```") {
-            let body: Vec<&str> = lines
-                .by_ref()
-                .take_while(|l| !l.starts_with("```"))
-                .collect();
-            out.push((info.trim().to_owned(), body.join("\n")));
-        }
-    }
-    out
-}
-
-/// The cells of a table row, trimmed (`None` for a line that is not a row).
-fn cells(line: &str) -> Option<Vec<&str>> {
-    let inner = line.trim().strip_prefix('|')?.strip_suffix('|')?;
-    Some(inner.split('|').map(str::trim).collect())
-}
-
-/// The rows of the table whose header line is `header`, without the separator.
-fn table<'a>(doc: &'a str, header: &str) -> Vec<Vec<&'a str>> {
-    let mut lines = doc.lines().skip_while(|l| l.trim() != header);
-    assert!(lines.next().is_some(), "no table headed {header:?}");
-    lines.skip(1).map_while(cells).collect()
-}
-
-/// The first `` `literal` `` in `text`.
-fn first_code(text: &str) -> Option<&str> {
-    let start = text.find('`')? + 1;
-    let len = text[start..].find('`')?;
-    Some(&text[start..start + len])
-}
-
-/// Every `` `literal` `` in `text`.
-fn codes(text: &str) -> Vec<&str> {
-    text.split('`').skip(1).step_by(2).collect()
+    doc("CONFIGURATION.md")
 }
 
 /// The value at a dotted key.
@@ -446,7 +401,7 @@ fn documented_flags(doc: &str, binary: &str) -> BTreeSet<String> {
 fn the_flags_are_the_binaries_flags() {
     let doc = config_doc();
     for binary in ["simlock-worker", "simlock-gateway"] {
-        let declared = declared_flags(&read(&format!("../../bins/{binary}/src/main.rs")));
+        let declared = declared_flags(&workspace_file(&format!("bins/{binary}/src/main.rs")));
         assert!(declared.contains("--home") && declared.contains("--set"));
         assert_eq!(documented_flags(&doc, binary), declared, "{binary}");
     }

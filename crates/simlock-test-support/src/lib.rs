@@ -5,9 +5,11 @@
 //! - [`fake_worker`]: the pieces every hand-written fake worker needs: how it greets the gateway,
 //!   how it dials the gateway's uplink and serves its `Service` there, and the bookkeeping answers
 //!   (status, lists, catalog, config, events) a gateway asks every worker for.
+//! - [`markdown`]: the docs, read for the tests that hold them to the code.
 //!
 //! Only tests depend on this crate.
 #![warn(missing_docs)]
 
 pub mod fake_daemon;
 pub mod fake_worker;
+pub mod markdown;
