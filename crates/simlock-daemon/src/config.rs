@@ -620,14 +620,7 @@ fn environment(sections: &Sections) -> Env {
         .filter_map(|name| name.as_str().strip_prefix(ENV_PREFIX).map(Into::into))
         .ignore(&not_config)
         .split("__")
-        .map(|name| {
-            name.as_str()
-                .split('.')
-                .map(camel_from_upper_snake)
-                .collect::<Vec<_>>()
-                .join(".")
-                .into()
-        })
+        .map(|name| key_of_parts(name.as_str().split('.')).into())
         .filter(move |key| {
             key.as_str()
                 .split('.')
@@ -705,6 +698,22 @@ pub fn coerce(key: &str, raw: &str, sections: &Sections) -> Value {
     serde_json::to_value(parsed).unwrap_or_else(|_| Value::String(raw.to_owned()))
 }
 
+/// The key a `SIMLOCK_*` variable names (`SIMLOCK_CAPACITY__IOS__MAX_RUNNING` is
+/// `capacity.ios.maxRunning`): `__` splits the key, each part goes from upper snake case to
+/// camelCase. `None` for a name without the prefix. Whether the key exists is the sections' word.
+pub fn key_of_variable(name: &str) -> Option<String> {
+    name.strip_prefix(ENV_PREFIX)
+        .map(|rest| key_of_parts(rest.split("__")))
+}
+
+/// The parts of a variable's name (after the prefix, split) as a dotted key.
+fn key_of_parts<'a>(parts: impl Iterator<Item = &'a str>) -> String {
+    parts
+        .map(camel_from_upper_snake)
+        .collect::<Vec<_>>()
+        .join(".")
+}
+
 /// `MAX_TTL_MS` → `maxTtlMs`: one part of an environment variable's name as a key.
 fn camel_from_upper_snake(part: &str) -> String {
     let mut out = String::new();
@@ -747,6 +756,28 @@ mod tests {
     use serde_json::json;
 
     use super::*;
+
+    #[test]
+    fn a_variable_names_its_key_by_the_documented_rule() {
+        assert_eq!(
+            key_of_variable("SIMLOCK_CAPACITY__IOS__MAX_RUNNING").as_deref(),
+            Some("capacity.ios.maxRunning")
+        );
+        assert_eq!(
+            key_of_variable("SIMLOCK_LEASE__MAX_TTL_MS").as_deref(),
+            Some("lease.maxTtlMs")
+        );
+        assert_eq!(
+            key_of_variable("SIMLOCK_HTTP__LISTEN").as_deref(),
+            Some("http.listen")
+        );
+        assert_eq!(
+            key_of_variable("simlock_http__listen"),
+            None,
+            "the prefix is upper case"
+        );
+        assert_eq!(key_of_variable("HOME"), None);
+    }
 
     /// Runs `f` with `env` set in the process environment: figment's `Jail` lets one test at a
     /// time set variables, and restores them afterwards.

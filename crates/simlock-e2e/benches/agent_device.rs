@@ -137,12 +137,7 @@ async fn upload(
     let ticket: Value =
         serde_json::from_slice(&ticket.into_body().collect().await.unwrap().to_bytes()).unwrap();
     let url = ticket["upload"]["url"].as_str().unwrap().to_owned();
-    let mut headers: Vec<(String, String)> = ticket["upload"]["headers"]
-        .as_object()
-        .unwrap()
-        .iter()
-        .map(|(k, v)| (k.clone(), v.as_str().unwrap().to_owned()))
-        .collect();
+    let mut headers = simlock_e2e::agent_device::ticket_headers(&ticket);
     if let Some(lease) = &target.lease {
         headers.push(("x-agent-device-lease-id".to_owned(), lease.clone()));
     }

@@ -298,6 +298,19 @@ impl Http {
     }
 }
 
+/// An upload ticket's headers (`upload.headers`), as the CLI sends them with its PUT.
+///
+/// # Panics
+/// When the ticket has no headers of text: the test that read it fails.
+pub fn ticket_headers(ticket: &Value) -> Vec<(String, String)> {
+    ticket["upload"]["headers"]
+        .as_object()
+        .expect("a ticket with headers")
+        .iter()
+        .map(|(k, v)| (k.clone(), v.as_str().expect("a header of text").to_owned()))
+        .collect()
+}
+
 /// A JSON-RPC request of the CLI's shape.
 pub fn rpc_call(id: &str, method: &str, params: Value) -> Value {
     json!({"jsonrpc": "2.0", "id": id, "method": format!("agent_device.{method}"), "params": params})

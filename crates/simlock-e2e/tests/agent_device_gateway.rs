@@ -20,7 +20,7 @@ use http::Method;
 use serde_json::{Value, json};
 use simlock_contract::model::Platform;
 use simlock_daemon::clock::{Clock, SharedClock, TokioClock};
-use simlock_e2e::agent_device::{Http, rpc_call};
+use simlock_e2e::agent_device::{Http, rpc_call, ticket_headers};
 use simlock_e2e::{PATIENCE, TestFleet, gateway_config, worker_config};
 use simlock_gateway::GatewayConfig;
 use simlock_worker::WorkerConfig;
@@ -1185,12 +1185,7 @@ fn preflight_body(data: &[u8]) -> String {
 /// finalize naming `lease`: each answers ok.
 async fn put_and_finalize(gw: &Gw, secret: &str, lease: &str, ticket: &Value, data: &[u8]) {
     let url = ticket["upload"]["url"].as_str().unwrap();
-    let mut headers: Vec<(String, String)> = ticket["upload"]["headers"]
-        .as_object()
-        .unwrap()
-        .iter()
-        .map(|(k, v)| (k.clone(), v.as_str().unwrap().to_owned()))
-        .collect();
+    let mut headers = ticket_headers(ticket);
     headers.push(("x-agent-device-lease-id".into(), lease.to_owned()));
     let refs: Vec<(&str, &str)> = headers
         .iter()

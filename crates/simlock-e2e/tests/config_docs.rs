@@ -256,27 +256,9 @@ const NOT_CONFIG: &[&str] = &[
     "SIMLOCK_ANDROID_SERIAL",
 ];
 
-/// `SIMLOCK_CAPACITY__IOS__MAX_RUNNING` → `capacity.ios.maxRunning`, by the documented rule.
+/// The key `name` (a `SIMLOCK_*` variable) names, by the daemon's rule.
 fn key_of_variable(name: &str) -> String {
-    let rest = name.strip_prefix("SIMLOCK_").unwrap();
-    rest.split("__")
-        .map(|part| {
-            let mut out = String::new();
-            let mut upper = false;
-            for c in part.chars() {
-                if c == '_' {
-                    upper = true;
-                } else if upper {
-                    out.extend(c.to_uppercase());
-                    upper = false;
-                } else {
-                    out.extend(c.to_lowercase());
-                }
-            }
-            out
-        })
-        .collect::<Vec<_>>()
-        .join(".")
+    config::key_of_variable(name).unwrap_or_else(|| panic!("{name} is no SIMLOCK_ variable"))
 }
 
 /// Every `SIMLOCK_…` name in `doc`.
