@@ -11,10 +11,7 @@ use futures::FutureExt;
 use simlock_contract::event::{Event, EventModule};
 use simlock_contract::model::Mode;
 use simlock_contract::ops::ConfigView;
-use simlock_core::config::{
-    CapacityConfig, CoreConfig, ExecConfig, HealthConfig, IdleConfig, QuarantineConfig,
-    VirtualConfig,
-};
+use simlock_core::config::CoreConfig;
 use simlock_core::{SystemFacts, Worker, WorkerParts};
 use simlock_daemon::clock::SharedClock;
 use simlock_daemon::config::{self, ConfigError, DaemonConfig, Loaded, Sections};
@@ -43,18 +40,8 @@ pub struct WorkerConfig {
     /// The daemon's own section (`lease`, `http`, `log`, `eventBuffer`, `capabilities`, the
     /// uplink's `gateway.*`).
     pub daemon: DaemonConfig,
-    /// `capacity.*` (the core's).
-    pub capacity: CapacityConfig,
-    /// `idle.*` (the core's).
-    pub idle: IdleConfig,
-    /// `exec.*` (the core's).
-    pub exec: ExecConfig,
-    /// `virtual.*` (the core's).
-    pub virtual_devices: VirtualConfig,
-    /// `health.*` (the core's).
-    pub health: HealthConfig,
-    /// `quarantine.*` (the core's).
-    pub quarantine: QuarantineConfig,
+    /// The core's sections (`capacity`, `idle`, `exec`, `virtual`, `health`, `quarantine`).
+    pub core: CoreConfig,
     /// `agentDevice.*` (the front's and the host's).
     pub agent_device: AgentDeviceConfig,
     /// `drivers.*`.
@@ -67,35 +54,17 @@ impl WorkerConfig {
     /// # Errors
     /// A section that was not registered.
     pub fn from_loaded(loaded: &Loaded) -> Result<Self, ConfigError> {
-        let core = CoreConfig::from_loaded(loaded)?;
         Ok(Self {
             daemon: loaded.config.clone(),
-            capacity: core.capacity,
-            idle: core.idle,
-            exec: core.exec,
-            virtual_devices: core.virtual_devices,
-            health: core.health,
-            quarantine: core.quarantine,
+            core: CoreConfig::from_loaded(loaded)?,
             agent_device: loaded.section()?,
             drivers: loaded.section()?,
         })
     }
 
-    /// The core's sections.
-    pub fn core(&self) -> CoreConfig {
-        CoreConfig {
-            capacity: self.capacity.clone(),
-            idle: self.idle,
-            exec: self.exec.clone(),
-            virtual_devices: self.virtual_devices.clone(),
-            health: self.health,
-            quarantine: self.quarantine,
-        }
-    }
-
     /// `config.get`'s answer.
     pub fn view(&self) -> ConfigView {
-        let mut values = self.core().values();
+        let mut values = self.core.values();
         values.push(config::section_value(&self.agent_device));
         values.push(config::section_value(&self.drivers));
         config::view(&self.daemon, &sections(), &values, Mode::Worker)
@@ -206,7 +175,7 @@ impl std::fmt::Debug for RunningWorker {
 pub async fn start(options: WorkerOptions) -> Result<RunningWorker, StartError> {
     let config = options.config;
     let config_view = config.view();
-    let core = config.core();
+    let core = config.core.clone();
     let base = Base::open(
         options.home,
         config.daemon,
@@ -220,8 +189,12 @@ pub async fn start(options: WorkerOptions) -> Result<RunningWorker, StartError> 
         parts.system = system;
     }
     // Which driver serves each platform (logged once each); the virtual ones when asked.
-    parts.drivers =
-        simlock_drivers::select(&config.drivers, &config.virtual_devices, base.home.root()).await;
+    parts.drivers = simlock_drivers::select(
+        &config.drivers,
+        &config.core.virtual_devices,
+        base.home.root(),
+    )
+    .await;
     let mut relay_targets = options.relay_targets;
     let host = match (&config.agent_device.enabled, &config.agent_device.command) {
         (true, Some(command)) => {

@@ -53,8 +53,8 @@ fn the_sections_read_the_environment_typed() {
     );
     assert_eq!(config.daemon.http.port, 7);
     assert!(!config.drivers.android.headless);
-    assert_eq!(config.capacity.ios.max_running, Some(3));
-    assert_eq!(config.capacity.strategy, CapacityStrategy::Fixed);
+    assert_eq!(config.core.capacity.ios.max_running, Some(3));
+    assert_eq!(config.core.capacity.strategy, CapacityStrategy::Fixed);
     assert_eq!(config.drivers.ios.device_set.as_deref(), Some("42"));
     assert_eq!(
         config.drivers.android.sdk_root.as_deref(),
@@ -112,7 +112,7 @@ fn an_open_map_entry_comes_from_the_environment() {
     let loaded = load_env(&env).unwrap();
     assert!(loaded.warnings.is_empty(), "{:?}", loaded.warnings);
     assert_eq!(
-        WorkerConfig::from_loaded(&loaded).unwrap().exec.tools["echo"],
+        WorkerConfig::from_loaded(&loaded).unwrap().core.exec.tools["echo"],
         echo
     );
     // The whole map as one figment table.
@@ -123,7 +123,7 @@ fn an_open_map_entry_comes_from_the_environment() {
     let loaded = load_env(&env).unwrap();
     assert!(loaded.warnings.is_empty(), "{:?}", loaded.warnings);
     assert_eq!(
-        WorkerConfig::from_loaded(&loaded).unwrap().exec.tools["echo"],
+        WorkerConfig::from_loaded(&loaded).unwrap().core.exec.tools["echo"],
         echo
     );
 }

@@ -292,7 +292,7 @@ async fn bench() {
     let daemon_home = tempfile::tempdir().unwrap();
     let home = daemon_home.path().display().to_string();
     let mut config = agent_device_config(real_daemon_command(&pkg));
-    config.capacity.max_running = 4;
+    config.core.capacity.max_running = 4;
     fleet
         .join_worker(
             0,

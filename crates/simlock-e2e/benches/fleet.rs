@@ -75,11 +75,11 @@ fn main() -> BenchResult<()> {
 /// A worker whose virtual devices take no time, with room for every agent.
 fn worker_config() -> WorkerConfig {
     let mut config = WorkerConfig::default();
-    config.capacity.strategy = CapacityStrategy::Fixed;
-    config.capacity.max_running = u32::try_from(AGENTS).unwrap();
-    config.virtual_devices.provision_ms = 0;
-    config.virtual_devices.boot_ms = 0;
-    config.virtual_devices.reclaim_ms = 0;
+    config.core.capacity.strategy = CapacityStrategy::Fixed;
+    config.core.capacity.max_running = u32::try_from(AGENTS).unwrap();
+    config.core.virtual_devices.provision_ms = 0;
+    config.core.virtual_devices.boot_ms = 0;
+    config.core.virtual_devices.reclaim_ms = 0;
     config
 }
 

@@ -37,11 +37,11 @@ pub fn worker_config(max_running: u32) -> WorkerConfig {
     let mut config = WorkerConfig::default();
     config.drivers.ios.driver = DriverChoice::Virtual;
     config.drivers.android.driver = DriverChoice::Virtual;
-    config.capacity.strategy = CapacityStrategy::Fixed;
-    config.capacity.max_running = max_running;
-    config.virtual_devices.provision_ms = 20;
-    config.virtual_devices.boot_ms = 20;
-    config.virtual_devices.reclaim_ms = 10;
+    config.core.capacity.strategy = CapacityStrategy::Fixed;
+    config.core.capacity.max_running = max_running;
+    config.core.virtual_devices.provision_ms = 20;
+    config.core.virtual_devices.boot_ms = 20;
+    config.core.virtual_devices.reclaim_ms = 10;
     config
 }
 

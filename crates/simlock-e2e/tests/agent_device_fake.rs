@@ -534,7 +534,7 @@ async fn devices_lists_only_the_devices_the_token_leases() {
 async fn an_allocate_waits_for_a_device_and_one_whose_caller_hangs_up_is_withdrawn() {
     let fake = FakeAgentDevice::start(FakeOptions::default()).unwrap();
     let mut config = attached_config();
-    config.capacity.max_running = 1;
+    config.core.capacity.max_running = 1;
     let worker = AdWorker::with_fake(config, &fake).await;
     let (_, alice) = worker.token("agent").await;
     let (_, bob) = worker.token("agent").await;
@@ -603,6 +603,7 @@ async fn a_platform_the_worker_has_no_device_of_is_refused_and_nothing_is_leased
     let fake = FakeAgentDevice::start(FakeOptions::default()).unwrap();
     let mut config = attached_config();
     config
+        .core
         .virtual_devices
         .models
         .retain(|m| m.platform == simlock_contract::model::Platform::Android);

@@ -57,6 +57,7 @@ fn worker(agent_device: bool, platforms: &[Platform]) -> WorkerConfig {
     config.agent_device.enabled = agent_device;
     config.agent_device.command = Some(vec!["agent-device-attached".into()]);
     config
+        .core
         .virtual_devices
         .models
         .retain(|m| platforms.contains(&m.platform));
@@ -412,10 +413,15 @@ async fn an_allocate_that_cannot_be_served_is_refused_with_the_seeds_reasons_and
     );
     // An incapable worker that knows "Pixel 9"; a capable one with Android but no Pixel 9.
     let mut knows = worker(false, &[Platform::Android]);
-    knows.virtual_devices.models.retain(|m| m.name == "Pixel 9");
+    knows
+        .core
+        .virtual_devices
+        .models
+        .retain(|m| m.name == "Pixel 9");
     gw.add(knows).await;
     let mut capable = worker(true, &[Platform::Android]);
     capable
+        .core
         .virtual_devices
         .models
         .retain(|m| m.name == "Pixel 8");
@@ -834,7 +840,7 @@ fn waiting_requests(fleet: &simlock_fleet::Fleet) -> std::collections::BTreeSet<
 async fn an_allocate_waits_for_a_device_a_hung_up_one_leaves_the_queue_and_a_stop_cancels_it() {
     let mut gw = Gw::start(enabled_gateway()).await;
     let mut config = worker(true, &[Platform::Android]);
-    config.capacity.max_running = 1;
+    config.core.capacity.max_running = 1;
     gw.add(config).await;
     gw.wait_capable(0, true).await;
     let (_, alice) = gw.token().await;
@@ -920,7 +926,7 @@ async fn an_allocate_whose_worker_stopped_being_capable_before_the_forward_relea
     .await;
     let mut config = worker(true, &[Platform::Android]);
     // Long enough a device creation for the gateway to see the worker's agent-device go.
-    config.virtual_devices.provision_ms = 5_000;
+    config.core.virtual_devices.provision_ms = 5_000;
     gw.add(config).await;
     gw.wait_capable(0, true).await;
     let (_, secret) = gw.token().await;
@@ -1113,7 +1119,7 @@ async fn two_workers_two_leases() -> (Gw, String, [String; 2], String) {
     let mut gw = Gw::start(enabled_gateway()).await;
     for _ in 0..2 {
         let mut config = worker(true, &[Platform::Android]);
-        config.capacity.max_running = 1;
+        config.core.capacity.max_running = 1;
         gw.add(config).await;
     }
     gw.wait_capable(0, true).await;
@@ -1448,7 +1454,7 @@ async fn devices_through_the_gateway_joins_each_workers_answer_cut_to_its_lease(
 async fn devices_with_two_leases_on_one_worker_lists_both_once() {
     let mut gw = Gw::start(enabled_gateway()).await;
     let mut config = worker(true, &[Platform::Android]);
-    config.capacity.max_running = 2;
+    config.core.capacity.max_running = 2;
     gw.add(config).await;
     gw.wait_capable(0, true).await;
     let (_, secret) = gw.token().await;
@@ -1569,7 +1575,7 @@ async fn the_published_cli_lists_its_devices_on_two_workers_and_shows_the_too_ol
     let mut gw = Gw::start(enabled_gateway()).await;
     for _ in 0..2 {
         let mut config = worker(true, &[Platform::Android]);
-        config.capacity.max_running = 1;
+        config.core.capacity.max_running = 1;
         gw.add(config).await;
     }
     gw.wait_capable(0, true).await;

@@ -399,7 +399,7 @@ async fn a_killed_daemon_is_restarted_and_meanwhile_allocates_answer_not_availab
         hold.display()
     );
     let mut config = agent_device_config(vec!["sh".into(), "-c".into(), script]);
-    config.virtual_devices.boot_ms = 10;
+    config.core.virtual_devices.boot_ms = 10;
     let worker = AdWorker::start(config, |_| {}).await;
     worker.wait_running().await;
     let (_, secret) = worker.token("agent").await;

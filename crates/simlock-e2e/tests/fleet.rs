@@ -1025,7 +1025,7 @@ async fn an_expired_gateway_lease_reaches_its_owner_as_lease_lost_with_the_gatew
 async fn exec_through_the_gateway_streams_the_workers_output_to_the_owner() {
     let mut fleet = TestFleet::start(gateway_config()).await;
     let mut config = worker_config(1);
-    config.exec.tools.insert(
+    config.core.exec.tools.insert(
         "echo".into(),
         simlock_core::config::ToolConfig {
             command: "echo".into(),

@@ -110,7 +110,7 @@ fn failing(message: &'static str) -> Arc<dyn RelayTarget> {
 
 fn exec_config(script: &str) -> simlock_worker::WorkerConfig {
     let mut config = worker_config(2);
-    config.exec.tools.insert(
+    config.core.exec.tools.insert(
         "talk".into(),
         simlock_core::config::ToolConfig {
             command: "/bin/sh".into(),

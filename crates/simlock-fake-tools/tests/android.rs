@@ -425,14 +425,14 @@ async fn garbled_sdk_output_is_a_typed_error_not_a_crash() {
 async fn exec_runs_tools_with_the_grants_environment_and_they_reach_the_device() {
     let mut rig = Rig::new(Platform::Android);
     let adb = rig.machine.sdk_root().join("platform-tools/adb");
-    rig.config.exec.tools.insert(
+    rig.config.core.exec.tools.insert(
         "adb".into(),
         simlock_core::config::ToolConfig {
             command: adb.display().to_string(),
             args: vec![],
         },
     );
-    rig.config.exec.tools.insert(
+    rig.config.core.exec.tools.insert(
         "env".into(),
         simlock_core::config::ToolConfig {
             command: "env".into(),

@@ -60,9 +60,12 @@ fn sets(c: &WorkerConfig) -> Vec<String> {
     let (i, a) = (&c.drivers.ios, &c.drivers.android);
     let mut out = vec![
         "capacity.strategy=fixed".to_owned(),
-        format!("capacity.maxRunning={}", c.capacity.max_running),
-        format!("health.probeIntervalMs={}", c.health.probe_interval_ms),
-        format!("health.recoveryBackoffMs={}", c.health.recovery_backoff_ms),
+        format!("capacity.maxRunning={}", c.core.capacity.max_running),
+        format!("health.probeIntervalMs={}", c.core.health.probe_interval_ms),
+        format!(
+            "health.recoveryBackoffMs={}",
+            c.core.health.recovery_backoff_ms
+        ),
         format!("drivers.ios.driver={}", choice(i.driver)),
         format!("drivers.ios.xcrun={}", i.xcrun),
         format!("drivers.ios.bootTimeoutMs={}", i.boot_timeout_ms),

@@ -49,8 +49,8 @@ async fn check(platform: Platform) {
     let dir = tempfile::tempdir().unwrap();
     let home = Home::at(dir.path().join("home"));
     let mut config = WorkerConfig::default();
-    config.capacity.strategy = CapacityStrategy::Fixed;
-    config.capacity.max_running = 1;
+    config.core.capacity.strategy = CapacityStrategy::Fixed;
+    config.core.capacity.max_running = 1;
     config.drivers.ios.driver = DriverChoice::Virtual;
     config.drivers.android.driver = DriverChoice::Virtual;
     match platform {

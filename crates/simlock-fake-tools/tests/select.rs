@@ -18,7 +18,7 @@ use support::Rig;
 async fn statuses(rig: &Rig) -> Vec<DriverStatus> {
     let drivers = simlock_drivers::select(
         &rig.config.drivers,
-        &rig.config.virtual_devices,
+        &rig.config.core.virtual_devices,
         rig.home.root(),
     )
     .await;

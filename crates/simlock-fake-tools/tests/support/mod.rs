@@ -66,13 +66,13 @@ impl Rig {
             FakeMachine::create(&dir.path().join("machine"), &tools(), &Profile::default());
         let home = Home::at(dir.path().join("home"));
         let mut config = WorkerConfig::default();
-        config.capacity.strategy = CapacityStrategy::Fixed;
-        config.capacity.max_running = 8;
-        config.health.probe_interval_ms = 100;
-        config.health.recovery_backoff_ms = 50;
-        config.quarantine.retry_backoff_ms = 100;
-        config.quarantine.max_retry_backoff_ms = 400;
-        config.quarantine.max_retries = 2;
+        config.core.capacity.strategy = CapacityStrategy::Fixed;
+        config.core.capacity.max_running = 8;
+        config.core.health.probe_interval_ms = 100;
+        config.core.health.recovery_backoff_ms = 50;
+        config.core.quarantine.retry_backoff_ms = 100;
+        config.core.quarantine.max_retry_backoff_ms = 400;
+        config.core.quarantine.max_retries = 2;
         config.drivers.ios.driver = DriverChoice::Virtual;
         config.drivers.android.driver = DriverChoice::Virtual;
         match platform {
