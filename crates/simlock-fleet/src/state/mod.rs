@@ -268,7 +268,7 @@ struct Worker {
     /// The key the revision stands for.
     key: String,
     /// Forgotten past retention while drained: only its drain flag is kept, so it is not swept
-    /// again.
+    /// again while it stays drained (see [`Worker::awaits_retention`]).
     retained: bool,
 }
 
@@ -282,6 +282,14 @@ impl Worker {
             key,
             retained,
         }
+    }
+
+    /// Whether retention's clock runs for it: disconnected, and not a drain flag kept past
+    /// retention (undrained, what is kept is forgotten at the next sweep).
+    fn awaits_retention(&self) -> bool {
+        self.link.is_none()
+            && self.view.connection == Connection::Disconnected
+            && !(self.retained && self.view.drained)
     }
 }
 
@@ -655,9 +663,7 @@ impl Core {
         let retention = self
             .workers
             .values()
-            .filter(|w| {
-                w.link.is_none() && w.view.connection == Connection::Disconnected && !w.retained
-            })
+            .filter(|w| w.awaits_retention())
             .map(|w| {
                 w.view
                     .last_seen_at
@@ -2033,9 +2039,7 @@ impl Core {
         let expired: Vec<String> = self
             .workers
             .iter()
-            .filter(|(_, w)| {
-                w.link.is_none() && w.view.connection == Connection::Disconnected && !w.retained
-            })
+            .filter(|(_, w)| w.awaits_retention())
             .filter(|(_, w)| w.view.last_seen_at <= now.saturating_sub(retention))
             .filter(|(id, w)| {
                 let in_view = w

@@ -1270,3 +1270,32 @@ fn a_drained_worker_forgotten_past_retention_is_not_swept_again() {
         Some((true, T0))
     );
 }
+
+#[test]
+fn a_kept_drain_flag_undrained_is_forgotten_at_the_next_sweep() {
+    let retention = settings().disconnected_retention_ms;
+    // Kept past retention by a sweep, and loaded after a restart: each undrained goes.
+    let (mut core, generation) = fleet(1);
+    core.handle_drained("w1", true, T0);
+    core.handle_uplink_closed(generation, T0);
+    core.handle_tick(T0 + retention);
+    assert!(core.view("w1").is_some_and(|v| v.drained));
+    let mut loaded = Core::new(settings(), vec![("w2".into(), T0)]);
+    for (core, id) in [(&mut core, "w1"), (&mut loaded, "w2")] {
+        core.take_effects();
+        let now = T0 + 2 * retention;
+        core.handle_drained(id, false, now);
+        assert!(
+            core.next_deadline().is_some_and(|at| at <= now),
+            "{id}: retention is due at once"
+        );
+        core.handle_tick(now);
+        assert_eq!(core.view(id), None, "{id} is forgotten");
+        assert!(
+            core.take_effects()
+                .iter()
+                .any(|e| matches!(e, Effect::Event(Event::WorkerRemoved { worker_id, .. }) if worker_id == id)),
+            "{id}: its removal is told"
+        );
+    }
+}
