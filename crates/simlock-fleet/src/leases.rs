@@ -86,6 +86,7 @@ impl Fleet {
         let abandoned = Abandoned {
             fleet: self,
             target: Some(&target),
+            connection: caller.connection,
         };
         let input = LeaseIdInput {
             lease_id: target.worker_lease_id.clone(),
@@ -211,6 +212,8 @@ impl Fleet {
 struct Abandoned<'a> {
     fleet: &'a Fleet,
     target: Option<&'a LeaseTarget>,
+    /// The connection the release came on.
+    connection: Option<u64>,
 }
 
 impl Abandoned<'_> {
@@ -223,8 +226,11 @@ impl Abandoned<'_> {
 impl Drop for Abandoned<'_> {
     fn drop(&mut self) {
         if let Some(target) = self.target.take() {
-            self.fleet
-                .decide(|shared, _| shared.core.handle_release_abandoned(target));
+            self.fleet.decide(|shared, _| {
+                shared
+                    .core
+                    .handle_release_abandoned(target, self.connection);
+            });
         }
     }
 }

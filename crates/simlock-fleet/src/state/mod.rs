@@ -1785,11 +1785,14 @@ impl Core {
         Ok(target)
     }
 
-    /// The caller of a release sent for `target` hung up before the worker answered: the
-    /// release is nobody's any more. Should the worker have carried it out, its own event says
-    /// so; a later end of the lease is told as what it is, and reaches every connection.
-    pub fn handle_release_abandoned(&mut self, target: &LeaseTarget) {
-        self.releasing.remove(&target.lease_id);
+    /// The caller of a release sent for `target` on `connection` hung up before the worker
+    /// answered: the release is nobody's any more, unless another caller has sent one since
+    /// (theirs stays). Should the worker have carried it out, its own event says so; a later
+    /// end of the lease is told as what it is, and reaches every connection.
+    pub fn handle_release_abandoned(&mut self, target: &LeaseTarget, connection: Option<u64>) {
+        if self.releasing.get(&target.lease_id) == Some(&connection) {
+            self.releasing.remove(&target.lease_id);
+        }
     }
 
     /// The worker answered a release: the lease ends (its owner's other connections hear it

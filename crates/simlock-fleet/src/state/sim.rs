@@ -1608,7 +1608,8 @@ impl Sim {
                     self.note(|| format!("the caller of the release of {lease_id} hangs up"));
                     self.releasing.remove(&lease_id);
                     self.hung_up.insert(lease_id);
-                    self.core.handle_release_abandoned(&target);
+                    self.core
+                        .handle_release_abandoned(&target, Some(self.agents[a].connection));
                     self.drain()?;
                 }
                 Ok(())

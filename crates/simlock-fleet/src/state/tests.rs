@@ -1203,12 +1203,45 @@ fn a_capability_change_of_an_unknown_uplink_is_ignored() {
 }
 
 #[test]
+fn a_release_abandoned_on_one_connection_keeps_the_one_sent_since_on_another() {
+    let (mut core, generation) = fleet(1);
+    let lease_id = granted_full(&mut core, generation);
+    let first = core.handle_release_sent(&lease_id, agent()).unwrap();
+    let other = Caller {
+        connection: Some(8),
+        ..agent()
+    };
+    let second = core.handle_release_sent(&lease_id, other).unwrap();
+    // The first caller hangs up; the second's release is still under way, and answered.
+    core.handle_release_abandoned(&first, agent().connection);
+    core.take_effects();
+    core.handle_release_answered(&second, Ok(()), T0).unwrap();
+    let lost: Vec<_> = core
+        .take_effects()
+        .into_iter()
+        .filter_map(|e| match e {
+            Effect::Notice {
+                push: Push::LeaseLost { reason, .. },
+                except,
+                ..
+            } => Some((reason, except)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        lost,
+        vec![(LeaseEndReason::Explicit, Some(8))],
+        "an explicit release, not told to the connection that sent it"
+    );
+}
+
+#[test]
 fn a_release_whose_caller_hung_up_leaves_the_leases_later_end_told_as_it_is() {
     let (mut core, generation) = fleet(1);
     let lease_id = granted_full(&mut core, generation);
     let target = core.handle_release_sent(&lease_id, agent()).unwrap();
     // The caller hangs up before the worker answers (the release never reached it).
-    core.handle_release_abandoned(&target);
+    core.handle_release_abandoned(&target, agent().connection);
     core.take_effects();
     // The lease then runs out: a read sent after its deadline no longer lists it.
     core.handle_worker_event(generation, event("device.ready", serde_json::json!({})), T0);
