@@ -139,6 +139,9 @@ pub enum Push {
 }
 
 impl Push {
+    /// The wire name of [`Push::Event`], the one push a gateway reads from a worker unasked.
+    pub const EVENT: &'static str = "event";
+
     /// The push kind's wire name.
     pub const fn kind(&self) -> &'static str {
         match self {
@@ -148,7 +151,7 @@ impl Push {
             Self::LeaseLost { .. } => "lease-lost",
             Self::DeviceUnhealthy { .. } => "device-unhealthy",
             Self::DeviceRecovered { .. } => "device-recovered",
-            Self::Event { .. } => "event",
+            Self::Event { .. } => Self::EVENT,
             Self::RelayHead { .. } => "relay-head",
         }
     }

@@ -632,7 +632,7 @@ impl Fleet {
                 if drained {
                     c.execute("INSERT OR REPLACE INTO drained_workers (worker_id, drained_at) VALUES (?1, ?2)", rusqlite::params![worker_id, now])
                 } else {
-                    c.execute("DELETE FROM drained_workers WHERE worker_id = ?1", [worker_id])
+                    forget_drain(c, worker_id)
                 }
             })
             .map_err(|e| ContractError::from(store_error(&e)))?;
@@ -643,12 +643,7 @@ impl Fleet {
         });
         if !known {
             // Retention forgot it in between: what was stored goes too.
-            let _ = self.db.with(|c| {
-                c.execute(
-                    "DELETE FROM drained_workers WHERE worker_id = ?1",
-                    [worker_id],
-                )
-            });
+            self.forget_stored_drain(worker_id);
             return Err(FleetError::UnknownWorker(worker_id.to_owned()).into());
         }
         Ok(drained)
@@ -665,13 +660,16 @@ impl Fleet {
             .map_err(ContractError::from)?;
         // Forgotten first, then stored, outside the fleet's lock: a drain of the same worker
         // waits for this store.
-        let _ = self.db.with(|c| {
-            c.execute(
-                "DELETE FROM drained_workers WHERE worker_id = ?1",
-                [worker_id],
-            )
-        });
+        self.forget_stored_drain(worker_id);
         Ok(removed)
+    }
+
+    /// Deletes `worker_id`'s stored drain flag after the fleet forgot the worker; a failure is
+    /// logged (the worker would come back drained after a restart) and changes nothing else.
+    fn forget_stored_drain(&self, worker_id: &str) {
+        if let Err(e) = self.db.with(|c| forget_drain(c, worker_id)) {
+            warn!(worker = %worker_id, error = %e, "the forgotten worker's drain flag stays stored");
+        }
     }
 
     /// Closes every uplink opened with token `token_id` (it was revoked).
@@ -734,4 +732,12 @@ async fn read_view(
         catalog,
         limits,
     })
+}
+
+/// Deletes `worker_id`'s stored drain flag.
+fn forget_drain(c: &rusqlite::Connection, worker_id: &str) -> rusqlite::Result<usize> {
+    c.execute(
+        "DELETE FROM drained_workers WHERE worker_id = ?1",
+        [worker_id],
+    )
 }

@@ -134,7 +134,7 @@ impl Fleet {
     }
 
     fn on_push(&self, conn: &WorkerConn, frame: PushFrame) {
-        if frame.push != "event" {
+        if frame.push != Push::EVENT {
             debug!(worker = %conn.worker_id, push = %frame.push, "ignoring a push from the worker");
             return;
         }

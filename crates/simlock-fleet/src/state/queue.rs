@@ -150,8 +150,9 @@ impl Waiter {
     }
 }
 
-/// How many idempotency keys the book holds at most: past it, the oldest answered ones go first
-/// (a key still waiting is never dropped; those are bounded by the queue).
+/// How many answered idempotency keys the book holds at most: past it, the oldest answered ones
+/// go first. A key still waiting is never dropped, so the book holds up to this many answered
+/// keys beside one key per keyed request waiting in the queue (which has no cap of its own).
 pub const BOOK_CAP: usize = 10_000;
 
 /// A recorded idempotency key.

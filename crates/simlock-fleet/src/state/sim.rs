@@ -1704,6 +1704,13 @@ impl Sim {
     // === Invariants ===
 
     fn check(&mut self) -> Result<(), String> {
+        let queued = self.core.waiters().iter().filter(|w| w.is_queued()).count();
+        if usize::try_from(self.core.queue_depth()).ok() != Some(queued) {
+            return Err(format!(
+                "the queue's depth is its queued waiters: it says {}, {queued} are queued",
+                self.core.queue_depth()
+            ));
+        }
         for worker in &self.workers {
             if let (None, Some(seen_at), Some(view)) =
                 (worker.uplink, worker.seen_at, self.core.view(&worker.id))
