@@ -183,8 +183,7 @@ pub async fn start(options: WorkerOptions) -> Result<RunningWorker, StartError> 
         options.version,
         options.clock,
     )?;
-    let mut parts = WorkerParts::new(&base, core);
-    parts.config_view = config_view;
+    let mut parts = WorkerParts::new(&base, core, config_view);
     if let Some(system) = options.system {
         parts.system = system;
     }

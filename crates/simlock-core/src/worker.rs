@@ -27,7 +27,7 @@ use simlock_contract::ops::{
 use simlock_contract::protocol::Role;
 use simlock_contract::push::Push;
 use simlock_daemon::clock::instant_at;
-use simlock_daemon::config::{self, DaemonConfig};
+use simlock_daemon::config::DaemonConfig;
 use simlock_daemon::runtime::Base;
 use simlock_daemon::{
     CallCtx, Capabilities, Database, EventBus, Presence, SharedClock, StartupGate,
@@ -97,22 +97,18 @@ impl std::fmt::Debug for WorkerParts {
 }
 
 impl WorkerParts {
-    /// Parts from the daemon's `base` and the core's sections, with the defaults: capabilities
-    /// from `capabilities`, the real machine's facts, and the virtual drivers of
+    /// Parts from the daemon's `base`, the core's sections and `config.get`'s answer (which the
+    /// binary builds: it alone holds every section), with the defaults: capabilities from
+    /// `capabilities`, the real machine's facts, and the virtual drivers of
     /// `core.virtual_devices`.
-    pub fn new(base: &Base, core: CoreConfig) -> Self {
+    pub fn new(base: &Base, core: CoreConfig, config_view: ConfigView) -> Self {
         let config = base.config.clone();
         let bus = base.bus.clone();
         Self {
             capabilities: Capabilities::new(config.capabilities.clone(), bus.clone()),
             system: Arc::new(HostSystem),
             drivers: virtual_drivers(&core.virtual_devices),
-            config_view: config::view(
-                &config,
-                &CoreConfig::register(config::Sections::new()),
-                &core.values(),
-                Mode::Worker,
-            ),
+            config_view,
             config,
             core,
             db: base.db.clone(),
