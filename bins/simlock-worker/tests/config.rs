@@ -79,22 +79,63 @@ fn a_bad_environment_value_of_a_section_fails_naming_its_key() {
     }
 }
 
+/// The first leaf of `value` holding a positive integer, as a dotted key below `prefix`.
+fn first_count(value: &serde_json::Value, prefix: &str) -> Option<(String, u64)> {
+    match value {
+        serde_json::Value::Object(map) => map.iter().find_map(|(k, v)| {
+            let key = if prefix.is_empty() {
+                k.clone()
+            } else {
+                format!("{prefix}.{k}")
+            };
+            first_count(v, &key)
+        }),
+        serde_json::Value::Number(n) => n
+            .as_u64()
+            .filter(|n| *n > 0)
+            .map(|n| (prefix.to_owned(), n)),
+        _ => None,
+    }
+}
+
 #[test]
 fn the_loaded_sections_make_the_workers_configuration_and_view() {
-    let loaded = load_env(&[("SIMLOCK_AGENT_DEVICE__LEASE_TTL_CAP_MS", "60000")]).unwrap();
+    // One count of every table a worker reads moved off its default (by two, so a port keeps
+    // its parity), so a section the view leaves out shows.
+    let defaults = sections().default_values();
+    let mut moved = Vec::new();
+    for (table, value) in defaults.as_object().unwrap() {
+        if let Some((key, n)) = first_count(value, table) {
+            moved.push((key, serde_json::json!(n + 2)));
+        }
+    }
+    assert!(moved.len() >= 8, "{moved:?}");
+    // agent-device's section holds no count by default.
+    moved.push((
+        "agentDevice.leaseTtlCapMs".into(),
+        serde_json::json!(60_000),
+    ));
+    let home =
+        std::env::temp_dir().join(format!("simlock-worker-no-home-v-{}", std::process::id()));
+    assert!(!home.exists());
+    let loaded = config::load(&home, Mode::Worker, &moved, &sections())
+        .unwrap_or_else(|e| panic!("{moved:?}: {e}"));
     let config = WorkerConfig::from_loaded(&loaded).unwrap();
-    assert_eq!(config.agent_device.lease_ttl_cap_ms, Some(60_000));
-    let view = config.view();
-    assert_eq!(view.settings["agentDevice"]["leaseTtlCapMs"], 60_000);
-    assert_eq!(
-        serde_json::to_value(&view.settings).unwrap(),
-        serde_json::to_value(&WorkerConfig::from_loaded(&loaded).unwrap().view().settings).unwrap()
-    );
+    let view = serde_json::to_value(&config.view().settings).unwrap();
+    for (key, value) in &moved {
+        let shown = key.split('.').try_fold(&view, |v, part| v.get(part));
+        if sections()
+            .modes_of(key)
+            .is_some_and(|m| m.contains(&Mode::Worker))
+        {
+            assert_eq!(shown, Some(value), "{key} shows as loaded");
+        }
+    }
     // Every table a worker reads is in its view, as loaded.
     let all = loaded.value();
-    for (table, value) in view.settings {
+    for (table, value) in view.as_object().unwrap() {
         if table != "gateway" {
-            assert_eq!(all[&table], value, "{table}");
+            assert_eq!(&all[table], value, "{table}");
         }
     }
 }

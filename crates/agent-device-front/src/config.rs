@@ -107,6 +107,11 @@ mod tests {
                 err.contains("agentDevice.enabled") && err.contains("lease.maxTtlMs"),
                 "{err}"
             );
+            let shortest = "[lease]\ndefaultTtlMs = 1000\nmaxTtlMs = 5000\n[agentDevice]\nenabled = true\ncommand = [\"d\"]";
+            assert!(
+                load_with(shortest, mode).is_ok(),
+                "agent-device's shortest lease is enough"
+            );
             let off = "[lease]\ndefaultTtlMs = 1000\nmaxTtlMs = 4999";
             assert!(
                 load_with(off, mode).is_ok(),

@@ -139,7 +139,7 @@ impl Section for DriversConfig {
             ));
         }
         let (min, max) = (android.console_port_min, android.console_port_max);
-        if min % 2 != 0 || max % 2 != 0 || min < 1024 || max < min || max == u16::MAX {
+        if min % 2 != 0 || max % 2 != 0 || min < 1024 || max < min {
             return bad(format!(
                 "drivers.android.consolePortMin and drivers.android.consolePortMax: even ports from 1024 with min ≤ max (got {min}–{max})"
             ));
@@ -188,6 +188,18 @@ mod tests {
         assert!(
             !ok("[drivers.android]\nadbServerPort = 5683"),
             "the last adb port"
+        );
+        assert!(
+            !ok("[drivers.android]\nadbServerPort = 5586"),
+            "the first console port"
+        );
+        assert!(
+            ok("[drivers.android]\nadbServerPort = 5585"),
+            "one below the first console port"
+        );
+        assert!(
+            ok("[drivers.android]\nconsolePortMin = 65532\nconsolePortMax = 65534"),
+            "the highest console pair ends at the last port"
         );
         for bad in [
             "consolePortMin = 5587",

@@ -55,44 +55,14 @@ fn at<'a>(value: &'a Value, key: &str) -> Option<&'a Value> {
 
 // === Configuration ===
 
-/// The leaf keys of a configuration value (empty tables and arrays are leaves).
-fn leaf_keys(value: &Value, prefix: &str, out: &mut BTreeSet<String>) {
-    match value {
-        Value::Object(map) if !map.is_empty() => {
-            for (key, child) in map {
-                let path = if prefix.is_empty() {
-                    key.clone()
-                } else {
-                    format!("{prefix}.{key}")
-                };
-                leaf_keys(child, &path, out);
-            }
-        }
-        _ => {
-            out.insert(prefix.to_owned());
-        }
-    }
-}
-
 fn defaults() -> Value {
     sections(Mode::Worker).default_values()
 }
 
-/// Every key: the defaults' leaves and the optional keys the defaults may leave out.
+/// Every key, as the loader knows them: the registered sections' (both binaries register the
+/// same, `both_binaries_register_the_same_keys`).
 fn known_keys() -> BTreeSet<String> {
-    let mut keys = BTreeSet::new();
-    leaf_keys(&defaults(), "", &mut keys);
-    for key in [
-        "http.enabled",
-        "gateway.url",
-        "gateway.token",
-        "gateway.label",
-        "capacity.ios.maxRunning",
-        "capacity.android.maxRunning",
-    ] {
-        keys.insert(key.to_owned());
-    }
-    keys
+    sections(Mode::Worker).keys().into_iter().collect()
 }
 
 const KEY_TABLE: &str = "| key | default | type | read by | meaning |";

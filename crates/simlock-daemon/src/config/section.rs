@@ -7,7 +7,6 @@
 //! hands them out typed through [`Loaded::section`](super::Loaded::section).
 
 use std::any::{Any, TypeId};
-use std::collections::BTreeSet;
 use std::sync::Arc;
 
 use figment::Figment;
@@ -119,7 +118,10 @@ impl Entry {
             },
             check: |held, daemon, mode| match held.downcast_ref::<S>() {
                 Some(section) => section.check(daemon, mode),
-                None => Ok(()),
+                None => Err(SectionError::new(format!(
+                    "{} was not extracted as its own section",
+                    S::KEY
+                ))),
             },
             value: |held| {
                 held.downcast_ref::<S>()
@@ -169,8 +171,9 @@ impl Sections {
     }
 
     /// The registered sections' tables, in registration order, each once.
-    pub fn tables(&self) -> Vec<&'static str> {
-        let mut seen = BTreeSet::new();
+    #[cfg(test)]
+    pub(crate) fn tables(&self) -> Vec<&'static str> {
+        let mut seen = std::collections::BTreeSet::new();
         self.entries
             .iter()
             .map(|e| e.key)
