@@ -1,11 +1,13 @@
 //! The one body type of the edge, and bodies that hold something alive while they stream.
 
+use std::collections::VecDeque;
 use std::future::Future;
+use std::io::IoSlice;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use bytes::{Bytes, BytesMut};
+use bytes::{Buf, Bytes, BytesMut};
 use tokio::time::Sleep;
 use http_body::{Frame, SizeHint};
 use http_body_util::BodyExt;
@@ -107,106 +109,174 @@ impl<G: Unpin> http_body::Body for Guarded<G> {
     }
 }
 
-/// A body that hands on its data frames joined into larger ones, up to `max` bytes: a stream of
-/// small frames (the link's 16 KiB parts, the parts a socket's reads cut a chunk into) reaches
-/// its reader as fewer, larger ones, and a reader that pays per frame (a Node daemon parsing a
-/// chunked upload pays about twice per byte for 64 KiB chunks what it pays for 256 KiB ones)
-/// pays less. What is ready goes at once when it fills `max`; short of that, it waits for more
-/// at most `linger` from the moment nothing more was ready. A frame that
-/// is not data (trailers) and an error come after the data before them.
+/// The size from which a frame [`Coalesced`] gathers is kept as it came instead of copied.
+pub const KEEP_AS_IS: usize = 64 * 1024;
+
+/// The body of a request the host sends on to its daemon: frames of [`Parts`].
+pub type Upstream = http_body_util::combinators::UnsyncBoxBody<Parts, BoxError>;
+
+/// `body` as an [`Upstream`] body, each frame one part.
+pub fn upstream(body: Body) -> Upstream {
+    body.map_frame(|frame| frame.map_data(Parts::from))
+        .boxed_unsync()
+}
+
+/// Byte slices sent on as one frame without being copied together: the HTTP client writes
+/// them with one vectored write (a chunked upload's chunk is one `size`, these parts, one CRLF).
+/// A body's frames are kept as they came when they are large; small ones are copied into one
+/// part, which costs less than keeping each (a kept slice also keeps the buffer it was read
+/// into, and a link's 16 KiB parts would pin its read buffers until the write).
+#[derive(Debug, Default)]
+pub struct Parts {
+    parts: VecDeque<Bytes>,
+    len: usize,
+}
+
+impl Parts {
+    fn push(&mut self, data: Bytes) {
+        self.len += data.len();
+        self.parts.push_back(data);
+    }
+}
+
+impl From<Bytes> for Parts {
+    fn from(data: Bytes) -> Self {
+        let mut parts = Self::default();
+        if !data.is_empty() {
+            parts.push(data);
+        }
+        parts
+    }
+}
+
+impl Buf for Parts {
+    fn remaining(&self) -> usize {
+        self.len
+    }
+
+    fn chunk(&self) -> &[u8] {
+        self.parts.front().map_or(&[], |part| &part[..])
+    }
+
+    fn advance(&mut self, mut cnt: usize) {
+        assert!(cnt <= self.len, "advanced past the end of the parts");
+        self.len -= cnt;
+        while cnt > 0 {
+            let Some(front) = self.parts.front_mut() else {
+                break;
+            };
+            if cnt < front.len() {
+                front.advance(cnt);
+                break;
+            }
+            cnt -= front.len();
+            self.parts.pop_front();
+        }
+    }
+
+    fn chunks_vectored<'a>(&'a self, dst: &mut [IoSlice<'a>]) -> usize {
+        let mut filled = 0;
+        for (slot, part) in dst.iter_mut().zip(&self.parts) {
+            *slot = IoSlice::new(part);
+            filled += 1;
+        }
+        filled
+    }
+}
+
+/// A body that hands on its data frames gathered into larger ones, up to `max` bytes: a stream
+/// of small frames (the link's 16 KiB parts, the parts a socket's reads cut a chunk into)
+/// reaches its reader as fewer, larger ones, and a reader that pays per frame (a Node daemon
+/// parsing a chunked upload pays about twice per byte for 64 KiB chunks what it pays for
+/// 256 KiB ones) pays less. Frames of at least [`KEEP_AS_IS`] bytes are not copied; smaller ones
+/// are copied together into one part of the [`Parts`] handed on. What is
+/// ready goes at once when it fills `max`; short of that, it waits for more at most `linger`
+/// from the moment nothing more was ready. A frame that is not data (trailers) and an error
+/// come after the data before them.
 pub struct Coalesced {
     inner: Body,
     max: usize,
     linger: Duration,
-    /// The data gathered and not handed on yet.
-    gathered: Gathered,
+    /// The data gathered and not handed on yet: `gathered`, then `small`.
+    gathered: Parts,
+    /// Small frames since the last large one, copied together.
+    small: BytesMut,
     /// Running while gathered data waits for more.
     timer: Option<Pin<Box<Sleep>>>,
     /// What comes after the gathered data.
-    held: Option<Result<Frame<Bytes>, BoxError>>,
+    held: Option<Result<Frame<Parts>, BoxError>>,
     /// The inner body has ended.
     ended: bool,
 }
 
-/// Data gathered: nothing, one frame as it came, or frames joined (copied) into one buffer.
-enum Gathered {
-    Empty,
-    One(Bytes),
-    Joined(BytesMut),
-}
-
-impl Gathered {
-    fn len(&self) -> usize {
-        match self {
-            Self::Empty => 0,
-            Self::One(data) => data.len(),
-            Self::Joined(buffer) => buffer.len(),
-        }
-    }
-
-    fn push(&mut self, data: Bytes, max: usize) {
-        *self = match std::mem::replace(self, Self::Empty) {
-            Self::Empty => Self::One(data),
-            Self::One(before) => {
-                let mut buffer = BytesMut::with_capacity(max.max(before.len() + data.len()));
-                buffer.extend_from_slice(&before);
-                buffer.extend_from_slice(&data);
-                Self::Joined(buffer)
-            }
-            Self::Joined(mut buffer) => {
-                buffer.extend_from_slice(&data);
-                Self::Joined(buffer)
-            }
-        };
-    }
-
-    fn take(&mut self) -> Option<Bytes> {
-        match std::mem::replace(self, Self::Empty) {
-            Self::Empty => None,
-            Self::One(data) => Some(data),
-            Self::Joined(buffer) => Some(buffer.freeze()),
-        }
-    }
-}
-
 impl Coalesced {
-    /// `inner`, its frames joined up to `max` bytes, waiting up to `linger` for more while it
-    /// holds less (`Duration::ZERO`: only what is ready at once is joined).
+    /// `inner`, its frames gathered up to `max` bytes, waiting up to `linger` for more while it
+    /// holds less (`Duration::ZERO`: only what is ready at once is gathered).
     pub fn new(inner: Body, max: usize, linger: Duration) -> Self {
         Self {
             inner,
             max: max.max(1),
             linger,
-            gathered: Gathered::Empty,
+            gathered: Parts::default(),
+            small: BytesMut::new(),
             timer: None,
             held: None,
             ended: false,
         }
     }
 
-    /// Hands on what was gathered (there is some).
-    fn flush(&mut self) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+    /// Bytes gathered and not handed on yet.
+    fn len(&self) -> usize {
+        self.gathered.len + self.small.len()
+    }
+
+    /// Gathers `data`: kept as it came when large, else copied after the small ones before it.
+    fn gather(&mut self, data: Bytes) {
+        if data.len() >= KEEP_AS_IS {
+            self.seal_small();
+            self.gathered.push(data);
+        } else {
+            if self.small.capacity() - self.small.len() < data.len() {
+                self.small
+                    .reserve(data.len().max(self.max.saturating_sub(self.len())));
+            }
+            self.small.extend_from_slice(&data);
+        }
+    }
+
+    /// The small frames gathered so far become one part.
+    fn seal_small(&mut self) {
+        if !self.small.is_empty() {
+            let small = self.small.split().freeze();
+            self.gathered.push(small);
+        }
+    }
+
+    /// Hands on what was gathered, if anything.
+    fn flush(&mut self) -> Poll<Option<Result<Frame<Parts>, BoxError>>> {
         self.timer = None;
-        Poll::Ready(self.gathered.take().map(|data| Ok(Frame::data(data))))
+        self.seal_small();
+        let gathered = std::mem::take(&mut self.gathered);
+        Poll::Ready((gathered.len > 0).then(|| Ok(Frame::data(gathered))))
     }
 }
 
 impl http_body::Body for Coalesced {
-    type Data = Bytes;
+    type Data = Parts;
     type Error = BoxError;
 
     fn poll_frame(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+    ) -> Poll<Option<Result<Frame<Parts>, BoxError>>> {
         let this = self.get_mut();
-        if this.gathered.len() == 0
+        if this.len() == 0
             && let Some(held) = this.held.take()
         {
             return Poll::Ready(Some(held));
         }
         loop {
-            if this.gathered.len() >= this.max {
+            if this.len() >= this.max {
                 return this.flush();
             }
             if this.ended {
@@ -215,9 +285,10 @@ impl http_body::Body for Coalesced {
             match Pin::new(&mut this.inner).poll_frame(cx) {
                 Poll::Ready(Some(Ok(frame))) => match frame.into_data() {
                     Ok(data) if data.is_empty() => {}
-                    Ok(data) => this.gathered.push(data, this.max),
+                    Ok(data) => this.gather(data),
                     Err(other) => {
-                        if this.gathered.len() == 0 {
+                        let other = other.map_data(Parts::from);
+                        if this.len() == 0 {
                             return Poll::Ready(Some(Ok(other)));
                         }
                         this.held = Some(Ok(other));
@@ -225,7 +296,7 @@ impl http_body::Body for Coalesced {
                     }
                 },
                 Poll::Ready(Some(Err(e))) => {
-                    if this.gathered.len() == 0 {
+                    if this.len() == 0 {
                         return Poll::Ready(Some(Err(e)));
                     }
                     this.held = Some(Err(e));
@@ -235,7 +306,7 @@ impl http_body::Body for Coalesced {
                     this.ended = true;
                     return this.flush();
                 }
-                Poll::Pending if this.gathered.len() == 0 => return Poll::Pending,
+                Poll::Pending if this.len() == 0 => return Poll::Pending,
                 Poll::Pending if this.linger.is_zero() => return this.flush(),
                 Poll::Pending => {
                     let linger = this.linger;
@@ -253,7 +324,7 @@ impl http_body::Body for Coalesced {
 
     fn is_end_stream(&self) -> bool {
         self.held.is_none()
-            && self.gathered.len() == 0
+            && self.len() == 0
             && (self.ended || self.inner.is_end_stream())
     }
 
@@ -301,7 +372,7 @@ mod tests {
         while let Some(frame) = body.frame().await {
             out.push(match frame {
                 Ok(frame) => match frame.into_data() {
-                    Ok(data) => String::from_utf8_lossy(&data).into_owned(),
+                    Ok(data) => text(data),
                     Err(frame) => {
                         format!("trailers {}", frame.trailers_ref().map_or(0, |t| t.len()))
                     }
@@ -360,7 +431,61 @@ mod tests {
     /// The next frame's data as text, if one comes within `within` (paused clock).
     async fn next_within(body: &mut Coalesced, within: Duration) -> Option<String> {
         let next = tokio::time::timeout(within, body.frame()).await.ok()??;
-        Some(String::from_utf8_lossy(&next.ok()?.into_data().ok()?).into_owned())
+        Some(text(next.ok()?.into_data().ok()?))
+    }
+
+    fn text(mut data: Parts) -> String {
+        String::from_utf8_lossy(&data.copy_to_bytes(data.remaining())).into_owned()
+    }
+
+    #[test]
+    fn parts_are_written_as_they_came_and_advance_across_their_bounds() {
+        let (a, b, c) = (
+            Bytes::from_static(b"abc"),
+            Bytes::from_static(b"de"),
+            Bytes::from_static(b"fghi"),
+        );
+        let mut parts = Parts::from(a.clone());
+        parts.push(b.clone());
+        parts.push(c.clone());
+        assert_eq!(Parts::from(Bytes::new()).remaining(), 0, "no empty part");
+        let mut slices = [IoSlice::new(&[]); 4];
+        assert_eq!(parts.chunks_vectored(&mut slices), 3);
+        // The slices are the frames' own bytes: nothing was copied.
+        for (slice, part) in slices.iter().zip([&a, &b, &c]) {
+            assert_eq!(slice.as_ptr(), part.as_ptr());
+            assert_eq!(slice.len(), part.len());
+        }
+        let mut two = [IoSlice::new(&[]); 2];
+        assert_eq!(parts.chunks_vectored(&mut two), 2, "as many as fit");
+        assert_eq!(parts.remaining(), 9);
+        parts.advance(4);
+        assert_eq!(parts.chunk(), b"e");
+        assert_eq!(parts.remaining(), 5);
+        parts.advance(1);
+        assert_eq!(parts.chunk(), b"fghi");
+        parts.advance(4);
+        assert_eq!((parts.remaining(), parts.chunk()), (0, &b""[..]));
+    }
+
+    #[tokio::test]
+    async fn small_frames_are_copied_into_one_part_and_large_ones_kept_as_they_came() {
+        let large = Bytes::from(vec![7_u8; KEEP_AS_IS]);
+        let (tx, inner) = fed();
+        let mut body = Coalesced::new(inner, 4 * KEEP_AS_IS, Duration::ZERO);
+        for frame in [
+            Ok(Frame::data(Bytes::from_static(b"ab"))),
+            Ok(Frame::data(Bytes::from_static(b"cd"))),
+            Ok(Frame::data(large.clone())),
+            Ok(Frame::data(Bytes::from_static(b"ef"))),
+        ] {
+            tx.unbounded_send(frame).unwrap();
+        }
+        let parts = body.frame().await.unwrap().unwrap().into_data().unwrap();
+        let seen: Vec<&[u8]> = parts.parts.iter().map(|part| &part[..]).collect();
+        assert_eq!(seen, [&b"abcd"[..], &large[..], &b"ef"[..]]);
+        assert_eq!(parts.parts[1].as_ptr(), large.as_ptr(), "not copied");
+        assert_eq!(parts.remaining(), 6 + KEEP_AS_IS);
     }
 
     #[tokio::test(start_paused = true)]

@@ -17,7 +17,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use agent_device_front::body::{ReadError, read_to_bytes};
+use agent_device_front::body::{ReadError, Upstream, read_to_bytes, upstream};
 use agent_device_front::port::{Caller, HostLink, HostStatus, Serving, StatusScope};
 use agent_device_front::reply::{Refusal, Surface};
 use agent_device_front::{Body, BoxError, LeaseId, PREFIX, Tenant};
@@ -163,7 +163,7 @@ impl HostLease {
 struct Shared {
     state: watch::Sender<DaemonState>,
     leases: Mutex<HashMap<LeaseId, HostLease>>,
-    client: Client<HttpConnector, Body>,
+    client: Client<HttpConnector, Upstream>,
 }
 
 /// The worker's agent-device host.
@@ -294,7 +294,7 @@ impl AgentDeviceHost {
             endpoint.port,
             "/rpc",
             headers,
-            agent_device_front::body::full(call.clone()),
+            upstream(agent_device_front::body::full(call.clone())),
         )
         .ok_or("the request could not be built")?;
         let response = tokio::time::timeout(CALL_TIMEOUT, self.send(request))
@@ -449,7 +449,7 @@ impl AgentDeviceHost {
             endpoint.port,
             "/rpc",
             headers,
-            agent_device_front::body::full(body),
+            upstream(agent_device_front::body::full(body)),
         )
         .ok_or(Refusal::NotFound)?;
         let response = tokio::time::timeout(COMMAND_TIMEOUT, self.send(upstream))
@@ -516,7 +516,7 @@ impl AgentDeviceHost {
             endpoint.port,
             "/health",
             http::HeaderMap::new(),
-            agent_device_front::body::empty(),
+            upstream(agent_device_front::body::empty()),
         )
         .ok_or(Refusal::NotFound)?;
         let response = tokio::time::timeout(CALL_TIMEOUT, self.send(upstream))
@@ -550,7 +550,7 @@ impl AgentDeviceHost {
         }
     }
 
-    async fn send(&self, request: Request<Body>) -> Result<Response<Body>, Refusal> {
+    async fn send(&self, request: Request<Upstream>) -> Result<Response<Body>, Refusal> {
         let response =
             self.shared
                 .client
@@ -664,7 +664,7 @@ enum Ended {
 }
 
 /// Resolves once `/health` failed twice in a row.
-async fn unhealthy(client: &Client<HttpConnector, Body>, endpoint: &Endpoint, interval: Duration) {
+async fn unhealthy(client: &Client<HttpConnector, Upstream>, endpoint: &Endpoint, interval: Duration) {
     let mut failures = 0;
     loop {
         tokio::time::sleep(interval).await;
@@ -673,7 +673,7 @@ async fn unhealthy(client: &Client<HttpConnector, Body>, endpoint: &Endpoint, in
             endpoint.port,
             "/health",
             http::HeaderMap::new(),
-            agent_device_front::body::empty(),
+            upstream(agent_device_front::body::empty()),
         );
         let healthy = match request {
             Some(request) => matches!(
