@@ -23,7 +23,7 @@ use serde_json::Value;
 use simlock_contract::model::Mode;
 
 pub use section::{
-    BOTH, GATEWAY, Section, SectionError, SectionValue, Sections, WORKER, section_value,
+    BOTH, GATEWAY, Section, SectionError, SectionValue, Sections, WORKER, above_zero, section_value,
 };
 use section::{Entry, Held, merge_into};
 
@@ -509,9 +509,15 @@ pub fn view(
 /// A message naming the keys.
 pub fn validate(config: &DaemonConfig, mode: Mode) -> Result<(), ConfigError> {
     let bad = |msg: String| Err(ConfigError::Invalid(msg));
-    if config.lease.default_ttl_ms == 0 || config.lease.max_ttl_ms == 0 {
-        return bad("lease.defaultTtlMs and lease.maxTtlMs must be above 0".into());
-    }
+    above_zero(&[
+        ("lease.defaultTtlMs", config.lease.default_ttl_ms),
+        ("lease.maxTtlMs", config.lease.max_ttl_ms),
+        (
+            "eventBuffer.capacity",
+            u64::from(config.event_buffer.capacity),
+        ),
+    ])
+    .map_err(|e| ConfigError::Invalid(e.message))?;
     if config.lease.default_ttl_ms > config.lease.max_ttl_ms {
         return bad(format!(
             "lease.defaultTtlMs ({}) is above lease.maxTtlMs ({})",
@@ -523,9 +529,6 @@ pub fn validate(config: &DaemonConfig, mode: Mode) -> Result<(), ConfigError> {
             "lease.maxTtlMs is above {} (31 days)",
             simlock_contract::bounds::MAX_TTL_MS
         ));
-    }
-    if config.event_buffer.capacity == 0 {
-        return bad("eventBuffer.capacity must be above 0".into());
     }
     match (&config.http.tls.cert_file, &config.http.tls.key_file) {
         (Some(_), None) | (None, Some(_)) => {
@@ -949,6 +952,26 @@ mod tests {
     }
 
     #[test]
+    fn a_zero_where_a_zero_cannot_work_fails_naming_the_key_and_one_passes() {
+        for mode in [Mode::Worker, Mode::Gateway] {
+            for (toml, key) in [
+                ("[lease]\ndefaultTtlMs = 0", "lease.defaultTtlMs"),
+                ("[lease]\ndefaultTtlMs = 1\nmaxTtlMs = 0", "lease.maxTtlMs"),
+                ("[eventBuffer]\ncapacity = 0", "eventBuffer.capacity"),
+            ] {
+                let err = load_with(toml, &[], mode).unwrap_err().to_string();
+                assert_eq!(err, format!("configuration: {key} must be above 0"));
+            }
+            for toml in [
+                "[lease]\ndefaultTtlMs = 1\nmaxTtlMs = 1",
+                "[eventBuffer]\ncapacity = 1",
+            ] {
+                assert!(load_with(toml, &[], mode).is_ok(), "{toml}");
+            }
+        }
+    }
+
+    #[test]
     fn limits_at_their_bound_pass_and_one_past_fail_naming_the_key() {
         let max = simlock_contract::bounds::MAX_TTL_MS;
         let toml = |ttl: u64| format!("[lease]\nmaxTtlMs = {ttl}");
@@ -1187,9 +1210,7 @@ mod section_tests {
         const TEXT_KEYS: &'static [&'static str] = &["path"];
 
         fn check(&self, daemon: &DaemonConfig, _mode: Mode) -> Result<(), SectionError> {
-            if self.limit == 0 {
-                return Err(SectionError::new("probe.limit must be above 0"));
-            }
+            above_zero(&[("probe.limit", u64::from(self.limit))])?;
             if u64::from(self.limit) > daemon.lease.max_ttl_ms {
                 return Err(SectionError::new("probe.limit is above lease.maxTtlMs"));
             }

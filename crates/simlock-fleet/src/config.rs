@@ -4,7 +4,7 @@
 
 use serde::{Deserialize, Serialize};
 use simlock_contract::model::Mode;
-use simlock_daemon::config::{DaemonConfig, GATEWAY, Section, SectionError};
+use simlock_daemon::config::{DaemonConfig, GATEWAY, Section, SectionError, above_zero};
 
 /// The only routing policy.
 pub const WARM_THEN_FREE: &str = "warm-then-free";
@@ -45,7 +45,17 @@ impl Section for FleetConfig {
                 self.routing
             )));
         }
-        Ok(())
+        above_zero(&[
+            (
+                "gateway.disconnectedRetentionMs",
+                self.disconnected_retention_ms,
+            ),
+            ("gateway.execTimeoutMs", self.exec_timeout_ms),
+            (
+                "gateway.leaseRequestTimeoutMs",
+                self.lease_request_timeout_ms,
+            ),
+        ])
     }
 }
 
@@ -83,5 +93,40 @@ mod tests {
         let fleet: FleetConfig = gateway.section().unwrap();
         assert_eq!(fleet.exec_timeout_ms, 5);
         assert_eq!(gateway.config.gateway.url.as_deref(), Some("ws://gw"));
+    }
+
+    #[test]
+    fn a_zero_timeout_or_retention_fails_a_gateway_naming_the_key_and_one_passes() {
+        let sections = Sections::new().with::<FleetConfig>();
+        for key in [
+            "disconnectedRetentionMs",
+            "execTimeoutMs",
+            "leaseRequestTimeoutMs",
+        ] {
+            let err = load_text(&format!("[gateway]\n{key} = 0"), Mode::Gateway, &sections)
+                .unwrap_err()
+                .to_string();
+            assert_eq!(err, format!("configuration: gateway.{key} must be above 0"));
+            let one = load_text(&format!("[gateway]\n{key} = 1"), Mode::Gateway, &sections)
+                .unwrap_or_else(|e| panic!("gateway.{key} = 1: {e}"));
+            assert!(one.warnings.is_empty(), "{:?}", one.warnings);
+            let fleet: FleetConfig = one.section().unwrap();
+            let timing = crate::FleetTiming::from_config(&fleet);
+            let read = match key {
+                "disconnectedRetentionMs" => timing.disconnected_retention,
+                "execTimeoutMs" => timing.exec_timeout,
+                _ => timing.lease_request_timeout,
+            };
+            assert_eq!(read, std::time::Duration::from_millis(1), "{key}");
+            // A worker does not read the fleet's section: warned about, not checked.
+            let worker = load_text(&format!("[gateway]\n{key} = 0"), Mode::Worker, &sections)
+                .unwrap_or_else(|e| panic!("gateway.{key} = 0 on a worker: {e}"));
+            assert_eq!(
+                worker.warnings,
+                [format!(
+                    "gateway.{key} is a gateway setting; a worker ignores it"
+                )]
+            );
+        }
     }
 }

@@ -73,6 +73,19 @@ impl SectionError {
     }
 }
 
+/// Refuses the first of `values` (a key and its value) that is 0, naming its key:
+/// `drivers.ios.callTimeoutMs must be above 0`. The one check of every duration, interval,
+/// count or multiplier that a zero would stall or disable.
+///
+/// # Errors
+/// A [`SectionError`] naming the first key whose value is 0.
+pub fn above_zero(values: &[(&str, u64)]) -> Result<(), SectionError> {
+    match values.iter().find(|(_, value)| *value == 0) {
+        Some((key, _)) => Err(SectionError::new(format!("{key} must be above 0"))),
+        None => Ok(()),
+    }
+}
+
 /// A section as the loader holds it, typed but behind `Any`.
 pub(super) type Held = Arc<dyn Any + Send + Sync>;
 
