@@ -299,9 +299,10 @@ fn load_layers(
     mode: Mode,
     sections: &Sections,
 ) -> Result<Loaded, ConfigError> {
+    let keys = sections.key_table();
     let mut figment = Figment::from(Serialized::defaults(DaemonConfig::default()));
-    for (table, value) in sections.defaults() {
-        figment = figment.merge(Serialized::default(&table, value));
+    for (table, value) in &keys.defaults {
+        figment = figment.merge(Serialized::default(table, value));
     }
     let mut provided: Vec<Value> = Vec::new();
     if let Some((path, text)) = file {
@@ -335,7 +336,6 @@ fn load_layers(
         held.push((entry, section));
     }
 
-    let keys = Keys::of(sections);
     let mut warnings = Vec::new();
     let mut seen = BTreeSet::new();
     for table in &provided {
@@ -398,36 +398,57 @@ fn daemon_modes(key: &str) -> &'static [Mode] {
 }
 
 /// The one list of known keys: the daemon's own and those of every registered section, with
-/// the daemons that read each.
+/// the daemons that read each, which of them hold text, and the registered sections' defaults.
+/// A [`Sections`] builds it once, at its first use, and keeps it.
+#[derive(Debug, Clone)]
 struct Keys {
     known: BTreeMap<String, Vec<Mode>>,
     open_maps: Vec<String>,
+    /// The top-level keys; an environment variable names one of them first.
+    tables: BTreeSet<String>,
+    /// The keys whose values are text ([`text_keys`]).
+    text: BTreeSet<String>,
+    /// Every registered section's defaults, merged by table.
+    defaults: serde_json::Map<String, Value>,
 }
 
 impl Keys {
-    fn of(sections: &Sections) -> Self {
+    fn of(entries: &[Entry]) -> Self {
         let mut open_maps: Vec<String> = Vec::new();
-        for entry in &sections.entries {
+        for entry in entries {
             open_maps.extend(entry.open_maps.iter().map(|m| format!("{}.{m}", entry.key)));
         }
+        let daemon = serde_json::to_value(DaemonConfig::default()).unwrap_or(Value::Null);
         let mut known = BTreeMap::new();
-        if let Ok(defaults) = serde_json::to_value(DaemonConfig::default()) {
-            let mut leaves = Vec::new();
-            leaf_keys(&defaults, "", &open_maps, &mut leaves);
-            for key in leaves {
-                let modes = daemon_modes(&key).to_vec();
-                known.insert(key, modes);
-            }
+        let mut leaves = Vec::new();
+        leaf_keys(&daemon, "", &open_maps, &mut leaves);
+        for key in leaves {
+            let modes = daemon_modes(&key).to_vec();
+            known.insert(key, modes);
         }
-        for entry in &sections.entries {
+        let mut defaults = serde_json::Map::new();
+        for entry in entries {
+            let value = (entry.defaults)();
             let mut leaves = Vec::new();
-            leaf_keys(&(entry.defaults)(), entry.key, &open_maps, &mut leaves);
+            leaf_keys(&value, entry.key, &open_maps, &mut leaves);
             for key in leaves {
                 let relative = key.strip_prefix(&format!("{}.", entry.key)).unwrap_or("");
                 known.insert(key.clone(), entry.modes_of(relative));
             }
+            merge_into(&mut defaults, entry.key, value);
         }
-        Self { known, open_maps }
+        let tables = known
+            .keys()
+            .filter_map(|key| key.split('.').next().map(str::to_owned))
+            .collect();
+        let text = text_keys(&daemon, &defaults, entries, &open_maps);
+        Self {
+            known,
+            open_maps,
+            tables,
+            text,
+            defaults,
+        }
     }
 
     /// The daemons that read `key`, `None` when it is no key.
@@ -449,14 +470,6 @@ impl Keys {
             .filter_map(|(key, _)| key.split('.').next().map(str::to_owned))
             .collect()
     }
-
-    /// Every top-level key; an environment variable names one of them first.
-    fn tables(&self) -> BTreeSet<String> {
-        self.known
-            .keys()
-            .filter_map(|key| key.split('.').next().map(str::to_owned))
-            .collect()
-    }
 }
 
 /// The configuration as `config.get` answers it: the lease limits, and every table this daemon
@@ -469,7 +482,7 @@ pub fn view(
     values: &[SectionValue],
     mode: Mode,
 ) -> simlock_contract::ops::ConfigView {
-    let read = Keys::of(sections).tables_read_by(mode);
+    let read = sections.key_table().tables_read_by(mode);
     let mut all = match serde_json::to_value(config) {
         Ok(Value::Object(map)) => map,
         _ => serde_json::Map::new(),
@@ -612,7 +625,7 @@ fn describe_at(table: &str, error: &figment::Error) -> String {
 /// A filter or map added to the returned `Env` turns figment's lower-casing of keys back on;
 /// call `.lowercase(false)` after it.
 fn environment(sections: &Sections) -> Env {
-    let tables = Keys::of(sections).tables();
+    let tables = sections.key_table().tables.clone();
     let not_config: Vec<&str> = NOT_CONFIG_ENV
         .iter()
         .filter_map(|name| name.strip_prefix(ENV_PREFIX))
@@ -635,11 +648,15 @@ fn environment(sections: &Sections) -> Env {
 
 /// The environment layer: [`environment`] with its values parsed by figment (numbers, booleans,
 /// `[…]` arrays, `{k = v}` tables, `"…"` strings, else text), except text keys
-/// ([`is_text_key`]), whose values are taken as they are (`SIMLOCK_GATEWAY__LABEL=42` is the
+/// ([`text_keys`]), whose values are taken as they are (`SIMLOCK_GATEWAY__LABEL=42` is the
 /// label "42").
 fn environment_layer(sections: &Sections) -> Figment {
-    let text = text_keys(sections);
-    let text: Vec<&str> = text.iter().map(String::as_str).collect();
+    let text: Vec<&str> = sections
+        .key_table()
+        .text
+        .iter()
+        .map(String::as_str)
+        .collect();
     // Each filter or map of figment's `Env` turns lower-casing back on: keep the camelCase keys.
     let mut layer = Figment::from(environment(sections).ignore(&text).lowercase(false));
     for (key, raw) in environment(sections).only(&text).lowercase(false).iter() {
@@ -658,41 +675,45 @@ const OPTIONAL_TEXT_KEYS: &[&str] = &[
     "http.tls.keyFile",
 ];
 
-/// The text keys: those whose default is a string, [`OPTIONAL_TEXT_KEYS`] and the registered
-/// sections' [`Section::TEXT_KEYS`].
-fn text_keys(sections: &Sections) -> Vec<String> {
-    let mut keys = Vec::new();
-    if let Ok(Value::Object(mut defaults)) = serde_json::to_value(DaemonConfig::default()) {
-        for (table, value) in sections.defaults() {
-            merge_into(&mut defaults, &table, value);
-        }
-        let defaults = Value::Object(defaults);
-        let open_maps = Keys::of(sections).open_maps;
-        let mut leaves = Vec::new();
-        leaf_keys(&defaults, "", &open_maps, &mut leaves);
-        keys.extend(leaves.into_iter().filter(|key| {
+/// The text keys: those whose default is a string (in `daemon`, the daemon's own defaults, or
+/// `sections`, the registered sections' merged by table), [`OPTIONAL_TEXT_KEYS`] and the
+/// registered sections' [`Section::TEXT_KEYS`].
+fn text_keys(
+    daemon: &Value,
+    sections: &serde_json::Map<String, Value>,
+    entries: &[Entry],
+    open_maps: &[String],
+) -> BTreeSet<String> {
+    let mut defaults = match daemon {
+        Value::Object(map) => map.clone(),
+        _ => serde_json::Map::new(),
+    };
+    for (table, value) in sections {
+        merge_into(&mut defaults, table, value.clone());
+    }
+    let defaults = Value::Object(defaults);
+    let mut leaves = Vec::new();
+    leaf_keys(&defaults, "", open_maps, &mut leaves);
+    let mut keys: BTreeSet<String> = leaves
+        .into_iter()
+        .filter(|key| {
             key.split('.')
                 .try_fold(&defaults, |v, k| v.get(k))
                 .is_some_and(Value::is_string)
-        }));
-    }
+        })
+        .collect();
     keys.extend(OPTIONAL_TEXT_KEYS.iter().map(|k| (*k).to_owned()));
-    for entry in &sections.entries {
+    for entry in entries {
         keys.extend(entry.text_keys.iter().map(|k| format!("{}.{k}", entry.key)));
     }
     keys
-}
-
-/// Whether `key` holds text, so a value given as text is taken as it is.
-fn is_text_key(key: &str, sections: &Sections) -> bool {
-    text_keys(sections).iter().any(|k| k == key)
 }
 
 /// Reads a `--set KEY=VALUE` value for `key` as an environment variable's is read: text keys
 /// keep it as it is (`gateway.label=42` is the label "42"); other keys as figment reads a value
 /// (numbers, booleans, arrays, else text), so a bad value fails naming the key.
 pub fn coerce(key: &str, raw: &str, sections: &Sections) -> Value {
-    if is_text_key(key, sections) {
+    if sections.key_table().text.contains(key) {
         return Value::String(raw.to_owned());
     }
     let parsed: figment::value::Value = raw
@@ -1291,6 +1312,29 @@ mod section_tests {
         assert_eq!(registered().with::<Probe>().tables(), ["probe", "gateway"]);
         let defaults = load_text("", Mode::Gateway, &registered()).unwrap();
         assert_eq!(defaults.section::<Policy>().unwrap(), Policy::default());
+    }
+
+    #[test]
+    fn the_key_tables_are_built_once_and_a_registration_rebuilds_them() {
+        let sections = Sections::new().with::<Probe>();
+        let first: *const Keys = sections.key_table();
+        assert!(sections.keys().contains(&"probe.limit".to_owned()));
+        assert_eq!(coerce("probe.path", "42", &sections), json!("42"));
+        let _ = load_text("[probe]\nlimit = 2", Mode::Worker, &sections).unwrap();
+        let _ = view(&DaemonConfig::default(), &sections, &[], Mode::Worker);
+        assert!(
+            std::ptr::eq(first, sections.key_table()),
+            "every step reads the one table"
+        );
+        // A section registered after a first use is known: the tables start afresh.
+        let more = sections.clone().with::<Policy>();
+        assert!(more.keys().contains(&"gateway.policy".to_owned()));
+        assert_eq!(more.modes_of("gateway.policy"), Some(vec![Mode::Gateway]));
+        assert_eq!(more.defaults()["gateway"], json!({"policy": "first"}));
+        let loaded = load_text("[gateway]\npolicy = \"last\"", Mode::Gateway, &more).unwrap();
+        assert!(loaded.warnings.is_empty(), "{:?}", loaded.warnings);
+        // The sections it was cloned from keep their own.
+        assert!(!sections.keys().contains(&"gateway.policy".to_owned()));
     }
 
     #[test]

@@ -24,7 +24,7 @@ use simlock_test_support::markdown::{blocks, codes, doc, first_code, table, work
 use simlock_worker::WorkerConfig;
 
 /// The sections a daemon of `mode` registers.
-fn sections(mode: Mode) -> Sections {
+fn sections(mode: Mode) -> &'static Sections {
     match mode {
         Mode::Worker => simlock_worker::sections(),
         Mode::Gateway => simlock_gateway::sections(),
@@ -198,7 +198,7 @@ fn the_example_files_load_without_warnings() {
         };
         let home = scratch_home(n);
         std::fs::write(home.join("config.toml"), &body).unwrap();
-        let loaded = config::load(&home, mode, &[], &sections(mode));
+        let loaded = config::load(&home, mode, &[], sections(mode));
         let _ = std::fs::remove_dir_all(&home);
         let loaded = loaded.unwrap_or_else(|e| panic!("{e}\n{body}"));
         assert!(loaded.warnings.is_empty(), "{:?}\n{body}", loaded.warnings);
@@ -295,13 +295,13 @@ fn the_environment_examples_set_their_keys() {
                     &home,
                     Mode::Worker,
                     &[],
-                    &sections(Mode::Worker),
+                    sections(Mode::Worker),
                 ));
                 Ok(())
             });
             let loaded = loaded.unwrap().unwrap_or_else(|e| panic!("{line}: {e}"));
             let key = key_of_variable(name);
-            let expected = config::coerce(&key, value, &sections(Mode::Worker));
+            let expected = config::coerce(&key, value, sections(Mode::Worker));
             let config = loaded.value();
             assert_eq!(at(&config, &key), Some(&expected), "{line} sets {key}");
             seen += 1;

@@ -7,7 +7,7 @@
 //! hands them out typed through [`Loaded::section`](super::Loaded::section).
 
 use std::any::{Any, TypeId};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use figment::Figment;
 use serde::Serialize;
@@ -15,7 +15,7 @@ use serde::de::DeserializeOwned;
 use serde_json::Value;
 use simlock_contract::model::Mode;
 
-use super::DaemonConfig;
+use super::{DaemonConfig, Keys};
 
 /// Both daemons read the section.
 pub const BOTH: &[Mode] = &[Mode::Worker, Mode::Gateway];
@@ -155,9 +155,15 @@ impl Entry {
 
 /// The sections a binary registers: every section of simlock, its own daemon's and the
 /// other's (see the module docs).
+///
+/// The key tables the loader reads (every known key, the daemons reading each, the text keys,
+/// the defaults) are built from the registered sections at their first use and kept; a binary
+/// builds its `Sections` once and hands the same one to every step.
 #[derive(Clone, Default)]
 pub struct Sections {
     pub(super) entries: Vec<Entry>,
+    /// The key tables of `entries`, built at their first use; a registration starts afresh.
+    keys: OnceLock<Keys>,
 }
 
 impl std::fmt::Debug for Sections {
@@ -179,8 +185,14 @@ impl Sections {
     pub fn with<S: Section>(mut self) -> Self {
         if !self.entries.iter().any(|e| e.type_id == TypeId::of::<S>()) {
             self.entries.push(Entry::of::<S>());
+            self.keys = OnceLock::new();
         }
         self
+    }
+
+    /// The key tables of the registered sections, built at the first call and kept.
+    pub(super) fn key_table(&self) -> &Keys {
+        self.keys.get_or_init(|| Keys::of(&self.entries))
     }
 
     /// The registered sections' tables, in registration order, each once.
@@ -197,13 +209,13 @@ impl Sections {
     /// The one list of known keys: the daemon's own and every registered section's (a key
     /// holding a map of the user's names, such as `exec.tools`, is one key).
     pub fn keys(&self) -> Vec<String> {
-        super::Keys::of(self).known.into_keys().collect()
+        self.key_table().known.keys().cloned().collect()
     }
 
     /// The daemons that read `key` (one of [`Sections::keys`], or an entry of an open map),
     /// `None` when it is no key.
     pub fn modes_of(&self, key: &str) -> Option<Vec<Mode>> {
-        super::Keys::of(self).modes(key)
+        self.key_table().modes(key)
     }
 
     /// The whole default configuration: the daemon's own section and every registered
@@ -222,11 +234,7 @@ impl Sections {
     /// Every registered section's defaults, merged by table (the tables of sections sharing
     /// one, such as `gateway`, hold both sections' keys).
     pub fn defaults(&self) -> serde_json::Map<String, Value> {
-        let mut out = serde_json::Map::new();
-        for entry in &self.entries {
-            merge_into(&mut out, entry.key, (entry.defaults)());
-        }
-        out
+        self.key_table().defaults.clone()
     }
 }
 
