@@ -472,6 +472,110 @@ impl Keys {
     }
 }
 
+/// What is wrong with how `sections` lay out their keys (see [`Sections::layout_problems`]).
+fn layout_problems(sections: &Sections) -> Vec<String> {
+    let open_maps = &sections.key_table().open_maps;
+    let mut problems = Vec::new();
+    // Every section's keys with its defaults, the daemon's own first.
+    let daemon = serde_json::to_value(DaemonConfig::default()).unwrap_or(Value::Null);
+    let mut held: Vec<(&str, Vec<String>, Value)> = Vec::new();
+    let mut leaves = Vec::new();
+    leaf_keys(&daemon, "", open_maps, &mut leaves);
+    held.push((
+        std::any::type_name::<DaemonConfig>(),
+        leaves,
+        daemon.clone(),
+    ));
+    for entry in &sections.entries {
+        let mut leaves = Vec::new();
+        let defaults = (entry.defaults)();
+        leaf_keys(&defaults, entry.key, open_maps, &mut leaves);
+        let mut table = serde_json::Map::new();
+        table.insert(entry.key.to_owned(), defaults);
+        held.push((entry.type_name, leaves, Value::Object(table)));
+    }
+    // Sections sharing a table hold disjoint keys, and none holds a key inside another's.
+    for (i, (a_type, a_keys, _)) in held.iter().enumerate() {
+        for (b_type, b_keys, _) in &held[i + 1..] {
+            for a in a_keys {
+                for b in b_keys {
+                    if a == b {
+                        problems.push(format!("{a} is a key of both {a_type} and {b_type}"));
+                    } else if b.starts_with(&format!("{a}.")) || a.starts_with(&format!("{b}.")) {
+                        problems.push(format!(
+                            "{a} ({a_type}) and {b} ({b_type}) overlap: one holds the other"
+                        ));
+                    }
+                }
+            }
+        }
+    }
+    // A key a section lists is one of its own keys: a text key is unset by default, and a key
+    // one mode alone reads belongs to a section that mode reads.
+    let listed = |owner: &str, keys: &[String], defaults: &Value, list: &str, key: String| {
+        let unset = key
+            .split('.')
+            .try_fold(defaults, |v, k| v.get(k))
+            .is_some_and(Value::is_null);
+        if !keys.contains(&key) {
+            Some(format!(
+                "{owner}: {list} names {key}, no key of its section"
+            ))
+        } else if list.ends_with("TEXT_KEYS") && !unset {
+            Some(format!(
+                "{owner}: {list} names {key}, whose default is not unset"
+            ))
+        } else {
+            None
+        }
+    };
+    for (entry, (owner, keys, defaults)) in sections.entries.iter().zip(&held[1..]) {
+        let full = |k: &str| format!("{}.{k}", entry.key);
+        for (key, mode) in entry.only {
+            problems.extend(listed(owner, keys, defaults, "ONLY", full(key)));
+            if !entry.modes.contains(mode) {
+                problems.push(format!(
+                    "{owner}: ONLY gives {} to {mode:?}, which does not read the section",
+                    full(key)
+                ));
+            }
+        }
+        for key in entry.text_keys {
+            problems.extend(listed(owner, keys, defaults, "TEXT_KEYS", full(key)));
+        }
+        for key in entry.open_maps {
+            problems.extend(listed(owner, keys, defaults, "OPEN_MAPS", full(key)));
+        }
+    }
+    let (owner, keys, defaults) = &held[0];
+    for key in WORKER_ONLY_KEYS {
+        problems.extend(listed(
+            owner,
+            keys,
+            defaults,
+            "WORKER_ONLY_KEYS",
+            (*key).to_owned(),
+        ));
+    }
+    for key in OPTIONAL_TEXT_KEYS {
+        problems.extend(listed(
+            owner,
+            keys,
+            defaults,
+            "OPTIONAL_TEXT_KEYS",
+            (*key).to_owned(),
+        ));
+    }
+    for table in GATEWAY_SECTIONS {
+        if daemon.get(table).is_none() {
+            problems.push(format!(
+                "{owner}: GATEWAY_SECTIONS names {table}, no table of its section"
+            ));
+        }
+    }
+    problems
+}
+
 /// The configuration as `config.get` answers it: the lease limits, and every table this daemon
 /// reads a key of (a gateway's: lease, http, gateway, eventBuffer, log, agentDevice), the join
 /// token redacted. `values` are the registered sections this daemon was started with (see
@@ -1278,6 +1382,107 @@ mod section_tests {
             .with::<Probe>()
             .with::<Shared>()
             .with::<Policy>()
+    }
+
+    /// A section in the `gateway` table holding a key of the daemon's and one of [`Policy`]'s.
+    #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+    #[serde(rename_all = "camelCase", default)]
+    struct Clash {
+        url: Option<String>,
+        policy: Option<String>,
+        own: bool,
+    }
+
+    impl Section for Clash {
+        const KEY: &'static str = "gateway";
+        const MODES: &'static [Mode] = GATEWAY;
+    }
+
+    /// A section in the `probe` table whose `path` holds a key inside [`Probe`]'s `path`.
+    #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+    #[serde(rename_all = "camelCase", default)]
+    struct Nested {
+        path: NestedPath,
+    }
+
+    #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+    #[serde(rename_all = "camelCase", default)]
+    struct NestedPath {
+        deep: u32,
+    }
+
+    impl Section for Nested {
+        const KEY: &'static str = "probe";
+        const MODES: &'static [Mode] = WORKER;
+    }
+
+    /// A section whose lists name keys it does not have, or has but cannot list there.
+    #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+    #[serde(rename_all = "camelCase", default)]
+    struct Listed {
+        limit: u32,
+        name: Option<String>,
+        tools: BTreeMap<String, String>,
+    }
+
+    impl Default for Listed {
+        fn default() -> Self {
+            Self {
+                limit: 1,
+                name: None,
+                tools: BTreeMap::new(),
+            }
+        }
+    }
+
+    impl Section for Listed {
+        const KEY: &'static str = "listed";
+        const MODES: &'static [Mode] = WORKER;
+        const ONLY: &'static [(&'static str, Mode)] =
+            &[("limitt", Mode::Worker), ("limit", Mode::Gateway)];
+        const TEXT_KEYS: &'static [&'static str] = &["name", "nam", "limit"];
+        const OPEN_MAPS: &'static [&'static str] = &["tools", "tool"];
+    }
+
+    #[test]
+    fn sections_sharing_a_table_must_hold_disjoint_keys_and_list_only_their_own() {
+        assert_eq!(registered().layout_problems(), Vec::<String>::new());
+        assert_eq!(Sections::new().layout_problems(), Vec::<String>::new());
+        let daemon = std::any::type_name::<DaemonConfig>();
+        let (clash, policy) = (
+            std::any::type_name::<Clash>(),
+            std::any::type_name::<Policy>(),
+        );
+        assert_eq!(
+            registered().with::<Clash>().layout_problems(),
+            [
+                format!("gateway.url is a key of both {daemon} and {clash}"),
+                format!("gateway.policy is a key of both {policy} and {clash}"),
+            ]
+        );
+        let (probe, nested) = (
+            std::any::type_name::<Probe>(),
+            std::any::type_name::<Nested>(),
+        );
+        assert_eq!(
+            registered().with::<Nested>().layout_problems(),
+            [format!(
+                "probe.path ({probe}) and probe.path.deep ({nested}) overlap: one holds the other"
+            )]
+        );
+        let listed = std::any::type_name::<Listed>();
+        assert_eq!(
+            Sections::new().with::<Listed>().layout_problems(),
+            [
+                format!("{listed}: ONLY names listed.limitt, no key of its section"),
+                format!(
+                    "{listed}: ONLY gives listed.limit to Gateway, which does not read the section"
+                ),
+                format!("{listed}: TEXT_KEYS names listed.nam, no key of its section"),
+                format!("{listed}: TEXT_KEYS names listed.limit, whose default is not unset"),
+                format!("{listed}: OPEN_MAPS names listed.tool, no key of its section"),
+            ]
+        );
     }
 
     #[test]

@@ -1,9 +1,10 @@
 //! `docs/CONFIGURATION.md` (and `docs/HTTP-API.md`'s `config.get` example) cannot drift from
-//! the configuration the binaries register: every key of the sections the worker and the
-//! gateway register is in the key table and every row is a key; each documented default is the
-//! registered sections' default; the example files load without warnings; the environment
-//! examples set the keys they claim; the flags are the binaries' flags; the gateway's
-//! `config.get` example is what a gateway answers.
+//! the configuration the binaries register, nor the registered sections from each other: both
+//! binaries register the same keys, in sections that do not overlap; every key of those sections
+//! is in the key table and every row is a key; each documented default is the registered
+//! sections' default; the example files load without warnings; the environment examples set the
+//! keys they claim; the flags are the binaries' flags; the gateway's `config.get` example is
+//! what a gateway answers.
 
 #![allow(
     clippy::unwrap_used,
@@ -36,6 +37,20 @@ fn both_binaries_register_the_same_keys() {
     let worker = sections(Mode::Worker).keys();
     assert!(worker.len() > 50, "{worker:?}");
     assert_eq!(worker, sections(Mode::Gateway).keys());
+}
+
+/// Sections sharing a table (the daemon's uplink keys and the fleet's under `gateway`) hold
+/// disjoint keys, and every key a section lists (`ONLY`, `TEXT_KEYS`, `OPEN_MAPS`, and the
+/// daemon's own lists) is one of its keys.
+#[test]
+fn both_binaries_register_disjoint_sections_that_list_only_their_own_keys() {
+    for mode in [Mode::Worker, Mode::Gateway] {
+        assert_eq!(
+            sections(mode).layout_problems(),
+            Vec::<String>::new(),
+            "{mode:?}"
+        );
+    }
 }
 
 // === Reading ===

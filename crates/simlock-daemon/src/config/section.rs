@@ -31,7 +31,7 @@ pub const GATEWAY: &[Mode] = &[Mode::Gateway];
 pub trait Section: Serialize + DeserializeOwned + Default + Clone + Send + Sync + 'static {
     /// The top-level table it reads (`drivers`, `agentDevice`). Two sections may share a
     /// table when their keys are disjoint (the daemon's uplink keys and the fleet's under
-    /// `gateway`).
+    /// `gateway`); [`Sections::layout_problems`] names those that are not.
     const KEY: &'static str;
     /// The daemons that read it: [`BOTH`], [`WORKER`] or [`GATEWAY`].
     const MODES: &'static [Mode];
@@ -210,6 +210,18 @@ impl Sections {
     /// holding a map of the user's names, such as `exec.tools`, is one key).
     pub fn keys(&self) -> Vec<String> {
         self.key_table().known.keys().cloned().collect()
+    }
+
+    /// What is wrong with how the registered sections lay out their keys, empty when nothing
+    /// is: two sections holding one key (sections may share a table, such as `gateway`, only
+    /// with disjoint keys; the daemon's own section counts), a key inside another section's
+    /// key, or a key a section lists in [`Section::ONLY`], [`Section::TEXT_KEYS`] or
+    /// [`Section::OPEN_MAPS`] that is not one of its keys (a text key must also be unset by
+    /// default, and a mode alone reads a key only of a section it reads). The daemon's own
+    /// lists of worker-only and text keys are checked the same way. A binary's tests assert
+    /// it is empty for the sections it registers.
+    pub fn layout_problems(&self) -> Vec<String> {
+        super::layout_problems(self)
     }
 
     /// The daemons that read `key` (one of [`Sections::keys`], or an entry of an open map),
