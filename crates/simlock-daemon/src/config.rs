@@ -402,7 +402,7 @@ fn daemon_modes(key: &str) -> &'static [Mode] {
 /// A [`Sections`] builds it once, at its first use, and keeps it.
 #[derive(Debug, Clone)]
 struct Keys {
-    known: BTreeMap<String, Vec<Mode>>,
+    known: BTreeMap<String, Known>,
     open_maps: Vec<String>,
     /// The top-level keys; an environment variable names one of them first.
     tables: BTreeSet<String>,
@@ -410,6 +410,15 @@ struct Keys {
     text: BTreeSet<String>,
     /// Every registered section's defaults, merged by table.
     defaults: serde_json::Map<String, Value>,
+}
+
+/// What the key tables know of one key.
+#[derive(Debug, Clone)]
+struct Known {
+    /// The daemons that read it.
+    modes: Vec<Mode>,
+    /// The section that holds it, as [`std::any::type_name`] names its type.
+    owner: &'static str,
 }
 
 impl Keys {
@@ -424,7 +433,8 @@ impl Keys {
         leaf_keys(&daemon, "", &open_maps, &mut leaves);
         for key in leaves {
             let modes = daemon_modes(&key).to_vec();
-            known.insert(key, modes);
+            let owner = std::any::type_name::<DaemonConfig>();
+            known.insert(key, Known { modes, owner });
         }
         let mut defaults = serde_json::Map::new();
         for entry in entries {
@@ -433,7 +443,14 @@ impl Keys {
             leaf_keys(&value, entry.key, &open_maps, &mut leaves);
             for key in leaves {
                 let relative = key.strip_prefix(&format!("{}.", entry.key)).unwrap_or("");
-                known.insert(key.clone(), entry.modes_of(relative));
+                let modes = entry.modes_of(relative);
+                known.insert(
+                    key.clone(),
+                    Known {
+                        modes,
+                        owner: entry.type_name,
+                    },
+                );
             }
             merge_into(&mut defaults, entry.key, value);
         }
@@ -453,20 +470,24 @@ impl Keys {
 
     /// The daemons that read `key`, `None` when it is no key.
     fn modes(&self, key: &str) -> Option<Vec<Mode>> {
-        if let Some(modes) = self.known.get(key) {
-            return Some(modes.clone());
-        }
-        self.open_maps
-            .iter()
-            .find(|m| key.starts_with(&format!("{m}.")))
-            .and_then(|m| self.known.get(m).cloned())
+        self.get(key).map(|known| known.modes.clone())
+    }
+
+    /// What is known of `key` (a key, or an entry of an open map), `None` when it is no key.
+    fn get(&self, key: &str) -> Option<&Known> {
+        self.known.get(key).or_else(|| {
+            self.open_maps
+                .iter()
+                .find(|m| key.starts_with(&format!("{m}.")))
+                .and_then(|m| self.known.get(m))
+        })
     }
 
     /// The tables a daemon of `mode` reads some key of.
     fn tables_read_by(&self, mode: Mode) -> BTreeSet<String> {
         self.known
             .iter()
-            .filter(|(_, modes)| modes.contains(&mode))
+            .filter(|(_, known)| known.modes.contains(&mode))
             .filter_map(|(key, _)| key.split('.').next().map(str::to_owned))
             .collect()
     }
@@ -1442,6 +1463,32 @@ mod section_tests {
             &[("limitt", Mode::Worker), ("limit", Mode::Gateway)];
         const TEXT_KEYS: &'static [&'static str] = &["name", "nam", "limit"];
         const OPEN_MAPS: &'static [&'static str] = &["tools", "tool"];
+    }
+
+    #[test]
+    fn every_key_names_the_section_that_holds_it() {
+        let sections = registered().with::<Listed>();
+        let owner = |key: &str| sections.owner_of(key);
+        assert_eq!(owner("probe.limit"), Some(std::any::type_name::<Probe>()));
+        assert_eq!(
+            owner("gateway.policy"),
+            Some(std::any::type_name::<Policy>())
+        );
+        assert_eq!(
+            owner("gateway.mirror"),
+            Some(std::any::type_name::<Shared>())
+        );
+        let daemon = Some(std::any::type_name::<DaemonConfig>());
+        assert_eq!(owner("gateway.url"), daemon);
+        assert_eq!(owner("lease.maxTtlMs"), daemon);
+        assert_eq!(owner("capabilities"), daemon);
+        // An open map's entries are its section's.
+        assert_eq!(
+            owner("listed.tools.echo"),
+            Some(std::any::type_name::<Listed>())
+        );
+        assert_eq!(owner("gateway.urll"), None);
+        assert_eq!(owner("gateway"), None, "a table is no key");
     }
 
     #[test]

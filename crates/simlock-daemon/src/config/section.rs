@@ -212,6 +212,14 @@ impl Sections {
         self.key_table().known.keys().cloned().collect()
     }
 
+    /// The section that holds `key` (one of [`Sections::keys`], or an entry of an open map), as
+    /// [`std::any::type_name`] names its type (`simlock_daemon::config::DaemonConfig` for the
+    /// daemon's own keys), `None` when it is no key. The configuration docs' owner table is
+    /// checked against it.
+    pub fn owner_of(&self, key: &str) -> Option<&'static str> {
+        self.key_table().get(key).map(|known| known.owner)
+    }
+
     /// What is wrong with how the registered sections lay out their keys, empty when nothing
     /// is: two sections holding one key (sections may share a table, such as `gateway`, only
     /// with disjoint keys; the daemon's own section counts), a key inside another section's
