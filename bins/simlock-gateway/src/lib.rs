@@ -3,7 +3,7 @@
 
 mod agent_device;
 
-use std::sync::Arc;
+use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 
 use agent_device_front::placements::DbPlacements;
@@ -23,11 +23,15 @@ use simlock_relay_gateway::{GatewayRelay, RelayOptions};
 /// Every configuration section of simlock, as a gateway registers them: those it reads (the
 /// fleet's, the agent-device front's) and those only a worker reads, so their keys are warned
 /// about as a worker's. The worker registers the same list.
-pub fn sections() -> Sections {
-    simlock_core::CoreConfig::register(Sections::new())
-        .with::<AgentDeviceConfig>()
-        .with::<FleetConfig>()
-        .with::<simlock_drivers::DriversConfig>()
+pub fn sections() -> &'static Sections {
+    // Built once: its key tables are built at their first use and kept (see `Sections`).
+    static SECTIONS: LazyLock<Sections> = LazyLock::new(|| {
+        simlock_core::CoreConfig::register(Sections::new())
+            .with::<AgentDeviceConfig>()
+            .with::<FleetConfig>()
+            .with::<simlock_drivers::DriversConfig>()
+    });
+    &SECTIONS
 }
 
 /// A gateway's configuration: the daemon's own section and the sections of the crates a gateway
@@ -61,7 +65,7 @@ impl GatewayConfig {
             config::section_value(&self.agent_device),
             config::section_value(&self.fleet),
         ];
-        config::view(&self.daemon, &sections(), &values, Mode::Gateway)
+        config::view(&self.daemon, sections(), &values, Mode::Gateway)
     }
 }
 

@@ -40,7 +40,7 @@ fn main() -> ExitCode {
         overrides.push(("http.host".to_owned(), serde_json::json!(host)));
     }
     let sections = simlock_gateway::sections();
-    match launch::parse_sets(&args.set, &sections) {
+    match launch::parse_sets(&args.set, sections) {
         Ok(sets) => overrides.extend(sets),
         Err(e) => {
             eprintln!("simlock-gateway: {e}");
@@ -52,7 +52,7 @@ fn main() -> ExitCode {
         Mode::Gateway,
         home,
         &overrides,
-        &sections,
+        sections,
         |home, loaded| async move {
             let config = GatewayConfig::from_loaded(&loaded)
                 .map_err(|e| StartError::Domain(e.to_string()))?;

@@ -2,7 +2,7 @@
 //! gateway. The binary and the in-process fleet tests both start it here.
 
 use std::collections::BTreeSet;
-use std::sync::Arc;
+use std::sync::{Arc, LazyLock};
 
 use agent_device_front::{AgentDeviceConfig, Front, FrontOptions, LeaseId};
 use agent_device_host::{AgentDeviceHost, Daemon, DaemonState, HostOptions, InProcessHostLink};
@@ -26,11 +26,15 @@ use tokio_util::sync::CancellationToken;
 /// Every configuration section of simlock, as a worker registers them: those it reads (the
 /// core's, the drivers', the agent-device edge's) and those only a gateway reads, so their keys
 /// are warned about as a gateway's. The gateway registers the same list.
-pub fn sections() -> Sections {
-    CoreConfig::register(Sections::new())
-        .with::<AgentDeviceConfig>()
-        .with::<DriversConfig>()
-        .with::<simlock_fleet::FleetConfig>()
+pub fn sections() -> &'static Sections {
+    // Built once: its key tables are built at their first use and kept (see `Sections`).
+    static SECTIONS: LazyLock<Sections> = LazyLock::new(|| {
+        CoreConfig::register(Sections::new())
+            .with::<AgentDeviceConfig>()
+            .with::<DriversConfig>()
+            .with::<simlock_fleet::FleetConfig>()
+    });
+    &SECTIONS
 }
 
 /// A worker's configuration: the daemon's own section and the sections of the crates a worker
@@ -67,7 +71,7 @@ impl WorkerConfig {
         let mut values = self.core.values();
         values.push(config::section_value(&self.agent_device));
         values.push(config::section_value(&self.drivers));
-        config::view(&self.daemon, &sections(), &values, Mode::Worker)
+        config::view(&self.daemon, sections(), &values, Mode::Worker)
     }
 }
 

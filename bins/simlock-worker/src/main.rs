@@ -58,7 +58,7 @@ fn main() -> ExitCode {
         }
     }
     let sections = simlock_worker::sections();
-    match launch::parse_sets(&args.set, &sections) {
+    match launch::parse_sets(&args.set, sections) {
         Ok(sets) => overrides.extend(sets),
         Err(e) => {
             eprintln!("simlock-worker: {e}");
@@ -70,7 +70,7 @@ fn main() -> ExitCode {
         Mode::Worker,
         home,
         &overrides,
-        &sections,
+        sections,
         |home, loaded| async move {
             let config = WorkerConfig::from_loaded(&loaded)
                 .map_err(|e| StartError::Domain(e.to_string()))?;

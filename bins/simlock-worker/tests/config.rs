@@ -23,7 +23,7 @@ fn load_env(env: &[(&str, &str)]) -> Result<Loaded, ConfigError> {
         for (name, value) in env {
             jail.set_env(name, value);
         }
-        out = Some(config::load(&home, Mode::Worker, &[], &sections()));
+        out = Some(config::load(&home, Mode::Worker, &[], sections()));
         Ok(())
     });
     out.unwrap()
@@ -118,7 +118,7 @@ fn the_loaded_sections_make_the_workers_configuration_and_view() {
     let home =
         std::env::temp_dir().join(format!("simlock-worker-no-home-v-{}", std::process::id()));
     assert!(!home.exists());
-    let loaded = config::load(&home, Mode::Worker, &moved, &sections())
+    let loaded = config::load(&home, Mode::Worker, &moved, sections())
         .unwrap_or_else(|e| panic!("{moved:?}: {e}"));
     let config = WorkerConfig::from_loaded(&loaded).unwrap();
     let view = serde_json::to_value(&config.view().settings).unwrap();
@@ -181,7 +181,7 @@ fn a_gateway_warns_about_a_workers_sections_as_a_workers() {
             serde_json::json!("warm-then-free"),
         ),
     ];
-    let loaded = config::load(&home, Mode::Gateway, &flags, &sections()).unwrap();
+    let loaded = config::load(&home, Mode::Gateway, &flags, sections()).unwrap();
     assert_eq!(
         loaded.warnings,
         [
@@ -190,7 +190,7 @@ fn a_gateway_warns_about_a_workers_sections_as_a_workers() {
             "idle.shutdownAfterMs is a worker setting; a gateway ignores it",
         ]
     );
-    let loaded = config::load(&home, Mode::Worker, &flags, &sections()).unwrap();
+    let loaded = config::load(&home, Mode::Worker, &flags, sections()).unwrap();
     assert_eq!(
         loaded.warnings,
         ["gateway.routing is a gateway setting; a worker ignores it"]

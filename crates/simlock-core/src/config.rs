@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 use simlock_contract::model::{Mode, Platform};
 use simlock_daemon::config::{
-    DaemonConfig, Section, SectionError, SectionValue, WORKER, section_value,
+    DaemonConfig, Section, SectionError, SectionValue, WORKER, above_zero, section_value,
 };
 
 /// The core's sections together, as a worker is started with them.
@@ -295,10 +295,12 @@ impl Section for CapacityConfig {
     const MODES: &'static [Mode] = WORKER;
 
     fn check(&self, _daemon: &DaemonConfig, _mode: Mode) -> Result<(), SectionError> {
-        if self.strategy == CapacityStrategy::Fixed && self.max_running == 0 {
-            return Err(SectionError::new("capacity.maxRunning must be above 0"));
+        match self.strategy {
+            CapacityStrategy::Fixed => {
+                above_zero(&[("capacity.maxRunning", u64::from(self.max_running))])
+            }
+            CapacityStrategy::Resource => Ok(()),
         }
-        Ok(())
     }
 }
 
@@ -349,15 +351,13 @@ impl Section for HealthConfig {
     const MODES: &'static [Mode] = WORKER;
 
     fn check(&self, _daemon: &DaemonConfig, _mode: Mode) -> Result<(), SectionError> {
-        if self.probe_interval_ms == 0 {
-            return Err(SectionError::new("health.probeIntervalMs must be above 0"));
-        }
-        if self.stable_observations == 0 {
-            return Err(SectionError::new(
-                "health.stableObservations must be above 0",
-            ));
-        }
-        Ok(())
+        above_zero(&[
+            ("health.probeIntervalMs", self.probe_interval_ms),
+            (
+                "health.stableObservations",
+                u64::from(self.stable_observations),
+            ),
+        ])
     }
 }
 
@@ -366,12 +366,10 @@ impl Section for QuarantineConfig {
     const MODES: &'static [Mode] = WORKER;
 
     fn check(&self, _daemon: &DaemonConfig, _mode: Mode) -> Result<(), SectionError> {
-        if self.retry_backoff_multiplier == 0 {
-            return Err(SectionError::new(
-                "quarantine.retryBackoffMultiplier must be above 0",
-            ));
-        }
-        Ok(())
+        above_zero(&[(
+            "quarantine.retryBackoffMultiplier",
+            u64::from(self.retry_backoff_multiplier),
+        )])
     }
 }
 

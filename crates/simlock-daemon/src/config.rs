@@ -23,7 +23,7 @@ use serde_json::Value;
 use simlock_contract::model::Mode;
 
 pub use section::{
-    BOTH, GATEWAY, Section, SectionError, SectionValue, Sections, WORKER, section_value,
+    BOTH, GATEWAY, Section, SectionError, SectionValue, Sections, WORKER, above_zero, section_value,
 };
 use section::{Entry, Held, merge_into};
 
@@ -299,9 +299,10 @@ fn load_layers(
     mode: Mode,
     sections: &Sections,
 ) -> Result<Loaded, ConfigError> {
+    let keys = sections.key_table();
     let mut figment = Figment::from(Serialized::defaults(DaemonConfig::default()));
-    for (table, value) in sections.defaults() {
-        figment = figment.merge(Serialized::default(&table, value));
+    for (table, value) in &keys.defaults {
+        figment = figment.merge(Serialized::default(table, value));
     }
     let mut provided: Vec<Value> = Vec::new();
     if let Some((path, text)) = file {
@@ -335,7 +336,6 @@ fn load_layers(
         held.push((entry, section));
     }
 
-    let keys = Keys::of(sections);
     let mut warnings = Vec::new();
     let mut seen = BTreeSet::new();
     for table in &provided {
@@ -398,65 +398,203 @@ fn daemon_modes(key: &str) -> &'static [Mode] {
 }
 
 /// The one list of known keys: the daemon's own and those of every registered section, with
-/// the daemons that read each.
+/// the daemons that read each, which of them hold text, and the registered sections' defaults.
+/// A [`Sections`] builds it once, at its first use, and keeps it.
+#[derive(Debug, Clone)]
 struct Keys {
-    known: BTreeMap<String, Vec<Mode>>,
+    known: BTreeMap<String, Known>,
     open_maps: Vec<String>,
+    /// The top-level keys; an environment variable names one of them first.
+    tables: BTreeSet<String>,
+    /// The keys whose values are text ([`text_keys`]).
+    text: BTreeSet<String>,
+    /// Every registered section's defaults, merged by table.
+    defaults: serde_json::Map<String, Value>,
+}
+
+/// What the key tables know of one key.
+#[derive(Debug, Clone)]
+struct Known {
+    /// The daemons that read it.
+    modes: Vec<Mode>,
+    /// The section that holds it, as [`std::any::type_name`] names its type.
+    owner: &'static str,
 }
 
 impl Keys {
-    fn of(sections: &Sections) -> Self {
+    fn of(entries: &[Entry]) -> Self {
         let mut open_maps: Vec<String> = Vec::new();
-        for entry in &sections.entries {
+        for entry in entries {
             open_maps.extend(entry.open_maps.iter().map(|m| format!("{}.{m}", entry.key)));
         }
+        let daemon = serde_json::to_value(DaemonConfig::default()).unwrap_or(Value::Null);
         let mut known = BTreeMap::new();
-        if let Ok(defaults) = serde_json::to_value(DaemonConfig::default()) {
-            let mut leaves = Vec::new();
-            leaf_keys(&defaults, "", &open_maps, &mut leaves);
-            for key in leaves {
-                let modes = daemon_modes(&key).to_vec();
-                known.insert(key, modes);
-            }
+        let mut leaves = Vec::new();
+        leaf_keys(&daemon, "", &open_maps, &mut leaves);
+        for key in leaves {
+            let modes = daemon_modes(&key).to_vec();
+            let owner = std::any::type_name::<DaemonConfig>();
+            known.insert(key, Known { modes, owner });
         }
-        for entry in &sections.entries {
+        let mut defaults = serde_json::Map::new();
+        for entry in entries {
+            let value = (entry.defaults)();
             let mut leaves = Vec::new();
-            leaf_keys(&(entry.defaults)(), entry.key, &open_maps, &mut leaves);
+            leaf_keys(&value, entry.key, &open_maps, &mut leaves);
             for key in leaves {
                 let relative = key.strip_prefix(&format!("{}.", entry.key)).unwrap_or("");
-                known.insert(key.clone(), entry.modes_of(relative));
+                let modes = entry.modes_of(relative);
+                known.insert(
+                    key.clone(),
+                    Known {
+                        modes,
+                        owner: entry.type_name,
+                    },
+                );
             }
+            merge_into(&mut defaults, entry.key, value);
         }
-        Self { known, open_maps }
+        let tables = known
+            .keys()
+            .filter_map(|key| key.split('.').next().map(str::to_owned))
+            .collect();
+        let text = text_keys(&daemon, &defaults, entries, &open_maps);
+        Self {
+            known,
+            open_maps,
+            tables,
+            text,
+            defaults,
+        }
     }
 
     /// The daemons that read `key`, `None` when it is no key.
     fn modes(&self, key: &str) -> Option<Vec<Mode>> {
-        if let Some(modes) = self.known.get(key) {
-            return Some(modes.clone());
-        }
-        self.open_maps
-            .iter()
-            .find(|m| key.starts_with(&format!("{m}.")))
-            .and_then(|m| self.known.get(m).cloned())
+        self.get(key).map(|known| known.modes.clone())
+    }
+
+    /// What is known of `key` (a key, or an entry of an open map), `None` when it is no key.
+    fn get(&self, key: &str) -> Option<&Known> {
+        self.known.get(key).or_else(|| {
+            self.open_maps
+                .iter()
+                .find(|m| key.starts_with(&format!("{m}.")))
+                .and_then(|m| self.known.get(m))
+        })
     }
 
     /// The tables a daemon of `mode` reads some key of.
     fn tables_read_by(&self, mode: Mode) -> BTreeSet<String> {
         self.known
             .iter()
-            .filter(|(_, modes)| modes.contains(&mode))
+            .filter(|(_, known)| known.modes.contains(&mode))
             .filter_map(|(key, _)| key.split('.').next().map(str::to_owned))
             .collect()
     }
+}
 
-    /// Every top-level key; an environment variable names one of them first.
-    fn tables(&self) -> BTreeSet<String> {
-        self.known
-            .keys()
-            .filter_map(|key| key.split('.').next().map(str::to_owned))
-            .collect()
+/// What is wrong with how `sections` lay out their keys (see [`Sections::layout_problems`]).
+fn layout_problems(sections: &Sections) -> Vec<String> {
+    let open_maps = &sections.key_table().open_maps;
+    let mut problems = Vec::new();
+    // Every section's keys with its defaults, the daemon's own first.
+    let daemon = serde_json::to_value(DaemonConfig::default()).unwrap_or(Value::Null);
+    let mut held: Vec<(&str, Vec<String>, Value)> = Vec::new();
+    let mut leaves = Vec::new();
+    leaf_keys(&daemon, "", open_maps, &mut leaves);
+    held.push((
+        std::any::type_name::<DaemonConfig>(),
+        leaves,
+        daemon.clone(),
+    ));
+    for entry in &sections.entries {
+        let mut leaves = Vec::new();
+        let defaults = (entry.defaults)();
+        leaf_keys(&defaults, entry.key, open_maps, &mut leaves);
+        let mut table = serde_json::Map::new();
+        table.insert(entry.key.to_owned(), defaults);
+        held.push((entry.type_name, leaves, Value::Object(table)));
     }
+    // Sections sharing a table hold disjoint keys, and none holds a key inside another's.
+    for (i, (a_type, a_keys, _)) in held.iter().enumerate() {
+        for (b_type, b_keys, _) in &held[i + 1..] {
+            for a in a_keys {
+                for b in b_keys {
+                    if a == b {
+                        problems.push(format!("{a} is a key of both {a_type} and {b_type}"));
+                    } else if b.starts_with(&format!("{a}.")) || a.starts_with(&format!("{b}.")) {
+                        problems.push(format!(
+                            "{a} ({a_type}) and {b} ({b_type}) overlap: one holds the other"
+                        ));
+                    }
+                }
+            }
+        }
+    }
+    // A key a section lists is one of its own keys: a text key is unset by default, and a key
+    // one mode alone reads belongs to a section that mode reads.
+    let listed = |owner: &str, keys: &[String], defaults: &Value, list: &str, key: String| {
+        let unset = key
+            .split('.')
+            .try_fold(defaults, |v, k| v.get(k))
+            .is_some_and(Value::is_null);
+        if !keys.contains(&key) {
+            Some(format!(
+                "{owner}: {list} names {key}, no key of its section"
+            ))
+        } else if list.ends_with("TEXT_KEYS") && !unset {
+            Some(format!(
+                "{owner}: {list} names {key}, whose default is not unset"
+            ))
+        } else {
+            None
+        }
+    };
+    for (entry, (owner, keys, defaults)) in sections.entries.iter().zip(&held[1..]) {
+        let full = |k: &str| format!("{}.{k}", entry.key);
+        for (key, mode) in entry.only {
+            problems.extend(listed(owner, keys, defaults, "ONLY", full(key)));
+            if !entry.modes.contains(mode) {
+                problems.push(format!(
+                    "{owner}: ONLY gives {} to {mode:?}, which does not read the section",
+                    full(key)
+                ));
+            }
+        }
+        for key in entry.text_keys {
+            problems.extend(listed(owner, keys, defaults, "TEXT_KEYS", full(key)));
+        }
+        for key in entry.open_maps {
+            problems.extend(listed(owner, keys, defaults, "OPEN_MAPS", full(key)));
+        }
+    }
+    let (owner, keys, defaults) = &held[0];
+    for key in WORKER_ONLY_KEYS {
+        problems.extend(listed(
+            owner,
+            keys,
+            defaults,
+            "WORKER_ONLY_KEYS",
+            (*key).to_owned(),
+        ));
+    }
+    for key in OPTIONAL_TEXT_KEYS {
+        problems.extend(listed(
+            owner,
+            keys,
+            defaults,
+            "OPTIONAL_TEXT_KEYS",
+            (*key).to_owned(),
+        ));
+    }
+    for table in GATEWAY_SECTIONS {
+        if daemon.get(table).is_none() {
+            problems.push(format!(
+                "{owner}: GATEWAY_SECTIONS names {table}, no table of its section"
+            ));
+        }
+    }
+    problems
 }
 
 /// The configuration as `config.get` answers it: the lease limits, and every table this daemon
@@ -469,7 +607,7 @@ pub fn view(
     values: &[SectionValue],
     mode: Mode,
 ) -> simlock_contract::ops::ConfigView {
-    let read = Keys::of(sections).tables_read_by(mode);
+    let read = sections.key_table().tables_read_by(mode);
     let mut all = match serde_json::to_value(config) {
         Ok(Value::Object(map)) => map,
         _ => serde_json::Map::new(),
@@ -509,9 +647,15 @@ pub fn view(
 /// A message naming the keys.
 pub fn validate(config: &DaemonConfig, mode: Mode) -> Result<(), ConfigError> {
     let bad = |msg: String| Err(ConfigError::Invalid(msg));
-    if config.lease.default_ttl_ms == 0 || config.lease.max_ttl_ms == 0 {
-        return bad("lease.defaultTtlMs and lease.maxTtlMs must be above 0".into());
-    }
+    above_zero(&[
+        ("lease.defaultTtlMs", config.lease.default_ttl_ms),
+        ("lease.maxTtlMs", config.lease.max_ttl_ms),
+        (
+            "eventBuffer.capacity",
+            u64::from(config.event_buffer.capacity),
+        ),
+    ])
+    .map_err(|e| ConfigError::Invalid(e.message))?;
     if config.lease.default_ttl_ms > config.lease.max_ttl_ms {
         return bad(format!(
             "lease.defaultTtlMs ({}) is above lease.maxTtlMs ({})",
@@ -523,9 +667,6 @@ pub fn validate(config: &DaemonConfig, mode: Mode) -> Result<(), ConfigError> {
             "lease.maxTtlMs is above {} (31 days)",
             simlock_contract::bounds::MAX_TTL_MS
         ));
-    }
-    if config.event_buffer.capacity == 0 {
-        return bad("eventBuffer.capacity must be above 0".into());
     }
     match (&config.http.tls.cert_file, &config.http.tls.key_file) {
         (Some(_), None) | (None, Some(_)) => {
@@ -609,7 +750,7 @@ fn describe_at(table: &str, error: &figment::Error) -> String {
 /// A filter or map added to the returned `Env` turns figment's lower-casing of keys back on;
 /// call `.lowercase(false)` after it.
 fn environment(sections: &Sections) -> Env {
-    let tables = Keys::of(sections).tables();
+    let tables = sections.key_table().tables.clone();
     let not_config: Vec<&str> = NOT_CONFIG_ENV
         .iter()
         .filter_map(|name| name.strip_prefix(ENV_PREFIX))
@@ -632,11 +773,15 @@ fn environment(sections: &Sections) -> Env {
 
 /// The environment layer: [`environment`] with its values parsed by figment (numbers, booleans,
 /// `[…]` arrays, `{k = v}` tables, `"…"` strings, else text), except text keys
-/// ([`is_text_key`]), whose values are taken as they are (`SIMLOCK_GATEWAY__LABEL=42` is the
+/// ([`text_keys`]), whose values are taken as they are (`SIMLOCK_GATEWAY__LABEL=42` is the
 /// label "42").
 fn environment_layer(sections: &Sections) -> Figment {
-    let text = text_keys(sections);
-    let text: Vec<&str> = text.iter().map(String::as_str).collect();
+    let text: Vec<&str> = sections
+        .key_table()
+        .text
+        .iter()
+        .map(String::as_str)
+        .collect();
     // Each filter or map of figment's `Env` turns lower-casing back on: keep the camelCase keys.
     let mut layer = Figment::from(environment(sections).ignore(&text).lowercase(false));
     for (key, raw) in environment(sections).only(&text).lowercase(false).iter() {
@@ -655,41 +800,45 @@ const OPTIONAL_TEXT_KEYS: &[&str] = &[
     "http.tls.keyFile",
 ];
 
-/// The text keys: those whose default is a string, [`OPTIONAL_TEXT_KEYS`] and the registered
-/// sections' [`Section::TEXT_KEYS`].
-fn text_keys(sections: &Sections) -> Vec<String> {
-    let mut keys = Vec::new();
-    if let Ok(Value::Object(mut defaults)) = serde_json::to_value(DaemonConfig::default()) {
-        for (table, value) in sections.defaults() {
-            merge_into(&mut defaults, &table, value);
-        }
-        let defaults = Value::Object(defaults);
-        let open_maps = Keys::of(sections).open_maps;
-        let mut leaves = Vec::new();
-        leaf_keys(&defaults, "", &open_maps, &mut leaves);
-        keys.extend(leaves.into_iter().filter(|key| {
+/// The text keys: those whose default is a string (in `daemon`, the daemon's own defaults, or
+/// `sections`, the registered sections' merged by table), [`OPTIONAL_TEXT_KEYS`] and the
+/// registered sections' [`Section::TEXT_KEYS`].
+fn text_keys(
+    daemon: &Value,
+    sections: &serde_json::Map<String, Value>,
+    entries: &[Entry],
+    open_maps: &[String],
+) -> BTreeSet<String> {
+    let mut defaults = match daemon {
+        Value::Object(map) => map.clone(),
+        _ => serde_json::Map::new(),
+    };
+    for (table, value) in sections {
+        merge_into(&mut defaults, table, value.clone());
+    }
+    let defaults = Value::Object(defaults);
+    let mut leaves = Vec::new();
+    leaf_keys(&defaults, "", open_maps, &mut leaves);
+    let mut keys: BTreeSet<String> = leaves
+        .into_iter()
+        .filter(|key| {
             key.split('.')
                 .try_fold(&defaults, |v, k| v.get(k))
                 .is_some_and(Value::is_string)
-        }));
-    }
+        })
+        .collect();
     keys.extend(OPTIONAL_TEXT_KEYS.iter().map(|k| (*k).to_owned()));
-    for entry in &sections.entries {
+    for entry in entries {
         keys.extend(entry.text_keys.iter().map(|k| format!("{}.{k}", entry.key)));
     }
     keys
-}
-
-/// Whether `key` holds text, so a value given as text is taken as it is.
-fn is_text_key(key: &str, sections: &Sections) -> bool {
-    text_keys(sections).iter().any(|k| k == key)
 }
 
 /// Reads a `--set KEY=VALUE` value for `key` as an environment variable's is read: text keys
 /// keep it as it is (`gateway.label=42` is the label "42"); other keys as figment reads a value
 /// (numbers, booleans, arrays, else text), so a bad value fails naming the key.
 pub fn coerce(key: &str, raw: &str, sections: &Sections) -> Value {
-    if is_text_key(key, sections) {
+    if sections.key_table().text.contains(key) {
         return Value::String(raw.to_owned());
     }
     let parsed: figment::value::Value = raw
@@ -949,6 +1098,26 @@ mod tests {
     }
 
     #[test]
+    fn a_zero_where_a_zero_cannot_work_fails_naming_the_key_and_one_passes() {
+        for mode in [Mode::Worker, Mode::Gateway] {
+            for (toml, key) in [
+                ("[lease]\ndefaultTtlMs = 0", "lease.defaultTtlMs"),
+                ("[lease]\ndefaultTtlMs = 1\nmaxTtlMs = 0", "lease.maxTtlMs"),
+                ("[eventBuffer]\ncapacity = 0", "eventBuffer.capacity"),
+            ] {
+                let err = load_with(toml, &[], mode).unwrap_err().to_string();
+                assert_eq!(err, format!("configuration: {key} must be above 0"));
+            }
+            for toml in [
+                "[lease]\ndefaultTtlMs = 1\nmaxTtlMs = 1",
+                "[eventBuffer]\ncapacity = 1",
+            ] {
+                assert!(load_with(toml, &[], mode).is_ok(), "{toml}");
+            }
+        }
+    }
+
+    #[test]
     fn limits_at_their_bound_pass_and_one_past_fail_naming_the_key() {
         let max = simlock_contract::bounds::MAX_TTL_MS;
         let toml = |ttl: u64| format!("[lease]\nmaxTtlMs = {ttl}");
@@ -1187,9 +1356,7 @@ mod section_tests {
         const TEXT_KEYS: &'static [&'static str] = &["path"];
 
         fn check(&self, daemon: &DaemonConfig, _mode: Mode) -> Result<(), SectionError> {
-            if self.limit == 0 {
-                return Err(SectionError::new("probe.limit must be above 0"));
-            }
+            above_zero(&[("probe.limit", u64::from(self.limit))])?;
             if u64::from(self.limit) > daemon.lease.max_ttl_ms {
                 return Err(SectionError::new("probe.limit is above lease.maxTtlMs"));
             }
@@ -1238,6 +1405,133 @@ mod section_tests {
             .with::<Policy>()
     }
 
+    /// A section in the `gateway` table holding a key of the daemon's and one of [`Policy`]'s.
+    #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+    #[serde(rename_all = "camelCase", default)]
+    struct Clash {
+        url: Option<String>,
+        policy: Option<String>,
+        own: bool,
+    }
+
+    impl Section for Clash {
+        const KEY: &'static str = "gateway";
+        const MODES: &'static [Mode] = GATEWAY;
+    }
+
+    /// A section in the `probe` table whose `path` holds a key inside [`Probe`]'s `path`.
+    #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+    #[serde(rename_all = "camelCase", default)]
+    struct Nested {
+        path: NestedPath,
+    }
+
+    #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+    #[serde(rename_all = "camelCase", default)]
+    struct NestedPath {
+        deep: u32,
+    }
+
+    impl Section for Nested {
+        const KEY: &'static str = "probe";
+        const MODES: &'static [Mode] = WORKER;
+    }
+
+    /// A section whose lists name keys it does not have, or has but cannot list there.
+    #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+    #[serde(rename_all = "camelCase", default)]
+    struct Listed {
+        limit: u32,
+        name: Option<String>,
+        tools: BTreeMap<String, String>,
+    }
+
+    impl Default for Listed {
+        fn default() -> Self {
+            Self {
+                limit: 1,
+                name: None,
+                tools: BTreeMap::new(),
+            }
+        }
+    }
+
+    impl Section for Listed {
+        const KEY: &'static str = "listed";
+        const MODES: &'static [Mode] = WORKER;
+        const ONLY: &'static [(&'static str, Mode)] =
+            &[("limitt", Mode::Worker), ("limit", Mode::Gateway)];
+        const TEXT_KEYS: &'static [&'static str] = &["name", "nam", "limit"];
+        const OPEN_MAPS: &'static [&'static str] = &["tools", "tool"];
+    }
+
+    #[test]
+    fn every_key_names_the_section_that_holds_it() {
+        let sections = registered().with::<Listed>();
+        let owner = |key: &str| sections.owner_of(key);
+        assert_eq!(owner("probe.limit"), Some(std::any::type_name::<Probe>()));
+        assert_eq!(
+            owner("gateway.policy"),
+            Some(std::any::type_name::<Policy>())
+        );
+        assert_eq!(
+            owner("gateway.mirror"),
+            Some(std::any::type_name::<Shared>())
+        );
+        let daemon = Some(std::any::type_name::<DaemonConfig>());
+        assert_eq!(owner("gateway.url"), daemon);
+        assert_eq!(owner("lease.maxTtlMs"), daemon);
+        assert_eq!(owner("capabilities"), daemon);
+        // An open map's entries are its section's.
+        assert_eq!(
+            owner("listed.tools.echo"),
+            Some(std::any::type_name::<Listed>())
+        );
+        assert_eq!(owner("gateway.urll"), None);
+        assert_eq!(owner("gateway"), None, "a table is no key");
+    }
+
+    #[test]
+    fn sections_sharing_a_table_must_hold_disjoint_keys_and_list_only_their_own() {
+        assert_eq!(registered().layout_problems(), Vec::<String>::new());
+        assert_eq!(Sections::new().layout_problems(), Vec::<String>::new());
+        let daemon = std::any::type_name::<DaemonConfig>();
+        let (clash, policy) = (
+            std::any::type_name::<Clash>(),
+            std::any::type_name::<Policy>(),
+        );
+        assert_eq!(
+            registered().with::<Clash>().layout_problems(),
+            [
+                format!("gateway.url is a key of both {daemon} and {clash}"),
+                format!("gateway.policy is a key of both {policy} and {clash}"),
+            ]
+        );
+        let (probe, nested) = (
+            std::any::type_name::<Probe>(),
+            std::any::type_name::<Nested>(),
+        );
+        assert_eq!(
+            registered().with::<Nested>().layout_problems(),
+            [format!(
+                "probe.path ({probe}) and probe.path.deep ({nested}) overlap: one holds the other"
+            )]
+        );
+        let listed = std::any::type_name::<Listed>();
+        assert_eq!(
+            Sections::new().with::<Listed>().layout_problems(),
+            [
+                format!("{listed}: ONLY names listed.limitt, no key of its section"),
+                format!(
+                    "{listed}: ONLY gives listed.limit to Gateway, which does not read the section"
+                ),
+                format!("{listed}: TEXT_KEYS names listed.nam, no key of its section"),
+                format!("{listed}: TEXT_KEYS names listed.limit, whose default is not unset"),
+                format!("{listed}: OPEN_MAPS names listed.tool, no key of its section"),
+            ]
+        );
+    }
+
     #[test]
     fn unknown_keys_are_checked_against_the_union_of_the_registered_sections() {
         let toml = "[probe]\nlimit = 5\n[gateway]\nmirror = true";
@@ -1270,6 +1564,29 @@ mod section_tests {
         assert_eq!(registered().with::<Probe>().tables(), ["probe", "gateway"]);
         let defaults = load_text("", Mode::Gateway, &registered()).unwrap();
         assert_eq!(defaults.section::<Policy>().unwrap(), Policy::default());
+    }
+
+    #[test]
+    fn the_key_tables_are_built_once_and_a_registration_rebuilds_them() {
+        let sections = Sections::new().with::<Probe>();
+        let first: *const Keys = sections.key_table();
+        assert!(sections.keys().contains(&"probe.limit".to_owned()));
+        assert_eq!(coerce("probe.path", "42", &sections), json!("42"));
+        let _ = load_text("[probe]\nlimit = 2", Mode::Worker, &sections).unwrap();
+        let _ = view(&DaemonConfig::default(), &sections, &[], Mode::Worker);
+        assert!(
+            std::ptr::eq(first, sections.key_table()),
+            "every step reads the one table"
+        );
+        // A section registered after a first use is known: the tables start afresh.
+        let more = sections.clone().with::<Policy>();
+        assert!(more.keys().contains(&"gateway.policy".to_owned()));
+        assert_eq!(more.modes_of("gateway.policy"), Some(vec![Mode::Gateway]));
+        assert_eq!(more.defaults()["gateway"], json!({"policy": "first"}));
+        let loaded = load_text("[gateway]\npolicy = \"last\"", Mode::Gateway, &more).unwrap();
+        assert!(loaded.warnings.is_empty(), "{:?}", loaded.warnings);
+        // The sections it was cloned from keep their own.
+        assert!(!sections.keys().contains(&"gateway.policy".to_owned()));
     }
 
     #[test]

@@ -3,7 +3,7 @@
 
 use serde::{Deserialize, Serialize};
 use simlock_contract::model::Mode;
-use simlock_daemon::config::{DaemonConfig, Section, SectionError, WORKER};
+use simlock_daemon::config::{DaemonConfig, Section, SectionError, WORKER, above_zero};
 
 /// Which driver serves a platform.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -121,17 +121,13 @@ impl Section for DriversConfig {
                     .into(),
             );
         }
-        for (key, ms) in [
+        above_zero(&[
             ("drivers.ios.callTimeoutMs", ios.call_timeout_ms),
             ("drivers.ios.bootTimeoutMs", ios.boot_timeout_ms),
             ("drivers.android.callTimeoutMs", android.call_timeout_ms),
             ("drivers.android.bootTimeoutMs", android.boot_timeout_ms),
             ("drivers.android.bootPollMs", android.boot_poll_ms),
-        ] {
-            if ms == 0 {
-                return bad(format!("{key} must be above 0"));
-            }
-        }
+        ])?;
         if android.adb_server_port < 1024 || android.adb_server_port == 5037 {
             return bad(format!(
                 "drivers.android.adbServerPort: {} is not simlock's own port (1024–65535, never the user's 5037)",

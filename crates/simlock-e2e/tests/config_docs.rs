@@ -1,9 +1,11 @@
 //! `docs/CONFIGURATION.md` (and `docs/HTTP-API.md`'s `config.get` example) cannot drift from
-//! the configuration the binaries register: every key of the sections the worker and the
-//! gateway register is in the key table and every row is a key; each documented default is the
-//! registered sections' default; the example files load without warnings; the environment
-//! examples set the keys they claim; the flags are the binaries' flags; the gateway's
-//! `config.get` example is what a gateway answers.
+//! the configuration the binaries register, nor the registered sections from each other: both
+//! binaries register the same keys, in sections that do not overlap; every key of those sections
+//! is in one row of the owner table, which names the crate and file of its section, and in the
+//! key table, and every row is a key; each documented default is the registered
+//! sections' default; the example files load without warnings; the environment examples set the
+//! keys they claim; the flags are the binaries' flags; the gateway's `config.get` example is
+//! what a gateway answers.
 
 #![allow(
     clippy::unwrap_used,
@@ -12,7 +14,7 @@
     reason = "test helpers fail the test by panicking"
 )]
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 
 use serde_json::Value;
@@ -24,7 +26,7 @@ use simlock_test_support::markdown::{blocks, codes, doc, first_code, table, work
 use simlock_worker::WorkerConfig;
 
 /// The sections a daemon of `mode` registers.
-fn sections(mode: Mode) -> Sections {
+fn sections(mode: Mode) -> &'static Sections {
     match mode {
         Mode::Worker => simlock_worker::sections(),
         Mode::Gateway => simlock_gateway::sections(),
@@ -36,6 +38,20 @@ fn both_binaries_register_the_same_keys() {
     let worker = sections(Mode::Worker).keys();
     assert!(worker.len() > 50, "{worker:?}");
     assert_eq!(worker, sections(Mode::Gateway).keys());
+}
+
+/// Sections sharing a table (the daemon's uplink keys and the fleet's under `gateway`) hold
+/// disjoint keys, and every key a section lists (`ONLY`, `TEXT_KEYS`, `OPEN_MAPS`, and the
+/// daemon's own lists) is one of its keys.
+#[test]
+fn both_binaries_register_disjoint_sections_that_list_only_their_own_keys() {
+    for mode in [Mode::Worker, Mode::Gateway] {
+        assert_eq!(
+            sections(mode).layout_problems(),
+            Vec::<String>::new(),
+            "{mode:?}"
+        );
+    }
 }
 
 // === Reading ===
@@ -63,6 +79,80 @@ fn defaults() -> Value {
 /// same, `both_binaries_register_the_same_keys`).
 fn known_keys() -> BTreeSet<String> {
     sections(Mode::Worker).keys().into_iter().collect()
+}
+
+const OWNER_TABLE: &str = "| section | owner |";
+
+/// The crate a section's type is defined in: `simlock_core::config::IdleConfig` is in
+/// `simlock-core`.
+fn crate_of(type_name: &str) -> String {
+    type_name
+        .split("::")
+        .next()
+        .unwrap_or(type_name)
+        .replace('_', "-")
+}
+
+#[test]
+fn the_owner_table_names_the_crate_and_file_of_every_keys_section() {
+    let doc = config_doc();
+    let sections = sections(Mode::Worker);
+    let known = known_keys();
+    let rows = table(&doc, OWNER_TABLE);
+    assert!(rows.len() >= 5, "{rows:?}");
+    // Each key, with the row entry (`lease`, `gateway.url`) that lists it.
+    let mut listed: BTreeMap<String, String> = BTreeMap::new();
+    for row in rows {
+        assert_eq!(row.len(), 2, "an owner row has two cells: {row:?}");
+        let owner = codes(row[1]);
+        let Some((krate, named)) = owner.split_first() else {
+            panic!("the owner cell names the crate first: {row:?}");
+        };
+        // The types of the sections holding this row's keys.
+        let mut types = BTreeSet::new();
+        let entries = codes(row[0]);
+        assert!(!entries.is_empty(), "{row:?}");
+        for entry in entries {
+            let keys: Vec<&String> = known
+                .iter()
+                .filter(|k| *k == entry || k.starts_with(&format!("{entry}.")))
+                .collect();
+            assert!(!keys.is_empty(), "{entry} is no key and no table of keys");
+            for key in keys {
+                let section = sections.owner_of(key).unwrap();
+                assert_eq!(&crate_of(section), krate, "{key} is held by {section}");
+                types.insert(section.rsplit("::").next().unwrap_or(section));
+                if let Some(before) = listed.insert(key.clone(), entry.to_owned()) {
+                    panic!("{key} is listed as both {before} and {entry}");
+                }
+            }
+        }
+        // The file a row names defines its sections; a type it names is one of them.
+        let mut files = 0;
+        for name in named {
+            if name.ends_with(".rs") {
+                let source = workspace_file(&format!("crates/{krate}/src/{name}"));
+                for ty in &types {
+                    assert!(
+                        source.contains(&format!("pub struct {ty} ")),
+                        "{krate}/src/{name} does not define {ty}"
+                    );
+                }
+                files += 1;
+            } else {
+                assert!(
+                    types.contains(name),
+                    "{name} is not a section of {row:?}: {types:?}"
+                );
+            }
+        }
+        assert_eq!(files, 1, "a row names the file of its sections: {row:?}");
+    }
+    let missing: Vec<&String> = known.iter().filter(|k| !listed.contains_key(*k)).collect();
+    assert!(
+        missing.is_empty(),
+        "keys in no row of the owner table: {missing:?}"
+    );
 }
 
 const KEY_TABLE: &str = "| key | default | type | read by | meaning |";
@@ -198,7 +288,7 @@ fn the_example_files_load_without_warnings() {
         };
         let home = scratch_home(n);
         std::fs::write(home.join("config.toml"), &body).unwrap();
-        let loaded = config::load(&home, mode, &[], &sections(mode));
+        let loaded = config::load(&home, mode, &[], sections(mode));
         let _ = std::fs::remove_dir_all(&home);
         let loaded = loaded.unwrap_or_else(|e| panic!("{e}\n{body}"));
         assert!(loaded.warnings.is_empty(), "{:?}\n{body}", loaded.warnings);
@@ -295,13 +385,13 @@ fn the_environment_examples_set_their_keys() {
                     &home,
                     Mode::Worker,
                     &[],
-                    &sections(Mode::Worker),
+                    sections(Mode::Worker),
                 ));
                 Ok(())
             });
             let loaded = loaded.unwrap().unwrap_or_else(|e| panic!("{line}: {e}"));
             let key = key_of_variable(name);
-            let expected = config::coerce(&key, value, &sections(Mode::Worker));
+            let expected = config::coerce(&key, value, sections(Mode::Worker));
             let config = loaded.value();
             assert_eq!(at(&config, &key), Some(&expected), "{line} sets {key}");
             seen += 1;

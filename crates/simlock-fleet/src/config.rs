@@ -4,17 +4,90 @@
 
 use serde::{Deserialize, Serialize};
 use simlock_contract::model::Mode;
-use simlock_daemon::config::{DaemonConfig, GATEWAY, Section, SectionError};
+use simlock_daemon::config::{DaemonConfig, GATEWAY, Section, SectionError, above_zero};
 
-/// The only routing policy.
-pub const WARM_THEN_FREE: &str = "warm-then-free";
+/// How a gateway picks the worker that serves a lease request: `gateway.routing`.
+///
+/// Read from its spelling ([`RoutingPolicy::as_str`]); any other value fails start-up on either
+/// daemon, naming the key and the accepted spellings.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(try_from = "String", into = "&'static str")]
+pub enum RoutingPolicy {
+    /// `warm-then-free`, the stages of [`crate::routing`]: a worker holding a ready device that
+    /// matches first, then one with a free slot, then one with free capacity.
+    #[default]
+    WarmThenFree,
+}
+
+impl RoutingPolicy {
+    /// Every policy, in the order an unknown spelling's message lists them.
+    pub const ALL: &'static [Self] = &[Self::WarmThenFree];
+
+    /// The policy as `gateway.routing` spells it.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Self::WarmThenFree => "warm-then-free",
+        }
+    }
+}
+
+impl std::fmt::Display for RoutingPolicy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl From<RoutingPolicy> for &'static str {
+    fn from(policy: RoutingPolicy) -> Self {
+        policy.as_str()
+    }
+}
+
+/// A `gateway.routing` that spells no policy; the loader puts the key before its message.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown policy {name:?} ({})", accepted())]
+pub struct UnknownRoutingPolicy {
+    /// The spelling given.
+    pub name: String,
+}
+
+/// The accepted spellings, as an unknown one's message lists them.
+fn accepted() -> String {
+    let names: Vec<&str> = RoutingPolicy::ALL.iter().map(|p| p.as_str()).collect();
+    match names.as_slice() {
+        [only] => format!("only {only}"),
+        all => format!("one of {}", all.join(", ")),
+    }
+}
+
+impl std::str::FromStr for RoutingPolicy {
+    type Err = UnknownRoutingPolicy;
+
+    fn from_str(name: &str) -> Result<Self, Self::Err> {
+        Self::ALL
+            .iter()
+            .copied()
+            .find(|policy| policy.as_str() == name)
+            .ok_or_else(|| UnknownRoutingPolicy {
+                name: name.to_owned(),
+            })
+    }
+}
+
+impl TryFrom<String> for RoutingPolicy {
+    type Error = UnknownRoutingPolicy;
+
+    fn try_from(name: String) -> Result<Self, Self::Error> {
+        name.parse()
+    }
+}
 
 /// `gateway.*` as a gateway reads them.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", default)]
 pub struct FleetConfig {
     /// The routing policy (only `warm-then-free`).
-    pub routing: String,
+    pub routing: RoutingPolicy,
     /// How long a disconnected worker's view is kept (24 h).
     pub disconnected_retention_ms: u64,
     /// Backstop for a forwarded exec (11 min).
@@ -26,7 +99,7 @@ pub struct FleetConfig {
 impl Default for FleetConfig {
     fn default() -> Self {
         Self {
-            routing: WARM_THEN_FREE.into(),
+            routing: RoutingPolicy::WarmThenFree,
             disconnected_retention_ms: 86_400_000,
             exec_timeout_ms: 660_000,
             lease_request_timeout_ms: 300_000,
@@ -39,13 +112,17 @@ impl Section for FleetConfig {
     const MODES: &'static [Mode] = GATEWAY;
 
     fn check(&self, _daemon: &DaemonConfig, _mode: Mode) -> Result<(), SectionError> {
-        if self.routing != WARM_THEN_FREE {
-            return Err(SectionError::new(format!(
-                "gateway.routing: unknown policy {:?} (only warm-then-free)",
-                self.routing
-            )));
-        }
-        Ok(())
+        above_zero(&[
+            (
+                "gateway.disconnectedRetentionMs",
+                self.disconnected_retention_ms,
+            ),
+            ("gateway.execTimeoutMs", self.exec_timeout_ms),
+            (
+                "gateway.leaseRequestTimeoutMs",
+                self.lease_request_timeout_ms,
+            ),
+        ])
     }
 }
 
@@ -56,21 +133,60 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_routing_policy_is_checked_on_a_gateway_and_warned_about_on_a_worker() {
+    fn the_routing_policy_is_read_by_its_spelling_and_another_fails_naming_the_key() {
         let sections = Sections::new().with::<FleetConfig>();
-        let toml = "[gateway]\nrouting = \"round-robin\"";
-        let err = load_text(toml, Mode::Gateway, &sections)
-            .unwrap_err()
-            .to_string();
-        assert!(
-            err.contains("gateway.routing") && err.contains("round-robin"),
-            "{err}"
-        );
+        // A value of the section's type is read on either daemon (ADR 0026), so a spelling
+        // that names no policy fails both, naming the key and the accepted spellings.
+        for mode in [Mode::Gateway, Mode::Worker] {
+            for (value, shown) in [
+                ("\"round-robin\"", "\"round-robin\""),
+                ("\"Warm-Then-Free\"", "\"Warm-Then-Free\""),
+                ("\"warm_then_free\"", "\"warm_then_free\""),
+                ("\"\"", "\"\""),
+            ] {
+                let err = load_text(&format!("[gateway]\nrouting = {value}"), mode, &sections)
+                    .unwrap_err()
+                    .to_string();
+                assert_eq!(
+                    err,
+                    format!(
+                        "configuration: gateway.routing: unknown policy {shown} (only warm-then-free)"
+                    )
+                );
+            }
+            let err = load_text("[gateway]\nrouting = 5", mode, &sections)
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.starts_with("configuration: gateway.routing: invalid type"),
+                "{err}"
+            );
+        }
+        let toml = "[gateway]\nrouting = \"warm-then-free\"";
         let worker = load_text(toml, Mode::Worker, &sections).unwrap();
         assert_eq!(
             worker.warnings,
             ["gateway.routing is a gateway setting; a worker ignores it"]
         );
+        let gateway = load_text(toml, Mode::Gateway, &sections).unwrap();
+        assert!(gateway.warnings.is_empty(), "{:?}", gateway.warnings);
+        let fleet: FleetConfig = gateway.section().unwrap();
+        assert_eq!(fleet.routing, RoutingPolicy::WarmThenFree);
+        // Shown as it is spelled, and every policy reads back from its spelling.
+        assert_eq!(
+            gateway.value()["gateway"]["routing"],
+            serde_json::json!("warm-then-free")
+        );
+        for policy in RoutingPolicy::ALL {
+            assert_eq!(policy.as_str().parse::<RoutingPolicy>(), Ok(*policy));
+            assert_eq!(policy.to_string(), policy.as_str());
+        }
+        assert_eq!(RoutingPolicy::default(), FleetConfig::default().routing);
+    }
+
+    #[test]
+    fn the_gateway_table_holds_the_fleets_keys_beside_the_workers_uplink_keys() {
+        let sections = Sections::new().with::<FleetConfig>();
         let toml = "[gateway]\nrouting = \"warm-then-free\"\nexecTimeoutMs = 5\nurl = \"ws://gw\"\ntoken = \"t\"";
         let gateway = load_text(toml, Mode::Gateway, &sections).unwrap();
         assert_eq!(
@@ -83,5 +199,40 @@ mod tests {
         let fleet: FleetConfig = gateway.section().unwrap();
         assert_eq!(fleet.exec_timeout_ms, 5);
         assert_eq!(gateway.config.gateway.url.as_deref(), Some("ws://gw"));
+    }
+
+    #[test]
+    fn a_zero_timeout_or_retention_fails_a_gateway_naming_the_key_and_one_passes() {
+        let sections = Sections::new().with::<FleetConfig>();
+        for key in [
+            "disconnectedRetentionMs",
+            "execTimeoutMs",
+            "leaseRequestTimeoutMs",
+        ] {
+            let err = load_text(&format!("[gateway]\n{key} = 0"), Mode::Gateway, &sections)
+                .unwrap_err()
+                .to_string();
+            assert_eq!(err, format!("configuration: gateway.{key} must be above 0"));
+            let one = load_text(&format!("[gateway]\n{key} = 1"), Mode::Gateway, &sections)
+                .unwrap_or_else(|e| panic!("gateway.{key} = 1: {e}"));
+            assert!(one.warnings.is_empty(), "{:?}", one.warnings);
+            let fleet: FleetConfig = one.section().unwrap();
+            let timing = crate::FleetTiming::from_config(&fleet);
+            let read = match key {
+                "disconnectedRetentionMs" => timing.disconnected_retention,
+                "execTimeoutMs" => timing.exec_timeout,
+                _ => timing.lease_request_timeout,
+            };
+            assert_eq!(read, std::time::Duration::from_millis(1), "{key}");
+            // A worker does not read the fleet's section: warned about, not checked.
+            let worker = load_text(&format!("[gateway]\n{key} = 0"), Mode::Worker, &sections)
+                .unwrap_or_else(|e| panic!("gateway.{key} = 0 on a worker: {e}"));
+            assert_eq!(
+                worker.warnings,
+                [format!(
+                    "gateway.{key} is a gateway setting; a worker ignores it"
+                )]
+            );
+        }
     }
 }

@@ -22,7 +22,7 @@ mod requests;
 pub mod state;
 pub mod uplink;
 
-pub use config::FleetConfig;
+pub use config::{FleetConfig, RoutingPolicy};
 pub use error::FleetError;
 pub use fleet::{Fleet, FleetParts, FleetTiming, WorkerConn};
 /// Routing: which worker serves a lease request (pure functions of the views).

@@ -7,7 +7,7 @@
 //! hands them out typed through [`Loaded::section`](super::Loaded::section).
 
 use std::any::{Any, TypeId};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use figment::Figment;
 use serde::Serialize;
@@ -15,7 +15,7 @@ use serde::de::DeserializeOwned;
 use serde_json::Value;
 use simlock_contract::model::Mode;
 
-use super::DaemonConfig;
+use super::{DaemonConfig, Keys};
 
 /// Both daemons read the section.
 pub const BOTH: &[Mode] = &[Mode::Worker, Mode::Gateway];
@@ -31,7 +31,7 @@ pub const GATEWAY: &[Mode] = &[Mode::Gateway];
 pub trait Section: Serialize + DeserializeOwned + Default + Clone + Send + Sync + 'static {
     /// The top-level table it reads (`drivers`, `agentDevice`). Two sections may share a
     /// table when their keys are disjoint (the daemon's uplink keys and the fleet's under
-    /// `gateway`).
+    /// `gateway`); [`Sections::layout_problems`] names those that are not.
     const KEY: &'static str;
     /// The daemons that read it: [`BOTH`], [`WORKER`] or [`GATEWAY`].
     const MODES: &'static [Mode];
@@ -70,6 +70,19 @@ impl SectionError {
         Self {
             message: message.into(),
         }
+    }
+}
+
+/// Refuses the first of `values` (a key and its value) that is 0, naming its key:
+/// `drivers.ios.callTimeoutMs must be above 0`. The one check of every duration, interval,
+/// count or multiplier that a zero would stall or disable.
+///
+/// # Errors
+/// A [`SectionError`] naming the first key whose value is 0.
+pub fn above_zero(values: &[(&str, u64)]) -> Result<(), SectionError> {
+    match values.iter().find(|(_, value)| *value == 0) {
+        Some((key, _)) => Err(SectionError::new(format!("{key} must be above 0"))),
+        None => Ok(()),
     }
 }
 
@@ -142,9 +155,15 @@ impl Entry {
 
 /// The sections a binary registers: every section of simlock, its own daemon's and the
 /// other's (see the module docs).
+///
+/// The key tables the loader reads (every known key, the daemons reading each, the text keys,
+/// the defaults) are built from the registered sections at their first use and kept; a binary
+/// builds its `Sections` once and hands the same one to every step.
 #[derive(Clone, Default)]
 pub struct Sections {
     pub(super) entries: Vec<Entry>,
+    /// The key tables of `entries`, built at their first use; a registration starts afresh.
+    keys: OnceLock<Keys>,
 }
 
 impl std::fmt::Debug for Sections {
@@ -166,8 +185,14 @@ impl Sections {
     pub fn with<S: Section>(mut self) -> Self {
         if !self.entries.iter().any(|e| e.type_id == TypeId::of::<S>()) {
             self.entries.push(Entry::of::<S>());
+            self.keys = OnceLock::new();
         }
         self
+    }
+
+    /// The key tables of the registered sections, built at the first call and kept.
+    pub(super) fn key_table(&self) -> &Keys {
+        self.keys.get_or_init(|| Keys::of(&self.entries))
     }
 
     /// The registered sections' tables, in registration order, each once.
@@ -184,13 +209,33 @@ impl Sections {
     /// The one list of known keys: the daemon's own and every registered section's (a key
     /// holding a map of the user's names, such as `exec.tools`, is one key).
     pub fn keys(&self) -> Vec<String> {
-        super::Keys::of(self).known.into_keys().collect()
+        self.key_table().known.keys().cloned().collect()
+    }
+
+    /// The section that holds `key` (one of [`Sections::keys`], or an entry of an open map), as
+    /// [`std::any::type_name`] names its type (`simlock_daemon::config::DaemonConfig` for the
+    /// daemon's own keys), `None` when it is no key. The configuration docs' owner table is
+    /// checked against it.
+    pub fn owner_of(&self, key: &str) -> Option<&'static str> {
+        self.key_table().get(key).map(|known| known.owner)
+    }
+
+    /// What is wrong with how the registered sections lay out their keys, empty when nothing
+    /// is: two sections holding one key (sections may share a table, such as `gateway`, only
+    /// with disjoint keys; the daemon's own section counts), a key inside another section's
+    /// key, or a key a section lists in [`Section::ONLY`], [`Section::TEXT_KEYS`] or
+    /// [`Section::OPEN_MAPS`] that is not one of its keys (a text key must also be unset by
+    /// default, and a mode alone reads a key only of a section it reads). The daemon's own
+    /// lists of worker-only and text keys are checked the same way. A binary's tests assert
+    /// it is empty for the sections it registers.
+    pub fn layout_problems(&self) -> Vec<String> {
+        super::layout_problems(self)
     }
 
     /// The daemons that read `key` (one of [`Sections::keys`], or an entry of an open map),
     /// `None` when it is no key.
     pub fn modes_of(&self, key: &str) -> Option<Vec<Mode>> {
-        super::Keys::of(self).modes(key)
+        self.key_table().modes(key)
     }
 
     /// The whole default configuration: the daemon's own section and every registered
@@ -209,11 +254,7 @@ impl Sections {
     /// Every registered section's defaults, merged by table (the tables of sections sharing
     /// one, such as `gateway`, hold both sections' keys).
     pub fn defaults(&self) -> serde_json::Map<String, Value> {
-        let mut out = serde_json::Map::new();
-        for entry in &self.entries {
-            merge_into(&mut out, entry.key, (entry.defaults)());
-        }
-        out
+        self.key_table().defaults.clone()
     }
 }
 
