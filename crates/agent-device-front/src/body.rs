@@ -8,9 +8,9 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::{Buf, Bytes, BytesMut};
-use tokio::time::Sleep;
 use http_body::{Frame, SizeHint};
 use http_body_util::BodyExt;
+use tokio::time::Sleep;
 
 /// Every body the edge passes on: requests to a host link, responses to the caller. It is the
 /// daemon's HTTP body and the relay's body, so nothing is copied between them.
@@ -323,9 +323,7 @@ impl http_body::Body for Coalesced {
     }
 
     fn is_end_stream(&self) -> bool {
-        self.held.is_none()
-            && self.len() == 0
-            && (self.ended || self.inner.is_end_stream())
+        self.held.is_none() && self.len() == 0 && (self.ended || self.inner.is_end_stream())
     }
 
     fn size_hint(&self) -> SizeHint {

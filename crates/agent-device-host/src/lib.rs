@@ -386,12 +386,8 @@ impl AgentDeviceHost {
         // Uploads reach the daemon in frames of UPSTREAM_FRAME, whatever sizes they came in (the
         // link's parts are 16 KiB; a socket's reads cut a chunk in two): the daemon pays per
         // chunk it parses.
-        let body = agent_device_front::body::Coalesced::new(
-            body,
-            UPSTREAM_FRAME,
-            UPSTREAM_LINGER,
-        )
-        .boxed_unsync();
+        let body = agent_device_front::body::Coalesced::new(body, UPSTREAM_FRAME, UPSTREAM_LINGER)
+            .boxed_unsync();
         let upstream = proxy::upstream_request(
             parts.method.clone(),
             endpoint.port,
@@ -664,7 +660,11 @@ enum Ended {
 }
 
 /// Resolves once `/health` failed twice in a row.
-async fn unhealthy(client: &Client<HttpConnector, Upstream>, endpoint: &Endpoint, interval: Duration) {
+async fn unhealthy(
+    client: &Client<HttpConnector, Upstream>,
+    endpoint: &Endpoint,
+    interval: Duration,
+) {
     let mut failures = 0;
     loop {
         tokio::time::sleep(interval).await;
