@@ -1069,7 +1069,10 @@ async fn exec_through_the_gateway_streams_the_workers_output_to_the_owner() {
             simlock_wire::CallEvent::Reply(reply) => break reply,
         }
     };
-    assert_eq!(reply.unwrap(), json!({"exitCode": 0}));
+    assert_eq!(
+        simlock_wire::decode_value(&reply.unwrap()).unwrap(),
+        json!({"exitCode": 0})
+    );
     assert_eq!(kinds.first(), Some(&"started"));
     assert_eq!(output, "hello fleet\n");
     let stranger = fleet.agent("agent-2").await;
@@ -1134,7 +1137,9 @@ async fn a_waiting_request_is_queued_then_granted_when_a_device_frees_up() {
             .unwrap()
         {
             simlock_wire::CallEvent::Push(_) => {}
-            simlock_wire::CallEvent::Reply(reply) => break reply.unwrap(),
+            simlock_wire::CallEvent::Reply(reply) => {
+                break simlock_wire::decode_value(&reply.unwrap()).unwrap();
+            }
         }
     };
     assert_eq!(granted["lease"]["requesterId"], "agent-2");

@@ -25,7 +25,7 @@ use simlock_daemon::events::EventBus;
 use simlock_daemon::presence::Presence;
 use simlock_daemon::store::{Database, StoreError};
 use simlock_link::LinkHandle;
-use simlock_wire::{RawCallEvent, WireClient, decode_raw};
+use simlock_wire::{CallEvent, WireClient, decode_raw};
 use tokio::sync::{Notify, mpsc, watch};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
@@ -407,8 +407,8 @@ impl Fleet {
             let run = async {
                 let mut call = conn.client.begin_call::<LeaseRequest>(&input, 16).await?;
                 loop {
-                    match call.next_raw().await {
-                        RawCallEvent::Push(frame) => {
+                    match call.next().await {
+                        CallEvent::Push(frame) => {
                             if let Ok(Push::Progress { progress, .. }) =
                                 Push::from_owned_frame(frame)
                                 && let Some(fleet) = me.upgrade()
@@ -418,7 +418,7 @@ impl Fleet {
                                 });
                             }
                         }
-                        RawCallEvent::Reply(reply) => {
+                        CallEvent::Reply(reply) => {
                             return reply.and_then(|raw| decode_raw::<LeaseRequest>(&raw));
                         }
                     }
