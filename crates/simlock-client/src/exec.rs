@@ -108,7 +108,7 @@ impl ExecStream {
 async fn next_wire(handle: &mut CallHandle) -> Result<ExecEvent, ContractError> {
     loop {
         match handle.next().await {
-            CallEvent::Push(frame) => match Push::from_frame(&frame) {
+            CallEvent::Push(frame) => match Push::from_frame(frame) {
                 Ok(Push::Output { stream, chunk, .. }) => {
                     return Ok(ExecEvent::Output { stream, chunk });
                 }

@@ -338,7 +338,7 @@ impl PendingLease {
 async fn next_wire(handle: &mut CallHandle) -> RequestEvent {
     loop {
         match handle.next().await {
-            CallEvent::Push(frame) => match Push::from_frame(&frame) {
+            CallEvent::Push(frame) => match Push::from_frame(frame) {
                 Ok(Push::Progress { progress, .. }) => return RequestEvent::Progress(progress),
                 Ok(other) => debug!(push = other.kind(), "ignoring a push on lease.request"),
                 Err(e) => warn!(error = %e, "ignoring a push the client cannot read"),

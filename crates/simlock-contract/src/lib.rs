@@ -27,6 +27,7 @@ pub mod model;
 pub mod ops;
 pub mod protocol;
 pub mod push;
+mod tagged;
 
 pub use decode::{Input, decode_input};
 pub use error::{ContractError, ErrorBody, ErrorCode, ErrorKind};

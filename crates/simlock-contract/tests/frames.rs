@@ -134,7 +134,7 @@ proptest! {
         let frame = push.to_frame().unwrap();
         let line = to_line(&frame).unwrap();
         let back = read_push(&line);
-        prop_assert_eq!(Push::from_frame(&back).unwrap(), push);
+        prop_assert_eq!(Push::from_frame(back).unwrap(), push);
     }
 
     #[test]

@@ -84,7 +84,7 @@ fn every_example_frame_parses_as_its_kind() {
                 let Ok(RawInbound::Push(frame)) = RawInbound::parse(text.as_bytes()) else {
                     panic!("not a push: {text}")
                 };
-                let push = Push::from_frame(&frame).unwrap_or_else(|e| panic!("{e}: {text}"));
+                let push = Push::from_frame(frame).unwrap_or_else(|e| panic!("{e}: {text}"));
                 push_kinds.push(push.kind());
             }
             other => panic!("unknown example kind {other}"),

@@ -409,8 +409,7 @@ impl Fleet {
                 loop {
                     match call.next().await {
                         CallEvent::Push(frame) => {
-                            if let Ok(Push::Progress { progress, .. }) =
-                                Push::from_owned_frame(frame)
+                            if let Ok(Push::Progress { progress, .. }) = Push::from_frame(frame)
                                 && let Some(fleet) = me.upgrade()
                             {
                                 fleet.decide(|shared, _| {

@@ -158,7 +158,7 @@ impl Fleet {
             let mut call = conn.client.begin_call::<DeviceExec>(&forwarded, 16).await?;
             loop {
                 match call.next().await {
-                    CallEvent::Push(frame) => match Push::from_owned_frame(frame) {
+                    CallEvent::Push(frame) => match Push::from_frame(frame) {
                         Ok(Push::Started { .. }) => {
                             let _ = ctx
                                 .push(Push::Started {

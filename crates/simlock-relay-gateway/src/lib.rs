@@ -763,7 +763,7 @@ impl Driver {
                 if !matches!(phase, Phase::Head(_)) {
                     return Some(Fail::InvalidHead("a second relay-head".into()));
                 }
-                match Push::from_frame(&frame) {
+                match Push::from_frame(frame) {
                     Ok(Push::RelayHead {
                         status, headers, ..
                     }) => match self.response(status, headers) {
