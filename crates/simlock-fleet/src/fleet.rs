@@ -629,7 +629,7 @@ impl Fleet {
         self.db
             .with(|c| {
                 if drained {
-                    c.execute("INSERT OR REPLACE INTO drained_workers (worker_id, drained_at) VALUES (?1, ?2)", rusqlite::params![worker_id, now])
+                    store_drain(c, worker_id, now)
                 } else {
                     forget_drain(c, worker_id)
                 }
@@ -733,10 +733,146 @@ async fn read_view(
     })
 }
 
+/// Stores `worker_id`'s drain flag, set at `at`.
+fn store_drain(c: &rusqlite::Connection, worker_id: &str, at: i64) -> rusqlite::Result<usize> {
+    c.execute(
+        "INSERT OR REPLACE INTO drained_workers (worker_id, drained_at) VALUES (?1, ?2)",
+        rusqlite::params![worker_id, at],
+    )
+}
+
 /// Deletes `worker_id`'s stored drain flag.
 fn forget_drain(c: &rusqlite::Connection, worker_id: &str) -> rusqlite::Result<usize> {
     c.execute(
         "DELETE FROM drained_workers WHERE worker_id = ?1",
         [worker_id],
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use simlock_contract::ErrorCode;
+    use simlock_daemon::clock::TokioClock;
+
+    use super::*;
+
+    const T0: i64 = 1_000_000;
+
+    /// A fleet over `db` (whose drained set it loads), with an event bus to look at.
+    fn fleet(db: &Database) -> (Arc<Fleet>, Arc<EventBus>) {
+        let clock = TokioClock::starting_at(T0).shared();
+        let bus = EventBus::new(64, clock.clone());
+        let fleet = Fleet::start(FleetParts {
+            gateway_id: "g1".into(),
+            limits: LeaseLimits {
+                default_ttl_ms: 1000,
+                max_ttl_ms: 60_000,
+            },
+            timing: FleetTiming {
+                call_timeout: Duration::from_secs(10),
+                refresh_interval: Duration::from_secs(30),
+                refresh_gap: Duration::from_millis(50),
+                lease_request_timeout: Duration::from_secs(5),
+                exec_timeout: Duration::from_secs(5),
+                disconnected_retention: Duration::from_secs(3600),
+                link_stall_timeout: Duration::from_secs(60),
+            },
+            db: db.clone(),
+            bus: bus.clone(),
+            clock,
+            presence: Presence::new(),
+        })
+        .unwrap();
+        (fleet, bus)
+    }
+
+    /// A store whose drained set holds `drained`.
+    fn store(drained: &[&str]) -> Database {
+        let db = Database::open_in_memory().unwrap();
+        db.migrate("fleet", MIGRATIONS).unwrap();
+        for worker_id in drained {
+            db.with(|c| store_drain(c, worker_id, T0 - 1)).unwrap();
+        }
+        db
+    }
+
+    /// The workers the store holds drained.
+    fn stored(db: &Database) -> Vec<String> {
+        db.with(|c| {
+            let mut stmt = c.prepare("SELECT worker_id FROM drained_workers ORDER BY worker_id")?;
+            let rows = stmt.query_map([], |row| row.get(0))?;
+            rows.collect()
+        })
+        .unwrap()
+    }
+
+    /// The disk fails under the gateway: the drained set's table is gone.
+    fn break_store(db: &Database) {
+        db.with(|c| c.execute_batch("DROP TABLE drained_workers"))
+            .unwrap();
+    }
+
+    /// The disk is back, empty.
+    fn heal_store(db: &Database) {
+        db.with(|c| c.execute_batch(MIGRATIONS[0])).unwrap();
+    }
+
+    /// A worker the fleet knows, connected once and now disconnected.
+    fn seen(fleet: &Fleet, worker_id: &str) {
+        fleet.decide(|shared, now| {
+            let generation = shared
+                .core
+                .handle_uplink_opened(worker_id, None, "tok_j".into(), now);
+            shared.core.handle_uplink_closed(generation, now);
+        });
+    }
+
+    fn drained(fleet: &Fleet, worker_id: &str) -> Option<bool> {
+        fleet.view(worker_id).map(|v| v.drained)
+    }
+
+    /// The worker events recorded on the bus, by name.
+    fn worker_events(bus: &EventBus) -> Vec<String> {
+        bus.replay(None)
+            .into_iter()
+            .map(|e| e.event)
+            .filter(|e| e.starts_with("worker."))
+            .collect()
+    }
+
+    /// A call refused because the gateway's store failed: `INTERNAL`, naming the store.
+    fn assert_store_failed(err: &ContractError) {
+        assert_eq!(err.code, ErrorCode::Internal, "{err:?}");
+        assert!(err.message.contains("state store"), "{}", err.message);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_drain_or_undrain_that_cannot_be_stored_changes_nothing_and_is_reported() {
+        let db = store(&["w1"]);
+        let (fleet, bus) = fleet(&db);
+        seen(&fleet, "w2");
+        assert_eq!(
+            (drained(&fleet, "w1"), drained(&fleet, "w2")),
+            (Some(true), Some(false))
+        );
+        break_store(&db);
+
+        assert_store_failed(&fleet.set_drained("w2", true).unwrap_err());
+        assert_store_failed(&fleet.set_drained("w1", false).unwrap_err());
+        assert_eq!(
+            (drained(&fleet, "w1"), drained(&fleet, "w2")),
+            (Some(true), Some(false)),
+            "neither view moved"
+        );
+        assert!(worker_events(&bus).is_empty(), "{:?}", worker_events(&bus));
+        // What changes nothing needs no store, and still answers.
+        assert!(fleet.set_drained("w1", true).unwrap());
+
+        // Once the store takes writes again, the same calls go through.
+        heal_store(&db);
+        assert!(fleet.set_drained("w2", true).unwrap());
+        assert_eq!(stored(&db), ["w2"]);
+        assert_eq!(drained(&fleet, "w2"), Some(true));
+        assert_eq!(worker_events(&bus), ["worker.drain-started"]);
+    }
 }
