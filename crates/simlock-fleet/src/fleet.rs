@@ -11,6 +11,7 @@ use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use parking_lot::Mutex;
+use rusqlite::OptionalExtension as _;
 use simlock_contract::event::EventModule;
 use simlock_contract::ids::RequestId;
 use simlock_contract::model::{LeaseGrant, LeaseLimits, WorkerView};
@@ -648,23 +649,44 @@ impl Fleet {
         Ok(drained)
     }
 
-    /// Forgets a disconnected worker (and its drain flag).
+    /// Forgets a disconnected worker (and its drain flag); its stored drain flag goes first.
     ///
     /// # Errors
-    /// `WORKER_CONNECTED` while its uplink is up.
+    /// `WORKER_CONNECTED` while its uplink is up, or `INTERNAL` on a store failure (the worker
+    /// is not forgotten).
     pub fn remove(&self, worker_id: &str) -> Result<bool, ContractError> {
         let _stored_in_order = self.persist.lock();
-        let removed = self
-            .decide(|shared, now| shared.core.handle_remove(worker_id, now))
-            .map_err(ContractError::from)?;
-        // Forgotten first, then stored, outside the fleet's lock: a drain of the same worker
-        // waits for this store.
-        self.forget_stored_drain(worker_id);
-        Ok(removed)
+        if !self
+            .shared
+            .lock()
+            .core
+            .removable(worker_id)
+            .map_err(ContractError::from)?
+        {
+            // Nothing to forget here; a drain flag a failed store left behind goes.
+            self.forget_stored_drain(worker_id);
+            return Ok(false);
+        }
+        // Stored outside the fleet's lock, before the fleet forgets it; a failure changes
+        // nothing. A drain of the same worker waits for this store.
+        let drained_at = self
+            .db
+            .with(|c| take_drain(c, worker_id))
+            .map_err(|e| ContractError::from(store_error(&e)))?;
+        let removed = self.decide(|shared, now| shared.core.handle_remove(worker_id, now));
+        if removed.is_err()
+            && let Some(at) = drained_at
+        {
+            // Its uplink came back in between: it stays, drained, and so does what was stored.
+            if let Err(e) = self.db.with(|c| store_drain(c, worker_id, at)) {
+                warn!(worker = %worker_id, error = %e, "the worker's drain flag could not be stored again; it comes back undrained after a restart");
+            }
+        }
+        removed.map_err(ContractError::from)
     }
 
-    /// Deletes `worker_id`'s stored drain flag after the fleet forgot the worker; a failure is
-    /// logged (the worker would come back drained after a restart) and changes nothing else.
+    /// Deletes `worker_id`'s stored drain flag when the fleet knows no such worker; a failure
+    /// is logged (the worker would come back drained after a restart) and changes nothing else.
     fn forget_stored_drain(&self, worker_id: &str) {
         if let Err(e) = self.db.with(|c| forget_drain(c, worker_id)) {
             warn!(worker = %worker_id, error = %e, "the forgotten worker's drain flag stays stored");
@@ -739,6 +761,21 @@ fn store_drain(c: &rusqlite::Connection, worker_id: &str, at: i64) -> rusqlite::
         "INSERT OR REPLACE INTO drained_workers (worker_id, drained_at) VALUES (?1, ?2)",
         rusqlite::params![worker_id, at],
     )
+}
+
+/// Deletes `worker_id`'s stored drain flag; answers when it was set, if it was stored.
+fn take_drain(c: &mut rusqlite::Connection, worker_id: &str) -> rusqlite::Result<Option<i64>> {
+    let tx = c.transaction()?;
+    let at = tx
+        .query_row(
+            "SELECT drained_at FROM drained_workers WHERE worker_id = ?1",
+            [worker_id],
+            |row| row.get(0),
+        )
+        .optional()?;
+    forget_drain(&tx, worker_id)?;
+    tx.commit()?;
+    Ok(at)
 }
 
 /// Deletes `worker_id`'s stored drain flag.
@@ -874,5 +911,55 @@ mod tests {
         assert_eq!(stored(&db), ["w2"]);
         assert_eq!(drained(&fleet, "w2"), Some(true));
         assert_eq!(worker_events(&bus), ["worker.drain-started"]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_removal_that_cannot_be_stored_changes_nothing_and_is_reported() {
+        let db = store(&["w1"]);
+        let (fleet, bus) = fleet(&db);
+        seen(&fleet, "w2");
+        break_store(&db);
+
+        assert_store_failed(&fleet.remove("w1").unwrap_err());
+        assert_store_failed(&fleet.remove("w2").unwrap_err());
+        assert_eq!(
+            (drained(&fleet, "w1"), drained(&fleet, "w2")),
+            (Some(true), Some(false)),
+            "both are still known, as they were"
+        );
+        assert!(worker_events(&bus).is_empty(), "{:?}", worker_events(&bus));
+
+        // Once the store takes writes again, the same calls go through.
+        heal_store(&db);
+        db.with(|c| store_drain(c, "w1", T0 - 1)).unwrap();
+        assert!(fleet.remove("w1").unwrap());
+        assert!(fleet.remove("w2").unwrap());
+        assert_eq!((fleet.view("w1"), fleet.view("w2")), (None, None));
+        assert!(
+            stored(&db).is_empty(),
+            "the drain flag went with the worker"
+        );
+        assert_eq!(worker_events(&bus), ["worker.removed", "worker.removed"]);
+        assert!(
+            !fleet.remove("w1").unwrap(),
+            "a worker the fleet does not know"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_connected_worker_is_not_removed_and_keeps_its_stored_drain_flag() {
+        let db = store(&["w1"]);
+        let (fleet, _bus) = fleet(&db);
+        fleet.decide(|shared, now| {
+            shared
+                .core
+                .handle_uplink_opened("w1", None, "tok_j".into(), now)
+        });
+        assert_eq!(
+            fleet.remove("w1").unwrap_err().code,
+            ErrorCode::WorkerConnected
+        );
+        assert_eq!(drained(&fleet, "w1"), Some(true));
+        assert_eq!(stored(&db), ["w1"]);
     }
 }

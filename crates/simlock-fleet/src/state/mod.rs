@@ -1940,18 +1940,27 @@ impl Core {
         self.dispatch(now);
     }
 
+    /// Whether an operator may forget `worker_id`: `true` for a known worker whose uplink is
+    /// down, `false` for one the fleet does not know.
+    ///
+    /// # Errors
+    /// `WORKER_CONNECTED` while its uplink is up.
+    pub fn removable(&self, worker_id: &str) -> Result<bool, FleetError> {
+        match self.workers.get(worker_id) {
+            None => Ok(false),
+            Some(w) if w.link.is_some() => Err(FleetError::WorkerConnected(worker_id.to_owned())),
+            Some(_) => Ok(true),
+        }
+    }
+
     /// An operator forgets a disconnected worker (and its drain flag). Answers whether it was
     /// known.
     ///
     /// # Errors
     /// `WORKER_CONNECTED` while its uplink is up.
     pub fn handle_remove(&mut self, worker_id: &str, now: i64) -> Result<bool, FleetError> {
-        match self.workers.get(worker_id) {
-            None => return Ok(false),
-            Some(w) if w.link.is_some() => {
-                return Err(FleetError::WorkerConnected(worker_id.to_owned()));
-            }
-            Some(_) => {}
+        if !self.removable(worker_id)? {
+            return Ok(false);
         }
         if let Some(worker) = self.workers.remove(worker_id) {
             self.index.forget_worker(worker_id);
