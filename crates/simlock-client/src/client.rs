@@ -277,8 +277,17 @@ impl Client {
     /// The daemon's error; `DAEMON_CONNECTION_LOST` when the connection is lost or the call
     /// outlives its bound; `INTERNAL` when the output does not match the operation.
     pub async fn call<O: Operation>(&self, input: &O::Input) -> Result<O::Output, ContractError> {
-        let value = self.call_value_bounded(O::NAME, payload(input)?).await?;
-        decode_output::<O>(value)
+        let bound = self.options.call_timeout;
+        let call = async {
+            match &self.backend {
+                // The reply is decoded once, straight from its raw payload.
+                Backend::Wire(wire) => wire.client().call::<O>(input).await,
+                Backend::Http(http) => decode_output::<O>(http.op(O::NAME, payload(input)?).await?),
+            }
+        };
+        tokio::time::timeout(bound, call)
+            .await
+            .unwrap_or_else(|_| Err(timed_out(O::NAME, bound)))
     }
 
     /// Runs the operation named `op` with a JSON payload, bounded like [`Self::call`].

@@ -3,8 +3,8 @@
 use serde_json::Value;
 use simlock_contract::ops::{DeviceExec, ExecInput};
 use simlock_contract::push::OutputStream;
-use simlock_contract::{ContractError, ErrorBody, ErrorCode, Operation as _, Push};
-use simlock_wire::{CallEvent, CallHandle, decode_output};
+use simlock_contract::{ContractError, ErrorBody, ErrorCode, Push};
+use simlock_wire::{CallEvent, CallHandle, decode_output, decode_raw};
 use tracing::debug;
 
 use crate::client::{Backend, Client, payload, timed_out};
@@ -49,7 +49,7 @@ impl ExecStream {
         let inner = match &client.backend {
             Backend::Wire(wire) => Inner::Wire(Box::new(
                 wire.client()
-                    .begin(DeviceExec::NAME, payload(&input)?, OUTPUT_QUEUE)
+                    .begin_call::<DeviceExec>(&input, OUTPUT_QUEUE)
                     .await?,
             )),
             Backend::Http(http) => {
@@ -108,7 +108,7 @@ impl ExecStream {
 async fn next_wire(handle: &mut CallHandle) -> Result<ExecEvent, ContractError> {
     loop {
         match handle.next().await {
-            CallEvent::Push(frame) => match Push::from_frame(&frame) {
+            CallEvent::Push(frame) => match Push::from_frame(frame) {
                 Ok(Push::Output { stream, chunk, .. }) => {
                     return Ok(ExecEvent::Output { stream, chunk });
                 }
@@ -116,7 +116,7 @@ async fn next_wire(handle: &mut CallHandle) -> Result<ExecEvent, ContractError> 
                 Err(e) => debug!(error = %e, "ignoring a push the client cannot read"),
             },
             CallEvent::Reply(outcome) => {
-                let output = outcome.and_then(decode_output::<DeviceExec>)?;
+                let output = decode_raw::<DeviceExec>(&outcome?)?;
                 return Ok(ExecEvent::Exit {
                     exit_code: output.exit_code,
                 });

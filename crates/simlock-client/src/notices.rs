@@ -137,7 +137,7 @@ impl LeaseNotice {
         ) {
             return Ok(None);
         }
-        let push = Push::from_frame(&PushFrame {
+        let push = Push::from_frame(PushFrame {
             push: event.event.clone(),
             payload: event.json()?,
         })

@@ -14,7 +14,7 @@ use simlock_contract::model::LeaseGrant;
 use simlock_contract::ops::{CancelResult, LeaseRequest, LeaseRequestInput};
 use simlock_contract::push::Progress;
 use simlock_contract::{ContractError, ErrorCode, Operation as _, Push};
-use simlock_wire::{CallEvent, CallHandle, decode_output};
+use simlock_wire::{CallEvent, CallHandle, decode_output, decode_raw};
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 use tracing::{debug, warn};
@@ -116,7 +116,7 @@ impl PendingLease {
         let inner = match &client.backend {
             Backend::Wire(wire) => Inner::Wire(Box::new(
                 wire.client()
-                    .begin(LeaseRequest::NAME, payload(&input)?, PROGRESS_QUEUE)
+                    .begin_call::<LeaseRequest>(&input, PROGRESS_QUEUE)
                     .await?,
             )),
             Backend::Http(http) if input.owner.is_some() => {
@@ -338,13 +338,15 @@ impl PendingLease {
 async fn next_wire(handle: &mut CallHandle) -> RequestEvent {
     loop {
         match handle.next().await {
-            CallEvent::Push(frame) => match Push::from_frame(&frame) {
+            CallEvent::Push(frame) => match Push::from_frame(frame) {
                 Ok(Push::Progress { progress, .. }) => return RequestEvent::Progress(progress),
                 Ok(other) => debug!(push = other.kind(), "ignoring a push on lease.request"),
                 Err(e) => warn!(error = %e, "ignoring a push the client cannot read"),
             },
             CallEvent::Reply(outcome) => {
-                return RequestEvent::Done(outcome.and_then(decode_output::<LeaseRequest>));
+                return RequestEvent::Done(
+                    outcome.and_then(|raw| decode_raw::<LeaseRequest>(&raw)),
+                );
             }
         }
     }

@@ -148,7 +148,7 @@ impl WireBackend {
 /// Reads every unsolicited push until the connection ends.
 async fn read_unsolicited(mut unsolicited: Unsolicited, fanout: Arc<Fanout>) {
     while let Some(frame) = unsolicited.recv().await {
-        let push = match Push::from_frame(&frame) {
+        let push = match Push::from_frame(frame) {
             Ok(push) => push,
             Err(e) => {
                 warn!(error = %e, "dropping a push the client cannot read");

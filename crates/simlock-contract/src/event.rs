@@ -524,52 +524,13 @@ impl Event {
     }
 
     /// The event an envelope holds, if its name is one this build knows and its payload has
-    /// that event's fields (more fields are ignored).
+    /// that event's fields (more fields are ignored). The payload is read in place, not copied.
     pub fn from_envelope(envelope: &EventEnvelope) -> Option<Self> {
-        // Read in place, as if it were `{"event": …, "payload": …}`: the payload is not copied.
-        let tagged = Tagged {
-            event: &envelope.event,
-            payload: &envelope.payload,
-            at: 0,
-        };
-        Self::deserialize(serde::de::value::MapAccessDeserializer::new(tagged)).ok()
-    }
-}
-
-/// An envelope's name and payload, read as the map an event serialises to.
-struct Tagged<'a> {
-    event: &'a str,
-    payload: &'a Value,
-    at: u8,
-}
-
-impl<'de> serde::de::MapAccess<'de> for Tagged<'de> {
-    type Error = serde_json::Error;
-
-    fn next_key_seed<K: serde::de::DeserializeSeed<'de>>(
-        &mut self,
-        seed: K,
-    ) -> Result<Option<K::Value>, Self::Error> {
-        let key = match self.at {
-            0 => "event",
-            1 => "payload",
-            _ => return Ok(None),
-        };
-        seed.deserialize(serde::de::value::BorrowedStrDeserializer::new(key))
-            .map(Some)
+        crate::tagged::read(Self::KEYS, &envelope.event, &envelope.payload).ok()
     }
 
-    fn next_value_seed<V: serde::de::DeserializeSeed<'de>>(
-        &mut self,
-        seed: V,
-    ) -> Result<V::Value, Self::Error> {
-        self.at += 1;
-        if self.at == 1 {
-            seed.deserialize(serde::de::value::BorrowedStrDeserializer::new(self.event))
-        } else {
-            seed.deserialize(self.payload)
-        }
-    }
+    /// The keys an event's name and payload take in its serialised form.
+    const KEYS: crate::tagged::Keys = ["event", "payload"];
 }
 
 #[cfg(test)]

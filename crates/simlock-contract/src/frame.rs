@@ -11,10 +11,9 @@
 
 use std::fmt;
 
-use serde::de::Error as _;
-use serde::{Deserialize, Deserializer, Serialize, Serializer};
+use serde::{Deserialize, Serialize, Serializer};
 use serde_json::value::RawValue;
-use serde_json::{Map, Number, Value};
+use serde_json::{Number, Value};
 
 use crate::error::{ContractError, ErrorBody, ErrorCode};
 
@@ -194,30 +193,6 @@ impl Serialize for Reply {
     }
 }
 
-impl<'de> Deserialize<'de> for Reply {
-    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        #[derive(Deserialize)]
-        struct Wire {
-            id: Option<FrameId>,
-            ok: bool,
-            #[serde(default)]
-            payload: Option<Value>,
-            #[serde(default)]
-            error: Option<ErrorBody>,
-        }
-        let wire = Wire::deserialize(deserializer)?;
-        let outcome = if wire.ok {
-            Ok(wire.payload.unwrap_or_else(|| Value::Object(Map::new())))
-        } else {
-            Err(wire.error.ok_or_else(|| D::Error::missing_field("error"))?)
-        };
-        Ok(Self {
-            id: wire.id,
-            outcome,
-        })
-    }
-}
-
 /// A push: the daemon tells the client something outside a reply.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct PushFrame {
@@ -237,39 +212,9 @@ impl PushFrame {
     }
 }
 
-/// What a client reads: a reply or a push.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Inbound {
-    /// A result or error for a call.
-    Reply(Reply),
-    /// A push.
-    Push(PushFrame),
-}
-
-impl Inbound {
-    /// Parses one line a daemon sent.
-    ///
-    /// # Errors
-    /// A message when the line is neither a reply nor a push.
-    pub fn parse(line: &[u8]) -> Result<Self, String> {
-        let value: Value =
-            serde_json::from_slice(line).map_err(|e| format!("invalid JSON: {e}"))?;
-        if value.get("push").is_some() {
-            serde_json::from_value(value)
-                .map(Self::Push)
-                .map_err(|e| format!("invalid push: {e}"))
-        } else if value.get("ok").is_some() {
-            serde_json::from_value(value)
-                .map(Self::Reply)
-                .map_err(|e| format!("invalid reply: {e}"))
-        } else {
-            Err("neither a reply nor a push".to_owned())
-        }
-    }
-}
-
 /// What a client reads, read in one pass: a push (its payload as a value), or a reply whose
-/// payload stays raw JSON, for its caller to decode straight into its type.
+/// payload stays raw JSON, for its caller to decode straight into its type. This is the one
+/// reader of a line a daemon sent.
 #[derive(Debug, Clone)]
 pub enum RawInbound {
     /// A result or error for a call.
@@ -284,8 +229,9 @@ pub enum RawInbound {
 }
 
 impl RawInbound {
-    /// Parses one line a daemon sent, as [`Inbound::parse`] does, without building the reply's
-    /// payload as a value.
+    /// Parses one line a daemon sent: a push when it names one, else a reply when it says `ok`
+    /// (a result's absent or null payload reads as `{}`; an error needs its `error`). The
+    /// reply's payload is kept as raw JSON, never built as a value.
     ///
     /// # Errors
     /// A message when the line is neither a reply nor a push.
@@ -367,30 +313,47 @@ mod tests {
         );
     }
 
-    #[test]
-    fn a_raw_read_agrees_with_the_value_read() {
-        let lines: [&[u8]; 7] = [
-            br#"{"id":3,"ok":true,"payload":{"leaseId":"lse_1","n":[1,2]}}"#,
-            br#"{"id":"x","ok":true}"#,
-            br#"{"id":"x","ok":true,"payload":null}"#,
-            br#"{"id":4,"ok":false,"error":{"code":"UNKNOWN_LEASE","message":"gone"}}"#,
-            br#"{"push":"started","payload":{"requestId":3}}"#,
-            br#"{"id":5,"ok":false}"#,
-            br#"{"id":5}"#,
-        ];
-        for line in lines {
-            match (Inbound::parse(line), RawInbound::parse(line)) {
-                (Ok(Inbound::Reply(reply)), Ok(RawInbound::Reply { id, outcome })) => {
-                    assert_eq!(reply.id, id);
-                    let outcome =
-                        outcome.map(|raw| serde_json::from_str::<Value>(raw.get()).unwrap());
-                    assert_eq!(reply.outcome, outcome);
-                }
-                (Ok(Inbound::Push(push)), Ok(RawInbound::Push(raw))) => assert_eq!(push, raw),
-                (Err(_), Err(_)) => {}
-                (value, raw) => panic!("{value:?} against {raw:?}"),
-            }
+    /// The reply a line reads as, its payload as a value.
+    fn reply(line: &[u8]) -> (Option<FrameId>, Result<Value, ErrorBody>) {
+        match RawInbound::parse(line) {
+            Ok(RawInbound::Reply { id, outcome }) => (
+                id,
+                outcome.map(|raw| serde_json::from_str(raw.get()).unwrap()),
+            ),
+            other => panic!("not a reply: {other:?}"),
         }
+    }
+
+    #[test]
+    fn a_reply_reads_its_id_and_payload_and_an_absent_or_null_payload_is_empty() {
+        assert_eq!(
+            reply(br#"{"id":3,"ok":true,"payload":{"leaseId":"lse_1","n":[1,2]}}"#),
+            (
+                Some(FrameId::from(3)),
+                Ok(json!({"leaseId": "lse_1", "n": [1, 2]}))
+            )
+        );
+        assert_eq!(
+            reply(br#"{"id":"x","ok":true}"#),
+            (Some(FrameId::from("x")), Ok(json!({})))
+        );
+        assert_eq!(
+            reply(br#"{"id":"x","ok":true,"payload":null}"#),
+            (Some(FrameId::from("x")), Ok(json!({})))
+        );
+        let (id, outcome) =
+            reply(br#"{"id":4,"ok":false,"error":{"code":"UNKNOWN_LEASE","message":"gone"}}"#);
+        assert_eq!(id, Some(FrameId::from(4)));
+        let error = ContractError::from_body(outcome.unwrap_err());
+        assert_eq!(
+            (error.code, error.message.as_str()),
+            (ErrorCode::UnknownLease, "gone")
+        );
+        assert_eq!(
+            reply(br#"{"id":null,"ok":false,"error":{"code":"BAD_FRAME","message":"Invalid JSON frame"}}"#).0,
+            None,
+            "a bad frame's answer has no id"
+        );
     }
 
     #[test]
@@ -437,17 +400,30 @@ mod tests {
     }
 
     #[test]
-    fn inbound_tells_replies_from_pushes() {
-        let push = Inbound::parse(br#"{"push":"started","payload":{"requestId":3}}"#).unwrap();
-        let Inbound::Push(push) = push else {
+    fn a_push_is_told_from_a_reply_and_a_line_that_is_neither_is_refused() {
+        let Ok(RawInbound::Push(push)) =
+            RawInbound::parse(br#"{"push":"started","payload":{"requestId":3}}"#)
+        else {
             panic!("not a push")
         };
+        assert_eq!(push.push, "started");
         assert_eq!(push.request_id(), Some(FrameId::from(3)));
         assert!(matches!(
-            Inbound::parse(br#"{"id":1,"ok":true}"#),
-            Ok(Inbound::Reply(_))
+            RawInbound::parse(br#"{"id":1,"ok":true}"#),
+            Ok(RawInbound::Reply { .. })
         ));
-        assert!(Inbound::parse(br#"{"id":1}"#).is_err());
-        assert!(Inbound::parse(br#"{"id":1,"ok":false}"#).is_err());
+        for line in [
+            &br#"{"id":1}"#[..],
+            br#"{"id":1,"ok":false}"#,
+            br#"{"push":"started"}"#,
+            b"{nope",
+            b"[1]",
+        ] {
+            assert!(
+                RawInbound::parse(line).is_err(),
+                "{}",
+                String::from_utf8_lossy(line)
+            );
+        }
     }
 }

@@ -27,10 +27,11 @@ pub mod model;
 pub mod ops;
 pub mod protocol;
 pub mod push;
+mod tagged;
 
 pub use decode::{Input, decode_input};
 pub use error::{ContractError, ErrorBody, ErrorCode, ErrorKind};
-pub use frame::{BadFrame, Call, CallOut, FrameId, Inbound, PushFrame, RawInbound, Reply};
+pub use frame::{BadFrame, Call, CallOut, FrameId, PushFrame, RawInbound, Reply};
 pub use ops::{OPERATIONS, Operation, OperationSpec};
 pub use protocol::{Hello, HelloReply, PROTOCOL_RANGE, ProtocolRange, Role};
 pub use push::Push;

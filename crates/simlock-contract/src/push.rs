@@ -142,6 +142,9 @@ impl Push {
     /// The wire name of [`Push::Event`], the one push a gateway reads from a worker unasked.
     pub const EVENT: &'static str = "event";
 
+    /// The keys a push's kind and payload take in its frame.
+    const KEYS: crate::tagged::Keys = ["push", "payload"];
+
     /// The push kind's wire name.
     pub const fn kind(&self) -> &'static str {
         match self {
@@ -178,27 +181,18 @@ impl Push {
         serde_json::from_value(serde_json::to_value(self)?)
     }
 
-    /// Reads a push frame back into its type.
+    /// Reads a push frame back into its type, taking it: its payload is moved into the push,
+    /// not copied.
     ///
     /// # Errors
-    /// A message naming the kind when the payload breaks the push's schema.
-    pub fn from_frame(frame: &PushFrame) -> Result<Self, String> {
-        Self::from_owned_frame(frame.clone())
-    }
-
-    /// Reads a push frame back into its type, taking it (its payload is moved, not copied).
-    ///
-    /// # Errors
-    /// A message naming the kind when the payload breaks the push's schema.
-    pub fn from_owned_frame(frame: PushFrame) -> Result<Self, String> {
+    /// A message naming the kind when the kind is unknown or the payload breaks the push's
+    /// schema (a `relay-head` status outside 100–599, or 101, included).
+    pub fn from_frame(frame: PushFrame) -> Result<Self, String> {
         let PushFrame {
             push: kind,
             payload,
         } = frame;
-        let mut object = serde_json::Map::new();
-        object.insert("push".into(), Value::String(kind.clone()));
-        object.insert("payload".into(), payload);
-        let push: Self = serde_json::from_value(Value::Object(object))
+        let push: Self = crate::tagged::read(Self::KEYS, &kind, payload)
             .map_err(|e| format!("invalid {kind} push: {e}"))?;
         if let Self::RelayHead { status, .. } = &push
             && (!(100..=599).contains(status) || *status == 101)
@@ -234,7 +228,7 @@ mod tests {
         );
         let frame = push.to_frame().unwrap();
         assert_eq!(frame.push, "progress");
-        assert_eq!(Push::from_frame(&frame).unwrap(), push);
+        assert_eq!(Push::from_frame(frame).unwrap(), push);
     }
 
     #[test]
@@ -243,11 +237,11 @@ mod tests {
             push: "relay-head".into(),
             payload: json!({"requestId": 1, "status": 101, "headers": []}),
         };
-        assert!(Push::from_frame(&frame).is_err());
+        assert!(Push::from_frame(frame).is_err());
         let frame = PushFrame {
             push: "relay-head".into(),
             payload: json!({"requestId": 1, "status": 204, "headers": [["a", "b"]]}),
         };
-        assert!(Push::from_frame(&frame).is_ok());
+        assert!(Push::from_frame(frame).is_ok());
     }
 }

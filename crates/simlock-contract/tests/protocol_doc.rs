@@ -9,7 +9,7 @@
 )]
 
 use simlock_contract::error::ERROR_TABLE;
-use simlock_contract::{Call, Inbound, OPERATIONS, Push};
+use simlock_contract::{Call, OPERATIONS, Push, RawInbound};
 
 fn doc() -> String {
     std::fs::read_to_string(concat!(
@@ -63,10 +63,11 @@ fn every_example_frame_parses_as_its_kind() {
                 assert!(check.is_ok(), "example input refused: {check:?}: {text}");
             }
             "reply" => {
-                let Inbound::Reply(reply) = Inbound::parse(text.as_bytes()).unwrap() else {
+                let Ok(RawInbound::Reply { outcome, .. }) = RawInbound::parse(text.as_bytes())
+                else {
                     panic!("not a reply: {text}")
                 };
-                match reply.outcome {
+                match outcome {
                     Ok(_) => saw_result = true,
                     Err(body) => {
                         saw_error = true;
@@ -80,10 +81,10 @@ fn every_example_frame_parses_as_its_kind() {
                 }
             }
             "push" => {
-                let Inbound::Push(frame) = Inbound::parse(text.as_bytes()).unwrap() else {
+                let Ok(RawInbound::Push(frame)) = RawInbound::parse(text.as_bytes()) else {
                     panic!("not a push: {text}")
                 };
-                let push = Push::from_frame(&frame).unwrap_or_else(|e| panic!("{e}: {text}"));
+                let push = Push::from_frame(frame).unwrap_or_else(|e| panic!("{e}: {text}"));
                 push_kinds.push(push.kind());
             }
             other => panic!("unknown example kind {other}"),

@@ -178,7 +178,12 @@ pub async fn pushes_and_reply(
     loop {
         match patient("the call's next event", call.next()).await {
             CallEvent::Push(push) => pushes.push(push),
-            CallEvent::Reply(reply) => return (pushes, reply),
+            CallEvent::Reply(reply) => {
+                return (
+                    pushes,
+                    reply.and_then(|raw| simlock_wire::decode_value(&raw)),
+                );
+            }
         }
     }
 }

@@ -54,7 +54,7 @@ async fn capability_changed(subscriber: &mut Session, worker_id: &str) -> EventE
             .expect("the session is open");
         if let Ok(Push::Event {
             event: envelope, ..
-        }) = Push::from_frame(&frame)
+        }) = Push::from_frame(frame)
             && envelope.event == "capability.changed"
             && envelope.payload["workerId"] == worker_id
         {

@@ -40,7 +40,7 @@ async fn relayed(
             .expect("the session is open");
         if let Ok(Push::Event {
             event: envelope, ..
-        }) = Push::from_frame(&frame)
+        }) = Push::from_frame(frame)
             && envelope.event == event
             && worker_lease.is_none_or(|lease| envelope.payload["leaseId"] == lease)
         {
@@ -968,7 +968,7 @@ async fn a_lease_end_that_overtakes_its_grant_still_reaches_the_owner() {
         .await
         .unwrap()
         .unwrap();
-    match Push::from_frame(&push).unwrap() {
+    match Push::from_frame(push).unwrap() {
         Push::LeaseLost {
             lease_id: lost,
             reason,
@@ -1002,7 +1002,7 @@ async fn an_expired_gateway_lease_reaches_its_owner_as_lease_lost_with_the_gatew
         .await
         .unwrap()
         .unwrap();
-    let push = Push::from_frame(&push).unwrap();
+    let push = Push::from_frame(push).unwrap();
     match push {
         Push::LeaseLost {
             lease_id: lost,
@@ -1057,7 +1057,7 @@ async fn exec_through_the_gateway_streams_the_workers_output_to_the_owner() {
                     frame.request_id().and_then(|id| id.as_u64()),
                     Some(call.id())
                 );
-                match Push::from_frame(&frame).unwrap() {
+                match Push::from_frame(frame).unwrap() {
                     Push::Started { .. } => kinds.push("started"),
                     Push::Output { chunk, .. } => {
                         kinds.push("output");
@@ -1069,7 +1069,10 @@ async fn exec_through_the_gateway_streams_the_workers_output_to_the_owner() {
             simlock_wire::CallEvent::Reply(reply) => break reply,
         }
     };
-    assert_eq!(reply.unwrap(), json!({"exitCode": 0}));
+    assert_eq!(
+        simlock_wire::decode_value(&reply.unwrap()).unwrap(),
+        json!({"exitCode": 0})
+    );
     assert_eq!(kinds.first(), Some(&"started"));
     assert_eq!(output, "hello fleet\n");
     let stranger = fleet.agent("agent-2").await;
@@ -1104,7 +1107,7 @@ async fn a_waiting_request_is_queued_then_granted_when_a_device_frees_up() {
         .await
         .unwrap()
     {
-        simlock_wire::CallEvent::Push(frame) => Push::from_frame(&frame).unwrap(),
+        simlock_wire::CallEvent::Push(frame) => Push::from_frame(frame).unwrap(),
         simlock_wire::CallEvent::Reply(reply) => panic!("answered before queueing: {reply:?}"),
     };
     assert!(
@@ -1134,7 +1137,9 @@ async fn a_waiting_request_is_queued_then_granted_when_a_device_frees_up() {
             .unwrap()
         {
             simlock_wire::CallEvent::Push(_) => {}
-            simlock_wire::CallEvent::Reply(reply) => break reply.unwrap(),
+            simlock_wire::CallEvent::Reply(reply) => {
+                break simlock_wire::decode_value(&reply.unwrap()).unwrap();
+            }
         }
     };
     assert_eq!(granted["lease"]["requesterId"], "agent-2");

@@ -2341,7 +2341,7 @@ fn the_contract_has_no_relay_body_and_no_relay_chunk() {
         push: "relay-chunk".into(),
         payload: json!({"requestId": 1, "chunk": "AAAA"}),
     };
-    assert!(simlock_contract::Push::from_frame(&chunk).is_err());
+    assert!(simlock_contract::Push::from_frame(chunk).is_err());
     assert_eq!(ErrorCode::RelayTargetMissing.http_status(), 503);
     assert_eq!(ErrorCode::RelayTargetMissing.exit_code(), 1);
 }

@@ -11,6 +11,7 @@ use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use parking_lot::Mutex;
+use rusqlite::OptionalExtension as _;
 use simlock_contract::event::EventModule;
 use simlock_contract::ids::RequestId;
 use simlock_contract::model::{LeaseGrant, LeaseLimits, WorkerView};
@@ -25,7 +26,7 @@ use simlock_daemon::events::EventBus;
 use simlock_daemon::presence::Presence;
 use simlock_daemon::store::{Database, StoreError};
 use simlock_link::LinkHandle;
-use simlock_wire::{RawCallEvent, WireClient, decode_raw};
+use simlock_wire::{CallEvent, WireClient, decode_raw};
 use tokio::sync::{Notify, mpsc, watch};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
@@ -407,10 +408,9 @@ impl Fleet {
             let run = async {
                 let mut call = conn.client.begin_call::<LeaseRequest>(&input, 16).await?;
                 loop {
-                    match call.next_raw().await {
-                        RawCallEvent::Push(frame) => {
-                            if let Ok(Push::Progress { progress, .. }) =
-                                Push::from_owned_frame(frame)
+                    match call.next().await {
+                        CallEvent::Push(frame) => {
+                            if let Ok(Push::Progress { progress, .. }) = Push::from_frame(frame)
                                 && let Some(fleet) = me.upgrade()
                             {
                                 fleet.decide(|shared, _| {
@@ -418,7 +418,7 @@ impl Fleet {
                                 });
                             }
                         }
-                        RawCallEvent::Reply(reply) => {
+                        CallEvent::Reply(reply) => {
                             return reply.and_then(|raw| decode_raw::<LeaseRequest>(&raw));
                         }
                     }
@@ -630,7 +630,7 @@ impl Fleet {
         self.db
             .with(|c| {
                 if drained {
-                    c.execute("INSERT OR REPLACE INTO drained_workers (worker_id, drained_at) VALUES (?1, ?2)", rusqlite::params![worker_id, now])
+                    store_drain(c, worker_id, now)
                 } else {
                     forget_drain(c, worker_id)
                 }
@@ -649,23 +649,44 @@ impl Fleet {
         Ok(drained)
     }
 
-    /// Forgets a disconnected worker (and its drain flag).
+    /// Forgets a disconnected worker (and its drain flag); its stored drain flag goes first.
     ///
     /// # Errors
-    /// `WORKER_CONNECTED` while its uplink is up.
+    /// `WORKER_CONNECTED` while its uplink is up, or `INTERNAL` on a store failure (the worker
+    /// is not forgotten).
     pub fn remove(&self, worker_id: &str) -> Result<bool, ContractError> {
         let _stored_in_order = self.persist.lock();
-        let removed = self
-            .decide(|shared, now| shared.core.handle_remove(worker_id, now))
-            .map_err(ContractError::from)?;
-        // Forgotten first, then stored, outside the fleet's lock: a drain of the same worker
-        // waits for this store.
-        self.forget_stored_drain(worker_id);
-        Ok(removed)
+        if !self
+            .shared
+            .lock()
+            .core
+            .removable(worker_id)
+            .map_err(ContractError::from)?
+        {
+            // Nothing to forget here; a drain flag a failed store left behind goes.
+            self.forget_stored_drain(worker_id);
+            return Ok(false);
+        }
+        // Stored outside the fleet's lock, before the fleet forgets it; a failure changes
+        // nothing. A drain of the same worker waits for this store.
+        let drained_at = self
+            .db
+            .with(|c| take_drain(c, worker_id))
+            .map_err(|e| ContractError::from(store_error(&e)))?;
+        let removed = self.decide(|shared, now| shared.core.handle_remove(worker_id, now));
+        if removed.is_err()
+            && let Some(at) = drained_at
+        {
+            // Its uplink came back in between: it stays, drained, and so does what was stored.
+            if let Err(e) = self.db.with(|c| store_drain(c, worker_id, at)) {
+                warn!(worker = %worker_id, error = %e, "the worker's drain flag could not be stored again; it comes back undrained after a restart");
+            }
+        }
+        removed.map_err(ContractError::from)
     }
 
-    /// Deletes `worker_id`'s stored drain flag after the fleet forgot the worker; a failure is
-    /// logged (the worker would come back drained after a restart) and changes nothing else.
+    /// Deletes `worker_id`'s stored drain flag when the fleet knows no such worker; a failure
+    /// is logged (the worker would come back drained after a restart) and changes nothing else.
     fn forget_stored_drain(&self, worker_id: &str) {
         if let Err(e) = self.db.with(|c| forget_drain(c, worker_id)) {
             warn!(worker = %worker_id, error = %e, "the forgotten worker's drain flag stays stored");
@@ -734,10 +755,211 @@ async fn read_view(
     })
 }
 
+/// Stores `worker_id`'s drain flag, set at `at`.
+fn store_drain(c: &rusqlite::Connection, worker_id: &str, at: i64) -> rusqlite::Result<usize> {
+    c.execute(
+        "INSERT OR REPLACE INTO drained_workers (worker_id, drained_at) VALUES (?1, ?2)",
+        rusqlite::params![worker_id, at],
+    )
+}
+
+/// Deletes `worker_id`'s stored drain flag; answers when it was set, if it was stored.
+fn take_drain(c: &mut rusqlite::Connection, worker_id: &str) -> rusqlite::Result<Option<i64>> {
+    let tx = c.transaction()?;
+    let at = tx
+        .query_row(
+            "SELECT drained_at FROM drained_workers WHERE worker_id = ?1",
+            [worker_id],
+            |row| row.get(0),
+        )
+        .optional()?;
+    forget_drain(&tx, worker_id)?;
+    tx.commit()?;
+    Ok(at)
+}
+
 /// Deletes `worker_id`'s stored drain flag.
 fn forget_drain(c: &rusqlite::Connection, worker_id: &str) -> rusqlite::Result<usize> {
     c.execute(
         "DELETE FROM drained_workers WHERE worker_id = ?1",
         [worker_id],
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use simlock_contract::ErrorCode;
+    use simlock_daemon::clock::TokioClock;
+
+    use super::*;
+
+    const T0: i64 = 1_000_000;
+
+    /// A fleet over `db` (whose drained set it loads), with an event bus to look at.
+    fn fleet(db: &Database) -> (Arc<Fleet>, Arc<EventBus>) {
+        let clock = TokioClock::starting_at(T0).shared();
+        let bus = EventBus::new(64, clock.clone());
+        let fleet = Fleet::start(FleetParts {
+            gateway_id: "g1".into(),
+            limits: LeaseLimits {
+                default_ttl_ms: 1000,
+                max_ttl_ms: 60_000,
+            },
+            timing: FleetTiming {
+                call_timeout: Duration::from_secs(10),
+                refresh_interval: Duration::from_secs(30),
+                refresh_gap: Duration::from_millis(50),
+                lease_request_timeout: Duration::from_secs(5),
+                exec_timeout: Duration::from_secs(5),
+                disconnected_retention: Duration::from_secs(3600),
+                link_stall_timeout: Duration::from_secs(60),
+            },
+            db: db.clone(),
+            bus: bus.clone(),
+            clock,
+            presence: Presence::new(),
+        })
+        .unwrap();
+        (fleet, bus)
+    }
+
+    /// A store whose drained set holds `drained`.
+    fn store(drained: &[&str]) -> Database {
+        let db = Database::open_in_memory().unwrap();
+        db.migrate("fleet", MIGRATIONS).unwrap();
+        for worker_id in drained {
+            db.with(|c| store_drain(c, worker_id, T0 - 1)).unwrap();
+        }
+        db
+    }
+
+    /// The workers the store holds drained.
+    fn stored(db: &Database) -> Vec<String> {
+        db.with(|c| {
+            let mut stmt = c.prepare("SELECT worker_id FROM drained_workers ORDER BY worker_id")?;
+            let rows = stmt.query_map([], |row| row.get(0))?;
+            rows.collect()
+        })
+        .unwrap()
+    }
+
+    /// The disk fails under the gateway: the drained set's table is gone.
+    fn break_store(db: &Database) {
+        db.with(|c| c.execute_batch("DROP TABLE drained_workers"))
+            .unwrap();
+    }
+
+    /// The disk is back, empty.
+    fn heal_store(db: &Database) {
+        db.with(|c| c.execute_batch(MIGRATIONS[0])).unwrap();
+    }
+
+    /// A worker the fleet knows, connected once and now disconnected.
+    fn seen(fleet: &Fleet, worker_id: &str) {
+        fleet.decide(|shared, now| {
+            let generation = shared
+                .core
+                .handle_uplink_opened(worker_id, None, "tok_j".into(), now);
+            shared.core.handle_uplink_closed(generation, now);
+        });
+    }
+
+    fn drained(fleet: &Fleet, worker_id: &str) -> Option<bool> {
+        fleet.view(worker_id).map(|v| v.drained)
+    }
+
+    /// The worker events recorded on the bus, by name.
+    fn worker_events(bus: &EventBus) -> Vec<String> {
+        bus.replay(None)
+            .into_iter()
+            .map(|e| e.event)
+            .filter(|e| e.starts_with("worker."))
+            .collect()
+    }
+
+    /// A call refused because the gateway's store failed: `INTERNAL`, naming the store.
+    fn assert_store_failed(err: &ContractError) {
+        assert_eq!(err.code, ErrorCode::Internal, "{err:?}");
+        assert!(err.message.contains("state store"), "{}", err.message);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_drain_or_undrain_that_cannot_be_stored_changes_nothing_and_is_reported() {
+        let db = store(&["w1"]);
+        let (fleet, bus) = fleet(&db);
+        seen(&fleet, "w2");
+        assert_eq!(
+            (drained(&fleet, "w1"), drained(&fleet, "w2")),
+            (Some(true), Some(false))
+        );
+        break_store(&db);
+
+        assert_store_failed(&fleet.set_drained("w2", true).unwrap_err());
+        assert_store_failed(&fleet.set_drained("w1", false).unwrap_err());
+        assert_eq!(
+            (drained(&fleet, "w1"), drained(&fleet, "w2")),
+            (Some(true), Some(false)),
+            "neither view moved"
+        );
+        assert!(worker_events(&bus).is_empty(), "{:?}", worker_events(&bus));
+        // What changes nothing needs no store, and still answers.
+        assert!(fleet.set_drained("w1", true).unwrap());
+
+        // Once the store takes writes again, the same calls go through.
+        heal_store(&db);
+        assert!(fleet.set_drained("w2", true).unwrap());
+        assert_eq!(stored(&db), ["w2"]);
+        assert_eq!(drained(&fleet, "w2"), Some(true));
+        assert_eq!(worker_events(&bus), ["worker.drain-started"]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_removal_that_cannot_be_stored_changes_nothing_and_is_reported() {
+        let db = store(&["w1"]);
+        let (fleet, bus) = fleet(&db);
+        seen(&fleet, "w2");
+        break_store(&db);
+
+        assert_store_failed(&fleet.remove("w1").unwrap_err());
+        assert_store_failed(&fleet.remove("w2").unwrap_err());
+        assert_eq!(
+            (drained(&fleet, "w1"), drained(&fleet, "w2")),
+            (Some(true), Some(false)),
+            "both are still known, as they were"
+        );
+        assert!(worker_events(&bus).is_empty(), "{:?}", worker_events(&bus));
+
+        // Once the store takes writes again, the same calls go through.
+        heal_store(&db);
+        db.with(|c| store_drain(c, "w1", T0 - 1)).unwrap();
+        assert!(fleet.remove("w1").unwrap());
+        assert!(fleet.remove("w2").unwrap());
+        assert_eq!((fleet.view("w1"), fleet.view("w2")), (None, None));
+        assert!(
+            stored(&db).is_empty(),
+            "the drain flag went with the worker"
+        );
+        assert_eq!(worker_events(&bus), ["worker.removed", "worker.removed"]);
+        assert!(
+            !fleet.remove("w1").unwrap(),
+            "a worker the fleet does not know"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_connected_worker_is_not_removed_and_keeps_its_stored_drain_flag() {
+        let db = store(&["w1"]);
+        let (fleet, _bus) = fleet(&db);
+        fleet.decide(|shared, now| {
+            shared
+                .core
+                .handle_uplink_opened("w1", None, "tok_j".into(), now)
+        });
+        assert_eq!(
+            fleet.remove("w1").unwrap_err().code,
+            ErrorCode::WorkerConnected
+        );
+        assert_eq!(drained(&fleet, "w1"), Some(true));
+        assert_eq!(stored(&db), ["w1"]);
+    }
 }

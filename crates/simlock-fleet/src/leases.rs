@@ -12,7 +12,7 @@ use simlock_contract::ops::{
 };
 use simlock_contract::{ContractError, Operation, Push};
 use simlock_daemon::context::CallCtx;
-use simlock_wire::{RawCallEvent, decode_raw};
+use simlock_wire::{CallEvent, decode_raw};
 
 use crate::error::FleetError;
 use crate::fleet::Fleet;
@@ -157,8 +157,8 @@ impl Fleet {
         let run = async {
             let mut call = conn.client.begin_call::<DeviceExec>(&forwarded, 16).await?;
             loop {
-                match call.next_raw().await {
-                    RawCallEvent::Push(frame) => match Push::from_owned_frame(frame) {
+                match call.next().await {
+                    CallEvent::Push(frame) => match Push::from_frame(frame) {
                         Ok(Push::Started { .. }) => {
                             let _ = ctx
                                 .push(Push::Started {
@@ -177,7 +177,7 @@ impl Fleet {
                         }
                         _ => {}
                     },
-                    RawCallEvent::Reply(reply) => {
+                    CallEvent::Reply(reply) => {
                         return reply.and_then(|raw| decode_raw::<DeviceExec>(&raw));
                     }
                 }

@@ -138,7 +138,7 @@ impl Fleet {
             debug!(worker = %conn.worker_id, push = %frame.push, "ignoring a push from the worker");
             return;
         }
-        let Ok(Push::Event { event, .. }) = Push::from_owned_frame(frame) else {
+        let Ok(Push::Event { event, .. }) = Push::from_frame(frame) else {
             debug!(worker = %conn.worker_id, "ignoring an event push from the worker that breaks its schema");
             return;
         };

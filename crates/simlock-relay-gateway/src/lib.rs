@@ -763,7 +763,7 @@ impl Driver {
                 if !matches!(phase, Phase::Head(_)) {
                     return Some(Fail::InvalidHead("a second relay-head".into()));
                 }
-                match Push::from_frame(&frame) {
+                match Push::from_frame(frame) {
                     Ok(Push::RelayHead {
                         status, headers, ..
                     }) => match self.response(status, headers) {
@@ -801,9 +801,9 @@ impl Driver {
                 self.answered = true;
                 Some(Fail::Worker(error))
             }
-            CallEvent::Reply(Ok(value)) => {
+            CallEvent::Reply(Ok(raw)) => {
                 self.answered = true;
-                let cancelled = serde_json::from_value::<RelayRequestOutput>(value)
+                let cancelled = serde_json::from_str::<RelayRequestOutput>(raw.get())
                     .map(|output| output.cancelled == Some(true));
                 match (cancelled, &phase) {
                     (Err(e), _) => Some(Fail::InvalidHead(format!(

@@ -164,7 +164,7 @@ impl ProxyWorker {
             while let Some(frame) = pushes.recv().await {
                 let Some(proxy) = weak.upgrade() else { return };
                 if let Ok(simlock_contract::Push::Event { event, .. }) =
-                    simlock_contract::Push::from_frame(&frame)
+                    simlock_contract::Push::from_frame(frame)
                     && let Some(conn) = proxy.gateway.lock().clone()
                 {
                     conn.push_detached(&simlock_contract::Push::Event {

@@ -26,10 +26,8 @@ const OUT_QUEUE: usize = 64;
 /// Pushes not tied to a call (lease notices, events) waiting for the holder of the receiver.
 const UNSOLICITED_QUEUE: usize = 1024;
 
-type ReplyResult = Result<Value, ContractError>;
-
 /// A reply as it came: its payload still raw JSON, decoded once, straight into what the caller
-/// wants (an operation's output, or a value).
+/// wants (an operation's output with [`decode_raw`], or a value with [`decode_value`]).
 pub type RawReply = Result<Box<RawValue>, ContractError>;
 
 struct Pending {
@@ -76,16 +74,8 @@ pub type Unsolicited = mpsc::Receiver<PushFrame>;
 pub enum CallEvent {
     /// A push for this call (every push that preceded the reply comes before it).
     Push(PushFrame),
-    /// The reply; nothing follows it.
-    Reply(ReplyResult),
-}
-
-/// What a call in flight yields, its reply raw ([`CallHandle::next_raw`]).
-#[derive(Debug)]
-pub enum RawCallEvent {
-    /// A push for this call (every push that preceded the reply comes before it).
-    Push(PushFrame),
-    /// The reply, to decode with [`decode_raw`]; nothing follows it.
+    /// The reply, its payload raw (decode it once, with [`decode_raw`] or [`decode_value`]);
+    /// nothing follows it.
     Reply(RawReply),
 }
 
@@ -112,24 +102,15 @@ impl CallHandle {
         self.id
     }
 
-    /// The next push or the reply. After the reply, answers the reply's terminal
+    /// The next push or the reply, its payload raw. After the reply, answers
     /// `DAEMON_CONNECTION_LOST` if called again.
     pub async fn next(&mut self) -> CallEvent {
-        match self.next_raw().await {
-            RawCallEvent::Push(push) => CallEvent::Push(push),
-            RawCallEvent::Reply(reply) => CallEvent::Reply(reply.and_then(|raw| to_value(&raw))),
-        }
-    }
-
-    /// The next push or the reply, its payload raw (decode it with [`decode_raw`]). After the
-    /// reply, answers `DAEMON_CONNECTION_LOST` if called again.
-    pub async fn next_raw(&mut self) -> RawCallEvent {
         let Some(reply) = self.reply.as_mut() else {
-            return RawCallEvent::Reply(Err(ContractError::connection_lost()));
+            return CallEvent::Reply(Err(ContractError::connection_lost()));
         };
         tokio::select! {
             biased;
-            Some(push) = self.pushes.recv() => RawCallEvent::Push(push),
+            Some(push) = self.pushes.recv() => CallEvent::Push(push),
             outcome = reply => {
                 // Pushes the reader routed before the reply are still queued: hand them out first.
                 if let Ok(push) = self.pushes.try_recv() {
@@ -137,29 +118,21 @@ impl CallHandle {
                     let (tx, rx) = oneshot::channel();
                     let _ = tx.send(outcome);
                     self.reply = Some(rx);
-                    return RawCallEvent::Push(push);
+                    return CallEvent::Push(push);
                 }
                 self.reply = None;
-                RawCallEvent::Reply(outcome.unwrap_or_else(|_| Err(ContractError::connection_lost())))
+                CallEvent::Reply(outcome.unwrap_or_else(|_| Err(ContractError::connection_lost())))
             }
         }
-    }
-
-    /// Waits for the reply, discarding pushes.
-    ///
-    /// # Errors
-    /// The call's error, or `DAEMON_CONNECTION_LOST`.
-    pub async fn finish(self) -> ReplyResult {
-        self.finish_raw().await.and_then(|raw| to_value(&raw))
     }
 
     /// Waits for the reply, discarding pushes; its payload raw.
     ///
     /// # Errors
     /// The call's error, or `DAEMON_CONNECTION_LOST`.
-    pub async fn finish_raw(mut self) -> RawReply {
+    pub async fn finish(mut self) -> RawReply {
         loop {
-            if let RawCallEvent::Reply(outcome) = self.next_raw().await {
+            if let CallEvent::Reply(outcome) = self.next().await {
                 return outcome;
             }
         }
@@ -249,7 +222,8 @@ impl WireClient {
     }
 
     /// Starts a call whose pushes the caller wants, holding at most `push_capacity` unread
-    /// pushes before the connection's reader waits (backpressure).
+    /// pushes before the connection's reader waits (backpressure); read its reply with
+    /// [`decode_value`], or with [`decode_raw`] for a known operation.
     ///
     /// # Errors
     /// `DAEMON_CONNECTION_LOST` when the connection has ended.
@@ -264,7 +238,7 @@ impl WireClient {
     }
 
     /// Starts a typed call whose pushes the caller wants (see [`Self::begin`]); read its reply
-    /// with [`decode_output`].
+    /// with [`decode_raw`].
     ///
     /// # Errors
     /// `DAEMON_CONNECTION_LOST` when the connection has ended; `INTERNAL` when the input does
@@ -325,16 +299,19 @@ impl WireClient {
         Ok(handle)
     }
 
-    /// Calls `op` and waits for its reply, discarding its pushes.
+    /// Calls `op` and waits for its reply, discarding its pushes; the reply is read once, as
+    /// a value.
     ///
     /// # Errors
     /// The daemon's error, or `DAEMON_CONNECTION_LOST`.
     pub async fn call_value(&self, op: &str, payload: Value) -> Result<Value, ContractError> {
         let (_, push_rx) = mpsc::channel(1);
-        self.start(op, &payload, None, push_rx)
+        let raw = self
+            .start(op, &payload, None, push_rx)
             .await?
             .finish()
-            .await
+            .await?;
+        decode_value(&raw)
     }
 
     /// Calls a typed operation.
@@ -347,7 +324,7 @@ impl WireClient {
         let raw = self
             .start(O::NAME, input, None, push_rx)
             .await?
-            .finish_raw()
+            .finish()
             .await?;
         decode_raw::<O>(&raw)
     }
@@ -357,15 +334,19 @@ impl WireClient {
     /// # Errors
     /// The daemon's refusal (`PROTOCOL_VERSION_UNSUPPORTED`, `ADMIN_AUTHENTICATION_FAILED`, …).
     pub async fn hello(&self, hello: &Hello) -> Result<HelloReply, ContractError> {
-        let payload =
-            serde_json::to_value(hello).map_err(|e| ContractError::internal(e.to_string()))?;
-        let value = self.call_value("hello", payload).await?;
-        serde_json::from_value(value)
+        let (_, push_rx) = mpsc::channel(1);
+        let raw = self
+            .start("hello", hello, None, push_rx)
+            .await?
+            .finish()
+            .await?;
+        serde_json::from_str(raw.get())
             .map_err(|e| ContractError::internal(format!("invalid hello reply: {e}")))
     }
 }
 
-/// Reads an operation's output, `INTERNAL` when it does not match.
+/// Reads an operation's output from a value (an answer that came as one, over HTTP or from a
+/// router), `INTERNAL` when it does not match. A wire reply is read with [`decode_raw`].
 ///
 /// # Errors
 /// `INTERNAL` naming the operation.
@@ -383,7 +364,11 @@ pub fn decode_raw<O: Operation>(raw: &RawValue) -> Result<O::Output, ContractErr
         .map_err(|e| ContractError::internal(format!("invalid {} output: {e}", O::NAME)))
 }
 
-fn to_value(raw: &RawValue) -> Result<Value, ContractError> {
+/// Reads a raw reply as a value, for callers that want one (an untyped call).
+///
+/// # Errors
+/// `INTERNAL` when it is not JSON, which a reply the client read never is.
+pub fn decode_value(raw: &RawValue) -> Result<Value, ContractError> {
     serde_json::from_str(raw.get())
         .map_err(|e| ContractError::internal(format!("invalid reply payload: {e}")))
 }

@@ -14,8 +14,8 @@ pub mod session;
 pub mod transport;
 
 pub use client::{
-    CallEvent, CallHandle, RawCallEvent, RawReply, Unsolicited, WireClient, decode_output,
-    decode_raw,
+    CallEvent, CallHandle, RawReply, Unsolicited, WireClient, decode_output, decode_raw,
+    decode_value,
 };
 pub use codec::{Line, LineCodec};
 pub use session::{

@@ -387,7 +387,8 @@ async fn count_pushes(handle: &mut simlock_wire::CallHandle) -> usize {
                 count += 1;
             }
             CallEvent::Reply(reply) => {
-                assert_eq!(reply.unwrap()["pushed"], count);
+                let reply = simlock_wire::decode_value(&reply.unwrap()).unwrap();
+                assert_eq!(reply["pushed"], count);
                 return count;
             }
         }

@@ -39,7 +39,7 @@ async fn connect(h: &Harness, origin: Origin, principal: &str) -> (WireClient, U
 
 async fn next_unsolicited(rx: &mut Unsolicited) -> Push {
     let frame = within(Duration::from_secs(600), rx.recv()).await.unwrap();
-    Push::from_frame(&frame).unwrap()
+    Push::from_frame(frame).unwrap()
 }
 
 #[tokio::test(start_paused = true)]

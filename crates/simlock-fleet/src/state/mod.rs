@@ -31,8 +31,8 @@ use simlock_contract::event::{
 };
 use simlock_contract::ids::{LeaseId, RequestId};
 use simlock_contract::model::{
-    Connection, EventEnvelope, LeaseEndReason, LeaseGrant, LeaseLimits, LeaseRecord, ProtocolPair,
-    WaitStage, WaitingRequest, WorkerRef, WorkerView,
+    Connection, Device, EventEnvelope, LeaseEndReason, LeaseGrant, LeaseLimits, LeaseRecord,
+    ProtocolPair, WaitStage, WaitingRequest, WorkerRef, WorkerView,
 };
 use simlock_contract::ops::{CancelResult, LeaseRequestInput, StatusOutput};
 use simlock_contract::push::{Progress, Push};
@@ -46,7 +46,7 @@ use index::{EndedLease, Entry, LeaseIndex, Recorded, gateway_lease_id, worker_of
 use queue::{Attempt, Booked, Queue, Stage, Waiter};
 use routing::{Assessment, Match, Pick, Wanted, assess, select};
 pub use views::Refresh;
-use views::{apply_status, blank_view, renew_in_place, view_key};
+use views::{apply_read, blank_view, renew_in_place};
 
 /// How long an answered request's idempotency key is remembered (10 min).
 pub const BOOK_RETENTION_MS: i64 = 600_000;
@@ -257,30 +257,53 @@ struct Link {
     asked: u64,
 }
 
+/// Hands out view revisions. The one counter of them: unique per gateway, so a worker
+/// forgotten and seen again never repeats one.
+#[derive(Debug, Clone, Default)]
+struct Revisions(u64);
+
+impl Revisions {
+    fn next(&mut self) -> u64 {
+        self.0 += 1;
+        self.0
+    }
+}
+
 #[derive(Debug, Clone)]
 struct Worker {
     view: WorkerView,
     link: Option<Link>,
-    /// The view's revision: it moves whenever what a refusal is remembered against changes
-    /// (capacity, devices, health, leases, queue depth; [`view_key`]), and is unique per
-    /// gateway, so a worker forgotten and seen again never repeats one.
+    /// The view's revision: a fresh one for a new view, and a new one whenever a read changes
+    /// what a refusal is remembered against ([`Worker::apply_read`]).
     revision: u64,
-    /// The key the revision stands for.
-    key: String,
     /// Forgotten past retention while drained: only its drain flag is kept, so it is not swept
     /// again while it stays drained (see [`Worker::awaits_retention`]).
     retained: bool,
 }
 
 impl Worker {
-    fn new(view: WorkerView, revision: u64, retained: bool) -> Self {
-        let key = view_key(&view);
+    fn new(view: WorkerView, revisions: &mut Revisions, retained: bool) -> Self {
         Self {
             view,
             link: None,
-            revision,
-            key,
+            revision: revisions.next(),
             retained,
+        }
+    }
+
+    /// Folds one read of the worker (its status, its device list when read) into its view
+    /// ([`apply_read`]). The one place a view takes what a refusal is remembered against
+    /// (capacity, devices, health, the leases held, queue depth), so its revision moves
+    /// whenever one of them changes.
+    fn apply_read(
+        &mut self,
+        revisions: &mut Revisions,
+        status: &StatusOutput,
+        devices: Option<Vec<Device>>,
+        now: i64,
+    ) {
+        if apply_read(&mut self.view, status, devices, now) {
+            self.revision = revisions.next();
         }
     }
 
@@ -313,8 +336,8 @@ pub struct Core {
     workers: BTreeMap<String, Worker>,
     /// The worker of each attached uplink.
     generations: HashMap<u64, String>,
-    /// The last view revision handed out.
-    revisions: u64,
+    /// The view revisions handed out.
+    revisions: Revisions,
     index: LeaseIndex,
     queue: Queue,
     /// Gateway leases being released by a caller, with the caller's connection, so the owner's
@@ -334,15 +357,14 @@ impl Core {
     /// with when.
     pub fn new(settings: Settings, drained: Vec<(String, i64)>) -> Self {
         let prefix = simlock_contract::ids::gateway_requester_prefix(&settings.gateway_id);
-        let mut revisions = 0;
+        let mut revisions = Revisions::default();
         let workers = drained
             .into_iter()
             .map(|(id, at)| {
                 let mut view = blank_view(&id, None, at, Connection::Disconnected);
                 view.drained = true;
-                revisions += 1;
                 // Nothing is known of it but its drain flag: there is nothing to sweep.
-                (id, Worker::new(view, revisions, true))
+                (id, Worker::new(view, &mut revisions, true))
             })
             .collect();
         Self {
@@ -689,12 +711,11 @@ impl Core {
     ) -> u64 {
         let generation = self.next_generation;
         self.next_generation += 1;
-        let revision = self.revisions + 1;
+        let revisions = &mut self.revisions;
         let worker = self.workers.entry(worker_id.to_owned()).or_insert_with(|| {
             let view = blank_view(worker_id, None, now, Connection::Disconnected);
-            Worker::new(view, revision, false)
+            Worker::new(view, revisions, false)
         });
-        self.revisions = self.revisions.max(worker.revision);
         worker.retained = false;
         if label.is_some() {
             worker.view.label = label;
@@ -741,20 +762,6 @@ impl Core {
         Some((worker_id.clone(), worker))
     }
 
-    /// The view of `worker_id` changed: its revision moves if what refusals are remembered
-    /// against did.
-    fn view_changed(&mut self, worker_id: &str) {
-        let Some(worker) = self.workers.get_mut(worker_id) else {
-            return;
-        };
-        let key = view_key(&worker.view);
-        if key != worker.key {
-            worker.key = key;
-            self.revisions += 1;
-            worker.revision = self.revisions;
-        }
-    }
-
     /// The handshake passed: the worker is connected with its first status, sent at `sent`.
     /// Its leases are indexed at once, so a renew right after a gateway restart finds its lease.
     pub fn handle_connected(
@@ -765,15 +772,17 @@ impl Core {
         sent: Stamp,
         now: i64,
     ) {
-        let Some((worker_id, worker)) = self.current(generation) else {
+        let Some(worker_id) = self.generations.get(&generation).cloned() else {
+            return;
+        };
+        let Some(worker) = self.workers.get_mut(&worker_id) else {
             return;
         };
         worker.view.connection = Connection::Connected;
         worker.view.protocol = None;
         worker.view.version = Some(version.clone());
-        apply_status(&mut worker.view, status, now);
+        worker.apply_read(&mut self.revisions, status, None, now);
         let label = worker.view.label.clone();
-        self.view_changed(&worker_id);
         if let Some(leases) = &status.leases {
             self.fold_snapshot(&worker_id, leases, sent, now);
         }
@@ -921,10 +930,7 @@ impl Core {
                 link.catalog_retried = false;
             }
         }
-        apply_status(&mut worker.view, &refresh.status, now);
-        if let Some(devices) = refresh.devices {
-            worker.view.devices = Some(devices);
-        }
+        worker.apply_read(&mut self.revisions, &refresh.status, refresh.devices, now);
         if let Some(catalog) = refresh.catalog {
             worker.view.catalog = Some(catalog);
             worker.view.catalog_read_at = Some(now);
@@ -937,7 +943,6 @@ impl Core {
             worker.view.lease = Some(limits);
         }
         let leases = worker.view.leases.clone().unwrap_or_default();
-        self.view_changed(&worker_id);
         if refresh.status.leases.is_some() {
             self.fold_snapshot(&worker_id, &leases, sent, now);
         }
@@ -1935,18 +1940,27 @@ impl Core {
         self.dispatch(now);
     }
 
+    /// Whether an operator may forget `worker_id`: `true` for a known worker whose uplink is
+    /// down, `false` for one the fleet does not know.
+    ///
+    /// # Errors
+    /// `WORKER_CONNECTED` while its uplink is up.
+    pub fn removable(&self, worker_id: &str) -> Result<bool, FleetError> {
+        match self.workers.get(worker_id) {
+            None => Ok(false),
+            Some(w) if w.link.is_some() => Err(FleetError::WorkerConnected(worker_id.to_owned())),
+            Some(_) => Ok(true),
+        }
+    }
+
     /// An operator forgets a disconnected worker (and its drain flag). Answers whether it was
     /// known.
     ///
     /// # Errors
     /// `WORKER_CONNECTED` while its uplink is up.
     pub fn handle_remove(&mut self, worker_id: &str, now: i64) -> Result<bool, FleetError> {
-        match self.workers.get(worker_id) {
-            None => return Ok(false),
-            Some(w) if w.link.is_some() => {
-                return Err(FleetError::WorkerConnected(worker_id.to_owned()));
-            }
-            Some(_) => {}
+        if !self.removable(worker_id)? {
+            return Ok(false);
         }
         if let Some(worker) = self.workers.remove(worker_id) {
             self.index.forget_worker(worker_id);
@@ -2076,9 +2090,8 @@ impl Core {
                     Connection::Disconnected,
                 );
                 view.drained = true;
-                self.revisions += 1;
-                self.workers
-                    .insert(id, Worker::new(view, self.revisions, true));
+                let kept = Worker::new(view, &mut self.revisions, true);
+                self.workers.insert(id, kept);
                 continue;
             }
             self.event(Event::WorkerRemoved {

@@ -433,6 +433,53 @@ fn no_capacity_from_a_stale_view_requeues_and_a_no_wait_request_gets_one_more_wa
 }
 
 #[test]
+fn a_no_capacity_refusal_holds_until_a_read_changes_the_view_it_was_remembered_against() {
+    let (mut core, generation) = fleet(2);
+    // The worker holds one lease of its own: one slot is free.
+    let direct = record("lse_d", "someone", T0);
+    core.handle_worker_event(
+        generation,
+        event("lease.granted", serde_json::json!({})),
+        T0,
+    );
+    let sent = refresh_sent(&core.take_effects()).unwrap();
+    core.handle_refreshed(generation, sent, refresh(vec![direct.clone()], 2), T0);
+    core.take_effects();
+    ask(&mut core, 1, ios(), T0).unwrap();
+    let (attempt, _) = forward(&core.take_effects()).unwrap();
+    core.handle_forward_answered(
+        attempt,
+        "w1",
+        generation,
+        Err(ContractError::new(ErrorCode::NoCapacity, "full")),
+        T0,
+    );
+    let sent = refresh_sent(&core.take_effects()).expect("the view is read again");
+    // The read finds the same view, its lease renewed: no change, no second try.
+    let mut renewed = direct;
+    renewed.last_renewed_at = T0 + 500;
+    renewed.ttl_deadline = T0 + 1500;
+    core.handle_refreshed(generation, sent, refresh(vec![renewed], 2), T0 + 500);
+    let effects = core.take_effects();
+    assert!(forward(&effects).is_none(), "{effects:?}");
+    assert!(answers(&effects).is_empty(), "it waits: {effects:?}");
+    assert_eq!(
+        core.view("w1").unwrap().leases.as_ref().unwrap()[0].ttl_deadline,
+        T0 + 1500,
+        "the view took the renewal"
+    );
+    // The lease ended: the next read changes the view, and the worker is tried again.
+    core.handle_worker_event(
+        generation,
+        event("lease.released", serde_json::json!({})),
+        T0 + 600,
+    );
+    let sent = refresh_sent(&core.take_effects()).unwrap();
+    core.handle_refreshed(generation, sent, refresh(Vec::new(), 2), T0 + 600);
+    assert!(forward(&core.take_effects()).is_some());
+}
+
+#[test]
 fn a_worker_that_refuses_the_spec_is_not_tried_again_and_its_refusal_is_answered() {
     let (mut core, generation) = fleet(1);
     let mut input = ios();

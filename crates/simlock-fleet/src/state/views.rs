@@ -45,25 +45,37 @@ pub fn blank_view(id: &str, label: Option<String>, now: i64, connection: Connect
     }
 }
 
-/// Folds the view fields a worker's `status.get` carries into `view`.
-pub fn apply_status(view: &mut WorkerView, status: &StatusOutput, now: i64) {
+/// Folds one read of a worker into `view`: its `status.get`, and its device list when that was
+/// read (it wins over the status's). Answers whether what a refusal is remembered against
+/// changed — the capacity, the devices, the health, which leases the worker holds (a renewal is
+/// not a change), the queue depth — compared field by field: a worker that refused a request
+/// with `NO_CAPACITY` is not tried again for it until one of them does.
+pub fn apply_read(
+    view: &mut WorkerView,
+    status: &StatusOutput,
+    devices: Option<Vec<Device>>,
+    now: i64,
+) -> bool {
+    let mut changed = false;
     view.last_seen_at = now;
-    view.health = Some(status.daemon.health);
+    changed |= set(&mut view.health, Some(status.daemon.health));
     view.version = Some(status.daemon.version.clone());
     view.host = Some(status.host.clone());
     if status.capacity.is_some() {
-        view.capacity = status.capacity;
+        changed |= set(&mut view.capacity, status.capacity);
     }
     if let Some(leases) = &status.leases {
         let mut leases = leases.clone();
-        keep_newer_renewals(view.leases.as_deref().unwrap_or_default(), &mut leases);
+        let held = view.leases.as_deref().unwrap_or_default();
+        keep_newer_renewals(held, &mut leases);
+        changed |= !held.iter().map(|l| &l.id).eq(leases.iter().map(|l| &l.id));
         view.leases = Some(leases);
     }
-    if let Some(devices) = &status.devices {
-        view.devices = Some(devices.clone());
+    if let Some(devices) = devices.or_else(|| status.devices.clone()) {
+        changed |= set(&mut view.devices, Some(devices));
     }
     if status.queue_depth.is_some() {
-        view.queue_depth = status.queue_depth;
+        changed |= set(&mut view.queue_depth, status.queue_depth);
     }
     if let Some(waiting) = &status.waiting {
         view.waiting = Some(waiting.clone());
@@ -74,6 +86,16 @@ pub fn apply_status(view: &mut WorkerView, status: &StatusOutput, now: i64) {
     if status.lease.is_some() {
         view.lease = status.lease;
     }
+    changed
+}
+
+/// Sets `field` to `value`; answers whether that changed it.
+fn set<T: PartialEq>(field: &mut T, value: T) -> bool {
+    if *field == value {
+        return false;
+    }
+    *field = value;
+    true
 }
 
 /// A snapshot of leases read before a `lease.renewed` event that the view already took in
@@ -111,31 +133,141 @@ pub fn renew_in_place(
     })
 }
 
-/// The view key a refusal is remembered against: a worker that refused with `NO_CAPACITY` is
-/// not tried again for that request until its view changes.
-pub fn view_key(view: &WorkerView) -> String {
-    let leases: Vec<&str> = view
-        .leases
-        .as_deref()
-        .unwrap_or_default()
-        .iter()
-        .map(|l| l.id.as_str())
-        .collect();
-    serde_json::json!({
-        "capacity": view.capacity,
-        "devices": view.devices,
-        "health": view.health,
-        "leases": leases,
-        "queueDepth": view.queue_depth,
-    })
-    .to_string()
-}
-
 #[cfg(test)]
 mod tests {
     use simlock_contract::ids::{DeviceId, LeaseId};
+    use simlock_contract::model::{
+        CapabilityStatus, Capacity, DaemonInfo, DeviceSpec, DeviceState, Health, HostFacts, Mode,
+        Platform,
+    };
 
     use super::*;
+
+    fn status(leases: Vec<LeaseRecord>) -> StatusOutput {
+        StatusOutput {
+            daemon: DaemonInfo {
+                health: Health::Running,
+                mode: Mode::Worker,
+                version: "t".into(),
+                instance_id: "w".into(),
+            },
+            host: HostFacts {
+                os: "linux".into(),
+                os_version: String::new(),
+                arch: "x86_64".into(),
+                tools: Vec::new(),
+            },
+            capacity: Some(Capacity::default()),
+            devices: Some(Vec::new()),
+            leases: Some(leases),
+            queue_depth: Some(0),
+            waiting: Some(Vec::new()),
+            capabilities: Some(Vec::new()),
+            drivers: None,
+            lease: None,
+            workers: None,
+        }
+    }
+
+    fn device(id: &str, state: DeviceState) -> Device {
+        Device {
+            id: DeviceId::from_raw(id),
+            spec: DeviceSpec {
+                platform: Platform::Ios,
+                model: "iPhone 16".into(),
+                os_version: "18.2".into(),
+            },
+            state,
+            driver_device_id: "udid".into(),
+            created_at: 1,
+            last_lease_ended_at: None,
+            access: None,
+            quarantine_attempts: None,
+            quarantine_next_retry_at: None,
+            recovery_attempts: None,
+            worker_id: None,
+        }
+    }
+
+    #[test]
+    fn a_read_changes_the_view_when_what_refusals_depend_on_moves_and_only_then() {
+        let mut view = blank_view("w1", None, 0, Connection::Connected);
+        let base = status(vec![lease("lse_a", 100, 1100)]);
+        assert!(apply_read(&mut view, &base, None, 10), "the first read");
+        assert!(!apply_read(&mut view, &base, None, 20), "the same read");
+        assert_eq!(view.last_seen_at, 20);
+
+        // Neither a renewal, nor what no refusal depends on, is a change.
+        let mut other = base.clone();
+        other.leases = Some(vec![lease("lse_a", 200, 1200)]);
+        other.daemon.version = "t2".into();
+        other.waiting = None;
+        other.capabilities = Some(vec![CapabilityStatus {
+            name: "gpu".into(),
+            available: true,
+            reason: None,
+        }]);
+        other.lease = Some(LeaseLimits {
+            default_ttl_ms: 1,
+            max_ttl_ms: 2,
+        });
+        assert!(!apply_read(&mut view, &other, None, 30));
+        assert_eq!(view.leases.as_ref().unwrap()[0].ttl_deadline, 1200);
+        assert_eq!(view.version.as_deref(), Some("t2"));
+        assert!(view.capabilities.as_ref().is_some_and(|c| c.len() == 1));
+
+        // Each field a refusal depends on is.
+        type Change = (&'static str, fn(&mut StatusOutput));
+        let changes: [Change; 5] = [
+            ("health", |s| s.daemon.health = Health::Failed),
+            ("capacity", |s| {
+                s.capacity = Some(Capacity {
+                    ios: simlock_contract::model::PlatformCapacity {
+                        max_running: 1,
+                        ..Default::default()
+                    },
+                    ..Default::default()
+                });
+            }),
+            ("leases", |s| s.leases = Some(Vec::new())),
+            ("devices", |s| {
+                s.devices = Some(vec![device("dev_1", DeviceState::Ready)]);
+            }),
+            ("queue depth", |s| s.queue_depth = Some(3)),
+        ];
+        for (what, change) in changes {
+            let mut view = view.clone();
+            let mut read = other.clone();
+            change(&mut read);
+            assert!(apply_read(&mut view, &read, None, 40), "{what}");
+            assert!(!apply_read(&mut view, &read, None, 50), "{what} again");
+        }
+    }
+
+    #[test]
+    fn a_device_list_read_wins_over_the_statuss_and_is_what_is_compared() {
+        let mut view = blank_view("w1", None, 0, Connection::Connected);
+        let listed = vec![device("dev_1", DeviceState::Leased)];
+        assert!(apply_read(
+            &mut view,
+            &status(Vec::new()),
+            Some(listed.clone()),
+            10
+        ));
+        assert_eq!(view.devices.as_ref(), Some(&listed));
+        // The status's own (stale) list is not taken when a list was read; the same list is
+        // no change.
+        assert!(!apply_read(
+            &mut view,
+            &status(Vec::new()),
+            Some(listed.clone()),
+            20
+        ));
+        assert_eq!(view.devices.as_ref(), Some(&listed));
+        // Without a list read, the status's is taken.
+        assert!(apply_read(&mut view, &status(Vec::new()), None, 30));
+        assert_eq!(view.devices.as_deref(), Some(&[][..]));
+    }
 
     fn lease(id: &str, renewed_at: i64, deadline: i64) -> LeaseRecord {
         LeaseRecord {
