@@ -43,7 +43,7 @@ fn record(id: &str, requester: &str, granted_at: i64) -> LeaseRecord {
     }
 }
 
-fn status(leases: Vec<LeaseRecord>, slots: u32) -> StatusOutput {
+pub(super) fn status(leases: Vec<LeaseRecord>, slots: u32) -> StatusOutput {
     let running = u32::try_from(leases.len()).unwrap();
     let platform = PlatformCapacity {
         running,

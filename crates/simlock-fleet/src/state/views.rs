@@ -137,36 +137,14 @@ pub fn renew_in_place(
 mod tests {
     use simlock_contract::ids::{DeviceId, LeaseId};
     use simlock_contract::model::{
-        CapabilityStatus, Capacity, DaemonInfo, DeviceSpec, DeviceState, Health, HostFacts, Mode,
-        Platform,
+        CapabilityStatus, Capacity, DeviceSpec, DeviceState, Health, Platform,
     };
 
     use super::*;
 
+    /// A worker's status with `leases` (the core's tests' view, with no slots).
     fn status(leases: Vec<LeaseRecord>) -> StatusOutput {
-        StatusOutput {
-            daemon: DaemonInfo {
-                health: Health::Running,
-                mode: Mode::Worker,
-                version: "t".into(),
-                instance_id: "w".into(),
-            },
-            host: HostFacts {
-                os: "linux".into(),
-                os_version: String::new(),
-                arch: "x86_64".into(),
-                tools: Vec::new(),
-            },
-            capacity: Some(Capacity::default()),
-            devices: Some(Vec::new()),
-            leases: Some(leases),
-            queue_depth: Some(0),
-            waiting: Some(Vec::new()),
-            capabilities: Some(Vec::new()),
-            drivers: None,
-            lease: None,
-            workers: None,
-        }
+        crate::state::tests::status(leases, 0)
     }
 
     fn device(id: &str, state: DeviceState) -> Device {
