@@ -187,7 +187,7 @@ impl Buf for Parts {
 /// A body that hands on its data frames gathered into larger ones, up to `max` bytes: a stream
 /// of small frames (the link's 16 KiB parts, the parts a socket's reads cut a chunk into)
 /// reaches its reader as fewer, larger ones, and a reader that pays per frame (a Node daemon
-/// parsing a chunked upload pays about twice per byte for 64 KiB chunks what it pays for
+/// parsing a chunked upload pays about twice per byte for 16 KiB chunks what it pays for
 /// 256 KiB ones) pays less. Frames of at least [`KEEP_AS_IS`] bytes are not copied; smaller ones
 /// are copied together into one part of the [`Parts`] handed on. What is
 /// ready goes at once when it fills `max`; short of that, it waits for more at most `linger`
@@ -236,9 +236,15 @@ impl Coalesced {
             self.seal_small();
             self.gathered.push(data);
         } else {
+            // A lone small frame (a JSON body) takes what it needs; once a second one comes,
+            // room for the rest of the frame, so the parts are copied once.
+            let room = if self.small.is_empty() {
+                data.len()
+            } else {
+                data.len().max(self.max.saturating_sub(self.len()))
+            };
             if self.small.capacity() - self.small.len() < data.len() {
-                self.small
-                    .reserve(data.len().max(self.max.saturating_sub(self.len())));
+                self.small.reserve(room);
             }
             self.small.extend_from_slice(&data);
         }
@@ -486,6 +492,24 @@ mod tests {
         assert_eq!(parts.remaining(), 6 + KEEP_AS_IS);
     }
 
+    #[test]
+    fn a_lone_small_frame_takes_the_room_it_needs_and_a_second_the_room_for_the_frame() {
+        let max = 1024 * 1024;
+        let mut body = Coalesced::new(empty(), max, Duration::ZERO);
+        body.gather(Bytes::from_static(b"{\"uploadId\":\"u\"}"));
+        assert!(
+            body.small.capacity() < KEEP_AS_IS,
+            "a JSON body reserves {} bytes",
+            body.small.capacity()
+        );
+        body.gather(Bytes::from_static(b"more"));
+        assert!(
+            body.small.capacity() >= max - 4,
+            "room for the frame at once: {}",
+            body.small.capacity()
+        );
+    }
+
     #[tokio::test(start_paused = true)]
     async fn a_lingering_body_waits_for_more_up_to_its_linger_then_hands_on_what_it_has() {
         let linger = Duration::from_millis(2);
@@ -515,6 +539,23 @@ mod tests {
             Some("cdefgh")
         );
         assert_eq!(started.elapsed(), linger / 2, "full: no more waiting");
+        feeder.await.unwrap();
+        // A frame that comes while it waits, and does not fill it, does not move its deadline:
+        // the linger runs from the first wait.
+        tx.unbounded_send(frame("k")).unwrap();
+        let feeder = {
+            let tx = tx.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep(linger / 2).await;
+                tx.unbounded_send(frame("l")).unwrap();
+            })
+        };
+        let started = tokio::time::Instant::now();
+        assert_eq!(
+            next_within(&mut body, linger * 10).await.as_deref(),
+            Some("kl")
+        );
+        assert_eq!(started.elapsed(), linger, "not linger after the last frame");
         feeder.await.unwrap();
         // The end hands on what is held at once, and then ends.
         tx.unbounded_send(frame("ij")).unwrap();
