@@ -290,27 +290,6 @@ impl Client {
             .unwrap_or_else(|_| Err(timed_out(O::NAME, bound)))
     }
 
-    /// Runs the operation named `op` with a JSON payload, bounded like [`Self::call`].
-    ///
-    /// # Errors
-    /// As [`Self::call`].
-    pub async fn call_value_bounded(
-        &self,
-        op: &str,
-        payload: Value,
-    ) -> Result<Value, ContractError> {
-        let bound = self.options.call_timeout;
-        let call = async {
-            match &self.backend {
-                Backend::Wire(wire) => wire.client().call_value(op, payload).await,
-                Backend::Http(http) => http.op(op, payload).await,
-            }
-        };
-        tokio::time::timeout(bound, call)
-            .await
-            .unwrap_or_else(|_| Err(timed_out(op, bound)))
-    }
-
     /// `status.get`.
     ///
     /// # Errors

@@ -39,7 +39,7 @@ use http_body_util::BodyExt;
 use parking_lot::Mutex;
 use serde_json::json;
 use simlock_contract::bounds::{self, RELAY_GATEWAY_CREDENTIAL_HEADERS};
-use simlock_contract::ops::{RelayMethod, RelayRequestInput, RelayRequestOutput};
+use simlock_contract::ops::{RelayMethod, RelayRequest, RelayRequestInput, RelayRequestOutput};
 use simlock_contract::{ContractError, ErrorCode, Push};
 use simlock_fleet::error::{from_worker, unreachable};
 use simlock_fleet::{Fleet, WorkerConn};
@@ -238,10 +238,7 @@ impl GatewayRelay {
             peer_aborted: false,
             worker_error: None,
         };
-        let payload = serde_json::to_value(&input).map_err(|e| {
-            ContractError::internal(format!("relay.request could not be encoded: {e}"))
-        })?;
-        tokio::spawn(driver.run(payload, body, writer, head_tx));
+        tokio::spawn(driver.run(input, body, writer, head_tx));
         let mut guard = CallerGuard {
             events: Some(events_tx),
         };
@@ -610,7 +607,7 @@ struct Driver {
 impl Driver {
     async fn run<B>(
         mut self,
-        payload: serde_json::Value,
+        input: RelayRequestInput,
         body: B,
         writer: ChannelWriter,
         head_tx: oneshot::Sender<Result<http::Response<RelayBody>, ContractError>>,
@@ -630,10 +627,12 @@ impl Driver {
             Some(Event::CallerGone) = self.events.recv() => None,
             () = self.signal.cancelled() => Some(Err(Fail::CallerCancelled)),
             () = &mut deadline => Some(Err(Fail::Deadline)),
-            begun = self.conn.client.begin("relay.request", payload, 4) => {
+            begun = self.conn.client.begin_call::<RelayRequest>(&input, 4) => {
                 Some(begun.map_err(Fail::Worker))
             }
         };
+        // Written into the call line: not kept for the exchange's life.
+        drop(input);
         let mut call = match begun {
             None => {
                 self.abort();

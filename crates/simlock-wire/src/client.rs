@@ -305,13 +305,7 @@ impl WireClient {
     /// # Errors
     /// The daemon's error, or `DAEMON_CONNECTION_LOST`.
     pub async fn call_value(&self, op: &str, payload: Value) -> Result<Value, ContractError> {
-        let (_, push_rx) = mpsc::channel(1);
-        let raw = self
-            .start(op, &payload, None, push_rx)
-            .await?
-            .finish()
-            .await?;
-        decode_value(&raw)
+        decode_value(&self.reply_to(op, &payload).await?)
     }
 
     /// Calls a typed operation.
@@ -320,13 +314,7 @@ impl WireClient {
     /// The daemon's error, `DAEMON_CONNECTION_LOST`, or `INTERNAL` when the output does not
     /// match the operation's output type.
     pub async fn call<O: Operation>(&self, input: &O::Input) -> Result<O::Output, ContractError> {
-        let (_, push_rx) = mpsc::channel(1);
-        let raw = self
-            .start(O::NAME, input, None, push_rx)
-            .await?
-            .finish()
-            .await?;
-        decode_raw::<O>(&raw)
+        decode_raw::<O>(&self.reply_to(O::NAME, input).await?)
     }
 
     /// Sends `hello`.
@@ -334,14 +322,16 @@ impl WireClient {
     /// # Errors
     /// The daemon's refusal (`PROTOCOL_VERSION_UNSUPPORTED`, `ADMIN_AUTHENTICATION_FAILED`, …).
     pub async fn hello(&self, hello: &Hello) -> Result<HelloReply, ContractError> {
-        let (_, push_rx) = mpsc::channel(1);
-        let raw = self
-            .start("hello", hello, None, push_rx)
-            .await?
-            .finish()
-            .await?;
+        let raw = self.reply_to("hello", hello).await?;
         serde_json::from_str(raw.get())
             .map_err(|e| ContractError::internal(format!("invalid hello reply: {e}")))
+    }
+
+    /// Calls `op` and waits for its reply, its pushes discarded; the reply raw, for the caller
+    /// to decode once.
+    async fn reply_to<P: serde::Serialize + ?Sized>(&self, op: &str, payload: &P) -> RawReply {
+        let (_, push_rx) = mpsc::channel(1);
+        self.start(op, payload, None, push_rx).await?.finish().await
     }
 }
 

@@ -426,7 +426,7 @@ async fn the_client_reads_lines_longer_than_the_servers_cap() {
 }
 
 #[tokio::test]
-async fn the_client_refuses_a_call_line_over_1_mib_without_sending_it() {
+async fn the_client_sends_a_call_line_of_1_mib_and_refuses_one_past_it_without_sending_it() {
     let (server, client) = UnixStream::pair().unwrap();
     let (r, w) = server.into_split();
     tokio::spawn(serve(
@@ -438,10 +438,29 @@ async fn the_client_refuses_a_call_line_over_1_mib_without_sending_it() {
     let (r, w) = client.into_split();
     let (client, _) = WireClient::new(Transport::client_io(r, w));
     client.hello(&hello()).await.unwrap();
-    let big = "y".repeat(simlock_contract::bounds::MAX_CALL_LINE);
-    let err = client
-        .call_value("echo", json!({"s": big}))
+    // The calls after hello are ids 2 and 3: their lines, newline left out, are `overhead`
+    // bytes beside the padding.
+    let max = simlock_contract::bounds::MAX_CALL_LINE;
+    let overhead = simlock_contract::frame::to_line(&simlock_contract::CallOut {
+        id: simlock_contract::FrameId::from(2),
+        op: "echo",
+        payload: &json!({"s": ""}),
+    })
+    .unwrap()
+    .len()
+        - 1;
+    let at_limit = "y".repeat(max - overhead);
+    let echoed = client
+        .call_value("echo", json!({"s": at_limit}))
         .await
+        .unwrap();
+    assert_eq!(echoed["s"].as_str().map(str::len), Some(max - overhead));
+    // Refused before it is sent: a line the server refuses would be answered with no id, and
+    // the call would wait for ever.
+    let one_past = client.call_value("echo", json!({"s": "y".repeat(max - overhead + 1)}));
+    let err = tokio::time::timeout(Duration::from_secs(30), one_past)
+        .await
+        .expect("refused at once")
         .unwrap_err();
     assert_eq!(err.code, ErrorCode::BadRequest);
     assert!(err.message.starts_with("payload:"), "{}", err.message);

@@ -215,6 +215,18 @@ fn granted(core: &mut Core, generation: u64) -> String {
     answered[0].1.clone().unwrap()
 }
 
+/// The forward the last decision sent is refused by `w1` with `code`.
+fn refused(core: &mut Core, generation: u64, code: ErrorCode) {
+    let (attempt, _) = forward(&core.take_effects()).expect("forwarded");
+    core.handle_forward_answered(
+        attempt,
+        "w1",
+        generation,
+        Err(ContractError::new(code, "refused")),
+        T0,
+    );
+}
+
 /// A lease granted through the core and read back in its worker's view, which is then full.
 fn granted_full(core: &mut Core, generation: u64) -> String {
     let lease_id = granted(core, generation);
@@ -413,14 +425,7 @@ fn no_capacity_from_a_stale_view_requeues_and_a_no_wait_request_gets_one_more_wa
     let mut input = ios();
     input.no_wait = Some(true);
     ask(&mut core, 1, input, T0).unwrap();
-    let (attempt, _) = forward(&core.take_effects()).unwrap();
-    core.handle_forward_answered(
-        attempt,
-        "w1",
-        generation,
-        Err(ContractError::new(ErrorCode::NoCapacity, "full")),
-        T0,
-    );
+    refused(&mut core, generation, ErrorCode::NoCapacity);
     let effects = core.take_effects();
     assert!(refresh_sent(&effects).is_some(), "the view is read again");
     assert!(answers(&effects).is_empty(), "{effects:?}");
@@ -446,14 +451,7 @@ fn a_no_capacity_refusal_holds_until_a_read_changes_the_view_it_was_remembered_a
     core.handle_refreshed(generation, sent, refresh(vec![direct.clone()], 2), T0);
     core.take_effects();
     ask(&mut core, 1, ios(), T0).unwrap();
-    let (attempt, _) = forward(&core.take_effects()).unwrap();
-    core.handle_forward_answered(
-        attempt,
-        "w1",
-        generation,
-        Err(ContractError::new(ErrorCode::NoCapacity, "full")),
-        T0,
-    );
+    refused(&mut core, generation, ErrorCode::NoCapacity);
     let sent = refresh_sent(&core.take_effects()).expect("the view is read again");
     // The read finds the same view, its lease renewed: no change, no second try.
     let mut renewed = direct;
@@ -490,14 +488,7 @@ fn a_worker_that_refuses_the_spec_is_not_tried_again_and_its_refusal_is_answered
         Err(FleetError::CapabilityMissing(cap)) if cap == "gpu"
     ));
     ask(&mut core, 2, ios(), T0).unwrap();
-    let (attempt, _) = forward(&core.take_effects()).unwrap();
-    core.handle_forward_answered(
-        attempt,
-        "w1",
-        generation,
-        Err(ContractError::new(ErrorCode::RuntimeMissing, "no runtime")),
-        T0,
-    );
+    refused(&mut core, generation, ErrorCode::RuntimeMissing);
     assert_eq!(
         answers(&core.take_effects()),
         [(RequestId::from_raw("req_2"), Err(ErrorCode::RuntimeMissing))],
