@@ -421,8 +421,16 @@ struct Known {
     owner: &'static str,
 }
 
+#[cfg(test)]
+thread_local! {
+    /// How many key tables [`Keys::of`] built on this thread: the tests count them.
+    static KEY_TABLES_BUILT: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
 impl Keys {
     fn of(entries: &[Entry]) -> Self {
+        #[cfg(test)]
+        KEY_TABLES_BUILT.with(|built| built.set(built.get() + 1));
         let mut open_maps: Vec<String> = Vec::new();
         for entry in entries {
             open_maps.extend(entry.open_maps.iter().map(|m| format!("{}.{m}", entry.key)));
@@ -1568,12 +1576,35 @@ mod section_tests {
 
     #[test]
     fn the_key_tables_are_built_once_and_a_registration_rebuilds_them() {
+        let built = || KEY_TABLES_BUILT.with(std::cell::Cell::get);
+        let before = built();
         let sections = Sections::new().with::<Probe>();
         let first: *const Keys = sections.key_table();
         assert!(sections.keys().contains(&"probe.limit".to_owned()));
         assert_eq!(coerce("probe.path", "42", &sections), json!("42"));
+        // A start-up's steps: each --set, the environment layer, the load, then a view.
+        let sets = ["probe.path=42".to_owned(), "probe.limit=2".to_owned()];
+        let flags = crate::launch::parse_sets(&sets, &sections).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let env = [
+            ("SIMLOCK_PROBE__PATH", "7"),
+            ("SIMLOCK_LEASE__MAX_TTL_MS", "7200000"),
+        ];
+        let loaded =
+            tests::with_env(&env, || load(dir.path(), Mode::Worker, &flags, &sections)).unwrap();
+        assert_eq!(
+            loaded.section::<Probe>().unwrap().path.as_deref(),
+            Some("42")
+        );
+        assert_eq!(loaded.config.lease.max_ttl_ms, 7_200_000);
         let _ = load_text("[probe]\nlimit = 2", Mode::Worker, &sections).unwrap();
         let _ = view(&DaemonConfig::default(), &sections, &[], Mode::Worker);
+        let _ = (
+            sections.modes_of("probe.limit"),
+            sections.owner_of("probe.limit"),
+        );
+        let _ = (sections.default_values(), sections.layout_problems());
+        assert_eq!(built() - before, 1, "every step reads the one table");
         assert!(
             std::ptr::eq(first, sections.key_table()),
             "every step reads the one table"
