@@ -4,14 +4,17 @@
 //! A gateway and one worker serving `/v1/agent-device` over the published agent-device 0.21.5
 //! daemon (fetched by `cargo xtask fetch-peers`). A 256 MiB upload — preflight, PUT, finalize,
 //! as the CLI does it — goes straight to the daemon, through the worker's front, and through the
-//! gateway and the worker (the lease header sent by hand), in turn, seven times each; each ratio
-//! is direct time / path time, and the medians are reported; those uploads run alone. The daemon
-//! hashes the whole file at finalize on every path; the PUT-only ratios are printed beside. Then,
-//! each run, one more upload on the gateway's path while another lease on the same worker
-//! heartbeats through the gateway, and one more straight to the daemon while a lease of the
-//! daemon's own heartbeats straight to it, both paced every 10 ms: the p99 of each. Each path's
-//! CPU per GiB (simlock's process, the daemon) is printed beside; the daemon's stored uploads are
-//! removed after each one, so the disk's write-back of earlier runs weighs on none of them.
+//! gateway and the worker (the lease header sent by hand), twice per path in each of six runs,
+//! in mirrored order (A B C C B A, the ends rotating between runs) so a rate that drifts across
+//! a run weighs alike on every path; each run's ratio is direct time / path time over its two
+//! uploads, and the medians are reported; those uploads run alone. The daemon hashes the whole
+//! file at finalize on every path; the PUT-only ratios are printed beside. Then, each run, one
+//! more upload on the gateway's path while another lease on the same worker heartbeats through
+//! the gateway, and one more straight to the daemon while a lease of the daemon's own heartbeats
+//! straight to it, both paced every 10 ms by a caller on a thread and runtime of its own: the
+//! p99 of each. Each path's CPU per GiB (simlock's process, the daemon) is printed beside; the
+//! daemon's stored uploads are removed after each one, so the disk's write-back of earlier runs
+//! weighs on none of them.
 //!
 //! The last line is the summary: `agent-device worker_upload_ratio=<x>
 //! gateway_upload_ratio=<x> heartbeat_p99_ms=<x> heartbeat_direct_p99_ms=<x>`.
@@ -41,7 +44,8 @@ type Body = http_body_util::combinators::BoxBody<Bytes, BoxError>;
 const MIB: usize = 1024 * 1024;
 const SIZE: usize = 256 * MIB;
 const CHUNK: usize = 256 * 1024;
-const RUNS: usize = 7;
+/// Runs; a multiple of three, so each path stands at the ends of as many runs as the others.
+const RUNS: usize = 6;
 /// How often a heartbeat is sent beside an upload.
 const BEAT_EVERY: Duration = Duration::from_millis(10);
 
@@ -86,6 +90,18 @@ struct Target {
 struct Timing {
     total: Duration,
     put: Duration,
+}
+
+impl Timing {
+    const ZERO: Self = Self {
+        total: Duration::ZERO,
+        put: Duration::ZERO,
+    };
+
+    fn add(&mut self, other: &Self) {
+        self.total += other.total;
+        self.put += other.put;
+    }
 }
 
 async fn upload(
@@ -198,7 +214,12 @@ fn forget_uploads(tmp: &std::path::Path) {
 
 fn median(mut values: Vec<f64>) -> f64 {
     values.sort_by(f64::total_cmp);
-    values[values.len() / 2]
+    let half = values.len() / 2;
+    if values.len().is_multiple_of(2) {
+        f64::midpoint(values[half - 1], values[half])
+    } else {
+        values[half]
+    }
 }
 
 fn p99(mut values: Vec<f64>) -> f64 {
@@ -250,16 +271,29 @@ async fn upload_beside(
     beat: (String, String, Value),
 ) -> (Timing, Vec<f64>) {
     let stop = tokio_util::sync::CancellationToken::new();
-    let beats = tokio::spawn(heartbeats(
-        client.clone(),
-        beat.0,
-        beat.1,
-        beat.2,
-        stop.clone(),
-    ));
+    // The heartbeating caller runs on a thread and runtime of its own, as the CLI runs in a
+    // process of its own: its sends and reads never wait behind the daemons' tasks in their
+    // run queues.
+    let (done, beats) = tokio::sync::oneshot::channel();
+    let caller = {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            let samples = runtime.block_on(async move {
+                let client = Client::builder(TokioExecutor::new()).build_http();
+                heartbeats(client, beat.0, beat.1, beat.2, stop).await
+            });
+            let _ = done.send(samples);
+        })
+    };
     let timing = upload(client, target, piece, sha256, attempt).await;
     stop.cancel();
-    (timing, beats.await.unwrap())
+    let samples = beats.await.expect("the heartbeats ended");
+    caller.join().unwrap();
+    (timing, samples)
 }
 
 async fn rpc(
@@ -437,20 +471,25 @@ async fn bench() {
     let mut gateway_ratios = Vec::new();
     let mut put_ratios = (Vec::new(), Vec::new());
     let (mut beats, mut direct_beats) = (Vec::new(), Vec::new());
-    let mibs = |t: Duration| 256.0 / t.as_secs_f64();
+    // Each path's time in a run is that of its two uploads.
+    let mibs = |t: Duration| 512.0 / t.as_secs_f64();
     // CPU seconds per path: simlock's process (the client, the worker and the gateway), the daemon.
     let mut cpu = [(0.0, 0.0); 3];
     for run in 0..RUNS {
-        let attempt = 10 + 5 * run;
-        // Rotate who goes first, so no path always meets a warmer machine. The three uploads
-        // of the ratios run alone: nothing else loads the daemon's event loop.
+        let attempt = 10 + 8 * run;
+        // Each path uploads twice per run, in mirrored order (A B C C B A), so a rate that
+        // drifts across the run (the daemon slows as a run goes on) weighs alike on every path;
+        // which path stands at the ends rotates from run to run. These six uploads run alone:
+        // nothing else loads the daemon's event loop.
         let mut order = [0, 1, 2];
         order.rotate_left(run % 3);
-        let mut timings = [None, None, None];
-        for which in order {
+        let mirrored = order.into_iter().chain(order.into_iter().rev());
+        let mut timings = [Timing::ZERO; 3];
+        for (n, which) in mirrored.enumerate() {
             let target = [&direct, &via_worker, &via_gateway][which];
             let before = (cpu_seconds("self"), cpu_seconds(&daemon_pid));
-            timings[which] = Some(upload(&client, target, &piece, &sha256, attempt + which).await);
+            let timing = upload(&client, target, &piece, &sha256, attempt + n).await;
+            timings[which].add(&timing);
             cpu[which].0 += cpu_seconds("self") - before.0;
             cpu[which].1 += cpu_seconds(&daemon_pid) - before.1;
             forget_uploads(&daemon_tmp);
@@ -461,7 +500,7 @@ async fn bench() {
             &direct,
             &piece,
             &sha256,
-            attempt + 3,
+            attempt + 6,
             direct_beat.clone(),
         )
         .await;
@@ -472,15 +511,13 @@ async fn bench() {
             &via_gateway,
             &piece,
             &sha256,
-            attempt + 4,
+            attempt + 7,
             gateway_beat.clone(),
         )
         .await;
         beats.extend(b);
         forget_uploads(&daemon_tmp);
-        let [Some(d), Some(w), Some(g)] = timings else {
-            unreachable!("every path ran")
-        };
+        let [d, w, g] = timings;
         let ratio = |path: &Timing| d.total.as_secs_f64() / path.total.as_secs_f64();
         let put = |path: &Timing| d.put.as_secs_f64() / path.put.as_secs_f64();
         println!(
@@ -508,7 +545,7 @@ async fn bench() {
         beats.len(),
         direct_beats.len()
     );
-    let gib = (RUNS * SIZE) as f64 / (1024.0 * MIB as f64);
+    let gib = (2 * RUNS * SIZE) as f64 / (1024.0 * MIB as f64);
     for (name, (ours, daemon)) in ["direct", "worker", "gateway"].iter().zip(cpu) {
         println!(
             "CPU per GiB {name}: simlock process {:.2} s, daemon {:.2} s",
@@ -516,6 +553,17 @@ async fn bench() {
             daemon / gib
         );
     }
+    let quantiles = |samples: &[f64]| {
+        let mut sorted = samples.to_vec();
+        sorted.sort_by(f64::total_cmp);
+        let at = |q: f64| sorted[((sorted.len() as f64 * q) as usize).min(sorted.len() - 1)];
+        format!("p50 {:.2} p90 {:.2} ms", at(0.5), at(0.9))
+    };
+    println!(
+        "heartbeats: through the gateway {}, direct {}",
+        quantiles(&beats),
+        quantiles(&direct_beats)
+    );
     let (worker_ratio, gateway_ratio) = (median(worker_ratios), median(gateway_ratios));
     let (beat_p99, direct_p99) = (p99(beats), p99(direct_beats));
     drop(daemon_home);
