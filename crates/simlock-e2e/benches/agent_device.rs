@@ -12,7 +12,9 @@
 //! more upload on the gateway's path while another lease on the same worker heartbeats through
 //! the gateway, and one more straight to the daemon while a lease of the daemon's own heartbeats
 //! straight to it, both paced every 10 ms by a caller on a thread and runtime of its own: the
-//! p99 of each. Each path's CPU per GiB (simlock's process, the daemon) is printed beside; the
+//! p99 of each. Two more uploads on the gateway's path per run show where its heartbeat's time
+//! goes: beside one, heartbeats straight to the daemon; beside the other, through the worker's
+//! front (printed, not targets). Each path's CPU per GiB (simlock's process, the daemon) is printed beside; the
 //! daemon's stored uploads are removed after each one, so the disk's write-back of earlier runs
 //! weighs on none of them.
 //!
@@ -416,6 +418,24 @@ async fn bench() {
             json!({"session": "beats", "tenantId": "bench", "runId": "run1", "leaseId": through[1]}),
         ),
     );
+    // A lease through the worker's front, heartbeating beside the gateway's upload: how much of
+    // the gateway path's heartbeat is the worker's share (printed beside, not a target).
+    let worker_lease = rpc(
+        &client,
+        &format!("{worker_base}/rpc"),
+        &worker_secret,
+        &allocate("worker-beats"),
+    )
+    .await;
+    let worker_beat = (
+        format!("{worker_base}/rpc"),
+        worker_secret.clone(),
+        lease_call(
+            "heartbeat",
+            json!({"session": "worker-beats", "tenantId": "bench", "runId": "run1",
+                "leaseId": worker_lease["result"]["data"]["lease"]["leaseId"]}),
+        ),
+    );
     // A lease of the daemon's own, heartbeating straight to it: the baseline.
     let daemon_rpc = format!("http://127.0.0.1:{}/rpc", endpoint.port);
     let own = rpc(
@@ -471,12 +491,13 @@ async fn bench() {
     let mut gateway_ratios = Vec::new();
     let mut put_ratios = (Vec::new(), Vec::new());
     let (mut beats, mut direct_beats) = (Vec::new(), Vec::new());
+    let mut beside_gateway = (Vec::new(), Vec::new());
     // Each path's time in a run is that of its two uploads.
     let mibs = |t: Duration| 512.0 / t.as_secs_f64();
     // CPU seconds per path: simlock's process (the client, the worker and the gateway), the daemon.
     let mut cpu = [(0.0, 0.0); 3];
     for run in 0..RUNS {
-        let attempt = 10 + 8 * run;
+        let attempt = 10 + 10 * run;
         // Each path uploads twice per run, in mirrored order (A B C C B A), so a rate that
         // drifts across the run (the daemon slows as a run goes on) weighs alike on every path;
         // which path stands at the ends rotates from run to run. These six uploads run alone:
@@ -517,6 +538,28 @@ async fn bench() {
         .await;
         beats.extend(b);
         forget_uploads(&daemon_tmp);
+        // Where the gateway path's heartbeat goes: beside the same upload on the gateway's path,
+        // heartbeats straight to the daemon (the daemon's own share under that load), then
+        // through the worker's front (the worker's share).
+        for (n, (beat, into)) in [
+            (&direct_beat, &mut beside_gateway.0),
+            (&worker_beat, &mut beside_gateway.1),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let (_, b) = upload_beside(
+                &client,
+                &via_gateway,
+                &piece,
+                &sha256,
+                attempt + 8 + n,
+                beat.clone(),
+            )
+            .await;
+            into.extend(b);
+            forget_uploads(&daemon_tmp);
+        }
         let [d, w, g] = timings;
         let ratio = |path: &Timing| d.total.as_secs_f64() / path.total.as_secs_f64();
         let put = |path: &Timing| d.put.as_secs_f64() / path.put.as_secs_f64();
@@ -557,12 +600,22 @@ async fn bench() {
         let mut sorted = samples.to_vec();
         sorted.sort_by(f64::total_cmp);
         let at = |q: f64| sorted[((sorted.len() as f64 * q) as usize).min(sorted.len() - 1)];
-        format!("p50 {:.2} p90 {:.2} ms", at(0.5), at(0.9))
+        format!(
+            "p50 {:.2} p90 {:.2} p99 {:.2} ms",
+            at(0.5),
+            at(0.9),
+            p99(samples.to_vec())
+        )
     };
     println!(
-        "heartbeats: through the gateway {}, direct {}",
+        "heartbeats beside their own path's upload: through the gateway {}; straight to the daemon {}",
         quantiles(&beats),
         quantiles(&direct_beats)
+    );
+    println!(
+        "heartbeats beside the gateway's upload: straight to the daemon {}; through the worker's front {}",
+        quantiles(&beside_gateway.0),
+        quantiles(&beside_gateway.1)
     );
     let (worker_ratio, gateway_ratio) = (median(worker_ratios), median(gateway_ratios));
     let (beat_p99, direct_p99) = (p99(beats), p99(direct_beats));
