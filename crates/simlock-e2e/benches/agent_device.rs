@@ -14,9 +14,9 @@
 //! straight to it, both paced every 10 ms by a caller on a thread and runtime of its own: the
 //! p99 of each. Two more uploads on the gateway's path per run show where its heartbeat's time
 //! goes: beside one, heartbeats straight to the daemon; beside the other, through the worker's
-//! front (printed, not targets). Each path's CPU per GiB (simlock's process, the daemon) is printed beside; the
-//! daemon's stored uploads are removed after each one, so the disk's write-back of earlier runs
-//! weighs on none of them.
+//! front (printed, not targets). Each path's CPU per GiB (simlock's process, the daemon) is
+//! printed beside; the daemon's stored uploads are removed after each one, so the disk's
+//! write-back of earlier runs weighs on none of them.
 //!
 //! The last line is the summary: `agent-device worker_upload_ratio=<x>
 //! gateway_upload_ratio=<x> heartbeat_p99_ms=<x> heartbeat_direct_p99_ms=<x>`.
