@@ -236,14 +236,14 @@ impl Coalesced {
             self.seal_small();
             self.gathered.push(data);
         } else {
-            // A lone small frame (a JSON body) takes what it needs; once a second one comes,
-            // room for the rest of the frame, so the parts are copied once.
-            let room = if self.small.is_empty() {
-                data.len()
-            } else {
-                data.len().max(self.max.saturating_sub(self.len()))
-            };
             if self.small.capacity() - self.small.len() < data.len() {
+                // A lone small frame (a JSON body) takes what it needs; once a second one
+                // comes, room for the rest of the frame, so the parts are copied once.
+                let room = if self.small.is_empty() {
+                    data.len()
+                } else {
+                    data.len().max(self.max.saturating_sub(self.len()))
+                };
                 self.small.reserve(room);
             }
             self.small.extend_from_slice(&data);
@@ -510,6 +510,21 @@ mod tests {
         );
     }
 
+    /// Sends `texts` as frames on `tx` once `after` has passed.
+    fn send_later(
+        tx: &futures::channel::mpsc::UnboundedSender<Result<Frame<Bytes>, BoxError>>,
+        after: Duration,
+        texts: &'static [&'static str],
+    ) -> tokio::task::JoinHandle<()> {
+        let tx = tx.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(after).await;
+            for text in texts {
+                tx.unbounded_send(frame(text)).unwrap();
+            }
+        })
+    }
+
     #[tokio::test(start_paused = true)]
     async fn a_lingering_body_waits_for_more_up_to_its_linger_then_hands_on_what_it_has() {
         let linger = Duration::from_millis(2);
@@ -525,14 +540,7 @@ mod tests {
         assert_eq!(started.elapsed(), linger, "held exactly its linger");
         // More that comes within the linger joins it, up to the bound, which goes at once.
         tx.unbounded_send(frame("cd")).unwrap();
-        let feeder = {
-            let tx = tx.clone();
-            tokio::spawn(async move {
-                tokio::time::sleep(linger / 2).await;
-                tx.unbounded_send(frame("ef")).unwrap();
-                tx.unbounded_send(frame("gh")).unwrap();
-            })
-        };
+        let feeder = send_later(&tx, linger / 2, &["ef", "gh"]);
         let started = tokio::time::Instant::now();
         assert_eq!(
             next_within(&mut body, linger * 10).await.as_deref(),
@@ -543,13 +551,7 @@ mod tests {
         // A frame that comes while it waits, and does not fill it, does not move its deadline:
         // the linger runs from the first wait.
         tx.unbounded_send(frame("k")).unwrap();
-        let feeder = {
-            let tx = tx.clone();
-            tokio::spawn(async move {
-                tokio::time::sleep(linger / 2).await;
-                tx.unbounded_send(frame("l")).unwrap();
-            })
-        };
+        let feeder = send_later(&tx, linger / 2, &["l"]);
         let started = tokio::time::Instant::now();
         assert_eq!(
             next_within(&mut body, linger * 10).await.as_deref(),
