@@ -224,10 +224,12 @@ fn median(mut values: Vec<f64>) -> f64 {
     }
 }
 
-fn p99(mut values: Vec<f64>) -> f64 {
-    values.sort_by(f64::total_cmp);
-    let at = (values.len() * 99).div_ceil(100).saturating_sub(1);
-    values.get(at).copied().unwrap_or(f64::NAN)
+/// The `percent`th percentile of `values` (nearest rank), NaN when there are none.
+fn percentile(values: &[f64], percent: usize) -> f64 {
+    let mut sorted = values.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    let at = (sorted.len() * percent).div_ceil(100).saturating_sub(1);
+    sorted.get(at).copied().unwrap_or(f64::NAN)
 }
 
 /// Heartbeats `call` to `rpc` with `token`, one after another, until `stop`; answers each
@@ -288,6 +290,8 @@ async fn upload_beside(
                 let client = Client::builder(TokioExecutor::new()).build_http();
                 heartbeats(client, beat.0, beat.1, beat.2, stop).await
             });
+            // Its connections closed first, so the join below waits for nothing.
+            drop(runtime);
             let _ = done.send(samples);
         })
     };
@@ -493,7 +497,7 @@ async fn bench() {
     let (mut beats, mut direct_beats) = (Vec::new(), Vec::new());
     let mut beside_gateway = (Vec::new(), Vec::new());
     // Each path's time in a run is that of its two uploads.
-    let mibs = |t: Duration| 512.0 / t.as_secs_f64();
+    let mibs = |t: Duration| (2 * SIZE / MIB) as f64 / t.as_secs_f64();
     // CPU seconds per path: simlock's process (the client, the worker and the gateway), the daemon.
     let mut cpu = [(0.0, 0.0); 3];
     for run in 0..RUNS {
@@ -597,14 +601,11 @@ async fn bench() {
         );
     }
     let quantiles = |samples: &[f64]| {
-        let mut sorted = samples.to_vec();
-        sorted.sort_by(f64::total_cmp);
-        let at = |q: f64| sorted[((sorted.len() as f64 * q) as usize).min(sorted.len() - 1)];
         format!(
             "p50 {:.2} p90 {:.2} p99 {:.2} ms",
-            at(0.5),
-            at(0.9),
-            p99(samples.to_vec())
+            percentile(samples, 50),
+            percentile(samples, 90),
+            percentile(samples, 99)
         )
     };
     println!(
@@ -618,7 +619,7 @@ async fn bench() {
         quantiles(&beside_gateway.1)
     );
     let (worker_ratio, gateway_ratio) = (median(worker_ratios), median(gateway_ratios));
-    let (beat_p99, direct_p99) = (p99(beats), p99(direct_beats));
+    let (beat_p99, direct_p99) = (percentile(&beats, 99), percentile(&direct_beats, 99));
     drop(daemon_home);
     fleet.stop().await;
     println!(
