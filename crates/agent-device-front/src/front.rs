@@ -534,9 +534,15 @@ fn answer_from(mut parts: http::response::Parts, bytes: Bytes) -> Response<Body>
 }
 
 impl Inner {
-    /// The ceiling on a lease's TTL, given the holding daemon's `lease.maxTtlMs`.
+    /// The ceiling on a lease's TTL, given the holding daemon's `lease.maxTtlMs`: the least
+    /// of agent-device's own, this daemon's `lease.maxTtlMs` (through a gateway, a lease above
+    /// the gateway's own bound could be neither granted nor renewed there), the holder's and
+    /// `agentDevice.leaseTtlCapMs`.
     fn ceiling(&self, holder_max_ttl_ms: Option<u64>) -> u64 {
-        let mut ceiling = AGENT_DEVICE_MAX_TTL_MS.min(holder_max_ttl_ms.unwrap_or(self.max_ttl_ms));
+        let mut ceiling = AGENT_DEVICE_MAX_TTL_MS.min(self.max_ttl_ms);
+        if let Some(holder) = holder_max_ttl_ms {
+            ceiling = ceiling.min(holder);
+        }
         if let Some(cap) = self.lease_ttl_cap_ms {
             ceiling = ceiling.min(cap);
         }
@@ -566,7 +572,7 @@ async fn allocate(ctx: &Exchange, mut call: RpcCall) -> Result<Response<Body>, F
     input.model = call.allocate_model();
     input.requester_id = Some(lease.to_string());
     input.lease_id = Some(lease.to_string());
-    input.ttl_ms = Some(inner.ceiling(None));
+    input.ttl_ms = Some(inner.ceiling(serving.lease_max_ttl_ms));
     input.requires = inner.link.lease_requires();
     let grant = wait_for_grant(inner, &ctx.caller, input, &lease)
         .await

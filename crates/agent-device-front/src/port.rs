@@ -84,8 +84,10 @@ pub struct Serving {
     /// The platforms its devices have; what a new lease may ask for (a link may leave it empty
     /// for a status read with a lease id, which needs only the ceiling).
     pub platforms: BTreeSet<Platform>,
-    /// The `lease.maxTtlMs` of the daemon holding the lease; given only for a status read
-    /// with a lease id.
+    /// The `lease.maxTtlMs` of the daemon holding the lease, for a status read with a lease
+    /// id; for a new lease through a gateway, the least among the workers that could take it
+    /// (a lease request every one of them accepts). `None`: this daemon's own bound is the
+    /// only one.
     pub lease_max_ttl_ms: Option<u64>,
 }
 

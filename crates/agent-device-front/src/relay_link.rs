@@ -435,9 +435,12 @@ impl RelayHostLink {
         if capable.is_empty() {
             return HostStatus::unavailable(NO_CAPABLE_WORKER);
         }
+        // A lease asks for a TTL every capable worker accepts; once granted, it is renewed up
+        // to its holder's ceiling.
+        let lease_max_ttl_ms = capable.iter().filter_map(|w| w.lease_max_ttl_ms).min();
         HostStatus::Running(Serving {
             platforms: capable.into_iter().flat_map(|w| w.platforms).collect(),
-            lease_max_ttl_ms: None,
+            lease_max_ttl_ms,
         })
     }
 }
@@ -877,9 +880,15 @@ mod tests {
         let fleet = Fleet {
             placement: Mutex::new(None),
             workers: vec![
-                worker("w1", &[Platform::Ios], true),
+                WorkerFacts {
+                    lease_max_ttl_ms: Some(600_000),
+                    ..worker("w1", &[Platform::Ios], true)
+                },
                 worker("w2", &[Platform::Android], true),
-                worker("w3", &[Platform::Android], false),
+                WorkerFacts {
+                    lease_max_ttl_ms: Some(10_000),
+                    ..worker("w3", &[Platform::Android], false)
+                },
             ],
         };
         let link = RelayHostLink::new(Arc::new(fleet), Duration::from_secs(60), clock());
@@ -890,7 +899,11 @@ mod tests {
             serving.platforms,
             [Platform::Ios, Platform::Android].into_iter().collect()
         );
-        assert_eq!(serving.lease_max_ttl_ms, None);
+        assert_eq!(
+            serving.lease_max_ttl_ms,
+            Some(300_000),
+            "the least ceiling among the capable workers (w3 is not one)"
+        );
         let none = RelayHostLink::new(
             Arc::new(Fleet {
                 placement: Mutex::new(None),

@@ -2065,3 +2065,38 @@ async fn a_published_cli_session_survives_its_workers_uplink_drop_without_alloca
     let _ = cli.run(&["disconnect"]).await;
     gw.stop().await;
 }
+
+/// Either daemon's `lease.maxTtlMs` may be the lower: a lease through the gateway gets the lower
+/// one (before, a gateway below its worker refused every allocate: the lease was renewed up to
+/// the worker's bound, past its own), and its heartbeats renew it to that.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_gets_the_lower_of_the_gateways_and_its_workers_max_ttl_and_heartbeats_keep_it() {
+    for (gateway_max, worker_max) in [(300_000, 600_000), (600_000, 300_000)] {
+        let mut config = enabled_gateway();
+        config.daemon.lease.max_ttl_ms = gateway_max;
+        let mut gw = Gw::start(config).await;
+        let mut config = worker(true, &[Platform::Android]);
+        config.daemon.lease.max_ttl_ms = worker_max;
+        gw.add(config).await;
+        gw.wait_capable(0, true).await;
+        let (_, secret) = gw.token().await;
+        let http = Http::new();
+        let lease = allocate(&http, &gw, &secret).await;
+        let held = gw.fleet.worker(0).worker.lease(&lease).unwrap();
+        assert_eq!(held.ttl_ms, 300_000, "{gateway_max} / {worker_max}");
+        let allocated = received(&gw.fakes[0], "agent_device.lease.allocate");
+        assert_eq!(allocated[0]["params"]["ttlMs"], json!(300_000));
+        let beat = http
+            .rpc(
+                &gw.base(),
+                &secret,
+                &lease_call("h1", "lease.heartbeat", &lease),
+            )
+            .await;
+        assert_eq!(beat.json()["result"]["ok"], json!(true), "{beat:?}");
+        let renewed = gw.fleet.worker(0).worker.lease(&lease).unwrap();
+        assert!(renewed.last_renewed_at >= held.last_renewed_at);
+        assert_eq!(renewed.ttl_deadline, renewed.last_renewed_at + 300_000);
+        gw.stop().await;
+    }
+}
