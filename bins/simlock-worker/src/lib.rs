@@ -5,16 +5,20 @@ use std::collections::BTreeSet;
 use std::sync::{Arc, LazyLock};
 
 use agent_device_front::{AgentDeviceConfig, Front, FrontOptions, LeaseId};
-use agent_device_host::{AgentDeviceHost, Daemon, DaemonState, HostOptions, InProcessHostLink};
+use agent_device_host::{
+    AgentDeviceHost, Daemon, DaemonState, HostOptions, InProcessHostLink, RenewLease,
+};
 use futures::FutureExt;
 
+use simlock_contract::Role;
 use simlock_contract::event::{Event, EventModule};
 use simlock_contract::model::Mode;
-use simlock_contract::ops::ConfigView;
+use simlock_contract::ops::{ConfigView, LeaseRenewInput};
 use simlock_core::config::CoreConfig;
 use simlock_core::{SystemFacts, Worker, WorkerParts};
 use simlock_daemon::clock::SharedClock;
 use simlock_daemon::config::{self, ConfigError, DaemonConfig, Loaded, Sections};
+use simlock_daemon::context::CallCtx;
 use simlock_daemon::home::Home;
 use simlock_daemon::runtime::{Base, Running, StartError};
 use simlock_daemon::uplink::{self, UplinkConfig, UplinkState};
@@ -226,14 +230,30 @@ pub async fn start(options: WorkerOptions) -> Result<RunningWorker, StartError> 
                 }
                 .boxed()
             }));
-            relay_targets
-                .insert(agent_device_front::CAPABILITY, host.relay_target())
-                .map_err(|e| StartError::Domain(e.to_string()))?;
             Some(host)
         }
         _ => None,
     };
     let worker = Worker::new(parts).map_err(|e| StartError::Domain(e.to_string()))?;
+    if let Some(host) = &host {
+        // A relayed heartbeat renews the lease here with the authority of the gateway that
+        // relayed it: its calls over the uplink are the admin's.
+        let renewing = worker.clone();
+        let renew: RenewLease = Arc::new(move |lease, ttl_ms| {
+            let ctx = CallCtx::internal("gateway".into(), Role::Admin, None);
+            let input = LeaseRenewInput {
+                lease_id: lease.to_string(),
+                ttl_ms: Some(ttl_ms),
+            };
+            renewing.renew(&ctx, &input).map(drop)
+        });
+        relay_targets
+            .insert(
+                agent_device_front::CAPABILITY,
+                host.relay_target(Some(renew)),
+            )
+            .map_err(|e| StartError::Domain(e.to_string()))?;
+    }
     let mut router = base.router();
     simlock_core::register(&mut router, &worker, base.gate.clone());
     simlock_relay_worker::register(&mut router, relay_targets);

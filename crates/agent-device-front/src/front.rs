@@ -39,6 +39,7 @@ use crate::body::{Guarded, read_to_bytes};
 use crate::lease_id::{LEASE_HEADER, LeaseId};
 use crate::leases::{FrontLease, FrontLeases};
 use crate::port::{Caller, HostLink, Hosts, Serving, StatusScope};
+use crate::renewal::{self, RenewAsk, Renewal};
 use crate::reply::{Refusal, Surface};
 use crate::rpc::{Answer, MAX_RPC_BODY, Method as RpcMethod, RpcCall, device_key};
 use crate::{Body, PREFIX};
@@ -206,7 +207,9 @@ impl Route {
     }
 }
 
-async fn serve(inner: Arc<Inner>, request: Request<Body>) -> Response<Body> {
+async fn serve(inner: Arc<Inner>, mut request: Request<Body>) -> Response<Body> {
+    // simlock's own headers between a front and a host are never a caller's to send.
+    renewal::strip(request.headers_mut());
     let Some(route) = Route::parse(request.method(), request.uri().path()) else {
         return Refusal::NotFound.into_response(&Surface::Route);
     };
@@ -470,10 +473,24 @@ impl Exchange {
         body: Bytes,
         lease: Option<&LeaseId>,
     ) -> Result<Response<Body>, Failed> {
+        self.forward_asking(body, lease, None).await
+    }
+
+    /// Forwards `body` as this request's body, asking the host to renew the simlock lease
+    /// when `ask` is given.
+    async fn forward_asking(
+        &self,
+        body: Bytes,
+        lease: Option<&LeaseId>,
+        ask: Option<RenewAsk>,
+    ) -> Result<Response<Body>, Failed> {
         let mut parts = self.parts.clone();
         parts.headers.remove(http::header::CONTENT_LENGTH);
         if let Ok(len) = HeaderValue::from_str(&body.len().to_string()) {
             parts.headers.insert(http::header::CONTENT_LENGTH, len);
+        }
+        if let Some(ask) = ask {
+            ask.put(&mut parts.headers);
         }
         let request = Request::from_parts(parts, crate::body::full(body));
         let forwarded = self
@@ -490,7 +507,17 @@ impl Exchange {
         body: Bytes,
         lease: Option<&LeaseId>,
     ) -> Result<(http::response::Parts, Bytes), Failed> {
-        let response = self.forward(body, lease).await?;
+        self.exchange_asking(body, lease, None).await
+    }
+
+    /// As [`Self::exchange`], asking the host to renew the simlock lease when `ask` is given.
+    async fn exchange_asking(
+        &self,
+        body: Bytes,
+        lease: Option<&LeaseId>,
+        ask: Option<RenewAsk>,
+    ) -> Result<(http::response::Parts, Bytes), Failed> {
+        let response = self.forward_asking(body, lease, ask).await?;
         let (parts, body) = response.into_parts();
         let bytes = read_to_bytes(body, MAX_ANSWER).await.map_err(|e| {
             self.fail(Refusal::NotAvailable {
@@ -503,6 +530,30 @@ impl Exchange {
 
     fn ctx(&self) -> CallCtx {
         CallCtx::internal(self.caller.principal.clone(), self.caller.role, None)
+    }
+
+    /// Renews the simlock lease `lease` to now plus `ttl_ms` through the pipeline.
+    ///
+    /// # Errors
+    /// Not available, with the pipeline's message, for any failure but an unknown lease.
+    async fn renew_simlock(&self, lease: &LeaseId, ttl_ms: u64) -> Result<Renewal, Failed> {
+        let renew = LeaseRenewInput {
+            lease_id: lease.to_string(),
+            ttl_ms: Some(ttl_ms),
+        };
+        match self
+            .inner
+            .pipeline
+            .call_typed::<LeaseRenew>(self.ctx(), &renew)
+            .await
+        {
+            Ok(_) => Ok(Renewal::Renewed),
+            Err(e) if e.code == ErrorCode::UnknownLease => Ok(Renewal::LeaseEnded),
+            Err(e) => Err(self.fail(Refusal::NotAvailable {
+                reason: e.message,
+                retriable: true,
+            })),
+        }
     }
 
     /// Ends the simlock lease `lease`; one already gone is not an error.
@@ -742,8 +793,10 @@ fn spawn_renewal(
 }
 
 /// The heartbeat: agent-device first, then the simlock lease renewed to now plus the lease's
-/// TTL. agent-device saying the lease is gone, or simlock not knowing it, means simlock ended
-/// it: `LEASE_ENDED_BY_HOST`, never an answer on which the CLI allocates again.
+/// TTL, by the host holding it when it can ([`crate::renewal`]: through a gateway, the worker,
+/// in the relay's own round trip), else by the front. agent-device saying the lease is gone,
+/// or simlock not knowing it, means simlock ended it: `LEASE_ENDED_BY_HOST`, never an answer
+/// on which the CLI allocates again.
 async fn heartbeat(
     ctx: &Exchange,
     mut call: RpcCall,
@@ -751,7 +804,13 @@ async fn heartbeat(
 ) -> Result<Response<Body>, Failed> {
     let ttl_ms = ctx.lease_ttl(lease)?;
     call.set_ttl(ttl_ms);
-    let (parts, bytes) = ctx.exchange(call.to_bytes(), Some(lease)).await?;
+    // The host holding the lease renews it once its daemon answered ok, in the same round
+    // trip; a host that does not answers with no renewal, and the front renews it here.
+    let ask = RenewAsk { ttl_ms };
+    let (mut parts, bytes) = ctx
+        .exchange_asking(call.to_bytes(), Some(lease), Some(ask))
+        .await?;
+    let renewal = Renewal::take(&mut parts.headers);
     let answer = Answer::read(&bytes);
     if answer.lease_gone() {
         ctx.inner.leases.remove(lease);
@@ -761,28 +820,19 @@ async fn heartbeat(
     if !matches!(answer, Answer::Ok(_)) {
         return Ok(answer_from(parts, bytes));
     }
-    let renew = LeaseRenewInput {
-        lease_id: lease.to_string(),
-        ttl_ms: Some(ttl_ms),
+    let renewal = match renewal {
+        Some(renewal) => renewal,
+        None => ctx.renew_simlock(lease, ttl_ms).await?,
     };
-    match ctx
-        .inner
-        .pipeline
-        .call_typed::<LeaseRenew>(ctx.ctx(), &renew)
-        .await
-    {
-        Ok(_) => {
+    match renewal {
+        Renewal::Renewed => {
             ctx.inner.leases.touch(lease, Instant::now());
             Ok(answer_from(parts, bytes))
         }
-        Err(e) if e.code == ErrorCode::UnknownLease => {
+        Renewal::LeaseEnded => {
             ctx.inner.leases.remove(lease);
             Err(ctx.fail(Refusal::LeaseEnded(lease.clone())))
         }
-        Err(e) => Err(ctx.fail(Refusal::NotAvailable {
-            reason: e.message,
-            retriable: true,
-        })),
     }
 }
 

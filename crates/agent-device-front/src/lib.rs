@@ -14,6 +14,7 @@ pub mod leases;
 pub mod placements;
 pub mod port;
 pub mod relay_link;
+pub mod renewal;
 pub mod reply;
 pub mod rpc;
 pub mod tenant;

@@ -19,7 +19,9 @@ use std::time::Duration;
 
 use agent_device_front::body::{ReadError, Upstream, read_to_bytes, upstream};
 use agent_device_front::port::{Caller, HostLink, HostStatus, Serving, StatusScope};
+use agent_device_front::renewal::{RenewAsk, Renewal};
 use agent_device_front::reply::{Refusal, Surface};
+use agent_device_front::rpc::Answer;
 use agent_device_front::{Body, BoxError, LeaseId, PREFIX, Tenant};
 use bytes::Bytes;
 use futures::FutureExt;
@@ -565,9 +567,78 @@ impl AgentDeviceHost {
     }
 
     /// The relay target `agent-device`: requests a gateway relays, for the tenant it computed.
-    pub fn relay_target(&self) -> Arc<dyn RelayTarget> {
-        Arc::new(HostTarget { host: self.clone() })
+    /// With `renew`, a heartbeat whose relay asks for it ([`RenewAsk`]) renews the worker's
+    /// simlock lease once the daemon answered ok, and its answer says so ([`Renewal`]); without
+    /// it, the ask is dropped and the gateway renews the lease itself.
+    pub fn relay_target(&self, renew: Option<RenewLease>) -> Arc<dyn RelayTarget> {
+        Arc::new(HostTarget {
+            host: self.clone(),
+            renew,
+        })
     }
+
+    /// Serves one relayed request: forwards it for `tenant` and, with `renew`,
+    /// renews the simlock lease after an ok answer ([`Self::relay_target`]).
+    async fn relayed(
+        &self,
+        mut request: Request<Body>,
+        tenant: &Tenant,
+        lease: Option<&LeaseId>,
+        renew: Option<&RenewLease>,
+    ) -> Response<Body> {
+        // Taken off whether or not this host renews: the daemon never sees it.
+        let ask = RenewAsk::take(request.headers_mut());
+        let response = self
+            .forward(request, tenant, lease)
+            .await
+            .unwrap_or_else(|(refusal, surface)| refusal.into_response(&surface));
+        match (ask, lease, renew) {
+            (Some(ask), Some(lease), Some(renew)) => {
+                renew_after_ok(response, lease, ask, renew).await
+            }
+            _ => response,
+        }
+    }
+}
+
+/// Renews the worker's simlock lease named by a relayed heartbeat to now plus a TTL, with the
+/// authority of the gateway that relayed it (the composition gives it the core's
+/// `lease.renew`, as the gateway's own renewal over the uplink would reach it).
+pub type RenewLease =
+    Arc<dyn Fn(&LeaseId, u64) -> Result<(), simlock_contract::ContractError> + Send + Sync>;
+
+/// A relayed heartbeat's answer, with the simlock lease renewed when the daemon answered ok
+/// (the seed's order: agent-device first, then simlock). Any other answer goes back as it
+/// came, with no [`Renewal`].
+async fn renew_after_ok(
+    response: Response<Body>,
+    lease: &LeaseId,
+    ask: RenewAsk,
+    renew: &RenewLease,
+) -> Response<Body> {
+    if !response.status().is_success() {
+        return response;
+    }
+    let (mut parts, body) = response.into_parts();
+    let bytes = match read_to_bytes(body, MAX_ANSWER).await {
+        Ok(bytes) => bytes,
+        Err(error) => {
+            return unreadable(&error).into_response(&Surface::Rpc { id: Value::Null });
+        }
+    };
+    if matches!(Answer::read(&bytes), Answer::Ok(_)) {
+        match renew(lease, ask.ttl_ms) {
+            Ok(()) => Renewal::Renewed.put(&mut parts.headers),
+            Err(e) if e.code == simlock_contract::ErrorCode::UnknownLease => {
+                Renewal::LeaseEnded.put(&mut parts.headers);
+            }
+            Err(e) => {
+                // The gateway, seeing no renewal, renews the lease itself and answers its error.
+                warn!(%lease, code = %e.code, message = %e.message, "a relayed heartbeat's lease could not be renewed here");
+            }
+        }
+    }
+    Response::from_parts(parts, agent_device_front::body::full(bytes))
 }
 
 fn unreadable(error: &ReadError) -> Refusal {
@@ -692,6 +763,7 @@ async fn unhealthy(
 
 struct HostTarget {
     host: AgentDeviceHost,
+    renew: Option<RenewLease>,
 }
 
 impl RelayTarget for HostTarget {
@@ -700,6 +772,7 @@ impl RelayTarget for HostTarget {
         relayed: RelayRequest,
     ) -> BoxFuture<'static, Result<Response<ResponseBody>, BoxError>> {
         let host = self.host.clone();
+        let renew = self.renew.clone();
         async move {
             let RelayRequest {
                 request,
@@ -721,8 +794,8 @@ impl RelayTarget for HostTarget {
             let body = body.map_err(|e| -> BoxError { Box::new(e) }).boxed_unsync();
             let request = Request::from_parts(parts, body);
             tokio::select! {
-                outcome = host.forward(request, &tenant, lease.as_ref()) => {
-                    Ok(outcome.unwrap_or_else(|(refusal, surface)| refusal.into_response(&surface)))
+                response = host.relayed(request, &tenant, lease.as_ref(), renew.as_ref()) => {
+                    Ok(response)
                 }
                 () = cancel.cancelled() => Err("the relay was cancelled".into()),
             }
@@ -804,5 +877,245 @@ impl HostLink for InProcessHostLink {
 
     fn hosts(&self) -> agent_device_front::Hosts {
         agent_device_front::Hosts::One
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use agent_device_fake::LeaseOp;
+    use agent_device_fake::{DaemonError, ErrorCode as FakeCode, FakeAgentDevice, FakeOptions};
+    use simlock_contract::{ContractError, ErrorCode};
+
+    use super::*;
+
+    const L: &str = "0123456789abcdef0123456789abcdef";
+
+    /// What a renewal port was asked, and what it answers.
+    struct Port {
+        asked: Mutex<Vec<(LeaseId, u64)>>,
+        answer: Mutex<Result<(), ContractError>>,
+    }
+
+    impl Port {
+        fn new() -> Arc<Self> {
+            Arc::new(Self {
+                asked: Mutex::new(Vec::new()),
+                answer: Mutex::new(Ok(())),
+            })
+        }
+
+        fn renew(self: &Arc<Self>) -> RenewLease {
+            let port = self.clone();
+            Arc::new(move |lease: &LeaseId, ttl_ms: u64| {
+                port.asked.lock().push((lease.clone(), ttl_ms));
+                port.answer.lock().clone()
+            })
+        }
+    }
+
+    struct Bench {
+        fake: FakeAgentDevice,
+        host: AgentDeviceHost,
+        lease: LeaseId,
+        tenant: Tenant,
+    }
+
+    /// A host attached to a fake, with `L` allocated through it under a gateway's tenant.
+    async fn bench() -> Bench {
+        let fake = FakeAgentDevice::start(FakeOptions::default()).unwrap();
+        let mut options = HostOptions::new(Vec::new(), std::env::temp_dir());
+        options.daemon = Daemon::Attach(Endpoint {
+            port: fake.port(),
+            token: fake.token().to_owned(),
+        });
+        let host = AgentDeviceHost::start(options).await;
+        let mut states = host.watch();
+        states
+            .wait_for(|s| matches!(s, DaemonState::Running(_)))
+            .await
+            .unwrap();
+        let lease = LeaseId::parse(L).unwrap();
+        let tenant = Tenant::through_gateway("gw1", "tok_a");
+        let allocate = rpc(
+            "a1",
+            "agent_device.lease.allocate",
+            json!({"session": "s1", "tenantId": "acme", "runId": "run1", "backend": "android-instance"}),
+        );
+        let answer = host.relayed(allocate, &tenant, Some(&lease), None).await;
+        let bytes = read_to_bytes(answer.into_body(), MAX_ANSWER).await.unwrap();
+        assert!(
+            matches!(Answer::read(&bytes), Answer::Ok(_)),
+            "{}",
+            String::from_utf8_lossy(&bytes)
+        );
+        Bench {
+            fake,
+            host,
+            lease,
+            tenant,
+        }
+    }
+
+    fn rpc(id: &str, method: &str, params: Value) -> Request<Body> {
+        let body = json!({"jsonrpc": "2.0", "id": id, "method": method, "params": params});
+        Request::post("http://gw.example/v1/agent-device/rpc")
+            .header("content-type", "application/json")
+            .body(agent_device_front::body::full(body.to_string()))
+            .unwrap()
+    }
+
+    fn heartbeat(ask: Option<u64>) -> Request<Body> {
+        let mut request = rpc(
+            "h1",
+            "agent_device.lease.heartbeat",
+            json!({"session": "s1", "tenantId": "acme", "runId": "run1", "leaseId": L}),
+        );
+        if let Some(ttl_ms) = ask {
+            RenewAsk { ttl_ms }.put(request.headers_mut());
+        }
+        request
+    }
+
+    /// The answer's renewal, and whether agent-device said ok.
+    async fn read(answer: Response<Body>) -> (Option<Renewal>, bool) {
+        let (mut parts, body) = answer.into_parts();
+        let renewal = Renewal::take(&mut parts.headers);
+        let bytes = read_to_bytes(body, MAX_ANSWER).await.unwrap();
+        (renewal, matches!(Answer::read(&bytes), Answer::Ok(_)))
+    }
+
+    fn heartbeats_seen(fake: &FakeAgentDevice) -> Vec<agent_device_fake::RecordedRequest> {
+        fake.requests()
+            .into_iter()
+            .filter(|r| String::from_utf8_lossy(&r.body).contains("lease.heartbeat"))
+            .collect()
+    }
+
+    #[tokio::test]
+    async fn an_asked_heartbeat_renews_the_lease_after_the_daemons_ok_and_says_so() {
+        let b = bench().await;
+        let port = Port::new();
+        let answer = b
+            .host
+            .relayed(
+                heartbeat(Some(600_000)),
+                &b.tenant,
+                Some(&b.lease),
+                Some(&port.renew()),
+            )
+            .await;
+        assert_eq!(read(answer).await, (Some(Renewal::Renewed), true));
+        assert_eq!(*port.asked.lock(), vec![(b.lease.clone(), 600_000)]);
+        let seen = heartbeats_seen(&b.fake);
+        assert_eq!(seen.len(), 1, "agent-device first");
+        assert!(
+            seen[0]
+                .headers
+                .iter()
+                .all(|(name, _)| !name.starts_with("x-simlock")),
+            "the ask never reaches the daemon: {:?}",
+            seen[0].headers
+        );
+        b.fake.stop().await;
+        b.host.stop().await;
+    }
+
+    #[tokio::test]
+    async fn a_lease_the_worker_does_not_know_answers_ended_and_another_failure_no_renewal() {
+        let b = bench().await;
+        let port = Port::new();
+        *port.answer.lock() = Err(ContractError::new(ErrorCode::UnknownLease, "no such lease"));
+        let answer = b
+            .host
+            .relayed(
+                heartbeat(Some(5_000)),
+                &b.tenant,
+                Some(&b.lease),
+                Some(&port.renew()),
+            )
+            .await;
+        assert_eq!(read(answer).await, (Some(Renewal::LeaseEnded), true));
+        *port.answer.lock() = Err(ContractError::bad_request("ttlMs: above lease.maxTtlMs"));
+        let answer = b
+            .host
+            .relayed(
+                heartbeat(Some(5_000)),
+                &b.tenant,
+                Some(&b.lease),
+                Some(&port.renew()),
+            )
+            .await;
+        assert_eq!(
+            read(answer).await,
+            (None, true),
+            "the gateway, seeing none, renews itself and answers its own error"
+        );
+        assert_eq!(port.asked.lock().len(), 2);
+        b.fake.stop().await;
+        b.host.stop().await;
+    }
+
+    #[tokio::test]
+    async fn a_heartbeat_the_daemon_fails_renews_nothing() {
+        let b = bench().await;
+        let port = Port::new();
+        b.fake.fail_next_lease_calls(
+            LeaseOp::Heartbeat,
+            1,
+            DaemonError::new(FakeCode::CommandFailed, "not now"),
+        );
+        let answer = b
+            .host
+            .relayed(
+                heartbeat(Some(5_000)),
+                &b.tenant,
+                Some(&b.lease),
+                Some(&port.renew()),
+            )
+            .await;
+        assert_eq!(read(answer).await, (None, false));
+        assert!(port.asked.lock().is_empty());
+        b.fake.stop().await;
+        b.host.stop().await;
+    }
+
+    #[tokio::test]
+    async fn without_an_ask_a_lease_or_a_port_nothing_is_renewed_and_the_ask_is_still_dropped() {
+        let b = bench().await;
+        let port = Port::new();
+        let unasked = b
+            .host
+            .relayed(
+                heartbeat(None),
+                &b.tenant,
+                Some(&b.lease),
+                Some(&port.renew()),
+            )
+            .await;
+        assert_eq!(read(unasked).await, (None, true));
+        // An older worker's host, in effect: it has no port.
+        let portless = b
+            .host
+            .relayed(heartbeat(Some(5_000)), &b.tenant, Some(&b.lease), None)
+            .await;
+        assert_eq!(read(portless).await, (None, true));
+        // A relay naming no lease renews none (the daemon refuses the unknown lease).
+        let leaseless = b
+            .host
+            .relayed(heartbeat(Some(5_000)), &b.tenant, None, Some(&port.renew()))
+            .await;
+        assert_eq!(read(leaseless).await.0, None);
+        assert!(port.asked.lock().is_empty());
+        for seen in heartbeats_seen(&b.fake) {
+            assert!(
+                seen.headers
+                    .iter()
+                    .all(|(name, _)| !name.starts_with("x-simlock")),
+                "{:?}",
+                seen.headers
+            );
+        }
+        b.fake.stop().await;
+        b.host.stop().await;
     }
 }

@@ -2100,3 +2100,61 @@ async fn a_lease_gets_the_lower_of_the_gateways_and_its_workers_max_ttl_and_hear
         gw.stop().await;
     }
 }
+
+/// simlock's own renewal headers between the gateway's front and the worker's host: the
+/// heartbeat's renewal is the worker's and never reaches the caller; what a caller sends under
+/// those names is dropped, so a command cannot renew its lease to a TTL of its choosing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_heartbeats_renewal_stays_between_gateway_and_worker_and_a_callers_is_dropped() {
+    let mut gw = Gw::start(enabled_gateway()).await;
+    gw.add(worker(true, &[Platform::Android])).await;
+    gw.wait_capable(0, true).await;
+    let (_, secret) = gw.token().await;
+    let http = Http::new();
+    let lease = allocate(&http, &gw, &secret).await;
+    let held = gw.fleet.worker(0).worker.lease(&lease).unwrap();
+    let bearer = format!("Bearer {secret}");
+    let url = format!("{}/rpc", gw.base());
+    let headers = [
+        ("content-type", "application/json"),
+        ("authorization", bearer.as_str()),
+        (agent_device_front::renewal::RENEW_TTL_HEADER, "5000"),
+        (agent_device_front::renewal::RENEWAL_HEADER, "lease-ended"),
+    ];
+    let forged = |call: Value| http.send(Method::POST, &url, &headers, call.to_string());
+    let driver = gw.fleet.worker(0).worker.devices()[0]
+        .driver_device_id
+        .clone();
+    gw.fakes[0].set_devices(DevicesAnswer::List(vec![Device {
+        platform: agent_device_fake::Platform::Android,
+        id: driver,
+        name: "emulator".into(),
+        kind: agent_device_fake::DeviceKind::Emulator,
+        target: agent_device_fake::DeviceTarget::Mobile,
+        booted: true,
+    }]));
+    let opened = forged(command_call("c1", &lease, "open", json!({}))).await;
+    assert_eq!(opened.json()["result"]["ok"], json!(true), "{opened:?}");
+    let after = gw.fleet.worker(0).worker.lease(&lease).unwrap();
+    assert_eq!(
+        (after.ttl_ms, after.ttl_deadline),
+        (held.ttl_ms, held.ttl_deadline),
+        "a command renews nothing, whatever it carries"
+    );
+    let beat = forged(lease_call("h1", "lease.heartbeat", &lease)).await;
+    assert_eq!(beat.json()["result"]["ok"], json!(true), "{beat:?}");
+    for name in [
+        agent_device_front::renewal::RENEW_TTL_HEADER,
+        agent_device_front::renewal::RENEWAL_HEADER,
+    ] {
+        assert!(!beat.headers.contains_key(name), "{name}: {beat:?}");
+    }
+    let renewed = gw.fleet.worker(0).worker.lease(&lease).unwrap();
+    assert_eq!(renewed.ttl_ms, 600_000, "the front's TTL, not the caller's");
+    assert_eq!(renewed.ttl_deadline, renewed.last_renewed_at + 600_000);
+    assert_eq!(
+        received(&gw.fakes[0], "agent_device.lease.heartbeat").len(),
+        1
+    );
+    gw.stop().await;
+}

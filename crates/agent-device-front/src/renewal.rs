@@ -1,0 +1,191 @@
+//! A heartbeat's simlock renewal, done by the worker that holds the lease.
+//!
+//! Through a gateway a heartbeat goes to the lease's worker over the relay, and then the
+//! simlock lease is renewed: before, the gateway made that renewal as a second call over the
+//! uplink after the relay answered. Now the front asks the worker's host to renew once its
+//! daemon has answered the heartbeat ok ([`RenewAsk`], a request header), and the host says
+//! what became of it ([`Renewal`], a header on the answer). The order stays the seed's (the
+//! daemon first, then the simlock lease) and a heartbeat costs one round trip over the uplink
+//! instead of two.
+//!
+//! Both headers are simlock's own, between a front and a host: the front takes them off every
+//! caller's request before anything else reads it, and off the answer before the caller sees
+//! it. A host that does not know them (a worker built before them, or the in-process link on a
+//! worker) answers without a [`Renewal`], and the front renews the lease itself as before.
+
+use http::HeaderMap;
+use http::header::HeaderValue;
+
+/// The request header asking a host to renew the relayed lease to now plus this many
+/// milliseconds once its daemon answered ok.
+pub const RENEW_TTL_HEADER: &str = "x-simlock-renew-ttl-ms";
+
+/// The answer header saying what became of a [`RenewAsk`]: see [`Renewal`].
+pub const RENEWAL_HEADER: &str = "x-simlock-renewal";
+
+/// The most digits a TTL may have: `u64::MAX` has 20.
+const MAX_TTL_DIGITS: usize = 20;
+
+/// A front's ask that the host renew the simlock lease it relays for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RenewAsk {
+    /// The TTL to renew to, from the moment of the renewal.
+    pub ttl_ms: u64,
+}
+
+impl RenewAsk {
+    /// Puts the ask on a request's headers.
+    pub fn put(self, headers: &mut HeaderMap) {
+        headers.insert(RENEW_TTL_HEADER, HeaderValue::from(self.ttl_ms));
+    }
+
+    /// Takes the ask off a request's headers: `None` when there is none, or when it is not
+    /// one decimal TTL above zero (the header is removed either way).
+    pub fn take(headers: &mut HeaderMap) -> Option<Self> {
+        let values: Vec<HeaderValue> = match headers.entry(RENEW_TTL_HEADER) {
+            http::header::Entry::Occupied(entry) => entry.remove_entry_mult().1.collect(),
+            http::header::Entry::Vacant(_) => return None,
+        };
+        let [value] = values.as_slice() else {
+            return None;
+        };
+        let text = value.to_str().ok()?;
+        if text.is_empty()
+            || text.len() > MAX_TTL_DIGITS
+            || !text.bytes().all(|b| b.is_ascii_digit())
+        {
+            return None;
+        }
+        let ttl_ms = text.parse::<u64>().ok().filter(|ttl| *ttl > 0)?;
+        Some(Self { ttl_ms })
+    }
+}
+
+/// What became of a [`RenewAsk`], as the host answers it. No header at all means the host did
+/// not renew (it does not know the ask, or the renewal failed for another reason): the front
+/// renews itself.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Renewal {
+    /// The simlock lease was renewed to now plus the asked TTL.
+    Renewed,
+    /// The host's simlock has no such lease: it ended.
+    LeaseEnded,
+}
+
+impl Renewal {
+    /// The header's value.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Self::Renewed => "renewed",
+            Self::LeaseEnded => "lease-ended",
+        }
+    }
+
+    /// Puts the outcome on an answer's headers.
+    pub fn put(self, headers: &mut HeaderMap) {
+        headers.insert(RENEWAL_HEADER, HeaderValue::from_static(self.as_str()));
+    }
+
+    /// Takes the outcome off an answer's headers: `None` when there is none or it is not one
+    /// value this build knows (the header is removed either way).
+    pub fn take(headers: &mut HeaderMap) -> Option<Self> {
+        let values: Vec<HeaderValue> = match headers.entry(RENEWAL_HEADER) {
+            http::header::Entry::Occupied(entry) => entry.remove_entry_mult().1.collect(),
+            http::header::Entry::Vacant(_) => return None,
+        };
+        match values.as_slice() {
+            [value] if value == Self::Renewed.as_str() => Some(Self::Renewed),
+            [value] if value == Self::LeaseEnded.as_str() => Some(Self::LeaseEnded),
+            _ => None,
+        }
+    }
+}
+
+/// Removes both headers: what a caller sends under these names is never simlock's own.
+pub fn strip(headers: &mut HeaderMap) {
+    headers.remove(RENEW_TTL_HEADER);
+    headers.remove(RENEWAL_HEADER);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn with(name: &'static str, values: &[&str]) -> HeaderMap {
+        let mut headers = HeaderMap::new();
+        for value in values {
+            headers.append(name, HeaderValue::from_str(value).unwrap());
+        }
+        headers
+    }
+
+    #[test]
+    fn an_ask_goes_on_and_comes_off_a_request_and_is_taken_once() {
+        let mut headers = HeaderMap::new();
+        RenewAsk { ttl_ms: 600_000 }.put(&mut headers);
+        assert_eq!(headers[RENEW_TTL_HEADER], "600000");
+        assert_eq!(
+            RenewAsk::take(&mut headers),
+            Some(RenewAsk { ttl_ms: 600_000 })
+        );
+        assert!(headers.is_empty());
+        assert_eq!(RenewAsk::take(&mut headers), None);
+    }
+
+    #[test]
+    fn an_ask_that_is_not_one_ttl_above_zero_is_none_and_is_removed() {
+        let max = u64::MAX.to_string();
+        let past_max = format!("{max}0");
+        let bad: [&[&str]; 9] = [
+            &[""],
+            &["0"],
+            &["-5"],
+            &["+5"],
+            &["5 "],
+            &["1e3"],
+            &["18446744073709551616"],
+            &[past_max.as_str()],
+            &["5", "5"],
+        ];
+        for values in bad {
+            let mut headers = with(RENEW_TTL_HEADER, values);
+            assert_eq!(RenewAsk::take(&mut headers), None, "{values:?}");
+            assert!(headers.is_empty(), "{values:?} is removed");
+        }
+        let mut headers = with(RENEW_TTL_HEADER, &[max.as_str()]);
+        assert_eq!(
+            RenewAsk::take(&mut headers),
+            Some(RenewAsk { ttl_ms: u64::MAX }),
+            "the largest TTL is read; the core holds it to lease.maxTtlMs"
+        );
+        let mut headers = with(RENEW_TTL_HEADER, &["1"]);
+        assert_eq!(RenewAsk::take(&mut headers), Some(RenewAsk { ttl_ms: 1 }));
+    }
+
+    #[test]
+    fn each_renewal_reads_back_and_anything_else_is_none_and_removed() {
+        for renewal in [Renewal::Renewed, Renewal::LeaseEnded] {
+            let mut headers = HeaderMap::new();
+            renewal.put(&mut headers);
+            assert_eq!(Renewal::take(&mut headers), Some(renewal));
+            assert!(headers.is_empty());
+        }
+        let bad: [&[&str]; 4] = [&["RENEWED"], &["renewed", "renewed"], &[""], &["ok"]];
+        for values in bad {
+            let mut headers = with(RENEWAL_HEADER, values);
+            assert_eq!(Renewal::take(&mut headers), None, "{values:?}");
+            assert!(headers.is_empty(), "{values:?} is removed");
+        }
+        assert_eq!(Renewal::take(&mut HeaderMap::new()), None);
+    }
+
+    #[test]
+    fn strip_removes_both_and_nothing_else() {
+        let mut headers = with(RENEW_TTL_HEADER, &["5"]);
+        headers.append(RENEWAL_HEADER, HeaderValue::from_static("renewed"));
+        headers.append("x-request-id", HeaderValue::from_static("r1"));
+        strip(&mut headers);
+        assert_eq!(headers.len(), 1);
+        assert_eq!(headers["x-request-id"], "r1");
+    }
+}
