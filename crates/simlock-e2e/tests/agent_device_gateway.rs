@@ -1697,6 +1697,8 @@ async fn a_64_mib_upload_with_the_header_lands_on_the_leases_worker_with_its_sha
 struct Cable {
     addr: std::net::SocketAddr,
     up: Arc<tokio::sync::watch::Sender<bool>>,
+    /// Every byte the gateway sent down the cable, in order.
+    down: Arc<parking_lot::Mutex<Vec<u8>>>,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -1705,25 +1707,60 @@ impl Cable {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let up = Arc::new(tokio::sync::watch::channel(true).0);
-        let watched = up.clone();
+        let down = Arc::new(parking_lot::Mutex::new(Vec::new()));
+        let (watched, tapped) = (up.clone(), down.clone());
         let task = tokio::spawn(async move {
-            while let Ok((mut inbound, _)) = listener.accept().await {
+            while let Ok((inbound, _)) = listener.accept().await {
                 if !*watched.borrow() {
                     continue;
                 }
                 let mut state = watched.subscribe();
+                let tap = tapped.clone();
                 tokio::spawn(async move {
-                    let Ok(mut outbound) = tokio::net::TcpStream::connect(target).await else {
+                    let Ok(outbound) = tokio::net::TcpStream::connect(target).await else {
                         return;
                     };
+                    let (mut in_read, mut in_write) = inbound.into_split();
+                    let (mut out_read, mut out_write) = outbound.into_split();
+                    let upward = tokio::io::copy(&mut in_read, &mut out_write);
+                    let downward = async move {
+                        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+                        let mut buf = vec![0u8; 64 * 1024];
+                        loop {
+                            let n = out_read.read(&mut buf).await?;
+                            if n == 0 {
+                                return Ok::<(), std::io::Error>(());
+                            }
+                            tap.lock().extend_from_slice(&buf[..n]);
+                            in_write.write_all(&buf[..n]).await?;
+                        }
+                    };
                     tokio::select! {
-                        _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound) => {}
+                        _ = upward => {}
+                        _ = downward => {}
                         _ = state.wait_for(|up| !*up) => {}
                     }
                 });
             }
         });
-        Self { addr, up, task }
+        Self {
+            addr,
+            up,
+            down,
+            task,
+        }
+    }
+
+    /// Whether the gateway sent `needle` down the cable since the last [`Self::clear`].
+    fn sent_down(&self, needle: &str) -> bool {
+        self.down
+            .lock()
+            .windows(needle.len())
+            .any(|w| w == needle.as_bytes())
+    }
+
+    fn clear(&self) {
+        self.down.lock().clear();
     }
 
     fn cut(&self) {
@@ -2102,12 +2139,15 @@ async fn a_lease_gets_the_lower_of_the_gateways_and_its_workers_max_ttl_and_hear
 }
 
 /// simlock's own renewal headers between the gateway's front and the worker's host: the
-/// heartbeat's renewal is the worker's and never reaches the caller; what a caller sends under
+/// heartbeat's renewal is the worker's, in the relay's round trip (no `lease.renew` goes down the
+/// uplink), and never reaches the caller; what a caller sends under
 /// those names is dropped, so a command cannot renew its lease to a TTL of its choosing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_heartbeats_renewal_stays_between_gateway_and_worker_and_a_callers_is_dropped() {
     let mut gw = Gw::start(enabled_gateway()).await;
-    gw.add(worker(true, &[Platform::Android])).await;
+    let cable = Cable::to(gw.fleet.gateway().running.http_addr().unwrap()).await;
+    gw.add_via(worker(true, &[Platform::Android]), Some(&cable))
+        .await;
     gw.wait_capable(0, true).await;
     let (_, secret) = gw.token().await;
     let http = Http::new();
@@ -2141,8 +2181,17 @@ async fn a_heartbeats_renewal_stays_between_gateway_and_worker_and_a_callers_is_
         (held.ttl_ms, held.ttl_deadline),
         "a command renews nothing, whatever it carries"
     );
+    cable.clear();
     let beat = forged(lease_call("h1", "lease.heartbeat", &lease)).await;
     assert_eq!(beat.json()["result"]["ok"], json!(true), "{beat:?}");
+    assert!(
+        cable.sent_down("\"relay.request\""),
+        "the heartbeat's relay"
+    );
+    assert!(
+        !cable.sent_down("\"lease.renew\""),
+        "one round trip: the worker renewed, the gateway sent no renew of its own"
+    );
     for name in [
         agent_device_front::renewal::RENEW_TTL_HEADER,
         agent_device_front::renewal::RENEWAL_HEADER,
