@@ -1,4 +1,8 @@
-//! Waiting for the end of a daemon's life: SIGINT, SIGTERM, or `daemon.stop`.
+//! Waiting for the end of a daemon's life: SIGINT, SIGTERM, SIGHUP, or `daemon.stop`.
+//!
+//! SIGHUP stops a daemon as SIGTERM does (the terminal it was started from closed, or a
+//! supervisor hung up): nothing reloads configuration, and a daemon killed by the default
+//! action would leave its socket, its children and its leases' renewals behind.
 
 use tokio::signal::unix::{SignalKind, signal};
 
@@ -8,10 +12,12 @@ use crate::runtime::Running;
 pub async fn wait(running: &Running) -> &'static str {
     let interrupt = signal(SignalKind::interrupt());
     let terminate = signal(SignalKind::terminate());
-    match (interrupt, terminate) {
-        (Ok(mut interrupt), Ok(mut terminate)) => tokio::select! {
+    let hangup = signal(SignalKind::hangup());
+    match (interrupt, terminate, hangup) {
+        (Ok(mut interrupt), Ok(mut terminate), Ok(mut hangup)) => tokio::select! {
             _ = interrupt.recv() => "SIGINT",
             _ = terminate.recv() => "SIGTERM",
+            _ = hangup.recv() => "SIGHUP",
             () = running.stop_requested() => "daemon.stop",
         },
         _ => {

@@ -379,6 +379,31 @@ fn a_lease_whose_ttl_passes_ends_its_held_cli_with_exit_14_and_the_device_is_rec
     assert!(names.contains(&"lease.expired"), "{names:?}");
 }
 
+/// A hang-up (the terminal the daemon was started from closed) stops it as SIGTERM does: exit
+/// 0, its socket and admin token removed. Before, the default action killed it on the spot.
+#[test]
+fn a_daemon_sent_sighup_stops_cleanly() {
+    if !enabled() {
+        return;
+    }
+    let mut worker = Worker::start(&fixed(1), false);
+    let socket = worker.home.path().join("daemon.sock");
+    assert!(socket.exists());
+    let status = Command::new("kill")
+        .arg("-HUP")
+        .arg(worker.child.id().to_string())
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let exited = wait_exit(&mut worker.child);
+    assert!(
+        exited.is_some_and(|s| s.success()),
+        "the worker stopped cleanly: {exited:?}"
+    );
+    assert!(!socket.exists(), "its socket was removed");
+    assert!(!worker.home.path().join("admin.token").exists());
+}
+
 #[test]
 fn a_worker_killed_with_sigkill_comes_back_with_the_same_leases_and_deadlines() {
     if !enabled() {
