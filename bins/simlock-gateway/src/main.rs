@@ -12,7 +12,7 @@ use simlock_gateway::{GatewayConfig, GatewayOptions, RunningGateway, start};
 
 /// simlock-gateway: one URL for a fleet of simlock workers.
 #[derive(Debug, Parser)]
-#[command(version, about)]
+#[command(version)]
 struct Args {
     /// The daemon's home (default $SIMLOCK_HOME, else ~/.simlock).
     #[arg(long, env = "SIMLOCK_HOME")]

@@ -12,7 +12,7 @@ use simlock_worker::{RunningWorker, WorkerConfig, WorkerOptions, start};
 
 /// simlock-worker: leases this machine's simulators and emulators to coding agents.
 #[derive(Debug, Parser)]
-#[command(version, about)]
+#[command(version)]
 struct Args {
     /// The daemon's home (default $SIMLOCK_HOME, else ~/.simlock).
     #[arg(long, env = "SIMLOCK_HOME")]
