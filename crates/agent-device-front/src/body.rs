@@ -42,6 +42,19 @@ pub async fn read_to_bytes(mut body: Body, limit: usize) -> Result<Bytes, ReadEr
     Ok(out.freeze())
 }
 
+/// Reads a caller's request body whole, at most `limit` bytes, within the daemon's
+/// [`BODY_READ_TIMEOUT`](simlock_daemon::http::body::BODY_READ_TIMEOUT): a caller that promises
+/// a body and stops sending is answered then, and holds nothing longer.
+///
+/// # Errors
+/// [`ReadError`], [`ReadError::Stalled`] past the time bound.
+pub async fn read_caller_body(body: Body, limit: usize) -> Result<Bytes, ReadError> {
+    let bound = simlock_daemon::http::body::BODY_READ_TIMEOUT;
+    tokio::time::timeout(bound, read_to_bytes(body, limit))
+        .await
+        .unwrap_or(Err(ReadError::Stalled(bound)))
+}
+
 impl ReadError {
     /// The refusal the front and the host answer for it: past a bound, or a body that failed
     /// (as agent-device answers a body it cannot read, `-32700`).
@@ -51,6 +64,10 @@ impl ReadError {
             Self::Body(message) => crate::Refusal::Invalid {
                 rpc_code: -32700,
                 message: message.clone(),
+            },
+            Self::Stalled(_) => crate::Refusal::Invalid {
+                rpc_code: -32600,
+                message: self.to_string(),
             },
         }
     }
@@ -62,6 +79,9 @@ pub enum ReadError {
     /// Past its bound.
     #[error("body is larger than {0} bytes")]
     TooLarge(usize),
+    /// Not whole within its time bound.
+    #[error("request body not received within {} s", .0.as_secs())]
+    Stalled(Duration),
     /// The body failed.
     #[error("body failed: {0}")]
     Body(String),
@@ -385,6 +405,36 @@ mod tests {
             });
         }
         out
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_callers_body_that_stops_arriving_is_stalled_at_the_daemons_bound() {
+        let bound = simlock_daemon::http::body::BODY_READ_TIMEOUT;
+        let first: Result<Frame<Bytes>, BoxError> = Ok(Frame::data(Bytes::from_static(b"{")));
+        let stalled = http_body_util::StreamBody::new(futures::StreamExt::chain(
+            futures::stream::iter([first]),
+            futures::stream::pending(),
+        ));
+        let started = tokio::time::Instant::now();
+        let read = read_caller_body(stalled.boxed_unsync(), 1024).await;
+        assert_eq!(read, Err(ReadError::Stalled(bound)));
+        assert_eq!(
+            started.elapsed(),
+            bound,
+            "answered at the bound, not before"
+        );
+        assert_eq!(
+            read.unwrap_err().refusal(),
+            crate::Refusal::Invalid {
+                rpc_code: -32600,
+                message: format!("request body not received within {} s", bound.as_secs()),
+            }
+        );
+        let whole = Script(vec![data("{}")].into());
+        assert_eq!(
+            read_caller_body(whole.boxed_unsync(), 1024).await.unwrap(),
+            Bytes::from_static(b"{}")
+        );
     }
 
     #[tokio::test]

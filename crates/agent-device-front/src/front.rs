@@ -35,7 +35,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
 use crate::body::json as json_response;
-use crate::body::{Guarded, read_to_bytes};
+use crate::body::{Guarded, read_caller_body, read_to_bytes};
 use crate::lease_id::{LEASE_HEADER, LeaseId};
 use crate::leases::{FrontLease, FrontLeases};
 use crate::port::{Caller, HostLink, Hosts, Serving, StatusScope};
@@ -332,7 +332,7 @@ async fn rpc(
 ) -> Result<Response<Body>, Failed> {
     let (parts, body) = request.into_parts();
     let anonymous = Surface::Rpc { id: Value::Null };
-    let bytes = read_to_bytes(body, MAX_RPC_BODY)
+    let bytes = read_caller_body(body, MAX_RPC_BODY)
         .await
         .map_err(|e| (e.refusal(), anonymous.clone()))?;
     let mut call = RpcCall::parse(&bytes).map_err(|r| (r, anonymous))?;
@@ -1059,7 +1059,7 @@ async fn auxiliary(
     let request = if route == Route::Preflight {
         // Bounded as agent-device bounds it, before anything is forwarded.
         let (parts, body) = request.into_parts();
-        let bytes = read_to_bytes(body, MAX_PREFLIGHT_BODY)
+        let bytes = read_caller_body(body, MAX_PREFLIGHT_BODY)
             .await
             .map_err(|e| route_fail(e.refusal()))?;
         Request::from_parts(parts, crate::body::full(bytes))

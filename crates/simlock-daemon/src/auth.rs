@@ -108,8 +108,8 @@ pub fn verify_bearer(
     verify(tokens, bearer_secret(authorization)?)
 }
 
-/// The secret of an `Authorization: Bearer <secret>` header (`bearer` in lower case too),
-/// trimmed.
+/// The secret of an `Authorization: Bearer <secret>` header, trimmed. The scheme is matched
+/// without regard to case, as HTTP's authentication schemes are (`bearer`, `BEARER`).
 ///
 /// # Errors
 /// `UNAUTHENTICATED` when the header is missing, is not a bearer or carries no secret.
@@ -117,9 +117,9 @@ pub fn bearer_secret(authorization: Option<&str>) -> Result<&str, ContractError>
     let header = authorization
         .ok_or_else(|| unauthenticated("Authorization: Bearer <token> is required"))?;
     header
-        .strip_prefix("Bearer ")
-        .or_else(|| header.strip_prefix("bearer "))
-        .map(str::trim)
+        .split_once(' ')
+        .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+        .map(|(_, secret)| secret.trim())
         .filter(|s| !s.is_empty())
         .ok_or_else(|| unauthenticated("Authorization must be Bearer <token>"))
 }
@@ -133,4 +133,35 @@ fn verify(tokens: &TokenStore, secret: &str) -> Result<TokenRecord, ContractErro
 
 fn unauthenticated(message: &str) -> ContractError {
     ContractError::new(ErrorCode::Unauthenticated, message)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_bearer_scheme_is_read_in_any_case_and_a_secret_is_required() {
+        for header in [
+            "Bearer slk_x",
+            "bearer slk_x",
+            "BEARER slk_x",
+            "bEaReR   slk_x  ",
+        ] {
+            assert_eq!(bearer_secret(Some(header)).unwrap(), "slk_x", "{header:?}");
+        }
+        for header in [
+            "Basic slk_x",
+            "Bearer",
+            "Bearer ",
+            "Bearer    ",
+            "Bearerslk_x",
+            "",
+        ] {
+            let refused = bearer_secret(Some(header)).unwrap_err();
+            assert_eq!(refused.code, ErrorCode::Unauthenticated, "{header:?}");
+            assert_eq!(refused.message, "Authorization must be Bearer <token>");
+        }
+        let missing = bearer_secret(None).unwrap_err();
+        assert_eq!(missing.message, "Authorization: Bearer <token> is required");
+    }
 }

@@ -8,6 +8,7 @@
 )]
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use serde_json::{Value, json};
 use simlock_contract::model::TokenRole;
@@ -387,5 +388,56 @@ async fn an_authorization_that_is_not_visible_ascii_is_no_bearer_not_a_missing_h
         error["error"]["message"],
         "Authorization must be Bearer <token>"
     );
+    host.stop.cancel();
+}
+
+/// A caller that promises a body and stops sending is answered at the body's bound, and its
+/// connection closes: it holds nothing longer. Time is paused: the bound passes at once.
+#[tokio::test(start_paused = true)]
+async fn a_body_that_stops_arriving_is_refused_at_its_bound_and_the_connection_closes() {
+    let host = host().await;
+    let (secret, _) = host.tokens.create(TokenRole::Operator, None).unwrap();
+    let mut stream = tokio::net::TcpStream::connect(&host.addr).await.unwrap();
+    let head = format!(
+        "POST /v1/ops/token.create HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\nAuthorization: Bearer {secret}\r\n\r\n{{"
+    );
+    stream.write_all(head.as_bytes()).await.unwrap();
+    let mut raw = Vec::new();
+    let read = tokio::time::timeout(
+        simlock_daemon::http::body::BODY_READ_TIMEOUT * 2,
+        stream.read_to_end(&mut raw),
+    )
+    .await;
+    assert!(read.is_ok(), "the connection closed after the answer");
+    let text = String::from_utf8_lossy(&raw);
+    let (head, body) = text.split_once("\r\n\r\n").expect("a response");
+    assert!(head.starts_with("HTTP/1.1 400"), "{head}");
+    let error: Value = serde_json::from_str(body).unwrap();
+    assert_eq!(error["error"]["code"], "BAD_REQUEST");
+    assert_eq!(
+        error["error"]["message"],
+        format!(
+            "body: not received within {} s",
+            simlock_daemon::http::body::BODY_READ_TIMEOUT.as_secs()
+        )
+    );
+    assert_eq!(host.tokens.list().unwrap().len(), 1, "nothing was created");
+    host.stop.cancel();
+}
+
+/// An idle kept-alive connection is closed once the head's bound passes with no new request.
+#[tokio::test(start_paused = true)]
+async fn an_idle_kept_alive_connection_closes_at_the_heads_bound() {
+    let host = host().await;
+    let mut stream = tokio::net::TcpStream::connect(&host.addr).await.unwrap();
+    stream
+        .write_all(b"GET /v1/healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        .await
+        .unwrap();
+    let mut raw = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(120), stream.read_to_end(&mut raw)).await;
+    let text = String::from_utf8_lossy(&raw);
+    assert!(text.starts_with("HTTP/1.1 200"), "{text}");
+    assert!(read.is_ok(), "closed while idle: {text}");
     host.stop.cancel();
 }

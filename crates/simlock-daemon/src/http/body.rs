@@ -22,6 +22,11 @@ pub type Body = UnsyncBoxBody<Bytes, BoxError>;
 
 /// The largest JSON body a route reads: the same 1 MiB as a call line.
 pub const MAX_JSON_BODY: usize = simlock_contract::bounds::MAX_CALL_LINE;
+
+/// How long a request body the daemon reads whole (a JSON body, an agent-device `/rpc` call)
+/// may take to arrive once its head has: as long as the head itself may take. A caller that
+/// promises a body and stops sending holds a connection no longer than this.
+pub const BODY_READ_TIMEOUT: Duration = Duration::from_secs(30);
 /// How often an idle event stream sends a comment so proxies keep it open.
 pub const KEEPALIVE: Duration = Duration::from_secs(15);
 
@@ -77,14 +82,24 @@ pub fn error_with_status(err: &ContractError, status: StatusCode) -> Response<Bo
     response
 }
 
-/// Reads a JSON object body of at most [`MAX_JSON_BODY`] bytes; an empty body reads as `{}`.
+/// Reads a JSON object body of at most [`MAX_JSON_BODY`] bytes, whole within
+/// [`BODY_READ_TIMEOUT`]; an empty body reads as `{}`.
 ///
 /// # Errors
-/// `BAD_REQUEST` for a body too large, not JSON, or not an object.
+/// `BAD_REQUEST` for a body too large, not JSON, not an object, or not received in time.
 pub async fn read_json(body: Incoming) -> Result<Value, ContractError> {
-    let bytes = Limited::new(body, MAX_JSON_BODY)
-        .collect()
-        .await
+    let collected = tokio::time::timeout(
+        BODY_READ_TIMEOUT,
+        Limited::new(body, MAX_JSON_BODY).collect(),
+    )
+    .await
+    .map_err(|_| {
+        ContractError::bad_request(format!(
+            "body: not received within {} s",
+            BODY_READ_TIMEOUT.as_secs()
+        ))
+    })?;
+    let bytes = collected
         .map_err(|e| {
             if e.downcast_ref::<http_body_util::LengthLimitError>()
                 .is_some()
