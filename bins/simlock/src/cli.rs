@@ -24,8 +24,8 @@ pub(crate) struct Cli {
         help_heading = "Connection"
     )]
     pub(crate) url: Option<String>,
-    /// The bearer token for --url; on the socket, an operator token for admin commands
-    /// (default there: the daemon's $SIMLOCK_HOME/admin.token).
+    /// The bearer token for --url; on the socket, an operator token: every command then sees
+    /// and acts on every lease (without it, admin commands use $SIMLOCK_HOME/admin.token).
     #[arg(
         long,
         global = true,

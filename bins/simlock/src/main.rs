@@ -127,8 +127,9 @@ impl Target {
         }
     }
 
-    /// Connects: over HTTP with `--url`, else to the local socket, sending the admin secret (or
-    /// `--token`) as the credential for commands that need admin.
+    /// Connects: over HTTP with `--url`, else to the local socket. There, a `--token` given is
+    /// always sent as the credential (an operator's token sees and acts on every lease, as over
+    /// HTTP); without one, commands that need admin send the daemon's admin secret.
     pub(crate) async fn connect(&self) -> Result<Client, ContractError> {
         if let Some(url) = &self.url {
             let Some(token) = &self.token else {
@@ -145,10 +146,19 @@ impl Target {
         }
         let home = home_from_env();
         let mut options = ConnectOptions::default();
-        if self.admin {
-            options.credential = self.token.clone().or_else(|| admin_secret_in(&home));
-        }
-        Client::connect_home(&home, options).await
+        options.credential = self
+            .token
+            .clone()
+            .or_else(|| self.admin.then(|| admin_secret_in(&home)).flatten());
+        Client::connect_home(&home, options).await.map_err(|mut e| {
+            if e.code == ErrorCode::AdminAuthenticationFailed && self.token.is_some() {
+                e.message = format!(
+                    "{}: on the socket, --token must be an operator token (an agent's token works with --url)",
+                    e.message
+                );
+            }
+            e
+        })
     }
 }
 

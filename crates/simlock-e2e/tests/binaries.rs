@@ -570,6 +570,70 @@ fn dechunk(mut rest: &str) -> String {
     out
 }
 
+/// On the socket, an operator's `--token` counts for every command, as over HTTP: the lease an
+/// agent made over HTTP is listed, renewed and released. Without it, the socket's own agent
+/// sees only its own leases. Before, the token was sent only with admin commands, so
+/// `leases --token <operator>` listed nothing and `release <id>` answered UNKNOWN_LEASE.
+#[test]
+fn an_operator_token_on_the_socket_sees_and_acts_on_every_lease() {
+    if !enabled() {
+        return;
+    }
+    let worker = Worker::start(&fixed(2), true);
+    let addr = worker.http.clone().unwrap();
+    let token = |role: &str| {
+        worker.cli(&["token", "create", "--role", role]).json["secret"]
+            .as_str()
+            .unwrap()
+            .to_owned()
+    };
+    let (alice, operator) = (token("agent"), token("operator"));
+    let (status, body) = http(
+        &addr,
+        "POST",
+        "/v1/lease-requests",
+        Some(&alice),
+        &[],
+        Some(&json!({"platform": "ios"})),
+    );
+    assert_eq!(status, 201, "{body}");
+    let created: Value = serde_json::from_str(&body).unwrap();
+    let id = created["request"]["id"].as_str().unwrap().to_owned();
+    let (_, body) = http(
+        &addr,
+        "GET",
+        &format!("/v1/lease-requests/{id}?wait=30"),
+        Some(&alice),
+        &[],
+        None,
+    );
+    let settled: Value = serde_json::from_str(&body).unwrap();
+    let lease = settled["request"]["lease"]["lease"]["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let listed = |args: &[&str]| worker.cli(args).json.to_string().contains(&lease);
+    assert!(
+        !listed(&["leases"]),
+        "the socket's own agent sees only its own"
+    );
+    assert!(listed(&["leases", "--token", &operator]));
+    assert!(listed(&["status", "--token", &operator]));
+    let renewed = worker.cli(&["renew", &lease, "--token", &operator]);
+    assert_eq!(renewed.code, 0, "{}", renewed.stderr);
+    let released = worker.cli(&["release", &lease, "--token", &operator]);
+    assert_eq!(released.code, 0, "{}", released.stderr);
+    assert!(!listed(&["leases", "--token", &operator]), "released");
+    // An agent's token is no credential on the socket: refused, saying what the socket takes.
+    let refused = worker.cli(&["leases", "--token", &alice]);
+    assert_ne!(refused.code, 0);
+    assert!(
+        refused.stderr.contains("operator token"),
+        "{}",
+        refused.stderr
+    );
+}
+
 #[test]
 fn http_tokens_ownership_idempotency_and_exec_as_server_sent_events() {
     if !enabled() {
