@@ -145,11 +145,13 @@ impl Target {
             return Client::over_http(url, token, options);
         }
         let home = home_from_env();
-        let mut options = ConnectOptions::default();
-        options.credential = self
-            .token
-            .clone()
-            .or_else(|| self.admin.then(|| admin_secret_in(&home)).flatten());
+        let options = ConnectOptions {
+            credential: self
+                .token
+                .clone()
+                .or_else(|| self.admin.then(|| admin_secret_in(&home)).flatten()),
+            ..ConnectOptions::default()
+        };
         Client::connect_home(&home, options).await.map_err(|mut e| {
             if e.code == ErrorCode::AdminAuthenticationFailed && self.token.is_some() {
                 e.message = format!(
