@@ -295,6 +295,17 @@ impl Section for CapacityConfig {
     const MODES: &'static [Mode] = WORKER;
 
     fn check(&self, _daemon: &DaemonConfig, _mode: Mode) -> Result<(), SectionError> {
+        // A platform capped at 0 could never grant: its requests would wait out their timeout,
+        // or forever without one.
+        let platforms = [
+            ("capacity.ios.maxRunning", self.ios.max_running),
+            ("capacity.android.maxRunning", self.android.max_running),
+        ];
+        let set: Vec<(&str, u64)> = platforms
+            .into_iter()
+            .filter_map(|(key, cap)| cap.map(|cap| (key, u64::from(cap))))
+            .collect();
+        above_zero(&set)?;
         match self.strategy {
             CapacityStrategy::Fixed => {
                 above_zero(&[("capacity.maxRunning", u64::from(self.max_running))])
@@ -322,6 +333,11 @@ impl Section for ExecConfig {
     const KEY: &'static str = "exec";
     const MODES: &'static [Mode] = WORKER;
     const OPEN_MAPS: &'static [&'static str] = &["tools"];
+
+    fn check(&self, _daemon: &DaemonConfig, _mode: Mode) -> Result<(), SectionError> {
+        // 0 would stop every run as it starts.
+        above_zero(&[("exec.timeoutMs", self.timeout_ms)])
+    }
 }
 
 impl Section for VirtualConfig {
@@ -396,6 +412,9 @@ mod tests {
             ("health", "probeIntervalMs"),
             ("health", "stableObservations"),
             ("quarantine", "retryBackoffMultiplier"),
+            ("exec", "timeoutMs"),
+            ("capacity.ios", "maxRunning"),
+            ("capacity.android", "maxRunning"),
         ] {
             let e = err(&format!("[{section}]\n{key} = 0"));
             assert!(e.contains(&format!("{section}.{key}")), "{e}");
@@ -408,6 +427,8 @@ mod tests {
             ok("[capacity]\nmaxRunning = 0"),
             "resource ignores maxRunning"
         );
+        let e = err("[capacity]\nstrategy = \"fixed\"\n[capacity.ios]\nmaxRunning = 0");
+        assert!(e.contains("capacity.ios.maxRunning"), "fixed too: {e}");
         let e = err("[idle]\nshutdownAfterMs = 2\ndeleteAfterMs = 1");
         assert!(
             e.contains("idle.deleteAfterMs") && e.contains("idle.shutdownAfterMs"),

@@ -670,6 +670,9 @@ pub fn validate(config: &DaemonConfig, mode: Mode) -> Result<(), ConfigError> {
             config.lease.default_ttl_ms, config.lease.max_ttl_ms
         ));
     }
+    if let Err(e) = crate::logging::filter(&config.log.level) {
+        return bad(format!("log.level: {e}"));
+    }
     if config.lease.max_ttl_ms > simlock_contract::bounds::MAX_TTL_MS {
         return bad(format!(
             "lease.maxTtlMs is above {} (31 days)",
@@ -968,6 +971,22 @@ mod tests {
         assert_eq!(loaded.config, DaemonConfig::default());
         assert!(loaded.warnings.is_empty());
         assert_eq!(loaded.config.lease.max_ttl_ms, 14_400_000);
+    }
+
+    #[test]
+    fn a_log_level_that_is_no_filter_fails_naming_the_key() {
+        let err = load_with("[log]\nlevel = \"garbage=[[[\"", &[], Mode::Worker).unwrap_err();
+        let text = err.to_string();
+        assert!(
+            text.contains("log.level") && text.contains("garbage"),
+            "{text}"
+        );
+        let loaded = load_with(
+            "[log]\nlevel = \"warn,simlock_core=debug\"",
+            &[],
+            Mode::Gateway,
+        );
+        assert!(loaded.is_ok());
     }
 
     #[test]

@@ -4,15 +4,52 @@ use std::io::IsTerminal as _;
 
 use tracing_subscriber::EnvFilter;
 
-/// Installs the subscriber once; later calls do nothing.
+/// The filter `text` names (`info`, `simlock=debug`, …).
+///
+/// # Errors
+/// Why it is not a filter.
+pub fn filter(text: &str) -> Result<EnvFilter, String> {
+    EnvFilter::try_new(text).map_err(|e| format!("{text:?} is not a log filter: {e}"))
+}
+
+/// Installs the subscriber once; later calls do nothing. `level` is `log.level`, which the
+/// configuration checked; `SIMLOCK_LOG` wins over it when it is a filter, and is warned about
+/// (once the subscriber is in place) when it is not.
 pub fn init(level: &str) {
-    let filter = std::env::var("SIMLOCK_LOG")
-        .ok()
-        .and_then(|f| EnvFilter::try_new(f).ok())
-        .or_else(|| EnvFilter::try_new(level).ok());
+    let from_env = std::env::var("SIMLOCK_LOG").ok().map(|f| filter(&f));
+    let (chosen, refused) = match from_env {
+        Some(Ok(filter)) => (Some(filter), None),
+        Some(Err(why)) => (None, Some(why)),
+        None => (None, None),
+    };
+    let chosen = chosen
+        .or_else(|| filter(level).ok())
+        .unwrap_or_else(|| EnvFilter::new("info"));
     let _ = tracing_subscriber::fmt()
-        .with_env_filter(filter.unwrap_or_else(|| EnvFilter::new("info")))
+        .with_env_filter(chosen)
         .with_writer(std::io::stderr)
         .with_ansi(std::io::stderr().is_terminal())
         .try_init();
+    if let Some(why) = refused {
+        tracing::warn!("SIMLOCK_LOG: {why}; log.level ({level}) is used instead");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_filter_is_read_and_one_that_is_not_says_why() {
+        for text in ["info", "warn", "simlock=debug,info", "off"] {
+            assert!(filter(text).is_ok(), "{text}");
+        }
+        for text in ["garbage=[[[", "notalevel==="] {
+            let why = filter(text).unwrap_err();
+            assert!(
+                why.starts_with(&format!("{text:?} is not a log filter")),
+                "{why}"
+            );
+        }
+    }
 }
