@@ -2,14 +2,20 @@
 //! TTL) until Ctrl-C or SIGTERM releases it, the process named by `--bind-pid` exits (which
 //! releases it too), or the daemon ends it (exit 14). `--detach` prints the grant and leaves the
 //! lease to its TTL. With no `--requester`, the lease is for the agent session or the parent
-//! process (`identity`).
+//! process (`identity`). A hold on the local socket whose daemon restarts (its connection lost)
+//! connects again and keeps the lease, which the daemon kept, until the lease's TTL would have
+//! run out.
+
+use std::time::Duration;
 
 use simlock_client::{Client, HoldEnd, LeaseLost};
+use simlock_contract::model::LeaseRecord;
 use simlock_contract::ops::LeaseRequestInput;
 use simlock_contract::{ContractError, ErrorCode};
 use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::watch;
 
+use crate::Target;
 use crate::cli::LeaseArgs;
 use crate::identity;
 use crate::pidwatch::Bound;
@@ -75,7 +81,7 @@ fn request_input(args: &LeaseArgs, requester: String) -> LeaseRequestInput {
 }
 
 /// Resolves once `bound` is gone, looking at least every `period`; never without a binding.
-async fn unbound(bound: Option<Bound>, period: std::time::Duration) {
+async fn unbound(bound: Option<Bound>, period: Duration) {
     match bound {
         Some(bound) => bound.gone(period).await,
         None => std::future::pending().await,
@@ -84,7 +90,8 @@ async fn unbound(bound: Option<Bound>, period: std::time::Duration) {
 
 pub(crate) async fn run(
     json: bool,
-    client: &Client,
+    target: &Target,
+    client: Client,
     args: &LeaseArgs,
 ) -> Result<u8, ContractError> {
     let bound = args.bind_pid.map(Bound::pid).transpose()?;
@@ -130,10 +137,11 @@ pub(crate) async fn run(
         return Ok(0);
     }
     // Hold first, then print: a notice that comes once the grant is out is not missed.
-    let mut hold = client.hold(grant);
+    let mut client = client;
+    let mut hold = client.hold(grant.clone());
     let mut notices = hold.notices();
     crate::emit(json, hold.grant(), view::grant);
-    let renewal = std::time::Duration::from_millis(hold.grant().lease.ttl_ms / 3);
+    let renewal = Duration::from_millis(hold.grant().lease.ttl_ms / 3);
     reporter.say(&format!(
         "holding lease {lease_id}: renewing every {}; Ctrl-C releases it{}",
         view::duration(hold.grant().lease.ttl_ms / 3),
@@ -151,7 +159,29 @@ pub(crate) async fn run(
             }
         };
         tokio::select! {
-            end = hold.ended() => return Ok(ended(&lease_id, end)),
+            end = hold.ended() => match end {
+                // The socket's daemon went away (a restart): the lease outlives the connection.
+                HoldEnd::Failed(e) if e.code.is_transport() && client.is_closed() => {
+                    reporter.say(&format!("{e}; connecting again to keep lease {lease_id}"));
+                    let ttl = Duration::from_millis(grant.lease.ttl_ms.max(1));
+                    match reconnect(target, &lease_id, ttl, &signals).await {
+                        Reconnected::Held(again, record) => {
+                            reporter.say(&format!("connected again; holding lease {lease_id}"));
+                            client = again;
+                            let mut renewed = grant.clone();
+                            renewed.lease = *record;
+                            hold = client.hold(renewed);
+                            notices = hold.notices();
+                        }
+                        Reconnected::Ended(end) => return Ok(ended(&lease_id, end)),
+                        Reconnected::Interrupted => {
+                            eprintln!("simlock: interrupted while connecting again; lease {lease_id} expires on its TTL");
+                            return Ok(EXIT_INTERRUPTED);
+                        }
+                    }
+                }
+                end => return Ok(ended(&lease_id, end)),
+            },
             notice = notices.recv() => {
                 if let Ok(notice) = notice {
                     reporter.notice(&notice);
@@ -171,6 +201,58 @@ pub(crate) async fn run(
                 return Ok(ended(&lease_id, end));
             }
         }
+    }
+}
+
+/// How connecting again for a hold turned out.
+enum Reconnected {
+    /// Connected, and the lease renewed: hold it on this client.
+    Held(Client, Box<LeaseRecord>),
+    /// The lease is gone, or it could not be reached before its TTL would have run out.
+    Ended(HoldEnd),
+    /// A signal came first.
+    Interrupted,
+}
+
+/// The first wait before connecting again, doubled up to [`RECONNECT_MAX`].
+const RECONNECT_FIRST: Duration = Duration::from_millis(250);
+/// The longest wait between two tries.
+const RECONNECT_MAX: Duration = Duration::from_secs(2);
+
+/// Connects to `target` again and renews `lease_id`, trying until `ttl` has passed (past it the
+/// lease has expired whatever happens) or a signal comes.
+async fn reconnect(
+    target: &Target,
+    lease_id: &str,
+    ttl: Duration,
+    signals: &Signals,
+) -> Reconnected {
+    let deadline = tokio::time::Instant::now() + ttl;
+    let mut wait = RECONNECT_FIRST;
+    loop {
+        let outcome = tokio::select! {
+            () = signals.nth(1) => return Reconnected::Interrupted,
+            () = tokio::time::sleep(wait) => match target.connect().await {
+                Ok(client) => match client.renew(lease_id, None).await {
+                    Ok(record) => return Reconnected::Held(client, Box::new(record)),
+                    Err(e) if e.code == ErrorCode::UnknownLease => {
+                        return Reconnected::Ended(HoldEnd::Lost(LeaseLost {
+                            lease_id: lease_id.to_owned(),
+                            reason: None,
+                        }));
+                    }
+                    Err(e) => {
+                        client.close();
+                        e
+                    }
+                },
+                Err(e) => e,
+            },
+        };
+        if !outcome.code.is_transport() || tokio::time::Instant::now() + wait >= deadline {
+            return Reconnected::Ended(HoldEnd::Failed(outcome));
+        }
+        wait = (wait * 2).min(RECONNECT_MAX);
     }
 }
 

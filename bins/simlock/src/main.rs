@@ -172,7 +172,7 @@ async fn execute(cli: &Cli) -> Result<u8, ContractError> {
     }
     let client = Target::of(cli).connect().await?;
     match &cli.command {
-        Command::Lease(args) => lease::run(json, &client, args).await,
+        Command::Lease(args) => lease::run(json, &Target::of(cli), client.clone(), args).await,
         Command::Renew { lease_id, ttl } => {
             let record = client.renew(lease_id, *ttl).await?;
             emit(json, &record, |r| {

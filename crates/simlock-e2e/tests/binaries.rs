@@ -86,6 +86,22 @@ impl Worker {
         run_cli(self.home.path(), args, &[])
     }
 
+    /// Stops the worker with SIGTERM (bounded) and hands back its home.
+    fn terminate(mut self) -> tempfile::TempDir {
+        let status = Command::new("kill")
+            .arg("-TERM")
+            .arg(self.child.id().to_string())
+            .status()
+            .unwrap();
+        assert!(status.success());
+        assert!(
+            wait_exit(&mut self.child).is_some_and(|s| s.success()),
+            "the worker stopped"
+        );
+        let home = tempfile::TempDir::new().unwrap();
+        std::mem::replace(&mut self.home, home)
+    }
+
     fn kill9(mut self) -> tempfile::TempDir {
         let _ = self.child.kill();
         let _ = self.child.wait();
@@ -402,6 +418,77 @@ fn a_daemon_sent_sighup_stops_cleanly() {
     );
     assert!(!socket.exists(), "its socket was removed");
     assert!(!worker.home.path().join("admin.token").exists());
+}
+
+/// `simlock lease` holding a lease on the socket keeps it across a restart of its daemon: it
+/// connects again and renews the lease the daemon kept, and a SIGTERM then releases it. Before,
+/// the hold exited with DAEMON_CONNECTION_LOST and left the lease to its TTL.
+#[test]
+fn a_socket_hold_keeps_its_lease_across_a_daemon_restart_and_releases_it_on_sigterm() {
+    if !enabled() {
+        return;
+    }
+    let worker = Worker::start(&fixed(1), false);
+    let mut hold = Command::new(bin("simlock"))
+        .env("SIMLOCK_HOME", worker.home.path())
+        .env_remove("SIMLOCK_URL")
+        .env_remove("SIMLOCK_TOKEN")
+        .args([
+            "--json",
+            "lease",
+            "--platform",
+            "ios",
+            "--requester",
+            "holder",
+            "--ttl",
+            "3000",
+        ])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stdout = hold.stdout.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        use std::io::BufRead;
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    let grant: Value = serde_json::from_str(&rx.recv_timeout(PATIENCE).unwrap()).unwrap();
+    let lease = grant["lease"]["id"].as_str().unwrap().to_owned();
+    let deadline_of = |status: &Value| {
+        status["leases"].as_array().and_then(|leases| {
+            leases
+                .iter()
+                .find(|l| l["id"] == lease.as_str())
+                .and_then(|l| l["ttlDeadline"].as_i64())
+        })
+    };
+    let home = worker.terminate();
+    let worker = Worker::start_in(home, false);
+    let kept = deadline_of(&worker.cli(&["status"]).json).expect("the daemon kept the lease");
+    wait_until(
+        &worker,
+        "the hold renews the lease after the restart",
+        |status| deadline_of(status).is_some_and(|d| d > kept),
+    );
+    assert!(hold.try_wait().unwrap().is_none(), "the hold still runs");
+    let status = Command::new("kill")
+        .arg("-TERM")
+        .arg(hold.id().to_string())
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let exited = wait_exit(&mut hold);
+    let mut stderr = String::new();
+    if let Some(mut pipe) = hold.stderr.take() {
+        use std::io::Read;
+        let _ = pipe.read_to_string(&mut stderr);
+    }
+    assert!(exited.is_some_and(|s| s.success()), "{exited:?}: {stderr}");
+    assert_eq!(deadline_of(&worker.cli(&["status"]).json), None, "released");
 }
 
 #[test]
