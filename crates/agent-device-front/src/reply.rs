@@ -66,7 +66,7 @@ pub enum Refusal {
     TokenNotUsable,
     /// The simlock lease behind the agent-device lease ended.
     #[error(
-        "the simlock lease behind agent-device lease {0} ended (released or expired); connect again for a new device"
+        "the simlock lease behind agent-device lease {0} has ended (released, expired, or dropped by a restart of its agent-device daemon); connect again for a new device"
     )]
     LeaseEnded(LeaseId),
     /// A worker's answer to `devices` held no list.

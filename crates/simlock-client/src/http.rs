@@ -109,7 +109,7 @@ impl HttpBackend {
         Ok(Self {
             client,
             host: uri.host().unwrap_or_default().to_owned(),
-            base: base_url.trim_end_matches('/').to_owned(),
+            base: base_of(base_url),
             authorization,
             idle,
         })
@@ -292,9 +292,34 @@ fn chain(error: &dyn std::error::Error) -> String {
     text
 }
 
+/// The base the API's `/v1/...` paths go under: `base_url` without its trailing slashes, and
+/// without a trailing `/v1` (a URL copied from the API's own paths would double it).
+fn base_of(base_url: &str) -> String {
+    let base = base_url.trim_end_matches('/');
+    base.strip_suffix("/v1")
+        .unwrap_or(base)
+        .trim_end_matches('/')
+        .to_owned()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_base_drops_trailing_slashes_and_a_trailing_v1_and_keeps_a_prefix() {
+        for (given, base) in [
+            ("http://h:4700", "http://h:4700"),
+            ("http://h:4700/", "http://h:4700"),
+            ("http://h:4700/v1", "http://h:4700"),
+            ("http://h:4700/v1/", "http://h:4700"),
+            ("https://h/simlock/v1", "https://h/simlock"),
+            ("https://h/simlock", "https://h/simlock"),
+            ("https://h/v1x", "https://h/v1x"),
+        ] {
+            assert_eq!(base_of(given), base, "{given}");
+        }
+    }
 
     #[test]
     fn error_bodies_carry_inline_details() {

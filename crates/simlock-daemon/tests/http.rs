@@ -441,3 +441,36 @@ async fn an_idle_kept_alive_connection_closes_at_the_heads_bound() {
     assert!(read.is_ok(), "closed while idle: {text}");
     host.stop.cancel();
 }
+
+/// A renewal body holding a key it does not take is refused naming the key, before anything is
+/// renewed (a misspelt `ttl` would renew with the lease's own width).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_renewal_body_with_an_unknown_key_is_refused_naming_it() {
+    let host = host().await;
+    let (secret, _) = host.tokens.create(TokenRole::Operator, None).unwrap();
+    let (status, body) = exchange(
+        &host.addr,
+        "POST",
+        "/v1/leases/lse_x/renew",
+        Some(&secret),
+        br#"{"ttl": 5000}"#,
+    )
+    .await;
+    assert_eq!(status, 400, "{body}");
+    let error: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(error["error"]["code"], "BAD_REQUEST");
+    assert_eq!(
+        error["error"]["message"],
+        r#"ttl: unknown field, expected one of ["ttlMs"]"#
+    );
+    let (_, body) = exchange(
+        &host.addr,
+        "POST",
+        "/v1/leases/lse_x/renew",
+        Some(&secret),
+        br#"{"ttlMs": 5000}"#,
+    )
+    .await;
+    assert!(!body.contains("unknown field"), "{body}");
+    host.stop.cancel();
+}

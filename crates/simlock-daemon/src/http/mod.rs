@@ -361,9 +361,13 @@ async fn route(
         },
         (&Method::POST, ["leases", id, "renew"]) => {
             let id = (*id).to_owned();
-            with_body(request, move |mut body| {
+            with_body(request, move |mut body| async move {
+                // A misspelt key would renew with the lease's own width: refused instead.
+                if let Err(err) = known_keys(&body, &["ttlMs"]) {
+                    return error(&err);
+                }
                 body.insert("leaseId".into(), Value::String(id));
-                async move { op(app, &caller, "lease.renew", Value::Object(body)).await }
+                op(app, &caller, "lease.renew", Value::Object(body)).await
             })
             .await
         }
@@ -484,6 +488,19 @@ fn created(mut response: Response<Body>) -> Response<Body> {
     response
 }
 
+/// Refuses a body holding a key outside `known`, naming it and what is accepted.
+///
+/// # Errors
+/// `BAD_REQUEST`: `<key>: unknown field, expected one of [...]`.
+fn known_keys(body: &Map<String, Value>, known: &[&str]) -> Result<(), ContractError> {
+    match body.keys().find(|key| !known.contains(&key.as_str())) {
+        Some(key) => Err(ContractError::bad_request(format!(
+            "{key}: unknown field, expected one of {known:?}"
+        ))),
+        None => Ok(()),
+    }
+}
+
 /// The HTTP body of a lease request and the operation input it maps to.
 const REQUEST_KEYS: &[(&str, &str)] = &[
     ("platform", "platform"),
@@ -511,15 +528,15 @@ async fn submit_request(
         Ok(_) => return error(&ContractError::bad_request("body: must be a JSON object")),
         Err(err) => return error(&err),
     };
+    let known: Vec<&str> = REQUEST_KEYS.iter().map(|(k, _)| *k).collect();
+    if let Err(err) = known_keys(&body, &known) {
+        return error(&err);
+    }
     let mut payload = Map::new();
     for (key, value) in body {
-        let Some((_, mapped)) = REQUEST_KEYS.iter().find(|(k, _)| *k == key) else {
-            let known: Vec<&str> = REQUEST_KEYS.iter().map(|(k, _)| *k).collect();
-            return error(&ContractError::bad_request(format!(
-                "{key}: unknown field, expected one of {known:?}"
-            )));
-        };
-        payload.insert((*mapped).to_owned(), value);
+        if let Some((_, mapped)) = REQUEST_KEYS.iter().find(|(k, _)| *k == key) {
+            payload.insert((*mapped).to_owned(), value);
+        }
     }
     if let Some(key) = idempotency_key {
         payload.insert("idempotencyKey".into(), Value::String(key));

@@ -104,7 +104,16 @@ pub fn since(text: &str) -> Result<i64, ContractError> {
         "d" => 86_400_000,
         _ => return Err(bad()),
     };
-    n.checked_mul(factor).ok_or_else(bad)
+    // No further back than an event's timestamp can reach (`±8.64e15` ms, shared with
+    // `events.replay`'s `sinceTs`), so the refusal names `since`, the parameter the caller sent.
+    n.checked_mul(factor)
+        .filter(|ms| *ms <= simlock_contract::bounds::MAX_TIMESTAMP_MS)
+        .ok_or_else(|| {
+            ContractError::bad_request(format!(
+                "since: {text:?} reaches further back than {} ms",
+                simlock_contract::bounds::MAX_TIMESTAMP_MS
+            ))
+        })
 }
 
 #[cfg(test)]
@@ -115,6 +124,25 @@ mod tests {
     use super::*;
 
     const MAX: Duration = Duration::from_secs(60);
+
+    #[test]
+    fn a_since_past_the_timestamps_reach_is_refused_naming_since() {
+        let max = simlock_contract::bounds::MAX_TIMESTAMP_MS;
+        assert_eq!(since(&format!("{max}ms")).unwrap(), max);
+        for text in [
+            format!("{}ms", max + 1),
+            "9223372036854775807ms".to_owned(),
+            "200000000d".to_owned(),
+        ] {
+            let refused = since(&text).unwrap_err();
+            assert_eq!(refused.code, ErrorCode::BadRequest, "{text}");
+            assert!(
+                refused.message.starts_with("since: "),
+                "{}",
+                refused.message
+            );
+        }
+    }
 
     #[test]
     fn a_wait_that_is_not_a_finite_number_counts_as_zero() {
@@ -146,7 +174,10 @@ mod tests {
         assert_eq!(since("5m").unwrap(), 300_000);
         assert_eq!(since("2h").unwrap(), 7_200_000);
         assert_eq!(since("1d").unwrap(), 86_400_000);
-        assert_eq!(since(&i64::MAX.to_string()).unwrap(), i64::MAX);
+        assert!(
+            since(&i64::MAX.to_string()).is_err(),
+            "past a timestamp's reach"
+        );
         for text in [
             "",
             "s",
