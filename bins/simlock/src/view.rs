@@ -233,6 +233,25 @@ fn capacity(name: &str, c: &PlatformCapacity) -> String {
 }
 
 /// `simlock status`.
+/// The capabilities a daemon serves, one line: an unavailable one says so, and none at all is
+/// said rather than left blank.
+fn serves(capabilities: &[simlock_contract::model::CapabilityStatus]) -> String {
+    if capabilities.is_empty() {
+        return "no capabilities".to_owned();
+    }
+    capabilities
+        .iter()
+        .map(|c| {
+            if c.available {
+                c.name.clone()
+            } else {
+                format!("{} (unavailable)", c.name)
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 pub(crate) fn status(status: &StatusOutput) -> String {
     let d = &status.daemon;
     let mut out = format!(
@@ -257,17 +276,7 @@ pub(crate) fn status(status: &StatusOutput) -> String {
         let _ = write!(out, "\nqueue     {depth} waiting");
     }
     if let Some(capabilities) = &status.capabilities {
-        let names: Vec<String> = capabilities
-            .iter()
-            .map(|c| {
-                if c.available {
-                    c.name.clone()
-                } else {
-                    format!("{} (unavailable)", c.name)
-                }
-            })
-            .collect();
-        let _ = write!(out, "\nserves    {}", names.join(", "));
+        let _ = write!(out, "\nserves    {}", serves(capabilities));
     }
     if let Some(workers) = &status.workers {
         let _ = write!(out, "\nworkers   {}", workers.len());
@@ -386,6 +395,25 @@ mod tests {
         assert_eq!(timestamp(0), "1970-01-01T00:00:00.000Z");
         assert_eq!(timestamp(1_700_000_000_123), "2023-11-14T22:13:20.123Z");
         assert_eq!(timestamp(951_782_400_000), "2000-02-29T00:00:00.000Z");
+    }
+
+    #[test]
+    fn the_serves_line_names_each_capability_and_says_when_there_is_none() {
+        use simlock_contract::model::CapabilityStatus;
+        assert_eq!(serves(&[]), "no capabilities");
+        let both = [
+            CapabilityStatus {
+                name: "agent-device".into(),
+                available: true,
+                reason: None,
+            },
+            CapabilityStatus {
+                name: "metal".into(),
+                available: false,
+                reason: Some("no GPU".into()),
+            },
+        ];
+        assert_eq!(serves(&both), "agent-device, metal (unavailable)");
     }
 
     #[test]
