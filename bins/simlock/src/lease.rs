@@ -27,25 +27,28 @@ const EXIT_LEASE_LOST: u8 = 14;
 /// The exit code after a second interrupt gave up waiting.
 const EXIT_INTERRUPTED: u8 = 130;
 
-/// SIGINT and SIGTERM, counted.
+/// SIGINT, SIGTERM and SIGHUP, counted.
 #[derive(Debug)]
 pub(crate) struct Signals {
     count: watch::Receiver<u32>,
 }
 
 impl Signals {
-    /// Starts counting SIGINT and SIGTERM (they no longer end the process by themselves).
+    /// Starts counting SIGINT, SIGTERM and SIGHUP (they no longer end the process by
+    /// themselves): closing the terminal a hold runs in releases its lease, as Ctrl-C does.
     pub(crate) fn listen() -> Result<Self, ContractError> {
         let failed =
             |e: std::io::Error| ContractError::internal(format!("cannot watch signals: {e}"));
         let mut interrupt = signal(SignalKind::interrupt()).map_err(failed)?;
         let mut terminate = signal(SignalKind::terminate()).map_err(failed)?;
+        let mut hangup = signal(SignalKind::hangup()).map_err(failed)?;
         let (tx, count) = watch::channel(0u32);
         tokio::spawn(async move {
             loop {
                 tokio::select! {
                     Some(()) = interrupt.recv() => {}
                     Some(()) = terminate.recv() => {}
+                    Some(()) = hangup.recv() => {}
                     else => break,
                 }
                 tx.send_modify(|n| *n += 1);

@@ -491,6 +491,53 @@ fn a_socket_hold_keeps_its_lease_across_a_daemon_restart_and_releases_it_on_sigt
     assert_eq!(deadline_of(&worker.cli(&["status"]).json), None, "released");
 }
 
+/// Closing the terminal a hold runs in (SIGHUP) releases its lease, as Ctrl-C does. Before,
+/// the default action killed the CLI and left the lease to its TTL.
+#[test]
+fn a_hold_sent_sighup_releases_its_lease() {
+    if !enabled() {
+        return;
+    }
+    let worker = Worker::start(&fixed(1), false);
+    let mut hold = Command::new(bin("simlock"))
+        .env("SIMLOCK_HOME", worker.home.path())
+        .env_remove("SIMLOCK_URL")
+        .env_remove("SIMLOCK_TOKEN")
+        .args([
+            "--json",
+            "lease",
+            "--platform",
+            "ios",
+            "--requester",
+            "hangup",
+        ])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let stdout = hold.stdout.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        use std::io::BufRead;
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    let grant: Value = serde_json::from_str(&rx.recv_timeout(PATIENCE).unwrap()).unwrap();
+    let lease = grant["lease"]["id"].as_str().unwrap().to_owned();
+    let status = Command::new("kill")
+        .arg("-HUP")
+        .arg(hold.id().to_string())
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let exited = wait_exit(&mut hold);
+    assert!(exited.is_some_and(|s| s.success()), "{exited:?}");
+    let leases = worker.cli(&["leases"]).json.to_string();
+    assert!(!leases.contains(&lease), "released: {leases}");
+}
+
 #[test]
 fn a_worker_killed_with_sigkill_comes_back_with_the_same_leases_and_deadlines() {
     if !enabled() {
