@@ -33,6 +33,7 @@ pub fn parse_sets(sets: &[String], sections: &Sections) -> Result<Vec<(String, V
         .map(|pair| {
             let (key, value) = pair
                 .split_once('=')
+                .filter(|(key, _)| !key.trim().is_empty())
                 .ok_or_else(|| format!("--set takes KEY=VALUE, got {pair:?}"))?;
             Ok((key.to_owned(), config::coerce(key, value, sections)))
         })
@@ -143,10 +144,12 @@ mod tests {
                 ("http.enabled".into(), json!(true))
             ]
         );
-        assert!(
-            parse_sets(&["nokey".into()], &Sections::new())
-                .unwrap_err()
-                .contains("KEY=VALUE")
-        );
+        for bad in ["nokey", "=5", " =5"] {
+            assert_eq!(
+                parse_sets(&[bad.into()], &Sections::new()).unwrap_err(),
+                format!("--set takes KEY=VALUE, got {bad:?}"),
+                "a flag with no key names the flag, not a key"
+            );
+        }
     }
 }
