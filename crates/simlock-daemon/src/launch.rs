@@ -108,6 +108,8 @@ where
             }
         };
         let running = daemon.running();
+        // Listening before the ready line: a signal sent as soon as it is read stops the daemon.
+        let signals = crate::signals::StopSignals::listen();
         let ready = json!({
             "ready": match mode { Mode::Worker => "worker", Mode::Gateway => "gateway" },
             "instanceId": running.base.instance_id,
@@ -115,7 +117,7 @@ where
             "http": running.http_addr().map(|a| a.to_string()),
         });
         println!("{ready}");
-        let reason = crate::signals::wait(running).await;
+        let reason = signals.wait(running).await;
         daemon.stop(reason).await;
         ExitCode::SUCCESS
     })
