@@ -964,95 +964,94 @@ mod tests {
             .unwrap()
     }
 
-    fn heartbeat(ask: Option<u64>) -> Request<Body> {
-        let mut request = rpc(
-            "h1",
-            "agent_device.lease.heartbeat",
-            json!({"session": "s1", "tenantId": "acme", "runId": "run1", "leaseId": L}),
-        );
-        if let Some(ttl_ms) = ask {
-            RenewAsk { ttl_ms }.put(request.headers_mut());
+    impl Bench {
+        /// A heartbeat for `L`, with the ask for a renewal to `ask` when given, relayed naming
+        /// `lease` to a host with `port` (none: an older worker's host, in effect): the
+        /// answer's renewal, and whether agent-device said ok.
+        async fn beat(
+            &self,
+            ask: Option<u64>,
+            lease: Option<&LeaseId>,
+            port: Option<&Arc<Port>>,
+        ) -> (Option<Renewal>, bool) {
+            let mut request = rpc(
+                "h1",
+                "agent_device.lease.heartbeat",
+                json!({"session": "s1", "tenantId": "acme", "runId": "run1", "leaseId": L}),
+            );
+            if let Some(ttl_ms) = ask {
+                RenewAsk { ttl_ms }.put(request.headers_mut());
+            }
+            let renew = port.map(Port::renew);
+            let answer = self
+                .host
+                .relayed(request, &self.tenant, lease, renew.as_ref())
+                .await;
+            let (mut parts, body) = answer.into_parts();
+            let renewal = Renewal::take(&mut parts.headers);
+            let bytes = read_to_bytes(body, MAX_ANSWER).await.unwrap();
+            (renewal, matches!(Answer::read(&bytes), Answer::Ok(_)))
         }
-        request
-    }
 
-    /// The answer's renewal, and whether agent-device said ok.
-    async fn read(answer: Response<Body>) -> (Option<Renewal>, bool) {
-        let (mut parts, body) = answer.into_parts();
-        let renewal = Renewal::take(&mut parts.headers);
-        let bytes = read_to_bytes(body, MAX_ANSWER).await.unwrap();
-        (renewal, matches!(Answer::read(&bytes), Answer::Ok(_)))
-    }
+        /// The heartbeats the daemon received, each checked to carry no simlock header.
+        fn heartbeats_seen_without_an_ask(&self) -> usize {
+            let seen: Vec<_> = self
+                .fake
+                .requests()
+                .into_iter()
+                .filter(|r| String::from_utf8_lossy(&r.body).contains("lease.heartbeat"))
+                .collect();
+            for request in &seen {
+                assert!(
+                    request
+                        .headers
+                        .iter()
+                        .all(|(name, _)| !name.starts_with("x-simlock")),
+                    "the ask never reaches the daemon: {:?}",
+                    request.headers
+                );
+            }
+            seen.len()
+        }
 
-    fn heartbeats_seen(fake: &FakeAgentDevice) -> Vec<agent_device_fake::RecordedRequest> {
-        fake.requests()
-            .into_iter()
-            .filter(|r| String::from_utf8_lossy(&r.body).contains("lease.heartbeat"))
-            .collect()
+        async fn stop(self) {
+            self.fake.stop().await;
+            self.host.stop().await;
+        }
     }
 
     #[tokio::test]
     async fn an_asked_heartbeat_renews_the_lease_after_the_daemons_ok_and_says_so() {
         let b = bench().await;
         let port = Port::new();
-        let answer = b
-            .host
-            .relayed(
-                heartbeat(Some(600_000)),
-                &b.tenant,
-                Some(&b.lease),
-                Some(&port.renew()),
-            )
-            .await;
-        assert_eq!(read(answer).await, (Some(Renewal::Renewed), true));
-        assert_eq!(*port.asked.lock(), vec![(b.lease.clone(), 600_000)]);
-        let seen = heartbeats_seen(&b.fake);
-        assert_eq!(seen.len(), 1, "agent-device first");
-        assert!(
-            seen[0]
-                .headers
-                .iter()
-                .all(|(name, _)| !name.starts_with("x-simlock")),
-            "the ask never reaches the daemon: {:?}",
-            seen[0].headers
+        let lease = Some(&b.lease);
+        assert_eq!(
+            b.beat(Some(600_000), lease, Some(&port)).await,
+            (Some(Renewal::Renewed), true)
         );
-        b.fake.stop().await;
-        b.host.stop().await;
+        assert_eq!(*port.asked.lock(), vec![(b.lease.clone(), 600_000)]);
+        assert_eq!(b.heartbeats_seen_without_an_ask(), 1, "agent-device first");
+        b.stop().await;
     }
 
     #[tokio::test]
     async fn a_lease_the_worker_does_not_know_answers_ended_and_another_failure_no_renewal() {
         let b = bench().await;
         let port = Port::new();
+        let lease = Some(&b.lease);
         *port.answer.lock() = Err(ContractError::new(ErrorCode::UnknownLease, "no such lease"));
-        let answer = b
-            .host
-            .relayed(
-                heartbeat(Some(5_000)),
-                &b.tenant,
-                Some(&b.lease),
-                Some(&port.renew()),
-            )
-            .await;
-        assert_eq!(read(answer).await, (Some(Renewal::LeaseEnded), true));
-        *port.answer.lock() = Err(ContractError::bad_request("ttlMs: above lease.maxTtlMs"));
-        let answer = b
-            .host
-            .relayed(
-                heartbeat(Some(5_000)),
-                &b.tenant,
-                Some(&b.lease),
-                Some(&port.renew()),
-            )
-            .await;
         assert_eq!(
-            read(answer).await,
+            b.beat(Some(5_000), lease, Some(&port)).await,
+            (Some(Renewal::LeaseEnded), true)
+        );
+        *port.answer.lock() = Err(ContractError::bad_request("ttlMs: above lease.maxTtlMs"));
+        assert_eq!(
+            b.beat(Some(5_000), lease, Some(&port)).await,
             (None, true),
             "the gateway, seeing none, renews itself and answers its own error"
         );
         assert_eq!(port.asked.lock().len(), 2);
-        b.fake.stop().await;
-        b.host.stop().await;
+        b.stop().await;
     }
 
     #[tokio::test]
@@ -1064,58 +1063,26 @@ mod tests {
             1,
             DaemonError::new(FakeCode::CommandFailed, "not now"),
         );
-        let answer = b
-            .host
-            .relayed(
-                heartbeat(Some(5_000)),
-                &b.tenant,
-                Some(&b.lease),
-                Some(&port.renew()),
-            )
-            .await;
-        assert_eq!(read(answer).await, (None, false));
+        assert_eq!(
+            b.beat(Some(5_000), Some(&b.lease), Some(&port)).await,
+            (None, false)
+        );
         assert!(port.asked.lock().is_empty());
-        b.fake.stop().await;
-        b.host.stop().await;
+        b.stop().await;
     }
 
     #[tokio::test]
     async fn without_an_ask_a_lease_or_a_port_nothing_is_renewed_and_the_ask_is_still_dropped() {
         let b = bench().await;
         let port = Port::new();
-        let unasked = b
-            .host
-            .relayed(
-                heartbeat(None),
-                &b.tenant,
-                Some(&b.lease),
-                Some(&port.renew()),
-            )
-            .await;
-        assert_eq!(read(unasked).await, (None, true));
+        let lease = Some(&b.lease);
+        assert_eq!(b.beat(None, lease, Some(&port)).await, (None, true));
         // An older worker's host, in effect: it has no port.
-        let portless = b
-            .host
-            .relayed(heartbeat(Some(5_000)), &b.tenant, Some(&b.lease), None)
-            .await;
-        assert_eq!(read(portless).await, (None, true));
+        assert_eq!(b.beat(Some(5_000), lease, None).await, (None, true));
         // A relay naming no lease renews none (the daemon refuses the unknown lease).
-        let leaseless = b
-            .host
-            .relayed(heartbeat(Some(5_000)), &b.tenant, None, Some(&port.renew()))
-            .await;
-        assert_eq!(read(leaseless).await.0, None);
+        assert_eq!(b.beat(Some(5_000), None, Some(&port)).await.0, None);
         assert!(port.asked.lock().is_empty());
-        for seen in heartbeats_seen(&b.fake) {
-            assert!(
-                seen.headers
-                    .iter()
-                    .all(|(name, _)| !name.starts_with("x-simlock")),
-                "{:?}",
-                seen.headers
-            );
-        }
-        b.fake.stop().await;
-        b.host.stop().await;
+        assert_eq!(b.heartbeats_seen_without_an_ask(), 3);
+        b.stop().await;
     }
 }
