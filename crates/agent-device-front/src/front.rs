@@ -467,32 +467,22 @@ impl Exchange {
             .map_err(|r| self.fail(r))
     }
 
-    /// Forwards `body` as this request's body.
-    async fn forward(
-        &self,
-        body: Bytes,
-        lease: Option<&LeaseId>,
-    ) -> Result<Response<Body>, Failed> {
-        self.forward_asking(body, lease, None).await
-    }
-
-    /// Forwards `body` as this request's body, asking the host to renew the simlock lease
-    /// when `ask` is given.
-    async fn forward_asking(
-        &self,
-        body: Bytes,
-        lease: Option<&LeaseId>,
-        ask: Option<RenewAsk>,
-    ) -> Result<Response<Body>, Failed> {
+    /// This request again, with `body` as its body.
+    fn request(&self, body: Bytes) -> Request<Body> {
         let mut parts = self.parts.clone();
         parts.headers.remove(http::header::CONTENT_LENGTH);
         if let Ok(len) = HeaderValue::from_str(&body.len().to_string()) {
             parts.headers.insert(http::header::CONTENT_LENGTH, len);
         }
-        if let Some(ask) = ask {
-            ask.put(&mut parts.headers);
-        }
-        let request = Request::from_parts(parts, crate::body::full(body));
+        Request::from_parts(parts, crate::body::full(body))
+    }
+
+    /// Hands `request` to the host holding `lease` (any host without one).
+    async fn send(
+        &self,
+        request: Request<Body>,
+        lease: Option<&LeaseId>,
+    ) -> Result<Response<Body>, Failed> {
         let forwarded = self
             .inner
             .link
@@ -501,23 +491,28 @@ impl Exchange {
         forwarded.map_err(|r| (r, self.surface.clone()))
     }
 
-    /// Forwards `body` and reads the answer whole.
-    async fn exchange(
+    /// Forwards `body` as this request's body.
+    async fn forward(
         &self,
         body: Bytes,
         lease: Option<&LeaseId>,
-    ) -> Result<(http::response::Parts, Bytes), Failed> {
-        self.exchange_asking(body, lease, None).await
+    ) -> Result<Response<Body>, Failed> {
+        self.send(self.request(body), lease).await
     }
 
-    /// As [`Self::exchange`], asking the host to renew the simlock lease when `ask` is given.
-    async fn exchange_asking(
+    /// Forwards `body` and reads the answer whole, asking the host to renew the simlock lease
+    /// when `ask` is given.
+    async fn exchange(
         &self,
         body: Bytes,
         lease: Option<&LeaseId>,
         ask: Option<RenewAsk>,
     ) -> Result<(http::response::Parts, Bytes), Failed> {
-        let response = self.forward_asking(body, lease, ask).await?;
+        let mut request = self.request(body);
+        if let Some(ask) = ask {
+            ask.put(request.headers_mut());
+        }
+        let response = self.send(request, lease).await?;
         let (parts, body) = response.into_parts();
         let bytes = read_to_bytes(body, MAX_ANSWER).await.map_err(|e| {
             self.fail(Refusal::NotAvailable {
@@ -678,7 +673,7 @@ async fn allocate(ctx: &Exchange, mut call: RpcCall) -> Result<Response<Body>, F
         },
     );
     call.set_allocation(&device_key(platform, &address), ttl_ms);
-    let forwarded = ctx.exchange(call.to_bytes(), Some(&lease)).await;
+    let forwarded = ctx.exchange(call.to_bytes(), Some(&lease), None).await;
     let held = matches!(&forwarded, Ok((_, bytes)) if matches!(Answer::read(bytes), Answer::Ok(_)));
     if !held {
         inner.leases.remove(&lease);
@@ -808,7 +803,7 @@ async fn heartbeat(
     // trip; a host that does not answers with no renewal, and the front renews it here.
     let ask = RenewAsk { ttl_ms };
     let (mut parts, bytes) = ctx
-        .exchange_asking(call.to_bytes(), Some(lease), Some(ask))
+        .exchange(call.to_bytes(), Some(lease), Some(ask))
         .await?;
     let renewal = Renewal::take(&mut parts.headers);
     let answer = Answer::read(&bytes);
@@ -840,7 +835,7 @@ async fn heartbeat(
 /// lease. A release agent-device fails keeps the simlock lease.
 async fn release(ctx: &Exchange, call: RpcCall, lease: &LeaseId) -> Result<Response<Body>, Failed> {
     ctx.lease_ttl(lease)?;
-    let (parts, bytes) = ctx.exchange(call.to_bytes(), Some(lease)).await?;
+    let (parts, bytes) = ctx.exchange(call.to_bytes(), Some(lease), None).await?;
     let answer = Answer::read(&bytes);
     if matches!(answer, Answer::Ok(_)) || answer.lease_gone() {
         ctx.inner.leases.remove(lease);
@@ -968,7 +963,7 @@ enum Listed {
 async fn read_devices(ctx: &Exchange, call: &RpcCall, lease: &LeaseId) -> Result<Listed, Failed> {
     let mut call = call.clone();
     call.set_lease(lease);
-    let (parts, bytes) = ctx.exchange(call.to_bytes(), Some(lease)).await?;
+    let (parts, bytes) = ctx.exchange(call.to_bytes(), Some(lease), None).await?;
     match Answer::read(&bytes) {
         Answer::Ok(data) => match data.get("devices").and_then(Value::as_array) {
             Some(list) => Ok(Listed::Devices(list.clone())),

@@ -23,9 +23,6 @@ pub const RENEW_TTL_HEADER: &str = "x-simlock-renew-ttl-ms";
 /// The answer header saying what became of a [`RenewAsk`]: see [`Renewal`].
 pub const RENEWAL_HEADER: &str = "x-simlock-renewal";
 
-/// The most digits a TTL may have: `u64::MAX` has 20.
-const MAX_TTL_DIGITS: usize = 20;
-
 /// A front's ask that the host renew the simlock lease it relays for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RenewAsk {
@@ -42,18 +39,10 @@ impl RenewAsk {
     /// Takes the ask off a request's headers: `None` when there is none, or when it is not
     /// one decimal TTL above zero (the header is removed either way).
     pub fn take(headers: &mut HeaderMap) -> Option<Self> {
-        let values: Vec<HeaderValue> = match headers.entry(RENEW_TTL_HEADER) {
-            http::header::Entry::Occupied(entry) => entry.remove_entry_mult().1.collect(),
-            http::header::Entry::Vacant(_) => return None,
-        };
-        let [value] = values.as_slice() else {
-            return None;
-        };
+        let value = take_one(headers, RENEW_TTL_HEADER)?;
         let text = value.to_str().ok()?;
-        if text.is_empty()
-            || text.len() > MAX_TTL_DIGITS
-            || !text.bytes().all(|b| b.is_ascii_digit())
-        {
+        // Digits only: `u64`'s parser would also take a leading `+`.
+        if !text.bytes().all(|b| b.is_ascii_digit()) {
             return None;
         }
         let ttl_ms = text.parse::<u64>().ok().filter(|ttl| *ttl > 0)?;
@@ -89,16 +78,22 @@ impl Renewal {
     /// Takes the outcome off an answer's headers: `None` when there is none or it is not one
     /// value this build knows (the header is removed either way).
     pub fn take(headers: &mut HeaderMap) -> Option<Self> {
-        let values: Vec<HeaderValue> = match headers.entry(RENEWAL_HEADER) {
-            http::header::Entry::Occupied(entry) => entry.remove_entry_mult().1.collect(),
-            http::header::Entry::Vacant(_) => return None,
-        };
-        match values.as_slice() {
-            [value] if value == Self::Renewed.as_str() => Some(Self::Renewed),
-            [value] if value == Self::LeaseEnded.as_str() => Some(Self::LeaseEnded),
-            _ => None,
-        }
+        let value = take_one(headers, RENEWAL_HEADER)?;
+        [Self::Renewed, Self::LeaseEnded]
+            .into_iter()
+            .find(|renewal| value == renewal.as_str())
     }
+}
+
+/// Removes every value of `name` from `headers`, answering the value when there was exactly
+/// one.
+fn take_one(headers: &mut HeaderMap, name: &'static str) -> Option<HeaderValue> {
+    let http::header::Entry::Occupied(entry) = headers.entry(name) else {
+        return None;
+    };
+    let mut values = entry.remove_entry_mult().1;
+    let value = values.next()?;
+    values.next().is_none().then_some(value)
 }
 
 /// Removes both headers: what a caller sends under these names is never simlock's own.
