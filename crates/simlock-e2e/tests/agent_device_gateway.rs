@@ -2162,17 +2162,7 @@ async fn a_heartbeats_renewal_stays_between_gateway_and_worker_and_a_callers_is_
         (agent_device_front::renewal::RENEWAL_HEADER, "lease-ended"),
     ];
     let forged = |call: Value| http.send(Method::POST, &url, &headers, call.to_string());
-    let driver = gw.fleet.worker(0).worker.devices()[0]
-        .driver_device_id
-        .clone();
-    gw.fakes[0].set_devices(DevicesAnswer::List(vec![Device {
-        platform: agent_device_fake::Platform::Android,
-        id: driver,
-        name: "emulator".into(),
-        kind: agent_device_fake::DeviceKind::Emulator,
-        target: agent_device_fake::DeviceTarget::Mobile,
-        booted: true,
-    }]));
+    list_the_leased_device(&gw, 0);
     let opened = forged(command_call("c1", &lease, "open", json!({}))).await;
     assert_eq!(opened.json()["result"]["ok"], json!(true), "{opened:?}");
     let after = gw.fleet.worker(0).worker.lease(&lease).unwrap();

@@ -88,12 +88,7 @@ impl Worker {
 
     /// Stops the worker with SIGTERM (bounded) and hands back its home.
     fn terminate(mut self) -> tempfile::TempDir {
-        let status = Command::new("kill")
-            .arg("-TERM")
-            .arg(self.child.id().to_string())
-            .status()
-            .unwrap();
-        assert!(status.success());
+        send_signal(self.child.id(), "-TERM");
         assert!(
             wait_exit(&mut self.child).is_some_and(|s| s.success()),
             "the worker stopped"
@@ -405,12 +400,7 @@ fn a_daemon_sent_sighup_stops_cleanly() {
     let mut worker = Worker::start(&fixed(1), false);
     let socket = worker.home.path().join("daemon.sock");
     assert!(socket.exists());
-    let status = Command::new("kill")
-        .arg("-HUP")
-        .arg(worker.child.id().to_string())
-        .status()
-        .unwrap();
-    assert!(status.success());
+    send_signal(worker.child.id(), "-HUP");
     let exited = wait_exit(&mut worker.child);
     assert!(
         exited.is_some_and(|s| s.success()),
@@ -418,6 +408,58 @@ fn a_daemon_sent_sighup_stops_cleanly() {
     );
     assert!(!socket.exists(), "its socket was removed");
     assert!(!worker.home.path().join("admin.token").exists());
+}
+
+/// Sends `signal` (`-TERM`, `-HUP`, …) to process `pid`.
+fn send_signal(pid: u32, signal: &str) {
+    let status = Command::new("kill")
+        .arg(signal)
+        .arg(pid.to_string())
+        .status()
+        .unwrap();
+    assert!(status.success(), "kill {signal} {pid}");
+}
+
+/// `simlock --json lease --platform ios --requester <requester> <extra>` holding on `worker`'s
+/// socket, and the id of the lease it printed (read within [`PATIENCE`]).
+fn hold(worker: &Worker, requester: &str, extra: &[&str]) -> (Child, String) {
+    let mut hold = Command::new(bin("simlock"))
+        .env("SIMLOCK_HOME", worker.home.path())
+        .env_remove("SIMLOCK_URL")
+        .env_remove("SIMLOCK_TOKEN")
+        .args([
+            "--json",
+            "lease",
+            "--platform",
+            "ios",
+            "--requester",
+            requester,
+        ])
+        .args(extra)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stdout = hold.stdout.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    let grant: Value = serde_json::from_str(&rx.recv_timeout(PATIENCE).unwrap()).unwrap();
+    let lease = grant["lease"]["id"].as_str().unwrap().to_owned();
+    (hold, lease)
+}
+
+/// What a finished hold wrote on stderr.
+fn stderr_of(hold: &mut Child) -> String {
+    let mut stderr = String::new();
+    if let Some(mut pipe) = hold.stderr.take() {
+        let _ = pipe.read_to_string(&mut stderr);
+    }
+    stderr
 }
 
 /// `simlock lease` holding a lease on the socket keeps it across a restart of its daemon: it
@@ -429,35 +471,7 @@ fn a_socket_hold_keeps_its_lease_across_a_daemon_restart_and_releases_it_on_sigt
         return;
     }
     let worker = Worker::start(&fixed(1), false);
-    let mut hold = Command::new(bin("simlock"))
-        .env("SIMLOCK_HOME", worker.home.path())
-        .env_remove("SIMLOCK_URL")
-        .env_remove("SIMLOCK_TOKEN")
-        .args([
-            "--json",
-            "lease",
-            "--platform",
-            "ios",
-            "--requester",
-            "holder",
-            "--ttl",
-            "3000",
-        ])
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let stdout = hold.stdout.take().unwrap();
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        use std::io::BufRead;
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            let _ = tx.send(line);
-        }
-    });
-    let grant: Value = serde_json::from_str(&rx.recv_timeout(PATIENCE).unwrap()).unwrap();
-    let lease = grant["lease"]["id"].as_str().unwrap().to_owned();
+    let (mut hold, lease) = hold(&worker, "holder", &["--ttl", "3000"]);
     let deadline_of = |status: &Value| {
         status["leases"].as_array().and_then(|leases| {
             leases
@@ -475,20 +489,32 @@ fn a_socket_hold_keeps_its_lease_across_a_daemon_restart_and_releases_it_on_sigt
         |status| deadline_of(status).is_some_and(|d| d > kept),
     );
     assert!(hold.try_wait().unwrap().is_none(), "the hold still runs");
-    let status = Command::new("kill")
-        .arg("-TERM")
-        .arg(hold.id().to_string())
-        .status()
-        .unwrap();
-    assert!(status.success());
+    send_signal(hold.id(), "-TERM");
     let exited = wait_exit(&mut hold);
-    let mut stderr = String::new();
-    if let Some(mut pipe) = hold.stderr.take() {
-        use std::io::Read;
-        let _ = pipe.read_to_string(&mut stderr);
-    }
+    let stderr = stderr_of(&mut hold);
     assert!(exited.is_some_and(|s| s.success()), "{exited:?}: {stderr}");
     assert_eq!(deadline_of(&worker.cli(&["status"]).json), None, "released");
+}
+
+/// A socket hold whose daemon does not come back stops trying once the lease's TTL has passed
+/// (the lease is gone by then whatever happens), exiting as a connection failure: connecting
+/// again is bounded.
+#[test]
+fn a_socket_hold_whose_daemon_stays_down_gives_up_after_the_leases_ttl() {
+    if !enabled() {
+        return;
+    }
+    let worker = Worker::start(&fixed(1), false);
+    let (mut hold, _) = hold(&worker, "stranded", &["--ttl", "2000"]);
+    let _home = worker.kill9();
+    let exited = wait_exit(&mut hold);
+    let stderr = stderr_of(&mut hold);
+    assert_eq!(
+        exited.and_then(|s| s.code()),
+        Some(1),
+        "a connection failure's exit: {stderr}"
+    );
+    assert!(stderr.contains("DAEMON_CONNECTION_LOST"), "{stderr}");
 }
 
 /// Closing the terminal a hold runs in (SIGHUP) releases its lease, as Ctrl-C does. Before,
@@ -499,39 +525,8 @@ fn a_hold_sent_sighup_releases_its_lease() {
         return;
     }
     let worker = Worker::start(&fixed(1), false);
-    let mut hold = Command::new(bin("simlock"))
-        .env("SIMLOCK_HOME", worker.home.path())
-        .env_remove("SIMLOCK_URL")
-        .env_remove("SIMLOCK_TOKEN")
-        .args([
-            "--json",
-            "lease",
-            "--platform",
-            "ios",
-            "--requester",
-            "hangup",
-        ])
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let stdout = hold.stdout.take().unwrap();
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        use std::io::BufRead;
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            let _ = tx.send(line);
-        }
-    });
-    let grant: Value = serde_json::from_str(&rx.recv_timeout(PATIENCE).unwrap()).unwrap();
-    let lease = grant["lease"]["id"].as_str().unwrap().to_owned();
-    let status = Command::new("kill")
-        .arg("-HUP")
-        .arg(hold.id().to_string())
-        .status()
-        .unwrap();
-    assert!(status.success());
+    let (mut hold, lease) = hold(&worker, "hangup", &[]);
+    send_signal(hold.id(), "-HUP");
     let exited = wait_exit(&mut hold);
     assert!(exited.is_some_and(|s| s.success()), "{exited:?}");
     let leases = worker.cli(&["leases"]).json.to_string();
