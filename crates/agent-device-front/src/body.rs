@@ -410,13 +410,12 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_callers_body_that_stops_arriving_is_stalled_at_the_daemons_bound() {
         let bound = simlock_daemon::http::body::BODY_READ_TIMEOUT;
-        let first: Result<Frame<Bytes>, BoxError> = Ok(Frame::data(Bytes::from_static(b"{")));
-        let stalled = http_body_util::StreamBody::new(futures::StreamExt::chain(
-            futures::stream::iter([first]),
-            futures::stream::pending(),
-        ));
+        // A body whose sender stays open and sends nothing after its first part.
+        let (open, stalled) = fed();
+        open.unbounded_send(frame("{")).unwrap();
         let started = tokio::time::Instant::now();
-        let read = read_caller_body(stalled.boxed_unsync(), 1024).await;
+        let read = read_caller_body(stalled, 1024).await;
+        drop(open);
         assert_eq!(read, Err(ReadError::Stalled(bound)));
         assert_eq!(
             started.elapsed(),
@@ -430,11 +429,16 @@ mod tests {
                 message: format!("request body not received within {} s", bound.as_secs()),
             }
         );
-        let whole = Script(vec![data("{}")].into());
+        // A body whose last part comes a moment before the bound is read whole.
+        let (tx, body) = fed();
+        tx.unbounded_send(frame("{")).unwrap();
+        let late = send_later(&tx, bound - Duration::from_millis(1), &["}"]);
+        drop(tx);
         assert_eq!(
-            read_caller_body(whole.boxed_unsync(), 1024).await.unwrap(),
+            read_caller_body(body, 1024).await.unwrap(),
             Bytes::from_static(b"{}")
         );
+        late.await.unwrap();
     }
 
     #[tokio::test]

@@ -14,7 +14,8 @@ use serde_json::{Value, json};
 use simlock_contract::model::TokenRole;
 use simlock_daemon::clock::TokioClock;
 use simlock_daemon::events::EventBus;
-use simlock_daemon::http::body::MAX_JSON_BODY;
+use simlock_daemon::http::HEADER_READ_TIMEOUT;
+use simlock_daemon::http::body::{BODY_READ_TIMEOUT, MAX_JSON_BODY};
 use simlock_daemon::http::requests::RequestBook;
 use simlock_daemon::http::{HttpApp, bind, serve_http};
 use simlock_daemon::metrics::Metrics;
@@ -391,25 +392,39 @@ async fn an_authorization_that_is_not_visible_ascii_is_no_bearer_not_a_missing_h
     host.stop.cancel();
 }
 
-/// A caller that promises a body and stops sending is answered at the body's bound, and its
-/// connection closes: it holds nothing longer. Time is paused: the bound passes at once.
+/// `POST /v1/ops/token.create` with `{` first and the rest of a 100-byte body `after` later
+/// (never, with `None`): the raw answer, read to the connection's close, and when it came.
+async fn body_in_two(host: &Host, secret: &str, after: Option<Duration>) -> (String, Duration) {
+    let started = tokio::time::Instant::now();
+    let mut stream = tokio::net::TcpStream::connect(&host.addr).await.unwrap();
+    let head = format!(
+        "POST /v1/ops/token.create HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: 100\r\nAuthorization: Bearer {secret}\r\n\r\n"
+    );
+    stream.write_all(head.as_bytes()).await.unwrap();
+    let body = body_of(100);
+    stream.write_all(&body[..1]).await.unwrap();
+    if let Some(after) = after {
+        tokio::time::sleep(after).await;
+        stream.write_all(&body[1..]).await.unwrap();
+    }
+    let mut raw = Vec::new();
+    let read = tokio::time::timeout(BODY_READ_TIMEOUT * 4, stream.read_to_end(&mut raw)).await;
+    assert!(read.is_ok(), "the connection closed after the answer");
+    (
+        String::from_utf8_lossy(&raw).into_owned(),
+        started.elapsed(),
+    )
+}
+
+/// A caller that promises a body and stops sending is answered at the body's bound, not
+/// before, and its connection closes: it holds nothing longer. One whose body is whole a
+/// moment before the bound is served. Time is paused: the bound passes at once.
 #[tokio::test(start_paused = true)]
 async fn a_body_that_stops_arriving_is_refused_at_its_bound_and_the_connection_closes() {
     let host = host().await;
     let (secret, _) = host.tokens.create(TokenRole::Operator, None).unwrap();
-    let mut stream = tokio::net::TcpStream::connect(&host.addr).await.unwrap();
-    let head = format!(
-        "POST /v1/ops/token.create HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\nAuthorization: Bearer {secret}\r\n\r\n{{"
-    );
-    stream.write_all(head.as_bytes()).await.unwrap();
-    let mut raw = Vec::new();
-    let read = tokio::time::timeout(
-        simlock_daemon::http::body::BODY_READ_TIMEOUT * 2,
-        stream.read_to_end(&mut raw),
-    )
-    .await;
-    assert!(read.is_ok(), "the connection closed after the answer");
-    let text = String::from_utf8_lossy(&raw);
+    let (text, took) = body_in_two(&host, &secret, None).await;
+    assert!(took >= BODY_READ_TIMEOUT, "answered at the bound: {took:?}");
     let (head, body) = text.split_once("\r\n\r\n").expect("a response");
     assert!(head.starts_with("HTTP/1.1 400"), "{head}");
     let error: Value = serde_json::from_str(body).unwrap();
@@ -418,27 +433,50 @@ async fn a_body_that_stops_arriving_is_refused_at_its_bound_and_the_connection_c
         error["error"]["message"],
         format!(
             "body: not received within {} s",
-            simlock_daemon::http::body::BODY_READ_TIMEOUT.as_secs()
+            BODY_READ_TIMEOUT.as_secs()
         )
     );
     assert_eq!(host.tokens.list().unwrap().len(), 1, "nothing was created");
+    let just_in_time = BODY_READ_TIMEOUT - Duration::from_millis(1);
+    let (text, _) = body_in_two(&host, &secret, Some(just_in_time)).await;
+    assert!(text.starts_with("HTTP/1.1 200"), "{text}");
+    assert_eq!(
+        host.tokens.list().unwrap().len(),
+        2,
+        "the late body was served"
+    );
     host.stop.cancel();
 }
 
-/// An idle kept-alive connection is closed once the head's bound passes with no new request.
+/// An idle kept-alive connection is closed once the head's bound passes with no new request,
+/// not before; a request a moment before the bound is served on it.
 #[tokio::test(start_paused = true)]
 async fn an_idle_kept_alive_connection_closes_at_the_heads_bound() {
     let host = host().await;
     let mut stream = tokio::net::TcpStream::connect(&host.addr).await.unwrap();
-    stream
-        .write_all(b"GET /v1/healthz HTTP/1.1\r\nHost: x\r\n\r\n")
-        .await
-        .unwrap();
+    let request = b"GET /v1/healthz HTTP/1.1\r\nHost: x\r\n\r\n";
+    let answer = b"HTTP/1.1 200";
+    stream.write_all(request).await.unwrap();
+    let mut first = [0u8; 12];
+    stream.read_exact(&mut first).await.unwrap();
+    assert_eq!(&first, answer);
+    tokio::time::sleep(HEADER_READ_TIMEOUT - Duration::from_millis(1)).await;
+    stream.write_all(request).await.unwrap();
+    let idle_from = tokio::time::Instant::now();
     let mut raw = Vec::new();
-    let read = tokio::time::timeout(Duration::from_secs(120), stream.read_to_end(&mut raw)).await;
+    let read = tokio::time::timeout(HEADER_READ_TIMEOUT * 4, stream.read_to_end(&mut raw)).await;
+    assert!(read.is_ok(), "closed while idle");
     let text = String::from_utf8_lossy(&raw);
-    assert!(text.starts_with("HTTP/1.1 200"), "{text}");
-    assert!(read.is_ok(), "closed while idle: {text}");
+    assert_eq!(
+        text.matches("HTTP/1.1 200").count(),
+        1,
+        "the second request was served: {text}"
+    );
+    assert!(
+        idle_from.elapsed() >= HEADER_READ_TIMEOUT,
+        "closed at the bound, not before: {:?}",
+        idle_from.elapsed()
+    );
     host.stop.cancel();
 }
 

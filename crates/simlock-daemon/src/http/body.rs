@@ -26,7 +26,7 @@ pub const MAX_JSON_BODY: usize = simlock_contract::bounds::MAX_CALL_LINE;
 /// How long a request body the daemon reads whole (a JSON body, an agent-device `/rpc` call)
 /// may take to arrive once its head has: as long as the head itself may take. A caller that
 /// promises a body and stops sending holds a connection no longer than this.
-pub const BODY_READ_TIMEOUT: Duration = Duration::from_secs(30);
+pub const BODY_READ_TIMEOUT: Duration = super::HEADER_READ_TIMEOUT;
 /// How often an idle event stream sends a comment so proxies keep it open.
 pub const KEEPALIVE: Duration = Duration::from_secs(15);
 

@@ -41,8 +41,9 @@ use crate::metrics::Metrics;
 use crate::pipeline::Pipeline;
 use crate::tokens::TokenStore;
 
-/// How long a connection may take to send its request head.
-const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a connection may take to send its request head, and may stay idle between an
+/// answer and its next request.
+pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long open connections get to finish when the daemon stops.
 pub const DRAIN_GRACE: Duration = Duration::from_secs(5);
 
