@@ -94,7 +94,7 @@ async fn unbound(bound: Option<Bound>, period: Duration) {
 pub(crate) async fn run(
     json: bool,
     target: &Target,
-    client: Client,
+    mut client: Client,
     args: &LeaseArgs,
 ) -> Result<u8, ContractError> {
     let bound = args.bind_pid.map(Bound::pid).transpose()?;
@@ -140,7 +140,6 @@ pub(crate) async fn run(
         return Ok(0);
     }
     // Hold first, then print: a notice that comes once the grant is out is not missed.
-    let mut client = client;
     let mut hold = client.hold(grant.clone());
     let mut notices = hold.notices();
     crate::emit(json, hold.grant(), view::grant);

@@ -166,13 +166,14 @@ impl Target {
 
 async fn execute(cli: &Cli) -> Result<u8, ContractError> {
     let json = cli.json;
+    let target = Target::of(cli);
     if let Command::Mcp(args) = &cli.command {
         // The MCP server connects when a tool first needs the daemon, and again after a loss.
-        return mcp::run(Target::of(cli), args).await;
+        return mcp::run(target, args).await;
     }
-    let client = Target::of(cli).connect().await?;
+    let client = target.connect().await?;
     match &cli.command {
-        Command::Lease(args) => lease::run(json, &Target::of(cli), client.clone(), args).await,
+        Command::Lease(args) => lease::run(json, &target, client, args).await,
         Command::Renew { lease_id, ttl } => {
             let record = client.renew(lease_id, *ttl).await?;
             emit(json, &record, |r| {
