@@ -297,15 +297,14 @@ impl Section for CapacityConfig {
     fn check(&self, _daemon: &DaemonConfig, _mode: Mode) -> Result<(), SectionError> {
         // A platform capped at 0 could never grant: its requests would wait out their timeout,
         // or forever without one.
-        let platforms = [
+        for (key, cap) in [
             ("capacity.ios.maxRunning", self.ios.max_running),
             ("capacity.android.maxRunning", self.android.max_running),
-        ];
-        let set: Vec<(&str, u64)> = platforms
-            .into_iter()
-            .filter_map(|(key, cap)| cap.map(|cap| (key, u64::from(cap))))
-            .collect();
-        above_zero(&set)?;
+        ] {
+            if let Some(cap) = cap {
+                above_zero(&[(key, u64::from(cap))])?;
+            }
+        }
         match self.strategy {
             CapacityStrategy::Fixed => {
                 above_zero(&[("capacity.maxRunning", u64::from(self.max_running))])

@@ -17,12 +17,9 @@ pub fn filter(text: &str) -> Result<EnvFilter, String> {
 /// (once the subscriber is in place) when it is not.
 pub fn init(level: &str) {
     let from_env = std::env::var("SIMLOCK_LOG").ok().map(|f| filter(&f));
-    let (chosen, refused) = match from_env {
-        Some(Ok(filter)) => (Some(filter), None),
-        Some(Err(why)) => (None, Some(why)),
-        None => (None, None),
-    };
-    let chosen = chosen
+    let refused = from_env.as_ref().and_then(|f| f.as_ref().err().cloned());
+    let chosen = from_env
+        .and_then(Result::ok)
         .or_else(|| filter(level).ok())
         .unwrap_or_else(|| EnvFilter::new("info"));
     let _ = tracing_subscriber::fmt()
