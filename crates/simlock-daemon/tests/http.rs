@@ -293,6 +293,36 @@ async fn query_values_and_path_segments_are_percent_decoded() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_query_name_given_twice_is_refused_naming_it() {
+    let host = host().await;
+    let (operator, _) = host.tokens.create(TokenRole::Operator, None).unwrap();
+    for (path, name) in [
+        ("/v1/catalog?platform=ios&platform=android", "platform"),
+        ("/v1/events?since=5s&since=1d", "since"),
+        ("/v1/lease-requests/req_nope?wait=1&wait=2", "wait"),
+    ] {
+        let (status, body) = exchange(&host.addr, "GET", path, Some(&operator), b"").await;
+        assert_eq!(status, 400, "{path}: {body}");
+        assert_eq!(code_of(&body), "BAD_REQUEST", "{path}");
+        assert!(
+            body.contains(&format!("{name}: given more than once")),
+            "{path}: {body}"
+        );
+    }
+    // Once is served.
+    let (status, body) = exchange(
+        &host.addr,
+        "GET",
+        "/v1/events?since=5s",
+        Some(&operator),
+        b"",
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    host.stop.cancel();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn healthz_needs_no_token_for_any_method_and_only_get_is_a_route() {
     let host = host().await;
     let (status, body) = exchange(&host.addr, "GET", "/v1/healthz", None, b"").await;

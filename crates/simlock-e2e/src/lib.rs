@@ -337,6 +337,13 @@ impl TestFleet {
         }
     }
 
+    /// Stops the gateway; its workers keep running (and dialling).
+    pub async fn stop_gateway(&mut self) {
+        if let Some(gateway) = self.gateway.take() {
+            gateway.stop("test").await;
+        }
+    }
+
     /// Stops the gateway and starts it again on the same home and port.
     pub async fn restart_gateway(&mut self, mut config: GatewayConfig) {
         if let Some(tls) = &self.tls {

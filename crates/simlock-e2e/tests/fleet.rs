@@ -1358,3 +1358,74 @@ async fn a_disconnected_worker_is_forgotten_after_retention() {
     assert_eq!(removed["payload"]["workerId"], "passing-worker");
     fleet.stop().await;
 }
+
+use simlock_daemon::uplink::UplinkState;
+
+/// Waits until worker `n` reports its uplink down with an error that contains `text`.
+async fn uplink_lost_with(fleet: &TestFleet, n: usize, text: &str) -> String {
+    let mut state = fleet.worker(n).uplink.clone().expect("the worker dials");
+    tokio::time::timeout(PATIENCE, async {
+        loop {
+            if let UplinkState::Connecting {
+                last_error: Some(error),
+            } = &*state.borrow_and_update()
+                && error.contains(text)
+            {
+                return error.clone();
+            }
+            state.changed().await.expect("the worker runs");
+        }
+    })
+    .await
+    .unwrap_or_else(|_| panic!("worker {n}'s uplink went down with {text:?}"))
+}
+
+/// Copies the regular files of `from` into `to` (a worker's home: its state, not its socket).
+fn copy_home(from: &std::path::Path, to: &std::path::Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        let kind = entry.file_type().unwrap();
+        if kind.is_dir() {
+            copy_home(&entry.path(), &to.join(entry.file_name()));
+        } else if kind.is_file() {
+            std::fs::copy(entry.path(), to.join(entry.file_name())).unwrap();
+        }
+    }
+}
+
+/// Two workers started from one home share its instance id: each new uplink replaces the
+/// other's, and each worker is told why in the close frame, so its log names the likely cause
+/// instead of a bare "closed by the peer".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_workers_from_one_home_are_each_told_why_they_were_replaced() {
+    let mut fleet = TestFleet::start(gateway_config()).await;
+    fleet.add_worker(worker_config(2)).await;
+    let worker_id = fleet.worker_id(0);
+    fleet.stop_worker(0).await;
+    copy_home(fleet.worker_home(0).root(), fleet.worker_home(1).root());
+    fleet.restart_worker(0, worker_config(2)).await;
+
+    fleet.join_worker(1, worker_config(2), |_| {}, false).await;
+    assert_eq!(
+        fleet.worker_id(1),
+        worker_id,
+        "the copy has the same instance id"
+    );
+    let told = uplink_lost_with(&fleet, 0, "replaced by a newer uplink").await;
+    assert!(told.contains("SIMLOCK_HOME"), "{told}");
+    // The first worker dials again and replaces the copy in turn.
+    uplink_lost_with(&fleet, 1, "replaced by a newer uplink").await;
+    fleet.stop().await;
+}
+
+/// A gateway that stops tells its workers so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopping_gateway_tells_its_workers_why_their_uplink_closed() {
+    let mut fleet = TestFleet::start(gateway_config()).await;
+    fleet.add_worker(worker_config(2)).await;
+    fleet.stop_gateway().await;
+    let told = uplink_lost_with(&fleet, 0, "closed by the peer").await;
+    assert!(told.contains("the gateway is stopping"), "{told}");
+    fleet.stop().await;
+}

@@ -34,7 +34,7 @@ use tracing::{debug, info, warn};
 use crate::config::FleetConfig;
 use crate::error::FleetError;
 use crate::state::index::Entry;
-use crate::state::{Core, Effect, Refresh, RefreshFailure, Settings, Stamp, routing};
+use crate::state::{Closing, Core, Effect, Refresh, RefreshFailure, Settings, Stamp, routing};
 
 const MIGRATIONS: &[&str] =
     &["CREATE TABLE drained_workers (worker_id TEXT PRIMARY KEY, drained_at INTEGER NOT NULL)"];
@@ -137,6 +137,13 @@ impl WorkerConn {
     pub fn close(&self) {
         self.closed.cancel();
         self.link.close();
+        self.client.close();
+    }
+
+    /// Closes the uplink, telling the worker `why`.
+    pub(crate) fn close_because(&self, why: Closing) {
+        self.closed.cancel();
+        self.link.close_because(why.to_string());
         self.client.close();
     }
 
@@ -336,9 +343,9 @@ impl Fleet {
                         Err(ContractError::connection_lost()),
                     ),
                 },
-                Effect::Close { generation } => {
+                Effect::Close { generation, why } => {
                     if let Some(conn) = shared.conns.get(&generation) {
-                        conn.close();
+                        conn.close_because(why);
                     }
                 }
             }

@@ -380,6 +380,7 @@ fn close_frame(reason: &CloseReason) -> CloseFrame {
     let (code, text) = match reason {
         CloseReason::Violation(what) => (CloseCode::Protocol, what.as_str()),
         CloseReason::Unresponsive => (CloseCode::Away, "unresponsive"),
+        CloseReason::LocalBecause(why) => (CloseCode::Normal, why.as_str()),
         _ => (CloseCode::Normal, ""),
     };
     // A close frame's reason must fit in 123 bytes; cut at a character boundary.

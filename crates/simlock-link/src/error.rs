@@ -127,6 +127,8 @@ impl From<ChannelError> for io::Error {
 pub enum CloseReason {
     /// This end closed it: `close()` was called or every `LinkHandle` was dropped.
     Local,
+    /// This end closed it with `close_because()`, telling the peer why in its close frame.
+    LocalBecause(String),
     /// The peer closed the WebSocket; `reason` is the text of its close frame (may be empty).
     Peer {
         /// The peer's close reason text.
@@ -144,6 +146,7 @@ impl fmt::Display for CloseReason {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Self::Local => f.write_str("closed by this end"),
+            Self::LocalBecause(why) => write!(f, "closed by this end: {why}"),
             Self::Peer { reason } if reason.is_empty() => f.write_str("closed by the peer"),
             Self::Peer { reason } => write!(f, "closed by the peer: {reason}"),
             Self::Violation(what) => write!(f, "protocol violation: {what}"),

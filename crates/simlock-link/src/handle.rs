@@ -154,6 +154,12 @@ impl LinkHandle {
         self.shared().with(|state, _| state.link.close());
     }
 
+    /// [`Self::close`], telling the peer `why`: it reads it as [`CloseReason::Peer`].
+    pub fn close_because(&self, why: impl Into<String>) {
+        let why = why.into();
+        self.shared().with(|state, _| state.link.close_because(why));
+    }
+
     /// Why the link closed, if it has.
     pub fn close_reason(&self) -> Option<CloseReason> {
         self.shared()

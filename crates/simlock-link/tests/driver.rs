@@ -548,6 +548,30 @@ async fn a_local_close_reaches_the_peer() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_close_with_a_reason_tells_the_peer_why_cut_to_the_frames_bound() {
+    let ends = loopback(&LinkConfig::new(End::Gateway)).await;
+    ends.gateway.close_because("replaced by a newer uplink");
+    assert_eq!(
+        within("local close", ends.gateway.closed()).await,
+        CloseReason::LocalBecause("replaced by a newer uplink".into())
+    );
+    assert_eq!(
+        within("peer close", ends.worker.closed()).await,
+        CloseReason::Peer {
+            reason: "replaced by a newer uplink".into()
+        }
+    );
+    // A reason past the close frame's 123 bytes is cut there, at a character's boundary.
+    let ends = loopback(&LinkConfig::new(End::Gateway)).await;
+    let long = "é".repeat(100);
+    ends.gateway.close_because(long.clone());
+    let CloseReason::Peer { reason } = within("peer close", ends.worker.closed()).await else {
+        panic!("a peer close");
+    };
+    assert_eq!(reason, long[..122]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn many_channels_run_concurrently_past_the_limit() {
     let ends = loopback(&LinkConfig::new(End::Gateway)).await;
     let gateway = ends.gateway.clone();

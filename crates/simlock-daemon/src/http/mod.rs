@@ -320,7 +320,11 @@ async fn route(
         (&Method::GET, ["status"]) => op(app, &caller, "status.get", json!({})).await,
         (&Method::GET, ["catalog"]) => {
             let mut payload = Map::new();
-            if let Some(platform) = query.get("platform") {
+            let platform = match query.get("platform") {
+                Ok(platform) => platform,
+                Err(err) => return error(&err),
+            };
+            if let Some(platform) = platform {
                 payload.insert("platform".into(), Value::String(platform.to_owned()));
             }
             op(app, &caller, "catalog.get", Value::Object(payload)).await
@@ -331,7 +335,10 @@ async fn route(
             op(app, &caller, "list.get", json!({"kind": "requests"})).await
         }
         (&Method::GET, ["lease-requests", id]) => {
-            let wait = parse::wait(query.get("wait"), requests::MAX_WAIT);
+            let wait = match query.get("wait") {
+                Ok(wait) => parse::wait(wait, requests::MAX_WAIT),
+                Err(err) => return error(&err),
+            };
             let (principal, role) = (caller.token.id.as_str(), caller.role);
             // A stop answers a long-poll at once, with the view as it stands.
             let polled = tokio::select! {
@@ -388,10 +395,12 @@ async fn route(
             op(app, &caller, "list.get", json!({"kind": "devices"})).await
         }
         (&Method::GET, ["events"]) => {
-            let since = match query.get("since").map(parse::since) {
-                None => None,
-                Some(Ok(ms)) => Some(app.clock.now_ms().saturating_sub(ms)),
-                Some(Err(err)) => return error(&err),
+            let since = match query
+                .get("since")
+                .and_then(|s| s.map(parse::since).transpose())
+            {
+                Ok(since) => since.map(|ms| app.clock.now_ms().saturating_sub(ms)),
+                Err(err) => return error(&err),
             };
             op(
                 app,

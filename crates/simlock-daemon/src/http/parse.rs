@@ -34,7 +34,8 @@ pub fn segments(rest: &str) -> Vec<String> {
 }
 
 /// A request's query: `name=value` pairs split on `&`, names and values percent-decoded. A pair
-/// without `=` has an empty value.
+/// without `=` has an empty value; a name given twice is refused when it is read, so that
+/// `?platform=ios&platform=android` never serves one of the two in silence.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Query {
     pairs: Vec<(String, String)>,
@@ -54,12 +55,19 @@ impl Query {
         Self { pairs }
     }
 
-    /// The first value of `name`.
-    pub fn get(&self, name: &str) -> Option<&str> {
-        self.pairs
-            .iter()
-            .find(|(k, _)| k == name)
-            .map(|(_, v)| v.as_str())
+    /// The value of `name`, if given.
+    ///
+    /// # Errors
+    /// `BAD_REQUEST` naming `name` when the query gives it more than once.
+    pub fn get(&self, name: &str) -> Result<Option<&str>, ContractError> {
+        let mut values = self.pairs.iter().filter(|(k, _)| k == name);
+        let first = values.next().map(|(_, v)| v.as_str());
+        if values.next().is_some() {
+            return Err(ContractError::bad_request(format!(
+                "{name}: given more than once in the query; give it once"
+            )));
+        }
+        Ok(first)
     }
 }
 
@@ -198,14 +206,30 @@ mod tests {
     #[test]
     fn query_names_and_values_are_percent_decoded() {
         let query = Query::parse("wait=1%2E5&platform=%69os&since&a%3Db=c%26d&=x&&plus=a+b");
-        assert_eq!(query.get("wait"), Some("1.5"));
-        assert_eq!(query.get("platform"), Some("ios"));
-        assert_eq!(query.get("since"), Some(""));
-        assert_eq!(query.get("a=b"), Some("c&d"));
-        assert_eq!(query.get(""), Some("x"));
-        assert_eq!(query.get("plus"), Some("a+b"), "+ is not a space");
-        assert_eq!(query.get("nowhere"), None);
-        assert_eq!(Query::parse("wait=1&wait=2").get("wait"), Some("1"));
+        assert_eq!(query.get("wait"), Ok(Some("1.5")));
+        assert_eq!(query.get("platform"), Ok(Some("ios")));
+        assert_eq!(query.get("since"), Ok(Some("")));
+        assert_eq!(query.get("a=b"), Ok(Some("c&d")));
+        assert_eq!(query.get(""), Ok(Some("x")));
+        assert_eq!(query.get("plus"), Ok(Some("a+b")), "+ is not a space");
+        assert_eq!(query.get("nowhere"), Ok(None));
+    }
+
+    #[test]
+    fn a_name_given_twice_is_refused_naming_it_and_the_others_still_read() {
+        // Once percent-decoded the two are the same name.
+        let query = Query::parse("platform=ios&wait=1&pl%61tform=android");
+        let err = query.get("platform").unwrap_err();
+        assert_eq!(err.code, ErrorCode::BadRequest);
+        assert_eq!(
+            err.message,
+            "platform: given more than once in the query; give it once"
+        );
+        assert_eq!(query.get("wait"), Ok(Some("1")));
+        assert!(
+            Query::parse("since=1s&since=1s").get("since").is_err(),
+            "even the same value"
+        );
     }
 
     #[test]

@@ -226,11 +226,41 @@ pub enum Effect {
         /// The worker's id for the lease.
         worker_lease_id: String,
     },
-    /// Close an uplink.
+    /// Close an uplink, telling the worker why.
     Close {
         /// The uplink.
         generation: u64,
+        /// Why: the text of the close frame the worker logs.
+        why: Closing,
     },
+}
+
+/// Why the gateway closes a worker's uplink; its text is the close frame's, which the worker
+/// logs as the reason its uplink went down (so it fits the frame's 123 bytes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Closing {
+    /// The same worker id connected again: a restarted worker whose old uplink had not closed
+    /// yet, or a second worker started from a copy of this one's home (one instance id).
+    Replaced,
+    /// The worker left [`MAX_STATUS_TIMEOUTS`] status reads in a row unanswered.
+    Unresponsive,
+    /// The gateway is stopping.
+    Stopping,
+}
+
+impl std::fmt::Display for Closing {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Replaced => f.write_str(
+                "replaced by a newer uplink of this worker id (do two workers share one SIMLOCK_HOME?)",
+            ),
+            Self::Unresponsive => write!(
+                f,
+                "the worker left {MAX_STATUS_TIMEOUTS} status reads in a row unanswered"
+            ),
+            Self::Stopping => f.write_str("the gateway is stopping"),
+        }
+    }
 }
 
 /// A worker's live uplink, as the decisions see it.
@@ -738,12 +768,18 @@ impl Core {
         self.generations.insert(generation, worker_id.to_owned());
         if let Some(previous) = previous {
             self.generations.remove(&previous.generation);
-            info!(
+            // A worker that restarted closed its old uplink as it went, unless its machine or
+            // network failed; one whose old uplink still stands is most often a twin: a second
+            // worker started from a copy of this one's home, the two knocking each other off.
+            warn!(
                 worker = worker_id,
-                "a reconnect replaces the previous uplink"
+                "a new uplink replaces one still open for this worker id: a worker whose old \
+                 connection had not closed yet, or two workers sharing one instance id (a copied \
+                 SIMLOCK_HOME)"
             );
             self.fx.push_back(Effect::Close {
                 generation: previous.generation,
+                why: Closing::Replaced,
             });
         }
         self.dispatch(now);
@@ -975,7 +1011,10 @@ impl Core {
                 warn!(worker = %worker_id, timeouts = link.timeouts, "the worker's status read timed out");
                 if link.timeouts >= MAX_STATUS_TIMEOUTS {
                     warn!(worker = %worker_id, "closing an uplink that missed {MAX_STATUS_TIMEOUTS} status reads in a row");
-                    self.fx.push_back(Effect::Close { generation });
+                    self.fx.push_back(Effect::Close {
+                        generation,
+                        why: Closing::Unresponsive,
+                    });
                 }
             }
             RefreshFailure::Failed(err) => {
@@ -2116,7 +2155,10 @@ impl Core {
             .filter_map(|w| w.link.as_ref().map(|l| l.generation))
             .collect();
         for generation in generations {
-            self.fx.push_back(Effect::Close { generation });
+            self.fx.push_back(Effect::Close {
+                generation,
+                why: Closing::Stopping,
+            });
         }
     }
 }

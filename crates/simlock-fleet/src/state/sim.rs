@@ -625,7 +625,7 @@ impl Sim {
                     );
                 }
             }
-            Effect::Close { generation } => {
+            Effect::Close { generation, .. } => {
                 if let Some(w) = self
                     .workers
                     .iter()

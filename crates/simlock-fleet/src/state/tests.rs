@@ -771,7 +771,7 @@ fn two_status_timeouts_in_a_row_close_the_uplink_and_a_read_resets_the_count() {
     assert!(
         timeout(&mut core)
             .iter()
-            .any(|e| matches!(e, Effect::Close { generation: g } if *g == generation))
+            .any(|e| matches!(e, Effect::Close { generation: g, why: Closing::Unresponsive } if *g == generation))
     );
 }
 
@@ -803,7 +803,10 @@ fn a_stale_uplinks_inputs_change_nothing_and_a_reconnect_closes_the_old_one() {
     let (mut core, first) = fleet(1);
     let second = core.handle_uplink_opened("w1", None, "tok_j".into(), T0);
     let effects = core.take_effects();
-    assert!(effects.contains(&Effect::Close { generation: first }));
+    assert!(effects.contains(&Effect::Close {
+        generation: first,
+        why: Closing::Replaced
+    }));
     assert_eq!(
         core.view("w1").unwrap().label.as_deref(),
         Some("one"),
@@ -826,7 +829,10 @@ fn stopping_answers_every_waiter_closes_every_uplink_and_refuses_new_requests() 
         answers(&effects),
         [(RequestId::from_raw("req_1"), Err(ErrorCode::DaemonStopping))]
     );
-    assert!(effects.contains(&Effect::Close { generation }));
+    assert!(effects.contains(&Effect::Close {
+        generation,
+        why: Closing::Stopping
+    }));
     assert_eq!(ask(&mut core, 2, ios(), T0), Err(FleetError::Stopping));
 }
 

@@ -1127,6 +1127,11 @@ impl Link {
         self.close_with(CloseReason::Local, true);
     }
 
+    /// [`Self::close`], telling the peer `why` in the close frame (cut to the frame's 123 bytes).
+    pub fn close_because(&mut self, why: String) {
+        self.close_with(CloseReason::LocalBecause(why), true);
+    }
+
     fn chan(&mut self, key: ChannelKey) -> Result<&mut Chan, ChannelError> {
         let closed = self.closed.is_some();
         self.channels.get_mut(&key).ok_or_else(|| {
@@ -1498,7 +1503,7 @@ impl Link {
         }
         tracing::debug!(end = ?self.config.end, %reason, "link closed");
         self.closed = Some(reason.clone());
-        if reason != CloseReason::Local {
+        if !matches!(reason, CloseReason::Local | CloseReason::LocalBecause(_)) {
             self.text_out.clear();
             self.text_out_bytes = 0;
         }
