@@ -30,6 +30,11 @@ impl Platform {
             Self::Android => "android",
         }
     }
+
+    /// The platform whose wire name is `name`, exactly (`ios`, `android`).
+    pub fn from_wire(name: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|p| p.as_str() == name)
+    }
 }
 
 impl std::fmt::Display for Platform {

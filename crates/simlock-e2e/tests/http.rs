@@ -307,6 +307,69 @@ async fn own_leases_are(addr: SocketAddr, token: &str, lease: &str) {
     );
 }
 
+/// `?platform=` keeps one platform of the catalog; a name that is no platform is refused
+/// naming it, and so is the query giving it twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_catalog_query_keeps_one_platform_and_refuses_what_is_none() {
+    let mut config = worker_config(2);
+    config.daemon.http.enabled = Some(true);
+    config.daemon.http.port = 0;
+    let dir = tempfile::tempdir().unwrap();
+    let worker = simlock_worker::start(simlock_worker::WorkerOptions::new(
+        simlock_daemon::home::Home::at(dir.path().join("worker")),
+        config,
+    ))
+    .await
+    .unwrap();
+    let addr = worker.running.http_addr().unwrap();
+    let (token, _) = agent(&worker.running.base.tokens);
+    let platforms = |answer: &Answer| -> Vec<String> {
+        let platforms = answer.body["platforms"].as_array().expect("a catalog");
+        platforms
+            .iter()
+            .map(|p| p["platform"].as_str().unwrap().to_owned())
+            .collect()
+    };
+    let all = send(addr, "GET", "/v1/catalog", Some(&token), None).await;
+    assert_eq!(
+        (all.status, platforms(&all)),
+        (200, vec!["ios".into(), "android".into()])
+    );
+    let android = send(
+        addr,
+        "GET",
+        "/v1/catalog?platform=android",
+        Some(&token),
+        None,
+    )
+    .await;
+    assert_eq!(
+        (android.status, platforms(&android)),
+        (200, vec!["android".into()])
+    );
+    for (path, message) in [
+        (
+            "/v1/catalog?platform=iOS",
+            r#"platform: "iOS" is not ios or android"#,
+        ),
+        (
+            "/v1/catalog?platform=",
+            r#"platform: "" is not ios or android"#,
+        ),
+        (
+            "/v1/catalog?platform=ios&platform=ios",
+            "platform: given more than once",
+        ),
+    ] {
+        let refused = send(addr, "GET", path, Some(&token), None).await;
+        assert_eq!(refused.status, 400, "{path}: {refused:?}");
+        assert_eq!(refused.body["error"]["code"], "BAD_REQUEST", "{path}");
+        let text = refused.body["error"]["message"].as_str().unwrap();
+        assert!(text.starts_with(message), "{path}: {text}");
+    }
+    worker.stop("test").await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn agents_on_a_worker_see_only_their_own_leases_and_requests() {
     let mut config = worker_config(2);

@@ -18,8 +18,13 @@ use hyper::body::Incoming;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use serde_json::{Map, Value, json};
-use simlock_contract::model::LeaseRecord;
-use simlock_contract::ops::LeaseListOutput;
+use simlock_contract::model::{LeaseRecord, Platform};
+use simlock_contract::ops::{
+    CatalogGet, CatalogInput, ConfigGet, DaemonStop, Empty, EventsReplay, LeaseIdInput, LeaseList,
+    LeaseRelease, LeaseReleaseAll, ListGet, ListInput, ListKind, Operation, ReplayInput, StatusGet,
+    TokenList, TokenRevoke, TokenRevokeInput, WorkerDrain, WorkerIdInput, WorkerList, WorkerRemove,
+    WorkerUndrain,
+};
 use simlock_contract::{ContractError, ErrorCode, Push, Role};
 use tokio::net::TcpListener;
 use tokio::sync::mpsc;
@@ -317,22 +322,22 @@ async fn route(
     let segments: Vec<&str> = segments.iter().map(String::as_str).collect();
     let query = Query::parse(request.uri().query().unwrap_or(""));
     match (&method, segments.as_slice()) {
-        (&Method::GET, ["status"]) => op(app, &caller, "status.get", json!({})).await,
+        (&Method::GET, ["status"]) => run::<StatusGet>(app, &caller, &Empty {}).await,
         (&Method::GET, ["catalog"]) => {
-            let mut payload = Map::new();
-            let platform = match query.get("platform") {
+            let platform = match query
+                .get("platform")
+                .and_then(|p| p.map(platform).transpose())
+            {
                 Ok(platform) => platform,
                 Err(err) => return error(&err),
             };
-            if let Some(platform) = platform {
-                payload.insert("platform".into(), Value::String(platform.to_owned()));
-            }
-            op(app, &caller, "catalog.get", Value::Object(payload)).await
+            run::<CatalogGet>(app, &caller, &CatalogInput { platform }).await
         }
-        (&Method::GET, ["config"]) => op(app, &caller, "config.get", json!({})).await,
+        (&Method::GET, ["config"]) => run::<ConfigGet>(app, &caller, &Empty {}).await,
         (&Method::POST, ["lease-requests"]) => submit_request(app, &caller, request).await,
         (&Method::GET, ["lease-requests"]) => {
-            op(app, &caller, "list.get", json!({"kind": "requests"})).await
+            let kind = ListKind::Requests;
+            run::<ListGet>(app, &caller, &ListInput { kind }).await
         }
         (&Method::GET, ["lease-requests", id]) => {
             let wait = match query.get("wait") {
@@ -361,8 +366,8 @@ async fn route(
                 Err(err) => error(&err),
             }
         }
-        (&Method::GET, ["leases"]) => op(app, &caller, "lease.list", json!({})).await,
-        (&Method::DELETE, ["leases"]) => op(app, &caller, "lease.release-all", json!({})).await,
+        (&Method::GET, ["leases"]) => run::<LeaseList>(app, &caller, &Empty {}).await,
+        (&Method::DELETE, ["leases"]) => run::<LeaseReleaseAll>(app, &caller, &Empty {}).await,
         (&Method::GET, ["leases", id]) => match visible_lease(app, &caller, id).await {
             Ok(lease) => json_response(StatusCode::OK, &json!({ "lease": lease })),
             Err(err) => error(&err),
@@ -380,7 +385,8 @@ async fn route(
             .await
         }
         (&Method::DELETE, ["leases", id]) => {
-            op(app, &caller, "lease.release", json!({ "leaseId": id })).await
+            let lease_id = (*id).to_owned();
+            run::<LeaseRelease>(app, &caller, &LeaseIdInput { lease_id }).await
         }
         (&Method::POST, ["leases", id, "exec"]) => {
             let id = (*id).to_owned();
@@ -392,26 +398,21 @@ async fn route(
         }
         (&Method::GET, ["leases", id, "events"]) => lease_events(app, &caller, id, stop).await,
         (&Method::GET, ["devices"]) => {
-            op(app, &caller, "list.get", json!({"kind": "devices"})).await
+            let kind = ListKind::Devices;
+            run::<ListGet>(app, &caller, &ListInput { kind }).await
         }
         (&Method::GET, ["events"]) => {
-            let since = match query
+            let since_ts = match query
                 .get("since")
                 .and_then(|s| s.map(parse::since).transpose())
             {
                 Ok(since) => since.map(|ms| app.clock.now_ms().saturating_sub(ms)),
                 Err(err) => return error(&err),
             };
-            op(
-                app,
-                &caller,
-                "events.replay",
-                since.map_or_else(|| json!({}), |ts| json!({ "sinceTs": ts })),
-            )
-            .await
+            run::<EventsReplay>(app, &caller, &ReplayInput { since_ts }).await
         }
         (&Method::GET, ["events", "stream"]) => event_stream(app, &caller, stop),
-        (&Method::GET, ["tokens"]) => op(app, &caller, "token.list", json!({})).await,
+        (&Method::GET, ["tokens"]) => run::<TokenList>(app, &caller, &Empty {}).await,
         (&Method::POST, ["tokens"]) => {
             let response = with_body(request, |body| async move {
                 op(app, &caller, "token.create", Value::Object(body)).await
@@ -420,19 +421,23 @@ async fn route(
             created(response)
         }
         (&Method::DELETE, ["tokens", id]) => {
-            op(app, &caller, "token.revoke", json!({ "id": id })).await
+            let id = (*id).to_owned();
+            run::<TokenRevoke>(app, &caller, &TokenRevokeInput { id }).await
         }
-        (&Method::GET, ["workers"]) => op(app, &caller, "worker.list", json!({})).await,
+        (&Method::GET, ["workers"]) => run::<WorkerList>(app, &caller, &Empty {}).await,
         (&Method::POST, ["workers", id, "drain"]) => {
-            op(app, &caller, "worker.drain", json!({ "workerId": id })).await
+            let worker_id = (*id).to_owned();
+            run::<WorkerDrain>(app, &caller, &WorkerIdInput { worker_id }).await
         }
         (&Method::DELETE, ["workers", id, "drain"]) => {
-            op(app, &caller, "worker.undrain", json!({ "workerId": id })).await
+            let worker_id = (*id).to_owned();
+            run::<WorkerUndrain>(app, &caller, &WorkerIdInput { worker_id }).await
         }
         (&Method::DELETE, ["workers", id]) => {
-            op(app, &caller, "worker.remove", json!({ "workerId": id })).await
+            let worker_id = (*id).to_owned();
+            run::<WorkerRemove>(app, &caller, &WorkerIdInput { worker_id }).await
         }
-        (&Method::POST, ["daemon", "stop"]) => op(app, &caller, "daemon.stop", json!({})).await,
+        (&Method::POST, ["daemon", "stop"]) => run::<DaemonStop>(app, &caller, &Empty {}).await,
         (&Method::POST, ["ops", name]) => {
             let name = (*name).to_owned();
             with_body(request, move |body| async move {
@@ -462,6 +467,22 @@ fn caller_ctx(caller: &HttpCaller, pushes: Option<mpsc::Sender<Push>>) -> CallCt
 }
 
 /// Runs `name` with `payload` and answers its output or error.
+/// Runs operation `O` with `input`, through the pipeline as a socket call would (the input is
+/// checked there like any caller's), and answers its output as it is.
+async fn run<O: Operation>(app: &HttpApp, caller: &HttpCaller, input: &O::Input) -> Response<Body> {
+    match serde_json::to_value(input) {
+        Ok(payload) => op(app, caller, O::NAME, payload).await,
+        Err(e) => error(&ContractError::internal(e.to_string())),
+    }
+}
+
+/// The platform a query names.
+fn platform(name: &str) -> Result<Platform, ContractError> {
+    Platform::from_wire(name).ok_or_else(|| {
+        ContractError::bad_request(format!("platform: {name:?} is not ios or android"))
+    })
+}
+
 async fn op(app: &HttpApp, caller: &HttpCaller, name: &str, payload: Value) -> Response<Body> {
     match app
         .pipeline
@@ -619,12 +640,10 @@ async fn visible_lease(
     caller: &HttpCaller,
     id: &str,
 ) -> Result<LeaseRecord, ContractError> {
-    let value = app
+    let list = app
         .pipeline
-        .call(caller_ctx(caller, None), "lease.list", Some(json!({})))
+        .call_typed::<LeaseList>(caller_ctx(caller, None), &Empty {})
         .await?;
-    let list: LeaseListOutput = serde_json::from_value(value)
-        .map_err(|e| ContractError::internal(format!("invalid lease.list output: {e}")))?;
     list.leases
         .into_iter()
         .find(|lease| lease.id.as_str() == id)
