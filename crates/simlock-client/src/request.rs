@@ -8,8 +8,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use serde_json::{Map, Value, json};
-use simlock_contract::http::RequestView;
+use serde_json::Value;
+use simlock_contract::http::{LeaseRequestBody, RequestView};
 use simlock_contract::model::LeaseGrant;
 use simlock_contract::ops::{CancelResult, LeaseRequest, LeaseRequestInput};
 use simlock_contract::push::Progress;
@@ -354,40 +354,19 @@ async fn next_wire(handle: &mut CallHandle) -> RequestEvent {
 
 // === The HTTP lease-requests resource ===
 
-/// The resource's body for `input`: `device` for the model, `os` for the OS version.
-fn resource_body(input: &LeaseRequestInput) -> (Value, Vec<(&'static str, String)>) {
-    let mut body = Map::new();
-    body.insert("platform".into(), json!(input.platform));
-    if let Some(model) = &input.model {
-        body.insert("device".into(), json!(model));
-    }
-    if let Some(os) = &input.os_version {
-        body.insert("os".into(), json!(os));
-    }
-    if let Some(ttl) = input.ttl_ms {
-        body.insert("ttlMs".into(), json!(ttl));
-    }
-    if let Some(timeout) = input.timeout_ms {
-        body.insert("timeoutMs".into(), json!(timeout));
-    }
-    if let Some(no_wait) = input.no_wait {
-        body.insert("noWait".into(), json!(no_wait));
-    }
-    if !input.requires.is_empty() {
-        body.insert("requires".into(), json!(input.requires));
-    }
-    if let Some(lease_id) = &input.lease_id {
-        body.insert("leaseId".into(), json!(lease_id));
-    }
-    if let Some(requester) = &input.requester_id {
-        body.insert("requesterId".into(), json!(requester));
-    }
+/// Extra request headers, by name.
+type Headers = Vec<(&'static str, String)>;
+
+/// The resource's body for `input` ([`LeaseRequestBody`]) and its idempotency key's header.
+fn resource_body(input: &LeaseRequestInput) -> Result<(Value, Headers), ContractError> {
+    let body = serde_json::to_value(LeaseRequestBody::of(input))
+        .map_err(|e| ContractError::internal(format!("a lease request body: {e}")))?;
     let headers = input
         .idempotency_key
         .iter()
         .map(|key| ("idempotency-key", key.clone()))
         .collect();
-    (Value::Object(body), headers)
+    Ok((body, headers))
 }
 
 /// What a request view says: its progress while it works, its outcome once settled.
@@ -416,15 +395,18 @@ async fn follow_resource(
     tx: mpsc::Sender<Update>,
     call_bound: Duration,
 ) {
-    let (body, headers) = resource_body(&input);
-    let created = http
-        .json(
-            http::Method::POST,
-            "/v1/lease-requests",
-            Some(&body),
-            &headers,
-        )
-        .await;
+    let created = match resource_body(&input) {
+        Ok((body, headers)) => {
+            http.json(
+                http::Method::POST,
+                "/v1/lease-requests",
+                Some(&body),
+                &headers,
+            )
+            .await
+        }
+        Err(e) => Err(e),
+    };
     let view = match created {
         Ok(answer) => answer.get("request").cloned().unwrap_or(Value::Null),
         Err(e) => {

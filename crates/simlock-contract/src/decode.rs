@@ -28,8 +28,17 @@ pub trait Input: DeserializeOwned + Validate<Context = ()> {
 /// # Errors
 /// `BAD_REQUEST` with `field: problem; field: problem`, field names as on the wire.
 pub fn decode_input<T: Input>(payload: Option<Value>) -> Result<T, ContractError> {
-    let payload = payload.unwrap_or_else(|| Value::Object(Map::new()));
-    let input: T = serde_path_to_error::deserialize(payload).map_err(|e| {
+    let input: T = parse(payload.unwrap_or_else(|| Value::Object(Map::new())))?;
+    check_input(&input, |path| path)?;
+    Ok(input)
+}
+
+/// Deserialises `value`, naming the field that fails as serde's path gives it.
+///
+/// # Errors
+/// `BAD_REQUEST` with `field: problem`, or the problem alone at the top level.
+pub(crate) fn parse<T: DeserializeOwned>(value: Value) -> Result<T, ContractError> {
+    serde_path_to_error::deserialize(value).map_err(|e| {
         let path = e.path().to_string();
         let inner = e.into_inner();
         if path == "." {
@@ -37,16 +46,26 @@ pub fn decode_input<T: Input>(payload: Option<Value>) -> Result<T, ContractError
         } else {
             ContractError::bad_request(format!("{path}: {inner}"))
         }
-    })?;
+    })
+}
+
+/// Applies `input`'s bounds and its rules across fields; `name` turns a field's wire path into
+/// the name the caller knows it by (an HTTP body may name a field otherwise).
+///
+/// # Errors
+/// `BAD_REQUEST` with `field: problem; field: problem`.
+pub(crate) fn check_input<T: Input>(
+    input: &T,
+    name: impl Fn(&str) -> &str,
+) -> Result<(), ContractError> {
     input.validate().map_err(|report| {
         let problems: Vec<String> = report
             .iter()
-            .map(|(path, error)| format!("{}: {}", wire_path(&path.to_string()), error))
+            .map(|(path, error)| format!("{}: {}", name(&wire_path(&path.to_string())), error))
             .collect();
         ContractError::bad_request(problems.join("; "))
     })?;
-    input.check()?;
-    Ok(input)
+    input.check()
 }
 
 /// garde names fields as Rust does (`relay_id`); the wire names them in camelCase (`relayId`).

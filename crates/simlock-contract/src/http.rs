@@ -4,10 +4,100 @@
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use serde_json::Value;
 
+use crate::decode::{check_input, parse};
 use crate::error::{ContractError, ErrorBody, ErrorCode};
 use crate::ids::RequestId;
-use crate::model::LeaseGrant;
+use crate::model::{LeaseGrant, Platform};
+use crate::ops::LeaseRequestInput;
 use crate::push::Progress;
+
+/// The body of `POST /v1/lease-requests`: `lease.request`'s input under the HTTP API's names,
+/// `device` for the model and `os` for the OS version; its idempotency key travels in the
+/// `Idempotency-Key` header, and `owner` has no HTTP form. Unknown keys are refused.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct LeaseRequestBody {
+    /// The platform.
+    pub platform: Platform,
+    /// A model name or alias (`lease.request`'s `model`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device: Option<String>,
+    /// An exact OS version (`lease.request`'s `osVersion`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub os: Option<String>,
+    /// The lease's width.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ttl_ms: Option<u64>,
+    /// How long to wait in the queue.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout_ms: Option<u64>,
+    /// Refuse with `NO_CAPACITY` instead of waiting.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub no_wait: Option<bool>,
+    /// Capabilities the serving worker must have available.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub requires: Vec<String>,
+    /// The id the lease must have.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lease_id: Option<String>,
+    /// Who the lease is for; defaults to the token.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub requester_id: Option<String>,
+}
+
+impl LeaseRequestBody {
+    /// The body that asks for `input` (its idempotency key goes in the header).
+    pub fn of(input: &LeaseRequestInput) -> Self {
+        Self {
+            platform: input.platform,
+            device: input.model.clone(),
+            os: input.os_version.clone(),
+            ttl_ms: input.ttl_ms,
+            timeout_ms: input.timeout_ms,
+            no_wait: input.no_wait,
+            requires: input.requires.clone(),
+            lease_id: input.lease_id.clone(),
+            requester_id: input.requester_id.clone(),
+        }
+    }
+
+    /// Reads a request's body and its `Idempotency-Key` as `lease.request`'s input, with
+    /// `lease.request`'s bounds; every problem names the body's key (`device`, not `model`).
+    ///
+    /// # Errors
+    /// `BAD_REQUEST` naming the key: unknown, of the wrong type, or out of its bounds.
+    pub fn decode(
+        value: Value,
+        idempotency_key: Option<String>,
+    ) -> Result<LeaseRequestInput, ContractError> {
+        let body: Self = parse(value)?;
+        let input = body.into_input(idempotency_key);
+        check_input(&input, |field| match field {
+            "model" => "device",
+            "osVersion" => "os",
+            "idempotencyKey" => "Idempotency-Key",
+            other => other,
+        })?;
+        Ok(input)
+    }
+
+    /// `lease.request`'s input: this body with `idempotency_key`.
+    pub fn into_input(self, idempotency_key: Option<String>) -> LeaseRequestInput {
+        LeaseRequestInput {
+            platform: self.platform,
+            model: self.device,
+            os_version: self.os,
+            requester_id: self.requester_id,
+            no_wait: self.no_wait,
+            timeout_ms: self.timeout_ms,
+            ttl_ms: self.ttl_ms,
+            idempotency_key,
+            owner: None,
+            lease_id: self.lease_id,
+            requires: self.requires,
+        }
+    }
+}
 
 /// Where a lease request made over HTTP is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -204,5 +294,62 @@ mod tests {
                 .unwrap();
         assert_eq!(view.state, RequestState::Unknown);
         assert_eq!((view.progress(), view.outcome()), (None, None));
+    }
+
+    fn refused(body: Value, key: Option<&str>) -> String {
+        let err = LeaseRequestBody::decode(body, key.map(String::from)).unwrap_err();
+        assert_eq!(err.code, ErrorCode::BadRequest);
+        err.message
+    }
+
+    #[test]
+    fn a_lease_request_body_names_its_own_keys_in_every_refusal() {
+        let wrong_type = refused(json!({"platform": "ios", "device": 5}), None);
+        assert!(
+            wrong_type.starts_with("device: invalid type"),
+            "{wrong_type}"
+        );
+        let too_short = refused(json!({"platform": "ios", "os": ""}), None);
+        assert_eq!(too_short, "os: length is lower than 1");
+        let long = "m".repeat(crate::bounds::MAX_MODEL + 1);
+        let too_long = refused(json!({"platform": "ios", "device": long}), None);
+        assert!(
+            too_long.starts_with("device: length is greater than"),
+            "{too_long}"
+        );
+        let key = "k".repeat(crate::bounds::MAX_IDEMPOTENCY_KEY + 1);
+        let key = refused(json!({"platform": "ios"}), Some(&key));
+        assert!(key.starts_with("Idempotency-Key: length"), "{key}");
+        let unknown = refused(json!({"platform": "ios", "model": "iPhone 16"}), None);
+        assert!(
+            unknown
+                .starts_with("model: unknown field `model`, expected one of `platform`, `device`"),
+            "{unknown}"
+        );
+        let missing = refused(json!({"device": "iPhone 16"}), None);
+        assert_eq!(missing, "missing field `platform`");
+        // Fields that keep their names still name them.
+        let ttl = refused(json!({"platform": "ios", "ttlMs": 0}), None);
+        assert!(ttl.starts_with("ttlMs: "), "{ttl}");
+    }
+
+    #[test]
+    fn a_lease_request_body_carries_every_field_of_its_input_but_the_owner() {
+        let mut input = LeaseRequestInput::for_platform(Platform::Android);
+        input.model = Some("Pixel 9".into());
+        input.os_version = Some("35".into());
+        input.ttl_ms = Some(60_000);
+        input.timeout_ms = Some(5_000);
+        input.no_wait = Some(true);
+        input.requires = vec!["agent-device".into()];
+        input.lease_id = Some("0123456789abcdef0123456789abcdef".into());
+        input.requester_id = Some("ci-7".into());
+        input.idempotency_key = Some("k1".into());
+        let body = serde_json::to_value(LeaseRequestBody::of(&input)).unwrap();
+        assert_eq!(body["device"], "Pixel 9");
+        assert_eq!(body["os"], "35");
+        assert!(body.get("idempotencyKey").is_none(), "the key is a header");
+        let back = LeaseRequestBody::decode(body, Some("k1".into())).unwrap();
+        assert_eq!(back, input);
     }
 }

@@ -21,6 +21,7 @@ use std::time::Duration;
 
 use serde_json::{Map, Value};
 use simlock_contract::error::ERROR_TABLE;
+use simlock_contract::http::LeaseRequestBody;
 use simlock_contract::ids::DeviceId;
 use simlock_contract::model::{LeaseEndReason, LeaseGrant};
 use simlock_contract::ops::{
@@ -187,23 +188,28 @@ fn the_status_table_is_the_contracts_error_table() {
 }
 
 /// The lease-request body keys: (HTTP key, operation field), from the host's source.
+/// The lease-request body's keys and the `lease.request` field each becomes, read off the types:
+/// a body with a distinct value in every key, and the input it turns into.
 fn request_keys() -> Vec<(String, String)> {
-    let source = read("src/http/mod.rs");
-    let block = source
-        .split("const REQUEST_KEYS")
-        .nth(1)
+    let every = serde_json::json!({
+        "platform": "ios", "device": "d", "os": "o", "ttlMs": 11, "timeoutMs": 12,
+        "noWait": true, "requires": ["r"], "leaseId": "l", "requesterId": "q"
+    });
+    let body: LeaseRequestBody = serde_json::from_value(every).unwrap();
+    let keys = serde_json::to_value(&body).unwrap();
+    let fields = serde_json::to_value(body.into_input(None)).unwrap();
+    let fields = fields.as_object().unwrap();
+    let mut pairs: Vec<(String, String)> = keys
+        .as_object()
         .unwrap()
-        .split("];")
-        .next()
-        .unwrap();
-    block
-        .lines()
-        .filter_map(|l| l.trim().strip_prefix("(\""))
-        .map(|l| {
-            let parts: Vec<&str> = l.split('"').collect();
-            (parts[0].to_owned(), parts[2].to_owned())
+        .iter()
+        .map(|(key, value)| {
+            let (field, _) = fields.iter().find(|(_, v)| *v == value).unwrap();
+            (key.clone(), field.clone())
         })
-        .collect()
+        .collect();
+    pairs.sort();
+    pairs
 }
 
 #[test]
@@ -221,6 +227,8 @@ fn the_lease_request_body_keys_are_the_hosts() {
                 )
             })
             .collect();
+    let mut documented = documented;
+    documented.sort();
     assert_eq!(documented, real);
 }
 
@@ -438,27 +446,20 @@ fn check_error(value: &Value, status: u16) {
 /// A request body for the route that runs `op` (the route adds `leaseId` from its path).
 fn check_body(op: &str, value: &Value) {
     let mut body: Map<String, Value> = value.as_object().unwrap().clone();
-    let op = if op == "lease-requests" {
-        let keys = request_keys();
-        let mut payload = Map::new();
-        for (key, v) in body {
-            let (_, field) = keys
-                .iter()
-                .find(|(k, _)| *k == key)
-                .unwrap_or_else(|| panic!("{key} is not a lease-request key"));
-            payload.insert(field.clone(), v);
-        }
-        body = payload;
-        "lease.request"
-    } else {
-        if matches!(op, "lease.renew" | "device.exec") {
-            body.insert(
-                "leaseId".into(),
-                Value::String("lse_cc3ccb5a740945c599e7bcdcdb6aa7cc".into()),
-            );
-        }
-        op
-    };
+    if op == "lease-requests" {
+        let decoded = LeaseRequestBody::decode(Value::Object(body), None);
+        assert!(
+            decoded.is_ok(),
+            "the lease-request body refuses {value}: {decoded:?}"
+        );
+        return;
+    }
+    if matches!(op, "lease.renew" | "device.exec") {
+        body.insert(
+            "leaseId".into(),
+            Value::String("lse_cc3ccb5a740945c599e7bcdcdb6aa7cc".into()),
+        );
+    }
     let decoded =
         decode_named(op, Some(Value::Object(body))).unwrap_or_else(|| panic!("no operation {op}"));
     assert!(decoded.is_ok(), "{op} refuses {value}: {decoded:?}");

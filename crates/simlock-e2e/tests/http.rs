@@ -307,10 +307,8 @@ async fn own_leases_are(addr: SocketAddr, token: &str, lease: &str) {
     );
 }
 
-/// `?platform=` keeps one platform of the catalog; a name that is no platform is refused
-/// naming it, and so is the query giving it twice.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_catalog_query_keeps_one_platform_and_refuses_what_is_none() {
+/// A worker serving HTTP on a free port, with two virtual devices per platform, and its home.
+async fn http_worker() -> (simlock_worker::RunningWorker, tempfile::TempDir) {
     let mut config = worker_config(2);
     config.daemon.http.enabled = Some(true);
     config.daemon.http.port = 0;
@@ -321,6 +319,59 @@ async fn the_catalog_query_keeps_one_platform_and_refuses_what_is_none() {
     ))
     .await
     .unwrap();
+    (worker, dir)
+}
+
+/// A lease request's body is read under its own keys: a refusal names `device` or `os`, not
+/// the operation's `model` or `osVersion`, and an unknown key lists the accepted ones.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_request_body_is_refused_naming_the_key_the_caller_sent() {
+    let (worker, _dir) = http_worker().await;
+    let addr = worker.running.http_addr().unwrap();
+    let (token, _) = agent(&worker.running.base.tokens);
+    for (body, message) in [
+        (
+            json!({"platform": "ios", "device": 5}),
+            "device: invalid type",
+        ),
+        (
+            json!({"platform": "ios", "os": ""}),
+            "os: length is lower than 1",
+        ),
+        (
+            json!({"platform": "ios", "model": "iPhone 16"}),
+            "model: unknown field `model`, expected one of `platform`, `device`",
+        ),
+    ] {
+        let refused = send(addr, "POST", "/v1/lease-requests", Some(&token), Some(body)).await;
+        assert_eq!(
+            (refused.status, refused.code()),
+            (400, "BAD_REQUEST"),
+            "{refused:?}"
+        );
+        let text = refused.body["error"]["message"].as_str().unwrap();
+        assert!(text.starts_with(message), "{text}");
+    }
+    // Nothing was asked of the worker.
+    let leases = send(addr, "GET", "/v1/leases", Some(&token), None).await;
+    assert_eq!(leases.body["leases"], json!([]), "{leases:?}");
+    let granted = send(
+        addr,
+        "POST",
+        "/v1/lease-requests",
+        Some(&token),
+        Some(json!({"platform": "ios", "device": "iPhone 16", "noWait": true})),
+    )
+    .await;
+    assert_eq!(granted.status, 201, "{granted:?}");
+    worker.stop("test").await;
+}
+
+/// `?platform=` keeps one platform of the catalog; a name that is no platform is refused
+/// naming it, and so is the query giving it twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_catalog_query_keeps_one_platform_and_refuses_what_is_none() {
+    let (worker, _dir) = http_worker().await;
     let addr = worker.running.http_addr().unwrap();
     let (token, _) = agent(&worker.running.base.tokens);
     let platforms = |answer: &Answer| -> Vec<String> {
@@ -372,16 +423,7 @@ async fn the_catalog_query_keeps_one_platform_and_refuses_what_is_none() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn agents_on_a_worker_see_only_their_own_leases_and_requests() {
-    let mut config = worker_config(2);
-    config.daemon.http.enabled = Some(true);
-    config.daemon.http.port = 0;
-    let dir = tempfile::tempdir().unwrap();
-    let worker = simlock_worker::start(simlock_worker::WorkerOptions::new(
-        simlock_daemon::home::Home::at(dir.path().join("worker")),
-        config,
-    ))
-    .await
-    .unwrap();
+    let (worker, _dir) = http_worker().await;
     let addr = worker.running.http_addr().unwrap();
     let tokens = &worker.running.base.tokens;
     let ((a, a_id), (b, b_id), (c, c_id)) = (agent(tokens), agent(tokens), agent(tokens));

@@ -18,6 +18,7 @@ use hyper::body::Incoming;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use serde_json::{Map, Value, json};
+use simlock_contract::http::LeaseRequestBody;
 use simlock_contract::model::{LeaseRecord, Platform};
 use simlock_contract::ops::{
     CatalogGet, CatalogInput, ConfigGet, DaemonStop, Empty, EventsReplay, LeaseIdInput, LeaseList,
@@ -532,19 +533,6 @@ fn known_keys(body: &Map<String, Value>, known: &[&str]) -> Result<(), ContractE
     }
 }
 
-/// The HTTP body of a lease request and the operation input it maps to.
-const REQUEST_KEYS: &[(&str, &str)] = &[
-    ("platform", "platform"),
-    ("device", "model"),
-    ("os", "osVersion"),
-    ("ttlMs", "ttlMs"),
-    ("timeoutMs", "timeoutMs"),
-    ("noWait", "noWait"),
-    ("requires", "requires"),
-    ("leaseId", "leaseId"),
-    ("requesterId", "requesterId"),
-];
-
 async fn submit_request(
     app: &Arc<HttpApp>,
     caller: &HttpCaller,
@@ -554,33 +542,19 @@ async fn submit_request(
         Ok(key) => key,
         Err(err) => return error(&err),
     };
-    let body = match read_json(request.into_body()).await {
-        Ok(Value::Object(body)) => body,
-        Ok(_) => return error(&ContractError::bad_request("body: must be a JSON object")),
+    let input = match read_json(request.into_body()).await {
+        Ok(body @ Value::Object(_)) => LeaseRequestBody::decode(body, idempotency_key),
+        Ok(_) => Err(ContractError::bad_request("body: must be a JSON object")),
+        Err(err) => Err(err),
+    };
+    let input = match input {
+        Ok(input) => input,
         Err(err) => return error(&err),
     };
-    let known: Vec<&str> = REQUEST_KEYS.iter().map(|(k, _)| *k).collect();
-    if let Err(err) = known_keys(&body, &known) {
-        return error(&err);
-    }
-    let mut payload = Map::new();
-    for (key, value) in body {
-        if let Some((_, mapped)) = REQUEST_KEYS.iter().find(|(k, _)| *k == key) {
-            payload.insert((*mapped).to_owned(), value);
-        }
-    }
-    if let Some(key) = idempotency_key {
-        payload.insert("idempotencyKey".into(), Value::String(key));
-    }
     let principal = caller.token.id.to_string();
     match app
         .requests
-        .submit(
-            &app.pipeline,
-            principal,
-            caller.role,
-            Value::Object(payload),
-        )
+        .submit(&app.pipeline, principal, caller.role, &input)
         .await
     {
         Submitted::Accepted(view) => {

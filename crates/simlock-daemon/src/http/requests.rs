@@ -14,7 +14,9 @@ use parking_lot::Mutex;
 use serde_json::Value;
 use simlock_contract::ids::RequestId;
 use simlock_contract::model::LeaseGrant;
-use simlock_contract::ops::{CancelResult, LeaseCancelOutput};
+use simlock_contract::ops::{
+    CancelResult, LeaseCancelOutput, LeaseRequest, LeaseRequestInput, Operation as _,
+};
 use simlock_contract::push::Progress;
 use simlock_contract::{ContractError, ErrorCode, Push, Role};
 use tokio::sync::{mpsc, watch};
@@ -119,13 +121,17 @@ impl RequestBook {
         pipeline: &Arc<Pipeline>,
         principal: String,
         role: Role,
-        payload: Value,
+        input: &LeaseRequestInput,
     ) -> Submitted {
         self.prune();
-        let requester = payload
-            .get("requesterId")
-            .and_then(Value::as_str)
-            .map_or_else(|| principal.clone(), String::from);
+        let payload = match serde_json::to_value(input) {
+            Ok(payload) => payload,
+            Err(e) => return Submitted::Refused(ContractError::internal(e.to_string())),
+        };
+        let requester = input
+            .requester_id
+            .clone()
+            .unwrap_or_else(|| principal.clone());
         let id = RequestId::mint();
         let view = RequestView {
             id: id.clone(),
@@ -146,7 +152,7 @@ impl RequestBook {
         let mut changes = record.view.subscribe();
         let (push_tx, mut push_rx) = mpsc::channel::<Push>(16);
         let ctx = CallCtx::http(principal, role, Some(push_tx));
-        let call = pipeline.call(ctx, "lease.request", Some(payload));
+        let call = pipeline.call(ctx, LeaseRequest::NAME, Some(payload));
         let task_record = record.clone();
         let clock = self.clock.clone();
         let (book, key) = (self.clone(), id.as_str().to_owned());
