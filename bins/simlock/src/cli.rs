@@ -7,13 +7,23 @@ use crate::duration::{parse_ms, positive_ms};
 
 /// Lease iOS simulators and Android emulators from a simlock daemon.
 ///
-/// Reaches the local daemon's socket ($SIMLOCK_HOME/daemon.sock, default ~/.simlock) unless
-/// --url names a daemon's HTTP API. Exit codes: 0 ok; 1 failure; 2 usage or bad request;
+/// Reaches the local daemon's socket (<home>/daemon.sock: --home, else $SIMLOCK_HOME, else
+/// ~/.simlock) unless --url names a daemon's HTTP API. Exit codes: 0 ok; 1 failure; 2 usage or bad request;
 /// 10 timeout; 11 no capacity; 12 cannot be served; 13 requester already leased; 14 a held lease
 /// was ended by the daemon.
 #[derive(Debug, Parser)]
 #[command(name = "simlock", version)]
 pub(crate) struct Cli {
+    /// The local daemon's home, as given to it (`simlock-worker --home DIR`): the CLI reaches
+    /// its socket there; default ~/.simlock. Not used with --url.
+    #[arg(
+        long,
+        global = true,
+        env = "SIMLOCK_HOME",
+        value_name = "DIR",
+        help_heading = "Connection"
+    )]
+    pub(crate) home: Option<std::path::PathBuf>,
     /// A daemon's HTTP base URL (http://host:port or https://host:port); default: the local
     /// socket.
     #[arg(
@@ -25,7 +35,7 @@ pub(crate) struct Cli {
     )]
     pub(crate) url: Option<String>,
     /// The bearer token for --url; on the socket, an operator token: every command then sees
-    /// and acts on every lease (without it, admin commands use $SIMLOCK_HOME/admin.token).
+    /// and acts on every lease (without it, admin commands use the home's admin.token).
     #[arg(
         long,
         global = true,

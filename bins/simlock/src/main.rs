@@ -106,6 +106,7 @@ pub(crate) fn emit<T: Serialize>(json: bool, value: &T, human: impl FnOnce(&T) -
 /// Where a command connects: a daemon's HTTP API (`--url`), else the local socket.
 #[derive(Debug, Clone)]
 pub(crate) struct Target {
+    home: std::path::PathBuf,
     url: Option<String>,
     token: Option<String>,
     ca_file: Option<std::path::PathBuf>,
@@ -117,6 +118,11 @@ impl Target {
     pub(crate) fn of(cli: &Cli) -> Self {
         let nonempty = |s: &Option<String>| s.clone().filter(|s| !s.trim().is_empty());
         Self {
+            home: cli
+                .home
+                .clone()
+                .filter(|path| !path.as_os_str().is_empty())
+                .unwrap_or_else(home_from_env),
             url: nonempty(&cli.url),
             token: nonempty(&cli.token),
             ca_file: cli
@@ -144,15 +150,15 @@ impl Target {
             };
             return Client::over_http(url, token, options);
         }
-        let home = home_from_env();
+        let home = &self.home;
         let options = ConnectOptions {
             credential: self
                 .token
                 .clone()
-                .or_else(|| self.admin.then(|| admin_secret_in(&home)).flatten()),
+                .or_else(|| self.admin.then(|| admin_secret_in(home)).flatten()),
             ..ConnectOptions::default()
         };
-        Client::connect_home(&home, options).await.map_err(|mut e| {
+        Client::connect_home(home, options).await.map_err(|mut e| {
             if e.code == ErrorCode::AdminAuthenticationFailed && self.token.is_some() {
                 e.message = format!(
                     "{}: on the socket, --token must be an operator token (an agent's token works with --url)",

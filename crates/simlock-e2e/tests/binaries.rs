@@ -410,6 +410,46 @@ fn a_daemon_sent_sighup_stops_cleanly() {
     assert!(!worker.home.path().join("admin.token").exists());
 }
 
+/// `--home` names the daemon's home as the daemon's own flag does, over `$SIMLOCK_HOME`; a home
+/// with no daemon says where it looked.
+#[test]
+fn the_cli_reaches_the_daemon_whose_home_it_is_given() {
+    if !enabled() {
+        return;
+    }
+    let worker = Worker::start(&fixed(1), false);
+    let elsewhere = tempfile::tempdir().unwrap();
+    let home = worker.home.path().to_str().unwrap();
+    let status = run_cli(elsewhere.path(), &["--home", home, "status"], &[]);
+    assert_eq!(status.code, 0, "{}", status.stderr);
+    assert_eq!(status.json["daemon"]["mode"], "worker", "{}", status.json);
+    let held = run_cli(
+        elsewhere.path(),
+        &["--home", home, "lease", "--platform", "ios", "--detach"],
+        &[],
+    );
+    assert_eq!(held.code, 0, "{}", held.stderr);
+    let released = run_cli(elsewhere.path(), &["--home", home, "release", "--all"], &[]);
+    assert_eq!(
+        released.code, 0,
+        "an admin command reads the home's admin secret: {}",
+        released.stderr
+    );
+    let nowhere = run_cli(
+        worker.home.path(),
+        &["--home", elsewhere.path().to_str().unwrap(), "status"],
+        &[],
+    );
+    assert_eq!(nowhere.code, 1, "{}", nowhere.stderr);
+    assert!(
+        nowhere
+            .stderr
+            .contains(&elsewhere.path().display().to_string()),
+        "{}",
+        nowhere.stderr
+    );
+}
+
 /// Sends `signal` (`-TERM`, `-HUP`, …) to process `pid`.
 fn send_signal(pid: u32, signal: &str) {
     let status = Command::new("kill")
