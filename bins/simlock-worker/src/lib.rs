@@ -4,9 +4,10 @@
 use std::collections::BTreeSet;
 use std::sync::{Arc, LazyLock};
 
-use agent_device_front::{AgentDeviceConfig, Front, FrontOptions, LeaseId};
+use agent_device_front::{AgentDeviceConfig, Front, FrontOptions, LeaseId, RecoveredLease};
 use agent_device_host::{
-    AgentDeviceHost, Daemon, DaemonState, HostOptions, InProcessHostLink, RenewLease,
+    AgentDeviceHost, Daemon, DaemonState, FindLease, HostOptions, InProcessHostLink, RenewLease,
+    WorkerLease,
 };
 use futures::FutureExt;
 
@@ -131,6 +132,33 @@ impl WorkerOptions {
 
 /// The agent-device daemon's environment: simlock's own adb server and SDK (so it reaches the
 /// emulators simlock leases, never the user's adb server), then the caller's additions.
+/// The front's view of the worker's simlock lease `L`: its owner, its requester and its
+/// device as agent-device names it (the access's address, else the driver's id).
+fn find_lease(worker: Arc<Worker>) -> FindLease {
+    Arc::new(move |lease: &LeaseId| {
+        let record = worker.lease(lease.as_str())?;
+        let device = match &record.access {
+            Some(access) => RecoveredLease {
+                platform: access.platform(),
+                address: access.address().to_owned(),
+            },
+            None => worker
+                .devices()
+                .into_iter()
+                .find(|d| d.id == record.device_id)
+                .map(|d| RecoveredLease {
+                    platform: d.spec.platform,
+                    address: d.driver_device_id,
+                })?,
+        };
+        Some(WorkerLease {
+            owner: record.owner_id,
+            requester: record.requester_id,
+            device,
+        })
+    })
+}
+
 fn agent_device_env(drivers: &DriversConfig, extra: &[(String, String)]) -> Vec<(String, String)> {
     let android = &drivers.android;
     let mut env = vec![(
@@ -293,6 +321,7 @@ pub async fn start(options: WorkerOptions) -> Result<RunningWorker, StartError> 
                     .collect::<BTreeSet<_>>()
             },
             base.config.lease.max_ttl_ms,
+            find_lease(worker.clone()),
         );
         (host.clone(), link)
     });

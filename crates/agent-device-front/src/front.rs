@@ -419,6 +419,7 @@ impl Exchange {
         if let Some(entry) = self.inner.leases.owned(lease, &self.caller.principal) {
             return Ok(entry);
         }
+        self.not_ended(lease)?;
         let recovered = self
             .inner
             .link
@@ -453,6 +454,32 @@ impl Exchange {
             || self.inner.ceiling(serving.lease_max_ttl_ms),
             |entry| entry.ttl_ms,
         ))
+    }
+
+    /// `LEASE_ENDED_BY_HOST` for a lease of the caller's that ended on this worker, so a CLI
+    /// that calls again hears "connect again", not "not one of yours". Through a gateway the
+    /// relay host link's memory answers for ended leases (it routes them to their worker).
+    fn not_ended(&self, lease: &LeaseId) -> Result<(), Failed> {
+        if self.ended(lease) {
+            return Err(self.fail(Refusal::LeaseEnded(lease.clone())));
+        }
+        Ok(())
+    }
+
+    /// Whether `lease` is the caller's and ended on this worker ([`Self::not_ended`]).
+    fn ended(&self, lease: &LeaseId) -> bool {
+        !self.hosts_per_lease()
+            && self
+                .inner
+                .leases
+                .ended(lease, &self.caller.principal, Instant::now())
+    }
+
+    /// Forgets the caller's `lease`, which ended, remembering it as theirs.
+    fn end(&self, lease: &LeaseId) {
+        self.inner
+            .leases
+            .end(lease, &self.caller.principal, Instant::now());
     }
 
     /// The status of the host holding `lease`, refused when it cannot serve.
@@ -808,7 +835,7 @@ async fn heartbeat(
     let renewal = Renewal::take(&mut parts.headers);
     let answer = Answer::read(&bytes);
     if answer.lease_gone() {
-        ctx.inner.leases.remove(lease);
+        ctx.end(lease);
         ctx.release_simlock(lease).await;
         return Err(ctx.fail(Refusal::LeaseEnded(lease.clone())));
     }
@@ -825,20 +852,25 @@ async fn heartbeat(
             Ok(answer_from(parts, bytes))
         }
         Renewal::LeaseEnded => {
-            ctx.inner.leases.remove(lease);
+            ctx.end(lease);
             Err(ctx.fail(Refusal::LeaseEnded(lease.clone())))
         }
     }
 }
 
 /// The release: agent-device first (`released: false` is a normal answer), then the simlock
-/// lease. A release agent-device fails keeps the simlock lease.
+/// lease. A release agent-device fails keeps the simlock lease. Releasing a lease that ended
+/// answers `released: false`, as agent-device answers a second release.
 async fn release(ctx: &Exchange, call: RpcCall, lease: &LeaseId) -> Result<Response<Body>, Failed> {
+    // The caller's lease ended already: answered as agent-device answers a second release.
+    if ctx.ended(lease) {
+        return Ok(rpc_result(&call.id, json!({ "released": false })));
+    }
     ctx.lease_ttl(lease)?;
     let (parts, bytes) = ctx.exchange(call.to_bytes(), Some(lease), None).await?;
     let answer = Answer::read(&bytes);
     if matches!(answer, Answer::Ok(_)) || answer.lease_gone() {
-        ctx.inner.leases.remove(lease);
+        ctx.end(lease);
         ctx.release_simlock(lease).await;
     }
     Ok(answer_from(parts, bytes))
@@ -1006,6 +1038,11 @@ fn devices_answer(
             .collect();
         data["unreadLeases"] = Value::Array(unread);
     }
+    rpc_result(id, data)
+}
+
+/// A JSON-RPC result the front answers itself, in agent-device's envelope.
+fn rpc_result(id: &Value, data: Value) -> Response<Body> {
     json_response(
         StatusCode::OK,
         &json!({

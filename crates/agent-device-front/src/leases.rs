@@ -1,6 +1,8 @@
 //! The front's memory of the agent-device leases it made: for each `L`, whose it is, the
 //! device it is pinned to and its TTL. The simlock lease behind `L` has the id `L` too, on a
-//! worker and through a gateway.
+//! worker and through a gateway. It also remembers, for a while, whose the leases that ended
+//! were, so that their owner keeps hearing `LEASE_ENDED_BY_HOST` (connect again) and not "not
+//! one of yours".
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -38,6 +40,32 @@ pub struct FrontLeases {
 struct Inner {
     by_id: HashMap<LeaseId, FrontLease>,
     next_seq: u64,
+    /// Leases that ended: their owner, and when.
+    ended: HashMap<LeaseId, (String, Instant)>,
+}
+
+/// How long an ended lease's owner is remembered.
+pub const ENDED_RETENTION: Duration = Duration::from_secs(3600);
+/// How many ended leases are remembered at most; past it, the oldest is forgotten.
+pub const MAX_ENDED: usize = 4096;
+
+impl Inner {
+    fn remember_ended(&mut self, lease: LeaseId, principal: String, now: Instant) {
+        self.ended
+            .retain(|_, (_, at)| now.saturating_duration_since(*at) <= ENDED_RETENTION);
+        while self.ended.len() >= MAX_ENDED {
+            let oldest = self
+                .ended
+                .iter()
+                .min_by_key(|(_, (_, at))| *at)
+                .map(|(l, _)| l.clone());
+            match oldest {
+                Some(oldest) => self.ended.remove(&oldest),
+                None => break,
+            };
+        }
+        self.ended.insert(lease, (principal, now));
+    }
 }
 
 impl FrontLeases {
@@ -66,9 +94,31 @@ impl FrontLeases {
         }
     }
 
-    /// Forgets a lease.
+    /// Forgets a lease that never was (its allocate failed).
     pub fn remove(&self, lease: &LeaseId) -> Option<FrontLease> {
         self.inner.lock().by_id.remove(lease)
+    }
+
+    /// Forgets a lease that ended (released, or ended by simlock), remembering whose it was.
+    /// `principal` is its owner when the front had no memory of it (recovered after a restart).
+    pub fn end(&self, lease: &LeaseId, principal: &str, now: Instant) {
+        let mut inner = self.inner.lock();
+        let owner = inner
+            .by_id
+            .remove(lease)
+            .map_or_else(|| principal.to_owned(), |entry| entry.principal);
+        inner.remember_ended(lease.clone(), owner, now);
+    }
+
+    /// Whether `lease` was `principal`'s and ended within [`ENDED_RETENTION`].
+    pub fn ended(&self, lease: &LeaseId, principal: &str, now: Instant) -> bool {
+        self.inner
+            .lock()
+            .ended
+            .get(lease)
+            .is_some_and(|(owner, at)| {
+                owner == principal && now.saturating_duration_since(*at) <= ENDED_RETENTION
+            })
     }
 
     /// The leases `principal` holds, in allocation order.
@@ -86,11 +136,21 @@ impl FrontLeases {
     }
 
     /// Forgets leases untouched for longer than twice their TTL: their simlock lease has
-    /// expired (nothing renewed it), so no heartbeat can keep them.
+    /// expired (nothing renewed it), so no heartbeat can keep them; they count as ended.
     pub fn prune(&self, now: Instant) {
-        self.inner.lock().by_id.retain(|_, e| {
-            now.saturating_duration_since(e.touched) <= Duration::from_millis(e.ttl_ms) * 2
-        });
+        let mut inner = self.inner.lock();
+        let expired: Vec<(LeaseId, String)> = inner
+            .by_id
+            .iter()
+            .filter(|(_, e)| {
+                now.saturating_duration_since(e.touched) > Duration::from_millis(e.ttl_ms) * 2
+            })
+            .map(|(l, e)| (l.clone(), e.principal.clone()))
+            .collect();
+        for (lease, principal) in expired {
+            inner.by_id.remove(&lease);
+            inner.remember_ended(lease, principal, now);
+        }
     }
 
     /// How many leases are remembered.
@@ -147,5 +207,65 @@ mod tests {
         assert_eq!(leases.len(), 1, "at the bound it is kept");
         leases.prune(start + Duration::from_millis(20_001));
         assert!(leases.is_empty(), "one past the bound it goes");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_ended_lease_is_its_owners_to_hear_of_until_the_retention_passes() {
+        let leases = FrontLeases::default();
+        let start = Instant::now();
+        let (l, pruned, recovered) = (LeaseId::mint(), LeaseId::mint(), LeaseId::mint());
+        leases.insert(l.clone(), entry("tok_1", 10_000, start));
+        leases.insert(pruned.clone(), entry("tok_2", 10_000, start));
+        leases.end(&l, "ignored: the entry names its owner", start);
+        assert!(leases.owned(&l, "tok_1").is_none());
+        assert!(leases.ended(&l, "tok_1", start));
+        assert!(
+            !leases.ended(&l, "tok_2", start),
+            "another token's ended lease is not its"
+        );
+        // One the front had no entry for (recovered after a restart) ends as the caller's.
+        leases.end(&recovered, "tok_3", start);
+        assert!(leases.ended(&recovered, "tok_3", start));
+        // A lease pruned for want of heartbeats ended too.
+        let later = start + Duration::from_millis(20_001);
+        leases.prune(later);
+        assert!(leases.ended(&pruned, "tok_2", later));
+        assert!(
+            leases.ended(&l, "tok_1", start + ENDED_RETENTION),
+            "at the bound"
+        );
+        assert!(!leases.ended(
+            &l,
+            "tok_1",
+            start + ENDED_RETENTION + Duration::from_millis(1)
+        ));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn past_the_bound_the_oldest_ended_lease_is_forgotten() {
+        let leases = FrontLeases::default();
+        let start = Instant::now();
+        let first = LeaseId::mint();
+        leases.end(&first, "tok_1", start);
+        for i in 1..MAX_ENDED {
+            leases.end(
+                &LeaseId::mint(),
+                "tok_1",
+                start + Duration::from_millis(i as u64),
+            );
+        }
+        let at = start + Duration::from_millis(MAX_ENDED as u64);
+        assert!(
+            leases.ended(&first, "tok_1", at),
+            "at the bound all are kept"
+        );
+        let last = LeaseId::mint();
+        leases.end(&last, "tok_1", at);
+        assert!(
+            !leases.ended(&first, "tok_1", at),
+            "one past it, the oldest goes"
+        );
+        assert!(leases.ended(&last, "tok_1", at));
+        assert_eq!(leases.inner.lock().ended.len(), MAX_ENDED);
     }
 }

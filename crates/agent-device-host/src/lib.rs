@@ -18,7 +18,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use agent_device_front::body::{ReadError, Upstream, read_to_bytes, upstream};
-use agent_device_front::port::{Caller, HostLink, HostStatus, Serving, StatusScope};
+use agent_device_front::port::{
+    Caller, HostLink, HostStatus, RecoveredLease, Serving, StatusScope,
+};
 use agent_device_front::renewal::{RenewAsk, Renewal};
 use agent_device_front::reply::{Refusal, Surface};
 use agent_device_front::rpc::Answer;
@@ -804,12 +806,27 @@ impl RelayTarget for HostTarget {
     }
 }
 
+/// A simlock lease the worker holds, as the front's recovery reads it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WorkerLease {
+    /// Who may renew and release it.
+    pub owner: String,
+    /// Who it is for: the front's own leases have their id as requester.
+    pub requester: String,
+    /// Its device, as agent-device names it.
+    pub device: RecoveredLease,
+}
+
+/// Reads the worker's simlock lease by id (the composition gives it the core's lease table).
+pub type FindLease = Arc<dyn Fn(&LeaseId) -> Option<WorkerLease> + Send + Sync>;
+
 /// The front's port on a worker: every request goes to this worker's own host, under the
 /// caller's principal as tenant. The lease id is not needed to place anything.
 pub struct InProcessHostLink {
     host: AgentDeviceHost,
     platforms: Arc<dyn Fn() -> BTreeSet<Platform> + Send + Sync>,
     max_ttl_ms: u64,
+    find: FindLease,
 }
 
 impl std::fmt::Debug for InProcessHostLink {
@@ -821,17 +838,19 @@ impl std::fmt::Debug for InProcessHostLink {
 }
 
 impl InProcessHostLink {
-    /// A link to `host` on a worker whose devices have `platforms` and whose
-    /// `lease.maxTtlMs` is `max_ttl_ms`.
+    /// A link to `host` on a worker whose devices have `platforms`, whose `lease.maxTtlMs` is
+    /// `max_ttl_ms`, and whose simlock leases `find` reads.
     pub fn new(
         host: AgentDeviceHost,
         platforms: impl Fn() -> BTreeSet<Platform> + Send + Sync + 'static,
         max_ttl_ms: u64,
+        find: FindLease,
     ) -> Self {
         Self {
             host,
             platforms: Arc::new(platforms),
             max_ttl_ms,
+            find,
         }
     }
 }
@@ -869,6 +888,22 @@ impl HostLink for InProcessHostLink {
                 .map_err(|(refusal, _)| refusal)
         }
         .boxed()
+    }
+
+    /// A lease of the caller's that the front made before this worker restarted: the simlock
+    /// lease survived on disk, the front's memory did not (and the agent-device daemon, started
+    /// anew, no longer holds it, so the next heartbeat ends it: `LEASE_ENDED_BY_HOST`). Any
+    /// other lease is not the caller's, or not one the front made.
+    fn recover(&self, lease: &LeaseId, caller: &Caller) -> Result<RecoveredLease, Refusal> {
+        match (self.find)(lease) {
+            Some(held) if held.owner == caller.principal && held.requester == lease.as_str() => {
+                Ok(held.device)
+            }
+            _ => Err(Refusal::NotYours {
+                lease: lease.clone(),
+                hosts: agent_device_front::Hosts::One,
+            }),
+        }
     }
 
     fn lease_requires(&self) -> Vec<String> {

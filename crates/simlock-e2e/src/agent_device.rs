@@ -114,6 +114,29 @@ impl AdWorker {
         .await
     }
 
+    /// Stops the worker and starts it again on the same home with `config`, serving `fake`
+    /// (a fake attached in-process outlives the worker, as a new daemon would not: the worker
+    /// has no memory of the fake's lease ids).
+    pub async fn restart_with_fake(
+        &mut self,
+        config: WorkerConfig,
+        fake: &agent_device_fake::FakeAgentDevice,
+    ) {
+        if let Some(worker) = self.worker.take() {
+            worker.stop("test").await;
+        }
+        let mut options = WorkerOptions::new(self.home.clone(), config);
+        options.agent_device_attach = Some(agent_device_host::process::Endpoint {
+            port: fake.port(),
+            token: fake.token().to_owned(),
+        });
+        self.worker = Some(
+            simlock_worker::start(options)
+                .await
+                .expect("the worker starts again"),
+        );
+    }
+
     /// The worker.
     pub fn worker(&self) -> &RunningWorker {
         self.worker.as_ref().expect("the worker runs")

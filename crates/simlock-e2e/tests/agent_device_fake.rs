@@ -322,6 +322,73 @@ async fn release_all_ends_the_agent_device_lease_before_the_device_is_reclaimed(
         json!("LEASE_ENDED_BY_HOST")
     );
     assert_eq!(received(&fake, "agent_device.lease.heartbeat").len(), 1);
+    // And again for every later call naming it, without asking agent-device.
+    for call in [
+        heartbeat_call("h2", "s1", &lease),
+        command_call("c1", "s1", &lease, "snapshot", json!({})),
+    ] {
+        let again = http.rpc(&worker.base(), &secret, &call).await;
+        assert_eq!(ended_reason(&again), "LEASE_ENDED_BY_HOST", "{again:?}");
+    }
+    assert_eq!(received(&fake, "agent_device.lease.heartbeat").len(), 1);
+    worker.stop().await;
+    fake.stop().await;
+}
+
+/// The reason in a refusal's details (`LEASE_ENDED_BY_HOST`, `LEASE_SCOPE_MISMATCH`).
+fn ended_reason(answer: &simlock_e2e::agent_device::Answer) -> String {
+    answer.json()["error"]["data"]["details"]["reason"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned()
+}
+
+/// A worker that restarts keeps its simlock leases on disk, but its agent-device daemon starts
+/// anew without them: the owner's next call hears `LEASE_ENDED_BY_HOST` (and again on every
+/// later call) and the device is freed; another token naming the lease is still refused as
+/// not its own. Before this, the owner was told "not one of yours" for good and the device
+/// stayed leased until the TTL ran out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_worker_restart_its_agent_device_leases_end_for_their_owners_only() {
+    let fake = FakeAgentDevice::start(FakeOptions::default()).unwrap();
+    let mut worker = AdWorker::with_fake(attached_config(), &fake).await;
+    let (_, owner) = worker.token("agent").await;
+    let (_, other) = worker.token("agent").await;
+    let http = Http::new();
+    let lease = allocate(&http, &worker, &owner, "s1").await;
+    worker.restart_with_fake(attached_config(), &fake).await;
+    worker.wait_running().await;
+    assert_eq!(
+        worker.leases().await.len(),
+        1,
+        "the simlock lease is on disk"
+    );
+
+    let refused = http
+        .rpc(&worker.base(), &other, &heartbeat_call("h0", "s9", &lease))
+        .await;
+    assert_eq!(
+        ended_reason(&refused),
+        "LEASE_SCOPE_MISMATCH",
+        "{refused:?}"
+    );
+    let ended = http
+        .rpc(&worker.base(), &owner, &heartbeat_call("h1", "s1", &lease))
+        .await;
+    assert_eq!(ended.status, 401, "{ended:?}");
+    assert_eq!(ended_reason(&ended), "LEASE_ENDED_BY_HOST", "{ended:?}");
+    assert!(worker.leases().await.is_empty(), "the device is freed");
+    for call in [
+        heartbeat_call("h2", "s1", &lease),
+        command_call("c1", "s1", &lease, "snapshot", json!({})),
+    ] {
+        let again = http.rpc(&worker.base(), &owner, &call).await;
+        assert_eq!(ended_reason(&again), "LEASE_ENDED_BY_HOST", "{again:?}");
+        let theirs = http.rpc(&worker.base(), &other, &call).await;
+        assert_eq!(ended_reason(&theirs), "LEASE_SCOPE_MISMATCH", "{theirs:?}");
+    }
+    // A new lease for the owner works as ever.
+    allocate(&http, &worker, &owner, "s2").await;
     worker.stop().await;
     fake.stop().await;
 }
@@ -410,12 +477,21 @@ async fn a_release_agent_device_fails_keeps_the_simlock_lease_and_a_release_that
         "{released:?}"
     );
     assert!(worker.leases().await.is_empty());
-    // A second release answers agent-device's released:false as a normal answer.
+    // A second release answers released:false as a normal answer, as agent-device does.
+    let releases = received(&fake, "agent_device.lease.release").len();
     let again = http.rpc(&worker.base(), &secret, &release).await;
+    assert_eq!(again.status, 200, "{again:?}");
+    assert_eq!(again.json()["result"]["data"]["released"], json!(false));
+    assert_eq!(again.json()["id"], json!("r1"));
     assert_eq!(
-        again.status, 403,
-        "the front no longer knows the lease: {again:?}"
+        received(&fake, "agent_device.lease.release").len(),
+        releases,
+        "answered by the front"
     );
+    // Another token releasing it is refused as before.
+    let (_, other) = worker.token("agent").await;
+    let theirs = http.rpc(&worker.base(), &other, &release).await;
+    assert_eq!(theirs.status, 403, "{theirs:?}");
     worker.stop().await;
     fake.stop().await;
 }
