@@ -1120,4 +1120,59 @@ mod tests {
         assert_eq!(b.heartbeats_seen_without_an_ask(), 3);
         b.stop().await;
     }
+
+    /// The in-process link recovers a lease the front forgot (a worker restart) from the
+    /// simlock lease, for its owner only, and only a lease the front made (requester `L`).
+    #[tokio::test]
+    async fn recovery_is_the_owners_and_only_for_a_lease_the_front_made() {
+        let b = bench().await;
+        let device = RecoveredLease {
+            platform: Platform::Android,
+            address: "emulator-5554".into(),
+        };
+        let held: Arc<Mutex<Option<WorkerLease>>> = Arc::new(Mutex::new(None));
+        let find: FindLease = {
+            let held = held.clone();
+            Arc::new(move |_: &LeaseId| held.lock().clone())
+        };
+        let link = InProcessHostLink::new(b.host.clone(), BTreeSet::new, 600_000, find);
+        let caller = |principal: &str| Caller {
+            principal: principal.into(),
+            role: simlock_contract::Role::Agent,
+            credential: "slk_x".into(),
+        };
+        let not_yours = |r: Result<RecoveredLease, Refusal>| {
+            matches!(
+                r,
+                Err(Refusal::NotYours {
+                    hosts: agent_device_front::Hosts::One,
+                    ..
+                })
+            )
+        };
+        assert!(
+            not_yours(link.recover(&b.lease, &caller("tok_a"))),
+            "no such lease"
+        );
+        *held.lock() = Some(WorkerLease {
+            owner: "tok_a".into(),
+            requester: L.into(),
+            device: device.clone(),
+        });
+        assert_eq!(link.recover(&b.lease, &caller("tok_a")), Ok(device.clone()));
+        assert!(
+            not_yours(link.recover(&b.lease, &caller("tok_b"))),
+            "another token's"
+        );
+        *held.lock() = Some(WorkerLease {
+            owner: "tok_a".into(),
+            requester: "ci-7".into(),
+            device,
+        });
+        assert!(
+            not_yours(link.recover(&b.lease, &caller("tok_a"))),
+            "a lease made by `simlock lease --lease-id`, not by the front"
+        );
+        b.stop().await;
+    }
 }
