@@ -450,10 +450,14 @@ impl HostLink for RelayHostLink {
         let StatusScope::Lease { lease, caller } = scope else {
             return self.new_lease_status();
         };
-        // Nothing about another token's lease shows: its status is a new lease's, and the
-        // forward that follows refuses it.
+        // Nothing about another token's lease shows, nor about the fleet: it is "running", and
+        // the forward that follows refuses it as not the caller's, whatever the workers' state
+        // (a "not available; retry" would send the caller retrying a lease that is not its).
         let Some(placed) = self.owned(lease, caller) else {
-            return self.new_lease_status();
+            return HostStatus::Running(Serving {
+                platforms: BTreeSet::new(),
+                lease_max_ttl_ms: None,
+            });
         };
         self.holder_status(&placed)
     }

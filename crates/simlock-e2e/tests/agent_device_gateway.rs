@@ -1830,6 +1830,44 @@ async fn every_call_answers_retry(gw: &Gw, secret: &str, lease: &str) {
     }
 }
 
+/// While no worker is connected, a lease the caller does not hold (another token's, or one
+/// never issued) is still refused as not its own, on `/rpc` and by the lease header alike: a
+/// "not available; retry" would send it retrying forever. The owner hears "retry".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_no_worker_connected_a_lease_not_the_callers_is_still_not_yours() {
+    use simlock_contract::model::Connection;
+    let mut gw = Gw::start(enabled_gateway()).await;
+    let cable = Cable::to(gw.fleet.gateway().running.http_addr().unwrap()).await;
+    gw.add_via(worker(true, &[Platform::Android]), Some(&cable))
+        .await;
+    gw.wait_capable(0, true).await;
+    let (_, alice) = gw.token().await;
+    let (_, bob) = gw.token().await;
+    let http = Http::new();
+    let lease = allocate(&http, &gw, &alice).await;
+    cable.cut();
+    gw.wait_connection(0, Connection::Disconnected).await;
+
+    let unknown = "f".repeat(32);
+    for (token, named) in [(&bob, lease.as_str()), (&alice, unknown.as_str())] {
+        let not_yours = format!("refused: lease {named} is not one of yours on this gateway");
+        for call in [
+            command_call("c", named, "snapshot", json!({})),
+            lease_call("h", "lease.heartbeat", named),
+            lease_call("r", "lease.release", named),
+        ] {
+            let refused = http.rpc(&gw.base(), token, &call).await;
+            assert_eq!(refused.status, 403, "{refused:?}");
+            assert_eq!(message(&refused), not_yours);
+        }
+        let refused = aux(&gw, Method::GET, "artifacts/a1", token, Some(named), "").await;
+        assert_eq!(refused.status, 403, "{refused:?}");
+        assert_eq!(refused.json()["error"], json!(not_yours));
+    }
+    every_call_answers_retry(&gw, &alice, &lease).await;
+    gw.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn while_the_uplink_is_down_the_lease_answers_retry_at_once_and_afterwards_its_device_serves()
 {
