@@ -674,6 +674,45 @@ where
     .expect("the state was reached within the bound");
 }
 
+/// The agent-device routes take no WebSocket: a request asking for one answers
+/// `404 UNKNOWN_REQUEST`, before its token is read, as every route but the gateway's uplink
+/// does; nothing reaches agent-device.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_websocket_upgrade_on_an_agent_device_route_is_refused_and_nothing_is_forwarded() {
+    let fake = FakeAgentDevice::start(FakeOptions::default()).unwrap();
+    let worker = AdWorker::with_fake(attached_config(), &fake).await;
+    let (_, secret) = worker.token("agent").await;
+    let bearer = format!("Bearer {secret}");
+    let seen = fake.requests().len();
+    for (method, route, token) in [
+        (Method::GET, "health", None),
+        (Method::POST, "rpc", Some(bearer.as_str())),
+        (Method::POST, "rpc", None),
+        (Method::GET, "artifacts/a1", Some(bearer.as_str())),
+    ] {
+        let mut headers = vec![
+            ("connection", "Upgrade"),
+            ("upgrade", "websocket"),
+            ("sec-websocket-version", "13"),
+            ("sec-websocket-key", "dGhlIHNhbXBsZSBub25jZQ=="),
+        ];
+        if let Some(bearer) = token {
+            headers.push(("authorization", bearer));
+        }
+        let url = format!("{}/{route}", worker.base());
+        let refused = Http::new().send(method, &url, &headers, "{}").await;
+        assert_eq!(refused.status, 404, "{route}: {refused:?}");
+        assert_eq!(
+            refused.json()["error"]["code"],
+            "UNKNOWN_REQUEST",
+            "{route}"
+        );
+    }
+    assert_eq!(fake.requests().len(), seen, "nothing reached agent-device");
+    worker.stop().await;
+    fake.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_platform_the_worker_has_no_device_of_is_refused_and_nothing_is_leased() {
     let fake = FakeAgentDevice::start(FakeOptions::default()).unwrap();

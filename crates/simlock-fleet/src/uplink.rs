@@ -257,6 +257,10 @@ impl Mount for UplinkMount {
         path == "/v1/uplink"
     }
 
+    fn takes_websocket(&self) -> bool {
+        true
+    }
+
     fn serve(&self, request: Request<Incoming>) -> BoxFuture<'static, Response<Body>> {
         let response = self.accept(request);
         async move { response }.boxed()

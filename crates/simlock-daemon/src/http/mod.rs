@@ -61,6 +61,11 @@ pub const TLS_REQUIRED_HEADER: &str = "x-simlock-tls";
 pub trait Mount: Send + Sync + 'static {
     /// Whether this mount serves `path`.
     fn matches(&self, path: &str) -> bool;
+    /// Whether it takes a WebSocket upgrade (the gateway's `/v1/uplink`); a request asking
+    /// another mount for one answers `404 UNKNOWN_REQUEST`, as on every other route.
+    fn takes_websocket(&self) -> bool {
+        false
+    }
     /// Serves one request.
     fn serve(&self, request: Request<Incoming>) -> BoxFuture<'static, Response<Body>>;
 }
@@ -291,13 +296,14 @@ async fn route(
     stop: &CancellationToken,
 ) -> Response<Body> {
     let path = request.uri().path().to_owned();
-    if let Some(mount) = app.mounts.iter().find(|m| m.matches(&path)) {
-        return mount.serve(request).await;
-    }
     let method = request.method().clone();
-    if asks_for_websocket(&request) {
-        // Only a mount (the gateway's /v1/uplink) takes a WebSocket.
+    let mount = app.mounts.iter().find(|m| m.matches(&path));
+    if asks_for_websocket(&request) && !mount.is_some_and(|m| m.takes_websocket()) {
+        // Only a mount that says so (the gateway's /v1/uplink) takes a WebSocket.
         return not_found(&method, &path);
+    }
+    if let Some(mount) = mount {
+        return mount.serve(request).await;
     }
     if path == "/v1/healthz" {
         // No token here, for any method; only GET is a route.
