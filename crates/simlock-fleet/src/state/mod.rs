@@ -1739,9 +1739,19 @@ impl Core {
     // === Leases ===
 
     /// A miss in the index: `UNKNOWN_LEASE` only when the gateway can vouch for it (the worker
-    /// the id names is connected and its view read), else `WORKER_UNREACHABLE` naming it.
+    /// the id names is connected and its view read), else `WORKER_UNREACHABLE` naming it. A
+    /// worker this gateway has not seen since it started may be one yet to reconnect after a
+    /// restart, or a mistyped id: the gateway never declares a lease gone before its worker
+    /// says so, and the message names both.
     fn missing(&self, lease_id: &str) -> FleetError {
         match worker_of(lease_id) {
+            Some(worker) if !self.workers.contains_key(worker) => FleetError::WorkerUnreachable {
+                worker_id: worker.to_owned(),
+                message: format!(
+                    "No worker {worker} has connected to this gateway since it started: check \
+                     the lease id, or retry once its worker is back"
+                ),
+            },
             Some(worker) if self.live_generation(worker).is_none() => {
                 FleetError::unreachable(worker)
             }
