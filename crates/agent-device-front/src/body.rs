@@ -29,6 +29,12 @@ pub use simlock_daemon::http::body::{empty, full, json};
 /// (Not `http_body_util::Limited` + `collect`: that future is not `Send` for every lifetime
 /// with this body type, and the front's futures must be.)
 pub async fn read_to_bytes(mut body: Body, limit: usize) -> Result<Bytes, ReadError> {
+    // A body that declares more (its `content-length`) is refused before a byte is read.
+    if usize::try_from(http_body::Body::size_hint(&body).lower())
+        .map_or(true, |declared| declared > limit)
+    {
+        return Err(ReadError::TooLarge(limit));
+    }
     let mut out = BytesMut::new();
     while let Some(frame) = body.frame().await {
         let frame = frame.map_err(|e| ReadError::Body(e.to_string()))?;
@@ -439,6 +445,46 @@ mod tests {
             Bytes::from_static(b"{}")
         );
         late.await.unwrap();
+    }
+
+    /// A body that declares `0` bytes (its `content-length`) and never sends one.
+    struct Declared(u64);
+
+    impl http_body::Body for Declared {
+        type Data = Bytes;
+        type Error = BoxError;
+
+        fn poll_frame(
+            self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+        ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+            Poll::Pending
+        }
+
+        fn size_hint(&self) -> SizeHint {
+            SizeHint::with_exact(self.0)
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_body_declaring_more_than_its_bound_is_refused_before_it_is_read() {
+        let start = tokio::time::Instant::now();
+        assert_eq!(
+            read_caller_body(Declared(9).boxed_unsync(), 8).await,
+            Err(ReadError::TooLarge(8))
+        );
+        assert_eq!(
+            start.elapsed(),
+            Duration::ZERO,
+            "answered at once, not at the time bound"
+        );
+        // One declaring its bound is waited for, as any body.
+        assert_eq!(
+            read_caller_body(Declared(8).boxed_unsync(), 8).await,
+            Err(ReadError::Stalled(
+                simlock_daemon::http::body::BODY_READ_TIMEOUT
+            ))
+        );
     }
 
     #[tokio::test]

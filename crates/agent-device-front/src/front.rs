@@ -335,7 +335,7 @@ async fn rpc(
     let bytes = read_caller_body(body, MAX_RPC_BODY)
         .await
         .map_err(|e| (e.refusal(), anonymous.clone()))?;
-    let mut call = RpcCall::parse(&bytes).map_err(|r| (r, anonymous))?;
+    let mut call = RpcCall::parse(&bytes).map_err(|(r, id)| (r, Surface::Rpc { id }))?;
     let surface = Surface::Rpc {
         id: call.id.clone(),
     };
@@ -628,6 +628,7 @@ impl Inner {
 /// state: both leases held, or neither.
 async fn allocate(ctx: &Exchange, mut call: RpcCall) -> Result<Response<Body>, Failed> {
     let inner = &ctx.inner;
+    call.check_allocate_params().map_err(|r| ctx.fail(r))?;
     inner.leases.prune(Instant::now());
     let serving = inner
         .link

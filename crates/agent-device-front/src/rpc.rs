@@ -75,26 +75,36 @@ impl RpcCall {
     /// Reads a request body.
     ///
     /// # Errors
-    /// agent-device's envelope errors: parse error (-32700), not an object or no method
-    /// (-32600), no params object (-32602).
-    pub fn parse(bytes: &[u8]) -> Result<Self, Refusal> {
-        let value: Value = serde_json::from_slice(bytes).map_err(|_| Refusal::Invalid {
-            rpc_code: -32700,
-            message: "Parse error".into(),
+    /// agent-device's envelope errors, with the request's `id` once it could be read: parse
+    /// error (-32700), not an object or no method (-32600), no params object for a method the
+    /// front serves (-32602; a method it does not know is answered "Method not found" whatever
+    /// its params).
+    pub fn parse(bytes: &[u8]) -> Result<Self, (Refusal, Value)> {
+        let value: Value = serde_json::from_slice(bytes).map_err(|_| {
+            let refusal = Refusal::Invalid {
+                rpc_code: -32700,
+                message: "Parse error".into(),
+            };
+            (refusal, Value::Null)
         })?;
         let Value::Object(mut envelope) = value else {
-            return Err(invalid_request());
+            return Err((invalid_request(), Value::Null));
         };
         let id = envelope.get("id").cloned().unwrap_or(Value::Null);
         let Some(name) = envelope.get("method").and_then(Value::as_str) else {
-            return Err(invalid_request());
+            return Err((invalid_request(), id));
         };
         let method = Method::parse(name);
-        let Some(Value::Object(params)) = envelope.remove("params") else {
-            return Err(Refusal::Invalid {
-                rpc_code: -32602,
-                message: "Invalid params".into(),
-            });
+        let params = match envelope.remove("params") {
+            Some(Value::Object(params)) => params,
+            None if matches!(method, Method::Other(_)) => Map::new(),
+            _ => {
+                let refusal = Refusal::Invalid {
+                    rpc_code: -32602,
+                    message: "Invalid params".into(),
+                };
+                return Err((refusal, id));
+            }
         };
         Ok(Self {
             id,
@@ -156,6 +166,32 @@ impl RpcCall {
                 .and_then(|f| f.get(*key))
                 .is_some_and(|v| !v.is_null())
         })
+    }
+
+    /// Checks the types of the allocate's params the front reads or replaces (`backend`,
+    /// `platform`, `device`: text; `ttlMs`: a whole number), which it would otherwise read as
+    /// absent: a `backend` of `5` leased the default platform's device.
+    ///
+    /// # Errors
+    /// `-32602` naming the param.
+    pub fn check_allocate_params(&self) -> Result<(), Refusal> {
+        let params = self.params();
+        let present = |key: &str| params.get(key).filter(|v| !v.is_null());
+        let invalid = |message: String| Refusal::Invalid {
+            rpc_code: -32602,
+            message,
+        };
+        for key in ["backend", "platform", "device"] {
+            if present(key).is_some_and(|v| !v.is_string()) {
+                return Err(invalid(format!("Invalid params: {key} must be a string")));
+            }
+        }
+        if present("ttlMs").is_some_and(|v| v.as_u64().is_none()) {
+            return Err(invalid(
+                "Invalid params: ttlMs must be a whole number of milliseconds".into(),
+            ));
+        }
+        Ok(())
     }
 
     /// The platform an allocate asks for, from its backend (`ios-simulator`, the default, and
@@ -370,16 +406,76 @@ mod tests {
         }
     }
 
+    /// The JSON-RPC code of a call that could not be read, and the id it echoes.
+    fn envelope((err, id): (Refusal, Value)) -> (i64, Value) {
+        (rpc_code(err), id)
+    }
+
     #[test]
-    fn envelope_errors_carry_json_rpcs_codes() {
-        assert_eq!(rpc_code(RpcCall::parse(b"{nope").unwrap_err()), -32700);
-        assert_eq!(rpc_code(RpcCall::parse(b"[1]").unwrap_err()), -32600);
+    fn envelope_errors_carry_json_rpcs_codes_and_the_id_once_it_is_read() {
         assert_eq!(
-            rpc_code(RpcCall::parse(br#"{"id":"1"}"#).unwrap_err()),
-            -32600
+            envelope(RpcCall::parse(b"{nope").unwrap_err()),
+            (-32700, Value::Null)
+        );
+        assert_eq!(
+            envelope(RpcCall::parse(b"[1]").unwrap_err()),
+            (-32600, Value::Null)
+        );
+        assert_eq!(
+            envelope(RpcCall::parse(br#"{"id":"1"}"#).unwrap_err()),
+            (-32600, json!("1"))
         );
         let no_params = br#"{"jsonrpc":"2.0","id":"1","method":"agent_device.command"}"#;
-        assert_eq!(rpc_code(RpcCall::parse(no_params).unwrap_err()), -32602);
+        assert_eq!(
+            envelope(RpcCall::parse(no_params).unwrap_err()),
+            (-32602, json!("1"))
+        );
+        let not_an_object =
+            br#"{"jsonrpc":"2.0","id":7,"method":"agent_device.command","params":[]}"#;
+        assert_eq!(
+            envelope(RpcCall::parse(not_an_object).unwrap_err()),
+            (-32602, json!(7))
+        );
+        // A method the front does not know needs no params: it is answered "Method not found".
+        let unknown = call(json!({"jsonrpc": "2.0", "id": 1, "method": "nope"}));
+        assert_eq!(unknown.method, Method::Other("nope".into()));
+    }
+
+    #[test]
+    fn an_allocates_params_of_the_wrong_type_are_refused_naming_them() {
+        let alloc = |params: Value| {
+            call(json!({"id": 1, "method": "agent_device.lease.allocate", "params": params}))
+                .check_allocate_params()
+        };
+        let refused = |params: Value| match alloc(params) {
+            Err(Refusal::Invalid {
+                rpc_code: -32602,
+                message,
+            }) => message,
+            other => panic!("not refused: {other:?}"),
+        };
+        assert_eq!(
+            refused(json!({"backend": 5})),
+            "Invalid params: backend must be a string"
+        );
+        assert_eq!(
+            refused(json!({"platform": ["ios"]})),
+            "Invalid params: platform must be a string"
+        );
+        assert_eq!(
+            refused(json!({"device": {}})),
+            "Invalid params: device must be a string"
+        );
+        for ttl in [json!("huge"), json!(-1), json!(1.5)] {
+            assert!(refused(json!({"ttlMs": ttl})).starts_with("Invalid params: ttlMs"));
+        }
+        assert_eq!(
+            alloc(
+                json!({"backend": "android-instance", "device": "Pixel", "ttlMs": 60000, "platform": null})
+            ),
+            Ok(())
+        );
+        assert_eq!(alloc(json!({})), Ok(()));
     }
 
     #[test]

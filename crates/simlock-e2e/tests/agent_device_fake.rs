@@ -674,6 +674,51 @@ where
     .expect("the state was reached within the bound");
 }
 
+/// An allocate whose params are of the wrong type is refused naming the param and leases
+/// nothing (a `backend` of `5` leased the default platform's device); a call of an unknown
+/// method is "Method not found" with its id, params or not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_calls_are_refused_with_json_rpcs_codes_and_lease_nothing() {
+    let fake = FakeAgentDevice::start(FakeOptions::default()).unwrap();
+    let worker = AdWorker::with_fake(attached_config(), &fake).await;
+    let (_, secret) = worker.token("agent").await;
+    let http = Http::new();
+    for (params, message) in [
+        (
+            json!({"session": "s", "tenantId": "t", "runId": "r", "backend": 5}),
+            "Invalid params: backend must be a string",
+        ),
+        (
+            json!({"session": "s", "tenantId": "t", "runId": "r", "backend": "android-instance", "ttlMs": "huge"}),
+            "Invalid params: ttlMs must be a whole number of milliseconds",
+        ),
+    ] {
+        let refused = http
+            .rpc(
+                &worker.base(),
+                &secret,
+                &rpc_call("a1", "lease.allocate", params),
+            )
+            .await;
+        assert_eq!(refused.status, 400, "{refused:?}");
+        assert_eq!(refused.json()["error"]["code"], json!(-32602));
+        assert_eq!(refused.json()["error"]["data"]["message"], json!(message));
+        assert_eq!(refused.json()["id"], json!("a1"));
+    }
+    assert!(worker.leases().await.is_empty(), "nothing was leased");
+    assert!(received(&fake, "agent_device.lease.allocate").is_empty());
+    let unknown = json!({"jsonrpc": "2.0", "id": 9, "method": "nope"});
+    let answer = http.rpc(&worker.base(), &secret, &unknown).await;
+    assert_eq!(answer.json()["error"]["code"], json!(-32601), "{answer:?}");
+    assert_eq!(answer.json()["id"], json!(9));
+    let no_params = json!({"jsonrpc": "2.0", "id": 10, "method": "agent_device.command"});
+    let answer = http.rpc(&worker.base(), &secret, &no_params).await;
+    assert_eq!(answer.json()["error"]["code"], json!(-32602), "{answer:?}");
+    assert_eq!(answer.json()["id"], json!(10), "the id is echoed once read");
+    worker.stop().await;
+    fake.stop().await;
+}
+
 /// The agent-device routes take no WebSocket: a request asking for one answers
 /// `404 UNKNOWN_REQUEST`, before its token is read, as every route but the gateway's uplink
 /// does; nothing reaches agent-device.
