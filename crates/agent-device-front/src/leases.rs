@@ -136,21 +136,13 @@ impl FrontLeases {
     }
 
     /// Forgets leases untouched for longer than twice their TTL: their simlock lease has
-    /// expired (nothing renewed it), so no heartbeat can keep them; they count as ended.
+    /// most likely expired (nothing the front saw renewed it). They are not remembered as
+    /// ended: one renewed otherwise (`simlock renew`) is still recovered from its simlock lease
+    /// by the host link when its owner calls again.
     pub fn prune(&self, now: Instant) {
-        let mut inner = self.inner.lock();
-        let expired: Vec<(LeaseId, String)> = inner
-            .by_id
-            .iter()
-            .filter(|(_, e)| {
-                now.saturating_duration_since(e.touched) > Duration::from_millis(e.ttl_ms) * 2
-            })
-            .map(|(l, e)| (l.clone(), e.principal.clone()))
-            .collect();
-        for (lease, principal) in expired {
-            inner.by_id.remove(&lease);
-            inner.remember_ended(lease, principal, now);
-        }
+        self.inner.lock().by_id.retain(|_, e| {
+            now.saturating_duration_since(e.touched) <= Duration::from_millis(e.ttl_ms) * 2
+        });
     }
 
     /// How many leases are remembered.
@@ -213,9 +205,8 @@ mod tests {
     async fn an_ended_lease_is_its_owners_to_hear_of_until_the_retention_passes() {
         let leases = FrontLeases::default();
         let start = Instant::now();
-        let (l, pruned, recovered) = (LeaseId::mint(), LeaseId::mint(), LeaseId::mint());
+        let (l, recovered) = (LeaseId::mint(), LeaseId::mint());
         leases.insert(l.clone(), entry("tok_1", 10_000, start));
-        leases.insert(pruned.clone(), entry("tok_2", 10_000, start));
         leases.end(&l, "ignored: the entry names its owner", start);
         assert!(leases.owned(&l, "tok_1").is_none());
         assert!(leases.ended(&l, "tok_1", start));
@@ -226,10 +217,6 @@ mod tests {
         // One the front had no entry for (recovered after a restart) ends as the caller's.
         leases.end(&recovered, "tok_3", start);
         assert!(leases.ended(&recovered, "tok_3", start));
-        // A lease pruned for want of heartbeats ended too.
-        let later = start + Duration::from_millis(20_001);
-        leases.prune(later);
-        assert!(leases.ended(&pruned, "tok_2", later));
         assert!(
             leases.ended(&l, "tok_1", start + ENDED_RETENTION),
             "at the bound"
