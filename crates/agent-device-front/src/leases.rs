@@ -197,8 +197,13 @@ mod tests {
         leases.insert(l.clone(), entry("tok_1", 10_000, start));
         leases.prune(start + Duration::from_millis(20_000));
         assert_eq!(leases.len(), 1, "at the bound it is kept");
-        leases.prune(start + Duration::from_millis(20_001));
+        let later = start + Duration::from_millis(20_001);
+        leases.prune(later);
         assert!(leases.is_empty(), "one past the bound it goes");
+        assert!(
+            !leases.ended(&l, "tok_1", later),
+            "forgotten, not ended: a simlock lease renewed otherwise is recovered"
+        );
     }
 
     #[tokio::test(start_paused = true)]
