@@ -7,8 +7,8 @@ use crate::duration::{parse_ms, positive_ms};
 
 /// Lease iOS simulators and Android emulators from a simlock daemon.
 ///
-/// Reaches the local daemon's socket (<home>/daemon.sock: --home, else $SIMLOCK_HOME, else
-/// ~/.simlock) unless --url names a daemon's HTTP API. Exit codes: 0 ok; 1 failure; 2 usage or bad request;
+/// Reaches the local daemon's socket, daemon.sock in its home (--home, else $SIMLOCK_HOME, else
+/// ~/.simlock), unless --url names a daemon's HTTP API. Exit codes: 0 ok; 1 failure; 2 usage or bad request;
 /// 10 timeout; 11 no capacity; 12 cannot be served; 13 requester already leased; 14 a held lease
 /// was ended by the daemon.
 #[derive(Debug, Parser)]
