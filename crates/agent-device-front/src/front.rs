@@ -52,6 +52,8 @@ pub const MAX_PREFLIGHT_BODY: usize = 64 * 1024;
 pub const STOP_BOUND: Duration = Duration::from_secs(10);
 /// The largest answer the front reads whole (lease answers, preflight tickets, device lists).
 const MAX_ANSWER: usize = 4 * 1024 * 1024;
+/// Why a host could not be reached once the daemon serving the front is stopping.
+pub const STOPPING: &str = "this simlock daemon is stopping; retry once it is back";
 
 /// What a front is built from.
 pub struct FrontOptions {
@@ -475,11 +477,16 @@ impl Exchange {
                 .ended(lease, &self.caller.principal, Instant::now())
     }
 
-    /// Forgets the caller's `lease`, which ended, remembering it as theirs.
+    /// Forgets the caller's `lease`, which ended; on a worker, remembering it as theirs
+    /// ([`Self::not_ended`]).
     fn end(&self, lease: &LeaseId) {
-        self.inner
-            .leases
-            .end(lease, &self.caller.principal, Instant::now());
+        if self.hosts_per_lease() {
+            self.inner.leases.remove(lease);
+        } else {
+            self.inner
+                .leases
+                .end(lease, &self.caller.principal, Instant::now());
+        }
     }
 
     /// The status of the host holding `lease`, refused when it cannot serve.
@@ -515,7 +522,20 @@ impl Exchange {
             .link
             .forward(request, Some(&self.caller), lease)
             .await;
-        forwarded.map_err(|r| (r, self.surface.clone()))
+        forwarded.map_err(|refusal| {
+            // A host lost because this daemon stops (a gateway closing its uplinks) is named
+            // as the stop, not as the worker's absence.
+            let refusal = match refusal {
+                Refusal::NotAvailable { .. } if self.inner.stop.is_cancelled() => {
+                    Refusal::NotAvailable {
+                        reason: STOPPING.into(),
+                        retriable: true,
+                    }
+                }
+                other => other,
+            };
+            (refusal, self.surface.clone())
+        })
     }
 
     /// Forwards `body` as this request's body.

@@ -94,7 +94,8 @@ impl FrontLeases {
         }
     }
 
-    /// Forgets a lease that never was (its allocate failed).
+    /// Forgets a lease: one that never was (its allocate failed), or one that ended where the
+    /// front keeps no memory of ended leases (through a gateway).
     pub fn remove(&self, lease: &LeaseId) -> Option<FrontLease> {
         self.inner.lock().by_id.remove(lease)
     }

@@ -21,7 +21,9 @@ pub mod tenant;
 
 pub use body::{Body, BoxError};
 pub use config::AgentDeviceConfig;
-pub use front::{AGENT_DEVICE_MAX_TTL_MS, Front, FrontOptions, MAX_PREFLIGHT_BODY, STOP_BOUND};
+pub use front::{
+    AGENT_DEVICE_MAX_TTL_MS, Front, FrontOptions, MAX_PREFLIGHT_BODY, STOP_BOUND, STOPPING,
+};
 pub use lease_id::{LEASE_HEADER, LeaseId};
 pub use port::{Caller, HostLink, HostStatus, Hosts, RecoveredLease, Serving, StatusScope};
 pub use relay_link::{FleetPort, RelayHostLink};

@@ -2235,3 +2235,37 @@ async fn a_heartbeats_renewal_stays_between_gateway_and_worker_and_a_callers_is_
     );
     gw.stop().await;
 }
+
+/// A gateway that stops while a relayed command waits on its worker answers it, naming the
+/// stop (retriable), not the worker's absence.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_command_in_flight_when_the_gateway_stops_is_answered_naming_the_stop() {
+    let mut gw = Gw::start(enabled_gateway()).await;
+    gw.add(worker(true, &[Platform::Android])).await;
+    gw.wait_capable(0, true).await;
+    let (_, secret) = gw.token().await;
+    let lease = allocate(&Http::new(), &gw, &secret).await;
+    let hold = gw.fakes[0].hold_commands("snapshot");
+    let (base, token) = (gw.base(), secret.clone());
+    let call = command_call("c1", &lease, "snapshot", json!({}));
+    let running = tokio::spawn(async move { Http::new().rpc(&base, &token, &call).await });
+    tokio::time::timeout(PATIENCE, hold.wait_entered(1))
+        .await
+        .unwrap();
+    gw.fleet.stop_gateway().await;
+    let answer = running.await.unwrap();
+    assert_eq!(answer.status, 503, "{answer:?}");
+    let data = &answer.json()["error"]["data"];
+    assert_eq!(data["code"], "UNAVAILABLE");
+    assert_eq!(
+        data["message"],
+        json!(format!(
+            "agent-device is not available on this simlock: {}",
+            agent_device_front::STOPPING
+        ))
+    );
+    assert_eq!(data["retriable"], json!(true));
+    assert_eq!(answer.json()["id"], json!("c1"));
+    hold.release();
+    gw.stop().await;
+}
