@@ -69,6 +69,14 @@ impl Gw {
         Self::start_tuned(config, |_| {}).await
     }
 
+    /// A gateway with agent-device on and one capable worker with Android devices.
+    async fn one_android_worker() -> Self {
+        let mut gw = Self::start(enabled_gateway()).await;
+        gw.add(worker(true, &[Platform::Android])).await;
+        gw.wait_capable(0, true).await;
+        gw
+    }
+
     async fn start_tuned(
         config: GatewayConfig,
         tune: impl FnOnce(&mut simlock_fleet::FleetTiming),
@@ -456,9 +464,7 @@ async fn an_allocate_that_cannot_be_served_is_refused_with_the_seeds_reasons_and
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn commands_heartbeats_and_releases_go_to_the_leases_worker_in_the_seeds_order() {
-    let mut gw = Gw::start(enabled_gateway()).await;
-    gw.add(worker(true, &[Platform::Android])).await;
-    gw.wait_capable(0, true).await;
+    let gw = Gw::one_android_worker().await;
     let (principal, secret) = gw.token().await;
     let http = Http::new();
     let lease = allocate(&http, &gw, &secret).await;
@@ -544,9 +550,7 @@ async fn commands_heartbeats_and_releases_go_to_the_leases_worker_in_the_seeds_o
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn another_tokens_lease_or_an_unknown_one_is_not_yours_and_no_worker_receives_it() {
-    let mut gw = Gw::start(enabled_gateway()).await;
-    gw.add(worker(true, &[Platform::Android])).await;
-    gw.wait_capable(0, true).await;
+    let gw = Gw::one_android_worker().await;
     let (_, alice) = gw.token().await;
     let (_, bob) = gw.token().await;
     let http = Http::new();
@@ -666,9 +670,7 @@ async fn after_release_all_agent_device_ends_first_and_the_memory_routes_until_m
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_drained_only_capable_worker_takes_no_allocate_but_serves_the_lease_it_holds() {
-    let mut gw = Gw::start(enabled_gateway()).await;
-    gw.add(worker(true, &[Platform::Android])).await;
-    gw.wait_capable(0, true).await;
+    let gw = Gw::one_android_worker().await;
     let (_, secret) = gw.token().await;
     let http = Http::new();
     let lease = allocate(&http, &gw, &secret).await;
@@ -705,9 +707,7 @@ async fn a_drained_only_capable_worker_takes_no_allocate_but_serves_the_lease_it
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_whose_agent_device_went_down_unseen_answers_its_reason_and_the_lease_is_released()
 {
-    let mut gw = Gw::start(enabled_gateway()).await;
-    gw.add(worker(true, &[Platform::Android])).await;
-    gw.wait_capable(0, true).await;
+    let mut gw = Gw::one_android_worker().await;
     let (_, secret) = gw.token().await;
     // The daemon itself goes away; its worker still reports agent-device available.
     let fake = gw.fakes.remove(0);
@@ -2240,9 +2240,7 @@ async fn a_heartbeats_renewal_stays_between_gateway_and_worker_and_a_callers_is_
 /// stop (retriable), not the worker's absence.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_command_in_flight_when_the_gateway_stops_is_answered_naming_the_stop() {
-    let mut gw = Gw::start(enabled_gateway()).await;
-    gw.add(worker(true, &[Platform::Android])).await;
-    gw.wait_capable(0, true).await;
+    let mut gw = Gw::one_android_worker().await;
     let (_, secret) = gw.token().await;
     let lease = allocate(&Http::new(), &gw, &secret).await;
     let hold = gw.fakes[0].hold_commands("snapshot");
