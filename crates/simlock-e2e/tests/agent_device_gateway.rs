@@ -69,6 +69,17 @@ impl Gw {
         Self::start_tuned(config, |_| {}).await
     }
 
+    /// Adds a capable worker with Android devices whose uplink runs through a cable the test
+    /// can cut, and answers the cable.
+    async fn add_android_worker_via_cable(&mut self) -> Cable {
+        let cable = Cable::to(self.fleet.gateway().running.http_addr().unwrap()).await;
+        let n = self
+            .add_via(worker(true, &[Platform::Android]), Some(&cable))
+            .await;
+        self.wait_capable(n, true).await;
+        cable
+    }
+
     /// A gateway with agent-device on and one capable worker with Android devices.
     async fn one_android_worker() -> Self {
         let mut gw = Self::start(enabled_gateway()).await;
@@ -1837,10 +1848,7 @@ async fn every_call_answers_retry(gw: &Gw, secret: &str, lease: &str) {
 async fn with_no_worker_connected_a_lease_not_the_callers_is_still_not_yours() {
     use simlock_contract::model::Connection;
     let mut gw = Gw::start(enabled_gateway()).await;
-    let cable = Cable::to(gw.fleet.gateway().running.http_addr().unwrap()).await;
-    gw.add_via(worker(true, &[Platform::Android]), Some(&cable))
-        .await;
-    gw.wait_capable(0, true).await;
+    let cable = gw.add_android_worker_via_cable().await;
     let (_, alice) = gw.token().await;
     let (_, bob) = gw.token().await;
     let http = Http::new();
@@ -1879,10 +1887,7 @@ async fn while_the_uplink_is_down_the_lease_answers_retry_at_once_and_afterwards
         |options| options.relay_deadline = Some(Duration::from_secs(3600)),
     )
     .await;
-    let cable = Cable::to(gw.fleet.gateway().running.http_addr().unwrap()).await;
-    gw.add_via(worker(true, &[Platform::Android]), Some(&cable))
-        .await;
-    gw.wait_capable(0, true).await;
+    let cable = gw.add_android_worker_via_cable().await;
     let (_, secret) = gw.token().await;
     let http = Http::new();
     let lease = allocate(&http, &gw, &secret).await;
@@ -1951,10 +1956,7 @@ async fn a_worker_away_past_the_ttl_ends_the_lease_by_host_when_it_returns_and_r
     let mut config = enabled_gateway();
     config.agent_device.lease_ttl_cap_ms = Some(5_000);
     let mut gw = Gw::start(config).await;
-    let cable = Cable::to(gw.fleet.gateway().running.http_addr().unwrap()).await;
-    gw.add_via(worker(true, &[Platform::Android]), Some(&cable))
-        .await;
-    gw.wait_capable(0, true).await;
+    let cable = gw.add_android_worker_via_cable().await;
     let (_, secret) = gw.token().await;
     let http = Http::new();
     let lease = allocate(&http, &gw, &secret).await;
@@ -1998,10 +2000,7 @@ async fn after_a_gateway_restart_its_leases_answer_retry_until_their_worker_is_b
  {
     use simlock_contract::model::Connection;
     let mut gw = Gw::start(enabled_gateway()).await;
-    let cable = Cable::to(gw.fleet.gateway().running.http_addr().unwrap()).await;
-    gw.add_via(worker(true, &[Platform::Android]), Some(&cable))
-        .await;
-    gw.wait_capable(0, true).await;
+    let cable = gw.add_android_worker_via_cable().await;
     let (_, alice) = gw.token().await;
     let (_, bob) = gw.token().await;
     let http = Http::new();
@@ -2084,10 +2083,7 @@ async fn a_published_cli_session_survives_its_workers_uplink_drop_without_alloca
     use simlock_e2e::agent_device::{Cli, real_package};
     let pkg = real_package();
     let mut gw = Gw::start(enabled_gateway()).await;
-    let cable = Cable::to(gw.fleet.gateway().running.http_addr().unwrap()).await;
-    gw.add_via(worker(true, &[Platform::Android]), Some(&cable))
-        .await;
-    gw.wait_capable(0, true).await;
+    let cable = gw.add_android_worker_via_cable().await;
     let (_, secret) = gw.token().await;
     let cli = Cli::new(&pkg, &gw.base(), &secret);
     let profile = cli.profile("android");
@@ -2183,10 +2179,7 @@ async fn a_lease_gets_the_lower_of_the_gateways_and_its_workers_max_ttl_and_hear
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_heartbeats_renewal_stays_between_gateway_and_worker_and_a_callers_is_dropped() {
     let mut gw = Gw::start(enabled_gateway()).await;
-    let cable = Cable::to(gw.fleet.gateway().running.http_addr().unwrap()).await;
-    gw.add_via(worker(true, &[Platform::Android]), Some(&cable))
-        .await;
-    gw.wait_capable(0, true).await;
+    let cable = gw.add_android_worker_via_cable().await;
     let (_, secret) = gw.token().await;
     let http = Http::new();
     let lease = allocate(&http, &gw, &secret).await;

@@ -135,15 +135,20 @@ impl WorkerConn {
 
     /// Closes the uplink.
     pub fn close(&self) {
-        self.closed.cancel();
-        self.link.close();
-        self.client.close();
+        self.shut(None);
     }
 
     /// Closes the uplink, telling the worker `why`.
     pub(crate) fn close_because(&self, why: Closing) {
+        self.shut(Some(why));
+    }
+
+    fn shut(&self, why: Option<Closing>) {
         self.closed.cancel();
-        self.link.close_because(why.to_string());
+        match why {
+            Some(why) => self.link.close_because(why.to_string()),
+            None => self.link.close(),
+        }
         self.client.close();
     }
 
