@@ -545,8 +545,10 @@ impl Fleet {
 
     /// Stops: waiting requests fail `DAEMON_STOPPING`; uplinks close.
     pub fn stop(&self) {
-        self.stopping.cancel();
+        // The decision first: its effects close each uplink telling the worker why, before the
+        // uplinks' own tasks see the stop and close them without a reason.
         self.decide(|shared, now| shared.core.handle_stop(now));
+        self.stopping.cancel();
     }
 
     // === Queries ===
