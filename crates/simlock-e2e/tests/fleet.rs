@@ -1418,14 +1418,3 @@ async fn two_workers_from_one_home_are_each_told_why_they_were_replaced() {
     uplink_lost_with(&fleet, 1, "replaced by a newer uplink").await;
     fleet.stop().await;
 }
-
-/// A gateway that stops tells its workers so.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_stopping_gateway_tells_its_workers_why_their_uplink_closed() {
-    let mut fleet = TestFleet::start(gateway_config()).await;
-    fleet.add_worker(worker_config(2)).await;
-    fleet.stop_gateway().await;
-    let told = uplink_lost_with(&fleet, 0, "closed by the peer").await;
-    assert!(told.contains("the gateway is stopping"), "{told}");
-    fleet.stop().await;
-}
