@@ -220,7 +220,7 @@ impl RunningGateway {
             front.stop().await;
         }
         self.stop.cancel();
-        self.fleet.stop();
+        self.fleet.stop().await;
         self.running.stop(reason).await;
     }
 }

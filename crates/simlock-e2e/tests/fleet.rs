@@ -768,6 +768,23 @@ async fn the_view_an_uplink_makes_before_its_greeting_wakes_the_fleets_watchers(
     fleet.stop().await;
 }
 
+/// A worker that redials while the gateway stops (its listener still open) is told the gateway
+/// is stopping, and nothing is recorded for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_uplink_dialled_while_the_gateway_stops_gets_503_daemon_stopping() {
+    let fleet = TestFleet::start(gateway_config()).await;
+    let addr = fleet.gateway().running.http_addr().unwrap().to_string();
+    // The fleet alone stops; the HTTP listener, stopped after it in a real stop, still answers.
+    fleet.gateway().fleet.stop().await;
+    let answer = raw_uplink(&addr, &fleet.join_token, Some("13")).await;
+    let (head, body) = answer.split_once("\r\n\r\n").unwrap();
+    assert!(head.starts_with("HTTP/1.1 503"), "{answer}");
+    let error: Value = serde_json::from_str(body).unwrap();
+    assert_eq!(error["error"]["code"], "DAEMON_STOPPING", "{body}");
+    assert!(fleet.gateway().fleet.view("old-client").is_none());
+    fleet.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_uplink_with_another_websocket_version_or_none_gets_426_and_records_nothing() {
     let fleet = TestFleet::start(gateway_config()).await;
@@ -1416,5 +1433,16 @@ async fn two_workers_from_one_home_are_each_told_why_they_were_replaced() {
     assert!(told.contains("SIMLOCK_HOME"), "{told}");
     // The first worker dials again and replaces the copy in turn.
     uplink_lost_with(&fleet, 1, "replaced by a newer uplink").await;
+    fleet.stop().await;
+}
+
+/// A gateway that stops tells its workers so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopping_gateway_tells_its_workers_why_their_uplink_closed() {
+    let mut fleet = TestFleet::start(gateway_config()).await;
+    fleet.add_worker(worker_config(2)).await;
+    fleet.stop_gateway().await;
+    let told = uplink_lost_with(&fleet, 0, "closed by the peer").await;
+    assert!(told.contains("the gateway is stopping"), "{told}");
     fleet.stop().await;
 }

@@ -81,6 +81,10 @@ fn millis(d: Duration) -> i64 {
 /// How many index removals a follower may lag behind.
 const DROPPED_BUFFER: usize = 1024;
 
+/// How long a stop waits for the uplinks' close handshakes: a little past the link's own
+/// linger (1 s), which already bounds each.
+const STOP_LINGER: Duration = Duration::from_secs(2);
+
 /// What the fleet is built from.
 pub struct FleetParts {
     /// The gateway's instance id.
@@ -144,12 +148,14 @@ impl WorkerConn {
     }
 
     fn shut(&self, why: Option<Closing>) {
-        self.closed.cancel();
+        // The link first: the uplink's task wakes on `closed` (perhaps on another thread) and
+        // closes the link itself, without a reason; the first close is the one the worker hears.
         match why {
             Some(why) => self.link.close_because(why.to_string()),
             None => self.link.close(),
         }
         self.client.close();
+        self.closed.cancel();
     }
 
     /// Fires when the uplink is closed locally.
@@ -543,12 +549,26 @@ impl Fleet {
         });
     }
 
-    /// Stops: waiting requests fail `DAEMON_STOPPING`; uplinks close.
-    pub fn stop(&self) {
+    /// Stops: waiting requests fail `DAEMON_STOPPING`; uplinks close, telling their workers
+    /// the gateway is stopping. Resolves once every uplink's close handshake is done or given
+    /// up (the link's linger bounds it), so a gateway that exits next has said why.
+    pub async fn stop(&self) {
+        let links: Vec<LinkHandle> = {
+            let shared = self.shared.lock();
+            shared
+                .conns
+                .values()
+                .map(|conn| conn.link.clone())
+                .collect()
+        };
         // The decision first: its effects close each uplink telling the worker why, before the
         // uplinks' own tasks see the stop and close them without a reason.
         self.decide(|shared, now| shared.core.handle_stop(now));
         self.stopping.cancel();
+        let finished = futures::future::join_all(links.iter().map(LinkHandle::finished));
+        if tokio::time::timeout(STOP_LINGER, finished).await.is_err() {
+            warn!("an uplink's close did not finish within {STOP_LINGER:?}");
+        }
     }
 
     // === Queries ===

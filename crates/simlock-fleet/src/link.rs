@@ -14,6 +14,7 @@ use simlock_wire::{Unsolicited, WireClient};
 use tracing::{debug, info, warn};
 
 use crate::fleet::{Fleet, WorkerConn};
+use crate::state::Closing;
 
 impl Fleet {
     /// Takes over a worker's new uplink and drives it until it ends.
@@ -31,7 +32,13 @@ impl Fleet {
         let fleet = self.clone();
         tokio::spawn(async move {
             fleet.drive(&conn, unsolicited).await;
-            conn.close();
+            // An uplink accepted while the gateway stops (its worker redialled at once) closes
+            // telling the worker why, as the ones the stop found did.
+            if fleet.stopping.is_cancelled() {
+                conn.close_because(Closing::Stopping);
+            } else {
+                conn.close();
+            }
             fleet.detach(&conn);
         });
     }

@@ -1,5 +1,5 @@
-//! `GET /v1/uplink`: where workers dial in. Refusals, in order: no `x-simlock-worker-id` (or an
-//! invalid one) or a label past its bound → 400; a missing or unknown join token → 401; a valid
+//! `GET /v1/uplink`: where workers dial in. Refusals, in order: the gateway stopping → 503; no
+//! `x-simlock-worker-id` (or an invalid one) or a label past its bound → 400; a missing or unknown join token → 401; a valid
 //! token of another role → 403 (both logged as `worker.rejected`); not a WebSocket upgrade →
 //! 400; a `Sec-WebSocket-Version` other than 13 → 426 naming 13 (RFC 6455 §4.2.2). A refusal
 //! records no worker. Otherwise the WebSocket upgrade is answered, the socket is wrapped in a
@@ -74,6 +74,10 @@ impl UplinkMount {
     }
 
     fn accept(&self, mut request: Request<Incoming>) -> Response<Body> {
+        if self.fleet.stopping.is_cancelled() {
+            // A worker that redials while the gateway stops is told so, and retries later.
+            return error(&simlock_daemon::http::body::stopping_error());
+        }
         let headers = request.headers();
         let worker_id = headers
             .get("x-simlock-worker-id")

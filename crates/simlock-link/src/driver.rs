@@ -373,6 +373,7 @@ impl<S> Drop for Driver<S> {
                 .handle_transport_closed(CloseReason::Transport("link driver stopped".into()));
             state.driver = None;
         });
+        self.shared.finished().cancel();
     }
 }
 

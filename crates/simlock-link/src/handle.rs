@@ -166,6 +166,13 @@ impl LinkHandle {
             .with(|state, _| state.link.close_reason().cloned())
     }
 
+    /// Resolves when the link's driver has ended: after a local close, once the close frame is
+    /// on the wire and the peer answered it (or the linger ran out), so a process that waits for
+    /// this before it exits tells its peer why it closed.
+    pub async fn finished(&self) {
+        self.shared().finished().cancelled().await;
+    }
+
     /// Resolves when the link is gone (peer close, violation, missed pings, socket error, or a
     /// local close), with the reason.
     pub async fn closed(&self) -> CloseReason {

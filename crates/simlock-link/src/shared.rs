@@ -17,6 +17,7 @@ use std::{
 
 use parking_lot::Mutex;
 use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
 
 use crate::{
     error::CloseReason,
@@ -28,6 +29,8 @@ use crate::{
 pub(crate) struct Shared {
     state: Mutex<State>,
     closed: watch::Sender<Option<CloseReason>>,
+    /// Cancelled when the driver task ends: the close handshake done, or given up.
+    finished: CancellationToken,
     next_waiter: AtomicU64,
 }
 
@@ -114,6 +117,7 @@ impl Shared {
                 text_receiver_alive: true,
             }),
             closed: watch::Sender::new(None),
+            finished: CancellationToken::new(),
             next_waiter: AtomicU64::new(0),
         })
     }
@@ -126,6 +130,11 @@ impl Shared {
     /// Subscribes to the link's close reason.
     pub(crate) fn closed(&self) -> watch::Receiver<Option<CloseReason>> {
         self.closed.subscribe()
+    }
+
+    /// Fires when the driver task has ended.
+    pub(crate) fn finished(&self) -> &CancellationToken {
+        &self.finished
     }
 
     /// Runs `op` on the state from an application handle, then wakes whoever its effects concern,
