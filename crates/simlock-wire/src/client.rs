@@ -293,9 +293,15 @@ impl WireClient {
             reply: Some(reply_rx),
             inner: self.inner.clone(),
         };
-        if self.inner.out.send(Bytes::from(line)).await.is_err() || self.is_closed() {
+        // Every close cancels `closed` and then fails every pending call. A call registered
+        // before the cancel is answered by that, or by its reply when the daemon answered it
+        // before it hung up (as it does a refused `hello`), whether or not its line was still
+        // queued; one registered after the cancel must not wait.
+        if self.is_closed() {
             return Err(ContractError::connection_lost());
         }
+        // A closed queue means the connection closed after the check: the reply says how.
+        let _ = self.inner.out.send(Bytes::from(line)).await;
         Ok(handle)
     }
 

@@ -545,3 +545,53 @@ async fn a_push_waits_while_the_reader_does_not_read() {
     }
     assert_eq!(pushed.load(Ordering::SeqCst), 10_000);
 }
+
+/// A daemon that answers calls and hangs up at once (a refused `hello` does): each call hears
+/// its answer, not `DAEMON_CONNECTION_LOST`, even the one whose line was still queued when the
+/// connection ended.
+#[tokio::test]
+async fn a_call_answered_just_before_the_daemon_hangs_up_gets_its_answer() {
+    use simlock_contract::frame::{FrameId, Reply};
+    // The daemon reads nothing until it has answered: the client's writes back up through a
+    // 16-byte pipe into the client's queue, and the last call waits to be queued.
+    let (client_write, mut daemon_read) = tokio::io::duplex(16);
+    let (mut daemon_write, client_read) = tokio::io::duplex(1 << 20);
+    let (client, _unsolicited) = WireClient::new(Transport::client_io(client_read, client_write));
+    const CALLS: u64 = 80;
+    let mut calls = Vec::new();
+    for _ in 0..CALLS {
+        let client = client.clone();
+        calls.push(tokio::spawn(async move {
+            client.call_value("echo", json!({})).await
+        }));
+    }
+    // Every call has started (ids 1..=CALLS) and the last ones wait for room in the queue.
+    for _ in 0..10 {
+        tokio::task::yield_now().await;
+    }
+    let refused = ContractError::new(ErrorCode::AdminAuthenticationFailed, "no such token");
+    for id in 1..=CALLS {
+        let reply = Reply::err(Some(FrameId::from(id)), &refused);
+        let mut line = serde_json::to_vec(&reply).unwrap();
+        line.push(b'\n');
+        daemon_write.write_all(&line).await.unwrap();
+    }
+    drop(daemon_write);
+    // The client reads every answer and the end before its writer gets room again.
+    for _ in 0..10 {
+        tokio::task::yield_now().await;
+    }
+    assert!(client.is_closed());
+    tokio::spawn(async move {
+        let mut sink = Vec::new();
+        let _ = tokio::io::AsyncReadExt::read_to_end(&mut daemon_read, &mut sink).await;
+    });
+    for (n, call) in calls.into_iter().enumerate() {
+        let outcome = call.await.unwrap();
+        assert_eq!(
+            outcome.unwrap_err().code,
+            ErrorCode::AdminAuthenticationFailed,
+            "call {n}"
+        );
+    }
+}
