@@ -135,6 +135,113 @@ impl<G: Unpin> http_body::Body for Guarded<G> {
     }
 }
 
+/// What opens the last line of a progress stream (agent-device's own serialisation).
+const RESPONSE_LINE: &[u8] = b"{\"type\":\"response\"";
+
+/// A progress stream (`application/x-ndjson`: progress lines, then one `{"type":"response",…}`
+/// line) passed on as it comes. When it fails or ends before its response line (its host lost:
+/// a daemon stopping, an uplink down, agent-device killed), the stream is finished here with a
+/// response line of `cut`'s making, given why, so the CLI reads an error it can print instead
+/// of a broken stream.
+pub struct ProgressTail<F> {
+    inner: Body,
+    /// The first bytes of the line being read, up to the length of [`RESPONSE_LINE`].
+    head: Vec<u8>,
+    /// Whether a byte of the line being read has passed.
+    mid_line: bool,
+    /// Whether the response line passed whole.
+    answered: bool,
+    cut: Option<F>,
+    ended: bool,
+}
+
+impl<F: FnOnce(&str) -> Bytes> ProgressTail<F> {
+    /// `inner`, finished by `cut` if it needs to be.
+    pub const fn new(inner: Body, cut: F) -> Self {
+        Self {
+            inner,
+            head: Vec::new(),
+            mid_line: false,
+            answered: false,
+            cut: Some(cut),
+            ended: false,
+        }
+    }
+
+    fn see(&mut self, mut data: &[u8]) {
+        while !data.is_empty() {
+            let (line, rest, complete) = match data.iter().position(|b| *b == b'\n') {
+                Some(at) => (&data[..at], &data[at + 1..], true),
+                None => (data, &[][..], false),
+            };
+            let room = RESPONSE_LINE.len().saturating_sub(self.head.len());
+            self.head.extend_from_slice(&line[..line.len().min(room)]);
+            if complete {
+                if self.head.as_slice() == RESPONSE_LINE {
+                    self.answered = true;
+                }
+                self.head.clear();
+                self.mid_line = false;
+            } else {
+                self.mid_line = true;
+            }
+            data = rest;
+        }
+    }
+
+    /// The stream's last bytes when it was cut before its answer.
+    fn finish(&mut self, why: &str) -> Option<Bytes> {
+        self.ended = true;
+        let cut = self.cut.take()?;
+        if self.answered {
+            return None;
+        }
+        let line = cut(why);
+        let mut out = BytesMut::with_capacity(line.len() + 1);
+        if self.mid_line {
+            out.extend_from_slice(b"\n");
+        }
+        out.extend_from_slice(&line);
+        Some(out.freeze())
+    }
+}
+
+impl<F: FnOnce(&str) -> Bytes + Unpin> http_body::Body for ProgressTail<F> {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let this = self.get_mut();
+        if this.ended {
+            return Poll::Ready(None);
+        }
+        let why = match Pin::new(&mut this.inner).poll_frame(cx) {
+            Poll::Pending => return Poll::Pending,
+            Poll::Ready(Some(Ok(frame))) => {
+                if let Some(data) = frame.data_ref() {
+                    this.see(data);
+                }
+                return Poll::Ready(Some(Ok(frame)));
+            }
+            Poll::Ready(Some(Err(e))) => e.to_string(),
+            Poll::Ready(None) => "the stream ended without its response".to_owned(),
+        };
+        Poll::Ready(this.finish(&why).map(|last| Ok(Frame::data(last))))
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.ended
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        // Perhaps a line more than the stream's own.
+        SizeHint::default()
+    }
+}
+
 /// The size from which a frame [`Coalesced`] gathers is kept as it came instead of copied.
 pub const KEEP_AS_IS: usize = 64 * 1024;
 
@@ -705,5 +812,80 @@ mod tests {
         assert_eq!(seen(script, 64).await, ["abcd", "trailers 1"]);
         let failing = vec![data("ab"), Some(Err("cut".into())), data("never")];
         assert_eq!(seen(failing, 64).await, ["ab", "error cut", "never"]);
+    }
+
+    /// Everything a [`ProgressTail`] over `script` passes on, as text, and how it ended.
+    async fn tail_of(script: Vec<Option<Result<Frame<Bytes>, BoxError>>>) -> (String, bool) {
+        let inner = Script(script.into()).boxed_unsync();
+        let mut body = ProgressTail::new(inner, |why: &str| {
+            Bytes::from(format!("{{\"type\":\"response\",\"why\":\"{why}\"}}\n"))
+        });
+        let mut out = String::new();
+        while let Some(frame) = body.frame().await {
+            match frame {
+                Ok(frame) => out.push_str(&String::from_utf8_lossy(&frame.into_data().unwrap())),
+                Err(_) => return (out, false),
+            }
+        }
+        (out, http_body::Body::is_end_stream(&body))
+    }
+
+    const PROGRESS: &str = "{\"type\":\"progress\",\"event\":{}}\n";
+    const RESPONSE: &str = "{\"type\":\"response\",\"response\":{\"id\":1}}\n";
+
+    #[tokio::test]
+    async fn a_progress_stream_with_its_response_passes_as_it_came() {
+        let whole = vec![data(PROGRESS), data(RESPONSE)];
+        assert_eq!(
+            tail_of(whole).await,
+            (format!("{PROGRESS}{RESPONSE}"), true)
+        );
+        // The response line in pieces, its opening split too; then the stream fails: the
+        // answer was whole, so nothing is added and the stream just ends.
+        let (a, b) = RESPONSE.split_at(5);
+        let pieces = vec![
+            data(PROGRESS),
+            data(a),
+            None,
+            data(b),
+            Some(Err("gone".into())),
+        ];
+        assert_eq!(
+            tail_of(pieces).await,
+            (format!("{PROGRESS}{RESPONSE}"), true)
+        );
+    }
+
+    #[tokio::test]
+    async fn a_progress_stream_cut_before_its_response_is_finished_with_one_saying_why() {
+        let cut = vec![data(PROGRESS), Some(Err("uplink lost".into()))];
+        assert_eq!(
+            tail_of(cut).await,
+            (
+                format!("{PROGRESS}{{\"type\":\"response\",\"why\":\"uplink lost\"}}\n"),
+                true
+            )
+        );
+        // Cut inside a line (the response's own included): the made line starts on a line of
+        // its own.
+        let (half, _) = RESPONSE.split_at(30);
+        let mid = vec![data(PROGRESS), data(half), Some(Err("reset".into()))];
+        assert_eq!(
+            tail_of(mid).await,
+            (
+                format!("{PROGRESS}{half}\n{{\"type\":\"response\",\"why\":\"reset\"}}\n"),
+                true
+            )
+        );
+        // Ended cleanly but without a response: finished the same way.
+        let (out, ended) = tail_of(vec![data(PROGRESS)]).await;
+        assert!(ended);
+        assert!(
+            out.ends_with("\"why\":\"the stream ended without its response\"}\n"),
+            "{out}"
+        );
+        // A line that only starts like the response's opening is not the response.
+        let lookalike = vec![data("{\"type\":\"respons\"}\n"), Some(Err("x".into()))];
+        assert!(tail_of(lookalike).await.0.ends_with("\"why\":\"x\"}\n"));
     }
 }

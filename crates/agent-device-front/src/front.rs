@@ -35,7 +35,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
 use crate::body::json as json_response;
-use crate::body::{Guarded, read_caller_body, read_to_bytes};
+use crate::body::{Guarded, ProgressTail, read_caller_body, read_to_bytes};
 use crate::lease_id::{LEASE_HEADER, LeaseId};
 use crate::leases::{FrontLease, FrontLeases};
 use crate::port::{Caller, HostLink, Hosts, Serving, StatusScope};
@@ -374,11 +374,11 @@ async fn rpc(
                     call.pin_device(entry.platform, &entry.address);
                     let renewal = spawn_renewal(inner, caller, &lease, entry.ttl_ms);
                     let response = ctx.forward(call.to_bytes(), Some(&lease)).await?;
-                    let (parts, body) = response.into_parts();
+                    let (parts, body) = ctx.finished(response).into_parts();
                     let body = Guarded::new(body, renewal).boxed_unsync();
                     Ok(Response::from_parts(parts, body))
                 }
-                None => ctx.forward(call.to_bytes(), None).await,
+                None => Ok(ctx.finished(ctx.forward(call.to_bytes(), None).await?)),
             }
         }
         RpcMethod::ReleaseMaterializedPaths => ctx.forward(call.to_bytes(), lease.as_ref()).await,
@@ -526,16 +526,41 @@ impl Exchange {
             // A host lost because this daemon stops (a gateway closing its uplinks) is named
             // as the stop, not as the worker's absence.
             let refusal = match refusal {
-                Refusal::NotAvailable { .. } if self.inner.stop.is_cancelled() => {
-                    Refusal::NotAvailable {
-                        reason: STOPPING.into(),
-                        retriable: true,
-                    }
+                Refusal::NotAvailable { reason, .. } if self.inner.stop.is_cancelled() => {
+                    host_lost(&self.inner.stop, reason)
                 }
                 other => other,
             };
             (refusal, self.surface.clone())
         })
+    }
+
+    /// `response` with its progress stream, if it is one, finished by a response line of the
+    /// front's making when the stream is cut before its own ([`ProgressTail`]): the request's
+    /// host was lost mid-command. A plain JSON answer is passed as it is (its length is stated;
+    /// nothing can be added to it).
+    fn finished(&self, response: Response<Body>) -> Response<Body> {
+        let streamed = response.status() == StatusCode::OK
+            && response
+                .headers()
+                .get(http::header::CONTENT_TYPE)
+                .and_then(|v| v.to_str().ok())
+                .is_some_and(|v| v.contains("application/x-ndjson"));
+        let Surface::Rpc { id } = &self.surface else {
+            return response;
+        };
+        if !streamed {
+            return response;
+        }
+        let (stop, id) = (self.inner.stop.clone(), id.clone());
+        let cut = move |why: &str| {
+            let refusal = host_lost(&stop, format!("its answer was cut off ({why}); retry"));
+            let line = json!({"type": "response", "response": refusal.rpc_error(&id)});
+            Bytes::from(format!("{line}\n"))
+        };
+        let (mut parts, body) = response.into_parts();
+        parts.headers.remove(http::header::CONTENT_LENGTH);
+        Response::from_parts(parts, ProgressTail::new(body, cut).boxed_unsync())
     }
 
     /// Forwards `body` as this request's body.
@@ -562,10 +587,10 @@ impl Exchange {
         let response = self.send(request, lease).await?;
         let (parts, body) = response.into_parts();
         let bytes = read_to_bytes(body, MAX_ANSWER).await.map_err(|e| {
-            self.fail(Refusal::NotAvailable {
-                reason: format!("agent-device's answer could not be read: {e}"),
-                retriable: true,
-            })
+            self.fail(host_lost(
+                &self.inner.stop,
+                format!("agent-device's answer could not be read: {e}"),
+            ))
         })?;
         Ok((parts, bytes))
     }
@@ -614,6 +639,20 @@ async fn release_simlock_lease(pipeline: &Pipeline, ctx: CallCtx, lease: &LeaseI
         Err(e) => {
             warn!(%lease, code = %e.code, message = %e.message, "the simlock lease could not be released")
         }
+    }
+}
+
+/// The refusal for a host lost mid-request: named as this daemon's stop when it is stopping
+/// (a gateway closing its uplinks, a worker stopping its agent-device daemon), not as the
+/// host's absence.
+fn host_lost(stop: &CancellationToken, reason: String) -> Refusal {
+    Refusal::NotAvailable {
+        reason: if stop.is_cancelled() {
+            STOPPING.to_owned()
+        } else {
+            reason
+        },
+        retriable: true,
     }
 }
 

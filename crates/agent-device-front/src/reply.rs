@@ -180,29 +180,10 @@ impl Refusal {
         surface: &Surface,
         status: StatusCode,
     ) -> Response<Body> {
-        let message = self.to_string();
         let body = match surface {
-            Surface::Rpc { id } => {
-                let mut data = Map::new();
-                data.insert("code".into(), Value::from(self.code()));
-                data.insert("message".into(), Value::from(message.clone()));
-                if let Some(details) = self.details() {
-                    data.insert("details".into(), details);
-                }
-                if let Some(retriable) = self.retriable() {
-                    data.insert("retriable".into(), Value::Bool(retriable));
-                }
-                let rpc_code = match &self {
-                    Self::Invalid { rpc_code, .. } => *rpc_code,
-                    _ => -32000,
-                };
-                json!({
-                    "jsonrpc": "2.0",
-                    "id": id,
-                    "error": { "code": rpc_code, "message": message, "data": data },
-                })
-            }
+            Surface::Rpc { id } => self.rpc_error(id),
             Surface::Route => {
+                let message = self.to_string();
                 let mut body = Map::new();
                 body.insert("ok".into(), Value::Bool(false));
                 body.insert("error".into(), Value::from(message));
@@ -217,6 +198,30 @@ impl Refusal {
             }
         };
         crate::body::json(status, &body)
+    }
+
+    /// The reply as a JSON-RPC error answering the request `id` (the body of an `/rpc` reply,
+    /// or the `response` of a progress stream's last line).
+    pub fn rpc_error(&self, id: &Value) -> Value {
+        let message = self.to_string();
+        let mut data = Map::new();
+        data.insert("code".into(), Value::from(self.code()));
+        data.insert("message".into(), Value::from(message.clone()));
+        if let Some(details) = self.details() {
+            data.insert("details".into(), details);
+        }
+        if let Some(retriable) = self.retriable() {
+            data.insert("retriable".into(), Value::Bool(retriable));
+        }
+        let rpc_code = match self {
+            Self::Invalid { rpc_code, .. } => *rpc_code,
+            _ => -32000,
+        };
+        json!({
+            "jsonrpc": "2.0",
+            "id": id,
+            "error": { "code": rpc_code, "message": message, "data": data },
+        })
     }
 }
 

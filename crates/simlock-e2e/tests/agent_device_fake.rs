@@ -270,6 +270,46 @@ async fn a_command_the_daemon_never_answers_is_refused_at_the_proxys_bound() {
     fake.stop().await;
 }
 
+/// agent-device lost in the middle of a command that streams its progress (as the CLI asks in
+/// human mode): the stream the CLI reads ends with a response line saying so, retriable, not
+/// cut short (which the CLI reports as a failure to talk to its daemon).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_progress_stream_cut_by_the_daemons_loss_ends_with_a_response_saying_so() {
+    let fake = FakeAgentDevice::start(FakeOptions::default()).unwrap();
+    let worker = AdWorker::with_fake(attached_config(), &fake).await;
+    let (_, secret) = worker.token("agent").await;
+    let lease = allocate(&Http::new(), &worker, &secret, "s1").await;
+    let hold = fake.hold_commands("snapshot");
+    let mut call = command_call("c1", "s1", &lease, "snapshot", json!({}));
+    call["params"]["meta"]["requestProgress"] = json!("command");
+    let (base, token) = (worker.base(), secret.clone());
+    let running = tokio::spawn(async move { Http::new().rpc(&base, &token, &call).await });
+    tokio::time::timeout(PATIENCE, hold.wait_entered(1))
+        .await
+        .unwrap();
+    fake.stop().await;
+    let answer = running.await.unwrap();
+    assert_eq!(answer.status, 200, "the stream had begun: {answer:?}");
+    let text = String::from_utf8_lossy(&answer.body).into_owned();
+    let last: Value = text
+        .lines()
+        .last()
+        .and_then(|line| serde_json::from_str(line).ok())
+        .unwrap_or_else(|| panic!("a last line of JSON: {text:?}"));
+    assert_eq!(last["type"], "response", "{text}");
+    assert_eq!(last["response"]["id"], "c1", "{text}");
+    let data = &last["response"]["error"]["data"];
+    assert_eq!(data["code"], "UNAVAILABLE", "{text}");
+    assert_eq!(data["retriable"], json!(true), "{text}");
+    let message = data["message"].as_str().unwrap();
+    assert!(
+        message
+            .starts_with("agent-device is not available on this simlock: its answer was cut off ("),
+        "{message}"
+    );
+    worker.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn release_all_ends_the_agent_device_lease_before_the_device_is_reclaimed() {
     let fake = FakeAgentDevice::start(FakeOptions::default()).unwrap();

@@ -1399,48 +1399,71 @@ fn fake_read(daemon: &str, what: &str) -> Value {
     serde_json::from_str(&body).unwrap()
 }
 
-#[test]
-fn agent_device_leases_through_a_gateway_killed_with_sigkill_work_again_for_their_owners_only() {
-    if !enabled() {
-        return;
-    }
-    let gateway_home = tempfile::tempdir().unwrap();
-    let gateway = Gateway::start(gateway_home.path(), 0);
-    let token = |role: &str| {
-        let created = run_cli(
-            gateway_home.path(),
-            &["token", "create", "--role", role],
-            &[],
-        );
-        assert_eq!(created.code, 0, "{}", created.stderr);
-        created.json["secret"].as_str().unwrap().to_owned()
-    };
-    let (join, operator, alice, bob) = (
-        token("worker"),
-        token("operator"),
-        token("agent"),
-        token("agent"),
-    );
-    let fake = bin("agent-device-fake").display().to_string();
-    let config = format!(
-        "{}\n[gateway]\nurl = \"ws://{}\"\ntoken = \"{join}\"\n[agentDevice]\nenabled = true\ncommand = {}\n",
-        fixed(1),
-        gateway.http,
-        serde_json::to_string(&[fake]).unwrap()
-    );
-    let worker = AgentDeviceWorker(Worker::start(&config, false));
-    // The worker may dial in before its daemon is up; the gateway then sees agent-device
-    // available at its next view refresh (up to 30 s): a capability's change asks for none.
-    let view = poll(
-        "the worker to serve agent-device through the gateway",
-        || serving_worker(gateway_home.path()),
-    );
-    let worker_id = view["id"].as_str().unwrap().to_owned();
+/// A gateway and one worker whose agent-device daemon is the fake, both as processes, with
+/// tokens: the worker's join, an operator and two agents.
+struct AgentDeviceFleet {
+    gateway_home: tempfile::TempDir,
+    gateway: Gateway,
+    worker: AgentDeviceWorker,
+    worker_id: String,
+    operator: String,
+    alice: String,
+    bob: String,
+}
 
-    // Alice allocates through the gateway and opens a session on the leased device.
+impl AgentDeviceFleet {
+    /// Starts both and waits until the gateway can place an allocate on the worker.
+    fn start() -> Self {
+        let gateway_home = tempfile::tempdir().unwrap();
+        let gateway = Gateway::start(gateway_home.path(), 0);
+        let token = |role: &str| {
+            let created = run_cli(
+                gateway_home.path(),
+                &["token", "create", "--role", role],
+                &[],
+            );
+            assert_eq!(created.code, 0, "{}", created.stderr);
+            created.json["secret"].as_str().unwrap().to_owned()
+        };
+        let (join, operator, alice, bob) = (
+            token("worker"),
+            token("operator"),
+            token("agent"),
+            token("agent"),
+        );
+        let fake = bin("agent-device-fake").display().to_string();
+        let config = format!(
+            "{}\n[gateway]\nurl = \"ws://{}\"\ntoken = \"{join}\"\n[agentDevice]\nenabled = true\ncommand = {}\n",
+            fixed(1),
+            gateway.http,
+            serde_json::to_string(&[fake]).unwrap()
+        );
+        let worker = AgentDeviceWorker(Worker::start(&config, false));
+        // The worker may dial in before its daemon is up; the gateway then sees agent-device
+        // available at its next view refresh (up to 30 s): a capability's change asks for none.
+        let view = poll(
+            "the worker to serve agent-device through the gateway",
+            || serving_worker(gateway_home.path()),
+        );
+        let worker_id = view["id"].as_str().unwrap().to_owned();
+        Self {
+            gateway_home,
+            gateway,
+            worker,
+            worker_id,
+            operator,
+            alice,
+            bob,
+        }
+    }
+}
+
+/// `lease.allocate` of an Android device through the gateway at `gateway` as `token`: the
+/// lease id.
+fn ad_allocate(gateway: &str, token: &str) -> String {
     let (status, allocated) = agent_device_rpc(
-        &gateway.http,
-        &alice,
+        gateway,
+        token,
         &simlock_e2e::agent_device::rpc_call(
             "a1",
             "lease.allocate",
@@ -1448,10 +1471,29 @@ fn agent_device_leases_through_a_gateway_killed_with_sigkill_work_again_for_thei
         ),
     );
     assert_eq!(status, 200, "{allocated}");
-    let lease = allocated["result"]["data"]["lease"]["leaseId"]
+    allocated["result"]["data"]["lease"]["leaseId"]
         .as_str()
         .unwrap_or_else(|| panic!("an allocated lease: {allocated}"))
-        .to_owned();
+        .to_owned()
+}
+
+#[test]
+fn agent_device_leases_through_a_gateway_killed_with_sigkill_work_again_for_their_owners_only() {
+    if !enabled() {
+        return;
+    }
+    let AgentDeviceFleet {
+        gateway_home,
+        gateway,
+        worker,
+        worker_id,
+        operator,
+        alice,
+        bob,
+    } = AgentDeviceFleet::start();
+
+    // Alice allocates through the gateway and opens a session on the leased device.
+    let lease = ad_allocate(&gateway.http, &alice);
     let before = gateway_leases(&gateway.http, &operator);
     assert_eq!(before.len(), 1, "{before:?}");
     assert_eq!(before[0]["id"], lease.as_str());
@@ -1635,5 +1677,82 @@ fn agent_device_leases_through_a_gateway_killed_with_sigkill_work_again_for_thei
             .success()
     );
     let exited = wait_exit(&mut gateway.child);
+    assert!(exited.is_some_and(|s| s.success()), "{exited:?}");
+}
+
+/// A gateway sent SIGTERM while a relayed command waits in its worker's daemon answers that
+/// command naming the stop (retriable) before it exits, instead of dropping the connection.
+/// The command asks for progress, as the CLI does in human mode: the daemon's stream has begun
+/// (its head is relayed at once) and the gateway ends it with a response line of its own.
+#[test]
+fn a_gateway_stopped_by_sigterm_answers_a_relayed_command_in_flight_naming_the_stop() {
+    if !enabled() {
+        return;
+    }
+    let mut fleet = AgentDeviceFleet::start();
+    let lease = ad_allocate(&fleet.gateway.http, &fleet.alice);
+    let daemon = fake_daemon(fleet.worker.0.home.path());
+    let (status, body) = http(
+        &daemon,
+        "POST",
+        "/__fake/holds",
+        None,
+        &[("content-type", "application/json")],
+        Some(&json!({"command": "snapshot"})),
+    );
+    assert_eq!(status, 200, "{body}");
+    let hold = serde_json::from_str::<Value>(&body).unwrap()["id"].clone();
+    let (gateway, alice) = (fleet.gateway.http.clone(), fleet.alice.clone());
+    let mut call = ad_command_call("c1", &lease, "snapshot");
+    call["params"]["meta"]["requestProgress"] = json!("command");
+    let running = std::thread::spawn(move || {
+        http(
+            &gateway,
+            "POST",
+            "/v1/agent-device/rpc",
+            Some(&alice),
+            &[
+                ("content-type", "application/json"),
+                ("x-agent-device-token", &alice),
+            ],
+            Some(&call),
+        )
+    });
+    poll("the command to wait in the daemon", || {
+        let status = fake_read(&daemon, &format!("holds/{hold}"));
+        if status["entered"] == json!(1) {
+            Ok(())
+        } else {
+            Err(status.to_string())
+        }
+    });
+    assert!(
+        Command::new("kill")
+            .args(["-TERM", &fleet.gateway.child.id().to_string()])
+            .status()
+            .unwrap()
+            .success()
+    );
+    let (status, stream) = running.join().unwrap();
+    assert_eq!(status, 200, "the stream had begun: {stream}");
+    let last: Value = stream
+        .lines()
+        .last()
+        .and_then(|line| serde_json::from_str(line).ok())
+        .unwrap_or_else(|| panic!("a last line of JSON: {stream:?}"));
+    assert_eq!(last["type"], "response", "{stream}");
+    let answer = &last["response"];
+    assert_eq!(answer["id"], json!("c1"), "{answer}");
+    let data = &answer["error"]["data"];
+    assert_eq!(
+        data["message"],
+        json!(format!(
+            "agent-device is not available on this simlock: {}",
+            agent_device_front::STOPPING
+        )),
+        "{answer}"
+    );
+    assert_eq!(data["retriable"], json!(true), "{answer}");
+    let exited = wait_exit(&mut fleet.gateway.child);
     assert!(exited.is_some_and(|s| s.success()), "{exited:?}");
 }
