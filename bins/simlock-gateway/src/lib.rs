@@ -185,21 +185,25 @@ pub async fn start(options: GatewayOptions) -> Result<RunningGateway, StartError
     };
     let mut front = None;
     let running = base
-        .serve_with(router, true, |pipeline| {
-            let mut mounts = vec![uplink];
-            if let Some(link) = link {
-                let built = Front::new(FrontOptions {
-                    link,
-                    pipeline: pipeline.clone(),
-                    tokens,
-                    lease_ttl_cap_ms: agent_device_config.lease_ttl_cap_ms,
-                    max_ttl_ms,
-                });
-                mounts.push(built.mount());
-                front = Some(built);
-            }
-            mounts
-        })
+        .serve_with(
+            router,
+            simlock_daemon::runtime::Listen::SocketAndHttp,
+            |pipeline| {
+                let mut mounts = vec![uplink];
+                if let Some(link) = link {
+                    let built = Front::new(FrontOptions {
+                        link,
+                        pipeline: pipeline.clone(),
+                        tokens,
+                        lease_ttl_cap_ms: agent_device_config.lease_ttl_cap_ms,
+                        max_ttl_ms,
+                    });
+                    mounts.push(built.mount());
+                    front = Some(built);
+                }
+                mounts
+            },
+        )
         .await?;
     running.started();
     Ok(RunningGateway {

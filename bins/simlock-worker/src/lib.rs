@@ -287,7 +287,7 @@ pub async fn start(options: WorkerOptions) -> Result<RunningWorker, StartError> 
     simlock_relay_worker::register(&mut router, relay_targets);
     simlock_daemon::pipeline::check_complete(&router, &simlock_daemon::pipeline::all_operations())
         .map_err(StartError::Domain)?;
-    let http = base.config.http.enabled.unwrap_or(false);
+    let listen = simlock_daemon::runtime::Listen::as_configured(&base.config);
     let gateway = match (&base.config.gateway.url, &base.config.gateway.token) {
         (Some(url), Some(token)) => {
             // A CA file that cannot be read fails start-up; TLS failures later are retried.
@@ -332,7 +332,7 @@ pub async fn start(options: WorkerOptions) -> Result<RunningWorker, StartError> 
     );
     let mut agent_device = None;
     let running = base
-        .serve_with(router, http, |pipeline| {
+        .serve_with(router, listen, |pipeline| {
             let Some((host, link)) = agent_device_front else {
                 return Vec::new();
             };

@@ -293,7 +293,12 @@ impl AgentDeviceHost {
     }
 
     async fn call_daemon(&self, endpoint: &Endpoint, call: &Bytes) -> Result<Value, String> {
-        let headers = proxy::upstream_headers(&http::HeaderMap::new(), &endpoint.token, "", true);
+        let headers = proxy::upstream_headers(
+            &http::HeaderMap::new(),
+            &endpoint.token,
+            "",
+            proxy::DaemonRoute::Rpc,
+        );
         let request = proxy::upstream_request(
             Method::POST,
             endpoint.port,
@@ -386,8 +391,12 @@ impl AgentDeviceHost {
                 return Err((Refusal::NotFound, surface));
             }
         }
-        let headers =
-            proxy::upstream_headers(&parts.headers, &endpoint.token, tenant.as_str(), false);
+        let headers = proxy::upstream_headers(
+            &parts.headers,
+            &endpoint.token,
+            tenant.as_str(),
+            proxy::DaemonRoute::Other,
+        );
         // Uploads reach the daemon in frames of UPSTREAM_FRAME, whatever sizes they came in (the
         // link's parts are 16 KiB; a socket's reads cut a chunk in two): the daemon pays per
         // chunk it parses.
@@ -443,7 +452,12 @@ impl AgentDeviceHost {
         let mapping = known.as_ref().map(HostLease::mapping);
         call.rewrite(&endpoint.token, tenant.as_str(), mapping);
         let body = call.to_bytes();
-        let mut headers = proxy::upstream_headers(incoming, &endpoint.token, tenant.as_str(), true);
+        let mut headers = proxy::upstream_headers(
+            incoming,
+            &endpoint.token,
+            tenant.as_str(),
+            proxy::DaemonRoute::Rpc,
+        );
         proxy::set_length(&mut headers, body.len());
         let upstream = proxy::upstream_request(
             Method::POST,

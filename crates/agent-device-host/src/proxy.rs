@@ -42,9 +42,23 @@ pub const TENANT_HEADER: &str = "x-agent-device-tenant";
 /// The longest `x-request-id` passed on.
 const MAX_REQUEST_ID: usize = 128;
 
+/// Which of the daemon's routes a request goes to, for the headers it needs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DaemonRoute {
+    /// `/rpc`: the network-access header, and a JSON content type when the caller gave none.
+    Rpc,
+    /// Every other route (uploads, artifacts, diagnostics, health).
+    Other,
+}
+
 /// The headers for the daemon: the allow-listed ones of `incoming`, the daemon's token, and
-/// the tenant.
-pub fn upstream_headers(incoming: &HeaderMap, token: &str, tenant: &str, rpc: bool) -> HeaderMap {
+/// the tenant; and those of `to`.
+pub fn upstream_headers(
+    incoming: &HeaderMap,
+    token: &str,
+    tenant: &str,
+    to: DaemonRoute,
+) -> HeaderMap {
     let mut out = HeaderMap::new();
     for name in REQUEST_HEADERS {
         for value in incoming.get_all(*name) {
@@ -60,7 +74,7 @@ pub fn upstream_headers(incoming: &HeaderMap, token: &str, tenant: &str, rpc: bo
     if let Ok(tenant) = HeaderValue::from_str(tenant) {
         out.insert(TENANT_HEADER, tenant);
     }
-    if rpc {
+    if to == DaemonRoute::Rpc {
         out.insert(
             "x-agent-device-network-access",
             HeaderValue::from_static("public-only"),
@@ -383,7 +397,7 @@ mod tests {
         incoming.insert("cookie", HeaderValue::from_static("a=b"));
         incoming.insert("content-range", HeaderValue::from_static("bytes 0-1/2"));
         incoming.insert("content-length", HeaderValue::from_static("2"));
-        let out = upstream_headers(&incoming, "daemon-token", "tok_5f_a", false);
+        let out = upstream_headers(&incoming, "daemon-token", "tok_5f_a", DaemonRoute::Other);
         assert_eq!(out["authorization"], "Bearer daemon-token");
         assert_eq!(out["x-agent-device-token"], "daemon-token");
         assert_eq!(out[TENANT_HEADER], "tok_5f_a");
@@ -391,7 +405,7 @@ mod tests {
         assert_eq!(out["content-length"], "2");
         assert!(!out.contains_key("cookie"));
         assert!(!out.contains_key("x-agent-device-network-access"));
-        let rpc = upstream_headers(&HeaderMap::new(), "t", "x", true);
+        let rpc = upstream_headers(&HeaderMap::new(), "t", "x", DaemonRoute::Rpc);
         assert_eq!(rpc["x-agent-device-network-access"], "public-only");
         assert_eq!(rpc["content-type"], "application/json");
     }

@@ -64,6 +64,27 @@ pub enum StartError {
     Domain(String),
 }
 
+/// Where a daemon listens besides its unix socket.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Listen {
+    /// The unix socket alone.
+    SocketOnly,
+    /// The unix socket and HTTP (`http.*`).
+    SocketAndHttp,
+}
+
+impl Listen {
+    /// HTTP as `http.enabled` says, off when it is unset (a worker's choice; a gateway always
+    /// serves HTTP).
+    pub fn as_configured(config: &DaemonConfig) -> Self {
+        if config.http.enabled.unwrap_or(false) {
+            Self::SocketAndHttp
+        } else {
+            Self::SocketOnly
+        }
+    }
+}
+
 /// The parts every daemon has.
 pub struct Base {
     /// Its home.
@@ -154,17 +175,17 @@ impl Base {
         router
     }
 
-    /// Starts the hosts: the unix socket always, HTTP when `http` is set (with `mounts`).
+    /// Starts the hosts: the unix socket always, HTTP as `listen` says (with `mounts`).
     ///
     /// # Errors
     /// [`StartError`] when the socket or the HTTP address cannot be claimed.
     pub async fn serve(
         self,
         router: Router,
-        http: bool,
+        listen: Listen,
         mounts: Vec<Arc<dyn Mount>>,
     ) -> Result<Running, StartError> {
-        self.serve_with(router, http, move |_| mounts).await
+        self.serve_with(router, listen, move |_| mounts).await
     }
 
     /// As [`Self::serve`], with mounts built from the daemon's pipeline (a mount that calls the
@@ -175,7 +196,7 @@ impl Base {
     pub async fn serve_with(
         self,
         router: Router,
-        http: bool,
+        listen: Listen,
         mounts: impl FnOnce(&Arc<Pipeline>) -> Vec<Arc<dyn Mount>>,
     ) -> Result<Running, StartError> {
         let admin = AdminSecret::create(&self.home).map_err(|source| StartError::Home {
@@ -197,7 +218,7 @@ impl Base {
         let mut tasks = vec![serve_socket(listener, pipeline.clone(), stop.clone())];
         let mut http_addr = None;
         let mut http_tls = false;
-        if http {
+        if listen == Listen::SocketAndHttp {
             let tls = match (
                 &self.config.http.tls.cert_file,
                 &self.config.http.tls.key_file,

@@ -115,7 +115,14 @@ async fn a_stop_ends_every_open_stream_at_once_with_a_last_event() {
         ctx.push(started).await;
         std::future::pending::<Result<ExecOutput, ContractError>>().await
     });
-    let running = base.serve(router, true, Vec::new()).await.unwrap();
+    let running = base
+        .serve(
+            router,
+            simlock_daemon::runtime::Listen::SocketAndHttp,
+            Vec::new(),
+        )
+        .await
+        .unwrap();
     running.started();
     let addr = running.http_addr().unwrap().to_string();
 
