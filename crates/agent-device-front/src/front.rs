@@ -978,7 +978,7 @@ async fn devices(
     if !ctx.hosts_per_lease() {
         let asked = lease.unwrap_or(first).clone();
         let addresses: Vec<&str> = held.iter().map(|(_, e)| e.address.as_str()).collect();
-        return match read_devices(ctx, &call, &asked).await? {
+        return match read_devices(ctx, &call, &asked, None).await? {
             Listed::Devices(list) => Ok(devices_answer(
                 &call.id,
                 keep_devices(list, &addresses),
@@ -994,7 +994,7 @@ async fn devices(
         .enumerate()
         .map(|(i, (l, _))| {
             let call = &call;
-            async move { (i, read_devices(ctx, call, l).await) }
+            async move { (i, read_devices(ctx, call, l, Some(i)).await) }
         })
         .collect();
     let mut outcomes: Vec<Option<Result<Listed, Failed>>> =
@@ -1051,10 +1051,16 @@ enum Listed {
     Error(Response<Body>),
 }
 
-/// Asks for the device list under `lease`.
-async fn read_devices(ctx: &Exchange, call: &RpcCall, lease: &LeaseId) -> Result<Listed, Failed> {
+/// Asks for the device list under `lease`, as forward `part` of several when there are.
+async fn read_devices(
+    ctx: &Exchange,
+    call: &RpcCall,
+    lease: &LeaseId,
+    part: Option<usize>,
+) -> Result<Listed, Failed> {
     let mut call = call.clone();
     call.set_lease(lease);
+    call.as_own_read(part);
     let (parts, bytes) = ctx.exchange(call.to_bytes(), Some(lease), None).await?;
     match Answer::read(&bytes) {
         Answer::Ok(data) => match data.get("devices").and_then(Value::as_array) {

@@ -254,6 +254,27 @@ impl RpcCall {
         }
     }
 
+    /// Makes this a read the front makes itself and reads whole: no progress stream asked
+    /// for, and with `part`, a request id of its own (`<the caller's>-<part>`), for one of
+    /// several forwards of one request that may reach the same daemon at once (agent-device
+    /// refuses a request whose id is one in flight).
+    pub fn as_own_read(&mut self, part: Option<usize>) {
+        let id = match &self.id {
+            Value::String(id) => id.clone(),
+            other => other.to_string(),
+        };
+        with_object(&mut self.params, "meta", |meta| {
+            meta.remove("requestProgress");
+            if let Some(part) = part {
+                let base = meta
+                    .get("requestId")
+                    .and_then(Value::as_str)
+                    .map_or_else(|| id.clone(), str::to_owned);
+                meta.insert("requestId".into(), Value::from(format!("{base}-{part}")));
+            }
+        });
+    }
+
     /// The request as a body.
     pub fn to_bytes(&self) -> Bytes {
         let mut envelope = self.envelope.clone();
@@ -320,14 +341,18 @@ pub enum Answer {
 impl Answer {
     /// Reads a JSON-RPC answer body (plain JSON, or the final line of an NDJSON stream).
     pub fn read(bytes: &[u8]) -> Self {
-        let value = serde_json::from_slice::<Value>(bytes).ok().or_else(|| {
-            // A progress stream: the last line holding a response.
-            bytes
-                .split(|b| *b == b'\n')
-                .rev()
-                .filter_map(|line| serde_json::from_slice::<Value>(line).ok())
-                .find_map(|v| v.get("response").cloned())
-        });
+        let value = serde_json::from_slice::<Value>(bytes)
+            .ok()
+            .filter(|v| v.get("type").is_none())
+            .or_else(|| {
+                // A progress stream: the last line holding a response (a stream of that one
+                // line alone parses whole, as the line).
+                bytes
+                    .split(|b| *b == b'\n')
+                    .rev()
+                    .filter_map(|line| serde_json::from_slice::<Value>(line).ok())
+                    .find_map(|v| v.get("response").cloned())
+            });
         let Some(value) = value else {
             return Self::Unreadable;
         };
@@ -545,6 +570,30 @@ mod tests {
         assert!(Answer::read(gone).lease_gone());
         let stream = b"{\"type\":\"progress\",\"event\":{}}\n{\"type\":\"response\",\"response\":{\"jsonrpc\":\"2.0\",\"id\":\"1\",\"result\":{\"ok\":true,\"data\":{}}}}\n";
         assert_eq!(Answer::read(stream), Answer::Ok(json!({})));
+        // A stream of its response line alone parses whole, as that line.
+        let one = b"{\"type\":\"response\",\"response\":{\"jsonrpc\":\"2.0\",\"id\":\"1\",\"result\":{\"ok\":true,\"data\":{\"devices\":[]}}}}\n";
+        assert_eq!(Answer::read(one), Answer::Ok(json!({"devices": []})));
         assert_eq!(Answer::read(b"nope"), Answer::Unreadable);
+    }
+
+    #[test]
+    fn an_own_read_asks_for_no_progress_and_a_part_gets_a_request_id_of_its_own() {
+        let body = br#"{"jsonrpc":"2.0","id":"ab","method":"agent_device.command","params":{"command":"devices","meta":{"requestId":"ab","requestProgress":"command"}}}"#;
+        let mut whole = RpcCall::parse(body).unwrap();
+        whole.as_own_read(None);
+        assert_eq!(whole.params()["meta"], json!({"requestId": "ab"}));
+        let mut part = RpcCall::parse(body).unwrap();
+        part.as_own_read(Some(1));
+        assert_eq!(part.params()["meta"], json!({"requestId": "ab-1"}));
+        assert_eq!(
+            part.id,
+            json!("ab"),
+            "the caller's id is still the one answered"
+        );
+        // No request id of the caller's: the part's is made from the JSON-RPC id.
+        let bare = br#"{"jsonrpc":"2.0","id":7,"method":"agent_device.command","params":{"command":"devices"}}"#;
+        let mut bare = RpcCall::parse(bare).unwrap();
+        bare.as_own_read(Some(0));
+        assert_eq!(bare.params()["meta"]["requestId"], "7-0");
     }
 }

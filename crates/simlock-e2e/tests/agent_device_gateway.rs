@@ -1492,6 +1492,56 @@ async fn devices_with_two_leases_on_one_worker_lists_both_once() {
     gw.stop().await;
 }
 
+/// `devices` as the CLI sends it in human mode (a progress stream asked for, its own request
+/// id): through a gateway with two leases on one worker, both devices are listed, and each of
+/// the two forwards carries a request id of its own (agent-device refuses a second request
+/// with the id of one in flight).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn devices_in_human_mode_with_two_leases_on_one_worker_lists_both() {
+    let mut gw = Gw::start(enabled_gateway()).await;
+    let mut config = worker(true, &[Platform::Android]);
+    config.core.capacity.max_running = 2;
+    gw.add(config).await;
+    gw.wait_capable(0, true).await;
+    let (_, secret) = gw.token().await;
+    let http = Http::new();
+    allocate(&http, &gw, &secret).await;
+    allocate(&http, &gw, &secret).await;
+    let devices = gw.fleet.worker(0).worker.devices();
+    let ids: Vec<String> = devices.iter().map(|d| d.driver_device_id.clone()).collect();
+    gw.fakes[0].set_devices(listed(&[(&ids[0], "one"), (&ids[1], "two")]));
+    gw.fakes[0].clear_requests();
+    let call = rpc_call(
+        "fd92114f2a36a3df",
+        "command",
+        json!({"session": "default", "command": "devices", "positionals": [], "flags": {},
+            "meta": {"requestId": "fd92114f2a36a3df", "requestProgress": "command"}}),
+    );
+    let answer = http.rpc(&gw.base(), &secret, &call).await;
+    assert_eq!(answer.status, 200, "{answer:?}");
+    let mut names: Vec<String> = answer.json()["result"]["data"]["devices"]
+        .as_array()
+        .unwrap_or_else(|| panic!("a device list: {answer:?}"))
+        .iter()
+        .map(|d| d["name"].as_str().unwrap().to_owned())
+        .collect();
+    names.sort();
+    assert_eq!(names, ["one", "two"]);
+    assert_eq!(answer.json()["id"], "fd92114f2a36a3df");
+    let mut sent: Vec<Value> = received(&gw.fakes[0], "agent_device.command")
+        .iter()
+        .map(|r| r["params"]["meta"]["requestId"].clone())
+        .collect();
+    sent.sort_by_key(Value::to_string);
+    sent.dedup();
+    assert_eq!(
+        sent.len(),
+        2,
+        "a request id of its own per forward: {sent:?}"
+    );
+    gw.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cli_that_hangs_up_during_devices_aborts_every_forward() {
     let (gw, secret, _, _) = two_workers_two_leases().await;
