@@ -145,6 +145,8 @@ const RESPONSE_LINE: &[u8] = b"{\"type\":\"response\"";
 /// of a broken stream.
 pub struct ProgressTail<F> {
     inner: Body,
+    /// Ends the stream early, finished as if cut: the daemon stopping.
+    stop: Option<Pin<Box<tokio_util::sync::WaitForCancellationFutureOwned>>>,
     /// The first bytes of the line being read, up to the length of [`RESPONSE_LINE`].
     head: Vec<u8>,
     /// Whether a byte of the line being read has passed.
@@ -160,12 +162,20 @@ impl<F: FnOnce(&str) -> Bytes> ProgressTail<F> {
     pub const fn new(inner: Body, cut: F) -> Self {
         Self {
             inner,
+            stop: None,
             head: Vec::new(),
             mid_line: false,
             answered: false,
             cut: Some(cut),
             ended: false,
         }
+    }
+
+    /// Also finishes the stream when `stop` fires, before the stream itself ends.
+    #[must_use]
+    pub fn until(mut self, stop: tokio_util::sync::CancellationToken) -> Self {
+        self.stop = Some(Box::pin(stop.cancelled_owned()));
+        self
     }
 
     fn see(&mut self, mut data: &[u8]) {
@@ -219,7 +229,10 @@ impl<F: FnOnce(&str) -> Bytes + Unpin> http_body::Body for ProgressTail<F> {
             return Poll::Ready(None);
         }
         let why = match Pin::new(&mut this.inner).poll_frame(cx) {
-            Poll::Pending => return Poll::Pending,
+            Poll::Pending => match this.stop.as_mut().map(|stop| stop.as_mut().poll(cx)) {
+                Some(Poll::Ready(())) => "this daemon is stopping".to_owned(),
+                _ => return Poll::Pending,
+            },
             Poll::Ready(Some(Ok(frame))) => {
                 if let Some(data) = frame.data_ref() {
                     this.see(data);
@@ -887,5 +900,23 @@ mod tests {
         // A line that only starts like the response's opening is not the response.
         let lookalike = vec![data("{\"type\":\"respons\"}\n"), Some(Err("x".into()))];
         assert!(tail_of(lookalike).await.0.ends_with("\"why\":\"x\"}\n"));
+    }
+
+    #[tokio::test]
+    async fn a_progress_stream_ends_when_its_stop_fires_finished_like_a_cut_one() {
+        let (tx, rx) = futures::channel::mpsc::unbounded::<Result<Frame<Bytes>, BoxError>>();
+        let stop = tokio_util::sync::CancellationToken::new();
+        let inner = http_body_util::StreamBody::new(rx).boxed_unsync();
+        let mut body = ProgressTail::new(inner, |why: &str| Bytes::from(format!("[{why}]\n")))
+            .until(stop.clone());
+        tx.unbounded_send(Ok(Frame::data(Bytes::from_static(PROGRESS.as_bytes()))))
+            .unwrap();
+        let first = body.frame().await.unwrap().unwrap().into_data().unwrap();
+        assert_eq!(first, PROGRESS.as_bytes());
+        stop.cancel();
+        let last = body.frame().await.unwrap().unwrap().into_data().unwrap();
+        assert_eq!(last, "[this daemon is stopping]\n".as_bytes());
+        assert!(body.frame().await.is_none());
+        drop(tx);
     }
 }

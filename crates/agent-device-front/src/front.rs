@@ -517,11 +517,15 @@ impl Exchange {
         request: Request<Body>,
         lease: Option<&LeaseId>,
     ) -> Result<Response<Body>, Failed> {
-        let forwarded = self
-            .inner
-            .link
-            .forward(request, Some(&self.caller), lease)
-            .await;
+        // A request in flight when this daemon stops is answered at once, naming the stop,
+        // instead of holding the daemon's stop until its host gives up on it.
+        let forwarded = tokio::select! {
+            forwarded = self.inner.link.forward(request, Some(&self.caller), lease) => forwarded,
+            () = self.inner.stop.cancelled() => Err(Refusal::NotAvailable {
+                reason: STOPPING.into(),
+                retriable: true,
+            }),
+        };
         forwarded.map_err(|refusal| {
             // A host lost because this daemon stops (a gateway closing its uplinks) is named
             // as the stop, not as the worker's absence.
@@ -560,7 +564,8 @@ impl Exchange {
         };
         let (mut parts, body) = response.into_parts();
         parts.headers.remove(http::header::CONTENT_LENGTH);
-        Response::from_parts(parts, ProgressTail::new(body, cut).boxed_unsync())
+        let body = ProgressTail::new(body, cut).until(self.inner.stop.clone());
+        Response::from_parts(parts, body.boxed_unsync())
     }
 
     /// Forwards `body` as this request's body.

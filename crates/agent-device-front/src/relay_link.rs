@@ -549,13 +549,26 @@ fn relay(
     lease: Option<&LeaseId>,
 ) -> BoxFuture<'static, Result<Response<Body>, Refusal>> {
     let relayed = port.relay(worker, request, tenant, lease);
+    let whose = if lease.is_some() {
+        "the worker holding this lease".to_owned()
+    } else {
+        format!("worker {worker}")
+    };
     async move {
-        relayed.await.map_err(|failure| Refusal::NotAvailable {
-            reason: failure.message,
-            retriable: true,
-        })
+        relayed
+            .await
+            .map_err(|failure| relay_failed(&whose, &failure))
     }
     .boxed()
+}
+
+/// The retriable refusal for a relay to `whose` that failed (its uplink lost mid-request, the
+/// relay's deadline, no `agent-device` target), the relay's own words kept for the detail.
+fn relay_failed(whose: &str, failure: &RelayFailure) -> Refusal {
+    Refusal::NotAvailable {
+        reason: format!("the relay to {whose} failed ({}); retry", failure.message),
+        retriable: true,
+    }
 }
 
 #[cfg(test)]
@@ -563,6 +576,24 @@ mod tests {
     use simlock_contract::Role;
 
     use super::*;
+
+    #[test]
+    fn a_failed_relay_is_retriable_and_says_so_keeping_the_relays_words() {
+        let failure = RelayFailure {
+            message: "Worker w1 is not connected to this gateway".into(),
+        };
+        assert_eq!(
+            relay_failed("the worker holding this lease", &failure).to_string(),
+            "agent-device is not available on this simlock: the relay to the worker holding this lease failed (Worker w1 is not connected to this gateway); retry"
+        );
+        assert!(matches!(
+            relay_failed("worker w1", &failure),
+            Refusal::NotAvailable {
+                retriable: true,
+                ..
+            }
+        ));
+    }
 
     fn lease() -> LeaseId {
         LeaseId::parse("0123456789abcdef0123456789abcdef").unwrap()

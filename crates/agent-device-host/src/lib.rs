@@ -187,6 +187,22 @@ impl std::fmt::Debug for AgentDeviceHost {
     }
 }
 
+/// The retriable refusal for a request the daemon did not answer (it died or closed the
+/// connection), naming the cause under the client's own words ("client error (SendRequest)"
+/// alone says nothing).
+fn not_answered(e: &(dyn std::error::Error + 'static)) -> Refusal {
+    let mut cause = e.to_string();
+    let mut source = e.source();
+    while let Some(inner) = source {
+        cause = inner.to_string();
+        source = inner.source();
+    }
+    Refusal::NotAvailable {
+        reason: format!("the agent-device daemon did not answer ({cause}); retry"),
+        retriable: true,
+    }
+}
+
 impl AgentDeviceHost {
     /// Stops whatever an earlier run left behind, then starts the daemon and supervises it.
     /// Returns at once; [`Self::state`] says when it serves.
@@ -566,15 +582,12 @@ impl AgentDeviceHost {
     }
 
     async fn send(&self, request: Request<Upstream>) -> Result<Response<Body>, Refusal> {
-        let response =
-            self.shared
-                .client
-                .request(request)
-                .await
-                .map_err(|e| Refusal::NotAvailable {
-                    reason: format!("the agent-device daemon did not answer: {e}"),
-                    retriable: true,
-                })?;
+        let response = self
+            .shared
+            .client
+            .request(request)
+            .await
+            .map_err(|e| not_answered(&e))?;
         let (parts, body) = response.into_parts();
         Ok(Response::from_parts(
             parts,
@@ -936,6 +949,29 @@ mod tests {
     use simlock_contract::{ContractError, ErrorCode};
 
     use super::*;
+
+    #[derive(Debug, thiserror::Error)]
+    #[error("client error (SendRequest)")]
+    struct Outer(#[source] std::io::Error);
+
+    #[test]
+    fn a_request_the_daemon_did_not_answer_is_named_by_its_cause_and_retriable() {
+        let e = Outer(std::io::Error::other(
+            "connection closed before message completed",
+        ));
+        let refusal = not_answered(&e);
+        assert_eq!(
+            refusal.to_string(),
+            "agent-device is not available on this simlock: the agent-device daemon did not answer (connection closed before message completed); retry"
+        );
+        assert!(matches!(
+            refusal,
+            Refusal::NotAvailable {
+                retriable: true,
+                ..
+            }
+        ));
+    }
 
     const L: &str = "0123456789abcdef0123456789abcdef";
 

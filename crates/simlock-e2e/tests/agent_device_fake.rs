@@ -189,8 +189,9 @@ async fn a_long_command_keeps_its_simlock_lease_alive_past_two_ttls_until_the_fr
     }
     assert!(renewals >= 6, "renewed every TTL/3: {renewals}");
     assert_eq!(worker.leases().await.len(), 1, "the lease is alive");
-    // A front that stopped renews no more, the command still running: the next word of the
-    // lease is its expiry.
+    // A front that stopped renews no more, the command still running in the daemon (the
+    // caller was answered that the daemon is stopping): the next word of the lease is its
+    // expiry.
     let front = &worker.worker().agent_device.as_ref().unwrap().front;
     front.stop().await;
     let mut after_stop = worker.worker().running.base.bus.follow();
@@ -207,7 +208,15 @@ async fn a_long_command_keeps_its_simlock_lease_alive_past_two_ttls_until_the_fr
     tokio::time::resume();
     hold.release();
     let answer = running.await.unwrap();
-    assert_eq!(answer.json()["result"]["ok"], json!(true), "{answer:?}");
+    assert_eq!(answer.status, 503, "{answer:?}");
+    assert_eq!(
+        answer.json()["error"]["data"]["message"],
+        json!(format!(
+            "agent-device is not available on this simlock: {}",
+            agent_device_front::STOPPING
+        )),
+        "{answer:?}"
+    );
     worker.stop().await;
     fake.stop().await;
 }
@@ -308,6 +317,60 @@ async fn a_progress_stream_cut_by_the_daemons_loss_ends_with_a_response_saying_s
         "{message}"
     );
     worker.stop().await;
+}
+
+/// A worker that stops while commands wait in its daemon answers them at once, naming the
+/// stop: a plain one with the retriable refusal; one that asked for progress the same way, or,
+/// when its stream had begun, with a last line saying so (the CLI reads either). It used to
+/// hold its stop until the HTTP drain gave up, then cut both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopping_worker_answers_the_commands_in_flight_naming_the_stop() {
+    let fake = FakeAgentDevice::start(FakeOptions::default()).unwrap();
+    let worker = AdWorker::with_fake(attached_config(), &fake).await;
+    let (_, secret) = worker.token("agent").await;
+    let lease = allocate(&Http::new(), &worker, &secret, "s1").await;
+    let hold = fake.hold_commands("snapshot");
+    let plain = command_call("c1", "s1", &lease, "snapshot", json!({}));
+    let mut streamed = command_call("c2", "s1", &lease, "snapshot", json!({}));
+    streamed["params"]["meta"]["requestProgress"] = json!("command");
+    let send = |call: Value| {
+        let (base, token) = (worker.base(), secret.clone());
+        tokio::spawn(async move { Http::new().rpc(&base, &token, &call).await })
+    };
+    let (plain, streamed) = (send(plain), send(streamed));
+    tokio::time::timeout(PATIENCE, hold.wait_entered(2))
+        .await
+        .unwrap();
+    let stopping = tokio::spawn(worker.stop());
+    let stopped = format!(
+        "agent-device is not available on this simlock: {}",
+        agent_device_front::STOPPING
+    );
+    let plain = plain.await.unwrap();
+    assert_eq!(plain.status, 503, "{plain:?}");
+    let data = &plain.json()["error"]["data"];
+    assert_eq!(data["message"], stopped.as_str(), "{plain:?}");
+    assert_eq!(data["retriable"], json!(true));
+    let streamed = streamed.await.unwrap();
+    let text = String::from_utf8_lossy(&streamed.body).into_owned();
+    let answer = if streamed.status == 200 {
+        let last: Value = serde_json::from_str(text.lines().last().unwrap_or_default())
+            .unwrap_or_else(|_| panic!("a last line of JSON: {text:?}"));
+        assert_eq!(last["type"], "response", "{text}");
+        last["response"].clone()
+    } else {
+        assert_eq!(streamed.status, 503, "{text}");
+        streamed.json()
+    };
+    assert_eq!(answer["id"], "c2", "{text}");
+    assert_eq!(
+        answer["error"]["data"]["message"],
+        stopped.as_str(),
+        "{text}"
+    );
+    stopping.await.unwrap();
+    hold.release();
+    fake.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

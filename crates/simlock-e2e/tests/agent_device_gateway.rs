@@ -1017,8 +1017,9 @@ async fn a_command_longer_than_the_ttl_renews_through_the_gateway_until_its_fron
         "renewed every TTL/3 through the gateway: {renewals}"
     );
     assert!(gw.fleet.worker(0).worker.lease(&lease).is_some());
-    // The gateway's front stops (as the gateway's stop does first), the command still held and
-    // the uplink up: no renewal follows, and the next word of the lease is its expiry.
+    // The gateway's front stops (as the gateway's stop does first), the command still held in
+    // the daemon and the uplink up: the caller is answered that the gateway is stopping, no
+    // renewal follows, and the next word of the lease is its expiry.
     gw.fleet
         .gateway()
         .agent_device
@@ -1042,7 +1043,15 @@ async fn a_command_longer_than_the_ttl_renews_through_the_gateway_until_its_fron
     }
     hold.release();
     let answer = running.await.unwrap();
-    assert_eq!(answer.json()["result"]["ok"], json!(true), "{answer:?}");
+    assert_eq!(answer.status, 503, "{answer:?}");
+    assert_eq!(
+        answer.json()["error"]["data"]["message"],
+        json!(format!(
+            "agent-device is not available on this simlock: {}",
+            agent_device_front::STOPPING
+        )),
+        "{answer:?}"
+    );
     gw.stop().await;
 }
 
