@@ -1244,7 +1244,23 @@ async fn release_all_through_the_gateway_ends_only_the_gateways_leases() {
         .chain(fleet.worker(1).worker.leases().iter())
         .map(|l| l.id.to_string())
         .collect();
-    assert_eq!(left, [own["lease"]["id"].as_str().unwrap().to_owned()]);
+    let own_id = own["lease"]["id"].as_str().unwrap().to_owned();
+    assert_eq!(left, [own_id.clone()]);
+    // Named by its id, an operator may end it through the gateway (which lists it to
+    // operators), once the gateway's view of the worker has it.
+    let worker_id = fleet.worker_id(0);
+    fleet
+        .wait_until(|f| {
+            f.view(&worker_id)
+                .and_then(|v| v.leases)
+                .is_some_and(|leases| leases.iter().any(|l| l.id.as_str() == own_id))
+        })
+        .await;
+    operator
+        .call("lease.release", json!({"leaseId": own_id}))
+        .await
+        .unwrap();
+    assert!(fleet.worker(0).worker.leases().is_empty());
     let agent = fleet.agent("agent-a").await;
     let err = agent
         .call("lease.release-all", json!({}))

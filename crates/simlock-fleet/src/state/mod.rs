@@ -1783,14 +1783,44 @@ impl Core {
         lease_id: &str,
         caller: Caller<'_>,
     ) -> Result<LeaseTarget, FleetError> {
-        let entry = self
-            .index
-            .get(lease_id)
-            .ok_or_else(|| self.missing(lease_id))?;
+        let Some(entry) = self.index.get(lease_id) else {
+            // A lease made on a worker directly is an admin's to see here, and so to act on.
+            if caller.admin
+                && let Some(target) = self.direct_target(lease_id)
+            {
+                return Ok(target);
+            }
+            return Err(self.missing(lease_id));
+        };
         if !caller.may_act_for(&entry.owner_id) {
             return Err(FleetError::UnknownLease(lease_id.to_owned()));
         }
         self.target(entry)
+    }
+
+    /// Where a lease made on a connected worker directly (listed to admins as it is, with the
+    /// worker's own id) lives.
+    fn direct_target(&self, lease_id: &str) -> Option<LeaseTarget> {
+        self.workers.iter().find_map(|(worker_id, worker)| {
+            let lease = worker
+                .view
+                .leases
+                .as_deref()
+                .unwrap_or_default()
+                .iter()
+                .find(|l| l.id.as_str() == lease_id)?;
+            if self.seen(Viewer::ADMIN, worker_id, lease) != Seen::Direct {
+                return None;
+            }
+            Some(LeaseTarget {
+                lease_id: lease_id.to_owned(),
+                worker_id: worker_id.clone(),
+                generation: self.live_generation(worker_id)?,
+                worker_lease_id: lease_id.to_owned(),
+                requester_id: lease.requester_id.clone(),
+                worker_requester_id: lease.requester_id.clone(),
+            })
+        })
     }
 
     /// Where `lease_id` lives for a `device.exec`: an agent must own it; an admin is held to

@@ -1380,3 +1380,52 @@ fn a_kept_drain_flag_undrained_is_forgotten_at_the_next_sweep() {
         );
     }
 }
+
+/// A lease made on a worker directly is listed to admins at the gateway with the worker's own
+/// id; an admin may release it there too (it goes to that worker, under that id), and nobody
+/// else may.
+#[test]
+fn an_admin_may_act_on_a_lease_made_on_a_worker_directly_and_an_agent_may_not() {
+    let (mut core, generation) = fleet(2);
+    core.handle_worker_event(
+        generation,
+        event("lease.granted", serde_json::json!({})),
+        T0,
+    );
+    let sent = refresh_sent(&core.take_effects()).unwrap();
+    core.handle_refreshed(
+        generation,
+        sent,
+        refresh(vec![record("lse_d", "local", T0)], 2),
+        T0,
+    );
+    core.take_effects();
+    let admin = Caller {
+        principal: "operator",
+        admin: true,
+        connection: None,
+    };
+    let target = core.lease_target("lse_d", admin).unwrap();
+    assert_eq!(
+        (
+            target.worker_id.as_str(),
+            target.generation,
+            target.worker_lease_id.as_str()
+        ),
+        ("w1", generation, "lse_d")
+    );
+    assert!(matches!(
+        core.lease_target("lse_d", agent()),
+        Err(FleetError::UnknownLease(_))
+    ));
+    assert!(matches!(
+        core.lease_target("lse_none", admin),
+        Err(FleetError::UnknownLease(_))
+    ));
+    // Released there, it ends without an index entry to forget.
+    let target = core.handle_release_sent("lse_d", admin).unwrap();
+    assert_eq!(
+        core.handle_release_answered(&target, Ok(()), T0 + 1),
+        Ok("lse_d".to_owned())
+    );
+}
