@@ -1245,7 +1245,7 @@ async fn release_all_through_the_gateway_ends_only_the_gateways_leases() {
         .map(|l| l.id.to_string())
         .collect();
     let own_id = own["lease"]["id"].as_str().unwrap().to_owned();
-    assert_eq!(left, [own_id.clone()]);
+    assert_eq!(left, std::slice::from_ref(&own_id));
     // Named by its id, an operator may end it through the gateway (which lists it to
     // operators), once the gateway's view of the worker has it.
     let worker_id = fleet.worker_id(0);
