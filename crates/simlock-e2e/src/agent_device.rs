@@ -396,12 +396,21 @@ impl Cli {
     /// Runs the CLI with `args` and `--json` (bounded by [`PATIENCE`]). The base URL is always
     /// set: without one the CLI starts a local daemon of its own.
     pub async fn run(&self, args: &[&str]) -> CliRun {
+        self.run_as(Output::Json, args).await
+    }
+
+    /// Runs the CLI with `args` in `output` mode (human mode asks the daemon for progress
+    /// streams).
+    pub async fn run_as(&self, output: Output, args: &[&str]) -> CliRun {
         let home = self.dir.path().join("home");
         let mut command = tokio::process::Command::new("node");
         command
             .arg(self.pkg.join("bin/agent-device.mjs"))
-            .args(args)
-            .arg("--json")
+            .args(args);
+        if output == Output::Json {
+            command.arg("--json");
+        }
+        command
             .current_dir(self.dir.path())
             .env_clear()
             .env("PATH", std::env::var_os("PATH").unwrap_or_default())
@@ -424,6 +433,15 @@ impl Cli {
             stderr: String::from_utf8_lossy(&output.stderr).into_owned(),
         }
     }
+}
+
+/// How the CLI prints.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Output {
+    /// `--json`.
+    Json,
+    /// For people (commands ask for progress streams).
+    Human,
 }
 
 /// One exchange the recorder saw.

@@ -17,7 +17,8 @@ use std::time::Duration;
 use http::Method;
 use serde_json::{Value, json};
 use simlock_e2e::agent_device::{
-    AdWorker, Cli, Http, Recorder, agent_device_config, real_daemon_command, real_package, rpc_call,
+    AdWorker, Cli, Http, Output, Recorder, agent_device_config, real_daemon_command, real_package,
+    rpc_call,
 };
 
 const CEILING_MS: i64 = 600_000;
@@ -117,6 +118,19 @@ async fn the_published_cli_leases_drives_and_releases_a_device_through_a_worker(
             .exchanges()
             .iter()
             .any(|e| e.path.ends_with("/diagnostics") && e.status == 200)
+    );
+
+    // In human mode (a progress stream asked for), `devices` prints agent-device's own error,
+    // not simlock's "could not read the device list".
+    let human = cli.run_as(Output::Human, &["devices"]).await;
+    let printed = format!("{}{}", human.stdout, human.stderr);
+    assert!(
+        printed.contains("TOOL_MISSING") || printed.contains("adb"),
+        "agent-device's own error: {human:?}"
+    );
+    assert!(
+        !printed.contains("could not read the device list"),
+        "{human:?}"
     );
 
     // The next command heartbeats first, and the simlock lease's expiry moves.
