@@ -354,12 +354,30 @@ pub async fn start(options: WorkerOptions) -> Result<RunningWorker, StartError> 
             .clone()
             .map(|config| uplink::run(config, running.pipeline.clone(), uplink_stop.clone()).1)
     };
+    // A daemon spawned anew holds none of the agent-device leases an earlier run made: their
+    // simlock leases end at once, their devices freed (an attached daemon may still hold them).
+    let end_earlier = |worker: &Arc<Worker>| {
+        let front = agent_device.as_ref().map(|a| a.front.clone());
+        if let (Some(front), None) = (front, &options.agent_device_attach) {
+            let leases = worker.leases();
+            tokio::spawn(async move {
+                let ended = front.end_earlier_daemons_leases(&leases).await;
+                if !ended.is_empty() {
+                    tracing::info!(
+                        count = ended.len(),
+                        "ended the simlock leases of an earlier agent-device daemon's leases"
+                    );
+                }
+            });
+        }
+    };
     let uplink = match options.startup_hold {
         None => {
             worker
                 .start(&running.base.gate)
                 .map_err(|e| StartError::Domain(format!("start-up failed: {}", e.message)))?;
             running.started();
+            end_earlier(&worker);
             dial(&running)
         }
         Some(hold) => {

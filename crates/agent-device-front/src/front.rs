@@ -19,7 +19,7 @@ use http::{HeaderMap, Method, Request, Response, StatusCode, Uri};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use serde_json::{Value, json};
-use simlock_contract::model::LeaseGrant;
+use simlock_contract::model::{LeaseGrant, LeaseRecord};
 use simlock_contract::ops::{
     LeaseCancel, LeaseCancelInput, LeaseIdInput, LeaseRelease, LeaseRenew, LeaseRenewInput,
     LeaseRequest, LeaseRequestInput,
@@ -121,6 +121,28 @@ impl Front {
                 waiting: tokio_util::task::TaskTracker::new(),
             }),
         }
+    }
+
+    /// Ends the simlock leases that agent-device leases of an earlier daemon stood on, for a
+    /// worker that started its daemon anew (which holds none of them): of `leases` (the
+    /// worker's simlock leases at start), those the front made ([`made_by_front`]) are
+    /// released at once, freeing their devices for the queue, and remembered as ended, so each
+    /// owner's next call answers `LEASE_ENDED_BY_HOST` (ADR 0028). Answers the ones ended.
+    pub async fn end_earlier_daemons_leases(&self, leases: &[LeaseRecord]) -> Vec<LeaseId> {
+        let mut ended = Vec::new();
+        for record in leases {
+            let Some(lease) = made_by_front(record.id.as_str(), &record.requester_id) else {
+                continue;
+            };
+            self.inner
+                .leases
+                .end(&lease, &record.owner_id, Instant::now());
+            let ctx =
+                CallCtx::internal(record.owner_id.clone(), simlock_contract::Role::Agent, None);
+            release_simlock_lease(&self.inner.pipeline, ctx, &lease).await;
+            ended.push(lease);
+        }
+        ended
     }
 
     /// The HTTP mount serving `/v1/agent-device/*`.
@@ -645,6 +667,14 @@ async fn release_simlock_lease(pipeline: &Pipeline, ctx: CallCtx, lease: &LeaseI
             warn!(%lease, code = %e.code, message = %e.message, "the simlock lease could not be released")
         }
     }
+}
+
+/// The lease id `L` of a simlock lease the front made (its id and its requester are both `L`,
+/// a front lease id); `None` for any other (a `simlock lease --lease-id` is never one).
+pub fn made_by_front(lease_id: &str, requester_id: &str) -> Option<LeaseId> {
+    (lease_id == requester_id)
+        .then(|| LeaseId::parse(lease_id))
+        .flatten()
 }
 
 /// The refusal for a host lost mid-request: named as this daemon's stop when it is stopping
@@ -1215,6 +1245,21 @@ fn with_credentials(bytes: Bytes, credential: &str) -> Bytes {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_lease_the_front_made_has_its_own_id_as_requester_and_a_front_lease_id() {
+        let l = "0123456789abcdef0123456789abcdef";
+        assert_eq!(
+            made_by_front(l, l).map(|id| id.to_string()),
+            Some(l.to_owned())
+        );
+        assert_eq!(made_by_front(l, "agent-7"), None, "another requester");
+        assert_eq!(
+            made_by_front("ci-run-981", "ci-run-981"),
+            None,
+            "not a front lease id"
+        );
+    }
 
     #[test]
     fn routes_are_agent_device_routes_under_the_prefix() {

@@ -923,7 +923,11 @@ impl HostLink for InProcessHostLink {
     /// other lease is not the caller's, or not one the front made.
     fn recover(&self, lease: &LeaseId, caller: &Caller) -> Result<RecoveredLease, Refusal> {
         match (self.find)(lease) {
-            Some(held) if held.owner == caller.principal && held.requester == lease.as_str() => {
+            Some(held)
+                if held.owner == caller.principal
+                    && agent_device_front::made_by_front(lease.as_str(), &held.requester)
+                        .is_some() =>
+            {
                 Ok(held.device)
             }
             _ => Err(Refusal::NotYours {

@@ -1244,6 +1244,72 @@ fn no_agent_device_daemon_outlives_its_worker_stopped_or_killed_and_restarted() 
     );
 }
 
+/// A worker killed with SIGKILL and started again spawns its agent-device daemon anew, which
+/// holds none of the earlier leases: their simlock leases end at start-up, their devices free
+/// for the queue at once (not at the end of their TTL, however the agent goes on), and the
+/// owner's next call on the old lease says it ended.
+#[test]
+fn a_restarted_worker_ends_the_simlock_leases_of_its_earlier_agent_device_daemon_at_once() {
+    if !enabled() {
+        return;
+    }
+    let fake = bin("agent-device-fake").display().to_string();
+    let config = format!(
+        "{}\n[agentDevice]\nenabled = true\ncommand = {}\n",
+        fixed(1),
+        serde_json::to_string(&[fake]).unwrap()
+    );
+    let worker = Worker::start(&config, true);
+    wait_until(
+        &worker,
+        "the agent-device daemon serves",
+        agent_device_available,
+    );
+    let token = |worker: &Worker, role: &str| {
+        worker.cli(&["token", "create", "--role", role]).json["secret"]
+            .as_str()
+            .unwrap()
+            .to_owned()
+    };
+    let (alice, operator) = (token(&worker, "agent"), token(&worker, "operator"));
+    let addr = worker.http.clone().unwrap();
+    let lease = ad_allocate(&addr, &alice);
+    let leases = |worker: &Worker| {
+        let addr = worker.http.clone().unwrap();
+        let (status, body) = http(&addr, "GET", "/v1/leases", Some(&operator), &[], None);
+        assert_eq!(status, 200, "{body}");
+        serde_json::from_str::<Value>(&body).unwrap()["leases"]
+            .as_array()
+            .cloned()
+            .unwrap()
+    };
+    assert_eq!(leases(&worker).len(), 1);
+    let home = worker.kill9();
+    let worker = Worker::start_in(home, true);
+    wait_until(
+        &worker,
+        "the agent-device daemon serves again",
+        agent_device_available,
+    );
+    poll("the earlier lease to end", || {
+        match leases(&worker).as_slice() {
+            [] => Ok(()),
+            left => Err(format!("{left:?}")),
+        }
+    });
+    let addr = worker.http.clone().unwrap();
+    let (status, beat) = agent_device_rpc(
+        &addr,
+        &alice,
+        &ad_lease_call("h1", "lease.heartbeat", &lease),
+    );
+    assert_eq!(status, 401, "{beat}");
+    assert_eq!(
+        beat["error"]["data"]["details"]["reason"], "LEASE_ENDED_BY_HOST",
+        "{beat}"
+    );
+}
+
 /// A gateway process on a home the test keeps, so that it can be killed and started again on it.
 struct Gateway {
     child: Child,
