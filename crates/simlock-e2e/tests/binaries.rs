@@ -1285,14 +1285,16 @@ fn a_restarted_worker_ends_the_simlock_leases_of_its_earlier_agent_device_daemon
     };
     assert_eq!(leases(&worker).len(), 1);
     let home = worker.kill9();
-    let worker = Worker::start_in(home, true);
+    // The restarted worker stops the daemon the killed one left; dropped, this one's goes too.
+    let restarted = AgentDeviceWorker(Worker::start_in(home, true));
+    let worker = &restarted.0;
     wait_until(
-        &worker,
+        worker,
         "the agent-device daemon serves again",
         agent_device_available,
     );
     poll("the earlier lease to end", || {
-        match leases(&worker).as_slice() {
+        match leases(worker).as_slice() {
             [] => Ok(()),
             left => Err(format!("{left:?}")),
         }
