@@ -147,14 +147,13 @@ pub struct ProgressTail<F> {
     inner: Body,
     /// Ends the stream early, finished as if cut: the daemon stopping.
     stop: Option<Pin<Box<tokio_util::sync::WaitForCancellationFutureOwned>>>,
-    /// The first bytes of the line being read, up to the length of [`RESPONSE_LINE`].
+    /// The first bytes of the line being read, up to the length of [`RESPONSE_LINE`]: empty
+    /// at the start of a line.
     head: Vec<u8>,
-    /// Whether a byte of the line being read has passed.
-    mid_line: bool,
     /// Whether the response line passed whole.
     answered: bool,
+    /// Makes the last line; taken when the stream ends, which it has once this is `None`.
     cut: Option<F>,
-    ended: bool,
 }
 
 impl<F: FnOnce(&str) -> Bytes> ProgressTail<F> {
@@ -164,10 +163,8 @@ impl<F: FnOnce(&str) -> Bytes> ProgressTail<F> {
             inner,
             stop: None,
             head: Vec::new(),
-            mid_line: false,
             answered: false,
             cut: Some(cut),
-            ended: false,
         }
     }
 
@@ -187,13 +184,8 @@ impl<F: FnOnce(&str) -> Bytes> ProgressTail<F> {
             let room = RESPONSE_LINE.len().saturating_sub(self.head.len());
             self.head.extend_from_slice(&line[..line.len().min(room)]);
             if complete {
-                if self.head.as_slice() == RESPONSE_LINE {
-                    self.answered = true;
-                }
+                self.answered |= self.head.as_slice() == RESPONSE_LINE;
                 self.head.clear();
-                self.mid_line = false;
-            } else {
-                self.mid_line = true;
             }
             data = rest;
         }
@@ -201,14 +193,14 @@ impl<F: FnOnce(&str) -> Bytes> ProgressTail<F> {
 
     /// The stream's last bytes when it was cut before its answer.
     fn finish(&mut self, why: &str) -> Option<Bytes> {
-        self.ended = true;
         let cut = self.cut.take()?;
         if self.answered {
             return None;
         }
         let line = cut(why);
         let mut out = BytesMut::with_capacity(line.len() + 1);
-        if self.mid_line {
+        if !self.head.is_empty() {
+            // Cut inside a line: the made one starts on a line of its own.
             out.extend_from_slice(b"\n");
         }
         out.extend_from_slice(&line);
@@ -225,7 +217,7 @@ impl<F: FnOnce(&str) -> Bytes + Unpin> http_body::Body for ProgressTail<F> {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let this = self.get_mut();
-        if this.ended {
+        if this.cut.is_none() {
             return Poll::Ready(None);
         }
         let why = match Pin::new(&mut this.inner).poll_frame(cx) {
@@ -246,7 +238,7 @@ impl<F: FnOnce(&str) -> Bytes + Unpin> http_body::Body for ProgressTail<F> {
     }
 
     fn is_end_stream(&self) -> bool {
-        self.ended
+        self.cut.is_none()
     }
 
     fn size_hint(&self) -> SizeHint {

@@ -543,18 +543,13 @@ impl Exchange {
         // instead of holding the daemon's stop until its host gives up on it.
         let forwarded = tokio::select! {
             forwarded = self.inner.link.forward(request, Some(&self.caller), lease) => forwarded,
-            () = self.inner.stop.cancelled() => Err(Refusal::NotAvailable {
-                reason: STOPPING.into(),
-                retriable: true,
-            }),
+            () = self.inner.stop.cancelled() => Err(stopping()),
         };
         forwarded.map_err(|refusal| {
             // A host lost because this daemon stops (a gateway closing its uplinks) is named
             // as the stop, not as the worker's absence.
             let refusal = match refusal {
-                Refusal::NotAvailable { reason, .. } if self.inner.stop.is_cancelled() => {
-                    host_lost(&self.inner.stop, reason)
-                }
+                Refusal::NotAvailable { .. } if self.inner.stop.is_cancelled() => stopping(),
                 other => other,
             };
             (refusal, self.surface.clone())
@@ -572,12 +567,9 @@ impl Exchange {
                 .get(http::header::CONTENT_TYPE)
                 .and_then(|v| v.to_str().ok())
                 .is_some_and(|v| v.contains("application/x-ndjson"));
-        let Surface::Rpc { id } = &self.surface else {
+        let (Surface::Rpc { id }, true) = (&self.surface, streamed) else {
             return response;
         };
-        if !streamed {
-            return response;
-        }
         let (stop, id) = (self.inner.stop.clone(), id.clone());
         let cut = move |why: &str| {
             let refusal = host_lost(&stop, format!("its answer was cut off ({why}); retry"));
@@ -681,12 +673,19 @@ pub fn made_by_front(lease_id: &str, requester_id: &str) -> Option<LeaseId> {
 /// (a gateway closing its uplinks, a worker stopping its agent-device daemon), not as the
 /// host's absence.
 fn host_lost(stop: &CancellationToken, reason: String) -> Refusal {
+    if stop.is_cancelled() {
+        return stopping();
+    }
     Refusal::NotAvailable {
-        reason: if stop.is_cancelled() {
-            STOPPING.to_owned()
-        } else {
-            reason
-        },
+        reason,
+        retriable: true,
+    }
+}
+
+/// The refusal of a request this daemon's stop cut short.
+fn stopping() -> Refusal {
+    Refusal::NotAvailable {
+        reason: STOPPING.into(),
         retriable: true,
     }
 }

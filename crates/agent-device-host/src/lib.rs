@@ -188,17 +188,13 @@ impl std::fmt::Debug for AgentDeviceHost {
 }
 
 /// The retriable refusal for a request the daemon did not answer (it died or closed the
-/// connection), naming the cause under the client's own words ("client error (SendRequest)"
-/// alone says nothing).
+/// connection), naming the cause under the client's own words.
 fn not_answered(e: &(dyn std::error::Error + 'static)) -> Refusal {
-    let mut cause = e.to_string();
-    let mut source = e.source();
-    while let Some(inner) = source {
-        cause = inner.to_string();
-        source = inner.source();
-    }
     Refusal::NotAvailable {
-        reason: format!("the agent-device daemon did not answer ({cause}); retry"),
+        reason: format!(
+            "the agent-device daemon did not answer ({}); retry",
+            simlock_contract::error::error_chain(e)
+        ),
         retriable: true,
     }
 }
@@ -966,7 +962,7 @@ mod tests {
         let refusal = not_answered(&e);
         assert_eq!(
             refusal.to_string(),
-            "agent-device is not available on this simlock: the agent-device daemon did not answer (connection closed before message completed); retry"
+            "agent-device is not available on this simlock: the agent-device daemon did not answer (client error (SendRequest): connection closed before message completed); retry"
         );
         assert!(matches!(
             refusal,

@@ -4,7 +4,6 @@
 //! Errors arrive as `{"error": {"code", "message", ...details}}`; [`error_from_body`] is the one
 //! place an HTTP answer becomes a [`ContractError`].
 
-use std::fmt::Write as _;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -147,7 +146,7 @@ impl HttpBackend {
         self.client.request(request).await.map_err(|e| {
             let why = match simlock_tls::find_failure(&e, &self.host) {
                 Some(failure) => tls_hint(&failure),
-                None => chain(&e),
+                None => simlock_contract::error::error_chain(&e),
             };
             ContractError::new(
                 ErrorCode::DaemonConnectionLost,
@@ -279,17 +278,6 @@ fn tls_hint(failure: &simlock_tls::TlsFailure) -> String {
         TlsFailure::Other(_) => format!("check the URL and {CA_FILE_SETTING}"),
     };
     format!("TLS: {failure}; {fix}")
-}
-
-/// An error and its sources, on one line.
-fn chain(error: &dyn std::error::Error) -> String {
-    let mut text = error.to_string();
-    let mut source = error.source();
-    while let Some(cause) = source {
-        let _ = write!(text, ": {cause}");
-        source = cause.source();
-    }
-    text
 }
 
 /// The base the API's `/v1/...` paths go under: `base_url` without its trailing slashes, and

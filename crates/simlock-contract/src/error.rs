@@ -351,9 +351,47 @@ impl ErrorBody {
     }
 }
 
+/// An error and its sources, on one line (`outer: cause: root cause`): what a message about
+/// an I/O or HTTP client failure should carry, since the outer words alone ("client error
+/// (SendRequest)") often say nothing.
+pub fn error_chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_error_chain_reads_outer_to_root_on_one_line() {
+        #[derive(Debug)]
+        struct Outer(std::io::Error);
+        impl fmt::Display for Outer {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("client error (SendRequest)")
+            }
+        }
+        impl std::error::Error for Outer {
+            fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+                Some(&self.0)
+            }
+        }
+        let e = Outer(std::io::Error::other(
+            "connection closed before message completed",
+        ));
+        assert_eq!(
+            error_chain(&e),
+            "client error (SendRequest): connection closed before message completed"
+        );
+        assert_eq!(error_chain(&std::io::Error::other("alone")), "alone");
+    }
 
     #[test]
     fn the_inline_form_round_trips() {
