@@ -334,6 +334,43 @@ pub fn ticket_headers(ticket: &Value) -> Vec<(String, String)> {
         .collect()
 }
 
+/// What the front answers a request that its daemon's stop cut short.
+pub fn stopping_message() -> String {
+    format!(
+        "agent-device is not available on this simlock: {}",
+        agent_device_front::STOPPING
+    )
+}
+
+/// How a reply carried its JSON-RPC answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Carried {
+    /// The body is the answer.
+    Plain,
+    /// The body is a progress stream; the answer is its last line's `response`.
+    StreamsLastLine,
+}
+
+/// The JSON-RPC answer in a reply's body, as the CLI reads it, and how it came.
+///
+/// # Panics
+/// When the body is neither an answer nor a progress stream ending in one.
+pub fn rpc_answer(body: &[u8]) -> (Value, Carried) {
+    if let Ok(answer) = serde_json::from_slice::<Value>(body)
+        && answer.get("type").is_none()
+    {
+        return (answer, Carried::Plain);
+    }
+    let text = String::from_utf8_lossy(body);
+    let last: Value = text
+        .lines()
+        .last()
+        .and_then(|line| serde_json::from_str(line).ok())
+        .unwrap_or_else(|| panic!("neither an answer nor a stream ending in one: {text:?}"));
+    assert_eq!(last["type"], "response", "a stream's last line: {text}");
+    (last["response"].clone(), Carried::StreamsLastLine)
+}
+
 /// A JSON-RPC request of the CLI's shape.
 pub fn rpc_call(id: &str, method: &str, params: Value) -> Value {
     json!({"jsonrpc": "2.0", "id": id, "method": format!("agent_device.{method}"), "params": params})

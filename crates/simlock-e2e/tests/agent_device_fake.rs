@@ -19,7 +19,10 @@ use agent_device_fake::{
 use http::Method;
 use serde_json::{Value, json};
 use simlock_e2e::PATIENCE;
-use simlock_e2e::agent_device::{AdWorker, Cli, Http, attached_config, real_package, rpc_call};
+use simlock_e2e::agent_device::{
+    AdWorker, Carried, Cli, Http, attached_config, real_package, rpc_answer, rpc_call,
+    stopping_message,
+};
 
 fn allocate_call(id: &str, session: &str) -> Value {
     rpc_call(
@@ -211,10 +214,7 @@ async fn a_long_command_keeps_its_simlock_lease_alive_past_two_ttls_until_the_fr
     assert_eq!(answer.status, 503, "{answer:?}");
     assert_eq!(
         answer.json()["error"]["data"]["message"],
-        json!(format!(
-            "agent-device is not available on this simlock: {}",
-            agent_device_front::STOPPING
-        )),
+        stopping_message(),
         "{answer:?}"
     );
     worker.stop().await;
@@ -299,17 +299,12 @@ async fn a_progress_stream_cut_by_the_daemons_loss_ends_with_a_response_saying_s
     fake.stop().await;
     let answer = running.await.unwrap();
     assert_eq!(answer.status, 200, "the stream had begun: {answer:?}");
-    let text = String::from_utf8_lossy(&answer.body).into_owned();
-    let last: Value = text
-        .lines()
-        .last()
-        .and_then(|line| serde_json::from_str(line).ok())
-        .unwrap_or_else(|| panic!("a last line of JSON: {text:?}"));
-    assert_eq!(last["type"], "response", "{text}");
-    assert_eq!(last["response"]["id"], "c1", "{text}");
-    let data = &last["response"]["error"]["data"];
-    assert_eq!(data["code"], "UNAVAILABLE", "{text}");
-    assert_eq!(data["retriable"], json!(true), "{text}");
+    let (last, carried) = rpc_answer(&answer.body);
+    assert_eq!(carried, Carried::StreamsLastLine, "{answer:?}");
+    assert_eq!(last["id"], "c1", "{last}");
+    let data = &last["error"]["data"];
+    assert_eq!(data["code"], "UNAVAILABLE", "{last}");
+    assert_eq!(data["retriable"], json!(true), "{last}");
     let message = data["message"].as_str().unwrap();
     assert!(
         message
@@ -342,31 +337,25 @@ async fn a_stopping_worker_answers_the_commands_in_flight_naming_the_stop() {
         .await
         .unwrap();
     let stopping = tokio::spawn(worker.stop());
-    let stopped = format!(
-        "agent-device is not available on this simlock: {}",
-        agent_device_front::STOPPING
-    );
     let plain = plain.await.unwrap();
     assert_eq!(plain.status, 503, "{plain:?}");
     let data = &plain.json()["error"]["data"];
-    assert_eq!(data["message"], stopped.as_str(), "{plain:?}");
+    assert_eq!(data["message"], stopping_message(), "{plain:?}");
     assert_eq!(data["retriable"], json!(true));
     let streamed = streamed.await.unwrap();
-    let text = String::from_utf8_lossy(&streamed.body).into_owned();
-    let answer = if streamed.status == 200 {
-        let last: Value = serde_json::from_str(text.lines().last().unwrap_or_default())
-            .unwrap_or_else(|_| panic!("a last line of JSON: {text:?}"));
-        assert_eq!(last["type"], "response", "{text}");
-        last["response"].clone()
-    } else {
-        assert_eq!(streamed.status, 503, "{text}");
-        streamed.json()
-    };
-    assert_eq!(answer["id"], "c2", "{text}");
+    let (answer, carried) = rpc_answer(&streamed.body);
+    assert!(
+        matches!(
+            (streamed.status.as_u16(), carried),
+            (503, Carried::Plain) | (200, Carried::StreamsLastLine)
+        ),
+        "{streamed:?}"
+    );
+    assert_eq!(answer["id"], "c2", "{answer}");
     assert_eq!(
         answer["error"]["data"]["message"],
-        stopped.as_str(),
-        "{text}"
+        stopping_message(),
+        "{answer}"
     );
     stopping.await.unwrap();
     hold.release();

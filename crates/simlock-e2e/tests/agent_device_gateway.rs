@@ -20,7 +20,7 @@ use http::Method;
 use serde_json::{Value, json};
 use simlock_contract::model::Platform;
 use simlock_daemon::clock::{Clock, SharedClock, TokioClock};
-use simlock_e2e::agent_device::{Http, rpc_call, ticket_headers};
+use simlock_e2e::agent_device::{Http, rpc_call, stopping_message, ticket_headers};
 use simlock_e2e::{PATIENCE, TestFleet, gateway_config, worker_config};
 use simlock_gateway::GatewayConfig;
 use simlock_worker::WorkerConfig;
@@ -1046,10 +1046,7 @@ async fn a_command_longer_than_the_ttl_renews_through_the_gateway_until_its_fron
     assert_eq!(answer.status, 503, "{answer:?}");
     assert_eq!(
         answer.json()["error"]["data"]["message"],
-        json!(format!(
-            "agent-device is not available on this simlock: {}",
-            agent_device_front::STOPPING
-        )),
+        stopping_message(),
         "{answer:?}"
     );
     gw.stop().await;
@@ -1470,6 +1467,10 @@ async fn devices_through_the_gateway_joins_each_workers_answer_cut_to_its_lease(
     gw.stop().await;
 }
 
+/// Two leases on one worker: `devices` lists both devices once, asked as `--json` asks and as
+/// the CLI's human mode asks (a progress stream, its own request id); then each of the two
+/// forwards carries a request id of its own (agent-device refuses a second request with the
+/// id of one in flight).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn devices_with_two_leases_on_one_worker_lists_both_once() {
     let mut gw = Gw::start(enabled_gateway()).await;
@@ -1489,53 +1490,28 @@ async fn devices_with_two_leases_on_one_worker_lists_both_once() {
         (&ids[1], "two"),
         ("emulator-9", "other"),
     ]));
+    let names = |answer: &simlock_e2e::agent_device::Answer| {
+        let mut names: Vec<String> = answer.json()["result"]["data"]["devices"]
+            .as_array()
+            .unwrap_or_else(|| panic!("a device list: {answer:?}"))
+            .iter()
+            .map(|d| d["name"].as_str().unwrap().to_owned())
+            .collect();
+        names.sort();
+        names
+    };
     let answer = http.rpc(&gw.base(), &secret, &devices_call("d1")).await;
-    let mut names: Vec<String> = answer.json()["result"]["data"]["devices"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|d| d["name"].as_str().unwrap().to_owned())
-        .collect();
-    names.sort();
-    assert_eq!(names, ["one", "two"], "each once");
-    gw.stop().await;
-}
-
-/// `devices` as the CLI sends it in human mode (a progress stream asked for, its own request
-/// id): through a gateway with two leases on one worker, both devices are listed, and each of
-/// the two forwards carries a request id of its own (agent-device refuses a second request
-/// with the id of one in flight).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn devices_in_human_mode_with_two_leases_on_one_worker_lists_both() {
-    let mut gw = Gw::start(enabled_gateway()).await;
-    let mut config = worker(true, &[Platform::Android]);
-    config.core.capacity.max_running = 2;
-    gw.add(config).await;
-    gw.wait_capable(0, true).await;
-    let (_, secret) = gw.token().await;
-    let http = Http::new();
-    allocate(&http, &gw, &secret).await;
-    allocate(&http, &gw, &secret).await;
-    let devices = gw.fleet.worker(0).worker.devices();
-    let ids: Vec<String> = devices.iter().map(|d| d.driver_device_id.clone()).collect();
-    gw.fakes[0].set_devices(listed(&[(&ids[0], "one"), (&ids[1], "two")]));
+    assert_eq!(names(&answer), ["one", "two"], "each once");
     gw.fakes[0].clear_requests();
-    let call = rpc_call(
+    let human = rpc_call(
         "fd92114f2a36a3df",
         "command",
         json!({"session": "default", "command": "devices", "positionals": [], "flags": {},
             "meta": {"requestId": "fd92114f2a36a3df", "requestProgress": "command"}}),
     );
-    let answer = http.rpc(&gw.base(), &secret, &call).await;
+    let answer = http.rpc(&gw.base(), &secret, &human).await;
     assert_eq!(answer.status, 200, "{answer:?}");
-    let mut names: Vec<String> = answer.json()["result"]["data"]["devices"]
-        .as_array()
-        .unwrap_or_else(|| panic!("a device list: {answer:?}"))
-        .iter()
-        .map(|d| d["name"].as_str().unwrap().to_owned())
-        .collect();
-    names.sort();
-    assert_eq!(names, ["one", "two"]);
+    assert_eq!(names(&answer), ["one", "two"], "each once, in human mode");
     assert_eq!(answer.json()["id"], "fd92114f2a36a3df");
     let mut sent: Vec<Value> = received(&gw.fakes[0], "agent_device.command")
         .iter()
@@ -2307,13 +2283,7 @@ async fn a_command_in_flight_when_the_gateway_stops_is_answered_naming_the_stop(
     assert_eq!(answer.status, 503, "{answer:?}");
     let data = &answer.json()["error"]["data"];
     assert_eq!(data["code"], "UNAVAILABLE");
-    assert_eq!(
-        data["message"],
-        json!(format!(
-            "agent-device is not available on this simlock: {}",
-            agent_device_front::STOPPING
-        ))
-    );
+    assert_eq!(data["message"], stopping_message());
     assert_eq!(data["retriable"], json!(true));
     assert_eq!(answer.json()["id"], json!("c1"));
     hold.release();

@@ -19,6 +19,7 @@ use std::process::{Child, Command, Output, Stdio};
 use std::time::Duration;
 
 use serde_json::{Value, json};
+use simlock_e2e::agent_device::{Carried, rpc_answer, stopping_message};
 
 /// Every wait on a process is bounded by this.
 const PATIENCE: Duration = Duration::from_secs(60);
@@ -1803,29 +1804,18 @@ fn a_gateway_stopped_by_sigterm_answers_a_relayed_command_in_flight_naming_the_s
     );
     // The stop answers it at once: as a plain refusal, or, when the daemon's stream had
     // already begun, with a last line of its own (the CLI reads either).
-    let (status, stream) = running.join().unwrap();
-    let answer: Value = if status == 200 {
-        let last: Value = stream
-            .lines()
-            .last()
-            .and_then(|line| serde_json::from_str(line).ok())
-            .unwrap_or_else(|| panic!("a last line of JSON: {stream:?}"));
-        assert_eq!(last["type"], "response", "{stream}");
-        last["response"].clone()
-    } else {
-        assert_eq!(status, 503, "{stream}");
-        serde_json::from_str(&stream).unwrap()
-    };
+    let (status, body) = running.join().unwrap();
+    let (answer, carried) = rpc_answer(body.as_bytes());
+    assert!(
+        matches!(
+            (status, carried),
+            (503, Carried::Plain) | (200, Carried::StreamsLastLine)
+        ),
+        "{status} {body}"
+    );
     assert_eq!(answer["id"], json!("c1"), "{answer}");
     let data = &answer["error"]["data"];
-    assert_eq!(
-        data["message"],
-        json!(format!(
-            "agent-device is not available on this simlock: {}",
-            agent_device_front::STOPPING
-        )),
-        "{answer}"
-    );
+    assert_eq!(data["message"], stopping_message(), "{answer}");
     assert_eq!(data["retriable"], json!(true), "{answer}");
     let exited = wait_exit(&mut fleet.gateway.child);
     assert!(exited.is_some_and(|s| s.success()), "{exited:?}");
