@@ -768,6 +768,23 @@ async fn the_view_an_uplink_makes_before_its_greeting_wakes_the_fleets_watchers(
     fleet.stop().await;
 }
 
+/// A stop waits for its uplinks' close handshakes, but not for a worker that never answers
+/// one: a peer that took the upgrade and then reads nothing does not hold the stop.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_is_not_held_by_an_uplink_that_never_answers_its_close() {
+    let fleet = TestFleet::start(gateway_config()).await;
+    let addr = fleet.gateway().running.http_addr().unwrap().to_string();
+    let (answer, _silent) = open_raw_uplink(&addr, &fleet.join_token, Some("13"), "silent").await;
+    assert!(answer.starts_with("HTTP/1.1 101"), "{answer}");
+    fleet
+        .wait_for(|views| views.iter().any(|v| v.id == "silent"))
+        .await;
+    tokio::time::timeout(PATIENCE, fleet.gateway().fleet.stop())
+        .await
+        .expect("the stop ends by the link's linger");
+    fleet.stop().await;
+}
+
 /// A worker that redials while the gateway stops (its listener still open) is told the gateway
 /// is stopping, and nothing is recorded for it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
