@@ -745,10 +745,7 @@ async fn allocate(ctx: &Exchange, mut call: RpcCall) -> Result<Response<Body>, F
         .await
         .map_err(|e| {
             if e.code == ErrorCode::Cancelled {
-                ctx.fail(Refusal::NotAvailable {
-                    reason: "this simlock is stopping".into(),
-                    retriable: true,
-                })
+                ctx.fail(stopping())
             } else {
                 ctx.fail(Refusal::from_simlock(&e))
             }

@@ -919,7 +919,7 @@ async fn an_allocate_waits_for_a_device_a_hung_up_one_leaves_the_queue_and_a_sto
     let answer = waits.await.unwrap();
     assert_eq!(
         answer.json()["error"]["data"]["message"],
-        json!("agent-device is not available on this simlock: this simlock is stopping"),
+        json!(stopping_message()),
         "ended cancelled, not DAEMON_STOPPING: {answer:?}"
     );
     stopping.await.unwrap();
