@@ -6,6 +6,8 @@
 //! * heartbeat moves `heartbeatAt` and `expiresAt`; an unknown or expired lease is 401
 //!   `Lease is not active` with `details.reason: LEASE_NOT_FOUND` (0.21.5 prunes expired leases
 //!   before it looks, so an expired lease reads as not found, never as `LEASE_EXPIRED`);
+//! * a device command naming a lease renews it with the default TTL, as 0.21.5's claim rule
+//!   does, whatever TTL it was allocated or last heartbeaten with;
 //! * release answers `{released:true}` once and `{released:false}` for a lease it does not hold;
 //! * a lease that carries an owner (`leaseProvider`, `clientId` or `deviceKey`) is only touched by
 //!   a call that names its tenant, run and every owner field (`LEASE_SCOPE_REQUIRED`), and any
@@ -478,11 +480,13 @@ impl LeaseRegistry {
         Ok(Released::Released)
     }
 
-    /// The lease check of a command that names a lease under a tenant.
+    /// The lease check of a command that names a lease under a tenant; the lease is then
+    /// renewed with the default TTL, whatever TTL it had, as 0.21.5 renews it on every device
+    /// command (its claim rule heartbeats the lease without the TTL).
     ///
     /// # Errors
     /// The lease is not active, or its tenant, run or backend differ from the command's.
-    pub(crate) fn check_command(
+    pub(crate) fn admit_command(
         &mut self,
         tenant: &TenantId,
         run: Option<&RunId>,
@@ -503,6 +507,12 @@ impl LeaseRegistry {
                 SCOPE_MISMATCH,
                 "LEASE_SCOPE_MISMATCH",
             ));
+        }
+        let ttl = self.policy.default_ms;
+        if let Some(lease) = self.leases.get_mut(lease_id) {
+            lease.heartbeat_at = now;
+            lease.expires_at = now + ttl;
+            lease.ttl_ms = ttl;
         }
         Ok(())
     }
@@ -890,25 +900,55 @@ mod tests {
         let id = &lease.lease_id;
         assert!(
             leases
-                .check_command(&acme, Some(&r1), id, LeaseBackend::AndroidInstance, T0)
+                .admit_command(&acme, Some(&r1), id, LeaseBackend::AndroidInstance, T0)
                 .is_ok()
         );
         let err = leases
-            .check_command(&acme, Some(&r1), id, LeaseBackend::IosSimulator, T0)
+            .admit_command(&acme, Some(&r1), id, LeaseBackend::IosSimulator, T0)
             .unwrap_err();
         assert_eq!(reason(&err), Some("LEASE_SCOPE_MISMATCH"));
         let other = TenantId::parse("other").unwrap();
         assert!(
             leases
-                .check_command(&other, None, id, LeaseBackend::AndroidInstance, T0)
+                .admit_command(&other, None, id, LeaseBackend::AndroidInstance, T0)
                 .is_err()
         );
         let unknown = LeaseId::parse(&"1".repeat(32)).unwrap();
         let err = leases
-            .check_command(&acme, None, &unknown, LeaseBackend::AndroidInstance, T0)
+            .admit_command(&acme, None, &unknown, LeaseBackend::AndroidInstance, T0)
             .unwrap_err();
         assert_eq!(reason(&err), Some("LEASE_NOT_FOUND"));
         assert!(leases.release_id(id, T0));
         assert!(!leases.release_id(id, T0));
+    }
+
+    #[test]
+    fn a_command_renews_its_lease_with_the_default_ttl_whatever_ttl_it_had() {
+        let mut leases = registry();
+        let lease = leases
+            .allocate(
+                &call(json!({"tenantId":"acme","runId":"r1","ttlMs":600_000,"backend":"android-instance"})),
+                T0,
+            )
+            .unwrap();
+        assert_eq!(lease.expires_at, T0 + 600_000);
+        let acme = TenantId::parse("acme").unwrap();
+        let at = T0 + 1_000;
+        leases
+            .admit_command(
+                &acme,
+                None,
+                &lease.lease_id,
+                LeaseBackend::AndroidInstance,
+                at,
+            )
+            .unwrap();
+        let renewed = leases.active(at).remove(0);
+        assert_eq!(
+            (renewed.heartbeat_at, renewed.expires_at, renewed.ttl_ms),
+            (at, at + 60_000, 60_000)
+        );
+        // So a lease left alone after its command ends 60 s later.
+        assert!(leases.active(at + 60_000).is_empty());
     }
 }

@@ -963,7 +963,7 @@ impl Model {
             && let (Some(tenant), Some(lease)) = (&tenant, &lease)
             && let Err(err) = self
                 .leases
-                .check_command(tenant, run.as_ref(), lease, backend, now)
+                .admit_command(tenant, run.as_ref(), lease, backend, now)
         {
             return Err(self.fail(&ctx, &err, now));
         }

@@ -394,7 +394,10 @@ async fn rpc(
                     let entry = ctx.owned(&lease)?;
                     ctx.serving(&lease)?;
                     call.pin_device(entry.platform, &entry.address);
-                    let renewal = spawn_renewal(inner, caller, &lease, entry.ttl_ms);
+                    // `close` ends the session and the lease with it: nothing to keep after.
+                    let keep = (call.command() != Some("close"))
+                        .then(|| (ctx.clone(), call.heartbeat_after(&lease)));
+                    let renewal = spawn_renewal(inner, caller, &lease, entry.ttl_ms, keep);
                     let response = ctx.forward(call.to_bytes(), Some(&lease)).await?;
                     let (parts, body) = ctx.finished(response).into_parts();
                     let body = Guarded::new(body, renewal).boxed_unsync();
@@ -419,6 +422,7 @@ fn lease_required() -> Refusal {
 }
 
 /// What one request's handlers share.
+#[derive(Clone)]
 struct Exchange {
     inner: Arc<Inner>,
     caller: Caller,
@@ -866,12 +870,14 @@ async fn wait_for_grant(
 }
 
 /// Renews the simlock lease every TTL/3 until the returned guard drops (the answer it rides on
-/// ended) or the daemon stops.
+/// ended) or the daemon stops. With `keep`, once the guard dropped, the heartbeat it holds is
+/// sent ([`keep_after_command`]).
 fn spawn_renewal(
     inner: &Arc<Inner>,
     caller: &Caller,
     lease: &LeaseId,
     ttl_ms: u64,
+    keep: Option<(Exchange, RpcCall)>,
 ) -> tokio_util::sync::DropGuard {
     let done = CancellationToken::new();
     let (stop, task_done) = (inner.stop.clone(), done.clone());
@@ -883,7 +889,12 @@ fn spawn_renewal(
         loop {
             tokio::select! {
                 () = tokio::time::sleep(period) => {}
-                () = task_done.cancelled() => return,
+                () = task_done.cancelled() => {
+                    if let Some((ctx, call)) = keep {
+                        keep_after_command(&ctx, call, &lease).await;
+                    }
+                    return;
+                }
                 () = stop.cancelled() => return,
             }
             let ctx = CallCtx::internal(caller.principal.clone(), caller.role, None);
@@ -912,30 +923,22 @@ fn spawn_renewal(
 /// on which the CLI allocates again.
 async fn heartbeat(
     ctx: &Exchange,
-    mut call: RpcCall,
+    call: RpcCall,
     lease: &LeaseId,
 ) -> Result<Response<Body>, Failed> {
-    let ttl_ms = ctx.lease_ttl(lease)?;
-    call.set_ttl(ttl_ms);
-    // The host holding the lease renews it once its daemon answered ok, in the same round
-    // trip; a host that does not answers with no renewal, and the front renews it here.
-    let ask = RenewAsk { ttl_ms };
-    let (mut parts, bytes) = ctx
-        .exchange(call.to_bytes(), Some(lease), Some(ask))
-        .await?;
-    let renewal = Renewal::take(&mut parts.headers);
-    let answer = Answer::read(&bytes);
+    let Heartbeaten {
+        parts,
+        bytes,
+        answer,
+        renewal,
+    } = renew_both(ctx, call, lease).await?;
     if answer.lease_gone() {
         ctx.end(lease);
         ctx.release_simlock(lease).await;
         return Err(ctx.fail(Refusal::LeaseEnded(lease.clone())));
     }
-    if !matches!(answer, Answer::Ok(_)) {
+    let Some(renewal) = renewal else {
         return Ok(answer_from(parts, bytes));
-    }
-    let renewal = match renewal {
-        Some(renewal) => renewal,
-        None => ctx.renew_simlock(lease, ttl_ms).await?,
     };
     match renewal {
         Renewal::Renewed => {
@@ -945,6 +948,66 @@ async fn heartbeat(
         Renewal::LeaseEnded => {
             ctx.end(lease);
             Err(ctx.fail(Refusal::LeaseEnded(lease.clone())))
+        }
+    }
+}
+
+/// A heartbeat's outcome ([`renew_both`]).
+struct Heartbeaten {
+    parts: http::response::Parts,
+    bytes: Bytes,
+    /// agent-device's answer, read.
+    answer: Answer,
+    /// The simlock lease's renewal; `None` when agent-device did not answer ok (nothing was
+    /// renewed).
+    renewal: Option<Renewal>,
+}
+
+/// agent-device's heartbeat `call` of `lease`, with the lease's TTL, then, once agent-device
+/// answered ok, the simlock lease renewed to now plus that TTL: by the host holding it, in the
+/// same round trip, when it can ([`crate::renewal`]: through a gateway, the worker), else by
+/// the front. agent-device's first, so simlock's lease never ends before it.
+async fn renew_both(
+    ctx: &Exchange,
+    mut call: RpcCall,
+    lease: &LeaseId,
+) -> Result<Heartbeaten, Failed> {
+    let ttl_ms = ctx.lease_ttl(lease)?;
+    call.set_ttl(ttl_ms);
+    let ask = RenewAsk { ttl_ms };
+    let (mut parts, bytes) = ctx
+        .exchange(call.to_bytes(), Some(lease), Some(ask))
+        .await?;
+    let renewal = Renewal::take(&mut parts.headers);
+    let answer = Answer::read(&bytes);
+    let renewal = match (&answer, renewal) {
+        (Answer::Ok(_), Some(renewal)) => Some(renewal),
+        (Answer::Ok(_), None) => Some(ctx.renew_simlock(lease, ttl_ms).await?),
+        _ => None,
+    };
+    Ok(Heartbeaten {
+        parts,
+        bytes,
+        answer,
+        renewal,
+    })
+}
+
+/// After a device command on `lease`: agent-device 0.21.5 renewed its lease with its default
+/// TTL (60 s) when the command came ([`RpcCall::heartbeat_after`]), so both leases are renewed
+/// to the lease's TTL again, as a heartbeat renews them. Nothing is ended here: a lease found
+/// gone is the caller's next call to tell.
+async fn keep_after_command(ctx: &Exchange, call: RpcCall, lease: &LeaseId) {
+    match renew_both(ctx, call, lease).await {
+        Ok(Heartbeaten {
+            renewal: Some(Renewal::Renewed),
+            ..
+        }) => ctx.inner.leases.touch(lease, Instant::now()),
+        Ok(Heartbeaten { answer, .. }) => {
+            debug!(%lease, ?answer, "the lease was not kept after its command");
+        }
+        Err((refusal, _)) => {
+            debug!(%lease, %refusal, "the lease was not kept after its command");
         }
     }
 }

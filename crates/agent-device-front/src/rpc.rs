@@ -275,6 +275,42 @@ impl RpcCall {
         });
     }
 
+    /// The heartbeat that keeps `lease` after this command: agent-device 0.21.5 renews a
+    /// lease on every device command with its default TTL (60 s), whatever TTL the lease was
+    /// given, so the front heartbeats it again once the command's answer ended. The session
+    /// and run are the command's; the host holding the lease puts in the tenant, and the run
+    /// when the command named none. Its id is the command's with `:keep` added, never one in
+    /// flight.
+    pub fn heartbeat_after(&self, lease: &LeaseId) -> Self {
+        let id = match &self.id {
+            Value::String(id) => format!("{id}:keep"),
+            other => format!("{other}:keep"),
+        };
+        let mut params = Map::new();
+        if let Some(session) = self.params.get("session").filter(|v| v.is_string()) {
+            params.insert("session".into(), session.clone());
+        }
+        let run = ["meta", "flags"].iter().find_map(|section| {
+            self.params
+                .get(*section)
+                .and_then(|fields| fields.get("runId"))
+                .filter(|v| v.is_string())
+        });
+        if let Some(run) = run {
+            params.insert("runId".into(), run.clone());
+        }
+        params.insert("leaseId".into(), Value::from(lease.as_str()));
+        let mut envelope = self.envelope.clone();
+        envelope.insert("id".into(), Value::from(id.clone()));
+        envelope.insert("method".into(), Value::from("agent_device.lease.heartbeat"));
+        Self {
+            id: Value::from(id),
+            method: Method::Heartbeat,
+            envelope,
+            params,
+        }
+    }
+
     /// The request as a body.
     pub fn to_bytes(&self) -> Bytes {
         let mut envelope = self.envelope.clone();
@@ -574,6 +610,33 @@ mod tests {
         let one = b"{\"type\":\"response\",\"response\":{\"jsonrpc\":\"2.0\",\"id\":\"1\",\"result\":{\"ok\":true,\"data\":{\"devices\":[]}}}}\n";
         assert_eq!(Answer::read(one), Answer::Ok(json!({"devices": []})));
         assert_eq!(Answer::read(b"nope"), Answer::Unreadable);
+    }
+
+    #[test]
+    fn the_heartbeat_after_a_command_names_its_session_run_and_lease_under_an_id_of_its_own() {
+        let lease = LeaseId::parse(&"a".repeat(32)).unwrap();
+        let command = call(
+            json!({"jsonrpc": "2.0", "id": "c1", "method": "agent_device.command",
+            "params": {"session": "adc-1", "command": "snapshot",
+                "flags": {"runId": "from-flags"}, "meta": {"runId": "run9", "tenantId": "acme"}}}),
+        );
+        let beat = command.heartbeat_after(&lease);
+        assert_eq!(beat.method, Method::Heartbeat);
+        let sent: Value = serde_json::from_slice(&beat.to_bytes()).unwrap();
+        assert_eq!(
+            sent,
+            json!({"jsonrpc": "2.0", "id": "c1:keep", "method": "agent_device.lease.heartbeat",
+                "params": {"session": "adc-1", "runId": "run9", "leaseId": "a".repeat(32)}})
+        );
+        // A numeric id, and a command naming its run in its flags only.
+        let command = call(
+            json!({"jsonrpc": "2.0", "id": 7, "method": "agent_device.command",
+            "params": {"session": "s", "flags": {"runId": "r"}}}),
+        );
+        let sent: Value =
+            serde_json::from_slice(&command.heartbeat_after(&lease).to_bytes()).unwrap();
+        assert_eq!(sent["id"], json!("7:keep"));
+        assert_eq!(sent["params"]["runId"], json!("r"));
     }
 
     #[test]

@@ -108,6 +108,14 @@ fn received(fake: &FakeAgentDevice, method: &str) -> Vec<Value> {
         .collect()
 }
 
+/// The heartbeats callers sent (not the front's own after a command, `<id>:keep`).
+fn callers_heartbeats(fake: &FakeAgentDevice) -> usize {
+    received(fake, "agent_device.lease.heartbeat")
+        .iter()
+        .filter(|b| !b["id"].as_str().is_some_and(|id| id.ends_with(":keep")))
+        .count()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_screenshot_artifact_downloads_through_the_worker_with_the_published_cli() {
     let pkg = real_package();
@@ -413,7 +421,7 @@ async fn release_all_ends_the_agent_device_lease_before_the_device_is_reclaimed(
         answer.json()["error"]["data"]["details"]["reason"],
         json!("LEASE_ENDED_BY_HOST")
     );
-    assert_eq!(received(&fake, "agent_device.lease.heartbeat").len(), 1);
+    assert_eq!(callers_heartbeats(&fake), 1);
     // And again for every later call naming it, without asking agent-device.
     for call in [
         heartbeat_call("h2", "s1", &lease),
@@ -422,7 +430,7 @@ async fn release_all_ends_the_agent_device_lease_before_the_device_is_reclaimed(
         let again = http.rpc(&worker.base(), &secret, &call).await;
         assert_eq!(ended_reason(&again), "LEASE_ENDED_BY_HOST", "{again:?}");
     }
-    assert_eq!(received(&fake, "agent_device.lease.heartbeat").len(), 1);
+    assert_eq!(callers_heartbeats(&fake), 1);
     worker.stop().await;
     fake.stop().await;
 }
@@ -542,6 +550,65 @@ async fn a_heartbeat_goes_to_agent_device_first_then_renews_the_simlock_lease_to
         record["lastRenewedAt"].as_i64().unwrap() + 120_000
     );
     assert!(deadline > before);
+    worker.stop().await;
+    fake.stop().await;
+}
+
+/// agent-device 0.21.5 renews a lease with its default TTL (60 s) on every device command,
+/// whatever TTL it had; an agent that then paused for a minute lost its device while simlock
+/// still showed minutes left. Once a command's answer ended, the front heartbeats the lease
+/// back to its TTL, agent-device's first, then simlock's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_command_both_leases_are_renewed_to_the_leases_ttl_not_agent_devices_default() {
+    let fake = FakeAgentDevice::start(FakeOptions::default()).unwrap();
+    let mut config = attached_config();
+    config.agent_device.lease_ttl_cap_ms = Some(120_000);
+    let worker = AdWorker::with_fake(config, &fake).await;
+    let (_, secret) = worker.token("agent").await;
+    let http = Http::new();
+    let lease = allocate(&http, &worker, &secret, "s1").await;
+    assert_eq!(fake.leases()[0].ttl_ms, 120_000);
+    let renewed_before = worker.leases().await[0]["lastRenewedAt"].as_i64().unwrap();
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    let call = command_call("c1", "s1", &lease, "snapshot", json!({}));
+    let answer = http.rpc(&worker.base(), &secret, &call).await;
+    assert_eq!(answer.json()["result"]["ok"], json!(true), "{answer:?}");
+    // The fake renewed the lease for 60 s when the command came; the front's heartbeat follows
+    // the answer.
+    wait_for(|| async { fake.leases()[0].ttl_ms == 120_000 && fake.leases()[0].heartbeats == 1 })
+        .await;
+    let kept = received(&fake, "agent_device.lease.heartbeat");
+    assert_eq!(kept.len(), 1);
+    let params = &kept[0]["params"];
+    assert_eq!(params["ttlMs"], json!(120_000));
+    assert_eq!(params["session"], json!("s1"));
+    assert_eq!(params["runId"], json!("run1"));
+    assert_eq!(params["leaseId"], json!(fake.leases()[0].lease_id.as_str()));
+    assert_eq!(kept[0]["id"], json!("c1:keep"));
+    // And the simlock lease after it: renewed to its TTL from then.
+    wait_for(|| async {
+        worker.leases().await[0]["lastRenewedAt"].as_i64().unwrap() > renewed_before
+    })
+    .await;
+    let record = &worker.leases().await[0];
+    assert_eq!(
+        record["ttlDeadline"].as_i64().unwrap(),
+        record["lastRenewedAt"].as_i64().unwrap() + 120_000
+    );
+    // A release still ends both.
+    let released = http
+        .rpc(
+            &worker.base(),
+            &secret,
+            &rpc_call(
+                "r1",
+                "lease.release",
+                json!({"session": "s1", "tenantId": "acme", "runId": "run1", "leaseId": lease}),
+            ),
+        )
+        .await;
+    assert_eq!(released.json()["result"]["ok"], json!(true), "{released:?}");
+    assert!(worker.leases().await.is_empty(), "the device is freed");
     worker.stop().await;
     fake.stop().await;
 }

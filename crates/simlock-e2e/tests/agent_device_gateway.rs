@@ -278,6 +278,14 @@ fn received(fake: &FakeAgentDevice, method: &str) -> Vec<Value> {
         .collect()
 }
 
+/// The heartbeats callers sent (not the front's own after a command, `<id>:keep`).
+fn callers_heartbeats(fake: &FakeAgentDevice) -> usize {
+    received(fake, "agent_device.lease.heartbeat")
+        .iter()
+        .filter(|b| !b["id"].as_str().is_some_and(|id| id.ends_with(":keep")))
+        .count()
+}
+
 fn rpcs(fake: &FakeAgentDevice) -> usize {
     fake.requests().iter().filter(|r| r.path == "/rpc").count()
 }
@@ -518,10 +526,7 @@ async fn commands_heartbeats_and_releases_go_to_the_leases_worker_in_the_seeds_o
         )
         .await;
     assert_eq!(beat.json()["result"]["ok"], json!(true), "{beat:?}");
-    assert_eq!(
-        received(&gw.fakes[0], "agent_device.lease.heartbeat").len(),
-        1
-    );
+    assert_eq!(callers_heartbeats(&gw.fakes[0]), 1);
     let renewed = gw.fleet.worker(0).worker.lease(&lease).unwrap();
     assert!(renewed.ttl_deadline > before);
     assert_eq!(renewed.ttl_deadline, renewed.last_renewed_at + 600_000);
@@ -1959,7 +1964,7 @@ async fn while_the_uplink_is_down_the_lease_answers_retry_at_once_and_afterwards
         .await;
     assert_eq!(beat.json()["result"]["ok"], json!(true), "{beat:?}");
     assert_eq!(
-        received(&gw.fakes[0], "agent_device.lease.heartbeat").len(),
+        callers_heartbeats(&gw.fakes[0]),
         1,
         "the heartbeat sent while away was answered, not held back and delivered late"
     );
@@ -2210,7 +2215,8 @@ async fn a_lease_gets_the_lower_of_the_gateways_and_its_workers_max_ttl_and_hear
 /// simlock's own renewal headers between the gateway's front and the worker's host: the
 /// heartbeat's renewal is the worker's, in the relay's round trip (no `lease.renew` goes down the
 /// uplink), and never reaches the caller; what a caller sends under
-/// those names is dropped, so a command cannot renew its lease to a TTL of its choosing.
+/// those names is dropped, so a command cannot renew its lease to a TTL of its choosing (the
+/// heartbeat the front sends after a command renews it to the front's).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_heartbeats_renewal_stays_between_gateway_and_worker_and_a_callers_is_dropped() {
     let mut gw = Gw::start(enabled_gateway()).await;
@@ -2229,14 +2235,33 @@ async fn a_heartbeats_renewal_stays_between_gateway_and_worker_and_a_callers_is_
     ];
     let forged = |call: Value| http.send(Method::POST, &url, &headers, call.to_string());
     list_the_leased_device(&gw, 0);
+    // The renewal below is told by its time: one millisecond at least after the grant's.
+    tokio::time::sleep(Duration::from_millis(5)).await;
     let opened = forged(command_call("c1", &lease, "open", json!({}))).await;
     assert_eq!(opened.json()["result"]["ok"], json!(true), "{opened:?}");
+    // After the command the front heartbeats both leases back to its TTL (agent-device renewed
+    // its own for 60 s on the command), whatever the command carried.
+    tokio::time::timeout(PATIENCE, async {
+        while gw
+            .fleet
+            .worker(0)
+            .worker
+            .lease(&lease)
+            .unwrap()
+            .last_renewed_at
+            == held.last_renewed_at
+        {
+            tokio::task::yield_now().await;
+        }
+    })
+    .await
+    .expect("the lease was renewed after its command");
     let after = gw.fleet.worker(0).worker.lease(&lease).unwrap();
-    assert_eq!(
-        (after.ttl_ms, after.ttl_deadline),
-        (held.ttl_ms, held.ttl_deadline),
-        "a command renews nothing, whatever it carries"
-    );
+    assert_eq!(after.ttl_ms, 600_000, "the front's TTL, not the caller's");
+    assert_eq!(after.ttl_deadline, after.last_renewed_at + 600_000);
+    let kept = received(&gw.fakes[0], "agent_device.lease.heartbeat");
+    assert_eq!(kept.len(), 1, "the heartbeat after the command");
+    assert_eq!(kept[0]["params"]["ttlMs"], json!(600_000));
     cable.clear();
     let beat = forged(lease_call("h1", "lease.heartbeat", &lease)).await;
     assert_eq!(beat.json()["result"]["ok"], json!(true), "{beat:?}");
@@ -2257,10 +2282,7 @@ async fn a_heartbeats_renewal_stays_between_gateway_and_worker_and_a_callers_is_
     let renewed = gw.fleet.worker(0).worker.lease(&lease).unwrap();
     assert_eq!(renewed.ttl_ms, 600_000, "the front's TTL, not the caller's");
     assert_eq!(renewed.ttl_deadline, renewed.last_renewed_at + 600_000);
-    assert_eq!(
-        received(&gw.fakes[0], "agent_device.lease.heartbeat").len(),
-        1
-    );
+    assert_eq!(callers_heartbeats(&gw.fakes[0]), 1);
     gw.stop().await;
 }
 

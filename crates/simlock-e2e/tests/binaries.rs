@@ -1679,9 +1679,9 @@ fn agent_device_leases_through_a_gateway_killed_with_sigkill_work_again_for_thei
     let after = only_lease(fake_read(&daemon, "leases"));
     assert_eq!(after["leaseId"], held["leaseId"]);
     assert_eq!(after["deviceKey"], held["deviceKey"]);
-    assert_eq!(
-        after["heartbeats"].as_u64().unwrap(),
-        held["heartbeats"].as_u64().unwrap() + 1,
+    // (The front's own heartbeats after each command may have reached it too.)
+    assert!(
+        after["heartbeats"].as_u64().unwrap() > held["heartbeats"].as_u64().unwrap(),
         "the heartbeat reached it: {after}"
     );
     assert_eq!(fake_read(&daemon, "sessions"), sessions, "the same session");
