@@ -217,9 +217,13 @@ impl Router {
                 let input = input?;
                 if !ctx.role.allows(O::ROLE) {
                     return Err(ContractError::forbidden(format!(
-                        "Operation {} requires role {}",
+                        "Operation {} requires role {}{}",
                         O::NAME,
-                        O::ROLE.as_str()
+                        O::ROLE.as_str(),
+                        match O::ROLE {
+                            Role::Admin => " (an operator token, or the daemon's admin secret)",
+                            Role::Agent => "",
+                        }
                     )));
                 }
                 authorize(&ctx, &input)?;

@@ -199,6 +199,15 @@ impl Base {
         listen: Listen,
         mounts: impl FnOnce(&Arc<Pipeline>) -> Vec<Arc<dyn Mount>>,
     ) -> Result<Running, StartError> {
+        // The socket first: a daemon already serving this home keeps its socket and its admin
+        // secret. Past this point a failed start removes both again ([`Claimed`]).
+        let listener = claim(&self.home.socket()).await?;
+        let stop = CancellationToken::new();
+        let mut claimed = Claimed {
+            home: self.home.clone(),
+            stop: stop.clone(),
+            kept: false,
+        };
         let admin = AdminSecret::create(&self.home).map_err(|source| StartError::Home {
             path: self.home.admin_token(),
             source,
@@ -213,8 +222,6 @@ impl Base {
             self.presence.clone(),
         ));
         let mounts = mounts(&pipeline);
-        let stop = CancellationToken::new();
-        let listener = claim(&self.home.socket()).await?;
         let mut tasks = vec![serve_socket(listener, pipeline.clone(), stop.clone())];
         let mut http_addr = None;
         let mut http_tls = false;
@@ -254,6 +261,7 @@ impl Base {
             tasks.push(serve_http(listener, app, tls, stop.clone()));
         }
         info!(mode = ?self.mode, instance = %self.instance_id, socket = %self.home.socket().display(), http = ?http_addr, tls = http_tls, "daemon serving");
+        claimed.kept = true;
         Ok(Running {
             base: self,
             pipeline,
@@ -263,6 +271,25 @@ impl Base {
             http_addr,
             http_tls,
         })
+    }
+}
+
+/// A start's claim on its home: unless kept (the daemon serves), dropping it stops the socket's
+/// host and removes the socket and the admin secret, as a stop does, so a start that failed
+/// after claiming them (an HTTP port in use, a certificate that does not load) leaves neither.
+struct Claimed {
+    home: Home,
+    stop: CancellationToken,
+    kept: bool,
+}
+
+impl Drop for Claimed {
+    fn drop(&mut self) {
+        if !self.kept {
+            self.stop.cancel();
+            let _ = std::fs::remove_file(self.home.admin_token());
+            let _ = std::fs::remove_file(self.home.socket());
+        }
     }
 }
 

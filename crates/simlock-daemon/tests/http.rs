@@ -170,6 +170,39 @@ async fn a_json_body_at_1_mib_is_read_and_one_byte_more_is_refused_naming_the_bo
     host.stop.cancel();
 }
 
+/// A body declared larger than the bound is refused at once, before any of it arrives: the
+/// caller is not kept waiting for the body's time bound, and one that asked
+/// `Expect: 100-continue` is not invited to send it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_declared_larger_than_1_mib_is_refused_before_it_is_sent() {
+    let host = host().await;
+    let (secret, _) = host.tokens.create(TokenRole::Operator, None).unwrap();
+    for (length, expect) in [
+        (MAX_JSON_BODY + 1, ""),
+        (99_999_999_999, ""),
+        (5_000_000, "Expect: 100-continue\r\n"),
+    ] {
+        let mut stream = tokio::net::TcpStream::connect(&host.addr).await.unwrap();
+        let head = format!(
+            "POST /v1/ops/token.create HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\
+             Authorization: Bearer {secret}\r\nContent-Length: {length}\r\n{expect}\r\n"
+        );
+        stream.write_all(head.as_bytes()).await.unwrap();
+        // No body byte is sent: the answer comes anyway, and names the body.
+        let mut raw = Vec::new();
+        let _ = stream.read_to_end(&mut raw).await;
+        let text = String::from_utf8_lossy(&raw);
+        assert!(text.starts_with("HTTP/1.1 400"), "{length}: {text}");
+        assert!(!text.contains("100 Continue"), "{length}: {text}");
+        assert!(
+            text.contains(&format!("body: larger than {MAX_JSON_BODY} bytes")),
+            "{length}: {text}"
+        );
+    }
+    assert_eq!(host.tokens.list().unwrap().len(), 1, "nothing was created");
+    host.stop.cancel();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tokens_authenticate_and_roles_gate_routes() {
     let host = host().await;

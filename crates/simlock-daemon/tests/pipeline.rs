@@ -142,7 +142,10 @@ async fn bad_input_is_refused_before_the_role_check_and_changes_nothing() {
     assert!(err.message.starts_with("leaseId"), "{}", err.message);
     let err = c.call_value("daemon.stop", json!({})).await.unwrap_err();
     assert_eq!(err.code, ErrorCode::Forbidden);
-    assert_eq!(err.message, "Operation daemon.stop requires role admin");
+    assert_eq!(
+        err.message,
+        "Operation daemon.stop requires role admin (an operator token, or the daemon's admin secret)"
+    );
     assert!(!h.pipeline.shutdown().is_requested());
 }
 

@@ -83,11 +83,18 @@ pub fn error_with_status(err: &ContractError, status: StatusCode) -> Response<Bo
 }
 
 /// Reads a JSON object body of at most [`MAX_JSON_BODY`] bytes, whole within
-/// [`BODY_READ_TIMEOUT`]; an empty body reads as `{}`.
+/// [`BODY_READ_TIMEOUT`]; an empty body reads as `{}`. A body whose declared length is larger is
+/// refused before any of it is read (and a caller that asked `Expect: 100-continue` is not
+/// invited to send it).
 ///
 /// # Errors
 /// `BAD_REQUEST` for a body too large, not JSON, not an object, or not received in time.
 pub async fn read_json(body: Incoming) -> Result<Value, ContractError> {
+    if usize::try_from(hyper::body::Body::size_hint(&body).lower())
+        .map_or(true, |n| n > MAX_JSON_BODY)
+    {
+        return Err(too_large());
+    }
     let collected = tokio::time::timeout(
         BODY_READ_TIMEOUT,
         Limited::new(body, MAX_JSON_BODY).collect(),
@@ -104,7 +111,7 @@ pub async fn read_json(body: Incoming) -> Result<Value, ContractError> {
             if e.downcast_ref::<http_body_util::LengthLimitError>()
                 .is_some()
             {
-                ContractError::bad_request(format!("body: larger than {MAX_JSON_BODY} bytes"))
+                too_large()
             } else {
                 ContractError::bad_request(format!("body: {e}"))
             }
@@ -120,6 +127,10 @@ pub async fn read_json(body: Incoming) -> Result<Value, ContractError> {
             "body: invalid JSON: {e}"
         ))),
     }
+}
+
+fn too_large() -> ContractError {
+    ContractError::bad_request(format!("body: larger than {MAX_JSON_BODY} bytes"))
 }
 
 /// One server-sent event.
