@@ -15,11 +15,15 @@ use anyhow::Result;
 
 use crate::cmd;
 
-/// Where cargo puts debug binaries.
-pub(crate) fn bin_dir() -> PathBuf {
+/// Cargo's target directory: `CARGO_TARGET_DIR` when set, else the workspace's `target/`.
+pub(crate) fn target_dir() -> PathBuf {
     std::env::var_os("CARGO_TARGET_DIR")
         .map_or_else(|| cmd::workspace_root().join("target"), PathBuf::from)
-        .join("debug")
+}
+
+/// Where cargo puts debug binaries.
+pub(crate) fn bin_dir() -> PathBuf {
+    target_dir().join("debug")
 }
 
 /// Builds the daemons and the CLI.

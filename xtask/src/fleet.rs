@@ -1,7 +1,7 @@
 //! `cargo xtask fleet [--once]`: the local demo. Builds the binaries, starts a gateway and two
-//! workers on loopback (fresh homes under `target/fleet-demo/`, generated tokens, the built-in
-//! virtual devices), leases a device through the gateway with the CLI over HTTP, and prints the
-//! fleet's status. It then keeps the fleet running until Ctrl-C; with `--once` it releases the
+//! workers on loopback (fresh homes under `fleet-demo/` in cargo's target directory, generated
+//! tokens, the built-in virtual devices), leases a device through the gateway with the CLI over
+//! HTTP, and prints the fleet's status. It then keeps the fleet running until Ctrl-C; with `--once` it releases the
 //! lease, stops the fleet and exits 0 only if the lease was granted and released.
 
 use std::io::{BufRead, BufReader};
@@ -93,9 +93,9 @@ pub(crate) fn run(once: bool) -> Result<ExitCode> {
         bail!("the build failed");
     }
     let bin = crate::e2e::bin_dir();
-    let root = cmd::workspace_root().join("target").join("fleet-demo");
+    let root = crate::e2e::target_dir().join("fleet-demo");
     let _ = std::fs::remove_dir_all(&root);
-    std::fs::create_dir_all(&root).context("creating target/fleet-demo")?;
+    std::fs::create_dir_all(&root).with_context(|| format!("creating {}", root.display()))?;
     let home = |name: &str| root.join(name);
 
     let mut daemons = Vec::new();

@@ -252,6 +252,22 @@ fn serves(capabilities: &[simlock_contract::model::CapabilityStatus]) -> String 
         .join(", ")
 }
 
+/// The driver serving each platform and why, one line; one that cannot serve says so.
+fn drivers(list: &[simlock_contract::model::DriverStatus]) -> String {
+    list.iter()
+        .map(|d| {
+            let unavailable = if d.available { "" } else { ", unavailable" };
+            format!(
+                "{} {}{unavailable} ({})",
+                d.platform,
+                d.driver.as_str(),
+                d.reason
+            )
+        })
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
 pub(crate) fn status(status: &StatusOutput) -> String {
     let d = &status.daemon;
     let mut out = format!(
@@ -271,6 +287,9 @@ pub(crate) fn status(status: &StatusOutput) -> String {
             capacity("ios", &c.ios),
             capacity("android", &c.android)
         );
+    }
+    if let Some(list) = status.drivers.as_deref().filter(|l| !l.is_empty()) {
+        let _ = write!(out, "\ndrivers   {}", drivers(list));
     }
     if let Some(depth) = status.queue_depth {
         let _ = write!(out, "\nqueue     {depth} waiting");
@@ -380,6 +399,29 @@ pub(crate) fn event(event: &EventEnvelope) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn each_platforms_driver_is_shown_with_why_and_one_that_cannot_serve_says_so() {
+        use simlock_contract::model::{DriverKind, DriverStatus, Platform};
+        let list = [
+            DriverStatus {
+                platform: Platform::Ios,
+                driver: DriverKind::Virtual,
+                available: true,
+                reason: "auto: xcrun not found".into(),
+            },
+            DriverStatus {
+                platform: Platform::Android,
+                driver: DriverKind::AndroidSdk,
+                available: false,
+                reason: "adb did not answer".into(),
+            },
+        ];
+        assert_eq!(
+            drivers(&list),
+            "ios virtual (auto: xcrun not found); android android-sdk, unavailable (adb did not answer)"
+        );
+    }
 
     #[test]
     fn durations_read_naturally() {
