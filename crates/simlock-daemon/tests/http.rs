@@ -203,6 +203,34 @@ async fn a_body_declared_larger_than_1_mib_is_refused_before_it_is_sent() {
     host.stop.cancel();
 }
 
+/// A path segment that is no lease id is refused naming `leaseId` on the reads, as renew and
+/// release refuse it (their inputs are checked by the pipeline), and is not echoed back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_route_with_a_malformed_lease_id_is_refused_naming_it() {
+    let host = host().await;
+    let (secret, _) = host.tokens.create(TokenRole::Agent, None).unwrap();
+    let long = "a".repeat(5_000);
+    for id in ["%00", "..", "%2F..%2F", long.as_str()] {
+        for (method, path) in [
+            ("GET", format!("/v1/leases/{id}")),
+            ("GET", format!("/v1/leases/{id}/events")),
+        ] {
+            let (status, body) = exchange(&host.addr, method, &path, Some(&secret), b"").await;
+            let shown = &body[..body.len().min(200)];
+            assert_eq!(status, 400, "{method} {shown}");
+            assert_eq!(code_of(&body), "BAD_REQUEST", "{method} {shown}");
+            let error: Value = serde_json::from_str(&body).unwrap();
+            let message = error["error"]["message"].as_str().unwrap();
+            assert!(message.starts_with("leaseId"), "{method} {message}");
+            assert!(
+                body.len() < 1_000,
+                "{method}: the id is not echoed: {shown}"
+            );
+        }
+    }
+    host.stop.cancel();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tokens_authenticate_and_roles_gate_routes() {
     let host = host().await;

@@ -620,6 +620,9 @@ async fn visible_lease(
     caller: &HttpCaller,
     id: &str,
 ) -> Result<LeaseRecord, ContractError> {
+    // An id that is no lease id is refused as renew and release refuse it, not looked up (nor
+    // echoed back whole in a 404).
+    simlock_contract::decode_input::<LeaseIdInput>(Some(json!({ "leaseId": id })))?;
     let list = app
         .pipeline
         .call_typed::<LeaseList>(caller_ctx(caller, None), &Empty {})
