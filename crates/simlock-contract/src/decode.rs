@@ -85,9 +85,116 @@ fn wire_path(path: &str) -> String {
     out
 }
 
+/// Parses JSON text as serde_json does, except that an object naming a key twice is an error
+/// (`duplicate key "platform"`), where serde_json keeps the last: `{"platform":"ios",
+/// "platform":"android"}` must not lease an Android device for a caller who may have meant
+/// either. Every body and call line simlock reads goes through here.
+///
+/// # Errors
+/// The text is not JSON, or an object in it repeats a key.
+pub fn json_value(text: &[u8]) -> Result<Value, serde_json::Error> {
+    serde_json::from_slice::<Strict>(text).map(|strict| strict.0)
+}
+
+/// A JSON value read with [`json_value`]'s rule.
+struct Strict(Value);
+
+impl<'de> serde::Deserialize<'de> for Strict {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserializer.deserialize_any(StrictVisitor).map(Strict)
+    }
+}
+
+struct StrictVisitor;
+
+impl<'de> serde::de::Visitor<'de> for StrictVisitor {
+    type Value = Value;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("a JSON value")
+    }
+
+    fn visit_bool<E>(self, v: bool) -> Result<Value, E> {
+        Ok(Value::Bool(v))
+    }
+
+    fn visit_i64<E>(self, v: i64) -> Result<Value, E> {
+        Ok(Value::from(v))
+    }
+
+    fn visit_u64<E>(self, v: u64) -> Result<Value, E> {
+        Ok(Value::from(v))
+    }
+
+    fn visit_f64<E>(self, v: f64) -> Result<Value, E> {
+        Ok(serde_json::Number::from_f64(v).map_or(Value::Null, Value::Number))
+    }
+
+    fn visit_str<E>(self, v: &str) -> Result<Value, E> {
+        Ok(Value::String(v.to_owned()))
+    }
+
+    fn visit_string<E>(self, v: String) -> Result<Value, E> {
+        Ok(Value::String(v))
+    }
+
+    fn visit_unit<E>(self) -> Result<Value, E> {
+        Ok(Value::Null)
+    }
+
+    fn visit_none<E>(self) -> Result<Value, E> {
+        Ok(Value::Null)
+    }
+
+    fn visit_some<D: serde::Deserializer<'de>>(self, d: D) -> Result<Value, D::Error> {
+        d.deserialize_any(self)
+    }
+
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Value, A::Error> {
+        let mut items = Vec::new();
+        while let Some(Strict(item)) = seq.next_element()? {
+            items.push(item);
+        }
+        Ok(Value::Array(items))
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Value, A::Error> {
+        let mut object = Map::new();
+        while let Some(key) = map.next_key::<String>()? {
+            if object.contains_key(&key) {
+                return Err(serde::de::Error::custom(format!("duplicate key {key:?}")));
+            }
+            let Strict(value) = map.next_value()?;
+            object.insert(key, value);
+        }
+        Ok(Value::Object(object))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn json_with_a_key_given_twice_is_refused_at_any_depth_and_other_json_reads_as_serde_json_does()
+    {
+        let err = json_value(br#"{"platform":"ios","platform":"android"}"#).unwrap_err();
+        assert!(
+            err.to_string().starts_with("duplicate key \"platform\""),
+            "{err}"
+        );
+        let nested = json_value(br#"{"a":[{"b":1,"b":2}]}"#).unwrap_err();
+        assert!(
+            nested.to_string().starts_with("duplicate key \"b\""),
+            "{nested}"
+        );
+        let text = br#"{"a":[1,-2,3.5,"x",null,true,{"b":{}}],"c":18446744073709551615}"#;
+        assert_eq!(
+            json_value(text).unwrap(),
+            serde_json::from_slice::<Value>(text).unwrap()
+        );
+        assert!(json_value(b"{").is_err());
+    }
 
     #[test]
     fn paths_are_camel_cased() {

@@ -96,7 +96,8 @@ pub struct CallOut<'a, P: ?Sized> {
 /// Why a line is not a call frame; answered `BAD_FRAME` with `id: null`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 pub enum BadFrame {
-    /// The line is not JSON.
+    /// The line is not JSON, or an object in it names a key twice
+    /// ([`crate::decode::json_value`]).
     #[error("Invalid JSON frame")]
     InvalidJson,
     /// The line is JSON, but not an object with a string or number id and a string type.
@@ -120,7 +121,7 @@ impl Call {
     /// [`BadFrame`] when the line is not JSON, or not an object with a string or number `id`
     /// and a string `type`.
     pub fn parse(line: &[u8]) -> Result<Self, BadFrame> {
-        let value: Value = serde_json::from_slice(line).map_err(|_| BadFrame::InvalidJson)?;
+        let value = crate::decode::json_value(line).map_err(|_| BadFrame::InvalidJson)?;
         let Value::Object(mut object) = value else {
             return Err(BadFrame::NotACall);
         };
@@ -369,6 +370,10 @@ mod tests {
     #[test]
     fn lines_that_are_not_calls_are_bad_frames() {
         assert_eq!(Call::parse(b"{nope"), Err(BadFrame::InvalidJson));
+        assert_eq!(
+            Call::parse(br#"{"id":1,"type":"lease.request","type":"lease.release"}"#),
+            Err(BadFrame::InvalidJson)
+        );
         assert_eq!(Call::parse(b"[1]"), Err(BadFrame::NotACall));
         assert_eq!(Call::parse(br#"{"type":"x"}"#), Err(BadFrame::NotACall));
         assert_eq!(Call::parse(br#"{"id":1}"#), Err(BadFrame::NotACall));

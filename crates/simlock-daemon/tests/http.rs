@@ -203,6 +203,30 @@ async fn a_body_declared_larger_than_1_mib_is_refused_before_it_is_sent() {
     host.stop.cancel();
 }
 
+/// A body naming a key twice is refused naming the key (serde_json alone keeps the last, so
+/// `{"role":"agent","role":"operator"}` minted an operator token), and creates nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_naming_a_key_twice_is_refused_naming_it_and_changes_nothing() {
+    let host = host().await;
+    let (secret, _) = host.tokens.create(TokenRole::Operator, None).unwrap();
+    let (status, body) = exchange(
+        &host.addr,
+        "POST",
+        "/v1/ops/token.create",
+        Some(&secret),
+        br#"{"role":"agent","role":"operator"}"#,
+    )
+    .await;
+    assert_eq!(status, 400, "{body}");
+    assert_eq!(code_of(&body), "BAD_REQUEST", "{body}");
+    assert!(
+        body.contains(r#"body: invalid JSON: duplicate key \"role\""#),
+        "{body}"
+    );
+    assert_eq!(host.tokens.list().unwrap().len(), 1, "nothing was created");
+    host.stop.cancel();
+}
+
 /// A path segment that is no lease id is refused naming `leaseId` on the reads, as renew and
 /// release refuse it (their inputs are checked by the pipeline), and is not echoed back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -120,7 +120,7 @@ pub async fn read_json(body: Incoming) -> Result<Value, ContractError> {
     if bytes.iter().all(u8::is_ascii_whitespace) {
         return Ok(Value::Object(Map::new()));
     }
-    match serde_json::from_slice::<Value>(&bytes) {
+    match simlock_contract::json_value(&bytes) {
         Ok(value @ Value::Object(_)) => Ok(value),
         Ok(_) => Err(ContractError::bad_request("body: must be a JSON object")),
         Err(e) => Err(ContractError::bad_request(format!(
