@@ -370,8 +370,6 @@ async fn rpc(
         surface,
     };
     let lease = call.lease().map_err(|r| ctx.fail(r))?;
-    let inner = &ctx.inner;
-    let caller = &ctx.caller;
     match call.method.clone() {
         RpcMethod::Allocate => allocate(&ctx, call).await,
         RpcMethod::Heartbeat => {
@@ -395,9 +393,9 @@ async fn rpc(
                     ctx.serving(&lease)?;
                     call.pin_device(entry.platform, &entry.address);
                     // `close` ends the session and the lease with it: nothing to keep after.
-                    let keep = (call.command() != Some("close"))
-                        .then(|| (ctx.clone(), call.heartbeat_after(&lease)));
-                    let renewal = spawn_renewal(inner, caller, &lease, entry.ttl_ms, keep);
+                    let keep =
+                        (call.command() != Some("close")).then(|| call.heartbeat_after(&lease));
+                    let renewal = spawn_renewal(&ctx, &lease, entry.ttl_ms, keep);
                     let response = ctx.forward(call.to_bytes(), Some(&lease)).await?;
                     let (parts, body) = ctx.finished(response).into_parts();
                     let body = Guarded::new(body, renewal).boxed_unsync();
@@ -870,47 +868,38 @@ async fn wait_for_grant(
 }
 
 /// Renews the simlock lease every TTL/3 until the returned guard drops (the answer it rides on
-/// ended) or the daemon stops. With `keep`, once the guard dropped, the heartbeat it holds is
-/// sent ([`keep_after_command`]).
+/// ended) or the daemon stops; once the guard dropped, sends `keep` ([`keep_after_command`]).
 fn spawn_renewal(
-    inner: &Arc<Inner>,
-    caller: &Caller,
+    ctx: &Exchange,
     lease: &LeaseId,
     ttl_ms: u64,
-    keep: Option<(Exchange, RpcCall)>,
+    keep: Option<RpcCall>,
 ) -> tokio_util::sync::DropGuard {
     let done = CancellationToken::new();
-    let (stop, task_done) = (inner.stop.clone(), done.clone());
-    let inner = inner.clone();
-    let (caller, lease) = (caller.clone(), lease.clone());
+    let (ctx, lease, task_done) = (ctx.clone(), lease.clone(), done.clone());
+    let stop = ctx.inner.stop.clone();
     let period = Duration::from_millis((ttl_ms / 3).max(1));
-    let tracker = inner.waiting.clone();
+    let tracker = ctx.inner.waiting.clone();
     tracker.spawn(async move {
         loop {
             tokio::select! {
                 () = tokio::time::sleep(period) => {}
-                () = task_done.cancelled() => {
-                    if let Some((ctx, call)) = keep {
-                        keep_after_command(&ctx, call, &lease).await;
-                    }
-                    return;
-                }
+                () = task_done.cancelled() => break,
                 () = stop.cancelled() => return,
             }
-            let ctx = CallCtx::internal(caller.principal.clone(), caller.role, None);
-            let renew = LeaseRenewInput {
-                lease_id: lease.to_string(),
-                ttl_ms: Some(ttl_ms),
-            };
-            match inner.pipeline.call_typed::<LeaseRenew>(ctx, &renew).await {
-                Ok(_) => inner.leases.touch(&lease, Instant::now()),
-                Err(e) => {
-                    debug!(%lease, code = %e.code, "renewal during a command failed");
-                    if e.code == ErrorCode::UnknownLease {
-                        return;
-                    }
+            match ctx.renew_simlock(&lease, ttl_ms).await {
+                Ok(Renewal::Renewed) => ctx.inner.leases.touch(&lease, Instant::now()),
+                Ok(Renewal::LeaseEnded) => {
+                    debug!(%lease, "the lease ended during its command");
+                    return;
+                }
+                Err((refusal, _)) => {
+                    debug!(%lease, %refusal, "renewal during a command failed");
                 }
             }
+        }
+        if let Some(call) = keep {
+            keep_after_command(&ctx, call, &lease).await;
         }
     });
     done.drop_guard()

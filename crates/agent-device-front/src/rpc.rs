@@ -259,10 +259,7 @@ impl RpcCall {
     /// several forwards of one request that may reach the same daemon at once (agent-device
     /// refuses a request whose id is one in flight).
     pub fn as_own_read(&mut self, part: Option<usize>) {
-        let id = match &self.id {
-            Value::String(id) => id.clone(),
-            other => other.to_string(),
-        };
+        let id = self.id_text();
         with_object(&mut self.params, "meta", |meta| {
             meta.remove("requestProgress");
             if let Some(part) = part {
@@ -282,10 +279,7 @@ impl RpcCall {
     /// when the command named none. Its id is the command's with `:keep` added, never one in
     /// flight.
     pub fn heartbeat_after(&self, lease: &LeaseId) -> Self {
-        let id = match &self.id {
-            Value::String(id) => format!("{id}:keep"),
-            other => format!("{other}:keep"),
-        };
+        let id = format!("{}:keep", self.id_text());
         let mut params = Map::new();
         if let Some(session) = self.params.get("session").filter(|v| v.is_string()) {
             params.insert("session".into(), session.clone());
@@ -308,6 +302,14 @@ impl RpcCall {
             method: Method::Heartbeat,
             envelope,
             params,
+        }
+    }
+
+    /// The request's id as text, the base of the ids the front derives from it.
+    fn id_text(&self) -> String {
+        match &self.id {
+            Value::String(id) => id.clone(),
+            other => other.to_string(),
         }
     }
 
