@@ -30,13 +30,6 @@ impl DaemonGreeter {
             default_principal,
         }
     }
-
-    /// Removes the admin secret's file (graceful stop).
-    pub fn remove_admin_secret(&self) {
-        if let Some(admin) = &self.admin {
-            admin.remove();
-        }
-    }
 }
 
 impl Greeter for DaemonGreeter {

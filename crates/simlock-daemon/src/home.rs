@@ -71,10 +71,10 @@ impl Home {
 }
 
 /// The per-start admin secret: written to `admin.token` (mode 0600) so the owner's CLI can act
-/// as admin on the socket; only its hash is kept in memory; removed on a graceful stop.
+/// as admin on the socket; only its hash is kept in memory; removed on a graceful stop (by the
+/// daemon's claim on its home).
 #[derive(Debug)]
 pub struct AdminSecret {
-    path: PathBuf,
     hash: String,
 }
 
@@ -95,7 +95,6 @@ impl AdminSecret {
         file.write_all(secret.as_bytes())?;
         file.sync_all()?;
         Ok(Self {
-            path,
             hash: hash_secret(&secret),
         })
     }
@@ -103,10 +102,5 @@ impl AdminSecret {
     /// Whether `secret` is this secret.
     pub fn matches(&self, secret: &str) -> bool {
         hash_secret(secret) == self.hash
-    }
-
-    /// Removes the file.
-    pub fn remove(&self) {
-        let _ = std::fs::remove_file(&self.path);
     }
 }

@@ -212,13 +212,12 @@ impl Base {
             path: self.home.admin_token(),
             source,
         })?;
-        let greeter = Arc::new(DaemonGreeter::new(self.tokens.clone(), Some(admin)));
         let pipeline = Arc::new(Pipeline::new(
             router,
             self.gate.clone(),
             self.shutdown.clone(),
             self.version.clone(),
-            greeter.clone(),
+            Arc::new(DaemonGreeter::new(self.tokens.clone(), Some(admin))),
             self.presence.clone(),
         ));
         let mounts = mounts(&pipeline);
@@ -265,8 +264,7 @@ impl Base {
         Ok(Running {
             base: self,
             pipeline,
-            greeter,
-            stop,
+            claimed,
             tasks,
             http_addr,
             http_tls,
@@ -274,21 +272,29 @@ impl Base {
     }
 }
 
-/// A start's claim on its home: unless kept (the daemon serves), dropping it stops the socket's
-/// host and removes the socket and the admin secret, as a stop does, so a start that failed
-/// after claiming them (an HTTP port in use, a certificate that does not load) leaves neither.
+/// A daemon's claim on its home: the socket, the admin secret, and the token its hosts stop on.
+/// A stop releases it; so does dropping it unless kept (the daemon serves), so a start that
+/// failed after the claim (an HTTP port in use, a certificate that does not load) leaves
+/// neither file.
 struct Claimed {
     home: Home,
     stop: CancellationToken,
     kept: bool,
 }
 
+impl Claimed {
+    /// Stops the hosts and removes the socket and the admin secret.
+    fn release(&self) {
+        self.stop.cancel();
+        let _ = std::fs::remove_file(self.home.admin_token());
+        let _ = std::fs::remove_file(self.home.socket());
+    }
+}
+
 impl Drop for Claimed {
     fn drop(&mut self) {
         if !self.kept {
-            self.stop.cancel();
-            let _ = std::fs::remove_file(self.home.admin_token());
-            let _ = std::fs::remove_file(self.home.socket());
+            self.release();
         }
     }
 }
@@ -304,8 +310,7 @@ pub struct Running {
     pub base: Base,
     /// Its pipeline.
     pub pipeline: Arc<Pipeline>,
-    greeter: Arc<DaemonGreeter>,
-    stop: CancellationToken,
+    claimed: Claimed,
     tasks: Vec<JoinHandle<()>>,
     http_addr: Option<SocketAddr>,
     http_tls: bool,
@@ -338,7 +343,7 @@ impl Running {
 
     /// Fires when the hosts stop.
     pub fn stop_token(&self) -> CancellationToken {
-        self.stop.clone()
+        self.claimed.stop.clone()
     }
 
     /// Records `daemon.started` and opens the start-up gate.
@@ -368,13 +373,12 @@ impl Running {
             },
         );
         self.pipeline.begin_stopping();
-        self.stop.cancel();
+        self.claimed.stop.cancel();
         for task in self.tasks {
             if tokio::time::timeout(STOP_GRACE, task).await.is_err() {
                 warn!("a host did not stop within the grace period");
             }
         }
-        self.greeter.remove_admin_secret();
-        let _ = std::fs::remove_file(self.base.home.socket());
+        self.claimed.release();
     }
 }
