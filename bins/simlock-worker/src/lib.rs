@@ -354,30 +354,20 @@ pub async fn start(options: WorkerOptions) -> Result<RunningWorker, StartError> 
             .clone()
             .map(|config| uplink::run(config, running.pipeline.clone(), uplink_stop.clone()).1)
     };
-    // A daemon spawned anew holds none of the agent-device leases an earlier run made: their
-    // simlock leases end at once, their devices freed (an attached daemon may still hold them).
-    let end_earlier = |worker: &Arc<Worker>| {
-        let front = agent_device.as_ref().map(|a| a.front.clone());
-        if let (Some(front), None) = (front, &options.agent_device_attach) {
-            let leases = worker.leases();
-            tokio::spawn(async move {
-                let ended = front.end_earlier_daemons_leases(&leases).await;
-                if !ended.is_empty() {
-                    tracing::info!(
-                        count = ended.len(),
-                        "ended the simlock leases of an earlier agent-device daemon's leases"
-                    );
-                }
-            });
-        }
-    };
+    // A daemon spawned anew holds none of the agent-device leases an earlier run made: once
+    // start-up has run, their simlock leases end, their devices freed (an attached daemon may
+    // still hold them).
+    let spawned_front = agent_device
+        .as_ref()
+        .filter(|_| options.agent_device_attach.is_none())
+        .map(|a| a.front.clone());
     let uplink = match options.startup_hold {
         None => {
             worker
                 .start(&running.base.gate)
                 .map_err(|e| StartError::Domain(format!("start-up failed: {}", e.message)))?;
             running.started();
-            end_earlier(&worker);
+            end_earlier_daemons_leases(spawned_front, &worker);
             dial(&running)
         }
         Some(hold) => {
@@ -395,6 +385,7 @@ pub async fn start(options: WorkerOptions) -> Result<RunningWorker, StartError> 
                                 mode: Mode::Worker,
                             },
                         );
+                        end_earlier_daemons_leases(spawned_front, &held);
                     }
                     Err(e) => tracing::warn!(error = %e.message, "start-up failed"),
                 }
@@ -409,6 +400,24 @@ pub async fn start(options: WorkerOptions) -> Result<RunningWorker, StartError> 
         agent_device,
         uplink_stop,
     })
+}
+
+/// With the `front` of a daemon this worker spawned, ends the simlock leases of the earlier
+/// daemon's agent-device leases among the worker's ([`Front::end_earlier_daemons_leases`]).
+fn end_earlier_daemons_leases(front: Option<Front>, worker: &Worker) {
+    let Some(front) = front else {
+        return;
+    };
+    let leases = worker.leases();
+    tokio::spawn(async move {
+        let ended = front.end_earlier_daemons_leases(&leases).await;
+        if !ended.is_empty() {
+            tracing::info!(
+                count = ended.len(),
+                "ended the simlock leases of an earlier agent-device daemon's leases"
+            );
+        }
+    });
 }
 
 impl RunningWorker {
