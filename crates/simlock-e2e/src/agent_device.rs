@@ -371,6 +371,25 @@ pub fn rpc_answer(body: &[u8]) -> (Value, Carried) {
     (last["response"].clone(), Carried::StreamsLastLine)
 }
 
+/// The JSON-RPC bodies `fake` received for `method`, in order.
+pub fn received(fake: &agent_device_fake::FakeAgentDevice, method: &str) -> Vec<Value> {
+    fake.requests()
+        .into_iter()
+        .filter(|r| r.path == "/rpc")
+        .filter_map(|r| serde_json::from_slice::<Value>(&r.body).ok())
+        .filter(|b| b["method"] == method)
+        .collect()
+}
+
+/// How many heartbeats callers sent `fake`: not the front's own after a command (`<id>:keep`,
+/// `RpcCall::heartbeat_after`), which follow each command's answer at a time of their own.
+pub fn callers_heartbeats(fake: &agent_device_fake::FakeAgentDevice) -> usize {
+    received(fake, "agent_device.lease.heartbeat")
+        .iter()
+        .filter(|b| !b["id"].as_str().is_some_and(|id| id.ends_with(":keep")))
+        .count()
+}
+
 /// A JSON-RPC request of the CLI's shape.
 pub fn rpc_call(id: &str, method: &str, params: Value) -> Value {
     json!({"jsonrpc": "2.0", "id": id, "method": format!("agent_device.{method}"), "params": params})

@@ -20,8 +20,8 @@ use http::Method;
 use serde_json::{Value, json};
 use simlock_e2e::PATIENCE;
 use simlock_e2e::agent_device::{
-    AdWorker, Carried, Cli, Http, attached_config, real_package, rpc_answer, rpc_call,
-    stopping_message,
+    AdWorker, Carried, Cli, Http, attached_config, callers_heartbeats, real_package, received,
+    rpc_answer, rpc_call, stopping_message,
 };
 
 fn allocate_call(id: &str, session: &str) -> Value {
@@ -96,24 +96,6 @@ fn android(id: &str) -> Device {
         target: DeviceTarget::Mobile,
         booted: true,
     }
-}
-
-/// The JSON-RPC bodies the fake received for `method`, in order.
-fn received(fake: &FakeAgentDevice, method: &str) -> Vec<Value> {
-    fake.requests()
-        .into_iter()
-        .filter(|r| r.path == "/rpc")
-        .filter_map(|r| serde_json::from_slice::<Value>(&r.body).ok())
-        .filter(|b| b["method"] == method)
-        .collect()
-}
-
-/// The heartbeats callers sent (not the front's own after a command, `<id>:keep`).
-fn callers_heartbeats(fake: &FakeAgentDevice) -> usize {
-    received(fake, "agent_device.lease.heartbeat")
-        .iter()
-        .filter(|b| !b["id"].as_str().is_some_and(|id| id.ends_with(":keep")))
-        .count()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -493,15 +475,22 @@ async fn after_a_worker_restart_its_agent_device_leases_end_for_their_owners_onl
     fake.stop().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_heartbeat_goes_to_agent_device_first_then_renews_the_simlock_lease_to_its_ttl() {
-    let fake = FakeAgentDevice::start(FakeOptions::default()).unwrap();
+/// A worker over `fake` whose agent-device leases are capped at 120 s (neither agent-device's
+/// default nor the 600 s ceiling), an agent token on it, and that token's lease (session `s1`).
+async fn capped_lease(fake: &FakeAgentDevice) -> (AdWorker, String, Http, String) {
     let mut config = attached_config();
     config.agent_device.lease_ttl_cap_ms = Some(120_000);
-    let worker = AdWorker::with_fake(config, &fake).await;
+    let worker = AdWorker::with_fake(config, fake).await;
     let (_, secret) = worker.token("agent").await;
     let http = Http::new();
     let lease = allocate(&http, &worker, &secret, "s1").await;
+    (worker, secret, http, lease)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_heartbeat_goes_to_agent_device_first_then_renews_the_simlock_lease_to_its_ttl() {
+    let fake = FakeAgentDevice::start(FakeOptions::default()).unwrap();
+    let (worker, secret, http, lease) = capped_lease(&fake).await;
     let allocated = received(&fake, "agent_device.lease.allocate");
     assert_eq!(
         allocated[0]["params"]["ttlMs"],
@@ -561,12 +550,7 @@ async fn a_heartbeat_goes_to_agent_device_first_then_renews_the_simlock_lease_to
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn after_a_command_both_leases_are_renewed_to_the_leases_ttl_not_agent_devices_default() {
     let fake = FakeAgentDevice::start(FakeOptions::default()).unwrap();
-    let mut config = attached_config();
-    config.agent_device.lease_ttl_cap_ms = Some(120_000);
-    let worker = AdWorker::with_fake(config, &fake).await;
-    let (_, secret) = worker.token("agent").await;
-    let http = Http::new();
-    let lease = allocate(&http, &worker, &secret, "s1").await;
+    let (worker, secret, http, lease) = capped_lease(&fake).await;
     assert_eq!(fake.leases()[0].ttl_ms, 120_000);
     let renewed_before = worker.leases().await[0]["lastRenewedAt"].as_i64().unwrap();
     tokio::time::sleep(Duration::from_millis(5)).await;
@@ -595,6 +579,19 @@ async fn after_a_command_both_leases_are_renewed_to_the_leases_ttl_not_agent_dev
         record["ttlDeadline"].as_i64().unwrap(),
         record["lastRenewedAt"].as_i64().unwrap() + 120_000
     );
+    // `close` ends the session: no heartbeat follows it. (A keep of `c2` would be sent before
+    // the next command is; `c3`'s comes after `c3`'s answer.)
+    let close = command_call("c2", "s1", &lease, "close", json!({}));
+    http.rpc(&worker.base(), &secret, &close).await;
+    let call = command_call("c3", "s1", &lease, "snapshot", json!({}));
+    let answer = http.rpc(&worker.base(), &secret, &call).await;
+    assert_eq!(answer.json()["result"]["ok"], json!(true), "{answer:?}");
+    wait_for(|| async { fake.leases()[0].heartbeats >= 2 }).await;
+    let ids: Vec<Value> = received(&fake, "agent_device.lease.heartbeat")
+        .iter()
+        .map(|b| b["id"].clone())
+        .collect();
+    assert_eq!(ids, [json!("c1:keep"), json!("c3:keep")]);
     // A release still ends both.
     let released = http
         .rpc(

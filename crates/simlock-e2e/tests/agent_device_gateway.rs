@@ -20,7 +20,9 @@ use http::Method;
 use serde_json::{Value, json};
 use simlock_contract::model::Platform;
 use simlock_daemon::clock::{Clock, SharedClock, TokioClock};
-use simlock_e2e::agent_device::{Http, rpc_call, stopping_message, ticket_headers};
+use simlock_e2e::agent_device::{
+    Http, callers_heartbeats, received, rpc_call, stopping_message, ticket_headers,
+};
 use simlock_e2e::{PATIENCE, TestFleet, gateway_config, worker_config};
 use simlock_gateway::GatewayConfig;
 use simlock_worker::WorkerConfig;
@@ -266,24 +268,6 @@ async fn allocate(http: &Http, gw: &Gw, token: &str) -> String {
         .as_str()
         .unwrap()
         .to_owned()
-}
-
-/// The JSON-RPC bodies fake `fake` received for `method`.
-fn received(fake: &FakeAgentDevice, method: &str) -> Vec<Value> {
-    fake.requests()
-        .into_iter()
-        .filter(|r| r.path == "/rpc")
-        .filter_map(|r| serde_json::from_slice::<Value>(&r.body).ok())
-        .filter(|b| b["method"] == method)
-        .collect()
-}
-
-/// The heartbeats callers sent (not the front's own after a command, `<id>:keep`).
-fn callers_heartbeats(fake: &FakeAgentDevice) -> usize {
-    received(fake, "agent_device.lease.heartbeat")
-        .iter()
-        .filter(|b| !b["id"].as_str().is_some_and(|id| id.ends_with(":keep")))
-        .count()
 }
 
 fn rpcs(fake: &FakeAgentDevice) -> usize {
@@ -1399,6 +1383,18 @@ async fn an_upload_naming_a_lease_after_release_all_still_reaches_its_worker() {
     gw.stop().await;
 }
 
+/// The names in a `devices` answer's `data`, sorted.
+fn sorted_names(data: &Value) -> Vec<String> {
+    let mut names: Vec<String> = data["devices"]
+        .as_array()
+        .unwrap_or_else(|| panic!("a device list: {data}"))
+        .iter()
+        .map(|d| d["name"].as_str().unwrap().to_owned())
+        .collect();
+    names.sort();
+    names
+}
+
 fn listed(fake_devices: &[(&str, &str)]) -> DevicesAnswer {
     DevicesAnswer::List(
         fake_devices
@@ -1495,16 +1491,8 @@ async fn devices_with_two_leases_on_one_worker_lists_both_once() {
         (&ids[1], "two"),
         ("emulator-9", "other"),
     ]));
-    let names = |answer: &simlock_e2e::agent_device::Answer| {
-        let mut names: Vec<String> = answer.json()["result"]["data"]["devices"]
-            .as_array()
-            .unwrap_or_else(|| panic!("a device list: {answer:?}"))
-            .iter()
-            .map(|d| d["name"].as_str().unwrap().to_owned())
-            .collect();
-        names.sort();
-        names
-    };
+    let names =
+        |answer: &simlock_e2e::agent_device::Answer| sorted_names(&answer.json()["result"]["data"]);
     let answer = http.rpc(&gw.base(), &secret, &devices_call("d1")).await;
     assert_eq!(names(&answer), ["one", "two"], "each once");
     gw.fakes[0].clear_requests();
@@ -1653,14 +1641,11 @@ async fn the_published_cli_lists_its_devices_on_two_workers_and_shows_the_too_ol
         gw.fakes[n].set_devices(listed(&[(&address, &format!("device on w{n}"))]));
     }
     let listed_now = clis[0].run(&["devices"]).await;
-    let mut names: Vec<String> = listed_now.json["data"]["devices"]
-        .as_array()
-        .unwrap_or_else(|| panic!("{listed_now:?}"))
-        .iter()
-        .map(|d| d["name"].as_str().unwrap().to_owned())
-        .collect();
-    names.sort();
-    assert_eq!(names, ["device on w0", "device on w1"], "both, once each");
+    assert_eq!(
+        sorted_names(&listed_now.json["data"]),
+        ["device on w0", "device on w1"],
+        "both, once each: {listed_now:?}"
+    );
     // An install: the CLI's upload names no lease, so the gateway refuses it as too old, and
     // the CLI says so (no hang, no crash).
     let apk = clis[0].dir().join("app.apk");

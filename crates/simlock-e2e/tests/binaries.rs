@@ -1679,11 +1679,24 @@ fn agent_device_leases_through_a_gateway_killed_with_sigkill_work_again_for_thei
     let after = only_lease(fake_read(&daemon, "leases"));
     assert_eq!(after["leaseId"], held["leaseId"]);
     assert_eq!(after["deviceKey"], held["deviceKey"]);
-    // (The front's own heartbeats after each command may have reached it too.)
     assert!(
         after["heartbeats"].as_u64().unwrap() > held["heartbeats"].as_u64().unwrap(),
         "the heartbeat reached it: {after}"
     );
+    // The callers' heartbeats that reached it: this one alone, once (the away one, `h0`, did
+    // not). The front's own after each command (`<id>:keep`) come at times of their own.
+    let requests = fake_read(&daemon, "requests");
+    let beats: Vec<Value> = requests
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|r| r["path"] == "/rpc")
+        .filter_map(|r| serde_json::from_str::<Value>(r["body"].as_str()?).ok())
+        .filter(|b| b["method"] == "agent_device.lease.heartbeat")
+        .map(|b| b["id"].clone())
+        .filter(|id| !id.as_str().is_some_and(|id| id.ends_with(":keep")))
+        .collect();
+    assert_eq!(beats, [json!("h1")], "{requests}");
     assert_eq!(fake_read(&daemon, "sessions"), sessions, "the same session");
     let (status, refused) = agent_device_rpc(
         &gateway.http,
