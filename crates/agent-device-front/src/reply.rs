@@ -160,6 +160,16 @@ impl Refusal {
         }
     }
 
+    /// What the caller can do about it (agent-device's `hint`, which the CLI prints under the
+    /// message), where the front knows.
+    fn hint(&self, surface: &Surface) -> Option<&'static str> {
+        match (self, surface) {
+            (Self::TooOld, Surface::Rpc { .. }) => Some(TOO_OLD_RPC_HINT),
+            (Self::TooOld, Surface::Route) => Some(TOO_OLD_ROUTE_HINT),
+            _ => None,
+        }
+    }
+
     fn retriable(&self) -> Option<bool> {
         match self {
             Self::NotAvailable { retriable, .. } => Some(*retriable),
@@ -191,6 +201,9 @@ impl Refusal {
                 if let Some(details) = self.details() {
                     body.insert("details".into(), details);
                 }
+                if let Some(hint) = self.hint(surface) {
+                    body.insert("hint".into(), Value::from(hint));
+                }
                 if let Some(retriable) = self.retriable() {
                     body.insert("retriable".into(), Value::Bool(retriable));
                 }
@@ -210,6 +223,9 @@ impl Refusal {
         if let Some(details) = self.details() {
             data.insert("details".into(), details);
         }
+        if let Some(hint) = self.hint(&Surface::Rpc { id: id.clone() }) {
+            data.insert("hint".into(), Value::from(hint));
+        }
         if let Some(retriable) = self.retriable() {
             data.insert("retriable".into(), Value::Bool(retriable));
         }
@@ -224,6 +240,15 @@ impl Refusal {
         })
     }
 }
+
+/// [`Refusal::TooOld`] on `/rpc`: the published CLI names its lease once it has connected.
+pub const TOO_OLD_RPC_HINT: &str = "through a gateway every request names its lease: run \
+    `agent-device connect --remote-config <file>` first, then the device commands";
+
+/// [`Refusal::TooOld`] on the other routes: only a newer agent-device sends the lease header.
+pub const TOO_OLD_ROUTE_HINT: &str = "through a gateway, uploads, artifact downloads and \
+    diagnostics need the x-agent-device-lease-id header, which this agent-device does not send; \
+    a worker's own URL serves them without it";
 
 /// Where a refusal of a lease is answered from, in its message.
 const fn answered_on(hosts: Hosts) -> &'static str {
@@ -260,6 +285,19 @@ mod tests {
         assert_eq!(body["error"]["data"]["message"], json!(message));
         assert_eq!(body["error"]["data"]["code"], json!("UNAVAILABLE"));
         assert_eq!(body["error"]["data"]["retriable"], json!(true));
+    }
+
+    #[tokio::test]
+    async fn the_too_old_refusal_hints_at_connect_on_rpc_and_at_the_header_elsewhere() {
+        let rpc = body_of(Refusal::TooOld.into_response(&Surface::Rpc { id: json!("r2") })).await;
+        assert_eq!(rpc["error"]["data"]["hint"], json!(TOO_OLD_RPC_HINT));
+        assert!(TOO_OLD_RPC_HINT.contains("agent-device connect --remote-config"));
+        let route = body_of(Refusal::TooOld.into_response(&Surface::Route)).await;
+        assert_eq!(route["hint"], json!(TOO_OLD_ROUTE_HINT));
+        assert!(TOO_OLD_ROUTE_HINT.contains(LEASE_HEADER));
+        // Other refusals carry none.
+        let other = body_of(Refusal::SimlockPicksDevice.into_response(&Surface::Route)).await;
+        assert!(other.get("hint").is_none(), "{other}");
     }
 
     #[tokio::test]

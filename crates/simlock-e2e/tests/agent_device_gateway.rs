@@ -1609,7 +1609,7 @@ async fn a_header_naming_a_lease_whose_worker_cannot_serve_answers_not_available
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_published_cli_lists_its_devices_on_two_workers_and_shows_the_too_old_refusals() {
-    use simlock_e2e::agent_device::{Cli, real_package};
+    use simlock_e2e::agent_device::{Cli, Output, real_package};
     let pkg = real_package();
     let mut gw = Gw::start(enabled_gateway()).await;
     for _ in 0..2 {
@@ -1625,6 +1625,18 @@ async fn the_published_cli_lists_its_devices_on_two_workers_and_shows_the_too_ol
         Cli::new(&pkg, &gw.base(), &secret),
         Cli::new(&pkg, &gw.base(), &secret),
     ];
+    // Before `connect` a command names no lease: the refusal, and the hint that says what to do.
+    let unconnected = clis[0].run_as(Output::Human, &["snapshot"]).await;
+    assert!(!unconnected.status.success(), "{unconnected:?}");
+    assert!(
+        unconnected
+            .stderr
+            .contains("too old to use through a gateway")
+            && unconnected
+                .stderr
+                .contains("agent-device connect --remote-config"),
+        "the CLI shows the refusal and its hint: {unconnected:?}"
+    );
     for cli in &clis {
         let profile = cli.profile("android");
         let connect = cli
@@ -1664,6 +1676,10 @@ async fn the_published_cli_lists_its_devices_on_two_workers_and_shows_the_too_ol
     assert!(
         shown.contains("too old to use through a gateway"),
         "the CLI shows the refusal: {install:?}"
+    );
+    assert!(
+        shown.contains("need the x-agent-device-lease-id header"),
+        "and the hint, which names the header: {install:?}"
     );
     // A failing command: its own error reaches the agent; the diagnostics fetch that follows
     // is refused the same way.
