@@ -741,6 +741,15 @@ impl TokenRole {
             Self::Worker => "worker",
         }
     }
+
+    /// Whether a daemon in `mode` has any use for a token of this role: a worker token joins a
+    /// worker to a gateway, so only a gateway mints and reads one.
+    pub const fn used_by(self, mode: Mode) -> bool {
+        match self {
+            Self::Agent | Self::Operator => true,
+            Self::Worker => matches!(mode, Mode::Gateway),
+        }
+    }
 }
 
 /// One event as the bus records it.

@@ -171,7 +171,7 @@ impl Base {
         let mut router = Router::new();
         register_daemon_ops(&mut router, &self.shutdown);
         events::register(&mut router, &self.bus);
-        tokens::register(&mut router, &self.tokens);
+        tokens::register(&mut router, &self.tokens, self.mode);
         router
     }
 

@@ -9,7 +9,7 @@ use rusqlite::{OptionalExtension, params};
 use sha2::{Digest, Sha256};
 use simlock_contract::ContractError;
 use simlock_contract::ids::TokenId;
-use simlock_contract::model::{TokenRecord, TokenRole};
+use simlock_contract::model::{Mode, TokenRecord, TokenRole};
 use simlock_contract::ops::{
     TokenCreate, TokenCreateOutput, TokenList, TokenListOutput, TokenRevoke, TokenRevokeOutput,
 };
@@ -62,6 +62,18 @@ fn parse_role(role: &str) -> Option<TokenRole> {
         "worker" => Some(TokenRole::Worker),
         _ => None,
     }
+}
+
+/// The refusal of a role `mode` has no use for (only `worker`, on a worker).
+fn role_unused(role: TokenRole, mode: Mode) -> ContractError {
+    ContractError::bad_request(format!(
+        "role: a {} token joins a worker to a gateway, and this daemon is a {}: create it on the gateway the worker dials",
+        role.as_str(),
+        match mode {
+            Mode::Worker => "worker",
+            Mode::Gateway => "gateway",
+        },
+    ))
 }
 
 fn store_error(e: StoreError) -> ContractError {
@@ -193,14 +205,18 @@ impl TokenStore {
     }
 }
 
-/// Registers `token.create`, `token.list` and `token.revoke`.
-pub fn register(router: &mut Router, store: &Arc<TokenStore>) {
+/// Registers `token.create`, `token.list` and `token.revoke` for a daemon in `mode`, which
+/// mints only the roles it has a use for ([`TokenRole::used_by`]).
+pub fn register(router: &mut Router, store: &Arc<TokenStore>, mode: Mode) {
     let s = store.clone();
     router.handle::<TokenCreate, _, _>(move |_, input| {
-        let outcome = s
-            .create(input.role, input.label)
-            .map(|(secret, token)| TokenCreateOutput { secret, token })
-            .map_err(store_error);
+        let outcome = if input.role.used_by(mode) {
+            s.create(input.role, input.label)
+                .map(|(secret, token)| TokenCreateOutput { secret, token })
+                .map_err(store_error)
+        } else {
+            Err(role_unused(input.role, mode))
+        };
         async move { outcome }
     });
     let s = store.clone();

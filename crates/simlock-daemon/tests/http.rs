@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use serde_json::{Value, json};
-use simlock_contract::model::TokenRole;
+use simlock_contract::model::{Mode, TokenRole};
 use simlock_daemon::clock::TokioClock;
 use simlock_daemon::events::EventBus;
 use simlock_daemon::http::HEADER_READ_TIMEOUT;
@@ -45,11 +45,15 @@ struct Host {
 }
 
 async fn host() -> Host {
+    host_in(Mode::Gateway).await
+}
+
+async fn host_in(mode: Mode) -> Host {
     let clock = TokioClock::system().shared();
     let store = TokenStore::open(Database::open_in_memory().unwrap(), clock.clone()).unwrap();
     let bus = EventBus::new(10, clock.clone());
     let mut router = Router::new();
-    tokens::register(&mut router, &store);
+    tokens::register(&mut router, &store, mode);
     simlock_daemon::events::register(&mut router, &bus);
     let pipeline = Arc::new(Pipeline::new(
         router,
@@ -285,6 +289,49 @@ async fn tokens_authenticate_and_roles_gate_routes() {
         404
     );
     host.stop.cancel();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_mints_no_worker_token_and_a_gateway_does() {
+    for mode in [Mode::Worker, Mode::Gateway] {
+        let host = host_in(mode).await;
+        let (operator, _) = host.tokens.create(TokenRole::Operator, None).unwrap();
+        let before = host.tokens.list().unwrap().len();
+        let (status, body) = exchange(
+            &host.addr,
+            "POST",
+            "/v1/tokens",
+            Some(&operator),
+            br#"{"role":"worker"}"#,
+        )
+        .await;
+        if mode == Mode::Worker {
+            assert_eq!(status, 400, "{body}");
+            assert_eq!(code_of(&body), "BAD_REQUEST");
+            let message: Value = serde_json::from_str(&body).unwrap();
+            assert_eq!(
+                message["error"]["message"],
+                json!(
+                    "role: a worker token joins a worker to a gateway, and this daemon is a worker: create it on the gateway the worker dials"
+                )
+            );
+            assert_eq!(host.tokens.list().unwrap().len(), before, "nothing minted");
+        } else {
+            assert!(status < 300, "{status} {body}");
+            assert_eq!(host.tokens.list().unwrap().len(), before + 1);
+        }
+        // Both mint the roles they use.
+        let (status, body) = exchange(
+            &host.addr,
+            "POST",
+            "/v1/tokens",
+            Some(&operator),
+            br#"{"role":"agent"}"#,
+        )
+        .await;
+        assert!(status < 300, "{status} {body}");
+        host.stop.cancel();
+    }
 }
 
 /// One exchange with extra header lines.

@@ -331,7 +331,7 @@ impl FakeDaemon {
         let mut router = Router::new();
         register(&mut router, &state);
         simlock_daemon::events::register(&mut router, &bus);
-        simlock_daemon::tokens::register(&mut router, &tokens);
+        simlock_daemon::tokens::register(&mut router, &tokens, Mode::Worker);
         register_daemon_ops(&mut router, &shutdown);
         let greeter = DaemonGreeter::new(tokens.clone(), Some(admin));
         let pipeline = Arc::new(Pipeline::new(
