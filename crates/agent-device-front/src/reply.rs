@@ -242,11 +242,11 @@ impl Refusal {
 }
 
 /// [`Refusal::TooOld`] on `/rpc`: the published CLI names its lease once it has connected.
-pub const TOO_OLD_RPC_HINT: &str = "through a gateway every request names its lease: run \
+const TOO_OLD_RPC_HINT: &str = "through a gateway every request names its lease: run \
     `agent-device connect --remote-config <file>` first, then the device commands";
 
 /// [`Refusal::TooOld`] on the other routes: only a newer agent-device sends the lease header.
-pub const TOO_OLD_ROUTE_HINT: &str = "through a gateway, uploads, artifact downloads and \
+const TOO_OLD_ROUTE_HINT: &str = "through a gateway, uploads, artifact downloads and \
     diagnostics need the x-agent-device-lease-id header, which this agent-device does not send; \
     a worker's own URL serves them without it";
 
