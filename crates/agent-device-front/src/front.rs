@@ -39,7 +39,7 @@ use crate::body::{Guarded, ProgressTail, read_caller_body, read_to_bytes};
 use crate::lease_id::{LEASE_HEADER, LeaseId};
 use crate::leases::{FrontLease, FrontLeases};
 use crate::port::{Caller, HostLink, Hosts, Serving, StatusScope};
-use crate::renewal::{self, RenewAsk, Renewal};
+use crate::renewal::{self, KeepAsk, RenewAsk, Renewal};
 use crate::reply::{Refusal, Surface};
 use crate::rpc::{Answer, MAX_RPC_BODY, Method as RpcMethod, RpcCall, device_key};
 use crate::{Body, PREFIX};
@@ -131,7 +131,7 @@ impl Front {
     pub async fn end_earlier_daemons_leases(&self, leases: &[LeaseRecord]) -> Vec<LeaseId> {
         let mut ended = Vec::new();
         for record in leases {
-            let Some(lease) = made_by_front(record.id.as_str(), &record.requester_id) else {
+            let Some(lease) = made_by_a_front(record.id.as_str(), &record.requester_id) else {
                 continue;
             };
             self.inner
@@ -395,8 +395,22 @@ async fn rpc(
                     // `close` ends the session and the lease with it: nothing to keep after.
                     let keep =
                         (call.command() != Some("close")).then(|| call.heartbeat_after(&lease));
-                    let renewal = spawn_renewal(&ctx, &lease, entry.ttl_ms, keep);
-                    let response = ctx.forward(call.to_bytes(), Some(&lease)).await?;
+                    let host_keeps = CancellationToken::new();
+                    let mut request = ctx.request(call.to_bytes());
+                    if keep.is_some() && ctx.hosts_per_lease() {
+                        // The worker keeps the lease after the exchange even if this
+                        // gateway is gone by then ([`KeepAsk`]).
+                        KeepAsk {
+                            ttl_ms: entry.ttl_ms,
+                        }
+                        .put(request.headers_mut());
+                    }
+                    let renewal =
+                        spawn_renewal(&ctx, &lease, entry.ttl_ms, keep, host_keeps.clone());
+                    let mut response = ctx.send(request, Some(&lease)).await?;
+                    if KeepAsk::was_taken(response.headers_mut()) {
+                        host_keeps.cancel();
+                    }
                     let (parts, body) = ctx.finished(response).into_parts();
                     let body = Guarded::new(body, renewal).boxed_unsync();
                     Ok(Response::from_parts(parts, body))
@@ -671,6 +685,15 @@ pub fn made_by_front(lease_id: &str, requester_id: &str) -> Option<LeaseId> {
         .flatten()
 }
 
+/// The lease id `L` of a simlock lease a front made on this worker: its own ([`made_by_front`])
+/// or a gateway's, which forwarded its requester `L` as `gw:<gateway id>:L`. A worker's
+/// agent-device daemon holds the agent-device leases of both kinds.
+pub fn made_by_a_front(lease_id: &str, requester_id: &str) -> Option<LeaseId> {
+    let requester = simlock_contract::ids::split_gateway_requester(requester_id)
+        .map_or(requester_id, |(_, requester)| requester);
+    made_by_front(lease_id, requester)
+}
+
 /// The refusal for a host lost mid-request: named as this daemon's stop when it is stopping
 /// (a gateway closing its uplinks, a worker stopping its agent-device daemon), not as the
 /// host's absence.
@@ -868,12 +891,14 @@ async fn wait_for_grant(
 }
 
 /// Renews the simlock lease every TTL/3 until the returned guard drops (the answer it rides on
-/// ended) or the daemon stops; once the guard dropped, sends `keep` ([`keep_after_command`]).
+/// ended) or the daemon stops; once the guard dropped, sends `keep` ([`keep_after_command`])
+/// unless `host_keeps` was cancelled (the host holding the lease took the keep on).
 fn spawn_renewal(
     ctx: &Exchange,
     lease: &LeaseId,
     ttl_ms: u64,
     keep: Option<RpcCall>,
+    host_keeps: CancellationToken,
 ) -> tokio_util::sync::DropGuard {
     let done = CancellationToken::new();
     let (ctx, lease, task_done) = (ctx.clone(), lease.clone(), done.clone());
@@ -898,7 +923,7 @@ fn spawn_renewal(
                 }
             }
         }
-        if let Some(call) = keep {
+        if let Some(call) = keep.filter(|_| !host_keeps.is_cancelled()) {
             keep_after_command(&ctx, call, &lease).await;
         }
     });
@@ -1293,6 +1318,20 @@ fn with_credentials(bytes: Bytes, credential: &str) -> Bytes {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_lease_a_gateways_front_made_is_one_a_front_made_and_a_plain_gateway_lease_is_not() {
+        let l = "0123456789abcdef0123456789abcdef";
+        let expected = LeaseId::parse(l);
+        assert_eq!(made_by_a_front(l, l), expected);
+        assert_eq!(made_by_a_front(l, &format!("gw:g1:{l}")), expected);
+        // A gateway's plain simlock lease: its requester is the agent's, its id simlock's.
+        assert_eq!(made_by_a_front("lse_1", "gw:g1:agent"), None);
+        assert_eq!(made_by_a_front(l, "gw:g1:agent"), None);
+        assert_eq!(made_by_a_front(l, &format!("gw::{l}")), None);
+        // Only the worker's own front recovers a lease for a direct caller.
+        assert_eq!(made_by_front(l, &format!("gw:g1:{l}")), None);
+    }
 
     #[test]
     fn a_lease_the_front_made_has_its_own_id_as_requester_and_a_front_lease_id() {

@@ -23,7 +23,7 @@ pub use body::{Body, BoxError};
 pub use config::AgentDeviceConfig;
 pub use front::{
     AGENT_DEVICE_MAX_TTL_MS, Front, FrontOptions, MAX_PREFLIGHT_BODY, STOP_BOUND, STOPPING,
-    made_by_front,
+    made_by_a_front, made_by_front,
 };
 pub use lease_id::{LEASE_HEADER, LeaseId};
 pub use port::{Caller, HostLink, HostStatus, Hosts, RecoveredLease, Serving, StatusScope};

@@ -39,13 +39,7 @@ impl RenewAsk {
     /// Takes the ask off a request's headers: `None` when there is none, or when it is not
     /// one decimal TTL above zero (the header is removed either way).
     pub fn take(headers: &mut HeaderMap) -> Option<Self> {
-        let value = take_one(headers, RENEW_TTL_HEADER)?;
-        let text = value.to_str().ok()?;
-        // Digits only: `u64`'s parser would also take a leading `+`.
-        if !text.bytes().all(|b| b.is_ascii_digit()) {
-            return None;
-        }
-        let ttl_ms = text.parse::<u64>().ok().filter(|ttl| *ttl > 0)?;
+        let ttl_ms = take_ttl(headers, RENEW_TTL_HEADER)?;
         Some(Self { ttl_ms })
     }
 }
@@ -85,6 +79,59 @@ impl Renewal {
     }
 }
 
+/// The request header asking a worker's host to keep a relayed command's lease once the
+/// exchange ends, however it ends: see [`KeepAsk`].
+pub const KEEP_TTL_HEADER: &str = "x-simlock-keep-ttl-ms";
+
+/// The answer header by which a host takes on a [`KeepAsk`].
+pub const KEEP_HEADER: &str = "x-simlock-keep";
+
+/// A gateway front's ask that the worker's host keep a relayed device command's lease: once
+/// the exchange ends (its answer read to the end, or cut: the relay cancelled, the uplink or
+/// the gateway gone), heartbeat agent-device's lease and renew the simlock lease to now plus
+/// `ttl_ms`, as the front's own keep after a command does. agent-device 0.21.5 resets a
+/// lease to its 60 s default on every command, and a gateway that stops mid-command never
+/// sends its keep: the worker, which sees the command end in every case, does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KeepAsk {
+    /// The TTL to renew both leases to.
+    pub ttl_ms: u64,
+}
+
+impl KeepAsk {
+    /// Puts the ask on a request's headers.
+    pub fn put(self, headers: &mut HeaderMap) {
+        headers.insert(KEEP_TTL_HEADER, HeaderValue::from(self.ttl_ms));
+    }
+
+    /// Takes the ask off a request's headers, as [`RenewAsk::take`] takes its own.
+    pub fn take(headers: &mut HeaderMap) -> Option<Self> {
+        let ttl_ms = take_ttl(headers, KEEP_TTL_HEADER)?;
+        Some(Self { ttl_ms })
+    }
+
+    /// Says on an answer's headers that the host keeps the lease after the exchange.
+    pub fn taken(headers: &mut HeaderMap) {
+        headers.insert(KEEP_HEADER, HeaderValue::from_static("after-exchange"));
+    }
+
+    /// Whether the answer says the host keeps the lease (the header is removed either way).
+    pub fn was_taken(headers: &mut HeaderMap) -> bool {
+        take_one(headers, KEEP_HEADER).is_some_and(|v| v == "after-exchange")
+    }
+}
+
+/// A TTL header's one decimal value above zero; the header is removed either way.
+fn take_ttl(headers: &mut HeaderMap, name: &'static str) -> Option<u64> {
+    let value = take_one(headers, name)?;
+    let text = value.to_str().ok()?;
+    // Digits only: `u64`'s parser would also take a leading `+`.
+    if !text.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    text.parse::<u64>().ok().filter(|ttl| *ttl > 0)
+}
+
 /// Removes every value of `name` from `headers`, answering the value when there was exactly
 /// one.
 fn take_one(headers: &mut HeaderMap, name: &'static str) -> Option<HeaderValue> {
@@ -96,10 +143,17 @@ fn take_one(headers: &mut HeaderMap, name: &'static str) -> Option<HeaderValue> 
     values.next().is_none().then_some(value)
 }
 
-/// Removes both headers: what a caller sends under these names is never simlock's own.
+/// Removes every header of this module: what a caller sends under these names is never
+/// simlock's own.
 pub fn strip(headers: &mut HeaderMap) {
-    headers.remove(RENEW_TTL_HEADER);
-    headers.remove(RENEWAL_HEADER);
+    for name in [
+        RENEW_TTL_HEADER,
+        RENEWAL_HEADER,
+        KEEP_TTL_HEADER,
+        KEEP_HEADER,
+    ] {
+        headers.remove(name);
+    }
 }
 
 #[cfg(test)]
@@ -175,9 +229,35 @@ mod tests {
     }
 
     #[test]
-    fn strip_removes_both_and_nothing_else() {
+    fn a_keep_ask_and_its_taking_read_back_once_and_bad_ones_are_removed() {
+        let mut headers = HeaderMap::new();
+        KeepAsk { ttl_ms: 120_000 }.put(&mut headers);
+        assert_eq!(
+            KeepAsk::take(&mut headers),
+            Some(KeepAsk { ttl_ms: 120_000 })
+        );
+        assert!(headers.is_empty());
+        for values in [&["0"][..], &["+5"], &["5", "5"], &["x"]] {
+            let mut headers = with(KEEP_TTL_HEADER, values);
+            assert_eq!(KeepAsk::take(&mut headers), None, "{values:?}");
+            assert!(headers.is_empty(), "{values:?} is removed");
+        }
+        let mut answer = HeaderMap::new();
+        assert!(!KeepAsk::was_taken(&mut answer));
+        KeepAsk::taken(&mut answer);
+        assert!(KeepAsk::was_taken(&mut answer));
+        assert!(answer.is_empty(), "read once");
+        let mut odd = with(KEEP_HEADER, &["yes"]);
+        assert!(!KeepAsk::was_taken(&mut odd));
+        assert!(odd.is_empty());
+    }
+
+    #[test]
+    fn strip_removes_every_one_and_nothing_else() {
         let mut headers = with(RENEW_TTL_HEADER, &["5"]);
         headers.append(RENEWAL_HEADER, HeaderValue::from_static("renewed"));
+        headers.append(KEEP_TTL_HEADER, HeaderValue::from_static("5"));
+        headers.append(KEEP_HEADER, HeaderValue::from_static("after-exchange"));
         headers.append("x-request-id", HeaderValue::from_static("r1"));
         strip(&mut headers);
         assert_eq!(headers.len(), 1);

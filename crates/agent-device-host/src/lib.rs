@@ -17,11 +17,12 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
+use agent_device_front::body::Guarded;
 use agent_device_front::body::{ReadError, Upstream, read_to_bytes, upstream};
 use agent_device_front::port::{
     Caller, HostLink, HostStatus, RecoveredLease, Serving, StatusScope,
 };
-use agent_device_front::renewal::{RenewAsk, Renewal};
+use agent_device_front::renewal::{KeepAsk, RenewAsk, Renewal};
 use agent_device_front::reply::{Refusal, Surface};
 use agent_device_front::rpc::Answer;
 use agent_device_front::{Body, BoxError, LeaseId, PREFIX, Tenant};
@@ -168,6 +169,8 @@ impl HostLease {
 struct Shared {
     state: watch::Sender<DaemonState>,
     leases: Mutex<HashMap<LeaseId, HostLease>>,
+    /// Numbers the keeps' request ids, so two at once never share one.
+    keeps: std::sync::atomic::AtomicU64,
     client: Client<HttpConnector, Upstream>,
 }
 
@@ -218,6 +221,7 @@ impl AgentDeviceHost {
         let shared = Arc::new(Shared {
             state,
             leases: Mutex::new(HashMap::new()),
+            keeps: std::sync::atomic::AtomicU64::new(0),
             client,
         });
         let stop = CancellationToken::new();
@@ -592,6 +596,75 @@ impl AgentDeviceHost {
     }
 
     /// The relay target `agent-device`: requests a gateway relays, for the tenant it computed.
+    /// Heartbeats agent-device's `lease` to `ttl_ms` and, once it answered ok, renews the
+    /// simlock lease to the same with `renew` ([`Keeper`]). Bounded by the host's call bound;
+    /// a failure is logged, and left for the agent's next call to meet.
+    async fn keep(
+        &self,
+        tenant: &Tenant,
+        lease: &LeaseId,
+        ttl_ms: u64,
+        renew: Option<&RenewLease>,
+    ) {
+        let session = self
+            .shared
+            .leases
+            .lock()
+            .get(lease)
+            .and_then(|known| known.session.clone());
+        let mut params = serde_json::Map::new();
+        params.insert("leaseId".into(), Value::from(lease.as_str()));
+        params.insert("ttlMs".into(), Value::from(ttl_ms));
+        if let Some(session) = session {
+            params.insert("session".into(), Value::from(session));
+        }
+        let call = json!({
+            "jsonrpc": "2.0",
+            "id": format!(
+                "{lease}:{}:keep",
+                self.shared
+                    .keeps
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+            ),
+            "method": "agent_device.lease.heartbeat",
+            "params": params,
+        });
+        let body = Bytes::from(call.to_string());
+        let Ok(request) = Request::post(format!("{PREFIX}/rpc"))
+            .header(http::header::CONTENT_TYPE, "application/json")
+            .header(http::header::CONTENT_LENGTH, body.len())
+            .body(agent_device_front::body::full(body))
+        else {
+            return;
+        };
+        let kept = tokio::time::timeout(CALL_TIMEOUT, async {
+            let response = self
+                .forward(request, tenant, Some(lease))
+                .await
+                .map_err(|(refusal, _)| refusal.to_string())?;
+            let bytes = read_to_bytes(response.into_body(), MAX_ANSWER)
+                .await
+                .map_err(|e| e.to_string())?;
+            match Answer::read(&bytes) {
+                Answer::Ok(_) => Ok(()),
+                _ => Err(String::from_utf8_lossy(&bytes).into_owned()),
+            }
+        })
+        .await
+        .unwrap_or_else(|_| Err("agent-device did not answer in time".into()));
+        match (kept, renew) {
+            (Ok(()), Some(renew)) => {
+                if let Err(e) = renew(lease, ttl_ms) {
+                    debug!(%lease, code = %e.code, "the simlock lease was not kept after its command");
+                }
+            }
+            (Ok(()), None) => {}
+            (Err(why), _) => {
+                debug!(%lease, %why, "agent-device's lease was not kept after its command")
+            }
+        }
+    }
+
     /// With `renew`, a heartbeat whose relay asks for it ([`RenewAsk`]) renews the worker's
     /// simlock lease once the daemon answered ok, and its answer says so ([`Renewal`]); without
     /// it, the ask is dropped and the gateway renews the lease itself.
@@ -815,17 +888,66 @@ impl RelayTarget for HostTarget {
                 return Ok(Refusal::TokenNotUsable.into_response(&surface));
             };
             let lease = lease_id.as_deref().and_then(LeaseId::parse);
-            let (parts, body) = request.into_parts();
+            let (mut parts, body) = request.into_parts();
+            // Dropped when the exchange ends, however it ends: then it keeps the lease.
+            let keeper = match (KeepAsk::take(&mut parts.headers), &lease) {
+                (Some(ask), Some(lease)) => Some(Keeper {
+                    host: host.clone(),
+                    tenant: tenant.clone(),
+                    lease: lease.clone(),
+                    ttl_ms: ask.ttl_ms,
+                    renew: renew.clone(),
+                }),
+                _ => None,
+            };
             let body = body.map_err(|e| -> BoxError { Box::new(e) }).boxed_unsync();
             let request = Request::from_parts(parts, body);
             tokio::select! {
                 response = host.relayed(request, &tenant, lease.as_ref(), renew.as_ref()) => {
-                    Ok(response)
+                    let Some(keeper) = keeper else {
+                        return Ok(response);
+                    };
+                    let (mut parts, body) = response.into_parts();
+                    KeepAsk::taken(&mut parts.headers);
+                    let body = Guarded::new(body, keeper).boxed_unsync();
+                    Ok(Response::from_parts(parts, body))
                 }
                 () = cancel.cancelled() => Err("the relay was cancelled".into()),
             }
         }
         .boxed()
+    }
+}
+
+/// A relayed device command's [`KeepAsk`], carried out when it drops: when the command's
+/// answer has been read to its end, or the exchange was cut (the relay cancelled, the uplink
+/// or the gateway gone), agent-device's lease is heartbeaten to the lease's TTL and, once it
+/// answered ok, the simlock lease renewed to the same. agent-device 0.21.5 put its lease back
+/// to its 60 s default when the command came; without this, a gateway that stopped
+/// mid-command would leave the agent a minute before its device is lost.
+struct Keeper {
+    host: AgentDeviceHost,
+    tenant: Tenant,
+    lease: LeaseId,
+    ttl_ms: u64,
+    renew: Option<RenewLease>,
+}
+
+impl Drop for Keeper {
+    fn drop(&mut self) {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let (host, tenant, lease, ttl_ms, renew) = (
+            self.host.clone(),
+            self.tenant.clone(),
+            self.lease.clone(),
+            self.ttl_ms,
+            self.renew.take(),
+        );
+        runtime.spawn(async move {
+            host.keep(&tenant, &lease, ttl_ms, renew.as_ref()).await;
+        });
     }
 }
 

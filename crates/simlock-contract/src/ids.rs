@@ -127,9 +127,28 @@ pub fn gateway_requester_prefix(gateway_id: &str) -> String {
     format!("gw:{gateway_id}:")
 }
 
+/// A requester id a gateway forwarded, split into the gateway's id and the requester it was
+/// given ([`gateway_requester_prefix`]); `None` for any other requester.
+pub fn split_gateway_requester(requester_id: &str) -> Option<(&str, &str)> {
+    requester_id
+        .strip_prefix("gw:")?
+        .split_once(':')
+        .filter(|(gateway, _)| !gateway.is_empty())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_gateways_requester_splits_back_into_its_parts() {
+        let requester = format!("{}agent-7", gateway_requester_prefix("g1"));
+        assert_eq!(split_gateway_requester(&requester), Some(("g1", "agent-7")));
+        assert_eq!(split_gateway_requester("gw:g1:a:b"), Some(("g1", "a:b")));
+        for other in ["agent-7", "gw:", "gw::x", "gw:g1", "GW:g1:x"] {
+            assert_eq!(split_gateway_requester(other), None, "{other}");
+        }
+    }
 
     #[test]
     fn minted_ids_carry_their_prefix_and_differ() {

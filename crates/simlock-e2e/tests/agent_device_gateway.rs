@@ -1017,19 +1017,24 @@ async fn a_command_longer_than_the_ttl_renews_through_the_gateway_until_its_fron
         .stop()
         .await;
     let mut after_stop = gw.fleet.worker(0).running.base.bus.follow();
+    let mut renewed = 0;
     loop {
         let event = tokio::time::timeout(PATIENCE, after_stop.recv())
             .await
             .unwrap()
             .unwrap();
-        assert_ne!(
-            event.event, "lease.renewed",
-            "renewed after the front stopped"
-        );
+        if event.event == "lease.renewed" {
+            renewed += 1;
+        }
         if event.event == "lease.expired" {
             break;
         }
     }
+    // Once: the worker's keep after the cut exchange (`KeepAsk`), not a renewal every TTL/3.
+    assert!(
+        renewed <= 1,
+        "renewed {renewed} times after the front stopped"
+    );
     hold.release();
     let answer = running.await.unwrap();
     assert_eq!(answer.status, 503, "{answer:?}");
@@ -2301,6 +2306,9 @@ async fn a_command_in_flight_when_the_gateway_stops_is_answered_naming_the_stop(
     tokio::time::timeout(PATIENCE, hold.wait_entered(1))
         .await
         .unwrap();
+    let held = gw.fleet.worker(0).worker.lease(&lease).unwrap();
+    // The renewal below is told by its time: one millisecond at least after the last one.
+    tokio::time::sleep(Duration::from_millis(5)).await;
     gw.fleet.stop_gateway().await;
     let answer = running.await.unwrap();
     assert_eq!(answer.status, 503, "{answer:?}");
@@ -2309,6 +2317,33 @@ async fn a_command_in_flight_when_the_gateway_stops_is_answered_naming_the_stop(
     assert_eq!(data["message"], stopping_message());
     assert_eq!(data["retriable"], json!(true));
     assert_eq!(answer.json()["id"], json!("c1"));
+    // agent-device put its lease back to its 60 s default when the command came, and the
+    // gateway is gone: the worker, which saw the exchange cut, keeps both leases to the
+    // lease's TTL, so the agent still has its device once a gateway is back.
+    let kept = tokio::time::timeout(PATIENCE, async {
+        loop {
+            let kept: Vec<Value> = received(&gw.fakes[0], "agent_device.lease.heartbeat")
+                .into_iter()
+                .filter(|b| b["id"].as_str().is_some_and(|id| id.ends_with(":keep")))
+                .collect();
+            let renewed = gw.fleet.worker(0).worker.lease(&lease).unwrap();
+            if !kept.is_empty() && renewed.last_renewed_at > held.last_renewed_at {
+                return (kept, renewed);
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await
+    .expect("the worker kept the lease after the cut exchange");
+    let (beats, renewed) = kept;
+    assert_eq!(beats.len(), 1, "{beats:?}");
+    let commanded = received(&gw.fakes[0], "agent_device.command");
+    assert_eq!(
+        beats[0]["params"]["leaseId"], commanded[0]["params"]["meta"]["leaseId"],
+        "the command's lease, by the daemon's own id"
+    );
+    assert_eq!(beats[0]["params"]["ttlMs"], json!(600_000));
+    assert_eq!(renewed.ttl_deadline, renewed.last_renewed_at + 600_000);
     hold.release();
     gw.stop().await;
 }
