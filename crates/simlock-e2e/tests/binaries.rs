@@ -1374,6 +1374,16 @@ impl Drop for AgentDeviceWorker {
     }
 }
 
+impl AgentDeviceWorker {
+    /// Kills the worker with SIGKILL (its daemon runs on, for the next worker on the home to
+    /// stop) and hands back its home.
+    fn kill9(&mut self) -> tempfile::TempDir {
+        let _ = self.0.child.kill();
+        let _ = self.0.child.wait();
+        std::mem::replace(&mut self.0.home, tempfile::TempDir::new().unwrap())
+    }
+}
+
 /// Polls `probe` (each poll a real call to another process) until it answers `Some`, at most
 /// [`PATIENCE`]; `probe` also says what it last saw, for the failure.
 #[allow(
@@ -1550,6 +1560,70 @@ fn ad_allocate(gateway: &str, token: &str) -> String {
         .as_str()
         .unwrap_or_else(|| panic!("an allocated lease: {allocated}"))
         .to_owned()
+}
+
+/// A worker under a gateway, killed with SIGKILL and started again: its agent-device daemon
+/// starts anew without the leases made through the gateway, so the worker ends their simlock
+/// leases once started (ADR 0028), freeing their devices without waiting for their owners,
+/// and the owner's next heartbeat through the gateway hears `LEASE_ENDED_BY_HOST`.
+#[test]
+fn a_worker_under_a_gateway_killed_and_restarted_frees_the_devices_of_its_gateway_leases() {
+    if !enabled() {
+        return;
+    }
+    let AgentDeviceFleet {
+        gateway,
+        mut worker,
+        alice,
+        ..
+    } = AgentDeviceFleet::start();
+    let lease = ad_allocate(&gateway.http, &alice);
+    let operator = worker
+        .0
+        .cli(&["token", "create", "--role", "operator"])
+        .json["secret"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let leases_on = |worker: &Worker| {
+        let listed = worker.cli(&["--token", &operator, "leases"]);
+        assert_eq!(listed.code, 0, "{}", listed.stderr);
+        listed.json["leases"].as_array().cloned().unwrap()
+    };
+    let held = leases_on(&worker.0);
+    assert_eq!(held.len(), 1, "{held:?}");
+    assert_eq!(held[0]["id"], lease.as_str());
+    assert!(
+        held[0]["requesterId"]
+            .as_str()
+            .is_some_and(|r| r.starts_with("gw:") && r.ends_with(&format!(":{lease}"))),
+        "the gateway's requester: {held:?}"
+    );
+    let home = worker.kill9();
+    let restarted = AgentDeviceWorker(Worker::start_in(home, false));
+    wait_until(
+        &restarted.0,
+        "the agent-device daemon serves again",
+        agent_device_available,
+    );
+    poll(
+        "the gateway's lease to end on the worker",
+        || match leases_on(&restarted.0).as_slice() {
+            [] => Ok(()),
+            left => Err(format!("{left:?}")),
+        },
+    );
+    poll("the owner to hear that the lease ended", || {
+        let (status, beat) = agent_device_rpc(
+            &gateway.http,
+            &alice,
+            &ad_lease_call("h1", "lease.heartbeat", &lease),
+        );
+        match beat["error"]["data"]["details"]["reason"].as_str() {
+            Some("LEASE_ENDED_BY_HOST") => Ok(status),
+            _ => Err(format!("{status} {beat}")),
+        }
+    });
 }
 
 #[test]
