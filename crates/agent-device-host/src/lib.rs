@@ -15,6 +15,7 @@ pub mod supervise;
 use std::collections::{BTreeSet, HashMap};
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use agent_device_front::body::Guarded;
@@ -170,7 +171,7 @@ struct Shared {
     state: watch::Sender<DaemonState>,
     leases: Mutex<HashMap<LeaseId, HostLease>>,
     /// Numbers the keeps' request ids, so two at once never share one.
-    keeps: std::sync::atomic::AtomicU64,
+    keeps: AtomicU64,
     client: Client<HttpConnector, Upstream>,
 }
 
@@ -221,7 +222,7 @@ impl AgentDeviceHost {
         let shared = Arc::new(Shared {
             state,
             leases: Mutex::new(HashMap::new()),
-            keeps: std::sync::atomic::AtomicU64::new(0),
+            keeps: AtomicU64::new(0),
             client,
         });
         let stop = CancellationToken::new();
@@ -292,20 +293,30 @@ impl AgentDeviceHost {
             "params": {"session": session, "leaseId": lease.as_str()},
         });
         for call in [close, release] {
-            let Some(mut call) = RpcRewrite::parse(call.to_string().as_bytes()) else {
-                continue;
-            };
-            call.rewrite(
-                &endpoint.token,
-                record.tenant.as_str(),
-                Some(record.mapping()),
-            );
-            match self.call_daemon(&endpoint, &call.to_bytes()).await {
+            match self.call_for(&endpoint, &record, &call).await {
                 Ok(answer) => debug!(%lease, ?answer, "ended with its simlock lease"),
                 Err(e) => warn!(%lease, error = %e, "the agent-device lease could not be ended"),
             }
         }
         info!(%lease, "agent-device lease ended before the device is reclaimed");
+    }
+
+    /// A call the host makes itself for `record`'s lease, rewritten as any caller's (the
+    /// daemon's token, the lease's tenant and its ids), then sent ([`Self::call_daemon`]).
+    async fn call_for(
+        &self,
+        endpoint: &Endpoint,
+        record: &HostLease,
+        call: &Value,
+    ) -> Result<Value, String> {
+        let mut call = RpcRewrite::parse(call.to_string().as_bytes())
+            .ok_or("the call could not be read back")?;
+        call.rewrite(
+            &endpoint.token,
+            record.tenant.as_str(),
+            Some(record.mapping()),
+        );
+        self.call_daemon(endpoint, &call.to_bytes()).await
     }
 
     async fn call_daemon(&self, endpoint: &Endpoint, call: &Bytes) -> Result<Value, String> {
@@ -595,76 +606,42 @@ impl AgentDeviceHost {
         ))
     }
 
-    /// The relay target `agent-device`: requests a gateway relays, for the tenant it computed.
     /// Heartbeats agent-device's `lease` to `ttl_ms` and, once it answered ok, renews the
-    /// simlock lease to the same with `renew` ([`Keeper`]). Bounded by the host's call bound;
-    /// a failure is logged, and left for the agent's next call to meet.
-    async fn keep(
-        &self,
-        tenant: &Tenant,
-        lease: &LeaseId,
-        ttl_ms: u64,
-        renew: Option<&RenewLease>,
-    ) {
-        let session = self
-            .shared
-            .leases
-            .lock()
-            .get(lease)
-            .and_then(|known| known.session.clone());
-        let mut params = serde_json::Map::new();
-        params.insert("leaseId".into(), Value::from(lease.as_str()));
-        params.insert("ttlMs".into(), Value::from(ttl_ms));
-        if let Some(session) = session {
-            params.insert("session".into(), Value::from(session));
-        }
-        let call = json!({
-            "jsonrpc": "2.0",
-            "id": format!(
-                "{lease}:{}:keep",
-                self.shared
-                    .keeps
-                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
-            ),
-            "method": "agent_device.lease.heartbeat",
-            "params": params,
-        });
-        let body = Bytes::from(call.to_string());
-        let Ok(request) = Request::post(format!("{PREFIX}/rpc"))
-            .header(http::header::CONTENT_TYPE, "application/json")
-            .header(http::header::CONTENT_LENGTH, body.len())
-            .body(agent_device_front::body::full(body))
-        else {
+    /// simlock lease to the same with `renew` ([`Keeper`]): the call a heartbeat makes, as
+    /// [`Self::end_lease`] makes the CLI's close and release. Bounded; a failure is logged and
+    /// left for the agent's next call to meet.
+    async fn keep(&self, lease: &LeaseId, ttl_ms: u64, renew: Option<&RenewLease>) {
+        let Some(record) = self.shared.leases.lock().get(lease).cloned() else {
             return;
         };
-        let kept = tokio::time::timeout(CALL_TIMEOUT, async {
-            let response = self
-                .forward(request, tenant, Some(lease))
-                .await
-                .map_err(|(refusal, _)| refusal.to_string())?;
-            let bytes = read_to_bytes(response.into_body(), MAX_ANSWER)
-                .await
-                .map_err(|e| e.to_string())?;
-            match Answer::read(&bytes) {
-                Answer::Ok(_) => Ok(()),
-                _ => Err(String::from_utf8_lossy(&bytes).into_owned()),
-            }
-        })
-        .await
-        .unwrap_or_else(|_| Err("agent-device did not answer in time".into()));
-        match (kept, renew) {
-            (Ok(()), Some(renew)) => {
-                if let Err(e) = renew(lease, ttl_ms) {
+        let DaemonState::Running(endpoint) = self.state() else {
+            return;
+        };
+        let n = self.shared.keeps.fetch_add(1, Ordering::Relaxed);
+        let mut params = json!({"leaseId": lease.as_str(), "ttlMs": ttl_ms});
+        if let Some(session) = &record.session {
+            params["session"] = Value::from(session.as_str());
+        }
+        let beat = json!({
+            "jsonrpc": "2.0", "id": format!("{lease}:{n}:keep"),
+            "method": "agent_device.lease.heartbeat", "params": params,
+        });
+        match self.call_for(&endpoint, &record, &beat).await {
+            Ok(answer) if answer.pointer("/result/ok") == Some(&Value::Bool(true)) => {
+                if let Some(Err(e)) = renew.map(|renew| renew(lease, ttl_ms)) {
                     debug!(%lease, code = %e.code, "the simlock lease was not kept after its command");
                 }
             }
-            (Ok(()), None) => {}
-            (Err(why), _) => {
-                debug!(%lease, %why, "agent-device's lease was not kept after its command")
+            Ok(answer) => {
+                debug!(%lease, ?answer, "agent-device's lease was not kept after its command")
+            }
+            Err(e) => {
+                debug!(%lease, error = %e, "agent-device's lease was not kept after its command")
             }
         }
     }
 
+    /// The relay target `agent-device`: requests a gateway relays, for the tenant it computed.
     /// With `renew`, a heartbeat whose relay asks for it ([`RenewAsk`]) renews the worker's
     /// simlock lease once the daemon answered ok, and its answer says so ([`Renewal`]); without
     /// it, the ask is dropped and the gateway renews the lease itself.
@@ -893,7 +870,6 @@ impl RelayTarget for HostTarget {
             let keeper = match (KeepAsk::take(&mut parts.headers), &lease) {
                 (Some(ask), Some(lease)) => Some(Keeper {
                     host: host.clone(),
-                    tenant: tenant.clone(),
                     lease: lease.clone(),
                     ttl_ms: ask.ttl_ms,
                     renew: renew.clone(),
@@ -927,7 +903,6 @@ impl RelayTarget for HostTarget {
 /// mid-command would leave the agent a minute before its device is lost.
 struct Keeper {
     host: AgentDeviceHost,
-    tenant: Tenant,
     lease: LeaseId,
     ttl_ms: u64,
     renew: Option<RenewLease>,
@@ -938,15 +913,14 @@ impl Drop for Keeper {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
-        let (host, tenant, lease, ttl_ms, renew) = (
+        let (host, lease, ttl_ms, renew) = (
             self.host.clone(),
-            self.tenant.clone(),
             self.lease.clone(),
             self.ttl_ms,
             self.renew.take(),
         );
         runtime.spawn(async move {
-            host.keep(&tenant, &lease, ttl_ms, renew.as_ref()).await;
+            host.keep(&lease, ttl_ms, renew.as_ref()).await;
         });
     }
 }
