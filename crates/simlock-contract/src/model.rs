@@ -547,6 +547,16 @@ pub enum Mode {
     Gateway,
 }
 
+impl Mode {
+    /// The wire name.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Self::Worker => "worker",
+            Self::Gateway => "gateway",
+        }
+    }
+}
+
 /// The daemon part of `status.get`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
@@ -808,5 +818,20 @@ mod tests {
             refused.to_string(),
             "ttlMs: 60001 is above lease.maxTtlMs (60000)"
         );
+    }
+
+    #[test]
+    fn a_mode_and_a_token_role_name_themselves_as_the_wire_does() {
+        for mode in [Mode::Worker, Mode::Gateway] {
+            assert_eq!(serde_json::to_value(mode).unwrap(), mode.as_str());
+        }
+        for role in [TokenRole::Agent, TokenRole::Operator, TokenRole::Worker] {
+            assert_eq!(serde_json::to_value(role).unwrap(), role.as_str());
+        }
+        assert!(TokenRole::Worker.used_by(Mode::Gateway));
+        assert!(!TokenRole::Worker.used_by(Mode::Worker));
+        for mode in [Mode::Worker, Mode::Gateway] {
+            assert!(TokenRole::Agent.used_by(mode) && TokenRole::Operator.used_by(mode));
+        }
     }
 }

@@ -111,7 +111,7 @@ where
         // Listening before the ready line: a signal sent as soon as it is read stops the daemon.
         let signals = crate::signals::StopSignals::listen();
         let ready = json!({
-            "ready": match mode { Mode::Worker => "worker", Mode::Gateway => "gateway" },
+            "ready": mode.as_str(),
             "instanceId": running.base.instance_id,
             "socket": running.socket_path(),
             "http": running.http_addr().map(|a| a.to_string()),

@@ -69,10 +69,7 @@ fn role_unused(role: TokenRole, mode: Mode) -> ContractError {
     ContractError::bad_request(format!(
         "role: a {} token joins a worker to a gateway, and this daemon is a {}: create it on the gateway the worker dials",
         role.as_str(),
-        match mode {
-            Mode::Worker => "worker",
-            Mode::Gateway => "gateway",
-        },
+        mode.as_str(),
     ))
 }
 
