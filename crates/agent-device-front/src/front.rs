@@ -359,7 +359,7 @@ async fn rpc(
     let bytes = read_caller_body(body, MAX_RPC_BODY)
         .await
         .map_err(|e| (e.refusal(), anonymous.clone()))?;
-    let mut call = RpcCall::parse(&bytes).map_err(|(r, id)| (r, Surface::Rpc { id }))?;
+    let call = RpcCall::parse(&bytes).map_err(|(r, id)| (r, Surface::Rpc { id }))?;
     let surface = Surface::Rpc {
         id: call.id.clone(),
     };
@@ -388,33 +388,7 @@ async fn rpc(
                 return devices(&ctx, call, lease.as_ref()).await;
             }
             match lease {
-                Some(lease) => {
-                    let entry = ctx.owned(&lease)?;
-                    ctx.serving(&lease)?;
-                    call.pin_device(entry.platform, &entry.address);
-                    // `close` ends the session and the lease with it: nothing to keep after.
-                    let keep =
-                        (call.command() != Some("close")).then(|| call.heartbeat_after(&lease));
-                    let host_keeps = CancellationToken::new();
-                    let mut request = ctx.request(call.to_bytes());
-                    if keep.is_some() && ctx.hosts_per_lease() {
-                        // The worker keeps the lease after the exchange even if this
-                        // gateway is gone by then ([`KeepAsk`]).
-                        KeepAsk {
-                            ttl_ms: entry.ttl_ms,
-                        }
-                        .put(request.headers_mut());
-                    }
-                    let renewal =
-                        spawn_renewal(&ctx, &lease, entry.ttl_ms, keep, host_keeps.clone());
-                    let mut response = ctx.send(request, Some(&lease)).await?;
-                    if KeepAsk::was_taken(response.headers_mut()) {
-                        host_keeps.cancel();
-                    }
-                    let (parts, body) = ctx.finished(response).into_parts();
-                    let body = Guarded::new(body, renewal).boxed_unsync();
-                    Ok(Response::from_parts(parts, body))
-                }
+                Some(lease) => command(&ctx, call, &lease).await,
                 None => Ok(ctx.finished(ctx.forward(call.to_bytes(), None).await?)),
             }
         }
@@ -424,6 +398,40 @@ async fn rpc(
             message: format!("Method not found: {name}"),
         })),
     }
+}
+
+/// A device command on the caller's `lease`: owned and served, pinned to the lease's device,
+/// the simlock lease renewed while it runs and kept once it ended ([`spawn_renewal`]; any
+/// command but `close`, which ends the session). Through a gateway the worker holding the
+/// lease keeps it when it takes the keep on ([`KeepAsk`]), so that a gateway gone mid-command
+/// does not leave agent-device's lease at its 60 s default; else the front keeps it.
+async fn command(
+    ctx: &Exchange,
+    mut call: RpcCall,
+    lease: &LeaseId,
+) -> Result<Response<Body>, Failed> {
+    let entry = ctx.owned(lease)?;
+    ctx.serving(lease)?;
+    call.pin_device(entry.platform, &entry.address);
+    let keep = (call.command() != Some("close")).then(|| call.heartbeat_after(lease));
+    let mut request = ctx.request(call.to_bytes());
+    if keep.is_some() && ctx.hosts_per_lease() {
+        KeepAsk {
+            ttl_ms: entry.ttl_ms,
+        }
+        .put(request.headers_mut());
+    }
+    let host_keeps = CancellationToken::new();
+    let renewal = spawn_renewal(ctx, lease, entry.ttl_ms, keep, host_keeps.clone());
+    let mut response = ctx.send(request, Some(lease)).await?;
+    if KeepAsk::was_taken(response.headers_mut()) {
+        host_keeps.cancel();
+        // The worker renews it once the command ends, as the front's own keep would have.
+        ctx.inner.leases.touch(lease, Instant::now());
+    }
+    let (parts, body) = ctx.finished(response).into_parts();
+    let body = Guarded::new(body, renewal).boxed_unsync();
+    Ok(Response::from_parts(parts, body))
 }
 
 fn lease_required() -> Refusal {
