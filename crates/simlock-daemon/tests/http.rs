@@ -7,80 +7,19 @@
     reason = "tests fail by panicking"
 )]
 
-use std::sync::Arc;
+mod common;
+
 use std::time::Duration;
 
+use common::{Host, host_in};
 use serde_json::{Value, json};
 use simlock_contract::model::{Mode, TokenRole};
-use simlock_daemon::clock::TokioClock;
-use simlock_daemon::events::EventBus;
 use simlock_daemon::http::HEADER_READ_TIMEOUT;
 use simlock_daemon::http::body::{BODY_READ_TIMEOUT, MAX_JSON_BODY};
-use simlock_daemon::http::requests::RequestBook;
-use simlock_daemon::http::{HttpApp, bind, serve_http};
-use simlock_daemon::metrics::Metrics;
-use simlock_daemon::pipeline::{Greeter, Pipeline, Router, Shutdown, StartupGate};
-use simlock_daemon::presence::Presence;
-use simlock_daemon::store::Database;
-use simlock_daemon::tokens::{self, TokenStore};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio_util::sync::CancellationToken;
-
-struct NoAdmin;
-
-impl Greeter for NoAdmin {
-    fn is_admin_secret(&self, _: &str) -> bool {
-        false
-    }
-
-    fn default_principal(&self) -> String {
-        "local".into()
-    }
-}
-
-struct Host {
-    addr: String,
-    tokens: Arc<TokenStore>,
-    stop: CancellationToken,
-}
 
 async fn host() -> Host {
     host_in(Mode::Gateway).await
-}
-
-async fn host_in(mode: Mode) -> Host {
-    let clock = TokioClock::system().shared();
-    let store = TokenStore::open(Database::open_in_memory().unwrap(), clock.clone()).unwrap();
-    let bus = EventBus::new(10, clock.clone());
-    let mut router = Router::new();
-    tokens::register(&mut router, &store, mode);
-    simlock_daemon::events::register(&mut router, &bus);
-    let pipeline = Arc::new(Pipeline::new(
-        router,
-        StartupGate::ready(),
-        Shutdown::new(),
-        "test".into(),
-        Arc::new(NoAdmin),
-        Presence::new(),
-    ));
-    let app = Arc::new(HttpApp {
-        pipeline,
-        tokens: store.clone(),
-        bus,
-        clock: clock.clone(),
-        requests: RequestBook::new(clock, 1000, 10),
-        metrics: Metrics::new(),
-        mounts: Vec::new(),
-    });
-    let listener = bind("127.0.0.1", 0).await.unwrap();
-    let addr = listener.local_addr().unwrap().to_string();
-    let stop = CancellationToken::new();
-    serve_http(listener, app, None, stop.clone());
-    Host {
-        addr,
-        tokens: store,
-        stop,
-    }
 }
 
 /// One HTTP/1.1 exchange with `Connection: close`: the status and the body.

@@ -52,6 +52,23 @@ use crate::tokens::TokenStore;
 pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long open connections get to finish when the daemon stops.
 pub const DRAIN_GRACE: Duration = Duration::from_secs(5);
+/// The largest request head (request line, header fields and the blank line that ends them)
+/// a connection may send: 64 KiB. Larger answers hyper's own `431` and closes the connection.
+///
+/// Our callers send a bearer token, an idempotency key and a few standard fields, well under
+/// 1 KiB; common servers take no more than 8 to 16 KiB (nginx 8 KiB a line, Node's HTTP server
+/// 16 KiB a head), so 64 KiB refuses no real client, while what one connection can make the
+/// daemon buffer before routing drops to a sixth of hyper's default (~400 KiB).
+///
+/// It is hyper's `max_header_size`, which bounds the head alone; the read buffer
+/// (`max_buf_size`) keeps its default, so bodies still stream in large reads. hyper's own URI
+/// bound (65534 bytes) is never reached first: such a request line is already over this bound,
+/// so there is no `414`.
+pub const MAX_REQUEST_HEAD: usize = 64 * 1024;
+/// The most header fields a request may send: hyper's default, named here. One more answers
+/// `431` as [`MAX_REQUEST_HEAD`] does. (Setting it explicitly would move hyper's header array
+/// from the stack to the heap, so the default is left in place.)
+pub const MAX_REQUEST_HEADERS: usize = 100;
 
 /// The header on the answer a TLS listener gives to plain text (`http://` or `ws://` to an
 /// HTTPS port): `x-simlock-tls: required`. The worker's dialler reads it to name the cause.
@@ -234,19 +251,45 @@ where
     let mut builder = hyper::server::conn::http1::Builder::new();
     builder
         .timer(TokioTimer::new())
-        .header_read_timeout(HEADER_READ_TIMEOUT);
+        .header_read_timeout(HEADER_READ_TIMEOUT)
+        .max_header_size(MAX_REQUEST_HEAD);
     let connection = builder.serve_connection(io, service).with_upgrades();
     tokio::pin!(connection);
     tokio::select! {
         outcome = connection.as_mut() => {
             if let Err(e) = outcome {
-                debug!(%peer, error = %e, "HTTP connection ended with an error");
+                log_connection_error(peer, &e);
             }
         }
         () = shutdown.cancelled() => {
             connection.as_mut().graceful_shutdown();
             let _ = connection.await;
         }
+    }
+}
+
+/// Logs how a connection ended with an error. hyper answers a request head it cannot take
+/// itself, before any route sees it, with a status and an empty body (its public API offers no
+/// way to give that answer a body), so the refusal is logged here, with the peer, to be found
+/// next to the caller's side of it.
+fn log_connection_error(peer: SocketAddr, e: &hyper::Error) {
+    if e.is_parse_too_large() {
+        // A caller that may be real, sending more than we take: worth an operator's eye.
+        info!(
+            %peer,
+            status = 431,
+            max_head_bytes = MAX_REQUEST_HEAD,
+            max_headers = MAX_REQUEST_HEADERS,
+            "HTTP request refused: head too large",
+        );
+    } else if e.is_parse_version_h2() {
+        debug!(%peer, "HTTP/2 preface on an HTTP/1.1 listener: closed without an answer");
+    } else if e.is_parse() {
+        // Not HTTP/1.1 at all, often (TLS to a plain port, a scanner): as quiet as the other
+        // transport mismatches.
+        debug!(%peer, status = 400, error = %e, "HTTP request refused: malformed head");
+    } else {
+        debug!(%peer, error = %e, "HTTP connection ended with an error");
     }
 }
 
