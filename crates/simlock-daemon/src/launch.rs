@@ -1,6 +1,7 @@
 //! What a daemon binary does around its composition: load configuration (exit 64 naming the key
 //! when it is bad), start logging, start the daemon, print one JSON ready line on stdout, wait
-//! for SIGINT, SIGTERM or `daemon.stop`, and stop gracefully.
+//! for SIGINT, SIGTERM or `daemon.stop`, stop gracefully, and log `stopped` with the reason
+//! last.
 
 use std::future::Future;
 use std::process::ExitCode;
@@ -99,12 +100,12 @@ where
             return ExitCode::FAILURE;
         }
     };
-    runtime.block_on(async move {
+    let stopped = runtime.block_on(async move {
         let daemon = match start(home, loaded).await {
             Ok(daemon) => daemon,
             Err(e) => {
                 eprintln!("{name}: {e}");
-                return ExitCode::FAILURE;
+                return None;
             }
         };
         let running = daemon.running();
@@ -119,8 +120,18 @@ where
         println!("{ready}");
         let reason = signals.wait(running).await;
         daemon.stop(reason).await;
-        ExitCode::SUCCESS
-    })
+        Some(reason)
+    });
+    // Whatever the stop left on the runtime (blocking tasks) ends here, so the line below is
+    // the last thing the process does.
+    drop(runtime);
+    match stopped {
+        Some(reason) => {
+            tracing::info!(reason, "stopped");
+            ExitCode::SUCCESS
+        }
+        None => ExitCode::FAILURE,
+    }
 }
 
 #[cfg(test)]
