@@ -48,6 +48,8 @@
 //! It starts like the real daemon (`node dist/src/internal/daemon.js`) so that simlock's host can
 //! supervise it as `agentDevice.command`:
 //!
+//! * takes no arguments: `--help` (`-h`) prints its usage and exits 0, any other argument is
+//!   refused, named on stderr, with exit status 2;
 //! * reads `AGENT_DEVICE_STATE_DIR` (default `$HOME/.agent-device`) and
 //!   `AGENT_DEVICE_DAEMON_SERVER_MODE` (`http`, or unset; `socket` and `dual` are refused with
 //!   exit status 2), plus `AGENT_DEVICE_LEASE_TTL_MS`, `AGENT_DEVICE_LEASE_MIN_TTL_MS` and

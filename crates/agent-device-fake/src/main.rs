@@ -2,7 +2,8 @@
 //! (`AGENT_DEVICE_STATE_DIR`, `AGENT_DEVICE_DAEMON_SERVER_MODE=http`, the port line on stdout,
 //! `daemon.json`), so a supervisor can run it in the real daemon's place. See the crate docs.
 
-use std::io::{self, Write as _};
+use std::ffi::OsString;
+use std::io::{self, Write};
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -123,7 +124,67 @@ async fn run() -> Result<(), StartError> {
     Ok(())
 }
 
+/// What `--help` prints.
+const USAGE: &str = "\
+agent-device-fake: a fake of agent-device 0.21.5's daemon, for simlock's tests
+
+Usage: agent-device-fake [-h | --help]
+
+Serves agent-device's HTTP routes on 127.0.0.1 (a free port), prints
+AGENT_DEVICE_DAEMON_HTTP_PORT=<port> on stdout, writes daemon.json and daemon.lock
+in its state directory, and runs until SIGTERM, SIGINT or SIGHUP, as the real
+daemon does. It takes no arguments: it reads the environment.
+
+Environment:
+  AGENT_DEVICE_STATE_DIR           the state directory (default $HOME/.agent-device)
+  AGENT_DEVICE_DAEMON_SERVER_MODE  http, or unset (socket and dual are refused)
+  AGENT_DEVICE_LEASE_TTL_MS        a lease's TTL when none is asked (default 60000)
+  AGENT_DEVICE_LEASE_MIN_TTL_MS    the shortest TTL granted (default 5000)
+  AGENT_DEVICE_LEASE_MAX_TTL_MS    the longest TTL granted (default 600000)
+  AGENT_DEVICE_FAKE_TOKEN          a fixed token (default: a fresh one per start)
+  AGENT_DEVICE_FAKE_DEVICES        a JSON array of the devices it lists
+
+Exit status: 0 when stopped by a signal, or when another live daemon holds the
+state directory; 2 for a bad argument or setting; 1 for an I/O failure.
+";
+
+/// Reads the command line: the daemon takes no arguments, as the real one does, so only
+/// `--help` (`-h`) is read. `Some(status)` when the process ends here: after the usage text on
+/// `out`, or after naming the argument it does not take on `err` (status 2, as a bad setting).
+fn command_line(
+    args: impl IntoIterator<Item = OsString>,
+    out: &mut impl Write,
+    err: &mut impl Write,
+) -> Option<ExitCode> {
+    let mut help = false;
+    for arg in args {
+        match arg.to_str() {
+            Some("-h" | "--help") => help = true,
+            _ => {
+                let _ = writeln!(
+                    err,
+                    "agent-device-fake: unexpected argument '{}': it takes none (it reads its \
+                     settings from the environment; see --help)",
+                    arg.to_string_lossy()
+                );
+                return Some(ExitCode::from(2));
+            }
+        }
+    }
+    help.then(|| {
+        let _ = out.write_all(USAGE.as_bytes());
+        ExitCode::SUCCESS
+    })
+}
+
 fn main() -> ExitCode {
+    if let Some(status) = command_line(
+        std::env::args_os().skip(1),
+        &mut io::stdout(),
+        &mut io::stderr(),
+    ) {
+        return status;
+    }
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -141,5 +202,76 @@ fn main() -> ExitCode {
             let _ = writeln!(io::stderr(), "agent-device-fake: {error}");
             ExitCode::from(error.exit_code())
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What `command_line` decides for `args`, with what it wrote on stdout and stderr.
+    fn run(args: &[&str]) -> (Option<ExitCode>, String, String) {
+        let (mut out, mut err) = (Vec::new(), Vec::new());
+        let status = command_line(args.iter().map(OsString::from), &mut out, &mut err);
+        (
+            status,
+            String::from_utf8_lossy(&out).into_owned(),
+            String::from_utf8_lossy(&err).into_owned(),
+        )
+    }
+
+    #[test]
+    fn help_prints_the_usage_and_exits_0() {
+        for flag in ["--help", "-h"] {
+            let (status, out, err) = run(&[flag]);
+            assert_eq!(status, Some(ExitCode::SUCCESS), "{flag}");
+            assert!(out.starts_with("agent-device-fake: "), "{flag}: {out}");
+            assert!(
+                out.contains("Usage: agent-device-fake [-h | --help]"),
+                "{out}"
+            );
+            for name in ["AGENT_DEVICE_STATE_DIR", "AGENT_DEVICE_FAKE_TOKEN"] {
+                assert!(out.contains(name), "the usage names {name}: {out}");
+            }
+            let ttl = TtlPolicy::default();
+            for (name, default) in [
+                ("AGENT_DEVICE_LEASE_TTL_MS", ttl.default_ms),
+                ("AGENT_DEVICE_LEASE_MIN_TTL_MS", ttl.min_ms),
+                ("AGENT_DEVICE_LEASE_MAX_TTL_MS", ttl.max_ms),
+            ] {
+                let line = out.lines().find(|l| l.trim_start().starts_with(name));
+                assert!(
+                    line.is_some_and(|l| l.ends_with(&format!("(default {default})"))),
+                    "{name}'s default is the fake's: {line:?}"
+                );
+            }
+            assert!(err.is_empty(), "{err}");
+        }
+    }
+
+    #[test]
+    fn an_unknown_argument_is_refused_naming_it_with_status_2() {
+        for args in [
+            &["--bogus"][..],
+            &["serve"],
+            &["--help", "--bogus"],
+            &["-x"],
+        ] {
+            let (status, out, err) = run(args);
+            assert_eq!(status, Some(ExitCode::from(2)), "{args:?}");
+            assert!(out.is_empty(), "{args:?}: no usage on stdout: {out}");
+            let named = args.last().unwrap_or(&"");
+            assert!(
+                err.starts_with(&format!(
+                    "agent-device-fake: unexpected argument '{named}': "
+                )),
+                "{args:?}: {err}"
+            );
+        }
+    }
+
+    #[test]
+    fn no_argument_serves() {
+        assert_eq!(run(&[]), (None, String::new(), String::new()));
     }
 }

@@ -293,3 +293,42 @@ async fn a_fake_takes_over_the_directory_of_one_that_was_killed() {
     assert_ne!(info["token"], old["token"]);
     assert!(terminate(second).await.success());
 }
+
+/// `--help` prints the usage and exits 0 without starting a daemon (no port line, no
+/// `daemon.json`); an argument it does not take exits 2 naming it.
+#[tokio::test]
+async fn help_prints_the_usage_and_an_unknown_argument_exits_2_without_serving() {
+    let state = tempfile::tempdir().unwrap();
+    let run = |args: &'static [&'static str]| {
+        let mut command = fake(state.path());
+        command.args(args);
+        async move {
+            tokio::time::timeout(BOUND, command.output())
+                .await
+                .expect("it exits at once")
+                .unwrap()
+        }
+    };
+    for flag in [&["--help"], &["-h"]] {
+        let out = run(flag).await;
+        assert_eq!(out.status.code(), Some(0), "{flag:?}");
+        let usage = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            usage.contains("Usage: agent-device-fake"),
+            "{flag:?}: {usage}"
+        );
+        assert!(out.stderr.is_empty(), "{flag:?}");
+    }
+    let out = run(&["--bogus"]).await;
+    assert_eq!(out.status.code(), Some(2));
+    assert!(out.stdout.is_empty(), "no port line: it did not serve");
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("unexpected argument '--bogus'"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        !state.path().join("state").join("daemon.json").exists(),
+        "no daemon started"
+    );
+}
