@@ -71,10 +71,16 @@ pub trait Operation: 'static {
     type Input: Input + Serialize + Send + 'static;
     /// Its output.
     type Output: Serialize + DeserializeOwned + Send + 'static;
+
+    /// The word a daemon logs an answer of it with: `ok`, unless the operation's answer can
+    /// say that what it was asked for did not happen (a relay answers `cancelled`).
+    fn outcome(_output: &Self::Output) -> &'static str {
+        "ok"
+    }
 }
 
 macro_rules! operations {
-    ($($(#[doc = $doc:literal])* $marker:ident = $name:literal, $role:ident, $effect:ident, $input:ty => $output:ty;)*) => {
+    ($($(#[doc = $doc:literal])* $marker:ident = $name:literal, $role:ident, $effect:ident, $input:ty => $output:ty $(, outcome = $outcome:path)?;)*) => {
         $(
             $(#[doc = $doc])*
             #[derive(Debug)]
@@ -86,6 +92,11 @@ macro_rules! operations {
                 const EFFECT: Effect = Effect::$effect;
                 type Input = $input;
                 type Output = $output;
+                $(
+                    fn outcome(output: &Self::Output) -> &'static str {
+                        $outcome(output)
+                    }
+                )?
             }
         )*
 
@@ -162,7 +173,7 @@ operations! {
     /// Forget a disconnected worker.
     WorkerRemove = "worker.remove", Admin, Write, WorkerIdInput => WorkerRemoveOutput;
     /// Hand one HTTP exchange to a relay target (gateway uplink only).
-    RelayRequest = "relay.request", Admin, Write, RelayRequestInput => RelayRequestOutput;
+    RelayRequest = "relay.request", Admin, Write, RelayRequestInput => RelayRequestOutput, outcome = RelayRequestOutput::outcome;
     /// Cancel a relay.
     RelayCancel = "relay.cancel", Admin, Write, RelayCancelInput => Empty;
 }
@@ -717,6 +728,18 @@ pub struct RelayRequestOutput {
     /// Whether a cancel took effect.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cancelled: Option<bool>,
+}
+
+impl RelayRequestOutput {
+    /// How the relay ended, as the worker logs it: `cancelled` when the gateway's cancel (its
+    /// caller gone, its deadline passed) or the uplink's end took effect, else `ok`.
+    pub fn outcome(&self) -> &'static str {
+        if self.cancelled == Some(true) {
+            "cancelled"
+        } else {
+            "ok"
+        }
+    }
 }
 
 #[cfg(test)]

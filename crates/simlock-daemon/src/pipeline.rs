@@ -21,8 +21,14 @@ use tracing::{debug, info, warn};
 use crate::context::{CallCtx, Prepared};
 use crate::presence::Presence;
 
+/// An operation's run: its output, and the word its answer is logged with
+/// ([`Operation::outcome`]).
 type Run = Arc<
-    dyn Fn(CallCtx, Option<Value>, StartupGate) -> BoxFuture<'static, Result<Value, ContractError>>
+    dyn Fn(
+            CallCtx,
+            Option<Value>,
+            StartupGate,
+        ) -> BoxFuture<'static, Result<(Value, &'static str), ContractError>>
         + Send
         + Sync,
 >;
@@ -231,9 +237,11 @@ impl Router {
                     gate.wait().await?;
                 }
                 let output = handler(ctx, input).await?;
-                serde_json::to_value(output).map_err(|e| {
+                let outcome = O::outcome(&output);
+                let value = serde_json::to_value(output).map_err(|e| {
                     ContractError::internal(format!("{} output could not be encoded: {e}", O::NAME))
-                })
+                })?;
+                Ok((value, outcome))
             }
             .boxed()
         });
@@ -400,13 +408,15 @@ impl Pipeline {
             let outcome = future.await;
             let elapsed_ms = started.elapsed().as_millis();
             match &outcome {
-                Ok(_) => info!(target: "operation", op = %op_name, %principal, elapsed_ms, "ok"),
+                Ok((_, word)) => {
+                    info!(target: "operation", op = %op_name, %principal, elapsed_ms, "{word}");
+                }
                 Err(e) if e.code == ErrorCode::Internal => {
                     warn!(target: "operation", op = %op_name, %principal, elapsed_ms, code = %e.code, message = %e.message, "failed");
                 }
                 Err(e) => info!(target: "operation", op = %op_name, %principal, elapsed_ms, code = %e.code, "refused"),
             }
-            outcome
+            outcome.map(|(value, _)| value)
         }
         .boxed()
     }

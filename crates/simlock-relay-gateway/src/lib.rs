@@ -23,6 +23,11 @@
 //! | invalid `relay-head` | `INTERNAL` naming the worker; `relay.cancel` | — |
 //! | `{}` before a head, or `{cancelled: true}` unasked | `INTERNAL`: `worker <id> ended the relay without a response` | — |
 //! | the caller cancels or its body fails | `CANCELLED` | `CANCELLED` |
+//!
+//! Every exchange ends with one `relay ended` log line naming its outcome (`ok`, `cancelled`,
+//! `deadline`, `uplink lost`, …; a warning for a stall, a refused channel, a worker's abort or a
+//! broken protocol). The worker cannot tell them apart: it answers `{cancelled: true}` to every
+//! relay the gateway cancelled.
 #![warn(missing_docs)]
 
 use std::collections::VecDeque;
@@ -41,14 +46,14 @@ use serde_json::json;
 use simlock_contract::bounds::{self, RELAY_GATEWAY_CREDENTIAL_HEADERS};
 use simlock_contract::ops::{RelayMethod, RelayRequest, RelayRequestInput, RelayRequestOutput};
 use simlock_contract::{ContractError, ErrorCode, Push};
-use simlock_fleet::error::{from_worker, unreachable};
+use simlock_fleet::error::{from_worker, is_uplink_lost, unreachable};
 use simlock_fleet::{Fleet, WorkerConn};
 use simlock_link::{ChannelError, ChannelReader, ChannelWriter, FailureReason};
 use simlock_wire::CallEvent;
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
-use tracing::debug;
+use tracing::{debug, info, warn};
 
 /// The default deadline of one exchange: agent-device's proxy allows 300 s, plus a margin.
 pub const DEFAULT_DEADLINE: Duration = Duration::from_millis(330_000);
@@ -226,6 +231,7 @@ impl GatewayRelay {
             verdicts,
             conn,
             relay_id: input.relay_id.clone(),
+            started: now,
             deadline,
             signal,
             events,
@@ -345,6 +351,78 @@ impl Fail {
         !matches!(
             self,
             Self::Channel(FailureReason::Closed) | Self::Worker(_) | Self::NoResponse
+        )
+    }
+
+    /// How the exchange ended, for the log.
+    fn outcome(&self) -> Outcome {
+        match self {
+            Self::Channel(FailureReason::Closed) => Outcome::UplinkLost,
+            Self::Channel(FailureReason::Stalled) => Outcome::Stalled,
+            Self::Channel(FailureReason::Refused) => Outcome::Refused,
+            Self::Channel(FailureReason::Aborted | FailureReason::Stopped) | Self::PeerAborted => {
+                Outcome::WorkerAborted
+            }
+            Self::Deadline => Outcome::Deadline,
+            Self::CallerCancelled => Outcome::Cancelled,
+            Self::CallerBody(_) => Outcome::CallerBodyFailed,
+            Self::InvalidHead(_) | Self::NoResponse => Outcome::ProtocolError,
+            Self::Worker(error) if is_uplink_lost(error) => Outcome::UplinkLost,
+            Self::Worker(_) => Outcome::WorkerError,
+        }
+    }
+}
+
+/// How an exchange ended, as the gateway logs it (one line per exchange, `relay ended`). The
+/// worker's own `relay.request` answer is `{cancelled: true}` for every exchange the gateway
+/// cancelled (caller gone, deadline), so only this side can tell them apart.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Outcome {
+    /// The response reached its END.
+    Ok,
+    /// The caller went: it dropped the call or the response body before its END, or fired
+    /// its cancellation.
+    Cancelled,
+    /// The caller's request body failed.
+    CallerBodyFailed,
+    /// The deadline passed.
+    Deadline,
+    /// The worker's uplink was lost.
+    UplinkLost,
+    /// The channel stalled.
+    Stalled,
+    /// The worker refused the channel.
+    Refused,
+    /// The worker aborted the channel without an error to say why.
+    WorkerAborted,
+    /// The worker answered an error.
+    WorkerError,
+    /// The worker broke the relay protocol.
+    ProtocolError,
+}
+
+impl Outcome {
+    const fn as_str(self) -> &'static str {
+        match self {
+            Self::Ok => "ok",
+            Self::Cancelled => "cancelled",
+            Self::CallerBodyFailed => "caller body failed",
+            Self::Deadline => "deadline",
+            Self::UplinkLost => "uplink lost",
+            Self::Stalled => "stalled",
+            Self::Refused => "refused",
+            Self::WorkerAborted => "worker aborted",
+            Self::WorkerError => "worker error",
+            Self::ProtocolError => "protocol error",
+        }
+    }
+
+    /// Whether it is the gateway's or the worker's fault rather than the caller's or the
+    /// network's: logged as a warning.
+    const fn is_fault(self) -> bool {
+        matches!(
+            self,
+            Self::Stalled | Self::Refused | Self::WorkerAborted | Self::ProtocolError
         )
     }
 }
@@ -588,6 +666,7 @@ struct Driver {
     verdicts: Verdicts,
     conn: Arc<WorkerConn>,
     relay_id: String,
+    started: Instant,
     deadline: Instant,
     signal: CancellationToken,
     events: mpsc::UnboundedReceiver<Event>,
@@ -636,6 +715,7 @@ impl Driver {
         let mut call = match begun {
             None => {
                 self.abort();
+                self.ended(Outcome::Cancelled, None);
                 return;
             }
             Some(Ok(call)) => call,
@@ -648,6 +728,7 @@ impl Driver {
         loop {
             if matches!(phase, Phase::Drain) && self.reader.is_none() {
                 // An empty answer whose END was read ahead: nothing is left to wait for.
+                self.ended(Outcome::Ok, None);
                 return;
             }
             let read_max = self.read_max(&phase);
@@ -663,9 +744,13 @@ impl Driver {
                         Step::Quiet => {
                             self.send_cancel();
                             self.abort();
+                            self.ended(Outcome::Cancelled, None);
                             return;
                         }
-                        Step::Done => return,
+                        Step::Done => {
+                            self.ended(Outcome::Ok, None);
+                            return;
+                        }
                     },
                 },
                 event = call.next(), if !self.answered => self.on_call(&mut phase, event),
@@ -673,7 +758,14 @@ impl Driver {
                     match self.on_chunk(&phase, chunk) {
                         Step::Continue => None,
                         Step::Fail(fail) => Some(fail),
-                        Step::Quiet | Step::Done => return,
+                        Step::Quiet => {
+                            self.ended(Outcome::Cancelled, None);
+                            return;
+                        }
+                        Step::Done => {
+                            self.ended(Outcome::Ok, None);
+                            return;
+                        }
                     }
                 }
             };
@@ -853,13 +945,33 @@ impl Driver {
         if fail.worker_may_run() && !self.answered {
             self.send_cancel();
         }
+        let outcome = fail.outcome();
         let error = self.verdicts.error(fail);
-        debug!(worker = %self.verdicts.worker_id, relay = %self.relay_id, error = %error, "relay failed");
+        self.ended(outcome, Some(&error));
         if let Phase::Head(head_tx) = std::mem::replace(phase, Phase::Drain) {
             let _ = head_tx.send(Err(error.clone()));
         }
         self.exchange.fail(error);
         self.abort();
+    }
+
+    /// Logs the exchange's end: one line, its outcome named as [`Outcome`] tells them apart
+    /// (a caller that went, the deadline, a lost uplink), with the caller's error when it got one.
+    fn ended(&self, outcome: Outcome, error: Option<&ContractError>) {
+        let worker = &self.verdicts.worker_id;
+        let relay = &self.relay_id;
+        let elapsed_ms = self.started.elapsed().as_millis();
+        let fault = outcome.is_fault();
+        let outcome = outcome.as_str();
+        match error {
+            Some(error) if fault => {
+                warn!(%worker, %relay, outcome, elapsed_ms, code = %error.code, message = %error.message, "relay ended");
+            }
+            Some(error) => {
+                info!(%worker, %relay, outcome, elapsed_ms, code = %error.code, "relay ended");
+            }
+            None => info!(%worker, %relay, outcome, elapsed_ms, "relay ended"),
+        }
     }
 
     fn abort(&mut self) {
@@ -1033,6 +1145,47 @@ mod tests {
         assert!(!Fail::Channel(FailureReason::Closed).worker_may_run());
         assert!(!Fail::NoResponse.worker_may_run());
         assert!(!Fail::Worker(ContractError::internal("x")).worker_may_run());
+    }
+
+    #[test]
+    fn every_ending_is_logged_as_what_it_was() {
+        let cases = [
+            (Fail::CallerCancelled, "cancelled"),
+            (Fail::CallerBody("boom".into()), "caller body failed"),
+            (Fail::Deadline, "deadline"),
+            (Fail::Channel(FailureReason::Closed), "uplink lost"),
+            // The call itself failing as a transport error is the uplink lost too.
+            (Fail::Worker(ContractError::stopping()), "uplink lost"),
+            (
+                Fail::Worker(ContractError::new(ErrorCode::DaemonConnectionLost, "gone")),
+                "uplink lost",
+            ),
+            (Fail::Channel(FailureReason::Stalled), "stalled"),
+            (Fail::Channel(FailureReason::Refused), "refused"),
+            (Fail::PeerAborted, "worker aborted"),
+            (
+                Fail::Worker(ContractError::new(ErrorCode::RelayTargetMissing, "no")),
+                "worker error",
+            ),
+            (Fail::NoResponse, "protocol error"),
+            (Fail::InvalidHead("status 101".into()), "protocol error"),
+        ];
+        for (fail, expected) in cases {
+            let outcome = fail.outcome();
+            assert_eq!(outcome.as_str(), expected, "{fail:?}");
+            // Only what is the worker's or the gateway's fault is a warning; a caller that
+            // went, a deadline or a lost uplink is not.
+            assert_eq!(
+                outcome.is_fault(),
+                matches!(
+                    expected,
+                    "stalled" | "refused" | "worker aborted" | "protocol error"
+                ),
+                "{fail:?}"
+            );
+        }
+        assert_eq!(Outcome::Ok.as_str(), "ok");
+        assert!(!Outcome::Ok.is_fault());
     }
 
     #[test]

@@ -560,3 +560,19 @@ fn list_output_is_keyed_by_kind() {
         json!({})
     );
 }
+
+#[test]
+fn a_relay_that_was_cancelled_is_logged_as_cancelled_and_every_other_answer_as_ok() {
+    let cancelled = RelayRequestOutput {
+        cancelled: Some(true),
+    };
+    assert_eq!(RelayRequest::outcome(&cancelled), "cancelled");
+    assert_eq!(RelayRequest::outcome(&RelayRequestOutput::default()), "ok");
+    assert_eq!(
+        RelayRequest::outcome(&RelayRequestOutput {
+            cancelled: Some(false)
+        }),
+        "ok"
+    );
+    assert_eq!(RelayCancel::outcome(&Empty {}), "ok");
+}
