@@ -119,9 +119,13 @@ pub struct Device {
     /// The worker holding it (gateway views only).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub worker_id: Option<String>,
+    /// The worker holding it, with its label and whether its uplink is up (gateway views
+    /// only): the state of a device whose worker is disconnected is the last one it reported.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub worker: Option<WorkerRef>,
 }
 
-/// The worker a gateway lease lives on.
+/// The worker a gateway lease or device lives on.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct WorkerRef {
@@ -130,6 +134,25 @@ pub struct WorkerRef {
     /// Its label.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub label: Option<String>,
+    /// How its uplink stood when the gateway answered; absent from gateways before this field.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub connection: Option<Connection>,
+}
+
+impl WorkerRef {
+    /// What to call the worker: its label, else its id.
+    pub fn name(&self) -> &str {
+        self.label.as_deref().unwrap_or(&self.id)
+    }
+
+    /// Whether the gateway said its uplink was down (or its protocol incompatible) when it
+    /// answered.
+    pub fn is_away(&self) -> bool {
+        matches!(
+            self.connection,
+            Some(Connection::Disconnected | Connection::Incompatible)
+        )
+    }
 }
 
 /// A lease.

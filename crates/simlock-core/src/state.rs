@@ -107,6 +107,7 @@ impl DeviceEntry {
             quarantine_next_retry_at: self.quarantine.map(|q| q.next_retry_at),
             recovery_attempts: (self.recovery_attempts > 0).then_some(self.recovery_attempts),
             worker_id: None,
+            worker: None,
         }
     }
 

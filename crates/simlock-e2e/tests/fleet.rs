@@ -826,7 +826,8 @@ async fn an_uplink_with_another_websocket_version_or_none_gets_426_and_records_n
         );
     }
     // The same handshake with version 13 is taken: the refusals were for the version alone.
-    let answer = raw_uplink(&addr, &fleet.join_token, Some("13")).await;
+    let (answer, socket) =
+        open_raw_uplink(&addr, &fleet.join_token, Some("13"), "old-client").await;
     assert!(answer.starts_with("HTTP/1.1 101"), "{answer}");
     fleet
         .wait_for(|views| views.iter().any(|v| v.id == "old-client"))
@@ -852,6 +853,9 @@ async fn an_uplink_with_another_websocket_version_or_none_gets_426_and_records_n
         1,
         "only the accepted handshake made a worker"
     );
+    // It speaks no protocol and hangs up: a join whose handshake never passed leaves nothing.
+    drop(socket);
+    fleet.wait_for(<[_]>::is_empty).await;
     fleet.stop().await;
 }
 

@@ -83,21 +83,9 @@ impl Fleet {
         }
     }
 
-    /// Every device of every worker, with its worker's id.
+    /// Every device of every worker, with its worker (the core's [`crate::state::Core::devices`]).
     pub fn devices(&self) -> Vec<Device> {
-        self.views()
-            .into_iter()
-            .flat_map(|view| {
-                let id = view.id.clone();
-                view.devices
-                    .unwrap_or_default()
-                    .into_iter()
-                    .map(move |mut d| {
-                        d.worker_id = Some(id.clone());
-                        d
-                    })
-            })
-            .collect()
+        self.shared.lock().core.devices()
     }
 
     /// The fleet queue's waiting requests, then each worker's own, as far as `viewer` may see

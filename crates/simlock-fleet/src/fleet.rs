@@ -34,10 +34,15 @@ use tracing::{debug, info, warn};
 use crate::config::FleetConfig;
 use crate::error::FleetError;
 use crate::state::index::Entry;
-use crate::state::{Closing, Core, Effect, Refresh, RefreshFailure, Settings, Stamp, routing};
+use crate::state::{
+    Closing, Core, Effect, KnownWorker, Refresh, RefreshFailure, Settings, Stamp, routing,
+};
 
-const MIGRATIONS: &[&str] =
-    &["CREATE TABLE drained_workers (worker_id TEXT PRIMARY KEY, drained_at INTEGER NOT NULL)"];
+const MIGRATIONS: &[&str] = &[
+    "CREATE TABLE drained_workers (worker_id TEXT PRIMARY KEY, drained_at INTEGER NOT NULL)",
+    "CREATE TABLE known_workers (worker_id TEXT PRIMARY KEY, label TEXT, \
+     seen_at INTEGER NOT NULL, connected INTEGER NOT NULL)",
+];
 
 /// Timing the gateway works with; tests shorten it.
 #[derive(Debug, Clone, Copy)]
@@ -229,6 +234,20 @@ impl Fleet {
             let rows = stmt.query_map([], |row| Ok((row.get(0)?, row.get(1)?)))?;
             rows.collect()
         })?;
+        let known: Vec<KnownWorker> = parts.db.with(|c| {
+            let mut stmt = c.prepare(
+                "SELECT worker_id, label, seen_at, connected FROM known_workers ORDER BY worker_id",
+            )?;
+            let rows = stmt.query_map([], |row| {
+                Ok(KnownWorker {
+                    id: row.get(0)?,
+                    label: row.get(1)?,
+                    seen_at: row.get(2)?,
+                    connected: row.get(3)?,
+                })
+            })?;
+            rows.collect()
+        })?;
         let settings = Settings {
             gateway_id: parts.gateway_id.clone(),
             limits: parts.limits,
@@ -237,7 +256,7 @@ impl Fleet {
             lease_request_timeout_ms: millis(parts.timing.lease_request_timeout),
             disconnected_retention_ms: millis(parts.timing.disconnected_retention),
         };
-        let core = Core::new(settings, drained);
+        let core = Core::new(settings, drained, known, parts.clock.now_ms());
         let fleet = Arc::new_cyclic(|me| Self {
             me: me.clone(),
             gateway_id: parts.gateway_id,
@@ -354,6 +373,18 @@ impl Fleet {
                         Err(ContractError::connection_lost()),
                     ),
                 },
+                Effect::Remember(worker) => {
+                    // Small and rare (a handshake, a close): written in order with the
+                    // decisions, so a crash right after loses none of it.
+                    if let Err(e) = self.db.with(|c| remember(c, &worker)) {
+                        warn!(worker = %worker.id, error = %e, "what is known of the worker could not be stored; after a restart it is listed again once it reconnects");
+                    }
+                }
+                Effect::Forget { worker_id } => {
+                    if let Err(e) = self.db.with(|c| forget(c, &worker_id)) {
+                        warn!(worker = %worker_id, error = %e, "the forgotten worker stays stored; a restart lists it again until its retention passes");
+                    }
+                }
                 Effect::Close { generation, why } => {
                     if let Some(conn) = shared.conns.get(&generation) {
                         conn.close_because(why);
@@ -789,6 +820,23 @@ async fn read_view(
     })
 }
 
+/// Stores what is known of a worker, replacing what was.
+fn remember(c: &rusqlite::Connection, worker: &KnownWorker) -> rusqlite::Result<usize> {
+    c.execute(
+        "INSERT OR REPLACE INTO known_workers (worker_id, label, seen_at, connected) \
+         VALUES (?1, ?2, ?3, ?4)",
+        rusqlite::params![worker.id, worker.label, worker.seen_at, worker.connected],
+    )
+}
+
+/// Deletes what was stored of a worker.
+fn forget(c: &rusqlite::Connection, worker_id: &str) -> rusqlite::Result<usize> {
+    c.execute(
+        "DELETE FROM known_workers WHERE worker_id = ?1",
+        [worker_id],
+    )
+}
+
 /// Stores `worker_id`'s drain flag, set at `at`.
 fn store_drain(c: &rusqlite::Connection, worker_id: &str, at: i64) -> rusqlite::Result<usize> {
     c.execute(
@@ -880,12 +928,17 @@ mod tests {
         db.with(|c| c.execute_batch(MIGRATIONS[0])).unwrap();
     }
 
-    /// A worker the fleet knows, connected once and now disconnected.
+    /// A worker the fleet knows, connected once (its handshake passed) and now disconnected.
     fn seen(fleet: &Fleet, worker_id: &str) {
         fleet.decide(|shared, now| {
             let generation = shared
                 .core
                 .handle_uplink_opened(worker_id, None, "tok_j".into(), now);
+            let sent = shared.core.handle_probe_sent();
+            let status = crate::state::tests::status(Vec::new(), 0);
+            shared
+                .core
+                .handle_connected(generation, "t".into(), &status, sent, now);
             shared.core.handle_uplink_closed(generation, now);
         });
     }
@@ -894,12 +947,13 @@ mod tests {
         fleet.view(worker_id).map(|v| v.drained)
     }
 
-    /// The worker events recorded on the bus, by name.
+    /// The worker events recorded on the bus, by name, but the uplinks' (those of [`seen`]).
     fn worker_events(bus: &EventBus) -> Vec<String> {
         bus.replay(None)
             .into_iter()
             .map(|e| e.event)
             .filter(|e| e.starts_with("worker."))
+            .filter(|e| !matches!(e.as_str(), "worker.connected" | "worker.disconnected"))
             .collect()
     }
 
@@ -970,6 +1024,43 @@ mod tests {
             !fleet.remove("w1").unwrap(),
             "a worker the fleet does not know"
         );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_restarted_gateway_lists_the_workers_it_knew_until_they_are_removed() {
+        let db = store(&[]);
+        let (first, _bus) = fleet(&db);
+        seen(&first, "w1");
+        // A WebSocket that joined and never passed a handshake is no worker, before or after.
+        first.decide(|shared, now| {
+            let generation = shared
+                .core
+                .handle_uplink_opened("w9", None, "tok_j".into(), now);
+            shared.core.handle_uplink_closed(generation, now);
+        });
+        first.stop().await;
+        drop(first);
+
+        let (again, _bus) = fleet(&db);
+        let listed: Vec<_> = again
+            .views()
+            .into_iter()
+            .map(|v| (v.id, v.connection, v.last_seen_at))
+            .collect();
+        assert_eq!(
+            listed,
+            [(
+                "w1".to_owned(),
+                simlock_contract::model::Connection::Disconnected,
+                T0
+            )],
+            "w1 is listed away, last seen when its uplink closed"
+        );
+        assert!(again.remove("w1").unwrap());
+        again.stop().await;
+        drop(again);
+        let (third, _bus) = fleet(&db);
+        assert!(third.views().is_empty(), "a removed worker stays forgotten");
     }
 
     #[tokio::test(start_paused = true)]

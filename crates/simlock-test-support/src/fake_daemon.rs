@@ -218,6 +218,7 @@ fn device() -> Device {
         created_at: 1_700_000_000_000,
         last_lease_ended_at: None,
         worker_id: None,
+        worker: None,
         access: None,
         quarantine_attempts: None,
         quarantine_next_retry_at: None,

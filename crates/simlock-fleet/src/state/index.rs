@@ -59,16 +59,14 @@ impl Entry {
     }
 
     /// The record as the gateway's callers see it: the gateway's id, requester and owner, and
-    /// the worker it lives on.
-    pub fn project(&self, label: Option<String>) -> LeaseRecord {
+    /// the worker it lives on (`worker`, which names this entry's worker).
+    pub fn project(&self, worker: WorkerRef) -> LeaseRecord {
         let mut record = self.record.clone();
         record.id = LeaseId::from_raw(self.lease_id.clone());
         record.requester_id.clone_from(&self.requester_id);
         record.owner_id.clone_from(&self.owner_id);
-        record.worker = Some(WorkerRef {
-            id: self.worker_id.clone(),
-            label,
-        });
+        debug_assert_eq!(worker.id, self.worker_id, "the entry's own worker");
+        record.worker = Some(worker);
         record.worker_id = Some(self.worker_id.clone());
         record
     }

@@ -22,7 +22,7 @@ pub mod views;
 #[cfg(any(test, feature = "sim"))]
 pub mod sim;
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 
@@ -38,7 +38,7 @@ use simlock_contract::ops::{CancelResult, LeaseRequestInput, StatusOutput};
 use simlock_contract::push::{Progress, Push};
 use simlock_contract::{ContractError, ErrorCode, ProtocolRange};
 use simlock_daemon::context::Viewer;
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use crate::error::FleetError;
 pub use index::Stamp;
@@ -156,6 +156,35 @@ pub struct LeaseTarget {
     pub worker_requester_id: String,
 }
 
+/// What the gateway keeps of a worker across its own restarts (written through
+/// [`Effect::Remember`], read back into [`Core::new`]): that it exists, what it is called and
+/// when it was last seen, so that a worker away when the gateway restarts is still listed, and
+/// still forgotten when its retention passes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KnownWorker {
+    /// Its id.
+    pub id: String,
+    /// Its label.
+    pub label: Option<String>,
+    /// When its uplink last passed its handshake or closed, ms since the epoch.
+    pub seen_at: i64,
+    /// Whether its uplink was up when this was written.
+    pub connected: bool,
+}
+
+impl KnownWorker {
+    /// When a gateway starting at `now` counts it last seen: a worker whose uplink was up when
+    /// the gateway went away (stopped, or crashed before its close was written) was seen until
+    /// then, which is no earlier than what was written, and is taken as `now`.
+    pub fn last_seen(&self, now: i64) -> i64 {
+        if self.connected {
+            now.max(self.seen_at)
+        } else {
+            self.seen_at
+        }
+    }
+}
+
 /// What the shell must carry out, in order.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Effect {
@@ -225,6 +254,14 @@ pub enum Effect {
         generation: u64,
         /// The worker's id for the lease.
         worker_lease_id: String,
+    },
+    /// Store what is known of a worker (in order with [`Effect::Forget`]); a failure loses
+    /// only its listing after a restart, until it reconnects.
+    Remember(KnownWorker),
+    /// Delete what was stored of a worker the gateway forgot.
+    Forget {
+        /// The worker.
+        worker_id: String,
     },
     /// Close an uplink, telling the worker why.
     Close {
@@ -309,15 +346,19 @@ struct Worker {
     /// Forgotten past retention while drained: only its drain flag is kept, so it is not swept
     /// again while it stays drained (see [`Worker::awaits_retention`]).
     retained: bool,
+    /// Whether it is a worker at all: its uplink passed a handshake, or it was stored (known,
+    /// or drained). A WebSocket that joined and closed without a handshake leaves nothing.
+    known: bool,
 }
 
 impl Worker {
-    fn new(view: WorkerView, revisions: &mut Revisions, retained: bool) -> Self {
+    fn new(view: WorkerView, revisions: &mut Revisions, retained: bool, known: bool) -> Self {
         Self {
             view,
             link: None,
             revision: revisions.next(),
             retained,
+            known,
         }
     }
 
@@ -385,18 +426,31 @@ pub struct Core {
 impl Core {
     /// A fleet with no worker connected; `drained` are the workers drained before a restart,
     /// with when.
-    pub fn new(settings: Settings, drained: Vec<(String, i64)>) -> Self {
+    pub fn new(
+        settings: Settings,
+        drained: Vec<(String, i64)>,
+        known: Vec<KnownWorker>,
+        now: i64,
+    ) -> Self {
         let prefix = simlock_contract::ids::gateway_requester_prefix(&settings.gateway_id);
         let mut revisions = Revisions::default();
-        let workers = drained
+        let mut workers: BTreeMap<String, Worker> = drained
             .into_iter()
             .map(|(id, at)| {
                 let mut view = blank_view(&id, None, at, Connection::Disconnected);
                 view.drained = true;
                 // Nothing is known of it but its drain flag: there is nothing to sweep.
-                (id, Worker::new(view, &mut revisions, true))
+                (id, Worker::new(view, &mut revisions, true, true))
             })
             .collect();
+        for worker in known {
+            let seen = worker.last_seen(now);
+            let drained = workers.get(&worker.id).is_some_and(|w| w.view.drained);
+            let mut view = blank_view(&worker.id, worker.label, seen, Connection::Disconnected);
+            view.drained = drained;
+            // Known, and away until it reconnects: retention runs from when it was last seen.
+            workers.insert(worker.id, Worker::new(view, &mut revisions, false, true));
+        }
         Self {
             index: LeaseIndex::new(prefix.clone()),
             prefix,
@@ -498,6 +552,17 @@ impl Core {
     /// A worker's label.
     pub fn label_of(&self, worker_id: &str) -> Option<String> {
         self.workers.get(worker_id)?.view.label.clone()
+    }
+
+    /// How callers are told where a lease or device lives: the worker's id, its label and how
+    /// its uplink stands now (a worker the gateway has no view of is disconnected).
+    pub fn worker_ref(&self, worker_id: &str) -> WorkerRef {
+        let view = self.workers.get(worker_id).map(|w| &w.view);
+        WorkerRef {
+            id: worker_id.to_owned(),
+            label: view.and_then(|v| v.label.clone()),
+            connection: Some(view.map_or(Connection::Disconnected, |v| v.connection)),
+        }
     }
 
     /// The uplink of `worker_id` that takes calls: attached and connected (handshake passed).
@@ -661,6 +726,24 @@ impl Core {
                 .is_some_and(|owner| viewer.may_see(owner))
     }
 
+    /// Every device of every worker, as each last reported it, with its worker: id, label and
+    /// whether its uplink is up (a disconnected worker's devices keep the state it last
+    /// reported, and say that their worker is away).
+    pub fn devices(&self) -> Vec<Device> {
+        self.workers
+            .iter()
+            .flat_map(|(worker_id, worker)| {
+                let worker_ref = self.worker_ref(worker_id);
+                worker.view.devices.iter().flatten().map(move |device| {
+                    let mut device = device.clone();
+                    device.worker_id = Some(worker_ref.id.clone());
+                    device.worker = Some(worker_ref.clone());
+                    device
+                })
+            })
+            .collect()
+    }
+
     /// Every lease on every worker, projected: the gateway's own with their gateway ids (from
     /// the index, so a lease is listed from the moment its grant is answered, before any view
     /// shows it); others (leases made on a worker directly) as they are, with the worker's id,
@@ -675,11 +758,12 @@ impl Core {
                 match self.seen(viewer, worker_id, lease) {
                     Seen::Issued(entry) => {
                         listed.insert(entry.lease_id.clone());
-                        out.push(entry.project(view.label.clone()));
+                        out.push(entry.project(self.worker_ref(worker_id)));
                     }
                     Seen::Direct => {
                         let mut lease = lease.clone();
                         lease.worker_id = Some(view.id.clone());
+                        lease.worker = Some(self.worker_ref(worker_id));
                         out.push(lease);
                     }
                     Seen::Hidden => {}
@@ -688,7 +772,7 @@ impl Core {
             // Granted, and not in the view yet: listed from the index.
             for entry in self.index.of_worker(worker_id) {
                 if !listed.contains(&entry.lease_id) && viewer.may_see(&entry.owner_id) {
-                    out.push(entry.project(view.label.clone()));
+                    out.push(entry.project(self.worker_ref(worker_id)));
                 }
             }
         }
@@ -744,7 +828,7 @@ impl Core {
         let revisions = &mut self.revisions;
         let worker = self.workers.entry(worker_id.to_owned()).or_insert_with(|| {
             let view = blank_view(worker_id, None, now, Connection::Disconnected);
-            Worker::new(view, revisions, false)
+            Worker::new(view, revisions, false, false)
         });
         worker.retained = false;
         if label.is_some() {
@@ -818,7 +902,14 @@ impl Core {
         worker.view.protocol = None;
         worker.view.version = Some(version.clone());
         worker.apply_read(&mut self.revisions, status, None, now);
+        worker.known = true;
         let label = worker.view.label.clone();
+        self.fx.push_back(Effect::Remember(KnownWorker {
+            id: worker_id.clone(),
+            label: label.clone(),
+            seen_at: now,
+            connected: true,
+        }));
         if let Some(leases) = &status.leases {
             self.fold_snapshot(&worker_id, leases, sent, now);
         }
@@ -877,12 +968,26 @@ impl Core {
         let was_connected = worker.view.connection == Connection::Connected;
         worker.view.connection = Connection::Disconnected;
         worker.view.last_seen_at = now;
-        let (label, lease_count) = (
+        let (label, lease_count, known) = (
             worker.view.label.clone(),
             worker.view.leases.as_ref().map_or(0, Vec::len),
+            worker.known,
         );
         self.generations.remove(&generation);
+        if !known {
+            // No handshake ever passed, and nothing was stored: not a worker to list.
+            debug!(worker = %worker_id, "an uplink closed before its handshake");
+            self.workers.remove(&worker_id);
+            self.dispatch(now);
+            return;
+        }
         if was_connected {
+            self.fx.push_back(Effect::Remember(KnownWorker {
+                id: worker_id.clone(),
+                label: label.clone(),
+                seen_at: now,
+                connected: false,
+            }));
             info!(worker = %worker_id, "worker disconnected");
             let event = Event::WorkerDisconnected {
                 worker_id,
@@ -1701,10 +1806,7 @@ impl Core {
         grant.lease.id = LeaseId::from_raw(lease_id);
         grant.lease.requester_id = requester;
         grant.lease.owner_id = owner;
-        grant.lease.worker = Some(WorkerRef {
-            id: worker_id.to_owned(),
-            label: self.label_of(worker_id),
-        });
+        grant.lease.worker = Some(self.worker_ref(worker_id));
         (grant, ended_first)
     }
 
@@ -1740,16 +1842,16 @@ impl Core {
 
     /// A miss in the index: `UNKNOWN_LEASE` only when the gateway can vouch for it (the worker
     /// the id names is connected and its view read), else `WORKER_UNREACHABLE` naming it. A
-    /// worker this gateway has not seen since it started may be one yet to reconnect after a
-    /// restart, or a mistyped id: the gateway never declares a lease gone before its worker
-    /// says so, and the message names both.
+    /// worker this gateway does not know (neither seen since it started nor stored from before)
+    /// may be a mistyped id, or one it forgot that comes back: the gateway never declares a
+    /// lease gone before its worker says so, and the message names both.
     fn missing(&self, lease_id: &str) -> FleetError {
         match worker_of(lease_id) {
             Some(worker) if !self.workers.contains_key(worker) => FleetError::WorkerUnreachable {
                 worker_id: worker.to_owned(),
                 message: format!(
-                    "No worker {worker} has connected to this gateway since it started: check \
-                     the lease id, or retry once its worker is back"
+                    "No worker {worker} is known to this gateway: check the lease id, or retry \
+                     once its worker is back"
                 ),
             },
             Some(worker) if self.live_generation(worker).is_none() => {
@@ -1930,19 +2032,16 @@ impl Core {
                 record.last_renewed_at,
             );
         }
-        let label = self.label_of(&target.worker_id);
+        let worker = self.worker_ref(&target.worker_id);
         Ok(match self.index.get(&target.lease_id) {
-            Some(entry) => entry.project(label),
+            Some(entry) => entry.project(worker),
             None => {
                 // Ended between the answer and now: the worker's record, projected.
                 let mut record = record;
                 record.id = LeaseId::from_raw(target.lease_id.clone());
                 record.requester_id.clone_from(&target.requester_id);
-                record.worker = Some(WorkerRef {
-                    id: target.worker_id.clone(),
-                    label,
-                });
-                record.worker_id = Some(target.worker_id.clone());
+                record.worker_id = Some(worker.id.clone());
+                record.worker = Some(worker);
                 record
             }
         })
@@ -2043,6 +2142,9 @@ impl Core {
         }
         if let Some(worker) = self.workers.remove(worker_id) {
             self.index.forget_worker(worker_id);
+            self.fx.push_back(Effect::Forget {
+                worker_id: worker_id.to_owned(),
+            });
             self.event(Event::WorkerRemoved {
                 worker_id: worker_id.to_owned(),
                 label: worker.view.label,
@@ -2159,6 +2261,9 @@ impl Core {
                 continue;
             };
             self.index.forget_worker(&id);
+            self.fx.push_back(Effect::Forget {
+                worker_id: id.clone(),
+            });
             if worker.view.drained {
                 // Retention keeps the drain flag: the worker comes back drained. What is kept
                 // is not swept again, and says when the worker was last seen.
@@ -2169,7 +2274,7 @@ impl Core {
                     Connection::Disconnected,
                 );
                 view.drained = true;
-                let kept = Worker::new(view, &mut self.revisions, true);
+                let kept = Worker::new(view, &mut self.revisions, true, true);
                 self.workers.insert(id, kept);
                 continue;
             }

@@ -47,8 +47,8 @@ use simlock_contract::push::{Progress, Push};
 use simlock_contract::{ContractError, ErrorCode};
 
 use super::{
-    Admitted, Ask, Caller, Core, Effect, Fault, LeaseTarget, Refresh, RefreshFailure, Settings,
-    Stamp,
+    Admitted, Ask, Caller, Core, Effect, Fault, KnownWorker, LeaseTarget, Refresh, RefreshFailure,
+    Settings, Stamp,
 };
 use crate::error::FleetError;
 
@@ -297,6 +297,8 @@ struct Sim {
     fault: Option<Fault>,
     incarnation: u32,
     drained: BTreeMap<String, i64>,
+    /// What the gateway stored of its workers ([`Effect::Remember`], [`Effect::Forget`]).
+    known: BTreeMap<String, KnownWorker>,
     workers: Vec<SimWorker>,
     agents: Vec<Agent>,
     net: Vec<Msg>,
@@ -441,7 +443,7 @@ impl Sim {
                 keys: 0,
             })
             .collect();
-        let mut core = Core::new(settings.clone(), Vec::new());
+        let mut core = Core::new(settings.clone(), Vec::new(), Vec::new(), 1_000_000);
         if let Some(fault) = fault {
             core.break_with(fault);
         }
@@ -454,6 +456,7 @@ impl Sim {
             fault,
             incarnation: 0,
             drained: BTreeMap::new(),
+            known: BTreeMap::new(),
             workers,
             agents,
             net: Vec::new(),
@@ -665,6 +668,27 @@ impl Sim {
                         }
                     }
                 }
+            }
+            Effect::Remember(worker) => {
+                if worker.connected
+                    && self
+                        .worker_index(&worker.id)
+                        .is_none_or(|w| self.workers[w].uplink.is_none())
+                {
+                    return Err(format!(
+                        "a worker is stored connected only while its uplink is up: {} is not",
+                        worker.id
+                    ));
+                }
+                self.known.insert(worker.id.clone(), worker);
+            }
+            Effect::Forget { worker_id } => {
+                if self.core.view(&worker_id).is_some_and(|v| !v.drained) {
+                    return Err(format!(
+                        "what is stored of a worker goes only with its view: {worker_id} is still listed"
+                    ));
+                }
+                self.known.remove(&worker_id);
             }
             Effect::Event(Event::WorkerRemoved { worker_id, .. }) => {
                 // The gateway forgot the worker and what it knew of its leases: they are known
@@ -921,7 +945,13 @@ impl Sim {
             }
         }
         let drained = self.drained.iter().map(|(k, v)| (k.clone(), *v)).collect();
-        self.core = Core::new(self.settings.clone(), drained);
+        let known = self.known.values().cloned().collect();
+        self.core = Core::new(self.settings.clone(), drained, known, now);
+        if let Some(id) = self.known.keys().find(|id| self.core.view(id).is_none()) {
+            return Err(format!(
+                "a worker the gateway stored is listed after its restart: {id} is not"
+            ));
+        }
         if let Some(fault) = self.fault {
             self.core.break_with(fault);
         }

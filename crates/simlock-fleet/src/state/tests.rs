@@ -4,8 +4,8 @@ use std::collections::BTreeMap;
 
 use simlock_contract::ids::{DeviceId, EventId};
 use simlock_contract::model::{
-    CapabilityStatus, Capacity, DaemonInfo, DeviceSpec, GlobalCapacity, GrantDevice, GrantTiming,
-    Health, HostFacts, Mode, Platform, PlatformCapacity, PlatformCatalog,
+    CapabilityStatus, Capacity, DaemonInfo, DeviceSpec, DeviceState, GlobalCapacity, GrantDevice,
+    GrantTiming, Health, HostFacts, Mode, Platform, PlatformCapacity, PlatformCatalog,
 };
 
 use super::*;
@@ -43,7 +43,29 @@ fn record(id: &str, requester: &str, granted_at: i64) -> LeaseRecord {
     }
 }
 
-pub(super) fn status(leases: Vec<LeaseRecord>, slots: u32) -> StatusOutput {
+/// An iPhone 16 device in `state`, as a worker reports it.
+pub(crate) fn device(id: &str, state: DeviceState) -> Device {
+    Device {
+        id: DeviceId::from_raw(id),
+        spec: DeviceSpec {
+            platform: Platform::Ios,
+            model: "iPhone 16".into(),
+            os_version: "18.2".into(),
+        },
+        state,
+        driver_device_id: "udid".into(),
+        created_at: 1,
+        last_lease_ended_at: None,
+        access: None,
+        quarantine_attempts: None,
+        quarantine_next_retry_at: None,
+        recovery_attempts: None,
+        worker_id: None,
+        worker: None,
+    }
+}
+
+pub(crate) fn status(leases: Vec<LeaseRecord>, slots: u32) -> StatusOutput {
     let running = u32::try_from(leases.len()).unwrap();
     let platform = PlatformCapacity {
         running,
@@ -137,7 +159,7 @@ fn agent() -> Caller<'static> {
 /// A core with worker `w1` connected, subscribed and read in full, with `slots` free slots.
 /// Answers the core and the uplink's generation.
 fn fleet(slots: u32) -> (Core, u64) {
-    let mut core = Core::new(settings(), Vec::new());
+    let mut core = Core::new(settings(), Vec::new(), Vec::new(), T0);
     let generation = core.handle_uplink_opened("w1", Some("one".into()), "tok_j".into(), T0);
     let sent = core.handle_probe_sent();
     core.handle_connected(generation, "v".into(), &status(Vec::new(), slots), sent, T0);
@@ -626,7 +648,7 @@ fn a_lookup_answers_unknown_only_when_the_gateway_can_vouch_for_it() {
             core.lease_target("w9.lse_none", agent()),
             Err(FleetError::WorkerUnreachable { worker_id, message })
                 if worker_id == "w9" && message.starts_with(
-                    "No worker w9 has connected to this gateway since it started: check the lease id"
+                    "No worker w9 is known to this gateway: check the lease id"
                 )
         ),
         "a worker it has no view of: a typo, or one yet to come back after a restart"
@@ -858,7 +880,7 @@ fn a_disconnected_worker_is_forgotten_after_retention_unless_it_holds_a_live_lea
     assert!(core.view("w1").is_none());
     assert!(core.lease("w1.lse_a").is_none());
 
-    let mut core = Core::new(settings(), vec![("w2".into(), T0)]);
+    let mut core = Core::new(settings(), vec![("w2".into(), T0)], Vec::new(), T0);
     let generation = core.handle_uplink_opened("w2", None, "tok_j".into(), T0);
     core.handle_uplink_closed(generation, T0);
     core.handle_tick(T0 + 60_000);
@@ -897,7 +919,7 @@ fn drain_and_removal_follow_their_rules() {
 fn a_refresh_events_ask_for_waits_the_gap_after_the_last_one() {
     let mut settings = settings();
     settings.refresh_gap_ms = 50;
-    let mut core = Core::new(settings, Vec::new());
+    let mut core = Core::new(settings, Vec::new(), Vec::new(), T0);
     let generation = core.handle_uplink_opened("w1", None, "tok_j".into(), T0);
     let sent = core.handle_probe_sent();
     core.handle_connected(generation, "v".into(), &status(Vec::new(), 1), sent, T0);
@@ -1174,7 +1196,7 @@ fn capable_of_agent_device(core: &Core) -> bool {
 fn a_capability_change_asks_for_a_spaced_view_read_long_before_the_periodic_one() {
     let mut settings = settings();
     settings.refresh_gap_ms = 50;
-    let mut core = Core::new(settings, Vec::new());
+    let mut core = Core::new(settings, Vec::new(), Vec::new(), T0);
     let generation = core.handle_uplink_opened("w1", None, "tok_j".into(), T0);
     let sent = core.handle_probe_sent();
     core.handle_connected(generation, "v".into(), &status(Vec::new(), 1), sent, T0);
@@ -1322,6 +1344,13 @@ fn a_drained_worker_forgotten_past_retention_is_not_swept_again() {
     core.take_effects();
     let retention = settings().disconnected_retention_ms;
     core.handle_tick(T0 + retention);
+    assert_eq!(
+        core.take_effects(),
+        [Effect::Forget {
+            worker_id: "w1".into()
+        }],
+        "what is stored of it goes; its drain flag is kept apart"
+    );
     let kept = core
         .view("w1")
         .expect("a drained worker keeps its flag")
@@ -1343,7 +1372,7 @@ fn a_drained_worker_forgotten_past_retention_is_not_swept_again() {
         assert!(core.take_effects().is_empty());
     }
     // A drained worker loaded after a restart is kept the same way.
-    let mut core = Core::new(settings(), vec![("w2".into(), T0)]);
+    let mut core = Core::new(settings(), vec![("w2".into(), T0)], Vec::new(), T0);
     assert_eq!(core.next_deadline(), None);
     core.handle_tick(T0 + 3 * retention);
     assert_eq!(
@@ -1361,7 +1390,7 @@ fn a_kept_drain_flag_undrained_is_forgotten_at_the_next_sweep() {
     core.handle_uplink_closed(generation, T0);
     core.handle_tick(T0 + retention);
     assert!(core.view("w1").is_some_and(|v| v.drained));
-    let mut loaded = Core::new(settings(), vec![("w2".into(), T0)]);
+    let mut loaded = Core::new(settings(), vec![("w2".into(), T0)], Vec::new(), T0);
     for (core, id) in [(&mut core, "w1"), (&mut loaded, "w2")] {
         core.take_effects();
         let now = T0 + 2 * retention;
@@ -1427,5 +1456,194 @@ fn an_admin_may_act_on_a_lease_made_on_a_worker_directly_and_an_agent_may_not() 
     assert_eq!(
         core.handle_release_answered(&target, Ok(()), T0 + 1),
         Ok("lse_d".to_owned())
+    );
+}
+
+/// What the core asked to store or delete of its workers, in order.
+fn stored_changes(effects: &[Effect]) -> Vec<Effect> {
+    effects
+        .iter()
+        .filter(|e| matches!(e, Effect::Remember(_) | Effect::Forget { .. }))
+        .cloned()
+        .collect()
+}
+
+#[test]
+fn a_worker_is_stored_when_its_handshake_passes_and_when_its_uplink_closes() {
+    let mut core = Core::new(settings(), Vec::new(), Vec::new(), T0);
+    let generation = core.handle_uplink_opened("w1", Some("one".into()), "tok_j".into(), T0);
+    let sent = core.handle_probe_sent();
+    core.handle_connected(generation, "v".into(), &status(Vec::new(), 1), sent, T0 + 1);
+    core.handle_uplink_closed(generation, T0 + 50);
+    let known = |seen_at, connected| {
+        Effect::Remember(KnownWorker {
+            id: "w1".into(),
+            label: Some("one".into()),
+            seen_at,
+            connected,
+        })
+    };
+    assert_eq!(
+        stored_changes(&core.take_effects()),
+        [known(T0 + 1, true), known(T0 + 50, false)]
+    );
+}
+
+#[test]
+fn an_uplink_that_closes_before_its_handshake_leaves_no_worker_and_stores_nothing() {
+    let mut core = Core::new(settings(), Vec::new(), Vec::new(), T0);
+    let generation = core.handle_uplink_opened("w9", None, "tok_j".into(), T0);
+    assert!(core.view("w9").is_some(), "listed while its handshake runs");
+    core.handle_uplink_closed(generation, T0 + 10);
+    assert_eq!(core.view("w9"), None, "a silent join is not a worker");
+    let effects = core.take_effects();
+    assert!(stored_changes(&effects).is_empty(), "{effects:?}");
+    assert!(
+        !effects.iter().any(|e| matches!(e, Effect::Event(_))),
+        "no worker event: {effects:?}"
+    );
+    assert_eq!(core.next_deadline(), None, "no retention runs for it");
+}
+
+#[test]
+fn a_worker_known_before_a_restart_is_listed_away_until_its_retention_passes() {
+    let retention = settings().disconnected_retention_ms;
+    let away = KnownWorker {
+        id: "w1".into(),
+        label: Some("one".into()),
+        seen_at: T0 - 1000,
+        connected: false,
+    };
+    // The gateway stopped (or crashed) while w2's uplink was up: seen until the restart.
+    let up = KnownWorker {
+        id: "w2".into(),
+        label: None,
+        seen_at: T0 - 5000,
+        connected: true,
+    };
+    let mut core = Core::new(settings(), Vec::new(), vec![away, up], T0);
+    let listed: Vec<_> = core
+        .views()
+        .into_iter()
+        .map(|v| (v.id, v.label, v.connection, v.last_seen_at, v.leases))
+        .collect();
+    assert_eq!(
+        listed,
+        [
+            (
+                "w1".to_owned(),
+                Some("one".to_owned()),
+                Connection::Disconnected,
+                T0 - 1000,
+                None
+            ),
+            ("w2".to_owned(), None, Connection::Disconnected, T0, None),
+        ]
+    );
+    assert_eq!(core.next_deadline(), Some(T0 - 1000 + retention));
+    assert!(
+        core.worker_ref("w1").is_away(),
+        "its devices and leases say so"
+    );
+
+    // w1's retention passes: it is forgotten, and so is what was stored of it.
+    core.handle_tick(T0 - 1000 + retention);
+    assert_eq!(core.view("w1"), None);
+    let effects = core.take_effects();
+    assert_eq!(
+        stored_changes(&effects),
+        [Effect::Forget {
+            worker_id: "w1".into()
+        }]
+    );
+    assert!(effects.iter().any(|e| matches!(
+        e,
+        Effect::Event(Event::WorkerRemoved { worker_id, reason: WorkerRemovedReason::Retention, .. }) if worker_id == "w1"
+    )));
+
+    // w2 comes back: connected, and stored so again.
+    let generation = core.handle_uplink_opened("w2", Some("two".into()), "tok_j".into(), T0 + 10);
+    let sent = core.handle_probe_sent();
+    core.handle_connected(
+        generation,
+        "v".into(),
+        &status(Vec::new(), 1),
+        sent,
+        T0 + 11,
+    );
+    assert_eq!(
+        core.view("w2").map(|v| v.connection),
+        Some(Connection::Connected)
+    );
+    assert_eq!(
+        stored_changes(&core.take_effects()),
+        [Effect::Remember(KnownWorker {
+            id: "w2".into(),
+            label: Some("two".into()),
+            seen_at: T0 + 11,
+            connected: true,
+        })]
+    );
+}
+
+#[test]
+fn an_operator_removal_deletes_what_was_stored_of_the_worker() {
+    let (mut core, generation) = fleet(1);
+    core.handle_uplink_closed(generation, T0 + 5);
+    core.take_effects();
+    assert_eq!(core.handle_remove("w1", T0 + 6), Ok(true));
+    assert_eq!(
+        stored_changes(&core.take_effects()),
+        [Effect::Forget {
+            worker_id: "w1".into()
+        }]
+    );
+}
+
+#[test]
+fn devices_name_their_worker_and_say_when_it_is_away() {
+    let mut core = Core::new(settings(), Vec::new(), Vec::new(), T0);
+    let generation = core.handle_uplink_opened("w1", Some("one".into()), "tok_j".into(), T0);
+    let sent = core.handle_probe_sent();
+    let mut first = status(Vec::new(), 1);
+    first.devices = Some(vec![device("dev_1", DeviceState::Leased)]);
+    core.handle_connected(generation, "v".into(), &first, sent, T0);
+    let named = |core: &Core| {
+        core.devices()
+            .into_iter()
+            .map(|d| (d.state, d.worker_id, d.worker))
+            .collect::<Vec<_>>()
+    };
+    let worker = |connection| WorkerRef {
+        id: "w1".into(),
+        label: Some("one".into()),
+        connection: Some(connection),
+    };
+    assert_eq!(
+        named(&core),
+        [(
+            DeviceState::Leased,
+            Some("w1".to_owned()),
+            Some(worker(Connection::Connected))
+        )]
+    );
+    core.handle_uplink_closed(generation, T0 + 2);
+    assert_eq!(
+        named(&core),
+        [(
+            DeviceState::Leased,
+            Some("w1".to_owned()),
+            Some(worker(Connection::Disconnected))
+        )],
+        "the device keeps the state last reported, and says its worker is away"
+    );
+    assert_eq!(
+        core.worker_ref("gone"),
+        WorkerRef {
+            id: "gone".into(),
+            label: None,
+            connection: Some(Connection::Disconnected),
+        },
+        "a worker the gateway has no view of is away"
     );
 }

@@ -136,9 +136,7 @@ pub fn renew_in_place(
 #[cfg(test)]
 mod tests {
     use simlock_contract::ids::{DeviceId, LeaseId};
-    use simlock_contract::model::{
-        CapabilityStatus, Capacity, DeviceSpec, DeviceState, Health, Platform,
-    };
+    use simlock_contract::model::{CapabilityStatus, Capacity, DeviceState, Health};
 
     use super::*;
 
@@ -147,25 +145,7 @@ mod tests {
         crate::state::tests::status(leases, 0)
     }
 
-    fn device(id: &str, state: DeviceState) -> Device {
-        Device {
-            id: DeviceId::from_raw(id),
-            spec: DeviceSpec {
-                platform: Platform::Ios,
-                model: "iPhone 16".into(),
-                os_version: "18.2".into(),
-            },
-            state,
-            driver_device_id: "udid".into(),
-            created_at: 1,
-            last_lease_ended_at: None,
-            access: None,
-            quarantine_attempts: None,
-            quarantine_next_retry_at: None,
-            recovery_attempts: None,
-            worker_id: None,
-        }
-    }
+    use crate::state::tests::device;
 
     #[test]
     fn a_read_changes_the_view_when_what_refusals_depend_on_moves_and_only_then() {

@@ -86,6 +86,7 @@ fn ready_device(model: &str, os: &str) -> Device {
         created_at: 0,
         last_lease_ended_at: None,
         worker_id: None,
+        worker: None,
         access: None,
         quarantine_attempts: None,
         quarantine_next_retry_at: None,
