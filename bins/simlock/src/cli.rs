@@ -94,8 +94,13 @@ pub(crate) enum Command {
     },
     /// Devices (operators).
     Devices,
-    /// Leases: yours, or every lease for operators.
-    Leases,
+    /// Leases: yours (on the socket, your user's), or every lease with --all (operators).
+    Leases {
+        /// Every lease the daemon has, whoever made it (operators; on the socket the home's
+        /// admin.token is sent).
+        #[arg(long)]
+        all: bool,
+    },
     /// Tokens for HTTP and for workers joining a gateway (operators).
     #[command(subcommand)]
     Token(TokenCommand),
@@ -270,7 +275,7 @@ impl Command {
     /// Whether the command needs the admin role (on the socket, the admin secret is then sent).
     pub(crate) const fn needs_admin(&self) -> bool {
         match self {
-            Self::Release { all, .. } => *all,
+            Self::Release { all, .. } | Self::Leases { all } => *all,
             Self::Devices
             | Self::Token(_)
             | Self::Events { .. }
@@ -280,7 +285,6 @@ impl Command {
             | Self::Renew { .. }
             | Self::Status
             | Self::Catalog { .. }
-            | Self::Leases
             | Self::Env { .. }
             | Self::Exec { .. }
             | Self::Mcp(_) => false,

@@ -215,7 +215,8 @@ async fn execute(cli: &Cli) -> Result<u8, ContractError> {
         }
         Command::Status => {
             let status = client.status().await?;
-            emit(json, &status, view::status);
+            let scope = lease_scope(&client);
+            emit(json, &status, |s| view::status(s, scope));
             Ok(0)
         }
         Command::Catalog { platform } => {
@@ -231,9 +232,18 @@ async fn execute(cli: &Cli) -> Result<u8, ContractError> {
             });
             Ok(0)
         }
-        Command::Leases => {
+        Command::Leases { all: true } => {
+            let list = client.list(ListKind::Leases).await?;
+            emit(json, &list, |list| match list {
+                ListOutput::Leases(leases) => view::leases(leases, view::LeaseScope::Every),
+                other => serde_json::to_string(other).unwrap_or_default(),
+            });
+            Ok(0)
+        }
+        Command::Leases { all: false } => {
             let list = client.leases().await?;
-            emit(json, &list, |l| view::leases(&l.leases));
+            let scope = lease_scope(&client);
+            emit(json, &list, |l| view::leases(&l.leases, scope));
             Ok(0)
         }
         Command::Token(command) => token(json, &client, command).await,
@@ -254,6 +264,12 @@ async fn execute(cli: &Cli) -> Result<u8, ContractError> {
             "simlock mcp runs before connecting",
         )),
     }
+}
+
+/// Whose leases the session's `lease.list` answers: every one for an admin, the caller's own
+/// for an agent on the socket; over HTTP the CLI does not know the token's role.
+fn lease_scope(client: &Client) -> view::LeaseScope<'_> {
+    view::LeaseScope::of(client.role().zip(client.principal()))
 }
 
 async fn token(json: bool, client: &Client, command: &TokenCommand) -> Result<u8, ContractError> {

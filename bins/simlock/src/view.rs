@@ -4,8 +4,8 @@ use std::fmt::Write as _;
 
 use serde_json::Value;
 use simlock_contract::model::{
-    Device, DeviceAccess, EventEnvelope, LeaseGrant, LeaseRecord, PlatformCapacity, TokenRecord,
-    WorkerView,
+    Connection, Device, DeviceAccess, EventEnvelope, LeaseGrant, LeaseRecord, PlatformCapacity,
+    TokenRecord, WorkerRef, WorkerView,
 };
 use simlock_contract::ops::{CatalogOutput, StatusOutput};
 
@@ -160,10 +160,42 @@ pub(crate) fn shell_quote(value: &str) -> String {
     format!("'{}'", value.replace('\'', "'\\''"))
 }
 
-/// Leases as a table.
-pub(crate) fn leases(leases: &[LeaseRecord]) -> String {
+/// Whose leases a list holds: what its empty answer and its footer say, so that a view of
+/// one's own leases is never read as the daemon having none.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum LeaseScope<'a> {
+    /// Every lease the daemon has (an operator's view).
+    Every,
+    /// The caller's own, by principal (an agent's session on the socket).
+    Own(&'a str),
+    /// What the token may see: over HTTP the CLI does not learn the token's role.
+    Token,
+}
+
+impl<'a> LeaseScope<'a> {
+    /// The scope of `lease.list` for a session in `role` as `principal` (`None`: HTTP).
+    pub(crate) fn of(session: Option<(simlock_contract::Role, &'a str)>) -> Self {
+        match session {
+            Some((simlock_contract::Role::Admin, _)) => Self::Every,
+            Some((simlock_contract::Role::Agent, principal)) => Self::Own(principal),
+            None => Self::Token,
+        }
+    }
+}
+
+/// Where every lease is listed from.
+const EVERY_LEASE: &str = "every lease: simlock leases --all (operators)";
+
+/// Leases as a table, and whose they are when they are not every lease.
+pub(crate) fn leases(leases: &[LeaseRecord], scope: LeaseScope<'_>) -> String {
     if leases.is_empty() {
-        return "no leases".to_owned();
+        return match scope {
+            LeaseScope::Every => "no leases".to_owned(),
+            LeaseScope::Own(principal) => {
+                format!("no leases of yours (principal {principal}); {EVERY_LEASE}")
+            }
+            LeaseScope::Token => format!("no leases this token may see; {EVERY_LEASE}"),
+        };
     }
     let rows: Vec<Vec<String>> = leases
         .iter()
@@ -174,21 +206,32 @@ pub(crate) fn leases(leases: &[LeaseRecord]) -> String {
                 l.requester_id.clone(),
                 l.owner_id.clone(),
                 relative(l.ttl_deadline),
-                or_dash(
-                    l.worker_id
-                        .as_deref()
-                        .or(l.worker.as_ref().map(|w| w.id.as_str())),
-                ),
+                worker(l.worker.as_ref(), l.worker_id.as_deref()),
             ]
         })
         .collect();
-    table(
+    let mut out = table(
         &["LEASE", "DEVICE", "REQUESTER", "OWNER", "EXPIRES", "WORKER"],
         &rows,
-    )
+    );
+    if let LeaseScope::Own(principal) = scope {
+        let _ = write!(out, "\n(yours only, principal {principal}; {EVERY_LEASE})");
+    }
+    out
 }
 
-/// Devices as a table.
+/// A WORKER cell: its label (else its id), and `(disconnected)` when the gateway said its
+/// uplink was down; `-` off a gateway.
+fn worker(worker: Option<&WorkerRef>, id: Option<&str>) -> String {
+    match worker {
+        Some(w) if w.is_away() => format!("{} ({})", w.name(), value_name(&w.connection)),
+        Some(w) => w.name().to_owned(),
+        None => or_dash(id),
+    }
+}
+
+/// Devices as a table. The state of a device whose worker is disconnected is the last one
+/// that worker reported; its WORKER cell says the worker is away.
 pub(crate) fn devices(devices: &[Device]) -> String {
     if devices.is_empty() {
         return "no devices".to_owned();
@@ -202,7 +245,7 @@ pub(crate) fn devices(devices: &[Device]) -> String {
                 d.spec.model.clone(),
                 d.spec.os_version.clone(),
                 value_name(&d.state),
-                or_dash(d.worker_id.as_deref()),
+                worker(d.worker.as_ref(), d.worker_id.as_deref()),
             ]
         })
         .collect();
@@ -268,7 +311,7 @@ fn drivers(list: &[simlock_contract::model::DriverStatus]) -> String {
         .join("; ")
 }
 
-pub(crate) fn status(status: &StatusOutput) -> String {
+pub(crate) fn status(status: &StatusOutput, scope: LeaseScope<'_>) -> String {
     let d = &status.daemon;
     let mut out = format!(
         "daemon    {} {}, version {}, instance {}\nhost      {} {} {}",
@@ -298,13 +341,13 @@ pub(crate) fn status(status: &StatusOutput) -> String {
         let _ = write!(out, "\nserves    {}", serves(capabilities));
     }
     if let Some(workers) = &status.workers {
-        let _ = write!(out, "\nworkers   {}", workers.len());
+        let _ = write!(out, "\nworkers   {}", worker_count(workers));
     }
     if let Some(list) = &status.devices {
         let _ = write!(out, "\n\n{}", devices(list));
     }
     if let Some(list) = &status.leases {
-        let _ = write!(out, "\n\n{}", leases(list));
+        let _ = write!(out, "\n\n{}", leases(list, scope));
     }
     out
 }
@@ -352,7 +395,26 @@ pub(crate) fn tokens(tokens: &[TokenRecord]) -> String {
     table(&["TOKEN", "ROLE", "LABEL", "CREATED"], &rows)
 }
 
-/// Workers as a table.
+/// `3 (2 connected, 1 disconnected)`: how many workers a gateway knows, and how many of them
+/// it can reach.
+fn worker_count(workers: &[WorkerView]) -> String {
+    let connected = workers
+        .iter()
+        .filter(|w| w.connection == Connection::Connected)
+        .count();
+    let mut out = format!("{} ({connected} connected", workers.len());
+    for away in [Connection::Disconnected, Connection::Incompatible] {
+        let n = workers.iter().filter(|w| w.connection == away).count();
+        if n > 0 {
+            let _ = write!(out, ", {n} {}", value_name(&away));
+        }
+    }
+    out.push(')');
+    out
+}
+
+/// Workers as a table. A worker the gateway cannot reach shows since when, and no health: what
+/// it last reported is not how it is now.
 pub(crate) fn workers(workers: &[WorkerView]) -> String {
     if workers.is_empty() {
         return "no workers".to_owned();
@@ -360,12 +422,24 @@ pub(crate) fn workers(workers: &[WorkerView]) -> String {
     let rows: Vec<Vec<String>> = workers
         .iter()
         .map(|w| {
+            let connected = w.connection == Connection::Connected;
             vec![
                 w.id.clone(),
                 or_dash(w.label.as_deref()),
-                value_name(&w.connection),
+                if connected {
+                    value_name(&w.connection)
+                } else {
+                    format!(
+                        "{}, seen {}",
+                        value_name(&w.connection),
+                        relative(w.last_seen_at)
+                    )
+                },
                 if w.drained { "yes" } else { "no" }.to_owned(),
-                w.health.as_ref().map_or_else(|| "-".to_owned(), value_name),
+                w.health
+                    .as_ref()
+                    .filter(|_| connected)
+                    .map_or_else(|| "-".to_owned(), value_name),
                 w.leases
                     .as_ref()
                     .map_or_else(|| "-".to_owned(), |l| l.len().to_string()),
@@ -456,6 +530,83 @@ mod tests {
             },
         ];
         assert_eq!(serves(&both), "agent-device, metal (unavailable)");
+    }
+
+    #[test]
+    fn a_view_of_ones_own_leases_says_whose_it_is() {
+        assert_eq!(leases(&[], LeaseScope::Every), "no leases");
+        assert_eq!(
+            leases(&[], LeaseScope::Own("alice")),
+            "no leases of yours (principal alice); every lease: simlock leases --all (operators)"
+        );
+        assert_eq!(
+            leases(&[], LeaseScope::Token),
+            "no leases this token may see; every lease: simlock leases --all (operators)"
+        );
+        assert_eq!(
+            LeaseScope::of(Some((simlock_contract::Role::Agent, "alice"))),
+            LeaseScope::Own("alice")
+        );
+        assert_eq!(
+            LeaseScope::of(Some((simlock_contract::Role::Admin, "root"))),
+            LeaseScope::Every
+        );
+        assert_eq!(LeaseScope::of(None), LeaseScope::Token);
+    }
+
+    #[test]
+    fn a_worker_cell_names_the_worker_and_says_when_it_is_away() {
+        let named = |label: Option<&str>, connection| WorkerRef {
+            id: "63a0ce42".into(),
+            label: label.map(str::to_owned),
+            connection,
+        };
+        assert_eq!(worker(None, None), "-");
+        assert_eq!(worker(None, Some("63a0ce42")), "63a0ce42");
+        assert_eq!(
+            worker(
+                Some(&named(Some("mini"), Some(Connection::Connected))),
+                None
+            ),
+            "mini"
+        );
+        assert_eq!(worker(Some(&named(None, None)), None), "63a0ce42");
+        assert_eq!(
+            worker(
+                Some(&named(Some("mini"), Some(Connection::Disconnected))),
+                None
+            ),
+            "mini (disconnected)"
+        );
+        assert_eq!(
+            worker(Some(&named(None, Some(Connection::Incompatible))), None),
+            "63a0ce42 (incompatible)"
+        );
+    }
+
+    #[test]
+    fn the_worker_count_says_how_many_the_gateway_can_reach() {
+        let view = |id: &str, connection| {
+            let mut view: WorkerView = serde_json::from_value(serde_json::json!({
+                "id": id, "connection": "connected", "drained": false, "lastSeenAt": 0
+            }))
+            .unwrap();
+            view.connection = connection;
+            view
+        };
+        assert_eq!(worker_count(&[]), "0 (0 connected)");
+        assert_eq!(
+            worker_count(&[
+                view("a", Connection::Connected),
+                view("b", Connection::Disconnected),
+                view("c", Connection::Connected),
+            ]),
+            "3 (2 connected, 1 disconnected)"
+        );
+        let away = view("b", Connection::Disconnected);
+        let table = workers(&[away]);
+        let row = table.lines().nth(1).unwrap();
+        assert!(row.contains("disconnected, seen "), "{table}");
     }
 
     #[test]

@@ -143,25 +143,33 @@ struct Cli {
 }
 
 fn run_cli(home: &Path, args: &[&str], env: &[(&str, &str)]) -> Cli {
+    let json: Vec<&str> = std::iter::once("--json")
+        .chain(args.iter().copied())
+        .collect();
+    cli_result(&cli_output(home, &json, env))
+}
+
+/// Runs the CLI against the daemon whose home is `home` (bounded), with nothing from the
+/// test's environment but `env`.
+fn cli_output(home: &Path, args: &[&str], env: &[(&str, &str)]) -> Output {
     let mut command = Command::new(bin("simlock"));
     command
         .env("SIMLOCK_HOME", home)
         .env_remove("SIMLOCK_URL")
         .env_remove("SIMLOCK_TOKEN")
-        .env_remove("SIMLOCK_AGENT_ID");
-    command.arg("--json").args(args);
+        .env_remove("SIMLOCK_AGENT_ID")
+        .args(args);
     for (k, v) in env {
         command.env(k, v);
     }
-    let output = wait_bounded(
+    wait_bounded(
         command
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
             .unwrap(),
-    );
-    cli_result(&output)
+    )
 }
 
 fn cli_result(output: &Output) -> Cli {
@@ -464,10 +472,18 @@ fn send_signal(pid: u32, signal: &str) {
 /// `simlock --json lease --platform ios --requester <requester> <extra>` holding on `worker`'s
 /// socket, and the id of the lease it printed (read within [`PATIENCE`]).
 fn hold(worker: &Worker, requester: &str, extra: &[&str]) -> (Child, String) {
-    let mut hold = Command::new(bin("simlock"))
+    let mut command = Command::new(bin("simlock"));
+    command
         .env("SIMLOCK_HOME", worker.home.path())
         .env_remove("SIMLOCK_URL")
-        .env_remove("SIMLOCK_TOKEN")
+        .env_remove("SIMLOCK_TOKEN");
+    held(command, requester, extra)
+}
+
+/// Runs `simlock [connection…] --json lease --platform ios --requester <requester> <extra>…`
+/// as `command` sets it up, until its grant is printed: the holding process and the lease id.
+fn held(mut command: Command, requester: &str, extra: &[&str]) -> (Child, String) {
+    let mut hold = command
         .args([
             "--json",
             "lease",
@@ -1912,4 +1928,143 @@ fn a_gateway_stopped_by_sigterm_answers_a_relayed_command_in_flight_naming_the_s
     assert_eq!(data["retriable"], json!(true), "{answer}");
     let exited = wait_exit(&mut fleet.gateway.child);
     assert!(exited.is_some_and(|s| s.success()), "{exited:?}");
+}
+
+/// The CLI's human view (no `--json`) against the daemon whose home is `home`: exit code and
+/// stdout.
+fn run_cli_human(home: &Path, args: &[&str]) -> (i32, String) {
+    let output = cli_output(home, args, &[]);
+    (
+        output.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&output.stdout).into_owned(),
+    )
+}
+
+/// The gateway's one worker as `simlock workers` lists it, once `check` holds for it.
+fn the_worker(gateway_home: &Path, what: &str, check: impl Fn(&Value) -> bool) -> Value {
+    poll(what, || {
+        let listed = run_cli(gateway_home, &["workers"], &[]);
+        match listed.json["workers"].as_array().map(Vec::as_slice) {
+            Some([worker]) if check(worker) => Ok(worker.clone()),
+            _ => Err(format!("{} {}", listed.json, listed.stderr)),
+        }
+    })
+}
+
+/// A worker killed with SIGKILL under a gateway: the gateway's views say it is away (its
+/// devices keep their last state and name their worker as disconnected, the workers table shows
+/// no health and since when), and a gateway killed and started again still lists it, until it
+/// reconnects. The lease views say whose leases they show.
+#[test]
+fn a_gateway_lists_a_killed_worker_as_away_and_still_after_its_own_restart() {
+    if !enabled() {
+        return;
+    }
+    let gateway_home = tempfile::tempdir().unwrap();
+    let gateway = Gateway::start(gateway_home.path(), 0);
+    let join = run_cli(
+        gateway_home.path(),
+        &["token", "create", "--role", "worker"],
+        &[],
+    );
+    let join = join.json["secret"].as_str().unwrap().to_owned();
+    let config = format!(
+        "{}\n[gateway]\nurl = \"ws://{}\"\ntoken = \"{join}\"\nlabel = \"lab-mini\"\n",
+        fixed(1),
+        gateway.http,
+    );
+    let worker = Worker::start(&config, false);
+    let connected = |w: &Value| w["connection"] == "connected" && w["catalogReadAt"].is_i64();
+    let id = the_worker(gateway_home.path(), "the worker to join", connected)["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let devices = |home: &Path| {
+        run_cli(home, &["devices"], &[]).json["devices"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default()
+    };
+    // An agent leases a device through the gateway and holds it.
+    let agent = run_cli(
+        gateway_home.path(),
+        &["token", "create", "--role", "agent"],
+        &[],
+    );
+    let agent = agent.json["secret"].as_str().unwrap().to_owned();
+    let mut command = Command::new(bin("simlock"));
+    command
+        .env_remove("SIMLOCK_HOME")
+        .args(["--url", &format!("http://{}", gateway.http)])
+        .args(["--token", &agent]);
+    let (mut holder, lease) = held(command, "r1", &[]);
+    let listed = poll("the leased device", || {
+        match devices(gateway_home.path()).as_slice() {
+            [device] if device["state"] == "leased" => Ok(device.clone()),
+            list => Err(format!("{list:?}")),
+        }
+    });
+    assert_eq!(
+        listed["worker"],
+        json!({"id": id, "label": "lab-mini", "connection": "connected"})
+    );
+
+    let home = worker.kill9();
+    let away = the_worker(gateway_home.path(), "the worker to be seen away", |w| {
+        w["connection"] == "disconnected"
+    });
+    assert_eq!(away["label"], "lab-mini");
+    let listed = devices(gateway_home.path());
+    assert_eq!(listed.len(), 1, "its device stays listed: {listed:?}");
+    assert_eq!(listed[0]["state"], "leased", "as last reported");
+    assert_eq!(listed[0]["workerId"], id.as_str());
+    assert_eq!(listed[0]["worker"]["connection"], "disconnected");
+    let (code, table) = run_cli_human(gateway_home.path(), &["workers"]);
+    assert_eq!(code, 0);
+    let row = table
+        .lines()
+        .find(|l| l.starts_with(&id))
+        .unwrap_or_else(|| panic!("{table}"));
+    assert!(row.contains("disconnected, seen"), "{table}");
+    assert!(
+        !row.contains("running"),
+        "no health for a worker away: {table}"
+    );
+    let (_, table) = run_cli_human(gateway_home.path(), &["devices"]);
+    assert!(table.contains("lab-mini (disconnected)"), "{table}");
+    let (_, status) = run_cli_human(gateway_home.path(), &["status"]);
+    assert!(
+        status.contains("workers   1 (0 connected, 1 disconnected)"),
+        "{status}"
+    );
+    // The socket without a token is an agent's view, and says so.
+    assert!(
+        status.contains("no leases of yours") && status.contains("simlock leases --all"),
+        "{status}"
+    );
+    let (code, every) = run_cli_human(gateway_home.path(), &["leases", "--all"]);
+    assert_eq!(code, 0);
+    let row = every
+        .lines()
+        .find(|l| l.starts_with(&lease))
+        .unwrap_or_else(|| panic!("the agent's lease, for an operator: {every}"));
+    assert!(row.ends_with("lab-mini (disconnected)"), "{every}");
+
+    // The gateway dies and starts again: the worker it knew is listed, away.
+    let port = gateway.port();
+    drop(gateway); // SIGKILL
+    let gateway = Gateway::start(gateway_home.path(), port);
+    let remembered = run_cli(gateway_home.path(), &["workers"], &[]);
+    let remembered = remembered.json["workers"].as_array().cloned().unwrap();
+    assert_eq!(remembered.len(), 1, "{remembered:?}");
+    assert_eq!(remembered[0]["id"], id.as_str());
+    assert_eq!(remembered[0]["label"], "lab-mini");
+    assert_eq!(remembered[0]["connection"], "disconnected");
+
+    // The worker comes back to the restarted gateway: one worker, connected.
+    let _worker = Worker::start_in(home, false);
+    the_worker(gateway_home.path(), "the worker to come back", connected);
+    let _ = holder.kill();
+    let _ = holder.wait();
+    drop(gateway);
 }
