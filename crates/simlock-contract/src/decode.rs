@@ -40,13 +40,38 @@ pub fn decode_input<T: Input>(payload: Option<Value>) -> Result<T, ContractError
 pub(crate) fn parse<T: DeserializeOwned>(value: Value) -> Result<T, ContractError> {
     serde_path_to_error::deserialize(value).map_err(|e| {
         let path = e.path().to_string();
-        let inner = e.into_inner();
+        let inner = in_json_terms(&e.into_inner().to_string());
         if path == "." {
-            ContractError::bad_request(inner.to_string())
+            ContractError::bad_request(inner)
         } else {
             ContractError::bad_request(format!("{path}: {inner}"))
         }
     })
+}
+
+/// serde says which Rust type it expected (`expected u64`); a caller writes JSON, so the
+/// message says it in JSON's terms (`expected a whole number, 0 or more`).
+fn in_json_terms(message: &str) -> String {
+    const TERMS: &[(&str, &str)] = &[
+        ("u64", "a whole number, 0 or more"),
+        ("u32", "a whole number, 0 or more"),
+        ("u16", "a whole number, 0 or more"),
+        ("u8", "a whole number, 0 or more"),
+        ("usize", "a whole number, 0 or more"),
+        ("i64", "a whole number"),
+        ("i32", "a whole number"),
+        ("f64", "a number"),
+    ];
+    let mut out = message.to_owned();
+    for (rust, json) in TERMS {
+        let said = format!("expected {rust}");
+        if let Some(at) = out.find(&said)
+            && !out[at + said.len()..].starts_with(|c: char| c.is_ascii_alphanumeric())
+        {
+            out.replace_range(at..at + said.len(), &format!("expected {json}"));
+        }
+    }
+    out
 }
 
 /// Applies `input`'s bounds and its rules across fields; `name` turns a field's wire path into
@@ -194,6 +219,40 @@ mod tests {
             serde_json::from_slice::<Value>(text).unwrap()
         );
         assert!(json_value(b"{").is_err());
+    }
+
+    #[test]
+    fn a_value_of_the_wrong_kind_is_named_in_json_terms() {
+        #[derive(Debug, serde::Deserialize)]
+        #[serde(rename_all = "camelCase")]
+        #[allow(dead_code, reason = "only its decoding is tested")]
+        struct Input {
+            ttl_ms: Option<u64>,
+            offset: Option<i64>,
+            ratio: Option<f64>,
+        }
+        let message = |value: Value| parse::<Input>(value).unwrap_err().message;
+        assert_eq!(
+            message(serde_json::json!({"ttlMs": -5})),
+            "ttlMs: invalid value: integer `-5`, expected a whole number, 0 or more"
+        );
+        assert_eq!(
+            message(serde_json::json!({"ttlMs": "x"})),
+            "ttlMs: invalid type: string \"x\", expected a whole number, 0 or more"
+        );
+        assert_eq!(
+            message(serde_json::json!({"offset": 1.5})),
+            "offset: invalid type: floating point `1.5`, expected a whole number"
+        );
+        assert_eq!(
+            message(serde_json::json!({"ratio": "x"})),
+            "ratio: invalid type: string \"x\", expected a number"
+        );
+        assert_eq!(
+            in_json_terms("expected u640"),
+            "expected u640",
+            "a whole word only"
+        );
     }
 
     #[test]
