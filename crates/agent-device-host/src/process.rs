@@ -1,11 +1,15 @@
 //! The agent-device daemon as a process: start it (HTTP mode, state under simlock's home), read
 //! its port from its stdout line and its token from `daemon.json`, and stop it by pid.
 //!
-//! The daemon does not stop with its parent (it outlives a `kill -9` of the worker), so every
-//! process the host starts is written to `simlock-host.json` in the state directory with its
-//! start time (which tells a live process from a reused pid) before anything else happens; the
-//! next start stops whatever that file names. A daemon is started as the leader of a process
-//! group of its own and stopped as a group: SIGTERM, then SIGKILL after a grace.
+//! The daemon does not stop with its parent, so it is started under a watch ([`WATCH`], a few
+//! lines of `sh`) that holds the read end of a pipe whose write end only the worker holds: when
+//! the worker goes, however it goes (`kill -9` included), the pipe closes and the watch sends
+//! the daemon SIGTERM; when the daemon exits, so does the watch, with its status. Every process
+//! the host starts is also written to `simlock-host.json` in the state directory with its start
+//! time (which tells a live process from a reused pid) before anything else happens, and the
+//! next start stops whatever that file names (a daemon that ignored the watch's SIGTERM). The
+//! watch leads a process group of its own, the daemon in it, and the host stops the group:
+//! SIGTERM, then SIGKILL after a grace.
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
@@ -21,6 +25,23 @@ use tracing::{debug, info, warn};
 pub const PORT_LINE: &str = "AGENT_DEVICE_DAEMON_HTTP_PORT=";
 /// The file simlock keeps the daemon's processes in.
 pub const PID_FILE: &str = "simlock-host.json";
+
+/// The watch the daemon runs under (`sh -c WATCH agent-device-watch <command>…`): it starts the
+/// command with its stdin closed, then waits for either end. The host's pipe on the watch's
+/// stdin (fd 3 here, since an asynchronous list's stdin is `/dev/null`) reads end-of-file only
+/// once every holder of its write end is gone: the worker, stopped or killed; the watch then
+/// sends the daemon SIGTERM. When the daemon exits first, the watch stops its reader and exits
+/// with the daemon's status.
+pub const WATCH: &str = r#"exec 3<&0
+"$@" <&- 3<&- &
+daemon=$!
+{ read -r _ <&3; kill -TERM "$daemon"; } 2>/dev/null &
+reader=$!
+exec 3<&-
+wait "$daemon"
+status=$?
+kill "$reader" 2>/dev/null
+exit "$status""#;
 
 /// How to start a daemon.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -45,8 +66,11 @@ pub struct Endpoint {
 /// A daemon this host started.
 #[derive(Debug)]
 pub struct Daemon {
-    /// The process the host spawned.
+    /// The process the host spawned: the daemon's [`WATCH`].
     pub child: Child,
+    /// The write end of the watch's pipe, held while the daemon should run: dropped (or the
+    /// worker gone), the watch stops the daemon.
+    pub lifeline: Option<tokio::process::ChildStdin>,
     /// Where it answers.
     pub endpoint: Endpoint,
     /// Its processes as recorded in the pid file.
@@ -137,8 +161,18 @@ pub async fn spawn(
             source: std::io::Error::new(std::io::ErrorKind::InvalidInput, "empty command"),
         });
     };
-    let mut command = Command::new(program);
+    // The watch would start a missing program as happily as any: it is found here first, so
+    // that the error names it as a failed start would.
+    let found = which::which(program).map_err(|e| ProcessError::Spawn {
+        program: program.clone(),
+        source: std::io::Error::new(std::io::ErrorKind::NotFound, e),
+    })?;
+    let mut command = Command::new("/bin/sh");
     command
+        .arg("-c")
+        .arg(WATCH)
+        .arg("agent-device-watch")
+        .arg(found)
         .args(args)
         .env("AGENT_DEVICE_STATE_DIR", state)
         .env("AGENT_DEVICE_DAEMON_SERVER_MODE", "http")
@@ -149,7 +183,7 @@ pub async fn spawn(
         .env("AGENT_DEVICE_CLAIMS_DIR", state.join("device-claims"))
         .env("TMPDIR", &tmp)
         .envs(spec.env.iter().map(|(k, v)| (k, v)))
-        .stdin(Stdio::null())
+        .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .process_group(0)
@@ -158,6 +192,7 @@ pub async fn spawn(
         program: program.clone(),
         source,
     })?;
+    let lifeline = child.stdin.take();
     let mut recorded = Vec::new();
     if let Some(pid) = child.id().and_then(|p| i32::try_from(p).ok()) {
         if let Some(start) = start_time(pid) {
@@ -199,6 +234,7 @@ pub async fn spawn(
     info!(port, pids = ?recorded.iter().map(|r| r.pid).collect::<Vec<_>>(), "agent-device daemon serving");
     Ok(Daemon {
         child,
+        lifeline,
         endpoint: Endpoint {
             port,
             token: meta.token,
@@ -239,10 +275,28 @@ async fn read_port(child: &mut Child) -> Result<u16, ProcessError> {
                     .wait()
                     .await
                     .map_or_else(|e| e.to_string(), |s| s.to_string());
-                return Err(ProcessError::Exited(status));
+                return Err(ProcessError::Exited(match last_words(child).await {
+                    Some(said) => format!("{status}: {said}"),
+                    None => status,
+                }));
             }
         }
     }
+}
+
+/// The last line a process that exited wrote on its stderr (`sh: 1: node: not found`), read
+/// for at most a second and 64 KiB: what says why it exited.
+async fn last_words(child: &mut Child) -> Option<String> {
+    use tokio::io::AsyncReadExt as _;
+    let stderr = child.stderr.take()?;
+    let mut said = Vec::new();
+    let mut bounded = stderr.take(64 * 1024);
+    let _ = tokio::time::timeout(Duration::from_secs(1), bounded.read_to_end(&mut said)).await;
+    String::from_utf8_lossy(&said)
+        .lines()
+        .map(str::trim)
+        .rfind(|line| !line.is_empty())
+        .map(str::to_owned)
 }
 
 async fn read_daemon_json(state: &Path, child: &mut Child) -> Result<DaemonJson, ProcessError> {
@@ -523,7 +577,11 @@ mod tests {
     async fn a_program_that_exits_before_its_port_line_is_an_error_naming_it() {
         let dir = tempfile::tempdir().unwrap();
         let spec = DaemonSpec {
-            command: vec!["sh".into(), "-c".into(), "echo hello; exit 3".into()],
+            command: vec![
+                "sh".into(),
+                "-c".into(),
+                "echo hello; echo 'first' >&2; echo 'cannot read its config' >&2; exit 3".into(),
+            ],
             state_dir: dir.path().join("state"),
             env: Vec::new(),
         };
@@ -531,8 +589,8 @@ mod tests {
             .await
             .unwrap_err();
         assert!(
-            matches!(err, ProcessError::Exited(ref s) if s.contains('3')),
-            "{err}"
+            matches!(err, ProcessError::Exited(ref s) if s == "exit status: 3: cannot read its config"),
+            "its status and its last words: {err}"
         );
         let missing = DaemonSpec {
             command: vec!["/nonexistent/agent-device".into()],
@@ -571,6 +629,64 @@ mod tests {
         assert!(
             !temp_dir(&spec.state_dir).exists(),
             "its temporary files go with it"
+        );
+    }
+
+    /// A daemon of `sh` that reports port 4321 and its pid, then runs `rest`.
+    fn scripted(dir: &Path, rest: &str) -> DaemonSpec {
+        let script = format!(
+            r#"printf '{{"httpPort":4321,"token":"t0k","pid":%s}}' $$ > "$AGENT_DEVICE_STATE_DIR/daemon.json"; echo AGENT_DEVICE_DAEMON_HTTP_PORT=4321; {rest}"#
+        );
+        DaemonSpec {
+            command: vec!["sh".into(), "-c".into(), script],
+            state_dir: dir.join("state"),
+            env: Vec::new(),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_daemon_stops_once_its_worker_is_gone_and_its_watch_ends_with_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let spec = scripted(dir.path(), "exec sleep 600");
+        let mut daemon = spawn(&spec, Duration::from_secs(30), Duration::from_secs(1))
+            .await
+            .unwrap();
+        let [watch, itself] = daemon.recorded[..] else {
+            panic!(
+                "the watch and the daemon are recorded: {:?}",
+                daemon.recorded
+            );
+        };
+        assert!(is_alive(&watch) && is_alive(&itself));
+        // The worker goes (here: drops its end of the pipe, as a kill -9 would close it).
+        drop(daemon.lifeline.take());
+        tokio::time::timeout(Duration::from_secs(30), wait_exit(&itself))
+            .await
+            .expect("the daemon stops when its worker is gone");
+        let status = tokio::time::timeout(Duration::from_secs(30), daemon.child.wait())
+            .await
+            .expect("the watch ends with the daemon")
+            .unwrap();
+        assert!(!status.success(), "the daemon's SIGTERM shows: {status}");
+    }
+
+    #[tokio::test]
+    async fn the_watch_exits_with_the_daemons_status_and_the_daemon_reads_no_pipe() {
+        let dir = tempfile::tempdir().unwrap();
+        // The daemon's stdin is closed: `read` fails at once, and it exits 7.
+        let spec = scripted(dir.path(), "read -r line; exit 7");
+        let mut daemon = spawn(&spec, Duration::from_secs(30), Duration::from_secs(1))
+            .await
+            .unwrap();
+        let status = tokio::time::timeout(Duration::from_secs(30), daemon.child.wait())
+            .await
+            .expect("the watch ends with the daemon")
+            .unwrap();
+        assert_eq!(status.code(), Some(7));
+        assert!(
+            daemon.recorded.iter().all(|r| !is_alive(r)),
+            "nothing of it runs on: {:?}",
+            daemon.recorded
         );
     }
 
