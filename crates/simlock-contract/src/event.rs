@@ -231,6 +231,10 @@ pub enum Event {
         lease_id: String,
         /// Its new deadline, ms since the epoch.
         new_deadline: i64,
+        /// Its width after the renewal (a renewal may set a new one); absent from workers
+        /// before this field.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        ttl_ms: Option<u64>,
     },
     /// A lease ended before its deadline (released, killed, its device lost).
     #[serde(rename = "lease.released")]
@@ -556,12 +560,13 @@ mod tests {
         let event = Event::LeaseRenewed {
             lease_id: "lse_1".into(),
             new_deadline: 42,
+            ttl_ms: Some(40),
         };
         assert_eq!(
             event.parts(),
             (
                 "lease.renewed".to_owned(),
-                json!({"leaseId": "lse_1", "newDeadline": 42})
+                json!({"leaseId": "lse_1", "newDeadline": 42, "ttlMs": 40})
             )
         );
         let rejected = Event::LeaseRejected {

@@ -1662,6 +1662,7 @@ impl State {
             Event::LeaseRenewed {
                 lease_id: lease_id.to_owned(),
                 new_deadline: lease.ttl_deadline,
+                ttl_ms: Some(lease.ttl_ms),
             },
         );
         Ok(lease)

@@ -72,6 +72,30 @@ impl Entry {
     }
 }
 
+/// A renewal as the gateway heard it: in a `lease.renewed` event or a renew's answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Renewal {
+    /// The new deadline, ms since the epoch.
+    pub deadline: i64,
+    /// The lease's width after it, when told (a renewal may set a new one).
+    pub ttl_ms: Option<u64>,
+    /// When it happened, ms since the epoch.
+    pub at: i64,
+}
+
+impl Renewal {
+    /// `record` takes the renewal unless it already holds a newer one.
+    pub fn apply(self, record: &mut LeaseRecord) {
+        if self.at >= record.last_renewed_at {
+            record.ttl_deadline = self.deadline;
+            record.last_renewed_at = self.at;
+            if let Some(width) = self.ttl_ms {
+                record.ttl_ms = width;
+            }
+        }
+    }
+}
+
 /// A worker lease's end, as the gateway heard it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct EndedLease {
@@ -444,16 +468,14 @@ impl LeaseIndex {
         ended
     }
 
-    /// A renewal the worker answered or announced: the entry takes the newer deadline.
-    pub fn renewed(&mut self, worker_id: &str, worker_lease_id: &str, deadline: i64, at: i64) {
+    /// A renewal the worker announced: the entry takes it if it is newer.
+    pub fn renewed(&mut self, worker_id: &str, worker_lease_id: &str, renewal: Renewal) {
         if let Some(entry) = self
             .by_worker_lease
             .get(&key(worker_id, worker_lease_id))
             .and_then(|id| self.entries.get_mut(id))
-            && at >= entry.record.last_renewed_at
         {
-            entry.record.ttl_deadline = deadline;
-            entry.record.last_renewed_at = at;
+            renewal.apply(&mut entry.record);
         }
     }
 

@@ -42,7 +42,7 @@ use tracing::{debug, info, warn};
 
 use crate::error::FleetError;
 pub use index::Stamp;
-use index::{EndedLease, Entry, LeaseIndex, Recorded, gateway_lease_id, worker_of};
+use index::{EndedLease, Entry, LeaseIndex, Recorded, Renewal, gateway_lease_id, worker_of};
 use queue::{Attempt, Booked, Queue, Stage, Waiter};
 use routing::{Assessment, Match, Pick, Wanted, assess, select};
 pub use views::Refresh;
@@ -1193,13 +1193,19 @@ impl Core {
             Some(Event::LeaseRenewed {
                 lease_id,
                 new_deadline,
+                ttl_ms,
             }) => {
                 // The most frequent event of all: updated in place, without a refresh.
-                self.index
-                    .renewed(&worker_id, &lease_id, new_deadline, envelope.timestamp);
-                let in_view = self.workers.get_mut(&worker_id).is_some_and(|w| {
-                    renew_in_place(&mut w.view, &lease_id, new_deadline, envelope.timestamp)
-                });
+                let renewal = Renewal {
+                    deadline: new_deadline,
+                    ttl_ms,
+                    at: envelope.timestamp,
+                };
+                self.index.renewed(&worker_id, &lease_id, renewal);
+                let in_view = self
+                    .workers
+                    .get_mut(&worker_id)
+                    .is_some_and(|w| renew_in_place(&mut w.view, &lease_id, renewal));
                 if !in_view {
                     self.ask_refresh(&worker_id, false, now);
                 }
@@ -2025,12 +2031,12 @@ impl Core {
         let record = outcome.map_err(|err| self.lease_error(target, err, now))?;
         self.index.renewal_answered(&target.lease_id, &record);
         if let Some(worker) = self.workers.get_mut(&target.worker_id) {
-            renew_in_place(
-                &mut worker.view,
-                &target.worker_lease_id,
-                record.ttl_deadline,
-                record.last_renewed_at,
-            );
+            let renewal = Renewal {
+                deadline: record.ttl_deadline,
+                ttl_ms: Some(record.ttl_ms),
+                at: record.last_renewed_at,
+            };
+            renew_in_place(&mut worker.view, &target.worker_lease_id, renewal);
         }
         let worker = self.worker_ref(&target.worker_id);
         Ok(match self.index.get(&target.lease_id) {

@@ -1213,6 +1213,7 @@ impl Sim {
                     let event = Event::LeaseRenewed {
                         lease_id: lease.id.to_string(),
                         new_deadline: lease.ttl_deadline,
+                        ttl_ms: Some(lease.ttl_ms),
                     };
                     self.emit(w, &event);
                 }

@@ -746,21 +746,40 @@ fn a_renew_event_updates_the_view_in_place_without_a_refresh() {
     );
     let sent = refresh_sent(&core.take_effects()).unwrap();
     let held = record("lse_a", "gw:g1:agent", T0);
-    core.handle_refreshed(generation, sent, refresh(vec![held], 1), T0);
+    // A lease made on the worker directly, which the gateway lists from the view alone.
+    let direct = record("lse_d", "local", T0);
+    core.handle_refreshed(generation, sent, refresh(vec![held, direct], 1), T0);
     core.take_effects();
     let asked = core.refreshes_asked(generation);
-    let mut renewed = event(
-        "lease.renewed",
-        serde_json::json!({"leaseId": "lse_a", "newDeadline": T0 + 9000}),
-    );
-    renewed.timestamp = T0 + 10;
-    core.handle_worker_event(generation, renewed, T0 + 10);
+    for lease in ["lse_a", "lse_d"] {
+        // Renewed with a new width (`renew --ttl`): the event says both.
+        let mut renewed = event(
+            "lease.renewed",
+            serde_json::json!({"leaseId": lease, "newDeadline": T0 + 9000, "ttlMs": 8990}),
+        );
+        renewed.timestamp = T0 + 10;
+        core.handle_worker_event(generation, renewed, T0 + 10);
+    }
     assert_eq!(core.refreshes_asked(generation), asked);
     let view = core.view("w1").unwrap();
-    assert_eq!(view.leases.as_ref().unwrap()[0].ttl_deadline, T0 + 9000);
+    for lease in view.leases.as_ref().unwrap() {
+        assert_eq!(
+            (lease.ttl_deadline, lease.ttl_ms),
+            (T0 + 9000, 8990),
+            "{lease:?}"
+        );
+    }
+    let indexed = &core.lease(&lease_id).unwrap().record;
+    assert_eq!((indexed.ttl_deadline, indexed.ttl_ms), (T0 + 9000, 8990));
+    let listed: Vec<(String, u64)> = core
+        .leases(Viewer::ADMIN)
+        .into_iter()
+        .map(|l| (l.id.to_string(), l.ttl_ms))
+        .collect();
     assert_eq!(
-        core.lease(&lease_id).unwrap().record.ttl_deadline,
-        T0 + 9000
+        listed,
+        [("w1.lse_a".to_owned(), 8990), ("lse_d".to_owned(), 8990)],
+        "both lists show the new width"
     );
     let relayed = core.take_effects();
     assert!(

@@ -6,7 +6,7 @@ use simlock_contract::model::{
 };
 use simlock_contract::ops::StatusOutput;
 
-use super::index::keep_newer_renewal;
+use super::index::{Renewal, keep_newer_renewal};
 
 /// What one refresh read from a worker.
 #[derive(Debug, Clone, PartialEq)]
@@ -107,28 +107,21 @@ pub fn keep_newer_renewals(held: &[LeaseRecord], snapshot: &mut [LeaseRecord]) {
             keep_newer_renewal(&mut kept, lease);
             lease.ttl_deadline = kept.ttl_deadline;
             lease.last_renewed_at = kept.last_renewed_at;
+            lease.ttl_ms = kept.ttl_ms;
         }
     }
 }
 
-/// The record of `worker_lease_id` in `view` takes a renewal in place (ADR 0015). Answers
-/// whether the view held that lease.
-pub fn renew_in_place(
-    view: &mut WorkerView,
-    worker_lease_id: &str,
-    deadline: i64,
-    at: i64,
-) -> bool {
+/// The record of `worker_lease_id` in `view` takes a renewal in place (ADR 0015), its width
+/// too when the renewal tells it. Answers whether the view held that lease.
+pub fn renew_in_place(view: &mut WorkerView, worker_lease_id: &str, renewal: Renewal) -> bool {
     let record = view
         .leases
         .iter_mut()
         .flatten()
         .find(|lease| lease.id.as_str() == worker_lease_id);
     record.is_some_and(|record| {
-        if at >= record.last_renewed_at {
-            record.ttl_deadline = deadline;
-            record.last_renewed_at = at;
-        }
+        renewal.apply(record);
         true
     })
 }
@@ -270,13 +263,26 @@ mod tests {
     fn a_renew_lands_in_place_only_on_a_listed_lease_and_never_moves_back() {
         let mut view = blank_view("w1", None, 0, Connection::Connected);
         view.leases = Some(vec![lease("lse_a", 100, 1100)]);
-        assert!(renew_in_place(&mut view, "lse_a", 2000, 150));
+        let renewal = |deadline, ttl_ms, at| Renewal {
+            deadline,
+            ttl_ms: Some(ttl_ms),
+            at,
+        };
+        assert!(renew_in_place(&mut view, "lse_a", renewal(2000, 1850, 150)));
         assert!(
-            renew_in_place(&mut view, "lse_a", 1500, 120),
+            renew_in_place(&mut view, "lse_a", renewal(1500, 5, 120)),
             "an older renew is no news"
         );
         let held = &view.leases.as_ref().unwrap()[0];
-        assert_eq!((held.ttl_deadline, held.last_renewed_at), (2000, 150));
-        assert!(!renew_in_place(&mut view, "lse_other", 2000, 150));
+        assert_eq!(
+            (held.ttl_deadline, held.last_renewed_at, held.ttl_ms),
+            (2000, 150, 1850),
+            "the deadline and the width a renewal set"
+        );
+        assert!(!renew_in_place(
+            &mut view,
+            "lse_other",
+            renewal(2000, 1, 150)
+        ));
     }
 }

@@ -252,14 +252,30 @@ fn an_orphan_is_never_indexed_until_its_worker_answered_its_release() {
 fn a_renewal_moves_the_deadline_forward_only() {
     let mut index = index();
     index.record_grant(grant(&index, "w1", "lse_a", 1));
-    index.renewed("w1", "lse_a", 2000, 50);
-    index.renewed("w1", "lse_a", 1500, 40);
+    let renewal = |deadline, ttl_ms, at| Renewal {
+        deadline,
+        ttl_ms,
+        at,
+    };
+    index.renewed("w1", "lse_a", renewal(2000, Some(1950), 50));
+    index.renewed("w1", "lse_a", renewal(1500, Some(10), 40));
     let record = &index.get("w1.lse_a").unwrap().record;
-    assert_eq!((record.ttl_deadline, record.last_renewed_at), (2000, 50));
+    assert_eq!(
+        (record.ttl_deadline, record.last_renewed_at, record.ttl_ms),
+        (2000, 50, 1950),
+        "the newer renewal, its width with it"
+    );
     // A snapshot read before the renewal keeps it.
     index.apply_snapshot("w1", &[mine("lse_a")], 2);
     let record = &index.get("w1.lse_a").unwrap().record;
     assert_eq!(record.ttl_deadline, 2000);
+    index.renewed("w1", "lse_a", renewal(2100, None, 60));
+    let record = &index.get("w1.lse_a").unwrap().record;
+    assert_eq!(
+        (record.ttl_deadline, record.ttl_ms),
+        (2100, 1950),
+        "a renewal that tells no width (an older worker's) keeps the one held"
+    );
 }
 
 #[test]
