@@ -59,6 +59,19 @@ pub enum StartError {
     /// The HTTP listener's certificate or key (`http.tls.*`), or the uplink's CA file.
     #[error(transparent)]
     Tls(#[from] simlock_tls::TlsError),
+    /// The home is another kind of daemon's: a worker's state is no gateway's, nor the other
+    /// way round, and their instance ids would be one.
+    #[error(
+        "home {path} belongs to a {owner} (its state.db holds a {owner}'s state); a {mode} needs a home of its own: pass --home with another directory"
+    )]
+    HomeOfAnother {
+        /// The directory.
+        path: PathBuf,
+        /// Whose it is.
+        owner: String,
+        /// The daemon that tried to start there.
+        mode: &'static str,
+    },
     /// The domain refused to start.
     #[error("{0}")]
     Domain(String),
@@ -124,8 +137,12 @@ impl std::fmt::Debug for Base {
     }
 }
 
+/// The `meta` key that says which kind of daemon a home is (`worker` or `gateway`).
+const HOME_MODE: &str = "mode";
+
 impl Base {
-    /// Opens the home and the store of a daemon of `mode`.
+    /// Opens the home and the store of a daemon of `mode`; a home another kind of daemon has
+    /// used is refused.
     ///
     /// # Errors
     /// [`StartError`].
@@ -141,6 +158,18 @@ impl Base {
             source,
         })?;
         let db = Database::open(&home.database())?;
+        // A home is one daemon's: the first to start on it says which kind, for good.
+        match db.meta(HOME_MODE)? {
+            Some(owner) if owner != mode.as_str() => {
+                return Err(StartError::HomeOfAnother {
+                    path: home.root().to_owned(),
+                    owner,
+                    mode: mode.as_str(),
+                });
+            }
+            Some(_) => {}
+            None => db.set_meta(HOME_MODE, mode.as_str())?,
+        }
         let clock = clock.unwrap_or_else(|| TokioClock::system().shared());
         let instance_id = db.instance_id(uuid_like)?;
         let bus = EventBus::new(

@@ -52,3 +52,54 @@ async fn a_second_start_on_a_served_home_keeps_the_first_daemons_socket_and_admi
     running.stop("test").await;
     assert!(!home.socket().exists() && !home.admin_token().exists());
 }
+
+#[tokio::test]
+async fn a_home_is_one_kind_of_daemons_and_the_other_kind_is_refused_there() {
+    let dir = tempfile::tempdir().unwrap();
+    let home = Home::at(dir.path().join("home"));
+    let open = |mode| {
+        Base::open(
+            home.clone(),
+            DaemonConfig::default(),
+            mode,
+            "test".into(),
+            None,
+        )
+    };
+    let worker = open(Mode::Worker).unwrap();
+    let id = worker.instance_id.clone();
+    drop(worker);
+    let Err(err) = open(Mode::Gateway) else {
+        panic!("a gateway started on a worker's home");
+    };
+    assert!(matches!(err, StartError::HomeOfAnother { .. }), "{err}");
+    assert_eq!(
+        err.to_string(),
+        format!(
+            "home {} belongs to a worker (its state.db holds a worker's state); a gateway needs a home of its own: pass --home with another directory",
+            home.root().display()
+        )
+    );
+    // The worker starts there again, as itself.
+    assert_eq!(open(Mode::Worker).unwrap().instance_id, id);
+    // And the other way round.
+    let other = Home::at(dir.path().join("gateway"));
+    Base::open(
+        other.clone(),
+        DaemonConfig::default(),
+        Mode::Gateway,
+        "t".into(),
+        None,
+    )
+    .unwrap();
+    let Err(err) = Base::open(
+        other,
+        DaemonConfig::default(),
+        Mode::Worker,
+        "t".into(),
+        None,
+    ) else {
+        panic!("a worker started on a gateway's home");
+    };
+    assert!(err.to_string().contains("belongs to a gateway"), "{err}");
+}
