@@ -302,9 +302,9 @@ fn absolute(request: Request<Body>) -> Result<Request<Body>, Refusal> {
 /// The simlock token in `Authorization: Bearer` (what the CLI sends as its daemon token), or
 /// in `x-agent-device-token`.
 fn authenticate(tokens: &TokenStore, headers: &HeaderMap) -> Result<Caller, Refusal> {
-    let bearer = headers
-        .get(http::header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
+    let bearer = simlock_daemon::auth::authorization(headers)
+        .map_err(|e| Refusal::Unauthenticated(e.message))?
+        .filter(|v| !v.is_empty())
         .map(String::from);
     let header = bearer.or_else(|| {
         headers
@@ -1326,6 +1326,34 @@ fn with_credentials(bytes: Bytes, credential: &str) -> Bytes {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_token_sent_twice_is_refused_and_one_sent_once_in_either_header_is_read() {
+        let clock = simlock_daemon::clock::TokioClock::system().shared();
+        let db = simlock_daemon::store::Database::open_in_memory().unwrap();
+        let tokens = TokenStore::open(db, clock).unwrap();
+        let (secret, _) = tokens
+            .create(simlock_contract::model::TokenRole::Agent, None)
+            .unwrap();
+        let with = |pairs: &[(&str, String)]| {
+            let mut headers = HeaderMap::new();
+            for (name, value) in pairs {
+                headers.append(
+                    http::HeaderName::from_bytes(name.as_bytes()).unwrap(),
+                    HeaderValue::from_str(value).unwrap(),
+                );
+            }
+            headers
+        };
+        let bearer = format!("Bearer {secret}");
+        assert!(authenticate(&tokens, &with(&[("authorization", bearer.clone())])).is_ok());
+        assert!(authenticate(&tokens, &with(&[("x-agent-device-token", secret.clone())])).is_ok());
+        let twice = with(&[("authorization", bearer.clone()), ("authorization", bearer)]);
+        assert!(matches!(
+            authenticate(&tokens, &twice),
+            Err(Refusal::Unauthenticated(message)) if message == "Authorization: sent 2 times; send it once"
+        ));
+    }
 
     #[test]
     fn a_lease_a_gateways_front_made_is_one_a_front_made_and_a_plain_gateway_lease_is_not() {

@@ -101,6 +101,26 @@ pub fn verify_bearer(
     verify(tokens, bearer_secret(authorization)?)
 }
 
+/// The request's `Authorization` header, as [`bearer`] and [`verify_bearer`] take it: `None`
+/// when absent; a value that is not visible ASCII reads as empty (no bearer token, not a
+/// missing header).
+///
+/// # Errors
+/// `BAD_REQUEST` when it is sent more than once: which one counts would be a guess (a proxy
+/// adding its own, a client adding a second), so neither does.
+pub fn authorization(headers: &http::HeaderMap) -> Result<Option<&str>, ContractError> {
+    let mut values = headers.get_all(http::header::AUTHORIZATION).iter();
+    let first = values.next();
+    let more = values.count();
+    if more > 0 {
+        return Err(ContractError::bad_request(format!(
+            "Authorization: sent {} times; send it once",
+            more + 1
+        )));
+    }
+    Ok(first.map(|v| v.to_str().unwrap_or_default()))
+}
+
 /// The secret of an `Authorization: Bearer <secret>` header, trimmed. The scheme is matched
 /// without regard to case, as HTTP's authentication schemes are (`bearer`, `BEARER`).
 ///
@@ -156,5 +176,28 @@ mod tests {
         }
         let missing = bearer_secret(None).unwrap_err();
         assert_eq!(missing.message, "Authorization: Bearer <token> is required");
+    }
+
+    #[test]
+    fn an_authorization_sent_twice_is_refused_and_one_that_is_not_text_reads_as_empty() {
+        let headers = |values: &[&[u8]]| {
+            let mut map = http::HeaderMap::new();
+            for v in values {
+                map.append(
+                    http::header::AUTHORIZATION,
+                    http::HeaderValue::from_bytes(v).unwrap(),
+                );
+            }
+            map
+        };
+        assert_eq!(authorization(&headers(&[])).unwrap(), None);
+        let one = headers(&[b"Bearer slk_a"]);
+        assert_eq!(authorization(&one).unwrap(), Some("Bearer slk_a"));
+        let two = headers(&[b"Bearer slk_a", b"Bearer slk_b"]);
+        let refused = authorization(&two).unwrap_err();
+        assert_eq!(refused.code, ErrorCode::BadRequest);
+        assert_eq!(refused.message, "Authorization: sent 2 times; send it once");
+        let binary = headers(&[b"Bearer \xff"]);
+        assert_eq!(authorization(&binary).unwrap(), Some(""));
     }
 }

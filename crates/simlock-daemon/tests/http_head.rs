@@ -217,3 +217,39 @@ fn the_head_bounds_are_documented() {
         );
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_authorization_sent_twice_is_refused_whichever_comes_first() {
+    let host = host().await;
+    let (operator, _) = host
+        .tokens
+        .create(simlock_contract::model::TokenRole::Operator, None)
+        .unwrap();
+    let (agent, _) = host
+        .tokens
+        .create(simlock_contract::model::TokenRole::Agent, None)
+        .unwrap();
+    let request_with = |first: &str, second: Option<&str>| {
+        let mut raw = format!(
+            "GET /v1/tokens HTTP/1.1\r\nHost: x\r\nConnection: close\r\nAuthorization: Bearer {first}\r\n"
+        );
+        if let Some(second) = second {
+            raw.push_str(&format!("Authorization: Bearer {second}\r\n"));
+        }
+        raw.push_str("\r\n");
+        raw
+    };
+    let (status, _, body, _) = send(&host.addr, request_with(&operator, None).as_bytes()).await;
+    assert_eq!(status, 200, "one operator token: {body}");
+    for (first, second) in [(&operator, &agent), (&agent, &operator)] {
+        let (status, _, body, _) =
+            send(&host.addr, request_with(first, Some(second)).as_bytes()).await;
+        assert_eq!(status, 400, "{body}");
+        let error: Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(error["error"]["code"], "BAD_REQUEST");
+        assert_eq!(
+            error["error"]["message"],
+            "Authorization: sent 2 times; send it once"
+        );
+    }
+}

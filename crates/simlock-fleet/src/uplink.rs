@@ -92,11 +92,9 @@ impl UplinkMount {
                 "x-simlock-worker-id: required, 1-128 characters of letters, digits, '_' or '-'",
             ));
         };
-        let authorization = headers
-            .get(header::AUTHORIZATION)
-            // A value that is not visible ASCII is no bearer token, not a missing header.
-            .map(|v| v.to_str().unwrap_or_default());
-        let token = match verify_bearer(&self.tokens, authorization) {
+        let token = match simlock_daemon::auth::authorization(headers)
+            .and_then(|authorization| verify_bearer(&self.tokens, authorization))
+        {
             Ok(token) => token,
             Err(err) => {
                 self.rejected(

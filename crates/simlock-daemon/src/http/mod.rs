@@ -39,7 +39,7 @@ use self::body::{
 };
 use self::parse::Query;
 use self::requests::{RequestBook, Submitted};
-use crate::auth::{HttpCaller, bearer};
+use crate::auth::{HttpCaller, authorization, bearer};
 use crate::clock::SharedClock;
 use crate::context::{CallCtx, Viewer};
 use crate::events::EventBus;
@@ -359,12 +359,9 @@ async fn route(
     let Some(rest) = path.strip_prefix("/v1/") else {
         return not_found(&method, &path);
     };
-    let authorization = request
-        .headers()
-        .get(http::header::AUTHORIZATION)
-        // A value that is not visible ASCII is no bearer token, not a missing header.
-        .map(|v| v.to_str().unwrap_or_default());
-    let caller = match bearer(&app.tokens, authorization) {
+    let caller = match authorization(request.headers())
+        .and_then(|authorization| bearer(&app.tokens, authorization))
+    {
         Ok(caller) => caller,
         Err(err) => return error(&err),
     };
