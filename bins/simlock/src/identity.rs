@@ -7,6 +7,8 @@
 //! keeps the two in step); the resolution is plain data ([`resolve`]) so it is tested without
 //! touching the environment.
 
+use simlock_contract::{ContractError, ErrorCode};
+
 /// A session-id variable an agent CLI exports to the processes it starts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct AgentSession {
@@ -80,6 +82,21 @@ impl Requester {
         }
     }
 
+    /// `err` with what to do when it is `REQUESTER_ALREADY_LEASED` and this requester was not
+    /// named: two leases from one shell script or one agent session share a requester unless
+    /// each names its own.
+    pub(crate) fn explain(&self, mut err: ContractError) -> ContractError {
+        if err.code == ErrorCode::RequesterAlreadyLeased && !matches!(self, Self::Explicit(_)) {
+            err.message = format!(
+                "{}; this requester came {}: give each lease its own with --requester ID (or \
+                 SIMLOCK_AGENT_ID)",
+                err.message,
+                self.source()
+            );
+        }
+        err
+    }
+
     /// Where it came from, for people.
     pub(crate) fn source(&self) -> String {
         match self {
@@ -150,6 +167,33 @@ mod tests {
             .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
             .collect();
         move |name| vars.get(name).cloned()
+    }
+
+    #[test]
+    fn a_requester_already_leased_says_how_to_name_another_unless_it_was_named() {
+        let taken = || {
+            ContractError::new(
+                ErrorCode::RequesterAlreadyLeased,
+                "Requester pid:42@vm already holds lease lse_1",
+            )
+        };
+        let parent = Requester::ParentProcess {
+            pid: 42,
+            host: "vm".into(),
+        };
+        assert_eq!(
+            parent.explain(taken()).message,
+            "Requester pid:42@vm already holds lease lse_1; this requester came from the parent \
+             process (42): give each lease its own with --requester ID (or SIMLOCK_AGENT_ID)"
+        );
+        let named = Requester::Explicit("pid:42@vm".into());
+        assert_eq!(named.explain(taken()), taken(), "it was named: as it is");
+        let other = ContractError::new(ErrorCode::NoCapacity, "none");
+        assert_eq!(
+            parent.explain(other.clone()),
+            other,
+            "other errors: as they are"
+        );
     }
 
     #[test]

@@ -122,7 +122,7 @@ pub(crate) async fn run(
         }
     };
     reporter.done();
-    let grant = requested?;
+    let grant = requested.map_err(|e| requester.explain(e))?;
     let lease_id = grant.lease.id.to_string();
     if signals.count() > 0 {
         // The request settled before the interrupt could withdraw it: give the lease back.

@@ -38,11 +38,16 @@ fn main() -> ExitCode {
         Err(e) => {
             // `--help` and `--version` are not errors; anything else is bad usage.
             let _ = e.print();
-            return ExitCode::from(if e.use_stderr() {
-                ErrorCode::Usage.exit_code()
-            } else {
-                0
-            });
+            if !e.use_stderr() {
+                return ExitCode::SUCCESS;
+            }
+            if asks_for_json(std::env::args_os().skip(1)) {
+                // The command line did not parse, but it asked for JSON: the error document
+                // goes to stdout as every other error's does.
+                let err = ContractError::new(ErrorCode::Usage, usage_message(&e));
+                let _ = out_line(&json!({ "error": err.to_body() }).to_string());
+            }
+            return ExitCode::from(ErrorCode::Usage.exit_code());
         }
     };
     let runtime = match tokio::runtime::Builder::new_multi_thread()
@@ -66,6 +71,26 @@ fn main() -> ExitCode {
     // Background work (a hold's event stream) must not keep the process alive.
     runtime.shutdown_background();
     ExitCode::from(code)
+}
+
+/// Whether a command line that did not parse asked for `--json` (before any `--`).
+fn asks_for_json(args: impl IntoIterator<Item = std::ffi::OsString>) -> bool {
+    args.into_iter()
+        .take_while(|arg| arg != "--")
+        .any(|arg| arg == "--json")
+}
+
+/// clap's error as one line: what it says before its usage and tips, without the `error: ` it
+/// begins with.
+fn usage_message(e: &clap::Error) -> String {
+    let rendered = e.render().to_string();
+    let said: Vec<&str> = rendered
+        .lines()
+        .map(str::trim)
+        .take_while(|line| !line.is_empty() && !line.starts_with("Usage:"))
+        .collect();
+    let said = said.join(" ");
+    said.strip_prefix("error: ").unwrap_or(&said).to_owned()
 }
 
 /// Reports an error: one line on stderr, and with `--json` the error document on stdout
@@ -481,5 +506,36 @@ async fn exec(
                 ));
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser as _;
+
+    use super::*;
+
+    #[test]
+    fn a_command_line_that_does_not_parse_says_why_in_one_line_and_whether_json_was_asked() {
+        let e = Cli::try_parse_from(["simlock", "--json", "lease"]).unwrap_err();
+        assert!(e.use_stderr());
+        assert_eq!(
+            usage_message(&e),
+            "the following required arguments were not provided: --platform <PLATFORM>"
+        );
+        let e = Cli::try_parse_from(["simlock", "--json", "bogus"]).unwrap_err();
+        assert_eq!(usage_message(&e), "unrecognized subcommand 'bogus'");
+        let args = |list: &[&str]| {
+            list.iter()
+                .map(std::ffi::OsString::from)
+                .collect::<Vec<_>>()
+        };
+        assert!(asks_for_json(args(&["--json", "lease"])));
+        assert!(asks_for_json(args(&["renew", "L", "--ttl", "x", "--json"])));
+        assert!(!asks_for_json(args(&["lease"])));
+        assert!(
+            !asks_for_json(args(&["exec", "L", "tool", "--", "--json"])),
+            "a tool's own argument"
+        );
     }
 }

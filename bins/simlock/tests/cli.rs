@@ -192,7 +192,15 @@ async fn refusals_exit_with_their_codes_and_print_the_error() {
         fake.script_request(RequestScript::Fail(Vec::new(), refusal));
         let out = run(
             &fake,
-            &["lease", "--platform", "ios", "--no-wait", "--json"],
+            &[
+                "lease",
+                "--platform",
+                "ios",
+                "--no-wait",
+                "--json",
+                "--requester",
+                "r1",
+            ],
         )
         .await;
         assert_eq!(out.code, exit, "{code}: {}", out.stderr);
@@ -205,6 +213,18 @@ async fn refusals_exit_with_their_codes_and_print_the_error() {
             format!("simlock: refused with {code} ({code})")
         );
     }
+    // A requester nobody named (the parent process here) that already holds a lease: the
+    // refusal says how to name another.
+    let taken = ContractError::new(ErrorCode::RequesterAlreadyLeased, "taken");
+    fake.script_request(RequestScript::Fail(Vec::new(), taken));
+    let out = run(&fake, &["lease", "--platform", "ios", "--no-wait"]).await;
+    assert_eq!(out.code, 13);
+    assert!(
+        out.stderr
+            .contains("give each lease its own with --requester ID (or SIMLOCK_AGENT_ID)"),
+        "{}",
+        out.stderr
+    );
     let unknown = run(&fake, &["renew", "lse_nope"]).await;
     assert_eq!(unknown.code, 1);
     assert!(unknown.stdout.is_empty());
