@@ -286,8 +286,9 @@ async fn no_daemon_is_a_clear_message_and_exit_1() {
     assert_eq!(
         out.stderr.trim(),
         format!(
-            "simlock: no simlock daemon is running at {}; start one with simlock-worker (DAEMON_CONNECTION_LOST)",
-            socket.display()
+            "simlock: no simlock daemon is running at {}; start one with simlock-worker --home {home} (or simlock-gateway --home {home}) (DAEMON_CONNECTION_LOST)",
+            socket.display(),
+            home = home.path().display()
         )
     );
 }

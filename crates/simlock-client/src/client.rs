@@ -543,10 +543,14 @@ fn worker(worker_id: &str) -> WorkerIdInput {
 /// `DAEMON_CONNECTION_LOST` for a socket nobody answers on.
 fn not_reachable(path: &Path, e: &std::io::Error) -> ContractError {
     let message = match e.kind() {
-        std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused => format!(
-            "no simlock daemon is running at {}; start one with simlock-worker",
-            path.display()
-        ),
+        std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused => {
+            let home = path.parent().unwrap_or(path).display();
+            format!(
+                "no simlock daemon is running at {}; start one with simlock-worker --home {home} \
+                 (or simlock-gateway --home {home})",
+                path.display()
+            )
+        }
         _ => format!(
             "cannot connect to the simlock daemon at {}: {e}",
             path.display()

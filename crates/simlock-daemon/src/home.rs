@@ -27,12 +27,15 @@ impl Home {
                     |h| PathBuf::from(h).join(".simlock"),
                 )
             });
-        Self { root }
+        Self::at(root)
     }
 
-    /// A home at `root`.
+    /// A home at `root`, made absolute from the current directory: what a daemon prints and
+    /// logs (its socket in the ready line, say) names the same place wherever it is read.
     pub fn at(root: impl Into<PathBuf>) -> Self {
-        Self { root: root.into() }
+        let root = root.into();
+        let root = std::path::absolute(&root).unwrap_or(root);
+        Self { root }
     }
 
     /// Creates the directory, readable by its owner only.
@@ -102,5 +105,19 @@ impl AdminSecret {
     /// Whether `secret` is this secret.
     pub fn matches(&self, secret: &str) -> bool {
         hash_secret(secret) == self.hash
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_relative_home_is_made_absolute_from_the_current_directory() {
+        let home = Home::at("some/home");
+        let here = std::env::current_dir().unwrap();
+        assert_eq!(home.root(), here.join("some/home"));
+        assert_eq!(home.socket(), here.join("some/home/daemon.sock"));
+        assert_eq!(Home::at("/abs/home").root(), Path::new("/abs/home"));
     }
 }

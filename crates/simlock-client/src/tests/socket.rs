@@ -83,8 +83,10 @@ async fn no_daemon_means_connection_lost_naming_the_socket() {
     assert_eq!(
         err.message,
         format!(
-            "no simlock daemon is running at {}; start one with simlock-worker",
-            path.display()
+            "no simlock daemon is running at {}; start one with simlock-worker --home {home} \
+             (or simlock-gateway --home {home})",
+            path.display(),
+            home = dir.path().display()
         )
     );
 }
