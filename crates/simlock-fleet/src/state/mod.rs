@@ -1166,6 +1166,14 @@ impl Core {
         if envelope.event.starts_with("worker.") {
             return;
         }
+        // A lease the gateway issued is named by the gateway's id in what it relays, as its
+        // owner knows it; read before the event is applied, which may end the lease.
+        let issued = envelope
+            .payload
+            .get("leaseId")
+            .and_then(serde_json::Value::as_str)
+            .and_then(|id| self.index.by_worker_lease(&worker_id, id))
+            .map(|entry| entry.lease_id.clone());
         match Event::from_envelope(&envelope) {
             Some(Event::LeaseExpired {
                 lease_id,
@@ -1245,6 +1253,14 @@ impl Core {
         }
         if let serde_json::Value::Object(payload) = &mut envelope.payload {
             payload.insert("workerId".into(), serde_json::Value::String(worker_id));
+            if let Some(gateway_lease_id) = issued
+                && let Some(worker_lease_id) = payload.insert(
+                    "leaseId".into(),
+                    serde_json::Value::String(gateway_lease_id),
+                )
+            {
+                payload.insert("workerLeaseId".into(), worker_lease_id);
+            }
         }
         self.fx.push_back(Effect::Relay(envelope));
     }

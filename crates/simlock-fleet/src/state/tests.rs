@@ -781,12 +781,21 @@ fn a_renew_event_updates_the_view_in_place_without_a_refresh() {
         [("w1.lse_a".to_owned(), 8990), ("lse_d".to_owned(), 8990)],
         "both lists show the new width"
     );
-    let relayed = core.take_effects();
-    assert!(
-        relayed
-            .iter()
-            .any(|e| matches!(e, Effect::Relay(env) if env.payload["workerId"] == "w1")),
-        "relayed with its worker id: {relayed:?}"
+    let relayed: Vec<serde_json::Value> = core
+        .take_effects()
+        .into_iter()
+        .filter_map(|e| match e {
+            Effect::Relay(envelope) => Some(envelope.payload),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        relayed,
+        [
+            serde_json::json!({"leaseId": "w1.lse_a", "workerLeaseId": "lse_a", "newDeadline": T0 + 9000, "ttlMs": 8990, "workerId": "w1"}),
+            serde_json::json!({"leaseId": "lse_d", "newDeadline": T0 + 9000, "ttlMs": 8990, "workerId": "w1"}),
+        ],
+        "relayed with the worker's id, a lease the gateway issued under the gateway's id"
     );
 }
 
