@@ -215,19 +215,19 @@ pub(crate) enum TokenCommand {
 pub(crate) enum WorkersCommand {
     /// List workers.
     List,
-    /// Take no new leases on a worker.
+    /// Take no new leases on a worker (through the gateway).
     Drain {
-        /// The worker.
+        /// The worker: its id, or its label when no other worker has it.
         id: String,
     },
     /// Take new leases on a worker again.
     Undrain {
-        /// The worker.
+        /// The worker: its id, or its label when no other worker has it.
         id: String,
     },
     /// Forget a disconnected worker.
     Remove {
-        /// The worker.
+        /// The worker: its id, or its label when no other worker has it.
         id: String,
     },
 }

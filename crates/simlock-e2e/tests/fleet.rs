@@ -482,6 +482,14 @@ async fn a_drained_worker_takes_no_new_lease_and_still_serves_its_own() {
         .await
         .unwrap_err();
     assert_eq!(err.code, ErrorCode::UnknownWorker);
+    // A worker is named by its label too, when no other worker has it: the answer says its id.
+    for (op, drained) in [("worker.drain", true), ("worker.undrain", false)] {
+        let answer = operator
+            .call(op, json!({"workerId": "worker-0"}))
+            .await
+            .unwrap();
+        assert_eq!(answer, json!({"workerId": worker_id, "drained": drained}));
+    }
     fleet.stop().await;
 }
 

@@ -675,6 +675,19 @@ impl Fleet {
 
     // === Workers ===
 
+    /// The worker an operator names, by id or unique label
+    /// ([`crate::state::Core::resolve_worker`]).
+    ///
+    /// # Errors
+    /// `BAD_REQUEST` for a label several workers have.
+    pub fn resolve_worker(&self, name: &str) -> Result<String, ContractError> {
+        self.shared
+            .lock()
+            .core
+            .resolve_worker(name)
+            .map_err(ContractError::from)
+    }
+
     /// Drains or undrains a worker; persisted before answering; idempotent.
     ///
     /// # Errors

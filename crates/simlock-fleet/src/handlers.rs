@@ -118,12 +118,10 @@ pub fn register(
     });
     let f = fleet.clone();
     router.handle::<WorkerRemove, _, _>(move |_, input| {
-        let out = f
-            .remove(&input.worker_id)
-            .map(|removed| WorkerRemoveOutput {
-                worker_id: input.worker_id,
-                removed,
-            });
+        let out = f.resolve_worker(&input.worker_id).and_then(|worker_id| {
+            f.remove(&worker_id)
+                .map(|removed| WorkerRemoveOutput { worker_id, removed })
+        });
         async move { out }
     });
     router.unsupported(
@@ -132,12 +130,14 @@ pub fn register(
     );
 }
 
-/// `worker.drain` and `worker.undrain`: whether the worker is drained afterwards.
+/// `worker.drain` and `worker.undrain`, naming the worker by id or unique label: its id, and
+/// whether it is drained afterwards.
 fn set_drained(
     fleet: &Fleet,
-    worker_id: String,
+    name: String,
     drained: bool,
 ) -> Result<WorkerDrainOutput, ContractError> {
+    let worker_id = fleet.resolve_worker(&name)?;
     fleet
         .set_drained(&worker_id, drained)
         .map(|drained| WorkerDrainOutput { worker_id, drained })

@@ -914,6 +914,18 @@ impl Core {
             self.fold_snapshot(&worker_id, leases, sent, now);
         }
         info!(worker = %worker_id, "worker connected");
+        if let Some(label) = &label {
+            let namesakes: Vec<&str> = self
+                .workers
+                .iter()
+                .filter(|(id, w)| **id != worker_id && w.view.label.as_ref() == Some(label))
+                .map(|(id, _)| id.as_str())
+                .collect();
+            if !namesakes.is_empty() {
+                warn!(worker = %worker_id, %label, others = ?namesakes,
+                    "another worker has this label: the views tell them apart by id, and an operator names them by id");
+            }
+        }
         self.event(Event::WorkerConnected {
             worker_id: worker_id.clone(),
             label,
@@ -2109,6 +2121,32 @@ impl Core {
     }
 
     // === Workers ===
+
+    /// The worker an operator names: by its id, else by its label when exactly one worker has
+    /// it. A name neither matches is answered as given (the operation says it is unknown).
+    ///
+    /// # Errors
+    /// `BAD_REQUEST` when the label is several workers', naming their ids.
+    pub fn resolve_worker(&self, name: &str) -> Result<String, FleetError> {
+        if self.workers.contains_key(name) {
+            return Ok(name.to_owned());
+        }
+        let labelled: Vec<&str> = self
+            .workers
+            .iter()
+            .filter(|(_, w)| w.view.label.as_deref() == Some(name))
+            .map(|(id, _)| id.as_str())
+            .collect();
+        match labelled.as_slice() {
+            [] => Ok(name.to_owned()),
+            [one] => Ok((*one).to_owned()),
+            several => Err(FleetError::BadRequest(format!(
+                "label {name} names {} workers ({}): name one by its id",
+                several.len(),
+                several.join(", ")
+            ))),
+        }
+    }
 
     /// Whether draining (or undraining) `worker_id` changes anything.
     ///

@@ -1675,3 +1675,30 @@ fn devices_name_their_worker_and_say_when_it_is_away() {
         "a worker the gateway has no view of is away"
     );
 }
+
+#[test]
+fn an_operator_names_a_worker_by_id_or_by_a_label_only_it_has() {
+    let mut core = Core::new(settings(), Vec::new(), Vec::new(), T0);
+    for (id, label) in [("w1", "lab-a"), ("w2", "twin"), ("w3", "twin")] {
+        let generation = core.handle_uplink_opened(id, Some(label.into()), "tok_j".into(), T0);
+        let sent = core.handle_probe_sent();
+        core.handle_connected(generation, "v".into(), &status(Vec::new(), 1), sent, T0);
+    }
+    assert_eq!(core.resolve_worker("w2").unwrap(), "w2", "an id");
+    assert_eq!(
+        core.resolve_worker("lab-a").unwrap(),
+        "w1",
+        "a label only w1 has"
+    );
+    assert_eq!(
+        core.resolve_worker("nobody").unwrap(),
+        "nobody",
+        "as given: the operation says it is unknown"
+    );
+    assert_eq!(
+        core.resolve_worker("twin"),
+        Err(FleetError::BadRequest(
+            "label twin names 2 workers (w2, w3): name one by its id".into()
+        ))
+    );
+}
