@@ -1178,8 +1178,8 @@ impl Core {
         if envelope.event.starts_with("worker.") {
             return;
         }
-        // A lease the gateway issued is named by the gateway's id in what it relays, as its
-        // owner knows it; read before the event is applied, which may end the lease.
+        // A lease the gateway issued is also named by the gateway's id in what it relays, as
+        // its owner knows it; read before the event is applied, which may end the lease.
         let issued = envelope
             .payload
             .get("leaseId")
@@ -1265,13 +1265,11 @@ impl Core {
         }
         if let serde_json::Value::Object(payload) = &mut envelope.payload {
             payload.insert("workerId".into(), serde_json::Value::String(worker_id));
-            if let Some(gateway_lease_id) = issued
-                && let Some(worker_lease_id) = payload.insert(
-                    "leaseId".into(),
+            if let Some(gateway_lease_id) = issued {
+                payload.insert(
+                    "gatewayLeaseId".into(),
                     serde_json::Value::String(gateway_lease_id),
-                )
-            {
-                payload.insert("workerLeaseId".into(), worker_lease_id);
+                );
             }
         }
         self.fx.push_back(Effect::Relay(envelope));

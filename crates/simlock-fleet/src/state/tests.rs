@@ -792,10 +792,10 @@ fn a_renew_event_updates_the_view_in_place_without_a_refresh() {
     assert_eq!(
         relayed,
         [
-            serde_json::json!({"leaseId": "w1.lse_a", "workerLeaseId": "lse_a", "newDeadline": T0 + 9000, "ttlMs": 8990, "workerId": "w1"}),
+            serde_json::json!({"leaseId": "lse_a", "gatewayLeaseId": "w1.lse_a", "newDeadline": T0 + 9000, "ttlMs": 8990, "workerId": "w1"}),
             serde_json::json!({"leaseId": "lse_d", "newDeadline": T0 + 9000, "ttlMs": 8990, "workerId": "w1"}),
         ],
-        "relayed with the worker's id, a lease the gateway issued under the gateway's id"
+        "relayed with the worker's id, a lease the gateway issued with the gateway's id too"
     );
 }
 
