@@ -74,10 +74,12 @@ pub enum FleetError {
         model: String,
     },
     /// No known worker runs the model on that OS version.
-    #[error("no worker runs that {} model on {os}", platform.as_str())]
+    #[error("no worker runs {} on {os}", model.as_deref().unwrap_or(platform.as_str()))]
     RuntimeMissing {
         /// The platform.
         platform: Platform,
+        /// The model asked, if one was.
+        model: Option<String>,
         /// The OS version asked, or `default`.
         os: String,
     },
@@ -250,12 +252,22 @@ impl From<FleetError> for ContractError {
                 ),
             )
             .with_details(json!({ "platform": platform, "model": model })),
-            FleetError::RuntimeMissing { platform, os } => Self::new(
+            FleetError::RuntimeMissing {
+                platform,
+                model,
+                os,
+            } => Self::new(
                 ErrorCode::RuntimeMissing,
-                format!(
-                    "No worker connected to this gateway runs that {} model on {os}",
-                    platform.as_str()
-                ),
+                match model {
+                    Some(model) => format!(
+                        "No worker connected to this gateway runs the {} model {model} on {os}",
+                        platform.as_str()
+                    ),
+                    None => format!(
+                        "No worker connected to this gateway runs {} {os}",
+                        platform.as_str()
+                    ),
+                },
             )
             .with_details(json!({ "platform": platform, "osVersion": os, "downloadable": false })),
             FleetError::CapabilityMissing(capability) => Self::new(
@@ -339,5 +351,25 @@ mod tests {
             json!({"workerId": "w2", "releasedLeaseIds": ["w1.lse_1"]})
         );
         assert_eq!(FleetError::Stopping.code(), ErrorCode::DaemonStopping);
+    }
+
+    #[test]
+    fn a_missing_runtime_names_the_model_only_when_one_was_asked() {
+        let missing = |model: Option<&str>| -> ContractError {
+            FleetError::RuntimeMissing {
+                platform: Platform::Ios,
+                model: model.map(str::to_owned),
+                os: "99".into(),
+            }
+            .into()
+        };
+        assert_eq!(
+            missing(None).message,
+            "No worker connected to this gateway runs ios 99"
+        );
+        assert_eq!(
+            missing(Some("iPhone 16")).message,
+            "No worker connected to this gateway runs the ios model iPhone 16 on 99"
+        );
     }
 }

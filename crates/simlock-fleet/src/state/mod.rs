@@ -2381,6 +2381,7 @@ fn assessment_error(assessment: &Assessment, wanted: &Wanted) -> Option<FleetErr
         }),
         Assessment::RuntimeMissing => Some(FleetError::RuntimeMissing {
             platform,
+            model: wanted.model.clone(),
             os: wanted
                 .os_version
                 .clone()
