@@ -22,7 +22,7 @@ use simlock_daemon::config::{self, ConfigError, DaemonConfig, Loaded, Sections};
 use simlock_daemon::context::CallCtx;
 use simlock_daemon::home::Home;
 use simlock_daemon::runtime::{Base, Running, StartError};
-use simlock_daemon::uplink::{self, UplinkConfig, UplinkState};
+use simlock_daemon::uplink::{self, UplinkConfig, UplinkReport, UplinkState};
 use simlock_drivers::DriversConfig;
 use simlock_relay_worker::RelayTargets;
 use tokio::sync::watch;
@@ -262,6 +262,31 @@ pub async fn start(options: WorkerOptions) -> Result<RunningWorker, StartError> 
         }
         _ => None,
     };
+    let gateway = match (&base.config.gateway.url, &base.config.gateway.token) {
+        (Some(url), Some(token)) => {
+            // A CA file that cannot be read fails start-up; TLS failures later are retried.
+            let ca_file = base
+                .config
+                .gateway
+                .ca_file
+                .as_deref()
+                .map(|path| base.home.resolve(path));
+            Some(UplinkConfig {
+                url: url.clone(),
+                token: token.clone(),
+                worker_id: base.instance_id.clone(),
+                label: base.config.gateway.label.clone(),
+                tls: uplink::uplink_tls(url, ca_file.as_deref())?,
+            })
+        }
+        _ => None,
+    };
+    // `status.get` reads how the uplink stands; the uplink writes it once it dials.
+    let gateway = gateway.map(|config| {
+        let report = UplinkReport::new(&config.url, base.clock.clone());
+        (config, report)
+    });
+    parts.uplink = gateway.as_ref().map(|(_, report)| report.clone());
     let worker = Worker::new(parts).map_err(|e| StartError::Domain(e.to_string()))?;
     if let Some(host) = &host {
         // A relayed heartbeat renews the lease here with the authority of the gateway that
@@ -288,25 +313,6 @@ pub async fn start(options: WorkerOptions) -> Result<RunningWorker, StartError> 
     simlock_daemon::pipeline::check_complete(&router, &simlock_daemon::pipeline::all_operations())
         .map_err(StartError::Domain)?;
     let listen = simlock_daemon::runtime::Listen::as_configured(&base.config);
-    let gateway = match (&base.config.gateway.url, &base.config.gateway.token) {
-        (Some(url), Some(token)) => {
-            // A CA file that cannot be read fails start-up; TLS failures later are retried.
-            let ca_file = base
-                .config
-                .gateway
-                .ca_file
-                .as_deref()
-                .map(|path| base.home.resolve(path));
-            Some(UplinkConfig {
-                url: url.clone(),
-                token: token.clone(),
-                worker_id: base.instance_id.clone(),
-                label: base.config.gateway.label.clone(),
-                tls: uplink::uplink_tls(url, ca_file.as_deref())?,
-            })
-        }
-        _ => None,
-    };
     simlock_core::register_metrics(&base.metrics, &worker);
     let agent_device_front = host.as_ref().map(|host| {
         let catalog = worker.clone();
@@ -350,9 +356,15 @@ pub async fn start(options: WorkerOptions) -> Result<RunningWorker, StartError> 
         .await?;
     let uplink_stop = CancellationToken::new();
     let dial = |running: &Running| {
-        gateway
-            .clone()
-            .map(|config| uplink::run(config, running.pipeline.clone(), uplink_stop.clone()).1)
+        gateway.clone().map(|(config, report)| {
+            uplink::run(
+                config,
+                report,
+                running.pipeline.clone(),
+                uplink_stop.clone(),
+            )
+            .1
+        })
     };
     // A daemon spawned anew holds none of the agent-device leases an earlier run made: once
     // start-up has run, their simlock leases end, their devices freed (an attached daemon may

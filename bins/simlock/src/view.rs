@@ -343,6 +343,18 @@ pub(crate) fn status(status: &StatusOutput, scope: LeaseScope<'_>) -> String {
     if let Some(workers) = &status.workers {
         let _ = write!(out, "\nworkers   {}", worker_count(workers));
     }
+    // A worker's uplink: where it dials, whether it is in, and if not, why.
+    if let Some(uplink) = &status.uplink {
+        let _ = write!(
+            out,
+            "\ngateway   {} {}",
+            uplink.gateway,
+            value_name(&uplink.state)
+        );
+        if let Some(error) = &uplink.last_error {
+            let _ = write!(out, " (last error: {error})");
+        }
+    }
     if let Some(list) = &status.devices {
         let _ = write!(out, "\n\n{}", devices(list));
     }
@@ -473,6 +485,75 @@ pub(crate) fn event(event: &EventEnvelope) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A running worker's status with nothing in it but `uplink`.
+    fn worker_status(uplink: Option<simlock_contract::model::UplinkStatus>) -> StatusOutput {
+        use simlock_contract::model::{DaemonInfo, Health, HostFacts, Mode};
+        StatusOutput {
+            daemon: DaemonInfo {
+                health: Health::Running,
+                mode: Mode::Worker,
+                version: "0.1.0".into(),
+                instance_id: "63a0ce42".into(),
+            },
+            host: HostFacts {
+                os: "linux".into(),
+                os_version: "6.8".into(),
+                arch: "x86_64".into(),
+                tools: Vec::new(),
+            },
+            capacity: None,
+            devices: None,
+            leases: None,
+            queue_depth: None,
+            waiting: None,
+            capabilities: None,
+            drivers: None,
+            lease: None,
+            workers: None,
+            uplink,
+        }
+    }
+
+    #[test]
+    fn status_shows_a_workers_gateway_and_why_it_is_not_connected() {
+        use simlock_contract::model::{UplinkConnection, UplinkStatus};
+        let head = "daemon    worker running, version 0.1.0, instance 63a0ce42\nhost      linux 6.8 x86_64";
+        assert_eq!(status(&worker_status(None), LeaseScope::Every), head);
+
+        let connected = UplinkStatus {
+            gateway: "ws://gw:4700".into(),
+            state: UplinkConnection::Connected,
+            last_error: None,
+            since: 1_700_000_000_000,
+        };
+        assert_eq!(
+            status(&worker_status(Some(connected.clone())), LeaseScope::Every),
+            format!("{head}\ngateway   ws://gw:4700 connected")
+        );
+
+        let rejected = UplinkStatus {
+            state: UplinkConnection::Connecting,
+            last_error: Some("rejected with HTTP 401: check gateway.token".into()),
+            ..connected.clone()
+        };
+        assert_eq!(
+            status(&worker_status(Some(rejected)), LeaseScope::Every),
+            format!(
+                "{head}\ngateway   ws://gw:4700 connecting (last error: rejected with HTTP 401: check gateway.token)"
+            )
+        );
+
+        // Before the first attempt has failed there is no error to name.
+        let dialling = UplinkStatus {
+            state: UplinkConnection::Connecting,
+            ..connected
+        };
+        assert_eq!(
+            status(&worker_status(Some(dialling)), LeaseScope::Every),
+            format!("{head}\ngateway   ws://gw:4700 connecting")
+        );
+    }
 
     #[test]
     fn each_platforms_driver_is_shown_with_why_and_one_that_cannot_serve_says_so() {

@@ -632,6 +632,32 @@ pub enum Connection {
     Incompatible,
 }
 
+/// How a worker's own uplink to its gateway stands, as the worker sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum UplinkConnection {
+    /// Up: the gateway accepted the worker.
+    Connected,
+    /// Dialling, or waiting to dial again.
+    Connecting,
+}
+
+/// A worker's uplink to its gateway (`status.get`'s `uplink`; absent on a gateway and on a worker
+/// with no `gateway.url`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct UplinkStatus {
+    /// The gateway, as `gateway.url` names it.
+    pub gateway: String,
+    /// How the uplink stands.
+    pub state: UplinkConnection,
+    /// Why the last attempt failed or the last uplink ended (only while `connecting`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_error: Option<String>,
+    /// When the uplink entered `state`, ms since the epoch.
+    pub since: i64,
+}
+
 /// The two ranges of an incompatible worker.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ProtocolPair {

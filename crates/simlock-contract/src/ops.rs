@@ -21,7 +21,7 @@ use crate::ids::SubscriptionId;
 use crate::model::{
     CapabilityStatus, Capacity, DaemonInfo, Device, DriverStatus, EventEnvelope, HostFacts,
     LeaseGrant, LeaseLimits, LeaseRecord, Mode, Platform, PlatformCatalog, TokenRecord, TokenRole,
-    WaitingRequest, WorkerView,
+    UplinkStatus, WaitingRequest, WorkerView,
 };
 use crate::protocol::{Hello, HelloReply, Role};
 
@@ -560,6 +560,9 @@ pub struct StatusOutput {
     /// The workers (gateway only; absent on a worker).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub workers: Option<Vec<WorkerView>>,
+    /// The worker's uplink to its gateway (a worker with `gateway.url` only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub uplink: Option<UplinkStatus>,
 }
 
 /// `catalog.get`.

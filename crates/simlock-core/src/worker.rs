@@ -29,6 +29,7 @@ use simlock_contract::push::Push;
 use simlock_daemon::clock::instant_at;
 use simlock_daemon::config::DaemonConfig;
 use simlock_daemon::runtime::Base;
+use simlock_daemon::uplink::UplinkReport;
 use simlock_daemon::{
     CallCtx, Capabilities, Database, EventBus, Presence, SharedClock, StartupGate,
 };
@@ -79,6 +80,8 @@ pub struct WorkerParts {
     /// Modules that hold something for a lease (the agent-device host): each is told, and
     /// awaited (at most [`LEASE_END_BOUND`]), when a lease ends, before its device is wiped.
     pub lease_end: Vec<LeaseEndHook>,
+    /// How the uplink to the gateway stands (`status.get`'s `uplink`), when `gateway.url` is set.
+    pub uplink: Option<UplinkReport>,
 }
 
 /// Told the id of a lease that ended, before its device is reclaimed.
@@ -118,6 +121,7 @@ impl WorkerParts {
             instance_id: base.instance_id.clone(),
             version: base.version.clone(),
             lease_end: Vec::new(),
+            uplink: None,
         }
     }
 }
@@ -155,6 +159,7 @@ pub struct Worker {
     presence: Presence,
     capabilities: Capabilities,
     lease_end: Vec<LeaseEndHook>,
+    uplink: Option<UplinkReport>,
     /// The machine, read once: it does not change while the worker runs.
     host: HostFacts,
     instance_id: String,
@@ -230,6 +235,7 @@ impl Worker {
             presence: parts.presence,
             capabilities: parts.capabilities,
             lease_end: parts.lease_end,
+            uplink: parts.uplink,
             host: HostFacts {
                 os: std::env::consts::OS.to_owned(),
                 os_version: parts.system.os_version(),
@@ -531,6 +537,7 @@ impl Worker {
             drivers: None,
             lease: None,
             workers: None,
+            uplink: None,
         };
         if health != Health::Running {
             return out;
@@ -543,6 +550,7 @@ impl Worker {
         out.capabilities = capabilities;
         out.drivers = Some(self.drivers.values().map(|d| d.status()).collect());
         out.lease = Some(self.lease_limits());
+        out.uplink = self.uplink.as_ref().map(UplinkReport::status);
         out
     }
 

@@ -7,7 +7,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::SinkExt;
+use parking_lot::Mutex;
 use simlock_contract::bounds::MAX_CALL_LINE;
+use simlock_contract::model::{UplinkConnection, UplinkStatus};
 use simlock_link::{
     End, LinkConfig, LinkHandle, ReceiveBuffer, spawn_tuned, tune_tcp, websocket_config,
 };
@@ -20,6 +22,7 @@ use tokio_tungstenite::tungstenite::http::HeaderValue;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
+use crate::clock::SharedClock;
 use crate::http::parse::percent_encode;
 use crate::pipeline::Pipeline;
 
@@ -77,6 +80,62 @@ pub enum UplinkState {
     Connected,
 }
 
+impl UplinkState {
+    /// What `status.get` says of this state (the one translation to the contract's
+    /// [`UplinkStatus`]): the gateway as `gateway` names it, and `since` when the uplink entered
+    /// it.
+    pub fn status(&self, gateway: &str, since: i64) -> UplinkStatus {
+        let (state, last_error) = match self {
+            Self::Connecting { last_error } => (UplinkConnection::Connecting, last_error.clone()),
+            Self::Connected => (UplinkConnection::Connected, None),
+        };
+        UplinkStatus {
+            gateway: gateway.to_owned(),
+            state,
+            last_error,
+            since,
+        }
+    }
+}
+
+/// What `status.get` says of the uplink: [`run`] writes it as the uplink's state changes, the
+/// worker reads it at each `status.get`. Made before either (the worker is built before the
+/// uplink dials), connecting since then.
+#[derive(Debug, Clone)]
+pub struct UplinkReport {
+    status: Arc<Mutex<UplinkStatus>>,
+    clock: SharedClock,
+}
+
+impl UplinkReport {
+    /// A report on the uplink to `gateway` (`gateway.url` as configured), read on `clock`.
+    pub fn new(gateway: &str, clock: SharedClock) -> Self {
+        let since = clock.now_ms();
+        let connecting = UplinkState::Connecting { last_error: None };
+        Self {
+            status: Arc::new(Mutex::new(connecting.status(gateway, since))),
+            clock,
+        }
+    }
+
+    /// How the uplink stands now.
+    pub fn status(&self) -> UplinkStatus {
+        self.status.lock().clone()
+    }
+
+    /// The uplink is in `state`; `since` moves when it entered another state (a failed attempt
+    /// after another keeps the time it began connecting), or when `restart`.
+    fn record(&self, state: &UplinkState, restart: bool) {
+        let now = self.clock.now_ms();
+        let mut status = self.status.lock();
+        let mut next = state.status(&status.gateway, now);
+        if !restart && next.state == status.state {
+            next.since = status.since;
+        }
+        *status = next;
+    }
+}
+
 /// Why one attempt failed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum DialError {
@@ -124,9 +183,22 @@ pub fn backoff(attempt: u32, jitter: f64) -> Duration {
     base.mul_f64(0.5 + 0.5 * jitter.clamp(0.0, 1.0))
 }
 
-/// The uplink URL for a gateway base URL.
+/// The uplink URL for a gateway base URL: `<base>/v1/uplink`. A base that already ends in
+/// `/v1/uplink` or `/v1` (a pasted uplink or API URL), with or without a trailing slash, is not
+/// given the path twice; a path before it (a proxy's prefix) is kept.
 pub fn uplink_url(base: &str) -> String {
-    format!("{}/v1/uplink", base.trim_end_matches('/'))
+    let base = base.trim_end_matches('/');
+    // Only the path may lose a suffix, never the host (`ws://v1`).
+    let authority = base.find("://").map_or(0, |scheme| scheme + 3);
+    let path_start = base[authority..]
+        .find('/')
+        .map_or(base.len(), |slash| authority + slash);
+    let (origin, path) = base.split_at(path_start);
+    let path = path
+        .strip_suffix("/v1/uplink")
+        .or_else(|| path.strip_suffix("/v1"))
+        .unwrap_or(path);
+    format!("{origin}{path}/v1/uplink")
 }
 
 /// Dials once and returns the link, or why not.
@@ -259,13 +331,22 @@ pub fn client_text_transport(link: &LinkHandle, text: simlock_link::TextReceiver
     text_lane(link, text, simlock_contract::bounds::MAX_CLIENT_LINE)
 }
 
-/// Keeps the uplink up until `shutdown`; `state` follows it.
+/// Keeps the uplink up until `shutdown`; `state` follows it, and so does `report` (updated
+/// before `state`, so whoever wakes on `state` reads the same in `report`).
 pub fn run(
     config: UplinkConfig,
+    report: UplinkReport,
     pipeline: Arc<Pipeline>,
     shutdown: CancellationToken,
 ) -> (JoinHandle<()>, watch::Receiver<UplinkState>) {
-    let (state_tx, state_rx) = watch::channel(UplinkState::Connecting { last_error: None });
+    let initial = UplinkState::Connecting { last_error: None };
+    // Connecting since now: the worker may have been made well before its first dial.
+    report.record(&initial, true);
+    let (state_tx, state_rx) = watch::channel(initial);
+    let set = move |state: UplinkState| {
+        report.record(&state, false);
+        state_tx.send_replace(state);
+    };
     let task = tokio::spawn(async move {
         let mut attempt: u32 = 0;
         loop {
@@ -276,7 +357,7 @@ pub fn run(
             let error = match dialled {
                 Ok((link, text)) => {
                     info!(gateway = %config.url, "uplink connected");
-                    state_tx.send_replace(UplinkState::Connected);
+                    set(UplinkState::Connected);
                     let up_since = tokio::time::Instant::now();
                     let transport = text_transport(&link, text);
                     let session = serve_attached(
@@ -305,7 +386,7 @@ pub fn run(
             attempt = attempt.saturating_add(1);
             let delay = backoff(attempt, rand::random::<f64>());
             warn!(gateway = %config.url, error = %error, retry_in_ms = delay.as_millis(), "uplink down");
-            state_tx.send_replace(UplinkState::Connecting {
+            set(UplinkState::Connecting {
                 last_error: Some(error),
             });
             tokio::select! {
@@ -348,5 +429,106 @@ mod tests {
     fn the_uplink_path_is_derived_from_the_base_url() {
         assert_eq!(uplink_url("ws://gw:4700"), "ws://gw:4700/v1/uplink");
         assert_eq!(uplink_url("ws://gw:4700/"), "ws://gw:4700/v1/uplink");
+        assert_eq!(uplink_url("wss://gw"), "wss://gw/v1/uplink");
+    }
+
+    #[test]
+    fn a_pasted_uplink_or_api_path_is_not_doubled() {
+        for pasted in [
+            "ws://gw:4700/v1/uplink",
+            "ws://gw:4700/v1/uplink/",
+            "ws://gw:4700/v1",
+            "ws://gw:4700/v1/",
+            "ws://gw:4700/v1//",
+        ] {
+            assert_eq!(uplink_url(pasted), "ws://gw:4700/v1/uplink", "{pasted}");
+        }
+        assert_eq!(uplink_url("wss://gw/v1/uplink"), "wss://gw/v1/uplink");
+    }
+
+    #[test]
+    fn a_prefix_path_is_kept_and_only_the_path_loses_a_suffix() {
+        // A proxy's prefix, with or without the pasted path after it.
+        assert_eq!(uplink_url("wss://gw/simlock"), "wss://gw/simlock/v1/uplink");
+        assert_eq!(
+            uplink_url("wss://gw/simlock/v1/uplink"),
+            "wss://gw/simlock/v1/uplink"
+        );
+        assert_eq!(
+            uplink_url("wss://gw/simlock/v1/"),
+            "wss://gw/simlock/v1/uplink"
+        );
+        // A host named like the path, or a path that only looks like it, is left alone.
+        assert_eq!(uplink_url("ws://v1"), "ws://v1/v1/uplink");
+        assert_eq!(uplink_url("ws://uplink"), "ws://uplink/v1/uplink");
+        assert_eq!(uplink_url("ws://gw/v10"), "ws://gw/v10/v1/uplink");
+        assert_eq!(
+            uplink_url("ws://gw/api/uplink"),
+            "ws://gw/api/uplink/v1/uplink"
+        );
+    }
+
+    #[test]
+    fn the_state_is_translated_with_the_gateway_as_configured() {
+        let connecting = UplinkState::Connecting {
+            last_error: Some(DialError::Rejected(401).to_string()),
+        };
+        assert_eq!(
+            connecting.status("ws://gw:4700/v1", 5),
+            UplinkStatus {
+                gateway: "ws://gw:4700/v1".into(),
+                state: UplinkConnection::Connecting,
+                last_error: Some("rejected with HTTP 401: check gateway.token".into()),
+                since: 5,
+            }
+        );
+        let connected = UplinkState::Connected.status("ws://gw:4700", 7);
+        assert_eq!(connected.state, UplinkConnection::Connected);
+        assert_eq!((connected.last_error, connected.since), (None, 7));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn since_moves_when_the_state_changes_and_not_at_each_failed_attempt() {
+        let clock = crate::clock::TokioClock::starting_at(1_000).shared();
+        let report = UplinkReport::new("ws://gw:4700", clock);
+        assert_eq!(report.status().state, UplinkConnection::Connecting);
+        assert_eq!(
+            (report.status().since, report.status().last_error),
+            (1_000, None)
+        );
+
+        tokio::time::advance(Duration::from_millis(100)).await;
+        let rejected = |status: u16| UplinkState::Connecting {
+            last_error: Some(DialError::Rejected(status).to_string()),
+        };
+        report.record(&rejected(401), false);
+        let status = report.status();
+        assert_eq!(status.since, 1_000, "still connecting since it began");
+        assert_eq!(
+            status.last_error.as_deref(),
+            Some("rejected with HTTP 401: check gateway.token")
+        );
+
+        tokio::time::advance(Duration::from_millis(100)).await;
+        report.record(&UplinkState::Connected, false);
+        let status = report.status();
+        assert_eq!(
+            (status.state, status.since),
+            (UplinkConnection::Connected, 1_200)
+        );
+        assert_eq!(status.last_error, None);
+
+        tokio::time::advance(Duration::from_millis(100)).await;
+        report.record(&rejected(403), false);
+        let status = report.status();
+        assert_eq!(
+            (status.state, status.since),
+            (UplinkConnection::Connecting, 1_300)
+        );
+        assert_eq!(status.gateway, "ws://gw:4700");
+
+        tokio::time::advance(Duration::from_millis(100)).await;
+        report.record(&UplinkState::Connecting { last_error: None }, true);
+        assert_eq!(report.status().since, 1_400, "a restart starts anew");
     }
 }

@@ -42,6 +42,7 @@ impl Fleet {
                 drivers: None,
                 lease: None,
                 workers: None,
+                uplink: None,
             };
         }
         let views = self.views_seen_by(ctx.viewer());
@@ -80,6 +81,7 @@ impl Fleet {
             drivers: None,
             lease: Some(self.limits),
             workers: Some(views),
+            uplink: None,
         }
     }
 

@@ -628,6 +628,7 @@ fn register(router: &mut Router, state: &Arc<State>) {
             }),
             workers: None,
             drivers: None,
+            uplink: None,
         };
         async move { Ok(output) }
     });

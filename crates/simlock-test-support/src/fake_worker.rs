@@ -55,6 +55,7 @@ pub fn bookkeeping(op: &str, name: &str) -> Option<Result<Value, ContractError>>
             lease: None,
             workers: None,
             drivers: None,
+            uplink: None,
         }),
         "list.get" => serde_json::to_value(ListOutput::Devices(Vec::new())),
         "catalog.get" => serde_json::to_value(CatalogOutput {

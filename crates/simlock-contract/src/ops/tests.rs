@@ -562,6 +562,37 @@ fn list_output_is_keyed_by_kind() {
 }
 
 #[test]
+fn a_workers_uplink_is_spelled_in_camel_case_and_names_an_error_only_when_there_is_one() {
+    use crate::model::{UplinkConnection, UplinkStatus};
+    let connecting = UplinkStatus {
+        gateway: "ws://gw:4700".into(),
+        state: UplinkConnection::Connecting,
+        last_error: Some("rejected with HTTP 401: check gateway.token".into()),
+        since: 1_700_000_000_000,
+    };
+    let value = json!({
+        "gateway": "ws://gw:4700",
+        "state": "connecting",
+        "lastError": "rejected with HTTP 401: check gateway.token",
+        "since": 1_700_000_000_000_i64,
+    });
+    assert_eq!(serde_json::to_value(&connecting).unwrap(), value);
+    assert_eq!(
+        serde_json::from_value::<UplinkStatus>(value).unwrap(),
+        connecting
+    );
+    let connected = UplinkStatus {
+        state: UplinkConnection::Connected,
+        last_error: None,
+        ..connecting
+    };
+    assert_eq!(
+        serde_json::to_value(&connected).unwrap(),
+        json!({"gateway": "ws://gw:4700", "state": "connected", "since": 1_700_000_000_000_i64})
+    );
+}
+
+#[test]
 fn a_relay_that_was_cancelled_is_logged_as_cancelled_and_every_other_answer_as_ok() {
     let cancelled = RelayRequestOutput {
         cancelled: Some(true),

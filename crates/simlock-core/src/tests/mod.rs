@@ -97,6 +97,8 @@ pub(crate) struct Build {
     pub drivers: Option<Vec<Arc<dyn crate::Driver>>>,
     /// Lease-end hooks.
     pub lease_end: Vec<crate::LeaseEndHook>,
+    /// The uplink's report, for a worker with a gateway.
+    pub uplink: Option<simlock_daemon::uplink::UplinkReport>,
 }
 
 impl Default for Build {
@@ -112,6 +114,7 @@ impl Default for Build {
             start: true,
             drivers: None,
             lease_end: Vec::new(),
+            uplink: None,
         }
     }
 }
@@ -161,6 +164,7 @@ impl Harness {
             instance_id: "worker-test".into(),
             version: "0.0.0-test".into(),
             lease_end: b.lease_end,
+            uplink: b.uplink,
         };
         let worker = Worker::new(parts).unwrap();
         let gate = StartupGate::new();

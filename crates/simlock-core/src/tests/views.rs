@@ -126,6 +126,53 @@ async fn catalog_config_lists_and_the_fleet_of_one() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn status_reports_the_uplink_of_a_worker_with_a_gateway_once_started() {
+    use simlock_contract::model::{UplinkConnection, UplinkStatus};
+    use simlock_daemon::uplink::UplinkReport;
+
+    // No gateway: no uplink.
+    let h = Harness::new();
+    let status = h.call::<StatusGet>(agent("x"), &Empty {}).await.unwrap();
+    assert_eq!(status.uplink, None);
+    let value = h
+        .call_raw(agent("x"), "status.get", json!({}))
+        .await
+        .unwrap();
+    assert!(value.get("uplink").is_none(), "{value}");
+
+    let clock = TokioClock::starting_at(T0).shared();
+    let report = UplinkReport::new("ws://gw:4700/v1", clock.clone());
+    let h = Harness::build(Build {
+        clock: Some(clock),
+        start: false,
+        uplink: Some(report),
+        ..Build::default()
+    });
+    // While starting, only `daemon` and `host`.
+    let status = h.call::<StatusGet>(agent("x"), &Empty {}).await.unwrap();
+    assert_eq!(status.uplink, None);
+    h.worker.start(&h.gate).unwrap();
+    let status = h.call::<StatusGet>(agent("x"), &Empty {}).await.unwrap();
+    assert_eq!(
+        status.uplink,
+        Some(UplinkStatus {
+            gateway: "ws://gw:4700/v1".into(),
+            state: UplinkConnection::Connecting,
+            last_error: None,
+            since: T0,
+        })
+    );
+    let value = h
+        .call_raw(agent("x"), "status.get", json!({}))
+        .await
+        .unwrap();
+    assert_eq!(
+        value["uplink"],
+        json!({"gateway": "ws://gw:4700/v1", "state": "connecting", "since": T0})
+    );
+}
+
+#[tokio::test(start_paused = true)]
 async fn the_queue_depth_metric_counts_what_status_calls_the_queue() {
     let h = Harness::new();
     let metrics = simlock_daemon::metrics::Metrics::new();

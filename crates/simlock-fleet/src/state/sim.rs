@@ -400,6 +400,7 @@ impl SimWorker {
                 max_ttl_ms: 60_000,
             }),
             workers: None,
+            uplink: None,
             drivers: None,
         }
     }

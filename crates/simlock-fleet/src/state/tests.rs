@@ -106,6 +106,7 @@ pub(crate) fn status(leases: Vec<LeaseRecord>, slots: u32) -> StatusOutput {
         capabilities: Some(Vec::new()),
         lease: None,
         workers: None,
+        uplink: None,
         drivers: None,
     }
 }
