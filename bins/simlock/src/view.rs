@@ -1,5 +1,6 @@
 //! Human views: tables, durations and times. The `--json` view is the contract's output as is.
 
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;
 
 use serde_json::Value;
@@ -197,6 +198,7 @@ pub(crate) fn leases(leases: &[LeaseRecord], scope: LeaseScope<'_>) -> String {
             LeaseScope::Token => format!("no leases this token may see; {EVERY_LEASE}"),
         };
     }
+    let shared = shared_labels(leases.iter().map(|l| l.worker.as_ref()));
     let rows: Vec<Vec<String>> = leases
         .iter()
         .map(|l| {
@@ -206,7 +208,7 @@ pub(crate) fn leases(leases: &[LeaseRecord], scope: LeaseScope<'_>) -> String {
                 l.requester_id.clone(),
                 l.owner_id.clone(),
                 relative(l.ttl_deadline),
-                worker(l.worker.as_ref(), l.worker_id.as_deref()),
+                worker(l.worker.as_ref(), l.worker_id.as_deref(), &shared),
             ]
         })
         .collect();
@@ -220,13 +222,35 @@ pub(crate) fn leases(leases: &[LeaseRecord], scope: LeaseScope<'_>) -> String {
     out
 }
 
-/// A WORKER cell: its label (else its id), and `(disconnected)` when the gateway said its
-/// uplink was down; `-` off a gateway.
-fn worker(worker: Option<&WorkerRef>, id: Option<&str>) -> String {
-    match worker {
-        Some(w) if w.is_away() => format!("{} ({})", w.name(), value_name(&w.connection)),
-        Some(w) => w.name().to_owned(),
-        None => or_dash(id),
+/// The labels in one table that name more than one worker: their cells add the worker's id.
+fn shared_labels<'a>(workers: impl Iterator<Item = Option<&'a WorkerRef>>) -> BTreeSet<&'a str> {
+    let mut ids: BTreeMap<&str, BTreeSet<&str>> = BTreeMap::new();
+    for w in workers.flatten() {
+        if let Some(label) = &w.label {
+            ids.entry(label).or_default().insert(&w.id);
+        }
+    }
+    ids.into_iter()
+        .filter(|(_, ids)| ids.len() > 1)
+        .map(|(label, _)| label)
+        .collect()
+}
+
+/// A WORKER cell: its label (else its id; with its id too when another worker in the table has
+/// the same label), and `(disconnected)` when the gateway said its uplink was down; `-` off a
+/// gateway.
+fn worker(worker: Option<&WorkerRef>, id: Option<&str>, shared: &BTreeSet<&str>) -> String {
+    let Some(w) = worker else {
+        return or_dash(id);
+    };
+    let name = match &w.label {
+        Some(label) if shared.contains(label.as_str()) => format!("{label} [{}]", w.id),
+        _ => w.name().to_owned(),
+    };
+    if w.is_away() {
+        format!("{name} ({})", value_name(&w.connection))
+    } else {
+        name
     }
 }
 
@@ -236,6 +260,7 @@ pub(crate) fn devices(devices: &[Device]) -> String {
     if devices.is_empty() {
         return "no devices".to_owned();
     }
+    let shared = shared_labels(devices.iter().map(|d| d.worker.as_ref()));
     let rows: Vec<Vec<String>> = devices
         .iter()
         .map(|d| {
@@ -245,7 +270,7 @@ pub(crate) fn devices(devices: &[Device]) -> String {
                 d.spec.model.clone(),
                 d.spec.os_version.clone(),
                 value_name(&d.state),
-                worker(d.worker.as_ref(), d.worker_id.as_deref()),
+                worker(d.worker.as_ref(), d.worker_id.as_deref(), &shared),
             ]
         })
         .collect();
@@ -642,27 +667,35 @@ mod tests {
             label: label.map(str::to_owned),
             connection,
         };
-        assert_eq!(worker(None, None), "-");
-        assert_eq!(worker(None, Some("63a0ce42")), "63a0ce42");
+        let none = BTreeSet::new();
+        assert_eq!(worker(None, None, &none), "-");
+        assert_eq!(worker(None, Some("63a0ce42"), &none), "63a0ce42");
+        let mini = named(Some("mini"), Some(Connection::Connected));
+        assert_eq!(worker(Some(&mini), None, &none), "mini");
+        assert_eq!(worker(Some(&named(None, None)), None, &none), "63a0ce42");
+        let away = named(Some("mini"), Some(Connection::Disconnected));
+        assert_eq!(worker(Some(&away), None, &none), "mini (disconnected)");
         assert_eq!(
             worker(
-                Some(&named(Some("mini"), Some(Connection::Connected))),
-                None
+                Some(&named(None, Some(Connection::Incompatible))),
+                None,
+                &none
             ),
-            "mini"
-        );
-        assert_eq!(worker(Some(&named(None, None)), None), "63a0ce42");
-        assert_eq!(
-            worker(
-                Some(&named(Some("mini"), Some(Connection::Disconnected))),
-                None
-            ),
-            "mini (disconnected)"
-        );
-        assert_eq!(
-            worker(Some(&named(None, Some(Connection::Incompatible))), None),
             "63a0ce42 (incompatible)"
         );
+        // Two workers in one table with one label: each cell adds its id.
+        let twin = WorkerRef {
+            id: "9e71f5c7".into(),
+            ..mini.clone()
+        };
+        let shared = shared_labels([Some(&mini), Some(&twin), Some(&mini), None].into_iter());
+        assert_eq!(shared, BTreeSet::from(["mini"]));
+        assert_eq!(worker(Some(&twin), None, &shared), "mini [9e71f5c7]");
+        assert_eq!(
+            worker(Some(&away), None, &shared),
+            "mini [63a0ce42] (disconnected)"
+        );
+        assert!(shared_labels([Some(&mini), Some(&mini)].into_iter()).is_empty());
     }
 
     #[test]
