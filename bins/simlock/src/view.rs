@@ -514,29 +514,21 @@ mod tests {
     /// A running worker's status with nothing in it but `uplink`.
     fn worker_status(uplink: Option<simlock_contract::model::UplinkStatus>) -> StatusOutput {
         use simlock_contract::model::{DaemonInfo, Health, HostFacts, Mode};
+        let daemon = DaemonInfo {
+            health: Health::Running,
+            mode: Mode::Worker,
+            version: "0.1.0".into(),
+            instance_id: "63a0ce42".into(),
+        };
+        let host = HostFacts {
+            os: "linux".into(),
+            os_version: "6.8".into(),
+            arch: "x86_64".into(),
+            tools: Vec::new(),
+        };
         StatusOutput {
-            daemon: DaemonInfo {
-                health: Health::Running,
-                mode: Mode::Worker,
-                version: "0.1.0".into(),
-                instance_id: "63a0ce42".into(),
-            },
-            host: HostFacts {
-                os: "linux".into(),
-                os_version: "6.8".into(),
-                arch: "x86_64".into(),
-                tools: Vec::new(),
-            },
-            capacity: None,
-            devices: None,
-            leases: None,
-            queue_depth: None,
-            waiting: None,
-            capabilities: None,
-            drivers: None,
-            lease: None,
-            workers: None,
             uplink,
+            ..StatusOutput::bare(daemon, host)
         }
     }
 

@@ -565,6 +565,27 @@ pub struct StatusOutput {
     pub uplink: Option<UplinkStatus>,
 }
 
+impl StatusOutput {
+    /// `daemon` and `host` alone, as while the daemon starts; a running daemon fills in the
+    /// rest it has.
+    pub fn bare(daemon: DaemonInfo, host: HostFacts) -> Self {
+        Self {
+            daemon,
+            host,
+            capacity: None,
+            devices: None,
+            leases: None,
+            queue_depth: None,
+            waiting: None,
+            capabilities: None,
+            drivers: None,
+            lease: None,
+            workers: None,
+            uplink: None,
+        }
+    }
+}
+
 /// `catalog.get`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]

@@ -525,20 +525,7 @@ impl Worker {
             version: self.version.clone(),
             instance_id: self.instance_id.clone(),
         };
-        let mut out = StatusOutput {
-            daemon,
-            host: self.host.clone(),
-            capacity: None,
-            devices: None,
-            leases: None,
-            queue_depth: None,
-            waiting: None,
-            capabilities: None,
-            drivers: None,
-            lease: None,
-            workers: None,
-            uplink: None,
-        };
+        let mut out = StatusOutput::bare(daemon, self.host.clone());
         if health != Health::Running {
             return out;
         }

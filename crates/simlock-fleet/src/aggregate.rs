@@ -30,20 +30,8 @@ impl Fleet {
             instance_id: self.gateway_id().to_owned(),
         };
         if health != Health::Running {
-            return StatusOutput {
-                daemon,
-                host: simlock_daemon::host::facts(simlock_daemon::host::os_version()),
-                capacity: None,
-                devices: None,
-                leases: None,
-                queue_depth: None,
-                waiting: None,
-                capabilities: None,
-                drivers: None,
-                lease: None,
-                workers: None,
-                uplink: None,
-            };
+            let host = simlock_daemon::host::facts(simlock_daemon::host::os_version());
+            return StatusOutput::bare(daemon, host);
         }
         let views = self.views_seen_by(ctx.viewer());
         let mut capacity = Capacity::default();

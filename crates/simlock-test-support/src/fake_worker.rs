@@ -33,30 +33,20 @@ pub fn greet_gateway(hello: &Hello) -> Result<Identity, ContractError> {
 /// other operation.
 pub fn bookkeeping(op: &str, name: &str) -> Option<Result<Value, ContractError>> {
     let value = match op {
-        "status.get" => serde_json::to_value(StatusOutput {
-            daemon: DaemonInfo {
+        "status.get" => serde_json::to_value(StatusOutput::bare(
+            DaemonInfo {
                 health: Health::Running,
                 mode: Mode::Worker,
                 version: name.to_owned(),
                 instance_id: name.to_owned(),
             },
-            host: HostFacts {
+            HostFacts {
                 os: "linux".to_owned(),
                 os_version: String::new(),
                 arch: "x86_64".to_owned(),
                 tools: Vec::new(),
             },
-            capacity: None,
-            devices: None,
-            leases: None,
-            queue_depth: None,
-            waiting: None,
-            capabilities: None,
-            lease: None,
-            workers: None,
-            drivers: None,
-            uplink: None,
-        }),
+        )),
         "list.get" => serde_json::to_value(ListOutput::Devices(Vec::new())),
         "catalog.get" => serde_json::to_value(CatalogOutput {
             platforms: Vec::new(),
