@@ -146,9 +146,9 @@ pub(crate) enum Command {
 /// `simlock mcp`.
 #[derive(Debug, Args)]
 pub(crate) struct McpArgs {
-    /// Who the session's leases are for (default: $SIMLOCK_AGENT_ID, else the agent's session
-    /// id, else the parent process; see docs/MCP.md).
-    #[arg(long, env = "SIMLOCK_AGENT_ID", value_name = "ID")]
+    /// Who the session's leases are for (default: $SIMLOCK_AGENT_ID when not blank, else the
+    /// agent's session id, else the parent process; see docs/MCP.md).
+    #[arg(long, value_name = "ID", value_parser = requester_arg)]
     pub(crate) requester: Option<String>,
 }
 
@@ -173,9 +173,9 @@ pub(crate) struct LeaseArgs {
     /// The longest to wait in the queue: 90s, 5m, or milliseconds (then exit 10).
     #[arg(long, value_name = "DUR", value_parser = positive_ms)]
     pub(crate) timeout: Option<u64>,
-    /// Who the lease is for (default: $SIMLOCK_AGENT_ID, else the agent's session id, else the
-    /// parent process; see docs/MCP.md).
-    #[arg(long, env = "SIMLOCK_AGENT_ID", value_name = "ID")]
+    /// Who the lease is for (default: $SIMLOCK_AGENT_ID when not blank, else the agent's session
+    /// id, else the parent process; see docs/MCP.md).
+    #[arg(long, value_name = "ID", value_parser = requester_arg)]
     pub(crate) requester: Option<String>,
     /// A capability the serving worker must have (repeatable).
     #[arg(long = "requires", value_name = "CAP")]
@@ -225,7 +225,8 @@ pub(crate) enum WorkersCommand {
         /// The worker: its id, or its label when no other worker has it.
         id: String,
     },
-    /// Forget a disconnected worker.
+    /// Forget a disconnected worker; exits 12 (UNKNOWN_WORKER) when the gateway knows no such
+    /// worker.
     Remove {
         /// The worker: its id, or its label when no other worker has it.
         id: String,
@@ -290,6 +291,20 @@ impl Command {
             | Self::Mcp(_) => false,
         }
     }
+}
+
+/// `--requester`: named on the command line, a requester is never blank (a blank
+/// `SIMLOCK_AGENT_ID`, which an agent's configuration may leave empty, is read as unset instead).
+fn requester_arg(text: &str) -> Result<String, String> {
+    let id = text.trim();
+    if id.is_empty() {
+        return Err(
+            "a requester cannot be blank: name one, or leave --requester out for the default \
+             (docs/MCP.md)"
+                .to_owned(),
+        );
+    }
+    Ok(id.to_owned())
 }
 
 #[cfg(test)]

@@ -114,16 +114,25 @@ fn usable(value: &str) -> bool {
         && value.chars().all(|c| c.is_ascii_graphic())
 }
 
-/// The requester: `explicit` when given (and not blank), else the first usable agent session
-/// variable `var` answers, else the parent process `parent` on `host`.
+/// The variable that names the requester when `--requester` does not.
+pub(crate) const AGENT_ID: &str = "SIMLOCK_AGENT_ID";
+
+/// The requester: `explicit` (`--requester`) when given and not blank, else [`AGENT_ID`] when
+/// `var` answers it not blank, else the first usable agent session variable, else the parent
+/// process `parent` on `host`.
 pub(crate) fn resolve(
     explicit: Option<&str>,
     var: impl Fn(&str) -> Option<String>,
     parent: u32,
     host: &str,
 ) -> Requester {
-    if let Some(id) = explicit.map(str::trim).filter(|id| !id.is_empty()) {
-        return Requester::Explicit(id.to_owned());
+    let named = explicit
+        .map(str::to_owned)
+        .or_else(|| var(AGENT_ID))
+        .map(|id| id.trim().to_owned())
+        .filter(|id| !id.is_empty());
+    if let Some(id) = named {
+        return Requester::Explicit(id);
     }
     for session in AGENT_SESSIONS {
         if let Some(id) = var(session.variable).map(|v| v.trim().to_owned())
@@ -211,6 +220,27 @@ mod tests {
     #[test]
     fn a_blank_explicit_requester_is_none() {
         let r = resolve(Some("  "), env(&[("CODEX_THREAD_ID", "t1")]), 42, "mac");
+        assert_eq!(r.id(), "codex:t1");
+    }
+
+    #[test]
+    fn the_agent_id_variable_names_the_requester_unless_blank() {
+        let r = resolve(
+            None,
+            env(&[(AGENT_ID, " agent-9 "), ("CODEX_THREAD_ID", "t1")]),
+            42,
+            "mac",
+        );
+        assert_eq!(r, Requester::Explicit("agent-9".into()));
+        let r = resolve(Some("agent-7"), env(&[(AGENT_ID, "agent-9")]), 42, "mac");
+        assert_eq!(r.id(), "agent-7", "--requester wins over the variable");
+        // An agent's configuration that leaves the variable empty means "unset".
+        let r = resolve(
+            None,
+            env(&[(AGENT_ID, ""), ("CODEX_THREAD_ID", "t1")]),
+            42,
+            "mac",
+        );
         assert_eq!(r.id(), "codex:t1");
     }
 

@@ -357,13 +357,20 @@ async fn workers(
         }
         Some(WorkersCommand::Remove { id }) => {
             let out = client.worker_remove(id).await?;
-            emit(json, &out, |o| {
-                if o.removed {
-                    format!("forgot worker {}", o.worker_id)
-                } else {
-                    format!("no worker {} to forget", o.worker_id)
+            if !out.removed {
+                // Removing is idempotent over HTTP; on the command line a name that matches no
+                // worker is most often a typo, and says so with UNKNOWN_WORKER's exit code.
+                if json {
+                    emit(json, &out, |_| String::new());
                 }
-            });
+                eprintln!(
+                    "simlock: no worker {} is known to this gateway; nothing was removed ({})",
+                    out.worker_id,
+                    ErrorCode::UnknownWorker
+                );
+                return Ok(ErrorCode::UnknownWorker.exit_code());
+            }
+            emit(json, &out, |o| format!("forgot worker {}", o.worker_id));
         }
     }
     Ok(0)

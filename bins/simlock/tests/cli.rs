@@ -294,6 +294,45 @@ async fn no_daemon_is_a_clear_message_and_exit_1() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_blank_requester_is_a_usage_error_and_a_blank_agent_id_is_unset() {
+    let fake = fake().await;
+    for blank in ["", "  "] {
+        let out = run(
+            &fake,
+            &[
+                "lease",
+                "--platform",
+                "ios",
+                "--requester",
+                blank,
+                "--detach",
+            ],
+        )
+        .await;
+        assert_eq!(out.code, 2, "{}", out.stderr);
+        assert!(
+            out.stderr.contains("a requester cannot be blank"),
+            "{}",
+            out.stderr
+        );
+        let out = run(&fake, &["mcp", "--requester", blank]).await;
+        assert_eq!(out.code, 2, "{}", out.stderr);
+    }
+    assert!(fake.calls_of("lease.request").is_empty());
+
+    // The variable an agent's configuration left empty: the default requester instead.
+    let out = run_in(
+        simlock(fake.home())
+            .env("SIMLOCK_AGENT_ID", "")
+            .env("CODEX_THREAD_ID", "t-1")
+            .args(["lease", "--platform", "ios", "--detach", "--json"]),
+    )
+    .await;
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert_eq!(out.json()["lease"]["requesterId"], "codex:t-1");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn detach_prints_the_grant_and_leaves_the_lease() {
     let fake = fake().await;
     let out = run_in(
@@ -492,6 +531,22 @@ async fn operators_manage_tokens_workers_events_and_the_daemon() {
     assert_eq!(unknown.code, 12, "{}", unknown.stderr);
     let connected = run(&fake, &["workers", "remove", "fake-worker"]).await;
     assert_eq!(connected.code, 2, "{}", connected.stderr);
+    // Idempotent over HTTP (removed: false), but a name that matches no worker is a typo here.
+    let typo = run(&fake, &["workers", "remove", "fake-wroker"]).await;
+    assert_eq!(typo.code, 12, "{}", typo.stderr);
+    assert!(typo.stdout.is_empty(), "{}", typo.stdout);
+    assert!(
+        typo.stderr
+            .contains("no worker fake-wroker is known to this gateway; nothing was removed"),
+        "{}",
+        typo.stderr
+    );
+    let typo = run(&fake, &["--json", "workers", "remove", "fake-wroker"]).await;
+    assert_eq!(typo.code, 12, "{}", typo.stderr);
+    assert_eq!(
+        typo.json(),
+        json!({"removed": false, "workerId": "fake-wroker"})
+    );
 
     fake.emit("lease.granted", json!({"leaseId": "lse_1"}));
     let events = run(&fake, &["--json", "events", "--since", "1h"]).await;
