@@ -17,24 +17,12 @@ pub(crate) fn now_ms() -> i64 {
         .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
 }
 
-/// `1h30m`, `15m`, `45s`, `500ms`.
+/// `1h30m`, `15m`, `45s`, `500ms`: whole seconds from one second on.
 pub(crate) fn duration(ms: u64) -> String {
     if ms < 1000 {
-        return format!("{ms}ms");
+        return simlock_contract::duration::text(ms);
     }
-    let secs = ms / 1000;
-    let (h, m, s) = (secs / 3600, (secs % 3600) / 60, secs % 60);
-    let mut out = String::new();
-    if h > 0 {
-        let _ = write!(out, "{h}h");
-    }
-    if m > 0 {
-        let _ = write!(out, "{m}m");
-    }
-    if s > 0 || out.is_empty() {
-        let _ = write!(out, "{s}s");
-    }
-    out
+    simlock_contract::duration::text(ms - ms % 1000)
 }
 
 /// `in 14m59s` or `12s ago`, from now.
@@ -602,6 +590,7 @@ mod tests {
         assert_eq!(duration(900_000), "15m");
         assert_eq!(duration(5_430_000), "1h30m30s");
         assert_eq!(duration(3_600_000), "1h");
+        assert_eq!(duration(93_600_999), "1d2h");
     }
 
     #[test]

@@ -13,11 +13,13 @@
 //! - [`model`]: the shapes operations carry (devices, leases, catalogs, views, events).
 //! - [`error`]: the closed error table and [`ContractError`].
 //! - [`bounds`]: every input bound, declared once.
+//! - [`duration`]: durations for people, in messages beside their milliseconds.
 //! - [`ids`]: identifier newtypes.
 #![warn(missing_docs)]
 
 pub mod bounds;
 mod decode;
+pub mod duration;
 pub mod error;
 pub mod event;
 pub mod frame;

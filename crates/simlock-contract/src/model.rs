@@ -700,7 +700,11 @@ impl LeaseLimits {
 
 /// A `ttlMs` above `lease.maxTtlMs` ([`LeaseLimits::ttl`]); answered `BAD_REQUEST`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
-#[error("ttlMs: {asked} is above lease.maxTtlMs ({max})")]
+#[error(
+    "ttlMs: {asked} ({}) is above lease.maxTtlMs ({max}, {})",
+    crate::duration::text(*asked),
+    crate::duration::text(*max)
+)]
 pub struct TtlAboveMax {
     /// The width asked for.
     pub asked: u64,
@@ -865,7 +869,7 @@ mod tests {
         );
         assert_eq!(
             refused.to_string(),
-            "ttlMs: 60001 is above lease.maxTtlMs (60000)"
+            "ttlMs: 60001 (1m1ms) is above lease.maxTtlMs (60000, 1m)"
         );
     }
 
