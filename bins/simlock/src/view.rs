@@ -187,21 +187,28 @@ pub(crate) fn leases(leases: &[LeaseRecord], scope: LeaseScope<'_>) -> String {
         };
     }
     let shared = shared_labels(leases.iter().map(|l| l.worker.as_ref()));
+    let with_workers = leases
+        .iter()
+        .any(|l| l.worker.is_some() || l.worker_id.is_some());
     let rows: Vec<Vec<String>> = leases
         .iter()
         .map(|l| {
-            vec![
+            let mut row = vec![
                 l.id.to_string(),
                 l.device_id.to_string(),
                 l.requester_id.clone(),
                 l.owner_id.clone(),
                 relative(l.ttl_deadline),
-                worker(l.worker.as_ref(), l.worker_id.as_deref(), &shared),
-            ]
+            ];
+            if with_workers {
+                row.push(worker(l.worker.as_ref(), l.worker_id.as_deref(), &shared));
+            }
+            row
         })
         .collect();
+    let headers = ["LEASE", "DEVICE", "REQUESTER", "OWNER", "EXPIRES", "WORKER"];
     let mut out = table(
-        &["LEASE", "DEVICE", "REQUESTER", "OWNER", "EXPIRES", "WORKER"],
+        &headers[..headers.len() - usize::from(!with_workers)],
         &rows,
     );
     if let LeaseScope::Own(principal) = scope {
@@ -225,8 +232,8 @@ fn shared_labels<'a>(workers: impl Iterator<Item = Option<&'a WorkerRef>>) -> BT
 }
 
 /// A WORKER cell: its label (else its id; with its id too when another worker in the table has
-/// the same label), and `(disconnected)` when the gateway said its uplink was down; `-` off a
-/// gateway.
+/// the same label), and `(disconnected)` when the gateway said its uplink was down. A table
+/// with no worker in any row (a worker's own) has no WORKER column.
 fn worker(worker: Option<&WorkerRef>, id: Option<&str>, shared: &BTreeSet<&str>) -> String {
     let Some(w) = worker else {
         return or_dash(id);
@@ -249,21 +256,28 @@ pub(crate) fn devices(devices: &[Device]) -> String {
         return "no devices".to_owned();
     }
     let shared = shared_labels(devices.iter().map(|d| d.worker.as_ref()));
+    let with_workers = devices
+        .iter()
+        .any(|d| d.worker.is_some() || d.worker_id.is_some());
     let rows: Vec<Vec<String>> = devices
         .iter()
         .map(|d| {
-            vec![
+            let mut row = vec![
                 d.id.to_string(),
                 d.spec.platform.to_string(),
                 d.spec.model.clone(),
                 d.spec.os_version.clone(),
                 value_name(&d.state),
-                worker(d.worker.as_ref(), d.worker_id.as_deref(), &shared),
-            ]
+            ];
+            if with_workers {
+                row.push(worker(d.worker.as_ref(), d.worker_id.as_deref(), &shared));
+            }
+            row
         })
         .collect();
+    let headers = ["DEVICE", "PLATFORM", "MODEL", "OS", "STATE", "WORKER"];
     table(
-        &["DEVICE", "PLATFORM", "MODEL", "OS", "STATE", "WORKER"],
+        &headers[..headers.len() - usize::from(!with_workers)],
         &rows,
     )
 }
@@ -639,6 +653,55 @@ mod tests {
             LeaseScope::Every
         );
         assert_eq!(LeaseScope::of(None), LeaseScope::Token);
+    }
+
+    #[test]
+    fn a_workers_own_tables_have_no_worker_column_and_a_gateways_do() {
+        let device = |worker: Option<Value>| -> Device {
+            let mut d = serde_json::json!({
+                "createdAt": 0, "driverDeviceId": "U-1", "id": "dev_1", "state": "ready",
+                "spec": {"model": "iPhone 16", "osVersion": "18.2", "platform": "ios"}
+            });
+            if let Some(w) = worker {
+                d["worker"] = w;
+            }
+            serde_json::from_value(d).unwrap()
+        };
+        let own = devices(&[device(None)]);
+        assert_eq!(
+            own.lines().next().unwrap().split_whitespace().last(),
+            Some("STATE")
+        );
+        let through = devices(&[device(Some(
+            serde_json::json!({"id": "w1", "label": "mini", "connection": "connected"}),
+        ))]);
+        assert!(
+            through.lines().next().unwrap().ends_with("WORKER"),
+            "{through}"
+        );
+        assert!(
+            through.lines().nth(1).unwrap().ends_with("mini"),
+            "{through}"
+        );
+
+        let lease = |worker_id: Option<&str>| -> LeaseRecord {
+            let mut l = serde_json::json!({
+                "deviceId": "dev_1", "grantedAt": 0, "id": "lse_1", "lastRenewedAt": 0,
+                "ownerId": "alice", "requesterId": "agent-7", "ttlDeadline": 0, "ttlMs": 1000
+            });
+            if let Some(id) = worker_id {
+                l["workerId"] = id.into();
+            }
+            serde_json::from_value(l).unwrap()
+        };
+        let own = leases(&[lease(None)], LeaseScope::Every);
+        assert!(!own.contains("WORKER"), "{own}");
+        let through = leases(&[lease(Some("w1")), lease(None)], LeaseScope::Every);
+        assert!(
+            through.lines().next().unwrap().ends_with("WORKER"),
+            "{through}"
+        );
+        assert!(through.lines().nth(2).unwrap().ends_with('-'), "{through}");
     }
 
     #[test]
