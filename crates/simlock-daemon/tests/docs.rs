@@ -117,6 +117,33 @@ fn routes_in(source: &str, prefix: &str) -> BTreeSet<String> {
     routes
 }
 
+/// The host's `ROUTES` table (for `405`'s `Allow`), as `METHOD /v1/…`.
+fn allow_table() -> BTreeSet<String> {
+    let host = read("src/http/mod.rs");
+    let table = host
+        .split_once("const ROUTES: &[(&str, &str)] = &[")
+        .expect("the ROUTES table moved")
+        .1
+        .split_once("];")
+        .unwrap()
+        .0;
+    table
+        .lines()
+        .filter_map(|line| {
+            let line = line.trim().strip_prefix("(\"")?.strip_suffix("\"),")?;
+            let (method, path) = line.split_once("\", \"")?;
+            Some(format!("{method} /v1/{path}"))
+        })
+        .collect()
+}
+
+#[test]
+fn the_allow_table_is_the_routes_the_host_matches() {
+    let mut served = routes_in(&read("src/http/mod.rs"), "/v1/");
+    served.insert("GET /v1/healthz".to_owned());
+    assert_eq!(allow_table(), served);
+}
+
 /// Every `METHOD /v1/…` the doc mentions, path parameters written `{}`.
 fn mentioned_routes(doc: &str) -> BTreeSet<String> {
     let mut out = BTreeSet::new();

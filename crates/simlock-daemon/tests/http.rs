@@ -394,15 +394,82 @@ async fn a_query_name_given_twice_is_refused_naming_it() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn healthz_needs_no_token_for_any_method_and_only_get_is_a_route() {
+async fn healthz_needs_no_token_for_any_method_and_only_get_is_its_route() {
     let host = host().await;
     let (status, body) = exchange(&host.addr, "GET", "/v1/healthz", None, b"").await;
     assert_eq!((status, body.as_str()), (200, r#"{"ok":true}"#));
     for method in ["POST", "DELETE", "PUT", "PATCH"] {
         let (status, body) = exchange(&host.addr, method, "/v1/healthz", None, b"").await;
-        assert_eq!(status, 404, "{method}: {body}");
+        assert_eq!(status, 405, "{method}: {body}");
         assert_eq!(code_of(&body), "UNKNOWN_REQUEST", "{method}");
     }
+    host.stop.cancel();
+}
+
+/// The status line and head of `method path`, with `token`.
+async fn head_of(
+    addr: &str,
+    method: &str,
+    path: &str,
+    token: Option<&str>,
+) -> (u16, String, String) {
+    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let mut head = format!("{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n");
+    if let Some(token) = token {
+        head.push_str(&format!("Authorization: Bearer {token}\r\n"));
+    }
+    head.push_str("\r\n");
+    stream.write_all(head.as_bytes()).await.unwrap();
+    let mut raw = Vec::new();
+    let _ = stream.read_to_end(&mut raw).await;
+    let text = String::from_utf8_lossy(&raw).into_owned();
+    let (head, body) = text.split_once("\r\n\r\n").expect("a response");
+    let status = head.split_whitespace().nth(1).unwrap().parse().unwrap();
+    (status, head.to_ascii_lowercase(), body.to_owned())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_known_path_under_another_method_answers_405_with_allow() {
+    let host = host().await;
+    let (operator, _) = host.tokens.create(TokenRole::Operator, None).unwrap();
+    for (method, path, allow) in [
+        ("PUT", "/v1/leases/lse_1", "GET, DELETE"),
+        ("POST", "/v1/status", "GET"),
+        ("GET", "/v1/leases/lse_1/renew", "POST"),
+        ("PATCH", "/v1/leases", "GET, DELETE"),
+        ("GET", "/v1/daemon/stop", "POST"),
+        ("PUT", "/v1/workers/w1/drain", "POST, DELETE"),
+        ("POST", "/v1/healthz", "GET"),
+    ] {
+        let (status, head, body) = head_of(&host.addr, method, path, Some(&operator)).await;
+        assert_eq!(status, 405, "{method} {path}: {body}");
+        assert!(
+            head.contains(&format!("\r\nallow: {}", allow.to_ascii_lowercase())),
+            "{method} {path}: {head}"
+        );
+        assert_eq!(code_of(&body), "UNKNOWN_REQUEST");
+        let message: Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(
+            message["error"]["message"],
+            format!("No route {method} {path}: it takes {allow}")
+        );
+    }
+    // A path no route serves under any method stays 404, and the token still comes first.
+    let (status, head, _) = head_of(
+        &host.addr,
+        "PUT",
+        "/v1/leases/lse_1/nowhere",
+        Some(&operator),
+    )
+    .await;
+    assert_eq!(status, 404);
+    assert!(!head.contains("allow:"), "{head}");
+    assert_eq!(
+        head_of(&host.addr, "PUT", "/v1/leases/lse_1", None).await.0,
+        401
+    );
+    // Nothing ran: the daemon still answers, no lease or stop came of it.
+    assert_eq!(head_of(&host.addr, "GET", "/v1/healthz", None).await.0, 200);
     host.stop.cancel();
 }
 

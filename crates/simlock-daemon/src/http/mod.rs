@@ -301,6 +301,77 @@ fn not_found(method: &Method, path: &str) -> Response<Body> {
     error_with_status(&err, StatusCode::NOT_FOUND)
 }
 
+/// Every route [`route`] serves under `/v1/`: its method and its path, `{}` standing for one
+/// segment. A path that one of them matches under another method is answered `405` with
+/// `Allow`; a test keeps this table and the match in step.
+const ROUTES: &[(&str, &str)] = &[
+    ("GET", "healthz"),
+    ("GET", "status"),
+    ("GET", "catalog"),
+    ("GET", "config"),
+    ("POST", "lease-requests"),
+    ("GET", "lease-requests"),
+    ("GET", "lease-requests/{}"),
+    ("GET", "lease-requests/{}/events"),
+    ("DELETE", "lease-requests/{}"),
+    ("GET", "leases"),
+    ("DELETE", "leases"),
+    ("GET", "leases/{}"),
+    ("POST", "leases/{}/renew"),
+    ("DELETE", "leases/{}"),
+    ("POST", "leases/{}/exec"),
+    ("GET", "leases/{}/events"),
+    ("GET", "devices"),
+    ("GET", "events"),
+    ("GET", "events/stream"),
+    ("GET", "tokens"),
+    ("POST", "tokens"),
+    ("DELETE", "tokens/{}"),
+    ("GET", "workers"),
+    ("POST", "workers/{}/drain"),
+    ("DELETE", "workers/{}/drain"),
+    ("DELETE", "workers/{}"),
+    ("POST", "daemon/stop"),
+    ("POST", "ops/{}"),
+    ("GET", "metrics"),
+];
+
+/// The methods [`ROUTES`] serves at `segments` (the path under `/v1/`), in the table's order.
+fn allowed_methods(segments: &[&str]) -> Vec<&'static str> {
+    let mut methods: Vec<&'static str> = Vec::new();
+    for (method, shape) in ROUTES {
+        let shape: Vec<&str> = shape.split('/').collect();
+        let fits = shape.len() == segments.len()
+            && shape
+                .iter()
+                .zip(segments)
+                .all(|(want, got)| *want == "{}" || want == got);
+        if fits && !methods.contains(method) {
+            methods.push(method);
+        }
+    }
+    methods
+}
+
+/// No route for `method` at `path`: `405` with `Allow` when the path is served under other
+/// methods, else `404`.
+fn no_route(method: &Method, path: &str, segments: &[&str]) -> Response<Body> {
+    let allowed = allowed_methods(segments);
+    if allowed.is_empty() {
+        return not_found(method, path);
+    }
+    let allow = allowed.join(", ");
+    let err = ContractError::new(
+        ErrorCode::UnknownRequest,
+        format!("No route {method} {path}: it takes {allow}"),
+    );
+    let mut response = error_with_status(&err, StatusCode::METHOD_NOT_ALLOWED);
+    if let Ok(value) = http::HeaderValue::from_str(&allow) {
+        response.headers_mut().insert(http::header::ALLOW, value);
+    }
+    response
+}
+
 /// Whether the request asks for a WebSocket: only a mount takes one. Other upgrades (`h2c`)
 /// are ignored, as RFC 9110 lets a server do, and the request is served as it is.
 fn asks_for_websocket(request: &Request<Incoming>) -> bool {
@@ -353,7 +424,7 @@ async fn route(
         return if method == Method::GET {
             json_response(StatusCode::OK, &json!({ "ok": true }))
         } else {
-            not_found(&method, &path)
+            no_route(&method, &path, &["healthz"])
         };
     }
     let Some(rest) = path.strip_prefix("/v1/") else {
@@ -505,7 +576,7 @@ async fn route(
             );
             response
         }
-        _ => not_found(&method, &path),
+        _ => no_route(&method, &path, &segments),
     }
 }
 
