@@ -954,7 +954,8 @@ mod strategy {
 static PANICS: AtomicUsize = AtomicUsize::new(0);
 
 /// Whether an answer is well-formed: an error is the contract's JSON error with the status of its
-/// code (an unknown route's 404, a refused WebSocket version's 426); anything else is a known
+/// code (an unknown route's 404, a known path's 405 under another method, a refused WebSocket
+/// version's 426); anything else is a known
 /// success.
 fn well_formed(case: &Case, answer: &Answer) -> Result<(), String> {
     let fail = |why: &str| Err(format!("{why}: {answer:?}"));
@@ -979,7 +980,7 @@ fn well_formed(case: &Case, answer: &Answer) -> Result<(), String> {
         return fail("an error without a message");
     }
     let status_of_code = match (answer.status, code) {
-        (404, ErrorCode::UnknownRequest) | (426, ErrorCode::BadRequest) => answer.status,
+        (404 | 405, ErrorCode::UnknownRequest) | (426, ErrorCode::BadRequest) => answer.status,
         _ => code.http_status(),
     };
     if status_of_code != answer.status {
