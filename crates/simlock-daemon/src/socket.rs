@@ -1,5 +1,6 @@
 //! The unix socket host: one wire session per connection.
 
+use std::os::fd::AsFd as _;
 use std::os::unix::fs::PermissionsExt as _;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -55,7 +56,10 @@ pub async fn claim(path: &Path) -> Result<UnixListener, SocketError> {
     Ok(listener)
 }
 
-/// Serves wire sessions on `listener` until `shutdown` fires.
+/// Serves wire sessions on `listener` until `shutdown` fires, then closes the sessions still
+/// open, as the process's exit would: their clients see the connection end (a lease hold then
+/// connects again to the next daemon on this home) instead of a stopped daemon answering
+/// `DAEMON_STOPPING` for as long as they stay.
 pub fn serve_socket(
     listener: UnixListener,
     pipeline: Arc<Pipeline>,
@@ -63,18 +67,39 @@ pub fn serve_socket(
 ) -> JoinHandle<()> {
     tokio::spawn(async move {
         info!("listening on the unix socket");
+        let mut sessions = tokio::task::JoinSet::new();
         loop {
             let accepted = tokio::select! {
                 () = shutdown.cancelled() => break,
+                Some(_) = sessions.join_next() => continue,
                 accepted = listener.accept() => accepted,
             };
             match accepted {
                 Ok((stream, _)) => {
+                    // A second handle on the socket, to shut it down at the stop.
+                    let shutter = match stream.as_fd().try_clone_to_owned() {
+                        Ok(fd) => std::os::unix::net::UnixStream::from(fd),
+                        Err(e) => {
+                            warn!(error = %e, "a socket connection could not be kept; closed");
+                            continue;
+                        }
+                    };
                     let (r, w) = stream.into_split();
                     let pipeline = pipeline.clone();
                     let config = pipeline.session_config();
-                    tokio::spawn(async move {
-                        serve(Transport::server_io(r, w), Origin::Socket, pipeline, config).await;
+                    let stop = shutdown.clone();
+                    sessions.spawn(async move {
+                        let session =
+                            serve(Transport::server_io(r, w), Origin::Socket, pipeline, config);
+                        tokio::pin!(session);
+                        tokio::select! {
+                            () = &mut session => return,
+                            () = stop.cancelled() => {}
+                        }
+                        // The client reads the end of the connection; the session ends as its
+                        // calls in flight answer, within the bound.
+                        let _ = shutter.shutdown(std::net::Shutdown::Both);
+                        let _ = tokio::time::timeout(SESSION_CLOSE, session).await;
                     });
                 }
                 Err(e) => {
@@ -84,5 +109,13 @@ pub fn serve_socket(
                 }
             }
         }
+        let _ = tokio::time::timeout(SESSION_CLOSE, async {
+            while sessions.join_next().await.is_some() {}
+        })
+        .await;
+        sessions.shutdown().await;
     })
 }
+
+/// How long a session whose socket the stop shut down may take to answer its calls in flight.
+const SESSION_CLOSE: std::time::Duration = std::time::Duration::from_secs(1);

@@ -220,3 +220,61 @@ data: {"error":{"code":"DAEMON_STOPPING","message":"The daemon is stopping"}}"#
         "the long-poll answered at once"
     );
 }
+
+/// A stop closes the socket's sessions, as the process's exit does: a client (a lease hold)
+/// reads the end of its connection and can connect to the next daemon on the home, instead of
+/// a stopped daemon answering `DAEMON_STOPPING` for as long as the client stays.
+#[tokio::test]
+async fn a_stop_closes_the_sockets_sessions() {
+    use tokio::io::AsyncBufReadExt as _;
+
+    let dir = tempfile::tempdir().unwrap();
+    let home = Home::at(dir.path().join("home"));
+    let base = Base::open(
+        home.clone(),
+        DaemonConfig::default(),
+        Mode::Worker,
+        "test".into(),
+        None,
+    )
+    .unwrap();
+    let router = base.router();
+    let running = base
+        .serve(
+            router,
+            simlock_daemon::runtime::Listen::SocketOnly,
+            Vec::new(),
+        )
+        .await
+        .unwrap();
+    running.started();
+
+    let stream = tokio::net::UnixStream::connect(home.socket())
+        .await
+        .unwrap();
+    let (read, mut write) = stream.into_split();
+    let mut lines = tokio::io::BufReader::new(read).lines();
+    let version = simlock_contract::PROTOCOL_RANGE.max;
+    write
+        .write_all(
+            format!(
+                "{{\"id\": 0, \"type\": \"hello\", \"payload\": {{\"protocolVersion\": {version}}}}}\n"
+            )
+            .as_bytes(),
+        )
+        .await
+        .unwrap();
+    let greeted = lines
+        .next_line()
+        .await
+        .unwrap()
+        .expect("the hello's answer");
+    assert!(greeted.contains("\"protocolVersion\":2"), "{greeted}");
+
+    running.stop("test").await;
+    // The session ended with the stop: the client reads the end, not a silence.
+    let after = tokio::time::timeout(std::time::Duration::from_secs(10), lines.next_line())
+        .await
+        .expect("the connection ends with the stop");
+    assert!(matches!(after, Ok(None) | Err(_)), "{after:?}");
+}
