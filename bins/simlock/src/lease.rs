@@ -166,7 +166,7 @@ pub(crate) async fn run(
                 HoldEnd::Failed(e) if e.code.is_transport() && client.is_closed() => {
                     reporter.say(&format!("{e}; connecting again to keep lease {lease_id}"));
                     let ttl = Duration::from_millis(grant.lease.ttl_ms.max(1));
-                    match reconnect(target, &lease_id, ttl, &signals).await {
+                    match reconnect(|| target.connect(), &lease_id, ttl, signals.nth(1)).await {
                         Reconnected::Held(again, record) => {
                             reporter.say(&format!("connected again; holding lease {lease_id}"));
                             client = again;
@@ -207,12 +207,12 @@ pub(crate) async fn run(
 }
 
 /// How connecting again for a hold turned out.
-enum Reconnected {
+pub(crate) enum Reconnected {
     /// Connected, and the lease renewed: hold it on this client.
     Held(Client, Box<LeaseRecord>),
     /// The lease is gone, or it could not be reached before its TTL would have run out.
     Ended(HoldEnd),
-    /// A signal came first.
+    /// `abort` came first.
     Interrupted,
 }
 
@@ -221,20 +221,27 @@ const RECONNECT_FIRST: Duration = Duration::from_millis(250);
 /// The longest wait between two tries.
 const RECONNECT_MAX: Duration = Duration::from_secs(2);
 
-/// Connects to `target` again and renews `lease_id`, trying until `ttl` has passed (past it the
-/// lease has expired whatever happens) or a signal comes.
-async fn reconnect(
-    target: &Target,
+/// Connects again (`connect`, which reads the daemon's new admin secret) and renews `lease_id`,
+/// after a hold on the socket lost its daemon (a restart keeps the lease). Tries until `ttl` has
+/// passed (past it the lease has expired whatever happens) or `abort` comes. The CLI's hold and
+/// each lease of an MCP session use it.
+pub(crate) async fn reconnect<F, C>(
+    connect: C,
     lease_id: &str,
     ttl: Duration,
-    signals: &Signals,
-) -> Reconnected {
+    abort: impl Future<Output = ()>,
+) -> Reconnected
+where
+    C: Fn() -> F,
+    F: Future<Output = Result<Client, ContractError>>,
+{
     let deadline = tokio::time::Instant::now() + ttl;
     let mut wait = RECONNECT_FIRST;
+    tokio::pin!(abort);
     loop {
         let outcome = tokio::select! {
-            () = signals.nth(1) => return Reconnected::Interrupted,
-            () = tokio::time::sleep(wait) => match target.connect().await {
+            () = &mut abort => return Reconnected::Interrupted,
+            () = tokio::time::sleep(wait) => match connect().await {
                 Ok(client) => match client.renew(lease_id, None).await {
                     Ok(record) => return Reconnected::Held(client, Box::new(record)),
                     Err(e) if e.code == ErrorCode::UnknownLease => {

@@ -76,6 +76,17 @@ impl Worker {
         operator_on(&self.home).await
     }
 
+    /// Stops the worker (its leases are kept in its home) and starts it again on that home.
+    async fn restart(&mut self, config: WorkerConfig) {
+        if let Some(running) = self.running.take() {
+            running.stop("test").await;
+        }
+        let running = simlock_worker::start(WorkerOptions::new(self.home.clone(), config))
+            .await
+            .expect("the worker starts again");
+        self.running = Some(running);
+    }
+
     async fn stop(mut self) {
         if let Some(running) = self.running.take() {
             running.stop("test").await;
@@ -515,6 +526,49 @@ async fn a_lease_through_a_gateway_over_http() {
     assert_eq!(listed["leases"], json!([]));
     assert!(agent.close_stdin().await.success());
     fleet.stop().await;
+}
+
+/// A worker that restarts keeps its leases; the session connects again and holds on, as
+/// `simlock lease` does, instead of leaving its lease to the TTL with the agent unable to lease
+/// or release.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_is_held_on_across_a_restart_of_its_worker_and_released_after() {
+    let mut worker = Worker::start(worker_config(1)).await;
+    let mut agent = Launch::on(worker.home())
+        .session("restarting")
+        .start()
+        .await;
+    let grant = agent
+        .ok("lease_simulator", json!({"platform": "ios", "ttl": "10m"}))
+        .await;
+    let id = lease_id(&grant);
+
+    worker.restart(worker_config(1)).await;
+    let lost = agent.notice("lease-reconnecting").await;
+    assert_eq!(lost["leaseId"], id.as_str());
+    assert!(
+        lost["message"]
+            .as_str()
+            .unwrap()
+            .ends_with(&format!("simlock is connecting again to keep lease {id}")),
+        "{lost}"
+    );
+    let back = agent.notice("lease-reconnected").await;
+    assert_eq!(back["leaseId"], id.as_str());
+
+    // Held still: the daemon renewed it for this session, which can release it.
+    let status = agent.ok("lease_status", json!({})).await;
+    assert_eq!(status["standing"], "held", "{status}");
+    let (text, _) = agent
+        .fails("lease_simulator", json!({"platform": "ios"}))
+        .await;
+    assert!(text.contains("REQUESTER_ALREADY_LEASED"), "{text}");
+    let released = agent.ok("release_simulator", json!({})).await;
+    assert_eq!(released, json!({"leaseId": id, "released": true}));
+    assert!(leases(&worker.operator().await).await.is_empty());
+
+    assert!(agent.close_stdin().await.success());
+    worker.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

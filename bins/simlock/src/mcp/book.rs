@@ -4,7 +4,7 @@
 
 use std::collections::VecDeque;
 
-use simlock_contract::model::{LeaseEndReason, LeaseGrant};
+use simlock_contract::model::{LeaseEndReason, LeaseGrant, LeaseRecord};
 use simlock_contract::{ContractError, ErrorCode};
 
 /// Leases that ended are kept for `lease_status` and `held_leases`, the newest this many.
@@ -90,6 +90,17 @@ impl LeaseBook {
             standing: Standing::Held,
         });
         self.trim();
+    }
+
+    /// Records a held lease's record as the daemon answered a renewal (after connecting again).
+    pub(crate) fn renewed(&mut self, record: &LeaseRecord) {
+        if let Some(entry) = self
+            .entries
+            .iter_mut()
+            .find(|e| e.lease_id() == record.id.as_str() && e.standing.is_held())
+        {
+            entry.grant.lease = record.clone();
+        }
     }
 
     /// Records how a held lease ended. Answers the entry when it was held until now (the change
@@ -195,7 +206,7 @@ impl LeaseBook {
 #[cfg(test)]
 mod tests {
     use simlock_contract::ids::{DeviceId, LeaseId};
-    use simlock_contract::model::{DeviceSpec, GrantDevice, GrantTiming, LeaseRecord, Platform};
+    use simlock_contract::model::{DeviceSpec, GrantDevice, GrantTiming, Platform};
 
     use super::*;
 
@@ -322,6 +333,31 @@ mod tests {
             assert_eq!(standing.why(), why);
             assert!(!standing.is_held());
         }
+    }
+
+    #[test]
+    fn a_renewal_after_connecting_again_updates_a_held_lease_only() {
+        let mut book = LeaseBook::default();
+        book.hold(grant("lse_a"));
+        book.hold(grant("lse_b"));
+        let mut record = grant("lse_a").lease;
+        record.ttl_deadline = 1_800_000;
+        book.renewed(&record);
+        let a = book.pick(Some("lse_a")).unwrap();
+        assert_eq!(a.grant.lease.ttl_deadline, 1_800_000);
+        assert!(a.standing.is_held());
+        // The order and the other lease are as they were.
+        let ids: Vec<&str> = book.entries().map(Entry::lease_id).collect();
+        assert_eq!(ids, ["lse_a", "lse_b"]);
+        // A lease that ended keeps its last record.
+        book.settle("lse_b", Standing::Released);
+        let mut late = grant("lse_b").lease;
+        late.ttl_deadline = 5;
+        book.renewed(&late);
+        assert_eq!(
+            book.pick(Some("lse_b")).unwrap().grant.lease.ttl_deadline,
+            900_000
+        );
     }
 
     #[test]

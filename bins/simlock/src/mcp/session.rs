@@ -23,6 +23,7 @@ use super::book::{Entry, LeaseBook, Standing};
 use super::notify::{Level, Notifier};
 use crate::Target;
 use crate::identity::Requester;
+use crate::lease::Reconnected;
 use crate::view;
 
 /// The longest the end of a session waits for its releases (and withdrawn requests).
@@ -168,11 +169,18 @@ impl Session {
         let (tx, rx) = mpsc::channel(1);
         self.book.lock().hold(grant);
         self.releases.lock().insert(lease_id, tx);
-        self.tasks.spawn(Arc::clone(self).keep(hold, rx));
+        self.tasks
+            .spawn(Arc::clone(self).keep(client.clone(), hold, rx));
     }
 
-    /// A hold's task.
-    async fn keep(self: Arc<Self>, mut hold: LeaseHold, mut asks: mpsc::Receiver<ReleaseAsk>) {
+    /// A hold's task. A hold on the socket whose daemon went away (a restart, which keeps the
+    /// lease) connects again and holds on, as `simlock lease` does.
+    async fn keep(
+        self: Arc<Self>,
+        mut client: Client,
+        mut hold: LeaseHold,
+        mut asks: mpsc::Receiver<ReleaseAsk>,
+    ) {
         /// What woke the task.
         enum Step {
             Ended(HoldEnd),
@@ -189,6 +197,22 @@ impl Session {
                 notice = health.recv() => Step::Health(notice.ok()),
             };
             match step {
+                Step::Ended(HoldEnd::Failed(lost))
+                    if lost.code.is_transport() && client.is_closed() =>
+                {
+                    let grant = hold.grant().clone();
+                    match self.hold_again(grant, &lost, &mut asks).await {
+                        Ok((again, held)) => {
+                            client = again;
+                            hold = held;
+                            health = hold.notices();
+                        }
+                        Err(end) => {
+                            self.settled(&lease_id, &end).await;
+                            return;
+                        }
+                    }
+                }
                 Step::Ended(end) => {
                     self.settled(&lease_id, &end).await;
                     return;
@@ -204,6 +228,70 @@ impl Session {
                 Step::Health(Some(notice)) => self.tell_health(&notice).await,
                 Step::Health(None) => {}
             }
+        }
+    }
+
+    /// Connects again after the daemon of `grant`'s hold went away (`lost`), renews the lease
+    /// and holds it on the new connection, telling the client both ways. A release asked
+    /// meanwhile is answered that the session is connecting again (the lease stays held). Answers
+    /// how the hold ended when the lease is gone, its TTL passed, or the session ends first.
+    async fn hold_again(
+        &self,
+        mut grant: LeaseGrant,
+        lost: &ContractError,
+        asks: &mut mpsc::Receiver<ReleaseAsk>,
+    ) -> Result<(Client, LeaseHold), HoldEnd> {
+        let lease_id = grant.lease.id.to_string();
+        self.notifier
+            .tell(
+                Level::Warning,
+                json!({
+                    "event": "lease-reconnecting",
+                    "leaseId": lease_id,
+                    "message": format!(
+                        "{} ({}); simlock is connecting again to keep lease {lease_id}",
+                        lost.message, lost.code
+                    ),
+                }),
+            )
+            .await;
+        let ttl = Duration::from_millis(grant.lease.ttl_ms.max(1));
+        let again =
+            crate::lease::reconnect(|| self.client(), &lease_id, ttl, self.closing.cancelled());
+        tokio::pin!(again);
+        let again = loop {
+            tokio::select! {
+                again = &mut again => break again,
+                Some(ask) = asks.recv() => {
+                    let _ = ask.send(HoldEnd::Failed(ContractError::new(
+                        ErrorCode::DaemonConnectionLost,
+                        format!(
+                            "The daemon went away; this session is connecting again to keep \
+                             lease {lease_id}: release it again in a moment"
+                        ),
+                    )));
+                }
+            }
+        };
+        match again {
+            Reconnected::Held(client, record) => {
+                grant.lease = *record;
+                self.book.lock().renewed(&grant.lease);
+                let hold = client.hold(grant);
+                self.notifier
+                    .tell(
+                        Level::Info,
+                        json!({
+                            "event": "lease-reconnected",
+                            "leaseId": lease_id,
+                            "message": format!("connected again; this session holds lease {lease_id}"),
+                        }),
+                    )
+                    .await;
+                Ok((client, hold))
+            }
+            Reconnected::Ended(end) => Err(end),
+            Reconnected::Interrupted => Err(HoldEnd::Failed(lost.clone())),
         }
     }
 
