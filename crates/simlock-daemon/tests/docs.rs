@@ -21,7 +21,7 @@ use std::time::Duration;
 
 use serde_json::{Map, Value};
 use simlock_contract::error::ERROR_TABLE;
-use simlock_contract::http::LeaseRequestBody;
+use simlock_contract::http::{LeaseRequestBody, RequestView};
 use simlock_contract::ids::DeviceId;
 use simlock_contract::model::{LeaseEndReason, LeaseGrant};
 use simlock_contract::ops::{
@@ -30,7 +30,7 @@ use simlock_contract::ops::{
     TokenList, TokenRevoke, WorkerDrain, WorkerList, WorkerRemove, WorkerUndrain, decode_named,
 };
 use simlock_contract::push::UnhealthyReason;
-use simlock_contract::{ErrorBody, ErrorCode, OPERATIONS, Operation, Push};
+use simlock_contract::{ErrorCode, OPERATIONS, Operation, Push};
 use simlock_daemon::http::DRAIN_GRACE;
 use simlock_daemon::http::body::{KEEPALIVE, MAX_JSON_BODY};
 use simlock_daemon::http::parse;
@@ -443,9 +443,14 @@ fn check_request_view(value: &Value) {
     }
     if let Some(error) = view.get("error") {
         assert!(matches!(state, "failed" | "cancelled"));
-        let body: ErrorBody = serde_json::from_value(error.clone()).unwrap();
-        assert_eq!(&serde_json::to_value(body).unwrap(), error);
+        assert!(
+            !error.as_object().unwrap().contains_key("details"),
+            "details are inlined: {error}"
+        );
     }
+    // The whole view as the daemon writes it.
+    let typed: RequestView = serde_json::from_value(value["request"].clone()).unwrap();
+    assert_eq!(&serde_json::to_value(typed).unwrap(), &value["request"]);
 }
 
 /// An error body answered with `status`.
