@@ -648,10 +648,10 @@ async fn an_idle_kept_alive_connection_closes_at_the_heads_bound() {
     host.stop.cancel();
 }
 
-/// A renewal body holding a key it does not take is refused naming the key, before anything is
-/// renewed (a misspelt `ttl` would renew with the lease's own width).
+/// A renewal or token body holding a key it does not take is refused naming the key, before anything is
+/// renewed or minted (a misspelt `ttl` would renew with the lease's own width).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_renewal_body_with_an_unknown_key_is_refused_naming_it() {
+async fn a_renewal_or_token_body_with_an_unknown_key_is_refused_naming_it() {
     let host = host().await;
     let (secret, _) = host.tokens.create(TokenRole::Operator, None).unwrap();
     let (status, body) = exchange(
@@ -678,5 +678,31 @@ async fn a_renewal_body_with_an_unknown_key_is_refused_naming_it() {
     )
     .await;
     assert!(!body.contains("unknown field"), "{body}");
+
+    // A token with a misspelt label is not minted without one.
+    let (status, body) = exchange(
+        &host.addr,
+        "POST",
+        "/v1/tokens",
+        Some(&secret),
+        br#"{"role": "agent", "lable": "ci"}"#,
+    )
+    .await;
+    assert_eq!(status, 400, "{body}");
+    let error: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(
+        error["error"]["message"],
+        r#"lable: unknown field, expected one of ["role", "label"]"#
+    );
+    assert_eq!(host.tokens.list().unwrap().len(), 1, "nothing minted");
+    let (status, body) = exchange(
+        &host.addr,
+        "POST",
+        "/v1/tokens",
+        Some(&secret),
+        br#"{"role": "agent", "label": "ci"}"#,
+    )
+    .await;
+    assert_eq!(status, 201, "{body}");
     host.stop.cancel();
 }

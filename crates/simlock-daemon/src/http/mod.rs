@@ -533,6 +533,10 @@ async fn route(
         (&Method::GET, ["tokens"]) => run::<TokenList>(app, &caller, &Empty {}).await,
         (&Method::POST, ["tokens"]) => {
             let response = with_body(request, |body| async move {
+                // A misspelt label would mint a token without one: refused instead.
+                if let Err(err) = known_keys(&body, &["role", "label"]) {
+                    return error(&err);
+                }
                 op(app, &caller, "token.create", Value::Object(body)).await
             })
             .await;
