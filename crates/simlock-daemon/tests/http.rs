@@ -648,8 +648,8 @@ async fn an_idle_kept_alive_connection_closes_at_the_heads_bound() {
     host.stop.cancel();
 }
 
-/// A renewal or token body holding a key it does not take is refused naming the key, before anything is
-/// renewed or minted (a misspelt `ttl` would renew with the lease's own width).
+/// A renewal or token body holding a key it does not take is refused naming the key, before
+/// anything is renewed or minted (a misspelt `ttl` would renew with the lease's own width).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_renewal_or_token_body_with_an_unknown_key_is_refused_naming_it() {
     let host = host().await;
