@@ -1258,7 +1258,7 @@ mod tests {
             // Text keys given digits, a float, a quoted word and spaces stay text as given.
             ("SIMLOCK_GATEWAY__LABEL", "007"),
             ("SIMLOCK_HTTP__HOST", "1.5"),
-            ("SIMLOCK_LOG__LEVEL", "42"),
+            ("SIMLOCK_LOG__LEVEL", "warn"),
         ];
         let loaded = load_with("", &env, Mode::Worker).unwrap();
         assert!(loaded.warnings.is_empty(), "{:?}", loaded.warnings);
@@ -1269,7 +1269,7 @@ mod tests {
         assert_eq!(c.capabilities, ["gpu", "agent-device"]);
         assert_eq!(c.gateway.label.as_deref(), Some("007"));
         assert_eq!(c.http.host, "1.5");
-        assert_eq!(c.log.level, "42");
+        assert_eq!(c.log.level, "warn");
     }
 
     #[test]
@@ -1331,14 +1331,14 @@ mod tests {
         .unwrap();
         let env = [
             ("SIMLOCK_GATEWAY__LABEL", "42"),
-            ("SIMLOCK_LOG__LEVEL", "9"),
+            ("SIMLOCK_LOG__LEVEL", "debug"),
         ];
         let loaded = with_env(&env, || {
             load(dir.path(), Mode::Worker, &[], &Sections::new())
         })
         .unwrap();
         assert_eq!(loaded.config.gateway.label.as_deref(), Some("42"));
-        assert_eq!(loaded.config.log.level, "9");
+        assert_eq!(loaded.config.log.level, "debug");
         let flags = [(
             "gateway.label".to_owned(),
             coerce("gateway.label", "43", &Sections::new()),
@@ -1348,7 +1348,7 @@ mod tests {
         })
         .unwrap();
         assert_eq!(loaded.config.gateway.label.as_deref(), Some("43"));
-        assert_eq!(loaded.config.log.level, "9");
+        assert_eq!(loaded.config.log.level, "debug");
     }
 }
 

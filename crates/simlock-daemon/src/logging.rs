@@ -4,12 +4,31 @@ use std::io::IsTerminal as _;
 
 use tracing_subscriber::EnvFilter;
 
-/// The filter `text` names (`info`, `simlock=debug`, …).
+/// The levels a directive without `=` may name.
+const LEVELS: &[&str] = &["error", "warn", "info", "debug", "trace", "off"];
+
+/// The filter `text` names (`info`, `simlock=debug`, …). A directive without `=` must be a
+/// level: `tracing` would read any other word (`debgu`) as a target to show at every level,
+/// which silences every other log line.
 ///
 /// # Errors
 /// Why it is not a filter.
 pub fn filter(text: &str) -> Result<EnvFilter, String> {
+    if let Some(word) = text
+        .split(',')
+        .map(str::trim)
+        .find(|d| !d.is_empty() && !d.contains('=') && !d.contains('[') && !is_level(d))
+    {
+        return Err(format!(
+            "{text:?} is not a log filter: {word:?} is neither a level ({}) nor target=level",
+            LEVELS.join(", ")
+        ));
+    }
     EnvFilter::try_new(text).map_err(|e| format!("{text:?} is not a log filter: {e}"))
+}
+
+fn is_level(word: &str) -> bool {
+    LEVELS.iter().any(|level| level.eq_ignore_ascii_case(word))
 }
 
 /// Installs the subscriber once; later calls do nothing. `level` is `log.level`, which the
@@ -38,8 +57,29 @@ mod tests {
 
     #[test]
     fn a_filter_is_read_and_one_that_is_not_says_why() {
-        for text in ["info", "warn", "simlock=debug,info", "off"] {
+        for text in [
+            "info",
+            "WARN",
+            "simlock=debug,info",
+            "off",
+            "warn,simlock_core=debug",
+        ] {
             assert!(filter(text).is_ok(), "{text}");
+        }
+        // A word that is not a level would be read as a target and silence everything else.
+        for (text, word) in [
+            ("debgu", "debgu"),
+            ("loud", "loud"),
+            ("info,verbose", "verbose"),
+            ("9", "9"),
+        ] {
+            assert_eq!(
+                filter(text).unwrap_err(),
+                format!(
+                    "{text:?} is not a log filter: {word:?} is neither a level (error, warn, \
+                     info, debug, trace, off) nor target=level"
+                )
+            );
         }
         for text in ["garbage=[[[", "notalevel==="] {
             let why = filter(text).unwrap_err();
