@@ -3,7 +3,7 @@
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use simlock_contract::model::{Platform, TokenRole};
 
-use crate::duration::{parse_ms, positive_ms};
+use crate::duration::{parse_ms, timeout_ms, ttl_ms};
 
 /// Lease iOS simulators and Android emulators from a simlock daemon.
 ///
@@ -72,7 +72,7 @@ pub(crate) enum Command {
         /// The lease.
         lease_id: String,
         /// A new TTL: 15m, 1h30m, 90s, or milliseconds (default: the lease's own).
-        #[arg(long, value_name = "DUR", value_parser = positive_ms)]
+        #[arg(long, value_name = "DUR", value_parser = ttl_ms)]
         ttl: Option<u64>,
     },
     /// Release a lease, or every lease (--all, operators).
@@ -165,13 +165,13 @@ pub(crate) struct LeaseArgs {
     #[arg(long, value_name = "VERSION")]
     pub(crate) os: Option<String>,
     /// The lease's TTL: 15m, 1h30m, 90s, or milliseconds (default: the daemon's).
-    #[arg(long, value_name = "DUR", value_parser = positive_ms)]
+    #[arg(long, value_name = "DUR", value_parser = ttl_ms)]
     pub(crate) ttl: Option<u64>,
     /// Fail with exit 11 instead of waiting when no device is free.
     #[arg(long)]
     pub(crate) no_wait: bool,
     /// The longest to wait in the queue: 90s, 5m, or milliseconds (then exit 10).
-    #[arg(long, value_name = "DUR", value_parser = positive_ms)]
+    #[arg(long, value_name = "DUR", value_parser = timeout_ms)]
     pub(crate) timeout: Option<u64>,
     /// Who the lease is for (default: $SIMLOCK_AGENT_ID when not blank, else the agent's session
     /// id, else the parent process; see docs/MCP.md).

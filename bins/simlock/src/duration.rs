@@ -55,9 +55,51 @@ pub(crate) fn positive_ms(text: &str) -> Result<u64, String> {
     }
 }
 
+/// [`positive_ms`], at most `max`: the contract's own bound, said in the units typed.
+fn at_most(text: &str, max: u64, what: &str) -> Result<u64, String> {
+    let ms = positive_ms(text)?;
+    if ms > max {
+        return Err(format!(
+            "{text:?} is longer than the longest {what} simlock takes, {}",
+            simlock_contract::duration::text(max)
+        ));
+    }
+    Ok(ms)
+}
+
+/// A lease's TTL: positive, at most [`simlock_contract::bounds::MAX_TTL_MS`] (the daemon's
+/// `lease.maxTtlMs` may be lower; it says so).
+pub(crate) fn ttl_ms(text: &str) -> Result<u64, String> {
+    at_most(text, simlock_contract::bounds::MAX_TTL_MS, "TTL")
+}
+
+/// A queue wait: positive, at most [`simlock_contract::bounds::MAX_QUEUE_TIMEOUT_MS`].
+pub(crate) fn timeout_ms(text: &str) -> Result<u64, String> {
+    at_most(
+        text,
+        simlock_contract::bounds::MAX_QUEUE_TIMEOUT_MS,
+        "queue wait",
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_ttl_or_a_wait_past_the_contracts_bound_is_said_in_its_units() {
+        assert_eq!(ttl_ms("31d"), Ok(2_678_400_000));
+        assert_eq!(
+            ttl_ms("999d"),
+            Err("\"999d\" is longer than the longest TTL simlock takes, 31d".to_owned())
+        );
+        assert_eq!(timeout_ms("24h"), Ok(86_400_000));
+        assert_eq!(
+            timeout_ms("2d"),
+            Err("\"2d\" is longer than the longest queue wait simlock takes, 1d".to_owned())
+        );
+        assert!(ttl_ms("0").unwrap_err().contains("zero"));
+    }
 
     #[test]
     fn single_units_parse() {

@@ -782,6 +782,37 @@ async fn bad_arguments_and_refusals_are_tool_errors_not_crashes() {
         text,
         "timeout: 0 is zero; a duration must be positive (BAD_REQUEST)"
     );
+    for ttl in [json!(-5), json!(1.5), json!(1e30)] {
+        let (text, _) = agent
+            .fails("lease_simulator", json!({"platform": "ios", "ttl": ttl}))
+            .await;
+        assert!(
+            text.contains(&format!(
+                "{ttl} is not a duration: a positive whole number of milliseconds"
+            )),
+            "{text}"
+        );
+    }
+    let (text, _) = agent
+        .fails(
+            "lease_simulator",
+            json!({"platform": "ios", "ttl": "1000d"}),
+        )
+        .await;
+    assert_eq!(
+        text,
+        "ttl: \"1000d\" is longer than the longest TTL simlock takes, 31d (BAD_REQUEST)"
+    );
+    let (text, _) = agent
+        .fails(
+            "lease_simulator",
+            json!({"platform": "ios", "timeout": 172_800_000}),
+        )
+        .await;
+    assert_eq!(
+        text,
+        "timeout: 172800000 is longer than the longest queue wait simlock takes, 1d (BAD_REQUEST)"
+    );
     // The daemon's own refusal, passed on with its code: above lease.maxTtlMs (4h).
     let (text, body) = agent
         .fails("lease_simulator", json!({"platform": "ios", "ttl": "5h"}))

@@ -86,11 +86,30 @@ pub(crate) fn check_input<T: Input>(
     input.validate().map_err(|report| {
         let problems: Vec<String> = report
             .iter()
-            .map(|(path, error)| format!("{}: {}", name(&wire_path(&path.to_string())), error))
+            .map(|(path, error)| {
+                let field = name(&wire_path(&path.to_string())).to_owned();
+                let problem = with_duration(&field, &error.to_string());
+                format!("{field}: {problem}")
+            })
             .collect();
         ContractError::bad_request(problems.join("; "))
     })?;
     input.check()
+}
+
+/// A bound on a field in milliseconds (`ttlMs`, `timeoutMs`) also said for people:
+/// `greater than 2678400000 (31d)`.
+fn with_duration(field: &str, problem: &str) -> String {
+    if field.ends_with("Ms")
+        && let Some((bound, n)) = ["greater than ", "lower than "].iter().find_map(|bound| {
+            let n: u64 = problem.strip_prefix(bound)?.parse().ok()?;
+            Some((bound, n))
+        })
+        && n >= 1000
+    {
+        return format!("{bound}{n} ({})", crate::duration::text(n));
+    }
+    problem.to_owned()
 }
 
 /// garde names fields as Rust does (`relay_id`); the wire names them in camelCase (`relayId`).
@@ -219,6 +238,33 @@ mod tests {
             serde_json::from_slice::<Value>(text).unwrap()
         );
         assert!(json_value(b"{").is_err());
+    }
+
+    #[test]
+    fn a_bound_in_milliseconds_is_also_said_for_people() {
+        let err = decode_input::<crate::ops::LeaseRequestInput>(Some(serde_json::json!({
+            "platform": "ios",
+            "ttlMs": crate::bounds::MAX_TTL_MS + 1,
+            "timeoutMs": 0,
+        })))
+        .unwrap_err();
+        let mut problems: Vec<&str> = err.message.split("; ").collect();
+        problems.sort_unstable();
+        assert_eq!(
+            problems,
+            [
+                "timeoutMs: lower than 1",
+                "ttlMs: greater than 2678400000 (31d)"
+            ]
+        );
+        assert_eq!(
+            with_duration("ttlMs", "lower than 1000"),
+            "lower than 1000 (1s)"
+        );
+        assert_eq!(
+            with_duration("label", "greater than 5000"),
+            "greater than 5000"
+        );
     }
 
     #[test]

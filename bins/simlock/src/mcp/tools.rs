@@ -54,7 +54,7 @@ impl From<PlatformArg> for Platform {
 }
 
 /// A duration: text like "15m", "90s", "1h30m", or a number of milliseconds.
-#[derive(Debug, Clone, Deserialize, JsonSchema)]
+#[derive(Debug, Clone, JsonSchema)]
 #[serde(untagged)]
 pub(crate) enum DurationArg {
     /// Milliseconds.
@@ -63,13 +63,41 @@ pub(crate) enum DurationArg {
     Text(String),
 }
 
+impl<'de> Deserialize<'de> for DurationArg {
+    /// A number or a text; any other number (negative, fractional, past u64) or kind is named
+    /// with the shapes a duration takes, instead of serde's "did not match any variant".
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        match Value::deserialize(deserializer)? {
+            Value::Number(n) => n.as_u64().map(Self::Millis).ok_or_else(|| {
+                serde::de::Error::custom(format!(
+                    "{n} is not a duration: a positive whole number of milliseconds, or text \
+                     like {}",
+                    duration::SHAPES
+                ))
+            }),
+            Value::String(text) => Ok(Self::Text(text)),
+            other => Err(serde::de::Error::custom(format!(
+                "{other} is not a duration: {}",
+                duration::SHAPES
+            ))),
+        }
+    }
+}
+
 impl DurationArg {
-    /// The duration in milliseconds, or `BAD_REQUEST` naming `field`.
-    fn millis(&self, field: &str) -> Result<u64, ContractError> {
+    /// The duration in milliseconds as `parse` reads it, or `BAD_REQUEST` naming `field`.
+    fn millis(
+        &self,
+        field: &str,
+        parse: fn(&str) -> Result<u64, String>,
+    ) -> Result<u64, ContractError> {
         let parsed = match self {
-            Self::Millis(0) => Err("0 is zero; a duration must be positive".to_owned()),
-            Self::Millis(ms) => Ok(*ms),
-            Self::Text(text) => duration::positive_ms(text),
+            // The number as given, not quoted as a text would be.
+            Self::Millis(ms) => {
+                let text = ms.to_string();
+                parse(&text).map_err(|e| e.replacen(&format!("{text:?}"), &text, 1))
+            }
+            Self::Text(text) => parse(text),
         };
         parsed.map_err(|e| bad_request(&format!("{field}: {e}")))
     }
@@ -251,11 +279,15 @@ async fn lease(
     let mut input = LeaseRequestInput::for_platform(args.platform.into());
     input.model = args.model;
     input.os_version = args.os;
-    input.ttl_ms = args.ttl.as_ref().map(|d| d.millis("ttl")).transpose()?;
+    input.ttl_ms = args
+        .ttl
+        .as_ref()
+        .map(|d| d.millis("ttl", duration::ttl_ms))
+        .transpose()?;
     input.timeout_ms = args
         .timeout
         .as_ref()
-        .map(|d| d.millis("timeout"))
+        .map(|d| d.millis("timeout", duration::timeout_ms))
         .transpose()?;
     input.no_wait = args.wait.map(|wait| !wait).filter(|no_wait| *no_wait);
     input.requires = args.requires;
