@@ -49,14 +49,16 @@ pub(crate) fn parse<T: DeserializeOwned>(value: Value) -> Result<T, ContractErro
     })
 }
 
-/// serde says which Rust type it expected (`expected u64`); a caller writes JSON, so the
-/// message says it in JSON's terms (`expected a whole number, 0 or more`).
-fn in_json_terms(message: &str) -> String {
+/// serde says which Rust type it expected (`expected u64`); a caller writes JSON (or TOML, or
+/// an environment variable), so the message says it in those terms (`expected a whole number,
+/// 0 or more`). The daemons' configuration errors say it the same way.
+#[must_use]
+pub fn in_json_terms(message: &str) -> String {
     const TERMS: &[(&str, &str)] = &[
         ("u64", "a whole number, 0 or more"),
         ("u32", "a whole number, 0 or more"),
-        ("u16", "a whole number, 0 or more"),
-        ("u8", "a whole number, 0 or more"),
+        ("u16", "a whole number from 0 to 65535"),
+        ("u8", "a whole number from 0 to 255"),
         ("usize", "a whole number, 0 or more"),
         ("i64", "a whole number"),
         ("i32", "a whole number"),

@@ -31,7 +31,7 @@ pub mod protocol;
 pub mod push;
 mod tagged;
 
-pub use decode::{Input, decode_input, json_value};
+pub use decode::{Input, decode_input, in_json_terms, json_value};
 pub use error::{ContractError, ErrorBody, ErrorCode, ErrorKind};
 pub use frame::{BadFrame, Call, CallOut, FrameId, PushFrame, RawInbound, Reply};
 pub use ops::{OPERATIONS, Operation, OperationSpec};

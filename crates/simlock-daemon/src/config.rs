@@ -673,6 +673,11 @@ pub fn validate(config: &DaemonConfig, mode: Mode) -> Result<(), ConfigError> {
     if let Err(e) = crate::logging::filter(&config.log.level) {
         return bad(format!("log.level: {e}"));
     }
+    if config.http.host.trim().is_empty() {
+        return bad(
+            "http.host is empty: an address to listen on, e.g. 127.0.0.1 or 0.0.0.0".into(),
+        );
+    }
     if config.lease.max_ttl_ms > simlock_contract::bounds::MAX_TTL_MS {
         return bad(format!(
             "lease.maxTtlMs is above {} (31 days)",
@@ -742,7 +747,7 @@ fn describe_at(table: &str, error: &figment::Error) -> String {
             .chain(e.path.iter().map(String::as_str))
             .collect::<Vec<_>>()
             .join(".");
-        let what = e.kind.to_string();
+        let what = simlock_contract::in_json_terms(&e.kind.to_string());
         if key.is_empty() {
             parts.push(what)
         } else {
@@ -1036,11 +1041,26 @@ mod tests {
         let err = load_with("[lease]\nmaxTtlMs = \"soon\"", &[], Mode::Worker)
             .unwrap_err()
             .to_string();
-        assert!(err.contains("lease.maxTtlMs"), "{err}");
+        assert_eq!(
+            err,
+            "configuration: lease.maxTtlMs: invalid type: found string \"soon\", expected a whole number, 0 or more"
+        );
+        for host in ["", "  "] {
+            let err = load_with("", &[("SIMLOCK_HTTP__HOST", host)], Mode::Gateway)
+                .unwrap_err()
+                .to_string();
+            assert_eq!(
+                err,
+                "configuration: http.host is empty: an address to listen on, e.g. 127.0.0.1 or 0.0.0.0"
+            );
+        }
         let err = load_with("", &[("SIMLOCK_HTTP__PORT", "many")], Mode::Worker)
             .unwrap_err()
             .to_string();
-        assert!(err.contains("http.port"), "{err}");
+        assert_eq!(
+            err,
+            "configuration: http.port: invalid type: found string \"many\", expected a whole number from 0 to 65535"
+        );
         let err = load_with(
             "[lease]\ndefaultTtlMs = 5000000\nmaxTtlMs = 60000",
             &[],
