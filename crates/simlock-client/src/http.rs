@@ -270,6 +270,7 @@ fn tls_hint(failure: &simlock_tls::TlsFailure) -> String {
     use simlock_tls::TlsFailure;
     let fix = match failure {
         TlsFailure::Untrusted => format!("trust the CA that signed it with {CA_FILE_SETTING}"),
+        TlsFailure::CaAsLeaf => format!("on the daemon, {}", simlock_tls::LEAF_REMEDY),
         TlsFailure::NameMismatch { .. } => {
             "the URL must name a host the certificate covers".to_owned()
         }

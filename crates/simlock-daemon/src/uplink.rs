@@ -161,6 +161,12 @@ fn tls_message(failure: &simlock_tls::TlsFailure) -> String {
     use simlock_tls::TlsFailure;
     let fix = match failure {
         TlsFailure::Untrusted => "add the CA that signed it to gateway.caFile",
+        TlsFailure::CaAsLeaf => {
+            return format!(
+                "TLS with the gateway: {failure}: in the gateway's http.tls.certFile, {}",
+                simlock_tls::LEAF_REMEDY
+            );
+        }
         TlsFailure::NameMismatch { .. } => {
             "gateway.url must name a host the gateway's certificate covers"
         }

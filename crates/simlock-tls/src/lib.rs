@@ -6,8 +6,9 @@
 //!   the previous certificate in service and is logged once.
 //! - [`client_config`]: what the worker's uplink and the HTTP client trust: the platform's roots
 //!   (read once per process, `rustls-native-certs`) plus the certificates of an optional CA file.
-//! - [`classify`]: a failed handshake read as a [`TlsFailure`] that names its cause, so that each
-//!   caller can say which setting to change.
+//! - [`classify`]: a failed handshake read as a [`TlsFailure`] that names its cause in words
+//!   (dates in UTC, names as the certificate spells them), so that each caller can say which
+//!   setting to change.
 //!
 //! Nothing here knows the configuration: callers name their files with a [`PemFile`], which
 //! carries the key (or flag) that named the file, for the messages.
@@ -17,13 +18,14 @@ use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
 
 use parking_lot::Mutex;
+use rustls::RootCertStore;
 use rustls::client::ClientConfig;
 use rustls::crypto::CryptoProvider;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use rustls::server::{ClientHello, ResolvesServerCert, ServerConfig};
 use rustls::sign::CertifiedKey;
-use rustls::{CertificateError, InvalidMessage, RootCertStore};
+use time::format_description::well_known::Rfc3339;
 use tracing::{info, warn};
 
 pub use rustls::client::{ClientConfig as TlsClientConfig, Resumption};
@@ -357,117 +359,20 @@ pub fn server_name(host: &str) -> Result<ServerName<'static>, String> {
     ServerName::try_from(bare.to_owned()).map_err(|e| format!("{host:?} is not a host name: {e}"))
 }
 
-/// Why a TLS handshake failed, by cause.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum TlsFailure {
-    /// The peer's certificate chains to no root the client trusts.
-    Untrusted,
-    /// The certificate does not cover the host the client dialled.
-    NameMismatch {
-        /// The host dialled.
-        host: String,
-        /// The names the certificate covers, when rustls reports them.
-        presented: Vec<String>,
-    },
-    /// The certificate has expired or is not valid yet.
-    Expired(String),
-    /// The peer answered something that is not TLS (a plain HTTP server on that port).
-    NotTls,
-    /// Anything else (the rustls error, or the I/O error in the handshake).
-    Other(String),
-}
-
-impl std::fmt::Display for TlsFailure {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Self::Untrusted => write!(f, "the certificate is not signed by a trusted CA"),
-            Self::NameMismatch { host, presented } if presented.is_empty() => {
-                write!(f, "the certificate is not valid for {host}")
-            }
-            Self::NameMismatch { host, presented } => write!(
-                f,
-                "the certificate is not valid for {host} (it names {})",
-                presented.join(", ")
-            ),
-            Self::Expired(why) => write!(f, "the certificate is out of its validity: {why}"),
-            Self::NotTls => write!(f, "the server does not speak TLS on this port"),
-            Self::Other(why) => write!(f, "{why}"),
-        }
-    }
-}
-
-/// Reads a failed client handshake (`TlsConnector::connect`'s error) against `host` by cause.
-pub fn classify(error: &io::Error, host: &str) -> TlsFailure {
-    let Some(rustls_error) = error
-        .get_ref()
-        .and_then(|inner| inner.downcast_ref::<rustls::Error>())
-    else {
-        return match error.kind() {
-            // A plain server that does not answer a ClientHello closes or resets.
-            io::ErrorKind::UnexpectedEof => TlsFailure::Other(format!(
-                "the server closed the connection during the TLS handshake ({error}); it may not speak TLS on this port"
-            )),
-            _ => TlsFailure::Other(error.to_string()),
-        };
-    };
-    classify_rustls(rustls_error, host)
-}
-
-/// The TLS failure somewhere in `error`'s source chain (a client library's connect error wraps
-/// the handshake's), read by cause; `None` when the chain holds none.
-pub fn find_failure(error: &(dyn std::error::Error + 'static), host: &str) -> Option<TlsFailure> {
-    let mut next = Some(error);
-    while let Some(current) = next {
-        if let Some(rustls_error) = current.downcast_ref::<rustls::Error>() {
-            return Some(classify_rustls(rustls_error, host));
-        }
-        // An I/O error's `source` skips the error it wraps: look inside it first.
-        next = match current
-            .downcast_ref::<io::Error>()
-            .and_then(io::Error::get_ref)
-        {
-            Some(inner) => Some(inner as &(dyn std::error::Error + 'static)),
-            None => current.source(),
-        };
-    }
-    None
-}
-
-fn classify_rustls(error: &rustls::Error, host: &str) -> TlsFailure {
-    match error {
-        rustls::Error::InvalidCertificate(certificate) => match certificate {
-            CertificateError::UnknownIssuer | CertificateError::BadSignature => {
-                TlsFailure::Untrusted
-            }
-            CertificateError::NotValidForName => TlsFailure::NameMismatch {
-                host: host.to_owned(),
-                presented: Vec::new(),
-            },
-            CertificateError::NotValidForNameContext { presented, .. } => {
-                TlsFailure::NameMismatch {
-                    host: host.to_owned(),
-                    presented: presented.clone(),
-                }
-            }
-            CertificateError::Expired
-            | CertificateError::ExpiredContext { .. }
-            | CertificateError::NotValidYet
-            | CertificateError::NotValidYetContext { .. } => {
-                TlsFailure::Expired(certificate.to_string())
-            }
-            other => TlsFailure::Other(format!("invalid certificate: {other}")),
-        },
-        rustls::Error::InvalidMessage(
-            InvalidMessage::InvalidContentType
-            | InvalidMessage::UnknownProtocolVersion
-            | InvalidMessage::MessageTooLarge,
-        ) => TlsFailure::NotTls,
-        other => TlsFailure::Other(other.to_string()),
-    }
+/// `secs` after the UNIX epoch as an RFC 3339 date in UTC (`2020-02-01T00:00:00Z`), the form
+/// every message here writes a date in.
+pub(crate) fn utc(secs: i64) -> String {
+    time::OffsetDateTime::from_unix_timestamp(secs)
+        .ok()
+        .and_then(|date| date.format(&Rfc3339).ok())
+        .unwrap_or_else(|| format!("{secs} s after 1970-01-01T00:00:00Z"))
 }
 
 #[cfg(any(test, feature = "test-util"))]
 pub mod testing;
+
+mod failure;
+pub use failure::{LEAF_REMEDY, TlsFailure, classify, find_failure};
 
 #[cfg(test)]
 mod tests;

@@ -73,12 +73,20 @@ impl TestCa {
 
     /// A leaf for `names` (DNS names or IP addresses), signed by this CA.
     pub fn leaf(&self, names: &[&str]) -> TestLeaf {
+        self.signed(leaf_params(names))
+    }
+
+    /// A leaf for `names` signed by this CA, valid from `not_before` to `not_after` (seconds
+    /// after the UNIX epoch).
+    pub fn leaf_valid(&self, names: &[&str], not_before: i64, not_after: i64) -> TestLeaf {
+        let mut params = leaf_params(names);
+        params.not_before = date(not_before);
+        params.not_after = date(not_after);
+        self.signed(params)
+    }
+
+    fn signed(&self, params: CertificateParams) -> TestLeaf {
         let key = KeyPair::generate().expect("a leaf key");
-        let names: Vec<String> = names.iter().map(|n| (*n).to_owned()).collect();
-        let mut params = CertificateParams::new(names).expect("leaf parameters");
-        params
-            .distinguished_name
-            .push(DnType::CommonName, "simlock test leaf");
         let cert = params.signed_by(&key, &self.issuer).expect("a signed leaf");
         TestLeaf {
             cert_pem: format!("{}{}", cert.pem(), self.pem),
@@ -87,7 +95,46 @@ impl TestCa {
     }
 }
 
+fn leaf_params(names: &[&str]) -> CertificateParams {
+    let names: Vec<String> = names.iter().map(|n| (*n).to_owned()).collect();
+    let mut params = CertificateParams::new(names).expect("leaf parameters");
+    params
+        .distinguished_name
+        .push(DnType::CommonName, "simlock test leaf");
+    params
+}
+
+fn date(unix_secs: i64) -> time::OffsetDateTime {
+    time::OffsetDateTime::from_unix_timestamp(unix_secs).expect("a date rcgen can write")
+}
+
+/// Now, in seconds after the UNIX epoch (for certificates valid around the time of a test).
+pub fn unix_now() -> i64 {
+    let since = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("a clock after 1970");
+    i64::try_from(since.as_secs()).expect("seconds that fit")
+}
+
 impl TestLeaf {
+    /// A self-signed certificate for `names`, its own CA file. With `ca` it says
+    /// basicConstraints CA:TRUE, as one made by `openssl req -x509` with openssl's defaults
+    /// does; without, CA:FALSE, as the recipe in docs/CONFIGURATION.md (TLS) makes it.
+    pub fn self_signed(names: &[&str], ca: bool) -> Self {
+        let key = KeyPair::generate().expect("a key");
+        let mut params = leaf_params(names);
+        params.is_ca = if ca {
+            IsCa::Ca(BasicConstraints::Unconstrained)
+        } else {
+            IsCa::ExplicitNoCa
+        };
+        let cert = params.self_signed(&key).expect("a self-signed certificate");
+        Self {
+            cert_pem: cert.pem(),
+            key_pem: key.serialize_pem(),
+        }
+    }
+
     /// Writes `cert.pem` and `key.pem` into `dir` (replacing what is there).
     pub fn write(&self, dir: &Path) -> LeafFiles {
         let files = LeafFiles {

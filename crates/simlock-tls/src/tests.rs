@@ -6,8 +6,9 @@ use std::path::Path;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use super::testing::{LeafFiles, TestCa};
+use super::testing::{LeafFiles, TestCa, TestLeaf};
 use super::*;
+use rustls::CertificateError;
 
 fn server(files: &LeafFiles) -> ServerTls {
     ServerTls::load(
@@ -80,7 +81,7 @@ async fn a_client_trusting_the_ca_gets_the_servers_leaf() {
 async fn an_unknown_ca_and_a_wrong_name_are_named() {
     let dir = tempfile::tempdir().unwrap();
     let ca = TestCa::new("simlock test CA");
-    let server = server(&ca.leaf(&["gateway.test"]).write(dir.path()));
+    let server = server(&ca.leaf(&["gateway.test", "192.0.2.7"]).write(dir.path()));
     // The platform's roots alone do not know a CA made here.
     let platform_only = client_config(None).unwrap();
     assert_eq!(
@@ -94,9 +95,194 @@ async fn an_unknown_ca_and_a_wrong_name_are_named() {
         panic!("a name mismatch");
     };
     assert_eq!(host, "localhost");
-    assert!(
-        presented.iter().any(|name| name.contains("gateway.test")),
-        "{presented:?}"
+    // The names as the certificate spells them, not webpki's `DnsName("gateway.test")`.
+    assert_eq!(presented, ["gateway.test", "192.0.2.7"]);
+    let failure = TlsFailure::NameMismatch { host, presented };
+    assert_eq!(
+        failure.to_string(),
+        "the certificate is not valid for localhost (it names gateway.test, 192.0.2.7)"
+    );
+}
+
+/// A self-signed certificate made with openssl's defaults says basicConstraints CA:TRUE, which
+/// webpki refuses as a server's own before it looks at trust: the failure says so, trusted or
+/// not, and one made with CA:FALSE is served to a client that trusts it.
+#[tokio::test]
+async fn a_self_signed_ca_certificate_is_named_and_one_with_ca_false_works() {
+    let dir = tempfile::tempdir().unwrap();
+    let ca_true = TestLeaf::self_signed(&["localhost", "127.0.0.1"], true);
+    let server = server(&ca_true.write(dir.path()));
+    let trusting = dir.path().join("trusted.pem");
+    std::fs::write(&trusting, &ca_true.cert_pem).unwrap();
+    let trusting = client_config(Some(&PemFile::new(&trusting, "gateway.caFile"))).unwrap();
+    for client in [trusting, client_config(None).unwrap()] {
+        let failure = handshake(&server, client, "localhost").await.unwrap_err();
+        assert_eq!(failure, TlsFailure::CaAsLeaf);
+        let text = failure.to_string();
+        assert!(text.contains("basicConstraints CA:TRUE"), "{text}");
+        assert_readable(&text);
+    }
+    assert!(LEAF_REMEDY.contains("basicConstraints=critical,CA:FALSE"));
+
+    let other = tempfile::tempdir().unwrap();
+    let ca_false = TestLeaf::self_signed(&["localhost", "127.0.0.1"], false);
+    let server = self::server(&ca_false.write(other.path()));
+    let trusted = other.path().join("trusted.pem");
+    std::fs::write(&trusted, &ca_false.cert_pem).unwrap();
+    let client = client_config(Some(&PemFile::new(&trusted, "gateway.caFile"))).unwrap();
+    for host in ["localhost", "127.0.0.1"] {
+        assert_eq!(
+            handshake(&server, client.clone(), host).await,
+            Ok(ca_false.leaf_der())
+        );
+    }
+    assert_eq!(
+        handshake(&server, client_config(None).unwrap(), "localhost").await,
+        Err(TlsFailure::Untrusted)
+    );
+}
+
+/// An expired certificate, and one not valid yet, say their dates in UTC.
+#[tokio::test]
+async fn validity_failures_say_their_dates_in_utc() {
+    let ca = TestCa::new("simlock test CA");
+    let cases = [
+        // 2019-01-01 to 2020-02-01.
+        (
+            1_546_300_800,
+            1_580_515_200,
+            "expired at 2020-02-01T00:00:00Z",
+        ),
+        // 2090-01-01 to 2091-01-01.
+        (
+            3_786_912_000,
+            3_818_448_000,
+            "is not valid before 2090-01-01T00:00:00Z",
+        ),
+    ];
+    for (not_before, not_after, said) in cases {
+        let dir = tempfile::tempdir().unwrap();
+        let leaf = ca.leaf_valid(&["localhost"], not_before, not_after);
+        let server = server(&leaf.write(dir.path()));
+        let client = client_config(Some(&ca_file(&ca, dir.path()))).unwrap();
+        let failure = handshake(&server, client, "localhost").await.unwrap_err();
+        let TlsFailure::Expired(why) = &failure else {
+            panic!("a validity failure, not {failure:?}");
+        };
+        assert!(why.starts_with(said), "{why}");
+        let text = failure.to_string();
+        assert!(text.starts_with("the certificate "), "{text}");
+        assert!(text.contains("(the time here is 20"), "{text}");
+        assert!(!text.contains("UNIX"), "{text}");
+        assert_readable(&text);
+    }
+}
+
+/// A word spelled like a Rust type (`OtherError`, `DnsName`, `CaUsedAsEndEntity`): debug text.
+fn assert_readable(text: &str) {
+    for word in text.split(|c: char| !c.is_ascii_alphanumeric()) {
+        let mut chars = word.chars();
+        let camel = chars.next().is_some_and(|c| c.is_ascii_uppercase())
+            && word.chars().any(|c| c.is_ascii_lowercase())
+            && word.chars().skip(1).any(|c| c.is_ascii_uppercase());
+        assert!(!camel, "{word:?} is debug text in {text:?}");
+    }
+    assert!(!text.contains(['{', '}']), "{text:?}");
+}
+
+#[test]
+fn every_failure_reads_as_words() {
+    use rustls::pki_types::UnixTime;
+    use std::time::Duration;
+
+    let webpki = |error: webpki::Error| {
+        rustls::Error::InvalidCertificate(CertificateError::Other(rustls::OtherError(Arc::new(
+            error,
+        ))))
+    };
+    let at = |secs| UnixTime::since_unix_epoch(Duration::from_secs(secs));
+    let errors = [
+        webpki(webpki::Error::CaUsedAsEndEntity),
+        webpki(webpki::Error::EndEntityUsedAsCa),
+        webpki(webpki::Error::PathLenConstraintViolated),
+        webpki(webpki::Error::UnsupportedCriticalExtension),
+        webpki(webpki::Error::UnsupportedCrlVersion),
+        CertificateError::BadEncoding.into(),
+        CertificateError::Revoked.into(),
+        CertificateError::UnhandledCriticalExtension.into(),
+        CertificateError::InvalidPurpose.into(),
+        CertificateError::ApplicationVerificationFailure.into(),
+        CertificateError::Expired.into(),
+        CertificateError::NotValidYet.into(),
+        CertificateError::ExpiredContext {
+            time: at(1_796_377_117),
+            not_after: at(1_580_515_200),
+        }
+        .into(),
+        CertificateError::NotValidYetContext {
+            time: at(1_580_515_200),
+            not_before: at(1_796_377_117),
+        }
+        .into(),
+        CertificateError::NotValidForNameContext {
+            expected: server_name("other.example").unwrap(),
+            presented: vec![
+                "DnsName(\"gateway.test\")".to_owned(),
+                "IpAddress(192.0.2.7)".to_owned(),
+                "DirectoryName".to_owned(),
+            ],
+        }
+        .into(),
+        rustls::Error::AlertReceived(rustls::AlertDescription::HandshakeFailure),
+        rustls::Error::AlertReceived(rustls::AlertDescription::DecodeError),
+        rustls::Error::PeerIncompatible(rustls::PeerIncompatible::NoCipherSuitesInCommon),
+        rustls::Error::PeerMisbehaved(
+            rustls::PeerMisbehaved::IllegalHelloRetryRequestWithNoChanges,
+        ),
+        rustls::Error::InvalidMessage(rustls::InvalidMessage::MissingData("ServerHello")),
+        rustls::Error::NoCertificatesPresented,
+        rustls::Error::DecryptError,
+        rustls::Error::HandshakeNotComplete,
+        rustls::Error::Other(rustls::OtherError(Arc::new(io::Error::other("boom")))),
+        webpki(webpki::Error::CaUsedAsEndEntity),
+    ];
+    let mut texts = Vec::new();
+    for error in &errors {
+        let text = failure::classify_rustls(error, "localhost").to_string();
+        assert_readable(&text);
+        texts.push(text);
+    }
+    let all = texts.join("\n");
+    for said in [
+        "basicConstraints CA:TRUE",
+        "is not a CA certificate",
+        "pathLenConstraint",
+        "the certificate is refused: unsupported crl version",
+        "expired at 2020-02-01T00:00:00Z (the time here is 2026-12-04T",
+        "is not valid before 2026-12-04T",
+        "not valid for localhost (it names gateway.test, 192.0.2.7)",
+        "no TLS version or cipher suite in common",
+        "the TLS alert \"decode error\"",
+        "not compatible with this client: no cipher suites in common",
+        "illegal hello retry request with no changes",
+        "malformed TLS message: missing data",
+        "boom",
+    ] {
+        assert!(all.contains(said), "{said:?} in\n{all}");
+    }
+    assert_eq!(
+        failure::classify_rustls(&webpki(webpki::Error::CaUsedAsEndEntity), "h"),
+        TlsFailure::CaAsLeaf
+    );
+    #[derive(Debug)]
+    enum Named {
+        TLSAlertX,
+    }
+    assert_eq!(failure::words(&Named::TLSAlertX), "tls alert x");
+    assert_eq!(utc(0), "1970-01-01T00:00:00Z");
+    assert_eq!(
+        utc(i64::MAX),
+        format!("{} s after 1970-01-01T00:00:00Z", i64::MAX)
     );
 }
 
