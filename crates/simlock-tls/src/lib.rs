@@ -3,7 +3,10 @@
 //! - [`ServerTls`]: what a daemon's HTTP host serves with. Its certificate and key are PEM files;
 //!   every new connection's handshake reads them again, and a changed pair that parses and
 //!   matches is served from then on (rotation needs no restart). A pair that does not load keeps
-//!   the previous certificate in service and is logged once.
+//!   the previous certificate in service and is logged once. A certificate clients will refuse
+//!   is warned about, not refused: a CA certificate (basicConstraints CA:TRUE) when it is
+//!   loaded, and one expired, not valid yet, or expiring within 7 days when it is loaded and
+//!   whenever that changes while it is served.
 //! - [`client_config`]: what the worker's uplink and the HTTP client trust: the platform's roots
 //!   (read once per process, `rustls-native-certs`) plus the certificates of an optional CA file.
 //! - [`classify`]: a failed handshake read as a [`TlsFailure`] that names its cause in words
@@ -16,6 +19,7 @@
 use std::io;
 use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
+use std::time::SystemTime;
 
 use parking_lot::Mutex;
 use rustls::RootCertStore;
@@ -181,25 +185,37 @@ pub struct ServerTls {
 }
 
 impl ServerTls {
-    /// Loads `cert` (the chain, leaf first) and `key`; both must load now.
+    /// Loads `cert` (the chain, leaf first) and `key`; both must load now. A certificate that
+    /// loads but that clients will refuse (a CA certificate, or one out of its validity) is
+    /// served all the same, and warned about (`served`).
     ///
     /// # Errors
     /// [`TlsError`] naming the setting of the file that does not load.
     pub fn load(cert: PemFile, key: PemFile) -> Result<Self, TlsError> {
+        Self::load_with_clock(cert, key, SystemTime::now)
+    }
+
+    /// [`ServerTls::load`], checking the certificate's validity against `now` instead of the
+    /// system clock (for tests).
+    ///
+    /// # Errors
+    /// [`TlsError`] naming the setting of the file that does not load.
+    pub fn load_with_clock(
+        cert: PemFile,
+        key: PemFile,
+        now: impl Fn() -> SystemTime + Send + Sync + 'static,
+    ) -> Result<Self, TlsError> {
         let cert_bytes = cert.read()?;
         let key_bytes = key.read()?;
         let certified = certified_key(&cert, &cert_bytes, &key, &key_bytes)?;
+        let served = Served::new(&cert, cert_bytes, key_bytes, certified);
         let resolver = Arc::new(ReloadingResolver {
             cert,
             key,
-            state: Mutex::new(Served {
-                cert_bytes,
-                key_bytes,
-                certified,
-                refused: None,
-                unreadable: None,
-            }),
+            clock: Clock::new(now),
+            state: Mutex::new(served),
         });
+        resolver.watch(&mut resolver.state.lock());
         let mut config = ServerConfig::builder_with_provider(provider())
             .with_safe_default_protocol_versions()
             .map_err(|e| TlsError::Config(e.to_string()))?
@@ -243,20 +259,64 @@ struct Served {
     refused: Option<(Vec<u8>, Vec<u8>)>,
     /// Why the files could not be read last time, so it is logged once, not per handshake.
     unreadable: Option<String>,
+    /// The leaf's validity, when it could be read.
+    validity: Option<Validity>,
+    /// How the leaf stood against the clock when last looked at, so that each change is logged
+    /// once.
+    standing: Standing,
+}
+
+impl Served {
+    /// A pair that loaded, now in service; a CA certificate is warned about here.
+    fn new(
+        cert: &PemFile,
+        cert_bytes: Vec<u8>,
+        key_bytes: Vec<u8>,
+        certified: Arc<CertifiedKey>,
+    ) -> Self {
+        let inspected = match certified.cert.first().map(|leaf| served::inspect(leaf)) {
+            Some(Ok(inspected)) => Some(inspected),
+            Some(Err(why)) => {
+                info!(cert = %cert.path.display(), %why, "the TLS certificate's validity cannot be read; it is not watched");
+                None
+            }
+            None => None,
+        };
+        if inspected.is_some_and(|i| i.ca) {
+            warn!("{}", served::ca_warning(cert));
+        }
+        Self {
+            cert_bytes,
+            key_bytes,
+            certified,
+            refused: None,
+            unreadable: None,
+            validity: inspected.map(|i| i.validity),
+            standing: Standing::Valid,
+        }
+    }
 }
 
 #[derive(Debug)]
 struct ReloadingResolver {
     cert: PemFile,
     key: PemFile,
+    clock: Clock,
     state: Mutex<Served>,
 }
 
 impl ReloadingResolver {
-    /// Reads both files; a changed pair that loads replaces the one in service.
+    /// Reads both files; a changed pair that loads replaces the one in service. Then the one in
+    /// service is checked against the clock.
     fn refresh(&self) -> Arc<CertifiedKey> {
         let read = self.cert.read().and_then(|c| Ok((c, self.key.read()?)));
         let mut state = self.state.lock();
+        self.reload(&mut state, read);
+        self.watch(&mut state);
+        state.certified.clone()
+    }
+
+    fn reload(&self, state: &mut Served, read: Result<(Vec<u8>, Vec<u8>), TlsError>) {
         let (cert_bytes, key_bytes) = match read {
             Ok(pair) => pair,
             Err(error) => {
@@ -266,30 +326,24 @@ impl ReloadingResolver {
                     warn!(%error, "TLS certificate not re-read; the one in service stays");
                     state.unreadable = Some(why);
                 }
-                return state.certified.clone();
+                return;
             }
         };
         state.unreadable = None;
         if cert_bytes == state.cert_bytes && key_bytes == state.key_bytes {
-            return state.certified.clone();
+            return;
         }
         let seen = state
             .refused
             .as_ref()
             .is_some_and(|(c, k)| *c == cert_bytes && *k == key_bytes);
         if seen {
-            return state.certified.clone();
+            return;
         }
         match certified_key(&self.cert, &cert_bytes, &self.key, &key_bytes) {
             Ok(certified) => {
                 info!(cert = %self.cert.path.display(), "TLS certificate reloaded");
-                *state = Served {
-                    cert_bytes,
-                    key_bytes,
-                    certified,
-                    refused: None,
-                    unreadable: None,
-                };
+                *state = Served::new(&self.cert, cert_bytes, key_bytes, certified);
             }
             Err(error) => {
                 // Half of a rotation (a new certificate before its key) lands here too.
@@ -297,7 +351,23 @@ impl ReloadingResolver {
                 state.refused = Some((cert_bytes, key_bytes));
             }
         }
-        state.certified.clone()
+    }
+
+    /// Warns once each time the certificate in service comes to stand differently against the
+    /// clock: expired, not valid yet, or expiring within [`served::EXPIRY_NOTICE_SECS`].
+    fn watch(&self, state: &mut Served) {
+        let Some(validity) = state.validity else {
+            return;
+        };
+        let now = self.clock.unix_now();
+        let standing = validity.standing(now);
+        if standing == state.standing {
+            return;
+        }
+        state.standing = standing;
+        if let Some(warning) = validity.warning(&self.cert, now) {
+            warn!("{warning}");
+        }
     }
 }
 
@@ -373,6 +443,10 @@ pub mod testing;
 
 mod failure;
 pub use failure::{LEAF_REMEDY, TlsFailure, classify, find_failure};
+
+mod served;
+pub use served::EXPIRY_NOTICE_SECS;
+use served::{Clock, Standing, Validity};
 
 #[cfg(test)]
 mod tests;

@@ -8,6 +8,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use super::testing::{LeafFiles, TestCa, TestLeaf};
 use super::*;
+use parking_lot::Mutex;
 use rustls::CertificateError;
 
 fn server(files: &LeafFiles) -> ServerTls {
@@ -432,4 +433,213 @@ fn a_failure_is_found_inside_the_errors_that_wrap_it() {
     assert!(
         matches!(classify(&eof, "h"), TlsFailure::Other(why) if why.contains("may not speak TLS"))
     );
+}
+
+/// A `tracing` writer that keeps what is logged.
+#[derive(Clone, Default)]
+struct Captured(Arc<Mutex<Vec<u8>>>);
+
+impl io::Write for Captured {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.0.lock().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+/// What `run` logs.
+fn logged<T>(run: impl FnOnce() -> T) -> (T, String) {
+    let captured = Captured::default();
+    let writer = captured.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer(move || writer.clone())
+        .with_ansi(false)
+        .finish();
+    let value = tracing::subscriber::with_default(subscriber, run);
+    let log = String::from_utf8(captured.0.lock().clone()).unwrap();
+    (value, log)
+}
+
+fn pem_files(files: &LeafFiles) -> (PemFile, PemFile) {
+    (
+        PemFile::new(&files.cert, "http.tls.certFile"),
+        PemFile::new(&files.key, "http.tls.keyFile"),
+    )
+}
+
+/// A server starts with a certificate out of its validity (it can be renewed in place), and
+/// warns naming the file and the dates in UTC.
+#[test]
+fn a_certificate_out_of_its_validity_is_served_and_warned_about() {
+    let ca = TestCa::new("simlock test CA");
+    let cases = [
+        // 2019-01-01 to 2020-02-01.
+        (
+            1_546_300_800,
+            1_580_515_200,
+            "the certificate expired at 2020-02-01T00:00:00Z (valid from 2019-01-01T00:00:00Z; the time here is 20",
+        ),
+        // 2090-01-01 to 2091-01-01.
+        (
+            3_786_912_000,
+            3_818_448_000,
+            "the certificate is not valid before 2090-01-01T00:00:00Z (the time here is 20",
+        ),
+    ];
+    for (not_before, not_after, said) in cases {
+        let dir = tempfile::tempdir().unwrap();
+        let leaf = ca.leaf_valid(&["localhost"], not_before, not_after);
+        let files = leaf.write(dir.path());
+        let (cert, key) = pem_files(&files);
+        let (server, log) = logged(|| ServerTls::load(cert, key));
+        let server = server.expect("a certificate out of its validity still loads");
+        assert_eq!(server.current_certificate().to_vec(), leaf.leaf_der());
+        assert!(log.contains("WARN"), "{log}");
+        assert!(
+            log.contains(&format!("http.tls.certFile ({})", files.cert.display())),
+            "{log}"
+        );
+        assert!(log.contains(said), "{log}");
+        assert_eq!(log.matches("WARN").count(), 1, "{log}");
+    }
+}
+
+/// The certificate in service is looked at against the clock at each handshake: each change
+/// (expiring within 7 days, expired) is warned about once, and a renewed pair ends it.
+#[test]
+fn the_certificate_in_service_is_watched_and_each_change_warned_once() {
+    use std::sync::atomic::{AtomicI64, Ordering};
+    use std::time::{Duration, UNIX_EPOCH};
+
+    const DAY: i64 = 86_400;
+    let start: i64 = 1_800_000_000; // 2027-01-15T08:00:00Z
+    let now = Arc::new(AtomicI64::new(start));
+    let clock = {
+        let now = now.clone();
+        move || UNIX_EPOCH + Duration::from_secs(now.load(Ordering::SeqCst).unsigned_abs())
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let ca = TestCa::new("simlock test CA");
+    let files = ca
+        .leaf_valid(&["localhost"], start - DAY, start + 30 * DAY)
+        .write(dir.path());
+    let (cert, key) = pem_files(&files);
+    let (server, log) = logged(|| ServerTls::load_with_clock(cert, key, clock).unwrap());
+    assert!(!log.contains("WARN"), "valid for 30 days: {log}");
+
+    now.store(start + 25 * DAY, Ordering::SeqCst);
+    let (_, log) = logged(|| {
+        server.current_certificate();
+        server.current_certificate();
+    });
+    assert_eq!(log.matches("WARN").count(), 1, "{log}");
+    assert!(
+        log.contains(&format!(
+            "the certificate expires at {}, in 5 days (the time here is {})",
+            utc(start + 30 * DAY),
+            utc(start + 25 * DAY)
+        )),
+        "{log}"
+    );
+    assert!(log.contains("without a restart"), "{log}");
+
+    now.store(start + 31 * DAY, Ordering::SeqCst);
+    let (_, log) = logged(|| {
+        server.current_certificate();
+        server.current_certificate();
+    });
+    assert_eq!(log.matches("WARN").count(), 1, "{log}");
+    assert!(
+        log.contains(&format!(
+            "the certificate expired at {}",
+            utc(start + 30 * DAY)
+        )),
+        "{log}"
+    );
+
+    // A renewed pair written over the files: served, and nothing to warn about.
+    let renewed = ca.leaf_valid(&["localhost"], start + 30 * DAY, start + 120 * DAY);
+    renewed.write(dir.path());
+    let (served, log) = logged(|| server.current_certificate());
+    assert_eq!(served.to_vec(), renewed.leaf_der());
+    assert!(log.contains("TLS certificate reloaded"), "{log}");
+    assert!(!log.contains("WARN"), "{log}");
+}
+
+/// A CA certificate served as the server's own is served, and warned about with the fix, at
+/// start-up and when a rotation brings one in.
+#[test]
+fn a_ca_certificate_is_warned_about_with_its_fix() {
+    let dir = tempfile::tempdir().unwrap();
+    let files = TestLeaf::self_signed(&["localhost"], true).write(dir.path());
+    let (cert, key) = pem_files(&files);
+    let (server, log) = logged(|| ServerTls::load(cert, key));
+    let server = server.expect("a CA certificate still loads");
+    assert_eq!(log.matches("WARN").count(), 1, "{log}");
+    assert!(
+        log.contains(&format!(
+            "http.tls.certFile ({}): the certificate is a CA certificate (basicConstraints CA:TRUE)",
+            files.cert.display()
+        )),
+        "{log}"
+    );
+    assert!(log.contains(LEAF_REMEDY), "{log}");
+
+    // A leaf, then a self-signed one with CA:FALSE, replace it: neither is warned about.
+    let ca = TestCa::new("simlock test CA");
+    for leaf in [
+        ca.leaf(&["localhost"]),
+        TestLeaf::self_signed(&["localhost"], false),
+    ] {
+        leaf.write(dir.path());
+        let (served, log) = logged(|| server.current_certificate());
+        assert_eq!(served.to_vec(), leaf.leaf_der());
+        assert!(!log.contains("WARN"), "{log}");
+    }
+
+    // And a CA certificate rotated in is warned about again.
+    TestLeaf::self_signed(&["localhost"], true).write(dir.path());
+    let (_, log) = logged(|| server.current_certificate());
+    assert!(log.contains("basicConstraints CA:TRUE"), "{log}");
+}
+
+#[test]
+fn a_certificate_stands_against_the_clock() {
+    use served::{Standing, Validity};
+    let validity = Validity {
+        not_before: 1_000,
+        not_after: 1_000 + 30 * 86_400,
+    };
+    let end = validity.not_after;
+    assert_eq!(validity.standing(999), Standing::NotValidYet);
+    assert_eq!(validity.standing(1_000), Standing::Valid);
+    assert_eq!(
+        validity.standing(end - EXPIRY_NOTICE_SECS - 1),
+        Standing::Valid
+    );
+    assert_eq!(
+        validity.standing(end - EXPIRY_NOTICE_SECS),
+        Standing::ExpiresSoon
+    );
+    assert_eq!(validity.standing(end), Standing::ExpiresSoon);
+    assert_eq!(validity.standing(end + 1), Standing::Expired);
+    let file = PemFile::new("/etc/simlock/cert.pem", "http.tls.certFile");
+    assert_eq!(validity.warning(&file, 5_000), None);
+    for (before_end, said) in [
+        (5 * 86_400 + 7, "in 5 days"),
+        (30 * 3_600, "in 30 hours"),
+        (5 * 60, "in 5 minutes"),
+        (42, "in 42 seconds"),
+    ] {
+        let text = validity.warning(&file, end - before_end).unwrap();
+        assert!(
+            text.starts_with("http.tls.certFile (/etc/simlock/cert.pem): the certificate expires at 1970-01-31T00:16:40Z, "),
+            "{text}"
+        );
+        assert!(text.contains(said), "{text}");
+        assert_readable(&text);
+    }
 }
