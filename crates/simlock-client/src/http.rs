@@ -352,4 +352,20 @@ mod tests {
         // A plain URL never reads the CA file.
         assert!(HttpBackend::new("http://x", "t", idle, Some(missing)).is_ok());
     }
+
+    #[test]
+    fn a_ca_certificate_served_as_the_daemons_own_is_named_with_its_fix() {
+        let text = tls_hint(&simlock_tls::TlsFailure::CaAsLeaf);
+        assert!(
+            text.starts_with(
+                "TLS: the certificate is a CA certificate (basicConstraints CA:TRUE), which a \
+                 server cannot present as its own; on the daemon, serve a leaf certificate"
+            ),
+            "{text}"
+        );
+        assert!(
+            text.contains("basicConstraints=critical,CA:FALSE"),
+            "{text}"
+        );
+    }
 }

@@ -1,8 +1,9 @@
 //! TLS on every hop, with certificates made at test time: a worker joins its gateway over
-//! `wss://` and relayed bodies cross byte for byte; an untrusted CA, a wrong host name and plain
-//! `ws://` to the TLS port each fail with their named error and open no uplink (and a worker
-//! keeps retrying); a missing CA file or certificate fails start-up; a rotated certificate is
-//! served to new connections without a restart; HTTPS clients reach the gateway's API.
+//! `wss://` and relayed bodies cross byte for byte; an untrusted CA, a wrong host name, a
+//! self-signed CA certificate and plain `ws://` to the TLS port each fail with their named error
+//! and open no uplink (and a worker keeps retrying); a missing CA file or certificate fails
+//! start-up; a rotated certificate is served to new connections without a restart; HTTPS clients
+//! reach the gateway's API.
 
 #![allow(
     clippy::unwrap_used,
@@ -26,7 +27,7 @@ use simlock_e2e::relay::{
 use simlock_e2e::{PATIENCE, TestFleet, gateway_config, worker_config};
 use simlock_relay_gateway::RelayCall;
 use simlock_tls::TlsFailure;
-use simlock_tls::testing::TestCa;
+use simlock_tls::testing::{TestCa, TestLeaf};
 use tokio::io::AsyncWriteExt;
 
 const MIB: u64 = 1024 * 1024;
@@ -187,6 +188,48 @@ async fn an_untrusted_ca_a_wrong_name_and_plain_ws_are_named_and_open_no_uplink(
     fleet.stop().await;
 }
 
+/// A gateway serving a self-signed CA certificate (as `openssl req -x509` makes one by
+/// default) fails the uplink with a message that says so and names the fix, whether or not the
+/// worker trusts that certificate; one made with CA:FALSE and trusted joins.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_self_signed_ca_certificate_is_named_with_its_fix() {
+    let (fleet, port) = tls_gateway().await;
+    let tls = fleet.tls.as_ref().unwrap();
+    let token = fleet.join_token.clone();
+    let dir = tls.files.cert.parent().unwrap();
+    let url = format!("wss://localhost:{port}");
+
+    let ca_true = TestLeaf::self_signed(&["localhost", "127.0.0.1"], true);
+    ca_true.write(dir);
+    let trusted = dir.join("self-signed.pem");
+    std::fs::write(&trusted, &ca_true.cert_pem).unwrap();
+    for ca_file in [Some(trusted.as_path()), None] {
+        let error = dial(&uplink(url.clone(), &token, ca_file))
+            .await
+            .map(drop)
+            .expect_err("a CA certificate served as the gateway's own fails");
+        assert_eq!(error, DialError::Tls(TlsFailure::CaAsLeaf));
+        let text = error.to_string();
+        assert!(
+            text.starts_with("TLS with the gateway: the certificate is a CA certificate (basicConstraints CA:TRUE)"),
+            "{text}"
+        );
+        assert!(
+            text.contains("http.tls.certFile")
+                && text.contains("basicConstraints=critical,CA:FALSE"),
+            "{text}"
+        );
+        assert!(!text.contains("Other("), "{text}");
+    }
+
+    let ca_false = TestLeaf::self_signed(&["localhost", "127.0.0.1"], false);
+    ca_false.write(dir);
+    std::fs::write(&trusted, &ca_false.cert_pem).unwrap();
+    let joined = dial(&uplink(url, &token, Some(&trusted))).await;
+    assert!(joined.is_ok(), "{:?}", joined.map(drop));
+    fleet.stop().await;
+}
+
 /// A real worker that does not trust the gateway keeps retrying with backoff, each attempt
 /// failing with the named cause, and never joins.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -275,7 +318,7 @@ async fn a_rotated_certificate_is_served_to_new_connections() {
     let first = served_certificate(port, &ca_file).await;
     assert_eq!(
         first,
-        simlock_tls::testing::TestLeaf {
+        TestLeaf {
             cert_pem: String::from_utf8(first_leaf).unwrap(),
             key_pem: String::new(),
         }
