@@ -488,6 +488,12 @@ async fn a_websocket_upgrade_is_refused_before_auth_and_other_upgrades_are_ignor
         .await;
         assert_eq!(status, 404, "{upgrade}: {body}");
         assert_eq!(code_of(&body), "UNKNOWN_REQUEST");
+        let said: Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(
+            said["error"]["message"],
+            "No WebSocket at /v1/tokens: only a gateway's /v1/uplink takes one; send GET \
+             /v1/tokens without Upgrade"
+        );
         let (status, _) = exchange_with(
             &host.addr,
             "GET",

@@ -414,7 +414,14 @@ async fn route(
     let mount = app.mounts.iter().find(|m| m.matches(&path));
     if asks_for_websocket(&request) && !mount.is_some_and(|m| m.takes_websocket()) {
         // Only a mount that says so (the gateway's /v1/uplink) takes a WebSocket.
-        return not_found(&method, &path);
+        let err = ContractError::new(
+            ErrorCode::UnknownRequest,
+            format!(
+                "No WebSocket at {path}: only a gateway's /v1/uplink takes one; send {method} \
+                 {path} without Upgrade"
+            ),
+        );
+        return error_with_status(&err, StatusCode::NOT_FOUND);
     }
     if let Some(mount) = mount {
         return mount.serve(request).await;
