@@ -116,6 +116,8 @@ pub enum CoreError {
     ExecSpawn {
         /// The tool.
         tool: String,
+        /// The program its configuration names.
+        command: String,
         /// Why.
         source: std::io::Error,
     },
@@ -256,9 +258,28 @@ impl From<CoreError> for ContractError {
                 Self::new(ErrorCode::UnknownPassthroughTool, message)
                     .with_details(json!({ "tool": tool }))
             }
-            CoreError::ExecSpawn { tool, source } => {
-                Self::internal(format!("Exec tool {tool} could not start: {source}"))
-            }
+            CoreError::ExecSpawn {
+                tool,
+                command,
+                source,
+            } => match source.kind() {
+                // The worker's configuration names a program this machine cannot run: the
+                // operator's to fix, not a fault of the daemon.
+                std::io::ErrorKind::NotFound | std::io::ErrorKind::PermissionDenied => Self::new(
+                    ErrorCode::PassthroughRefused,
+                    format!(
+                        "Exec tool {tool} runs {command}, which this worker cannot run ({}): fix \
+                         exec.tools.{tool}.command in the worker's configuration",
+                        if source.kind() == std::io::ErrorKind::NotFound {
+                            "not found"
+                        } else {
+                            "permission denied"
+                        }
+                    ),
+                )
+                .with_details(serde_json::json!({ "tool": tool })),
+                _ => Self::internal(format!("Exec tool {tool} could not start: {source}")),
+            },
             CoreError::ExecTimeout { tool, timeout_ms } => Self::new(
                 ErrorCode::ExecTimeout,
                 format!("{tool} ran past exec.timeoutMs ({timeout_ms} ms) and was stopped"),

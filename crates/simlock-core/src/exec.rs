@@ -59,6 +59,7 @@ async fn run_to_end(ctx: CallCtx, run: Run) -> Result<i32, CoreError> {
         .kill_on_drop(true);
     let mut child = command.spawn().map_err(|source| CoreError::ExecSpawn {
         tool: run.tool_name.clone(),
+        command: run.tool.command.clone(),
         source,
     })?;
     // Every pre-spawn failure is ruled out: the process exists.

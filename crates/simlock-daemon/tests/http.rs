@@ -712,3 +712,40 @@ async fn a_renewal_or_token_body_with_an_unknown_key_is_refused_naming_it() {
     assert_eq!(status, 201, "{body}");
     host.stop.cancel();
 }
+
+/// An exec body naming another lease than its path is refused, naming both; the same lease, or
+/// none, goes on to the operation.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_exec_body_naming_another_lease_than_its_path_is_refused() {
+    let host = host().await;
+    let (agent, _) = host.tokens.create(TokenRole::Agent, None).unwrap();
+    let (status, body) = exchange(
+        &host.addr,
+        "POST",
+        "/v1/leases/lse_a/exec",
+        Some(&agent),
+        br#"{"leaseId": "lse_b", "tool": "echo"}"#,
+    )
+    .await;
+    assert_eq!(status, 400, "{body}");
+    let said: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(
+        said["error"]["message"],
+        r#"leaseId: the body names "lse_b" and the path lse_a; leave it out of the body"#
+    );
+    for same in [
+        &br#"{"leaseId": "lse_a", "tool": "echo"}"#[..],
+        br#"{"tool": "echo"}"#,
+    ] {
+        let (_, body) = exchange(
+            &host.addr,
+            "POST",
+            "/v1/leases/lse_a/exec",
+            Some(&agent),
+            same,
+        )
+        .await;
+        assert!(!body.contains("leave it out"), "{body}");
+    }
+    host.stop.cancel();
+}

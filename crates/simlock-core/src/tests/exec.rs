@@ -146,8 +146,14 @@ async fn a_tool_that_cannot_start_fails_before_started() {
         .call::<DeviceExec>(ctx, &exec(grant.lease.id.as_str(), "ghost", &[]))
         .await
         .unwrap_err();
-    assert_eq!(err.code, ErrorCode::Internal);
-    assert!(err.message.contains("ghost"), "{}", err.message);
+    // The configuration's to fix, said so: not the daemon's INTERNAL.
+    assert_eq!(err.code, ErrorCode::PassthroughRefused);
+    assert_eq!(
+        err.message,
+        "Exec tool ghost runs /nonexistent/simlock-test-tool, which this worker cannot run (not \
+         found): fix exec.tools.ghost.command in the worker's configuration"
+    );
+    assert_eq!(err.details, Some(serde_json::json!({"tool": "ghost"})));
     assert!(pushes.try_recv().is_err(), "no started push");
 }
 

@@ -515,9 +515,16 @@ async fn route(
         }
         (&Method::POST, ["leases", id, "exec"]) => {
             let id = (*id).to_owned();
-            with_body(request, move |mut body| {
+            with_body(request, move |mut body| async move {
+                // The path names the lease; a body that names another is a mistake, not a choice.
+                if let Some(named) = body.get("leaseId").filter(|named| **named != *id) {
+                    return error(&ContractError::bad_request(format!(
+                        "leaseId: the body names {named} and the path {id}; leave it out of the \
+                         body"
+                    )));
+                }
                 body.insert("leaseId".into(), Value::String(id));
-                async move { exec(app, &caller, Value::Object(body), stop).await }
+                exec(app, &caller, Value::Object(body), stop).await
             })
             .await
         }
