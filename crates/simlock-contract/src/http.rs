@@ -175,6 +175,21 @@ pub struct RequestView {
 }
 
 impl RequestView {
+    /// Moves to `state`, dropping what that state does not carry: `queuePosition` outside
+    /// `queued`, `etaSeconds` outside `provisioning`, `booting` and `reclaiming`.
+    pub fn enter(&mut self, state: RequestState) {
+        self.state = state;
+        if state != RequestState::Queued {
+            self.queue_position = None;
+        }
+        if !matches!(
+            state,
+            RequestState::Provisioning | RequestState::Booting | RequestState::Reclaiming
+        ) {
+            self.eta_seconds = None;
+        }
+    }
+
     /// The progress a working request reports, as the `progress` push would.
     pub fn progress(&self) -> Option<Progress> {
         let eta_ms = self.eta_seconds.unwrap_or(0).saturating_mul(1000);
@@ -253,6 +268,24 @@ mod tests {
     use serde_json::json;
 
     use super::*;
+
+    #[test]
+    fn a_view_carries_only_what_its_state_does() {
+        let mut view: RequestView = serde_json::from_value(json!({
+            "id": "req_1", "state": "queued", "queuePosition": 1, "createdAt": 0
+        }))
+        .unwrap();
+        view.enter(RequestState::Cancelled);
+        assert_eq!(
+            serde_json::to_value(&view).unwrap(),
+            json!({"id": "req_1", "state": "cancelled", "createdAt": 0})
+        );
+        view.eta_seconds = Some(3);
+        view.enter(RequestState::Booting);
+        assert_eq!(view.eta_seconds, Some(3));
+        view.enter(RequestState::Queued);
+        assert_eq!(view.eta_seconds, None);
+    }
 
     #[test]
     fn a_failed_view_round_trips_with_its_error_inlined() {

@@ -618,6 +618,20 @@ async fn agents_on_a_gateway_see_only_their_own_leases_and_requests_in_every_nes
     )
     .await;
     assert_eq!(cancelled.status, 204, "{cancelled:?}");
+    // Cancelled, it carries no queue position (as its event said, before the view was fixed).
+    let view = send(
+        addr,
+        "GET",
+        &format!("/v1/lease-requests/{}", c_request["id"].as_str().unwrap()),
+        Some(&c),
+        None,
+    )
+    .await;
+    assert_eq!(view.body["request"]["state"], "cancelled", "{view:?}");
+    assert!(
+        view.body["request"].get("queuePosition").is_none(),
+        "{view:?}"
+    );
     fleet.stop().await;
 }
 

@@ -279,7 +279,7 @@ impl RequestBook {
             CancelResult::Cancelled => {
                 record.view.send_modify(|v| {
                     if !v.state.is_settled() {
-                        v.state = RequestState::Cancelled;
+                        v.enter(RequestState::Cancelled);
                     }
                 });
                 Ok(())
