@@ -63,6 +63,8 @@ pub fn in_json_terms(message: &str) -> String {
         ("i64", "a whole number"),
         ("i32", "a whole number"),
         ("f64", "a number"),
+        // A unit enum (`platform`) given another kind of value.
+        ("string or map", "a string"),
     ];
     let mut out = message.to_owned();
     for (rust, json) in TERMS {
@@ -295,6 +297,15 @@ mod tests {
         assert_eq!(
             message(serde_json::json!({"ratio": "x"})),
             "ratio: invalid type: string \"x\", expected a number"
+        );
+        let platform = crate::decode_input::<crate::ops::CatalogInput>(Some(
+            serde_json::json!({"platform": 5}),
+        ))
+        .unwrap_err()
+        .message;
+        assert_eq!(
+            platform,
+            "platform: invalid type: integer `5`, expected a string"
         );
         assert_eq!(
             in_json_terms("expected u640"),
