@@ -298,11 +298,10 @@ mod tests {
             message(serde_json::json!({"ratio": "x"})),
             "ratio: invalid type: string \"x\", expected a number"
         );
-        let platform = crate::decode_input::<crate::ops::CatalogInput>(Some(
-            serde_json::json!({"platform": 5}),
-        ))
-        .unwrap_err()
-        .message;
+        let platform =
+            decode_input::<crate::ops::CatalogInput>(Some(serde_json::json!({"platform": 5})))
+                .unwrap_err()
+                .message;
         assert_eq!(
             platform,
             "platform: invalid type: integer `5`, expected a string"
