@@ -78,9 +78,19 @@ impl Worker {
 
     /// Stops the worker (its leases are kept in its home) and starts it again on that home.
     async fn restart(&mut self, config: WorkerConfig) {
+        self.halt().await;
+        self.resume(config).await;
+    }
+
+    /// Stops the worker, keeping its home.
+    async fn halt(&mut self) {
         if let Some(running) = self.running.take() {
             running.stop("test").await;
         }
+    }
+
+    /// Starts the worker again on its home.
+    async fn resume(&mut self, config: WorkerConfig) {
         let running = simlock_worker::start(WorkerOptions::new(self.home.clone(), config))
             .await
             .expect("the worker starts again");
@@ -567,6 +577,52 @@ async fn a_lease_is_held_on_across_a_restart_of_its_worker_and_released_after() 
     assert_eq!(released, json!({"leaseId": id, "released": true}));
     assert!(leases(&worker.operator().await).await.is_empty());
 
+    assert!(agent.close_stdin().await.success());
+    worker.stop().await;
+}
+
+/// While the session connects again, a release answers that it is connecting again and the
+/// lease stays held; once connected, the release goes through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_while_the_session_connects_again_keeps_the_lease_for_later() {
+    let mut worker = Worker::start(worker_config(1)).await;
+    let mut agent = Launch::on(worker.home()).session("patient").start().await;
+    let id = lease_id(
+        &agent
+            .ok(
+                "lease_simulator",
+                json!({"platform": "android", "ttl": "10m"}),
+            )
+            .await,
+    );
+
+    worker.halt().await;
+    agent.notice("lease-reconnecting").await;
+    let (text, _) = agent.fails("release_simulator", json!({})).await;
+    assert_eq!(
+        text,
+        format!(
+            "The daemon went away; this session is connecting again to keep lease {id}: release \
+             it again in a moment (DAEMON_CONNECTION_LOST)"
+        )
+    );
+    // Its status answers from what the session knows.
+    let status = agent.ok("lease_status", json!({"leaseId": id})).await;
+    assert_eq!(status["standing"], "held", "{status}");
+    assert!(
+        status["message"]
+            .as_str()
+            .unwrap()
+            .starts_with("The daemon cannot be reached right now"),
+        "{status}"
+    );
+    assert_eq!(status["lease"]["id"], id.as_str());
+
+    worker.resume(worker_config(1)).await;
+    agent.notice("lease-reconnected").await;
+    let released = agent.ok("release_simulator", json!({})).await;
+    assert_eq!(released, json!({"leaseId": id, "released": true}));
+    assert!(leases(&worker.operator().await).await.is_empty());
     assert!(agent.close_stdin().await.success());
     worker.stop().await;
 }

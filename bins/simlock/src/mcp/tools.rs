@@ -349,8 +349,28 @@ async fn status(session: &Arc<Session>, arguments: Value) -> Result<Value, Contr
                 map.insert(
                     "message".into(),
                     Value::from(
-                        "The daemon does not list this lease right now; the session still holds                          it, and says so if the daemon ended it",
+                        "The daemon does not list this lease right now; the session still holds \
+                         it, and says so if the daemon ended it",
                     ),
+                );
+            }
+        }
+        // The daemon is away (a restart): the session still holds the lease and connects
+        // again; the book's record is the last the daemon answered.
+        Err(e) if e.code.is_transport() => {
+            if let Some(map) = out.as_object_mut() {
+                map.insert(
+                    "expires".into(),
+                    Value::from(view::relative(entry.grant.lease.ttl_deadline)),
+                );
+                map.insert("lease".into(), json!(entry.grant.lease));
+                map.insert(
+                    "message".into(),
+                    Value::from(format!(
+                        "The daemon cannot be reached right now ({}); the session still holds \
+                         the lease and connects again to keep it",
+                        e.message
+                    )),
                 );
             }
         }
