@@ -194,26 +194,34 @@ pub fn fits(device: &Device, wanted: &Wanted, matched: &Match) -> bool {
             .is_none_or(|os| &device.spec.os_version == os)
 }
 
-/// Running slots free or held by idle devices that could be shut down for this request.
+/// Running slots free or held by idle devices that could be shut down for this request, as
+/// the worker makes room: the platform's own cap frees only by shutting down one of its own idle
+/// devices; the worker's cap frees by shutting down any idle device (an idle iPhone makes room
+/// for an Android request).
 fn free_or_evictable(view: &WorkerView, platform: Platform) -> u32 {
     let Some(capacity) = view.capacity else {
         return 0;
     };
-    let idle = view
-        .devices
-        .as_deref()
-        .unwrap_or_default()
-        .iter()
-        .filter(|d| d.spec.platform == platform && d.state == DeviceState::Ready)
-        .count();
-    let platform_free =
-        capacity.platform(platform).free() + u32::try_from(idle).unwrap_or(u32::MAX);
+    let idle = |only: Option<Platform>| {
+        let count = view
+            .devices
+            .as_deref()
+            .unwrap_or_default()
+            .iter()
+            .filter(|d| d.state == DeviceState::Ready && only.is_none_or(|p| d.spec.platform == p))
+            .count();
+        u32::try_from(count).unwrap_or(u32::MAX)
+    };
+    let platform_free = capacity
+        .platform(platform)
+        .free()
+        .saturating_add(idle(Some(platform)));
     let global_free = capacity
         .global
         .max_running
         .saturating_sub(capacity.global.running)
         .saturating_sub(capacity.global.reserved)
-        + u32::try_from(idle).unwrap_or(u32::MAX);
+        .saturating_add(idle(None));
     platform_free.min(global_free)
 }
 

@@ -336,3 +336,52 @@ fn a_holder_knows_its_leases_only_while_connected_with_its_lease_list_read() {
     );
     assert_eq!(unlisted.lease_max_ttl_ms, None, "limits not read yet");
 }
+
+/// A worker at its running cap with an idle iPhone makes room for an Android request by
+/// shutting the iPhone down, as it does for a request sent to it straight: the gateway routes
+/// there instead of queueing. A leased iPhone makes no room.
+#[test]
+fn an_idle_device_of_another_platform_is_room_under_the_workers_cap() {
+    let mut full = view("a", 1);
+    if let Some(capacity) = full.capacity.as_mut() {
+        capacity.ios.running = 1;
+        capacity.android.max_running = 1;
+        capacity.global.running = 1;
+    }
+    full.devices = Some(vec![ready_device("iPhone 16", "18.2")]);
+    let mut android = catalog().remove(0);
+    android.platform = Platform::Android;
+    android.models = vec!["Pixel 8".into()];
+    android.model_runtimes = BTreeMap::from([("Pixel 8".to_owned(), vec!["35".to_owned()])]);
+    android.model_aliases = BTreeMap::new();
+    if let Some(catalog) = full.catalog.as_mut() {
+        catalog.push(android);
+    }
+    let pixel = Wanted {
+        platform: Platform::Android,
+        ..wanted(None, None, &[])
+    };
+    let pick = select(&[&full], &pixel).expect("the idle iPhone makes room");
+    assert_eq!(
+        (pick.worker_id.as_str(), pick.reason),
+        ("a", Reason::FreeCapacity)
+    );
+
+    let mut busy = full.clone();
+    if let Some(devices) = busy.devices.as_mut() {
+        devices[0].state = DeviceState::Leased;
+    }
+    assert_eq!(
+        select(&[&busy], &pixel),
+        None,
+        "a leased iPhone makes no room"
+    );
+    // Its own cap full, an idle device of another platform frees nothing for it.
+    let mut capped = full.clone();
+    if let Some(capacity) = capped.capacity.as_mut() {
+        capacity.android.running = 1;
+        capacity.global.max_running = 2;
+        capacity.global.running = 2;
+    }
+    assert_eq!(select(&[&capped], &pixel), None);
+}
