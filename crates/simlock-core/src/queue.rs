@@ -81,6 +81,8 @@ pub(crate) struct Waiter {
     pub failures: u32,
     /// The device work under way (processing only).
     pub pending: Option<Pending>,
+    /// The queue position it was last told, while queued.
+    pub told_position: Option<u32>,
 }
 
 /// The waiter's deadline passed.
@@ -125,7 +127,25 @@ impl WaitQueue {
             return Some(Err(TimedOut));
         }
         waiter.stage = Stage::Queued;
-        self.position(id).map(Ok)
+        let position = self.position(id)?;
+        if let Some(waiter) = self.get_mut(id) {
+            waiter.told_position = Some(position);
+        }
+        Some(Ok(position))
+    }
+
+    /// The queued waiters whose place changed since they were last told (one ahead of them was
+    /// granted, cancelled or timed out), each with its place now, which it is now told.
+    pub(crate) fn moved(&mut self) -> Vec<(RequestId, u32)> {
+        let mut moved = Vec::new();
+        for (index, waiter) in self.list.iter_mut().enumerate() {
+            let position = u32::try_from(index + 1).unwrap_or(u32::MAX);
+            if waiter.stage == Stage::Queued && waiter.told_position != Some(position) {
+                waiter.told_position = Some(position);
+                moved.push((waiter.id.clone(), position));
+            }
+        }
+        moved
     }
 
     /// Marks a waiter processing (device work starts), unless its deadline passed.
@@ -236,6 +256,7 @@ mod tests {
             created_at: 0,
             failures: 0,
             pending: None,
+            told_position: None,
         }
     }
 
@@ -253,6 +274,27 @@ mod tests {
         assert_eq!(q.pickable(), vec![id(2), id(3)]);
         q.remove(&id(1));
         assert_eq!(q.position(&id(3)), Some(2));
+    }
+
+    #[test]
+    fn a_queued_waiter_is_told_its_new_place_once_when_one_ahead_leaves() {
+        let mut q = WaitQueue::default();
+        for n in 1..=3 {
+            q.push(waiter(n, None));
+        }
+        let id = |n: u32| RequestId::from_raw(format!("req_{n}"));
+        for n in 1..=3 {
+            assert_eq!(q.enqueue(&id(n), 0), Some(Ok(n)));
+        }
+        assert!(q.moved().is_empty(), "each was told its place on queueing");
+        q.remove(&id(2));
+        assert_eq!(q.moved(), vec![(id(3), 2)]);
+        assert!(q.moved().is_empty(), "told once");
+        // A waiter ahead that starts processing keeps its place: nothing moves.
+        assert_eq!(q.mark_processing(&id(1), 0), Some(Ok(())));
+        assert!(q.moved().is_empty());
+        q.remove(&id(1));
+        assert_eq!(q.moved(), vec![(id(3), 1)]);
     }
 
     #[test]

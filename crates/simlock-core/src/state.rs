@@ -538,6 +538,14 @@ impl State {
     }
 
     pub(crate) fn take_effects(&mut self) -> Effects {
+        for (id, position) in self.queue.moved() {
+            self.progress(
+                &id,
+                Progress::Queued {
+                    queue_position: position,
+                },
+            );
+        }
         let depth = self.queue.depth();
         if depth != self.last_depth {
             self.last_depth = depth;
@@ -623,6 +631,7 @@ impl State {
             created_at: now,
             failures: 0,
             pending: None,
+            told_position: None,
         });
         if a.no_wait && waiters_ahead {
             // A worker with anyone waiting refuses every noWait request: FIFO stays fair.

@@ -140,6 +140,14 @@ async fn waiting_requests_are_granted_in_fifo_order_as_devices_free() {
     assert_eq!(granted.payload["source"], "warm");
     assert!(!d.is_finished(), "the second waiter still waits");
     assert_eq!(h.worker.waiting()[0].queue_position, Some(1));
+    // The second waiter is told its new place once the one ahead of it left the queue.
+    assert_eq!(
+        next_push(&mut d_pushes).await,
+        Push::Progress {
+            request_id: 0.into(),
+            progress: Progress::Queued { queue_position: 1 }
+        }
+    );
 
     h.call::<LeaseRelease>(
         agent("agent-b"),

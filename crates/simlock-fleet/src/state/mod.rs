@@ -505,6 +505,14 @@ impl Core {
     }
 
     fn note_depth(&mut self) {
+        for (request, position) in self.queue.moved() {
+            self.fx.push_back(Effect::Progress {
+                request,
+                progress: Progress::Queued {
+                    queue_position: position,
+                },
+            });
+        }
         let depth = self.queue.depth();
         if depth != self.last_depth {
             self.last_depth = depth;
@@ -1619,6 +1627,9 @@ impl Core {
             }
         } else if !std::mem::replace(&mut waiter.announced, true) {
             let position = self.queue.position(id);
+            if let Some(waiter) = self.queue.get_mut(id) {
+                waiter.told_position = Some(position);
+            }
             self.fx.push_back(Effect::Progress {
                 request: id.clone(),
                 progress: Progress::Queued {

@@ -70,6 +70,8 @@ pub struct Waiter {
     pub second_walk: bool,
     /// Whether `queued` was announced.
     pub announced: bool,
+    /// The place it was last told, once announced.
+    pub told_position: Option<u32>,
     /// Whether a dispatch pass walked it once without a pick.
     pub walked: bool,
 }
@@ -101,6 +103,7 @@ impl Waiter {
             last_refusal: None,
             second_walk: false,
             announced: false,
+            told_position: None,
             walked: false,
         }
     }
@@ -338,6 +341,24 @@ impl Queue {
     pub fn position(&self, id: &RequestId) -> u32 {
         let ahead = self.waiters.iter().take_while(|w| &w.id != id).count();
         u32::try_from(ahead + 1).unwrap_or(u32::MAX)
+    }
+
+    /// The announced, still queued waiters whose place changed since they were last told (one
+    /// ahead of them was granted, answered or withdrawn), each with its place now, which it is
+    /// now told.
+    pub fn moved(&mut self) -> Vec<(RequestId, u32)> {
+        let mut moved = Vec::new();
+        for (index, waiter) in self.waiters.iter_mut().enumerate() {
+            let position = u32::try_from(index + 1).unwrap_or(u32::MAX);
+            if waiter.is_queued()
+                && waiter.told_position.is_some()
+                && waiter.told_position != Some(position)
+            {
+                waiter.told_position = Some(position);
+                moved.push((waiter.id.clone(), position));
+            }
+        }
+        moved
     }
 
     /// How many are queued (not forwarded).

@@ -382,6 +382,46 @@ fn an_end_before_its_grants_answer_reaches_the_owner_after_the_grant() {
     assert!(core.lease("w1.lse_a").is_none());
 }
 
+/// A queued request is told its new place once one ahead of it leaves the queue (here, by
+/// timing out); a request whose place did not change hears nothing more.
+#[test]
+fn a_queued_request_is_told_its_new_place_when_one_ahead_leaves() {
+    let (mut core, generation) = fleet(1);
+    let _held = granted_full(&mut core, generation);
+    let mut first = ios();
+    first.requester_id = Some("first".into());
+    first.timeout_ms = Some(200);
+    ask(&mut core, 2, first, T0).unwrap();
+    let mut second = ios();
+    second.requester_id = Some("second".into());
+    ask(&mut core, 3, second, T0).unwrap();
+    let queued = |effects: &[Effect]| -> Vec<(String, u32)> {
+        effects
+            .iter()
+            .filter_map(|e| match e {
+                Effect::Progress {
+                    request,
+                    progress: Progress::Queued { queue_position },
+                } => Some((request.to_string(), *queue_position)),
+                _ => None,
+            })
+            .collect()
+    };
+    assert_eq!(
+        queued(&core.take_effects()),
+        [("req_2".to_owned(), 1), ("req_3".to_owned(), 2)]
+    );
+    core.handle_tick(T0 + 200);
+    let effects = core.take_effects();
+    assert_eq!(
+        answers(&effects),
+        [(RequestId::from_raw("req_2"), Err(ErrorCode::QueueTimeout))]
+    );
+    assert_eq!(queued(&effects), [("req_3".to_owned(), 1)]);
+    core.handle_tick(T0 + 300);
+    assert!(queued(&core.take_effects()).is_empty(), "told once");
+}
+
 #[test]
 fn a_queued_request_times_out_at_its_deadline_and_a_forward_at_the_lease_request_bound() {
     let (mut core, generation) = fleet(1);
