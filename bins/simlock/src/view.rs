@@ -401,6 +401,10 @@ pub(crate) fn catalog(catalog: &CatalogOutput) -> String {
         if !out.is_empty() {
             out.push('\n');
         }
+        if let Some(why) = &p.unavailable {
+            let _ = write!(out, "{}: unavailable ({why})", p.platform);
+            continue;
+        }
         let _ = write!(
             out,
             "{}: models {}; runtimes {}",
@@ -653,6 +657,21 @@ mod tests {
             LeaseScope::Every
         );
         assert_eq!(LeaseScope::of(None), LeaseScope::Token);
+    }
+
+    #[test]
+    fn a_platform_that_cannot_serve_says_why_in_the_catalog() {
+        let out: CatalogOutput = serde_json::from_value(serde_json::json!({"platforms": [
+            {"platform": "ios", "models": ["iPhone 16"], "runtimes": ["18.2"],
+             "modelRuntimes": {"iPhone 16": ["18.2"]}, "modelAliases": {}},
+            {"platform": "android", "models": [], "runtimes": [], "modelRuntimes": {}, "modelAliases": {},
+             "unavailable": "no adb on PATH"}
+        ]}))
+        .unwrap();
+        assert_eq!(
+            catalog(&out),
+            "ios: models iPhone 16; runtimes 18.2\nandroid: unavailable (no adb on PATH)"
+        );
     }
 
     #[test]
