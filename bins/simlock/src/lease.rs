@@ -107,18 +107,44 @@ pub(crate) async fn run(
         requester.source()
     ));
     // A bound process that exits while the request waits withdraws it, as an interrupt does.
-    let withdraw = async {
+    let withdraw = || async {
         tokio::select! {
             () = signals.nth(1) => {}
             () = unbound(bound, crate::pidwatch::CHECK_EVERY) => {}
         }
     };
-    let requested = tokio::select! {
-        outcome = client.request_lease(request_input(args, requester.id()), |p| reporter.progress(p), withdraw) => outcome,
-        () = signals.nth(2) => {
-            reporter.done();
-            eprintln!("simlock: interrupted again; the daemon may still grant the request, and the lease then expires on its TTL");
-            return Ok(EXIT_INTERRUPTED);
+    // Past this, a request whose daemon went away is not asked again.
+    let ask_until = tokio::time::Instant::now()
+        + args
+            .timeout
+            .map_or(ASK_AGAIN_FOR, Duration::from_millis)
+            .min(ASK_AGAIN_FOR);
+    let requested = loop {
+        let outcome = tokio::select! {
+            outcome = client.request_lease(request_input(args, requester.id()), |p| reporter.progress(p), withdraw()) => outcome,
+            () = signals.nth(2) => {
+                reporter.done();
+                eprintln!("simlock: interrupted again; the daemon may still grant the request, and the lease then expires on its TTL");
+                return Ok(EXIT_INTERRUPTED);
+            }
+        };
+        // The socket's daemon went away while the request waited (a restart ends its waiting
+        // requests): ask the next daemon on this home, as a hold connects again.
+        match outcome {
+            Err(e) if e.code.is_transport() && client.is_closed() && signals.count() == 0 => {
+                reporter.say(&format!(
+                    "{}; the request ended with it: asking again once the daemon is back (its \
+                     place in the queue is not kept)",
+                    e.message
+                ));
+                let left = ask_until.saturating_duration_since(tokio::time::Instant::now());
+                match reconnect_only(target, left, withdraw()).await {
+                    Some(Ok(again)) => client = again,
+                    Some(Err(last)) => break Err(last),
+                    None => break Err(e),
+                }
+            }
+            other => break other,
         }
     };
     reporter.done();
@@ -220,6 +246,36 @@ pub(crate) enum Reconnected {
 const RECONNECT_FIRST: Duration = Duration::from_millis(250);
 /// The longest wait between two tries.
 const RECONNECT_MAX: Duration = Duration::from_secs(2);
+
+/// The longest a waiting `simlock lease` whose daemon went away tries to ask the next one (its
+/// `--timeout`, when shorter).
+const ASK_AGAIN_FOR: Duration = Duration::from_secs(15 * 60);
+
+/// Connects to `target` again within `left`, backing off as [`reconnect`] does. `None` when
+/// `abort` came first or no time is left; the last failure when the daemon did not come back.
+async fn reconnect_only(
+    target: &Target,
+    left: Duration,
+    abort: impl Future<Output = ()>,
+) -> Option<Result<Client, ContractError>> {
+    let deadline = tokio::time::Instant::now() + left;
+    let mut wait = RECONNECT_FIRST;
+    tokio::pin!(abort);
+    loop {
+        if tokio::time::Instant::now() + wait >= deadline {
+            return None;
+        }
+        let outcome = tokio::select! {
+            () = &mut abort => return None,
+            () = tokio::time::sleep(wait) => target.connect().await,
+        };
+        match outcome {
+            Ok(client) => return Some(Ok(client)),
+            Err(e) if !e.code.is_transport() => return Some(Err(e)),
+            Err(_) => wait = (wait * 2).min(RECONNECT_MAX),
+        }
+    }
+}
 
 /// Connects again (`connect`, which reads the daemon's new admin secret) and renews `lease_id`,
 /// after a hold on the socket lost its daemon (a restart keeps the lease). Tries until `ttl` has

@@ -553,6 +553,56 @@ fn a_socket_hold_keeps_its_lease_across_a_daemon_restart_and_releases_it_on_sigt
     assert_eq!(deadline_of(&worker.cli(&["status"]).json), None, "released");
 }
 
+/// A `simlock lease` waiting in the queue when its daemon restarts asks the next daemon on the
+/// home again (a restart ends the waiting requests) and is granted once a device frees. Before,
+/// it exited with DAEMON_CONNECTION_LOST.
+#[test]
+fn a_waiting_lease_asks_again_after_a_daemon_restart_and_is_granted() {
+    if !enabled() {
+        return;
+    }
+    let worker = Worker::start(&fixed(1), false);
+    let first = worker.cli(&[
+        "lease",
+        "--platform",
+        "ios",
+        "--detach",
+        "--requester",
+        "first",
+    ]);
+    assert_eq!(first.code, 0, "{}", first.stderr);
+    let first_id = first.json["lease"]["id"].as_str().unwrap().to_owned();
+    let home = worker.home.path().to_owned();
+    let waiter = std::thread::spawn(move || {
+        let mut command = Command::new(bin("simlock"));
+        command
+            .env("SIMLOCK_HOME", home)
+            .env_remove("SIMLOCK_URL")
+            .env_remove("SIMLOCK_TOKEN");
+        held(command, "second", &[])
+    });
+    wait_until(&worker, "the second request waits", |status| {
+        waiting_requesters(status) == ["second"]
+    });
+    let home = worker.terminate();
+    let worker = Worker::start_in(home, false);
+    wait_until(&worker, "the second request waits again", |status| {
+        waiting_requesters(status) == ["second"]
+    });
+    let released = worker.cli(&["release", &first_id]);
+    assert_eq!(released.code, 0, "{}", released.stderr);
+    let (mut hold, lease) = waiter.join().unwrap();
+    let leases = worker.cli(&["leases", "--all"]).json.to_string();
+    assert!(leases.contains(&lease), "{leases}");
+    send_signal(hold.id(), "-TERM");
+    let exited = wait_exit(&mut hold);
+    let stderr = stderr_of(&mut hold);
+    assert!(exited.is_some_and(|s| s.success()), "{exited:?}: {stderr}");
+    // Its progress: queued, queued again on the next daemon, then the freed device.
+    let queued = stderr.matches("\"stage\":\"queued\"").count();
+    assert!(queued >= 2, "{stderr}");
+}
+
 /// A socket hold whose daemon does not come back stops trying once the lease's TTL has passed
 /// (the lease is gone by then whatever happens), exiting as a connection failure: connecting
 /// again is bounded.
