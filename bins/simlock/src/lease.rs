@@ -119,9 +119,16 @@ pub(crate) async fn run(
             .timeout
             .map_or(ASK_AGAIN_FOR, Duration::from_millis)
             .min(ASK_AGAIN_FOR);
+    let asked_at = tokio::time::Instant::now();
     let requested = loop {
+        // Asked again, the request waits only what is left of its --timeout.
+        let mut input = request_input(args, requester.id());
+        input.timeout_ms = args.timeout.map(|t| {
+            let spent = u64::try_from(asked_at.elapsed().as_millis()).unwrap_or(u64::MAX);
+            t.saturating_sub(spent).max(1)
+        });
         let outcome = tokio::select! {
-            outcome = client.request_lease(request_input(args, requester.id()), |p| reporter.progress(p), withdraw()) => outcome,
+            outcome = client.request_lease(input, |p| reporter.progress(p), withdraw()) => outcome,
             () = signals.nth(2) => {
                 reporter.done();
                 eprintln!("simlock: interrupted again; the daemon may still grant the request, and the lease then expires on its TTL");
