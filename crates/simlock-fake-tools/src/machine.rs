@@ -588,6 +588,26 @@ impl FakeMachine {
     /// # Errors
     /// A message when none is found.
     pub fn of_invocation() -> Result<Self, String> {
+        Self::found()?.checked()
+    }
+
+    /// The machine, once its profile reads: a fake tool says what is wrong with a hand-made
+    /// `fake-machine.json` instead of panicking on it later.
+    fn checked(self) -> Result<Self, String> {
+        let marker = self.root.join(MARKER);
+        let text = fs::read_to_string(&marker)
+            .map_err(|e| format!("fake tool: cannot read {}: {e}", marker.display()))?;
+        serde_json::from_str::<Profile>(&text).map_err(|e| {
+            format!(
+                "fake tool: {} is not a fake machine's profile: {e} (lay a machine out with \
+                 FakeMachine::create, as the tests do)",
+                marker.display()
+            )
+        })?;
+        Ok(self)
+    }
+
+    fn found() -> Result<Self, String> {
         if let Some(root) = std::env::var_os(MACHINE_ENV) {
             let root = PathBuf::from(root);
             if root.join(MARKER).exists() {

@@ -330,3 +330,60 @@ fn an_emulator_boots_announces_itself_and_dies_on_emu_kill() {
     assert!(m.world().emulators.is_empty());
     let _ = SimState::Booted;
 }
+
+/// A hand-made `fake-machine.json` that is no profile is said so by every tool, without a
+/// panic.
+#[test]
+fn a_profile_that_does_not_read_is_said_so_without_a_panic() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("fake-machine.json"), "{}").unwrap();
+    let root = dir.path().to_str().unwrap();
+    for (tool, args) in [
+        (tools().xcrun, vec!["simctl", "list", "-j"]),
+        (tools().adb, vec!["devices"]),
+        (tools().avdmanager, vec!["list", "avd"]),
+        (tools().emulator, vec!["-list-avds"]),
+    ] {
+        let out = run(&tool, &args, &[("SIMLOCK_FAKE_MACHINE", root)]);
+        assert!(!out.status.success(), "{tool:?}");
+        let said = err(&out);
+        assert!(
+            said.contains("fake-machine.json is not a fake machine's profile: missing field"),
+            "{tool:?}: {said}"
+        );
+        assert!(!said.contains("panicked"), "{tool:?}: {said}");
+    }
+}
+
+/// `fake-machine <dir>` lays out a machine the fakes find and prints the worker's flags for it;
+/// without a directory it prints its usage and exits 2.
+#[test]
+fn fake_machine_lays_out_a_machine_and_says_how_to_use_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().join("m");
+    let made = run(
+        Path::new(env!("CARGO_BIN_EXE_fake-machine")),
+        &[root.to_str().unwrap()],
+        &[],
+    );
+    assert!(made.status.success(), "{}", err(&made));
+    let said = text(&made);
+    let root = root.canonicalize().unwrap();
+    assert!(
+        said.contains(&format!(
+            "--set drivers.ios.xcrun={}",
+            root.join("bin/xcrun").display()
+        )),
+        "{said}"
+    );
+    let listed = run(
+        &root.join("bin/xcrun"),
+        &["simctl", "list", "-j", "runtimes"],
+        &[],
+    );
+    assert!(listed.status.success(), "{}", err(&listed));
+    assert!(text(&listed).contains("\"runtimes\""));
+    let usage = run(Path::new(env!("CARGO_BIN_EXE_fake-machine")), &[], &[]);
+    assert_eq!(usage.status.code(), Some(2));
+    assert!(err(&usage).starts_with("usage: fake-machine <dir>"));
+}
