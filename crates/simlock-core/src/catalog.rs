@@ -94,6 +94,7 @@ impl Catalog {
                 .ok_or_else(|| CoreError::UnknownModel {
                     platform,
                     model: asked.to_owned(),
+                    known: catalog.models.clone(),
                 })?
                 .to_owned(),
             // No model: the first model that runs the asked OS version.

@@ -84,6 +84,8 @@ pub enum CoreError {
         platform: Platform,
         /// The model as asked.
         model: String,
+        /// The models the catalog has for the platform.
+        known: Vec<String>,
     },
     /// The model does not run that OS version here.
     #[error("runtime {os_version} missing")]
@@ -218,9 +220,16 @@ impl From<CoreError> for ContractError {
                 format!("This worker's {platform} driver is unavailable: {reason}"),
             )
             .with_details(json!({ "platform": platform })),
-            CoreError::UnknownModel { platform, model } => Self::new(
+            CoreError::UnknownModel {
+                platform,
+                model,
+                known,
+            } => Self::new(
                 ErrorCode::UnknownModel,
-                format!("No {platform} model named {model:?} in this worker's catalog"),
+                format!(
+                    "No {platform} model named {model:?} in this worker's catalog; {}",
+                    models_here(&known)
+                ),
             )
             .with_details(json!({ "platform": platform, "model": model })),
             CoreError::RuntimeMissing {
@@ -302,6 +311,20 @@ impl From<CoreError> for ContractError {
     }
 }
 
+/// The models a catalog has, for a message: at most [`MODELS_NAMED`] of them.
+fn models_here(known: &[String]) -> String {
+    const MODELS_NAMED: usize = 8;
+    match known {
+        [] => "it has none".to_owned(),
+        few if few.len() <= MODELS_NAMED => format!("it has {}", few.join(", ")),
+        many => format!(
+            "it has {} and {} more (simlock catalog lists them)",
+            many[..MODELS_NAMED].join(", "),
+            many.len() - MODELS_NAMED
+        ),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -333,5 +356,25 @@ mod tests {
             "This worker cannot serve agent-device: its daemon is not running"
         );
         assert_eq!(err.details, Some(json!({"capability": "agent-device"})));
+    }
+
+    #[test]
+    fn an_unknown_model_names_the_models_the_catalog_has() {
+        let err = ContractError::from(CoreError::UnknownModel {
+            platform: Platform::Android,
+            model: "pixel8".into(),
+            known: vec!["Pixel 8".into(), "Pixel Tablet".into()],
+        });
+        assert_eq!(err.code, ErrorCode::UnknownModel);
+        assert_eq!(
+            err.message,
+            "No android model named \"pixel8\" in this worker's catalog; it has Pixel 8, Pixel Tablet"
+        );
+        let many: Vec<String> = (1..=10).map(|n| format!("M{n}")).collect();
+        assert_eq!(
+            models_here(&many),
+            "it has M1, M2, M3, M4, M5, M6, M7, M8 and 2 more (simlock catalog lists them)"
+        );
+        assert_eq!(models_here(&[]), "it has none");
     }
 }
