@@ -6,7 +6,7 @@ use std::fmt::Write as _;
 use serde_json::Value;
 use simlock_contract::model::{
     Connection, Device, DeviceAccess, EventEnvelope, LeaseGrant, LeaseRecord, PlatformCapacity,
-    TokenRecord, WorkerRef, WorkerView,
+    TokenRecord, WaitStage, WaitingRequest, WorkerRef, WorkerView,
 };
 use simlock_contract::ops::{CatalogOutput, StatusOutput};
 
@@ -322,6 +322,48 @@ fn serves(capabilities: &[simlock_contract::model::CapabilityStatus]) -> String 
         .join(", ")
 }
 
+/// The requests without a lease yet, one line each in queue order (at most [`WAITING_SHOWN`]):
+/// `1. agent-c  ios iPhone 16  queued for 12s`.
+fn waiting(list: &[WaitingRequest]) -> Vec<String> {
+    const WAITING_SHOWN: usize = 10;
+    let mut lines: Vec<String> = list
+        .iter()
+        .take(WAITING_SHOWN)
+        .map(|w| {
+            let place = w
+                .queue_position
+                .map_or_else(|| "-".to_owned(), |p| format!("{p}."));
+            let mut asked = w.spec.platform.to_string();
+            for part in [&w.spec.model, &w.spec.os_version].into_iter().flatten() {
+                asked.push(' ');
+                asked.push_str(part);
+            }
+            let stage = match w.stage {
+                WaitStage::Queued => "queued",
+                WaitStage::Starting => "starting",
+            };
+            let worker = w
+                .worker_id
+                .as_deref()
+                .map(|id| format!(" on {id}"))
+                .unwrap_or_default();
+            let waited = u64::try_from(now_ms().saturating_sub(w.created_at)).unwrap_or(0);
+            format!(
+                "{place} {}  {asked}  {stage}{worker} for {}",
+                w.requester_id,
+                duration(waited)
+            )
+        })
+        .collect();
+    if list.len() > WAITING_SHOWN {
+        lines.push(format!(
+            "… and {} more (simlock status --json lists them)",
+            list.len() - WAITING_SHOWN
+        ));
+    }
+    lines
+}
+
 /// The driver serving each platform and why, one line; one that cannot serve says so.
 fn drivers(list: &[simlock_contract::model::DriverStatus]) -> String {
     list.iter()
@@ -363,6 +405,9 @@ pub(crate) fn status(status: &StatusOutput, scope: LeaseScope<'_>) -> String {
     }
     if let Some(depth) = status.queue_depth {
         let _ = write!(out, "\nqueue     {depth} waiting");
+    }
+    for line in waiting(status.waiting.as_deref().unwrap_or_default()) {
+        let _ = write!(out, "\n          {line}");
     }
     if let Some(capabilities) = &status.capabilities {
         let _ = write!(out, "\nserves    {}", serves(capabilities));
@@ -536,6 +581,49 @@ mod tests {
             uplink,
             ..StatusOutput::bare(daemon, host)
         }
+    }
+
+    #[test]
+    fn the_status_lists_who_waits_in_queue_order() {
+        let mut status = worker_status(None);
+        status.queue_depth = Some(2);
+        let w = |id: &str, requester: &str, position: Option<u32>, model: Option<&str>| {
+            serde_json::from_value::<WaitingRequest>(serde_json::json!({
+                "id": id, "requesterId": requester, "createdAt": now_ms() - 12_000,
+                "spec": {"platform": "ios", "model": model},
+                "stage": if position.is_some() { "queued" } else { "starting" },
+                "queuePosition": position,
+            }))
+            .unwrap()
+        };
+        status.waiting = Some(vec![
+            w("req_1", "agent-b", None, None),
+            w("req_2", "agent-c", Some(2), Some("iPhone 16")),
+        ]);
+        let out = status_text(&status);
+        let lines: Vec<&str> = out.lines().skip(2).collect();
+        assert_eq!(lines[0], "queue     2 waiting");
+        assert!(
+            lines[1].starts_with("          - agent-b  ios  starting for 1"),
+            "{out}"
+        );
+        assert!(
+            lines[2].starts_with("          2. agent-c  ios iPhone 16  queued for 1"),
+            "{out}"
+        );
+        let many: Vec<WaitingRequest> = (0..12)
+            .map(|n| w(&format!("req_{n}"), "a", Some(n), None))
+            .collect();
+        let listed = waiting(&many);
+        assert_eq!(listed.len(), 11);
+        assert_eq!(
+            listed[10],
+            "… and 2 more (simlock status --json lists them)"
+        );
+    }
+
+    fn status_text(status: &StatusOutput) -> String {
+        self::status(status, LeaseScope::Every)
     }
 
     #[test]
