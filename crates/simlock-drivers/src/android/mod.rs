@@ -1094,10 +1094,16 @@ impl Driver for AndroidDriver {
                 let _held = i.locks.lock(&avd).await;
                 match keep.iter().find(|k| k.driver_device_id == avd) {
                     None => {
+                        tracing::info!(avd = %avd, "deleting an AVD no lease or device record holds (an earlier run's)");
                         i.delete(&avd).await?;
                         purged.push(avd);
                     }
-                    Some(k) if k.stopped => i.stop(&avd).await?,
+                    Some(k) if k.stopped => {
+                        if let Some(running) = i.running(&avd) {
+                            tracing::info!(avd = %avd, pid = running.pid, "stopping an emulator an earlier run left running");
+                        }
+                        i.stop(&avd).await?;
+                    }
                     Some(_) => {}
                 }
             }

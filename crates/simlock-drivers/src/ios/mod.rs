@@ -387,10 +387,14 @@ impl Driver for SimctlDriver {
                 let _held = i.locks.lock(&d.udid).await;
                 match kept {
                     None => {
+                        tracing::info!(udid = %d.udid, state = %d.state, "deleting a simulator no lease or device record holds (an earlier run's)");
                         i.delete(&d.udid).await?;
                         purged.push(d.udid.clone());
                     }
-                    Some(k) if k.stopped && d.state != "Shutdown" => i.shutdown(&d.udid).await?,
+                    Some(k) if k.stopped && d.state != "Shutdown" => {
+                        tracing::info!(udid = %d.udid, state = %d.state, "shutting down a simulator an earlier run left booted");
+                        i.shutdown(&d.udid).await?;
+                    }
                     Some(_) => {}
                 }
             }
