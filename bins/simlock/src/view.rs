@@ -322,7 +322,7 @@ fn serves(capabilities: &[simlock_contract::model::CapabilityStatus]) -> String 
         .join(", ")
 }
 
-/// The requests without a lease yet, one line each in queue order (at most [`WAITING_SHOWN`]):
+/// The requests without a lease yet, one line each in queue order (at most ten):
 /// `1. agent-c  ios iPhone 16  queued for 12s`.
 fn waiting(list: &[WaitingRequest]) -> Vec<String> {
     const WAITING_SHOWN: usize = 10;
