@@ -93,6 +93,8 @@ pub(crate) struct TimedOut;
 #[derive(Debug, Default)]
 pub(crate) struct WaitQueue {
     list: Vec<Waiter>,
+    /// Whether a waiter left since [`Self::moved`] last looked (only a removal moves others).
+    reordered: bool,
 }
 
 impl WaitQueue {
@@ -111,6 +113,7 @@ impl WaitQueue {
 
     pub(crate) fn remove(&mut self, id: &RequestId) -> Option<Waiter> {
         let index = self.list.iter().position(|w| &w.id == id)?;
+        self.reordered = true;
         Some(self.list.remove(index))
     }
 
@@ -127,10 +130,9 @@ impl WaitQueue {
             return Some(Err(TimedOut));
         }
         waiter.stage = Stage::Queued;
-        let position = self.position(id)?;
-        if let Some(waiter) = self.get_mut(id) {
-            waiter.told_position = Some(position);
-        }
+        let index = self.list.iter().position(|w| &w.id == id)?;
+        let position = u32::try_from(index + 1).ok()?;
+        self.list[index].told_position = Some(position);
         Some(Ok(position))
     }
 
@@ -138,6 +140,9 @@ impl WaitQueue {
     /// granted, cancelled or timed out), each with its place now, which it is now told.
     pub(crate) fn moved(&mut self) -> Vec<(RequestId, u32)> {
         let mut moved = Vec::new();
+        if !std::mem::take(&mut self.reordered) {
+            return moved;
+        }
         for (index, waiter) in self.list.iter_mut().enumerate() {
             let position = u32::try_from(index + 1).unwrap_or(u32::MAX);
             if waiter.stage == Stage::Queued && waiter.told_position != Some(position) {

@@ -1625,11 +1625,7 @@ impl Core {
                     now,
                 );
             }
-        } else if !std::mem::replace(&mut waiter.announced, true) {
-            let position = self.queue.position(id);
-            if let Some(waiter) = self.queue.get_mut(id) {
-                waiter.told_position = Some(position);
-            }
+        } else if let Some(position) = self.queue.announce(id) {
             self.fx.push_back(Effect::Progress {
                 request: id.clone(),
                 progress: Progress::Queued {

@@ -68,10 +68,9 @@ pub struct Waiter {
     pub last_refusal: Option<FleetError>,
     /// A `noWait` request gets one more walk after a stale view refused it.
     pub second_walk: bool,
-    /// Whether `queued` was announced.
-    pub announced: bool,
-    /// The place it was last told, once announced.
-    pub told_position: Option<u32>,
+    /// The place it was last told (`queued` is announced once, then each move): none before
+    /// it was announced.
+    told_position: Option<u32>,
     /// Whether a dispatch pass walked it once without a pick.
     pub walked: bool,
 }
@@ -102,7 +101,6 @@ impl Waiter {
             excluded: BTreeSet::new(),
             last_refusal: None,
             second_walk: false,
-            announced: false,
             told_position: None,
             walked: false,
         }
@@ -273,6 +271,8 @@ pub struct Queue {
     waiters: Vec<Waiter>,
     /// How many of them are queued (not forwarded).
     queued: u32,
+    /// Whether a waiter left since [`Self::moved`] last looked (only a removal moves others).
+    reordered: bool,
     /// Idempotency keys by (requester, key).
     pub book: Book,
 }
@@ -334,7 +334,21 @@ impl Queue {
         if waiter.is_queued() {
             self.queued -= 1;
         }
+        self.reordered = true;
         Some(waiter)
+    }
+
+    /// Announces waiter `id` as queued, the first time: answers its place, which it is now told,
+    /// or `None` when it was announced before.
+    pub fn announce(&mut self, id: &RequestId) -> Option<u32> {
+        let at = self.waiters.iter().position(|w| &w.id == id)?;
+        let waiter = &mut self.waiters[at];
+        if waiter.told_position.is_some() {
+            return None;
+        }
+        let position = u32::try_from(at + 1).unwrap_or(u32::MAX);
+        waiter.told_position = Some(position);
+        Some(position)
     }
 
     /// The 1-based place of `id` among the waiters not answered yet.
@@ -348,6 +362,9 @@ impl Queue {
     /// now told.
     pub fn moved(&mut self) -> Vec<(RequestId, u32)> {
         let mut moved = Vec::new();
+        if !std::mem::take(&mut self.reordered) {
+            return moved;
+        }
         for (index, waiter) in self.waiters.iter_mut().enumerate() {
             let position = u32::try_from(index + 1).unwrap_or(u32::MAX);
             if waiter.is_queued()
