@@ -113,13 +113,13 @@ pub(crate) async fn run(
             () = unbound(bound, crate::pidwatch::CHECK_EVERY) => {}
         }
     };
+    let asked_at = tokio::time::Instant::now();
     // Past this, a request whose daemon went away is not asked again.
-    let ask_until = tokio::time::Instant::now()
+    let ask_until = asked_at
         + args
             .timeout
             .map_or(ASK_AGAIN_FOR, Duration::from_millis)
             .min(ASK_AGAIN_FOR);
-    let asked_at = tokio::time::Instant::now();
     let requested = loop {
         // Asked again, the request waits only what is left of its --timeout.
         let mut input = request_input(args, requester.id());
@@ -145,7 +145,7 @@ pub(crate) async fn run(
                     e.message
                 ));
                 let left = ask_until.saturating_duration_since(tokio::time::Instant::now());
-                match reconnect_only(target, left, withdraw()).await {
+                match with_backoff(left, withdraw(), || target.connect()).await {
                     Some(Ok(again)) => client = again,
                     Some(Err(last)) => break Err(last),
                     None => break Err(e),
@@ -258,28 +258,31 @@ const RECONNECT_MAX: Duration = Duration::from_secs(2);
 /// `--timeout`, when shorter).
 const ASK_AGAIN_FOR: Duration = Duration::from_secs(15 * 60);
 
-/// Connects to `target` again within `left`, backing off as [`reconnect`] does. `None` when
-/// `abort` came first or no time is left; the last failure when the daemon did not come back.
-async fn reconnect_only(
-    target: &Target,
+/// Runs `attempt` after a wait that doubles from [`RECONNECT_FIRST`] to [`RECONNECT_MAX`], again
+/// while it fails with a transport error, until it answers anything else or `left` has passed
+/// (then its last failure). `None` when `abort` came first.
+async fn with_backoff<T, A, Fut>(
     left: Duration,
     abort: impl Future<Output = ()>,
-) -> Option<Result<Client, ContractError>> {
+    mut attempt: A,
+) -> Option<Result<T, ContractError>>
+where
+    A: FnMut() -> Fut,
+    Fut: Future<Output = Result<T, ContractError>>,
+{
     let deadline = tokio::time::Instant::now() + left;
     let mut wait = RECONNECT_FIRST;
     tokio::pin!(abort);
     loop {
-        if tokio::time::Instant::now() + wait >= deadline {
-            return None;
-        }
         let outcome = tokio::select! {
             () = &mut abort => return None,
-            () = tokio::time::sleep(wait) => target.connect().await,
+            () = tokio::time::sleep(wait) => attempt().await,
         };
         match outcome {
-            Ok(client) => return Some(Ok(client)),
-            Err(e) if !e.code.is_transport() => return Some(Err(e)),
-            Err(_) => wait = (wait * 2).min(RECONNECT_MAX),
+            Err(e) if e.code.is_transport() && tokio::time::Instant::now() + wait < deadline => {
+                wait = (wait * 2).min(RECONNECT_MAX);
+            }
+            answered => return Some(answered),
         }
     }
 }
@@ -298,33 +301,27 @@ where
     C: Fn() -> F,
     F: Future<Output = Result<Client, ContractError>>,
 {
-    let deadline = tokio::time::Instant::now() + ttl;
-    let mut wait = RECONNECT_FIRST;
-    tokio::pin!(abort);
-    loop {
-        let outcome = tokio::select! {
-            () = &mut abort => return Reconnected::Interrupted,
-            () = tokio::time::sleep(wait) => match connect().await {
-                Ok(client) => match client.renew(lease_id, None).await {
-                    Ok(record) => return Reconnected::Held(client, Box::new(record)),
-                    Err(e) if e.code == ErrorCode::UnknownLease => {
-                        return Reconnected::Ended(HoldEnd::Lost(LeaseLost {
-                            lease_id: lease_id.to_owned(),
-                            reason: None,
-                        }));
-                    }
-                    Err(e) => {
-                        client.close();
-                        e
-                    }
-                },
-                Err(e) => e,
-            },
-        };
-        if !outcome.code.is_transport() || tokio::time::Instant::now() + wait >= deadline {
-            return Reconnected::Ended(HoldEnd::Failed(outcome));
+    let renewed = with_backoff(ttl, abort, || async {
+        let client = connect().await?;
+        match client.renew(lease_id, None).await {
+            Ok(record) => Ok((client, record)),
+            Err(e) => {
+                client.close();
+                Err(e)
+            }
         }
-        wait = (wait * 2).min(RECONNECT_MAX);
+    })
+    .await;
+    match renewed {
+        None => Reconnected::Interrupted,
+        Some(Ok((client, record))) => Reconnected::Held(client, Box::new(record)),
+        Some(Err(e)) if e.code == ErrorCode::UnknownLease => {
+            Reconnected::Ended(HoldEnd::Lost(LeaseLost {
+                lease_id: lease_id.to_owned(),
+                reason: None,
+            }))
+        }
+        Some(Err(e)) => Reconnected::Ended(HoldEnd::Failed(e)),
     }
 }
 
@@ -339,5 +336,49 @@ fn ended(lease_id: &str, end: HoldEnd) -> u8 {
             EXIT_LEASE_LOST
         }
         HoldEnd::Failed(err) => crate::fail(false, &err),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::cell::Cell;
+
+    use super::*;
+
+    fn lost() -> ContractError {
+        ContractError::new(ErrorCode::DaemonConnectionLost, "gone")
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_backoff_doubles_to_its_cap_and_answers_the_last_failure_past_its_bound() {
+        let tries = Cell::new(0_u32);
+        let started = tokio::time::Instant::now();
+        let outcome = with_backoff(Duration::from_secs(10), std::future::pending(), || {
+            tries.set(tries.get() + 1);
+            async { Err::<(), _>(lost()) }
+        })
+        .await;
+        assert_eq!(outcome, Some(Err(lost())));
+        // Tries at 0.25, 0.75, 1.75, 3.75, 5.75, 7.75 and 9.75 s; an eighth would be past 10 s.
+        assert_eq!(tries.get(), 7);
+        assert_eq!(started.elapsed(), Duration::from_millis(9_750));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_answer_that_is_not_a_lost_connection_ends_it_and_an_abort_comes_first() {
+        let refused = ContractError::new(ErrorCode::UnknownLease, "no");
+        let outcome = with_backoff(Duration::from_secs(10), std::future::pending(), || {
+            let refused = refused.clone();
+            async move { Err::<(), _>(refused) }
+        })
+        .await;
+        assert_eq!(outcome, Some(Err(refused)));
+        let aborted = with_backoff(
+            Duration::from_secs(10),
+            tokio::time::sleep(Duration::from_millis(100)),
+            || async { Ok::<_, ContractError>(()) },
+        )
+        .await;
+        assert_eq!(aborted, None, "the abort came before the first try");
     }
 }
