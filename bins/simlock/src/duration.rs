@@ -47,39 +47,67 @@ pub(crate) fn parse_ms(text: &str) -> Result<u64, String> {
     Ok(total)
 }
 
-/// [`parse_ms`] for clap, refusing zero (every duration the CLI takes must be positive).
-pub(crate) fn positive_ms(text: &str) -> Result<u64, String> {
-    match parse_ms(text)? {
-        0 => Err(format!("{text:?} is zero; a duration must be positive")),
+/// Every duration the CLI takes is positive.
+fn positive(ms: u64, said: &str) -> Result<u64, String> {
+    match ms {
+        0 => Err(format!("{said} is zero; a duration must be positive")),
         ms => Ok(ms),
     }
 }
 
-/// [`positive_ms`], at most `max`: the contract's own bound, said in the units typed.
-fn at_most(text: &str, max: u64, what: &str) -> Result<u64, String> {
-    let ms = positive_ms(text)?;
-    if ms > max {
-        return Err(format!(
-            "{text:?} is longer than the longest {what} simlock takes, {}",
-            simlock_contract::duration::text(max)
-        ));
+/// What a duration is for, and the contract's bound on it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Width {
+    /// A lease's TTL: at most [`simlock_contract::bounds::MAX_TTL_MS`] (the daemon's
+    /// `lease.maxTtlMs` may be lower; it says so).
+    Ttl,
+    /// A queue wait: at most [`simlock_contract::bounds::MAX_QUEUE_TIMEOUT_MS`].
+    QueueWait,
+}
+
+impl Width {
+    const fn max(self) -> u64 {
+        match self {
+            Self::Ttl => simlock_contract::bounds::MAX_TTL_MS,
+            Self::QueueWait => simlock_contract::bounds::MAX_QUEUE_TIMEOUT_MS,
+        }
     }
-    Ok(ms)
+
+    const fn name(self) -> &'static str {
+        match self {
+            Self::Ttl => "TTL",
+            Self::QueueWait => "queue wait",
+        }
+    }
+
+    /// `ms` (given as `said`) when it is positive and within the bound, else why not, naming it
+    /// as it was given.
+    pub(crate) fn check(self, ms: u64, said: &str) -> Result<u64, String> {
+        let ms = positive(ms, said)?;
+        if ms > self.max() {
+            return Err(format!(
+                "{said} is longer than the longest {} simlock takes, {}",
+                self.name(),
+                simlock_contract::duration::text(self.max())
+            ));
+        }
+        Ok(ms)
+    }
+
+    /// A typed duration: [`parse_ms`], then [`Self::check`].
+    pub(crate) fn parse(self, text: &str) -> Result<u64, String> {
+        self.check(parse_ms(text)?, &format!("{text:?}"))
+    }
 }
 
-/// A lease's TTL: positive, at most [`simlock_contract::bounds::MAX_TTL_MS`] (the daemon's
-/// `lease.maxTtlMs` may be lower; it says so).
+/// `--ttl` for clap: [`Width::Ttl`].
 pub(crate) fn ttl_ms(text: &str) -> Result<u64, String> {
-    at_most(text, simlock_contract::bounds::MAX_TTL_MS, "TTL")
+    Width::Ttl.parse(text)
 }
 
-/// A queue wait: positive, at most [`simlock_contract::bounds::MAX_QUEUE_TIMEOUT_MS`].
+/// `--timeout` for clap: [`Width::QueueWait`].
 pub(crate) fn timeout_ms(text: &str) -> Result<u64, String> {
-    at_most(
-        text,
-        simlock_contract::bounds::MAX_QUEUE_TIMEOUT_MS,
-        "queue wait",
-    )
+    Width::QueueWait.parse(text)
 }
 
 #[cfg(test)]
@@ -90,15 +118,27 @@ mod tests {
     fn a_ttl_or_a_wait_past_the_contracts_bound_is_said_in_its_units() {
         assert_eq!(ttl_ms("31d"), Ok(2_678_400_000));
         assert_eq!(
-            ttl_ms("999d"),
-            Err("\"999d\" is longer than the longest TTL simlock takes, 31d".to_owned())
+            ttl_ms("31d1ms"),
+            Err("\"31d1ms\" is longer than the longest TTL simlock takes, 31d".to_owned())
         );
         assert_eq!(timeout_ms("24h"), Ok(86_400_000));
         assert_eq!(
-            timeout_ms("2d"),
-            Err("\"2d\" is longer than the longest queue wait simlock takes, 1d".to_owned())
+            timeout_ms("86400001"),
+            Err("\"86400001\" is longer than the longest queue wait simlock takes, 1d".to_owned())
         );
-        assert!(ttl_ms("0").unwrap_err().contains("zero"));
+        assert_eq!(
+            ttl_ms("0"),
+            Err("\"0\" is zero; a duration must be positive".to_owned())
+        );
+        // A number given as a number is named as given, not quoted.
+        assert_eq!(
+            Width::QueueWait.check(0, "0"),
+            Err("0 is zero; a duration must be positive".to_owned())
+        );
+        assert_eq!(
+            Width::Ttl.check(2_678_400_001, "2678400001"),
+            Err("2678400001 is longer than the longest TTL simlock takes, 31d".to_owned())
+        );
     }
 
     #[test]
@@ -145,8 +185,8 @@ mod tests {
 
     #[test]
     fn zero_is_not_a_positive_duration() {
-        assert_eq!(positive_ms("1s"), Ok(1_000));
-        assert!(positive_ms("0").is_err());
-        assert!(positive_ms("0s").is_err());
+        assert_eq!(ttl_ms("1s"), Ok(1_000));
+        assert!(ttl_ms("0").is_err());
+        assert!(timeout_ms("0s").is_err());
     }
 }

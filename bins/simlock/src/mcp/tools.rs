@@ -85,19 +85,11 @@ impl<'de> Deserialize<'de> for DurationArg {
 }
 
 impl DurationArg {
-    /// The duration in milliseconds as `parse` reads it, or `BAD_REQUEST` naming `field`.
-    fn millis(
-        &self,
-        field: &str,
-        parse: fn(&str) -> Result<u64, String>,
-    ) -> Result<u64, ContractError> {
+    /// The duration in milliseconds, checked as a `width`, or `BAD_REQUEST` naming `field`.
+    fn millis(&self, field: &str, width: duration::Width) -> Result<u64, ContractError> {
         let parsed = match self {
-            // The number as given, not quoted as a text would be.
-            Self::Millis(ms) => {
-                let text = ms.to_string();
-                parse(&text).map_err(|e| e.replacen(&format!("{text:?}"), &text, 1))
-            }
-            Self::Text(text) => parse(text),
+            Self::Millis(ms) => width.check(*ms, &ms.to_string()),
+            Self::Text(text) => width.parse(text),
         };
         parsed.map_err(|e| bad_request(&format!("{field}: {e}")))
     }
@@ -282,12 +274,12 @@ async fn lease(
     input.ttl_ms = args
         .ttl
         .as_ref()
-        .map(|d| d.millis("ttl", duration::ttl_ms))
+        .map(|d| d.millis("ttl", duration::Width::Ttl))
         .transpose()?;
     input.timeout_ms = args
         .timeout
         .as_ref()
-        .map(|d| d.millis("timeout", duration::timeout_ms))
+        .map(|d| d.millis("timeout", duration::Width::QueueWait))
         .transpose()?;
     input.no_wait = args.wait.map(|wait| !wait).filter(|no_wait| *no_wait);
     input.requires = args.requires;
