@@ -186,35 +186,47 @@ pub(crate) fn leases(leases: &[LeaseRecord], scope: LeaseScope<'_>) -> String {
             LeaseScope::Token => format!("no leases this token may see; {EVERY_LEASE}"),
         };
     }
-    let shared = shared_labels(leases.iter().map(|l| l.worker.as_ref()));
-    let with_workers = leases
-        .iter()
-        .any(|l| l.worker.is_some() || l.worker_id.is_some());
-    let rows: Vec<Vec<String>> = leases
+    let rows: Vec<(Vec<String>, _, _)> = leases
         .iter()
         .map(|l| {
-            let mut row = vec![
+            let cells = vec![
                 l.id.to_string(),
                 l.device_id.to_string(),
                 l.requester_id.clone(),
                 l.owner_id.clone(),
                 relative(l.ttl_deadline),
             ];
-            if with_workers {
-                row.push(worker(l.worker.as_ref(), l.worker_id.as_deref(), &shared));
-            }
-            row
+            (cells, l.worker.as_ref(), l.worker_id.as_deref())
         })
         .collect();
-    let headers = ["LEASE", "DEVICE", "REQUESTER", "OWNER", "EXPIRES", "WORKER"];
-    let mut out = table(
-        &headers[..headers.len() - usize::from(!with_workers)],
-        &rows,
-    );
+    let mut out = table_with_workers(&["LEASE", "DEVICE", "REQUESTER", "OWNER", "EXPIRES"], rows);
     if let LeaseScope::Own(principal) = scope {
         let _ = write!(out, "\n(yours only, principal {principal}; {EVERY_LEASE})");
     }
     out
+}
+
+/// A table whose rows each name the worker they are on (its reference, else its id), in a last
+/// WORKER column ([`worker`]); a table where no row names one (a worker's own) has none.
+fn table_with_workers(
+    headers: &[&str],
+    rows: Vec<(Vec<String>, Option<&WorkerRef>, Option<&str>)>,
+) -> String {
+    if rows.iter().all(|(_, w, id)| w.is_none() && id.is_none()) {
+        let cells: Vec<Vec<String>> = rows.into_iter().map(|(cells, _, _)| cells).collect();
+        return table(headers, &cells);
+    }
+    let shared = shared_labels(rows.iter().map(|(_, w, _)| *w));
+    let cells: Vec<Vec<String>> = rows
+        .into_iter()
+        .map(|(mut cells, w, id)| {
+            cells.push(worker(w, id, &shared));
+            cells
+        })
+        .collect();
+    let mut headers = headers.to_vec();
+    headers.push("WORKER");
+    table(&headers, &cells)
 }
 
 /// The labels in one table that name more than one worker: their cells add the worker's id.
@@ -255,31 +267,20 @@ pub(crate) fn devices(devices: &[Device]) -> String {
     if devices.is_empty() {
         return "no devices".to_owned();
     }
-    let shared = shared_labels(devices.iter().map(|d| d.worker.as_ref()));
-    let with_workers = devices
-        .iter()
-        .any(|d| d.worker.is_some() || d.worker_id.is_some());
-    let rows: Vec<Vec<String>> = devices
+    let rows: Vec<(Vec<String>, _, _)> = devices
         .iter()
         .map(|d| {
-            let mut row = vec![
+            let cells = vec![
                 d.id.to_string(),
                 d.spec.platform.to_string(),
                 d.spec.model.clone(),
                 d.spec.os_version.clone(),
                 value_name(&d.state),
             ];
-            if with_workers {
-                row.push(worker(d.worker.as_ref(), d.worker_id.as_deref(), &shared));
-            }
-            row
+            (cells, d.worker.as_ref(), d.worker_id.as_deref())
         })
         .collect();
-    let headers = ["DEVICE", "PLATFORM", "MODEL", "OS", "STATE", "WORKER"];
-    table(
-        &headers[..headers.len() - usize::from(!with_workers)],
-        &rows,
-    )
+    table_with_workers(&["DEVICE", "PLATFORM", "MODEL", "OS", "STATE"], rows)
 }
 
 /// The wire name of a unit enum (`ready`, `connected`, …).
@@ -614,6 +615,13 @@ mod tests {
         let many: Vec<WaitingRequest> = (0..12)
             .map(|n| w(&format!("req_{n}"), "a", Some(n), None))
             .collect();
+        assert_eq!(waiting(&many[..10]).len(), 10, "ten are all shown");
+        let listed = waiting(&many[..11]);
+        assert_eq!(listed.len(), 11);
+        assert_eq!(
+            listed[10],
+            "… and 1 more (simlock status --json lists them)"
+        );
         let listed = waiting(&many);
         assert_eq!(listed.len(), 11);
         assert_eq!(
