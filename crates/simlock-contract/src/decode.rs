@@ -265,6 +265,8 @@ mod tests {
             with_duration("ttlMs", "lower than 1000"),
             "lower than 1000 (1s)"
         );
+        // Under a second, the number says it as well as a duration would.
+        assert_eq!(with_duration("ttlMs", "lower than 999"), "lower than 999");
         assert_eq!(
             with_duration("label", "greater than 5000"),
             "greater than 5000"

@@ -271,24 +271,27 @@ impl From<CoreError> for ContractError {
                 tool,
                 command,
                 source,
-            } => match source.kind() {
-                // The worker's configuration names a program this machine cannot run: the
-                // operator's to fix, not a fault of the daemon.
-                std::io::ErrorKind::NotFound | std::io::ErrorKind::PermissionDenied => Self::new(
+            } => {
+                // A program this machine cannot run is the operator's configuration to fix, not
+                // a fault of the daemon.
+                let why = match source.kind() {
+                    std::io::ErrorKind::NotFound => "not found",
+                    std::io::ErrorKind::PermissionDenied => "permission denied",
+                    _ => {
+                        return Self::internal(format!(
+                            "Exec tool {tool} could not start: {source}"
+                        ));
+                    }
+                };
+                Self::new(
                     ErrorCode::PassthroughRefused,
                     format!(
-                        "Exec tool {tool} runs {command}, which this worker cannot run ({}): fix \
-                         exec.tools.{tool}.command in the worker's configuration",
-                        if source.kind() == std::io::ErrorKind::NotFound {
-                            "not found"
-                        } else {
-                            "permission denied"
-                        }
+                        "Exec tool {tool} runs {command}, which this worker cannot run ({why}): \
+                         fix exec.tools.{tool}.command in the worker's configuration"
                     ),
                 )
-                .with_details(serde_json::json!({ "tool": tool })),
-                _ => Self::internal(format!("Exec tool {tool} could not start: {source}")),
-            },
+                .with_details(json!({ "tool": tool }))
+            }
             CoreError::ExecTimeout { tool, timeout_ms } => Self::new(
                 ErrorCode::ExecTimeout,
                 format!("{tool} ran past exec.timeoutMs ({timeout_ms} ms) and was stopped"),
@@ -311,9 +314,11 @@ impl From<CoreError> for ContractError {
     }
 }
 
+/// The most models an `UNKNOWN_MODEL` message names.
+const MODELS_NAMED: usize = 8;
+
 /// The models a catalog has, for a message: at most [`MODELS_NAMED`] of them.
 fn models_here(known: &[String]) -> String {
-    const MODELS_NAMED: usize = 8;
     match known {
         [] => "it has none".to_owned(),
         few if few.len() <= MODELS_NAMED => format!("it has {}", few.join(", ")),
@@ -371,6 +376,14 @@ mod tests {
             "No android model named \"pixel8\" in this worker's catalog; it has Pixel 8, Pixel Tablet"
         );
         let many: Vec<String> = (1..=10).map(|n| format!("M{n}")).collect();
+        assert_eq!(
+            models_here(&many[..MODELS_NAMED]),
+            "it has M1, M2, M3, M4, M5, M6, M7, M8"
+        );
+        assert_eq!(
+            models_here(&many[..=MODELS_NAMED]),
+            "it has M1, M2, M3, M4, M5, M6, M7, M8 and 1 more (simlock catalog lists them)"
+        );
         assert_eq!(
             models_here(&many),
             "it has M1, M2, M3, M4, M5, M6, M7, M8 and 2 more (simlock catalog lists them)"

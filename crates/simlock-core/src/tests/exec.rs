@@ -158,6 +158,38 @@ async fn a_tool_that_cannot_start_fails_before_started() {
 }
 
 #[tokio::test]
+async fn a_tool_that_is_not_executable_is_the_configurations_to_fix() {
+    let dir = tempfile::tempdir().unwrap();
+    let script = dir.path().join("not-executable");
+    std::fs::write(&script, "#!/bin/sh\necho hi\n").unwrap();
+    let mut config = instant_config();
+    config.core.exec.tools.insert(
+        "flat".into(),
+        ToolConfig {
+            command: script.display().to_string(),
+            args: vec![],
+        },
+    );
+    let h = Harness::with_config(config);
+    let grant = within(GUARD, h.lease("agent-a", ios())).await.unwrap();
+    let (ctx, mut pushes) = agent_with_pushes("agent-a");
+    let err = h
+        .call::<DeviceExec>(ctx, &exec(grant.lease.id.as_str(), "flat", &[]))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code, ErrorCode::PassthroughRefused);
+    assert_eq!(
+        err.message,
+        format!(
+            "Exec tool flat runs {}, which this worker cannot run (permission denied): fix \
+             exec.tools.flat.command in the worker's configuration",
+            script.display()
+        )
+    );
+    assert!(pushes.try_recv().is_err(), "no started push");
+}
+
+#[tokio::test]
 async fn exec_is_for_the_lease_owner_and_admins_are_held_to_the_requester() {
     let h = Harness::with_config(instant_config());
     let grant = within(GUARD, h.lease("agent-a", ios())).await.unwrap();
