@@ -159,24 +159,23 @@ pub enum DialError {
 /// A TLS failure, and the setting to change.
 fn tls_message(failure: &simlock_tls::TlsFailure) -> String {
     use simlock_tls::TlsFailure;
-    let fix = match failure {
-        TlsFailure::Untrusted => "add the CA that signed it to gateway.caFile",
-        TlsFailure::CaAsLeaf => {
-            return format!(
-                "TLS with the gateway: {failure}: in the gateway's http.tls.certFile, {}",
-                simlock_tls::LEAF_REMEDY
-            );
-        }
+    let fix: std::borrow::Cow<'_, str> = match failure {
+        TlsFailure::Untrusted => "add the CA that signed it to gateway.caFile".into(),
+        TlsFailure::CaAsLeaf => format!(
+            "in the gateway's http.tls.certFile, {}",
+            simlock_tls::LEAF_REMEDY
+        )
+        .into(),
         TlsFailure::NameMismatch { .. } => {
-            "gateway.url must name a host the gateway's certificate covers"
+            "gateway.url must name a host the gateway's certificate covers".into()
         }
         TlsFailure::Expired(_) => {
-            "the gateway's certificate (its http.tls.certFile) must be renewed"
+            "the gateway's certificate (its http.tls.certFile) must be renewed".into()
         }
-        TlsFailure::NotTls => {
-            "use a ws:// gateway.url, or serve TLS on the gateway (http.tls.certFile and http.tls.keyFile)"
-        }
-        TlsFailure::Other(_) => "check gateway.url and gateway.caFile",
+        TlsFailure::NotTls => "use a ws:// gateway.url, or serve TLS on the gateway \
+                               (http.tls.certFile and http.tls.keyFile)"
+            .into(),
+        TlsFailure::Other(_) => "check gateway.url and gateway.caFile".into(),
     };
     format!("TLS with the gateway: {failure}: {fix}")
 }

@@ -12,6 +12,13 @@ use crate::utc;
 pub const LEAF_REMEDY: &str = "serve a leaf certificate signed by that CA, or make the \
     self-signed one with basicConstraints=critical,CA:FALSE (docs/CONFIGURATION.md, TLS)";
 
+/// What a CA certificate served as a server's own is, in every message about one.
+pub(crate) const CA_CERTIFICATE: &str =
+    "the certificate is a CA certificate (basicConstraints CA:TRUE)";
+
+/// The longest certificate name a message repeats (a DNS name is at most 253 bytes).
+const MAX_NAME: usize = 253;
+
 /// Why a TLS handshake failed, by cause.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum TlsFailure {
@@ -55,8 +62,7 @@ impl std::fmt::Display for TlsFailure {
             Self::Expired(why) => write!(f, "the certificate {why}"),
             Self::CaAsLeaf => write!(
                 f,
-                "the certificate is a CA certificate (basicConstraints CA:TRUE), which a server \
-                 cannot present as its own"
+                "{CA_CERTIFICATE}, which a server cannot present as its own"
             ),
             Self::NotTls => write!(f, "the server does not speak TLS on this port"),
             Self::Other(why) => write!(f, "{why}"),
@@ -156,8 +162,14 @@ fn unix(time: &rustls::pki_types::UnixTime) -> i64 {
 
 /// A name rustls reports a certificate presents, as the certificate spells it: webpki writes
 /// them as `DnsName("host")` and `IpAddress(127.0.0.1)`. Names of other kinds (a directory name,
-/// an unsupported kind) say nothing about hosts and are left out.
+/// an unsupported kind) say nothing about hosts and are left out, and so is a name no host has
+/// (control characters, or longer than a DNS name): it comes from the peer, and would reach
+/// logs and status lines as it is.
 fn plain_name(presented: &str) -> Option<String> {
+    spelled(presented).filter(|name| name.len() <= MAX_NAME && !name.chars().any(char::is_control))
+}
+
+fn spelled(presented: &str) -> Option<String> {
     let inner = |prefix: &str| {
         presented
             .strip_prefix(prefix)
@@ -207,10 +219,6 @@ fn certificate_problem(error: &CertificateError) -> String {
 fn webpki_problem(error: &webpki::Error) -> String {
     use webpki::Error as E;
     let what = match error {
-        E::CaUsedAsEndEntity => {
-            "the certificate is a CA certificate (basicConstraints CA:TRUE), which a server \
-             cannot present as its own"
-        }
         E::EndEntityUsedAsCa => {
             "a certificate in the chain signs another but is not a CA certificate \
              (basicConstraints CA:TRUE)"
@@ -224,14 +232,12 @@ fn webpki_problem(error: &webpki::Error) -> String {
         E::UnsupportedCriticalExtension => {
             "the certificate has a critical extension this client does not support"
         }
-        E::BadDer
-        | E::BadDerTime
-        | E::MalformedExtensions
+        // rustls reads bad DER itself (`CertificateError::BadEncoding`).
+        E::MalformedExtensions
         | E::ExtensionValueInvalid
         | E::InvalidSerialNumber
         | E::MalformedDnsIdentifier
-        | E::MalformedNameConstraint
-        | E::TrailingData(_) => "the certificate is malformed",
+        | E::MalformedNameConstraint => "the certificate is malformed",
         E::UnsupportedCertVersion => "the certificate is not an X.509 version 3 certificate",
         E::CertDistrusted => "the certificate is distrusted",
         E::EmptyEkuExtension => "the certificate's extended key usage extension is empty",
@@ -246,12 +252,12 @@ fn webpki_problem(error: &webpki::Error) -> String {
     what.to_owned()
 }
 
-/// A rustls error that is not about the certificate's contents, in words.
+/// A rustls error that is not about the certificate's contents (those are read by
+/// [`classify_certificate`]), in words.
 fn tls_problem(error: &rustls::Error) -> String {
     use rustls::Error as E;
     match error {
         E::AlertReceived(alert) => alert_problem(*alert),
-        E::InvalidCertificate(certificate) => certificate_problem(certificate),
         E::PeerIncompatible(why) => {
             format!(
                 "the server is not compatible with this client: {}",
@@ -274,10 +280,8 @@ fn tls_problem(error: &rustls::Error) -> String {
             format!("the certificate revocation list is invalid: {}", words(why))
         }
         E::General(why) => why.clone(),
-        E::Other(other) => match other.0.downcast_ref::<webpki::Error>() {
-            Some(webpki) => webpki_problem(webpki),
-            None => format!("TLS: {other}"),
-        },
+        // rustls passes its verifier's errors in `CertificateError::Other`, read above.
+        E::Other(other) => format!("TLS: {other}"),
         // These read well as rustls words them.
         E::UnsupportedNameType
         | E::EncryptError

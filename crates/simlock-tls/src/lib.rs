@@ -200,7 +200,7 @@ impl ServerTls {
     ///
     /// # Errors
     /// [`TlsError`] naming the setting of the file that does not load.
-    pub fn load_with_clock(
+    pub(crate) fn load_with_clock(
         cert: PemFile,
         key: PemFile,
         now: impl Fn() -> SystemTime + Send + Sync + 'static,
@@ -208,14 +208,14 @@ impl ServerTls {
         let cert_bytes = cert.read()?;
         let key_bytes = key.read()?;
         let certified = certified_key(&cert, &cert_bytes, &key, &key_bytes)?;
-        let served = Served::new(&cert, cert_bytes, key_bytes, certified);
+        let clock = Clock::new(now);
+        let served = Served::new(&cert, cert_bytes, key_bytes, certified, clock.unix_now());
         let resolver = Arc::new(ReloadingResolver {
             cert,
             key,
-            clock: Clock::new(now),
+            clock,
             state: Mutex::new(served),
         });
-        resolver.watch(&mut resolver.state.lock());
         let mut config = ServerConfig::builder_with_provider(provider())
             .with_safe_default_protocol_versions()
             .map_err(|e| TlsError::Config(e.to_string()))?
@@ -267,12 +267,15 @@ struct Served {
 }
 
 impl Served {
-    /// A pair that loaded, now in service; a CA certificate is warned about here.
+    /// A pair that loaded, now in service at `now`: a CA certificate, or one that stands out of
+    /// its validity at `now`, is warned about here; [`ReloadingResolver::watch`] warns of each
+    /// change after.
     fn new(
         cert: &PemFile,
         cert_bytes: Vec<u8>,
         key_bytes: Vec<u8>,
         certified: Arc<CertifiedKey>,
+        now: i64,
     ) -> Self {
         let inspected = match certified.cert.first().map(|leaf| served::inspect(leaf)) {
             Some(Ok(inspected)) => Some(inspected),
@@ -285,14 +288,18 @@ impl Served {
         if inspected.is_some_and(|i| i.ca) {
             warn!("{}", served::ca_warning(cert));
         }
+        let validity = inspected.map(|i| i.validity);
+        if let Some(warning) = validity.and_then(|v| v.warning(cert, now)) {
+            warn!("{warning}");
+        }
         Self {
             cert_bytes,
             key_bytes,
             certified,
             refused: None,
             unreadable: None,
-            validity: inspected.map(|i| i.validity),
-            standing: Standing::Valid,
+            validity,
+            standing: validity.map_or(Standing::Valid, |v| v.standing(now)),
         }
     }
 }
@@ -343,7 +350,8 @@ impl ReloadingResolver {
         match certified_key(&self.cert, &cert_bytes, &self.key, &key_bytes) {
             Ok(certified) => {
                 info!(cert = %self.cert.path.display(), "TLS certificate reloaded");
-                *state = Served::new(&self.cert, cert_bytes, key_bytes, certified);
+                let now = self.clock.unix_now();
+                *state = Served::new(&self.cert, cert_bytes, key_bytes, certified, now);
             }
             Err(error) => {
                 // Half of a rotation (a new certificate before its key) lands here too.
@@ -445,7 +453,6 @@ mod failure;
 pub use failure::{LEAF_REMEDY, TlsFailure, classify, find_failure};
 
 mod served;
-pub use served::EXPIRY_NOTICE_SECS;
 use served::{Clock, Standing, Validity};
 
 #[cfg(test)]

@@ -9,10 +9,11 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use x509_parser::prelude::{FromDer, X509Certificate};
 
+use crate::failure::CA_CERTIFICATE;
 use crate::{LEAF_REMEDY, PemFile, utc};
 
 /// How long before its end a served certificate is warned about: 7 days.
-pub const EXPIRY_NOTICE_SECS: i64 = 7 * 24 * 3600;
+pub(crate) const EXPIRY_NOTICE_SECS: i64 = 7 * 24 * 3600;
 
 /// Where a server reads the time its certificate is checked against.
 #[derive(Clone)]
@@ -121,9 +122,11 @@ pub(crate) struct Inspected {
 pub(crate) fn inspect(der: &[u8]) -> Result<Inspected, String> {
     let (_, certificate) = X509Certificate::from_der(der).map_err(|e| e.to_string())?;
     let validity = certificate.validity();
+    // A malformed extension says nothing of CA:TRUE; the dates are still watched.
     let ca = certificate
         .basic_constraints()
-        .map_err(|e| e.to_string())?
+        .ok()
+        .flatten()
         .is_some_and(|constraints| constraints.value.ca);
     Ok(Inspected {
         validity: Validity {
@@ -137,8 +140,8 @@ pub(crate) fn inspect(der: &[u8]) -> Result<Inspected, String> {
 /// The warning for a CA certificate in `file` served as a server's own.
 pub(crate) fn ca_warning(file: &PemFile) -> String {
     format!(
-        "{} ({}): the certificate is a CA certificate (basicConstraints CA:TRUE), which TLS \
-         clients (simlock's workers and CLI among them) refuse as a server's own: {LEAF_REMEDY}",
+        "{} ({}): {CA_CERTIFICATE}, which TLS clients (simlock's workers and CLI among them) \
+         refuse as a server's own: {LEAF_REMEDY}",
         file.key,
         file.path.display()
     )

@@ -108,14 +108,6 @@ fn date(unix_secs: i64) -> time::OffsetDateTime {
     time::OffsetDateTime::from_unix_timestamp(unix_secs).expect("a date rcgen can write")
 }
 
-/// Now, in seconds after the UNIX epoch (for certificates valid around the time of a test).
-pub fn unix_now() -> i64 {
-    let since = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .expect("a clock after 1970");
-    i64::try_from(since.as_secs()).expect("seconds that fit")
-}
-
 impl TestLeaf {
     /// A self-signed certificate for `names`, its own CA file. With `ca` it says
     /// basicConstraints CA:TRUE, as one made by `openssl req -x509` with openssl's defaults

@@ -8,6 +8,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use super::testing::{LeafFiles, TestCa, TestLeaf};
 use super::*;
+use crate::served::EXPIRY_NOTICE_SECS;
 use parking_lot::Mutex;
 use rustls::CertificateError;
 
@@ -202,74 +203,110 @@ fn every_failure_reads_as_words() {
         ))))
     };
     let at = |secs| UnixTime::since_unix_epoch(Duration::from_secs(secs));
-    let errors = [
-        webpki(webpki::Error::CaUsedAsEndEntity),
-        webpki(webpki::Error::EndEntityUsedAsCa),
-        webpki(webpki::Error::PathLenConstraintViolated),
-        webpki(webpki::Error::UnsupportedCriticalExtension),
-        webpki(webpki::Error::UnsupportedCrlVersion),
-        CertificateError::BadEncoding.into(),
-        CertificateError::Revoked.into(),
-        CertificateError::UnhandledCriticalExtension.into(),
-        CertificateError::InvalidPurpose.into(),
-        CertificateError::ApplicationVerificationFailure.into(),
-        CertificateError::Expired.into(),
-        CertificateError::NotValidYet.into(),
-        CertificateError::ExpiredContext {
-            time: at(1_796_377_117),
-            not_after: at(1_580_515_200),
-        }
-        .into(),
-        CertificateError::NotValidYetContext {
-            time: at(1_580_515_200),
-            not_before: at(1_796_377_117),
-        }
-        .into(),
-        CertificateError::NotValidForNameContext {
-            expected: server_name("other.example").unwrap(),
-            presented: vec![
-                "DnsName(\"gateway.test\")".to_owned(),
-                "IpAddress(192.0.2.7)".to_owned(),
-                "DirectoryName".to_owned(),
-            ],
-        }
-        .into(),
-        rustls::Error::AlertReceived(rustls::AlertDescription::HandshakeFailure),
-        rustls::Error::AlertReceived(rustls::AlertDescription::DecodeError),
-        rustls::Error::PeerIncompatible(rustls::PeerIncompatible::NoCipherSuitesInCommon),
-        rustls::Error::PeerMisbehaved(
-            rustls::PeerMisbehaved::IllegalHelloRetryRequestWithNoChanges,
+    // Each error, and what its own message says.
+    let cases: Vec<(rustls::Error, &str)> = vec![
+        (
+            webpki(webpki::Error::CaUsedAsEndEntity),
+            "the certificate is a CA certificate (basicConstraints CA:TRUE), which a server \
+             cannot present as its own",
         ),
-        rustls::Error::InvalidMessage(rustls::InvalidMessage::MissingData("ServerHello")),
-        rustls::Error::NoCertificatesPresented,
-        rustls::Error::DecryptError,
-        rustls::Error::HandshakeNotComplete,
-        rustls::Error::Other(rustls::OtherError(Arc::new(io::Error::other("boom")))),
-        webpki(webpki::Error::CaUsedAsEndEntity),
+        (
+            webpki(webpki::Error::EndEntityUsedAsCa),
+            "is not a CA certificate",
+        ),
+        (
+            webpki(webpki::Error::PathLenConstraintViolated),
+            "pathLenConstraint",
+        ),
+        (
+            webpki(webpki::Error::UnsupportedCriticalExtension),
+            "critical extension this client does not support",
+        ),
+        (
+            webpki(webpki::Error::UnsupportedCrlVersion),
+            "the certificate is refused: unsupported crl version",
+        ),
+        (CertificateError::BadEncoding.into(), "DER encoding is bad"),
+        (CertificateError::Revoked.into(), "has been revoked"),
+        (
+            CertificateError::UnhandledCriticalExtension.into(),
+            "critical extension this client does not support",
+        ),
+        (CertificateError::InvalidPurpose.into(), "lacks serverAuth"),
+        (
+            CertificateError::ApplicationVerificationFailure.into(),
+            "the certificate was refused",
+        ),
+        (
+            CertificateError::Expired.into(),
+            "the certificate has expired",
+        ),
+        (CertificateError::NotValidYet.into(), "is not valid yet"),
+        (
+            CertificateError::ExpiredContext {
+                time: at(1_796_377_117),
+                not_after: at(1_580_515_200),
+            }
+            .into(),
+            "expired at 2020-02-01T00:00:00Z (the time here is 2026-12-04T",
+        ),
+        (
+            CertificateError::NotValidYetContext {
+                time: at(1_580_515_200),
+                not_before: at(1_796_377_117),
+            }
+            .into(),
+            "is not valid before 2026-12-04T",
+        ),
+        (
+            CertificateError::NotValidForNameContext {
+                expected: server_name("other.example").unwrap(),
+                presented: vec![
+                    "DnsName(\"gateway.test\")".to_owned(),
+                    "IpAddress(192.0.2.7)".to_owned(),
+                    "DirectoryName".to_owned(),
+                ],
+            }
+            .into(),
+            "not valid for localhost (it names gateway.test, 192.0.2.7)",
+        ),
+        (
+            rustls::Error::AlertReceived(rustls::AlertDescription::HandshakeFailure),
+            "no TLS version or cipher suite in common",
+        ),
+        (
+            rustls::Error::AlertReceived(rustls::AlertDescription::DecodeError),
+            "the TLS alert \"decode error\"",
+        ),
+        (
+            rustls::Error::PeerIncompatible(rustls::PeerIncompatible::NoCipherSuitesInCommon),
+            "not compatible with this client: no cipher suites in common",
+        ),
+        (
+            rustls::Error::PeerMisbehaved(
+                rustls::PeerMisbehaved::IllegalHelloRetryRequestWithNoChanges,
+            ),
+            "illegal hello retry request with no changes",
+        ),
+        (
+            rustls::Error::InvalidMessage(rustls::InvalidMessage::MissingData("ServerHello")),
+            "malformed TLS message: missing data",
+        ),
+        (
+            rustls::Error::NoCertificatesPresented,
+            "presented no certificate",
+        ),
+        (rustls::Error::DecryptError, "could not be decrypted"),
+        (rustls::Error::HandshakeNotComplete, "TLS: "),
+        (
+            rustls::Error::Other(rustls::OtherError(Arc::new(io::Error::other("boom")))),
+            "boom",
+        ),
     ];
-    let mut texts = Vec::new();
-    for error in &errors {
+    for (error, said) in &cases {
         let text = failure::classify_rustls(error, "localhost").to_string();
         assert_readable(&text);
-        texts.push(text);
-    }
-    let all = texts.join("\n");
-    for said in [
-        "basicConstraints CA:TRUE",
-        "is not a CA certificate",
-        "pathLenConstraint",
-        "the certificate is refused: unsupported crl version",
-        "expired at 2020-02-01T00:00:00Z (the time here is 2026-12-04T",
-        "is not valid before 2026-12-04T",
-        "not valid for localhost (it names gateway.test, 192.0.2.7)",
-        "no TLS version or cipher suite in common",
-        "the TLS alert \"decode error\"",
-        "not compatible with this client: no cipher suites in common",
-        "illegal hello retry request with no changes",
-        "malformed TLS message: missing data",
-        "boom",
-    ] {
-        assert!(all.contains(said), "{said:?} in\n{all}");
+        assert!(text.contains(said), "{error:?}: {said:?} in {text:?}");
     }
     assert_eq!(
         failure::classify_rustls(&webpki(webpki::Error::CaUsedAsEndEntity), "h"),
@@ -280,6 +317,22 @@ fn every_failure_reads_as_words() {
         TLSAlertX,
     }
     assert_eq!(failure::words(&Named::TLSAlertX), "tls alert x");
+    // A name no host has, from the peer, is not repeated into logs and status lines.
+    let hostile = CertificateError::NotValidForNameContext {
+        expected: server_name("other.example").unwrap(),
+        presented: vec![
+            "DnsName(\"gateway.test\\n\u{1b}[31mowned\")".to_owned(),
+            format!("DnsName(\"{}\")", "a".repeat(254)),
+            format!("DnsName(\"{}\")", "a".repeat(253)),
+        ],
+    };
+    assert_eq!(
+        failure::classify_rustls(&hostile.into(), "h"),
+        TlsFailure::NameMismatch {
+            host: "h".into(),
+            presented: vec!["a".repeat(253)],
+        }
+    );
     assert_eq!(utc(0), "1970-01-01T00:00:00Z");
     assert_eq!(
         utc(i64::MAX),
@@ -630,8 +683,14 @@ fn a_certificate_stands_against_the_clock() {
     assert_eq!(validity.warning(&file, 5_000), None);
     for (before_end, said) in [
         (5 * 86_400 + 7, "in 5 days"),
+        (2 * 86_400, "in 2 days"),
+        (2 * 86_400 - 1, "in 47 hours"),
         (30 * 3_600, "in 30 hours"),
+        (2 * 3_600, "in 2 hours"),
+        (2 * 3_600 - 1, "in 119 minutes"),
         (5 * 60, "in 5 minutes"),
+        (120, "in 2 minutes"),
+        (119, "in 119 seconds"),
         (42, "in 42 seconds"),
     ] {
         let text = validity.warning(&file, end - before_end).unwrap();
