@@ -30,6 +30,20 @@ async fn exchange(
     token: Option<&str>,
     body: &[u8],
 ) -> (u16, String) {
+    let (status, _, body) = raw_exchange(addr, method, path, token, &[], body).await;
+    (status, body)
+}
+
+/// One request on its own connection, written by hand (the head as given, then `body`): the
+/// status, the head (lower-cased) and the body of the answer.
+async fn raw_exchange(
+    addr: &str,
+    method: &str,
+    path: &str,
+    token: Option<&str>,
+    headers: &[&str],
+    body: &[u8],
+) -> (u16, String, String) {
     let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
     let mut head = format!(
         "{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: {}\r\n",
@@ -38,6 +52,10 @@ async fn exchange(
     if let Some(token) = token {
         head.push_str(&format!("Authorization: Bearer {token}\r\n"));
     }
+    for line in headers {
+        head.push_str(line);
+        head.push_str("\r\n");
+    }
     head.push_str("\r\n");
     stream.write_all(head.as_bytes()).await.unwrap();
     // The server may answer before reading a refused body; a reset write is fine then.
@@ -45,9 +63,12 @@ async fn exchange(
     let mut raw = Vec::new();
     let _ = stream.read_to_end(&mut raw).await;
     let text = String::from_utf8_lossy(&raw).into_owned();
-    let (head, rest) = text.split_once("\r\n\r\n").expect("a response");
+    let (head, rest) = text
+        .split_once("\r\n\r\n")
+        .unwrap_or_else(|| panic!("no response to {method} {path}: {text:?}"));
     (
         head.split_whitespace().nth(1).unwrap().parse().unwrap(),
+        head.to_ascii_lowercase(),
         rest.to_owned(),
     )
 }
@@ -281,29 +302,8 @@ async fn exchange_with(
     token: Option<&str>,
     headers: &[&str],
 ) -> (u16, String) {
-    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
-    let mut head = format!(
-        "{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: 0\r\n"
-    );
-    if let Some(token) = token {
-        head.push_str(&format!("Authorization: Bearer {token}\r\n"));
-    }
-    for line in headers {
-        head.push_str(line);
-        head.push_str("\r\n");
-    }
-    head.push_str("\r\n");
-    stream.write_all(head.as_bytes()).await.unwrap();
-    let mut raw = Vec::new();
-    let _ = stream.read_to_end(&mut raw).await;
-    let text = String::from_utf8_lossy(&raw).into_owned();
-    let (head, rest) = text
-        .split_once("\r\n\r\n")
-        .unwrap_or_else(|| panic!("no response to {method} {path}: {text:?}"));
-    (
-        head.split_whitespace().nth(1).unwrap().parse().unwrap(),
-        rest.to_owned(),
-    )
+    let (status, _, body) = raw_exchange(addr, method, path, token, headers, b"").await;
+    (status, body)
 }
 
 fn code_of(body: &str) -> String {
@@ -406,26 +406,14 @@ async fn healthz_needs_no_token_for_any_method_and_only_get_is_its_route() {
     host.stop.cancel();
 }
 
-/// The status line and head of `method path`, with `token`.
+/// The status, the head (lower-cased) and the body of `method path`, with `token`.
 async fn head_of(
     addr: &str,
     method: &str,
     path: &str,
     token: Option<&str>,
 ) -> (u16, String, String) {
-    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
-    let mut head = format!("{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n");
-    if let Some(token) = token {
-        head.push_str(&format!("Authorization: Bearer {token}\r\n"));
-    }
-    head.push_str("\r\n");
-    stream.write_all(head.as_bytes()).await.unwrap();
-    let mut raw = Vec::new();
-    let _ = stream.read_to_end(&mut raw).await;
-    let text = String::from_utf8_lossy(&raw).into_owned();
-    let (head, body) = text.split_once("\r\n\r\n").expect("a response");
-    let status = head.split_whitespace().nth(1).unwrap().parse().unwrap();
-    (status, head.to_ascii_lowercase(), body.to_owned())
+    raw_exchange(addr, method, path, token, &[], b"").await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
