@@ -472,12 +472,18 @@ fn send_signal(pid: u32, signal: &str) {
 /// `simlock --json lease --platform ios --requester <requester> <extra>` holding on `worker`'s
 /// socket, and the id of the lease it printed (read within [`PATIENCE`]).
 fn hold(worker: &Worker, requester: &str, extra: &[&str]) -> (Child, String) {
+    held(on_socket(worker.home.path()), requester, extra)
+}
+
+/// `simlock` on the socket of the daemon whose home is `home`, with no connection settings
+/// inherited.
+fn on_socket(home: &Path) -> Command {
     let mut command = Command::new(bin("simlock"));
     command
-        .env("SIMLOCK_HOME", worker.home.path())
+        .env("SIMLOCK_HOME", home)
         .env_remove("SIMLOCK_URL")
         .env_remove("SIMLOCK_TOKEN");
-    held(command, requester, extra)
+    command
 }
 
 /// Runs `simlock [connection…] --json lease --platform ios --requester <requester> <extra>…`
@@ -573,14 +579,7 @@ fn a_waiting_lease_asks_again_after_a_daemon_restart_and_is_granted() {
     assert_eq!(first.code, 0, "{}", first.stderr);
     let first_id = first.json["lease"]["id"].as_str().unwrap().to_owned();
     let home = worker.home.path().to_owned();
-    let waiter = std::thread::spawn(move || {
-        let mut command = Command::new(bin("simlock"));
-        command
-            .env("SIMLOCK_HOME", home)
-            .env_remove("SIMLOCK_URL")
-            .env_remove("SIMLOCK_TOKEN");
-        held(command, "second", &[])
-    });
+    let waiter = std::thread::spawn(move || held(on_socket(&home), "second", &[]));
     wait_until(&worker, "the second request waits", |status| {
         waiting_requesters(status) == ["second"]
     });
