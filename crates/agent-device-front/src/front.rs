@@ -173,6 +173,10 @@ struct FrontMount {
 }
 
 impl Mount for FrontMount {
+    fn route(&self) -> &'static str {
+        "/v1/agent-device"
+    }
+
     fn matches(&self, path: &str) -> bool {
         path == PREFIX
             || path

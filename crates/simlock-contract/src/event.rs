@@ -512,6 +512,17 @@ const fn explicit() -> LeaseEndReason {
 }
 
 impl Event {
+    /// Why a lease request or a lease ended, for the events that say so (`lease.rejected`,
+    /// `lease.released`), as the wire spells it: a closed set, so metrics may label by it.
+    pub fn reason(&self) -> Option<String> {
+        let reason = match self {
+            Self::LeaseRejected { reason, .. } => serde_json::to_value(reason),
+            Self::LeaseReleased { reason, .. } => serde_json::to_value(reason),
+            _ => return None,
+        };
+        reason.ok().and_then(|v| v.as_str().map(str::to_owned))
+    }
+
     /// The event's name and its payload, as an [`EventEnvelope`] carries them.
     pub fn parts(&self) -> (String, Value) {
         match serde_json::to_value(self) {
@@ -590,6 +601,19 @@ mod tests {
         );
         assert_eq!(payload["reason"], "already-leased");
         assert!(payload.get("workerId").is_none(), "no worker, no field");
+        assert_eq!(rejected.reason().as_deref(), Some("already-leased"));
+        assert_eq!(event.reason(), None, "a renewal has no reason");
+        let released = Event::LeaseReleased {
+            lease_id: "lse_1".into(),
+            device_id: DeviceId::from_raw("dev_1"),
+            owner_id: "o".into(),
+            reason: LeaseEndReason::DeviceLost,
+        };
+        assert_eq!(released.reason().as_deref(), Some("device-lost"));
+        let stopping = Event::DaemonStopping {
+            reason: "SIGTERM".into(),
+        };
+        assert_eq!(stopping.reason(), None, "free text is not a reason label");
     }
 
     #[test]

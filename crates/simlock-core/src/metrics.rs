@@ -69,6 +69,25 @@ pub fn register_metrics(metrics: &Metrics, worker: &Arc<Worker>) {
     );
     let w = Arc::downgrade(worker);
     metrics.gauge(
+        "simlock_capability_available",
+        "1 for each capability this worker can serve now (agent-device: its daemon runs), else 0.",
+        move || {
+            read(&w, |w| {
+                w.capabilities
+                    .snapshot()
+                    .into_iter()
+                    .map(|c| {
+                        (
+                            vec![("capability", c.name)],
+                            if c.available { 1.0 } else { 0.0 },
+                        )
+                    })
+                    .collect()
+            })
+        },
+    );
+    let w = Arc::downgrade(worker);
+    metrics.gauge(
         "simlock_capacity_max_running",
         "The most devices that may run, by platform.",
         move || read(&w, |w| per_platform(w, |c| c.max_running)),

@@ -157,7 +157,7 @@ pub struct Worker {
     clock: SharedClock,
     bus: Arc<EventBus>,
     presence: Presence,
-    capabilities: Capabilities,
+    pub(crate) capabilities: Capabilities,
     lease_end: Vec<LeaseEndHook>,
     uplink: Option<UplinkReport>,
     /// The machine, read once: it does not change while the worker runs.

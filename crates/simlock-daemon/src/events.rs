@@ -1,7 +1,7 @@
 //! The event bus: facts emitted after they are committed, kept in a ring buffer, and pushed to
 //! subscribed connections. Observers only: nothing in simlock drives work from an event.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -19,6 +19,7 @@ use tracing::warn;
 
 use crate::clock::SharedClock;
 use crate::context::CallCtx;
+use crate::metrics::Metrics;
 use crate::pipeline::Router;
 
 /// The bus of one daemon.
@@ -28,7 +29,13 @@ pub struct EventBus {
     seq: AtomicU64,
     live: broadcast::Sender<EventEnvelope>,
     clock: SharedClock,
+    /// How many of each event (and reason) this daemon emitted since it started.
+    counts: Mutex<BTreeMap<EventCount, u64>>,
 }
+
+/// What [`EventBus::counts`] counts by: an event's name and, for the events that give one, its
+/// reason.
+pub type EventCount = (String, Option<String>);
 
 impl std::fmt::Debug for EventBus {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -47,12 +54,18 @@ impl EventBus {
             seq: AtomicU64::new(1),
             live: broadcast::channel(capacity.clamp(16, 4096)).0,
             clock,
+            counts: Mutex::new(BTreeMap::new()),
         })
     }
 
     /// Records a fact that just committed, as `module` tells it.
     pub fn emit(&self, module: EventModule, event: &Event) -> u64 {
         let (name, payload) = event.parts();
+        *self
+            .counts
+            .lock()
+            .entry((name.clone(), event.reason()))
+            .or_default() += 1;
         let envelope = EventEnvelope {
             id: EventId::mint(),
             seq: 0,
@@ -89,6 +102,38 @@ impl EventBus {
         // The event that made room is freed outside the lock.
         drop(oldest);
         seq
+    }
+
+    /// How many of each event this daemon emitted since it started, by name and reason, in
+    /// that order. Events relayed from elsewhere ([`EventBus::relay`]) are a worker's own count,
+    /// not this daemon's.
+    pub fn counts(&self) -> Vec<(EventCount, u64)> {
+        self.counts
+            .lock()
+            .iter()
+            .map(|(key, n)| (key.clone(), *n))
+            .collect()
+    }
+
+    /// Registers `simlock_events_total` on `metrics`: [`EventBus::counts`] at each scrape.
+    pub fn register_metrics(self: &Arc<Self>, metrics: &Metrics) {
+        let bus = Arc::downgrade(self);
+        metrics.counter(
+            "simlock_events_total",
+            "Events this daemon emitted since it started, by event and, where the event gives one, reason.",
+            move || {
+                bus.upgrade()
+                    .map(|bus| bus.counts())
+                    .unwrap_or_default()
+                    .into_iter()
+                    .map(|((event, reason), n)| {
+                        let mut labels = vec![("event", event)];
+                        labels.extend(reason.map(|r| ("reason", r)));
+                        (labels, n as f64)
+                    })
+                    .collect()
+            },
+        );
     }
 
     /// Follows events from now on.
@@ -246,5 +291,56 @@ mod tests {
         );
         assert_eq!(follower.recv().await.unwrap(), relayed);
         assert_eq!(bus.replay(Some(8)), vec![]);
+        assert_eq!(bus.counts(), vec![], "a relayed event is not this daemon's");
+    }
+
+    #[tokio::test]
+    async fn emitted_events_are_counted_by_name_and_reason_past_the_ring() {
+        let bus = EventBus::new(1, TokioClock::starting_at(100).shared());
+        let metrics = Metrics::new();
+        bus.register_metrics(&metrics);
+        let released = |reason| Event::LeaseReleased {
+            lease_id: "lse_1".into(),
+            device_id: simlock_contract::ids::DeviceId::from_raw("dev_1"),
+            owner_id: "o".into(),
+            reason,
+        };
+        for depth in 0..3 {
+            bus.emit(EventModule::Fleet, &Event::QueueChanged { depth });
+        }
+        bus.emit(
+            EventModule::LeaseLifecycle,
+            &released(simlock_contract::model::LeaseEndReason::Expired),
+        );
+        bus.emit(
+            EventModule::LeaseLifecycle,
+            &released(simlock_contract::model::LeaseEndReason::Explicit),
+        );
+        bus.emit(
+            EventModule::LeaseLifecycle,
+            &released(simlock_contract::model::LeaseEndReason::Explicit),
+        );
+        assert_eq!(
+            bus.counts(),
+            vec![
+                (("lease.released".into(), Some("expired".into())), 1),
+                (("lease.released".into(), Some("explicit".into())), 2),
+                (("queue.changed".into(), None), 3),
+            ],
+            "every emitted event counts, though the ring keeps one"
+        );
+        let text = metrics.render();
+        assert!(
+            text.contains("# TYPE simlock_events_total counter\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("simlock_events_total{event=\"lease.released\",reason=\"explicit\"} 2\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("simlock_events_total{event=\"queue.changed\"} 3\n"),
+            "{text}"
+        );
     }
 }

@@ -20,6 +20,7 @@ use crate::config::DaemonConfig;
 use crate::events::{self, EventBus};
 use crate::home::{AdminSecret, Home};
 use crate::http::requests::RequestBook;
+use crate::http::responses::HttpResponses;
 use crate::http::{HttpApp, Mount, bind, serve_http};
 use crate::metrics::Metrics;
 use crate::pipeline::{Pipeline, Router, Shutdown, StartupGate, register_daemon_ops};
@@ -177,6 +178,8 @@ impl Base {
             clock.clone(),
         );
         let tokens = TokenStore::open(db.clone(), clock.clone())?;
+        let metrics = Metrics::new();
+        bus.register_metrics(&metrics);
         Ok(Self {
             home,
             config,
@@ -190,7 +193,7 @@ impl Base {
             presence: Presence::new(),
             gate: StartupGate::new(),
             shutdown: Shutdown::new(),
-            metrics: Metrics::new(),
+            metrics,
         })
     }
 
@@ -284,8 +287,10 @@ impl Base {
                     usize::try_from(self.config.lease.max_request_records).unwrap_or(10_000),
                 ),
                 metrics: self.metrics.clone(),
+                responses: HttpResponses::default(),
                 mounts,
             });
+            app.responses.register_metrics(&app.metrics);
             tasks.push(serve_http(listener, app, tls, stop.clone()));
         }
         info!(mode = ?self.mode, instance = %self.instance_id, socket = %self.home.socket().display(), http = ?http_addr, tls = http_tls, "daemon serving");

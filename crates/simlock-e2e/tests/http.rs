@@ -706,19 +706,29 @@ async fn the_metrics_of_both_daemons_pass_prometheus_s_own_parser() {
         .call("lease.request", json!({"platform": "ios"}))
         .await
         .unwrap();
-    for (what, addr, tokens) in [
+    // The grant each daemon records: the gateway's fleet request, the worker's lease.
+    for (what, addr, tokens, granted) in [
         (
             "the gateway's /v1/metrics",
             fleet.gateway().running.http_addr().unwrap(),
             &fleet.gateway().running.base.tokens,
+            "request.granted",
         ),
         (
             "the worker's /v1/metrics",
             fleet.worker(0).running.http_addr().unwrap(),
             &fleet.worker(0).running.base.tokens,
+            "lease.granted",
         ),
     ] {
         let (operator, _) = tokens.create(TokenRole::Operator, None).unwrap();
+        // Answers the responses' counter must show: a route's 404, a route's 405, no route.
+        let unknown = send(addr, "GET", "/v1/leases/lse_nope", Some(&operator), None).await;
+        assert_eq!(unknown.status, 404, "{what}");
+        let wrong = send(addr, "DELETE", "/v1/metrics", Some(&operator), None).await;
+        assert_eq!(wrong.status, 405, "{what}");
+        let nowhere = send(addr, "GET", "/nowhere", None, None).await;
+        assert_eq!(nowhere.status, 404, "{what}");
         let answer = send(addr, "GET", "/v1/metrics", Some(&operator), None).await;
         assert_eq!(answer.status, 200);
         assert_eq!(
@@ -727,6 +737,16 @@ async fn the_metrics_of_both_daemons_pass_prometheus_s_own_parser() {
         );
         let text = answer.body.as_str().unwrap();
         assert!(text.contains("simlock_leases 1"), "{what}: {text}");
+        let granted = format!("simlock_events_total{{event=\"{granted}\"}} 1\n");
+        for line in [
+            "simlock_events_total{event=\"lease.requested\"} 1\n",
+            &granted,
+            "simlock_http_responses_total{method=\"GET\",route=\"/v1/leases/{}\",status=\"404\"} 1\n",
+            "simlock_http_responses_total{method=\"DELETE\",route=\"/v1/metrics\",status=\"405\"} 1\n",
+            "simlock_http_responses_total{method=\"GET\",route=\"unmatched\",status=\"404\"} 1\n",
+        ] {
+            assert!(text.contains(line), "{what}: {line} in {text}");
+        }
         check_metrics(what, text);
     }
     fleet.stop().await;

@@ -255,6 +255,10 @@ fn worker_label(header: Option<&HeaderValue>) -> Result<Option<String>, Contract
 }
 
 impl Mount for UplinkMount {
+    fn route(&self) -> &'static str {
+        "/v1/uplink"
+    }
+
     fn matches(&self, path: &str) -> bool {
         path == "/v1/uplink"
     }

@@ -400,6 +400,7 @@ impl FakeDaemon {
             clock: self.clock.clone(),
             requests: RequestBook::new(self.clock.clone(), 600_000, 1000),
             metrics: Metrics::new(),
+            responses: simlock_daemon::http::responses::HttpResponses::default(),
             mounts: Vec::new(),
         });
         self.https = tls.is_some();

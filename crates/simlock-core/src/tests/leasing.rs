@@ -463,6 +463,16 @@ async fn required_capabilities_must_be_available() {
     assert_eq!(grant.lease.requester_id, "agent-a");
     let status = h.worker.status(&h.gate, simlock_daemon::Viewer::ADMIN);
     assert_eq!(status.capabilities.unwrap().len(), 2);
+    // The metric says the same as status.
+    let metrics = simlock_daemon::metrics::Metrics::new();
+    crate::register_metrics(&metrics, &h.worker);
+    let text = metrics.render();
+    for line in [
+        "simlock_capability_available{capability=\"agent-device\"} 0\n",
+        "simlock_capability_available{capability=\"gpu\"} 1\n",
+    ] {
+        assert!(text.contains(line), "{line} in {text}");
+    }
 }
 
 #[tokio::test(start_paused = true)]

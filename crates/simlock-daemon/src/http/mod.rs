@@ -5,6 +5,7 @@
 pub mod body;
 pub mod parse;
 pub mod requests;
+pub mod responses;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -39,6 +40,7 @@ use self::body::{
 };
 use self::parse::Query;
 use self::requests::{RequestBook, Submitted};
+use self::responses::{HttpResponses, Route};
 use crate::auth::{HttpCaller, authorization, bearer};
 use crate::clock::SharedClock;
 use crate::context::{CallCtx, Viewer};
@@ -78,6 +80,8 @@ pub const TLS_REQUIRED_HEADER: &str = "x-simlock-tls";
 pub trait Mount: Send + Sync + 'static {
     /// Whether this mount serves `path`.
     fn matches(&self, path: &str) -> bool;
+    /// Its name in `simlock_http_responses_total`'s `route` label (`/v1/agent-device`).
+    fn route(&self) -> &'static str;
     /// Whether it takes a WebSocket upgrade (the gateway's `/v1/uplink`); a request asking
     /// another mount for one answers `404 UNKNOWN_REQUEST`, as on every other route.
     fn takes_websocket(&self) -> bool {
@@ -101,6 +105,8 @@ pub struct HttpApp {
     pub requests: Arc<RequestBook>,
     /// Metrics for `/v1/metrics`.
     pub metrics: Metrics,
+    /// The answers given, for `/v1/metrics` (registered there by whoever builds the app).
+    pub responses: HttpResponses,
     /// Extra routes.
     pub mounts: Vec<Arc<dyn Mount>>,
 }
@@ -184,7 +190,7 @@ async fn accept_connection(
     let Some(acceptor) = tls else {
         let service = service_fn(move |request| {
             let (app, stop) = (app.clone(), stop.clone());
-            async move { Ok::<_, std::convert::Infallible>(route(&app, request, &stop).await) }
+            async move { Ok::<_, std::convert::Infallible>(answer(&app, request, &stop).await) }
         });
         return serve_connection(TokioIo::new(stream), peer, service, shutdown).await;
     };
@@ -217,7 +223,7 @@ async fn accept_connection(
     };
     let service = service_fn(move |request| {
         let (app, stop) = (app.clone(), stop.clone());
-        async move { Ok::<_, std::convert::Infallible>(route(&app, request, &stop).await) }
+        async move { Ok::<_, std::convert::Infallible>(answer(&app, request, &stop).await) }
     });
     serve_connection(TokioIo::new(stream), peer, service, shutdown).await;
 }
@@ -335,6 +341,44 @@ const ROUTES: &[(&str, &str)] = &[
     ("POST", "ops/{}"),
     ("GET", "metrics"),
 ];
+
+/// Which route serves `method` at `path`, as [`HttpResponses`] counts it: a mount, the table's
+/// shape that fits (under another method too: that is a `405` of the route), or none.
+fn route_of(app: &HttpApp, method: &Method, path: &str) -> Route {
+    if let Some(mount) = app.mounts.iter().find(|m| m.matches(path)) {
+        return Route::Mount(mount.route());
+    }
+    let Some(rest) = path.strip_prefix("/v1/") else {
+        return Route::Unmatched;
+    };
+    let segments = parse::segments(rest);
+    let fits = |shape: &str| {
+        let shape: Vec<&str> = shape.split('/').collect();
+        shape.len() == segments.len()
+            && shape
+                .iter()
+                .zip(&segments)
+                .all(|(want, got)| *want == "{}" || want == got)
+    };
+    let fitting = || ROUTES.iter().filter(|(_, shape)| fits(shape));
+    fitting()
+        .find(|(m, _)| *m == method.as_str())
+        .or_else(|| fitting().next())
+        .map_or(Route::Unmatched, |(_, shape)| Route::Table(shape))
+}
+
+/// Serves one request and counts its answer.
+async fn answer(
+    app: &Arc<HttpApp>,
+    request: Request<Incoming>,
+    stop: &CancellationToken,
+) -> Response<Body> {
+    let method = request.method().clone();
+    let route = route_of(app, &method, request.uri().path());
+    let response = self::route(app, request, stop).await;
+    app.responses.record(&method, route, response.status());
+    response
+}
 
 /// The methods [`ROUTES`] serves at `segments` (the path under `/v1/`), in the table's order.
 fn allowed_methods(segments: &[&str]) -> Vec<&'static str> {

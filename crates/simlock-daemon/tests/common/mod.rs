@@ -73,6 +73,7 @@ pub async fn host_in(mode: Mode) -> Host {
         clock: clock.clone(),
         requests: RequestBook::new(clock, 1000, 10),
         metrics: Metrics::new(),
+        responses: simlock_daemon::http::responses::HttpResponses::default(),
         mounts: Vec::new(),
     });
     let listener = bind("127.0.0.1", 0).await.unwrap();
