@@ -373,6 +373,9 @@ pub async fn start(options: WorkerOptions) -> Result<RunningWorker, StartError> 
         .as_ref()
         .filter(|_| options.agent_device_attach.is_none())
         .map(|a| a.front.clone());
+    if let Some(agent_device) = &agent_device {
+        end_lost_leases(agent_device, &worker);
+    }
     let uplink = match options.startup_hold {
         None => {
             worker
@@ -427,6 +430,28 @@ fn end_earlier_daemons_leases(front: Option<Front>, worker: &Worker) {
             tracing::info!(
                 count = ended.len(),
                 "ended the simlock leases of an earlier agent-device daemon's leases"
+            );
+        }
+    });
+}
+
+/// Ends, each time the host restarts a daemon that died, the simlock leases of the
+/// agent-device leases it took with it ([`Front::end_lost_leases`]): their devices go back to
+/// the queue at once, and each owner's next call answers `LEASE_ENDED_BY_HOST` (ADR 0028).
+fn end_lost_leases(agent_device: &AgentDevice, worker: &Arc<Worker>) {
+    let Some(mut lost) = agent_device.host.lost_leases() else {
+        return;
+    };
+    let (front, worker) = (agent_device.front.clone(), Arc::downgrade(worker));
+    tokio::spawn(async move {
+        while let Some(leases) = lost.recv().await {
+            let Some(held) = worker.upgrade().map(|w| w.leases()) else {
+                return;
+            };
+            let ended = front.end_lost_leases(&leases, &held).await;
+            tracing::info!(
+                count = ended.len(),
+                "ended the simlock leases of a restarted agent-device daemon's leases"
             );
         }
     });

@@ -129,11 +129,34 @@ impl Front {
     /// released at once, freeing their devices for the queue, and remembered as ended, so each
     /// owner's next call answers `LEASE_ENDED_BY_HOST` (ADR 0028). Answers the ones ended.
     pub async fn end_earlier_daemons_leases(&self, leases: &[LeaseRecord]) -> Vec<LeaseId> {
+        self.end_front_leases(leases, |_| true).await
+    }
+
+    /// Ends the simlock leases of the agent-device leases `lost` with a daemon that died while
+    /// the worker ran (its host restarted it; the new one holds none of them), as
+    /// [`Self::end_earlier_daemons_leases`] does for a worker's start: of `leases` (the
+    /// worker's simlock leases now), those the front made and `lost` names. A lease made since,
+    /// on the new daemon, is not among them. Answers the ones ended.
+    pub async fn end_lost_leases(&self, lost: &[LeaseId], leases: &[LeaseRecord]) -> Vec<LeaseId> {
+        self.end_front_leases(leases, |lease| lost.contains(lease))
+            .await
+    }
+
+    /// Of `leases`, releases those the front made that `pick` picks, remembering each as ended
+    /// for its owner.
+    async fn end_front_leases(
+        &self,
+        leases: &[LeaseRecord],
+        pick: impl Fn(&LeaseId) -> bool,
+    ) -> Vec<LeaseId> {
         let mut ended = Vec::new();
         for record in leases {
             let Some(lease) = made_by_a_front(record.id.as_str(), &record.requester_id) else {
                 continue;
             };
+            if !pick(&lease) {
+                continue;
+            }
             self.inner
                 .leases
                 .end(&lease, &record.owner_id, Instant::now());

@@ -39,7 +39,7 @@ use parking_lot::Mutex;
 use serde_json::{Value, json};
 use simlock_contract::model::{CapabilityStatus, Platform};
 use simlock_relay_worker::{RelayRequest, RelayTarget, ResponseBody};
-use tokio::sync::watch;
+use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
@@ -173,6 +173,8 @@ struct Shared {
     /// Numbers the keeps' request ids, so two at once never share one.
     keeps: AtomicU64,
     client: Client<HttpConnector, Upstream>,
+    /// Where the leases a daemon took with it when it died go ([`AgentDeviceHost::lost_leases`]).
+    lost: mpsc::UnboundedSender<Vec<LeaseId>>,
 }
 
 /// The worker's agent-device host.
@@ -181,6 +183,7 @@ pub struct AgentDeviceHost {
     shared: Arc<Shared>,
     stop: CancellationToken,
     supervisor: Arc<Mutex<Option<tokio::task::JoinHandle<()>>>>,
+    lost: Arc<Mutex<Option<mpsc::UnboundedReceiver<Vec<LeaseId>>>>>,
 }
 
 impl std::fmt::Debug for AgentDeviceHost {
@@ -219,11 +222,13 @@ impl AgentDeviceHost {
         let mut connector = HttpConnector::new();
         connector.set_nodelay(true);
         let client = Client::builder(TokioExecutor::new()).build(connector);
+        let (lost, lost_rx) = mpsc::unbounded_channel();
         let shared = Arc::new(Shared {
             state,
             leases: Mutex::new(HashMap::new()),
             keeps: AtomicU64::new(0),
             client,
+            lost,
         });
         let stop = CancellationToken::new();
         let task = match options.daemon.clone() {
@@ -244,7 +249,17 @@ impl AgentDeviceHost {
             shared,
             stop,
             supervisor: Arc::new(Mutex::new(Some(task))),
+            lost: Arc::new(Mutex::new(Some(lost_rx))),
         }
+    }
+
+    /// The leases each daemon that died (or stopped answering and was stopped) held: one list
+    /// per death, sent as the supervision restarts it. The new daemon holds none of them, so
+    /// whoever owns their simlock leases ends them at once rather than at their TTL. The first
+    /// call takes the receiver; later ones answer `None`. A daemon stopped with the host sends
+    /// nothing: its leases stay, and the next start deals with them.
+    pub fn lost_leases(&self) -> Option<mpsc::UnboundedReceiver<Vec<LeaseId>>> {
+        self.lost.lock().take()
     }
 
     /// Where the daemon stands now.
@@ -760,7 +775,7 @@ async fn supervise(
                 .await;
                 process::clear_pid_file(&spec.state_dir);
                 // A new daemon knows none of the old one's leases.
-                shared.leases.lock().clear();
+                let lost: Vec<LeaseId> = shared.leases.lock().drain().map(|(l, _)| l).collect();
                 let reason = match ended {
                     Ended::Stop => break,
                     Ended::Exited(status) => {
@@ -770,7 +785,11 @@ async fn supervise(
                         "the agent-device daemon stopped answering /health; restarting".to_owned()
                     }
                 };
-                warn!(%reason, "agent-device daemon down");
+                warn!(%reason, leases = lost.len(), "agent-device daemon down");
+                if !lost.is_empty() {
+                    // Nobody listening (a host without a front) loses nothing that matters.
+                    let _ = shared.lost.send(lost);
+                }
                 supervision.handle_down(now(), reason);
             }
             Err(e) => {

@@ -419,6 +419,19 @@ async fn a_killed_daemon_is_restarted_and_meanwhile_allocates_answer_not_availab
     let (_, secret) = worker.token("agent").await;
     let first = daemon_pids(&worker);
     assert!(!first.is_empty(), "the daemon's pid is recorded");
+    // A lease held when the daemon dies: the new daemon will not know it.
+    let allocate = rpc_call(
+        "a1",
+        "lease.allocate",
+        json!({"session": "s1", "tenantId": "acme", "runId": "run1", "backend": "android-instance"}),
+    );
+    let held = Http::new().rpc(&worker.base(), &secret, &allocate).await;
+    let lease = held.json()["result"]["data"]["lease"]["leaseId"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert_eq!(worker.leases().await.len(), 1);
+    let mut events = worker.worker().running.base.bus.follow();
 
     std::fs::write(&hold, b"").unwrap();
     for pid in &first {
@@ -454,12 +467,20 @@ async fn a_killed_daemon_is_restarted_and_meanwhile_allocates_answer_not_availab
             .contains("agent-device daemon"),
         "{capability}"
     );
+    // The dead daemon's lease ends at once, not at its TTL: its device is free for the queue.
+    let released = tokio::time::timeout(Duration::from_secs(30), async {
+        loop {
+            let event = events.recv().await.unwrap();
+            if event.event == "lease.released" {
+                return event;
+            }
+        }
+    })
+    .await
+    .expect("the lost lease is released");
+    assert_eq!(released.payload["leaseId"], json!(lease));
+    assert!(worker.leases().await.is_empty());
 
-    let allocate = rpc_call(
-        "a1",
-        "lease.allocate",
-        json!({"session": "s1", "tenantId": "acme", "runId": "run1", "backend": "android-instance"}),
-    );
     let answer = Http::new().rpc(&worker.base(), &secret, &allocate).await;
     let message = answer.json()["error"]["data"]["message"]
         .as_str()
@@ -475,6 +496,19 @@ async fn a_killed_daemon_is_restarted_and_meanwhile_allocates_answer_not_availab
     worker.wait_running().await;
     let again = Http::new().rpc(&worker.base(), &secret, &allocate).await;
     assert_eq!(again.json()["result"]["ok"], json!(true), "{again:?}");
+    // The owner's next call on the lost lease says it ended (connect again).
+    let heartbeat = rpc_call(
+        "h1",
+        "lease.heartbeat",
+        json!({"session": "s1", "tenantId": "acme", "runId": "run1", "leaseId": lease}),
+    );
+    let ended = Http::new().rpc(&worker.base(), &secret, &heartbeat).await;
+    assert_eq!(
+        ended.json()["error"]["data"]["details"]["reason"],
+        json!("LEASE_ENDED_BY_HOST"),
+        "{ended:?}"
+    );
+    assert_eq!(worker.leases().await.len(), 1, "the new lease alone");
     for pid in &first {
         assert!(!agent_device_host::process::is_alive(pid));
     }
