@@ -47,6 +47,14 @@ impl Section for AgentDeviceConfig {
                 "agentDevice.enabled needs lease.maxTtlMs ({max_ttl_ms}) at least {AGENT_DEVICE_MIN_TTL_MS}, the shortest lease agent-device takes"
             )));
         }
+        if mode == Mode::Worker && daemon.capabilities.iter().any(|c| c == crate::CAPABILITY) {
+            // Named there, it would say the worker serves agent-device whether a daemon runs or
+            // not, and a gateway would send agent-device calls to a worker that has none.
+            return Err(SectionError::new(format!(
+                "capabilities: {cap} is not named there; the worker reports it itself while its agent-device daemon runs (set agentDevice.enabled and agentDevice.command)",
+                cap = crate::CAPABILITY
+            )));
+        }
         if mode == Mode::Worker && self.enabled {
             match &self.command {
                 None => {
@@ -122,6 +130,18 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("agentDevice.command"), "{err}");
+        for named in [
+            "capabilities = [\"agent-device\"]",
+            "capabilities = [\"gpu\", \"agent-device\"]\n[agentDevice]\nenabled = true\ncommand = [\"d\"]",
+        ] {
+            let err = load_with(named, Mode::Worker).unwrap_err().to_string();
+            assert!(
+                err.contains("capabilities: agent-device is not named there")
+                    && err.contains("agentDevice.enabled"),
+                "{err}"
+            );
+        }
+        assert!(load_with("capabilities = [\"gpu\"]", Mode::Worker).is_ok());
         let err = load_with("[agentDevice]\nenabled = true\ncommand = []", Mode::Worker)
             .unwrap_err()
             .to_string();
