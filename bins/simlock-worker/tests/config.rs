@@ -35,6 +35,8 @@ fn the_sections_read_the_environment_typed() {
         ("SIMLOCK_AGENT_DEVICE__COMMAND", r#"["node","x.js"]"#),
         ("SIMLOCK_AGENT_DEVICE__ENABLED", "true"),
         ("SIMLOCK_HTTP__PORT", "7"),
+        // Reachable, so agent-device's own warning stays quiet.
+        ("SIMLOCK_HTTP__ENABLED", "true"),
         ("SIMLOCK_DRIVERS__ANDROID__HEADLESS", "false"),
         ("SIMLOCK_CAPACITY__IOS__MAX_RUNNING", "3"),
         ("SIMLOCK_CAPACITY__STRATEGY", "fixed"),

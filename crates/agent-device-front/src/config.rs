@@ -72,6 +72,16 @@ impl Section for AgentDeviceConfig {
         }
         Ok(())
     }
+
+    fn warnings(&self, daemon: &DaemonConfig, mode: Mode) -> Vec<String> {
+        let reachable = daemon.http.enabled.unwrap_or(false) || daemon.gateway.url.is_some();
+        if mode == Mode::Worker && self.enabled && !reachable {
+            return vec![
+                "agentDevice.enabled, but this worker serves no HTTP (http.enabled, --port) and joins no gateway (gateway.url): nothing can reach its /v1/agent-device".into(),
+            ];
+        }
+        Vec::new()
+    }
 }
 
 #[cfg(test)]
@@ -151,7 +161,27 @@ mod tests {
             Mode::Worker,
         )
         .unwrap();
-        assert!(worker.warnings.is_empty(), "{:?}", worker.warnings);
+        assert_eq!(
+            worker.warnings,
+            [
+                "agentDevice.enabled, but this worker serves no HTTP (http.enabled, --port) and joins no gateway (gateway.url): nothing can reach its /v1/agent-device"
+            ]
+        );
+        for reached in [
+            "[http]\nenabled = true\n",
+            "[gateway]\nurl = \"ws://gw:4700\"\ntoken = \"t\"\n",
+        ] {
+            let worker = load_with(
+                &format!("{reached}[agentDevice]\nenabled = true\ncommand = [\"node\", \"d.js\"]"),
+                Mode::Worker,
+            )
+            .unwrap();
+            assert!(
+                worker.warnings.is_empty(),
+                "{reached}: {:?}",
+                worker.warnings
+            );
+        }
         let gateway = load_with(
             "[agentDevice]\nenabled = true\ncommand = [\"node\", \"d.js\"]",
             Mode::Gateway,

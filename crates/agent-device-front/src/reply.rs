@@ -247,8 +247,9 @@ const TOO_OLD_RPC_HINT: &str = "through a gateway every request names its lease:
 
 /// [`Refusal::TooOld`] on the other routes: only a newer agent-device sends the lease header.
 const TOO_OLD_ROUTE_HINT: &str = "through a gateway, uploads, artifact downloads and \
-    diagnostics need the x-agent-device-lease-id header, which this agent-device does not send; \
-    a worker's own URL serves them without it";
+    diagnostics need the x-agent-device-lease-id header, which agent-device 0.21.5 does not \
+    send; a worker's own URL serves them without it, where the worker serves HTTP and a token \
+    of its own";
 
 /// Where a refusal of a lease is answered from, in its message.
 const fn answered_on(hosts: Hosts) -> &'static str {

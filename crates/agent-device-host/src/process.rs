@@ -248,9 +248,15 @@ async fn read_port(child: &mut Child) -> Result<u16, ProcessError> {
         return Err(ProcessError::Exited("no stdout".into()));
     };
     let mut lines = BufReader::new(stdout).lines();
+    // What it printed first, for a process that exits without a word on stderr (agent-device's
+    // CLI, started in the daemon's place, prints its usage and exits 1).
+    let mut first_words: Option<String> = None;
     loop {
         match lines.next_line().await {
             Ok(Some(line)) => {
+                if first_words.is_none() && !line.trim().is_empty() {
+                    first_words = Some(line.trim().chars().take(200).collect());
+                }
                 if let Some(port) = line.trim().strip_prefix(PORT_LINE) {
                     let port = port
                         .trim()
@@ -275,10 +281,15 @@ async fn read_port(child: &mut Child) -> Result<u16, ProcessError> {
                     .wait()
                     .await
                     .map_or_else(|e| e.to_string(), |s| s.to_string());
-                return Err(ProcessError::Exited(match last_words(child).await {
-                    Some(said) => format!("{status}: {said}"),
-                    None => status,
-                }));
+                return Err(ProcessError::Exited(
+                    match (last_words(child).await, first_words) {
+                        (Some(said), _) => format!("{status}: {said}"),
+                        (None, Some(printed)) => format!(
+                            "{status}; it printed {printed:?} and nothing on stderr: agentDevice.command must start agent-device's daemon (<agent-device>/dist/src/internal/daemon.js), not its CLI"
+                        ),
+                        (None, None) => status,
+                    },
+                ));
             }
         }
     }
@@ -591,6 +602,22 @@ mod tests {
         assert!(
             matches!(err, ProcessError::Exited(ref s) if s == "exit status: 3: cannot read its config"),
             "its status and its last words: {err}"
+        );
+        // Nothing on stderr (agent-device's CLI in the daemon's place): what it printed first.
+        let quiet = DaemonSpec {
+            command: vec![
+                "sh".into(),
+                "-c".into(),
+                "echo; echo 'agent-device <command> [args]'; echo more; exit 1".into(),
+            ],
+            ..spec.clone()
+        };
+        let err = spawn(&quiet, Duration::from_secs(30), Duration::from_secs(1))
+            .await
+            .unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "the agent-device daemon exited before it served (exit status: 1; it printed \"agent-device <command> [args]\" and nothing on stderr: agentDevice.command must start agent-device's daemon (<agent-device>/dist/src/internal/daemon.js), not its CLI)"
         );
         let missing = DaemonSpec {
             command: vec!["/nonexistent/agent-device".into()],

@@ -359,6 +359,7 @@ fn load_layers(
     for (entry, section) in &held {
         if entry.modes.contains(&mode) {
             (entry.check)(section, &config, mode).map_err(|e| ConfigError::Invalid(e.message))?;
+            warnings.extend((entry.warnings)(section, &config, mode));
         }
     }
     if mode == Mode::Worker

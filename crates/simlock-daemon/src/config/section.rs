@@ -53,6 +53,14 @@ pub trait Section: Serialize + DeserializeOwned + Default + Clone + Send + Sync 
         let _ = (daemon, mode);
         Ok(())
     }
+
+    /// What is allowed but likely a mistake, on a daemon of `mode` (one of
+    /// [`Section::MODES`]), checked after [`Section::check`] passed: each a warning start-up
+    /// logs, naming the keys.
+    fn warnings(&self, daemon: &DaemonConfig, mode: Mode) -> Vec<String> {
+        let _ = (daemon, mode);
+        Vec::new()
+    }
 }
 
 /// A section's refusal: the message names the keys (`drivers.ios.callTimeoutMs must be above
@@ -102,6 +110,7 @@ pub(super) struct Entry {
     pub(super) defaults: fn() -> Value,
     pub(super) extract: fn(&Figment) -> Result<Held, Box<figment::Error>>,
     pub(super) check: fn(&Held, &DaemonConfig, Mode) -> Result<(), SectionError>,
+    pub(super) warnings: fn(&Held, &DaemonConfig, Mode) -> Vec<String>,
     pub(super) value: fn(&Held) -> Value,
 }
 
@@ -135,6 +144,11 @@ impl Entry {
                     "{} was not extracted as its own section",
                     S::KEY
                 ))),
+            },
+            warnings: |held, daemon, mode| {
+                held.downcast_ref::<S>()
+                    .map(|section| section.warnings(daemon, mode))
+                    .unwrap_or_default()
             },
             value: |held| {
                 held.downcast_ref::<S>()
