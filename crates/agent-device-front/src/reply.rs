@@ -245,6 +245,44 @@ impl Refusal {
 const TOO_OLD_RPC_HINT: &str = "through a gateway every request names its lease: run \
     `agent-device connect --remote-config <file>` first, then the device commands";
 
+/// The hint on a worker's answer to a device command sent before `connect`: the daemon refuses
+/// it for want of the run and lease ids a lease brings (simlock runs every caller in its own
+/// tenant, which needs them), in words that do not say what to do.
+const CONNECT_FIRST_HINT: &str = "through simlock every device command names its lease: run \
+    `agent-device connect --remote-config <file>` first, then the device commands";
+
+/// What the daemon says when a tenant's command names no run or lease (`tenant isolation
+/// requires run id.`).
+const TENANT_ISOLATION_REFUSAL: &str = "tenant isolation requires";
+
+/// Puts [`CONNECT_FIRST_HINT`] on the daemon's JSON-RPC `answer` to a command that named no
+/// lease, when the daemon refused it for want of a lease's ids, in place of the daemon's own
+/// hint (its generic one for `INVALID_ARGS`: check the arguments); answers whether it did.
+pub fn hint_connect_first(answer: &mut Value) -> bool {
+    let Some(error) = answer.get_mut("error").and_then(Value::as_object_mut) else {
+        return false;
+    };
+    let said = |v: Option<&Value>| {
+        v.and_then(Value::as_str)
+            .is_some_and(|m| m.starts_with(TENANT_ISOLATION_REFUSAL))
+    };
+    let refused =
+        said(error.get("message")) || said(error.get("data").and_then(|d| d.get("message")));
+    if !refused {
+        return false;
+    }
+    let data = error
+        .entry("data")
+        .or_insert_with(|| Value::Object(Map::new()));
+    match data.as_object_mut() {
+        Some(data) => {
+            data.insert("hint".into(), Value::from(CONNECT_FIRST_HINT));
+            true
+        }
+        None => false,
+    }
+}
+
 /// [`Refusal::TooOld`] on the other routes: only a newer agent-device sends the lease header.
 const TOO_OLD_ROUTE_HINT: &str = "through a gateway, uploads, artifact downloads and \
     diagnostics need the x-agent-device-lease-id header, which agent-device 0.21.5 does not \
@@ -299,6 +337,34 @@ mod tests {
         // Other refusals carry none.
         let other = body_of(Refusal::SimlockPicksDevice.into_response(&Surface::Route)).await;
         assert!(other.get("hint").is_none(), "{other}");
+    }
+
+    #[test]
+    fn a_command_refused_for_want_of_a_lease_hints_at_connect_and_nothing_else_changes() {
+        let refused = |message: &str| {
+            json!({"jsonrpc": "2.0", "id": "c1", "error": {"code": -32602, "message": message,
+                "data": {"code": "INVALID_ARGS", "message": message}}})
+        };
+        for missing in ["run id.", "lease id.", "tenant id."] {
+            let mut answer = refused(&format!("tenant isolation requires {missing}"));
+            assert!(hint_connect_first(&mut answer));
+            assert_eq!(answer["error"]["data"]["hint"], json!(CONNECT_FIRST_HINT));
+            assert_eq!(answer["error"]["data"]["code"], json!("INVALID_ARGS"));
+        }
+        // The daemon's generic hint gives way.
+        let mut hinted = refused("tenant isolation requires run id.");
+        hinted["error"]["data"]["hint"] = json!("Check command arguments and run --help");
+        assert!(hint_connect_first(&mut hinted));
+        assert_eq!(hinted["error"]["data"]["hint"], json!(CONNECT_FIRST_HINT));
+        // Another refusal, and a result: left alone.
+        let mut other = refused("Unknown command: frobnicate");
+        let mut ok = json!({"jsonrpc": "2.0", "id": "c1", "result": {"ok": true}});
+        for answer in [&mut other, &mut ok] {
+            let before = answer.clone();
+            assert!(!hint_connect_first(answer));
+            assert_eq!(*answer, before);
+        }
+        assert!(CONNECT_FIRST_HINT.contains("agent-device connect --remote-config"));
     }
 
     #[tokio::test]

@@ -519,6 +519,9 @@ impl AgentDeviceHost {
                 retriable: true,
             })??;
         let response = proxy::downstream(response, caller_request_id.as_ref());
+        if lease.is_none() && method == "command" {
+            return hinted_if_unleased(response).await;
+        }
         let Some(lease) = lease.filter(|_| method.starts_with("lease.")) else {
             return Ok(response);
         };
@@ -729,6 +732,27 @@ async fn renew_after_ok(
         }
     }
     Response::from_parts(parts, agent_device_front::body::full(bytes))
+}
+
+/// The daemon's answer to a command that named no lease, with the hint to connect first when
+/// it refused the command for want of one ([`agent_device_front::reply::hint_connect_first`]).
+async fn hinted_if_unleased(response: Response<Body>) -> Result<Response<Body>, Refusal> {
+    let (mut parts, body) = response.into_parts();
+    let bytes = read_to_bytes(body, MAX_ANSWER)
+        .await
+        .map_err(|e| unreadable(&e))?;
+    let mut answer = serde_json::from_slice::<Value>(&bytes).unwrap_or_default();
+    let bytes = if agent_device_front::reply::hint_connect_first(&mut answer) {
+        let hinted = Bytes::from(answer.to_string());
+        proxy::set_length(&mut parts.headers, hinted.len());
+        hinted
+    } else {
+        bytes
+    };
+    Ok(Response::from_parts(
+        parts,
+        agent_device_front::body::full(bytes),
+    ))
 }
 
 fn unreadable(error: &ReadError) -> Refusal {

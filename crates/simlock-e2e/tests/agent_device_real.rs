@@ -401,6 +401,37 @@ async fn bodies_past_their_bounds_and_malformed_lease_ids_are_refused_and_change
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_command_before_connect_keeps_the_daemons_refusal_and_gains_the_hint_to_connect() {
+    let pkg = real_package();
+    let worker = AdWorker::start(agent_device_config(real_daemon_command(&pkg)), |_| {}).await;
+    worker.wait_running().await;
+    let (_, secret) = worker.token("agent").await;
+    // What the CLI sends for `open` before any `connect`: no run, no lease.
+    let command = rpc_call(
+        "c1",
+        "command",
+        json!({"session": "default", "command": "open", "positionals": ["com.example"],
+            "flags": {"platform": "android"}, "meta": {}}),
+    );
+    let answer = Http::new().rpc(&worker.base(), &secret, &command).await;
+    let error = &answer.json()["error"];
+    assert!(
+        error["data"]["message"]
+            .as_str()
+            .is_some_and(|m| m.starts_with("tenant isolation requires")),
+        "{answer:?}"
+    );
+    assert!(
+        error["data"]["hint"]
+            .as_str()
+            .is_some_and(|h| h.contains("agent-device connect --remote-config")),
+        "{answer:?}"
+    );
+    assert!(worker.leases().await.is_empty(), "nothing leased");
+    worker.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_daemon_is_restarted_and_meanwhile_allocates_answer_not_available() {
     let pkg = real_package();
     let dir = tempfile::tempdir().unwrap();
