@@ -420,10 +420,7 @@ async fn rpc(
             }
         }
         RpcMethod::ReleaseMaterializedPaths => ctx.forward(call.to_bytes(), lease.as_ref()).await,
-        RpcMethod::Other(name) => Err(ctx.fail(Refusal::Invalid {
-            rpc_code: -32601,
-            message: format!("Method not found: {name}"),
-        })),
+        RpcMethod::Other(name) => Err(ctx.fail(Refusal::UnknownMethod(name))),
     }
 }
 

@@ -87,11 +87,14 @@ pub enum Refusal {
     /// A request agent-device's own envelope rules refuse.
     #[error("{message}")]
     Invalid {
-        /// JSON-RPC error code (`-32700`, `-32600`, `-32601`, `-32602`).
+        /// JSON-RPC error code (`-32700`, `-32600`, `-32602`).
         rpc_code: i64,
         /// The message.
         message: String,
     },
+    /// A JSON-RPC method agent-device does not have: `404` and `-32601`, as its daemon answers.
+    #[error("Method not found: {0}")]
+    UnknownMethod(String),
     /// No such route.
     #[error("Not found")]
     NotFound,
@@ -124,7 +127,7 @@ impl Refusal {
             Self::DevicesUnreadable(_) => StatusCode::BAD_GATEWAY,
             Self::LeaseCheckFailed => StatusCode::SERVICE_UNAVAILABLE,
             Self::BodyTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
-            Self::NotFound => StatusCode::NOT_FOUND,
+            Self::NotFound | Self::UnknownMethod(_) => StatusCode::NOT_FOUND,
         }
     }
 
@@ -141,7 +144,8 @@ impl Refusal {
             | Self::TooOld
             | Self::BadLeaseHeader
             | Self::BodyTooLarge(_)
-            | Self::Invalid { .. } => "INVALID_ARGS",
+            | Self::Invalid { .. }
+            | Self::UnknownMethod(_) => "INVALID_ARGS",
             Self::NotYours { .. }
             | Self::TokenNotUsable
             | Self::Forbidden(_)
@@ -231,6 +235,7 @@ impl Refusal {
         }
         let rpc_code = match self {
             Self::Invalid { rpc_code, .. } => *rpc_code,
+            Self::UnknownMethod(_) => -32601,
             _ => -32000,
         };
         json!({

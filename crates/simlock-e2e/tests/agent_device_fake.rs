@@ -865,7 +865,15 @@ async fn malformed_calls_are_refused_with_json_rpcs_codes_and_lease_nothing() {
     assert!(received(&fake, "agent_device.lease.allocate").is_empty());
     let unknown = json!({"jsonrpc": "2.0", "id": 9, "method": "nope"});
     let answer = http.rpc(&worker.base(), &secret, &unknown).await;
+    assert_eq!(
+        answer.status, 404,
+        "as agent-device's daemon answers: {answer:?}"
+    );
     assert_eq!(answer.json()["error"]["code"], json!(-32601), "{answer:?}");
+    assert_eq!(
+        answer.json()["error"]["message"],
+        json!("Method not found: nope")
+    );
     assert_eq!(answer.json()["id"], json!(9));
     let no_params = json!({"jsonrpc": "2.0", "id": 10, "method": "agent_device.command"});
     let answer = http.rpc(&worker.base(), &secret, &no_params).await;
