@@ -195,13 +195,15 @@ impl std::fmt::Debug for AgentDeviceHost {
 }
 
 /// The retriable refusal for a request the daemon did not answer (it died or closed the
-/// connection), naming the cause under the client's own words.
+/// connection), naming the root cause (`connection closed before message completed`), not the
+/// HTTP client's own layers around it.
 fn not_answered(e: &(dyn std::error::Error + 'static)) -> Refusal {
+    let mut root = e;
+    while let Some(source) = root.source() {
+        root = source;
+    }
     Refusal::NotAvailable {
-        reason: format!(
-            "the agent-device daemon did not answer ({}); retry",
-            simlock_contract::error::error_chain(e)
-        ),
+        reason: format!("the agent-device daemon did not answer ({root}); retry"),
         retriable: true,
     }
 }
@@ -1101,7 +1103,7 @@ mod tests {
         let refusal = not_answered(&e);
         assert_eq!(
             refusal.to_string(),
-            "agent-device is not available on this simlock: the agent-device daemon did not answer (client error (SendRequest): connection closed before message completed); retry"
+            "agent-device is not available on this simlock: the agent-device daemon did not answer (connection closed before message completed); retry"
         );
         assert!(matches!(
             refusal,
