@@ -260,7 +260,7 @@ const CONNECT_FIRST_HINT: &str = "through simlock every device command names its
 /// requires run id.`).
 const TENANT_ISOLATION_REFUSAL: &str = "tenant isolation requires";
 
-/// Puts [`CONNECT_FIRST_HINT`] on the daemon's JSON-RPC `answer` to a command that named no
+/// Puts the hint to connect first on the daemon's JSON-RPC `answer` to a command that named no
 /// lease, when the daemon refused it for want of a lease's ids, in place of the daemon's own
 /// hint (its generic one for `INVALID_ARGS`: check the arguments); answers whether it did.
 pub fn hint_connect_first(answer: &mut Value) -> bool {
