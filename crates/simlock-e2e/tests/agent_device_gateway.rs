@@ -1010,6 +1010,8 @@ async fn a_command_longer_than_the_ttl_renews_through_the_gateway_until_its_fron
     // The gateway's front stops (as the gateway's stop does first), the command still held in
     // the daemon and the uplink up: the caller is answered that the gateway is stopping, no
     // renewal follows, and the next word of the lease is its expiry.
+    // Followed from before the stop: the worker's keep may land before the stop returns.
+    let mut after_stop = gw.fleet.worker(0).running.base.bus.follow();
     gw.fleet
         .gateway()
         .agent_device
@@ -1017,7 +1019,6 @@ async fn a_command_longer_than_the_ttl_renews_through_the_gateway_until_its_fron
         .unwrap()
         .stop()
         .await;
-    let mut after_stop = gw.fleet.worker(0).running.base.bus.follow();
     let mut renewed = 0;
     loop {
         let event = tokio::time::timeout(PATIENCE, after_stop.recv())
@@ -1031,9 +1032,11 @@ async fn a_command_longer_than_the_ttl_renews_through_the_gateway_until_its_fron
             break;
         }
     }
-    // Once: the worker's keep after the cut exchange (`KeepAsk`), not a renewal every TTL/3.
-    assert_eq!(
-        renewed, 1,
+    // The worker's keep after the cut exchange (`KeepAsk`), not a renewal every TTL/3 (those
+    // would have kept the lease from expiring): once, or twice when a renewal already under
+    // way as the stop began landed too.
+    assert!(
+        (1..=2).contains(&renewed),
         "renewed {renewed} times after the front stopped"
     );
     hold.release();
