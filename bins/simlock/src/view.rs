@@ -532,6 +532,11 @@ pub(crate) fn workers(workers: &[WorkerView]) -> String {
                 w.leases
                     .as_ref()
                     .map_or_else(|| "-".to_owned(), |l| l.len().to_string()),
+                // What it can serve, as it last said: only while it is reachable.
+                w.capabilities
+                    .as_deref()
+                    .filter(|_| connected)
+                    .map_or_else(|| "-".to_owned(), serves),
             ]
         })
         .collect();
@@ -543,6 +548,7 @@ pub(crate) fn workers(workers: &[WorkerView]) -> String {
             "DRAINED",
             "HEALTH",
             "LEASES",
+            "SERVES",
         ],
         &rows,
     )
@@ -876,10 +882,25 @@ mod tests {
             ]),
             "3 (2 connected, 1 disconnected)"
         );
-        let away = view("b", Connection::Disconnected);
-        let table = workers(&[away]);
+        let mut away = view("b", Connection::Disconnected);
+        let agent_device = simlock_contract::model::CapabilityStatus {
+            name: "agent-device".into(),
+            available: true,
+            reason: None,
+        };
+        away.capabilities = Some(vec![agent_device.clone()]);
+        let mut near = view("a", Connection::Connected);
+        near.capabilities = Some(vec![agent_device]);
+        let table = workers(&[away, near]);
         let row = table.lines().nth(1).unwrap();
         assert!(row.contains("disconnected, seen "), "{table}");
+        assert!(
+            row.ends_with(" -"),
+            "what it can serve is unknown while away: {table}"
+        );
+        let row = table.lines().nth(2).unwrap();
+        assert!(row.ends_with(" agent-device"), "{table}");
+        assert!(table.lines().next().unwrap().ends_with("SERVES"), "{table}");
     }
 
     #[test]
