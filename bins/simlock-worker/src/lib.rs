@@ -437,7 +437,8 @@ fn end_earlier_daemons_leases(front: Option<Front>, worker: &Worker) {
 
 /// Ends, each time the host restarts a daemon that died, the simlock leases of the
 /// agent-device leases it took with it ([`Front::end_lost_leases`]): their devices go back to
-/// the queue at once, and each owner's next call answers `LEASE_ENDED_BY_HOST` (ADR 0028).
+/// the queue at once, and each owner's next call answers `LEASE_ENDED_BY_HOST` (ADR 0028). The
+/// task ends with the host's supervision (the stream of lost leases ends).
 fn end_lost_leases(agent_device: &AgentDevice, worker: &Arc<Worker>) {
     let Some(mut lost) = agent_device.host.lost_leases() else {
         return;
@@ -449,10 +450,12 @@ fn end_lost_leases(agent_device: &AgentDevice, worker: &Arc<Worker>) {
                 return;
             };
             let ended = front.end_lost_leases(&leases, &held).await;
-            tracing::info!(
-                count = ended.len(),
-                "ended the simlock leases of a restarted agent-device daemon's leases"
-            );
+            if !ended.is_empty() {
+                tracing::info!(
+                    count = ended.len(),
+                    "ended the simlock leases of a restarted agent-device daemon's leases"
+                );
+            }
         }
     });
 }

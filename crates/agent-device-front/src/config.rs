@@ -74,7 +74,7 @@ impl Section for AgentDeviceConfig {
     }
 
     fn warnings(&self, daemon: &DaemonConfig, mode: Mode) -> Vec<String> {
-        let reachable = daemon.http.enabled.unwrap_or(false) || daemon.gateway.url.is_some();
+        let reachable = daemon.http.turned_on() || daemon.gateway.url.is_some();
         if mode == Mode::Worker && self.enabled && !reachable {
             return vec![
                 "agentDevice.enabled, but this worker serves no HTTP (http.enabled, --port) and joins no gateway (gateway.url): nothing can reach its /v1/agent-device".into(),

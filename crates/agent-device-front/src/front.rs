@@ -142,21 +142,15 @@ impl Front {
             .await
     }
 
-    /// Of `leases`, releases those the front made that `pick` picks, remembering each as ended
-    /// for its owner.
+    /// Of `leases`, releases those the front made that `pick` picks ([`front_leases`]),
+    /// remembering each as ended for its owner.
     async fn end_front_leases(
         &self,
         leases: &[LeaseRecord],
         pick: impl Fn(&LeaseId) -> bool,
     ) -> Vec<LeaseId> {
         let mut ended = Vec::new();
-        for record in leases {
-            let Some(lease) = made_by_a_front(record.id.as_str(), &record.requester_id) else {
-                continue;
-            };
-            if !pick(&lease) {
-                continue;
-            }
+        for (lease, record) in front_leases(leases, pick) {
             self.inner
                 .leases
                 .end(&lease, &record.owner_id, Instant::now());
@@ -197,7 +191,7 @@ struct FrontMount {
 
 impl Mount for FrontMount {
     fn route(&self) -> &'static str {
-        "/v1/agent-device"
+        PREFIX
     }
 
     fn matches(&self, path: &str) -> bool {
@@ -715,6 +709,22 @@ pub fn made_by_front(lease_id: &str, requester_id: &str) -> Option<LeaseId> {
     (lease_id == requester_id)
         .then(|| LeaseId::parse(lease_id))
         .flatten()
+}
+
+/// Of `leases`, those a front made ([`made_by_a_front`]) that `pick` picks by their lease id,
+/// with their records.
+fn front_leases(
+    leases: &[LeaseRecord],
+    pick: impl Fn(&LeaseId) -> bool,
+) -> Vec<(LeaseId, &LeaseRecord)> {
+    leases
+        .iter()
+        .filter_map(|record| {
+            made_by_a_front(record.id.as_str(), &record.requester_id)
+                .filter(|lease| pick(lease))
+                .map(|lease| (lease, record))
+        })
+        .collect()
 }
 
 /// The lease id `L` of a simlock lease a front made on this worker: its own ([`made_by_front`])
@@ -1391,6 +1401,44 @@ mod tests {
         assert_eq!(made_by_a_front(l, &format!("gw::{l}")), None);
         // Only the worker's own front recovers a lease for a direct caller.
         assert_eq!(made_by_front(l, &format!("gw:g1:{l}")), None);
+    }
+
+    #[test]
+    fn a_dead_daemons_lost_leases_are_the_front_leases_it_named_direct_or_through_a_gateway() {
+        let record = |id: &str, requester: &str| -> LeaseRecord {
+            serde_json::from_value(serde_json::json!({
+                "id": id, "deviceId": "dev_1", "requesterId": requester, "ownerId": "tok_a",
+                "grantedAt": 0, "lastRenewedAt": 0, "ttlDeadline": 1, "ttlMs": 1
+            }))
+            .unwrap()
+        };
+        let (lost_direct, kept, lost_relayed) = (
+            "0123456789abcdef0123456789abcdef",
+            "1123456789abcdef0123456789abcdef",
+            "2123456789abcdef0123456789abcdef",
+        );
+        let leases = [
+            record(lost_direct, lost_direct),
+            // Made since, on the new daemon: not among the lost.
+            record(kept, kept),
+            record(lost_relayed, &format!("gw:g1:{lost_relayed}")),
+            // A plain simlock lease, whatever its id.
+            record("lse_1", "agent-7"),
+        ];
+        let lost = [
+            LeaseId::parse(lost_direct).unwrap(),
+            LeaseId::parse(lost_relayed).unwrap(),
+        ];
+        let picked: Vec<String> = front_leases(&leases, |l| lost.contains(l))
+            .into_iter()
+            .map(|(lease, record)| {
+                assert_eq!(record.id.as_str(), lease.as_str());
+                lease.to_string()
+            })
+            .collect();
+        assert_eq!(picked, [lost_direct, lost_relayed]);
+        // At a worker's start, every front lease: the plain one still not.
+        assert_eq!(front_leases(&leases, |_| true).len(), 3);
     }
 
     #[test]

@@ -173,8 +173,22 @@ struct Shared {
     /// Numbers the keeps' request ids, so two at once never share one.
     keeps: AtomicU64,
     client: Client<HttpConnector, Upstream>,
-    /// Where the leases a daemon took with it when it died go ([`AgentDeviceHost::lost_leases`]).
-    lost: mpsc::UnboundedSender<Vec<LeaseId>>,
+    /// Where the leases a daemon took with it when it died go ([`AgentDeviceHost::lost_leases`]);
+    /// dropped when the supervision ends, which ends the receiver's stream.
+    lost: Mutex<Option<mpsc::UnboundedSender<Vec<LeaseId>>>>,
+}
+
+impl Shared {
+    /// Hands `leases` over as lost with their daemon (kept in the channel until the receiver is
+    /// taken; nothing once the supervision ended).
+    fn lose(&self, leases: Vec<LeaseId>) {
+        if leases.is_empty() {
+            return;
+        }
+        if let Some(lost) = &*self.lost.lock() {
+            let _ = lost.send(leases);
+        }
+    }
 }
 
 /// The worker's agent-device host.
@@ -225,12 +239,14 @@ impl AgentDeviceHost {
         connector.set_nodelay(true);
         let client = Client::builder(TokioExecutor::new()).build(connector);
         let (lost, lost_rx) = mpsc::unbounded_channel();
+        // An attached daemon is not this host's to restart: it loses nothing through it.
+        let lost = matches!(options.daemon, Daemon::Spawn(_)).then_some(lost);
         let shared = Arc::new(Shared {
             state,
             leases: Mutex::new(HashMap::new()),
             keeps: AtomicU64::new(0),
             client,
-            lost,
+            lost: Mutex::new(lost),
         });
         let stop = CancellationToken::new();
         let task = match options.daemon.clone() {
@@ -259,7 +275,8 @@ impl AgentDeviceHost {
     /// per death, sent as the supervision restarts it. The new daemon holds none of them, so
     /// whoever owns their simlock leases ends them at once rather than at their TTL. The first
     /// call takes the receiver; later ones answer `None`. A daemon stopped with the host sends
-    /// nothing: its leases stay, and the next start deals with them.
+    /// nothing: its leases stay, and the next start deals with them. The stream ends when the
+    /// supervision does (at once for an attached daemon).
     pub fn lost_leases(&self) -> Option<mpsc::UnboundedReceiver<Vec<LeaseId>>> {
         self.lost.lock().take()
     }
@@ -521,7 +538,8 @@ impl AgentDeviceHost {
                 retriable: true,
             })??;
         let response = proxy::downstream(response, caller_request_id.as_ref());
-        if lease.is_none() && method == "command" {
+        // Only a refusal is read (a command's answer may be large, and streams).
+        if lease.is_none() && method == "command" && !response.status().is_success() {
             return hinted_if_unleased(response).await;
         }
         let Some(lease) = lease.filter(|_| method.starts_with("lease.")) else {
@@ -539,7 +557,8 @@ impl AgentDeviceHost {
             ));
         };
         if let (Some(scope), Some(daemon_id)) = (scope, proxy::answered_lease_id(&answer)) {
-            self.shared.leases.lock().insert(
+            self.record_allocated(
+                endpoint,
                 lease.clone(),
                 HostLease {
                     daemon_id,
@@ -569,6 +588,23 @@ impl AgentDeviceHost {
             parts,
             agent_device_front::body::full(bytes),
         ))
+    }
+
+    /// Records the agent-device lease `lease` the daemon at `endpoint` allocated. A daemon that
+    /// has since died (the state is no longer `Running` on that endpoint) took it with it: it
+    /// is handed over as lost, never left for the next daemon's map. The state is read under
+    /// the map's lock, and the supervision changes the state before it drains the map, so a
+    /// lease is either drained with its daemon or handed over here.
+    fn record_allocated(&self, endpoint: &Endpoint, lease: LeaseId, record: HostLease) {
+        let mut leases = self.shared.leases.lock();
+        let alive =
+            matches!(&*self.shared.state.borrow(), DaemonState::Running(e) if e == endpoint);
+        if alive {
+            leases.insert(lease, record);
+        } else {
+            drop(leases);
+            self.shared.lose(vec![lease]);
+        }
     }
 
     /// `/health` in the shape agent-device's proxy answers it, the daemon's own inside.
@@ -801,6 +837,8 @@ async fn supervise(
                 .await;
                 process::clear_pid_file(&spec.state_dir);
                 // A new daemon knows none of the old one's leases.
+                // (The state left `Running` above, before this drain: an allocate answered
+                // after it is handed over by `record_allocated`, never left in the map.)
                 let lost: Vec<LeaseId> = shared.leases.lock().drain().map(|(l, _)| l).collect();
                 let reason = match ended {
                     Ended::Stop => break,
@@ -812,10 +850,7 @@ async fn supervise(
                     }
                 };
                 warn!(%reason, leases = lost.len(), "agent-device daemon down");
-                if !lost.is_empty() {
-                    // Nobody listening (a host without a front) loses nothing that matters.
-                    let _ = shared.lost.send(lost);
-                }
+                shared.lose(lost);
                 supervision.handle_down(now(), reason);
             }
             Err(e) => {
@@ -843,6 +878,8 @@ async fn supervise(
     shared.state.send_replace(DaemonState::Unavailable(
         "the agent-device daemon is stopped".into(),
     ));
+    // No daemon of this host will die again: the lost leases' stream ends.
+    shared.lost.lock().take();
 }
 
 enum Ended {

@@ -284,15 +284,24 @@ async fn read_port(child: &mut Child) -> Result<u16, ProcessError> {
                 return Err(ProcessError::Exited(
                     match (last_words(child).await, first_words) {
                         (Some(said), _) => format!("{status}: {said}"),
-                        (None, Some(printed)) => format!(
+                        (None, Some(printed)) if is_cli_usage(&printed) => format!(
                             "{status}; it printed {printed:?} and nothing on stderr: agentDevice.command must start agent-device's daemon (<agent-device>/dist/src/internal/daemon.js), not its CLI"
                         ),
+                        (None, Some(printed)) => {
+                            format!("{status}; it printed {printed:?} and nothing on stderr")
+                        }
                         (None, None) => status,
                     },
                 ));
             }
         }
     }
+}
+
+/// Whether a first line of output is agent-device's CLI usage (`agent-device <command> [args]
+/// [--json]`): the CLI started in the daemon's place.
+fn is_cli_usage(line: &str) -> bool {
+    line.starts_with("agent-device <command>")
 }
 
 /// The last line a process that exited wrote on its stderr (`sh: 1: node: not found`), read
@@ -603,22 +612,30 @@ mod tests {
             matches!(err, ProcessError::Exited(ref s) if s == "exit status: 3: cannot read its config"),
             "its status and its last words: {err}"
         );
-        // Nothing on stderr (agent-device's CLI in the daemon's place): what it printed first.
-        let quiet = DaemonSpec {
-            command: vec![
-                "sh".into(),
-                "-c".into(),
-                "echo; echo 'agent-device <command> [args]'; echo more; exit 1".into(),
-            ],
-            ..spec.clone()
-        };
-        let err = spawn(&quiet, Duration::from_secs(30), Duration::from_secs(1))
-            .await
-            .unwrap_err();
-        assert_eq!(
-            err.to_string(),
-            "the agent-device daemon exited before it served (exit status: 1; it printed \"agent-device <command> [args]\" and nothing on stderr: agentDevice.command must start agent-device's daemon (<agent-device>/dist/src/internal/daemon.js), not its CLI)"
-        );
+        // Nothing on stderr: what it printed first, and the cause only for agent-device's CLI
+        // in the daemon's place; another program's words are quoted with no guess.
+        for (script, said) in [
+            (
+                "echo; echo 'agent-device <command> [args]'; echo more; exit 1",
+                "exit status: 1; it printed \"agent-device <command> [args]\" and nothing on stderr: agentDevice.command must start agent-device's daemon (<agent-device>/dist/src/internal/daemon.js), not its CLI",
+            ),
+            (
+                "echo 'starting the daemon'; exit 2",
+                "exit status: 2; it printed \"starting the daemon\" and nothing on stderr",
+            ),
+        ] {
+            let quiet = DaemonSpec {
+                command: vec!["sh".into(), "-c".into(), script.into()],
+                ..spec.clone()
+            };
+            let err = spawn(&quiet, Duration::from_secs(30), Duration::from_secs(1))
+                .await
+                .unwrap_err();
+            assert_eq!(
+                err.to_string(),
+                format!("the agent-device daemon exited before it served ({said})")
+            );
+        }
         let missing = DaemonSpec {
             command: vec!["/nonexistent/agent-device".into()],
             ..spec

@@ -84,6 +84,38 @@ pub enum RejectionReason {
     UnresolvableSpec,
 }
 
+impl RejectionReason {
+    /// Every reason.
+    pub const ALL: [Self; 10] = [
+        Self::NoWait,
+        Self::AlreadyLeased,
+        Self::LeaseIdTaken,
+        Self::Timeout,
+        Self::WorkerFailed,
+        Self::Cancelled,
+        Self::DaemonRestarted,
+        Self::NoWorker,
+        Self::Killed,
+        Self::UnresolvableSpec,
+    ];
+
+    /// As the wire spells it.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Self::NoWait => "no-wait",
+            Self::AlreadyLeased => "already-leased",
+            Self::LeaseIdTaken => "lease-id-taken",
+            Self::Timeout => "timeout",
+            Self::WorkerFailed => "worker-failed",
+            Self::Cancelled => "cancelled",
+            Self::DaemonRestarted => "daemon-restarted",
+            Self::NoWorker => "no-worker",
+            Self::Killed => "killed",
+            Self::UnresolvableSpec => "unresolvable-spec",
+        }
+    }
+}
+
 /// How a granted device came to be ready.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
@@ -514,13 +546,12 @@ const fn explicit() -> LeaseEndReason {
 impl Event {
     /// Why a lease request or a lease ended, for the events that say so (`lease.rejected`,
     /// `lease.released`), as the wire spells it: a closed set, so metrics may label by it.
-    pub fn reason(&self) -> Option<String> {
-        let reason = match self {
-            Self::LeaseRejected { reason, .. } => serde_json::to_value(reason),
-            Self::LeaseReleased { reason, .. } => serde_json::to_value(reason),
-            _ => return None,
-        };
-        reason.ok().and_then(|v| v.as_str().map(str::to_owned))
+    pub const fn reason(&self) -> Option<&'static str> {
+        match self {
+            Self::LeaseRejected { reason, .. } => Some(reason.as_str()),
+            Self::LeaseReleased { reason, .. } => Some(reason.as_str()),
+            _ => None,
+        }
     }
 
     /// The event's name and its payload, as an [`EventEnvelope`] carries them.
@@ -601,7 +632,7 @@ mod tests {
         );
         assert_eq!(payload["reason"], "already-leased");
         assert!(payload.get("workerId").is_none(), "no worker, no field");
-        assert_eq!(rejected.reason().as_deref(), Some("already-leased"));
+        assert_eq!(rejected.reason(), Some("already-leased"));
         assert_eq!(event.reason(), None, "a renewal has no reason");
         let released = Event::LeaseReleased {
             lease_id: "lse_1".into(),
@@ -609,7 +640,14 @@ mod tests {
             owner_id: "o".into(),
             reason: LeaseEndReason::DeviceLost,
         };
-        assert_eq!(released.reason().as_deref(), Some("device-lost"));
+        assert_eq!(released.reason(), Some("device-lost"));
+        // Each reason as the wire spells it.
+        for reason in RejectionReason::ALL {
+            assert_eq!(serde_json::to_value(reason).unwrap(), reason.as_str());
+        }
+        for reason in LeaseEndReason::ALL {
+            assert_eq!(serde_json::to_value(reason).unwrap(), reason.as_str());
+        }
         let stopping = Event::DaemonStopping {
             reason: "SIGTERM".into(),
         };

@@ -847,6 +847,26 @@ pub enum LeaseEndReason {
     Expired,
 }
 
+impl LeaseEndReason {
+    /// Every reason.
+    pub const ALL: [Self; 4] = [
+        Self::Explicit,
+        Self::Killed,
+        Self::DeviceLost,
+        Self::Expired,
+    ];
+
+    /// As the wire spells it.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Self::Explicit => "explicit",
+            Self::Killed => "killed",
+            Self::DeviceLost => "device-lost",
+            Self::Expired => "expired",
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -73,7 +73,7 @@ pub fn register_metrics(metrics: &Metrics, worker: &Arc<Worker>) {
         "1 for each capability this worker can serve now (agent-device: its daemon runs), else 0.",
         move || {
             read(&w, |w| {
-                w.capabilities
+                w.capabilities()
                     .snapshot()
                     .into_iter()
                     .map(|c| {

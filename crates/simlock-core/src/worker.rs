@@ -157,7 +157,7 @@ pub struct Worker {
     clock: SharedClock,
     bus: Arc<EventBus>,
     presence: Presence,
-    pub(crate) capabilities: Capabilities,
+    capabilities: Capabilities,
     lease_end: Vec<LeaseEndHook>,
     uplink: Option<UplinkReport>,
     /// The machine, read once: it does not change while the worker runs.
@@ -566,6 +566,11 @@ impl Worker {
     /// Every device.
     pub fn devices(&self) -> Vec<Device> {
         self.shared.lock().state.devices()
+    }
+
+    /// What this worker can serve: its capabilities, fixed and live.
+    pub(crate) const fn capabilities(&self) -> &Capabilities {
+        &self.capabilities
     }
 
     /// Every lease, oldest first.

@@ -99,6 +99,14 @@ pub struct HttpConfig {
     pub tls: HttpTlsConfig,
 }
 
+impl HttpConfig {
+    /// Whether `enabled` turns HTTP on: unset is off (a worker's default; a gateway is composed
+    /// to serve HTTP whatever it says, and refuses `false`).
+    pub fn turned_on(&self) -> bool {
+        self.enabled.unwrap_or(false)
+    }
+}
+
 impl Default for HttpConfig {
     fn default() -> Self {
         Self {

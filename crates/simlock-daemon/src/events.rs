@@ -34,8 +34,8 @@ pub struct EventBus {
 }
 
 /// What [`EventBus::counts`] counts by: an event's name and, for the events that give one, its
-/// reason.
-pub type EventCount = (String, Option<String>);
+/// reason (a closed set: [`Event::reason`]).
+pub type EventCount = (String, Option<&'static str>);
 
 impl std::fmt::Debug for EventBus {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -128,7 +128,7 @@ impl EventBus {
                     .into_iter()
                     .map(|((event, reason), n)| {
                         let mut labels = vec![("event", event)];
-                        labels.extend(reason.map(|r| ("reason", r)));
+                        labels.extend(reason.map(|r| ("reason", r.to_owned())));
                         (labels, n as f64)
                     })
                     .collect()
@@ -323,8 +323,8 @@ mod tests {
         assert_eq!(
             bus.counts(),
             vec![
-                (("lease.released".into(), Some("expired".into())), 1),
-                (("lease.released".into(), Some("explicit".into())), 2),
+                (("lease.released".into(), Some("expired")), 1),
+                (("lease.released".into(), Some("explicit")), 2),
                 (("queue.changed".into(), None), 3),
             ],
             "every emitted event counts, though the ring keeps one"

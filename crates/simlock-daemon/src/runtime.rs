@@ -91,7 +91,7 @@ impl Listen {
     /// HTTP as `http.enabled` says, off when it is unset (a worker's choice; a gateway always
     /// serves HTTP).
     pub fn as_configured(config: &DaemonConfig) -> Self {
-        if config.http.enabled.unwrap_or(false) {
+        if config.http.turned_on() {
             Self::SocketAndHttp
         } else {
             Self::SocketOnly
@@ -287,10 +287,9 @@ impl Base {
                     usize::try_from(self.config.lease.max_request_records).unwrap_or(10_000),
                 ),
                 metrics: self.metrics.clone(),
-                responses: HttpResponses::default(),
+                responses: HttpResponses::new(&self.metrics),
                 mounts,
             });
-            app.responses.register_metrics(&app.metrics);
             tasks.push(serve_http(listener, app, tls, stop.clone()));
         }
         info!(mode = ?self.mode, instance = %self.instance_id, socket = %self.home.socket().display(), http = ?http_addr, tls = http_tls, "daemon serving");

@@ -499,7 +499,7 @@ async fn a_killed_daemon_is_restarted_and_meanwhile_allocates_answer_not_availab
         "{capability}"
     );
     // The dead daemon's lease ends at once, not at its TTL: its device is free for the queue.
-    let released = tokio::time::timeout(Duration::from_secs(30), async {
+    let released = tokio::time::timeout(simlock_e2e::PATIENCE, async {
         loop {
             let event = events.recv().await.unwrap();
             if event.event == "lease.released" {

@@ -254,13 +254,16 @@ fn worker_label(header: Option<&HeaderValue>) -> Result<Option<String>, Contract
     Ok(Some(label).filter(|l| !l.is_empty()))
 }
 
+/// Where workers dial in.
+const UPLINK_PATH: &str = "/v1/uplink";
+
 impl Mount for UplinkMount {
     fn route(&self) -> &'static str {
-        "/v1/uplink"
+        UPLINK_PATH
     }
 
     fn matches(&self, path: &str) -> bool {
-        path == "/v1/uplink"
+        path == UPLINK_PATH
     }
 
     fn takes_websocket(&self) -> bool {

@@ -352,15 +352,12 @@ fn route_of(app: &HttpApp, method: &Method, path: &str) -> Route {
         return Route::Unmatched;
     };
     let segments = parse::segments(rest);
-    let fits = |shape: &str| {
-        let shape: Vec<&str> = shape.split('/').collect();
-        shape.len() == segments.len()
-            && shape
-                .iter()
-                .zip(&segments)
-                .all(|(want, got)| *want == "{}" || want == got)
+    let segments: Vec<&str> = segments.iter().map(String::as_str).collect();
+    let fitting = || {
+        ROUTES
+            .iter()
+            .filter(|(_, shape)| shape_fits(shape, &segments))
     };
-    let fitting = || ROUTES.iter().filter(|(_, shape)| fits(shape));
     fitting()
         .find(|(m, _)| *m == method.as_str())
         .or_else(|| fitting().next())
@@ -384,17 +381,24 @@ async fn answer(
 fn allowed_methods(segments: &[&str]) -> Vec<&'static str> {
     let mut methods: Vec<&'static str> = Vec::new();
     for (method, shape) in ROUTES {
-        let shape: Vec<&str> = shape.split('/').collect();
-        let fits = shape.len() == segments.len()
-            && shape
-                .iter()
-                .zip(segments)
-                .all(|(want, got)| *want == "{}" || want == got);
-        if fits && !methods.contains(method) {
+        if shape_fits(shape, segments) && !methods.contains(method) {
             methods.push(method);
         }
     }
     methods
+}
+
+/// Whether a [`ROUTES`] `shape` fits `segments` (the path under `/v1/`), `{}` fitting any one.
+fn shape_fits(shape: &str, segments: &[&str]) -> bool {
+    let mut wanted = shape.split('/');
+    let mut got = segments.iter();
+    loop {
+        match (wanted.next(), got.next()) {
+            (None, None) => return true,
+            (Some(want), Some(got)) if want == "{}" || want == *got => {}
+            _ => return false,
+        }
+    }
 }
 
 /// No route for `method` at `path`: `405` with `Allow` when the path is served under other

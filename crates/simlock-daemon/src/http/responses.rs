@@ -34,7 +34,9 @@ impl std::fmt::Display for Route {
 /// One count's key: method, route, status.
 type Key = (&'static str, Route, u16);
 
-/// The answers one HTTP host gave since the daemon started.
+/// The answers one HTTP host gave since the daemon started. Those hyper gives itself before a
+/// route sees the request (a malformed or oversized head) and a TLS port's answer to plain text
+/// are not among them.
 #[derive(Clone, Default)]
 pub struct HttpResponses {
     counts: Arc<Mutex<BTreeMap<Key, u64>>>,
@@ -49,6 +51,13 @@ impl std::fmt::Debug for HttpResponses {
 }
 
 impl HttpResponses {
+    /// Answers counted from now on, registered on `metrics` as `simlock_http_responses_total`.
+    pub fn new(metrics: &Metrics) -> Self {
+        let responses = Self::default();
+        responses.register_metrics(metrics);
+        responses
+    }
+
     /// Counts one answer.
     pub fn record(&self, method: &Method, route: Route, status: StatusCode) {
         *self
@@ -59,7 +68,7 @@ impl HttpResponses {
     }
 
     /// Registers `simlock_http_responses_total` on `metrics`.
-    pub fn register_metrics(&self, metrics: &Metrics) {
+    fn register_metrics(&self, metrics: &Metrics) {
         let counts = self.counts.clone();
         metrics.counter(
             "simlock_http_responses_total",
@@ -109,9 +118,8 @@ mod tests {
 
     #[test]
     fn answers_are_counted_by_method_route_and_status() {
-        let responses = HttpResponses::default();
         let metrics = Metrics::new();
-        responses.register_metrics(&metrics);
+        let responses = HttpResponses::new(&metrics);
         let lease = Route::Table("leases/{}");
         responses.record(&Method::GET, lease, StatusCode::OK);
         responses.record(&Method::GET, lease, StatusCode::OK);
