@@ -186,10 +186,25 @@ impl RpcCall {
                 return Err(invalid(format!("Invalid params: {key} must be a string")));
             }
         }
-        if present("ttlMs").is_some_and(|v| v.as_u64().is_none()) {
+        let ttl = present("ttlMs");
+        if ttl.is_some_and(|v| v.as_u64().is_none()) {
             return Err(invalid(
                 "Invalid params: ttlMs must be a whole number of milliseconds".into(),
             ));
+        }
+        // agent-device's own bounds: a lease it would refuse is refused here too, though the
+        // lease simlock makes takes its ceiling whatever the caller asks.
+        let (min, max) = (
+            crate::config::AGENT_DEVICE_MIN_TTL_MS,
+            crate::front::AGENT_DEVICE_MAX_TTL_MS,
+        );
+        if ttl
+            .and_then(Value::as_u64)
+            .is_some_and(|ms| !(min..=max).contains(&ms))
+        {
+            return Err(invalid(format!(
+                "Invalid params: ttlMs must be between {min} and {max}"
+            )));
         }
         Ok(())
     }
@@ -531,6 +546,16 @@ mod tests {
         );
         for ttl in [json!("huge"), json!(-1), json!(1.5)] {
             assert!(refused(json!({"ttlMs": ttl})).starts_with("Invalid params: ttlMs"));
+        }
+        // agent-device's bounds, at each edge and one past.
+        for ttl in [4_999, 600_001, 0] {
+            assert_eq!(
+                refused(json!({"ttlMs": ttl})),
+                "Invalid params: ttlMs must be between 5000 and 600000"
+            );
+        }
+        for ttl in [5_000, 600_000] {
+            assert_eq!(alloc(json!({"ttlMs": ttl})), Ok(()));
         }
         assert_eq!(
             alloc(

@@ -848,6 +848,10 @@ async fn malformed_calls_are_refused_with_json_rpcs_codes_and_lease_nothing() {
             json!({"session": "s", "tenantId": "t", "runId": "r", "backend": "android-instance", "ttlMs": "huge"}),
             "Invalid params: ttlMs must be a whole number of milliseconds",
         ),
+        (
+            json!({"session": "s", "tenantId": "t", "runId": "r", "backend": "android-instance", "ttlMs": 600_001}),
+            "Invalid params: ttlMs must be between 5000 and 600000",
+        ),
     ] {
         let refused = http
             .rpc(
