@@ -706,19 +706,24 @@ async fn the_metrics_of_both_daemons_pass_prometheus_s_own_parser() {
         .call("lease.request", json!({"platform": "ios"}))
         .await
         .unwrap();
-    // The grant each daemon records: the gateway's fleet request, the worker's lease.
-    for (what, addr, tokens, granted) in [
+    // The grant each daemon records (the gateway's fleet request, the worker's lease), and the
+    // answers of a mount (the gateway's uplink, the worker's dial).
+    for (what, addr, tokens, granted, mounted) in [
         (
             "the gateway's /v1/metrics",
             fleet.gateway().running.http_addr().unwrap(),
             &fleet.gateway().running.base.tokens,
             "request.granted",
+            Some(
+                "simlock_http_responses_total{method=\"GET\",route=\"/v1/uplink\",status=\"101\"} 1\n",
+            ),
         ),
         (
             "the worker's /v1/metrics",
             fleet.worker(0).running.http_addr().unwrap(),
             &fleet.worker(0).running.base.tokens,
             "lease.granted",
+            None,
         ),
     ] {
         let (operator, _) = tokens.create(TokenRole::Operator, None).unwrap();
@@ -745,6 +750,9 @@ async fn the_metrics_of_both_daemons_pass_prometheus_s_own_parser() {
             "simlock_http_responses_total{method=\"DELETE\",route=\"/v1/metrics\",status=\"405\"} 1\n",
             "simlock_http_responses_total{method=\"GET\",route=\"unmatched\",status=\"404\"} 1\n",
         ] {
+            assert!(text.contains(line), "{what}: {line} in {text}");
+        }
+        if let Some(line) = mounted {
             assert!(text.contains(line), "{what}: {line} in {text}");
         }
         check_metrics(what, text);

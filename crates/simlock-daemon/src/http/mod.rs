@@ -342,21 +342,20 @@ const ROUTES: &[(&str, &str)] = &[
     ("GET", "metrics"),
 ];
 
-/// Which route serves `method` at `path`, as [`HttpResponses`] counts it: a mount, the table's
-/// shape that fits (under another method too: that is a `405` of the route), or none.
-fn route_of(app: &HttpApp, method: &Method, path: &str) -> Route {
-    if let Some(mount) = app.mounts.iter().find(|m| m.matches(path)) {
+/// Which route serves `method`, as [`HttpResponses`] counts it: the `mount` the path is under,
+/// else the table's shape that fits its `segments` under `/v1/` (under another method too: that
+/// is a `405` of the route), or none.
+fn route_of(mount: Option<&Arc<dyn Mount>>, method: &Method, segments: Option<&[&str]>) -> Route {
+    if let Some(mount) = mount {
         return Route::Mount(mount.route());
     }
-    let Some(rest) = path.strip_prefix("/v1/") else {
+    let Some(segments) = segments else {
         return Route::Unmatched;
     };
-    let segments = parse::segments(rest);
-    let segments: Vec<&str> = segments.iter().map(String::as_str).collect();
     let fitting = || {
         ROUTES
             .iter()
-            .filter(|(_, shape)| shape_fits(shape, &segments))
+            .filter(|(_, shape)| shape_fits(shape, segments))
     };
     fitting()
         .find(|(m, _)| *m == method.as_str())
@@ -364,15 +363,25 @@ fn route_of(app: &HttpApp, method: &Method, path: &str) -> Route {
         .map_or(Route::Unmatched, |(_, shape)| Route::Table(shape))
 }
 
-/// Serves one request and counts its answer.
+/// Serves one request and counts its answer. Its mount and its path's segments are read once,
+/// here, for both.
 async fn answer(
     app: &Arc<HttpApp>,
     request: Request<Incoming>,
     stop: &CancellationToken,
 ) -> Response<Body> {
     let method = request.method().clone();
-    let route = route_of(app, &method, request.uri().path());
-    let response = self::route(app, request, stop).await;
+    let path = request.uri().path();
+    let mount = app.mounts.iter().find(|m| m.matches(path)).cloned();
+    let segments = path
+        .strip_prefix("/v1/")
+        .filter(|_| mount.is_none())
+        .map(parse::segments);
+    let segments: Option<Vec<&str>> = segments
+        .as_ref()
+        .map(|s| s.iter().map(String::as_str).collect());
+    let route = route_of(mount.as_ref(), &method, segments.as_deref());
+    let response = self::route(app, request, stop, mount.as_ref(), segments.as_deref()).await;
     app.responses.record(&method, route, response.status());
     response
 }
@@ -452,14 +461,17 @@ fn idempotency_key(request: &Request<Incoming>) -> Result<Option<String>, Contra
         .transpose()
 }
 
+/// Serves one request, under `mount` when its path is one's, else by its `segments` under
+/// `/v1/` (none: not under it).
 async fn route(
     app: &Arc<HttpApp>,
     request: Request<Incoming>,
     stop: &CancellationToken,
+    mount: Option<&Arc<dyn Mount>>,
+    segments: Option<&[&str]>,
 ) -> Response<Body> {
     let path = request.uri().path().to_owned();
     let method = request.method().clone();
-    let mount = app.mounts.iter().find(|m| m.matches(&path));
     if asks_for_websocket(&request) && !mount.is_some_and(|m| m.takes_websocket()) {
         // Only a mount that says so (the gateway's /v1/uplink) takes a WebSocket.
         let err = ContractError::new(
@@ -482,7 +494,7 @@ async fn route(
             no_route(&method, &path, &["healthz"])
         };
     }
-    let Some(rest) = path.strip_prefix("/v1/") else {
+    let Some(segments) = segments else {
         return not_found(&method, &path);
     };
     let caller = match authorization(request.headers())
@@ -491,10 +503,8 @@ async fn route(
         Ok(caller) => caller,
         Err(err) => return error(&err),
     };
-    let segments = parse::segments(rest);
-    let segments: Vec<&str> = segments.iter().map(String::as_str).collect();
     let query = Query::parse(request.uri().query().unwrap_or(""));
-    match (&method, segments.as_slice()) {
+    match (&method, segments) {
         (&Method::GET, ["status"]) => run::<StatusGet>(app, &caller, &Empty {}).await,
         (&Method::GET, ["catalog"]) => {
             let platform = match query
@@ -642,7 +652,7 @@ async fn route(
             );
             response
         }
-        _ => no_route(&method, &path, &segments),
+        _ => no_route(&method, &path, segments),
     }
 }
 
