@@ -476,22 +476,12 @@ impl AgentDeviceHost {
         if route != "/upload/preflight" || !response.status().is_success() {
             return Ok(response);
         }
-        let (mut parts, body) = response.into_parts();
-        let bytes = read_to_bytes(body, MAX_ANSWER)
-            .await
-            .map_err(|e| (unreadable(&e), Surface::Route))?;
-        let bytes = match serde_json::from_slice::<Value>(&bytes) {
-            Ok(mut ticket) => {
-                proxy::rewrite_ticket(&mut ticket, &public_prefix);
-                Bytes::from(ticket.to_string())
-            }
-            Err(_) => bytes,
-        };
-        proxy::set_length(&mut parts.headers, bytes.len());
-        Ok(Response::from_parts(
-            parts,
-            agent_device_front::body::full(bytes),
-        ))
+        rewritten(response, |ticket| {
+            proxy::rewrite_ticket(ticket, &public_prefix);
+            true
+        })
+        .await
+        .map_err(|e| (unreadable(&e), Surface::Route))
     }
 
     async fn forward_rpc(
@@ -540,54 +530,48 @@ impl AgentDeviceHost {
         let response = proxy::downstream(response, caller_request_id.as_ref());
         // Only a refusal is read (a command's answer may be large, and streams).
         if lease.is_none() && method == "command" && !response.status().is_success() {
-            return hinted_if_unleased(response).await;
+            // The daemon's answer to a command sent before `connect`, with the hint to connect
+            // first when it refused it for want of a lease.
+            return rewritten(response, agent_device_front::reply::hint_connect_first)
+                .await
+                .map_err(|e| unreadable(&e));
         }
         let Some(lease) = lease.filter(|_| method.starts_with("lease.")) else {
             return Ok(response);
         };
         // A lease answer: the daemon's id becomes the front's, and an allocate is recorded.
-        let (mut parts, body) = response.into_parts();
-        let bytes = read_to_bytes(body, MAX_ANSWER)
-            .await
-            .map_err(|e| unreadable(&e))?;
-        let Ok(mut answer) = serde_json::from_slice::<Value>(&bytes) else {
-            return Ok(Response::from_parts(
-                parts,
-                agent_device_front::body::full(bytes),
-            ));
-        };
-        if let (Some(scope), Some(daemon_id)) = (scope, proxy::answered_lease_id(&answer)) {
-            self.record_allocated(
-                endpoint,
-                lease.clone(),
-                HostLease {
-                    daemon_id,
-                    tenant: tenant.clone(),
-                    run_id: scope.run_id,
-                    session: scope.session,
-                    caller_tenant: scope.caller_tenant,
-                    device_key: answer
-                        .pointer("/result/data/lease/deviceKey")
-                        .and_then(Value::as_str)
-                        .map(String::from),
-                    backend: answer
-                        .pointer("/result/data/lease/backend")
-                        .and_then(Value::as_str)
-                        .map(String::from),
-                },
-            );
-        }
-        if method == "lease.release" && answer.pointer("/result/ok") == Some(&Value::Bool(true)) {
-            self.shared.leases.lock().remove(lease);
-        }
-        let shown_tenant = caller_tenant.or_else(|| known.and_then(|k| k.caller_tenant));
-        proxy::rewrite_lease_answer(&mut answer, lease, shown_tenant.as_deref());
-        let bytes = Bytes::from(answer.to_string());
-        proxy::set_length(&mut parts.headers, bytes.len());
-        Ok(Response::from_parts(
-            parts,
-            agent_device_front::body::full(bytes),
-        ))
+        rewritten(response, |answer| {
+            if let (Some(scope), Some(daemon_id)) = (scope, proxy::answered_lease_id(answer)) {
+                self.record_allocated(
+                    endpoint,
+                    lease.clone(),
+                    HostLease {
+                        daemon_id,
+                        tenant: tenant.clone(),
+                        run_id: scope.run_id,
+                        session: scope.session,
+                        caller_tenant: scope.caller_tenant,
+                        device_key: answer
+                            .pointer("/result/data/lease/deviceKey")
+                            .and_then(Value::as_str)
+                            .map(String::from),
+                        backend: answer
+                            .pointer("/result/data/lease/backend")
+                            .and_then(Value::as_str)
+                            .map(String::from),
+                    },
+                );
+            }
+            if method == "lease.release" && answer.pointer("/result/ok") == Some(&Value::Bool(true))
+            {
+                self.shared.leases.lock().remove(lease);
+            }
+            let shown_tenant = caller_tenant.or_else(|| known.and_then(|k| k.caller_tenant));
+            proxy::rewrite_lease_answer(answer, lease, shown_tenant.as_deref());
+            true
+        })
+        .await
+        .map_err(|e| unreadable(&e))
     }
 
     /// Records the agent-device lease `lease` the daemon at `endpoint` allocated. A daemon that
@@ -772,20 +756,24 @@ async fn renew_after_ok(
     Response::from_parts(parts, agent_device_front::body::full(bytes))
 }
 
-/// The daemon's answer to a command that named no lease, with the hint to connect first when
-/// it refused the command for want of one ([`agent_device_front::reply::hint_connect_first`]).
-async fn hinted_if_unleased(response: Response<Body>) -> Result<Response<Body>, Refusal> {
+/// `response` with its JSON body read whole (at most [`MAX_ANSWER`]) and handed to `rewrite`:
+/// when it rewrote it (answers `true`), the body is the rewritten JSON and its length is set;
+/// a body that is not JSON, or one left as it was, goes on as it came.
+async fn rewritten(
+    response: Response<Body>,
+    rewrite: impl FnOnce(&mut Value) -> bool,
+) -> Result<Response<Body>, ReadError> {
     let (mut parts, body) = response.into_parts();
-    let bytes = read_to_bytes(body, MAX_ANSWER)
-        .await
-        .map_err(|e| unreadable(&e))?;
-    let mut answer = serde_json::from_slice::<Value>(&bytes).unwrap_or_default();
-    let bytes = if agent_device_front::reply::hint_connect_first(&mut answer) {
-        let hinted = Bytes::from(answer.to_string());
-        proxy::set_length(&mut parts.headers, hinted.len());
-        hinted
-    } else {
-        bytes
+    let bytes = read_to_bytes(body, MAX_ANSWER).await?;
+    let changed = serde_json::from_slice::<Value>(&bytes)
+        .ok()
+        .and_then(|mut answer| rewrite(&mut answer).then(|| Bytes::from(answer.to_string())));
+    let bytes = match changed {
+        Some(changed) => {
+            proxy::set_length(&mut parts.headers, changed.len());
+            changed
+        }
+        None => bytes,
     };
     Ok(Response::from_parts(
         parts,
