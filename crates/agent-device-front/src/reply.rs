@@ -168,7 +168,7 @@ impl Refusal {
     /// message), where the front knows.
     fn hint(&self, surface: &Surface) -> Option<&'static str> {
         match (self, surface) {
-            (Self::TooOld, Surface::Rpc { .. }) => Some(TOO_OLD_RPC_HINT),
+            (Self::TooOld, Surface::Rpc { .. }) => Some(CONNECT_FIRST_HINT),
             (Self::TooOld, Surface::Route) => Some(TOO_OLD_ROUTE_HINT),
             _ => None,
         }
@@ -246,14 +246,12 @@ impl Refusal {
     }
 }
 
-/// [`Refusal::TooOld`] on `/rpc`: the published CLI names its lease once it has connected.
-const TOO_OLD_RPC_HINT: &str = "through a gateway every request names its lease: run \
-    `agent-device connect --remote-config <file>` first, then the device commands";
-
-/// The hint on a worker's answer to a device command sent before `connect`: the daemon refuses
-/// it for want of the run and lease ids a lease brings (simlock runs every caller in its own
-/// tenant, which needs them), in words that do not say what to do.
-const CONNECT_FIRST_HINT: &str = "through simlock every device command names its lease: run \
+/// The hint to connect first: on [`Refusal::TooOld`] on a gateway's `/rpc` (the published CLI
+/// names its lease once it has connected), and on a worker's answer to a device command sent
+/// before `connect`, which the daemon refuses for want of the run and lease ids a lease brings
+/// (simlock runs every caller in its own tenant, which needs them) in words that do not say what
+/// to do.
+const CONNECT_FIRST_HINT: &str = "through simlock, requests name the lease `connect` made: run \
     `agent-device connect --remote-config <file>` first, then the device commands";
 
 /// What the daemon says when a tenant's command names no run or lease (`tenant isolation
@@ -334,8 +332,8 @@ mod tests {
     #[tokio::test]
     async fn the_too_old_refusal_hints_at_connect_on_rpc_and_at_the_header_elsewhere() {
         let rpc = body_of(Refusal::TooOld.into_response(&Surface::Rpc { id: json!("r2") })).await;
-        assert_eq!(rpc["error"]["data"]["hint"], json!(TOO_OLD_RPC_HINT));
-        assert!(TOO_OLD_RPC_HINT.contains("agent-device connect --remote-config"));
+        assert_eq!(rpc["error"]["data"]["hint"], json!(CONNECT_FIRST_HINT));
+        assert!(CONNECT_FIRST_HINT.contains("agent-device connect --remote-config"));
         let route = body_of(Refusal::TooOld.into_response(&Surface::Route)).await;
         assert_eq!(route["hint"], json!(TOO_OLD_ROUTE_HINT));
         assert!(TOO_OLD_ROUTE_HINT.contains(LEASE_HEADER));
