@@ -255,7 +255,7 @@ async fn read_port(child: &mut Child) -> Result<u16, ProcessError> {
         match lines.next_line().await {
             Ok(Some(line)) => {
                 if first_words.is_none() && !line.trim().is_empty() {
-                    first_words = Some(line.trim().chars().take(200).collect());
+                    first_words = Some(line.trim().chars().take(MAX_QUOTED).collect());
                 }
                 if let Some(port) = line.trim().strip_prefix(PORT_LINE) {
                     let port = port
@@ -297,6 +297,9 @@ async fn read_port(child: &mut Child) -> Result<u16, ProcessError> {
         }
     }
 }
+
+/// The most characters of a daemon's output an error quotes.
+const MAX_QUOTED: usize = 200;
 
 /// Whether a first line of output is agent-device's CLI usage (`agent-device <command> [args]
 /// [--json]`): the CLI started in the daemon's place.
@@ -623,9 +626,24 @@ mod tests {
                 "echo 'starting the daemon'; exit 2",
                 "exit status: 2; it printed \"starting the daemon\" and nothing on stderr",
             ),
+            // At the bound the line is quoted whole; one past it, cut to the bound.
+            (
+                &format!("echo {}; exit 4", "a".repeat(MAX_QUOTED)),
+                &format!(
+                    "exit status: 4; it printed \"{}\" and nothing on stderr",
+                    "a".repeat(MAX_QUOTED)
+                ),
+            ),
+            (
+                &format!("echo {}b; exit 4", "a".repeat(MAX_QUOTED)),
+                &format!(
+                    "exit status: 4; it printed \"{}\" and nothing on stderr",
+                    "a".repeat(MAX_QUOTED)
+                ),
+            ),
         ] {
             let quiet = DaemonSpec {
-                command: vec!["sh".into(), "-c".into(), script.into()],
+                command: vec!["sh".into(), "-c".into(), script.to_owned()],
                 ..spec.clone()
             };
             let err = spawn(&quiet, Duration::from_secs(30), Duration::from_secs(1))
