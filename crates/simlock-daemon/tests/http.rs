@@ -294,18 +294,6 @@ async fn a_worker_mints_no_worker_token_and_a_gateway_does() {
     }
 }
 
-/// One exchange with extra header lines.
-async fn exchange_with(
-    addr: &str,
-    method: &str,
-    path: &str,
-    token: Option<&str>,
-    headers: &[&str],
-) -> (u16, String) {
-    let (status, _, body) = raw_exchange(addr, method, path, token, headers, b"").await;
-    (status, body)
-}
-
 fn code_of(body: &str) -> String {
     let value: Value = serde_json::from_str(body).unwrap_or_else(|e| panic!("{e}: {body}"));
     value["error"]["code"].as_str().unwrap().to_owned()
@@ -406,16 +394,6 @@ async fn healthz_needs_no_token_for_any_method_and_only_get_is_its_route() {
     host.stop.cancel();
 }
 
-/// The status, the head (lower-cased) and the body of `method path`, with `token`.
-async fn head_of(
-    addr: &str,
-    method: &str,
-    path: &str,
-    token: Option<&str>,
-) -> (u16, String, String) {
-    raw_exchange(addr, method, path, token, &[], b"").await
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_known_path_under_another_method_answers_405_with_allow() {
     let host = host().await;
@@ -429,7 +407,8 @@ async fn a_known_path_under_another_method_answers_405_with_allow() {
         ("PUT", "/v1/workers/w1/drain", "POST, DELETE"),
         ("POST", "/v1/healthz", "GET"),
     ] {
-        let (status, head, body) = head_of(&host.addr, method, path, Some(&operator)).await;
+        let (status, head, body) =
+            raw_exchange(&host.addr, method, path, Some(&operator), &[], b"").await;
         assert_eq!(status, 405, "{method} {path}: {body}");
         assert!(
             head.contains(&format!("\r\nallow: {}", allow.to_ascii_lowercase())),
@@ -443,21 +422,30 @@ async fn a_known_path_under_another_method_answers_405_with_allow() {
         );
     }
     // A path no route serves under any method stays 404, and the token still comes first.
-    let (status, head, _) = head_of(
+    let (status, head, _) = raw_exchange(
         &host.addr,
         "PUT",
         "/v1/leases/lse_1/nowhere",
         Some(&operator),
+        &[],
+        b"",
     )
     .await;
     assert_eq!(status, 404);
     assert!(!head.contains("allow:"), "{head}");
     assert_eq!(
-        head_of(&host.addr, "PUT", "/v1/leases/lse_1", None).await.0,
+        raw_exchange(&host.addr, "PUT", "/v1/leases/lse_1", None, &[], b"")
+            .await
+            .0,
         401
     );
     // Nothing ran: the daemon still answers, no lease or stop came of it.
-    assert_eq!(head_of(&host.addr, "GET", "/v1/healthz", None).await.0, 200);
+    assert_eq!(
+        raw_exchange(&host.addr, "GET", "/v1/healthz", None, &[], b"")
+            .await
+            .0,
+        200
+    );
     host.stop.cancel();
 }
 
@@ -466,12 +454,13 @@ async fn a_websocket_upgrade_is_refused_before_auth_and_other_upgrades_are_ignor
     let host = host().await;
     let (operator, _) = host.tokens.create(TokenRole::Operator, None).unwrap();
     for upgrade in ["websocket", "WebSocket", "h2c, websocket"] {
-        let (status, body) = exchange_with(
+        let (status, _, body) = raw_exchange(
             &host.addr,
             "GET",
             "/v1/tokens",
             Some(&operator),
             &["Connection: Upgrade", &format!("Upgrade: {upgrade}")],
+            b"",
         )
         .await;
         assert_eq!(status, 404, "{upgrade}: {body}");
@@ -482,18 +471,19 @@ async fn a_websocket_upgrade_is_refused_before_auth_and_other_upgrades_are_ignor
             "No WebSocket at /v1/tokens: only a gateway's /v1/uplink takes one; send GET \
              /v1/tokens without Upgrade"
         );
-        let (status, _) = exchange_with(
+        let (status, _, _) = raw_exchange(
             &host.addr,
             "GET",
             "/v1/tokens",
             None,
             &["Connection: Upgrade", &format!("Upgrade: {upgrade}")],
+            b"",
         )
         .await;
         assert_eq!(status, 404, "before auth: {upgrade}");
     }
     // curl --http2 on plain HTTP asks for h2c: the request is served as HTTP/1.1.
-    let (status, body) = exchange_with(
+    let (status, _, body) = raw_exchange(
         &host.addr,
         "GET",
         "/v1/tokens",
@@ -503,6 +493,7 @@ async fn a_websocket_upgrade_is_refused_before_auth_and_other_upgrades_are_ignor
             "Upgrade: h2c",
             "HTTP2-Settings: AAMAAABkAARAAAAAAAIAAAAA",
         ],
+        b"",
     )
     .await;
     assert_eq!(status, 200, "{body}");

@@ -99,6 +99,15 @@ impl AdWorker {
         }
     }
 
+    /// Starts a worker with the default agent-device configuration over the published daemon
+    /// ([`real_package`]), and waits until that daemon serves.
+    pub async fn with_real_daemon() -> Self {
+        let command = real_daemon_command(&real_package());
+        let worker = Self::start(agent_device_config(command), |_| {}).await;
+        worker.wait_running().await;
+        worker
+    }
+
     /// Starts a worker with `config` serving the in-process `fake`.
     pub async fn with_fake(
         config: WorkerConfig,

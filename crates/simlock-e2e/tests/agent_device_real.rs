@@ -39,8 +39,7 @@ fn driver_id_of(devices: &Value, device_id: &str) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_published_cli_leases_drives_and_releases_a_device_through_a_worker() {
     let pkg = real_package();
-    let worker = AdWorker::start(agent_device_config(real_daemon_command(&pkg)), |_| {}).await;
-    worker.wait_running().await;
+    let worker = AdWorker::with_real_daemon().await;
     let (principal, secret) = worker.token("agent").await;
     let recorder = Recorder::start(&worker.origin()).await;
     let base = format!("{}/v1/agent-device", recorder.origin());
@@ -224,9 +223,7 @@ fn daemon_pids(worker: &AdWorker) -> Vec<agent_device_host::process::Recorded> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_tokens_never_see_each_others_leases_sessions_or_devices() {
-    let pkg = real_package();
-    let worker = AdWorker::start(agent_device_config(real_daemon_command(&pkg)), |_| {}).await;
-    worker.wait_running().await;
+    let worker = AdWorker::with_real_daemon().await;
     let (_, alice) = worker.token("agent").await;
     let (_, bob) = worker.token("agent").await;
     let http = Http::new();
@@ -306,9 +303,7 @@ async fn two_tokens_never_see_each_others_leases_sessions_or_devices() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bodies_past_their_bounds_and_malformed_lease_ids_are_refused_and_change_nothing() {
-    let pkg = real_package();
-    let worker = AdWorker::start(agent_device_config(real_daemon_command(&pkg)), |_| {}).await;
-    worker.wait_running().await;
+    let worker = AdWorker::with_real_daemon().await;
     let (_, secret) = worker.token("agent").await;
     let http = Http::new();
     let base = worker.base();
@@ -402,9 +397,7 @@ async fn bodies_past_their_bounds_and_malformed_lease_ids_are_refused_and_change
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_command_before_connect_keeps_the_daemons_refusal_and_gains_the_hint_to_connect() {
-    let pkg = real_package();
-    let worker = AdWorker::start(agent_device_config(real_daemon_command(&pkg)), |_| {}).await;
-    worker.wait_running().await;
+    let worker = AdWorker::with_real_daemon().await;
     let (_, secret) = worker.token("agent").await;
     // What the CLI sends for `open` before any `connect`: no run, no lease.
     let command = rpc_call(

@@ -129,13 +129,14 @@ async fn an_unknown_tool_is_refused_before_anything_starts() {
     assert!(pushes.try_recv().is_err(), "no started push");
 }
 
-#[tokio::test]
-async fn a_tool_that_cannot_start_fails_before_started() {
+/// The refusal of an exec of tool `name` configured to run `command`, which cannot start; no
+/// `started` push went out.
+async fn refused_tool(name: &str, command: &str) -> ContractError {
     let mut config = instant_config();
     config.core.exec.tools.insert(
-        "ghost".into(),
+        name.into(),
         ToolConfig {
-            command: "/nonexistent/simlock-test-tool".into(),
+            command: command.into(),
             args: vec![],
         },
     );
@@ -143,9 +144,16 @@ async fn a_tool_that_cannot_start_fails_before_started() {
     let grant = within(GUARD, h.lease("agent-a", ios())).await.unwrap();
     let (ctx, mut pushes) = agent_with_pushes("agent-a");
     let err = h
-        .call::<DeviceExec>(ctx, &exec(grant.lease.id.as_str(), "ghost", &[]))
+        .call::<DeviceExec>(ctx, &exec(grant.lease.id.as_str(), name, &[]))
         .await
         .unwrap_err();
+    assert!(pushes.try_recv().is_err(), "no started push");
+    err
+}
+
+#[tokio::test]
+async fn a_tool_that_cannot_start_fails_before_started() {
+    let err = refused_tool("ghost", "/nonexistent/simlock-test-tool").await;
     // The configuration's to fix, said so: not the daemon's INTERNAL.
     assert_eq!(err.code, ErrorCode::PassthroughRefused);
     assert_eq!(
@@ -154,7 +162,6 @@ async fn a_tool_that_cannot_start_fails_before_started() {
          found): fix exec.tools.ghost.command in the worker's configuration"
     );
     assert_eq!(err.details, Some(serde_json::json!({"tool": "ghost"})));
-    assert!(pushes.try_recv().is_err(), "no started push");
 }
 
 #[tokio::test]
@@ -162,21 +169,7 @@ async fn a_tool_that_is_not_executable_is_the_configurations_to_fix() {
     let dir = tempfile::tempdir().unwrap();
     let script = dir.path().join("not-executable");
     std::fs::write(&script, "#!/bin/sh\necho hi\n").unwrap();
-    let mut config = instant_config();
-    config.core.exec.tools.insert(
-        "flat".into(),
-        ToolConfig {
-            command: script.display().to_string(),
-            args: vec![],
-        },
-    );
-    let h = Harness::with_config(config);
-    let grant = within(GUARD, h.lease("agent-a", ios())).await.unwrap();
-    let (ctx, mut pushes) = agent_with_pushes("agent-a");
-    let err = h
-        .call::<DeviceExec>(ctx, &exec(grant.lease.id.as_str(), "flat", &[]))
-        .await
-        .unwrap_err();
+    let err = refused_tool("flat", &script.display().to_string()).await;
     assert_eq!(err.code, ErrorCode::PassthroughRefused);
     assert_eq!(
         err.message,
@@ -186,7 +179,7 @@ async fn a_tool_that_is_not_executable_is_the_configurations_to_fix() {
             script.display()
         )
     );
-    assert!(pushes.try_recv().is_err(), "no started push");
+    assert_eq!(err.details, Some(serde_json::json!({"tool": "flat"})));
 }
 
 #[tokio::test]
