@@ -15,8 +15,13 @@
 //! p99 of each. Two more uploads on the gateway's path per run show where its heartbeat's time
 //! goes: beside one, heartbeats straight to the daemon; beside the other, through the worker's
 //! front (printed, not targets). Each path's CPU per GiB (simlock's process, the daemon) is
-//! printed beside; the daemon's stored uploads are removed after each one, so the disk's
-//! write-back of earlier runs weighs on none of them.
+//! printed beside, and for its PUTs alone: how busy the cores were, the context switches, and how
+//! long the daemon's main thread (its event loop, which every byte passes) ran and waited for a
+//! core. The daemon's stored uploads are removed after each one, so the disk's write-back of
+//! earlier runs weighs on none of them.
+//!
+//! For a profiler, `AGENT_DEVICE_BENCH_ONLY=direct|worker|gateway` uploads 40 times on that path
+//! alone and prints no summary.
 //!
 //! The last line is the summary: `agent-device worker_upload_ratio=<x>
 //! gateway_upload_ratio=<x> heartbeat_p99_ms=<x> heartbeat_direct_p99_ms=<x>`.
@@ -87,22 +92,90 @@ struct Target {
     token: String,
     /// The lease header a gateway reads, when the path goes through one.
     lease: Option<String>,
+    /// The daemon behind every path, whose CPU is measured.
+    daemon_pid: String,
 }
 
 struct Timing {
     total: Duration,
     put: Duration,
+    /// What the PUT alone cost.
+    put_cost: Counters,
 }
 
 impl Timing {
     const ZERO: Self = Self {
         total: Duration::ZERO,
         put: Duration::ZERO,
+        put_cost: Counters::ZERO,
     };
 
     fn add(&mut self, other: &Self) {
         self.total += other.total;
         self.put += other.put;
+        self.put_cost.add(&other.put_cost);
+    }
+}
+
+/// What the kernel counts for simlock's process and the daemon's; differences of two readings
+/// are what happened between them.
+#[derive(Clone, Copy)]
+struct Counters {
+    /// CPU seconds, every thread: simlock's process (the client, the worker and the gateway).
+    cpu: f64,
+    /// CPU seconds, every thread: the daemon.
+    daemon_cpu: f64,
+    /// Context switches, voluntary or not, every thread: simlock's process.
+    switches: f64,
+    /// The same for the daemon.
+    daemon_switches: f64,
+    /// Seconds the daemon's main thread (its event loop: every byte of a PUT passes it) ran.
+    main_ran: f64,
+    /// Seconds the daemon's main thread was ready to run and waited for a core.
+    main_waited: f64,
+}
+
+impl Counters {
+    const ZERO: Self = Self {
+        cpu: 0.0,
+        daemon_cpu: 0.0,
+        switches: 0.0,
+        daemon_switches: 0.0,
+        main_ran: 0.0,
+        main_waited: 0.0,
+    };
+
+    fn read(daemon_pid: &str) -> Self {
+        let (main_ran, main_waited) = main_thread(daemon_pid);
+        Self {
+            cpu: cpu_seconds("self"),
+            daemon_cpu: cpu_seconds(daemon_pid),
+            switches: switches("self"),
+            daemon_switches: switches(daemon_pid),
+            main_ran,
+            main_waited,
+        }
+    }
+
+    /// What happened since `before`.
+    fn since(self, before: &Self) -> Self {
+        Self {
+            cpu: self.cpu - before.cpu,
+            daemon_cpu: self.daemon_cpu - before.daemon_cpu,
+            switches: self.switches - before.switches,
+            daemon_switches: self.daemon_switches - before.daemon_switches,
+            main_ran: self.main_ran - before.main_ran,
+            main_waited: self.main_waited - before.main_waited,
+        }
+    }
+
+    fn add(&mut self, other: &Self) {
+        self.cpu += other.cpu;
+        self.daemon_cpu += other.daemon_cpu;
+        self.switches += other.switches;
+        self.daemon_switches += other.daemon_switches;
+        self.main_ran += other.main_ran;
+        self.main_waited += other.main_waited;
     }
 }
 
@@ -160,6 +233,7 @@ async fn upload(
         headers.push(("x-agent-device-lease-id".to_owned(), lease.clone()));
     }
     let put_started = Instant::now();
+    let before = Counters::read(&target.daemon_pid);
     let put = send(Method::PUT, url, headers, streamed(piece.clone()))
         .await
         .unwrap();
@@ -167,6 +241,7 @@ async fn upload(
     let _ = put.into_body().collect().await.unwrap();
     assert!(status.is_success(), "PUT: {status}");
     let put_time = put_started.elapsed();
+    let put_cost = Counters::read(&target.daemon_pid).since(&before);
     let finalize = json!({"uploadId": ticket["uploadId"]});
     let done = send(
         Method::POST,
@@ -186,7 +261,42 @@ async fn upload(
     Timing {
         total: started.elapsed(),
         put: put_time,
+        put_cost,
     }
+}
+
+/// The main thread of process `pid`: seconds it ran, seconds it was ready and waited for a core
+/// (`/proc/<pid>/task/<pid>/schedstat`, in nanoseconds).
+fn main_thread(pid: &str) -> (f64, f64) {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/schedstat")).unwrap();
+    let mut fields = stat
+        .split_whitespace()
+        .map(|f| f.parse::<f64>().unwrap() / 1e9);
+    (fields.next().unwrap(), fields.next().unwrap())
+}
+
+/// Context switches (voluntary and not) of every thread of process `pid` so far.
+fn switches(pid: &str) -> f64 {
+    let mut total = 0.0;
+    for task in std::fs::read_dir(format!("/proc/{pid}/task"))
+        .unwrap()
+        .flatten()
+    {
+        let Ok(status) = std::fs::read_to_string(task.path().join("status")) else {
+            continue;
+        };
+        for line in status.lines() {
+            if line.contains("ctxt_switches:") {
+                total += line
+                    .split_whitespace()
+                    .last()
+                    .unwrap()
+                    .parse::<f64>()
+                    .unwrap();
+            }
+        }
+    }
+    total
 }
 
 /// CPU seconds (user and system, every thread) process `pid` has used so far, read from
@@ -465,16 +575,19 @@ async fn bench() {
         base: format!("http://127.0.0.1:{}", endpoint.port),
         token: endpoint.token.clone(),
         lease: None,
+        daemon_pid: daemon_pid.clone(),
     };
     let via_worker = Target {
         base: worker_base,
         token: worker_secret,
         lease: None,
+        daemon_pid: daemon_pid.clone(),
     };
     let via_gateway = Target {
         base: gateway_base,
         token: gateway_secret,
         lease: Some(through[0].clone()),
+        daemon_pid: daemon_pid.clone(),
     };
     let piece = chunk();
     let mut hasher = Sha256::new();
@@ -491,6 +604,28 @@ async fn bench() {
         let _ = upload(&client, target, &piece, &sha256, i).await;
         forget_uploads(&daemon_tmp);
     }
+    // For a profiler: `AGENT_DEVICE_BENCH_ONLY=direct|worker|gateway` uploads on that path alone,
+    // 40 times, and prints each PUT's rate and no summary.
+    if let Ok(only) = std::env::var("AGENT_DEVICE_BENCH_ONLY") {
+        let target = match only.as_str() {
+            "direct" => &direct,
+            "worker" => &via_worker,
+            "gateway" => &via_gateway,
+            other => panic!("AGENT_DEVICE_BENCH_ONLY={other}: direct, worker or gateway"),
+        };
+        println!("{only} only; this process is {}", std::process::id());
+        for n in 0..40 {
+            let timing = upload(&client, target, &piece, &sha256, 1000 + n).await;
+            forget_uploads(&daemon_tmp);
+            println!(
+                "{only} PUT {:.0} MiB/s",
+                (SIZE / MIB) as f64 / timing.put.as_secs_f64()
+            );
+        }
+        drop(daemon_home);
+        fleet.stop().await;
+        return;
+    }
     let mut worker_ratios = Vec::new();
     let mut gateway_ratios = Vec::new();
     let mut put_ratios = (Vec::new(), Vec::new());
@@ -498,8 +633,9 @@ async fn bench() {
     let mut beside_gateway = (Vec::new(), Vec::new());
     // Each path's time in a run is that of its two uploads.
     let mibs = |t: Duration| (2 * SIZE / MIB) as f64 / t.as_secs_f64();
-    // CPU seconds per path: simlock's process (the client, the worker and the gateway), the daemon.
-    let mut cpu = [(0.0, 0.0); 3];
+    // What each path's uploads cost, whole and their PUTs alone (in its timings).
+    let mut cost = [Counters::ZERO; 3];
+    let mut puts = [Timing::ZERO; 3];
     for run in 0..RUNS {
         let attempt = 10 + 10 * run;
         // Each path uploads twice per run, in mirrored order (A B C C B A), so a rate that
@@ -512,11 +648,11 @@ async fn bench() {
         let mut timings = [Timing::ZERO; 3];
         for (n, which) in mirrored.enumerate() {
             let target = [&direct, &via_worker, &via_gateway][which];
-            let before = (cpu_seconds("self"), cpu_seconds(&daemon_pid));
+            let before = Counters::read(&daemon_pid);
             let timing = upload(&client, target, &piece, &sha256, attempt + n).await;
             timings[which].add(&timing);
-            cpu[which].0 += cpu_seconds("self") - before.0;
-            cpu[which].1 += cpu_seconds(&daemon_pid) - before.1;
+            puts[which].add(&timing);
+            cost[which].add(&Counters::read(&daemon_pid).since(&before));
             forget_uploads(&daemon_tmp);
         }
         // Then the heartbeats, paced alike, each beside an upload on its own path.
@@ -593,11 +729,25 @@ async fn bench() {
         direct_beats.len()
     );
     let gib = (2 * RUNS * SIZE) as f64 / (1024.0 * MIB as f64);
-    for (name, (ours, daemon)) in ["direct", "worker", "gateway"].iter().zip(cpu) {
+    let cores = std::thread::available_parallelism().map_or(1, std::num::NonZero::get) as f64;
+    for ((name, whole), put) in ["direct", "worker", "gateway"].iter().zip(&cost).zip(&puts) {
+        let part = &put.put_cost;
+        let wall = put.put.as_secs_f64();
         println!(
-            "CPU per GiB {name}: simlock process {:.2} s, daemon {:.2} s",
-            ours / gib,
-            daemon / gib
+            "{name}: CPU per GiB, simlock's process {:.2} s, the daemon {:.2} s; in the PUT alone {:.2} s and {:.2} s, {:.2} of the {cores} cores busy, {:.1} and {:.1} context switches per MiB",
+            whole.cpu / gib,
+            whole.daemon_cpu / gib,
+            part.cpu / gib,
+            part.daemon_cpu / gib,
+            (part.cpu + part.daemon_cpu) / wall / cores,
+            part.switches / gib / 1024.0,
+            part.daemon_switches / gib / 1024.0,
+        );
+        println!(
+            "{name}: per GiB of PUT, {:.2} s of wall time; the daemon's main thread ran {:.2} s and waited {:.2} s for a core",
+            wall / gib,
+            part.main_ran / gib,
+            part.main_waited / gib,
         );
     }
     let quantiles = |samples: &[f64]| {
