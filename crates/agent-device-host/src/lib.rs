@@ -1187,12 +1187,7 @@ mod tests {
             .unwrap();
         let lease = LeaseId::parse(L).unwrap();
         let tenant = Tenant::through_gateway("gw1", "tok_a");
-        let allocate = rpc(
-            "a1",
-            "agent_device.lease.allocate",
-            json!({"session": "s1", "tenantId": "acme", "runId": "run1", "backend": "android-instance"}),
-        );
-        let answer = host.relayed(allocate, &tenant, Some(&lease), None).await;
+        let answer = host.relayed(allocate(), &tenant, Some(&lease), None).await;
         let bytes = read_to_bytes(answer.into_body(), MAX_ANSWER).await.unwrap();
         assert!(
             matches!(Answer::read(&bytes), Answer::Ok(_)),
@@ -1205,6 +1200,15 @@ mod tests {
             lease,
             tenant,
         }
+    }
+
+    /// The allocate the bench's lease `L` is made with.
+    fn allocate() -> Request<Body> {
+        rpc(
+            "a1",
+            "agent_device.lease.allocate",
+            json!({"session": "s1", "tenantId": "acme", "runId": "run1", "backend": "android-instance"}),
+        )
     }
 
     fn rpc(id: &str, method: &str, params: Value) -> Request<Body> {
@@ -1390,5 +1394,140 @@ mod tests {
             "a lease made by `simlock lease --lease-id`, not by the front"
         );
         b.stop().await;
+    }
+
+    /// How long a test waits for what it expects before it fails.
+    const PATIENCE: Duration = Duration::from_secs(30);
+
+    fn endpoint_of(fake: &FakeAgentDevice) -> Endpoint {
+        Endpoint {
+            port: fake.port(),
+            token: fake.token().to_owned(),
+        }
+    }
+
+    /// An allocate of `L` that its daemon answers only once its process died and the host saw
+    /// it go: dead (its restart fails), or, with `restarted`, replaced by a new daemon that
+    /// serves. The daemon is `sh` serving as the in-process fake the file `$SERVES` names when it
+    /// starts (`<port> <token>`; no file, no start), so that its process can die while the
+    /// fake still holds the allocate's answer, as an answer may still be on its way when its
+    /// daemon dies.
+    async fn allocate_answered_after_its_daemon_died(restarted: bool) {
+        let first = FakeAgentDevice::start(FakeOptions::default()).unwrap();
+        let next = FakeAgentDevice::start(FakeOptions::default()).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let serves = dir.path().join("serves");
+        let names = |fake: &FakeAgentDevice| format!("{} {}\n", fake.port(), fake.token());
+        std::fs::write(&serves, names(&first)).unwrap();
+        let state_dir = dir.path().join("state");
+        let script = r#"read -r port token < "$SERVES" || exit 3; printf '{"httpPort":%s,"token":"%s","pid":%s}' "$port" "$token" $$ > "$AGENT_DEVICE_STATE_DIR/daemon.json"; echo "AGENT_DEVICE_DAEMON_HTTP_PORT=$port"; exec sleep 600"#;
+        let mut options = HostOptions::new(Vec::new(), state_dir.clone());
+        options.daemon = Daemon::Spawn(DaemonSpec {
+            command: vec!["sh".into(), "-c".into(), script.into()],
+            state_dir: state_dir.clone(),
+            env: vec![("SERVES".into(), serves.display().to_string())],
+        });
+        // No health reads: the daemons go only when the test says.
+        options.health_interval = Duration::from_secs(24 * 3600);
+        options.stop_grace = Duration::from_secs(1);
+        let host = AgentDeviceHost::start(options).await;
+        let mut lost = host.lost_leases().unwrap();
+        let mut states = host.watch();
+        tokio::time::timeout(
+            PATIENCE,
+            states.wait_for(|s| *s == DaemonState::Running(endpoint_of(&first))),
+        )
+        .await
+        .expect("the first daemon serves")
+        .unwrap();
+
+        let hold = first.hold_commands("lease_allocate");
+        let lease = LeaseId::parse(L).unwrap();
+        let allocating = tokio::spawn({
+            let (host, lease) = (host.clone(), lease.clone());
+            async move {
+                let tenant = Tenant::through_gateway("gw1", "tok_a");
+                host.relayed(allocate(), &tenant, Some(&lease), None).await
+            }
+        });
+        tokio::time::timeout(PATIENCE, hold.wait_entered(1))
+            .await
+            .expect("the daemon has the allocate");
+        // The daemon dies with the allocate's answer still to come.
+        if restarted {
+            std::fs::write(&serves, names(&next)).unwrap();
+        } else {
+            std::fs::remove_file(&serves).unwrap();
+        }
+        let meta: Value =
+            serde_json::from_slice(&std::fs::read(state_dir.join("daemon.json")).unwrap()).unwrap();
+        let pid = i32::try_from(meta["pid"].as_i64().unwrap()).unwrap();
+        rustix::process::kill_process(
+            rustix::process::Pid::from_raw(pid).unwrap(),
+            rustix::process::Signal::KILL,
+        )
+        .unwrap();
+        let replaced = DaemonState::Running(endpoint_of(&next));
+        tokio::time::timeout(
+            PATIENCE,
+            states.wait_for(|s| {
+                if restarted {
+                    *s == replaced
+                } else {
+                    matches!(s, DaemonState::Unavailable(_))
+                }
+            }),
+        )
+        .await
+        .expect("the host saw the daemon go")
+        .unwrap();
+        assert!(
+            lost.try_recv().is_err(),
+            "the death lost nothing: the allocate was not recorded yet"
+        );
+
+        hold.release();
+        tokio::time::timeout(PATIENCE, allocating)
+            .await
+            .expect("the allocate is answered")
+            .unwrap();
+        assert_eq!(
+            lost.try_recv().ok(),
+            Some(vec![lease.clone()]),
+            "handed over as lost by the time the allocate was answered"
+        );
+        assert!(
+            !host.shared.leases.lock().contains_key(&lease),
+            "no daemon now running holds it"
+        );
+        // Ending its simlock lease asks no daemon to end an agent-device lease behind it.
+        host.end_lease(&lease).await;
+        assert!(
+            next.requests().iter().all(|r| r.path != "/rpc"),
+            "{:?}",
+            next.requests()
+        );
+
+        host.stop().await;
+        assert_eq!(
+            tokio::time::timeout(PATIENCE, lost.recv())
+                .await
+                .expect("the stream ends with the supervision"),
+            None,
+            "lost once, and nothing else"
+        );
+        first.stop().await;
+        next.stop().await;
+    }
+
+    #[tokio::test]
+    async fn an_allocate_answered_after_its_daemon_died_is_handed_over_as_lost_and_not_kept() {
+        allocate_answered_after_its_daemon_died(false).await;
+    }
+
+    #[tokio::test]
+    async fn an_allocate_answered_after_a_restart_replaced_its_daemon_is_lost_not_kept_for_the_new_one()
+     {
+        allocate_answered_after_its_daemon_died(true).await;
     }
 }
