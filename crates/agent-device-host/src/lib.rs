@@ -1202,7 +1202,7 @@ mod tests {
         }
     }
 
-    /// The allocate the bench's lease `L` is made with.
+    /// The allocate that makes lease `L`.
     fn allocate() -> Request<Body> {
         rpc(
             "a1",
