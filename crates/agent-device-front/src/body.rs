@@ -21,44 +21,36 @@ pub use simlock_daemon::http::body::BoxError;
 /// A body holding its bytes, an empty one and a JSON response: the daemon's.
 pub use simlock_daemon::http::body::{empty, full, json};
 
-/// Reads a whole body of at most `limit` bytes.
+/// Reads a whole body of at most `limit` bytes, with no time bound (a daemon's answer), as
+/// [`read_upto`](simlock_daemon::http::body::read_upto) reads it.
 ///
 /// # Errors
 /// [`ReadError::TooLarge`] past `limit`; [`ReadError::Body`] when the body fails.
-///
-/// (Not `http_body_util::Limited` + `collect`: that future is not `Send` for every lifetime
-/// with this body type, and the front's futures must be.)
 pub async fn read_to_bytes(mut body: Body, limit: usize) -> Result<Bytes, ReadError> {
-    // A body that declares more (its `content-length`) is refused before a byte is read.
-    if usize::try_from(http_body::Body::size_hint(&body).lower())
-        .map_or(true, |declared| declared > limit)
-    {
-        return Err(ReadError::TooLarge(limit));
-    }
-    let mut out = BytesMut::new();
-    while let Some(frame) = body.frame().await {
-        let frame = frame.map_err(|e| ReadError::Body(e.to_string()))?;
-        if let Ok(data) = frame.into_data() {
-            if out.len() + data.len() > limit {
-                return Err(ReadError::TooLarge(limit));
-            }
-            out.extend_from_slice(&data);
-        }
-    }
-    Ok(out.freeze())
+    Ok(simlock_daemon::http::body::read_upto(&mut body, limit).await?)
 }
 
-/// Reads a caller's request body whole, at most `limit` bytes, within the daemon's
-/// [`BODY_READ_TIMEOUT`](simlock_daemon::http::body::BODY_READ_TIMEOUT): a caller that promises
-/// a body and stops sending is answered then, and holds nothing longer.
+/// Reads a caller's request body whole, at most `limit` bytes, as the daemon reads its own
+/// ([`read_limited`](simlock_daemon::http::body::read_limited)): within
+/// [`BODY_READ_TIMEOUT`](simlock_daemon::http::body::BODY_READ_TIMEOUT), so a caller that
+/// promises a body and stops sending is answered then and holds nothing longer; a body past
+/// `limit` read on and dropped up to a bound, so its caller reads the refusal.
 ///
 /// # Errors
 /// [`ReadError`], [`ReadError::Stalled`] past the time bound.
 pub async fn read_caller_body(body: Body, limit: usize) -> Result<Bytes, ReadError> {
-    let bound = simlock_daemon::http::body::BODY_READ_TIMEOUT;
-    tokio::time::timeout(bound, read_to_bytes(body, limit))
-        .await
-        .unwrap_or(Err(ReadError::Stalled(bound)))
+    Ok(simlock_daemon::http::body::read_limited(body, limit).await?)
+}
+
+impl From<simlock_daemon::http::body::BodyError> for ReadError {
+    fn from(error: simlock_daemon::http::body::BodyError) -> Self {
+        use simlock_daemon::http::body::{BODY_READ_TIMEOUT, BodyError};
+        match error {
+            BodyError::TooLarge(limit) => Self::TooLarge(limit),
+            BodyError::Stalled => Self::Stalled(BODY_READ_TIMEOUT),
+            BodyError::Failed(message) => Self::Body(message),
+        }
+    }
 }
 
 impl ReadError {

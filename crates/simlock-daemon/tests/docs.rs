@@ -32,7 +32,7 @@ use simlock_contract::ops::{
 use simlock_contract::push::UnhealthyReason;
 use simlock_contract::{ErrorCode, OPERATIONS, Operation, Push};
 use simlock_daemon::http::DRAIN_GRACE;
-use simlock_daemon::http::body::{KEEPALIVE, MAX_JSON_BODY};
+use simlock_daemon::http::body::{DISCARD_LIMIT, DISCARD_TIMEOUT, KEEPALIVE, MAX_JSON_BODY};
 use simlock_daemon::http::parse;
 use simlock_daemon::http::requests::{MAX_WAIT, RequestState};
 use simlock_daemon::uplink::{BACKOFF_CAP, BACKOFF_START, DIAL_TIMEOUT, STABLE_AFTER};
@@ -359,6 +359,11 @@ fn the_hosts_limits_are_documented() {
         format!("({MAX_JSON_BODY} bytes)"),
         format!("clamped to 0–{}", MAX_WAIT.as_secs()),
         format!("When no event was sent for {} s", KEEPALIVE.as_secs()),
+        format!(
+            "up to {} MiB more within {} s",
+            DISCARD_LIMIT / (1024 * 1024),
+            DISCARD_TIMEOUT.as_secs()
+        ),
         format!(
             "other open\n  connections get {} s to finish",
             DRAIN_GRACE.as_secs()

@@ -16,6 +16,7 @@ use serde_json::{Value, json};
 use simlock_contract::model::{Mode, TokenRole};
 use simlock_daemon::http::HEADER_READ_TIMEOUT;
 use simlock_daemon::http::body::{BODY_READ_TIMEOUT, MAX_JSON_BODY};
+use simlock_test_support::raw_http::{chunked_request, read_response};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 async fn host() -> Host {
@@ -131,6 +132,37 @@ async fn a_json_body_at_1_mib_is_read_and_one_byte_more_is_refused_naming_the_bo
             .0,
         200
     );
+    host.stop.cancel();
+}
+
+/// A chunked body past the bound, sent whole before the caller reads (as curl and Node's
+/// `fetch` send), is read on and dropped: the caller reads the refusal, not a reset, and the
+/// connection serves its next request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_chunked_body_past_1_mib_sent_whole_is_refused_and_the_connection_serves_on() {
+    let host = host().await;
+    let (secret, _) = host.tokens.create(TokenRole::Operator, None).unwrap();
+    let mut stream = tokio::net::TcpStream::connect(&host.addr).await.unwrap();
+    let request = chunked_request(
+        &format!(
+            "POST /v1/ops/token.create HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {secret}\r\n"
+        ),
+        2 * 1024 * 1024,
+        b' ',
+    );
+    stream.write_all(&request).await.unwrap();
+    let (status, body) = read_response(&mut stream).await;
+    assert_eq!(status, 400, "{body}");
+    assert!(
+        body.contains(&format!("body: larger than {MAX_JSON_BODY} bytes")),
+        "{body}"
+    );
+    stream
+        .write_all(b"GET /v1/healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        .await
+        .unwrap();
+    assert_eq!(read_response(&mut stream).await.0, 200);
+    assert_eq!(host.tokens.list().unwrap().len(), 1, "nothing was created");
     host.stop.cancel();
 }
 

@@ -2344,3 +2344,40 @@ async fn a_command_in_flight_when_the_gateway_stops_is_answered_naming_the_stop(
     hold.release();
     gw.stop().await;
 }
+
+/// An `/rpc` body past its bound through the gateway, chunked and sent whole before the caller
+/// reads (as the CLI's `fetch` sends): the caller reads the 413 in agent-device's envelope, not
+/// a reset, the connection serves its next request, and no worker was asked anything.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_rpc_body_past_its_bound_sent_whole_is_refused_and_the_connection_serves_on() {
+    use simlock_test_support::raw_http::{chunked_request, read_response};
+    use tokio::io::AsyncWriteExt;
+    let gw = Gw::one_android_worker().await;
+    let (_, secret) = gw.token().await;
+    let addr = gw.fleet.gateway().running.http_addr().unwrap();
+    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let request = chunked_request(
+        &format!(
+            "POST /v1/agent-device/rpc HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+             Authorization: Bearer {secret}\r\n"
+        ),
+        2 * 1024 * 1024,
+        b' ',
+    );
+    stream.write_all(&request).await.unwrap();
+    let (status, body) = read_response(&mut stream).await;
+    assert_eq!(status, 413, "{body}");
+    let answer: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(
+        answer["error"]["data"]["code"],
+        json!("INVALID_ARGS"),
+        "{body}"
+    );
+    stream
+        .write_all(b"GET /v1/agent-device/health HTTP/1.1\r\nHost: x\r\n\r\n")
+        .await
+        .unwrap();
+    assert_eq!(read_response(&mut stream).await.0, 200);
+    assert_eq!(rpcs(&gw.fakes[0]), 0, "no worker was asked anything");
+    gw.stop().await;
+}

@@ -6,6 +6,7 @@
 //!   how it dials the gateway's uplink and serves its `Service` there, and the bookkeeping answers
 //!   (status, lists, catalog, config, events) a gateway asks every worker for.
 //! - [`markdown`]: the docs, read for the tests that hold them to the code.
+//! - [`raw_http`]: HTTP/1.1 by hand over a raw socket.
 //!
 //! Only tests depend on this crate.
 #![warn(missing_docs)]
@@ -13,3 +14,4 @@
 pub mod fake_daemon;
 pub mod fake_worker;
 pub mod markdown;
+pub mod raw_http;
