@@ -119,14 +119,21 @@ pub(crate) enum Command {
         lease_id: String,
     },
     /// Run a tool against a leased device; its output streams, and its exit code is ours.
+    ///
+    /// Everything after the tool is its own, passed on as given (`--json` or `--help` included);
+    /// simlock's flags go before the lease id.
     Exec {
         /// The lease.
         lease_id: String,
-        /// The tool (one the daemon allows).
-        tool: String,
-        /// Its arguments.
-        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
-        args: Vec<String>,
+        /// The tool (one the daemon allows), then its arguments.
+        #[arg(
+            required = true,
+            num_args = 1..,
+            trailing_var_arg = true,
+            allow_hyphen_values = true,
+            value_name = "TOOL [ARGS]"
+        )]
+        command: Vec<String>,
     },
     /// Workers a gateway knows (operators); default: list.
     Workers {
@@ -315,5 +322,57 @@ mod tests {
     fn the_command_line_is_consistent() {
         use clap::CommandFactory as _;
         Cli::command().debug_assert();
+    }
+
+    /// What `simlock <args>` runs as `exec`: the lease, the tool and its arguments, and whether
+    /// simlock's own `--json` was given.
+    fn exec_of(args: &[&str]) -> (String, Vec<String>, bool) {
+        let cli = Cli::try_parse_from(std::iter::once("simlock").chain(args.iter().copied()))
+            .unwrap_or_else(|e| panic!("{args:?}: {e}"));
+        match cli.command {
+            Command::Exec { lease_id, command } => (lease_id, command, cli.json),
+            other => panic!("not exec: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn everything_after_the_tool_is_the_tools_own_even_simlocks_flags() {
+        for tail in [
+            &["--json"][..],
+            &["--token", "abc"],
+            &["--help"],
+            &["--url", "http://x"],
+            &["-n", "hi"],
+            &["--", "--json"],
+        ] {
+            let args: Vec<&str> = ["exec", "lse_1", "echo"]
+                .iter()
+                .chain(tail)
+                .copied()
+                .collect();
+            let (lease, command, json) = exec_of(&args);
+            assert_eq!(lease, "lse_1");
+            let mut expected = vec!["echo".to_owned()];
+            expected.extend(tail.iter().map(|s| (*s).to_owned()));
+            assert_eq!(command, expected, "{args:?}");
+            assert!(!json, "{args:?}: --json was the tool's");
+        }
+        // simlock's own flags before the lease id, or before the tool, are simlock's.
+        let (_, command, json) = exec_of(&["--json", "exec", "lse_1", "echo", "x"]);
+        assert_eq!(
+            (command, json),
+            (vec!["echo".to_owned(), "x".to_owned()], true)
+        );
+        let (_, command, json) = exec_of(&["exec", "lse_1", "--json", "echo"]);
+        assert_eq!((command, json), (vec!["echo".to_owned()], true));
+    }
+
+    #[test]
+    fn exec_without_a_tool_is_a_usage_error() {
+        let error = Cli::try_parse_from(["simlock", "exec", "lse_1"]).unwrap_err();
+        assert_eq!(
+            error.kind(),
+            clap::error::ErrorKind::MissingRequiredArgument
+        );
     }
 }

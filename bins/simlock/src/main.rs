@@ -274,11 +274,10 @@ async fn execute(cli: &Cli) -> Result<u8, ContractError> {
         Command::Token(command) => token(json, &client, command).await,
         Command::Events { follow, since } => events(json, &client, *follow, *since).await,
         Command::Env { lease_id } => env(json, &client, lease_id).await,
-        Command::Exec {
-            lease_id,
-            tool,
-            args,
-        } => exec(json, &client, lease_id, tool, args).await,
+        Command::Exec { lease_id, command } => match command.split_first() {
+            Some((tool, args)) => exec(json, &client, lease_id, tool, args).await,
+            None => Err(ContractError::bad_request("exec: name the tool to run")),
+        },
         Command::Workers { command } => workers(json, &client, command.as_ref()).await,
         Command::Stop => {
             let out = client.stop_daemon().await?;
