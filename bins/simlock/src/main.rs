@@ -26,7 +26,7 @@ use serde::Serialize;
 use serde_json::{Value, json};
 use simlock_client::client::{admin_secret_in, home_from_env};
 use simlock_client::{Client, ConnectOptions, ExecEvent, FollowItem};
-use simlock_contract::ops::{ExecInput, ListKind, ListOutput};
+use simlock_contract::ops::{ExecInput, LeaseIdInput, ListKind, ListOutput};
 use simlock_contract::push::OutputStream;
 use simlock_contract::{ContractError, ErrorCode};
 
@@ -358,16 +358,14 @@ async fn workers(
             let out = client.worker_remove(id).await?;
             if !out.removed {
                 // Removing is idempotent over HTTP; on the command line a name that matches no
-                // worker is most often a typo, and says so with UNKNOWN_WORKER's exit code.
-                if json {
-                    emit(json, &out, |_| String::new());
-                }
-                eprintln!(
-                    "simlock: no worker {} is known to this gateway; nothing was removed ({})",
-                    out.worker_id,
-                    ErrorCode::UnknownWorker
-                );
-                return Ok(ErrorCode::UnknownWorker.exit_code());
+                // worker is most often a typo: an UNKNOWN_WORKER error, in JSON as any error.
+                return Err(ContractError::new(
+                    ErrorCode::UnknownWorker,
+                    format!(
+                        "no worker {} is known to this gateway; nothing was removed",
+                        out.worker_id
+                    ),
+                ));
             }
             emit(json, &out, |o| format!("forgot worker {}", o.worker_id));
         }
@@ -444,6 +442,11 @@ fn print_event(json: bool, event: &simlock_contract::model::EventEnvelope) -> st
 /// `simlock env`: the lease's environment (the same the grant and `simlock exec` carry), as
 /// `export` lines, or with `--json` as `{"environment": {…}}`.
 async fn env(json: bool, client: &Client, lease_id: &str) -> Result<u8, ContractError> {
+    // A malformed id is refused as renew and release refuse it, not looked for.
+    let named = LeaseIdInput {
+        lease_id: lease_id.to_owned(),
+    };
+    simlock_contract::decode_input::<LeaseIdInput>(serde_json::to_value(&named).ok())?;
     let leases = client.leases().await?.leases;
     let Some(lease) = leases.into_iter().find(|l| l.id.as_str() == lease_id) else {
         return Err(ContractError::unknown_lease(lease_id));

@@ -409,6 +409,16 @@ async fn detach_prints_the_grant_and_leaves_the_lease() {
         "{}",
         unknown.stderr
     );
+    // A malformed id is a usage error naming leaseId, as renew and release answer it.
+    for malformed in ["bad id!", ""] {
+        let bad = run(&fake, &["env", malformed]).await;
+        assert_eq!(bad.code, 2, "{malformed:?}: {}", bad.stderr);
+        assert!(
+            bad.stderr.contains("leaseId") && bad.stderr.contains("BAD_REQUEST"),
+            "{malformed:?}: {}",
+            bad.stderr
+        );
+    }
     let released = run(&fake, &["release", "lse_1"]).await;
     assert_eq!(released.code, 0);
     assert_eq!(released.stdout.trim(), "released lease lse_1");
@@ -544,8 +554,14 @@ async fn operators_manage_tokens_workers_events_and_the_daemon() {
     let typo = run(&fake, &["--json", "workers", "remove", "fake-wroker"]).await;
     assert_eq!(typo.code, 12, "{}", typo.stderr);
     assert_eq!(
-        typo.json(),
-        json!({"removed": false, "workerId": "fake-wroker"})
+        typo.json()["error"]["code"],
+        "UNKNOWN_WORKER",
+        "{}",
+        typo.stdout
+    );
+    assert_eq!(
+        typo.json()["error"]["message"],
+        "no worker fake-wroker is known to this gateway; nothing was removed"
     );
 
     fake.emit("lease.granted", json!({"leaseId": "lse_1"}));
