@@ -58,10 +58,11 @@ impl Reporter {
         }
     }
 
-    /// Says something to a person (nothing when a program reads stderr).
+    /// Says something to a person (nothing when a program reads stderr), on a line of its own
+    /// above a running spinner.
     pub(crate) fn say(&self, text: &str) {
-        if self.is_terminal() {
-            eprintln!("{text}");
+        if let Self::Spinner(bar) = self {
+            bar.suspend(|| eprintln!("{text}"));
         }
     }
 
@@ -78,19 +79,18 @@ impl Reporter {
             eprintln!("{}", json!({ "notice": fields }));
             return;
         }
-        match notice {
-            LeaseNotice::Lost { lease_id, .. } => eprintln!("lease {lease_id} was lost"),
+        let line = match notice {
+            LeaseNotice::Lost { lease_id, .. } => format!("lease {lease_id} was lost"),
             LeaseNotice::Unhealthy { device_id, .. } => {
-                eprintln!(
-                    "device {device_id} crashed; simlock is recovering it under the same lease"
-                );
+                format!("device {device_id} crashed; simlock is recovering it under the same lease")
             }
             LeaseNotice::Recovered {
                 device_id,
                 attempts,
                 ..
-            } => eprintln!("device {device_id} recovered after {attempts} attempt(s)"),
-        }
+            } => format!("device {device_id} recovered after {attempts} attempt(s)"),
+        };
+        self.say(&line);
     }
 }
 
