@@ -8,7 +8,7 @@
 
 use std::time::Duration;
 
-use simlock_client::{Client, HoldEnd, LeaseLost};
+use simlock_client::{Client, HoldEnd, LeaseLost, Renewal};
 use simlock_contract::model::LeaseRecord;
 use simlock_contract::ops::LeaseRequestInput;
 use simlock_contract::{ContractError, ErrorCode};
@@ -175,6 +175,7 @@ pub(crate) async fn run(
     // Hold first, then print: a notice that comes once the grant is out is not missed.
     let mut hold = client.hold(grant.clone());
     let mut notices = hold.notices();
+    let mut renewals = hold.renewal();
     crate::emit(json, hold.grant(), view::grant);
     let renewal = Duration::from_millis(hold.grant().lease.ttl_ms / 3);
     reporter.say(&format!(
@@ -207,20 +208,38 @@ pub(crate) async fn run(
                             renewed.lease = *record;
                             hold = client.hold(renewed);
                             notices = hold.notices();
+                            renewals = hold.renewal();
                         }
-                        Reconnected::Ended(end) => return Ok(ended(&lease_id, end)),
+                        Reconnected::Ended(end) => return Ok(ended(&lease_id, end, Ending::Holding)),
                         Reconnected::Interrupted => {
                             eprintln!("simlock: interrupted while connecting again; lease {lease_id} expires on its TTL");
                             return Ok(EXIT_INTERRUPTED);
                         }
                     }
                 }
-                end => return Ok(ended(&lease_id, end)),
+                end => return Ok(ended(&lease_id, end, Ending::Holding)),
             },
             notice = notices.recv() => {
                 if let Ok(notice) = notice {
                     reporter.notice(&notice);
                 }
+            }
+            Ok(()) = renewals.changed() => {
+                let said = match &*renewals.borrow_and_update() {
+                    Renewal::Retrying { error, deadline } => format!(
+                        "renewing lease {lease_id} failed: {} ({}); retrying until its TTL runs out in {}",
+                        error.message,
+                        error.code,
+                        view::duration(
+                            u64::try_from(
+                                deadline.saturating_duration_since(tokio::time::Instant::now()).as_millis()
+                            )
+                            .unwrap_or(u64::MAX)
+                        )
+                    ),
+                    Renewal::Renewing => format!("renewed lease {lease_id} again"),
+                };
+                reporter.say(&said);
             }
             () = release_now => {
                 let end = tokio::select! {
@@ -233,7 +252,7 @@ pub(crate) async fn run(
                 if end == HoldEnd::Released {
                     reporter.say(&format!("released lease {lease_id}"));
                 }
-                return Ok(ended(&lease_id, end));
+                return Ok(ended(&lease_id, end, Ending::Releasing));
             }
         }
     }
@@ -325,9 +344,18 @@ where
     }
 }
 
+/// What a hold was doing when it ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Ending {
+    /// Renewing the lease.
+    Holding,
+    /// Releasing it (Ctrl-C, or the bound process exited).
+    Releasing,
+}
+
 /// The exit of a hold. The grant is already on stdout (with `--json`, its one document), so
 /// how the hold ended is told on stderr only.
-fn ended(lease_id: &str, end: HoldEnd) -> u8 {
+fn ended(lease_id: &str, end: HoldEnd, ending: Ending) -> u8 {
     match end {
         HoldEnd::Released => 0,
         HoldEnd::Lost(LeaseLost { reason, .. }) => {
@@ -335,7 +363,18 @@ fn ended(lease_id: &str, end: HoldEnd) -> u8 {
             eprintln!("simlock: the daemon ended lease {lease_id} ({why})");
             EXIT_LEASE_LOST
         }
-        HoldEnd::Failed(err) => crate::fail(false, &err),
+        HoldEnd::Failed(err) => {
+            let what = match ending {
+                Ending::Holding => "could not be renewed",
+                Ending::Releasing => "could not be released",
+            };
+            eprintln!(
+                "simlock: lease {lease_id} {what}: {} ({}); it expires on its TTL if it has not \
+                 already",
+                err.message, err.code
+            );
+            err.code.exit_code()
+        }
     }
 }
 

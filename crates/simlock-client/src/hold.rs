@@ -41,6 +41,22 @@ pub enum HoldEnd {
     Failed(ContractError),
 }
 
+/// How a hold's renewals are going ([`LeaseHold::renewal`]).
+#[derive(Debug, Clone, PartialEq)]
+pub enum Renewal {
+    /// The last renewal went through (or none has been due yet).
+    Renewing,
+    /// The last renewal failed for a reason that may pass (the daemon, or the lease's worker
+    /// behind a gateway, out of reach); the hold retries until `deadline`, when the lease's TTL
+    /// runs out.
+    Retrying {
+        /// What the last attempt answered.
+        error: ContractError,
+        /// When the lease expires unless a renewal goes through first.
+        deadline: Instant,
+    },
+}
+
 /// Why the renewing task stopped.
 #[derive(Debug, Clone, PartialEq)]
 enum Stop {
@@ -62,6 +78,7 @@ pub struct LeaseHold {
     task: Option<JoinHandle<Stop>>,
     ended: watch::Receiver<Option<HoldEnd>>,
     health: broadcast::Sender<LeaseNotice>,
+    renewal: watch::Receiver<Renewal>,
 }
 
 impl LeaseHold {
@@ -71,6 +88,7 @@ impl LeaseHold {
         let stop = CancellationToken::new();
         let (ended_tx, ended) = watch::channel(None);
         let health = broadcast::channel(HEALTH_QUEUE).0;
+        let (renewal_tx, renewal) = watch::channel(Renewal::Renewing);
         // On a wire connection, follow now so nothing pushed after the grant is missed.
         let notices = match &client.backend {
             Backend::Wire(wire) => Some(LeaseNotices::wire(wire, &lease_id)),
@@ -82,6 +100,7 @@ impl LeaseHold {
             ttl,
             notices,
             health: health.clone(),
+            renewal: renewal_tx,
         };
         let task_stop = stop.clone();
         let task = tokio::spawn(async move {
@@ -98,6 +117,7 @@ impl LeaseHold {
             task: Some(task),
             ended,
             health,
+            renewal,
         }
     }
 
@@ -109,6 +129,12 @@ impl LeaseHold {
     /// The lease's id.
     pub fn lease_id(&self) -> &str {
         self.grant.lease.id.as_str()
+    }
+
+    /// Follows how the renewals are going: [`Renewal::Retrying`] while they fail and the hold
+    /// retries, [`Renewal::Renewing`] once one goes through again. A change is seen once.
+    pub fn renewal(&self) -> watch::Receiver<Renewal> {
+        self.renewal.clone()
     }
 
     /// Follows the lease's health notices (`device-unhealthy`, `device-recovered`) from now on.
@@ -163,6 +189,7 @@ struct Renewer {
     ttl: Duration,
     notices: Option<LeaseNotices>,
     health: broadcast::Sender<LeaseNotice>,
+    renewal: watch::Sender<Renewal>,
 }
 
 impl Renewer {
@@ -222,6 +249,11 @@ impl Renewer {
                             deadline = now + self.ttl;
                             next = now + self.ttl / 3;
                             open_due = over_http;
+                            self.renewal.send_if_modified(|renewal| {
+                                let was_failing = *renewal != Renewal::Renewing;
+                                *renewal = Renewal::Renewing;
+                                was_failing
+                            });
                         }
                         Err(e) if e.code == ErrorCode::UnknownLease => return self.lost(None),
                         Err(e) if self.client.is_closed() => return Stop::Ended(HoldEnd::Failed(e)),
@@ -232,6 +264,12 @@ impl Renewer {
                             }
                             warn!(lease = %self.lease_id, error = %e, "renewal failed; retrying");
                             next = now + retry;
+                            // Said when renewals start failing, not at every retry.
+                            self.renewal.send_if_modified(|renewal| {
+                                let started = *renewal == Renewal::Renewing;
+                                *renewal = Renewal::Retrying { error: e, deadline };
+                                started
+                            });
                         }
                         Err(e) => return Stop::Ended(HoldEnd::Failed(e)),
                     }

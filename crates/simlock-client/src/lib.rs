@@ -39,7 +39,7 @@ pub mod guide {}
 pub use client::{Client, ConnectOptions};
 pub use events::{EventFollow, FollowItem};
 pub use exec::{ExecEvent, ExecStream};
-pub use hold::{HoldEnd, LeaseHold, LeaseLost};
+pub use hold::{HoldEnd, LeaseHold, LeaseLost, Renewal};
 pub use notices::{LeaseNotice, LeaseNotices};
 pub use request::{PendingLease, RequestEvent};
 pub use simlock_contract::{ContractError, ErrorCode};

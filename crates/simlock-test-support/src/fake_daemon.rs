@@ -124,6 +124,8 @@ struct State {
     leases: Mutex<BTreeMap<String, LeaseRecord>>,
     /// Lists (`lease.list`, `list.get`, `status.get`) leave the leases out.
     unlisted: AtomicBool,
+    /// What every `lease.renew` answers instead of renewing, while set.
+    renew_fails: Mutex<Option<ContractError>>,
     next_lease: AtomicU64,
     calls: watch::Sender<Vec<Recorded>>,
 }
@@ -325,6 +327,7 @@ impl FakeDaemon {
             pending: Mutex::new(None),
             leases: Mutex::new(BTreeMap::new()),
             unlisted: AtomicBool::new(false),
+            renew_fails: Mutex::new(None),
             next_lease: AtomicU64::new(0),
             calls,
         });
@@ -517,6 +520,12 @@ impl FakeDaemon {
     /// Whether a lease request is held.
     pub fn has_pending(&self) -> bool {
         self.state.pending.lock().is_some()
+    }
+
+    /// While `error` is set, every `lease.renew` answers it and renews nothing (a daemon or a
+    /// lease's worker out of reach); `None` renews again.
+    pub fn fail_renewals(&self, error: Option<ContractError>) {
+        *self.state.renew_fails.lock() = error;
     }
 
     /// While `unlisted`, the lists (`lease.list`, `list.get`, `status.get`) leave every lease
@@ -738,6 +747,9 @@ fn register(router: &mut Router, state: &Arc<State>) {
     let s = state.clone();
     router.handle::<LeaseRenew, _, _>(move |ctx, input| {
         s.record("lease.renew", &ctx, &input);
+        if let Some(error) = s.renew_fails.lock().clone() {
+            return futures::future::Either::Left(async move { Err(error) });
+        }
         let outcome = s.owned(&ctx, &input.lease_id).map(|mut lease| {
             let now = s.clock.now_ms();
             if let Some(ttl) = input.ttl_ms {
@@ -749,7 +761,7 @@ fn register(router: &mut Router, state: &Arc<State>) {
             s.leases.lock().insert(lease.id.to_string(), lease.clone());
             lease
         });
-        async move { outcome }
+        futures::future::Either::Right(async move { outcome })
     });
     let s = state.clone();
     router.handle::<LeaseRelease, _, _>(move |ctx, input| {

@@ -7,11 +7,11 @@ use serde_json::json;
 use simlock_contract::model::{LeaseEndReason, LeaseGrant, Platform};
 use simlock_contract::ops::LeaseRequestInput;
 use simlock_contract::push::UnhealthyReason;
-use simlock_contract::{ErrorCode, Push};
+use simlock_contract::{ContractError, ErrorCode, Push};
 use tokio::time::Instant;
 
 use super::{guard_paused, pipe_client};
-use crate::{Client, HoldEnd, LeaseLost, LeaseNotice};
+use crate::{Client, HoldEnd, LeaseLost, LeaseNotice, Renewal};
 use simlock_test_support::fake_daemon::FakeDaemon;
 
 async fn grant(client: &Client, ttl_ms: u64) -> LeaseGrant {
@@ -118,4 +118,53 @@ async fn a_lost_connection_fails_the_hold() {
         panic!("the hold did not fail");
     };
     assert_eq!(err.code, ErrorCode::DaemonConnectionLost);
+}
+
+#[tokio::test(start_paused = true)]
+async fn renewals_that_fail_are_said_once_retried_until_the_ttl_and_said_again_when_they_pass() {
+    let fake = FakeDaemon::new().unwrap();
+    let (client, _cut) = pipe_client(&fake).await;
+    let grant = grant(&client, 30_000).await;
+    let start = Instant::now();
+    let hold = client.hold(grant);
+    let mut renewal = hold.renewal();
+    assert_eq!(*renewal.borrow(), Renewal::Renewing);
+    fake.fail_renewals(Some(ContractError::new(
+        ErrorCode::WorkerUnreachable,
+        "Worker w1 is not connected to this gateway",
+    )));
+    guard_paused(renewal.changed()).await.unwrap();
+    let Renewal::Retrying { error, deadline } = renewal.borrow_and_update().clone() else {
+        panic!("not retrying");
+    };
+    assert_eq!(error.code, ErrorCode::WorkerUnreachable);
+    // The first renewal, at a third of the TTL, failed: the lease lasts until its TTL.
+    assert_eq!(Instant::now() - start, Duration::from_secs(10));
+    assert_eq!(deadline - start, Duration::from_secs(30));
+    // Retries (every tenth of the TTL) change nothing to say.
+    guard_paused(fake.wait_for_calls("lease.renew", 3)).await;
+    assert!(!renewal.has_changed().unwrap());
+    fake.fail_renewals(None);
+    guard_paused(renewal.changed()).await.unwrap();
+    assert_eq!(*renewal.borrow_and_update(), Renewal::Renewing);
+    assert_eq!(guard_paused(hold.release()).await, HoldEnd::Released);
+}
+
+#[tokio::test(start_paused = true)]
+async fn renewals_that_fail_until_the_ttl_end_the_hold_with_their_error() {
+    let fake = FakeDaemon::new().unwrap();
+    let (client, _cut) = pipe_client(&fake).await;
+    let grant = grant(&client, 30_000).await;
+    let start = Instant::now();
+    let mut hold = client.hold(grant);
+    fake.fail_renewals(Some(ContractError::new(
+        ErrorCode::WorkerUnreachable,
+        "Worker w1 is not connected to this gateway",
+    )));
+    let HoldEnd::Failed(error) = guard_paused(hold.ended()).await else {
+        panic!("the hold did not fail");
+    };
+    assert_eq!(error.code, ErrorCode::WorkerUnreachable);
+    assert!(Instant::now() - start < Duration::from_secs(30));
+    assert!(Instant::now() - start >= Duration::from_secs(27));
 }
