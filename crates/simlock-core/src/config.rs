@@ -344,7 +344,18 @@ impl Section for ExecConfig {
 
     fn check(&self, _daemon: &DaemonConfig, _mode: Mode) -> Result<(), SectionError> {
         // 0 would stop every run as it starts.
-        above_zero(&[("exec.timeoutMs", self.timeout_ms)])
+        above_zero(&[("exec.timeoutMs", self.timeout_ms)])?;
+        // An empty command names no program: every run of the tool would fail to start.
+        if let Some(name) = self
+            .tools
+            .iter()
+            .find_map(|(name, tool)| tool.command.trim().is_empty().then_some(name))
+        {
+            return Err(SectionError::new(format!(
+                "exec.tools.{name}.command is empty: it must name a program, a path or a name looked up in PATH"
+            )));
+        }
+        Ok(())
     }
 }
 
@@ -545,6 +556,27 @@ mod tests {
             ["args", "command"]
         );
         assert_eq!(sections.layout_problems(), Vec::<String>::new());
+    }
+
+    #[test]
+    fn an_empty_tool_command_fails_naming_the_key() {
+        for command in ["\"\"", "\"  \""] {
+            let toml = format!(
+                "[exec.tools.ok]\ncommand = \"/bin/true\"\n[exec.tools.x]\ncommand = {command}"
+            );
+            let err = load_with(&toml, Mode::Worker).unwrap_err().to_string();
+            assert_eq!(
+                err,
+                "configuration: exec.tools.x.command is empty: it must name a program, a path or a name looked up in PATH"
+            );
+        }
+        assert!(load_with("[exec.tools.x]\ncommand = \"true\"", Mode::Worker).is_ok());
+        // A gateway reads no tools: it warns, and does not check them.
+        let loaded = load_with("[exec.tools.x]\ncommand = \"\"", Mode::Gateway).unwrap();
+        assert_eq!(
+            loaded.warnings,
+            ["exec.tools is a worker setting; a gateway ignores it"]
+        );
     }
 
     #[test]
