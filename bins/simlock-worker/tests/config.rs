@@ -198,3 +198,19 @@ fn a_gateway_warns_about_a_workers_sections_as_a_workers() {
         ["gateway.routing is a gateway setting; a worker ignores it"]
     );
 }
+
+#[test]
+fn a_tool_entry_from_the_environment_is_checked_as_a_files() {
+    let env = [
+        ("SIMLOCK_EXEC__TOOLS__ECHO__COMMAND", "/bin/echo"),
+        ("SIMLOCK_EXEC__TOOLS__ECHO__ARG", r#"["-n"]"#),
+    ];
+    let loaded = load_env(&env).unwrap();
+    assert_eq!(
+        loaded.warnings,
+        ["unknown configuration key exec.tools.echo.arg is ignored"]
+    );
+    let env = [("SIMLOCK_EXEC__TOOLS__ECHO__COMMAND", "")];
+    let err = load_env(&env).unwrap_err().to_string();
+    assert!(err.contains("exec.tools.echo.command is empty"), "{err}");
+}

@@ -7,7 +7,8 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 use simlock_contract::model::{Mode, Platform};
 use simlock_daemon::config::{
-    DaemonConfig, Section, SectionError, SectionValue, WORKER, above_zero, section_value,
+    DaemonConfig, EntryShape, Section, SectionError, SectionValue, WORKER, above_zero,
+    section_value,
 };
 
 /// The core's sections together, as a worker is started with them.
@@ -333,15 +334,44 @@ impl Section for ExecConfig {
     const MODES: &'static [Mode] = WORKER;
     const OPEN_MAPS: &'static [&'static str] = &["tools"];
 
+    fn entry_shapes() -> Vec<EntryShape> {
+        let tool = ToolConfig {
+            command: String::new(),
+            args: Vec::new(),
+        };
+        vec![EntryShape::of("tools", &tool)]
+    }
+
     fn check(&self, _daemon: &DaemonConfig, _mode: Mode) -> Result<(), SectionError> {
         // 0 would stop every run as it starts.
-        above_zero(&[("exec.timeoutMs", self.timeout_ms)])
+        above_zero(&[("exec.timeoutMs", self.timeout_ms)])?;
+        // An empty command names no program: every run of the tool would fail to start.
+        if let Some(name) = self
+            .tools
+            .iter()
+            .find_map(|(name, tool)| tool.command.trim().is_empty().then_some(name))
+        {
+            return Err(SectionError::new(format!(
+                "exec.tools.{name}.command is empty: it must name a program, a path or a name looked up in PATH"
+            )));
+        }
+        Ok(())
     }
 }
 
 impl Section for VirtualConfig {
     const KEY: &'static str = "virtual";
     const MODES: &'static [Mode] = WORKER;
+
+    fn entry_shapes() -> Vec<EntryShape> {
+        let model = VirtualModel {
+            platform: Platform::Ios,
+            name: String::new(),
+            aliases: Vec::new(),
+            runtimes: Vec::new(),
+        };
+        vec![EntryShape::of("models", &model)]
+    }
 
     fn check(&self, _daemon: &DaemonConfig, _mode: Mode) -> Result<(), SectionError> {
         if self.models.is_empty() {
@@ -456,6 +486,96 @@ mod tests {
                 "idle.shutdownAfterMs is a worker setting; a gateway ignores it",
                 "unknown configuration key lease.maxTtlMS is ignored",
             ]
+        );
+    }
+
+    #[test]
+    fn an_unknown_key_in_a_model_entry_is_warned_naming_the_entry() {
+        let models = "[[virtual.models]]\nplatform = \"ios\"\nname = \"iPhone 16\"\n\
+                      aliases = [\"iphone\"]\nruntimes = [\"18.2\"]\n\n\
+                      [[virtual.models]]\nplatform = \"android\"\nname = \"Pixel 8\"\n\
+                      alias = [\"ix\"]\ncolour = \"red\"\nruntimes = [\"34\"]";
+        let loaded = load_with(models, Mode::Worker).unwrap();
+        assert_eq!(
+            loaded.warnings,
+            [
+                "unknown configuration key virtual.models[1].alias is ignored",
+                "unknown configuration key virtual.models[1].colour is ignored",
+            ]
+        );
+        // Ignored indeed: the model answers to no alias.
+        let catalog: VirtualConfig = loaded.section().unwrap();
+        assert_eq!(catalog.models[1].name, "Pixel 8");
+        assert!(catalog.models[1].aliases.is_empty());
+        assert_eq!(catalog.models[0].aliases, ["iphone"]);
+    }
+
+    #[test]
+    fn an_unknown_key_in_a_tool_entry_is_warned_naming_the_tool() {
+        let tools = "[exec.tools.x]\ncommand = \"/bin/echo\"\narg = [\"a\"]\n\
+                     [exec.tools.y]\ncommand = \"/bin/true\"\nargs = [\"b\"]";
+        let loaded = load_with(tools, Mode::Worker).unwrap();
+        assert_eq!(
+            loaded.warnings,
+            ["unknown configuration key exec.tools.x.arg is ignored"]
+        );
+        let exec: ExecConfig = loaded.section().unwrap();
+        assert!(exec.tools["x"].args.is_empty());
+        assert_eq!(exec.tools["y"].args, ["b"]);
+    }
+
+    #[test]
+    fn valid_model_and_tool_entries_are_not_warned_about() {
+        let valid = "[exec.tools.echo]\ncommand = \"echo\"\nargs = [\"-n\"]\n\
+                     [exec.tools.true]\ncommand = \"true\"\n\
+                     [[virtual.models]]\nplatform = \"ios\"\nname = \"iPhone 16\"\n\
+                     aliases = [\"iphone\"]\nruntimes = [\"18.2\"]\n\
+                     [[virtual.models]]\nplatform = \"android\"\nname = \"Pixel 8\"\n\
+                     runtimes = [\"34\"]";
+        let loaded = load_with(valid, Mode::Worker).unwrap();
+        assert!(loaded.warnings.is_empty(), "{:?}", loaded.warnings);
+        // The default catalog's entries, given as a flag, are of the shape too.
+        let defaults = serde_json::to_value(VirtualConfig::default()).unwrap();
+        let flags = [("virtual.models".to_owned(), defaults["models"].clone())];
+        let home = tempfile::tempdir().unwrap();
+        let loaded =
+            simlock_daemon::config::load(home.path(), Mode::Worker, &flags, &sections()).unwrap();
+        assert!(loaded.warnings.is_empty(), "{:?}", loaded.warnings);
+        assert_eq!(
+            loaded.section::<VirtualConfig>().unwrap(),
+            VirtualConfig::default()
+        );
+        // Each entry's keys are its type's.
+        let sections = sections();
+        assert_eq!(
+            sections.entry_keys("virtual.models").unwrap(),
+            ["aliases", "name", "platform", "runtimes"]
+        );
+        assert_eq!(
+            sections.entry_keys("exec.tools").unwrap(),
+            ["args", "command"]
+        );
+        assert_eq!(sections.layout_problems(), Vec::<String>::new());
+    }
+
+    #[test]
+    fn an_empty_tool_command_fails_naming_the_key() {
+        for command in ["\"\"", "\"  \""] {
+            let toml = format!(
+                "[exec.tools.ok]\ncommand = \"/bin/true\"\n[exec.tools.x]\ncommand = {command}"
+            );
+            let err = load_with(&toml, Mode::Worker).unwrap_err().to_string();
+            assert_eq!(
+                err,
+                "configuration: exec.tools.x.command is empty: it must name a program, a path or a name looked up in PATH"
+            );
+        }
+        assert!(load_with("[exec.tools.x]\ncommand = \"true\"", Mode::Worker).is_ok());
+        // A gateway reads no tools: it warns, and does not check them.
+        let loaded = load_with("[exec.tools.x]\ncommand = \"\"", Mode::Gateway).unwrap();
+        assert_eq!(
+            loaded.warnings,
+            ["exec.tools is a worker setting; a gateway ignores it"]
         );
     }
 

@@ -23,7 +23,8 @@ use serde_json::Value;
 use simlock_contract::model::Mode;
 
 pub use section::{
-    BOTH, GATEWAY, Section, SectionError, SectionValue, Sections, WORKER, above_zero, section_value,
+    BOTH, EntryShape, GATEWAY, Section, SectionError, SectionValue, Sections, WORKER, above_zero,
+    section_value,
 };
 use section::{Entry, Held, merge_into};
 
@@ -350,16 +351,26 @@ fn load_layers(
         let mut found = Vec::new();
         leaf_keys(table, "", &keys.open_maps, &mut found);
         for key in found {
-            if !seen.insert(key.clone()) {
-                continue;
+            // Inside a list of tables or a map of tables, each entry's keys against its shape.
+            let in_entries = keys.unknown_entry_keys(&key, table);
+            if seen.insert(key.clone()) {
+                match keys.modes(&key) {
+                    None => warnings.push(format!("unknown configuration key {key} is ignored")),
+                    Some(modes) if !modes.contains(&mode) => warnings.push(match mode {
+                        Mode::Gateway => {
+                            format!("{key} is a worker setting; a gateway ignores it")
+                        }
+                        Mode::Worker => {
+                            format!("{key} is a gateway setting; a worker ignores it")
+                        }
+                    }),
+                    Some(_) => {}
+                }
             }
-            match keys.modes(&key) {
-                None => warnings.push(format!("unknown configuration key {key} is ignored")),
-                Some(modes) if !modes.contains(&mode) => warnings.push(match mode {
-                    Mode::Gateway => format!("{key} is a worker setting; a gateway ignores it"),
-                    Mode::Worker => format!("{key} is a gateway setting; a worker ignores it"),
-                }),
-                Some(_) => {}
+            for key in in_entries {
+                if seen.insert(key.clone()) {
+                    warnings.push(format!("unknown configuration key {key} is ignored"));
+                }
             }
         }
     }
@@ -413,6 +424,8 @@ fn daemon_modes(key: &str) -> &'static [Mode] {
 struct Keys {
     known: BTreeMap<String, Known>,
     open_maps: Vec<String>,
+    /// The keys whose entries have one shape ([`Section::entry_shapes`]), with that shape.
+    shapes: BTreeMap<String, Shape>,
     /// The top-level keys; an environment variable names one of them first.
     tables: BTreeSet<String>,
     /// The keys whose values are text ([`text_keys`]).
@@ -428,6 +441,15 @@ struct Known {
     modes: Vec<Mode>,
     /// The section that holds it, as [`std::any::type_name`] names its type.
     owner: &'static str,
+}
+
+/// The entries of a key of [`Keys::shapes`].
+#[derive(Debug, Clone)]
+struct Shape {
+    /// Whether they are a list's (`virtual.models`) or a map's (`exec.tools`, an open map).
+    map: bool,
+    /// The keys an entry may have, below the entry (`aliases`, or `sub.key` in a table).
+    keys: BTreeSet<String>,
 }
 
 #[cfg(test)]
@@ -476,9 +498,23 @@ impl Keys {
             .filter_map(|key| key.split('.').next().map(str::to_owned))
             .collect();
         let text = text_keys(&daemon, &defaults, entries, &open_maps);
+        let mut shapes = BTreeMap::new();
+        for entry in entries {
+            for shape in (entry.entry_shapes)() {
+                let key = format!("{}.{}", entry.key, shape.key);
+                let mut leaves = Vec::new();
+                leaf_keys(&shape.sample, "", &[], &mut leaves);
+                let shape = Shape {
+                    map: open_maps.contains(&key),
+                    keys: leaves.into_iter().filter(|k| !k.is_empty()).collect(),
+                };
+                shapes.insert(key, shape);
+            }
+        }
         Self {
             known,
             open_maps,
+            shapes,
             tables,
             text,
             defaults,
@@ -498,6 +534,44 @@ impl Keys {
                 .find(|m| key.starts_with(&format!("{m}.")))
                 .and_then(|m| self.known.get(m))
         })
+    }
+
+    /// The keys that entries of `key` in `table` (a layer's) have and their shape does not,
+    /// each named with its entry's place: `virtual.models[2].alias` (a list's entries counted
+    /// from 0), `exec.tools.x.arg`. Empty when `key` holds no entries of one shape. An entry
+    /// that is no table is left to the extraction, which refuses it.
+    fn unknown_entry_keys(&self, key: &str, table: &Value) -> Vec<String> {
+        let Some(shape) = self.shapes.get(key) else {
+            return Vec::new();
+        };
+        // The shaped keys hold no user's names, so their parts are the path.
+        let entries: Vec<(String, &Value)> = match key.split('.').try_fold(table, |v, k| v.get(k)) {
+            Some(Value::Array(items)) if !shape.map => items
+                .iter()
+                .enumerate()
+                .map(|(i, entry)| (format!("{key}[{i}]"), entry))
+                .collect(),
+            Some(Value::Object(map)) if shape.map => map
+                .iter()
+                .map(|(name, entry)| (format!("{key}.{name}"), entry))
+                .collect(),
+            _ => Vec::new(),
+        };
+        let mut unknown = Vec::new();
+        for (place, entry) in entries {
+            if !entry.is_object() {
+                continue;
+            }
+            let mut found = Vec::new();
+            leaf_keys(entry, "", &[], &mut found);
+            unknown.extend(
+                found
+                    .into_iter()
+                    .filter(|k| !k.is_empty() && !shape.keys.contains(k))
+                    .map(|k| format!("{place}.{k}")),
+            );
+        }
+        unknown
     }
 
     /// The tables a daemon of `mode` reads some key of.
@@ -583,6 +657,32 @@ fn layout_problems(sections: &Sections) -> Vec<String> {
         }
         for key in entry.open_maps {
             problems.extend(listed(owner, keys, defaults, "OPEN_MAPS", full(key)));
+        }
+        // A shaped key holds a list, or is an open map; its sample entry is a table.
+        for shape in (entry.entry_shapes)() {
+            let key = full(shape.key);
+            let list = key
+                .split('.')
+                .try_fold(defaults, |v, k| v.get(k))
+                .is_some_and(Value::is_array);
+            if !keys.contains(&key) {
+                problems.push(format!(
+                    "{owner}: entry_shapes names {key}, no key of its section"
+                ));
+            } else if !list && !entry.open_maps.contains(&shape.key) {
+                problems.push(format!(
+                    "{owner}: entry_shapes names {key}, neither a list nor one of its OPEN_MAPS"
+                ));
+            }
+            if shape
+                .sample
+                .as_object()
+                .is_none_or(serde_json::Map::is_empty)
+            {
+                problems.push(format!(
+                    "{owner}: entry_shapes gives {key} a sample entry that is no table"
+                ));
+            }
         }
     }
     let (owner, keys, defaults) = &held[0];
@@ -1519,6 +1619,168 @@ mod section_tests {
             &[("limitt", Mode::Worker), ("limit", Mode::Gateway)];
         const TEXT_KEYS: &'static [&'static str] = &["name", "nam", "limit"];
         const OPEN_MAPS: &'static [&'static str] = &["tools", "tool"];
+    }
+
+    /// A section with a list of tables and a map of the user's names to tables, each entry of
+    /// one shape (an unset key and a table of its own among its keys).
+    #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+    #[serde(rename_all = "camelCase", default)]
+    struct Catalog {
+        items: Vec<Item>,
+        named: BTreeMap<String, Item>,
+    }
+
+    #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+    #[serde(rename_all = "camelCase")]
+    struct Item {
+        id: String,
+        #[serde(default)]
+        note: Option<String>,
+        #[serde(default)]
+        size: Size,
+    }
+
+    #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+    #[serde(rename_all = "camelCase", default)]
+    struct Size {
+        wide: u32,
+        high: u32,
+    }
+
+    impl Section for Catalog {
+        const KEY: &'static str = "catalog";
+        const MODES: &'static [Mode] = WORKER;
+        const OPEN_MAPS: &'static [&'static str] = &["named"];
+
+        fn entry_shapes() -> Vec<EntryShape> {
+            let item = Item {
+                id: String::new(),
+                note: None,
+                size: Size::default(),
+            };
+            vec![
+                EntryShape::of("items", &item),
+                EntryShape::of("named", &item),
+            ]
+        }
+    }
+
+    /// A section whose entry shapes name keys it does not have, or that hold no entries.
+    #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+    #[serde(rename_all = "camelCase", default)]
+    struct Misshapen {
+        limit: u32,
+        words: Vec<String>,
+    }
+
+    impl Section for Misshapen {
+        const KEY: &'static str = "misshapen";
+        const MODES: &'static [Mode] = WORKER;
+
+        fn entry_shapes() -> Vec<EntryShape> {
+            vec![
+                EntryShape::of("limit", &Size::default()),
+                EntryShape::of("wordz", &Size::default()),
+                EntryShape::of("words", &"a word"),
+            ]
+        }
+    }
+
+    #[test]
+    fn keys_inside_entries_are_checked_against_their_shape_naming_the_entry() {
+        let sections = Sections::new().with::<Catalog>();
+        let valid = "[[catalog.items]]\nid = \"a\"\n[catalog.items.size]\nwide = 1\n\
+                     [[catalog.items]]\nid = \"b\"\nnote = \"n\"\n\
+                     [catalog.named.first]\nid = \"c\"\nsize = { wide = 2, high = 3 }";
+        let loaded = load_text(valid, Mode::Worker, &sections).unwrap();
+        assert!(loaded.warnings.is_empty(), "{:?}", loaded.warnings);
+        assert_eq!(
+            loaded.section::<Catalog>().unwrap().named["first"]
+                .size
+                .high,
+            3
+        );
+        let typos = "[[catalog.items]]\nid = \"a\"\n[catalog.items.size]\ndeep = 1\n\
+                     [[catalog.items]]\nid = \"b\"\nidd = \"b\"\nnotes = \"n\"\n\
+                     [catalog.named.\"a.b\"]\nid = \"c\"\nnte = \"n\"";
+        let loaded = load_text(typos, Mode::Worker, &sections).unwrap();
+        assert_eq!(
+            loaded.warnings,
+            [
+                "unknown configuration key catalog.items[0].size.deep is ignored",
+                "unknown configuration key catalog.items[1].idd is ignored",
+                "unknown configuration key catalog.items[1].notes is ignored",
+                "unknown configuration key catalog.named.a.b.nte is ignored",
+            ]
+        );
+        // The other daemon warns about the key as the other's, and about its entries' typos.
+        let loaded = load_text(typos, Mode::Gateway, &sections).unwrap();
+        assert_eq!(
+            loaded.warnings[..2],
+            [
+                "catalog.items is a worker setting; a gateway ignores it",
+                "unknown configuration key catalog.items[0].size.deep is ignored",
+            ]
+        );
+        // Every layer is checked, and a key set in two layers is warned about once.
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(
+            dir.path().join("config.toml"),
+            "[catalog.named.x]\nid = \"x\"\nnte = \"file\"",
+        )
+        .unwrap();
+        let env = [
+            ("SIMLOCK_CATALOG__NAMED__X__NTE", "environment"),
+            ("SIMLOCK_CATALOG__NAMED__Y__ID", "y"),
+            ("SIMLOCK_CATALOG__NAMED__Y__SIZE__DEEP", "1"),
+        ];
+        let flags = [(
+            "catalog.items".to_owned(),
+            json!([{"id": "f", "size": {"wide": 1}}, {"id": "g", "colour": "red"}]),
+        )];
+        let loaded =
+            tests::with_env(&env, || load(dir.path(), Mode::Worker, &flags, &sections)).unwrap();
+        assert_eq!(
+            loaded.warnings,
+            [
+                "unknown configuration key catalog.named.x.nte is ignored",
+                "unknown configuration key catalog.named.y.size.deep is ignored",
+                "unknown configuration key catalog.items[1].colour is ignored",
+            ]
+        );
+        // An entry that is no table is refused by its type, naming the key.
+        let err = load_text("[catalog]\nitems = [1]", Mode::Worker, &sections)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("catalog.items"), "{err}");
+        // The shapes, from the entries' types.
+        assert_eq!(
+            sections.entry_keys("catalog.items").unwrap(),
+            ["id", "note", "size.high", "size.wide"]
+        );
+        assert_eq!(
+            sections.entry_keys("catalog.named"),
+            sections.entry_keys("catalog.items")
+        );
+        assert_eq!(sections.entry_keys("catalog"), None);
+        assert_eq!(sections.layout_problems(), Vec::<String>::new());
+    }
+
+    #[test]
+    fn an_entry_shape_names_a_list_or_an_open_map_of_its_section_with_a_table() {
+        let misshapen = std::any::type_name::<Misshapen>();
+        assert_eq!(
+            Sections::new().with::<Misshapen>().layout_problems(),
+            [
+                format!(
+                    "{misshapen}: entry_shapes names misshapen.limit, neither a list nor one of its OPEN_MAPS"
+                ),
+                format!("{misshapen}: entry_shapes names misshapen.wordz, no key of its section"),
+                format!(
+                    "{misshapen}: entry_shapes gives misshapen.words a sample entry that is no table"
+                ),
+            ]
+        );
     }
 
     #[test]

@@ -265,6 +265,31 @@ fn the_default_catalog_table_is_the_default_models() {
     assert_eq!(documented, real);
 }
 
+/// The keys an entry of `virtual.models` or `exec.tools` may have are documented in the table
+/// under its heading, each once, and none else: the loader warns about any other.
+#[test]
+fn the_entry_tables_are_the_keys_an_entry_has() {
+    let doc = config_doc();
+    for (heading, key) in [
+        ("### Exec tools", "exec.tools"),
+        ("### The virtual catalog", "virtual.models"),
+    ] {
+        let from = doc.find(heading).unwrap_or_else(|| panic!("no {heading}"));
+        let documented: Vec<&str> = table(&doc[from..], "| key | type | meaning |")
+            .iter()
+            .map(|row| first_code(row[0]).unwrap_or_else(|| panic!("{key}: {row:?}")))
+            .collect();
+        let mut sorted = documented.clone();
+        sorted.sort_unstable();
+        sorted.dedup();
+        assert_eq!(sorted.len(), documented.len(), "{key}: a key twice");
+        let real = sections(Mode::Worker)
+            .entry_keys(key)
+            .unwrap_or_else(|| panic!("{key} has no entry shape"));
+        assert_eq!(sorted, real, "{key}: the entry table under {heading}");
+    }
+}
+
 /// A fresh, empty home directory.
 fn scratch_home(n: usize) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("simlock-docs-{}-{n}", std::process::id()));

@@ -44,6 +44,15 @@ pub trait Section: Serialize + DeserializeOwned + Default + Clone + Send + Sync 
     /// Keys below [`Section::KEY`] that hold maps whose entries are the user's own names.
     const OPEN_MAPS: &'static [&'static str] = &[];
 
+    /// Keys below [`Section::KEY`] whose entries all have one shape: a list of tables
+    /// (`virtual.models`) or one of [`Section::OPEN_MAPS`] whose values are tables
+    /// (`exec.tools`). Each [`EntryShape`] gives a sample entry: its serialised keys are the
+    /// keys an entry may have, and the loader warns about any other key of an entry, naming it
+    /// with the entry's place (`virtual.models[2].alias`, `exec.tools.x.arg`).
+    fn entry_shapes() -> Vec<EntryShape> {
+        Vec::new()
+    }
+
     /// Checks what no single value's type can, on a daemon of `mode` (one of
     /// [`Section::MODES`]); `daemon` is the daemon's own section (`lease`, `http`, …).
     ///
@@ -94,6 +103,28 @@ pub fn above_zero(values: &[(&str, u64)]) -> Result<(), SectionError> {
     }
 }
 
+/// The shape of every entry of a key holding a list of tables or a map of the user's names to
+/// tables (see [`Section::entry_shapes`]): the keys of a sample entry, as it serialises.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EntryShape {
+    /// The key below [`Section::KEY`] (`models` for `virtual.models`).
+    pub(super) key: &'static str,
+    /// The sample entry, serialised.
+    pub(super) sample: Value,
+}
+
+impl EntryShape {
+    /// The entries of `key` (below [`Section::KEY`]) are shaped as `sample` serialises: its
+    /// keys, an unset `Option` included, are the keys an entry may have. Build `sample` with
+    /// every field named (no `..`), so that a new field is a new key here too.
+    pub fn of<T: Serialize>(key: &'static str, sample: &T) -> Self {
+        Self {
+            key,
+            sample: serde_json::to_value(sample).unwrap_or(Value::Null),
+        }
+    }
+}
+
 /// A section as the loader holds it, typed but behind `Any`.
 pub(super) type Held = Arc<dyn Any + Send + Sync>;
 
@@ -105,6 +136,7 @@ pub(super) struct Entry {
     pub(super) only: &'static [(&'static str, Mode)],
     pub(super) text_keys: &'static [&'static str],
     pub(super) open_maps: &'static [&'static str],
+    pub(super) entry_shapes: fn() -> Vec<EntryShape>,
     pub(super) type_id: TypeId,
     pub(super) type_name: &'static str,
     pub(super) defaults: fn() -> Value,
@@ -122,6 +154,7 @@ impl Entry {
             only: S::ONLY,
             text_keys: S::TEXT_KEYS,
             open_maps: S::OPEN_MAPS,
+            entry_shapes: S::entry_shapes,
             type_id: TypeId::of::<S>(),
             type_name: std::any::type_name::<S>(),
             defaults: || serde_json::to_value(S::default()).unwrap_or(Value::Null),
@@ -239,11 +272,23 @@ impl Sections {
     /// with disjoint keys; the daemon's own section counts), a key inside another section's
     /// key, or a key a section lists in [`Section::ONLY`], [`Section::TEXT_KEYS`] or
     /// [`Section::OPEN_MAPS`] that is not one of its keys (a text key must also be unset by
-    /// default, and a mode alone reads a key only of a section it reads). The daemon's own
+    /// default, and a mode alone reads a key only of a section it reads), or a key of
+    /// [`Section::entry_shapes`] that is not one of its lists or open maps, or whose sample
+    /// entry is no table. The daemon's own
     /// lists of worker-only and text keys are checked the same way. A binary's tests assert
     /// it is empty for the sections it registers.
     pub fn layout_problems(&self) -> Vec<String> {
         super::layout_problems(self)
+    }
+
+    /// The keys an entry of `key` may have (a key of [`Section::entry_shapes`], such as
+    /// `virtual.models` or `exec.tools`), below the entry; `None` when its entries have no
+    /// one shape. The configuration docs' entry tables are checked against it.
+    pub fn entry_keys(&self, key: &str) -> Option<Vec<String>> {
+        self.key_table()
+            .shapes
+            .get(key)
+            .map(|shape| shape.keys.iter().cloned().collect())
     }
 
     /// The daemons that read `key` (one of [`Sections::keys`], or an entry of an open map),
