@@ -856,7 +856,7 @@ fn describe_at(table: &str, error: &figment::Error) -> String {
             .chain(e.path.iter().map(String::as_str))
             .collect::<Vec<_>>()
             .join(".");
-        let what = simlock_contract::in_json_terms(&e.kind.to_string());
+        let what = in_config_terms(&simlock_contract::in_json_terms(&e.kind.to_string()));
         if key.is_empty() {
             parts.push(what)
         } else {
@@ -864,6 +864,21 @@ fn describe_at(table: &str, error: &figment::Error) -> String {
         }
     }
     parts.join("; ")
+}
+
+/// `message` with serde's name of a Rust type a table is read into (`expected struct
+/// PlatformLimit`) said as a table: the reader knows keys and tables, not our types.
+fn in_config_terms(message: &str) -> String {
+    const STRUCT: &str = "expected struct ";
+    match message.find(STRUCT) {
+        Some(at) => {
+            let name_end = message[at + STRUCT.len()..]
+                .find(|c: char| !c.is_ascii_alphanumeric() && c != '_')
+                .map_or(message.len(), |end| at + STRUCT.len() + end);
+            format!("{}expected a table{}", &message[..at], &message[name_end..])
+        }
+        None => message.to_owned(),
+    }
 }
 
 /// The `SIMLOCK_*` variables that are configuration, as figment's [`Env`] reads them from the
@@ -1170,6 +1185,16 @@ mod tests {
             err,
             "configuration: http.port: invalid type: found string \"many\", expected a whole number from 0 to 65535"
         );
+        // A table given a plain value is said as a table, not as the type it is read into.
+        let err = load_with(
+            "[lease]\nmaxTtlMs = 1",
+            &[("SIMLOCK_HTTP", "3")],
+            Mode::Worker,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("expected a table"), "{err}");
+        assert!(!err.contains("struct"), "{err}");
         let err = load_with(
             "[lease]\ndefaultTtlMs = 5000000\nmaxTtlMs = 60000",
             &[],
