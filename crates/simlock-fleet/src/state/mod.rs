@@ -1902,7 +1902,7 @@ impl Core {
 
     /// One lease by id as `viewer` may see it, for the read routes (`GET /v1/leases/{id}` and
     /// its events): the record the lease list shows. A lease the list does not show is answered
-    /// by the rule renew and release follow ([`Self::missing`]): another's lease the index holds
+    /// by the rule renew and release follow (`missing`): another's lease the index holds
     /// is `UNKNOWN_LEASE`; a miss is `UNKNOWN_LEASE` only when the worker the id names is
     /// connected and has reported its leases, else `WORKER_UNREACHABLE`.
     ///
