@@ -692,6 +692,7 @@ impl Exchange {
 
 async fn release_simlock_lease(pipeline: &Pipeline, ctx: CallCtx, lease: &LeaseId) {
     let input = LeaseIdInput {
+        reason: None,
         lease_id: lease.as_str().to_owned(),
     };
     match pipeline.call_typed::<LeaseRelease>(ctx, &input).await {

@@ -355,6 +355,7 @@ impl Client {
     /// `UNKNOWN_LEASE` when the lease is gone, or as [`Self::call`].
     pub async fn release(&self, lease_id: &str) -> Result<LeaseReleaseOutput, ContractError> {
         self.call::<LeaseRelease>(&LeaseIdInput {
+            reason: None,
             lease_id: lease_id.to_owned(),
         })
         .await

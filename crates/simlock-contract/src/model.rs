@@ -847,6 +847,25 @@ pub enum LeaseEndReason {
     Expired,
 }
 
+/// Why a release ends a lease: the reasons a caller may give `lease.release`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ReleaseReason {
+    /// Its holder let it go.
+    Explicit,
+    /// An operator ended it (`release-all`).
+    Killed,
+}
+
+impl From<ReleaseReason> for LeaseEndReason {
+    fn from(reason: ReleaseReason) -> Self {
+        match reason {
+            ReleaseReason::Explicit => Self::Explicit,
+            ReleaseReason::Killed => Self::Killed,
+        }
+    }
+}
+
 impl LeaseEndReason {
     /// Every reason.
     pub const ALL: [Self; 4] = [

@@ -20,8 +20,8 @@ use crate::error::ContractError;
 use crate::ids::SubscriptionId;
 use crate::model::{
     CapabilityStatus, Capacity, DaemonInfo, Device, DriverStatus, EventEnvelope, HostFacts,
-    LeaseGrant, LeaseLimits, LeaseRecord, Mode, Platform, PlatformCatalog, TokenRecord, TokenRole,
-    UplinkStatus, WaitingRequest, WorkerView,
+    LeaseGrant, LeaseLimits, LeaseRecord, Mode, Platform, PlatformCatalog, ReleaseReason,
+    TokenRecord, TokenRole, UplinkStatus, WaitingRequest, WorkerView,
 };
 use crate::protocol::{Hello, HelloReply, Role};
 
@@ -321,9 +321,29 @@ pub struct LeaseIdInput {
     /// The lease.
     #[garde(pattern(LEASE_ID_RE))]
     pub lease_id: String,
+    /// Why it ends: absent is `explicit` (its holder let it go); `killed` is an operator's
+    /// (admins only), as when a gateway carries out `lease.release-all` lease by lease.
+    #[garde(skip)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<ReleaseReason>,
 }
 
 impl Input for LeaseIdInput {}
+
+impl LeaseIdInput {
+    /// Whether `role` may release with this input's reason: `killed` is an admin's.
+    ///
+    /// # Errors
+    /// `FORBIDDEN` for an agent naming `killed`.
+    pub fn authorize(&self, role: Role) -> Result<(), ContractError> {
+        match self.reason {
+            Some(ReleaseReason::Killed) if role != Role::Admin => Err(ContractError::forbidden(
+                "Only an admin may release a lease with reason killed",
+            )),
+            _ => Ok(()),
+        }
+    }
+}
 
 /// `lease.cancel`.
 #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize, Validate)]

@@ -71,10 +71,13 @@ pub fn register(router: &mut Router, worker: &Arc<Worker>, gate: StartupGate) {
         async move { w.renew(&ctx, &input) }
     });
     let w = worker.clone();
-    router.handle::<LeaseRelease, _, _>(move |ctx: CallCtx, input| {
-        let w = w.clone();
-        async move { w.release(&ctx, &input.lease_id) }
-    });
+    router.handle_authorized::<LeaseRelease, _, _, _>(
+        Worker::authorize_release,
+        move |ctx, input| {
+            let w = w.clone();
+            async move { w.release(&ctx, &input.lease_id, input.reason) }
+        },
+    );
     let (w, auth) = (worker.clone(), worker.clone());
     router.handle_authorized::<LeaseCancel, _, _, _>(
         move |ctx, input| auth.authorize_cancel(ctx, input.requester_id.as_deref()),

@@ -1677,17 +1677,18 @@ impl State {
         Ok(lease)
     }
 
-    /// Releases a lease the caller owns (admins: any). `except` is the releasing connection,
-    /// which gets no `lease-lost` for it.
+    /// Releases a lease the caller owns (admins: any) for `reason`. `except` is the releasing
+    /// connection, which gets no `lease-lost` for it.
     pub(crate) fn release(
         &mut self,
         lease_id: &str,
+        reason: LeaseEndReason,
         caller: Caller<'_>,
         except: Option<u64>,
         now: i64,
     ) -> Result<LeaseRecord, CoreError> {
         self.visible(lease_id, caller)?;
-        self.end_lease(lease_id, LeaseEndReason::Explicit, except, now)
+        self.end_lease(lease_id, reason, except, now)
             .ok_or_else(|| CoreError::UnknownLease(lease_id.to_owned()))
     }
 

@@ -16,13 +16,14 @@ use serde_json::json;
 use simlock_contract::ContractError;
 use simlock_contract::ids::RequestId;
 use simlock_contract::model::{
-    Capacity, Connection, DaemonInfo, Device, Health, HostFacts, LeaseGrant, LeaseLimits,
-    LeaseRecord, Mode, Platform, RequestedDevice, WaitingRequest, WorkerView,
+    Capacity, Connection, DaemonInfo, Device, Health, HostFacts, LeaseEndReason, LeaseGrant,
+    LeaseLimits, LeaseRecord, Mode, Platform, ReleaseReason, RequestedDevice, WaitingRequest,
+    WorkerView,
 };
 use simlock_contract::ops::{
-    CatalogOutput, ConfigView, ExecInput, ExecOutput, LeaseCancelOutput, LeaseListOutput,
-    LeaseReleaseOutput, LeaseRenewInput, LeaseRequestInput, ListKind, ListOutput, ReleaseAllOutput,
-    StatusOutput,
+    CatalogOutput, ConfigView, ExecInput, ExecOutput, LeaseCancelOutput, LeaseIdInput,
+    LeaseListOutput, LeaseReleaseOutput, LeaseRenewInput, LeaseRequestInput, ListKind, ListOutput,
+    ReleaseAllOutput, StatusOutput,
 };
 use simlock_contract::protocol::Role;
 use simlock_contract::push::Push;
@@ -755,7 +756,17 @@ impl Worker {
         })?)
     }
 
-    /// `lease.release`: the caller's connection gets no `lease-lost` for it.
+    /// Who may give `lease.release` a reason: `killed` is an operator's (an admin's, the
+    /// gateway's uplink carrying out its `lease.release-all` included).
+    ///
+    /// # Errors
+    /// `FORBIDDEN` for an agent naming `killed`.
+    pub fn authorize_release(ctx: &CallCtx, input: &LeaseIdInput) -> Result<(), ContractError> {
+        input.authorize(ctx.role)
+    }
+
+    /// `lease.release`, with reason `explicit` unless `reason` says otherwise: the caller's
+    /// connection gets no `lease-lost` for it.
     ///
     /// # Errors
     /// `UNKNOWN_LEASE` for a lease the caller cannot see.
@@ -763,11 +774,13 @@ impl Worker {
         &self,
         ctx: &CallCtx,
         lease_id: &str,
+        reason: Option<ReleaseReason>,
     ) -> Result<LeaseReleaseOutput, ContractError> {
         let caller = Self::caller(ctx);
         let except = ctx.connection_id();
+        let reason = reason.map_or(LeaseEndReason::Explicit, LeaseEndReason::from);
         let lease =
-            self.decide(|shared, now| shared.state.release(lease_id, caller, except, now))?;
+            self.decide(|shared, now| shared.state.release(lease_id, reason, caller, except, now))?;
         Ok(LeaseReleaseOutput {
             lease_id: lease.id.into_string(),
         })

@@ -437,6 +437,50 @@ async fn a_gateway_restart_keeps_every_lease() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_gateway_restart_a_lease_whose_worker_is_not_back_reads_as_unreachable_not_gone() {
+    let config = gateway_config();
+    let mut fleet = TestFleet::start(config.clone()).await;
+    fleet.add_worker(worker_config(2)).await;
+    let worker_id = fleet.worker_id(0);
+    let agent = fleet.agent("agent-0").await;
+    let grant = agent
+        .call("lease.request", json!({"platform": "ios"}))
+        .await
+        .unwrap();
+    let lease_id = lease_id(&grant);
+    drop(agent);
+    // The worker is away (its lease stays on its disk) while the gateway restarts.
+    fleet.stop_worker(0).await;
+    fleet.restart_gateway(config).await;
+    // What `GET /v1/leases/{id}` and its events read.
+    let ctx = simlock_daemon::context::CallCtx::http(
+        "agent-0".into(),
+        simlock_contract::Role::Agent,
+        None,
+    );
+    let read = fleet
+        .gateway()
+        .running
+        .pipeline
+        .lease(ctx, &lease_id)
+        .await
+        .unwrap_err();
+    assert_eq!(read.code, ErrorCode::WorkerUnreachable, "{read:?}");
+    let session = fleet.agent("agent-0").await;
+    let renew = session
+        .call("lease.renew", json!({"leaseId": lease_id}))
+        .await
+        .unwrap_err();
+    assert_eq!(
+        (read.code, read.message.clone()),
+        (renew.code, renew.message),
+        "the read answers as renew does"
+    );
+    assert_eq!(read.details.unwrap()["workerId"], worker_id.as_str());
+    fleet.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_drained_worker_takes_no_new_lease_and_still_serves_its_own() {
     let mut fleet = TestFleet::start(gateway_config()).await;
     fleet.add_worker(worker_config(3)).await;
@@ -1244,7 +1288,7 @@ async fn a_waiting_request_times_out_or_is_cancelled_through_the_gateway() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn release_all_through_the_gateway_ends_only_the_gateways_leases() {
+async fn release_all_through_the_gateway_ends_only_the_gateways_leases_each_as_killed() {
     let mut fleet = TestFleet::start(gateway_config()).await;
     fleet.add_worker(worker_config(3)).await;
     fleet.add_worker(worker_config(3)).await;
@@ -1262,9 +1306,17 @@ async fn release_all_through_the_gateway_ends_only_the_gateways_leases() {
         .call("lease.request", json!({"platform": "android"}))
         .await
         .unwrap();
+    let mut subscribed = subscriber(&fleet).await;
     let operator = fleet.operator().await;
     let released = operator.call("lease.release-all", json!({})).await.unwrap();
     assert_eq!(released["leaseIds"].as_array().unwrap().len(), 3);
+    for _ in 0..3 {
+        let ended = relayed(&mut subscribed, "lease.released", None).await;
+        assert_eq!(
+            ended.payload["reason"], "killed",
+            "an operator's release-all ends each lease as killed, as on a worker"
+        );
+    }
     let left: Vec<String> = fleet
         .worker(0)
         .worker

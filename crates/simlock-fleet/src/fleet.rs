@@ -526,6 +526,7 @@ impl Fleet {
         tokio::spawn(async move {
             info!(worker = %conn.worker_id, lease = %worker_lease_id, "releasing a lease granted to a request nobody waits for");
             let input = LeaseIdInput {
+                reason: None,
                 lease_id: worker_lease_id.clone(),
             };
             let outcome = tokio::time::timeout(bound, conn.client.call::<LeaseRelease>(&input))

@@ -58,10 +58,13 @@ pub fn register(
         async move { f.renew(&ctx, input).await }
     });
     let f = fleet.clone();
-    router.handle::<LeaseRelease, _, _>(move |ctx, input| {
-        let f = f.clone();
-        async move { f.release(&ctx, &input.lease_id).await }
-    });
+    router.handle_authorized::<LeaseRelease, _, _, _>(
+        |ctx, input| input.authorize(ctx.role),
+        move |ctx, input| {
+            let f = f.clone();
+            async move { f.release(&ctx, &input.lease_id, input.reason).await }
+        },
+    );
     let (f, authorize) = (fleet.clone(), fleet.clone());
     router.handle_authorized::<LeaseCancel, _, _, _>(
         move |ctx, input| {
@@ -89,6 +92,8 @@ pub fn register(
         let leases = f.leases(&ctx);
         async move { Ok(LeaseListOutput { leases }) }
     });
+    let f = fleet.clone();
+    router.lease_lookup(move |ctx, lease_id| f.lease_seen(ctx, lease_id));
     let f = fleet.clone();
     router.handle::<LeaseReleaseAll, _, _>(move |ctx, _| {
         let f = f.clone();

@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use simlock_contract::model::LeaseRecord;
+use simlock_contract::model::{LeaseEndReason, LeaseRecord, ReleaseReason};
 use simlock_contract::ops::{
     DeviceExec, ExecInput, ExecOutput, LeaseIdInput, LeaseRelease, LeaseReleaseOutput, LeaseRenew,
     LeaseRenewInput,
@@ -65,7 +65,8 @@ impl Fleet {
             .map_err(ContractError::from)
     }
 
-    /// `lease.release` through the gateway.
+    /// `lease.release` through the gateway, for `reason` (absent: `explicit`), which travels
+    /// to the worker with the call.
     ///
     /// # Errors
     /// `UNKNOWN_LEASE`, `WORKER_UNREACHABLE`, or the worker's error.
@@ -73,14 +74,20 @@ impl Fleet {
         &self,
         ctx: &CallCtx,
         lease_id: &str,
+        reason: Option<ReleaseReason>,
     ) -> Result<LeaseReleaseOutput, ContractError> {
-        self.release_as(caller(ctx), lease_id)
+        self.release_as(caller(ctx), lease_id, reason)
             .await
             .map(|lease_id| LeaseReleaseOutput { lease_id })
             .map_err(ContractError::from)
     }
 
-    async fn release_as(&self, caller: Caller<'_>, lease_id: &str) -> Result<String, FleetError> {
+    async fn release_as(
+        &self,
+        caller: Caller<'_>,
+        lease_id: &str,
+        reason: Option<ReleaseReason>,
+    ) -> Result<String, FleetError> {
         let target = self.decide(|shared, _| shared.core.handle_release_sent(lease_id, caller))?;
         // A caller that hangs up before the worker answers drops this future: the core hears it.
         let abandoned = Abandoned {
@@ -90,16 +97,23 @@ impl Fleet {
         };
         let input = LeaseIdInput {
             lease_id: target.worker_lease_id.clone(),
+            reason,
         };
         let outcome = self
             .call_worker::<LeaseRelease>(&target, &input)
             .await
             .map(|_| ());
         abandoned.answered();
-        self.decide(|shared, now| shared.core.handle_release_answered(&target, outcome, now))
+        let reason = reason.map_or(LeaseEndReason::Explicit, LeaseEndReason::from);
+        self.decide(|shared, now| {
+            shared
+                .core
+                .handle_release_answered(&target, reason, outcome, now)
+        })
     }
 
-    /// `lease.release-all` through the gateway: every lease it issued.
+    /// `lease.release-all` through the gateway: every lease it issued, each released on its
+    /// worker with reason `killed`, as a worker's own `lease.release-all` ends them.
     ///
     /// # Errors
     /// `WORKER_UNREACHABLE` with `details.releasedLeaseIds` when some could not be released.
@@ -108,7 +122,10 @@ impl Fleet {
         let mut released = Vec::new();
         let mut failed: Option<FleetError> = None;
         for id in ids {
-            match self.release_as(caller(ctx), &id).await {
+            match self
+                .release_as(caller(ctx), &id, Some(ReleaseReason::Killed))
+                .await
+            {
                 Ok(id) => released.push(id),
                 Err(FleetError::UnknownLease(_)) => {}
                 Err(err) => {
@@ -197,6 +214,19 @@ impl Fleet {
             }
             .into()),
         }
+    }
+
+    /// One lease by id as the caller may see it (`GET /v1/leases/{id}` and its events): the
+    /// core's [`crate::state::Core::lease_seen`].
+    ///
+    /// # Errors
+    /// `UNKNOWN_LEASE`, or `WORKER_UNREACHABLE` while the worker its id names has not reported.
+    pub fn lease_seen(&self, ctx: &CallCtx, lease_id: &str) -> Result<LeaseRecord, ContractError> {
+        self.shared
+            .lock()
+            .core
+            .lease_seen(lease_id, ctx.viewer())
+            .map_err(ContractError::from)
     }
 
     /// Every lease on every worker, projected: the gateway's own with their gateway ids (listed

@@ -132,7 +132,13 @@ fn release(state: &mut State, grant: &LeaseGrant, now: i64) {
         admin: false,
     };
     state
-        .release(grant.lease.id.as_str(), caller, None, now)
+        .release(
+            grant.lease.id.as_str(),
+            LeaseEndReason::Explicit,
+            caller,
+            None,
+            now,
+        )
         .unwrap();
 }
 

@@ -74,6 +74,7 @@ async fn idle_devices_are_shut_down_then_deleted_and_leased_ones_never_touched()
     h.call::<LeaseRelease>(
         agent("agent-a"),
         &LeaseIdInput {
+            reason: None,
             lease_id: idle.lease.id.to_string(),
         },
     )
@@ -113,7 +114,7 @@ async fn a_shutdown_device_is_booted_for_a_request_of_its_spec() {
     let mut events = h.bus.follow();
     let first = h.lease("agent-a", ios()).await.unwrap();
     h.worker
-        .release(&agent("agent-a"), first.lease.id.as_str())
+        .release(&agent("agent-a"), first.lease.id.as_str(), None)
         .unwrap();
     next_event(&mut events, "device.shutdown").await;
     let (ctx, mut pushes) = agent_with_pushes("agent-b");
@@ -142,9 +143,15 @@ async fn a_full_worker_evicts_its_least_recently_used_idle_device_of_another_spe
     let release = |principal: &'static str, lease_id: String| {
         let h = &h;
         async move {
-            h.call::<LeaseRelease>(agent(principal), &LeaseIdInput { lease_id })
-                .await
-                .unwrap()
+            h.call::<LeaseRelease>(
+                agent(principal),
+                &LeaseIdInput {
+                    reason: None,
+                    lease_id,
+                },
+            )
+            .await
+            .unwrap()
         }
     };
     // The tablet goes idle first, so it is the least recently used.

@@ -150,6 +150,7 @@ async fn a_quarantined_device_and_a_leases_access_survive_a_restart() {
         .call::<simlock_contract::ops::LeaseRelease>(
             agent("agent-b"),
             &simlock_contract::ops::LeaseIdInput {
+                reason: None,
                 lease_id: released.lease.id.to_string(),
             },
         )

@@ -120,6 +120,7 @@ async fn waiting_requests_are_granted_in_fifo_order_as_devices_free() {
     h.call::<LeaseRelease>(
         agent("agent-a"),
         &LeaseIdInput {
+            reason: None,
             lease_id: a.lease.id.to_string(),
         },
     )
@@ -152,6 +153,7 @@ async fn waiting_requests_are_granted_in_fifo_order_as_devices_free() {
     h.call::<LeaseRelease>(
         agent("agent-b"),
         &LeaseIdInput {
+            reason: None,
             lease_id: b.lease.id.to_string(),
         },
     )
@@ -386,6 +388,7 @@ async fn idempotency_keys_replay_conflict_and_belong_to_their_principal() {
     h.call::<LeaseRelease>(
         agent("agent-a"),
         &LeaseIdInput {
+            reason: None,
             lease_id: first.lease.id.to_string(),
         },
     )
@@ -589,6 +592,7 @@ async fn release_reclaims_the_device_and_reports_who_owned_it() {
         .call::<LeaseRelease>(
             agent("agent-b"),
             &LeaseIdInput {
+                reason: None,
                 lease_id: grant.lease.id.to_string(),
             },
         )
@@ -603,6 +607,7 @@ async fn release_reclaims_the_device_and_reports_who_owned_it() {
         .call::<LeaseRelease>(
             agent("agent-a"),
             &LeaseIdInput {
+                reason: None,
                 lease_id: grant.lease.id.to_string(),
             },
         )
@@ -655,6 +660,7 @@ async fn a_module_ends_its_part_of_a_lease_before_the_device_is_wiped() {
     h.call::<LeaseRelease>(
         agent("agent-a"),
         &LeaseIdInput {
+            reason: None,
             lease_id: grant.lease.id.to_string(),
         },
     )
@@ -682,6 +688,7 @@ async fn a_module_that_never_ends_its_part_holds_the_reclaim_only_to_its_bound()
     h.call::<LeaseRelease>(
         agent("agent-a"),
         &LeaseIdInput {
+            reason: None,
             lease_id: grant.lease.id.to_string(),
         },
     )

@@ -129,7 +129,7 @@ async fn devices_caught_mid_transition_converge_at_start() {
     next_push(&mut pushes).await;
     first
         .worker
-        .release(&agent("agent-a"), grant.lease.id.as_str())
+        .release(&agent("agent-a"), grant.lease.id.as_str(), None)
         .unwrap();
     next_event(&mut events, "lease.released").await;
     let states: Vec<DeviceState> = first.worker.devices().iter().map(|d| d.state).collect();

@@ -74,6 +74,7 @@ async fn lease_lost_reaches_the_owners_other_connections_not_the_releasing_one()
 
     // Released on A: B hears of it, A does not.
     a.call::<LeaseRelease>(&LeaseIdInput {
+        reason: None,
         lease_id: first.lease.id.to_string(),
     })
     .await
@@ -91,6 +92,7 @@ async fn lease_lost_reaches_the_owners_other_connections_not_the_releasing_one()
 
     // Released on B: A hears of this one, and it is the first notice A gets.
     b.call::<LeaseRelease>(&LeaseIdInput {
+        reason: None,
         lease_id: second.lease.id.to_string(),
     })
     .await

@@ -569,7 +569,15 @@ async fn route(
         }
         (&Method::DELETE, ["leases", id]) => {
             let lease_id = (*id).to_owned();
-            run::<LeaseRelease>(app, &caller, &LeaseIdInput { lease_id }).await
+            run::<LeaseRelease>(
+                app,
+                &caller,
+                &LeaseIdInput {
+                    reason: None,
+                    lease_id,
+                },
+            )
+            .await
         }
         (&Method::POST, ["leases", id, "exec"]) => {
             let id = (*id).to_owned();
@@ -810,14 +818,7 @@ async fn visible_lease(
     // An id that is no lease id is refused as renew and release refuse it, not looked up (nor
     // echoed back whole in a 404).
     simlock_contract::decode_input::<LeaseIdInput>(Some(json!({ "leaseId": id })))?;
-    let list = app
-        .pipeline
-        .call_typed::<LeaseList>(caller_ctx(caller, None), &Empty {})
-        .await?;
-    list.leases
-        .into_iter()
-        .find(|lease| lease.id.as_str() == id)
-        .ok_or_else(|| ContractError::unknown_lease(id))
+    app.pipeline.lease(caller_ctx(caller, None), id).await
 }
 
 async fn lease_events(

@@ -1900,6 +1900,32 @@ impl Core {
         }
     }
 
+    /// One lease by id as `viewer` may see it, for the read routes (`GET /v1/leases/{id}` and
+    /// its events): the record the lease list shows. A lease the list does not show is answered
+    /// by the rule renew and release follow (`missing`): another's lease the index holds
+    /// is `UNKNOWN_LEASE`; a miss is `UNKNOWN_LEASE` only when the worker the id names is
+    /// connected and has reported its leases, else `WORKER_UNREACHABLE`.
+    ///
+    /// # Errors
+    /// `UNKNOWN_LEASE`, `WORKER_UNREACHABLE`.
+    pub fn lease_seen(
+        &self,
+        lease_id: &str,
+        viewer: Viewer<'_>,
+    ) -> Result<LeaseRecord, FleetError> {
+        if let Some(lease) = self
+            .leases(viewer)
+            .into_iter()
+            .find(|lease| lease.id.as_str() == lease_id)
+        {
+            return Ok(lease);
+        }
+        if self.index.get(lease_id).is_some() {
+            return Err(FleetError::UnknownLease(lease_id.to_owned()));
+        }
+        Err(self.missing(lease_id))
+    }
+
     fn target(&self, entry: &Entry) -> Result<LeaseTarget, FleetError> {
         let generation = self
             .live_generation(&entry.worker_id)
@@ -2020,14 +2046,15 @@ impl Core {
         }
     }
 
-    /// The worker answered a release: the lease ends (its owner's other connections hear it
-    /// once); `UNKNOWN_LEASE` means it was gone already.
+    /// The worker answered a release for `reason`: the lease ends (its owner's other
+    /// connections hear it once, with that reason); `UNKNOWN_LEASE` means it was gone already.
     ///
     /// # Errors
     /// `UNKNOWN_LEASE`, `WORKER_UNREACHABLE`, or the worker's error.
     pub fn handle_release_answered(
         &mut self,
         target: &LeaseTarget,
+        reason: LeaseEndReason,
         outcome: Result<(), FleetError>,
         now: i64,
     ) -> Result<String, FleetError> {
@@ -2039,7 +2066,7 @@ impl Core {
                     .index
                     .end(&target.worker_id, &target.worker_lease_id, at)
                 {
-                    self.notify_lost(&entry, LeaseEndReason::Explicit, except);
+                    self.notify_lost(&entry, reason, except);
                 }
                 self.dispatch(now);
                 Ok(target.lease_id.clone())

@@ -909,6 +909,7 @@ impl Sim {
                     self.releasing.remove(&target.lease_id);
                     let outcome = self.core.handle_release_answered(
                         &target,
+                        LeaseEndReason::Explicit,
                         Err(FleetError::from_worker(&worker_id, lost)),
                         now,
                     );
@@ -1139,6 +1140,7 @@ impl Sim {
                 self.releasing.remove(&target.lease_id);
                 let outcome = self.core.handle_release_answered(
                     &target,
+                    LeaseEndReason::Explicit,
                     outcome.map_err(|e| FleetError::from_worker(&worker_id, e)),
                     now,
                 );
@@ -1679,7 +1681,9 @@ impl Sim {
         let err = FleetError::unreachable(&target.worker_id);
         if release {
             self.releasing.remove(&target.lease_id);
-            let outcome = self.core.handle_release_answered(&target, Err(err), now);
+            let outcome =
+                self.core
+                    .handle_release_answered(&target, LeaseEndReason::Explicit, Err(err), now);
             self.drain()?;
             self.released(a, &target, outcome)
         } else {

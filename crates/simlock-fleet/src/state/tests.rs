@@ -314,7 +314,8 @@ fn a_view_read_before_a_release_does_not_bring_the_lease_back() {
     let sent = refresh_sent(&core.take_effects()).unwrap();
     // ... then the release is answered ...
     let target = core.handle_release_sent(&lease_id, agent()).unwrap();
-    core.handle_release_answered(&target, Ok(()), T0).unwrap();
+    core.handle_release_answered(&target, LeaseEndReason::Explicit, Ok(()), T0)
+        .unwrap();
     let effects = core.take_effects();
     assert!(
         effects.iter().any(|e| matches!(
@@ -713,6 +714,80 @@ fn a_lookup_answers_unknown_only_when_the_gateway_can_vouch_for_it() {
     assert!(
         core.lease(&lease_id).is_some(),
         "a lost uplink ends no lease"
+    );
+}
+
+#[test]
+fn a_read_of_a_lease_answers_as_renew_does_while_its_worker_has_not_reported_since_a_restart() {
+    // The gateway restarted: it knows w1 from its store, and w1 has not reconnected.
+    let stored = KnownWorker {
+        id: "w1".into(),
+        label: Some("one".into()),
+        seen_at: T0 - 1000,
+        connected: true,
+    };
+    let mut core = Core::new(settings(), Vec::new(), vec![stored], T0);
+    let lease_id = "w1.lse_0123456789abcdef0123456789abcdef";
+    let viewer = agent().viewer();
+    let unreachable = |read: Result<LeaseRecord, FleetError>| {
+        matches!(read, Err(FleetError::WorkerUnreachable { worker_id, message })
+            if worker_id == "w1" && message == "Worker w1 is not connected to this gateway")
+    };
+    assert!(unreachable(core.lease_seen(lease_id, viewer)), "not gone");
+    assert!(matches!(
+        core.lease_target(lease_id, agent()),
+        Err(FleetError::WorkerUnreachable { worker_id, .. }) if worker_id == "w1"
+    ));
+    assert!(
+        matches!(
+            core.lease_seen("w9.lse_none", viewer),
+            Err(FleetError::WorkerUnreachable { worker_id, message })
+                if worker_id == "w9" && message.starts_with("No worker w9 is known to this gateway")
+        ),
+        "a worker it does not know either"
+    );
+
+    // Its uplink is open but its handshake has not passed: it has not reported yet.
+    let generation = core.handle_uplink_opened("w1", Some("one".into()), "tok_j".into(), T0 + 1);
+    assert!(
+        unreachable(core.lease_seen(lease_id, viewer)),
+        "not reported"
+    );
+
+    // It reported, without that lease: now the gateway can vouch that it is gone.
+    let sent = core.handle_probe_sent();
+    core.handle_connected(generation, "v".into(), &status(Vec::new(), 1), sent, T0 + 2);
+    assert_eq!(
+        core.lease_seen(lease_id, viewer),
+        Err(FleetError::UnknownLease(lease_id.to_owned()))
+    );
+    assert!(matches!(
+        core.lease_target(lease_id, agent()),
+        Err(FleetError::UnknownLease(_))
+    ));
+}
+
+#[test]
+fn a_read_of_a_lease_shows_it_to_its_owner_and_to_nobody_else() {
+    let (mut core, generation) = fleet(1);
+    let lease_id = granted(&mut core, generation);
+    let seen = core.lease_seen(&lease_id, agent().viewer()).unwrap();
+    assert_eq!(seen.id.as_str(), lease_id);
+    assert_eq!(seen.worker_id.as_deref(), Some("w1"));
+    let stranger = Caller {
+        principal: "stranger",
+        admin: false,
+        connection: None,
+    };
+    assert_eq!(
+        core.lease_seen(&lease_id, stranger.viewer()),
+        Err(FleetError::UnknownLease(lease_id.clone()))
+    );
+    core.handle_uplink_closed(generation, T0);
+    assert_eq!(
+        core.lease_seen(&lease_id, agent().viewer()).map(|l| l.id),
+        Ok(seen.id),
+        "a lease the index holds is shown while its worker is away, as the list shows it"
     );
 }
 
@@ -1354,7 +1429,8 @@ fn a_release_abandoned_on_one_connection_keeps_the_one_sent_since_on_another() {
     // The first caller hangs up; the second's release is still under way, and answered.
     core.handle_release_abandoned(&first, agent().connection);
     core.take_effects();
-    core.handle_release_answered(&second, Ok(()), T0).unwrap();
+    core.handle_release_answered(&second, LeaseEndReason::Explicit, Ok(()), T0)
+        .unwrap();
     let lost: Vec<_> = core
         .take_effects()
         .into_iter()
@@ -1523,7 +1599,7 @@ fn an_admin_may_act_on_a_lease_made_on_a_worker_directly_and_an_agent_may_not() 
     // Released there, it ends without an index entry to forget.
     let target = core.handle_release_sent("lse_d", admin).unwrap();
     assert_eq!(
-        core.handle_release_answered(&target, Ok(()), T0 + 1),
+        core.handle_release_answered(&target, LeaseEndReason::Explicit, Ok(()), T0 + 1),
         Ok("lse_d".to_owned())
     );
 }
