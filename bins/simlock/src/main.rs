@@ -445,12 +445,10 @@ async fn env(json: bool, client: &Client, lease_id: &str) -> Result<u8, Contract
     // A malformed id is refused as renew and release refuse it, not looked for.
     let named = LeaseIdInput {
         lease_id: lease_id.to_owned(),
+        reason: None,
     };
     simlock_contract::decode_input::<LeaseIdInput>(serde_json::to_value(&named).ok())?;
-    let leases = client.leases().await?.leases;
-    let Some(lease) = leases.into_iter().find(|l| l.id.as_str() == lease_id) else {
-        return Err(ContractError::unknown_lease(lease_id));
-    };
+    let lease = client.lease(lease_id).await?;
     let Some(access) = &lease.access else {
         return Err(ContractError::new(
             ErrorCode::Internal,

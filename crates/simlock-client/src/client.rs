@@ -333,6 +333,33 @@ impl Client {
         self.call::<LeaseList>(&Empty {}).await
     }
 
+    /// One lease, as [`Self::leases`] shows it. Over HTTP, `GET /v1/leases/{id}`: through a
+    /// gateway that restarted, a lease whose worker has not reported again answers
+    /// `WORKER_UNREACHABLE`, not `UNKNOWN_LEASE`. On the socket, the list searched.
+    ///
+    /// # Errors
+    /// `UNKNOWN_LEASE` when this caller sees no such lease, or as [`Self::call`].
+    pub async fn lease(&self, lease_id: &str) -> Result<LeaseRecord, ContractError> {
+        match &self.backend {
+            Backend::Http(http) => {
+                let path = format!("/v1/leases/{}", crate::http::segment(lease_id));
+                let mut answer = http.json(http::Method::GET, &path, None, &[]).await?;
+                serde_json::from_value(answer["lease"].take()).map_err(|e| {
+                    ContractError::internal(format!(
+                        "the daemon answered {path} with no lease: {e}"
+                    ))
+                })
+            }
+            Backend::Wire(_) => self
+                .leases()
+                .await?
+                .leases
+                .into_iter()
+                .find(|lease| lease.id.as_str() == lease_id)
+                .ok_or_else(|| ContractError::unknown_lease(lease_id)),
+        }
+    }
+
     /// `lease.renew`; `ttl_ms` absent keeps the lease's recorded width.
     ///
     /// # Errors

@@ -39,6 +39,25 @@ async fn typed_calls_answer_over_http() {
 }
 
 #[tokio::test]
+async fn one_lease_is_read_by_its_route_over_http() {
+    let fake = http_fake().await;
+    let agent = http_client(&fake, fake.agent_token());
+    let grant = guard(agent.request_lease(
+        LeaseRequestInput::for_platform(Platform::Ios),
+        |_| {},
+        std::future::pending(),
+    ))
+    .await
+    .unwrap();
+    let lease = guard(agent.lease(grant.lease.id.as_str())).await.unwrap();
+    assert_eq!(lease.id, grant.lease.id);
+    let err = guard(agent.lease("lse_nope")).await.unwrap_err();
+    assert_eq!(err.code, ErrorCode::UnknownLease);
+    let err = guard(agent.lease("bad id!")).await.unwrap_err();
+    assert_eq!(err.code, ErrorCode::BadRequest);
+}
+
+#[tokio::test]
 async fn errors_keep_their_details_over_http() {
     let fake = http_fake().await;
     let agent = http_client(&fake, fake.agent_token());
