@@ -57,8 +57,13 @@ pub enum FleetError {
     #[error("idempotency conflict")]
     IdempotencyConflict,
     /// The request waited in the fleet queue past its timeout.
-    #[error("request {0} timed out")]
-    QueueTimeout(RequestId),
+    #[error("request {request_id} timed out")]
+    QueueTimeout {
+        /// The request.
+        request_id: RequestId,
+        /// The `timeoutMs` it asked for, when it named one.
+        timeout_ms: Option<u64>,
+    },
     /// No worker can take the request now (`message` says which way).
     #[error("{0}")]
     NoCapacity(&'static str),
@@ -230,9 +235,17 @@ impl From<FleetError> for ContractError {
                 ErrorCode::IdempotencyConflict,
                 "The idempotency key was used for a different request",
             ),
-            FleetError::QueueTimeout(request_id) => Self::new(
+            FleetError::QueueTimeout {
+                request_id,
+                timeout_ms,
+            } => Self::new(
                 ErrorCode::QueueTimeout,
-                format!("Request {request_id} waited past its timeout"),
+                match timeout_ms {
+                    Some(ms) => {
+                        format!("Request {request_id} got no device within timeoutMs ({ms} ms)")
+                    }
+                    None => format!("Request {request_id} waited past its timeout"),
+                },
             )
             .with_details(json!({ "requestId": request_id })),
             FleetError::NoCapacity(message) => Self::new(ErrorCode::NoCapacity, message),
@@ -323,6 +336,21 @@ mod tests {
         assert_eq!(lost.details.unwrap()["workerId"], "w1");
         let answer = ContractError::new(ErrorCode::NoCapacity, "full");
         assert_eq!(from_worker("w1", answer.clone()), answer);
+    }
+
+    #[test]
+    fn a_queue_timeout_is_worded_as_a_workers_naming_its_timeout() {
+        let timed_out: ContractError = FleetError::QueueTimeout {
+            request_id: RequestId::from_raw("req_1"),
+            timeout_ms: Some(2000),
+        }
+        .into();
+        assert_eq!(timed_out.code, ErrorCode::QueueTimeout);
+        assert_eq!(
+            timed_out.message,
+            "Request req_1 got no device within timeoutMs (2000 ms)"
+        );
+        assert_eq!(timed_out.details.unwrap()["requestId"], "req_1");
     }
 
     #[test]

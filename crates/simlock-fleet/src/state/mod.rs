@@ -1558,7 +1558,11 @@ impl Core {
                 continue;
             };
             if waiter.deadline.is_some_and(|d| d <= now) {
-                self.answer(&id, Err(FleetError::QueueTimeout(id.clone())), now);
+                let timeout = FleetError::QueueTimeout {
+                    request_id: id.clone(),
+                    timeout_ms: waiter.input.timeout_ms,
+                };
+                self.answer(&id, Err(timeout), now);
                 continue;
             }
             let views: Vec<&WorkerView> = self.workers.values().map(|w| &w.view).collect();
