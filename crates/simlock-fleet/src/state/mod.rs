@@ -671,11 +671,17 @@ impl Core {
     }
 
     /// Every request waiting, as far as `viewer` may see them: the fleet queue's (an agent its
-    /// own), then each worker's own with its worker's id (an agent only those the gateway
+    /// own), then each connected worker's own with its worker's id (an agent only those the gateway
     /// forwarded for a pending request of its own).
     pub fn all_waiting(&self, viewer: Viewer<'_>) -> Vec<WaitingRequest> {
         let mut waiting = self.waiting_seen_by(viewer);
-        for view in self.view_refs() {
+        // A worker that is away says nothing of what waits on it now: the gateway's forward of
+        // a request to it has failed, and a worker that restarts ends its waiting requests. Its
+        // last report stays in its own view only.
+        let connected = self
+            .view_refs()
+            .filter(|view| view.connection == Connection::Connected);
+        for view in connected {
             for w in view.waiting.as_deref().unwrap_or_default() {
                 if self.may_see_forwarded(viewer, &w.requester_id) {
                     let mut w = w.clone();

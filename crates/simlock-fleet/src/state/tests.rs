@@ -1300,6 +1300,18 @@ fn an_agent_sees_only_its_own_leases_and_requests_in_the_workers_views_and_the_w
         .map(|l| l.id.to_string())
         .collect();
     assert_eq!(listed, ["w1.lse_a", "lse_direct"]);
+
+    // Once the worker is away, what it last reported waiting is no longer said to wait (its
+    // forward failed, a restart ends it); its view keeps its last report.
+    core.handle_uplink_closed(generation, T0 + 1);
+    core.take_effects();
+    let still: Vec<String> = core
+        .all_waiting(admin)
+        .into_iter()
+        .map(|w| w.id.to_string())
+        .collect();
+    assert!(!still.iter().any(|id| id.starts_with("req_w")), "{still:?}");
+    assert_eq!(core.views()[0].waiting.as_deref().map(<[_]>::len), Some(2));
 }
 
 /// A read of `w1` whose status lists `agent-device` as `available` (with `reason` when not),
