@@ -232,8 +232,9 @@ async fn upload(
     if let Some(lease) = &target.lease {
         headers.push(("x-agent-device-lease-id".to_owned(), lease.clone()));
     }
-    let put_started = Instant::now();
+    // The counters are read outside the PUT's time.
     let before = Counters::read(&target.daemon_pid);
+    let put_started = Instant::now();
     let put = send(Method::PUT, url, headers, streamed(piece.clone()))
         .await
         .unwrap();
