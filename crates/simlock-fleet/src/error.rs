@@ -61,8 +61,8 @@ pub enum FleetError {
     QueueTimeout {
         /// The request.
         request_id: RequestId,
-        /// The `timeoutMs` it asked for, when it named one.
-        timeout_ms: Option<u64>,
+        /// The `timeoutMs` it asked for.
+        timeout_ms: u64,
     },
     /// No worker can take the request now (`message` says which way).
     #[error("{0}")]
@@ -240,12 +240,7 @@ impl From<FleetError> for ContractError {
                 timeout_ms,
             } => Self::new(
                 ErrorCode::QueueTimeout,
-                match timeout_ms {
-                    Some(ms) => {
-                        format!("Request {request_id} got no device within timeoutMs ({ms} ms)")
-                    }
-                    None => format!("Request {request_id} waited past its timeout"),
-                },
+                format!("Request {request_id} got no device within timeoutMs ({timeout_ms} ms)"),
             )
             .with_details(json!({ "requestId": request_id })),
             FleetError::NoCapacity(message) => Self::new(ErrorCode::NoCapacity, message),
@@ -342,7 +337,7 @@ mod tests {
     fn a_queue_timeout_is_worded_as_a_workers_naming_its_timeout() {
         let timed_out: ContractError = FleetError::QueueTimeout {
             request_id: RequestId::from_raw("req_1"),
-            timeout_ms: Some(2000),
+            timeout_ms: 2000,
         }
         .into();
         assert_eq!(timed_out.code, ErrorCode::QueueTimeout);

@@ -1563,10 +1563,15 @@ impl Core {
             let Some(waiter) = self.queue.get(&id) else {
                 continue;
             };
-            if waiter.deadline.is_some_and(|d| d <= now) {
+            // A deadline is the request's timeoutMs from when it came.
+            if let Some(timeout_ms) = waiter
+                .input
+                .timeout_ms
+                .filter(|_| waiter.deadline.is_some_and(|d| d <= now))
+            {
                 let timeout = FleetError::QueueTimeout {
                     request_id: id.clone(),
-                    timeout_ms: waiter.input.timeout_ms,
+                    timeout_ms,
                 };
                 self.answer(&id, Err(timeout), now);
                 continue;
