@@ -814,6 +814,11 @@ async fn supervise(
                     () = unhealthy(&shared.client, &daemon.endpoint, options.health_interval) => Ended::Unhealthy,
                     () = stop.cancelled() => Ended::Stop,
                 };
+                if matches!(ended, Ended::Stop) {
+                    // A daemon stopped with the host hands nothing over, an allocate it answers
+                    // while it stops included.
+                    shared.lost.lock().take();
+                }
                 shared.state.send_replace(DaemonState::Unavailable(
                     "the agent-device daemon is restarting".into(),
                 ));
@@ -1406,40 +1411,72 @@ mod tests {
         }
     }
 
-    /// An allocate of `L` that its daemon answers only once its process died and the host saw
-    /// it go: dead (its restart fails), or, with `restarted`, replaced by a new daemon that
-    /// serves. The daemon is `sh` serving as the in-process fake the file `$SERVES` names when it
-    /// starts (`<port> <token>`; no file, no start), so that its process can die while the
-    /// fake still holds the allocate's answer, as an answer may still be on its way when its
-    /// daemon dies.
-    async fn allocate_answered_after_its_daemon_died(restarted: bool) {
-        let first = FakeAgentDevice::start(FakeOptions::default()).unwrap();
-        let next = FakeAgentDevice::start(FakeOptions::default()).unwrap();
+    /// A host whose daemon is `sh` serving as the in-process fake the file `$SERVES` names when
+    /// it starts (`<port> <token>`; no file, no start), running once that daemon serves; with
+    /// `deaf`, the daemon ignores TERM, so the host's stop waits out its grace (5 s) for it.
+    struct ShHost {
+        host: AgentDeviceHost,
+        lost: mpsc::UnboundedReceiver<Vec<LeaseId>>,
+        states: watch::Receiver<DaemonState>,
+        serves: std::path::PathBuf,
+        state_dir: std::path::PathBuf,
+        _dir: tempfile::TempDir,
+    }
+
+    async fn sh_host(first: &FakeAgentDevice, deaf: bool) -> ShHost {
         let dir = tempfile::tempdir().unwrap();
         let serves = dir.path().join("serves");
-        let names = |fake: &FakeAgentDevice| format!("{} {}\n", fake.port(), fake.token());
-        std::fs::write(&serves, names(&first)).unwrap();
+        std::fs::write(&serves, format!("{} {}\n", first.port(), first.token())).unwrap();
         let state_dir = dir.path().join("state");
-        let script = r#"read -r port token < "$SERVES" || exit 3; printf '{"httpPort":%s,"token":"%s","pid":%s}' "$port" "$token" $$ > "$AGENT_DEVICE_STATE_DIR/daemon.json"; echo "AGENT_DEVICE_DAEMON_HTTP_PORT=$port"; exec sleep 600"#;
+        let script = format!(
+            r#"{}read -r port token < "$SERVES" || exit 3; printf '{{"httpPort":%s,"token":"%s","pid":%s}}' "$port" "$token" $$ > "$AGENT_DEVICE_STATE_DIR/daemon.json"; echo "AGENT_DEVICE_DAEMON_HTTP_PORT=$port"; exec sleep 600"#,
+            if deaf { "trap '' TERM; " } else { "" }
+        );
         let mut options = HostOptions::new(Vec::new(), state_dir.clone());
         options.daemon = Daemon::Spawn(DaemonSpec {
-            command: vec!["sh".into(), "-c".into(), script.into()],
+            command: vec!["sh".into(), "-c".into(), script],
             state_dir: state_dir.clone(),
             env: vec![("SERVES".into(), serves.display().to_string())],
         });
         // No health reads: the daemons go only when the test says.
         options.health_interval = Duration::from_secs(24 * 3600);
-        options.stop_grace = Duration::from_secs(1);
+        options.stop_grace = Duration::from_secs(if deaf { 5 } else { 1 });
         let host = AgentDeviceHost::start(options).await;
-        let mut lost = host.lost_leases().unwrap();
+        let lost = host.lost_leases().unwrap();
         let mut states = host.watch();
         tokio::time::timeout(
             PATIENCE,
-            states.wait_for(|s| *s == DaemonState::Running(endpoint_of(&first))),
+            states.wait_for(|s| *s == DaemonState::Running(endpoint_of(first))),
         )
         .await
         .expect("the first daemon serves")
         .unwrap();
+        ShHost {
+            host,
+            lost,
+            states,
+            serves,
+            state_dir,
+            _dir: dir,
+        }
+    }
+
+    /// An allocate of `L` that its daemon answers only once its process died and the host saw
+    /// it go: dead (its restart fails), or, with `restarted`, replaced by a new daemon that
+    /// serves. The daemon's process can die while the in-process fake still holds the
+    /// allocate's answer, as an answer may still be on its way when its daemon dies.
+    async fn allocate_answered_after_its_daemon_died(restarted: bool) {
+        let first = FakeAgentDevice::start(FakeOptions::default()).unwrap();
+        let next = FakeAgentDevice::start(FakeOptions::default()).unwrap();
+        let names = |fake: &FakeAgentDevice| format!("{} {}\n", fake.port(), fake.token());
+        let ShHost {
+            host,
+            mut lost,
+            mut states,
+            serves,
+            state_dir,
+            _dir,
+        } = sh_host(&first, false).await;
 
         let hold = first.hold_commands("lease_allocate");
         let lease = LeaseId::parse(L).unwrap();
@@ -1518,6 +1555,64 @@ mod tests {
         );
         first.stop().await;
         next.stop().await;
+    }
+
+    #[tokio::test]
+    async fn an_allocate_answered_while_the_host_stops_its_daemon_is_not_handed_over_as_lost() {
+        let first = FakeAgentDevice::start(FakeOptions::default()).unwrap();
+        let ShHost {
+            host,
+            mut lost,
+            mut states,
+            _dir,
+            ..
+        } = sh_host(&first, true).await;
+        let hold = first.hold_commands("lease_allocate");
+        let lease = LeaseId::parse(L).unwrap();
+        let allocating = tokio::spawn({
+            let (host, lease) = (host.clone(), lease.clone());
+            async move {
+                let tenant = Tenant::through_gateway("gw1", "tok_a");
+                host.relayed(allocate(), &tenant, Some(&lease), None).await
+            }
+        });
+        tokio::time::timeout(PATIENCE, hold.wait_entered(1))
+            .await
+            .expect("the daemon has the allocate");
+        // The host stops; its daemon ignores TERM, so the stop waits out its grace, and the
+        // allocate is answered meanwhile.
+        let stopping = tokio::spawn({
+            let host = host.clone();
+            async move { host.stop().await }
+        });
+        tokio::time::timeout(
+            PATIENCE,
+            states.wait_for(|s| matches!(s, DaemonState::Unavailable(_))),
+        )
+        .await
+        .expect("the host is stopping its daemon")
+        .unwrap();
+        hold.release();
+        tokio::time::timeout(PATIENCE, allocating)
+            .await
+            .expect("the allocate is answered")
+            .unwrap();
+        assert!(
+            !stopping.is_finished(),
+            "answered within the stop's grace, while the daemon was being stopped"
+        );
+        tokio::time::timeout(PATIENCE, stopping)
+            .await
+            .expect("the host stops")
+            .unwrap();
+        assert_eq!(
+            tokio::time::timeout(PATIENCE, lost.recv())
+                .await
+                .expect("the stream ends with the supervision"),
+            None,
+            "a daemon stopped with the host hands nothing over"
+        );
+        first.stop().await;
     }
 
     #[tokio::test]
