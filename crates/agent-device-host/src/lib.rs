@@ -1418,8 +1418,8 @@ mod tests {
         host: AgentDeviceHost,
         lost: mpsc::UnboundedReceiver<Vec<LeaseId>>,
         states: watch::Receiver<DaemonState>,
-        serves: std::path::PathBuf,
-        state_dir: std::path::PathBuf,
+        serves: PathBuf,
+        state_dir: PathBuf,
         _dir: tempfile::TempDir,
     }
 
