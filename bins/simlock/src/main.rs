@@ -443,11 +443,7 @@ fn print_event(json: bool, event: &simlock_contract::model::EventEnvelope) -> st
 /// `export` lines, or with `--json` as `{"environment": {…}}`.
 async fn env(json: bool, client: &Client, lease_id: &str) -> Result<u8, ContractError> {
     // A malformed id is refused as renew and release refuse it, not looked for.
-    let named = LeaseIdInput {
-        lease_id: lease_id.to_owned(),
-        reason: None,
-    };
-    simlock_contract::decode_input::<LeaseIdInput>(serde_json::to_value(&named).ok())?;
+    simlock_contract::decode_input::<LeaseIdInput>(Some(json!({ "leaseId": lease_id })))?;
     let lease = client.lease(lease_id).await?;
     let Some(access) = &lease.access else {
         return Err(ContractError::new(

@@ -343,12 +343,19 @@ impl Client {
         match &self.backend {
             Backend::Http(http) => {
                 let path = format!("/v1/leases/{}", crate::http::segment(lease_id));
-                let mut answer = http.json(http::Method::GET, &path, None, &[]).await?;
-                serde_json::from_value(answer["lease"].take()).map_err(|e| {
-                    ContractError::internal(format!(
-                        "the daemon answered {path} with no lease: {e}"
-                    ))
-                })
+                /// The route's answer.
+                #[derive(serde::Deserialize)]
+                struct OneLease {
+                    lease: LeaseRecord,
+                }
+                let answer = http.json(http::Method::GET, &path, None, &[]).await?;
+                serde_json::from_value::<OneLease>(answer)
+                    .map(|one| one.lease)
+                    .map_err(|e| {
+                        ContractError::internal(format!(
+                            "the daemon answered {path} with no lease: {e}"
+                        ))
+                    })
             }
             Backend::Wire(_) => self
                 .leases()

@@ -79,6 +79,33 @@ async fn a_daemon_not_listening_is_a_lost_connection() {
     assert!(err.message.contains(&url), "{}", err.message);
 }
 
+/// Something at the URL that answers a lease read with JSON that is no lease (an array): a
+/// clear error, not a panic.
+#[tokio::test]
+async fn a_lease_read_answered_with_no_lease_is_an_error_naming_the_route() {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let server = tokio::spawn(async move {
+        let (mut socket, _) = listener.accept().await.unwrap();
+        let mut head = [0u8; 4096];
+        let _ = socket.read(&mut head).await.unwrap();
+        socket
+            .write_all(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 3\r\n\r\n[1]")
+            .await
+            .unwrap();
+    });
+    let client = crate::Client::over_http(&url, "slk_x", crate::ConnectOptions::default()).unwrap();
+    let err = guard(client.lease("lse_1")).await.unwrap_err();
+    assert_eq!(err.code, ErrorCode::Internal, "{err}");
+    assert!(
+        err.message.contains("/v1/leases/lse_1 with no lease"),
+        "{}",
+        err.message
+    );
+    guard(server).await.unwrap();
+}
+
 #[tokio::test]
 async fn the_lease_requests_resource_reports_progress_then_the_grant() {
     let fake = http_fake().await;
