@@ -72,7 +72,7 @@ pub fn register(router: &mut Router, worker: &Arc<Worker>, gate: StartupGate) {
     });
     let w = worker.clone();
     router.handle_authorized::<LeaseRelease, _, _, _>(
-        Worker::authorize_release,
+        |ctx, input| input.authorize(ctx.role),
         move |ctx, input| {
             let w = w.clone();
             async move { w.release(&ctx, &input.lease_id, input.reason) }

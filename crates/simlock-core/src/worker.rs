@@ -21,9 +21,9 @@ use simlock_contract::model::{
     WorkerView,
 };
 use simlock_contract::ops::{
-    CatalogOutput, ConfigView, ExecInput, ExecOutput, LeaseCancelOutput, LeaseIdInput,
-    LeaseListOutput, LeaseReleaseOutput, LeaseRenewInput, LeaseRequestInput, ListKind, ListOutput,
-    ReleaseAllOutput, StatusOutput,
+    CatalogOutput, ConfigView, ExecInput, ExecOutput, LeaseCancelOutput, LeaseListOutput,
+    LeaseReleaseOutput, LeaseRenewInput, LeaseRequestInput, ListKind, ListOutput, ReleaseAllOutput,
+    StatusOutput,
 };
 use simlock_contract::protocol::Role;
 use simlock_contract::push::Push;
@@ -754,15 +754,6 @@ impl Worker {
                 .state
                 .renew(&input.lease_id, input.ttl_ms, caller, now)
         })?)
-    }
-
-    /// Who may give `lease.release` a reason: `killed` is an operator's (an admin's, the
-    /// gateway's uplink carrying out its `lease.release-all` included).
-    ///
-    /// # Errors
-    /// `FORBIDDEN` for an agent naming `killed`.
-    pub fn authorize_release(ctx: &CallCtx, input: &LeaseIdInput) -> Result<(), ContractError> {
-        input.authorize(ctx.role)
     }
 
     /// `lease.release`, with reason `explicit` unless `reason` says otherwise: the caller's

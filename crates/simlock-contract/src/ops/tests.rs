@@ -607,3 +607,33 @@ fn a_relay_that_was_cancelled_is_logged_as_cancelled_and_every_other_answer_as_o
     );
     assert_eq!(RelayCancel::outcome(&Empty {}), "ok");
 }
+
+#[test]
+fn a_release_named_killed_is_an_admins_and_absent_or_explicit_is_anyones() {
+    let input = |reason: Option<ReleaseReason>| LeaseIdInput {
+        lease_id: "lse_1".into(),
+        reason,
+    };
+    let refused = input(Some(ReleaseReason::Killed))
+        .authorize(Role::Agent)
+        .unwrap_err();
+    assert_eq!(refused.code, ErrorCode::Forbidden);
+    assert!(
+        input(Some(ReleaseReason::Killed))
+            .authorize(Role::Admin)
+            .is_ok()
+    );
+    for role in [Role::Agent, Role::Admin] {
+        assert!(input(None).authorize(role).is_ok());
+        assert!(input(Some(ReleaseReason::Explicit)).authorize(role).is_ok());
+    }
+    // On the wire: absent is not sent; the reason in kebab case.
+    assert_eq!(
+        serde_json::to_value(input(None)).unwrap(),
+        json!({"leaseId": "lse_1"})
+    );
+    assert_eq!(
+        serde_json::to_value(input(Some(ReleaseReason::Killed))).unwrap(),
+        json!({"leaseId": "lse_1", "reason": "killed"})
+    );
+}

@@ -187,6 +187,19 @@ fn cases(lease_id: &str) -> Vec<Case> {
         ),
         refused(agent("agent-a"), "lease.list", json!([1]), BadRequest),
         refused(agent("agent-a"), "lease.release-all", json!({}), Forbidden),
+        // An operator's reason is an admin's to give, on the holder's own lease too.
+        refused(
+            agent("agent-a"),
+            "lease.release",
+            json!({"leaseId": lease_id, "reason": "killed"}),
+            Forbidden,
+        ),
+        refused(
+            agent("agent-a"),
+            "lease.release",
+            json!({"leaseId": lease_id, "reason": "expired"}),
+            BadRequest,
+        ),
         refused(admin("op"), "lease.release-all", json!("x"), BadRequest),
         refused(
             agent("agent-a"),
