@@ -1292,13 +1292,15 @@ async fn release_all_through_the_gateway_ends_only_the_gateways_leases_each_as_k
     let mut fleet = TestFleet::start(gateway_config()).await;
     fleet.add_worker(worker_config(3)).await;
     fleet.add_worker(worker_config(3)).await;
+    // The holders stay connected: each is told its lease was lost, and why.
+    let mut holders = Vec::new();
     for n in 0..3 {
-        fleet
-            .agent(&format!("agent-{n}"))
-            .await
+        let mut holder = fleet.agent(&format!("agent-{n}")).await;
+        let grant = holder
             .call("lease.request", json!({"platform": "ios"}))
             .await
             .unwrap();
+        holders.push((holder, lease_id(&grant)));
     }
     // A lease made on a worker directly is not the gateway's to end.
     let local = session(&fleet.worker(0).running.socket_path(), "local", None).await;
@@ -1316,6 +1318,23 @@ async fn release_all_through_the_gateway_ends_only_the_gateways_leases_each_as_k
             ended.payload["reason"], "killed",
             "an operator's release-all ends each lease as killed, as on a worker"
         );
+    }
+    for (holder, lease_id) in &mut holders {
+        let push = tokio::time::timeout(PATIENCE, holder.pushes.recv())
+            .await
+            .expect("the holder is told")
+            .unwrap();
+        match Push::from_frame(push).unwrap() {
+            Push::LeaseLost {
+                lease_id: lost,
+                reason,
+                ..
+            } => {
+                assert_eq!(&lost, lease_id);
+                assert_eq!(reason, simlock_contract::model::LeaseEndReason::Killed);
+            }
+            other => panic!("expected lease-lost, got {other:?}"),
+        }
     }
     let left: Vec<String> = fleet
         .worker(0)
