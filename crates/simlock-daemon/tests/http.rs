@@ -16,7 +16,7 @@ use serde_json::{Value, json};
 use simlock_contract::model::{Mode, TokenRole};
 use simlock_daemon::http::HEADER_READ_TIMEOUT;
 use simlock_daemon::http::body::{BODY_READ_TIMEOUT, MAX_JSON_BODY};
-use simlock_test_support::raw_http::{chunked_request, read_response};
+use simlock_test_support::raw_http::{chunked_request, read_response, send};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 async fn host() -> Host {
@@ -150,17 +150,14 @@ async fn a_chunked_body_past_1_mib_sent_whole_is_refused_and_the_connection_serv
         2 * 1024 * 1024,
         b' ',
     );
-    stream.write_all(&request).await.unwrap();
+    send(&mut stream, &request).await;
     let (status, body) = read_response(&mut stream).await;
     assert_eq!(status, 400, "{body}");
     assert!(
         body.contains(&format!("body: larger than {MAX_JSON_BODY} bytes")),
         "{body}"
     );
-    stream
-        .write_all(b"GET /v1/healthz HTTP/1.1\r\nHost: x\r\n\r\n")
-        .await
-        .unwrap();
+    send(&mut stream, b"GET /v1/healthz HTTP/1.1\r\nHost: x\r\n\r\n").await;
     assert_eq!(read_response(&mut stream).await.0, 200);
     assert_eq!(host.tokens.list().unwrap().len(), 1, "nothing was created");
     host.stop.cancel();

@@ -2350,8 +2350,7 @@ async fn a_command_in_flight_when_the_gateway_stops_is_answered_naming_the_stop(
 /// a reset, the connection serves its next request, and no worker was asked anything.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_rpc_body_past_its_bound_sent_whole_is_refused_and_the_connection_serves_on() {
-    use simlock_test_support::raw_http::{chunked_request, read_response};
-    use tokio::io::AsyncWriteExt;
+    use simlock_test_support::raw_http::{chunked_request, read_response, send};
     let gw = Gw::one_android_worker().await;
     let (_, secret) = gw.token().await;
     let addr = gw.fleet.gateway().running.http_addr().unwrap();
@@ -2364,7 +2363,7 @@ async fn an_rpc_body_past_its_bound_sent_whole_is_refused_and_the_connection_ser
         2 * 1024 * 1024,
         b' ',
     );
-    stream.write_all(&request).await.unwrap();
+    send(&mut stream, &request).await;
     let (status, body) = read_response(&mut stream).await;
     assert_eq!(status, 413, "{body}");
     let answer: Value = serde_json::from_str(&body).unwrap();
@@ -2373,10 +2372,11 @@ async fn an_rpc_body_past_its_bound_sent_whole_is_refused_and_the_connection_ser
         json!("INVALID_ARGS"),
         "{body}"
     );
-    stream
-        .write_all(b"GET /v1/agent-device/health HTTP/1.1\r\nHost: x\r\n\r\n")
-        .await
-        .unwrap();
+    send(
+        &mut stream,
+        b"GET /v1/agent-device/health HTTP/1.1\r\nHost: x\r\n\r\n",
+    )
+    .await;
     assert_eq!(read_response(&mut stream).await.0, 200);
     assert_eq!(rpcs(&gw.fakes[0]), 0, "no worker was asked anything");
     gw.stop().await;

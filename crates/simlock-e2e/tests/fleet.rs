@@ -1295,7 +1295,7 @@ async fn release_all_through_the_gateway_ends_only_the_gateways_leases_each_as_k
     // The holders stay connected: each is told its lease was lost, and why.
     let mut holders = Vec::new();
     for n in 0..3 {
-        let mut holder = fleet.agent(&format!("agent-{n}")).await;
+        let holder = fleet.agent(&format!("agent-{n}")).await;
         let grant = holder
             .call("lease.request", json!({"platform": "ios"}))
             .await

@@ -8,8 +8,23 @@
     reason = "a test helper fails the test by panicking"
 )]
 
-use tokio::io::AsyncReadExt;
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
+
+/// How long one write or read may take before the test fails: a daemon that neither reads nor
+/// answers fails the test, never hangs it.
+pub const PATIENCE: Duration = Duration::from_secs(30);
+
+/// Writes `bytes` whole to `stream`, within [`PATIENCE`]. Panics when the peer does not take
+/// them.
+pub async fn send(stream: &mut TcpStream, bytes: &[u8]) {
+    tokio::time::timeout(PATIENCE, stream.write_all(bytes))
+        .await
+        .expect("the peer takes the request within PATIENCE")
+        .unwrap();
+}
 
 /// A request head and `size` bytes of `fill` as a chunked body, in 64 KiB chunks, ready to be
 /// written at once. `head` is the request line and headers, each line ending `\r\n`, without
@@ -95,7 +110,15 @@ async fn fill_to(stream: &mut TcpStream, raw: &mut Vec<u8>, len: usize) {
 
 async fn read_more(stream: &mut TcpStream, raw: &mut Vec<u8>) {
     let mut buf = [0u8; 16 * 1024];
-    let n = stream.read(&mut buf).await.unwrap();
+    let n = tokio::time::timeout(PATIENCE, stream.read(&mut buf))
+        .await
+        .unwrap_or_else(|_| {
+            panic!(
+                "no answer within PATIENCE: {}",
+                String::from_utf8_lossy(raw)
+            )
+        })
+        .unwrap();
     assert!(
         n > 0,
         "the connection closed: {}",
