@@ -82,10 +82,12 @@ pub fn error_with_status(err: &ContractError, status: StatusCode) -> Response<Bo
     response
 }
 
-/// How much more of a request body past its bound is still read, and dropped, before the
-/// refusal is answered: a caller that sends its whole body before it reads the answer (curl,
-/// Node's `fetch`) then reads the refusal instead of a reset connection, and the connection
-/// serves its next request. The rest of a larger body is left unread and its connection closed.
+/// How much more of a request body that arrives past its bound without having declared its
+/// length (chunked) is still read, and dropped, before the refusal is answered: a caller that
+/// streams its whole body before it reads the answer then reads the refusal instead of a reset
+/// connection, and the connection serves its next request. The rest of a larger body is left
+/// unread and its connection closed. A body that declares a length over its bound is refused
+/// before any of it is read (see [`read_limited`]), and nothing of it is read on.
 pub const DISCARD_LIMIT: usize = 8 * 1024 * 1024;
 
 /// How long reading on past the bound ([`DISCARD_LIMIT`]) may take.
