@@ -44,10 +44,10 @@ pub async fn read_caller_body(body: Body, limit: usize) -> Result<Bytes, ReadErr
 
 impl From<simlock_daemon::http::body::BodyError> for ReadError {
     fn from(error: simlock_daemon::http::body::BodyError) -> Self {
-        use simlock_daemon::http::body::{BODY_READ_TIMEOUT, BodyError};
+        use simlock_daemon::http::body::BodyError;
         match error {
             BodyError::TooLarge(limit) => Self::TooLarge(limit),
-            BodyError::Stalled => Self::Stalled(BODY_READ_TIMEOUT),
+            BodyError::Stalled => Self::Stalled,
             BodyError::Failed(message) => Self::Body(message),
         }
     }
@@ -63,7 +63,7 @@ impl ReadError {
                 rpc_code: -32700,
                 message: message.clone(),
             },
-            Self::Stalled(_) => crate::Refusal::Invalid {
+            Self::Stalled => crate::Refusal::Invalid {
                 rpc_code: -32600,
                 message: self.to_string(),
             },
@@ -77,9 +77,12 @@ pub enum ReadError {
     /// Past its bound.
     #[error("body is larger than {0} bytes")]
     TooLarge(usize),
-    /// Not whole within its time bound.
-    #[error("request body not received within {} s", .0.as_secs())]
-    Stalled(Duration),
+    /// Not whole within [`BODY_READ_TIMEOUT`](simlock_daemon::http::body::BODY_READ_TIMEOUT).
+    #[error(
+        "request body not received within {} s",
+        simlock_daemon::http::body::BODY_READ_TIMEOUT.as_secs()
+    )]
+    Stalled,
     /// The body failed.
     #[error("body failed: {0}")]
     Body(String),
@@ -526,7 +529,7 @@ mod tests {
         let started = tokio::time::Instant::now();
         let read = read_caller_body(stalled, 1024).await;
         drop(open);
-        assert_eq!(read, Err(ReadError::Stalled(bound)));
+        assert_eq!(read, Err(ReadError::Stalled));
         assert_eq!(
             started.elapsed(),
             bound,
@@ -585,9 +588,7 @@ mod tests {
         // One declaring its bound is waited for, as any body.
         assert_eq!(
             read_caller_body(Declared(8).boxed_unsync(), 8).await,
-            Err(ReadError::Stalled(
-                simlock_daemon::http::body::BODY_READ_TIMEOUT
-            ))
+            Err(ReadError::Stalled)
         );
     }
 
