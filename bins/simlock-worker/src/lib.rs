@@ -373,7 +373,11 @@ pub async fn start(options: WorkerOptions) -> Result<RunningWorker, StartError> 
         .as_ref()
         .filter(|_| options.agent_device_attach.is_none())
         .map(|a| a.front.clone());
-    if let Some(agent_device) = &agent_device {
+    // Only a daemon the host supervises dies and is restarted with leases lost.
+    if let Some(agent_device) = agent_device
+        .as_ref()
+        .filter(|_| options.agent_device_attach.is_none())
+    {
         end_lost_leases(agent_device, &worker);
     }
     let uplink = match options.startup_hold {
