@@ -1928,15 +1928,32 @@ impl Core {
         lease_id: &str,
         viewer: Viewer<'_>,
     ) -> Result<LeaseRecord, FleetError> {
-        if let Some(lease) = self
-            .leases(viewer)
-            .into_iter()
-            .find(|lease| lease.id.as_str() == lease_id)
-        {
-            return Ok(lease);
+        // The gateway's own lease, projected as the list projects it (view or not).
+        if let Some(entry) = self.index.get(lease_id) {
+            return if viewer.may_see(&entry.owner_id) {
+                Ok(entry.project(self.worker_ref(&entry.worker_id)))
+            } else {
+                Err(FleetError::UnknownLease(lease_id.to_owned()))
+            };
         }
-        if self.index.get(lease_id).is_some() {
-            return Err(FleetError::UnknownLease(lease_id.to_owned()));
+        // A lease made on a worker directly, as the list shows it (to admins).
+        for (worker_id, worker) in &self.workers {
+            let found = worker
+                .view
+                .leases
+                .as_deref()
+                .unwrap_or_default()
+                .iter()
+                .find(|lease| {
+                    lease.id.as_str() == lease_id
+                        && matches!(self.seen(viewer, worker_id, lease), Seen::Direct)
+                });
+            if let Some(lease) = found {
+                let mut lease = lease.clone();
+                lease.worker_id = Some(worker.view.id.clone());
+                lease.worker = Some(self.worker_ref(worker_id));
+                return Ok(lease);
+            }
         }
         Err(self.missing(lease_id))
     }

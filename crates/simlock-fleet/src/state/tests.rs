@@ -1300,6 +1300,21 @@ fn an_agent_sees_only_its_own_leases_and_requests_in_the_workers_views_and_the_w
         .map(|l| l.id.to_string())
         .collect();
     assert_eq!(listed, ["w1.lse_a", "lse_direct"]);
+    // One lease read by its id is the list's record of it, for whoever reads.
+    for viewer in [admin, agent, other] {
+        for lease in core.leases(viewer) {
+            assert_eq!(
+                core.lease_seen(lease.id.as_str(), viewer).ok(),
+                Some(lease),
+                "{}",
+                viewer.principal
+            );
+        }
+    }
+    assert!(matches!(
+        core.lease_seen("lse_direct", agent),
+        Err(FleetError::UnknownLease(_))
+    ));
 
     // Once the worker is away, what it last reported waiting is no longer said to wait (its
     // forward failed, a restart ends it); its view keeps its last report.
