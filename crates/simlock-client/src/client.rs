@@ -8,13 +8,13 @@ use serde_json::{Value, json};
 use simlock_contract::model::{LeaseGrant, LeaseRecord, Platform, TokenRole};
 use simlock_contract::ops::{
     CatalogGet, CatalogInput, CatalogOutput, ConfigGet, ConfigView, DaemonStop, DaemonStopOutput,
-    Empty, EventsReplay, ExecInput, LeaseCancel, LeaseCancelInput, LeaseCancelOutput, LeaseIdInput,
-    LeaseList, LeaseListOutput, LeaseRelease, LeaseReleaseAll, LeaseReleaseOutput, LeaseRenew,
-    LeaseRenewInput, LeaseRequestInput, ListGet, ListInput, ListKind, ListOutput, ReleaseAllOutput,
-    ReplayInput, ReplayOutput, StatusGet, StatusOutput, TokenCreate, TokenCreateInput,
-    TokenCreateOutput, TokenList, TokenListOutput, TokenRevoke, TokenRevokeInput,
-    TokenRevokeOutput, WorkerDrain, WorkerDrainOutput, WorkerIdInput, WorkerList, WorkerListOutput,
-    WorkerRemove, WorkerRemoveOutput, WorkerUndrain,
+    Empty, EventsReplay, ExecInput, LeaseCancel, LeaseCancelInput, LeaseCancelOutput, LeaseGet,
+    LeaseGetInput, LeaseIdInput, LeaseList, LeaseListOutput, LeaseRelease, LeaseReleaseAll,
+    LeaseReleaseOutput, LeaseRenew, LeaseRenewInput, LeaseRequestInput, ListGet, ListInput,
+    ListKind, ListOutput, ReleaseAllOutput, ReplayInput, ReplayOutput, StatusGet, StatusOutput,
+    TokenCreate, TokenCreateInput, TokenCreateOutput, TokenList, TokenListOutput, TokenRevoke,
+    TokenRevokeInput, TokenRevokeOutput, WorkerDrain, WorkerDrainOutput, WorkerIdInput, WorkerList,
+    WorkerListOutput, WorkerRemove, WorkerRemoveOutput, WorkerUndrain,
 };
 use simlock_contract::{ContractError, ErrorCode, HelloReply, Operation, Role};
 use simlock_wire::{Transport, decode_output};
@@ -333,38 +333,17 @@ impl Client {
         self.call::<LeaseList>(&Empty {}).await
     }
 
-    /// One lease, as [`Self::leases`] shows it. Over HTTP, `GET /v1/leases/{id}`: through a
-    /// gateway that restarted, a lease whose worker has not reported again answers
-    /// `WORKER_UNREACHABLE`, not `UNKNOWN_LEASE`. On the socket, the list searched.
+    /// `lease.get`: one lease, as [`Self::leases`] shows it. Through a gateway that restarted, a
+    /// lease whose worker has not reported again answers `WORKER_UNREACHABLE`, not
+    /// `UNKNOWN_LEASE`.
     ///
     /// # Errors
     /// `UNKNOWN_LEASE` when this caller sees no such lease, or as [`Self::call`].
     pub async fn lease(&self, lease_id: &str) -> Result<LeaseRecord, ContractError> {
-        match &self.backend {
-            Backend::Http(http) => {
-                let path = format!("/v1/leases/{}", crate::http::segment(lease_id));
-                /// The route's answer.
-                #[derive(serde::Deserialize)]
-                struct OneLease {
-                    lease: LeaseRecord,
-                }
-                let answer = http.json(http::Method::GET, &path, None, &[]).await?;
-                serde_json::from_value::<OneLease>(answer)
-                    .map(|one| one.lease)
-                    .map_err(|e| {
-                        ContractError::internal(format!(
-                            "the daemon answered {path} with no lease: {e}"
-                        ))
-                    })
-            }
-            Backend::Wire(_) => self
-                .leases()
-                .await?
-                .leases
-                .into_iter()
-                .find(|lease| lease.id.as_str() == lease_id)
-                .ok_or_else(|| ContractError::unknown_lease(lease_id)),
-        }
+        let input = LeaseGetInput {
+            lease_id: lease_id.to_owned(),
+        };
+        Ok(self.call::<LeaseGet>(&input).await?.lease)
     }
 
     /// `lease.renew`; `ttl_ms` absent keeps the lease's recorded width.

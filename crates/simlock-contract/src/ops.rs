@@ -146,6 +146,8 @@ operations! {
     LeaseCancel = "lease.cancel", Agent, Write, LeaseCancelInput => LeaseCancelOutput;
     /// Leases: all for admins, own for agents.
     LeaseList = "lease.list", Agent, Read, Empty => LeaseListOutput;
+    /// One lease, as `lease.list` shows it to the caller.
+    LeaseGet = "lease.get", Agent, Read, LeaseGetInput => LeaseGetOutput;
     /// End every lease (reason `killed`).
     LeaseReleaseAll = "lease.release-all", Admin, Write, Empty => ReleaseAllOutput;
     /// Run a configured tool against a leased device.
@@ -313,6 +315,17 @@ pub struct LeaseRenewInput {
 }
 
 impl Input for LeaseRenewInput {}
+
+/// `lease.get`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Validate)]
+#[serde(rename_all = "camelCase")]
+pub struct LeaseGetInput {
+    /// The lease.
+    #[garde(pattern(LEASE_ID_RE))]
+    pub lease_id: String,
+}
+
+impl Input for LeaseGetInput {}
 
 /// An input naming one lease (`lease.release`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Validate)]
@@ -673,6 +686,13 @@ pub struct LeaseCancelOutput {
 pub struct LeaseListOutput {
     /// The leases.
     pub leases: Vec<LeaseRecord>,
+}
+
+/// `lease.get`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LeaseGetOutput {
+    /// The lease.
+    pub lease: LeaseRecord,
 }
 
 /// `lease.release-all`.

@@ -8,8 +8,8 @@ use std::sync::Arc;
 
 use simlock_contract::ErrorCode;
 use simlock_contract::ops::{
-    CatalogGet, ConfigGet, DeviceExec, LeaseCancel, LeaseList, LeaseRelease, LeaseReleaseAll,
-    LeaseRenew, LeaseRequest, ListGet, StatusGet, WorkerList, WorkerListOutput,
+    CatalogGet, ConfigGet, DeviceExec, LeaseCancel, LeaseGet, LeaseList, LeaseRelease,
+    LeaseReleaseAll, LeaseRenew, LeaseRequest, ListGet, StatusGet, WorkerList, WorkerListOutput,
 };
 use simlock_daemon::{CallCtx, Router, StartupGate};
 
@@ -26,6 +26,7 @@ pub const OPERATIONS: &[&str] = &[
     "lease.release",
     "lease.cancel",
     "lease.list",
+    "lease.get",
     "lease.release-all",
     "device.exec",
     "worker.list",
@@ -90,6 +91,11 @@ pub fn register(router: &mut Router, worker: &Arc<Worker>, gate: StartupGate) {
     router.handle::<LeaseList, _, _>(move |ctx: CallCtx, _| {
         let w = w.clone();
         async move { Ok(w.lease_list(&ctx)) }
+    });
+    let w = worker.clone();
+    router.handle::<LeaseGet, _, _>(move |ctx: CallCtx, input| {
+        let answer = w.lease_get(&ctx, &input.lease_id);
+        async move { answer }
     });
     let w = worker.clone();
     router.handle::<LeaseReleaseAll, _, _>(move |ctx: CallCtx, _| {

@@ -21,9 +21,9 @@ use simlock_contract::model::{
     WorkerView,
 };
 use simlock_contract::ops::{
-    CatalogOutput, ConfigView, ExecInput, ExecOutput, LeaseCancelOutput, LeaseListOutput,
-    LeaseReleaseOutput, LeaseRenewInput, LeaseRequestInput, ListKind, ListOutput, ReleaseAllOutput,
-    StatusOutput,
+    CatalogOutput, ConfigView, ExecInput, ExecOutput, LeaseCancelOutput, LeaseGetOutput,
+    LeaseListOutput, LeaseReleaseOutput, LeaseRenewInput, LeaseRequestInput, ListKind, ListOutput,
+    ReleaseAllOutput, StatusOutput,
 };
 use simlock_contract::protocol::Role;
 use simlock_contract::push::Push;
@@ -826,6 +826,26 @@ impl Worker {
     pub fn lease_list(&self, ctx: &CallCtx) -> LeaseListOutput {
         let leases = self.shared.lock().state.visible_leases(Self::caller(ctx));
         LeaseListOutput { leases }
+    }
+
+    /// `lease.get`: the lease as `lease.list` shows it to `ctx`'s caller.
+    ///
+    /// # Errors
+    /// `UNKNOWN_LEASE` when there is none, or the caller may not see it.
+    pub fn lease_get(
+        &self,
+        ctx: &CallCtx,
+        lease_id: &str,
+    ) -> Result<LeaseGetOutput, ContractError> {
+        let shared = self.shared.lock();
+        shared
+            .state
+            .lease(lease_id)
+            .filter(|lease| Self::caller(ctx).may_see(&lease.owner_id))
+            .map(|lease| LeaseGetOutput {
+                lease: lease.clone(),
+            })
+            .ok_or_else(|| ContractError::unknown_lease(lease_id))
     }
 
     /// Whether `device.exec` may name `requesterId`: only admins may.

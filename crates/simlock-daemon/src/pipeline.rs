@@ -18,9 +18,6 @@ use simlock_wire::{CallContext, Connection, Identity, Origin, Service, SessionCo
 use tokio::sync::watch;
 use tracing::{debug, info, warn};
 
-use simlock_contract::model::LeaseRecord;
-use simlock_contract::ops::{Empty, LeaseList};
-
 use crate::context::{CallCtx, Prepared};
 use crate::presence::Presence;
 
@@ -38,7 +35,6 @@ type Run = Arc<
 type PrepareHook = Arc<dyn Fn(&CallCtx, Option<&Value>) -> Option<Prepared> + Send + Sync>;
 type Authorize<I> = Arc<dyn Fn(&CallCtx, &I) -> Result<(), ContractError> + Send + Sync>;
 type CloseHook = Arc<dyn Fn(&Arc<Connection>) + Send + Sync>;
-type LeaseLookup = Arc<dyn Fn(&CallCtx, &str) -> Result<LeaseRecord, ContractError> + Send + Sync>;
 
 /// How start-up stands. Every operation but `status.get` and `daemon.stop` waits for it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -179,7 +175,6 @@ pub fn register_daemon_ops(router: &mut Router, shutdown: &Shutdown) {
 #[derive(Default)]
 pub struct Router {
     entries: HashMap<&'static str, Entry>,
-    lease_lookup: Option<LeaseLookup>,
 }
 
 impl std::fmt::Debug for Router {
@@ -266,17 +261,6 @@ impl Router {
         if let Some(entry) = self.entries.get_mut(O::NAME) {
             entry.prepare = Some(Arc::new(hook));
         }
-        self
-    }
-
-    /// Registers how one lease is read by id ([`Pipeline::lease`]) when a miss in the lease list
-    /// is not enough to call it unknown: a gateway answers a lease whose worker has not reported
-    /// yet as that worker's, not as gone. Without it, the lease is the one `lease.list` shows.
-    pub fn lease_lookup<F>(&mut self, lookup: F) -> &mut Self
-    where
-        F: Fn(&CallCtx, &str) -> Result<LeaseRecord, ContractError> + Send + Sync + 'static,
-    {
-        self.lease_lookup = Some(Arc::new(lookup));
         self
     }
 
@@ -450,28 +434,6 @@ impl Pipeline {
             serde_json::to_value(input).map_err(|e| ContractError::internal(e.to_string()))?;
         let value = self.call(ctx, O::NAME, Some(payload)).await?;
         simlock_wire::decode_output::<O>(value)
-    }
-
-    /// One lease by id as `ctx`'s caller may see it, for the read routes: the router's
-    /// [`Router::lease_lookup`], else the lease `lease.list` shows (`UNKNOWN_LEASE` when it
-    /// shows none). Parks on start-up as `lease.list` does.
-    ///
-    /// # Errors
-    /// `UNKNOWN_LEASE`, `DAEMON_STOPPING`, a failed start-up, or the lookup's error.
-    pub async fn lease(&self, ctx: CallCtx, lease_id: &str) -> Result<LeaseRecord, ContractError> {
-        let Some(lookup) = self.router.lease_lookup.clone() else {
-            let list = self.call_typed::<LeaseList>(ctx, &Empty {}).await?;
-            return list
-                .leases
-                .into_iter()
-                .find(|lease| lease.id.as_str() == lease_id)
-                .ok_or_else(|| ContractError::unknown_lease(lease_id));
-        };
-        if self.is_stopping() {
-            return Err(ContractError::stopping());
-        }
-        self.gate.wait().await?;
-        lookup(&ctx, lease_id)
     }
 
     fn identity_of(conn: &Connection) -> Identity {

@@ -25,7 +25,7 @@ use simlock_contract::http::{LeaseRequestBody, RequestView};
 use simlock_contract::ids::DeviceId;
 use simlock_contract::model::{LeaseEndReason, LeaseGrant};
 use simlock_contract::ops::{
-    CatalogGet, ConfigGet, DaemonStop, DeviceExec, EventsReplay, LeaseCancel, LeaseList,
+    CatalogGet, ConfigGet, DaemonStop, DeviceExec, EventsReplay, LeaseCancel, LeaseGet, LeaseList,
     LeaseRelease, LeaseReleaseAll, LeaseRenew, LeaseRequest, ListGet, StatusGet, TokenCreate,
     TokenList, TokenRevoke, WorkerDrain, WorkerList, WorkerRemove, WorkerUndrain, decode_named,
 };
@@ -397,6 +397,7 @@ fn output_round_trip(op: &str, value: &Value) -> Value {
         "lease.release" => round_trip::<LeaseRelease>(value),
         "lease.cancel" => round_trip::<LeaseCancel>(value),
         "lease.list" => round_trip::<LeaseList>(value),
+        "lease.get" => round_trip::<LeaseGet>(value),
         "lease.release-all" => round_trip::<LeaseReleaseAll>(value),
         "device.exec" => round_trip::<DeviceExec>(value),
         "events.replay" => round_trip::<EventsReplay>(value),

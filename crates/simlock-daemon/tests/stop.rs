@@ -12,7 +12,7 @@
 use serde_json::Value;
 use simlock_contract::ids::{DeviceId, LeaseId};
 use simlock_contract::model::{LeaseGrant, LeaseRecord, Mode, TokenRole};
-use simlock_contract::ops::{DeviceExec, ExecOutput, LeaseList, LeaseListOutput, LeaseRequest};
+use simlock_contract::ops::{DeviceExec, ExecOutput, LeaseGet, LeaseGetOutput, LeaseRequest};
 use simlock_contract::push::Progress;
 use simlock_contract::{ContractError, Push};
 use simlock_daemon::config::DaemonConfig;
@@ -96,9 +96,9 @@ async fn a_stop_ends_every_open_stream_at_once_with_a_last_event() {
     let owner = agent_record.id.to_string();
     let mut router = base.router();
     // A lease the agent owns, a request that stays queued and an exec that never ends.
-    router.handle::<LeaseList, _, _>(move |_, _| {
-        let leases = vec![lease_of(&owner)];
-        async move { Ok(LeaseListOutput { leases }) }
+    router.handle::<LeaseGet, _, _>(move |_, _| {
+        let lease = lease_of(&owner);
+        async move { Ok(LeaseGetOutput { lease }) }
     });
     router.handle::<LeaseRequest, _, _>(|ctx, _| async move {
         let queued = Push::Progress {

@@ -452,21 +452,13 @@ async fn after_a_gateway_restart_a_lease_whose_worker_is_not_back_reads_as_unrea
     // The worker is away (its lease stays on its disk) while the gateway restarts.
     fleet.stop_worker(0).await;
     fleet.restart_gateway(config).await;
-    // What `GET /v1/leases/{id}` and its events read.
-    let ctx = simlock_daemon::context::CallCtx::http(
-        "agent-0".into(),
-        simlock_contract::Role::Agent,
-        None,
-    );
-    let read = fleet
-        .gateway()
-        .running
-        .pipeline
-        .lease(ctx, &lease_id)
+    // `lease.get`, which `GET /v1/leases/{id}`, its events and `simlock env` read.
+    let session = fleet.agent("agent-0").await;
+    let read = session
+        .call("lease.get", json!({"leaseId": lease_id}))
         .await
         .unwrap_err();
     assert_eq!(read.code, ErrorCode::WorkerUnreachable, "{read:?}");
-    let session = fleet.agent("agent-0").await;
     let renew = session
         .call("lease.renew", json!({"leaseId": lease_id}))
         .await

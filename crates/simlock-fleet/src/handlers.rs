@@ -4,10 +4,10 @@ use std::sync::Arc;
 
 use simlock_contract::ops::ConfigView;
 use simlock_contract::ops::{
-    CatalogGet, ConfigGet, DeviceExec, LeaseCancel, LeaseCancelOutput, LeaseList, LeaseListOutput,
-    LeaseRelease, LeaseReleaseAll, LeaseRenew, LeaseRequest, ListGet, ListKind, ListOutput,
-    ReleaseAllOutput, StatusGet, WorkerDrain, WorkerDrainOutput, WorkerList, WorkerListOutput,
-    WorkerRemove, WorkerRemoveOutput, WorkerUndrain,
+    CatalogGet, ConfigGet, DeviceExec, LeaseCancel, LeaseCancelOutput, LeaseGet, LeaseGetOutput,
+    LeaseList, LeaseListOutput, LeaseRelease, LeaseReleaseAll, LeaseRenew, LeaseRequest, ListGet,
+    ListKind, ListOutput, ReleaseAllOutput, StatusGet, WorkerDrain, WorkerDrainOutput, WorkerList,
+    WorkerListOutput, WorkerRemove, WorkerRemoveOutput, WorkerUndrain,
 };
 use simlock_contract::{ContractError, ErrorCode, Role};
 use simlock_daemon::pipeline::{Router, StartupGate};
@@ -93,7 +93,12 @@ pub fn register(
         async move { Ok(LeaseListOutput { leases }) }
     });
     let f = fleet.clone();
-    router.lease_lookup(move |ctx, lease_id| f.lease_seen(ctx, lease_id));
+    router.handle::<LeaseGet, _, _>(move |ctx, input| {
+        let answer = f
+            .lease_seen(&ctx, &input.lease_id)
+            .map(|lease| LeaseGetOutput { lease });
+        async move { answer }
+    });
     let f = fleet.clone();
     router.handle::<LeaseReleaseAll, _, _>(move |ctx, _| {
         let f = f.clone();

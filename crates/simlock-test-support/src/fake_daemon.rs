@@ -24,10 +24,10 @@ use simlock_contract::model::{
 };
 use simlock_contract::ops::{
     CancelResult, CatalogGet, CatalogOutput, ConfigGet, ConfigView, DeviceExec, ExecOutput,
-    LeaseCancel, LeaseCancelOutput, LeaseList, LeaseListOutput, LeaseRelease, LeaseReleaseAll,
-    LeaseReleaseOutput, LeaseRenew, LeaseRequest, ListGet, ListKind, ListOutput, ReleaseAllOutput,
-    StatusGet, StatusOutput, WorkerDrain, WorkerDrainOutput, WorkerList, WorkerListOutput,
-    WorkerRemove, WorkerRemoveOutput, WorkerUndrain,
+    LeaseCancel, LeaseCancelOutput, LeaseGet, LeaseGetOutput, LeaseList, LeaseListOutput,
+    LeaseRelease, LeaseReleaseAll, LeaseReleaseOutput, LeaseRenew, LeaseRequest, ListGet, ListKind,
+    ListOutput, ReleaseAllOutput, StatusGet, StatusOutput, WorkerDrain, WorkerDrainOutput,
+    WorkerList, WorkerListOutput, WorkerRemove, WorkerRemoveOutput, WorkerUndrain,
 };
 use simlock_contract::push::{OutputStream, Progress};
 use simlock_contract::{ContractError, ErrorCode, Push, Role};
@@ -783,6 +783,20 @@ fn register(router: &mut Router, state: &Arc<State>) {
             .filter(|l| ctx.role == Role::Admin || l.owner_id == ctx.principal)
             .collect();
         async move { Ok(LeaseListOutput { leases }) }
+    });
+    let s = state.clone();
+    router.handle::<LeaseGet, _, _>(move |ctx, input| {
+        s.record("lease.get", &ctx, &input);
+        let outcome = s
+            .listed()
+            .into_iter()
+            .find(|l| {
+                l.id.as_str() == input.lease_id
+                    && (ctx.role == Role::Admin || l.owner_id == ctx.principal)
+            })
+            .map(|lease| LeaseGetOutput { lease })
+            .ok_or_else(|| ContractError::unknown_lease(&input.lease_id));
+        async move { outcome }
     });
     let s = state.clone();
     router.handle::<LeaseReleaseAll, _, _>(move |ctx, input| {

@@ -82,7 +82,7 @@ async fn a_daemon_not_listening_is_a_lost_connection() {
 /// Something at the URL that answers a lease read with JSON that is no lease (an array): a
 /// clear error, not a panic.
 #[tokio::test]
-async fn a_lease_read_answered_with_no_lease_is_an_error_naming_the_route() {
+async fn a_lease_read_answered_with_no_lease_is_an_error_naming_the_operation() {
     use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
@@ -99,7 +99,7 @@ async fn a_lease_read_answered_with_no_lease_is_an_error_naming_the_route() {
     let err = guard(client.lease("lse_1")).await.unwrap_err();
     assert_eq!(err.code, ErrorCode::Internal, "{err}");
     assert!(
-        err.message.contains("/v1/leases/lse_1 with no lease"),
+        err.message.contains("invalid lease.get output"),
         "{}",
         err.message
     );
@@ -361,8 +361,8 @@ async fn an_http_hold_stops_on_lease_lost() {
         .unwrap();
     let lease_id = grant.lease.id.to_string();
     let mut hold = agent.hold(grant);
-    // The lease's event stream checks the lease with `lease.list` once it follows notices.
-    guard(fake.wait_for_calls("lease.list", 1)).await;
+    // The lease's event stream checks the lease with `lease.get` once it follows notices.
+    guard(fake.wait_for_calls("lease.get", 1)).await;
     assert!(fake.end_lease(&lease_id, LeaseEndReason::Expired));
     assert_eq!(
         guard(hold.ended()).await,
@@ -438,7 +438,7 @@ async fn an_http_hold_whose_first_lookup_misses_the_lease_renews_and_releases() 
     let lease_id = grant.lease.id.to_string();
     let hold = agent.hold(grant);
     // The stream's lookup misses the lease; renewals go on.
-    guard(fake.wait_for_calls("lease.list", 1)).await;
+    guard(fake.wait_for_calls("lease.get", 1)).await;
     guard(fake.wait_for_calls("lease.renew", 2)).await;
     fake.unlist_leases(false);
     assert_eq!(guard(hold.release()).await, HoldEnd::Released);

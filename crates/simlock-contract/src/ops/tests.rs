@@ -74,6 +74,7 @@ fn the_table_holds_every_operation_the_design_keeps() {
             "lease.release",
             "lease.cancel",
             "lease.list",
+            "lease.get",
             "lease.release-all",
             "device.exec",
             "events.subscribe",
@@ -115,6 +116,7 @@ fn strict_inputs_refuse_unknown_keys_and_the_others_ignore_them() {
         ("lease.release", json!({"leaseId": "lse_1"})),
         ("lease.cancel", json!({})),
         ("lease.list", json!({})),
+        ("lease.get", json!({"leaseId": "lse_1"})),
         ("lease.release-all", json!({})),
         (
             "device.exec",

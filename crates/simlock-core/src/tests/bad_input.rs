@@ -186,6 +186,26 @@ fn cases(lease_id: &str) -> Vec<Case> {
             Forbidden,
         ),
         refused(agent("agent-a"), "lease.list", json!([1]), BadRequest),
+        refused(agent("agent-a"), "lease.get", json!({}), BadRequest),
+        refused(
+            agent("agent-a"),
+            "lease.get",
+            json!({"leaseId": "../etc"}),
+            BadRequest,
+        ),
+        refused(
+            agent("agent-a"),
+            "lease.get",
+            json!({"leaseId": "lse_nope"}),
+            UnknownLease,
+        ),
+        // Another agent's lease is as unknown to this one as it is in `lease.list`.
+        refused(
+            agent("agent-b"),
+            "lease.get",
+            json!({"leaseId": lease_id}),
+            UnknownLease,
+        ),
         refused(agent("agent-a"), "lease.release-all", json!({}), Forbidden),
         // An operator's reason is an admin's to give, on the holder's own lease too.
         refused(

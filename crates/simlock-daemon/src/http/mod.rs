@@ -22,10 +22,10 @@ use serde_json::{Map, Value, json};
 use simlock_contract::http::LeaseRequestBody;
 use simlock_contract::model::{LeaseRecord, Platform};
 use simlock_contract::ops::{
-    CatalogGet, CatalogInput, ConfigGet, DaemonStop, Empty, EventsReplay, LeaseIdInput, LeaseList,
-    LeaseRelease, LeaseReleaseAll, ListGet, ListInput, ListKind, Operation, ReplayInput, StatusGet,
-    TokenList, TokenRevoke, TokenRevokeInput, WorkerDrain, WorkerIdInput, WorkerList, WorkerRemove,
-    WorkerUndrain,
+    CatalogGet, CatalogInput, ConfigGet, DaemonStop, Empty, EventsReplay, LeaseGet, LeaseGetInput,
+    LeaseIdInput, LeaseList, LeaseRelease, LeaseReleaseAll, ListGet, ListInput, ListKind,
+    Operation, ReplayInput, StatusGet, TokenList, TokenRevoke, TokenRevokeInput, WorkerDrain,
+    WorkerIdInput, WorkerList, WorkerRemove, WorkerUndrain,
 };
 use simlock_contract::{ContractError, ErrorCode, Push, Role};
 use tokio::net::TcpListener;
@@ -815,10 +815,16 @@ async fn visible_lease(
     caller: &HttpCaller,
     id: &str,
 ) -> Result<LeaseRecord, ContractError> {
-    // An id that is no lease id is refused as renew and release refuse it, not looked up (nor
-    // echoed back whole in a 404).
-    simlock_contract::decode_input::<LeaseIdInput>(Some(json!({ "leaseId": id })))?;
-    app.pipeline.lease(caller_ctx(caller, None), id).await
+    // An id that is no lease id is refused as renew and release refuse it (the input's check),
+    // not looked up, nor echoed back whole in a 404.
+    let input = LeaseGetInput {
+        lease_id: id.to_owned(),
+    };
+    let answer = app
+        .pipeline
+        .call_typed::<LeaseGet>(caller_ctx(caller, None), &input)
+        .await?;
+    Ok(answer.lease)
 }
 
 async fn lease_events(

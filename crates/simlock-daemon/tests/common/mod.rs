@@ -58,6 +58,12 @@ pub async fn host_in(mode: Mode) -> Host {
     let mut router = Router::new();
     tokens::register(&mut router, &store, mode);
     simlock_daemon::events::register(&mut router, &bus);
+    // A daemon that holds no lease.
+    router.handle::<simlock_contract::ops::LeaseGet, _, _>(|_, input| async move {
+        Err(simlock_contract::ContractError::unknown_lease(
+            &input.lease_id,
+        ))
+    });
     let pipeline = Arc::new(Pipeline::new(
         router,
         StartupGate::ready(),
