@@ -24,7 +24,9 @@ use crate::view;
 
 /// The exit code of a held lease the daemon ended.
 const EXIT_LEASE_LOST: u8 = 14;
-/// The exit code after a second interrupt gave up waiting.
+/// The exit code of a request an interrupt (SIGINT, SIGTERM or SIGHUP) ended before it was
+/// held: withdrawn, given back if it was granted meanwhile, or left to its TTL after a second
+/// interrupt (128 + SIGINT, as a shell reports a process Ctrl-C ended).
 const EXIT_INTERRUPTED: u8 = 130;
 
 /// SIGINT, SIGTERM and SIGHUP, counted.
@@ -148,25 +150,44 @@ pub(crate) async fn run(
                 match with_backoff(left, withdraw(), || target.connect()).await {
                     Some(Ok(again)) => client = again,
                     Some(Err(last)) => break Err(last),
-                    None => break Err(e),
+                    // Withdrawn (an interrupt, or the bound process exited) before the daemon
+                    // was back: the request had ended with the daemon.
+                    None => {
+                        break Err(ContractError::new(
+                            ErrorCode::Cancelled,
+                            format!("{}; withdrawn before the daemon was back", e.message),
+                        ));
+                    }
                 }
             }
             other => break other,
         }
     };
     reporter.done();
-    let grant = requested.map_err(|e| requester.explain(e))?;
+    let interrupted = |message: String| {
+        crate::fail(json, &ContractError::new(ErrorCode::Cancelled, message));
+        Ok(EXIT_INTERRUPTED)
+    };
+    let grant = match requested {
+        // Withdrawn, or ended with its connection (a daemon that went away ends the requests
+        // waiting on it) after the interrupt.
+        Err(e)
+            if signals.count() > 0 && (e.code == ErrorCode::Cancelled || e.code.is_transport()) =>
+        {
+            return interrupted("interrupted; the request was withdrawn".into());
+        }
+        other => other.map_err(|e| requester.explain(e))?,
+    };
     let lease_id = grant.lease.id.to_string();
     if signals.count() > 0 {
         // The request settled before the interrupt could withdraw it: give the lease back.
-        let message = match client.release(&lease_id).await {
+        return interrupted(match client.release(&lease_id).await {
             Ok(_) => format!("interrupted; lease {lease_id} was granted meanwhile and released"),
             Err(e) => format!(
                 "interrupted; lease {lease_id} was granted meanwhile and could not be released \
                  ({e}); it expires on its TTL"
             ),
-        };
-        return Err(ContractError::new(ErrorCode::Cancelled, message));
+        });
     }
     if args.detach {
         crate::emit(json, &grant, view::grant);

@@ -490,7 +490,7 @@ async fn a_held_lease_the_daemon_ends_exits_14() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_interrupt_while_queued_cancels_the_request() {
+async fn an_interrupt_while_queued_withdraws_the_request_and_exits_130() {
     let fake = fake().await;
     fake.script_request(RequestScript::Hold(vec![Progress::Queued {
         queue_position: 4,
@@ -501,9 +501,39 @@ async fn an_interrupt_while_queued_cancels_the_request() {
     assert!(progress.contains("\"queuePosition\":4"), "{progress}");
     held.signal("-INT").await;
     let (code, stderr) = held.exit_code().await;
-    assert_eq!(code, 1, "{stderr}");
-    assert!(stderr.contains("CANCELLED"), "{stderr}");
+    assert_eq!(code, 130, "{stderr}");
+    assert!(
+        stderr.contains("simlock: interrupted; the request was withdrawn (CANCELLED)"),
+        "{stderr}"
+    );
     assert_eq!(fake.calls_of("lease.cancel").len(), 1);
+    assert!(fake.leases().is_empty());
+}
+
+/// A request granted before the interrupt's withdrawal reached the daemon is given back, and the
+/// command still ends as interrupted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_interrupt_that_loses_the_race_with_the_grant_releases_the_lease_and_exits_130() {
+    let fake = fake().await;
+    fake.script_request(RequestScript::Hold(vec![Progress::Queued {
+        queue_position: 1,
+    }]));
+    fake.script_cancel(CancelScript::NotFound(Ok(())));
+    let mut held = Held::spawn(&fake, &["lease", "--platform", "ios", "--json"]);
+    let progress = held.stderr_line().await;
+    assert!(progress.contains("\"queuePosition\":1"), "{progress}");
+    held.signal("-INT").await;
+    let (code, stderr) = held.exit_code().await;
+    assert_eq!(code, 130, "{stderr}");
+    let released = fake.calls_of("lease.release");
+    assert_eq!(released.len(), 1, "{stderr}");
+    let lease_id = released[0].input["leaseId"].as_str().unwrap().to_owned();
+    assert!(
+        stderr.contains(&format!(
+            "interrupted; lease {lease_id} was granted meanwhile and released"
+        )),
+        "{stderr}"
+    );
     assert!(fake.leases().is_empty());
 }
 

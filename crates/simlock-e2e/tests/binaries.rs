@@ -602,6 +602,53 @@ fn a_waiting_lease_asks_again_after_a_daemon_restart_and_is_granted() {
     assert!(queued >= 2, "{stderr}");
 }
 
+/// A `simlock lease` that waits for its daemon to come back (its request ended with the daemon)
+/// and is then interrupted says so and exits 130, as an interrupt in the queue does.
+#[test]
+fn a_waiting_lease_interrupted_while_its_daemon_is_down_exits_130() {
+    if !enabled() {
+        return;
+    }
+    let worker = Worker::start(&fixed(1), false);
+    let first = worker.cli(&[
+        "lease",
+        "--platform",
+        "ios",
+        "--detach",
+        "--requester",
+        "first",
+    ]);
+    assert_eq!(first.code, 0, "{}", first.stderr);
+    let mut waiter = on_socket(worker.home.path())
+        .args([
+            "--json",
+            "lease",
+            "--platform",
+            "ios",
+            "--requester",
+            "second",
+        ])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_until(&worker, "the second request waits", |status| {
+        waiting_requesters(status) == ["second"]
+    });
+    // Stopped, the daemon ends the waiting request; the CLI waits for the next one on its home
+    // (or is just finding out the connection ended: either way, the interrupt ends it).
+    let _home = worker.terminate();
+    send_signal(waiter.id(), "-INT");
+    let exited = wait_exit(&mut waiter);
+    let said = stderr_of(&mut waiter);
+    assert_eq!(exited.and_then(|s| s.code()), Some(130), "{said}");
+    assert!(
+        said.contains("simlock: interrupted; the request was withdrawn (CANCELLED)"),
+        "{said}"
+    );
+}
+
 /// A socket hold whose daemon does not come back stops trying once the lease's TTL has passed
 /// (the lease is gone by then whatever happens), exiting as a connection failure: connecting
 /// again is bounded.
