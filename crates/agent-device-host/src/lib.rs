@@ -500,6 +500,12 @@ impl AgentDeviceHost {
             _ => None,
         };
         let caller_tenant = call.caller_tenant();
+        if lease.is_none() && method == "command" {
+            // Before `connect` (no lease) the daemon refuses a command for want of a lease's
+            // ids; its one answer gains the hint to connect first below. A progress stream's
+            // refusal would come as its last line, past the hint.
+            call.without_progress();
+        }
         let mapping = known.as_ref().map(HostLease::mapping);
         call.rewrite(&endpoint.token, tenant.as_str(), mapping);
         let body = call.to_bytes();

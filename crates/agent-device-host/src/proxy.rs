@@ -213,6 +213,16 @@ impl RpcRewrite {
         kind.as_deref() == Some("path") && !uploaded
     }
 
+    /// Asks the daemon for one JSON answer instead of a progress stream (`meta.requestProgress`
+    /// dropped): the CLI reads either, and only a whole answer can be given a hint.
+    pub fn without_progress(&mut self) {
+        self.with_params(|params| {
+            with_object(params, "meta", |meta| {
+                meta.remove("requestProgress");
+            });
+        });
+    }
+
     /// The allocate's scope, before the tenant is rewritten.
     pub fn allocate_scope(&self, lease: &LeaseId) -> AllocateScope {
         let params = self.params();

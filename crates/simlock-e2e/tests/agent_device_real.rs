@@ -421,6 +421,18 @@ async fn a_command_before_connect_keeps_the_daemons_refusal_and_gains_the_hint_t
         "{answer:?}"
     );
     assert!(worker.leases().await.is_empty(), "nothing leased");
+    // The published CLI prints it, in human mode too (which asks for a progress stream).
+    let cli = Cli::new(&real_package(), &worker.base(), &secret);
+    for output in [Output::Human, Output::Json] {
+        let run = cli.run_as(output, &["snapshot"]).await;
+        let printed = format!("{}{}", run.stdout, run.stderr);
+        assert!(!run.status.success(), "{output:?}: {run:?}");
+        assert!(
+            printed.contains("agent-device connect --remote-config <file>"),
+            "{output:?}: {run:?}"
+        );
+    }
+    assert!(worker.leases().await.is_empty(), "nothing leased");
     worker.stop().await;
 }
 
