@@ -32,13 +32,13 @@ use simlock_daemon::tokens::TokenStore;
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
-use tracing::{debug, warn};
+use tracing::{debug, info, warn};
 
 use crate::body::json as json_response;
 use crate::body::{Guarded, ProgressTail, read_caller_body, read_to_bytes};
 use crate::lease_id::{LEASE_HEADER, LeaseId};
 use crate::leases::{FrontLease, FrontLeases};
-use crate::port::{Caller, HostLink, Hosts, Serving, StatusScope};
+use crate::port::{Caller, HostLink, HostStatus, Hosts, Serving, StatusScope};
 use crate::renewal::{self, KeepAsk, RenewAsk, Renewal};
 use crate::reply::{Refusal, Surface};
 use crate::rpc::{Answer, MAX_RPC_BODY, Method as RpcMethod, RpcCall, device_key};
@@ -99,6 +99,9 @@ struct Inner {
     lease_ttl_cap_ms: Option<u64>,
     max_ttl_ms: u64,
     leases: FrontLeases,
+    /// Releases a gateway carries out once the worker holding their lease is back
+    /// ([`release_later`]).
+    releasing: parking_lot::Mutex<std::collections::HashSet<LeaseId>>,
     /// Fires when the daemon stops: waiting allocates end cancelled, renewals stop.
     stop: CancellationToken,
     /// The allocates waiting for a grant and the renewals of running commands, so a stop can
@@ -117,6 +120,7 @@ impl Front {
                 lease_ttl_cap_ms: options.lease_ttl_cap_ms,
                 max_ttl_ms: options.max_ttl_ms,
                 leases: FrontLeases::default(),
+                releasing: parking_lot::Mutex::default(),
                 stop: CancellationToken::new(),
                 waiting: tokio_util::task::TaskTracker::new(),
             }),
@@ -551,6 +555,17 @@ impl Exchange {
                 .leases
                 .end(lease, &self.caller.principal, Instant::now());
         }
+    }
+
+    /// Whether the worker holding the caller's `lease` is away (through a gateway).
+    fn holder_away(&self, lease: &LeaseId) -> bool {
+        matches!(
+            self.inner.link.status(StatusScope::Lease {
+                lease,
+                caller: &self.caller,
+            }),
+            HostStatus::HolderAway
+        )
     }
 
     /// The status of the host holding `lease`, refused when it cannot serve.
@@ -1072,19 +1087,107 @@ async fn keep_after_command(ctx: &Exchange, call: RpcCall, lease: &LeaseId) {
 /// The release: agent-device first (`released: false` is a normal answer), then the simlock
 /// lease. A release agent-device fails keeps the simlock lease. Releasing a lease that ended
 /// answers `released: false`, as agent-device answers a second release.
+///
+/// Through a gateway, a release whose lease's worker is away (its uplink down, or not back since
+/// the gateway started) is answered `released: true` at once and carried out once the worker is
+/// back ([`release_later`]): the published CLI's `disconnect` reports success whatever the
+/// answer, and an agent that let its device go must not keep it until its TTL.
 async fn release(ctx: &Exchange, call: RpcCall, lease: &LeaseId) -> Result<Response<Body>, Failed> {
     // The caller's lease ended already: answered as agent-device answers a second release.
     if ctx.ended(lease) {
         return Ok(rpc_result(&call.id, json!({ "released": false })));
     }
-    ctx.lease_ttl(lease)?;
-    let (parts, bytes) = ctx.exchange(call.to_bytes(), Some(lease), None).await?;
+    let released_later = |ctx: &Exchange, call: &RpcCall| {
+        release_later(ctx, call, lease);
+        rpc_result(&call.id, json!({ "released": true }))
+    };
+    if ctx.inner.releasing.lock().contains(lease) {
+        return Ok(released_later(ctx, &call));
+    }
+    match ctx.lease_ttl(lease) {
+        Err(_) if ctx.holder_away(lease) => return Ok(released_later(ctx, &call)),
+        other => other?,
+    };
+    let (parts, bytes) = match ctx.exchange(call.to_bytes(), Some(lease), None).await {
+        Err(_) if ctx.holder_away(lease) => return Ok(released_later(ctx, &call)),
+        other => other?,
+    };
     let answer = Answer::read(&bytes);
     if matches!(answer, Answer::Ok(_)) || answer.lease_gone() {
         ctx.end(lease);
         ctx.release_simlock(lease).await;
     }
     Ok(answer_from(parts, bytes))
+}
+
+/// The first wait of a release carried out later, doubled after each try up to
+/// [`RELEASE_LATER_MAX_WAIT`].
+const RELEASE_LATER_FIRST_WAIT: Duration = Duration::from_millis(250);
+/// The longest wait between two tries of a release carried out later.
+const RELEASE_LATER_MAX_WAIT: Duration = Duration::from_secs(2);
+
+/// Carries out `call`, the release of `lease`, once the worker holding it is back: tried with
+/// backoff until agent-device answers it (then the simlock lease is released, as [`release`]
+/// does), or the lease's TTL has run out (the worker ends it then itself), or this daemon
+/// stops (the lease is left to its TTL). One such task per lease; the front forgets the lease
+/// at once, as it does when a release is answered.
+fn release_later(ctx: &Exchange, call: &RpcCall, lease: &LeaseId) {
+    if !ctx.inner.releasing.lock().insert(lease.clone()) {
+        return;
+    }
+    let now = Instant::now();
+    let ttl = ctx
+        .inner
+        .leases
+        .owned(lease, &ctx.caller.principal)
+        .map_or_else(
+            || ctx.inner.ceiling(None),
+            |entry| {
+                entry.ttl_ms.saturating_sub(
+                    u64::try_from(now.saturating_duration_since(entry.touched).as_millis())
+                        .unwrap_or(u64::MAX),
+                )
+            },
+        );
+    let deadline = now + Duration::from_millis(ttl);
+    ctx.end(lease);
+    info!(%lease, "the worker holding the lease is away: released once it is back");
+    let task = Exchange {
+        inner: ctx.inner.clone(),
+        caller: ctx.caller.clone(),
+        parts: ctx.parts.clone(),
+        surface: ctx.surface.clone(),
+    };
+    let (body, lease) = (call.to_bytes(), lease.clone());
+    ctx.inner.waiting.spawn(async move {
+        let mut wait = RELEASE_LATER_FIRST_WAIT;
+        let released = loop {
+            tokio::select! {
+                () = tokio::time::sleep(wait.min(deadline.saturating_duration_since(Instant::now()))) => {}
+                () = task.inner.stop.cancelled() => break false,
+            }
+            if Instant::now() >= deadline {
+                break false;
+            }
+            wait = (wait * 2).min(RELEASE_LATER_MAX_WAIT);
+            if task.holder_away(&lease) {
+                continue;
+            }
+            if let Ok((_, bytes)) = task.exchange(body.clone(), Some(&lease), None).await {
+                let answer = Answer::read(&bytes);
+                if matches!(answer, Answer::Ok(_)) || answer.lease_gone() {
+                    task.release_simlock(&lease).await;
+                    break true;
+                }
+                warn!(%lease, ?answer, "agent-device refused a release carried out later");
+                break false;
+            }
+        };
+        if !released {
+            info!(%lease, "a release carried out later was left to the lease's TTL");
+        }
+        task.inner.releasing.lock().remove(&lease);
+    });
 }
 
 /// `devices`: only the devices the token leases. With none held, the empty list, and no host

@@ -1999,6 +1999,66 @@ async fn while_the_uplink_is_down_the_lease_answers_retry_at_once_and_afterwards
     gw.stop().await;
 }
 
+/// Trial 7: the published CLI's `disconnect` reports success whatever its release is answered,
+/// so a release while the lease's worker is away is answered `released: true` and carried out
+/// once the worker is back: agent-device's lease first, then the simlock lease; the device is
+/// free then, not at the TTL. A second release meanwhile starts nothing more.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_while_the_worker_is_away_is_answered_and_carried_out_once_it_is_back() {
+    use simlock_contract::model::Connection;
+    let mut gw = Gw::start(enabled_gateway()).await;
+    let cable = gw.add_android_worker_via_cable().await;
+    let (_, secret) = gw.token().await;
+    let http = Http::new();
+    let lease = allocate(&http, &gw, &secret).await;
+    cable.cut();
+    gw.wait_connection(0, Connection::Disconnected).await;
+    for id in ["r1", "r2"] {
+        let released = http
+            .rpc(
+                &gw.base(),
+                &secret,
+                &lease_call(id, "lease.release", &lease),
+            )
+            .await;
+        assert_eq!(released.status, 200, "{released:?}");
+        assert_eq!(
+            released.json()["result"],
+            json!({"ok": true, "data": {"released": true}}),
+            "{released:?}"
+        );
+    }
+    assert!(
+        received(&gw.fakes[0], "agent_device.lease.release").is_empty(),
+        "nothing reached the away worker"
+    );
+    assert!(
+        gw.fleet.worker(0).worker.lease(&lease).is_some(),
+        "held until it is back"
+    );
+
+    cable.mend();
+    gw.wait_connection(0, Connection::Connected).await;
+    gw.fleet
+        .wait_until(|fleet| fleet.lease(&lease).is_none())
+        .await;
+    assert!(
+        gw.fleet.worker(0).worker.lease(&lease).is_none(),
+        "released on the worker"
+    );
+    let released = received(&gw.fakes[0], "agent_device.lease.release");
+    assert_eq!(
+        released.len(),
+        1,
+        "one release, carried out once: {released:?}"
+    );
+    assert!(gw.leases().await.is_empty());
+    // The device serves the next allocate.
+    let again = allocate(&http, &gw, &secret).await;
+    assert_ne!(again, lease);
+    gw.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_away_past_the_ttl_ends_the_lease_by_host_when_it_returns_and_reclaims_the_device()
 {
