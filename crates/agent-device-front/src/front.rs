@@ -260,7 +260,11 @@ async fn serve(inner: Arc<Inner>, mut request: Request<Body>) -> Response<Body> 
     // simlock's own headers between a front and a host are never a caller's to send.
     renewal::strip(request.headers_mut());
     let Some(route) = Route::parse(request.method(), request.uri().path()) else {
-        return Refusal::NotFound.into_response(&Surface::Route);
+        // As the rest of `/v1` answers: a caller without a valid token hears that first, so
+        // no route is told apart without one.
+        let refusal = authenticate(&inner.tokens, request.headers())
+            .map_or_else(|refusal| refusal, |_| Refusal::NotFound);
+        return refusal.into_response(&Surface::Route);
     };
     let surface = if route == Route::Rpc {
         Surface::Rpc { id: Value::Null }

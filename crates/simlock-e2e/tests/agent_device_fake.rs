@@ -959,6 +959,31 @@ async fn a_platform_the_worker_has_no_device_of_is_refused_and_nothing_is_leased
     fake.stop().await;
 }
 
+/// Every route but `/health` needs a token, an unknown one too: without a valid token it is a
+/// 401, as on the rest of `/v1`; with one, a 404.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unknown_route_needs_a_token_before_it_is_a_404() {
+    let fake = FakeAgentDevice::start(FakeOptions::default()).unwrap();
+    let worker = AdWorker::with_fake(attached_config(), &fake).await;
+    let (_, secret) = worker.token("agent").await;
+    let http = Http::new();
+    let url = format!("{}/nope", worker.base());
+    for headers in [vec![], vec![("authorization", "Bearer slk_nope")]] {
+        let answer = http.send(Method::GET, &url, &headers, "").await;
+        assert_eq!(answer.status, 401, "{headers:?}: {answer:?}");
+        assert_eq!(answer.json()["code"], json!("UNAUTHORIZED"), "{answer:?}");
+    }
+    let bearer = format!("Bearer {secret}");
+    let answer = http
+        .send(Method::GET, &url, &[("authorization", &bearer)], "")
+        .await;
+    assert_eq!(answer.status, 404, "{answer:?}");
+    assert_eq!(answer.json()["code"], json!("NOT_FOUND"), "{answer:?}");
+    assert!(fake.requests().is_empty(), "nothing reached agent-device");
+    worker.stop().await;
+    fake.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_agent_device_off_every_route_answers_404() {
     let mut config = simlock_e2e::worker_config(1);
