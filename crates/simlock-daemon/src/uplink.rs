@@ -143,7 +143,9 @@ pub enum DialError {
     #[error("unreachable: {0}")]
     Unreachable(String),
     /// The gateway refused the join token or the worker (HTTP status).
-    #[error("rejected with HTTP {0}: check gateway.token")]
+    #[error(
+        "rejected with HTTP {0}: the gateway refused the join token (unknown or revoked): check gateway.token"
+    )]
     Rejected(u16),
     /// The TLS handshake with a `wss://` gateway failed.
     #[error("{}", tls_message(.0))]
@@ -483,7 +485,7 @@ mod tests {
             UplinkStatus {
                 gateway: "ws://gw:4700/v1".into(),
                 state: UplinkConnection::Connecting,
-                last_error: Some("rejected with HTTP 401: check gateway.token".into()),
+                last_error: Some("rejected with HTTP 401: the gateway refused the join token (unknown or revoked): check gateway.token".into()),
                 since: 5,
             }
         );
@@ -511,7 +513,9 @@ mod tests {
         assert_eq!(status.since, 1_000, "still connecting since it began");
         assert_eq!(
             status.last_error.as_deref(),
-            Some("rejected with HTTP 401: check gateway.token")
+            Some(
+                "rejected with HTTP 401: the gateway refused the join token (unknown or revoked): check gateway.token"
+            )
         );
 
         tokio::time::advance(Duration::from_millis(100)).await;

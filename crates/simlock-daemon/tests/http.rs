@@ -497,8 +497,8 @@ async fn a_websocket_upgrade_is_refused_before_auth_and_other_upgrades_are_ignor
         let said: Value = serde_json::from_str(&body).unwrap();
         assert_eq!(
             said["error"]["message"],
-            "No WebSocket at /v1/tokens: only a gateway's /v1/uplink takes one; send GET \
-             /v1/tokens without Upgrade"
+            "No WebSocket at /v1/tokens: only a gateway's /v1/uplink takes one; send the \
+             request without Upgrade"
         );
         let (status, _, _) = raw_exchange(
             &host.addr,

@@ -903,6 +903,8 @@ async fn an_uplink_with_another_websocket_version_or_none_gets_426_and_records_n
     fleet.stop().await;
 }
 
+/// Revoking a join token closes its uplinks, and the worker is told why: its uplink state says
+/// the token was revoked (the close frame's reason), then that the gateway refuses it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn revoking_a_join_token_closes_its_uplinks() {
     let mut fleet = TestFleet::start(gateway_config()).await;
@@ -928,6 +930,13 @@ async fn revoking_a_join_token_closes_its_uplinks() {
                 .any(|v| v.id == worker_id && v.connection == Connection::Disconnected)
         })
         .await;
+    // Either message the worker may be showing by now names the revocation.
+    let told = uplink_lost_with(&fleet, 0, "revoked").await;
+    assert!(
+        told.contains("its join token was revoked")
+            || told.contains("refused the join token (unknown or revoked)"),
+        "{told}"
+    );
     fleet.stop().await;
 }
 

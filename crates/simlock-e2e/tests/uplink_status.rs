@@ -126,11 +126,13 @@ async fn a_worker_whose_join_token_is_rejected_reports_connecting_with_the_rejec
     let mut state = worker.uplink.clone().unwrap();
     uplink_until(&worker, rejected).await;
     let (status, value) = worker_status(&worker).await;
-    let expected = |since| UplinkStatus {
+    let expected = |since| {
+        UplinkStatus {
         gateway: url.clone(),
         state: UplinkConnection::Connecting,
-        last_error: Some("rejected with HTTP 401: check gateway.token".into()),
+        last_error: Some("rejected with HTTP 401: the gateway refused the join token (unknown or revoked): check gateway.token".into()),
         since,
+    }
     };
     let uplink = status.uplink.expect("the uplink is reported");
     assert_eq!(uplink, expected(uplink.since));
@@ -141,7 +143,8 @@ async fn a_worker_whose_join_token_is_rejected_reports_connecting_with_the_rejec
     );
     assert_eq!(value["uplink"]["state"], "connecting", "{value}");
     assert_eq!(
-        value["uplink"]["lastError"], "rejected with HTTP 401: check gateway.token",
+        value["uplink"]["lastError"],
+        "rejected with HTTP 401: the gateway refused the join token (unknown or revoked): check gateway.token",
         "{value}"
     );
 

@@ -780,7 +780,7 @@ impl Fleet {
                 && let Some(conn) = shared.conns.get(&generation)
             {
                 info!(worker = %conn.worker_id, "closing an uplink whose join token was revoked");
-                conn.close();
+                conn.close_because(Closing::TokenRevoked);
             }
         }
     }

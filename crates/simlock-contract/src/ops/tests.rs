@@ -569,13 +569,13 @@ fn a_workers_uplink_is_spelled_in_camel_case_and_names_an_error_only_when_there_
     let connecting = UplinkStatus {
         gateway: "ws://gw:4700".into(),
         state: UplinkConnection::Connecting,
-        last_error: Some("rejected with HTTP 401: check gateway.token".into()),
+        last_error: Some("rejected with HTTP 401: the gateway refused the join token (unknown or revoked): check gateway.token".into()),
         since: 1_700_000_000_000,
     };
     let value = json!({
         "gateway": "ws://gw:4700",
         "state": "connecting",
-        "lastError": "rejected with HTTP 401: check gateway.token",
+        "lastError": "rejected with HTTP 401: the gateway refused the join token (unknown or revoked): check gateway.token",
         "since": 1_700_000_000_000_i64,
     });
     assert_eq!(serde_json::to_value(&connecting).unwrap(), value);

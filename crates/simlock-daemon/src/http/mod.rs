@@ -477,8 +477,8 @@ async fn route(
         let err = ContractError::new(
             ErrorCode::UnknownRequest,
             format!(
-                "No WebSocket at {path}: only a gateway's /v1/uplink takes one; send {method} \
-                 {path} without Upgrade"
+                "No WebSocket at {path}: only a gateway's /v1/uplink takes one; send the \
+                 request without Upgrade"
             ),
         );
         return error_with_status(&err, StatusCode::NOT_FOUND);

@@ -283,6 +283,8 @@ pub enum Closing {
     Unresponsive,
     /// The gateway is stopping.
     Stopping,
+    /// An operator revoked the join token the uplink was opened with.
+    TokenRevoked,
 }
 
 impl std::fmt::Display for Closing {
@@ -296,6 +298,9 @@ impl std::fmt::Display for Closing {
                 "the worker left {MAX_STATUS_TIMEOUTS} status reads in a row unanswered"
             ),
             Self::Stopping => f.write_str("the gateway is stopping"),
+            Self::TokenRevoked => f.write_str(
+                "its join token was revoked: start the worker with a new one (gateway.token)",
+            ),
         }
     }
 }
