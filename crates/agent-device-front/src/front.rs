@@ -1101,20 +1101,24 @@ async fn release(ctx: &Exchange, call: RpcCall, lease: &LeaseId) -> Result<Respo
     if ctx.ended(lease) {
         return Ok(rpc_result(&call.id, json!({ "released": false })));
     }
-    let released_later = |ctx: &Exchange, call: &RpcCall| {
-        release_later(ctx, call, lease);
-        rpc_result(&call.id, json!({ "released": true }))
+    let away = match ctx.lease_ttl(lease) {
+        Err(_) if ctx.holder_away(lease) => true,
+        other => {
+            other?;
+            ctx.inner.releasing.lock().contains(lease)
+        }
     };
-    if ctx.inner.releasing.lock().contains(lease) {
-        return Ok(released_later(ctx, &call));
-    }
-    match ctx.lease_ttl(lease) {
-        Err(_) if ctx.holder_away(lease) => return Ok(released_later(ctx, &call)),
-        other => other?,
+    let answered = if away {
+        None
+    } else {
+        match ctx.exchange(call.to_bytes(), Some(lease), None).await {
+            Err(_) if ctx.holder_away(lease) => None,
+            other => Some(other?),
+        }
     };
-    let (parts, bytes) = match ctx.exchange(call.to_bytes(), Some(lease), None).await {
-        Err(_) if ctx.holder_away(lease) => return Ok(released_later(ctx, &call)),
-        other => other?,
+    let Some((parts, bytes)) = answered else {
+        release_later(ctx, &call, lease).await;
+        return Ok(rpc_result(&call.id, json!({ "released": true })));
     };
     let answer = Answer::read(&bytes);
     if matches!(answer, Answer::Ok(_)) || answer.lease_gone() {
@@ -1130,14 +1134,42 @@ const RELEASE_LATER_FIRST_WAIT: Duration = Duration::from_millis(250);
 /// The longest wait between two tries of a release carried out later.
 const RELEASE_LATER_MAX_WAIT: Duration = Duration::from_secs(2);
 
-/// Carries out `call`, the release of `lease`, once the worker holding it is back: tried with
-/// backoff until agent-device answers it (then the simlock lease is released, as [`release`]
-/// does), or the lease's TTL has run out (the worker ends it then itself), or this daemon
-/// stops (the lease is left to its TTL). One such task per lease; the front forgets the lease
-/// at once, as it does when a release is answered.
-fn release_later(ctx: &Exchange, call: &RpcCall, lease: &LeaseId) {
+/// Carries out `call`, the release of `lease`, once the worker holding it is back. The front
+/// forgets the lease at once, as it does when a release is answered.
+///
+/// The simlock lease is released first: the gateway answers its holder's release while the
+/// worker is away, keeps it (stored, a restart between included) and releases the lease on the
+/// worker once it is back, whose host then releases agent-device's lease before it reclaims the
+/// device. A gateway that has not heard from the worker since it started cannot yet (it does
+/// not know the lease's owner): then a task tries `call` itself with backoff until agent-device
+/// answers it (then the simlock lease is released, as [`release`] does), or the front finds
+/// the lease ended or not the caller's, or the lease's TTL has run out (the worker ends it then
+/// itself), or this daemon stops (the lease is left to its TTL). One such task per lease.
+async fn release_later(ctx: &Exchange, call: &RpcCall, lease: &LeaseId) {
     if !ctx.inner.releasing.lock().insert(lease.clone()) {
         return;
+    }
+    let input = LeaseIdInput {
+        reason: None,
+        lease_id: lease.as_str().to_owned(),
+    };
+    match ctx
+        .inner
+        .pipeline
+        .call_typed::<LeaseRelease>(ctx.ctx(), &input)
+        .await
+    {
+        Ok(_) => {
+            info!(%lease, "the worker holding the lease is away: the gateway releases it once it is back");
+            ctx.end(lease);
+            ctx.inner.releasing.lock().remove(lease);
+            return;
+        }
+        // `UNKNOWN_LEASE` too: a gateway that restarted cannot vouch for a lease whose id its
+        // agent chose before that worker reported; the task finds out.
+        Err(e) => {
+            debug!(%lease, code = %e.code, "the simlock lease cannot be released yet: released once its worker is back");
+        }
     }
     let now = Instant::now();
     let ttl = ctx
@@ -1177,14 +1209,22 @@ fn release_later(ctx: &Exchange, call: &RpcCall, lease: &LeaseId) {
             if task.holder_away(&lease) {
                 continue;
             }
-            if let Ok((_, bytes)) = task.exchange(body.clone(), Some(&lease), None).await {
-                let answer = Answer::read(&bytes);
-                if matches!(answer, Answer::Ok(_)) || answer.lease_gone() {
-                    task.release_simlock(&lease).await;
+            match task.exchange(body.clone(), Some(&lease), None).await {
+                Ok((_, bytes)) => {
+                    let answer = Answer::read(&bytes);
+                    if matches!(answer, Answer::Ok(_)) || answer.lease_gone() {
+                        task.release_simlock(&lease).await;
+                        break true;
+                    }
+                    warn!(%lease, ?answer, "agent-device refused a release carried out later");
+                    break false;
+                }
+                Err((refusal, _)) if refusal.retriable() == Some(true) => {}
+                // Ended meanwhile, or no longer the caller's: nothing is left to release.
+                Err((refusal, _)) => {
+                    info!(%lease, %refusal, "a release carried out later found nothing to release");
                     break true;
                 }
-                warn!(%lease, ?answer, "agent-device refused a release carried out later");
-                break false;
             }
         };
         if !released {

@@ -174,7 +174,9 @@ impl Refusal {
         }
     }
 
-    fn retriable(&self) -> Option<bool> {
+    /// Whether trying again later may work (`Some(true)`), may not (`Some(false)`), or the reply
+    /// does not say (`None`: a refusal of the request itself, as it stands).
+    pub fn retriable(&self) -> Option<bool> {
         match self {
             Self::NotAvailable { retriable, .. } => Some(*retriable),
             Self::LeaseCheckFailed => Some(true),

@@ -292,6 +292,19 @@ impl TestFleet {
         self.wait_until(|fleet| done(&fleet.views())).await;
     }
 
+    /// Waits until the gateway lists worker `n` connected with a view that shows no lease.
+    pub async fn wait_connected_holding_none(&self, n: usize) {
+        let id = self.worker_id(n);
+        self.wait_for(|views| {
+            views.iter().any(|v| {
+                v.id == id
+                    && v.connection == Connection::Connected
+                    && v.leases.as_ref().is_some_and(Vec::is_empty)
+            })
+        })
+        .await;
+    }
+
     /// Waits until the gateway's fleet satisfies `done`.
     pub async fn wait_until(&self, done: impl Fn(&simlock_fleet::Fleet) -> bool) {
         let fleet = self.gateway().fleet.clone();

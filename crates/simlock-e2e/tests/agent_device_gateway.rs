@@ -1999,20 +1999,27 @@ async fn while_the_uplink_is_down_the_lease_answers_retry_at_once_and_afterwards
     gw.stop().await;
 }
 
+/// A gateway whose one worker (on a cable) holds a lease of a new token's, the cable then cut:
+/// the gateway, the cable, the token's secret and the lease.
+async fn a_lease_whose_worker_is_away() -> (Gw, Cable, String, String) {
+    let mut gw = Gw::start(enabled_gateway()).await;
+    let cable = gw.add_android_worker_via_cable().await;
+    let (_, secret) = gw.token().await;
+    let lease = allocate(&Http::new(), &gw, &secret).await;
+    cable.cut();
+    gw.wait_connection(0, simlock_contract::model::Connection::Disconnected)
+        .await;
+    (gw, cable, secret, lease)
+}
+
 /// Trial 7: the published CLI's `disconnect` reports success whatever its release is answered,
 /// so a release while the lease's worker is away is answered `released: true` and carried out
 /// once the worker is back: agent-device's lease first, then the simlock lease; the device is
 /// free then, not at the TTL. A second release meanwhile starts nothing more.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_release_while_the_worker_is_away_is_answered_and_carried_out_once_it_is_back() {
-    use simlock_contract::model::Connection;
-    let mut gw = Gw::start(enabled_gateway()).await;
-    let cable = gw.add_android_worker_via_cable().await;
-    let (_, secret) = gw.token().await;
+    let (gw, cable, secret, lease) = a_lease_whose_worker_is_away().await;
     let http = Http::new();
-    let lease = allocate(&http, &gw, &secret).await;
-    cable.cut();
-    gw.wait_connection(0, Connection::Disconnected).await;
     for id in ["r1", "r2"] {
         let released = http
             .rpc(
@@ -2037,11 +2044,10 @@ async fn a_release_while_the_worker_is_away_is_answered_and_carried_out_once_it_
         "held until it is back"
     );
 
+    assert!(gw.leases().await.is_empty(), "ended at the gateway at once");
+
     cable.mend();
-    gw.wait_connection(0, Connection::Connected).await;
-    gw.fleet
-        .wait_until(|fleet| fleet.lease(&lease).is_none())
-        .await;
+    gw.fleet.wait_connected_holding_none(0).await;
     assert!(
         gw.fleet.worker(0).worker.lease(&lease).is_none(),
         "released on the worker"
@@ -2102,6 +2108,39 @@ async fn a_worker_away_past_the_ttl_ends_the_lease_by_host_when_it_returns_and_r
         "LEASE_ENDED_BY_HOST",
         "{beat:?}"
     );
+    gw.stop().await;
+}
+
+/// After a gateway restart, before the lease's worker is back, the gateway does not know the
+/// simlock lease's owner yet: a release is still answered `released: true`, and carried out by
+/// the front once the worker is back (agent-device's lease, then the simlock lease).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_after_a_gateway_restart_before_the_worker_is_back_is_carried_out_once_it_is() {
+    let (mut gw, cable, secret, lease) = a_lease_whose_worker_is_away().await;
+    let http = Http::new();
+    gw.fleet.restart_gateway(enabled_gateway()).await;
+    let released = http
+        .rpc(
+            &gw.base(),
+            &secret,
+            &lease_call("r1", "lease.release", &lease),
+        )
+        .await;
+    assert_eq!(
+        released.json()["result"],
+        json!({"ok": true, "data": {"released": true}}),
+        "{released:?}"
+    );
+    assert!(gw.fleet.worker(0).worker.lease(&lease).is_some());
+
+    cable.mend();
+    gw.fleet.wait_connected_holding_none(0).await;
+    assert!(gw.fleet.worker(0).worker.lease(&lease).is_none());
+    assert_eq!(
+        received(&gw.fakes[0], "agent_device.lease.release").len(),
+        1
+    );
+    assert!(gw.leases().await.is_empty());
     gw.stop().await;
 }
 

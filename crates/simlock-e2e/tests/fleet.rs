@@ -345,8 +345,15 @@ async fn a_lost_uplink_answers_worker_unreachable_and_the_lease_renews_once_it_i
         .unwrap_err();
     assert_eq!(err.code, ErrorCode::WorkerUnreachable);
     assert_eq!(err.details.unwrap()["workerId"], worker_id.as_str());
-    let err = agent
-        .call("lease.release", json!({"leaseId": lease_id}))
+    // An operator's release (`killed`) needs the worker too; a holder's is answered at once
+    // (`a_release_while_the_worker_is_away_…`).
+    let err = fleet
+        .operator()
+        .await
+        .call(
+            "lease.release",
+            json!({"leaseId": lease_id, "reason": "killed"}),
+        )
         .await
         .unwrap_err();
     assert_eq!(err.code, ErrorCode::WorkerUnreachable);
@@ -433,6 +440,51 @@ async fn a_gateway_restart_keeps_every_lease() {
             "the one-lease rule holds after a restart"
         );
     }
+    fleet.stop().await;
+}
+
+/// A holder's release while its worker is away is answered at once; the gateway keeps it
+/// through a restart (stored), and the worker releases the lease once it is back. Meanwhile the
+/// lease reads as gone, and no view brings it back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_while_the_worker_is_away_survives_a_gateway_restart_and_ends_the_lease_on_the_worker()
+ {
+    let config = gateway_config();
+    let mut fleet = TestFleet::start(config.clone()).await;
+    fleet.add_worker(worker_config(2)).await;
+    let agent = fleet.agent("agent-0").await;
+    let grant = agent
+        .call("lease.request", json!({"platform": "ios"}))
+        .await
+        .unwrap();
+    let lease_id = lease_id(&grant);
+    let worker_lease = lease_id
+        .split_once('.')
+        .map(|(_, id)| id.to_owned())
+        .unwrap();
+    fleet.stop_worker(0).await;
+    let released = agent
+        .call("lease.release", json!({"leaseId": lease_id}))
+        .await
+        .unwrap();
+    assert_eq!(released, json!({"leaseId": lease_id}));
+    let read = agent
+        .call("lease.get", json!({"leaseId": lease_id}))
+        .await
+        .unwrap_err();
+    assert_eq!(read.code, ErrorCode::UnknownLease, "{read:?}");
+    drop(agent);
+
+    fleet.restart_gateway(config).await;
+    fleet.restart_worker(0, worker_config(2)).await;
+    fleet.wait_connected_holding_none(0).await;
+    assert!(
+        fleet.worker(0).worker.lease(&worker_lease).is_none(),
+        "the worker released it"
+    );
+    let agent = fleet.agent("agent-0").await;
+    let listed = agent.call("lease.list", json!({})).await.unwrap();
+    assert_eq!(listed, json!({"leases": []}));
     fleet.stop().await;
 }
 

@@ -35,13 +35,16 @@ use crate::config::FleetConfig;
 use crate::error::FleetError;
 use crate::state::index::Entry;
 use crate::state::{
-    Closing, Core, Effect, KnownWorker, Refresh, RefreshFailure, Settings, Stamp, routing,
+    Closing, Core, Effect, KnownWorker, Refresh, RefreshFailure, Settings, Stamp, StoredOrphan,
+    routing,
 };
 
 const MIGRATIONS: &[&str] = &[
     "CREATE TABLE drained_workers (worker_id TEXT PRIMARY KEY, drained_at INTEGER NOT NULL)",
     "CREATE TABLE known_workers (worker_id TEXT PRIMARY KEY, label TEXT, \
      seen_at INTEGER NOT NULL, connected INTEGER NOT NULL)",
+    "CREATE TABLE orphan_leases (worker_id TEXT NOT NULL, worker_lease_id TEXT NOT NULL, \
+     granted_at INTEGER NOT NULL, PRIMARY KEY (worker_id, worker_lease_id))",
 ];
 
 /// Timing the gateway works with; tests shorten it.
@@ -248,6 +251,20 @@ impl Fleet {
             })?;
             rows.collect()
         })?;
+        let orphans: Vec<StoredOrphan> = parts.db.with(|c| {
+            let mut stmt = c.prepare(
+                "SELECT worker_id, worker_lease_id, granted_at FROM orphan_leases \
+                 ORDER BY worker_id, worker_lease_id",
+            )?;
+            let rows = stmt.query_map([], |row| {
+                Ok(StoredOrphan {
+                    worker_id: row.get(0)?,
+                    worker_lease_id: row.get(1)?,
+                    granted_at: row.get(2)?,
+                })
+            })?;
+            rows.collect()
+        })?;
         let settings = Settings {
             gateway_id: parts.gateway_id.clone(),
             limits: parts.limits,
@@ -256,7 +273,8 @@ impl Fleet {
             lease_request_timeout_ms: millis(parts.timing.lease_request_timeout),
             disconnected_retention_ms: millis(parts.timing.disconnected_retention),
         };
-        let core = Core::new(settings, drained, known, parts.clock.now_ms());
+        let mut core = Core::new(settings, drained, known, parts.clock.now_ms());
+        core.restore_orphans(orphans);
         let fleet = Arc::new_cyclic(|me| Self {
             me: me.clone(),
             gateway_id: parts.gateway_id,
@@ -383,6 +401,22 @@ impl Fleet {
                 Effect::Forget { worker_id } => {
                     if let Err(e) = self.db.with(|c| forget(c, &worker_id)) {
                         warn!(worker = %worker_id, error = %e, "the forgotten worker stays stored; a restart lists it again until its retention passes");
+                    }
+                }
+                Effect::StoreOrphan(orphan) => {
+                    if let Err(e) = self.db.with(|c| store_orphan(c, &orphan)) {
+                        warn!(worker = %orphan.worker_id, lease = %orphan.worker_lease_id, error = %e, "a lease being released could not be stored; a restart before it is released lists it again until its TTL");
+                    }
+                }
+                Effect::SettleOrphan {
+                    worker_id,
+                    worker_lease_id,
+                } => {
+                    if let Err(e) = self
+                        .db
+                        .with(|c| settle_orphan(c, &worker_id, &worker_lease_id))
+                    {
+                        warn!(worker = %worker_id, lease = %worker_lease_id, error = %e, "a released lease stays stored; after a restart its release is tried again");
                     }
                 }
                 Effect::Close { generation, why } => {
@@ -840,6 +874,27 @@ fn remember(c: &rusqlite::Connection, worker: &KnownWorker) -> rusqlite::Result<
         "INSERT OR REPLACE INTO known_workers (worker_id, label, seen_at, connected) \
          VALUES (?1, ?2, ?3, ?4)",
         rusqlite::params![worker.id, worker.label, worker.seen_at, worker.connected],
+    )
+}
+
+/// Stores a lease being released on its worker.
+fn store_orphan(c: &rusqlite::Connection, orphan: &StoredOrphan) -> rusqlite::Result<usize> {
+    c.execute(
+        "INSERT OR REPLACE INTO orphan_leases (worker_id, worker_lease_id, granted_at) \
+         VALUES (?1, ?2, ?3)",
+        rusqlite::params![orphan.worker_id, orphan.worker_lease_id, orphan.granted_at],
+    )
+}
+
+/// Deletes a stored orphan.
+fn settle_orphan(
+    c: &rusqlite::Connection,
+    worker_id: &str,
+    worker_lease_id: &str,
+) -> rusqlite::Result<usize> {
+    c.execute(
+        "DELETE FROM orphan_leases WHERE worker_id = ?1 AND worker_lease_id = ?2",
+        [worker_id, worker_lease_id],
     )
 }
 

@@ -1,5 +1,6 @@
 //! Lease operations on leases the gateway issued: renew, release and exec go to the worker that
-//! holds the lease (`WORKER_UNREACHABLE` while its uplink is down), as typed calls; the fleet
+//! holds the lease (`WORKER_UNREACHABLE` while its uplink is down, but for its holder's release,
+//! which the core answers and carries out once the worker is back), as typed calls; the fleet
 //! core decides where a lease is and who may act on it, and takes in the worker's answers.
 //! Lists come from the core's index.
 
@@ -17,7 +18,7 @@ use simlock_wire::{CallEvent, decode_raw};
 use crate::error::FleetError;
 use crate::fleet::Fleet;
 use crate::requests::caller;
-use crate::state::{Caller, LeaseTarget};
+use crate::state::{Caller, LeaseTarget, Release};
 
 impl Fleet {
     /// Calls `O` on the worker holding `target`, bounded by the call timeout.
@@ -88,7 +89,15 @@ impl Fleet {
         lease_id: &str,
         reason: Option<ReleaseReason>,
     ) -> Result<String, FleetError> {
-        let target = self.decide(|shared, _| shared.core.handle_release_sent(lease_id, caller))?;
+        let reason_ended = reason.map_or(LeaseEndReason::Explicit, LeaseEndReason::from);
+        let target = match self.decide(|shared, now| {
+            shared
+                .core
+                .handle_release_sent(lease_id, caller, reason_ended, now)
+        })? {
+            Release::Send(target) => target,
+            Release::Deferred(lease_id) => return Ok(lease_id),
+        };
         // A caller that hangs up before the worker answers drops this future: the core hears it.
         let abandoned = Abandoned {
             fleet: self,
@@ -104,11 +113,10 @@ impl Fleet {
             .await
             .map(|_| ());
         abandoned.answered();
-        let reason = reason.map_or(LeaseEndReason::Explicit, LeaseEndReason::from);
         self.decide(|shared, now| {
             shared
                 .core
-                .handle_release_answered(&target, reason, outcome, now)
+                .handle_release_answered(&target, reason_ended, outcome, now)
         })
     }
 

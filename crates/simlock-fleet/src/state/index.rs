@@ -122,6 +122,28 @@ pub(crate) struct Tombstone {
     orphan: bool,
 }
 
+/// A lease the gateway is releasing on its worker (an orphan): a grant nobody waits for, or a
+/// release answered while its worker was away. Stored, so that a gateway restart keeps it from
+/// coming back as a live lease and still releases it once its worker is back.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoredOrphan {
+    /// The worker holding it.
+    pub worker_id: String,
+    /// The worker's id for it.
+    pub worker_lease_id: String,
+    /// Its grant time (which lease of that id it is).
+    pub granted_at: i64,
+}
+
+/// A change to the orphans to store, in order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum OrphanChange {
+    /// A new orphan.
+    Kept(StoredOrphan),
+    /// An orphan released, or found gone: `(worker_id, worker_lease_id)`.
+    Settled(String, String),
+}
+
 /// How recording a forwarded grant went.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Recorded {
@@ -162,6 +184,8 @@ pub struct LeaseIndex {
     pub(crate) revive_stale: bool,
     /// Ids of the entries that left the index since the core last took them.
     dropped: Vec<String>,
+    /// Changes to the orphans since the core last took them.
+    orphan_changes: Vec<OrphanChange>,
 }
 
 /// The gateway lease id for a worker's lease.
@@ -203,8 +227,7 @@ impl LeaseIndex {
     fn insert(&mut self, entry: Entry) {
         // A newer record of the same lease replaces the old one: nothing left the index.
         self.unlink(&entry.lease_id.clone());
-        self.tombstones
-            .remove(&key(&entry.worker_id, &entry.worker_lease_id));
+        self.unbury(&key(&entry.worker_id, &entry.worker_lease_id));
         self.by_requester
             .entry(entry.requester_id.clone())
             .or_default()
@@ -270,7 +293,7 @@ impl LeaseIndex {
     }
 
     fn bury(&mut self, worker_id: &str, worker_lease_id: &str, granted_at: i64, at: Stamp) {
-        self.tombstones.insert(
+        self.set_tombstone(
             key(worker_id, worker_lease_id),
             Tombstone {
                 granted_at,
@@ -278,6 +301,36 @@ impl LeaseIndex {
                 orphan: false,
             },
         );
+    }
+
+    /// Every tombstone is set here, so that the orphans to store follow.
+    fn set_tombstone(&mut self, key: (String, String), tomb: Tombstone) {
+        let orphan = tomb.orphan.then(|| StoredOrphan {
+            worker_id: key.0.clone(),
+            worker_lease_id: key.1.clone(),
+            granted_at: tomb.granted_at,
+        });
+        let was = self.tombstones.insert(key.clone(), tomb);
+        match (was.is_some_and(|t| t.orphan), orphan) {
+            (_, Some(orphan)) => self.orphan_changes.push(OrphanChange::Kept(orphan)),
+            (true, None) => self
+                .orphan_changes
+                .push(OrphanChange::Settled(key.0, key.1)),
+            (false, None) => {}
+        }
+    }
+
+    /// Every tombstone is removed here, so that the orphans to store follow.
+    fn unbury(&mut self, key: &(String, String)) {
+        if self.tombstones.remove(key).is_some_and(|t| t.orphan) {
+            self.orphan_changes
+                .push(OrphanChange::Settled(key.0.clone(), key.1.clone()));
+        }
+    }
+
+    /// The changes to the orphans since the last call, in order.
+    pub fn take_orphan_changes(&mut self) -> Vec<OrphanChange> {
+        std::mem::take(&mut self.orphan_changes)
     }
 
     fn buried(&self, worker_id: &str, record: &LeaseRecord) -> Option<&Tombstone> {
@@ -362,7 +415,7 @@ impl LeaseIndex {
     /// A grant nobody waits for any more (its waiter was answered first): it is being released,
     /// and until the worker answers that release no snapshot indexes it.
     pub fn orphan(&mut self, worker_id: &str, record: &LeaseRecord, at: Stamp) {
-        self.tombstones.insert(
+        self.set_tombstone(
             key(worker_id, record.id.as_str()),
             Tombstone {
                 granted_at: record.granted_at,
@@ -372,16 +425,51 @@ impl LeaseIndex {
         );
     }
 
+    /// Takes `lease_id`'s entry out of the index as an orphan (a release answered while its
+    /// worker is away, carried out once it is back): answers the entry.
+    pub fn defer_release(&mut self, lease_id: &str, at: Stamp) -> Option<Entry> {
+        let entry = self.remove(lease_id)?;
+        self.set_tombstone(
+            key(&entry.worker_id, &entry.worker_lease_id),
+            Tombstone {
+                granted_at: entry.granted_at(),
+                ended_at: at,
+                orphan: true,
+            },
+        );
+        Some(entry)
+    }
+
+    /// An orphan stored before a restart, at `at`.
+    pub fn restore_orphan(&mut self, orphan: StoredOrphan, at: Stamp) {
+        self.tombstones.insert(
+            key(&orphan.worker_id, &orphan.worker_lease_id),
+            Tombstone {
+                granted_at: orphan.granted_at,
+                ended_at: at,
+                orphan: true,
+            },
+        );
+    }
+
     /// The worker answered the release of an orphan (or said it is gone) at `at`.
     pub fn orphan_released(&mut self, worker_id: &str, worker_lease_id: &str, at: Stamp) {
-        if let Some(t) = self
-            .tombstones
-            .get_mut(&key(worker_id, worker_lease_id))
-            .filter(|t| t.orphan)
-        {
-            t.orphan = false;
-            t.ended_at = at;
+        let key = key(worker_id, worker_lease_id);
+        if let Some(t) = self.tombstones.get(&key).filter(|t| t.orphan) {
+            let tomb = Tombstone {
+                granted_at: t.granted_at,
+                ended_at: at,
+                orphan: false,
+            };
+            self.set_tombstone(key, tomb);
         }
+    }
+
+    /// Whether the gateway is releasing `worker_lease_id` of `worker_id` (an orphan).
+    pub fn is_orphan(&self, worker_id: &str, worker_lease_id: &str) -> bool {
+        self.tombstones
+            .get(&key(worker_id, worker_lease_id))
+            .is_some_and(|t| t.orphan)
     }
 
     /// The orphans of `worker_id` still to release.
@@ -463,7 +551,7 @@ impl LeaseIndex {
             .map(|(k, _)| k.clone())
             .collect();
         for k in settled {
-            self.tombstones.remove(&k);
+            self.unbury(&k);
         }
         ended
     }
@@ -516,8 +604,10 @@ impl LeaseIndex {
         for id in self.ids_of(worker_id) {
             self.remove(&id);
         }
+        // Its orphans stay: should it come back, they are released, never listed as live.
         let buried: Vec<(String, String)> = self
             .tombstones_of(worker_id)
+            .filter(|(_, t)| !t.orphan)
             .map(|(k, _)| k.clone())
             .collect();
         for k in buried {

@@ -41,8 +41,10 @@ use simlock_daemon::context::Viewer;
 use tracing::{debug, info, warn};
 
 use crate::error::FleetError;
-pub use index::Stamp;
-use index::{EndedLease, Entry, LeaseIndex, Recorded, Renewal, gateway_lease_id, worker_of};
+use index::{
+    EndedLease, Entry, LeaseIndex, OrphanChange, Recorded, Renewal, gateway_lease_id, worker_of,
+};
+pub use index::{Stamp, StoredOrphan};
 use queue::{Attempt, Booked, Queue, Stage, Waiter};
 use routing::{Assessment, Match, Pick, Wanted, assess, select};
 pub use views::Refresh;
@@ -156,6 +158,16 @@ pub struct LeaseTarget {
     pub worker_requester_id: String,
 }
 
+/// How a release goes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Release {
+    /// Send it to the worker holding the lease; report with [`Core::handle_release_answered`].
+    Send(LeaseTarget),
+    /// The lease's worker is away: the release is answered now (this gateway id), and carried
+    /// out once the worker is back, as an orphan's ([`Effect::ReleaseOrphan`]).
+    Deferred(String),
+}
+
 /// What the gateway keeps of a worker across its own restarts (written through
 /// [`Effect::Remember`], read back into [`Core::new`]): that it exists, what it is called and
 /// when it was last seen, so that a worker away when the gateway restarts is still listed, and
@@ -262,6 +274,17 @@ pub enum Effect {
     Forget {
         /// The worker.
         worker_id: String,
+    },
+    /// Store a lease the gateway is releasing on its worker (in order with
+    /// [`Effect::SettleOrphan`]), read back into [`Core::restore_orphans`] after a restart; a
+    /// failure leaves it to come back as a live lease after a restart, until its TTL.
+    StoreOrphan(StoredOrphan),
+    /// Delete a stored orphan: released, or found gone.
+    SettleOrphan {
+        /// The worker.
+        worker_id: String,
+        /// The worker's id for the lease.
+        worker_lease_id: String,
     },
     /// Close an uplink, telling the worker why.
     Close {
@@ -402,6 +425,8 @@ pub enum Fault {
     StaleViewRevives,
     /// A grant's lease is known only once a view lists it (race (b) of issue 13).
     GrantKnownFromViews,
+    /// A restart forgets the leases it was releasing (the stored orphans are not taken back).
+    OrphansForgotten,
 }
 
 /// The fleet's state and every decision about it.
@@ -475,6 +500,18 @@ impl Core {
         }
     }
 
+    /// Takes back the orphans stored before a restart ([`Effect::StoreOrphan`]): no view brings
+    /// them back as live leases, and each is released once its worker is connected.
+    pub fn restore_orphans(&mut self, orphans: Vec<StoredOrphan>) {
+        if self.broken(Fault::OrphansForgotten) {
+            return;
+        }
+        let at = self.next_stamp();
+        for orphan in orphans {
+            self.index.restore_orphan(orphan, at);
+        }
+    }
+
     /// Breaks one decision on purpose: the simulation's own tests show it catches each
     /// [`Fault`] with the seed that shows it. Nothing else calls this.
     #[doc(hidden)]
@@ -506,6 +543,15 @@ impl Core {
     fn note_dropped(&mut self) {
         for lease_id in self.index.take_dropped() {
             self.fx.push_back(Effect::Dropped { lease_id });
+        }
+        for change in self.index.take_orphan_changes() {
+            self.fx.push_back(match change {
+                OrphanChange::Kept(orphan) => Effect::StoreOrphan(orphan),
+                OrphanChange::Settled(worker_id, worker_lease_id) => Effect::SettleOrphan {
+                    worker_id,
+                    worker_lease_id,
+                },
+            });
         }
     }
 
@@ -1900,12 +1946,22 @@ impl Core {
     // === Leases ===
 
     /// A miss in the index: `UNKNOWN_LEASE` only when the gateway can vouch for it (the worker
-    /// the id names is connected and its view read), else `WORKER_UNREACHABLE` naming it. A
+    /// the id names is connected and its view read, or the gateway is releasing the lease
+    /// there), else `WORKER_UNREACHABLE` naming it. A
     /// worker this gateway does not know (neither seen since it started nor stored from before)
     /// may be a mistyped id, or one it forgot that comes back: the gateway never declares a
     /// lease gone before its worker says so, and the message names both.
     fn missing(&self, lease_id: &str) -> FleetError {
         match worker_of(lease_id) {
+            // Released while its worker was away: the gateway vouches that it ended.
+            Some(worker)
+                if lease_id
+                    .strip_prefix(worker)
+                    .and_then(|rest| rest.strip_prefix('.'))
+                    .is_some_and(|id| self.index.is_orphan(worker, id)) =>
+            {
+                FleetError::UnknownLease(lease_id.to_owned())
+            }
             Some(worker) if !self.workers.contains_key(worker) => FleetError::WorkerUnreachable {
                 worker_id: worker.to_owned(),
                 message: format!(
@@ -2058,7 +2114,11 @@ impl Core {
         self.target(entry)
     }
 
-    /// A `lease.release` of `lease_id` by `caller` goes out.
+    /// A `lease.release` of `lease_id` by `caller`, for `reason`, goes out: to the worker
+    /// holding it, or, when that worker is away and the release is its holder's (`explicit`),
+    /// nowhere yet: the lease ends here now (its owner's other connections hear it), and the
+    /// worker releases it once it is back, a gateway restart between included (the lease is
+    /// kept as a stored orphan). An operator's `killed` still needs the worker.
     ///
     /// # Errors
     /// As [`Self::lease_target`].
@@ -2066,11 +2126,30 @@ impl Core {
         &mut self,
         lease_id: &str,
         caller: Caller<'_>,
-    ) -> Result<LeaseTarget, FleetError> {
-        let target = self.lease_target(lease_id, caller)?;
+        reason: LeaseEndReason,
+        now: i64,
+    ) -> Result<Release, FleetError> {
+        let target = match self.lease_target(lease_id, caller) {
+            Ok(target) => target,
+            // The caller's own lease (the index holds it, and the caller may act on it) on a
+            // worker that is away: its holder let it go, and is told so now.
+            Err(FleetError::WorkerUnreachable { .. })
+                if reason == LeaseEndReason::Explicit && self.index.get(lease_id).is_some() =>
+            {
+                let at = self.next_stamp();
+                if let Some(entry) = self.index.defer_release(lease_id, at) {
+                    info!(lease = %lease_id, worker = %entry.worker_id,
+                        "released while its worker is away: carried out once it is back");
+                    self.notify_lost(&entry, reason, caller.connection);
+                }
+                self.dispatch(now);
+                return Ok(Release::Deferred(lease_id.to_owned()));
+            }
+            Err(err) => return Err(err),
+        };
         self.releasing
             .insert(target.lease_id.clone(), caller.connection);
-        Ok(target)
+        Ok(Release::Send(target))
     }
 
     /// The caller of a release sent for `target` on `connection` hung up before the worker

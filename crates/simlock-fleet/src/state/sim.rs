@@ -48,7 +48,7 @@ use simlock_contract::{ContractError, ErrorCode};
 
 use super::{
     Admitted, Ask, Caller, Core, Effect, Fault, KnownWorker, LeaseTarget, Refresh, RefreshFailure,
-    Settings, Stamp,
+    Release, Settings, Stamp, StoredOrphan,
 };
 use crate::error::FleetError;
 
@@ -94,6 +94,8 @@ pub struct SimReport {
     pub stale_reads: u64,
     /// Requests sent right after their requester's release was answered.
     pub asks_after_release: u64,
+    /// Releases answered while their worker was away, carried out once it was back.
+    pub deferred_releases: u64,
 }
 
 /// The number of seeds from [`SEEDS_VAR`], or `default`.
@@ -153,6 +155,7 @@ impl SimReport {
         self.orphans += other.orphans;
         self.stale_reads += other.stale_reads;
         self.asks_after_release += other.asks_after_release;
+        self.deferred_releases += other.deferred_releases;
     }
 }
 
@@ -317,6 +320,12 @@ struct Sim {
     releasing: BTreeSet<String>,
     /// Gateway leases whose release's caller hung up before the answer came.
     hung_up: BTreeSet<String>,
+    /// Gateway leases released while their worker was away: answered, and released on the
+    /// worker once it is back (its worker may hold one until then).
+    deferred: BTreeSet<String>,
+    /// What the gateway stored of the leases it is releasing ([`Effect::StoreOrphan`],
+    /// [`Effect::SettleOrphan`]).
+    stored_orphans: BTreeMap<(String, String), StoredOrphan>,
     trace: Vec<String>,
     tracing: bool,
     grants: u64,
@@ -470,6 +479,8 @@ impl Sim {
             gone: BTreeSet::new(),
             releasing: BTreeSet::new(),
             hung_up: BTreeSet::new(),
+            deferred: BTreeSet::new(),
+            stored_orphans: BTreeMap::new(),
             trace: Vec::new(),
             tracing: std::env::var_os(TRACE_VAR).is_some(),
             grants: 0,
@@ -488,6 +499,7 @@ impl Sim {
         let outcome = self.run_steps(report);
         report.grants += self.grants;
         report.orphans += self.orphans;
+        report.deferred_releases += self.deferred.len() as u64;
         outcome
     }
 
@@ -648,7 +660,10 @@ impl Sim {
                     lease_id, reason, ..
                 } = push
                 {
-                    if reason == LeaseEndReason::Explicit && !self.releasing.contains(&lease_id) {
+                    if reason == LeaseEndReason::Explicit
+                        && !self.releasing.contains(&lease_id)
+                        && !self.deferred.contains(&lease_id)
+                    {
                         let released = split(&lease_id).is_some_and(|(worker, id)| {
                             self.worker_index(worker)
                                 .is_some_and(|w| self.workers[w].released.contains(id))
@@ -682,6 +697,18 @@ impl Sim {
                     ));
                 }
                 self.known.insert(worker.id.clone(), worker);
+            }
+            Effect::StoreOrphan(orphan) => {
+                self.stored_orphans.insert(
+                    (orphan.worker_id.clone(), orphan.worker_lease_id.clone()),
+                    orphan,
+                );
+            }
+            Effect::SettleOrphan {
+                worker_id,
+                worker_lease_id,
+            } => {
+                self.stored_orphans.remove(&(worker_id, worker_lease_id));
             }
             Effect::Forget { worker_id } => {
                 if self.core.view(&worker_id).is_some_and(|v| !v.drained) {
@@ -718,7 +745,8 @@ impl Sim {
 
     /// The gateway says `lease_id` ended: its worker must not hold it.
     fn declare_gone(&mut self, lease_id: &str, how: &str) -> Result<(), String> {
-        if let Some((worker, worker_lease_id)) = split(lease_id)
+        if !self.deferred.contains(lease_id)
+            && let Some((worker, worker_lease_id)) = split(lease_id)
             && let Some(w) = self.worker_index(worker)
             && self.workers[w].holds(worker_lease_id)
         {
@@ -949,13 +977,15 @@ impl Sim {
         let drained = self.drained.iter().map(|(k, v)| (k.clone(), *v)).collect();
         let known = self.known.values().cloned().collect();
         self.core = Core::new(self.settings.clone(), drained, known, now);
+        if let Some(fault) = self.fault {
+            self.core.break_with(fault);
+        }
+        self.core
+            .restore_orphans(self.stored_orphans.values().cloned().collect());
         if let Some(id) = self.known.keys().find(|id| self.core.view(id).is_none()) {
             return Err(format!(
                 "a worker the gateway stored is listed after its restart: {id} is not"
             ));
-        }
-        if let Some(fault) = self.fault {
-            self.core.break_with(fault);
         }
         self.incarnation += 1;
         self.booked.clear();
@@ -1627,10 +1657,22 @@ impl Sim {
             admin: false,
             connection: Some(self.agents[a].connection),
         };
-        let target = self.core.handle_release_sent(lease, caller);
+        let target =
+            self.core
+                .handle_release_sent(lease, caller, LeaseEndReason::Explicit, self.now);
+        if let Ok(Release::Deferred(lease_id)) = &target {
+            // Told now (its owner's other connections hear it while the drain runs).
+            self.note(|| format!("release of {lease_id} deferred: its worker is away"));
+            self.deferred.insert(lease_id.clone());
+        }
         self.drain()?;
         match target {
-            Ok(target) => {
+            Ok(Release::Deferred(lease_id)) => {
+                self.declare_gone(&lease_id, "a release answered while its worker is away")?;
+                self.let_go(a, &lease_id);
+                Ok(())
+            }
+            Ok(Release::Send(target)) => {
                 let lease_id = target.lease_id.clone();
                 let w = self.worker_index(&target.worker_id);
                 let on_uplink = w.is_some_and(|w| self.on_uplink(w, target.generation));
@@ -1973,6 +2015,7 @@ mod tests {
         assert!(report.grants > 0 || report.releases > 0, "{report:?}");
         assert!(report.disconnects > 0 && report.restarts > 0, "{report:?}");
         assert!(report.asks_after_release > 0, "{report:?}");
+        assert!(report.deferred_releases > 0, "{report:?}");
         assert!(
             report.stale_reads > 0,
             "stale view reads happen: {report:?}"
@@ -2028,6 +2071,14 @@ mod tests {
     fn a_core_that_lets_a_stale_view_revive_a_lease_fails_with_the_seed_that_shows_it() {
         fails_with(
             Fault::StaleViewRevives,
+            "a released lease never comes back from a stale view",
+        );
+    }
+
+    #[test]
+    fn a_core_that_forgets_its_orphans_on_a_restart_fails_with_the_seed_that_shows_it() {
+        fails_with(
+            Fault::OrphansForgotten,
             "a released lease never comes back from a stale view",
         );
     }

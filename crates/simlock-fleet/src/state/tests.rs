@@ -313,7 +313,7 @@ fn a_view_read_before_a_release_does_not_bring_the_lease_back() {
     core.handle_worker_event(generation, event("device.ready", serde_json::json!({})), T0);
     let sent = refresh_sent(&core.take_effects()).unwrap();
     // ... then the release is answered ...
-    let target = core.handle_release_sent(&lease_id, agent()).unwrap();
+    let target = send_release(&mut core, &lease_id, agent());
     core.handle_release_answered(&target, LeaseEndReason::Explicit, Ok(()), T0)
         .unwrap();
     let effects = core.take_effects();
@@ -1447,12 +1447,12 @@ fn a_capability_change_of_an_unknown_uplink_is_ignored() {
 fn a_release_abandoned_on_one_connection_keeps_the_one_sent_since_on_another() {
     let (mut core, generation) = fleet(1);
     let lease_id = granted_full(&mut core, generation);
-    let first = core.handle_release_sent(&lease_id, agent()).unwrap();
+    let first = send_release(&mut core, &lease_id, agent());
     let other = Caller {
         connection: Some(8),
         ..agent()
     };
-    let second = core.handle_release_sent(&lease_id, other).unwrap();
+    let second = send_release(&mut core, &lease_id, other);
     // The first caller hangs up; the second's release is still under way, and answered.
     core.handle_release_abandoned(&first, agent().connection);
     core.take_effects();
@@ -1481,7 +1481,7 @@ fn a_release_abandoned_on_one_connection_keeps_the_one_sent_since_on_another() {
 fn a_release_whose_caller_hung_up_leaves_the_leases_later_end_told_as_it_is() {
     let (mut core, generation) = fleet(1);
     let lease_id = granted_full(&mut core, generation);
-    let target = core.handle_release_sent(&lease_id, agent()).unwrap();
+    let target = send_release(&mut core, &lease_id, agent());
     // The caller hangs up before the worker answers (the release never reached it).
     core.handle_release_abandoned(&target, agent().connection);
     core.take_effects();
@@ -1624,7 +1624,7 @@ fn an_admin_may_act_on_a_lease_made_on_a_worker_directly_and_an_agent_may_not() 
         Err(FleetError::UnknownLease(_))
     ));
     // Released there, it ends without an index entry to forget.
-    let target = core.handle_release_sent("lse_d", admin).unwrap();
+    let target = send_release(&mut core, "lse_d", admin);
     assert_eq!(
         core.handle_release_answered(&target, LeaseEndReason::Explicit, Ok(()), T0 + 1),
         Ok("lse_d".to_owned())
@@ -1845,4 +1845,170 @@ fn an_operator_names_a_worker_by_id_or_by_a_label_only_it_has() {
             "label twin names 2 workers (w2, w3): name one by its id".into()
         ))
     );
+}
+
+/// `handle_release_sent` of the holder's release, which goes to the worker.
+fn send_release(core: &mut Core, lease_id: &str, caller: Caller<'_>) -> LeaseTarget {
+    match core
+        .handle_release_sent(lease_id, caller, LeaseEndReason::Explicit, T0)
+        .unwrap()
+    {
+        Release::Send(target) => target,
+        Release::Deferred(id) => panic!("the release of {id} was deferred"),
+    }
+}
+
+/// A holder's release while its worker is away is answered at once: the lease ends here (the
+/// owner's other connections hear it), it is stored as an orphan, and reads answer it gone.
+/// After a restart the stored orphan is taken back: the worker's view listing the lease does
+/// not index it again, and the release goes out once the worker is connected. Another's
+/// release, and an operator's `killed`, still need the worker.
+#[test]
+fn a_holders_release_while_its_worker_is_away_is_answered_and_carried_out_once_it_is_back() {
+    let (mut core, generation) = fleet(1);
+    let lease_id = granted(&mut core, generation);
+    core.handle_uplink_closed(generation, T0);
+    core.take_effects();
+    let other = Caller {
+        principal: "other",
+        admin: false,
+        connection: Some(8),
+    };
+    assert!(matches!(
+        core.handle_release_sent(&lease_id, other, LeaseEndReason::Explicit, T0),
+        Err(FleetError::UnknownLease(_))
+    ));
+    let admin = Caller {
+        principal: "op",
+        admin: true,
+        connection: None,
+    };
+    assert!(matches!(
+        core.handle_release_sent(&lease_id, admin, LeaseEndReason::Killed, T0),
+        Err(FleetError::WorkerUnreachable { .. })
+    ));
+    assert!(core.take_effects().is_empty(), "refusals change nothing");
+
+    let released = core
+        .handle_release_sent(&lease_id, agent(), LeaseEndReason::Explicit, T0)
+        .unwrap();
+    assert_eq!(released, Release::Deferred(lease_id.clone()));
+    let effects = core.take_effects();
+    assert!(
+        effects.iter().any(|e| matches!(
+            e,
+            Effect::Notice {
+                except: Some(7),
+                push: Push::LeaseLost {
+                    reason: LeaseEndReason::Explicit,
+                    ..
+                },
+                ..
+            }
+        )),
+        "the owner's other connections hear it: {effects:?}"
+    );
+    let stored = StoredOrphan {
+        worker_id: "w1".into(),
+        worker_lease_id: "lse_a".into(),
+        granted_at: T0,
+    };
+    assert!(
+        effects.contains(&Effect::StoreOrphan(stored.clone())),
+        "{effects:?}"
+    );
+    assert!(core.lease(&lease_id).is_none());
+    assert!(core.leases(agent().viewer()).is_empty());
+    // The gateway vouches for its end: a second release, and a read, say it is gone.
+    assert!(matches!(
+        core.handle_release_sent(&lease_id, agent(), LeaseEndReason::Explicit, T0),
+        Err(FleetError::UnknownLease(_))
+    ));
+    assert!(matches!(
+        core.lease_seen(&lease_id, agent().viewer()),
+        Err(FleetError::UnknownLease(_))
+    ));
+
+    // The gateway restarts and takes the stored orphan back; the worker connects, still
+    // holding the lease.
+    let mut core = Core::new(settings(), Vec::new(), Vec::new(), T0);
+    core.restore_orphans(vec![stored]);
+    let held = record("lse_a", "gw:g1:agent", T0);
+    let generation = core.handle_uplink_opened("w1", Some("one".into()), "tok_j".into(), T0);
+    let sent = core.handle_probe_sent();
+    core.handle_connected(
+        generation,
+        "v".into(),
+        &status(vec![held.clone()], 1),
+        sent,
+        T0,
+    );
+    core.handle_subscribed(generation, T0);
+    let effects = core.take_effects();
+    assert!(
+        effects.iter().any(|e| matches!(
+            e,
+            Effect::ReleaseOrphan { worker_id, worker_lease_id, .. }
+                if worker_id == "w1" && worker_lease_id == "lse_a"
+        )),
+        "{effects:?}"
+    );
+    let sent = refresh_sent(&effects).expect("a full read is asked");
+    core.handle_refreshed(generation, sent, refresh(vec![held], 1), T0);
+    assert!(core.lease(&lease_id).is_none(), "no view brings it back");
+    core.take_effects();
+    core.handle_orphan_released("w1", "lse_a", Ok(()));
+    assert_eq!(
+        stored_orphan_changes(&core.take_effects()),
+        [Effect::SettleOrphan {
+            worker_id: "w1".into(),
+            worker_lease_id: "lse_a".into(),
+        }]
+    );
+}
+
+/// A grant nobody waits for is stored while it is released, and settled once the worker
+/// answers; a lost uplink keeps it stored for the worker's next connection.
+#[test]
+fn an_orphaned_grant_is_stored_until_its_worker_answers_its_release() {
+    let (mut core, generation) = fleet(1);
+    ask(&mut core, 1, ios(), T0).unwrap();
+    let (attempt, input) = forward(&core.take_effects()).expect("forwarded");
+    core.handle_tick(T0 + 5_000);
+    core.take_effects();
+    let requester = input.requester_id.unwrap();
+    core.handle_forward_answered(
+        attempt,
+        "w1",
+        generation,
+        Ok(grant(record("lse_late", &requester, T0))),
+        T0 + 6_000,
+    );
+    let stored = StoredOrphan {
+        worker_id: "w1".into(),
+        worker_lease_id: "lse_late".into(),
+        granted_at: T0,
+    };
+    assert_eq!(
+        stored_orphan_changes(&core.take_effects()),
+        [Effect::StoreOrphan(stored)]
+    );
+    core.handle_orphan_released("w1", "lse_late", Err(ContractError::connection_lost()));
+    assert!(stored_orphan_changes(&core.take_effects()).is_empty());
+    core.handle_orphan_released("w1", "lse_late", Ok(()));
+    assert_eq!(
+        stored_orphan_changes(&core.take_effects()),
+        [Effect::SettleOrphan {
+            worker_id: "w1".into(),
+            worker_lease_id: "lse_late".into(),
+        }]
+    );
+}
+
+fn stored_orphan_changes(effects: &[Effect]) -> Vec<Effect> {
+    effects
+        .iter()
+        .filter(|e| matches!(e, Effect::StoreOrphan(_) | Effect::SettleOrphan { .. }))
+        .cloned()
+        .collect()
 }
