@@ -44,7 +44,8 @@ const MIGRATIONS: &[&str] = &[
     "CREATE TABLE known_workers (worker_id TEXT PRIMARY KEY, label TEXT, \
      seen_at INTEGER NOT NULL, connected INTEGER NOT NULL)",
     "CREATE TABLE orphan_leases (worker_id TEXT NOT NULL, worker_lease_id TEXT NOT NULL, \
-     granted_at INTEGER NOT NULL, PRIMARY KEY (worker_id, worker_lease_id))",
+     granted_at INTEGER NOT NULL, expires_at INTEGER NOT NULL, \
+     PRIMARY KEY (worker_id, worker_lease_id))",
 ];
 
 /// Timing the gateway works with; tests shorten it.
@@ -253,7 +254,7 @@ impl Fleet {
         })?;
         let orphans: Vec<StoredOrphan> = parts.db.with(|c| {
             let mut stmt = c.prepare(
-                "SELECT worker_id, worker_lease_id, granted_at FROM orphan_leases \
+                "SELECT worker_id, worker_lease_id, granted_at, expires_at FROM orphan_leases \
                  ORDER BY worker_id, worker_lease_id",
             )?;
             let rows = stmt.query_map([], |row| {
@@ -261,6 +262,7 @@ impl Fleet {
                     worker_id: row.get(0)?,
                     worker_lease_id: row.get(1)?,
                     granted_at: row.get(2)?,
+                    expires_at: row.get(3)?,
                 })
             })?;
             rows.collect()
@@ -880,9 +882,14 @@ fn remember(c: &rusqlite::Connection, worker: &KnownWorker) -> rusqlite::Result<
 /// Stores a lease being released on its worker.
 fn store_orphan(c: &rusqlite::Connection, orphan: &StoredOrphan) -> rusqlite::Result<usize> {
     c.execute(
-        "INSERT OR REPLACE INTO orphan_leases (worker_id, worker_lease_id, granted_at) \
-         VALUES (?1, ?2, ?3)",
-        rusqlite::params![orphan.worker_id, orphan.worker_lease_id, orphan.granted_at],
+        "INSERT OR REPLACE INTO orphan_leases \
+         (worker_id, worker_lease_id, granted_at, expires_at) VALUES (?1, ?2, ?3, ?4)",
+        rusqlite::params![
+            orphan.worker_id,
+            orphan.worker_lease_id,
+            orphan.granted_at,
+            orphan.expires_at
+        ],
     )
 }
 

@@ -120,6 +120,8 @@ pub(crate) struct Tombstone {
     ended_at: Stamp,
     /// The gateway is releasing it; until the worker answers, no snapshot brings it back.
     orphan: bool,
+    /// For an orphan: past this (ms), it has ended on its worker whatever happened.
+    expires_at: i64,
 }
 
 /// A lease the gateway is releasing on its worker (an orphan): a grant nobody waits for, or a
@@ -133,6 +135,9 @@ pub struct StoredOrphan {
     pub worker_lease_id: String,
     /// Its grant time (which lease of that id it is).
     pub granted_at: i64,
+    /// When it has ended on its worker whatever happens (ms): the gateway's longest TTL past
+    /// the moment it became an orphan, as nobody renews an orphan. Then it is forgotten.
+    pub expires_at: i64,
 }
 
 /// A change to the orphans to store, in order.
@@ -299,6 +304,7 @@ impl LeaseIndex {
                 granted_at,
                 ended_at: at,
                 orphan: false,
+                expires_at: 0,
             },
         );
     }
@@ -309,6 +315,7 @@ impl LeaseIndex {
             worker_id: key.0.clone(),
             worker_lease_id: key.1.clone(),
             granted_at: tomb.granted_at,
+            expires_at: tomb.expires_at,
         });
         let was = self.tombstones.insert(key.clone(), tomb);
         match (was.is_some_and(|t| t.orphan), orphan) {
@@ -414,20 +421,21 @@ impl LeaseIndex {
 
     /// A grant nobody waits for any more (its waiter was answered first): it is being released,
     /// and until the worker answers that release no snapshot indexes it.
-    pub fn orphan(&mut self, worker_id: &str, record: &LeaseRecord, at: Stamp) {
+    pub fn orphan(&mut self, worker_id: &str, record: &LeaseRecord, at: Stamp, expires_at: i64) {
         self.set_tombstone(
             key(worker_id, record.id.as_str()),
             Tombstone {
                 granted_at: record.granted_at,
                 ended_at: at,
                 orphan: true,
+                expires_at,
             },
         );
     }
 
     /// Takes `lease_id`'s entry out of the index as an orphan (a release answered while its
     /// worker is away, carried out once it is back): answers the entry.
-    pub fn defer_release(&mut self, lease_id: &str, at: Stamp) -> Option<Entry> {
+    pub fn defer_release(&mut self, lease_id: &str, at: Stamp, expires_at: i64) -> Option<Entry> {
         let entry = self.remove(lease_id)?;
         self.set_tombstone(
             key(&entry.worker_id, &entry.worker_lease_id),
@@ -435,6 +443,7 @@ impl LeaseIndex {
                 granted_at: entry.granted_at(),
                 ended_at: at,
                 orphan: true,
+                expires_at,
             },
         );
         Some(entry)
@@ -448,8 +457,23 @@ impl LeaseIndex {
                 granted_at: orphan.granted_at,
                 ended_at: at,
                 orphan: true,
+                expires_at: orphan.expires_at,
             },
         );
+    }
+
+    /// Forgets the orphans that have ended on their worker by `now` whatever happened (their
+    /// worker never came back to have them released).
+    pub fn expire_orphans(&mut self, now: i64) {
+        let expired: Vec<(String, String)> = self
+            .tombstones
+            .iter()
+            .filter(|(_, t)| t.orphan && t.expires_at <= now)
+            .map(|(k, _)| k.clone())
+            .collect();
+        for k in expired {
+            self.unbury(&k);
+        }
     }
 
     /// The worker answered the release of an orphan (or said it is gone) at `at`.
@@ -460,6 +484,7 @@ impl LeaseIndex {
                 granted_at: t.granted_at,
                 ended_at: at,
                 orphan: false,
+                expires_at: 0,
             };
             self.set_tombstone(key, tomb);
         }

@@ -158,6 +158,9 @@ pub struct LeaseTarget {
     pub worker_requester_id: String,
 }
 
+/// What an orphan's expiry allows for a worker's clock running behind the gateway's.
+pub const ORPHAN_CLOCK_MARGIN_MS: i64 = 60_000;
+
 /// How a release goes.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Release {
@@ -1786,7 +1789,7 @@ impl Core {
         let current = self.queue.by_attempt(attempt).map(|w| w.id.clone());
         let Some(id) = current else {
             if let Ok(grant) = outcome {
-                self.orphaned(worker_id, generation, &grant.lease);
+                self.orphaned(worker_id, generation, &grant.lease, now);
             }
             return;
         };
@@ -1916,14 +1919,24 @@ impl Core {
     }
 
     /// A grant nobody waits for: remembered as an orphan (no snapshot indexes it) and released.
-    fn orphaned(&mut self, worker_id: &str, generation: u64, lease: &LeaseRecord) {
+    fn orphaned(&mut self, worker_id: &str, generation: u64, lease: &LeaseRecord, now: i64) {
         let at = self.next_stamp();
-        self.index.orphan(worker_id, lease, at);
+        let expires_at = self.orphan_expiry(now);
+        self.index.orphan(worker_id, lease, at, expires_at);
         self.fx.push_back(Effect::ReleaseOrphan {
             worker_id: worker_id.to_owned(),
             generation,
             worker_lease_id: lease.id.to_string(),
         });
+    }
+
+    /// When a lease that becomes an orphan `now` has ended on its worker whatever happens: nobody
+    /// renews an orphan, and its last renewal (one in flight when the uplink dropped included)
+    /// gave it at most the gateway's longest TTL; a minute is added for the worker's clock.
+    fn orphan_expiry(&self, now: i64) -> i64 {
+        let max_ttl = i64::try_from(self.settings.limits.max_ttl_ms).unwrap_or(i64::MAX);
+        now.saturating_add(max_ttl)
+            .saturating_add(ORPHAN_CLOCK_MARGIN_MS)
     }
 
     /// The worker answered the release of an orphan: released, or already gone, it is done; a
@@ -2137,7 +2150,8 @@ impl Core {
                 if reason == LeaseEndReason::Explicit && self.index.get(lease_id).is_some() =>
             {
                 let at = self.next_stamp();
-                if let Some(entry) = self.index.defer_release(lease_id, at) {
+                let expires_at = self.orphan_expiry(now);
+                if let Some(entry) = self.index.defer_release(lease_id, at, expires_at) {
                     info!(lease = %lease_id, worker = %entry.worker_id,
                         "released while its worker is away: carried out once it is back");
                     self.notify_lost(&entry, reason, caller.connection);
@@ -2370,6 +2384,7 @@ impl Core {
     /// refreshes go out, disconnected workers past retention that hold no live lease of this
     /// gateway are forgotten (a drained one keeps its flag), old book records go.
     pub fn handle_tick(&mut self, now: i64) {
+        self.index.expire_orphans(now);
         let timed_out: Vec<(RequestId, String, u64)> = self
             .queue
             .waiters()

@@ -1912,6 +1912,7 @@ fn a_holders_release_while_its_worker_is_away_is_answered_and_carried_out_once_i
         worker_id: "w1".into(),
         worker_lease_id: "lse_a".into(),
         granted_at: T0,
+        expires_at: T0 + 60_000 + ORPHAN_CLOCK_MARGIN_MS,
     };
     assert!(
         effects.contains(&Effect::StoreOrphan(stored.clone())),
@@ -1988,6 +1989,7 @@ fn an_orphaned_grant_is_stored_until_its_worker_answers_its_release() {
         worker_id: "w1".into(),
         worker_lease_id: "lse_late".into(),
         granted_at: T0,
+        expires_at: T0 + 6_000 + 60_000 + ORPHAN_CLOCK_MARGIN_MS,
     };
     assert_eq!(
         stored_orphan_changes(&core.take_effects()),

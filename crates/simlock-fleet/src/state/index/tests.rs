@@ -236,7 +236,7 @@ fn ends_are_remembered_up_to_the_bound_oldest_forgotten_first() {
 #[test]
 fn an_orphan_is_never_indexed_until_its_worker_answered_its_release() {
     let mut index = index();
-    index.orphan("w1", &mine("lse_a"), 1);
+    index.orphan("w1", &mine("lse_a"), 1, 10_000);
     assert!(index.apply_snapshot("w1", &[mine("lse_a")], 2).is_empty());
     assert!(index.is_empty(), "still held while its release is out");
     assert_eq!(index.orphans_of("w1"), ["lse_a"]);
@@ -246,6 +246,37 @@ fn an_orphan_is_never_indexed_until_its_worker_answered_its_release() {
         index.apply_snapshot("w1", &[mine("lse_a")], 2).is_empty() && index.is_empty(),
         "a read from before the release"
     );
+}
+
+/// An orphan is stored while it is released, and settled when its worker answers or when it
+/// has ended on its worker whatever happened (its worker never came back); forgetting its
+/// worker keeps it.
+#[test]
+fn an_orphan_is_stored_until_released_or_expired_and_outlives_its_worker_being_forgotten() {
+    let mut index = index();
+    index.orphan("w1", &mine("lse_a"), 1, 10_000);
+    index.orphan("w1", &mine("lse_b"), 1, 20_000);
+    let kept: Vec<_> = index.take_orphan_changes();
+    assert_eq!(kept.len(), 2, "{kept:?}");
+    assert!(
+        matches!(&kept[0], OrphanChange::Kept(o) if o.worker_lease_id == "lse_a" && o.expires_at == 10_000)
+    );
+    index.forget_worker("w1");
+    assert_eq!(index.orphans_of("w1"), ["lse_a", "lse_b"]);
+    assert!(index.take_orphan_changes().is_empty());
+    index.expire_orphans(9_999);
+    assert!(index.take_orphan_changes().is_empty());
+    index.expire_orphans(10_000);
+    assert_eq!(
+        index.take_orphan_changes(),
+        [OrphanChange::Settled("w1".into(), "lse_a".into())]
+    );
+    index.orphan_released("w1", "lse_b", 3);
+    assert_eq!(
+        index.take_orphan_changes(),
+        [OrphanChange::Settled("w1".into(), "lse_b".into())]
+    );
+    assert!(index.orphans_of("w1").is_empty());
 }
 
 #[test]
