@@ -407,7 +407,24 @@ async fn rpc(
         }
         RpcMethod::Release => {
             let lease = lease.ok_or_else(|| ctx.fail(lease_required()))?;
-            release(&ctx, call, &lease).await
+            // A release goes on when its caller hangs up: the published CLI's `disconnect`
+            // gives up after a few seconds and reports success all the same, so a release
+            // held up by a stalled uplink must still end the lease.
+            let task = ctx.detached();
+            let surface = ctx.surface.clone();
+            ctx.inner
+                .waiting
+                .spawn(async move { release(&task, call, &lease).await })
+                .await
+                .unwrap_or_else(|e| {
+                    Err((
+                        Refusal::NotAvailable {
+                            reason: format!("the release stopped: {e}"),
+                            retriable: true,
+                        },
+                        surface,
+                    ))
+                })
         }
         RpcMethod::Command | RpcMethod::InstallFromSource => {
             if call.names_a_device() {
@@ -558,6 +575,16 @@ impl Exchange {
             self.inner
                 .leases
                 .end(lease, &self.caller.principal, Instant::now());
+        }
+    }
+
+    /// This exchange, for a task that outlives the caller's request.
+    fn detached(&self) -> Self {
+        Self {
+            inner: self.inner.clone(),
+            caller: self.caller.clone(),
+            parts: self.parts.clone(),
+            surface: self.surface.clone(),
         }
     }
 
@@ -1093,9 +1120,10 @@ async fn keep_after_command(ctx: &Exchange, call: RpcCall, lease: &LeaseId) {
 /// answers `released: false`, as agent-device answers a second release.
 ///
 /// Through a gateway, a release whose lease's worker is away (its uplink down, or not back since
-/// the gateway started) is answered `released: true` at once and carried out once the worker is
-/// back ([`release_later`]): the published CLI's `disconnect` reports success whatever the
-/// answer, and an agent that let its device go must not keep it until its TTL.
+/// the gateway started), or whose relay failed (an uplink stalled before it is declared dead),
+/// is answered `released: true` and carried out once the worker is reachable
+/// ([`release_later`]): the published CLI's `disconnect` reports success whatever the answer,
+/// and an agent that let its device go must not keep it until its TTL.
 async fn release(ctx: &Exchange, call: RpcCall, lease: &LeaseId) -> Result<Response<Body>, Failed> {
     // The caller's lease ended already: answered as agent-device answers a second release.
     if ctx.ended(lease) {
@@ -1112,7 +1140,11 @@ async fn release(ctx: &Exchange, call: RpcCall, lease: &LeaseId) -> Result<Respo
         None
     } else {
         match ctx.exchange(call.to_bytes(), Some(lease), None).await {
-            Err(_) if ctx.holder_away(lease) => None,
+            // The worker went away, or the relay failed (a stalled uplink, cut before it is
+            // declared dead): the lease is released once it is reachable.
+            Err((refusal, _)) if ctx.holder_away(lease) || refusal.retriable() == Some(true) => {
+                None
+            }
             other => Some(other?),
         }
     };
@@ -1188,12 +1220,7 @@ async fn release_later(ctx: &Exchange, call: &RpcCall, lease: &LeaseId) {
     let deadline = now + Duration::from_millis(ttl);
     ctx.end(lease);
     info!(%lease, "the worker holding the lease is away: released once it is back");
-    let task = Exchange {
-        inner: ctx.inner.clone(),
-        caller: ctx.caller.clone(),
-        parts: ctx.parts.clone(),
-        surface: ctx.surface.clone(),
-    };
+    let task = ctx.detached();
     let (body, lease) = (call.to_bytes(), lease.clone());
     ctx.inner.waiting.spawn(async move {
         let mut wait = RELEASE_LATER_FIRST_WAIT;

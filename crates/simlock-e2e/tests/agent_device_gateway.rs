@@ -1758,6 +1758,8 @@ async fn a_64_mib_upload_with_the_header_lands_on_the_leases_worker_with_its_sha
 struct Cable {
     addr: std::net::SocketAddr,
     up: Arc<tokio::sync::watch::Sender<bool>>,
+    /// While set, no byte moves either way, and no connection closes: a stalled network.
+    stalled: Arc<tokio::sync::watch::Sender<bool>>,
     /// Every byte the gateway sent down the cable, in order.
     down: Arc<parking_lot::Mutex<Vec<u8>>>,
     task: tokio::task::JoinHandle<()>,
@@ -1768,8 +1770,9 @@ impl Cable {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let up = Arc::new(tokio::sync::watch::channel(true).0);
+        let stalled = Arc::new(tokio::sync::watch::channel(false).0);
         let down = Arc::new(parking_lot::Mutex::new(Vec::new()));
-        let (watched, tapped) = (up.clone(), down.clone());
+        let (watched, tapped, stall) = (up.clone(), down.clone(), stalled.clone());
         let task = tokio::spawn(async move {
             while let Ok((inbound, _)) = listener.accept().await {
                 if !*watched.borrow() {
@@ -1777,21 +1780,33 @@ impl Cable {
                 }
                 let mut state = watched.subscribe();
                 let tap = tapped.clone();
+                let (mut flow_up, mut flow_down) = (stall.subscribe(), stall.subscribe());
                 tokio::spawn(async move {
+                    use tokio::io::{AsyncReadExt, AsyncWriteExt};
                     let Ok(outbound) = tokio::net::TcpStream::connect(target).await else {
                         return;
                     };
                     let (mut in_read, mut in_write) = inbound.into_split();
                     let (mut out_read, mut out_write) = outbound.into_split();
-                    let upward = tokio::io::copy(&mut in_read, &mut out_write);
+                    let upward = async move {
+                        let mut buf = vec![0u8; 64 * 1024];
+                        loop {
+                            let n = in_read.read(&mut buf).await?;
+                            if n == 0 {
+                                return Ok::<(), std::io::Error>(());
+                            }
+                            let _ = flow_up.wait_for(|stalled| !*stalled).await;
+                            out_write.write_all(&buf[..n]).await?;
+                        }
+                    };
                     let downward = async move {
-                        use tokio::io::{AsyncReadExt, AsyncWriteExt};
                         let mut buf = vec![0u8; 64 * 1024];
                         loop {
                             let n = out_read.read(&mut buf).await?;
                             if n == 0 {
                                 return Ok::<(), std::io::Error>(());
                             }
+                            let _ = flow_down.wait_for(|stalled| !*stalled).await;
                             tap.lock().extend_from_slice(&buf[..n]);
                             in_write.write_all(&buf[..n]).await?;
                         }
@@ -1807,9 +1822,16 @@ impl Cable {
         Self {
             addr,
             up,
+            stalled,
             down,
             task,
         }
+    }
+
+    /// Holds every byte where it is, both ways, closing nothing: the uplink stalls, and the
+    /// gateway does not know yet.
+    fn stall(&self) {
+        self.stalled.send_replace(true);
     }
 
     /// Whether the gateway sent `needle` down the cable since the last [`Self::clear`].
@@ -1829,6 +1851,7 @@ impl Cable {
     }
 
     fn mend(&self) {
+        self.stalled.send_replace(false);
         self.up.send_replace(true);
     }
 }
@@ -2107,6 +2130,44 @@ async fn a_worker_away_past_the_ttl_ends_the_lease_by_host_when_it_returns_and_r
         beat.json()["error"]["data"]["details"]["reason"],
         "LEASE_ENDED_BY_HOST",
         "{beat:?}"
+    );
+    gw.stop().await;
+}
+
+/// Trial 8: a `disconnect` sent while the uplink is stalled and not yet declared dead, whose
+/// caller gives up and hangs up, still ends the lease: the release goes on without its caller,
+/// its relay fails once the uplink is gone, and the lease is released on the worker once it is
+/// back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_held_up_by_a_stalled_uplink_goes_on_after_its_caller_hangs_up() {
+    let mut gw = Gw::start(enabled_gateway()).await;
+    let cable = gw.add_android_worker_via_cable().await;
+    let (_, secret) = gw.token().await;
+    let http = Http::new();
+    let lease = allocate(&http, &gw, &secret).await;
+    cable.stall();
+    let call = lease_call("r1", "lease.release", &lease);
+    let gave_up = tokio::time::timeout(
+        Duration::from_millis(300),
+        http.rpc(&gw.base(), &secret, &call),
+    )
+    .await;
+    assert!(gave_up.is_err(), "the release waits on the stalled uplink");
+    // The uplink then drops: the relay fails, and the release is taken over.
+    cable.cut();
+    gw.fleet
+        .wait_until(|fleet| fleet.lease(&lease).is_none())
+        .await;
+    assert!(
+        gw.fleet.worker(0).worker.lease(&lease).is_some(),
+        "nothing reached the worker yet"
+    );
+    cable.mend();
+    gw.fleet.wait_connected_holding_none(0).await;
+    assert!(gw.fleet.worker(0).worker.lease(&lease).is_none());
+    assert_eq!(
+        received(&gw.fakes[0], "agent_device.lease.release").len(),
+        1
     );
     gw.stop().await;
 }

@@ -60,6 +60,24 @@ async fn patient<F: Future>(what: &str, future: F) -> F::Output {
         .unwrap_or_else(|_| panic!("{what} in time"))
 }
 
+/// A hook that never lets an answer to `op` through while `armed` is set (once, and disarmed,
+/// when `once`).
+fn never_answering(op: &'static str, armed: Arc<AtomicBool>, once: bool) -> AnswerHook {
+    Arc::new(move |answered, _| {
+        let hold = answered == op
+            && if once {
+                armed.swap(false, Ordering::SeqCst)
+            } else {
+                armed.load(Ordering::SeqCst)
+            };
+        Box::pin(async move {
+            if hold {
+                std::future::pending::<()>().await;
+            }
+        })
+    })
+}
+
 /// A real worker with `capacity` devices on its own home, and a proxy worker in front of it
 /// joined to the gateway as `proxy`, its answers passed through `hook`.
 async fn proxied(
@@ -247,17 +265,7 @@ async fn a_lease_is_known_from_its_grant_while_the_workers_view_cannot_be_read()
     })
     .await;
     let stalled = Arc::new(AtomicBool::new(false));
-    let hook: AnswerHook = {
-        let stalled = stalled.clone();
-        Arc::new(move |op, _| {
-            let stall = op == "status.get" && stalled.load(Ordering::SeqCst);
-            Box::pin(async move {
-                if stall {
-                    std::future::pending::<()>().await;
-                }
-            })
-        })
-    };
+    let hook = never_answering("status.get", stalled.clone(), false);
     let (real, link, _dir) = proxied(&fleet, 1, hook).await;
     stalled.store(true, Ordering::SeqCst);
     let agent = http_agent(&fleet).await;
@@ -357,5 +365,40 @@ async fn a_hold_through_a_gateway_started_at_once_after_its_grant_always_release
         fleet.worker(0).worker.leases().is_empty(),
         "every lease was released on the worker"
     );
+    fleet.stop().await;
+}
+
+/// Trial 8: a holder's release whose answer the worker does not send within the gateway's call
+/// bound (an uplink stalling, not yet declared dead) is answered all the same: the worker had
+/// carried it out, and its end reached the gateway meanwhile, so nothing is left to release.
+/// Before, the CLI's hold exited 1 saying the lease expires on its TTL. (A release the worker
+/// did not carry out goes out again as an orphan's: the core's tests.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_whose_answer_is_held_past_the_call_bound_is_answered_and_carried_out() {
+    let fleet = TestFleet::start_with(gateway_config(), |timing| {
+        timing.call_timeout = std::time::Duration::from_secs(1);
+    })
+    .await;
+    let holding = Arc::new(AtomicBool::new(false));
+    let hook = never_answering("lease.release", holding.clone(), true);
+    let (real, _link, _dir) = proxied(&fleet, 1, hook).await;
+    let agent = http_agent(&fleet).await;
+    let grant = patient(
+        "the grant",
+        agent.request_lease(ios(), |_| {}, std::future::pending()),
+    )
+    .await
+    .unwrap();
+    let lease_id = grant.lease.id.to_string();
+    holding.store(true, Ordering::SeqCst);
+    let released = patient("the release", agent.release(&lease_id))
+        .await
+        .unwrap();
+    assert_eq!(released.lease_id, lease_id);
+    assert!(real.worker.leases().is_empty(), "the worker carried it out");
+    let listed = patient("the list", agent.leases()).await.unwrap();
+    assert!(listed.leases.is_empty(), "{listed:?}");
+    // The orphan's release is answered (the worker says it is gone): nothing stays stored.
+    fleet.wait_until(|f| f.stored_orphans().is_empty()).await;
     fleet.stop().await;
 }

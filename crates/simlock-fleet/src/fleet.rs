@@ -252,21 +252,7 @@ impl Fleet {
             })?;
             rows.collect()
         })?;
-        let orphans: Vec<StoredOrphan> = parts.db.with(|c| {
-            let mut stmt = c.prepare(
-                "SELECT worker_id, worker_lease_id, granted_at, expires_at FROM orphan_leases \
-                 ORDER BY worker_id, worker_lease_id",
-            )?;
-            let rows = stmt.query_map([], |row| {
-                Ok(StoredOrphan {
-                    worker_id: row.get(0)?,
-                    worker_lease_id: row.get(1)?,
-                    granted_at: row.get(2)?,
-                    expires_at: row.get(3)?,
-                })
-            })?;
-            rows.collect()
-        })?;
+        let orphans = parts.db.with(load_orphans)?;
         let settings = Settings {
             gateway_id: parts.gateway_id.clone(),
             limits: parts.limits,
@@ -555,12 +541,13 @@ impl Fleet {
         });
     }
 
-    /// Releases a lease nobody waits for and reports the worker's answer.
+    /// Releases a lease the gateway ended (an orphan: a grant nobody waits for, or a holder's
+    /// release its worker could not take then) and reports the worker's answer.
     fn spawn_orphan_release(&self, conn: Arc<WorkerConn>, worker_lease_id: String) {
         let me = self.me.clone();
         let bound = self.timing.call_timeout;
         tokio::spawn(async move {
-            info!(worker = %conn.worker_id, lease = %worker_lease_id, "releasing a lease granted to a request nobody waits for");
+            info!(worker = %conn.worker_id, lease = %worker_lease_id, "releasing a lease the gateway ended (a grant nobody waits for, or released while its worker was away)");
             let input = LeaseIdInput {
                 reason: None,
                 lease_id: worker_lease_id.clone(),
@@ -680,6 +667,12 @@ impl Fleet {
     /// A snapshot of the lease index entry for `lease_id`.
     pub fn lease(&self, lease_id: &str) -> Option<Entry> {
         self.shared.lock().core.lease(lease_id).cloned()
+    }
+
+    /// The leases this gateway is releasing on their workers, as stored: what a restart takes
+    /// back (ADR 0030). Empty when the store cannot be read.
+    pub fn stored_orphans(&self) -> Vec<StoredOrphan> {
+        self.db.with(load_orphans).unwrap_or_default()
     }
 
     /// How many leases the gateway issued and indexes.
@@ -877,6 +870,23 @@ fn remember(c: &rusqlite::Connection, worker: &KnownWorker) -> rusqlite::Result<
          VALUES (?1, ?2, ?3, ?4)",
         rusqlite::params![worker.id, worker.label, worker.seen_at, worker.connected],
     )
+}
+
+/// The stored orphans, in (worker, lease) order.
+fn load_orphans(c: &mut rusqlite::Connection) -> rusqlite::Result<Vec<StoredOrphan>> {
+    let mut stmt = c.prepare(
+        "SELECT worker_id, worker_lease_id, granted_at, expires_at FROM orphan_leases \
+         ORDER BY worker_id, worker_lease_id",
+    )?;
+    let rows = stmt.query_map([], |row| {
+        Ok(StoredOrphan {
+            worker_id: row.get(0)?,
+            worker_lease_id: row.get(1)?,
+            granted_at: row.get(2)?,
+            expires_at: row.get(3)?,
+        })
+    })?;
+    rows.collect()
 }
 
 /// Stores a lease being released on its worker.

@@ -2178,6 +2178,9 @@ impl Core {
 
     /// The worker answered a release for `reason`: the lease ends (its owner's other
     /// connections hear it once, with that reason); `UNKNOWN_LEASE` means it was gone already.
+    /// A holder's (`explicit`) release the worker did not answer (`WORKER_UNREACHABLE`) ends
+    /// the lease all the same, and is carried out as an orphan's: at once while the uplink is up,
+    /// else once the worker is back.
     ///
     /// # Errors
     /// `UNKNOWN_LEASE`, `WORKER_UNREACHABLE`, or the worker's error.
@@ -2199,6 +2202,42 @@ impl Core {
                     self.notify_lost(&entry, reason, except);
                 }
                 self.dispatch(now);
+                Ok(target.lease_id.clone())
+            }
+            // No answer (the uplink dropped, or the call timed out: a stalled uplink not yet
+            // declared dead) to its holder's release: the worker may or may not have carried it
+            // out. Either way the holder let the lease go: it ends here and is released as an
+            // orphan, now if the uplink is still up, else once the worker is back.
+            Err(FleetError::WorkerUnreachable { .. })
+                if reason == LeaseEndReason::Explicit
+                    && self.index.get(&target.lease_id).is_some() =>
+            {
+                let except = self.releasing.remove(&target.lease_id).flatten();
+                let at = self.next_stamp();
+                let expires_at = self.orphan_expiry(now);
+                if let Some(entry) = self.index.defer_release(&target.lease_id, at, expires_at) {
+                    info!(lease = %target.lease_id, worker = %target.worker_id,
+                        "a release its worker did not answer: released once it answers");
+                    self.notify_lost(&entry, reason, except);
+                }
+                if let Some(generation) = self.live_generation(&target.worker_id) {
+                    self.fx.push_back(Effect::ReleaseOrphan {
+                        worker_id: target.worker_id.clone(),
+                        generation,
+                        worker_lease_id: target.worker_lease_id.clone(),
+                    });
+                }
+                self.dispatch(now);
+                Ok(target.lease_id.clone())
+            }
+            // Its end came meanwhile (the worker's event, or a view read without it): what the
+            // release asked for is done.
+            Err(FleetError::WorkerUnreachable { .. })
+                if reason == LeaseEndReason::Explicit
+                    && self.index.get(&target.lease_id).is_none()
+                    && matches!(self.missing(&target.lease_id), FleetError::UnknownLease(_)) =>
+            {
+                self.releasing.remove(&target.lease_id);
                 Ok(target.lease_id.clone())
             }
             Err(err) => {

@@ -934,13 +934,14 @@ impl Sim {
                     }
                 }
                 Call::Release { agent, target } => {
-                    self.releasing.remove(&target.lease_id);
                     let outcome = self.core.handle_release_answered(
                         &target,
                         LeaseEndReason::Explicit,
                         Err(FleetError::from_worker(&worker_id, lost)),
                         now,
                     );
+                    self.note_deferred(&target);
+                    self.releasing.remove(&target.lease_id);
                     self.released(agent, &target, outcome)?;
                 }
             }
@@ -1174,6 +1175,7 @@ impl Sim {
                     outcome.map_err(|e| FleetError::from_worker(&worker_id, e)),
                     now,
                 );
+                self.note_deferred(&target);
                 self.drain()?;
                 let ok = outcome.is_ok();
                 self.released(agent, &target, outcome)?;
@@ -1726,6 +1728,7 @@ impl Sim {
             let outcome =
                 self.core
                     .handle_release_answered(&target, LeaseEndReason::Explicit, Err(err), now);
+            self.note_deferred(&target);
             self.drain()?;
             self.released(a, &target, outcome)
         } else {
@@ -1754,6 +1757,20 @@ impl Sim {
             self.let_go(a, &target.lease_id);
         }
         Ok(())
+    }
+
+    /// A release the core took over as an orphan's (its worker did not answer it): the worker
+    /// may hold the lease until the release reaches it.
+    fn note_deferred(&mut self, target: &LeaseTarget) {
+        if self
+            .core
+            .index()
+            .is_orphan(&target.worker_id, &target.worker_lease_id)
+            && self.core.lease(&target.lease_id).is_none()
+        {
+            self.note(|| format!("release of {} deferred: no answer", target.lease_id));
+            self.deferred.insert(target.lease_id.clone());
+        }
     }
 
     fn released(

@@ -2014,3 +2014,49 @@ fn stored_orphan_changes(effects: &[Effect]) -> Vec<Effect> {
         .cloned()
         .collect()
 }
+
+/// A holder's release the worker did not answer in time (a stalled uplink not yet declared
+/// dead) ends the lease all the same and goes out again as an orphan's release at once; an
+/// operator's `killed` without an answer is still an error.
+#[test]
+fn a_holders_release_its_worker_did_not_answer_is_carried_out_as_an_orphans() {
+    let (mut core, generation) = fleet(1);
+    let lease_id = granted(&mut core, generation);
+    let target = send_release(&mut core, &lease_id, agent());
+    let no_answer = FleetError::no_answer("w1", "lease.release", 10_000);
+    assert!(matches!(
+        core.handle_release_answered(&target, LeaseEndReason::Killed, Err(no_answer.clone()), T0),
+        Err(FleetError::WorkerUnreachable { .. })
+    ));
+    assert!(
+        core.lease(&lease_id).is_some(),
+        "an operator's is not taken over"
+    );
+    let target = send_release(&mut core, &lease_id, agent());
+    assert_eq!(
+        core.handle_release_answered(&target, LeaseEndReason::Explicit, Err(no_answer), T0),
+        Ok(lease_id.clone())
+    );
+    assert!(core.lease(&lease_id).is_none());
+    let effects = core.take_effects();
+    assert!(
+        effects.iter().any(|e| matches!(
+            e,
+            Effect::ReleaseOrphan { generation: g, worker_lease_id, .. }
+                if *g == generation && worker_lease_id == "lse_a"
+        )),
+        "{effects:?}"
+    );
+    assert_eq!(stored_orphan_changes(&effects).len(), 1, "{effects:?}");
+    assert!(
+        effects.iter().any(|e| matches!(
+            e,
+            Effect::Notice {
+                except: Some(7),
+                push: Push::LeaseLost { .. },
+                ..
+            }
+        )),
+        "{effects:?}"
+    );
+}
