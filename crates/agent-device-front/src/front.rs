@@ -102,6 +102,8 @@ struct Inner {
     /// Releases a gateway carries out once the worker holding their lease is back
     /// ([`release_later`]).
     releasing: parking_lot::Mutex<std::collections::HashSet<LeaseId>>,
+    /// The last healthy `/health` answer of a host, and when ([`health`]).
+    health: parking_lot::Mutex<Option<(http::response::Parts, Bytes, Instant)>>,
     /// Fires when the daemon stops: waiting allocates end cancelled, renewals stop.
     stop: CancellationToken,
     /// The allocates waiting for a grant and the renewals of running commands, so a stop can
@@ -121,6 +123,7 @@ impl Front {
                 max_ttl_ms: options.max_ttl_ms,
                 leases: FrontLeases::default(),
                 releasing: parking_lot::Mutex::default(),
+                health: parking_lot::Mutex::default(),
                 stop: CancellationToken::new(),
                 waiting: tokio_util::task::TaskTracker::new(),
             }),
@@ -360,22 +363,70 @@ fn authenticate(tokens: &TokenStore, headers: &HeaderMap) -> Result<Caller, Refu
 
 /// `/health`: the host's health when one serves; otherwise the front's own answer, always
 /// with status 200 (the CLI hides the reason of a health answer at 500 or above).
+///
+/// The CLI asks it before each call and gives up after a few seconds: a host that does not
+/// answer within [`HEALTH_BOUND`] (an uplink that stalled, not yet declared dead) is answered
+/// by the host's last healthy answer, at most [`HEALTH_KEPT`] old, so the call itself (a
+/// `disconnect`'s release above all) is still sent, and answered by the front.
 async fn health(inner: Arc<Inner>, request: Request<Body>) -> Response<Body> {
     let refusal = match inner.link.status(StatusScope::NewLease).serving() {
-        Ok(_) => match inner.link.forward(request, None, None).await {
-            // A host that answered it cannot serve says why; the CLI hides the reason of a
-            // health answer at 500 or above, so it is answered as 200.
-            Ok(mut response) => {
-                if response.status().is_server_error() {
-                    *response.status_mut() = StatusCode::OK;
-                }
-                return response;
+        Ok(_) => {
+            match tokio::time::timeout(HEALTH_BOUND, inner.link.forward(request, None, None)).await
+            {
+                // A host that answered it cannot serve says why; the CLI hides the reason of a
+                // health answer at 500 or above, so it is answered as 200.
+                Ok(Ok(response)) => return keep_health(&inner, response).await,
+                Ok(Err(refusal)) => refusal,
+                Err(_) => match kept_health(&inner) {
+                    Some(response) => return response,
+                    None => Refusal::NotAvailable {
+                        reason: format!(
+                            "the agent-device daemon did not answer its health within {} ms",
+                            HEALTH_BOUND.as_millis()
+                        ),
+                        retriable: true,
+                    },
+                },
             }
-            Err(refusal) => refusal,
-        },
+        }
         Err(refusal) => refusal,
     };
     refusal.into_response_with_status(&Surface::Route, StatusCode::OK)
+}
+
+/// How long `/health` waits for a host before it answers the last healthy answer.
+const HEALTH_BOUND: Duration = Duration::from_secs(1);
+/// How old a kept healthy answer may be.
+const HEALTH_KEPT: Duration = Duration::from_secs(600);
+
+/// `response`, a host's health answer, as the CLI gets it (a 5xx as 200); a healthy one (a
+/// whole JSON body with `ok: true`, within [`MAX_ANSWER`]) is kept.
+async fn keep_health(inner: &Inner, response: Response<Body>) -> Response<Body> {
+    let (mut parts, body) = response.into_parts();
+    if parts.status.is_server_error() {
+        parts.status = StatusCode::OK;
+    }
+    let Ok(bytes) = read_to_bytes(body, MAX_ANSWER).await else {
+        return Refusal::NotAvailable {
+            reason: "the agent-device daemon's health answer could not be read".into(),
+            retriable: true,
+        }
+        .into_response_with_status(&Surface::Route, StatusCode::OK);
+    };
+    let healthy = serde_json::from_slice::<Value>(&bytes)
+        .is_ok_and(|v| v.get("ok") == Some(&Value::Bool(true)));
+    if parts.status == StatusCode::OK && healthy {
+        *inner.health.lock() = Some((parts.clone(), bytes.clone(), Instant::now()));
+    }
+    Response::from_parts(parts, crate::body::full(bytes))
+}
+
+/// The last healthy answer, when it is recent enough.
+fn kept_health(inner: &Inner) -> Option<Response<Body>> {
+    let kept = inner.health.lock();
+    let (parts, bytes, at) = kept.as_ref()?;
+    (at.elapsed() <= HEALTH_KEPT)
+        .then(|| Response::from_parts(parts.clone(), crate::body::full(bytes.clone())))
 }
 
 async fn rpc(

@@ -1834,6 +1834,11 @@ impl Cable {
         self.stalled.send_replace(true);
     }
 
+    /// Lets the held bytes flow again.
+    fn unstall(&self) {
+        self.stalled.send_replace(false);
+    }
+
     /// Whether the gateway sent `needle` down the cable since the last [`Self::clear`].
     fn sent_down(&self, needle: &str) -> bool {
         self.down
@@ -2169,6 +2174,68 @@ async fn a_release_held_up_by_a_stalled_uplink_goes_on_after_its_caller_hangs_up
         received(&gw.fakes[0], "agent_device.lease.release").len(),
         1
     );
+    gw.stop().await;
+}
+
+/// The same, the uplink flowing again before it is declared dead: the release whose caller hung
+/// up reaches the worker then.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_held_up_by_a_stalled_uplink_reaches_the_worker_when_it_flows_again() {
+    let mut gw = Gw::start(enabled_gateway()).await;
+    let cable = gw.add_android_worker_via_cable().await;
+    let (_, secret) = gw.token().await;
+    let http = Http::new();
+    let lease = allocate(&http, &gw, &secret).await;
+    cable.stall();
+    let call = lease_call("r1", "lease.release", &lease);
+    let gave_up = tokio::time::timeout(
+        Duration::from_millis(300),
+        http.rpc(&gw.base(), &secret, &call),
+    )
+    .await;
+    assert!(gave_up.is_err(), "the release waits on the stalled uplink");
+    cable.unstall();
+    gw.fleet
+        .wait_until(|fleet| fleet.lease(&lease).is_none())
+        .await;
+    assert!(gw.fleet.worker(0).worker.lease(&lease).is_none());
+    assert_eq!(
+        received(&gw.fakes[0], "agent_device.lease.release").len(),
+        1
+    );
+    gw.stop().await;
+}
+
+/// Trial 9: the published CLI's `disconnect` while the uplink is stalled (its calls give up
+/// after 3 s each) still ends the lease once the uplink drops and the worker is back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_published_clis_disconnect_on_a_stalled_uplink_ends_the_lease_once_the_worker_is_back()
+{
+    use simlock_e2e::agent_device::{Cli, real_package};
+    let pkg = real_package();
+    let mut gw = Gw::start(enabled_gateway()).await;
+    let cable = gw.add_android_worker_via_cable().await;
+    let (_, secret) = gw.token().await;
+    let cli = Cli::new(&pkg, &gw.base(), &secret);
+    let profile = cli.profile("android");
+    let connect = cli
+        .run(&["connect", "--remote-config", profile.to_str().unwrap()])
+        .await;
+    assert_eq!(connect.json["success"], json!(true), "{connect:?}");
+    let _ = cli.run(&["devices"]).await;
+    let lease = gw.leases().await[0]["id"].as_str().unwrap().to_owned();
+    cable.stall();
+    let disconnect = cli.run(&["disconnect"]).await;
+    assert!(disconnect.status.success(), "{disconnect:?}");
+    cable.cut();
+    gw.fleet
+        .wait_until(|fleet| fleet.lease(&lease).is_none())
+        .await;
+    cable.mend();
+    gw.fleet.wait_connected_holding_none(0).await;
+    gw.fleet
+        .wait_until(|_| gw.fleet.worker(0).worker.lease(&lease).is_none())
+        .await;
     gw.stop().await;
 }
 
