@@ -2075,19 +2075,10 @@ async fn a_release_while_the_worker_is_away_is_answered_and_carried_out_once_it_
     assert!(gw.leases().await.is_empty(), "ended at the gateway at once");
 
     cable.mend();
-    gw.fleet.wait_connected_holding_none(0).await;
-    assert!(
-        gw.fleet.worker(0).worker.lease(&lease).is_none(),
-        "released on the worker"
-    );
-    let released = received(&gw.fakes[0], "agent_device.lease.release");
-    assert_eq!(
-        released.len(),
-        1,
-        "one release, carried out once: {released:?}"
-    );
+    released_on_the_worker(&gw, &lease).await;
     assert!(gw.leases().await.is_empty());
     // The device serves the next allocate.
+    gw.wait_capable(0, true).await;
     let again = allocate(&http, &gw, &secret).await;
     assert_ne!(again, lease);
     gw.stop().await;
@@ -2139,12 +2130,24 @@ async fn a_worker_away_past_the_ttl_ends_the_lease_by_host_when_it_returns_and_r
     gw.stop().await;
 }
 
-/// Trial 8: a `disconnect` sent while the uplink is stalled and not yet declared dead, whose
-/// caller gives up and hangs up, still ends the lease: the release goes on without its caller,
-/// its relay fails once the uplink is gone, and the lease is released on the worker once it is
-/// back.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_release_held_up_by_a_stalled_uplink_goes_on_after_its_caller_hangs_up() {
+/// Waits until worker 0 no longer holds `lease`, the gateway has read its view since, and its
+/// host has released agent-device's lease (as the simlock lease ends there), once.
+async fn released_on_the_worker(gw: &Gw, lease: &str) {
+    gw.fleet
+        .wait_until(|_| gw.fleet.worker(0).worker.lease(lease).is_none())
+        .await;
+    gw.fleet.wait_connected_holding_none(0).await;
+    simlock_e2e::relay::wait_until("agent-device's lease is released", || {
+        !received(&gw.fakes[0], "agent_device.lease.release").is_empty()
+    })
+    .await;
+    let released = received(&gw.fakes[0], "agent_device.lease.release");
+    assert_eq!(released.len(), 1, "released once: {released:?}");
+}
+
+/// A gateway whose one worker (on a cable) holds a lease, the cable stalled, and the lease's
+/// release sent and given up on by its caller after 300 ms: the gateway, the cable, the lease.
+async fn a_release_given_up_on_a_stalled_uplink() -> (Gw, Cable, String) {
     let mut gw = Gw::start(enabled_gateway()).await;
     let cable = gw.add_android_worker_via_cable().await;
     let (_, secret) = gw.token().await;
@@ -2158,6 +2161,16 @@ async fn a_release_held_up_by_a_stalled_uplink_goes_on_after_its_caller_hangs_up
     )
     .await;
     assert!(gave_up.is_err(), "the release waits on the stalled uplink");
+    (gw, cable, lease)
+}
+
+/// Trial 8: a `disconnect` sent while the uplink is stalled and not yet declared dead, whose
+/// caller gives up and hangs up, still ends the lease: the release goes on without its caller,
+/// its relay fails once the uplink is gone, and the lease is released on the worker once it is
+/// back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_held_up_by_a_stalled_uplink_goes_on_after_its_caller_hangs_up() {
+    let (gw, cable, lease) = a_release_given_up_on_a_stalled_uplink().await;
     // The uplink then drops: the relay fails, and the release is taken over.
     cable.cut();
     gw.fleet
@@ -2168,12 +2181,7 @@ async fn a_release_held_up_by_a_stalled_uplink_goes_on_after_its_caller_hangs_up
         "nothing reached the worker yet"
     );
     cable.mend();
-    gw.fleet.wait_connected_holding_none(0).await;
-    assert!(gw.fleet.worker(0).worker.lease(&lease).is_none());
-    assert_eq!(
-        received(&gw.fakes[0], "agent_device.lease.release").len(),
-        1
-    );
+    released_on_the_worker(&gw, &lease).await;
     gw.stop().await;
 }
 
@@ -2181,19 +2189,7 @@ async fn a_release_held_up_by_a_stalled_uplink_goes_on_after_its_caller_hangs_up
 /// up reaches the worker then.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_release_held_up_by_a_stalled_uplink_reaches_the_worker_when_it_flows_again() {
-    let mut gw = Gw::start(enabled_gateway()).await;
-    let cable = gw.add_android_worker_via_cable().await;
-    let (_, secret) = gw.token().await;
-    let http = Http::new();
-    let lease = allocate(&http, &gw, &secret).await;
-    cable.stall();
-    let call = lease_call("r1", "lease.release", &lease);
-    let gave_up = tokio::time::timeout(
-        Duration::from_millis(300),
-        http.rpc(&gw.base(), &secret, &call),
-    )
-    .await;
-    assert!(gave_up.is_err(), "the release waits on the stalled uplink");
+    let (gw, cable, lease) = a_release_given_up_on_a_stalled_uplink().await;
     cable.unstall();
     gw.fleet
         .wait_until(|fleet| fleet.lease(&lease).is_none())
@@ -2262,12 +2258,7 @@ async fn a_release_after_a_gateway_restart_before_the_worker_is_back_is_carried_
     assert!(gw.fleet.worker(0).worker.lease(&lease).is_some());
 
     cable.mend();
-    gw.fleet.wait_connected_holding_none(0).await;
-    assert!(gw.fleet.worker(0).worker.lease(&lease).is_none());
-    assert_eq!(
-        received(&gw.fakes[0], "agent_device.lease.release").len(),
-        1
-    );
+    released_on_the_worker(&gw, &lease).await;
     assert!(gw.leases().await.is_empty());
     gw.stop().await;
 }
