@@ -1467,6 +1467,30 @@ mod tests {
         }
     }
 
+    /// A relayed allocate of `lease`, sent and held by `daemon` before it answers: the
+    /// allocate's task and the hold that lets it go.
+    async fn allocate_held_by(
+        host: &AgentDeviceHost,
+        daemon: &FakeAgentDevice,
+        lease: &LeaseId,
+    ) -> (
+        tokio::task::JoinHandle<Response<Body>>,
+        agent_device_fake::CommandHold,
+    ) {
+        let hold = daemon.hold_commands("lease_allocate");
+        let allocating = tokio::spawn({
+            let (host, lease) = (host.clone(), lease.clone());
+            async move {
+                let tenant = Tenant::through_gateway("gw1", "tok_a");
+                host.relayed(allocate(), &tenant, Some(&lease), None).await
+            }
+        });
+        tokio::time::timeout(PATIENCE, hold.wait_entered(1))
+            .await
+            .expect("the daemon has the allocate");
+        (allocating, hold)
+    }
+
     /// An allocate of `L` that its daemon answers only once its process died and the host saw
     /// it go: dead (its restart fails), or, with `restarted`, replaced by a new daemon that
     /// serves. The daemon's process can die while the in-process fake still holds the
@@ -1484,18 +1508,8 @@ mod tests {
             _dir,
         } = sh_host(&first, false).await;
 
-        let hold = first.hold_commands("lease_allocate");
         let lease = LeaseId::parse(L).unwrap();
-        let allocating = tokio::spawn({
-            let (host, lease) = (host.clone(), lease.clone());
-            async move {
-                let tenant = Tenant::through_gateway("gw1", "tok_a");
-                host.relayed(allocate(), &tenant, Some(&lease), None).await
-            }
-        });
-        tokio::time::timeout(PATIENCE, hold.wait_entered(1))
-            .await
-            .expect("the daemon has the allocate");
+        let (allocating, hold) = allocate_held_by(&host, &first, &lease).await;
         // The daemon dies with the allocate's answer still to come.
         if restarted {
             std::fs::write(&serves, names(&next)).unwrap();
@@ -1573,18 +1587,8 @@ mod tests {
             _dir,
             ..
         } = sh_host(&first, true).await;
-        let hold = first.hold_commands("lease_allocate");
         let lease = LeaseId::parse(L).unwrap();
-        let allocating = tokio::spawn({
-            let (host, lease) = (host.clone(), lease.clone());
-            async move {
-                let tenant = Tenant::through_gateway("gw1", "tok_a");
-                host.relayed(allocate(), &tenant, Some(&lease), None).await
-            }
-        });
-        tokio::time::timeout(PATIENCE, hold.wait_entered(1))
-            .await
-            .expect("the daemon has the allocate");
+        let (allocating, hold) = allocate_held_by(&host, &first, &lease).await;
         // The host stops; its daemon ignores TERM, so the stop waits out its grace, and the
         // allocate is answered meanwhile.
         let stopping = tokio::spawn({

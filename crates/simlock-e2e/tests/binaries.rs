@@ -488,8 +488,24 @@ fn on_socket(home: &Path) -> Command {
 
 /// Runs `simlock [connection…] --json lease --platform ios --requester <requester> <extra>…`
 /// as `command` sets it up, until its grant is printed: the holding process and the lease id.
-fn held(mut command: Command, requester: &str, extra: &[&str]) -> (Child, String) {
-    let mut hold = command
+fn held(command: Command, requester: &str, extra: &[&str]) -> (Child, String) {
+    let mut hold = leasing(command, requester, extra);
+    let stdout = hold.stdout.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    let grant: Value = serde_json::from_str(&rx.recv_timeout(PATIENCE).unwrap()).unwrap();
+    let lease = grant["lease"]["id"].as_str().unwrap().to_owned();
+    (hold, lease)
+}
+
+/// `simlock [connection…] --json lease --platform ios --requester <requester> <extra>…` started
+/// as `command` sets it up, its output piped.
+fn leasing(mut command: Command, requester: &str, extra: &[&str]) -> Child {
+    command
         .args([
             "--json",
             "lease",
@@ -503,17 +519,23 @@ fn held(mut command: Command, requester: &str, extra: &[&str]) -> (Child, String
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
-        .unwrap();
-    let stdout = hold.stdout.take().unwrap();
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            let _ = tx.send(line);
-        }
-    });
-    let grant: Value = serde_json::from_str(&rx.recv_timeout(PATIENCE).unwrap()).unwrap();
-    let lease = grant["lease"]["id"].as_str().unwrap().to_owned();
-    (hold, lease)
+        .unwrap()
+}
+
+/// A worker with one device, leased (`--detach`) by requester `first`: the worker and the lease.
+fn one_device_leased() -> (Worker, String) {
+    let worker = Worker::start(&fixed(1), false);
+    let first = worker.cli(&[
+        "lease",
+        "--platform",
+        "ios",
+        "--detach",
+        "--requester",
+        "first",
+    ]);
+    assert_eq!(first.code, 0, "{}", first.stderr);
+    let lease = first.json["lease"]["id"].as_str().unwrap().to_owned();
+    (worker, lease)
 }
 
 /// What a finished hold wrote on stderr.
@@ -567,17 +589,7 @@ fn a_waiting_lease_asks_again_after_a_daemon_restart_and_is_granted() {
     if !enabled() {
         return;
     }
-    let worker = Worker::start(&fixed(1), false);
-    let first = worker.cli(&[
-        "lease",
-        "--platform",
-        "ios",
-        "--detach",
-        "--requester",
-        "first",
-    ]);
-    assert_eq!(first.code, 0, "{}", first.stderr);
-    let first_id = first.json["lease"]["id"].as_str().unwrap().to_owned();
+    let (worker, first_id) = one_device_leased();
     let home = worker.home.path().to_owned();
     let waiter = std::thread::spawn(move || held(on_socket(&home), "second", &[]));
     wait_until(&worker, "the second request waits", |status| {
@@ -609,30 +621,8 @@ fn a_waiting_lease_interrupted_while_its_daemon_is_down_exits_130() {
     if !enabled() {
         return;
     }
-    let worker = Worker::start(&fixed(1), false);
-    let first = worker.cli(&[
-        "lease",
-        "--platform",
-        "ios",
-        "--detach",
-        "--requester",
-        "first",
-    ]);
-    assert_eq!(first.code, 0, "{}", first.stderr);
-    let mut waiter = on_socket(worker.home.path())
-        .args([
-            "--json",
-            "lease",
-            "--platform",
-            "ios",
-            "--requester",
-            "second",
-        ])
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let (worker, _) = one_device_leased();
+    let mut waiter = leasing(on_socket(worker.home.path()), "second", &[]);
     wait_until(&worker, "the second request waits", |status| {
         waiting_requesters(status) == ["second"]
     });

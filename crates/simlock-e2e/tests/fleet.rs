@@ -16,6 +16,16 @@ fn lease_id(grant: &Value) -> String {
     grant["lease"]["id"].as_str().unwrap().to_owned()
 }
 
+/// A session of agent `name` on the gateway holding an iOS lease: the session and the lease id.
+async fn ios_lease(fleet: &TestFleet, name: &str) -> (simlock_e2e::Session, String) {
+    let agent = fleet.agent(name).await;
+    let grant = agent
+        .call("lease.request", json!({"platform": "ios"}))
+        .await
+        .unwrap();
+    (agent, lease_id(&grant))
+}
+
 /// An operator session on the gateway subscribed to its events (worker events it relays
 /// included).
 async fn subscriber(fleet: &TestFleet) -> simlock_e2e::Session {
@@ -374,12 +384,7 @@ async fn an_uplink_closed_by_the_gateway_comes_back_on_its_own() {
     let mut fleet = TestFleet::start(gateway_config()).await;
     fleet.add_worker(worker_config(2)).await;
     let worker_id = fleet.worker_id(0);
-    let agent = fleet.agent("agent-1").await;
-    let grant = agent
-        .call("lease.request", json!({"platform": "ios"}))
-        .await
-        .unwrap();
-    let lease_id = lease_id(&grant);
+    let (agent, lease_id) = ios_lease(&fleet, "agent-1").await;
     let first = fleet.gateway().fleet.conn(&worker_id).unwrap();
     first.close();
     fleet
@@ -452,12 +457,7 @@ async fn a_release_while_the_worker_is_away_survives_a_gateway_restart_and_ends_
     let config = gateway_config();
     let mut fleet = TestFleet::start(config.clone()).await;
     fleet.add_worker(worker_config(2)).await;
-    let agent = fleet.agent("agent-0").await;
-    let grant = agent
-        .call("lease.request", json!({"platform": "ios"}))
-        .await
-        .unwrap();
-    let lease_id = lease_id(&grant);
+    let (agent, lease_id) = ios_lease(&fleet, "agent-0").await;
     let worker_lease = lease_id
         .split_once('.')
         .map(|(_, id)| id.to_owned())
@@ -494,12 +494,7 @@ async fn after_a_gateway_restart_a_lease_whose_worker_is_not_back_reads_as_unrea
     let mut fleet = TestFleet::start(config.clone()).await;
     fleet.add_worker(worker_config(2)).await;
     let worker_id = fleet.worker_id(0);
-    let agent = fleet.agent("agent-0").await;
-    let grant = agent
-        .call("lease.request", json!({"platform": "ios"}))
-        .await
-        .unwrap();
-    let lease_id = lease_id(&grant);
+    let (agent, lease_id) = ios_lease(&fleet, "agent-0").await;
     drop(agent);
     // The worker is away (its lease stays on its disk) while the gateway restarts.
     fleet.stop_worker(0).await;
@@ -529,12 +524,7 @@ async fn a_drained_worker_takes_no_new_lease_and_still_serves_its_own() {
     let mut fleet = TestFleet::start(gateway_config()).await;
     fleet.add_worker(worker_config(3)).await;
     let worker_id = fleet.worker_id(0);
-    let agent = fleet.agent("agent-1").await;
-    let grant = agent
-        .call("lease.request", json!({"platform": "ios"}))
-        .await
-        .unwrap();
-    let lease_id = lease_id(&grant);
+    let (agent, lease_id) = ios_lease(&fleet, "agent-1").await;
     let operator = fleet.operator().await;
     let drained = operator
         .call("worker.drain", json!({"workerId": worker_id}))
@@ -1176,12 +1166,7 @@ async fn exec_through_the_gateway_streams_the_workers_output_to_the_owner() {
         },
     );
     fleet.add_worker(config).await;
-    let agent = fleet.agent("agent-1").await;
-    let grant = agent
-        .call("lease.request", json!({"platform": "ios"}))
-        .await
-        .unwrap();
-    let lease_id = lease_id(&grant);
+    let (agent, lease_id) = ios_lease(&fleet, "agent-1").await;
     let mut call = agent
         .client
         .begin(
