@@ -102,8 +102,8 @@ struct Inner {
     /// Releases a gateway carries out once the worker holding their lease is back
     /// ([`release_later`]).
     releasing: parking_lot::Mutex<std::collections::HashSet<LeaseId>>,
-    /// The last healthy `/health` answer of a host, and when ([`health`]).
-    health: parking_lot::Mutex<Option<(http::response::Parts, Bytes, Instant)>>,
+    /// The last healthy `/health` answer of a host ([`health`]).
+    health: parking_lot::Mutex<KeptHealth>,
     /// Fires when the daemon stops: waiting allocates end cancelled, renewals stop.
     stop: CancellationToken,
     /// The allocates waiting for a grant and the renewals of running commands, so a stop can
@@ -371,11 +371,15 @@ fn authenticate(tokens: &TokenStore, headers: &HeaderMap) -> Result<Caller, Refu
 async fn health(inner: Arc<Inner>, request: Request<Body>) -> Response<Body> {
     let refusal = match inner.link.status(StatusScope::NewLease).serving() {
         Ok(_) => {
-            match tokio::time::timeout(HEALTH_BOUND, inner.link.forward(request, None, None)).await
-            {
+            // The bound covers the answer's body too: a host may stall after its head.
+            let answered = async {
+                let response = inner.link.forward(request, None, None).await?;
+                Ok::<_, Refusal>(keep_health(&inner, response).await)
+            };
+            match tokio::time::timeout(HEALTH_BOUND, answered).await {
                 // A host that answered it cannot serve says why; the CLI hides the reason of a
                 // health answer at 500 or above, so it is answered as 200.
-                Ok(Ok(response)) => return keep_health(&inner, response).await,
+                Ok(Ok(response)) => return response,
                 Ok(Err(refusal)) => refusal,
                 Err(_) => match kept_health(&inner) {
                     Some(response) => return response,
@@ -399,8 +403,8 @@ const HEALTH_BOUND: Duration = Duration::from_secs(1);
 /// How old a kept healthy answer may be.
 const HEALTH_KEPT: Duration = Duration::from_secs(600);
 
-/// `response`, a host's health answer, as the CLI gets it (a 5xx as 200); a healthy one (a
-/// whole JSON body with `ok: true`, within [`MAX_ANSWER`]) is kept.
+/// `response`, a host's health answer, as the CLI gets it (a 5xx as 200); a healthy one is kept
+/// ([`KeptHealth`]).
 async fn keep_health(inner: &Inner, response: Response<Body>) -> Response<Body> {
     let (mut parts, body) = response.into_parts();
     if parts.status.is_server_error() {
@@ -413,20 +417,41 @@ async fn keep_health(inner: &Inner, response: Response<Body>) -> Response<Body> 
         }
         .into_response_with_status(&Surface::Route, StatusCode::OK);
     };
-    let healthy = serde_json::from_slice::<Value>(&bytes)
-        .is_ok_and(|v| v.get("ok") == Some(&Value::Bool(true)));
-    if parts.status == StatusCode::OK && healthy {
-        *inner.health.lock() = Some((parts.clone(), bytes.clone(), Instant::now()));
-    }
+    inner
+        .health
+        .lock()
+        .offer(&parts, &bytes, Instant::now().into_std());
     Response::from_parts(parts, crate::body::full(bytes))
+}
+
+/// A host's last healthy `/health` answer (status 200, a JSON body with `ok: true`), and when it
+/// came; time is an input.
+#[derive(Debug, Default)]
+struct KeptHealth {
+    kept: Option<(http::response::Parts, Bytes, std::time::Instant)>,
+}
+
+impl KeptHealth {
+    /// Keeps `parts` and `bytes`, answered `at`, when they are a healthy answer.
+    fn offer(&mut self, parts: &http::response::Parts, bytes: &Bytes, at: std::time::Instant) {
+        let healthy = serde_json::from_slice::<Value>(bytes)
+            .is_ok_and(|v| v.get("ok") == Some(&Value::Bool(true)));
+        if parts.status == StatusCode::OK && healthy {
+            self.kept = Some((parts.clone(), bytes.clone(), at));
+        }
+    }
+
+    /// The kept answer, when it is at most [`HEALTH_KEPT`] old at `now`.
+    fn answer(&self, now: std::time::Instant) -> Option<(http::response::Parts, Bytes)> {
+        let (parts, bytes, at) = self.kept.as_ref()?;
+        (now.saturating_duration_since(*at) <= HEALTH_KEPT).then(|| (parts.clone(), bytes.clone()))
+    }
 }
 
 /// The last healthy answer, when it is recent enough.
 fn kept_health(inner: &Inner) -> Option<Response<Body>> {
-    let kept = inner.health.lock();
-    let (parts, bytes, at) = kept.as_ref()?;
-    (at.elapsed() <= HEALTH_KEPT)
-        .then(|| Response::from_parts(parts.clone(), crate::body::full(bytes.clone())))
+    let (parts, bytes) = inner.health.lock().answer(Instant::now().into_std())?;
+    Some(Response::from_parts(parts, crate::body::full(bytes)))
 }
 
 async fn rpc(
@@ -1586,6 +1611,55 @@ fn with_credentials(bytes: Bytes, credential: &str) -> Bytes {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_healthy_answer_is_kept_for_ten_minutes_and_no_other_is_kept() {
+        let parts = |status: StatusCode| {
+            Response::builder()
+                .status(status)
+                .body(())
+                .unwrap()
+                .into_parts()
+                .0
+        };
+        let healthy = Bytes::from_static(br#"{"ok":true,"rpcProtocolVersion":2}"#);
+        let t0 = Instant::now().into_std();
+        let mut kept = KeptHealth::default();
+        // Not healthy: a 200 saying `ok: false`, a 503, a body that is no JSON.
+        kept.offer(
+            &parts(StatusCode::OK),
+            &Bytes::from_static(br#"{"ok":false}"#),
+            t0,
+        );
+        kept.offer(&parts(StatusCode::SERVICE_UNAVAILABLE), &healthy, t0);
+        kept.offer(&parts(StatusCode::OK), &Bytes::from_static(b"ok"), t0);
+        assert!(kept.answer(t0).is_none());
+        kept.offer(&parts(StatusCode::OK), &healthy, t0);
+        assert_eq!(
+            kept.answer(t0 + HEALTH_KEPT).map(|(_, b)| b),
+            Some(healthy.clone())
+        );
+        assert!(
+            kept.answer(t0 + HEALTH_KEPT + Duration::from_nanos(1))
+                .is_none()
+        );
+        // A later unhealthy answer leaves the kept one; a later healthy one replaces it.
+        let later = t0 + Duration::from_secs(60);
+        kept.offer(
+            &parts(StatusCode::OK),
+            &Bytes::from_static(br#"{"ok":false}"#),
+            later,
+        );
+        assert!(
+            kept.answer(t0 + HEALTH_KEPT + Duration::from_secs(1))
+                .is_none()
+        );
+        kept.offer(&parts(StatusCode::OK), &healthy, later);
+        assert!(
+            kept.answer(t0 + HEALTH_KEPT + Duration::from_secs(1))
+                .is_some()
+        );
+    }
 
     #[test]
     fn a_token_sent_twice_is_refused_and_one_sent_once_in_either_header_is_read() {

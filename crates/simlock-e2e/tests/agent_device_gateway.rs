@@ -2145,6 +2145,36 @@ async fn released_on_the_worker(gw: &Gw, lease: &str) {
     assert_eq!(released.len(), 1, "released once: {released:?}");
 }
 
+/// `/health` through a stalled uplink: the worker's last healthy answer, within the front's
+/// bound; with none kept yet, the not-available answer naming the bound (never a hang).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_through_a_stalled_uplink_is_the_last_healthy_answer_or_says_it_waited() {
+    let mut gw = Gw::start(enabled_gateway()).await;
+    let cable = gw.add_android_worker_via_cable().await;
+    let http = Http::new();
+    let url = format!("{}/health", gw.base());
+    cable.stall();
+    let unkept = http.send(Method::GET, &url, &[], "").await;
+    assert_eq!(unkept.status, 200, "{unkept:?}");
+    assert_eq!(
+        unkept.json()["error"],
+        json!(
+            "agent-device is not available on this simlock: the agent-device daemon did not \
+             answer its health within 1000 ms"
+        ),
+        "{unkept:?}"
+    );
+    cable.unstall();
+    let healthy = http.send(Method::GET, &url, &[], "").await;
+    assert_eq!(healthy.json()["ok"], json!(true), "{healthy:?}");
+    cable.stall();
+    let kept = http.send(Method::GET, &url, &[], "").await;
+    assert_eq!(kept.status, 200);
+    assert_eq!(kept.json(), healthy.json(), "the last healthy answer");
+    cable.mend();
+    gw.stop().await;
+}
+
 /// A gateway whose one worker (on a cable) holds a lease, the cable stalled, and the lease's
 /// release sent and given up on by its caller after 300 ms: the gateway, the cable, the lease.
 async fn a_release_given_up_on_a_stalled_uplink() -> (Gw, Cable, String) {

@@ -399,6 +399,8 @@ async fn a_release_whose_answer_is_held_past_the_call_bound_is_answered_and_carr
     let listed = patient("the list", agent.leases()).await.unwrap();
     assert!(listed.leases.is_empty(), "{listed:?}");
     // The orphan's release is answered (the worker says it is gone): nothing stays stored.
-    fleet.wait_until(|f| f.stored_orphans().is_empty()).await;
+    fleet
+        .wait_until(|f| f.stored_orphans().unwrap().is_empty())
+        .await;
     fleet.stop().await;
 }

@@ -670,9 +670,12 @@ impl Fleet {
     }
 
     /// The leases this gateway is releasing on their workers, as stored: what a restart takes
-    /// back (ADR 0030). Empty when the store cannot be read.
-    pub fn stored_orphans(&self) -> Vec<StoredOrphan> {
-        self.db.with(load_orphans).unwrap_or_default()
+    /// back (ADR 0030).
+    ///
+    /// # Errors
+    /// When the store cannot be read.
+    pub fn stored_orphans(&self) -> Result<Vec<StoredOrphan>, StoreError> {
+        self.db.with(load_orphans)
     }
 
     /// How many leases the gateway issued and indexes.

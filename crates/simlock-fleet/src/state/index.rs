@@ -191,6 +191,9 @@ pub struct LeaseIndex {
     dropped: Vec<String>,
     /// Changes to the orphans since the core last took them.
     orphan_changes: Vec<OrphanChange>,
+    /// The orphans by expiry, soonest first: what [`Self::expire_orphans`] and the core's next
+    /// deadline read without a scan of every tombstone.
+    orphan_expiries: BTreeSet<(i64, (String, String))>,
 }
 
 /// The gateway lease id for a worker's lease.
@@ -205,10 +208,13 @@ pub fn gateway_lease_id(worker_id: &str, worker_lease_id: &str, chosen: bool) ->
 /// The worker a gateway lease id names, when it is `<workerId>.<workerLeaseId>` (a chosen id
 /// names none).
 pub fn worker_of(lease_id: &str) -> Option<&str> {
-    lease_id
-        .split_once('.')
-        .map(|(worker, _)| worker)
-        .filter(|w| !w.is_empty())
+    split_lease_id(lease_id).map(|(worker, _)| worker)
+}
+
+/// The worker and the worker's own lease id a gateway lease id `<workerId>.<workerLeaseId>`
+/// names (a chosen id names none).
+pub fn split_lease_id(lease_id: &str) -> Option<(&str, &str)> {
+    lease_id.split_once('.').filter(|(w, _)| !w.is_empty())
 }
 
 fn key(worker_id: &str, worker_lease_id: &str) -> (String, String) {
@@ -309,7 +315,8 @@ impl LeaseIndex {
         );
     }
 
-    /// Every tombstone is set here, so that the orphans to store follow.
+    /// Every tombstone is set here, so that the orphans to store and their expiries follow (but
+    /// an orphan taken back after a restart, [`Self::restore_orphan`], which is stored already).
     fn set_tombstone(&mut self, key: (String, String), tomb: Tombstone) {
         let orphan = tomb.orphan.then(|| StoredOrphan {
             worker_id: key.0.clone(),
@@ -317,7 +324,13 @@ impl LeaseIndex {
             granted_at: tomb.granted_at,
             expires_at: tomb.expires_at,
         });
+        if tomb.orphan {
+            self.orphan_expiries.insert((tomb.expires_at, key.clone()));
+        }
         let was = self.tombstones.insert(key.clone(), tomb);
+        if let Some(was) = was.as_ref().filter(|t| t.orphan) {
+            self.orphan_expiries.remove(&(was.expires_at, key.clone()));
+        }
         match (was.is_some_and(|t| t.orphan), orphan) {
             (_, Some(orphan)) => self.orphan_changes.push(OrphanChange::Kept(orphan)),
             (true, None) => self
@@ -327,12 +340,18 @@ impl LeaseIndex {
         }
     }
 
-    /// Every tombstone is removed here, so that the orphans to store follow.
+    /// Every tombstone is removed here, so that the orphans to store and their expiries follow.
     fn unbury(&mut self, key: &(String, String)) {
-        if self.tombstones.remove(key).is_some_and(|t| t.orphan) {
+        if let Some(was) = self.tombstones.remove(key).filter(|t| t.orphan) {
+            self.orphan_expiries.remove(&(was.expires_at, key.clone()));
             self.orphan_changes
                 .push(OrphanChange::Settled(key.0.clone(), key.1.clone()));
         }
+    }
+
+    /// When the soonest orphan expires, if any is kept.
+    pub fn next_orphan_expiry(&self) -> Option<i64> {
+        self.orphan_expiries.first().map(|(at, _)| *at)
     }
 
     /// The changes to the orphans since the last call, in order.
@@ -451,8 +470,12 @@ impl LeaseIndex {
 
     /// An orphan stored before a restart, at `at`.
     pub fn restore_orphan(&mut self, orphan: StoredOrphan, at: Stamp) {
+        // Stored already: set directly, not through `set_tombstone`, which would store it again.
+        let key = key(&orphan.worker_id, &orphan.worker_lease_id);
+        self.orphan_expiries
+            .insert((orphan.expires_at, key.clone()));
         self.tombstones.insert(
-            key(&orphan.worker_id, &orphan.worker_lease_id),
+            key,
             Tombstone {
                 granted_at: orphan.granted_at,
                 ended_at: at,
@@ -465,14 +488,13 @@ impl LeaseIndex {
     /// Forgets the orphans that have ended on their worker by `now` whatever happened (their
     /// worker never came back to have them released).
     pub fn expire_orphans(&mut self, now: i64) {
-        let expired: Vec<(String, String)> = self
-            .tombstones
-            .iter()
-            .filter(|(_, t)| t.orphan && t.expires_at <= now)
-            .map(|(k, _)| k.clone())
-            .collect();
-        for k in expired {
-            self.unbury(&k);
+        while let Some((_, key)) = self
+            .orphan_expiries
+            .first()
+            .filter(|(at, _)| *at <= now)
+            .cloned()
+        {
+            self.unbury(&key);
         }
     }
 
@@ -629,7 +651,8 @@ impl LeaseIndex {
         for id in self.ids_of(worker_id) {
             self.remove(&id);
         }
-        // Its orphans stay: should it come back, they are released, never listed as live.
+        // Its orphans stay: should it come back, they are released, never listed as live. (Only
+        // plain tombstones go here, directly: nothing of them is stored.)
         let buried: Vec<(String, String)> = self
             .tombstones_of(worker_id)
             .filter(|(_, t)| !t.orphan)

@@ -42,7 +42,8 @@ use tracing::{debug, info, warn};
 
 use crate::error::FleetError;
 use index::{
-    EndedLease, Entry, LeaseIndex, OrphanChange, Recorded, Renewal, gateway_lease_id, worker_of,
+    EndedLease, Entry, LeaseIndex, OrphanChange, Recorded, Renewal, gateway_lease_id,
+    split_lease_id, worker_of,
 };
 pub use index::{Stamp, StoredOrphan};
 use queue::{Attempt, Booked, Queue, Stage, Waiter};
@@ -848,7 +849,8 @@ impl Core {
     }
 
     /// The next moment [`Self::handle_tick`] has something to do: a waiter's deadline, a
-    /// periodic refresh, a disconnected worker passing retention, a book record expiring.
+    /// periodic refresh, a disconnected worker passing retention, a book record expiring, an
+    /// orphan expiring.
     pub fn next_deadline(&self) -> Option<i64> {
         let waiters = self
             .queue
@@ -877,6 +879,7 @@ impl Core {
             .chain(refreshes)
             .chain(retention)
             .chain(self.queue.book.next_expiry(BOOK_RETENTION_MS))
+            .chain(self.index.next_orphan_expiry())
             .min()
     }
 
@@ -1930,6 +1933,28 @@ impl Core {
         });
     }
 
+    /// Takes over its holder's release of the indexed lease `lease_id` that its worker cannot
+    /// answer now (away, or silent past the call bound): the lease ends here (the owner's
+    /// connections but `except` hear it, `explicit`) and becomes an orphan, released on the
+    /// worker at once while its uplink is up, else once it connects.
+    fn take_over_release(&mut self, lease_id: &str, except: Option<u64>, now: i64) {
+        let at = self.next_stamp();
+        let expires_at = self.orphan_expiry(now);
+        if let Some(entry) = self.index.defer_release(lease_id, at, expires_at) {
+            info!(lease = %lease_id, worker = %entry.worker_id,
+                "its worker cannot take the release now: released there as soon as it can");
+            self.notify_lost(&entry, LeaseEndReason::Explicit, except);
+            if let Some(generation) = self.live_generation(&entry.worker_id) {
+                self.fx.push_back(Effect::ReleaseOrphan {
+                    worker_id: entry.worker_id.clone(),
+                    generation,
+                    worker_lease_id: entry.worker_lease_id.clone(),
+                });
+            }
+        }
+        self.dispatch(now);
+    }
+
     /// When a lease that becomes an orphan `now` has ended on its worker whatever happens: nobody
     /// renews an orphan, and its last renewal (one in flight when the uplink dropped included)
     /// gave it at most the gateway's longest TTL; a minute is added for the worker's clock.
@@ -1965,16 +1990,11 @@ impl Core {
     /// may be a mistyped id, or one it forgot that comes back: the gateway never declares a
     /// lease gone before its worker says so, and the message names both.
     fn missing(&self, lease_id: &str) -> FleetError {
+        // Released while its worker was away: the gateway vouches that it ended.
+        if split_lease_id(lease_id).is_some_and(|(worker, id)| self.index.is_orphan(worker, id)) {
+            return FleetError::UnknownLease(lease_id.to_owned());
+        }
         match worker_of(lease_id) {
-            // Released while its worker was away: the gateway vouches that it ended.
-            Some(worker)
-                if lease_id
-                    .strip_prefix(worker)
-                    .and_then(|rest| rest.strip_prefix('.'))
-                    .is_some_and(|id| self.index.is_orphan(worker, id)) =>
-            {
-                FleetError::UnknownLease(lease_id.to_owned())
-            }
             Some(worker) if !self.workers.contains_key(worker) => FleetError::WorkerUnreachable {
                 worker_id: worker.to_owned(),
                 message: format!(
@@ -2149,14 +2169,7 @@ impl Core {
             Err(FleetError::WorkerUnreachable { .. })
                 if reason == LeaseEndReason::Explicit && self.index.get(lease_id).is_some() =>
             {
-                let at = self.next_stamp();
-                let expires_at = self.orphan_expiry(now);
-                if let Some(entry) = self.index.defer_release(lease_id, at, expires_at) {
-                    info!(lease = %lease_id, worker = %entry.worker_id,
-                        "released while its worker is away: carried out once it is back");
-                    self.notify_lost(&entry, reason, caller.connection);
-                }
-                self.dispatch(now);
+                self.take_over_release(lease_id, caller.connection, now);
                 return Ok(Release::Deferred(lease_id.to_owned()));
             }
             Err(err) => return Err(err),
@@ -2213,21 +2226,7 @@ impl Core {
                     && self.index.get(&target.lease_id).is_some() =>
             {
                 let except = self.releasing.remove(&target.lease_id).flatten();
-                let at = self.next_stamp();
-                let expires_at = self.orphan_expiry(now);
-                if let Some(entry) = self.index.defer_release(&target.lease_id, at, expires_at) {
-                    info!(lease = %target.lease_id, worker = %target.worker_id,
-                        "a release its worker did not answer: released once it answers");
-                    self.notify_lost(&entry, reason, except);
-                }
-                if let Some(generation) = self.live_generation(&target.worker_id) {
-                    self.fx.push_back(Effect::ReleaseOrphan {
-                        worker_id: target.worker_id.clone(),
-                        generation,
-                        worker_lease_id: target.worker_lease_id.clone(),
-                    });
-                }
-                self.dispatch(now);
+                self.take_over_release(&target.lease_id, except, now);
                 Ok(target.lease_id.clone())
             }
             // Its end came meanwhile (the worker's event, or a view read without it): what the

@@ -2060,3 +2060,33 @@ fn a_holders_release_its_worker_did_not_answer_is_carried_out_as_an_orphans() {
         "{effects:?}"
     );
 }
+
+/// An orphan whose worker never returns is forgotten at its expiry, which the core's next
+/// deadline names (time alone moves), and not a moment before.
+#[test]
+fn an_orphan_of_a_worker_that_never_returns_expires_on_time_alone() {
+    let (mut core, generation) = fleet(1);
+    let lease_id = granted(&mut core, generation);
+    core.handle_uplink_closed(generation, T0);
+    core.handle_release_sent(&lease_id, agent(), LeaseEndReason::Explicit, T0)
+        .unwrap();
+    core.take_effects();
+    let expiry = T0 + 60_000 + ORPHAN_CLOCK_MARGIN_MS;
+    // Its worker passes retention first and is forgotten; its orphan stays.
+    core.handle_tick(T0 + settings().disconnected_retention_ms);
+    assert!(core.view("w1").is_none(), "forgotten");
+    core.take_effects();
+    assert_eq!(core.next_deadline(), Some(expiry), "nothing else is due");
+    core.handle_tick(expiry - 1);
+    assert!(stored_orphan_changes(&core.take_effects()).is_empty());
+    assert!(core.index().is_orphan("w1", "lse_a"));
+    core.handle_tick(expiry);
+    assert_eq!(
+        stored_orphan_changes(&core.take_effects()),
+        [Effect::SettleOrphan {
+            worker_id: "w1".into(),
+            worker_lease_id: "lse_a".into(),
+        }]
+    );
+    assert!(!core.index().is_orphan("w1", "lse_a"));
+}
