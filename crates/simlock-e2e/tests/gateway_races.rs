@@ -79,7 +79,8 @@ fn never_answering(op: &'static str, armed: Arc<AtomicBool>, once: bool) -> Answ
 }
 
 /// A real worker with `capacity` devices on its own home, and a proxy worker in front of it
-/// joined to the gateway as `proxy`, its answers passed through `hook`.
+/// joined to the gateway as `proxy`, its answers passed through `hook` (the proxy answered too,
+/// to join it again on a new uplink, [`join_proxy`]).
 async fn proxied(
     fleet: &TestFleet,
     capacity: u32,
@@ -87,6 +88,7 @@ async fn proxied(
 ) -> (
     simlock_worker::RunningWorker,
     simlock_link::LinkHandle,
+    Arc<ProxyWorker>,
     tempfile::TempDir,
 ) {
     let dir = tempfile::tempdir().unwrap();
@@ -99,11 +101,17 @@ async fn proxied(
     .unwrap();
     let admin = session(&real.running.socket_path(), "front", Some(&home)).await;
     let proxy = ProxyWorker::new(admin.client, admin.pushes, hook);
+    let link = join_proxy(fleet, &proxy).await;
+    (real, link, proxy, dir)
+}
+
+/// Joins `proxy` to the gateway on a new uplink and waits for its view to be read.
+async fn join_proxy(fleet: &TestFleet, proxy: &Arc<ProxyWorker>) -> simlock_link::LinkHandle {
     let link = fake_worker(
         &fleet.gateway_url(),
         &fleet.join_token,
         "proxy",
-        proxy,
+        proxy.clone(),
         PROTOCOL_RANGE,
     )
     .await;
@@ -116,7 +124,7 @@ async fn proxied(
             })
         })
         .await;
-    (real, link, dir)
+    link
 }
 
 /// Race (a): a view read the worker answered before a release, arriving at the gateway after
@@ -156,7 +164,7 @@ async fn a_view_read_before_a_release_does_not_refuse_the_next_request() {
             })
         })
     };
-    let (real, _link, _dir) = proxied(&fleet, 1, hook).await;
+    let (real, _link, _, _dir) = proxied(&fleet, 1, hook).await;
     let agent = http_agent(&fleet).await;
     for round in 0..5 {
         let grant = patient(
@@ -266,7 +274,7 @@ async fn a_lease_is_known_from_its_grant_while_the_workers_view_cannot_be_read()
     .await;
     let stalled = Arc::new(AtomicBool::new(false));
     let hook = never_answering("status.get", stalled.clone(), false);
-    let (real, link, _dir) = proxied(&fleet, 1, hook).await;
+    let (real, link, _, _dir) = proxied(&fleet, 1, hook).await;
     stalled.store(true, Ordering::SeqCst);
     let agent = http_agent(&fleet).await;
     let mut input = ios();
@@ -381,7 +389,7 @@ async fn a_release_whose_answer_is_held_past_the_call_bound_is_answered_and_carr
     .await;
     let holding = Arc::new(AtomicBool::new(false));
     let hook = never_answering("lease.release", holding.clone(), true);
-    let (real, _link, _dir) = proxied(&fleet, 1, hook).await;
+    let (real, _link, _, _dir) = proxied(&fleet, 1, hook).await;
     let agent = http_agent(&fleet).await;
     let grant = patient(
         "the grant",
@@ -403,4 +411,70 @@ async fn a_release_whose_answer_is_held_past_the_call_bound_is_answered_and_carr
         .wait_until(|f| f.stored_orphans().unwrap().is_empty())
         .await;
     fleet.stop().await;
+}
+
+/// Outside trial 9: a lease request whose uplink is lost before the worker's grant comes back
+/// is refused `WORKER_UNREACHABLE`, though the worker granted it. Once the worker is back, its
+/// view lists that grant, and the gateway releases it: it never becomes the agent's lease (which
+/// it did, until its TTL, refusing the agent's next request `REQUESTER_ALREADY_LEASED`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grant_whose_answer_was_lost_with_its_uplink_is_released_once_the_worker_is_back() {
+    let fleet = TestFleet::start(gateway_config()).await;
+    let holding = Arc::new(AtomicBool::new(true));
+    let hook = never_answering("lease.request", holding, true);
+    let (real, link, proxy, _dir) = proxied(&fleet, 1, hook).await;
+    let agent = http_agent(&fleet).await;
+    let mut input = ios();
+    input.ttl_ms = Some(600_000);
+    let asked = {
+        let (agent, input) = (agent.clone(), input.clone());
+        tokio::spawn(async move {
+            agent
+                .request_lease(input, |_| {}, std::future::pending())
+                .await
+        })
+    };
+    // The worker granted it; its answer is held.
+    fleet
+        .wait_for(|views| {
+            views
+                .iter()
+                .any(|v| v.id == "proxy" && v.leases.as_ref().is_some_and(|l| l.len() == 1))
+        })
+        .await;
+    assert_eq!(real.worker.leases().len(), 1);
+    link.close();
+    let refused = patient("the refusal", asked).await.unwrap().unwrap_err();
+    assert_eq!(refused.code, ErrorCode::WorkerUnreachable, "{refused:?}");
+    assert_eq!(
+        fleet.gateway().fleet.stored_forwards().unwrap().len(),
+        1,
+        "the forward in doubt is stored"
+    );
+
+    let _link = join_proxy(&fleet, &proxy).await;
+    fleet
+        .wait_until(|f| {
+            f.stored_forwards().unwrap().is_empty() && f.stored_orphans().unwrap().is_empty()
+        })
+        .await;
+    assert!(real.worker.leases().is_empty(), "released on the worker");
+    let listed = patient("the list", agent.leases()).await.unwrap();
+    assert!(listed.leases.is_empty(), "{listed:?}");
+    fleet
+        .wait_for(|views| {
+            views
+                .iter()
+                .any(|v| v.id == "proxy" && v.leases.as_ref().is_some_and(Vec::is_empty))
+        })
+        .await;
+    let grant = patient(
+        "the next grant",
+        agent.request_lease(input, |_| {}, std::future::pending()),
+    )
+    .await
+    .unwrap();
+    assert!(grant.lease.id.as_str().starts_with("proxy."));
+    fleet.stop().await;
+    real.stop("test").await;
 }

@@ -35,8 +35,8 @@ use crate::config::FleetConfig;
 use crate::error::FleetError;
 use crate::state::index::Entry;
 use crate::state::{
-    Closing, Core, Effect, KnownWorker, Refresh, RefreshFailure, Settings, Stamp, StoredOrphan,
-    routing,
+    Closing, Core, Effect, KnownWorker, Refresh, RefreshFailure, Settings, Stamp, StoredForward,
+    StoredOrphan, routing,
 };
 
 const MIGRATIONS: &[&str] = &[
@@ -46,6 +46,8 @@ const MIGRATIONS: &[&str] = &[
     "CREATE TABLE orphan_leases (worker_id TEXT NOT NULL, worker_lease_id TEXT NOT NULL, \
      granted_at INTEGER NOT NULL, expires_at INTEGER NOT NULL, \
      PRIMARY KEY (worker_id, worker_lease_id))",
+    "CREATE TABLE forwards_out (worker_id TEXT NOT NULL, requester_id TEXT NOT NULL, \
+     answered_lease TEXT, expires_at INTEGER NOT NULL, PRIMARY KEY (worker_id, requester_id))",
 ];
 
 /// Timing the gateway works with; tests shorten it.
@@ -253,6 +255,7 @@ impl Fleet {
             rows.collect()
         })?;
         let orphans = parts.db.with(load_orphans)?;
+        let forwards = parts.db.with(load_forwards)?;
         let settings = Settings {
             gateway_id: parts.gateway_id.clone(),
             limits: parts.limits,
@@ -263,6 +266,7 @@ impl Fleet {
         };
         let mut core = Core::new(settings, drained, known, parts.clock.now_ms());
         core.restore_orphans(orphans);
+        core.restore_forwards(forwards);
         let fleet = Arc::new_cyclic(|me| Self {
             me: me.clone(),
             gateway_id: parts.gateway_id,
@@ -405,6 +409,22 @@ impl Fleet {
                         .with(|c| settle_orphan(c, &worker_id, &worker_lease_id))
                     {
                         warn!(worker = %worker_id, lease = %worker_lease_id, error = %e, "a released lease stays stored; after a restart its release is tried again");
+                    }
+                }
+                Effect::StoreForward(forward) => {
+                    if let Err(e) = self.db.with(|c| store_forward(c, &forward)) {
+                        warn!(worker = %forward.worker_id, requester = %forward.requester_id, error = %e, "a forwarded lease request could not be stored; should the gateway restart before its answer, a grant it made is listed as its requester's until its TTL");
+                    }
+                }
+                Effect::SettleForward {
+                    worker_id,
+                    requester_id,
+                } => {
+                    if let Err(e) = self
+                        .db
+                        .with(|c| settle_forward(c, &worker_id, &requester_id))
+                    {
+                        warn!(worker = %worker_id, requester = %requester_id, error = %e, "an answered lease request stays stored; after a restart a lease of that requester on that worker not yet known is released");
                     }
                 }
                 Effect::Close { generation, why } => {
@@ -678,6 +698,15 @@ impl Fleet {
         self.db.with(load_orphans)
     }
 
+    /// The lease requests forwarded to workers whose answers are still to settle, as stored:
+    /// what a restart takes back.
+    ///
+    /// # Errors
+    /// When the store cannot be read.
+    pub fn stored_forwards(&self) -> Result<Vec<StoredForward>, StoreError> {
+        self.db.with(load_forwards)
+    }
+
     /// How many leases the gateway issued and indexes.
     pub fn lease_count(&self) -> usize {
         self.shared.lock().core.index().len()
@@ -915,6 +944,49 @@ fn settle_orphan(
     c.execute(
         "DELETE FROM orphan_leases WHERE worker_id = ?1 AND worker_lease_id = ?2",
         [worker_id, worker_lease_id],
+    )
+}
+
+/// The stored forwards out, in (worker, requester) order.
+fn load_forwards(c: &mut rusqlite::Connection) -> rusqlite::Result<Vec<StoredForward>> {
+    let mut stmt = c.prepare(
+        "SELECT worker_id, requester_id, answered_lease, expires_at FROM forwards_out \
+         ORDER BY worker_id, requester_id",
+    )?;
+    let rows = stmt.query_map([], |row| {
+        Ok(StoredForward {
+            worker_id: row.get(0)?,
+            requester_id: row.get(1)?,
+            answered_lease: row.get(2)?,
+            expires_at: row.get(3)?,
+        })
+    })?;
+    rows.collect()
+}
+
+/// Stores a lease request forwarded to a worker.
+fn store_forward(c: &rusqlite::Connection, forward: &StoredForward) -> rusqlite::Result<usize> {
+    c.execute(
+        "INSERT OR REPLACE INTO forwards_out \
+         (worker_id, requester_id, answered_lease, expires_at) VALUES (?1, ?2, ?3, ?4)",
+        rusqlite::params![
+            forward.worker_id,
+            forward.requester_id,
+            forward.answered_lease,
+            forward.expires_at
+        ],
+    )
+}
+
+/// Deletes a stored forward.
+fn settle_forward(
+    c: &rusqlite::Connection,
+    worker_id: &str,
+    requester_id: &str,
+) -> rusqlite::Result<usize> {
+    c.execute(
+        "DELETE FROM forwards_out WHERE worker_id = ?1 AND requester_id = ?2",
+        [worker_id, requester_id],
     )
 }
 

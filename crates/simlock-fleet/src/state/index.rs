@@ -140,13 +140,82 @@ pub struct StoredOrphan {
     pub expires_at: i64,
 }
 
-/// A change to the orphans to store, in order.
+/// A lease request forwarded to a worker whose answer the gateway has not taken in: stored
+/// from the moment it goes out until its answer settles it, so that a grant whose answer was
+/// lost (with its uplink, or with the gateway) never becomes a live lease of a requester the
+/// gateway answered otherwise (or never answered): a view that lists it finds it here, and it is
+/// released as an orphan.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum OrphanChange {
+pub struct StoredForward {
+    /// The worker it went to.
+    pub worker_id: String,
+    /// Its requester, without the gateway's prefix.
+    pub requester_id: String,
+    /// The worker's id for the lease of the last grant answered to that requester while other
+    /// forwards were out: a view may list it, and it is the requester's.
+    pub answered_lease: Option<String>,
+    /// Past this (ms), any lease it granted has ended on its worker whatever happened: its
+    /// worker's answer bound, then the gateway's longest TTL (nobody renews a grant nobody
+    /// knows of), and a minute for the worker's clock.
+    pub expires_at: i64,
+}
+
+/// The forwards of one requester to one worker, as the index keeps them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct ForwardOut {
+    /// The attempts waiting for their answers (one, but for a forward whose waiter was answered
+    /// first and a newer one of the same requester): a grant of theirs a view lists is theirs
+    /// to answer.
+    out: BTreeSet<u64>,
+    /// An answer was lost (or its forward was taken back after a restart): whether it granted is
+    /// known only from the worker's views.
+    lost: bool,
+    /// See [`StoredForward::answered_lease`].
+    answered_lease: Option<String>,
+    /// See [`StoredForward::expires_at`].
+    expires_at: i64,
+}
+
+/// How a forward was answered.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ForwardAnswer {
+    /// A grant: the gateway knows its lease from here on (indexed, or an orphan). A worker
+    /// holds one lease of a requester at a time, so a grant whose answer was lost earlier has
+    /// ended by now.
+    Granted {
+        /// The worker's id for the lease.
+        lease: String,
+        /// Whether it answers its waiter (else it is an orphan).
+        answered: bool,
+    },
+    /// A refusal: it granted nothing.
+    Refused,
+    /// No answer (the uplink was lost): it may have granted.
+    Lost,
+}
+
+/// A change to what the index stores, in order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StoreChange {
     /// A new orphan.
     Kept(StoredOrphan),
     /// An orphan released, or found gone: `(worker_id, worker_lease_id)`.
     Settled(String, String),
+    /// A forward out ([`StoredForward`]), new or with a later expiry.
+    ForwardKept(StoredForward),
+    /// A forward answered, found, or expired: `(worker_id, requester_id)`.
+    ForwardSettled(String, String),
+}
+
+/// A view's leases, screened for the grants of forwards whose answers were lost
+/// ([`LeaseIndex::screen`]).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Screened {
+    /// What the view may fold in: every lease it listed but those whose forward is still to
+    /// answer.
+    pub listed: Vec<LeaseRecord>,
+    /// The grants nobody knows of: now orphans, to release.
+    pub strays: Vec<LeaseRecord>,
 }
 
 /// How recording a forwarded grant went.
@@ -190,10 +259,15 @@ pub struct LeaseIndex {
     /// Ids of the entries that left the index since the core last took them.
     dropped: Vec<String>,
     /// Changes to the orphans since the core last took them.
-    orphan_changes: Vec<OrphanChange>,
-    /// The orphans by expiry, soonest first: what [`Self::expire_orphans`] and the core's next
+    store_changes: Vec<StoreChange>,
+    /// The orphans by expiry, soonest first: what [`Self::expire`] and the core's next
     /// deadline read without a scan of every tombstone.
     orphan_expiries: BTreeSet<(i64, (String, String))>,
+    /// The forwards out, by (worker, requester): a requester has one request at a time, and a
+    /// worker grants a requester one lease.
+    forwards: BTreeMap<(String, String), ForwardOut>,
+    /// The forwards out by expiry, soonest first.
+    forward_expiries: BTreeSet<(i64, (String, String))>,
 }
 
 /// The gateway lease id for a worker's lease.
@@ -332,10 +406,8 @@ impl LeaseIndex {
             self.orphan_expiries.remove(&(was.expires_at, key.clone()));
         }
         match (was.is_some_and(|t| t.orphan), orphan) {
-            (_, Some(orphan)) => self.orphan_changes.push(OrphanChange::Kept(orphan)),
-            (true, None) => self
-                .orphan_changes
-                .push(OrphanChange::Settled(key.0, key.1)),
+            (_, Some(orphan)) => self.store_changes.push(StoreChange::Kept(orphan)),
+            (true, None) => self.store_changes.push(StoreChange::Settled(key.0, key.1)),
             (false, None) => {}
         }
     }
@@ -344,19 +416,21 @@ impl LeaseIndex {
     fn unbury(&mut self, key: &(String, String)) {
         if let Some(was) = self.tombstones.remove(key).filter(|t| t.orphan) {
             self.orphan_expiries.remove(&(was.expires_at, key.clone()));
-            self.orphan_changes
-                .push(OrphanChange::Settled(key.0.clone(), key.1.clone()));
+            self.store_changes
+                .push(StoreChange::Settled(key.0.clone(), key.1.clone()));
         }
     }
 
-    /// When the soonest orphan expires, if any is kept.
-    pub fn next_orphan_expiry(&self) -> Option<i64> {
-        self.orphan_expiries.first().map(|(at, _)| *at)
+    /// When the soonest orphan or forward out expires, if any is kept.
+    pub fn next_expiry(&self) -> Option<i64> {
+        let orphan = self.orphan_expiries.first().map(|(at, _)| *at);
+        let forward = self.forward_expiries.first().map(|(at, _)| *at);
+        orphan.into_iter().chain(forward).min()
     }
 
     /// The changes to the orphans since the last call, in order.
-    pub fn take_orphan_changes(&mut self) -> Vec<OrphanChange> {
-        std::mem::take(&mut self.orphan_changes)
+    pub fn take_store_changes(&mut self) -> Vec<StoreChange> {
+        std::mem::take(&mut self.store_changes)
     }
 
     fn buried(&self, worker_id: &str, record: &LeaseRecord) -> Option<&Tombstone> {
@@ -486,8 +560,8 @@ impl LeaseIndex {
     }
 
     /// Forgets the orphans that have ended on their worker by `now` whatever happened (their
-    /// worker never came back to have them released).
-    pub fn expire_orphans(&mut self, now: i64) {
+    /// worker never came back to have them released), and the forwards out whose grants have.
+    pub fn expire(&mut self, now: i64) {
         while let Some((_, key)) = self
             .orphan_expiries
             .first()
@@ -496,6 +570,176 @@ impl LeaseIndex {
         {
             self.unbury(&key);
         }
+        while let Some((_, (worker_id, requester_id))) = self
+            .forward_expiries
+            .first()
+            .filter(|(at, _)| *at <= now)
+            .cloned()
+        {
+            self.forward_settled(&worker_id, &requester_id);
+        }
+    }
+
+    // === Forwards out ===
+
+    /// Forward `attempt` (attempts are numbered in the order they go out) of a lease request
+    /// for `requester_id` goes out to `worker_id`: until its answer settles it, a grant of it a
+    /// view lists is held back ([`Self::screen`]).
+    pub fn forward_sent(
+        &mut self,
+        worker_id: &str,
+        requester_id: &str,
+        attempt: u64,
+        expires_at: i64,
+    ) {
+        let key = key(worker_id, requester_id);
+        let forward = self
+            .forwards
+            .entry(key.clone())
+            .or_insert_with(|| ForwardOut {
+                out: BTreeSet::new(),
+                lost: false,
+                answered_lease: None,
+                expires_at: i64::MIN,
+            });
+        forward.out.insert(attempt);
+        let was = forward.expires_at;
+        if expires_at <= was {
+            return;
+        }
+        forward.expires_at = expires_at;
+        self.forward_expiries.remove(&(was, key.clone()));
+        self.forward_expiries.insert((expires_at, key.clone()));
+        self.keep_forward(key);
+    }
+
+    /// Stores the forwards of `key` as they are now.
+    fn keep_forward(&mut self, key: (String, String)) {
+        if let Some(forward) = self.forwards.get(&key) {
+            let stored = StoredForward {
+                answered_lease: forward.answered_lease.clone(),
+                expires_at: forward.expires_at,
+                worker_id: key.0,
+                requester_id: key.1,
+            };
+            self.store_changes.push(StoreChange::ForwardKept(stored));
+        }
+    }
+
+    /// A forward of `requester_id` to `worker_id` was answered. It is settled once none is out
+    /// and no answer is in doubt (a grant ends the doubt: the worker holds one lease of a
+    /// requester). Answers whether a lost answer's grant is still to be found in a view.
+    pub fn forward_answered(
+        &mut self,
+        worker_id: &str,
+        requester_id: &str,
+        attempt: u64,
+        answer: ForwardAnswer,
+    ) -> bool {
+        let Some(forward) = self.forwards.get_mut(&key(worker_id, requester_id)) else {
+            return false;
+        };
+        forward.out.remove(&attempt);
+        let granted = match answer {
+            ForwardAnswer::Granted { lease, answered } => {
+                forward.lost = false;
+                if answered {
+                    forward.answered_lease = Some(lease);
+                }
+                answered
+            }
+            ForwardAnswer::Lost => {
+                forward.lost = true;
+                false
+            }
+            ForwardAnswer::Refused => false,
+        };
+        let (settled, lost) = (forward.out.is_empty() && !forward.lost, forward.lost);
+        if settled {
+            self.forward_settled(worker_id, requester_id);
+        } else if granted {
+            self.keep_forward(key(worker_id, requester_id));
+        }
+        lost
+    }
+
+    /// Settles the forwards of `requester_id` to `worker_id`: answered, their grant found in a
+    /// view, or expired.
+    fn forward_settled(&mut self, worker_id: &str, requester_id: &str) {
+        let key = key(worker_id, requester_id);
+        if let Some(out) = self.forwards.remove(&key) {
+            self.forward_expiries.remove(&(out.expires_at, key.clone()));
+            self.store_changes
+                .push(StoreChange::ForwardSettled(key.0, key.1));
+        }
+    }
+
+    /// A forward stored before a restart: its answer is lost with the gateway that sent it.
+    pub fn restore_forward(&mut self, forward: StoredForward) {
+        // Stored already: set directly.
+        let key = key(&forward.worker_id, &forward.requester_id);
+        self.forward_expiries
+            .insert((forward.expires_at, key.clone()));
+        self.forwards.insert(
+            key,
+            ForwardOut {
+                out: BTreeSet::new(),
+                lost: true,
+                answered_lease: forward.answered_lease,
+                expires_at: forward.expires_at,
+            },
+        );
+    }
+
+    /// Screens the leases a view of `worker_id` lists, learned at `at`, for the grants of its
+    /// forwards. A lease of this gateway the index neither holds nor buried, whose requester
+    /// has forwards to that worker not settled, and which is not the one last answered to it,
+    /// is one of those forwards' grants: while one waits for its answer, the answer decides and
+    /// the view leaves the lease out; else nobody knows of it (its answer was lost): it becomes
+    /// an orphan, and the forwards are settled.
+    pub fn screen(&mut self, worker_id: &str, leases: &[LeaseRecord], at: Stamp) -> Screened {
+        let mut screened = Screened::default();
+        for lease in leases {
+            let forward = lease
+                .requester_id
+                .strip_prefix(&self.prefix)
+                .filter(|_| {
+                    self.by_worker_lease(worker_id, lease.id.as_str())
+                        .is_none_or(|e| e.granted_at() != lease.granted_at)
+                        && self.buried(worker_id, lease).is_none()
+                })
+                .and_then(|requester| {
+                    let key = key(worker_id, requester);
+                    self.forwards
+                        .get(&key)
+                        .filter(|out| out.answered_lease.as_deref() != Some(lease.id.as_str()))
+                        .map(|out| (key, out.out.is_empty(), out.expires_at))
+                });
+            match forward {
+                Some((_, false, _)) => {}
+                Some(((_, requester), true, expires_at)) => {
+                    self.forward_settled(worker_id, &requester);
+                    self.orphan(worker_id, lease, at, expires_at);
+                    screened.strays.push(lease.clone());
+                    screened.listed.push(lease.clone());
+                }
+                None => screened.listed.push(lease.clone()),
+            }
+        }
+        screened
+    }
+
+    /// The forwards out stored, for a test's look.
+    pub fn forwards_out(&self) -> Vec<StoredForward> {
+        self.forwards
+            .iter()
+            .map(|((worker_id, requester_id), out)| StoredForward {
+                worker_id: worker_id.clone(),
+                requester_id: requester_id.clone(),
+                answered_lease: out.answered_lease.clone(),
+                expires_at: out.expires_at,
+            })
+            .collect()
     }
 
     /// The worker answered the release of an orphan (or said it is gone) at `at`.

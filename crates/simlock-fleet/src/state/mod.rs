@@ -40,12 +40,12 @@ use simlock_contract::{ContractError, ErrorCode, ProtocolRange};
 use simlock_daemon::context::Viewer;
 use tracing::{debug, info, warn};
 
-use crate::error::FleetError;
+use crate::error::{FleetError, is_uplink_lost};
 use index::{
-    EndedLease, Entry, LeaseIndex, OrphanChange, Recorded, Renewal, gateway_lease_id,
+    EndedLease, Entry, ForwardAnswer, LeaseIndex, Recorded, Renewal, StoreChange, gateway_lease_id,
     split_lease_id, worker_of,
 };
-pub use index::{Stamp, StoredOrphan};
+pub use index::{Stamp, StoredForward, StoredOrphan};
 use queue::{Attempt, Booked, Queue, Stage, Waiter};
 use routing::{Assessment, Match, Pick, Wanted, assess, select};
 pub use views::Refresh;
@@ -290,6 +290,17 @@ pub enum Effect {
         /// The worker's id for the lease.
         worker_lease_id: String,
     },
+    /// Store a lease request forwarded to a worker (in order with [`Effect::SettleForward`]),
+    /// read back into [`Core::restore_forwards`] after a restart; a failure leaves a grant whose
+    /// answer the restart lost to be indexed as its requester's lease, until its TTL.
+    StoreForward(StoredForward),
+    /// Delete a stored forward: answered, its grant found, or expired.
+    SettleForward {
+        /// The worker.
+        worker_id: String,
+        /// The requester, without the gateway's prefix.
+        requester_id: String,
+    },
     /// Close an uplink, telling the worker why.
     Close {
         /// The uplink.
@@ -431,6 +442,9 @@ pub enum Fault {
     GrantKnownFromViews,
     /// A restart forgets the leases it was releasing (the stored orphans are not taken back).
     OrphansForgotten,
+    /// A grant whose answer was lost is indexed as its requester's lease when a view lists it
+    /// (the forwards out are not screened for).
+    LostGrantsIndexed,
 }
 
 /// The fleet's state and every decision about it.
@@ -451,6 +465,8 @@ pub struct Core {
     stamp: Stamp,
     next_generation: u64,
     next_attempt: u64,
+    /// The forwards whose answers are still to come, by attempt: the worker and the requester.
+    forwards_out: HashMap<u64, (String, String)>,
     last_depth: u32,
     stopping: bool,
     fx: VecDeque<Effect>,
@@ -497,6 +513,7 @@ impl Core {
             stamp: 0,
             next_generation: 1,
             next_attempt: 1,
+            forwards_out: HashMap::new(),
             last_depth: 0,
             stopping: false,
             fx: VecDeque::new(),
@@ -513,6 +530,14 @@ impl Core {
         let at = self.next_stamp();
         for orphan in orphans {
             self.index.restore_orphan(orphan, at);
+        }
+    }
+
+    /// Takes back the forwards out stored before a restart ([`Effect::StoreForward`]): their
+    /// answers are lost, and a grant of one a view lists is released, never indexed.
+    pub fn restore_forwards(&mut self, forwards: Vec<StoredForward>) {
+        for forward in forwards {
+            self.index.restore_forward(forward);
         }
     }
 
@@ -548,12 +573,17 @@ impl Core {
         for lease_id in self.index.take_dropped() {
             self.fx.push_back(Effect::Dropped { lease_id });
         }
-        for change in self.index.take_orphan_changes() {
+        for change in self.index.take_store_changes() {
             self.fx.push_back(match change {
-                OrphanChange::Kept(orphan) => Effect::StoreOrphan(orphan),
-                OrphanChange::Settled(worker_id, worker_lease_id) => Effect::SettleOrphan {
+                StoreChange::Kept(orphan) => Effect::StoreOrphan(orphan),
+                StoreChange::Settled(worker_id, worker_lease_id) => Effect::SettleOrphan {
                     worker_id,
                     worker_lease_id,
+                },
+                StoreChange::ForwardKept(forward) => Effect::StoreForward(forward),
+                StoreChange::ForwardSettled(worker_id, requester_id) => Effect::SettleForward {
+                    worker_id,
+                    requester_id,
                 },
             });
         }
@@ -879,7 +909,7 @@ impl Core {
             .chain(refreshes)
             .chain(retention)
             .chain(self.queue.book.next_expiry(BOOK_RETENTION_MS))
-            .chain(self.index.next_orphan_expiry())
+            .chain(self.index.next_expiry())
             .min()
     }
 
@@ -981,9 +1011,11 @@ impl Core {
             seen_at: now,
             connected: true,
         }));
-        if let Some(leases) = &status.leases {
-            self.fold_snapshot(&worker_id, leases, sent, now);
-        }
+        let released = status
+            .leases
+            .as_ref()
+            .map(|leases| self.fold_snapshot(&worker_id, leases, sent, now))
+            .unwrap_or_default();
         info!(worker = %worker_id, "worker connected");
         if let Some(label) = &label {
             let namesakes: Vec<&str> = self
@@ -1004,6 +1036,9 @@ impl Core {
         });
         // Orphans a lost uplink kept from being released go now.
         for worker_lease_id in self.index.orphans_of(&worker_id) {
+            if released.contains(&worker_lease_id) {
+                continue;
+            }
             self.fx.push_back(Effect::ReleaseOrphan {
                 worker_id: worker_id.clone(),
                 generation,
@@ -1219,8 +1254,18 @@ impl Core {
 
     /// Reconciles the index with a snapshot of `worker_id`'s leases sent at `sent`: leases the
     /// gateway knew of and the worker no longer lists ended, and their owners hear it.
-    fn fold_snapshot(&mut self, worker_id: &str, leases: &[LeaseRecord], sent: Stamp, now: i64) {
-        for entry in self.index.apply_snapshot(worker_id, leases, sent) {
+    /// Folds in a view's leases read at `sent`; answers the grants whose answers were lost
+    /// that it released ([`Self::screen`]).
+    fn fold_snapshot(
+        &mut self,
+        worker_id: &str,
+        leases: &[LeaseRecord],
+        sent: Stamp,
+        now: i64,
+    ) -> Vec<String> {
+        let mut released = Vec::new();
+        let leases = self.screen(worker_id, leases, &mut released);
+        for entry in self.index.apply_snapshot(worker_id, &leases, sent) {
             let except = self.releasing.remove(&entry.lease_id).flatten();
             let reason = if except.is_some() {
                 LeaseEndReason::Explicit
@@ -1231,6 +1276,37 @@ impl Core {
             };
             self.entry_ended(&entry, reason, except);
         }
+        released
+    }
+
+    /// Screens a view's leases for the grants of forwards whose answers were lost: each is an
+    /// orphan, released at once (its id is in `released`); a forward still waiting for its
+    /// answer leaves its grant to it. Answers what the view may fold in.
+    fn screen(
+        &mut self,
+        worker_id: &str,
+        leases: &[LeaseRecord],
+        released: &mut Vec<String>,
+    ) -> Vec<LeaseRecord> {
+        if self.broken(Fault::LostGrantsIndexed) {
+            return leases.to_vec();
+        }
+        let at = self.next_stamp();
+        let screened = self.index.screen(worker_id, leases, at);
+        let generation = self.live_generation(worker_id);
+        for stray in screened.strays {
+            released.push(stray.id.to_string());
+            info!(worker = %worker_id, lease = %stray.id, requester = %stray.requester_id,
+                "a grant whose answer was lost: released, its requester was answered otherwise");
+            if let Some(generation) = generation {
+                self.fx.push_back(Effect::ReleaseOrphan {
+                    worker_id: worker_id.to_owned(),
+                    generation,
+                    worker_lease_id: stray.id.to_string(),
+                });
+            }
+        }
+        screened.listed
     }
 
     // === Worker events ===
@@ -1720,6 +1796,7 @@ impl Core {
             return;
         };
         let input = forward_input(&prefix, waiter, &pick.matched);
+        let requester = waiter.requester.clone();
         let worker_id = pick.worker_id.clone();
         self.queue.set_stage(
             id,
@@ -1733,6 +1810,11 @@ impl Core {
                 dispatched: false,
             }),
         );
+        let expires_at = self.orphan_expiry(now.saturating_add(timeout));
+        self.index
+            .forward_sent(&worker_id, &requester, attempt, expires_at);
+        self.forwards_out
+            .insert(attempt, (worker_id.clone(), requester));
         self.fx.push_back(Effect::Forward {
             attempt,
             worker_id,
@@ -1790,6 +1872,7 @@ impl Core {
         now: i64,
     ) {
         let current = self.queue.by_attempt(attempt).map(|w| w.id.clone());
+        self.forward_answered(attempt, &outcome, current.is_some(), now);
         let Some(id) = current else {
             if let Ok(grant) = outcome {
                 self.orphaned(worker_id, generation, &grant.lease, now);
@@ -1868,6 +1951,36 @@ impl Core {
             }
         }
         self.dispatch(now);
+    }
+
+    /// Tells the index how forward `attempt` was answered ([`LeaseIndex::forward_answered`]), a
+    /// grant to its waiter when `waited`; a refusal while an earlier answer was lost asks for a
+    /// view, which finds that grant.
+    fn forward_answered(
+        &mut self,
+        attempt: u64,
+        outcome: &Result<LeaseGrant, ContractError>,
+        waited: bool,
+        now: i64,
+    ) {
+        let Some((worker_id, requester)) = self.forwards_out.remove(&attempt) else {
+            return;
+        };
+        let answer = match outcome {
+            Ok(grant) => ForwardAnswer::Granted {
+                lease: grant.lease.id.to_string(),
+                answered: waited,
+            },
+            Err(err) if is_uplink_lost(err) => ForwardAnswer::Lost,
+            Err(_) => ForwardAnswer::Refused,
+        };
+        let refused = answer == ForwardAnswer::Refused;
+        let doubt = self
+            .index
+            .forward_answered(&worker_id, &requester, attempt, answer);
+        if doubt && refused {
+            self.ask_refresh(&worker_id, false, now);
+        }
     }
 
     /// Indexes a worker's grant for waiter `id` and projects it for the caller; answers, too,
@@ -2422,7 +2535,7 @@ impl Core {
     /// refreshes go out, disconnected workers past retention that hold no live lease of this
     /// gateway are forgotten (a drained one keeps its flag), old book records go.
     pub fn handle_tick(&mut self, now: i64) {
-        self.index.expire_orphans(now);
+        self.index.expire(now);
         let timed_out: Vec<(RequestId, String, u64)> = self
             .queue
             .waiters()

@@ -21,6 +21,8 @@
 //! - **a granted lease is known to its owner from the moment the grant is answered** (while its
 //!   end is not declared, a lookup never answers `UNKNOWN_LEASE`, and the index and the owner's
 //!   list hold it whenever its worker's view is current) — race (b) of issue 13;
+//! - **a grant whose answer was lost is never a live lease** (its uplink dropped with the answer
+//!   on it: the index never holds it, whatever view lists it);
 //! - **an end is told as it is** (a `lease-lost` says `explicit` only while a release of the
 //!   lease waits for its answer, or when its worker carried one out: a release whose caller hung
 //!   up leaves nothing behind);
@@ -48,7 +50,7 @@ use simlock_contract::{ContractError, ErrorCode};
 
 use super::{
     Admitted, Ask, Caller, Core, Effect, Fault, KnownWorker, LeaseTarget, Refresh, RefreshFailure,
-    Release, Settings, Stamp, StoredOrphan,
+    Release, Settings, Stamp, StoredForward, StoredOrphan,
 };
 use crate::error::FleetError;
 
@@ -96,6 +98,8 @@ pub struct SimReport {
     pub asks_after_release: u64,
     /// Releases answered while their worker was away, carried out once it was back.
     pub deferred_releases: u64,
+    /// Grants whose answers were lost with their uplink.
+    pub lost_grants: u64,
 }
 
 /// The number of seeds from [`SEEDS_VAR`], or `default`.
@@ -156,6 +160,7 @@ impl SimReport {
         self.stale_reads += other.stale_reads;
         self.asks_after_release += other.asks_after_release;
         self.deferred_releases += other.deferred_releases;
+        self.lost_grants += other.lost_grants;
     }
 }
 
@@ -326,6 +331,12 @@ struct Sim {
     /// What the gateway stored of the leases it is releasing ([`Effect::StoreOrphan`],
     /// [`Effect::SettleOrphan`]).
     stored_orphans: BTreeMap<(String, String), StoredOrphan>,
+    /// What the gateway stored of its forwards out ([`Effect::StoreForward`],
+    /// [`Effect::SettleForward`]).
+    stored_forwards: BTreeMap<(String, String), StoredForward>,
+    /// Grants whose answers were lost with their uplink, by (worker, worker lease, grant time):
+    /// nobody was told of them.
+    lost_grants: BTreeSet<(String, String, i64)>,
     trace: Vec<String>,
     tracing: bool,
     grants: u64,
@@ -481,6 +492,8 @@ impl Sim {
             hung_up: BTreeSet::new(),
             deferred: BTreeSet::new(),
             stored_orphans: BTreeMap::new(),
+            stored_forwards: BTreeMap::new(),
+            lost_grants: BTreeSet::new(),
             trace: Vec::new(),
             tracing: std::env::var_os(TRACE_VAR).is_some(),
             grants: 0,
@@ -500,6 +513,7 @@ impl Sim {
         report.grants += self.grants;
         report.orphans += self.orphans;
         report.deferred_releases += self.deferred.len() as u64;
+        report.lost_grants += self.lost_grants.len() as u64;
         outcome
     }
 
@@ -710,6 +724,18 @@ impl Sim {
             } => {
                 self.stored_orphans.remove(&(worker_id, worker_lease_id));
             }
+            Effect::StoreForward(forward) => {
+                self.stored_forwards.insert(
+                    (forward.worker_id.clone(), forward.requester_id.clone()),
+                    forward,
+                );
+            }
+            Effect::SettleForward {
+                worker_id,
+                requester_id,
+            } => {
+                self.stored_forwards.remove(&(worker_id, requester_id));
+            }
             Effect::Forget { worker_id } => {
                 if self.core.view(&worker_id).is_some_and(|v| !v.drained) {
                     return Err(format!(
@@ -886,10 +912,22 @@ impl Sim {
                 Kind::Answer(answer) => match answer {
                     Answer::Probe { sent, .. } => Call::Probe { sent },
                     Answer::Refresh { sent, catalog, .. } => Call::Refresh { sent, catalog },
-                    Answer::Forward { attempt, .. } => Call::Forward {
-                        attempt,
-                        input: LeaseRequestInput::for_platform(Platform::Ios),
-                    },
+                    Answer::Forward {
+                        attempt, outcome, ..
+                    } => {
+                        if let Ok(grant) = *outcome {
+                            self.note(|| format!("the answer granting {} is lost", grant.lease.id));
+                            self.lost_grants.insert((
+                                worker_id.clone(),
+                                grant.lease.id.to_string(),
+                                grant.lease.granted_at,
+                            ));
+                        }
+                        Call::Forward {
+                            attempt,
+                            input: LeaseRequestInput::for_platform(Platform::Ios),
+                        }
+                    }
                     Answer::Renew { agent, target, .. } => Call::Renew { agent, target },
                     Answer::Release { agent, target, .. } => Call::Release { agent, target },
                     Answer::Orphan {
@@ -983,6 +1021,8 @@ impl Sim {
         }
         self.core
             .restore_orphans(self.stored_orphans.values().cloned().collect());
+        self.core
+            .restore_forwards(self.stored_forwards.values().cloned().collect());
         if let Some(id) = self.known.keys().find(|id| self.core.view(id).is_none()) {
             return Err(format!(
                 "a worker the gateway stored is listed after its restart: {id} is not"
@@ -1817,6 +1857,22 @@ impl Sim {
                 ));
             }
         }
+        // A core whose views revive what ended revives these orphans too: that fault is the
+        // next invariant's to name.
+        let screened = self.fault != Some(Fault::StaleViewRevives);
+        for (worker_id, worker_lease_id, granted_at) in &self.lost_grants {
+            if screened
+                && self
+                    .core
+                    .index()
+                    .by_worker_lease(worker_id, worker_lease_id)
+                    .is_some_and(|e| e.granted_at() == *granted_at)
+            {
+                return Err(format!(
+                    "a grant whose answer was lost is never a live lease: {worker_id}.{worker_lease_id} is indexed"
+                ));
+            }
+        }
         for lease_id in &self.gone {
             if self.core.lease(lease_id).is_some() {
                 return Err(format!(
@@ -2033,6 +2089,7 @@ mod tests {
         assert!(report.disconnects > 0 && report.restarts > 0, "{report:?}");
         assert!(report.asks_after_release > 0, "{report:?}");
         assert!(report.deferred_releases > 0, "{report:?}");
+        assert!(report.lost_grants > 0, "{report:?}");
         assert!(
             report.stale_reads > 0,
             "stale view reads happen: {report:?}"
@@ -2097,6 +2154,14 @@ mod tests {
         fails_with(
             Fault::OrphansForgotten,
             "a released lease never comes back from a stale view",
+        );
+    }
+
+    #[test]
+    fn a_core_that_indexes_a_grant_whose_answer_was_lost_fails_with_the_seed_that_shows_it() {
+        fails_with(
+            Fault::LostGrantsIndexed,
+            "a grant whose answer was lost is never a live lease",
         );
     }
 

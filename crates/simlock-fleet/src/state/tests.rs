@@ -1633,11 +1633,14 @@ fn an_admin_may_act_on_a_lease_made_on_a_worker_directly_and_an_agent_may_not() 
 
 /// What the core asked to store or delete of its workers, in order.
 fn stored_changes(effects: &[Effect]) -> Vec<Effect> {
-    effects
-        .iter()
-        .filter(|e| matches!(e, Effect::Remember(_) | Effect::Forget { .. }))
-        .cloned()
-        .collect()
+    only(effects, |e| {
+        matches!(e, Effect::Remember(_) | Effect::Forget { .. })
+    })
+}
+
+/// The effects `keep` keeps, in order.
+fn only(effects: &[Effect], keep: impl Fn(&Effect) -> bool) -> Vec<Effect> {
+    effects.iter().filter(|e| keep(e)).cloned().collect()
 }
 
 #[test]
@@ -1960,7 +1963,7 @@ fn a_holders_release_while_its_worker_is_away_is_answered_and_carried_out_once_i
     core.take_effects();
     core.handle_orphan_released("w1", "lse_a", Ok(()));
     assert_eq!(
-        stored_orphan_changes(&core.take_effects()),
+        orphan_changes(&core.take_effects()),
         [Effect::SettleOrphan {
             worker_id: "w1".into(),
             worker_lease_id: "lse_a".into(),
@@ -1968,16 +1971,22 @@ fn a_holders_release_while_its_worker_is_away_is_answered_and_carried_out_once_i
     );
 }
 
+/// `agent` asks at `T0`, and its forward's deadline passes (`T0` + 5 s) with no answer:
+/// answers the forward's attempt and the requester the worker sees.
+fn a_forward_whose_waiter_timed_out(core: &mut Core) -> (u64, String) {
+    ask(core, 1, ios(), T0).unwrap();
+    let (attempt, input) = forward(&core.take_effects()).expect("forwarded");
+    core.handle_tick(T0 + 5_000);
+    core.take_effects();
+    (attempt, input.requester_id.unwrap())
+}
+
 /// A grant nobody waits for is stored while it is released, and settled once the worker
 /// answers; a lost uplink keeps it stored for the worker's next connection.
 #[test]
 fn an_orphaned_grant_is_stored_until_its_worker_answers_its_release() {
     let (mut core, generation) = fleet(1);
-    ask(&mut core, 1, ios(), T0).unwrap();
-    let (attempt, input) = forward(&core.take_effects()).expect("forwarded");
-    core.handle_tick(T0 + 5_000);
-    core.take_effects();
-    let requester = input.requester_id.unwrap();
+    let (attempt, requester) = a_forward_whose_waiter_timed_out(&mut core);
     core.handle_forward_answered(
         attempt,
         "w1",
@@ -1992,14 +2001,14 @@ fn an_orphaned_grant_is_stored_until_its_worker_answers_its_release() {
         expires_at: T0 + 6_000 + 60_000 + ORPHAN_CLOCK_MARGIN_MS,
     };
     assert_eq!(
-        stored_orphan_changes(&core.take_effects()),
+        orphan_changes(&core.take_effects()),
         [Effect::StoreOrphan(stored)]
     );
     core.handle_orphan_released("w1", "lse_late", Err(ContractError::connection_lost()));
-    assert!(stored_orphan_changes(&core.take_effects()).is_empty());
+    assert!(orphan_changes(&core.take_effects()).is_empty());
     core.handle_orphan_released("w1", "lse_late", Ok(()));
     assert_eq!(
-        stored_orphan_changes(&core.take_effects()),
+        orphan_changes(&core.take_effects()),
         [Effect::SettleOrphan {
             worker_id: "w1".into(),
             worker_lease_id: "lse_late".into(),
@@ -2007,12 +2016,10 @@ fn an_orphaned_grant_is_stored_until_its_worker_answers_its_release() {
     );
 }
 
-fn stored_orphan_changes(effects: &[Effect]) -> Vec<Effect> {
-    effects
-        .iter()
-        .filter(|e| matches!(e, Effect::StoreOrphan(_) | Effect::SettleOrphan { .. }))
-        .cloned()
-        .collect()
+fn orphan_changes(effects: &[Effect]) -> Vec<Effect> {
+    only(effects, |e| {
+        matches!(e, Effect::StoreOrphan(_) | Effect::SettleOrphan { .. })
+    })
 }
 
 /// A holder's release the worker did not answer in time (a stalled uplink not yet declared
@@ -2047,7 +2054,7 @@ fn a_holders_release_its_worker_did_not_answer_is_carried_out_as_an_orphans() {
         )),
         "{effects:?}"
     );
-    assert_eq!(stored_orphan_changes(&effects).len(), 1, "{effects:?}");
+    assert_eq!(orphan_changes(&effects).len(), 1, "{effects:?}");
     assert!(
         effects.iter().any(|e| matches!(
             e,
@@ -2078,15 +2085,238 @@ fn an_orphan_of_a_worker_that_never_returns_expires_on_time_alone() {
     core.take_effects();
     assert_eq!(core.next_deadline(), Some(expiry), "nothing else is due");
     core.handle_tick(expiry - 1);
-    assert!(stored_orphan_changes(&core.take_effects()).is_empty());
+    assert!(orphan_changes(&core.take_effects()).is_empty());
     assert!(core.index().is_orphan("w1", "lse_a"));
     core.handle_tick(expiry);
     assert_eq!(
-        stored_orphan_changes(&core.take_effects()),
+        orphan_changes(&core.take_effects()),
         [Effect::SettleOrphan {
             worker_id: "w1".into(),
             worker_lease_id: "lse_a".into(),
         }]
     );
     assert!(!core.index().is_orphan("w1", "lse_a"));
+}
+
+fn forward_changes(effects: &[Effect]) -> Vec<Effect> {
+    only(effects, |e| {
+        matches!(e, Effect::StoreForward(_) | Effect::SettleForward { .. })
+    })
+}
+
+fn forward_settled() -> Effect {
+    Effect::SettleForward {
+        worker_id: "w1".into(),
+        requester_id: "agent".into(),
+    }
+}
+
+/// The stored forward of `agent`'s request to `w1`, sent at `now`.
+fn stored_forward(now: i64, answered_lease: Option<&str>) -> StoredForward {
+    StoredForward {
+        worker_id: "w1".into(),
+        requester_id: "agent".into(),
+        answered_lease: answered_lease.map(str::to_owned),
+        expires_at: now + 5_000 + 60_000 + ORPHAN_CLOCK_MARGIN_MS,
+    }
+}
+
+/// `agent` asks; the forward's answer is lost with `w1`'s uplink `generation`. Answers the
+/// effects of the ask, then those of the loss.
+fn a_forward_whose_answer_is_lost(core: &mut Core, generation: u64) -> [Vec<Effect>; 2] {
+    ask(core, 1, ios(), T0).unwrap();
+    let asked = core.take_effects();
+    let (attempt, _) = forward(&asked).expect("forwarded");
+    core.handle_forward_answered(
+        attempt,
+        "w1",
+        generation,
+        Err(ContractError::connection_lost()),
+        T0,
+    );
+    [asked, core.take_effects()]
+}
+
+/// `w1`'s uplink drops and a new one passes its handshake listing `leases`: answers the new
+/// generation and the handshake's effects.
+fn reconnected(core: &mut Core, old: u64, leases: Vec<LeaseRecord>) -> (u64, Vec<Effect>) {
+    core.handle_uplink_closed(old, T0);
+    let generation = core.handle_uplink_opened("w1", Some("one".into()), "tok_j".into(), T0);
+    let sent = core.handle_probe_sent();
+    core.handle_connected(generation, "v".into(), &status(leases, 1), sent, T0);
+    (generation, core.take_effects())
+}
+
+fn orphan_releases(effects: &[Effect]) -> Vec<String> {
+    effects
+        .iter()
+        .filter_map(|e| match e {
+            Effect::ReleaseOrphan {
+                worker_lease_id, ..
+            } => Some(worker_lease_id.clone()),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Outside trial 9: a request forwarded to a worker whose uplink was lost before it answered is
+/// refused `WORKER_UNREACHABLE`; the worker granted it all the same. When its view lists that
+/// grant, it is released as an orphan (once), never indexed as the requester's lease.
+#[test]
+fn a_grant_whose_answer_was_lost_with_its_uplink_is_released_when_a_view_lists_it() {
+    let (mut core, generation) = fleet(1);
+    let [asked, effects] = a_forward_whose_answer_is_lost(&mut core, generation);
+    assert_eq!(
+        forward_changes(&asked),
+        [Effect::StoreForward(stored_forward(T0, None))],
+        "stored as it goes out"
+    );
+    assert!(matches!(
+        answers(&effects)[..],
+        [(_, Err(ErrorCode::WorkerUnreachable))]
+    ));
+    assert!(forward_changes(&effects).is_empty(), "still in doubt");
+    assert_eq!(core.next_deadline(), Some(T0 + 30_000), "the periodic read");
+
+    let stray = record("lse_stray", "gw:g1:agent", T0);
+    let (generation, effects) = reconnected(&mut core, generation, vec![stray.clone()]);
+    assert_eq!(orphan_releases(&effects), ["lse_stray"], "{effects:?}");
+    assert_eq!(forward_changes(&effects), [forward_settled()]);
+    assert!(core.lease("w1.lse_stray").is_none());
+    assert!(core.leases(agent().viewer()).is_empty());
+    assert!(matches!(
+        core.lease_seen("w1.lse_stray", agent().viewer()),
+        Err(FleetError::UnknownLease(_))
+    ));
+    // The next read still lists it until the release lands: nothing changes.
+    core.handle_subscribed(generation, T0);
+    let sent = refresh_sent(&core.take_effects()).expect("a full read");
+    core.handle_refreshed(generation, sent, refresh(vec![stray], 1), T0);
+    assert!(orphan_releases(&core.take_effects()).is_empty());
+    assert!(core.lease("w1.lse_stray").is_none());
+    // Released, its device is free again for the requester's next request.
+    core.handle_orphan_released("w1", "lse_stray", Ok(()));
+    core.handle_worker_event(
+        generation,
+        event("lease.released", serde_json::json!({})),
+        T0,
+    );
+    let sent = refresh_sent(&core.take_effects()).expect("a read");
+    core.handle_refreshed(generation, sent, refresh(Vec::new(), 1), T0);
+    core.take_effects();
+    ask(&mut core, 2, ios(), T0).unwrap();
+    assert!(forward(&core.take_effects()).is_some());
+}
+
+/// A view that lists a forward's grant before its answer comes leaves it to the answer: not
+/// released, and indexed with the answer.
+#[test]
+fn a_view_listing_a_grant_before_its_answer_leaves_it_to_the_answer() {
+    let (mut core, generation) = fleet(1);
+    ask(&mut core, 1, ios(), T0).unwrap();
+    let (attempt, input) = forward(&core.take_effects()).expect("forwarded");
+    let held = record("lse_a", &input.requester_id.unwrap(), T0);
+    core.handle_worker_event(
+        generation,
+        event("lease.granted", serde_json::json!({})),
+        T0,
+    );
+    let sent = refresh_sent(&core.take_effects()).expect("a read");
+    core.handle_refreshed(generation, sent, refresh(vec![held.clone()], 1), T0);
+    let effects = core.take_effects();
+    assert!(orphan_releases(&effects).is_empty(), "{effects:?}");
+    assert!(core.lease("w1.lse_a").is_none(), "the answer decides");
+    core.handle_forward_answered(attempt, "w1", generation, Ok(grant(held)), T0);
+    let effects = core.take_effects();
+    assert_eq!(answers(&effects)[0].1, Ok("w1.lse_a".into()));
+    assert_eq!(forward_changes(&effects), [forward_settled()]);
+    assert!(core.lease("w1.lse_a").is_some());
+}
+
+/// A refusal after a lost answer keeps the doubt and asks for a view, which finds the grant.
+#[test]
+fn a_refusal_after_a_lost_answer_asks_for_the_view_that_finds_its_grant() {
+    let (mut core, generation) = fleet(1);
+    a_forward_whose_answer_is_lost(&mut core, generation);
+    let (generation, _) = reconnected(&mut core, generation, Vec::new());
+    core.handle_subscribed(generation, T0);
+    let sent = refresh_sent(&core.take_effects()).expect("a full read");
+    core.handle_refreshed(generation, sent, refresh(Vec::new(), 1), T0);
+    core.take_effects();
+    ask(&mut core, 2, ios(), T0).unwrap();
+    refused(&mut core, generation, ErrorCode::RequesterAlreadyLeased);
+    let effects = core.take_effects();
+    assert!(forward_changes(&effects).is_empty(), "{effects:?}");
+    let sent = refresh_sent(&effects).expect("a read is asked");
+    let stray = record("lse_stray", "gw:g1:agent", T0);
+    core.handle_refreshed(generation, sent, refresh(vec![stray], 1), T0);
+    let effects = core.take_effects();
+    assert_eq!(orphan_releases(&effects), ["lse_stray"]);
+    assert_eq!(forward_changes(&effects), [forward_settled()]);
+}
+
+/// After a restart the stored forwards are in doubt: a view's lease of that requester on that
+/// worker is released, but the one last answered to it while another forward was out is its.
+#[test]
+fn a_restarted_gateway_releases_the_grants_of_its_stored_forwards_but_the_one_it_answered() {
+    // Two forwards of one requester out: the first's waiter timed out, the second is granted.
+    let (mut core, generation) = fleet(2);
+    let (first, _) = a_forward_whose_waiter_timed_out(&mut core);
+    ask(&mut core, 2, ios(), T0 + 5_000).unwrap();
+    let (second, input) = forward(&core.take_effects()).expect("forwarded again");
+    assert_ne!(first, second);
+    let held = record("lse_b", &input.requester_id.unwrap(), T0 + 5_000);
+    core.handle_forward_answered(
+        second,
+        "w1",
+        generation,
+        Ok(grant(held.clone())),
+        T0 + 5_000,
+    );
+    let effects = core.take_effects();
+    let kept = stored_forward(T0 + 5_000, Some("lse_b"));
+    assert_eq!(
+        forward_changes(&effects),
+        [Effect::StoreForward(kept.clone())],
+        "the first is still out: the answered lease is stored beside it"
+    );
+
+    for (listed, released) in [("lse_b", false), ("lse_c", true)] {
+        let mut core = Core::new(settings(), Vec::new(), Vec::new(), T0);
+        core.restore_forwards(vec![kept.clone()]);
+        let lease = record(listed, "gw:g1:agent", T0 + 5_000);
+        let generation = core.handle_uplink_opened("w1", None, "tok_j".into(), T0);
+        let sent = core.handle_probe_sent();
+        core.handle_connected(generation, "v".into(), &status(vec![lease], 2), sent, T0);
+        let effects = core.take_effects();
+        let id = format!("w1.{listed}");
+        assert_eq!(core.lease(&id).is_none(), released, "{listed}");
+        assert_eq!(
+            orphan_releases(&effects),
+            if released {
+                vec![listed.to_owned()]
+            } else {
+                Vec::new()
+            }
+        );
+    }
+}
+
+/// A forward in doubt whose worker never shows the grant is forgotten once any grant of it
+/// has ended, on time alone.
+#[test]
+fn a_forward_in_doubt_is_forgotten_at_its_expiry_on_time_alone() {
+    let (mut core, generation) = fleet(1);
+    a_forward_whose_answer_is_lost(&mut core, generation);
+    core.handle_uplink_closed(generation, T0);
+    core.take_effects();
+    let expiry = stored_forward(T0, None).expires_at;
+    core.handle_tick(T0 + settings().disconnected_retention_ms);
+    core.take_effects();
+    assert_eq!(core.next_deadline(), Some(expiry), "nothing else is due");
+    core.handle_tick(expiry - 1);
+    assert!(forward_changes(&core.take_effects()).is_empty());
+    core.handle_tick(expiry);
+    assert_eq!(forward_changes(&core.take_effects()), [forward_settled()]);
+    assert!(core.index().forwards_out().is_empty());
 }

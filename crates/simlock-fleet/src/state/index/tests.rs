@@ -256,25 +256,25 @@ fn an_orphan_is_stored_until_released_or_expired_and_outlives_its_worker_being_f
     let mut index = index();
     index.orphan("w1", &mine("lse_a"), 1, 10_000);
     index.orphan("w1", &mine("lse_b"), 1, 20_000);
-    let kept: Vec<_> = index.take_orphan_changes();
+    let kept: Vec<_> = index.take_store_changes();
     assert_eq!(kept.len(), 2, "{kept:?}");
     assert!(
-        matches!(&kept[0], OrphanChange::Kept(o) if o.worker_lease_id == "lse_a" && o.expires_at == 10_000)
+        matches!(&kept[0], StoreChange::Kept(o) if o.worker_lease_id == "lse_a" && o.expires_at == 10_000)
     );
     index.forget_worker("w1");
     assert_eq!(index.orphans_of("w1"), ["lse_a", "lse_b"]);
-    assert!(index.take_orphan_changes().is_empty());
-    index.expire_orphans(9_999);
-    assert!(index.take_orphan_changes().is_empty());
-    index.expire_orphans(10_000);
+    assert!(index.take_store_changes().is_empty());
+    index.expire(9_999);
+    assert!(index.take_store_changes().is_empty());
+    index.expire(10_000);
     assert_eq!(
-        index.take_orphan_changes(),
-        [OrphanChange::Settled("w1".into(), "lse_a".into())]
+        index.take_store_changes(),
+        [StoreChange::Settled("w1".into(), "lse_a".into())]
     );
     index.orphan_released("w1", "lse_b", 3);
     assert_eq!(
-        index.take_orphan_changes(),
-        [OrphanChange::Settled("w1".into(), "lse_b".into())]
+        index.take_store_changes(),
+        [StoreChange::Settled("w1".into(), "lse_b".into())]
     );
     assert!(index.orphans_of("w1").is_empty());
 }
