@@ -320,13 +320,19 @@ async fn token(json: bool, client: &Client, command: &TokenCommand) -> Result<u8
         }
         TokenCommand::Revoke { id } => {
             let out = client.token_revoke(id).await?;
-            emit(json, &out, |o| {
-                if o.revoked {
-                    format!("revoked token {id}")
+            if !out.revoked {
+                // Revoking is idempotent over HTTP; on the command line an id that names no
+                // token is most often a typo, and the token the operator meant is still live.
+                if json {
+                    emit(json, &out, |_| String::new());
                 } else {
-                    format!("no token {id} to revoke")
+                    eprintln!(
+                        "simlock: no token {id} is known to this daemon; nothing was revoked"
+                    );
                 }
-            });
+                return Ok(1);
+            }
+            emit(json, &out, |_| format!("revoked token {id}"));
         }
     }
     Ok(0)

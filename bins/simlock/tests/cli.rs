@@ -561,6 +561,20 @@ async fn operators_manage_tokens_workers_events_and_the_daemon() {
     );
     let revoked = run(&fake, &["--json", "token", "revoke", &id]).await;
     assert_eq!(revoked.json(), json!({"revoked": true}));
+    // A second time (or a typo) revokes nothing, and says so: exit 1.
+    let again = run(&fake, &["token", "revoke", &id]).await;
+    assert_eq!(again.code, 1, "{}", again.stderr);
+    assert!(again.stdout.is_empty(), "{}", again.stdout);
+    assert!(
+        again.stderr.contains(&format!(
+            "no token {id} is known to this daemon; nothing was revoked"
+        )),
+        "{}",
+        again.stderr
+    );
+    let again = run(&fake, &["--json", "token", "revoke", &id]).await;
+    assert_eq!(again.code, 1, "{}", again.stderr);
+    assert_eq!(again.json(), json!({"revoked": false}));
 
     let workers = run(&fake, &["--json", "workers"]).await.json();
     assert_eq!(workers["workers"][0]["id"], "fake-worker");
