@@ -174,7 +174,10 @@ pub(crate) struct LeaseArgs {
     /// The lease's TTL: 15m, 1h30m, 90s, or milliseconds (default: the daemon's).
     #[arg(long, value_name = "DUR", value_parser = ttl_ms)]
     pub(crate) ttl: Option<u64>,
-    /// Fail with exit 11 instead of waiting when no device is free.
+    /// Fail with exit 11 instead of waiting when no device is free. (Through a gateway, a
+    /// request also fails with exit 11 at once, without this flag, when no connected worker
+    /// takes requests: none is connected, as right after the gateway restarts, or every one is
+    /// drained.)
     #[arg(long)]
     pub(crate) no_wait: bool,
     /// The longest to wait in the queue: 90s, 5m, or milliseconds (then exit 10).

@@ -1297,7 +1297,7 @@ impl Core {
         for stray in screened.strays {
             released.push(stray.id.to_string());
             info!(worker = %worker_id, lease = %stray.id, requester = %stray.requester_id,
-                "a grant whose answer was lost: released, its requester was answered otherwise");
+                "a grant whose answer was lost: released, nobody was told of it");
             if let Some(generation) = generation {
                 self.fx.push_back(Effect::ReleaseOrphan {
                     worker_id: worker_id.to_owned(),
