@@ -442,7 +442,7 @@ async fn a_grant_whose_answer_was_lost_with_its_uplink_is_released_once_the_work
                 .any(|v| v.id == "proxy" && v.leases.as_ref().is_some_and(|l| l.len() == 1))
         })
         .await;
-    assert_eq!(real.worker.leases().len(), 1);
+    let stray = real.worker.leases()[0].id.to_string();
     link.close();
     let refused = patient("the refusal", asked).await.unwrap().unwrap_err();
     assert_eq!(refused.code, ErrorCode::WorkerUnreachable, "{refused:?}");
@@ -452,7 +452,28 @@ async fn a_grant_whose_answer_was_lost_with_its_uplink_is_released_once_the_work
         "the forward in doubt is stored"
     );
 
+    // Released once the uplink carries the worker's events: its end reaches the gateway's
+    // stream (it did not when the release went out before the subscription).
+    let operator = http_operator(&fleet).await;
+    let mut events = patient("the event stream", operator.follow_events())
+        .await
+        .unwrap();
     let _link = join_proxy(&fleet, &proxy).await;
+    patient("the stray's lease.released", async {
+        loop {
+            match events.next().await {
+                Some(Ok(simlock_client::events::FollowItem::Event(e)))
+                    if e.event == "lease.released"
+                        && e.payload["leaseId"].as_str() == Some(stray.as_str()) =>
+                {
+                    return;
+                }
+                Some(Ok(_)) => {}
+                other => panic!("the stream ended: {other:?}"),
+            }
+        }
+    })
+    .await;
     fleet
         .wait_until(|f| {
             f.stored_forwards().unwrap().is_empty() && f.stored_orphans().unwrap().is_empty()
@@ -461,6 +482,7 @@ async fn a_grant_whose_answer_was_lost_with_its_uplink_is_released_once_the_work
     assert!(real.worker.leases().is_empty(), "released on the worker");
     let listed = patient("the list", agent.leases()).await.unwrap();
     assert!(listed.leases.is_empty(), "{listed:?}");
+
     fleet
         .wait_for(|views| {
             views

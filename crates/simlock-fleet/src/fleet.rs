@@ -350,7 +350,6 @@ impl Fleet {
                         shared.core.handle_forward_answered(
                             attempt,
                             &worker_id,
-                            generation,
                             Err(ContractError::connection_lost()),
                             now,
                         );
@@ -525,13 +524,9 @@ impl Fleet {
             }
             if let Some(fleet) = me.upgrade() {
                 fleet.decide(|shared, now| {
-                    shared.core.handle_forward_answered(
-                        attempt,
-                        &conn.worker_id,
-                        conn.generation,
-                        outcome,
-                        now,
-                    );
+                    shared
+                        .core
+                        .handle_forward_answered(attempt, &conn.worker_id, outcome, now);
                 });
             }
         });

@@ -358,6 +358,9 @@ struct Link {
     timeouts: u32,
     /// When the next periodic refresh is due (once subscribed).
     periodic_at: Option<i64>,
+    /// The worker's events come up this uplink: the releases of orphans go out from then on, so
+    /// their `lease.released` reaches the gateway's event stream.
+    subscribed: bool,
     /// A failed catalog read was asked for again once: the next failure waits for the
     /// periodic refresh.
     catalog_retried: bool,
@@ -666,6 +669,14 @@ impl Core {
             .flatten()
     }
 
+    /// The uplink of `worker_id` an orphan's release goes out on: live, and subscribed to its
+    /// events (until then, [`Self::handle_subscribed`] sends them all).
+    fn releasing_generation(&self, worker_id: &str) -> Option<u64> {
+        let generation = self.live_generation(worker_id)?;
+        let link = self.workers.get(worker_id)?.link.as_ref()?;
+        link.subscribed.then_some(generation)
+    }
+
     /// The worker an uplink belongs to, while it is attached.
     pub fn worker_of_generation(&self, generation: u64) -> Option<&str> {
         self.generations.get(&generation).map(String::as_str)
@@ -946,6 +957,7 @@ impl Core {
             spaced_until: i64::MIN,
             timeouts: 0,
             periodic_at: None,
+            subscribed: false,
             catalog_retried: false,
             catalog_due: false,
             asked: 0,
@@ -1011,11 +1023,9 @@ impl Core {
             seen_at: now,
             connected: true,
         }));
-        let released = status
-            .leases
-            .as_ref()
-            .map(|leases| self.fold_snapshot(&worker_id, leases, sent, now))
-            .unwrap_or_default();
+        if let Some(leases) = &status.leases {
+            self.fold_snapshot(&worker_id, leases, sent, now);
+        }
         info!(worker = %worker_id, "worker connected");
         if let Some(label) = &label {
             let namesakes: Vec<&str> = self
@@ -1034,17 +1044,6 @@ impl Core {
             label,
             version,
         });
-        // Orphans a lost uplink kept from being released go now.
-        for worker_lease_id in self.index.orphans_of(&worker_id) {
-            if released.contains(&worker_lease_id) {
-                continue;
-            }
-            self.fx.push_back(Effect::ReleaseOrphan {
-                worker_id: worker_id.clone(),
-                generation,
-                worker_lease_id,
-            });
-        }
         self.dispatch(now);
     }
 
@@ -1072,6 +1071,16 @@ impl Core {
         if let Some((worker_id, w)) = self.current(generation) {
             if let Some(link) = w.link.as_mut() {
                 link.periodic_at = Some(now.saturating_add(interval));
+                link.subscribed = true;
+            }
+            // The orphans a lost uplink kept from being released, and those its handshake
+            // found, go now.
+            for worker_lease_id in self.index.orphans_of(&worker_id) {
+                self.fx.push_back(Effect::ReleaseOrphan {
+                    worker_id: worker_id.clone(),
+                    generation,
+                    worker_lease_id,
+                });
             }
             self.ask_refresh(&worker_id, true, now);
         }
@@ -1254,17 +1263,9 @@ impl Core {
 
     /// Reconciles the index with a snapshot of `worker_id`'s leases sent at `sent`: leases the
     /// gateway knew of and the worker no longer lists ended, and their owners hear it.
-    /// Folds in a view's leases read at `sent`; answers the grants whose answers were lost
-    /// that it released ([`Self::screen`]).
-    fn fold_snapshot(
-        &mut self,
-        worker_id: &str,
-        leases: &[LeaseRecord],
-        sent: Stamp,
-        now: i64,
-    ) -> Vec<String> {
-        let mut released = Vec::new();
-        let leases = self.screen(worker_id, leases, &mut released);
+    /// Folds in a view's leases read at `sent`, screened first ([`Self::screen`]).
+    fn fold_snapshot(&mut self, worker_id: &str, leases: &[LeaseRecord], sent: Stamp, now: i64) {
+        let leases = self.screen(worker_id, leases);
         for entry in self.index.apply_snapshot(worker_id, &leases, sent) {
             let except = self.releasing.remove(&entry.lease_id).flatten();
             let reason = if except.is_some() {
@@ -1276,26 +1277,19 @@ impl Core {
             };
             self.entry_ended(&entry, reason, except);
         }
-        released
     }
 
     /// Screens a view's leases for the grants of forwards whose answers were lost: each is an
-    /// orphan, released at once (its id is in `released`); a forward still waiting for its
-    /// answer leaves its grant to it. Answers what the view may fold in.
-    fn screen(
-        &mut self,
-        worker_id: &str,
-        leases: &[LeaseRecord],
-        released: &mut Vec<String>,
-    ) -> Vec<LeaseRecord> {
+    /// orphan, released at once; a forward still waiting for its answer leaves its grant to it.
+    /// Answers what the view may fold in.
+    fn screen(&mut self, worker_id: &str, leases: &[LeaseRecord]) -> Vec<LeaseRecord> {
         if self.broken(Fault::LostGrantsIndexed) {
             return leases.to_vec();
         }
         let at = self.next_stamp();
         let screened = self.index.screen(worker_id, leases, at);
-        let generation = self.live_generation(worker_id);
+        let generation = self.releasing_generation(worker_id);
         for stray in screened.strays {
-            released.push(stray.id.to_string());
             info!(worker = %worker_id, lease = %stray.id, requester = %stray.requester_id,
                 "a grant whose answer was lost: released, nobody was told of it");
             if let Some(generation) = generation {
@@ -1859,15 +1853,14 @@ impl Core {
         }
     }
 
-    /// The worker answered forward `attempt` (sent on `generation` to `worker_id`): a grant is
-    /// indexed and answered in one decision; `NO_CAPACITY` (a stale view) and refusals of the
-    /// spec send the waiter back to the queue; anything else answers it. A grant for a request
-    /// nobody waits for any more is released.
+    /// The worker answered forward `attempt` (sent to `worker_id`): a grant is indexed and
+    /// answered in one decision; `NO_CAPACITY` (a stale view) and refusals of the spec send the
+    /// waiter back to the queue; anything else answers it. A grant for a request nobody waits
+    /// for any more is released.
     pub fn handle_forward_answered(
         &mut self,
         attempt: u64,
         worker_id: &str,
-        generation: u64,
         outcome: Result<LeaseGrant, ContractError>,
         now: i64,
     ) {
@@ -1875,7 +1868,7 @@ impl Core {
         self.forward_answered(attempt, &outcome, current.is_some(), now);
         let Some(id) = current else {
             if let Ok(grant) = outcome {
-                self.orphaned(worker_id, generation, &grant.lease, now);
+                self.orphaned(worker_id, &grant.lease, now);
             }
             return;
         };
@@ -2034,16 +2027,19 @@ impl Core {
         (grant, ended_first)
     }
 
-    /// A grant nobody waits for: remembered as an orphan (no snapshot indexes it) and released.
-    fn orphaned(&mut self, worker_id: &str, generation: u64, lease: &LeaseRecord, now: i64) {
+    /// A grant nobody waits for: remembered as an orphan (no snapshot indexes it) and released
+    /// (once its worker's uplink is subscribed, if it is not yet).
+    fn orphaned(&mut self, worker_id: &str, lease: &LeaseRecord, now: i64) {
         let at = self.next_stamp();
         let expires_at = self.orphan_expiry(now);
         self.index.orphan(worker_id, lease, at, expires_at);
-        self.fx.push_back(Effect::ReleaseOrphan {
-            worker_id: worker_id.to_owned(),
-            generation,
-            worker_lease_id: lease.id.to_string(),
-        });
+        if let Some(generation) = self.releasing_generation(worker_id) {
+            self.fx.push_back(Effect::ReleaseOrphan {
+                worker_id: worker_id.to_owned(),
+                generation,
+                worker_lease_id: lease.id.to_string(),
+            });
+        }
     }
 
     /// Takes over its holder's release of the indexed lease `lease_id` that its worker cannot
@@ -2057,7 +2053,7 @@ impl Core {
             info!(lease = %lease_id, worker = %entry.worker_id,
                 "its worker cannot take the release now: released there as soon as it can");
             self.notify_lost(&entry, LeaseEndReason::Explicit, except);
-            if let Some(generation) = self.live_generation(&entry.worker_id) {
+            if let Some(generation) = self.releasing_generation(&entry.worker_id) {
                 self.fx.push_back(Effect::ReleaseOrphan {
                     worker_id: entry.worker_id.clone(),
                     generation,

@@ -609,7 +609,6 @@ impl Sim {
                     self.core.handle_forward_answered(
                         attempt,
                         &worker_id,
-                        generation,
                         Err(ContractError::connection_lost()),
                         now,
                     );
@@ -946,13 +945,8 @@ impl Sim {
                     now,
                 ),
                 Call::Forward { attempt, .. } => {
-                    self.core.handle_forward_answered(
-                        attempt,
-                        &worker_id,
-                        generation,
-                        Err(lost),
-                        now,
-                    );
+                    self.core
+                        .handle_forward_answered(attempt, &worker_id, Err(lost), now);
                 }
                 Call::Orphan { worker_lease_id } => {
                     self.core
@@ -1180,7 +1174,7 @@ impl Sim {
                     self.drain()?;
                 }
                 self.core
-                    .handle_forward_answered(attempt, &worker_id, generation, *outcome, now);
+                    .handle_forward_answered(attempt, &worker_id, *outcome, now);
                 self.drain()?;
             }
             Answer::Renew {

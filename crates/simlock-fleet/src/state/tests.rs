@@ -223,14 +223,13 @@ fn ios() -> LeaseRequestInput {
 }
 
 /// A lease granted through the core: answers the gateway's id for it.
-fn granted(core: &mut Core, generation: u64) -> String {
+fn granted(core: &mut Core) -> String {
     ask(core, 1, ios(), T0).unwrap();
     let (attempt, input) = forward(&core.take_effects()).expect("forwarded");
     let requester = input.requester_id.unwrap();
     core.handle_forward_answered(
         attempt,
         "w1",
-        generation,
         Ok(grant(record("lse_a", &requester, T0))),
         T0,
     );
@@ -239,20 +238,14 @@ fn granted(core: &mut Core, generation: u64) -> String {
 }
 
 /// The forward the last decision sent is refused by `w1` with `code`.
-fn refused(core: &mut Core, generation: u64, code: ErrorCode) {
+fn refused(core: &mut Core, code: ErrorCode) {
     let (attempt, _) = forward(&core.take_effects()).expect("forwarded");
-    core.handle_forward_answered(
-        attempt,
-        "w1",
-        generation,
-        Err(ContractError::new(code, "refused")),
-        T0,
-    );
+    core.handle_forward_answered(attempt, "w1", Err(ContractError::new(code, "refused")), T0);
 }
 
 /// A lease granted through the core and read back in its worker's view, which is then full.
 fn granted_full(core: &mut Core, generation: u64) -> String {
-    let lease_id = granted(core, generation);
+    let lease_id = granted(core);
     core.handle_worker_event(
         generation,
         event("lease.granted", serde_json::json!({})),
@@ -283,8 +276,8 @@ fn a_forward_carries_no_wait_the_namespaced_requester_and_the_owner() {
 
 #[test]
 fn a_grant_is_indexed_in_the_decision_that_answers_it() {
-    let (mut core, generation) = fleet(1);
-    let lease_id = granted(&mut core, generation);
+    let (mut core, _) = fleet(1);
+    let lease_id = granted(&mut core);
     assert_eq!(lease_id, "w1.lse_a");
     // No view lists it yet: the lookups and the owner's list still know it.
     assert!(core.view("w1").unwrap().leases.as_ref().unwrap().is_empty());
@@ -308,7 +301,7 @@ fn a_grant_is_indexed_in_the_decision_that_answers_it() {
 #[test]
 fn a_view_read_before_a_release_does_not_bring_the_lease_back() {
     let (mut core, generation) = fleet(1);
-    let lease_id = granted(&mut core, generation);
+    let lease_id = granted(&mut core);
     // A read goes out (the worker still holds the lease when it reads it) ...
     core.handle_worker_event(generation, event("device.ready", serde_json::json!({})), T0);
     let sent = refresh_sent(&core.take_effects()).unwrap();
@@ -366,7 +359,6 @@ fn an_end_before_its_grants_answer_reaches_the_owner_after_the_grant() {
     core.handle_forward_answered(
         attempt,
         "w1",
-        generation,
         Ok(grant(record("lse_a", "gw:g1:agent", T0))),
         T0,
     );
@@ -465,7 +457,6 @@ fn a_queued_request_times_out_at_its_deadline_and_a_forward_at_the_lease_request
     core.handle_forward_answered(
         attempt,
         "w1",
-        generation,
         Ok(grant(record("lse_late", "gw:g1:agent", T0))),
         T0 + 6_000,
     );
@@ -485,11 +476,11 @@ fn a_queued_request_times_out_at_its_deadline_and_a_forward_at_the_lease_request
 
 #[test]
 fn no_capacity_from_a_stale_view_requeues_and_a_no_wait_request_gets_one_more_walk() {
-    let (mut core, generation) = fleet(1);
+    let (mut core, _) = fleet(1);
     let mut input = ios();
     input.no_wait = Some(true);
     ask(&mut core, 1, input, T0).unwrap();
-    refused(&mut core, generation, ErrorCode::NoCapacity);
+    refused(&mut core, ErrorCode::NoCapacity);
     let effects = core.take_effects();
     assert!(refresh_sent(&effects).is_some(), "the view is read again");
     assert!(answers(&effects).is_empty(), "{effects:?}");
@@ -515,7 +506,7 @@ fn a_no_capacity_refusal_holds_until_a_read_changes_the_view_it_was_remembered_a
     core.handle_refreshed(generation, sent, refresh(vec![direct.clone()], 2), T0);
     core.take_effects();
     ask(&mut core, 1, ios(), T0).unwrap();
-    refused(&mut core, generation, ErrorCode::NoCapacity);
+    refused(&mut core, ErrorCode::NoCapacity);
     let sent = refresh_sent(&core.take_effects()).expect("the view is read again");
     // The read finds the same view, its lease renewed: no change, no second try.
     let mut renewed = direct;
@@ -543,7 +534,7 @@ fn a_no_capacity_refusal_holds_until_a_read_changes_the_view_it_was_remembered_a
 
 #[test]
 fn a_worker_that_refuses_the_spec_is_not_tried_again_and_its_refusal_is_answered() {
-    let (mut core, generation) = fleet(1);
+    let (mut core, _) = fleet(1);
     let mut input = ios();
     input.requires = vec!["gpu".into()];
     // The view lists no capability: the fast-fail table refuses at once.
@@ -552,7 +543,7 @@ fn a_worker_that_refuses_the_spec_is_not_tried_again_and_its_refusal_is_answered
         Err(FleetError::CapabilityMissing(cap)) if cap == "gpu"
     ));
     ask(&mut core, 2, ios(), T0).unwrap();
-    refused(&mut core, generation, ErrorCode::RuntimeMissing);
+    refused(&mut core, ErrorCode::RuntimeMissing);
     assert_eq!(
         answers(&core.take_effects()),
         [(RequestId::from_raw("req_2"), Err(ErrorCode::RuntimeMissing))],
@@ -602,7 +593,7 @@ fn cancelling_answers_a_queued_request_refuses_another_principal_and_leaves_a_fo
 
 #[test]
 fn an_idempotency_key_joins_replays_and_refuses_a_conflict_or_another_principal() {
-    let (mut core, generation) = fleet(1);
+    let (mut core, _) = fleet(1);
     let mut input = ios();
     input.idempotency_key = Some("k1".into());
     ask(&mut core, 1, input.clone(), T0).unwrap();
@@ -614,7 +605,6 @@ fn an_idempotency_key_joins_replays_and_refuses_a_conflict_or_another_principal(
     core.handle_forward_answered(
         attempt,
         "w1",
-        generation,
         Ok(grant(record("lse_a", &forwarded.requester_id.unwrap(), T0))),
         T0,
     );
@@ -695,7 +685,7 @@ fn a_lookup_answers_unknown_only_when_the_gateway_can_vouch_for_it() {
         ),
         "a worker it has no view of: a typo, or one yet to come back after a restart"
     );
-    let lease_id = granted(&mut core, generation);
+    let lease_id = granted(&mut core);
     let stranger = Caller {
         principal: "stranger",
         admin: false,
@@ -770,7 +760,7 @@ fn a_read_of_a_lease_answers_as_renew_does_while_its_worker_has_not_reported_sin
 #[test]
 fn a_read_of_a_lease_shows_it_to_its_owner_and_to_nobody_else() {
     let (mut core, generation) = fleet(1);
-    let lease_id = granted(&mut core, generation);
+    let lease_id = granted(&mut core);
     let seen = core.lease_seen(&lease_id, agent().viewer()).unwrap();
     assert_eq!(seen.id.as_str(), lease_id);
     assert_eq!(seen.worker_id.as_deref(), Some("w1"));
@@ -793,8 +783,8 @@ fn a_read_of_a_lease_shows_it_to_its_owner_and_to_nobody_else() {
 
 #[test]
 fn a_workers_unknown_lease_is_its_word_and_the_owner_hears_it() {
-    let (mut core, generation) = fleet(1);
-    let lease_id = granted(&mut core, generation);
+    let (mut core, _) = fleet(1);
+    let lease_id = granted(&mut core);
     let target = core.lease_target(&lease_id, agent()).unwrap();
     let err = core
         .handle_renew_answered(
@@ -811,8 +801,8 @@ fn a_workers_unknown_lease_is_its_word_and_the_owner_hears_it() {
             .any(|e| matches!(e, Effect::Notice { .. }))
     );
     // A timeout is no such word.
-    let (mut core, generation) = fleet(1);
-    let lease_id = granted(&mut core, generation);
+    let (mut core, _) = fleet(1);
+    let lease_id = granted(&mut core);
     let target = core.lease_target(&lease_id, agent()).unwrap();
     let err = core
         .handle_renew_answered(
@@ -854,7 +844,7 @@ fn asks_for_a_refresh_while_one_runs_fold_into_one_more() {
 #[test]
 fn a_renew_event_updates_the_view_in_place_without_a_refresh() {
     let (mut core, generation) = fleet(1);
-    let lease_id = granted(&mut core, generation);
+    let lease_id = granted(&mut core);
     core.handle_worker_event(
         generation,
         event("lease.granted", serde_json::json!({})),
@@ -1015,7 +1005,7 @@ fn a_disconnected_worker_is_forgotten_after_retention_unless_it_holds_a_live_lea
     let (attempt, forwarded) = forward(&core.take_effects()).unwrap();
     let mut held = record("lse_a", &forwarded.requester_id.unwrap(), T0);
     held.ttl_deadline = T0 + 120_000;
-    core.handle_forward_answered(attempt, "w1", generation, Ok(grant(held)), T0);
+    core.handle_forward_answered(attempt, "w1", Ok(grant(held)), T0);
     core.handle_uplink_closed(generation, T0);
     core.take_effects();
     core.handle_tick(T0 + 60_000);
@@ -1112,7 +1102,7 @@ fn notices(effects: &[Effect]) -> Vec<(String, Push)> {
 #[test]
 fn a_leased_devices_crash_and_recovery_reach_the_gateway_leases_owner() {
     let (mut core, generation) = fleet(1);
-    let lease_id = granted(&mut core, generation);
+    let lease_id = granted(&mut core);
     let crashed = Event::DeviceCrashDetected {
         device_id: DeviceId::from_raw("dev_1"),
         seen: CrashedDevice::Leased {
@@ -1162,7 +1152,7 @@ fn a_leased_devices_crash_and_recovery_reach_the_gateway_leases_owner() {
 #[test]
 fn a_crash_of_a_lease_the_index_does_not_hold_or_of_a_free_device_reaches_nobody() {
     let (mut core, generation) = fleet(1);
-    granted(&mut core, generation);
+    granted(&mut core);
     // A lease made on the worker directly, whatever owner its event names.
     let foreign = serde_json::json!({"deviceId": "dev_2", "leaseId": "lse_other", "reason": "crashed", "ownerId": "agent"});
     core.handle_worker_event(generation, event("device.crash-detected", foreign), T0);
@@ -1197,7 +1187,7 @@ fn a_crash_of_a_lease_the_index_does_not_hold_or_of_a_free_device_reaches_nobody
 #[test]
 fn an_agent_sees_only_its_own_leases_and_requests_in_the_workers_views_and_the_waiting_list() {
     let (mut core, generation) = fleet(2);
-    granted(&mut core, generation);
+    granted(&mut core);
     // Another agent waits in the fleet queue (the worker's view is full).
     let full = refresh(
         vec![
@@ -1869,7 +1859,7 @@ fn send_release(core: &mut Core, lease_id: &str, caller: Caller<'_>) -> LeaseTar
 #[test]
 fn a_holders_release_while_its_worker_is_away_is_answered_and_carried_out_once_it_is_back() {
     let (mut core, generation) = fleet(1);
-    let lease_id = granted(&mut core, generation);
+    let lease_id = granted(&mut core);
     core.handle_uplink_closed(generation, T0);
     core.take_effects();
     let other = Caller {
@@ -1985,12 +1975,11 @@ fn a_forward_whose_waiter_timed_out(core: &mut Core) -> (u64, String) {
 /// answers; a lost uplink keeps it stored for the worker's next connection.
 #[test]
 fn an_orphaned_grant_is_stored_until_its_worker_answers_its_release() {
-    let (mut core, generation) = fleet(1);
+    let (mut core, _) = fleet(1);
     let (attempt, requester) = a_forward_whose_waiter_timed_out(&mut core);
     core.handle_forward_answered(
         attempt,
         "w1",
-        generation,
         Ok(grant(record("lse_late", &requester, T0))),
         T0 + 6_000,
     );
@@ -2028,7 +2017,7 @@ fn orphan_changes(effects: &[Effect]) -> Vec<Effect> {
 #[test]
 fn a_holders_release_its_worker_did_not_answer_is_carried_out_as_an_orphans() {
     let (mut core, generation) = fleet(1);
-    let lease_id = granted(&mut core, generation);
+    let lease_id = granted(&mut core);
     let target = send_release(&mut core, &lease_id, agent());
     let no_answer = FleetError::no_answer("w1", "lease.release", 10_000);
     assert!(matches!(
@@ -2073,7 +2062,7 @@ fn a_holders_release_its_worker_did_not_answer_is_carried_out_as_an_orphans() {
 #[test]
 fn an_orphan_of_a_worker_that_never_returns_expires_on_time_alone() {
     let (mut core, generation) = fleet(1);
-    let lease_id = granted(&mut core, generation);
+    let lease_id = granted(&mut core);
     core.handle_uplink_closed(generation, T0);
     core.handle_release_sent(&lease_id, agent(), LeaseEndReason::Explicit, T0)
         .unwrap();
@@ -2123,28 +2112,25 @@ fn stored_forward(now: i64, answered_lease: Option<&str>) -> StoredForward {
 
 /// `agent` asks; the forward's answer is lost with `w1`'s uplink `generation`. Answers the
 /// effects of the ask, then those of the loss.
-fn a_forward_whose_answer_is_lost(core: &mut Core, generation: u64) -> [Vec<Effect>; 2] {
+fn a_forward_whose_answer_is_lost(core: &mut Core) -> [Vec<Effect>; 2] {
     ask(core, 1, ios(), T0).unwrap();
     let asked = core.take_effects();
     let (attempt, _) = forward(&asked).expect("forwarded");
-    core.handle_forward_answered(
-        attempt,
-        "w1",
-        generation,
-        Err(ContractError::connection_lost()),
-        T0,
-    );
+    core.handle_forward_answered(attempt, "w1", Err(ContractError::connection_lost()), T0);
     [asked, core.take_effects()]
 }
 
 /// `w1`'s uplink drops and a new one passes its handshake listing `leases`: answers the new
-/// generation and the handshake's effects.
-fn reconnected(core: &mut Core, old: u64, leases: Vec<LeaseRecord>) -> (u64, Vec<Effect>) {
+/// generation and the handshake's effects; then the uplink subscribes, and the effects of that
+/// follow (its orphans' releases, the first full read).
+fn reconnected(core: &mut Core, old: u64, leases: Vec<LeaseRecord>) -> (u64, [Vec<Effect>; 2]) {
     core.handle_uplink_closed(old, T0);
     let generation = core.handle_uplink_opened("w1", Some("one".into()), "tok_j".into(), T0);
     let sent = core.handle_probe_sent();
     core.handle_connected(generation, "v".into(), &status(leases, 1), sent, T0);
-    (generation, core.take_effects())
+    let connected = core.take_effects();
+    core.handle_subscribed(generation, T0);
+    (generation, [connected, core.take_effects()])
 }
 
 fn orphan_releases(effects: &[Effect]) -> Vec<String> {
@@ -2165,7 +2151,7 @@ fn orphan_releases(effects: &[Effect]) -> Vec<String> {
 #[test]
 fn a_grant_whose_answer_was_lost_with_its_uplink_is_released_when_a_view_lists_it() {
     let (mut core, generation) = fleet(1);
-    let [asked, effects] = a_forward_whose_answer_is_lost(&mut core, generation);
+    let [asked, effects] = a_forward_whose_answer_is_lost(&mut core);
     assert_eq!(
         forward_changes(&asked),
         [Effect::StoreForward(stored_forward(T0, None))],
@@ -2179,9 +2165,15 @@ fn a_grant_whose_answer_was_lost_with_its_uplink_is_released_when_a_view_lists_i
     assert_eq!(core.next_deadline(), Some(T0 + 30_000), "the periodic read");
 
     let stray = record("lse_stray", "gw:g1:agent", T0);
-    let (generation, effects) = reconnected(&mut core, generation, vec![stray.clone()]);
-    assert_eq!(orphan_releases(&effects), ["lse_stray"], "{effects:?}");
-    assert_eq!(forward_changes(&effects), [forward_settled()]);
+    let (generation, [connected, subscribed]) =
+        reconnected(&mut core, generation, vec![stray.clone()]);
+    assert!(orphan_releases(&connected).is_empty(), "{connected:?}");
+    assert_eq!(forward_changes(&connected), [forward_settled()]);
+    assert_eq!(
+        orphan_releases(&subscribed),
+        ["lse_stray"],
+        "released once its events come up the uplink (their lease.released reaches the gateway's stream)"
+    );
     assert!(core.lease("w1.lse_stray").is_none());
     assert!(core.leases(agent().viewer()).is_empty());
     assert!(matches!(
@@ -2189,8 +2181,7 @@ fn a_grant_whose_answer_was_lost_with_its_uplink_is_released_when_a_view_lists_i
         Err(FleetError::UnknownLease(_))
     ));
     // The next read still lists it until the release lands: nothing changes.
-    core.handle_subscribed(generation, T0);
-    let sent = refresh_sent(&core.take_effects()).expect("a full read");
+    let sent = refresh_sent(&subscribed).expect("a full read");
     core.handle_refreshed(generation, sent, refresh(vec![stray], 1), T0);
     assert!(orphan_releases(&core.take_effects()).is_empty());
     assert!(core.lease("w1.lse_stray").is_none());
@@ -2226,7 +2217,7 @@ fn a_view_listing_a_grant_before_its_answer_leaves_it_to_the_answer() {
     let effects = core.take_effects();
     assert!(orphan_releases(&effects).is_empty(), "{effects:?}");
     assert!(core.lease("w1.lse_a").is_none(), "the answer decides");
-    core.handle_forward_answered(attempt, "w1", generation, Ok(grant(held)), T0);
+    core.handle_forward_answered(attempt, "w1", Ok(grant(held)), T0);
     let effects = core.take_effects();
     assert_eq!(answers(&effects)[0].1, Ok("w1.lse_a".into()));
     assert_eq!(forward_changes(&effects), [forward_settled()]);
@@ -2237,14 +2228,13 @@ fn a_view_listing_a_grant_before_its_answer_leaves_it_to_the_answer() {
 #[test]
 fn a_refusal_after_a_lost_answer_asks_for_the_view_that_finds_its_grant() {
     let (mut core, generation) = fleet(1);
-    a_forward_whose_answer_is_lost(&mut core, generation);
-    let (generation, _) = reconnected(&mut core, generation, Vec::new());
-    core.handle_subscribed(generation, T0);
-    let sent = refresh_sent(&core.take_effects()).expect("a full read");
+    a_forward_whose_answer_is_lost(&mut core);
+    let (generation, [_, subscribed]) = reconnected(&mut core, generation, Vec::new());
+    let sent = refresh_sent(&subscribed).expect("a full read");
     core.handle_refreshed(generation, sent, refresh(Vec::new(), 1), T0);
     core.take_effects();
     ask(&mut core, 2, ios(), T0).unwrap();
-    refused(&mut core, generation, ErrorCode::RequesterAlreadyLeased);
+    refused(&mut core, ErrorCode::RequesterAlreadyLeased);
     let effects = core.take_effects();
     assert!(forward_changes(&effects).is_empty(), "{effects:?}");
     let sent = refresh_sent(&effects).expect("a read is asked");
@@ -2260,19 +2250,13 @@ fn a_refusal_after_a_lost_answer_asks_for_the_view_that_finds_its_grant() {
 #[test]
 fn a_restarted_gateway_releases_the_grants_of_its_stored_forwards_but_the_one_it_answered() {
     // Two forwards of one requester out: the first's waiter timed out, the second is granted.
-    let (mut core, generation) = fleet(2);
+    let (mut core, _) = fleet(2);
     let (first, _) = a_forward_whose_waiter_timed_out(&mut core);
     ask(&mut core, 2, ios(), T0 + 5_000).unwrap();
     let (second, input) = forward(&core.take_effects()).expect("forwarded again");
     assert_ne!(first, second);
     let held = record("lse_b", &input.requester_id.unwrap(), T0 + 5_000);
-    core.handle_forward_answered(
-        second,
-        "w1",
-        generation,
-        Ok(grant(held.clone())),
-        T0 + 5_000,
-    );
+    core.handle_forward_answered(second, "w1", Ok(grant(held.clone())), T0 + 5_000);
     let effects = core.take_effects();
     let kept = stored_forward(T0 + 5_000, Some("lse_b"));
     assert_eq!(
@@ -2288,6 +2272,7 @@ fn a_restarted_gateway_releases_the_grants_of_its_stored_forwards_but_the_one_it
         let generation = core.handle_uplink_opened("w1", None, "tok_j".into(), T0);
         let sent = core.handle_probe_sent();
         core.handle_connected(generation, "v".into(), &status(vec![lease], 2), sent, T0);
+        core.handle_subscribed(generation, T0);
         let effects = core.take_effects();
         let id = format!("w1.{listed}");
         assert_eq!(core.lease(&id).is_none(), released, "{listed}");
@@ -2307,7 +2292,7 @@ fn a_restarted_gateway_releases_the_grants_of_its_stored_forwards_but_the_one_it
 #[test]
 fn a_forward_in_doubt_is_forgotten_at_its_expiry_on_time_alone() {
     let (mut core, generation) = fleet(1);
-    a_forward_whose_answer_is_lost(&mut core, generation);
+    a_forward_whose_answer_is_lost(&mut core);
     core.handle_uplink_closed(generation, T0);
     core.take_effects();
     let expiry = stored_forward(T0, None).expires_at;
