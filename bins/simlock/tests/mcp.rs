@@ -19,7 +19,7 @@ use rmcp::service::{PeerRequestOptions, RunningService};
 use rmcp::{ClientHandler, RoleClient, ServiceExt as _};
 use serde_json::{Value, json};
 use simlock_client::{Client, ConnectOptions, FollowItem};
-use simlock_contract::model::EventEnvelope;
+use simlock_contract::model::{Connection, EventEnvelope};
 use simlock_daemon::home::Home;
 use simlock_e2e::{PATIENCE, TestFleet, gateway_config, worker_config};
 use simlock_worker::WorkerConfig;
@@ -625,6 +625,63 @@ async fn a_release_while_the_session_connects_again_keeps_the_lease_for_later() 
     assert!(leases(&worker.operator().await).await.is_empty());
     assert!(agent.close_stdin().await.success());
     worker.stop().await;
+}
+
+/// Through a gateway that is down, a release answers `DAEMON_CONNECTION_LOST` and the session
+/// keeps the lease (outside trial 11: it dropped it, telling of a failed renewal, and the device
+/// stayed leased until its TTL); once the gateway is back, the release goes through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_while_the_gateway_is_down_keeps_the_lease_for_later() {
+    let mut fleet = TestFleet::start(gateway_config()).await;
+    fleet.add_worker(worker_config(1)).await;
+    let token = fleet
+        .operator()
+        .await
+        .call("token.create", json!({"role": "agent"}))
+        .await
+        .unwrap();
+    let addr = fleet.gateway().running.http_addr().expect("gateway HTTP");
+    let home = tempfile::tempdir().unwrap();
+    let agent = Launch::on(home.path())
+        .session("through-an-outage")
+        .url(&format!("http://{addr}"), token["secret"].as_str().unwrap())
+        .start()
+        .await;
+    let id = lease_id(
+        &agent
+            .ok("lease_simulator", json!({"platform": "ios", "ttl": "10m"}))
+            .await,
+    );
+
+    fleet.stop_gateway().await;
+    let (text, _) = agent.fails("release_simulator", json!({})).await;
+    assert!(
+        text.ends_with(&format!(
+            "this session keeps lease {id}: release it again in a moment (DAEMON_CONNECTION_LOST)"
+        )),
+        "{text}"
+    );
+    let status = agent.ok("lease_status", json!({"leaseId": id})).await;
+    assert_eq!(status["standing"], "held", "{status}");
+
+    let mut config = gateway_config();
+    config.daemon.http.port = addr.port();
+    fleet.restart_gateway(config).await;
+    let worker = fleet.worker_id(0);
+    fleet
+        .wait_for(|views| {
+            views.iter().any(|v| {
+                v.id == worker
+                    && v.connection == Connection::Connected
+                    && v.leases.as_ref().is_some_and(|l| l.len() == 1)
+            })
+        })
+        .await;
+    let released = agent.ok("release_simulator", json!({})).await;
+    assert_eq!(released, json!({"leaseId": id, "released": true}));
+    assert!(fleet.worker(0).worker.leases().is_empty());
+    assert!(agent.close_stdin().await.success());
+    fleet.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
