@@ -158,22 +158,39 @@ impl Target {
         }
     }
 
+    /// Checks what can be checked before connecting: over HTTP, the token is given and the CA
+    /// file reads (an HTTP client connects when it first calls).
+    ///
+    /// # Errors
+    /// `USAGE` or `BAD_REQUEST` naming the flag.
+    pub(crate) fn check(&self) -> Result<(), ContractError> {
+        if self.url.is_some() {
+            self.http()?;
+        }
+        Ok(())
+    }
+
+    /// The HTTP client of `--url`.
+    fn http(&self) -> Result<Client, ContractError> {
+        let (Some(url), Some(token)) = (&self.url, &self.token) else {
+            return Err(ContractError::new(
+                ErrorCode::Usage,
+                "--url needs a token: pass --token or set SIMLOCK_TOKEN",
+            ));
+        };
+        let options = ConnectOptions {
+            ca_file: self.ca_file.clone(),
+            ..ConnectOptions::default()
+        };
+        Client::over_http(url, token, options)
+    }
+
     /// Connects: over HTTP with `--url`, else to the local socket. There, a `--token` given is
     /// always sent as the credential (an operator's token sees and acts on every lease, as over
     /// HTTP); without one, commands that need admin send the daemon's admin secret.
     pub(crate) async fn connect(&self) -> Result<Client, ContractError> {
-        if let Some(url) = &self.url {
-            let Some(token) = &self.token else {
-                return Err(ContractError::new(
-                    ErrorCode::Usage,
-                    "--url needs a token: pass --token or set SIMLOCK_TOKEN",
-                ));
-            };
-            let options = ConnectOptions {
-                ca_file: self.ca_file.clone(),
-                ..ConnectOptions::default()
-            };
-            return Client::over_http(url, token, options);
+        if self.url.is_some() {
+            return self.http();
         }
         let home = &self.home;
         let options = ConnectOptions {

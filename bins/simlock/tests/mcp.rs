@@ -1092,6 +1092,41 @@ async fn a_bind_pid_lease_is_released_once_its_process_is_killed() {
     worker.stop().await;
 }
 
+/// A CA file that cannot be read stops the server at start, naming the flag (outside trial 11:
+/// every tool answered `BAD_REQUEST`, as if the model could mend it); so does `--url` without a
+/// token.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_whose_connection_settings_are_wrong_does_not_start() {
+    let home = tempfile::tempdir().unwrap();
+    let missing = home.path().join("no-such-ca.pem");
+    for (env, code, said) in [
+        (
+            vec![
+                ("SIMLOCK_TOKEN", "slk_x".to_owned()),
+                ("SIMLOCK_CA_FILE", missing.display().to_string()),
+            ],
+            2,
+            "--ca-file (SIMLOCK_CA_FILE): cannot read",
+        ),
+        (Vec::new(), 2, "--url needs a token"),
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_simlock"))
+            .env("SIMLOCK_HOME", home.path())
+            .env_remove("SIMLOCK_TOKEN")
+            .env_remove("SIMLOCK_CA_FILE")
+            .envs(env)
+            .args(["--url", "https://127.0.0.1:9", "mcp"])
+            .stdin(Stdio::null())
+            .output()
+            .await
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(code), "{stderr}");
+        assert!(stderr.contains(said), "{stderr}");
+        assert!(!stderr.contains("serving on stdio"), "{stderr}");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bind_pid_refuses_a_process_that_is_not_running() {
     let worker = Worker::start(worker_config(1)).await;

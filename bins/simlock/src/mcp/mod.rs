@@ -114,6 +114,9 @@ enum End {
 
 /// Serves one MCP session on stdio until it ends, then releases what it holds.
 pub(crate) async fn run(target: Target, args: &McpArgs) -> Result<u8, ContractError> {
+    // A wrong --url, token or CA file is the server's configuration, not a tool's argument the
+    // model could mend: it stops the server at start.
+    target.check()?;
     let requester = identity::from_environment(args.requester.as_deref());
     let parent = Bound::parent();
     let signals = Signals::listen()?;
