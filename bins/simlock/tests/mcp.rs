@@ -387,6 +387,9 @@ async fn initialize_and_the_tools_with_valid_schemas() {
             "{property}"
         );
     }
+    // A default the schema states is the one the server applies (outside trial 11 saw `null`).
+    assert_eq!(schema["properties"]["wait"]["default"], true, "{schema}");
+    assert_eq!(schema["properties"]["wait"]["type"], "boolean", "{schema}");
     let validator = jsonschema::validator_for(&schema).unwrap();
     for good in [
         json!({"platform": "ios"}),

@@ -95,6 +95,11 @@ impl DurationArg {
     }
 }
 
+/// A lease request waits in the queue unless told not to.
+const fn waits() -> bool {
+    true
+}
+
 /// `lease_simulator`'s arguments.
 #[derive(Debug, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
@@ -114,8 +119,8 @@ pub(crate) struct LeaseArgs {
     pub(crate) ttl: Option<DurationArg>,
     /// Whether to wait in the queue when no device is free (default true). With false, a busy
     /// fleet answers NO_CAPACITY at once.
-    #[serde(default)]
-    pub(crate) wait: Option<bool>,
+    #[serde(default = "waits")]
+    pub(crate) wait: bool,
     /// The longest to wait in the queue: "90s", "10m", or milliseconds (then QUEUE_TIMEOUT).
     #[serde(default)]
     pub(crate) timeout: Option<DurationArg>,
@@ -281,7 +286,7 @@ async fn lease(
         .as_ref()
         .map(|d| d.millis("timeout", duration::Width::QueueWait))
         .transpose()?;
-    input.no_wait = args.wait.map(|wait| !wait).filter(|no_wait| *no_wait);
+    input.no_wait = (!args.wait).then_some(true);
     input.requires = args.requires;
     let progress = ctx
         .meta
