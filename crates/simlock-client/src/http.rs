@@ -46,6 +46,8 @@ pub(crate) struct HttpBackend {
     base: String,
     /// The host a TLS certificate must name.
     host: String,
+    /// The CA file trusted beside the platform's roots, named when a certificate is not trusted.
+    ca_file: Option<std::path::PathBuf>,
     authorization: HeaderValue,
     idle: Duration,
 }
@@ -108,6 +110,7 @@ impl HttpBackend {
         Ok(Self {
             client,
             host: uri.host().unwrap_or_default().to_owned(),
+            ca_file: ca_file.filter(|_| tls).map(std::path::Path::to_path_buf),
             base: base_of(base_url),
             authorization,
             idle,
@@ -145,7 +148,7 @@ impl HttpBackend {
             .map_err(|e| ContractError::bad_request(format!("{method} {uri}: {e}")))?;
         self.client.request(request).await.map_err(|e| {
             let why = match simlock_tls::find_failure(&e, &self.host) {
-                Some(failure) => tls_hint(&failure),
+                Some(failure) => tls_hint(&failure, self.ca_file.as_deref()),
                 None => simlock_contract::error::error_chain(&e),
             };
             ContractError::new(
@@ -265,18 +268,24 @@ pub(crate) fn segment(text: &str) -> String {
 /// ([`crate::ConnectOptions::ca_file`] in code).
 const CA_FILE_SETTING: &str = "--ca-file (SIMLOCK_CA_FILE)";
 
-/// A TLS failure, and what to change.
-fn tls_hint(failure: &simlock_tls::TlsFailure) -> String {
+/// A TLS failure, and what to change; `ca_file` is the CA file trusted beside the platform's roots.
+fn tls_hint(failure: &simlock_tls::TlsFailure, ca_file: Option<&std::path::Path>) -> String {
     use simlock_tls::TlsFailure;
-    let fix = match failure {
-        TlsFailure::Untrusted => format!("trust the CA that signed it with {CA_FILE_SETTING}"),
-        TlsFailure::CaAsLeaf => format!("on the daemon, {}", simlock_tls::LEAF_REMEDY),
-        TlsFailure::NameMismatch { .. } => {
+    let fix = match (failure, ca_file) {
+        (TlsFailure::Untrusted, Some(path)) => format!(
+            "the CA in {} did not sign it: trust the CA that signed it with {CA_FILE_SETTING}",
+            path.display()
+        ),
+        (TlsFailure::Untrusted, None) => {
+            format!("trust the CA that signed it with {CA_FILE_SETTING}")
+        }
+        (TlsFailure::CaAsLeaf, _) => format!("on the daemon, {}", simlock_tls::LEAF_REMEDY),
+        (TlsFailure::NameMismatch { .. }, _) => {
             "the URL must name a host the certificate covers".to_owned()
         }
-        TlsFailure::Expired(_) => "the daemon's certificate must be renewed".to_owned(),
-        TlsFailure::NotTls => "use an http:// URL for it".to_owned(),
-        TlsFailure::Other(_) => format!("check the URL and {CA_FILE_SETTING}"),
+        (TlsFailure::Expired(_), _) => "the daemon's certificate must be renewed".to_owned(),
+        (TlsFailure::NotTls, _) => "use an http:// URL for it".to_owned(),
+        (TlsFailure::Other(_), _) => format!("check the URL and {CA_FILE_SETTING}"),
     };
     format!("TLS: {failure}; {fix}")
 }
@@ -353,9 +362,26 @@ mod tests {
         assert!(HttpBackend::new("http://x", "t", idle, Some(missing)).is_ok());
     }
 
+    /// Outside trial 11: with a CA file given that did not sign the daemon's certificate, the
+    /// hint names the file tried.
+    #[test]
+    fn an_untrusted_certificate_names_the_ca_file_tried() {
+        let untrusted = simlock_tls::TlsFailure::Untrusted;
+        assert_eq!(
+            tls_hint(&untrusted, None),
+            "TLS: the certificate is not signed by a trusted CA; trust the CA that signed it \
+             with --ca-file (SIMLOCK_CA_FILE)"
+        );
+        assert_eq!(
+            tls_hint(&untrusted, Some(std::path::Path::new("/etc/other-ca.pem"))),
+            "TLS: the certificate is not signed by a trusted CA; the CA in /etc/other-ca.pem did \
+             not sign it: trust the CA that signed it with --ca-file (SIMLOCK_CA_FILE)"
+        );
+    }
+
     #[test]
     fn a_ca_certificate_served_as_the_daemons_own_is_named_with_its_fix() {
-        let text = tls_hint(&simlock_tls::TlsFailure::CaAsLeaf);
+        let text = tls_hint(&simlock_tls::TlsFailure::CaAsLeaf, None);
         assert!(
             text.starts_with(
                 "TLS: the certificate is a CA certificate (basicConstraints CA:TRUE), which a \
