@@ -350,6 +350,18 @@ impl TestFleet {
         }
     }
 
+    /// Stops worker `n` and waits until the gateway lists it away.
+    pub async fn stop_worker_seen_away(&mut self, n: usize) {
+        let id = self.worker_id(n);
+        self.stop_worker(n).await;
+        self.wait_for(|views| {
+            views
+                .iter()
+                .any(|v| v.id == id && v.connection == Connection::Disconnected)
+        })
+        .await;
+    }
+
     /// Stops the gateway; its workers keep running (and dialling).
     pub async fn stop_gateway(&mut self) {
         if let Some(gateway) = self.gateway.take() {

@@ -26,6 +26,28 @@ async fn ios_lease(fleet: &TestFleet, name: &str) -> (simlock_e2e::Session, Stri
     (agent, lease_id(&grant))
 }
 
+/// The next push `holder` gets, which must be a `lease-lost`: its lease id, reason and device.
+async fn lease_lost(
+    holder: &mut simlock_e2e::Session,
+) -> (
+    String,
+    simlock_contract::model::LeaseEndReason,
+    simlock_contract::ids::DeviceId,
+) {
+    let push = tokio::time::timeout(PATIENCE, holder.pushes.recv())
+        .await
+        .expect("the holder is told")
+        .unwrap();
+    match Push::from_frame(push).unwrap() {
+        Push::LeaseLost {
+            lease_id,
+            reason,
+            device_id,
+        } => (lease_id, reason, device_id),
+        other => panic!("expected lease-lost, got {other:?}"),
+    }
+}
+
 /// An operator session on the gateway subscribed to its events (worker events it relays
 /// included).
 async fn subscriber(fleet: &TestFleet) -> simlock_e2e::Session {
@@ -341,14 +363,7 @@ async fn a_lost_uplink_answers_worker_unreachable_and_the_lease_renews_once_it_i
         .unwrap();
     let lease_id = lease_id(&grant);
 
-    fleet.stop_worker(0).await;
-    fleet
-        .wait_for(|views| {
-            views
-                .iter()
-                .any(|v| v.id == worker_id && v.connection == Connection::Disconnected)
-        })
-        .await;
+    fleet.stop_worker_seen_away(0).await;
     let err = agent
         .call("lease.renew", json!({"leaseId": lease_id}))
         .await
@@ -1097,22 +1112,10 @@ async fn a_lease_end_that_overtakes_its_grant_still_reaches_the_owner() {
     let grant = grant.unwrap();
     let lease_id = lease_id(&grant);
     assert!(lease_id.starts_with("end-first.lse_"), "{lease_id}");
-    let push = tokio::time::timeout(PATIENCE, agent.pushes.recv())
-        .await
-        .unwrap()
-        .unwrap();
-    match Push::from_frame(push).unwrap() {
-        Push::LeaseLost {
-            lease_id: lost,
-            reason,
-            device_id,
-        } => {
-            assert_eq!(lost, lease_id);
-            assert_eq!(reason, simlock_contract::model::LeaseEndReason::Expired);
-            assert_eq!(device_id.as_str(), grant["device"]["id"].as_str().unwrap());
-        }
-        other => panic!("expected lease-lost, got {other:?}"),
-    }
+    let (lost, reason, device_id) = lease_lost(&mut agent).await;
+    assert_eq!(lost, lease_id);
+    assert_eq!(reason, simlock_contract::model::LeaseEndReason::Expired);
+    assert_eq!(device_id.as_str(), grant["device"]["id"].as_str().unwrap());
     assert!(
         fleet.gateway().fleet.lease(&lease_id).is_none(),
         "the index never held the ended lease"
@@ -1131,22 +1134,9 @@ async fn an_expired_gateway_lease_reaches_its_owner_as_lease_lost_with_the_gatew
         .await
         .unwrap();
     let lease_id = lease_id(&grant);
-    let push = tokio::time::timeout(PATIENCE, agent.pushes.recv())
-        .await
-        .unwrap()
-        .unwrap();
-    let push = Push::from_frame(push).unwrap();
-    match push {
-        Push::LeaseLost {
-            lease_id: lost,
-            reason,
-            ..
-        } => {
-            assert_eq!(lost, lease_id);
-            assert_eq!(reason, simlock_contract::model::LeaseEndReason::Expired);
-        }
-        other => panic!("expected lease-lost, got {other:?}"),
-    }
+    let (lost, reason, _) = lease_lost(&mut agent).await;
+    assert_eq!(lost, lease_id);
+    assert_eq!(reason, simlock_contract::model::LeaseEndReason::Expired);
     assert!(
         fleet.gateway().fleet.lease(&lease_id).is_none(),
         "the index forgot the lease"
@@ -1358,21 +1348,9 @@ async fn release_all_through_the_gateway_ends_only_the_gateways_leases_each_as_k
         );
     }
     for (holder, lease_id) in &mut holders {
-        let push = tokio::time::timeout(PATIENCE, holder.pushes.recv())
-            .await
-            .expect("the holder is told")
-            .unwrap();
-        match Push::from_frame(push).unwrap() {
-            Push::LeaseLost {
-                lease_id: lost,
-                reason,
-                ..
-            } => {
-                assert_eq!(&lost, lease_id);
-                assert_eq!(reason, simlock_contract::model::LeaseEndReason::Killed);
-            }
-            other => panic!("expected lease-lost, got {other:?}"),
-        }
+        let (lost, reason, _) = lease_lost(holder).await;
+        assert_eq!(&lost, lease_id);
+        assert_eq!(reason, simlock_contract::model::LeaseEndReason::Killed);
     }
     let left: Vec<String> = fleet
         .worker(0)
@@ -1598,5 +1576,49 @@ async fn a_stopping_gateway_tells_its_workers_why_their_uplink_closed() {
     fleet.stop_gateway().await;
     let told = uplink_lost_with(&fleet, 0, "closed by the peer").await;
     assert!(told.contains("the gateway is stopping"), "{told}");
+    fleet.stop().await;
+}
+
+/// An operator's `workers remove` of a worker that is away ends its leases at the gateway: their
+/// holders hear `lease-lost` `killed` (they were left renewing in vain until the TTL), and each is
+/// released on the worker should it come back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn removing_an_away_worker_ends_its_leases_and_releases_them_if_it_returns() {
+    let mut fleet = TestFleet::start(gateway_config()).await;
+    fleet.add_worker(worker_config(1)).await;
+    let mut holder = fleet.agent("holder").await;
+    let grant = holder
+        .call(
+            "lease.request",
+            json!({"platform": "ios", "ttlMs": 600_000}),
+        )
+        .await
+        .unwrap();
+    let lease = lease_id(&grant);
+    let worker_id = fleet.worker_id(0);
+    fleet.stop_worker_seen_away(0).await;
+    let removed = fleet
+        .operator()
+        .await
+        .call("worker.remove", json!({"workerId": worker_id}))
+        .await
+        .unwrap();
+    assert_eq!(removed["removed"], true);
+    let (lost, reason, _) = lease_lost(&mut holder).await;
+    assert_eq!(lost, lease);
+    assert_eq!(reason, simlock_contract::model::LeaseEndReason::Killed);
+    let renewed = holder
+        .call("lease.renew", json!({"leaseId": lease}))
+        .await
+        .unwrap_err();
+    assert_eq!(renewed.code, ErrorCode::UnknownLease, "{renewed:?}");
+    assert_eq!(fleet.gateway().fleet.stored_orphans().unwrap().len(), 1);
+
+    // The worker comes back, its lease kept on its disk: it is released there.
+    fleet.restart_worker(0, worker_config(1)).await;
+    fleet
+        .wait_until(|f| f.stored_orphans().unwrap().is_empty())
+        .await;
+    assert!(fleet.worker(0).worker.leases().is_empty());
     fleet.stop().await;
 }

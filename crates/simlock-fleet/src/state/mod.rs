@@ -2500,8 +2500,10 @@ impl Core {
         }
     }
 
-    /// An operator forgets a disconnected worker (and its drain flag). Answers whether it was
-    /// known.
+    /// An operator forgets a disconnected worker (and its drain flag). Its leases end here: the
+    /// operator says the worker is gone, so their owners hear `lease-lost` `killed` and may ask
+    /// for other devices; each is kept as an orphan (ADR 0030), released should the worker ever
+    /// connect again. Answers whether it was known.
     ///
     /// # Errors
     /// `WORKER_CONNECTED` while its uplink is up.
@@ -2510,6 +2512,22 @@ impl Core {
             return Ok(false);
         }
         if let Some(worker) = self.workers.remove(worker_id) {
+            let held: Vec<String> = self
+                .index
+                .of_worker(worker_id)
+                .into_iter()
+                .map(|e| e.lease_id.clone())
+                .collect();
+            let at = self.next_stamp();
+            let expires_at = self.orphan_expiry(now);
+            for lease_id in held {
+                if let Some(entry) = self.index.defer_release(&lease_id, at, expires_at) {
+                    self.releasing.remove(&lease_id);
+                    info!(lease = %lease_id, worker = %worker_id,
+                        "its worker was removed: the lease ends here, and is released there should it come back");
+                    self.notify_lost(&entry, LeaseEndReason::Killed, None);
+                }
+            }
             self.index.forget_worker(worker_id);
             self.fx.push_back(Effect::Forget {
                 worker_id: worker_id.to_owned(),

@@ -1051,13 +1051,23 @@ impl Sim {
         let w = self.rng.random_range(0..self.workers.len());
         let id = self.workers[w].id.clone();
         let now = self.now;
+        // A removed worker's leases end at the gateway, and are released on it should it come
+        // back: like a release answered while the worker is away.
+        let held: Vec<String> = self
+            .core
+            .index()
+            .of_worker(&id)
+            .into_iter()
+            .map(|e| e.lease_id.clone())
+            .collect();
         let removed = self.core.handle_remove(&id, now);
         if self.workers[w].uplink.is_some() && removed.is_ok() && self.core.view(&id).is_none() {
             return Err(format!("a connected worker {id} was removed"));
         }
         if removed == Ok(true) {
             self.drained.remove(&id);
-            self.note(|| format!("removed {id}"));
+            self.note(|| format!("removed {id}, ending {held:?}"));
+            self.deferred.extend(held);
         }
         self.drain()
     }

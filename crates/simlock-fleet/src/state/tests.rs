@@ -2305,3 +2305,40 @@ fn a_forward_in_doubt_is_forgotten_at_its_expiry_on_time_alone() {
     assert_eq!(forward_changes(&core.take_effects()), [forward_settled()]);
     assert!(core.index().forwards_out().is_empty());
 }
+
+/// An operator's removal of a worker that is away ends its leases here (`killed` to their
+/// owners), keeps each as an orphan, and releases it once the worker is back and subscribed.
+#[test]
+fn removing_an_away_worker_ends_its_leases_as_orphans() {
+    let (mut core, generation) = fleet(1);
+    let lease_id = granted(&mut core);
+    core.handle_uplink_closed(generation, T0);
+    core.take_effects();
+    assert_eq!(core.handle_remove("w1", T0), Ok(true));
+    let effects = core.take_effects();
+    assert!(
+        effects.iter().any(|e| matches!(
+            e,
+            Effect::Notice {
+                except: None,
+                push: Push::LeaseLost {
+                    reason: LeaseEndReason::Killed,
+                    ..
+                },
+                ..
+            }
+        )),
+        "{effects:?}"
+    );
+    assert_eq!(orphan_changes(&effects).len(), 1, "{effects:?}");
+    assert!(core.lease(&lease_id).is_none());
+    assert!(matches!(
+        core.lease_seen(&lease_id, agent().viewer()),
+        Err(FleetError::UnknownLease(_))
+    ));
+    let held = record("lse_a", "gw:g1:agent", T0);
+    let (_, [connected, subscribed]) = reconnected(&mut core, generation, vec![held]);
+    assert!(orphan_releases(&connected).is_empty());
+    assert_eq!(orphan_releases(&subscribed), ["lse_a"]);
+    assert!(core.lease(&lease_id).is_none(), "no view brings it back");
+}
