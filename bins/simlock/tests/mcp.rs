@@ -630,11 +630,11 @@ async fn a_release_while_the_session_connects_again_keeps_the_lease_for_later() 
     worker.stop().await;
 }
 
-/// Through a gateway that is down, a release answers `DAEMON_CONNECTION_LOST` and the session
-/// keeps the lease (outside trial 11: it dropped it, telling of a failed renewal, and the device
-/// stayed leased until its TTL); once the gateway is back, the release goes through.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_release_while_the_gateway_is_down_keeps_the_lease_for_later() {
+/// A gateway with one worker, and a session `session` on the gateway's URL with an agent token:
+/// answers them, the gateway's address, and the session's home.
+async fn through_a_gateway(
+    session: &str,
+) -> (TestFleet, Agent, std::net::SocketAddr, tempfile::TempDir) {
     let mut fleet = TestFleet::start(gateway_config()).await;
     fleet.add_worker(worker_config(1)).await;
     let token = fleet
@@ -646,10 +646,19 @@ async fn a_release_while_the_gateway_is_down_keeps_the_lease_for_later() {
     let addr = fleet.gateway().running.http_addr().expect("gateway HTTP");
     let home = tempfile::tempdir().unwrap();
     let agent = Launch::on(home.path())
-        .session("through-an-outage")
+        .session(session)
         .url(&format!("http://{addr}"), token["secret"].as_str().unwrap())
         .start()
         .await;
+    (fleet, agent, addr, home)
+}
+
+/// Through a gateway that is down, a release answers `DAEMON_CONNECTION_LOST` and the session
+/// keeps the lease (outside trial 11: it dropped it, telling of a failed renewal, and the device
+/// stayed leased until its TTL); once the gateway is back, the release goes through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_while_the_gateway_is_down_keeps_the_lease_for_later() {
+    let (mut fleet, agent, addr, _home) = through_a_gateway("through-an-outage").await;
     let id = lease_id(
         &agent
             .ok("lease_simulator", json!({"platform": "ios", "ttl": "10m"}))
@@ -683,6 +692,40 @@ async fn a_release_while_the_gateway_is_down_keeps_the_lease_for_later() {
     let released = agent.ok("release_simulator", json!({})).await;
     assert_eq!(released, json!({"leaseId": id, "released": true}));
     assert!(fleet.worker(0).worker.leases().is_empty());
+    assert!(agent.close_stdin().await.success());
+    fleet.stop().await;
+}
+
+/// Through a gateway, renewals that fail while it is down are told as `lease-reconnecting`, and
+/// the first that goes through again as `lease-reconnected`, as on a socket that reconnects
+/// (outside trial 11: the session said nothing either way). The lease lives on: renewals are due
+/// every 10 s, and it has 30 s past the last one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn renewals_failing_through_a_gateway_that_is_down_are_told_and_so_is_their_return() {
+    let (mut fleet, mut agent, addr, _home) = through_a_gateway("renewing-through-an-outage").await;
+    let id = lease_id(
+        &agent
+            .ok("lease_simulator", json!({"platform": "ios", "ttl": "30s"}))
+            .await,
+    );
+
+    fleet.stop_gateway().await;
+    let failing = agent.notice("lease-reconnecting").await;
+    assert_eq!(failing["leaseId"], id.as_str());
+    let message = failing["message"].as_str().unwrap();
+    assert!(
+        message.starts_with(&format!("renewing lease {id} failed: ")),
+        "{message}"
+    );
+    assert!(message.contains("simlock keeps trying, for "), "{message}");
+
+    let mut config = gateway_config();
+    config.daemon.http.port = addr.port();
+    fleet.restart_gateway(config).await;
+    let back = agent.notice("lease-reconnected").await;
+    assert_eq!(back["leaseId"], id.as_str());
+    let released = agent.ok("release_simulator", json!({})).await;
+    assert_eq!(released, json!({"leaseId": id, "released": true}));
     assert!(agent.close_stdin().await.success());
     fleet.stop().await;
 }

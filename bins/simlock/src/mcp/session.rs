@@ -10,7 +10,7 @@ use parking_lot::Mutex;
 use rmcp::model::{ProgressNotificationParam, ProgressToken};
 use rmcp::{Peer, RoleServer};
 use serde_json::{Value, json};
-use simlock_client::{Client, HoldEnd, LeaseHold, LeaseLost, LeaseNotice};
+use simlock_client::{Client, HoldEnd, LeaseHold, LeaseLost, LeaseNotice, Renewal};
 use simlock_contract::model::{LeaseGrant, LeaseRecord};
 use simlock_contract::ops::LeaseRequestInput;
 use simlock_contract::push::Progress;
@@ -186,15 +186,18 @@ impl Session {
             Ended(HoldEnd),
             Release(Option<ReleaseAsk>),
             Health(Option<LeaseNotice>),
+            Renewal(Renewal),
         }
         let lease_id = hold.lease_id().to_owned();
         let mut health = hold.notices();
+        let mut renewals = hold.renewal();
         loop {
             let step = tokio::select! {
                 end = hold.ended() => Step::Ended(end),
                 Some(ask) = asks.recv() => Step::Release(Some(ask)),
                 () = self.closing.cancelled() => Step::Release(None),
                 notice = health.recv() => Step::Health(notice.ok()),
+                Ok(()) = renewals.changed() => Step::Renewal(renewals.borrow_and_update().clone()),
             };
             match step {
                 Step::Ended(HoldEnd::Failed(lost))
@@ -206,6 +209,7 @@ impl Session {
                             client = again;
                             hold = held;
                             health = hold.notices();
+                            renewals = hold.renewal();
                         }
                         Err(end) => {
                             self.settled(&lease_id, &end).await;
@@ -235,6 +239,7 @@ impl Session {
                             )));
                             hold = client.hold(grant);
                             health = hold.notices();
+                            renewals = hold.renewal();
                         }
                         (end, ask) => {
                             self.settled(&lease_id, &end).await;
@@ -247,6 +252,7 @@ impl Session {
                 }
                 Step::Health(Some(notice)) => self.tell_health(&notice).await,
                 Step::Health(None) => {}
+                Step::Renewal(renewal) => self.tell_renewal(&lease_id, &renewal).await,
             }
         }
     }
@@ -427,6 +433,40 @@ impl Session {
         if let (Some(reason), Some(map)) = (reason, data.as_object_mut()) {
             map.insert("reason".into(), Value::from(reason));
         }
+        self.notifier.tell(level, data).await;
+    }
+
+    /// Tells the client that renewing its lease started failing (the daemon, or the lease's
+    /// worker behind a gateway, out of reach: the session keeps trying until the TTL runs out),
+    /// or goes through again: the notifications of a session that connects again.
+    async fn tell_renewal(&self, lease_id: &str, renewal: &Renewal) {
+        let (level, data) = match renewal {
+            Renewal::Retrying { error, deadline } => {
+                let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+                (
+                    Level::Warning,
+                    json!({
+                        "event": "lease-reconnecting",
+                        "leaseId": lease_id,
+                        "message": format!(
+                            "renewing lease {lease_id} failed: {} ({}); simlock keeps trying, \
+                             for {} more before its TTL runs out",
+                            error.message,
+                            error.code,
+                            view::duration(u64::try_from(left.as_millis()).unwrap_or(u64::MAX))
+                        ),
+                    }),
+                )
+            }
+            Renewal::Renewing => (
+                Level::Info,
+                json!({
+                    "event": "lease-reconnected",
+                    "leaseId": lease_id,
+                    "message": format!("renewed again; this session holds lease {lease_id}"),
+                }),
+            ),
+        };
         self.notifier.tell(level, data).await;
     }
 
