@@ -5,6 +5,10 @@
 //! the process runs to its end or its timeout. Each chunk is pushed as it is read and the push
 //! is awaited before reading on, so a slow reader slows the tool rather than filling memory.
 //! Past `exec.timeoutMs` the process gets SIGTERM, then SIGKILL 10 s later.
+//!
+//! The tool runs in a process group of its own, and every signal goes to the whole group: what
+//! the tool started in the background is stopped with it (at its timeout, and when the worker
+//! stops and drops the run), not left behind.
 
 use std::process::{ExitStatus, Stdio};
 use std::time::Duration;
@@ -56,12 +60,15 @@ async fn run_to_end(ctx: CallCtx, run: Run) -> Result<i32, CoreError> {
         })
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
+        .process_group(0)
         .kill_on_drop(true);
     let mut child = command.spawn().map_err(|source| CoreError::ExecSpawn {
         tool: run.tool_name.clone(),
         command: run.tool.command.clone(),
         source,
     })?;
+    // Dropped with the run (the worker stopping): the whole group is killed, not the tool alone.
+    let _group = Group(group_of(&child));
     // Every pre-spawn failure is ruled out: the process exists.
     ctx.push(Push::Started {
         request_id: ctx.request_id().clone(),
@@ -100,21 +107,39 @@ async fn run_to_end(ctx: CallCtx, run: Run) -> Result<i32, CoreError> {
     }
 }
 
-/// SIGTERM, then SIGKILL after the grace period.
-async fn stop(child: &mut Child) {
-    let pid = child
+/// The process group a tool leads (its pid: it was started as the leader of a new group).
+fn group_of(child: &Child) -> Option<rustix::process::Pid> {
+    child
         .id()
         .and_then(|id| i32::try_from(id).ok())
-        .and_then(rustix::process::Pid::from_raw);
-    if let Some(pid) = pid {
-        if let Err(e) = rustix::process::kill_process(pid, rustix::process::Signal::TERM) {
+        .and_then(rustix::process::Pid::from_raw)
+}
+
+/// A tool's process group, killed when dropped (the tool and all it started; a group already
+/// gone answers an error, which is ignored).
+struct Group(Option<rustix::process::Pid>);
+
+impl Drop for Group {
+    fn drop(&mut self) {
+        if let Some(group) = self.0 {
+            let _ = rustix::process::kill_process_group(group, rustix::process::Signal::KILL);
+        }
+    }
+}
+
+/// SIGTERM to the tool's group, then SIGKILL to it after the grace period.
+async fn stop(child: &mut Child) {
+    if let Some(group) = group_of(child) {
+        if let Err(e) = rustix::process::kill_process_group(group, rustix::process::Signal::TERM) {
             debug!(error = %e, "SIGTERM to a timed-out tool failed");
         }
         if tokio::time::timeout(KILL_GRACE, child.wait()).await.is_ok() {
             return;
         }
-    }
-    if let Err(e) = child.start_kill() {
+        if let Err(e) = rustix::process::kill_process_group(group, rustix::process::Signal::KILL) {
+            warn!(error = %e, "SIGKILL to a timed-out tool failed");
+        }
+    } else if let Err(e) = child.start_kill() {
         warn!(error = %e, "SIGKILL to a timed-out tool failed");
     }
     let _ = child.wait().await;

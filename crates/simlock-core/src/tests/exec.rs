@@ -289,3 +289,72 @@ async fn a_timed_out_tool_gets_sigterm_first_and_is_gone_when_the_call_answers()
         "the tool is gone and reaped when the call answers"
     );
 }
+
+/// Whether `pid` is gone (reaped, or a zombie no one waits for: its group was killed).
+fn gone(pid: i32) -> bool {
+    let Some(pid) = rustix::process::Pid::from_raw(pid) else {
+        return true;
+    };
+    if rustix::process::test_kill_process(pid).is_err() {
+        return true;
+    }
+    // Killed, but its parent (the tool, gone too) left it to init to reap: a zombie.
+    std::fs::read_to_string(format!("/proc/{pid}/stat", pid = pid.as_raw_nonzero())).is_ok_and(
+        |stat| {
+            stat.rsplit(')')
+                .next()
+                .is_some_and(|s| s.trim_start().starts_with('Z'))
+        },
+    )
+}
+
+/// Waits (bounded) until `pid` is gone: init reaps an orphan in its own time.
+async fn until_gone(pid: i32) -> bool {
+    within(GUARD, async {
+        while !gone(pid) {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    true
+}
+
+/// Outside trial 12: what a tool starts in the background is stopped with it, at its timeout and
+/// when it ends on its own (they were left running, reparented to init).
+#[tokio::test]
+async fn what_a_tool_starts_in_the_background_is_stopped_with_it() {
+    let mut config = instant_config();
+    config.core.exec.timeout_ms = 1_000;
+    let h = Harness::with_config(config);
+    let grant = within(GUARD, h.lease("agent-a", ios())).await.unwrap();
+    let lease_id = grant.lease.id.to_string();
+
+    // Past the timeout: the tool and its background child.
+    let (ctx, mut pushes) = agent_with_pushes("agent-a");
+    let script = "sleep 300 & echo $!; sleep 301";
+    let err = within(
+        GUARD,
+        h.call::<DeviceExec>(ctx, &exec(&lease_id, "sh", &[script])),
+    )
+    .await
+    .unwrap_err();
+    assert_eq!(err.code, ErrorCode::ExecTimeout);
+    let child: i32 = drain(&mut pushes).1.trim().parse().unwrap();
+    assert!(
+        until_gone(child).await,
+        "the background child is stopped too"
+    );
+
+    // Ended on its own, a child left behind in the background.
+    let (ctx, mut pushes) = agent_with_pushes("agent-a");
+    let script = "sleep 300 >/dev/null 2>&1 & echo $!";
+    let out = within(
+        GUARD,
+        h.call::<DeviceExec>(ctx, &exec(&lease_id, "sh", &[script])),
+    )
+    .await
+    .unwrap();
+    assert_eq!(out.exit_code, 0);
+    let child: i32 = drain(&mut pushes).1.trim().parse().unwrap();
+    assert!(until_gone(child).await, "the straggler is stopped");
+}
