@@ -11,7 +11,10 @@
 //! stops and drops the run), not left behind.
 
 use std::process::{ExitStatus, Stdio};
+use std::sync::Arc;
 use std::time::Duration;
+
+use simlock_daemon::processes::{Entry, Ledger, Role};
 
 use crate::config::ToolConfig;
 use simlock_contract::push::{OutputStream, Push};
@@ -37,6 +40,8 @@ pub(crate) struct Run {
     pub stdin: Option<String>,
     pub target: ExecTarget,
     pub timeout_ms: u64,
+    /// Where the tool is recorded while it runs (found again after a crash).
+    pub ledger: Option<Arc<Ledger>>,
 }
 
 /// Runs the tool in its own task and answers its exit code.
@@ -67,8 +72,29 @@ async fn run_to_end(ctx: CallCtx, run: Run) -> Result<i32, CoreError> {
         command: run.tool.command.clone(),
         source,
     })?;
-    // Dropped with the run (the worker stopping): the whole group is killed, not the tool alone.
-    let _group = Group(group_of(&child));
+    // Dropped with the run (the worker stopping): the whole group is killed, not the tool alone,
+    // and forgotten by the ledger.
+    let group = Group {
+        leader: group_of(&child),
+        ledger: run.ledger.clone(),
+    };
+    if let (Some(ledger), Some(pid)) = (&run.ledger, child.id()) {
+        let entry = Entry {
+            pid,
+            program: run.tool.command.clone(),
+            args: run.tool.args.iter().chain(&run.args).cloned().collect(),
+            role: Role::Exec,
+            device: Some(run.target.device_id.to_string()),
+            port: None,
+        };
+        if let Err(e) = ledger.record(&entry) {
+            drop(group);
+            return Err(CoreError::Internal(format!(
+                "{} could not be recorded in the exec process ledger: {e}",
+                run.tool_name
+            )));
+        }
+    }
     // Every pre-spawn failure is ruled out: the process exists.
     ctx.push(Push::Started {
         request_id: ctx.request_id().clone(),
@@ -116,13 +142,19 @@ fn group_of(child: &Child) -> Option<rustix::process::Pid> {
 }
 
 /// A tool's process group, killed when dropped (the tool and all it started; a group already
-/// gone answers an error, which is ignored).
-struct Group(Option<rustix::process::Pid>);
+/// gone answers an error, which is ignored), and then forgotten by the ledger.
+struct Group {
+    leader: Option<rustix::process::Pid>,
+    ledger: Option<Arc<Ledger>>,
+}
 
 impl Drop for Group {
     fn drop(&mut self) {
-        if let Some(group) = self.0 {
+        if let Some(group) = self.leader {
             let _ = rustix::process::kill_process_group(group, rustix::process::Signal::KILL);
+            if let Some(ledger) = &self.ledger {
+                ledger.forget(group.as_raw_nonzero().get().unsigned_abs());
+            }
         }
     }
 }

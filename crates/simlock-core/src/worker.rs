@@ -49,6 +49,7 @@ use crate::queue::LeaseTerms;
 use crate::state::{Admission, Admitted, Caller, Settings, State, Update, Work, check_ttl};
 use crate::store;
 use crate::system::{HostSystem, SystemFacts};
+use simlock_daemon::processes::{Ledger, reap};
 
 /// Everything a worker is built from.
 #[derive(Clone)]
@@ -83,6 +84,9 @@ pub struct WorkerParts {
     pub lease_end: Vec<LeaseEndHook>,
     /// How the uplink to the gateway stands (`status.get`'s `uplink`), when `gateway.url` is set.
     pub uplink: Option<UplinkReport>,
+    /// Where `device.exec` records the tools it runs (`$SIMLOCK_HOME/exec/processes`), so that a
+    /// start after a crash stops those an earlier run left; `None` records nothing.
+    pub exec_ledger: Option<std::path::PathBuf>,
 }
 
 /// Told the id of a lease that ended, before its device is reclaimed.
@@ -123,6 +127,7 @@ impl WorkerParts {
             version: base.version.clone(),
             lease_end: Vec::new(),
             uplink: None,
+            exec_ledger: Some(base.home.root().join("exec").join("processes")),
         }
     }
 }
@@ -161,6 +166,8 @@ pub struct Worker {
     capabilities: Capabilities,
     lease_end: Vec<LeaseEndHook>,
     uplink: Option<UplinkReport>,
+    /// Where `device.exec`'s tools are recorded while they run.
+    exec_ledger: Option<Arc<Ledger>>,
     /// The machine, read once: it does not change while the worker runs.
     host: HostFacts,
     instance_id: String,
@@ -191,6 +198,13 @@ impl Worker {
     /// `INTERNAL` when the tables cannot be created.
     pub fn new(parts: WorkerParts) -> Result<Arc<Self>, ContractError> {
         store::migrate(&parts.db).map_err(CoreError::from)?;
+        let exec_ledger = parts
+            .exec_ledger
+            .as_deref()
+            .map(Ledger::open)
+            .transpose()
+            .map_err(|e| CoreError::Internal(format!("the exec process ledger: {e}")))?
+            .map(Arc::new);
         let drivers: BTreeMap<Platform, Arc<dyn Driver>> = parts
             .drivers
             .into_iter()
@@ -237,6 +251,7 @@ impl Worker {
             capabilities: parts.capabilities,
             lease_end: parts.lease_end,
             uplink: parts.uplink,
+            exec_ledger,
             host: HostFacts {
                 os: std::env::consts::OS.to_owned(),
                 os_version: parts.system.os_version(),
@@ -264,6 +279,10 @@ impl Worker {
         }
         match self.converge() {
             Ok(()) => {
+                if let Some(ledger) = self.exec_ledger.clone() {
+                    // Tools an earlier run left running (it was killed): none is anyone's now.
+                    tokio::spawn(async move { reap(&ledger, |_| false).await });
+                }
                 self.spawn_scheduler();
                 self.spawn_health_probes();
                 gate.open();
@@ -888,6 +907,7 @@ impl Worker {
             stdin: input.stdin,
             target,
             timeout_ms: self.core.exec.timeout_ms,
+            ledger: self.exec_ledger.clone(),
         };
         let exit_code = exec::run(ctx.clone(), run).await?;
         Ok(ExecOutput { exit_code })

@@ -24,6 +24,7 @@ pub mod logging;
 pub mod metrics;
 pub mod pipeline;
 pub mod presence;
+pub mod processes;
 pub mod runtime;
 pub mod signals;
 pub mod socket;

@@ -1,20 +1,15 @@
-//! Running the device tools, and keeping every process a driver starts findable by pid.
-//!
-//! Each process a driver starts is written to its **ledger** (one file per pid under
-//! `$SIMLOCK_HOME/drivers/<platform>/processes/`) before anything waits on it, and forgotten only
-//! once it is known to have ended. A worker killed with SIGKILL therefore leaves a ledger naming
-//! everything it had running: at the next start the driver stops what it does not adopt (a tool
-//! call that was under way, an adb server, an emulator of a device it no longer has), by pid,
-//! after checking the pid still runs the recorded program (a pid can be reused).
+//! Running the device tools, each recorded in the driver's process ledger
+//! ([`simlock_daemon::processes`], under `$SIMLOCK_HOME/drivers/<platform>/processes/`) while it
+//! runs: at the next start after a crash, the driver stops what it does not adopt (a tool call
+//! that was under way, an adb server, an emulator of a device it no longer has).
 //!
 //! Every process runs in a process group of its own, so stopping it stops its children too.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{ExitStatus, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
-use serde::{Deserialize, Serialize};
 use tokio::io::AsyncWriteExt;
 use tokio::process::Command;
 use tokio::sync::watch;
@@ -22,175 +17,32 @@ use tracing::warn;
 
 use crate::error::ToolError;
 
-/// What a ledger entry is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum Role {
-    /// A tool call the driver waits on.
-    Tool,
-    /// An emulator (a device: it may outlive the worker and be adopted).
-    Emulator,
-    /// The driver's own adb server.
-    AdbServer,
-}
-
-/// A process the driver started.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct Entry {
-    /// Its pid (also its process group).
-    pub pid: u32,
-    /// The program, as it was started.
-    pub program: String,
-    /// Its arguments.
-    pub args: Vec<String>,
-    /// What it is.
-    pub role: Role,
-    /// The device it serves, if any.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub device: Option<String>,
-    /// The port it holds, if any (an emulator's console port, the adb server's port).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub port: Option<u16>,
-}
-
-/// The processes one driver started, on disk.
-#[derive(Debug)]
-pub struct Ledger {
-    dir: PathBuf,
-}
-
-impl Ledger {
-    /// The ledger in `dir` (created, mode 0700).
-    ///
-    /// # Errors
-    /// When the directory cannot be made.
-    pub fn open(dir: &Path) -> Result<Self, ToolError> {
-        make_private_dir(dir)?;
-        Ok(Self {
-            dir: dir.to_path_buf(),
-        })
-    }
-
-    fn path(&self, pid: u32) -> PathBuf {
-        self.dir.join(format!("{pid}.json"))
-    }
-
-    /// Records a started process.
-    ///
-    /// # Errors
-    /// When the entry cannot be written.
-    pub fn record(&self, entry: &Entry) -> Result<(), ToolError> {
-        let text = serde_json::to_vec(entry)
-            .map_err(|e| ToolError::State(format!("ledger entry: {e}")))?;
-        let tmp = self.dir.join(format!(".{}.tmp", entry.pid));
-        std::fs::write(&tmp, text).map_err(|e| ToolError::io("writing the process ledger", e))?;
-        std::fs::rename(&tmp, self.path(entry.pid))
-            .map_err(|e| ToolError::io("writing the process ledger", e))
-    }
-
-    /// Forgets a process that ended.
-    pub fn forget(&self, pid: u32) {
-        let _ = std::fs::remove_file(self.path(pid));
-    }
-
-    /// Every recorded process.
-    pub fn entries(&self) -> Vec<Entry> {
-        let Ok(dir) = std::fs::read_dir(&self.dir) else {
-            return Vec::new();
-        };
-        let mut entries: Vec<Entry> = dir
-            .filter_map(Result::ok)
-            .filter(|e| e.file_name().to_string_lossy().ends_with(".json"))
-            .filter_map(|e| std::fs::read(e.path()).ok())
-            .filter_map(|bytes| serde_json::from_slice(&bytes).ok())
-            .collect();
-        entries.sort_by_key(|e| e.pid);
-        entries
-    }
-}
+pub use simlock_daemon::processes::{
+    Entry, Ledger, Role, pid_alive, reap, signal, still_runs, stop_foreign,
+};
 
 /// Makes `dir` (and its parents), owner-only.
 ///
 /// # Errors
 /// When it cannot be made.
 pub fn make_private_dir(dir: &Path) -> Result<(), ToolError> {
-    std::fs::create_dir_all(dir)
-        .map_err(|e| ToolError::io(format!("creating {}", dir.display()), e))?;
-    use std::os::unix::fs::PermissionsExt as _;
-    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
-        .map_err(|e| ToolError::io(format!("securing {}", dir.display()), e))
+    simlock_daemon::processes::make_private_dir(dir)
+        .map_err(|e| ToolError::io("making a private directory", e))
 }
 
-/// Whether `pid` runs (and is not a zombie waiting to be reaped).
-pub fn pid_alive(pid: u32) -> bool {
-    if let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        return stat
-            .rsplit_once(')')
-            .and_then(|(_, rest)| rest.trim_start().chars().next())
-            .is_some_and(|s| s != 'Z' && s != 'X');
-    }
-    if Path::new("/proc/self").exists() {
-        return false;
-    }
-    to_pid(pid).is_some_and(|p| rustix::process::test_kill_process(p).is_ok())
+/// Opens the ledger in `dir` (created, mode 0700).
+///
+/// # Errors
+/// When the directory cannot be made.
+pub fn open_ledger(dir: &Path) -> Result<Ledger, ToolError> {
+    Ledger::open(dir).map_err(|e| ToolError::io("opening the process ledger", e))
 }
 
-fn to_pid(pid: u32) -> Option<rustix::process::Pid> {
-    i32::try_from(pid)
-        .ok()
-        .and_then(rustix::process::Pid::from_raw)
-}
-
-/// The program `pid` runs, as it was started (its first argument).
-fn program_of(pid: u32) -> Option<String> {
-    if let Ok(cmdline) = std::fs::read(format!("/proc/{pid}/cmdline")) {
-        return cmdline
-            .split(|b| *b == 0)
-            .next()
-            .map(|a| String::from_utf8_lossy(a).into_owned());
-    }
-    // Where there is no /proc (macOS): ask ps.
-    let out = std::process::Command::new("ps")
-        .args(["-o", "command=", "-p", &pid.to_string()])
-        .stderr(Stdio::null())
-        .output()
-        .ok()?;
-    let text = String::from_utf8_lossy(&out.stdout).trim().to_owned();
-    (!text.is_empty()).then_some(text)
-}
-
-/// Whether the recorded process still runs its program (not a reused pid).
-pub fn still_runs(entry: &Entry) -> bool {
-    pid_alive(entry.pid)
-        && program_of(entry.pid)
-            .is_some_and(|p| p == entry.program || p.starts_with(&format!("{} ", entry.program)))
-}
-
-/// Sends `signal` to `pid`'s process group (and to `pid`, should it have left the group).
-pub fn signal(pid: u32, signal: rustix::process::Signal) {
-    if let Some(p) = to_pid(pid) {
-        let _ = rustix::process::kill_process_group(p, signal);
-        let _ = rustix::process::kill_process(p, signal);
-    }
-}
-
-/// Stops a process that is not our child (one an earlier run started): SIGTERM, then SIGKILL
-/// once `grace` passed. The liveness checks are bounded polls: nothing else tells us when a
-/// process we did not start has ended.
-pub async fn stop_foreign(pid: u32, grace: Duration) {
-    signal(pid, rustix::process::Signal::TERM);
-    let deadline = tokio::time::Instant::now() + grace;
-    while pid_alive(pid) && tokio::time::Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    if pid_alive(pid) {
-        signal(pid, rustix::process::Signal::KILL);
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
-        while pid_alive(pid) && tokio::time::Instant::now() < deadline {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    }
+/// Records `entry` in `ledger`.
+fn record(ledger: &Ledger, entry: &Entry) -> Result<(), ToolError> {
+    ledger
+        .record(entry)
+        .map_err(|e| ToolError::io("writing the process ledger", e))
 }
 
 /// How long a killed tool call may take to be reaped (SIGKILL cannot be caught; only a process
@@ -269,14 +121,17 @@ impl Runner {
             source,
         })?;
         let pid = child.id().unwrap_or_default();
-        self.ledger.record(&Entry {
-            pid,
-            program: program.display().to_string(),
-            args: args.to_vec(),
-            role: Role::Tool,
-            device: None,
-            port: None,
-        })?;
+        record(
+            &self.ledger,
+            &Entry {
+                pid,
+                program: program.display().to_string(),
+                args: args.to_vec(),
+                role: Role::Tool,
+                device: None,
+                port: None,
+            },
+        )?;
         if let (Some(text), Some(mut pipe)) = (stdin, child.stdin.take()) {
             let text = text.to_owned();
             tokio::spawn(async move {
@@ -382,7 +237,7 @@ impl Runner {
             device,
             port,
         };
-        if let Err(e) = self.ledger.record(&entry) {
+        if let Err(e) = record(&self.ledger, &entry) {
             signal(pid, rustix::process::Signal::KILL);
             return Err(e);
         }
@@ -461,26 +316,6 @@ pub fn command_line(program: &Path, args: &[String]) -> String {
         .chain(args.iter().cloned())
         .collect::<Vec<_>>()
         .join(" ")
-}
-
-/// Stops every process of `ledger` that `keep` does not claim, by pid, after checking each
-/// still runs its recorded program; forgets the ones that are gone. Answers what it stopped.
-pub async fn reap(ledger: &Ledger, keep: impl Fn(&Entry) -> bool) -> Vec<Entry> {
-    let mut stopped = Vec::new();
-    for entry in ledger.entries() {
-        if !still_runs(&entry) {
-            ledger.forget(entry.pid);
-            continue;
-        }
-        if keep(&entry) {
-            continue;
-        }
-        tracing::info!(pid = entry.pid, program = %entry.program, role = ?entry.role, "stopping a process an earlier run left");
-        stop_foreign(entry.pid, Duration::from_secs(5)).await;
-        ledger.forget(entry.pid);
-        stopped.push(entry);
-    }
-    stopped
 }
 
 #[cfg(test)]

@@ -292,20 +292,7 @@ async fn a_timed_out_tool_gets_sigterm_first_and_is_gone_when_the_call_answers()
 
 /// Whether `pid` is gone (reaped, or a zombie no one waits for: its group was killed).
 fn gone(pid: i32) -> bool {
-    let Some(pid) = rustix::process::Pid::from_raw(pid) else {
-        return true;
-    };
-    if rustix::process::test_kill_process(pid).is_err() {
-        return true;
-    }
-    // Killed, but its parent (the tool, gone too) left it to init to reap: a zombie.
-    std::fs::read_to_string(format!("/proc/{pid}/stat", pid = pid.as_raw_nonzero())).is_ok_and(
-        |stat| {
-            stat.rsplit(')')
-                .next()
-                .is_some_and(|s| s.trim_start().starts_with('Z'))
-        },
-    )
+    u32::try_from(pid).is_ok_and(|pid| !simlock_daemon::processes::pid_alive(pid))
 }
 
 /// Waits (bounded) until `pid` is gone: init reaps an orphan in its own time.
@@ -357,4 +344,63 @@ async fn what_a_tool_starts_in_the_background_is_stopped_with_it() {
     assert_eq!(out.exit_code, 0);
     let child: i32 = drain(&mut pushes).1.trim().parse().unwrap();
     assert!(until_gone(child).await, "the straggler is stopped");
+}
+
+/// A tool runs recorded in the exec process ledger, and is forgotten once it ended; a tool an
+/// earlier run left running (the worker was killed) is stopped, by pid, when the worker starts
+/// again (outside trial 12: it ran on, and the restarted worker never looked).
+#[tokio::test]
+async fn a_tool_is_recorded_while_it_runs_and_one_left_by_a_crash_is_stopped_at_the_next_start() {
+    use simlock_daemon::processes::{Entry, Ledger, Role};
+    let dir = tempfile::tempdir().unwrap();
+    let ledger_dir = dir.path().join("exec").join("processes");
+    let h = Harness::build(Build {
+        config: instant_config(),
+        exec_ledger: Some(ledger_dir.clone()),
+        ..Build::default()
+    });
+    let grant = within(GUARD, h.lease("agent-a", ios())).await.unwrap();
+    let ledger = Ledger::open(&ledger_dir).unwrap();
+    let (ctx, mut pushes) = agent_with_pushes("agent-a");
+    let script = format!("ls {} | grep -c json", ledger_dir.display());
+    let out = within(
+        GUARD,
+        h.call::<DeviceExec>(ctx, &exec(grant.lease.id.as_str(), "sh", &[&script])),
+    )
+    .await
+    .unwrap();
+    assert_eq!(out.exit_code, 0);
+    assert_eq!(drain(&mut pushes).1.trim(), "1", "recorded while it runs");
+    assert!(ledger.entries().is_empty(), "forgotten once it ended");
+
+    // A crash left one running: the next start stops it.
+    let mut left = std::process::Command::new("sleep");
+    std::os::unix::process::CommandExt::process_group(&mut left, 0);
+    let mut left = left.arg("300").spawn().unwrap();
+    ledger
+        .record(&Entry {
+            pid: left.id(),
+            program: "sleep".into(),
+            args: vec!["300".into()],
+            role: Role::Exec,
+            device: None,
+            port: None,
+        })
+        .unwrap();
+    let _again = Harness::build(Build {
+        config: instant_config(),
+        exec_ledger: Some(ledger_dir.clone()),
+        ..Build::default()
+    });
+    let status = within(GUARD, tokio::task::spawn_blocking(move || left.wait()))
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(!status.success(), "stopped by a signal: {status:?}");
+    within(GUARD, async {
+        while !ledger.entries().is_empty() {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
 }

@@ -99,6 +99,8 @@ pub(crate) struct Build {
     pub lease_end: Vec<crate::LeaseEndHook>,
     /// The uplink's report, for a worker with a gateway.
     pub uplink: Option<simlock_daemon::uplink::UplinkReport>,
+    /// Where `device.exec` records its tools.
+    pub exec_ledger: Option<std::path::PathBuf>,
 }
 
 impl Default for Build {
@@ -115,6 +117,7 @@ impl Default for Build {
             drivers: None,
             lease_end: Vec::new(),
             uplink: None,
+            exec_ledger: None,
         }
     }
 }
@@ -165,6 +168,7 @@ impl Harness {
             version: "0.0.0-test".into(),
             lease_end: b.lease_end,
             uplink: b.uplink,
+            exec_ledger: b.exec_ledger,
         };
         let worker = Worker::new(parts).unwrap();
         let gate = StartupGate::new();

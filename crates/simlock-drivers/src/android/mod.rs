@@ -45,7 +45,7 @@ use tracing::{info, warn};
 
 use crate::error::ToolError;
 use crate::locks::DeviceLocks;
-use crate::process::{self, Entry, Ledger, Role, Runner, Spawned, Start, make_private_dir, reap};
+use crate::process::{self, Entry, Role, Runner, Spawned, Start, make_private_dir, reap};
 
 /// The baseline snapshot's name.
 pub const BASELINE: &str = "simlock_clean_baseline";
@@ -307,7 +307,7 @@ impl AndroidDriver {
     pub async fn open(s: AndroidSettings) -> Result<Self, ToolError> {
         make_private_dir(&s.avd_home)?;
         make_private_dir(&s.state_dir)?;
-        let ledger = Arc::new(Ledger::open(&s.state_dir.join("processes"))?);
+        let ledger = Arc::new(process::open_ledger(&s.state_dir.join("processes"))?);
         reap(&ledger, |e| e.role == Role::Emulator).await;
         let env = vec![
             (

@@ -24,7 +24,7 @@ use simlock_core::{Adopted, Driver, DriverError, Estimates, Keep, Observation, R
 
 use crate::error::ToolError;
 use crate::locks::DeviceLocks;
-use crate::process::{Ledger, Runner, make_private_dir, reap};
+use crate::process::{Runner, make_private_dir, reap};
 
 use self::json::{Devices, IosCatalog, Listing};
 
@@ -86,7 +86,7 @@ impl SimctlDriver {
             )
             .map_err(|e| ToolError::io(format!("marking {}", settings.device_set.display()), e))?;
         }
-        let ledger = Arc::new(Ledger::open(&settings.ledger)?);
+        let ledger = Arc::new(crate::process::open_ledger(&settings.ledger)?);
         reap(&ledger, |_| false).await;
         let runner = Runner::new(ledger, Vec::new());
         let mut inner = Inner {
