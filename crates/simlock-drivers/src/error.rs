@@ -23,6 +23,14 @@ pub enum ToolError {
         /// The bound.
         ms: u64,
     },
+    /// A device did not finish booting within its bound (`boot.*TimeoutMs`).
+    #[error("{device} did not finish booting within {} s", ms / 1000)]
+    BootTimeout {
+        /// The device, as people know it ("the emulator of <avd>").
+        device: String,
+        /// The bound.
+        ms: u64,
+    },
     /// The tool exited with a failure.
     #[error("`{command}` failed ({status}): {}", first_line(stderr, stdout))]
     Failed {
@@ -99,5 +107,24 @@ impl ToolError {
             platform,
             message: self.to_string(),
         }
+    }
+}
+
+#[cfg(test)]
+mod boot_timeout_tests {
+    use super::*;
+
+    /// Outside trial 12: a boot past its bound said "`the boot of <avd>` took longer than 5000 ms
+    /// and was killed" (no command ran, and nothing was killed).
+    #[test]
+    fn a_boot_past_its_bound_says_so_and_nothing_more() {
+        let e = ToolError::BootTimeout {
+            device: "the emulator of simlock_dev_1".into(),
+            ms: 5_000,
+        };
+        assert_eq!(
+            e.to_string(),
+            "the emulator of simlock_dev_1 did not finish booting within 5 s"
+        );
     }
 }

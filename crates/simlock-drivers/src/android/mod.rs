@@ -722,8 +722,8 @@ impl Inner {
                 )));
             }
             if Instant::now() >= deadline {
-                return Err(ToolError::Timeout {
-                    command: format!("the boot of {avd}"),
+                return Err(ToolError::BootTimeout {
+                    device: format!("the emulator of {avd}"),
                     ms: u64::try_from(bound.as_millis()).unwrap_or(u64::MAX),
                 });
             }
@@ -818,10 +818,9 @@ impl Inner {
                     self.release(avd);
                 }
                 Err(match e {
-                    ToolError::Timeout { ms, .. } => ToolError::State(format!(
-                        "the emulator of {avd} did not finish booting within {} s; it was stopped",
-                        ms / 1000
-                    )),
+                    e @ ToolError::BootTimeout { .. } => {
+                        ToolError::State(format!("{e}; it was stopped"))
+                    }
                     other => other,
                 })
             }
