@@ -2702,7 +2702,7 @@ fn assessment_error(assessment: &Assessment, wanted: &Wanted) -> Option<FleetErr
     match assessment {
         Assessment::Serviceable => None,
         Assessment::NoWorker => Some(FleetError::NoCapacity(
-            "No worker connected to this gateway can take this request now",
+            "No worker of this gateway that can serve this request takes requests now: each is away or drained",
         )),
         Assessment::NoDriver => Some(FleetError::NoDriver(platform)),
         Assessment::UnknownModel => Some(FleetError::UnknownModel {
