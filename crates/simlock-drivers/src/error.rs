@@ -26,7 +26,7 @@ pub enum ToolError {
     /// A device did not finish booting within its bound (`boot.*TimeoutMs`).
     #[error("{device} did not finish booting within {} s", ms / 1000)]
     BootTimeout {
-        /// The device, as people know it ("the emulator of <avd>").
+        /// The device, as people know it ("the emulator of `<avd>`").
         device: String,
         /// The bound.
         ms: u64,
