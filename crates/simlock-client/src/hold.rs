@@ -176,6 +176,42 @@ impl LeaseHold {
     }
 }
 
+impl LeaseHold {
+    /// Releases the lease, renewing on until the daemon answers: when the daemon cannot be
+    /// reached (a transport error: a gateway restarting, a socket gone), answers the hold back,
+    /// still renewing (its next renewal and its retries as they were), with the error. Otherwise
+    /// as [`Self::release`]; a hold that had already ended answers how, and releases nothing.
+    ///
+    /// # Errors
+    /// The hold and the transport error, when the release could not reach the daemon.
+    pub async fn release_or_keep(mut self) -> Result<HoldEnd, (Self, ContractError)> {
+        let ended = self.ended.borrow().clone();
+        if let Some(end) = ended {
+            self.stop.cancel();
+            return Ok(end);
+        }
+        let lease_id = self.lease_id().to_owned();
+        let outcome = self.client.release(&lease_id).await;
+        if let Err(e) = &outcome
+            && e.code.is_transport()
+        {
+            return Err((self, e.clone()));
+        }
+        self.stop.cancel();
+        if let Some(task) = self.task.take() {
+            let _ = task.await;
+        }
+        Ok(match outcome {
+            Ok(_) => HoldEnd::Released,
+            Err(e) if e.code == ErrorCode::UnknownLease => HoldEnd::Lost(LeaseLost {
+                lease_id,
+                reason: None,
+            }),
+            Err(e) => HoldEnd::Failed(e),
+        })
+    }
+}
+
 impl Drop for LeaseHold {
     fn drop(&mut self) {
         self.stop.cancel();

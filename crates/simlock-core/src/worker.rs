@@ -168,6 +168,9 @@ pub struct Worker {
     uplink: Option<UplinkReport>,
     /// Where `device.exec`'s tools are recorded while they run.
     exec_ledger: Option<Arc<Ledger>>,
+    /// Held (written) while the start stops the tools an earlier run left: a new run waits for
+    /// it, so none takes the pid of one being stopped, nor has its entry forgotten.
+    exec_reaped: Arc<tokio::sync::RwLock<()>>,
     /// The machine, read once: it does not change while the worker runs.
     host: HostFacts,
     instance_id: String,
@@ -252,6 +255,7 @@ impl Worker {
             lease_end: parts.lease_end,
             uplink: parts.uplink,
             exec_ledger,
+            exec_reaped: Arc::new(tokio::sync::RwLock::new(())),
             host: HostFacts {
                 os: std::env::consts::OS.to_owned(),
                 os_version: parts.system.os_version(),
@@ -279,9 +283,15 @@ impl Worker {
         }
         match self.converge() {
             Ok(()) => {
-                if let Some(ledger) = self.exec_ledger.clone() {
+                if let (Some(ledger), Ok(reaping)) = (
+                    self.exec_ledger.clone(),
+                    Arc::clone(&self.exec_reaped).try_write_owned(),
+                ) {
                     // Tools an earlier run left running (it was killed): none is anyone's now.
-                    tokio::spawn(async move { reap(&ledger, |_| false).await });
+                    tokio::spawn(async move {
+                        reap(&ledger, |_| false).await;
+                        drop(reaping);
+                    });
                 }
                 self.spawn_scheduler();
                 self.spawn_health_probes();
@@ -900,6 +910,8 @@ impl Worker {
             }
             .into());
         };
+        // Not before the tools an earlier run left are stopped.
+        let _reaped = self.exec_reaped.read().await;
         let run = exec::Run {
             tool_name: input.tool,
             tool,

@@ -221,34 +221,31 @@ impl Session {
                     self.settled(&lease_id, &end).await;
                     return;
                 }
-                Step::Release(ask) => {
-                    let grant = hold.grant().clone();
-                    let end = hold.release().await;
-                    match (end, ask) {
-                        // The daemon cannot be reached (a gateway restarting, a worker's
-                        // socket gone): the lease stays held, renewed as before, for the agent
-                        // to release again; it did not end.
-                        (HoldEnd::Failed(e), Some(ask)) if e.code.is_transport() => {
-                            let _ = ask.send(HoldEnd::Failed(ContractError::new(
-                                ErrorCode::DaemonConnectionLost,
-                                format!(
-                                    "{} ({}); this session keeps lease {lease_id}: release it \
-                                     again in a moment",
-                                    e.message, e.code
-                                ),
-                            )));
-                            hold = client.hold(grant);
-                            health = hold.notices();
-                            renewals = hold.renewal();
-                        }
-                        (end, ask) => {
-                            self.settled(&lease_id, &end).await;
-                            if let Some(ask) = ask {
-                                let _ = ask.send(end);
-                            }
-                            return;
-                        }
+                Step::Release(Some(ask)) => match hold.release_or_keep().await {
+                    Ok(end) => {
+                        self.settled(&lease_id, &end).await;
+                        let _ = ask.send(end);
+                        return;
                     }
+                    // The daemon cannot be reached (a gateway restarting, a worker's socket
+                    // gone): the lease stays held, renewed as before, for the agent to release
+                    // again; it did not end.
+                    Err((kept, e)) => {
+                        hold = kept;
+                        let _ = ask.send(HoldEnd::Failed(ContractError::new(
+                            ErrorCode::DaemonConnectionLost,
+                            format!(
+                                "{} ({}); this session keeps lease {lease_id}: release it again \
+                                 in a moment",
+                                e.message, e.code
+                            ),
+                        )));
+                    }
+                },
+                Step::Release(None) => {
+                    let end = hold.release().await;
+                    self.settled(&lease_id, &end).await;
+                    return;
                 }
                 Step::Health(Some(notice)) => self.tell_health(&notice).await,
                 Step::Health(None) => {}

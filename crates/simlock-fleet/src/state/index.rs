@@ -691,40 +691,55 @@ impl LeaseIndex {
         );
     }
 
-    /// Screens the leases a view of `worker_id` lists, learned at `at`, for the grants of its
-    /// forwards. A lease of this gateway the index neither holds nor buried, whose requester
-    /// has forwards to that worker not settled, and which is not the one last answered to it,
-    /// is one of those forwards' grants: while one waits for its answer, the answer decides and
-    /// the view leaves the lease out; else nobody knows of it (its answer was lost): it becomes
-    /// an orphan, and the forwards are settled.
-    pub fn screen(&mut self, worker_id: &str, leases: &[LeaseRecord], at: Stamp) -> Screened {
+    /// Screens the leases a view of `worker_id` lists, learned at `at`, for grants nobody was
+    /// told of. A lease of this gateway the index neither holds nor buried is one when its
+    /// requester has forwards to that worker not settled (and it is not the one last answered to
+    /// it), or holds another indexed lease there (a worker holds one lease of a requester: this
+    /// one is a grant whose answer was lost, or ended, and its release then finds it gone).
+    /// While a forward of it still waits for its answer, the answer decides and the view leaves
+    /// the lease out; else it becomes an orphan (expiring at the forward's expiry, or at
+    /// `expires_at`), and the forwards are settled.
+    pub fn screen(
+        &mut self,
+        worker_id: &str,
+        leases: &[LeaseRecord],
+        at: Stamp,
+        expires_at: i64,
+    ) -> Screened {
         let mut screened = Screened::default();
         for lease in leases {
-            let forward = lease
-                .requester_id
-                .strip_prefix(&self.prefix)
-                .filter(|_| {
-                    self.by_worker_lease(worker_id, lease.id.as_str())
-                        .is_none_or(|e| e.granted_at() != lease.granted_at)
-                        && self.buried(worker_id, lease).is_none()
-                })
-                .and_then(|requester| {
-                    let key = key(worker_id, requester);
-                    self.forwards
-                        .get(&key)
-                        .filter(|out| out.answered_lease.as_deref() != Some(lease.id.as_str()))
-                        .map(|out| (key, out.out.is_empty(), out.expires_at))
-                });
-            match forward {
-                Some((_, false, _)) => {}
-                Some(((_, requester), true, expires_at)) => {
-                    self.forward_settled(worker_id, &requester);
-                    self.orphan(worker_id, lease, at, expires_at);
-                    screened.strays.push(lease.clone());
-                    screened.listed.push(lease.clone());
-                }
-                None => screened.listed.push(lease.clone()),
+            let requester = lease.requester_id.strip_prefix(&self.prefix);
+            let known = self
+                .by_worker_lease(worker_id, lease.id.as_str())
+                .is_some_and(|e| e.granted_at() == lease.granted_at)
+                || self.buried(worker_id, lease).is_some();
+            let Some(requester) = requester.filter(|_| !known).map(str::to_owned) else {
+                screened.listed.push(lease.clone());
+                continue;
+            };
+            let forward = self
+                .forwards
+                .get(&key(worker_id, &requester))
+                .filter(|out| out.answered_lease.as_deref() != Some(lease.id.as_str()))
+                .map(|out| (out.out.is_empty(), out.expires_at));
+            let displaced = self
+                .of_worker(worker_id)
+                .iter()
+                .any(|e| e.requester_id == requester && e.worker_lease_id != lease.id.as_str());
+            let stray_until = match forward {
+                // Its answer decides.
+                Some((false, _)) => continue,
+                Some((true, until)) => Some(until),
+                None => displaced.then_some(expires_at),
+            };
+            if let Some(until) = stray_until {
+                // Orphaned before its forwards are settled: stored in that order, so a crash
+                // between the two leaves it an orphan, never a lease to index.
+                self.orphan(worker_id, lease, at, until);
+                self.forward_settled(worker_id, &requester);
+                screened.strays.push(lease.clone());
             }
+            screened.listed.push(lease.clone());
         }
         screened
     }

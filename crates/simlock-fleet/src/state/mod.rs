@@ -1265,7 +1265,7 @@ impl Core {
     /// gateway knew of and the worker no longer lists ended, and their owners hear it.
     /// Folds in a view's leases read at `sent`, screened first ([`Self::screen`]).
     fn fold_snapshot(&mut self, worker_id: &str, leases: &[LeaseRecord], sent: Stamp, now: i64) {
-        let leases = self.screen(worker_id, leases);
+        let leases = self.screen(worker_id, leases, now);
         for entry in self.index.apply_snapshot(worker_id, &leases, sent) {
             let except = self.releasing.remove(&entry.lease_id).flatten();
             let reason = if except.is_some() {
@@ -1282,12 +1282,13 @@ impl Core {
     /// Screens a view's leases for the grants of forwards whose answers were lost: each is an
     /// orphan, released at once; a forward still waiting for its answer leaves its grant to it.
     /// Answers what the view may fold in.
-    fn screen(&mut self, worker_id: &str, leases: &[LeaseRecord]) -> Vec<LeaseRecord> {
+    fn screen(&mut self, worker_id: &str, leases: &[LeaseRecord], now: i64) -> Vec<LeaseRecord> {
         if self.broken(Fault::LostGrantsIndexed) {
             return leases.to_vec();
         }
         let at = self.next_stamp();
-        let screened = self.index.screen(worker_id, leases, at);
+        let expires_at = self.orphan_expiry(now);
+        let screened = self.index.screen(worker_id, leases, at, expires_at);
         let generation = self.releasing_generation(worker_id);
         for stray in screened.strays {
             info!(worker = %worker_id, lease = %stray.id, requester = %stray.requester_id,
@@ -1964,7 +1965,11 @@ impl Core {
                 lease: grant.lease.id.to_string(),
                 answered: waited,
             },
-            Err(err) if is_uplink_lost(err) => ForwardAnswer::Lost,
+            // Not the worker's word on the request (the uplink was lost, or the answer could
+            // not be read): it may have granted.
+            Err(err) if is_uplink_lost(err) || err.code == ErrorCode::Internal => {
+                ForwardAnswer::Lost
+            }
             Err(_) => ForwardAnswer::Refused,
         };
         let refused = answer == ForwardAnswer::Refused;
@@ -2522,10 +2527,12 @@ impl Core {
             let expires_at = self.orphan_expiry(now);
             for lease_id in held {
                 if let Some(entry) = self.index.defer_release(&lease_id, at, expires_at) {
-                    self.releasing.remove(&lease_id);
+                    // A release of it in flight is answered; its caller's connection hears no
+                    // more of it.
+                    let except = self.releasing.remove(&lease_id).flatten();
                     info!(lease = %lease_id, worker = %worker_id,
                         "its worker was removed: the lease ends here, and is released there should it come back");
-                    self.notify_lost(&entry, LeaseEndReason::Killed, None);
+                    self.notify_lost(&entry, LeaseEndReason::Killed, except);
                 }
             }
             self.index.forget_worker(worker_id);

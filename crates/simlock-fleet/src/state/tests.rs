@@ -2342,3 +2342,26 @@ fn removing_an_away_worker_ends_its_leases_as_orphans() {
     assert_eq!(orphan_releases(&subscribed), ["lse_a"]);
     assert!(core.lease(&lease_id).is_none(), "no view brings it back");
 }
+
+/// A view listing a lease of a requester that holds another indexed lease on that worker (a
+/// worker holds one lease of a requester): the unknown one is a grant nobody was told of (its
+/// forward settled early by the other's grant), released, never indexed beside the other.
+#[test]
+fn a_second_lease_of_a_requester_on_one_worker_is_released_not_indexed() {
+    let (mut core, generation) = fleet(2);
+    let lease_id = granted(&mut core);
+    core.handle_worker_event(
+        generation,
+        event("lease.granted", serde_json::json!({})),
+        T0,
+    );
+    let sent = refresh_sent(&core.take_effects()).expect("a read");
+    let held = record("lse_a", "gw:g1:agent", T0);
+    let stray = record("lse_old", "gw:g1:agent", T0 - 5_000);
+    core.handle_refreshed(generation, sent, refresh(vec![stray, held], 2), T0);
+    let effects = core.take_effects();
+    assert_eq!(orphan_releases(&effects), ["lse_old"], "{effects:?}");
+    assert!(core.lease("w1.lse_old").is_none());
+    assert!(core.lease(&lease_id).is_some(), "the answered one stays");
+    assert_eq!(core.leases(agent().viewer()).len(), 1);
+}
