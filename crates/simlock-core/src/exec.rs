@@ -14,7 +14,7 @@ use std::process::{ExitStatus, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
-use simlock_daemon::processes::{Entry, Ledger, Role};
+use simlock_daemon::processes::{Entry, Ledger, Role, started_of};
 
 use crate::config::ToolConfig;
 use simlock_contract::push::{OutputStream, Push};
@@ -86,6 +86,7 @@ async fn run_to_end(ctx: CallCtx, run: Run) -> Result<i32, CoreError> {
             role: Role::Exec,
             device: Some(run.target.device_id.to_string()),
             port: None,
+            started: started_of(pid),
         };
         if let Err(e) = ledger.record(&entry) {
             drop(group);

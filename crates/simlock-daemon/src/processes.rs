@@ -47,6 +47,38 @@ pub struct Entry {
     /// The port it holds, if any (an emulator's console port, the adb server's port).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub port: Option<u16>,
+    /// When it started, where that can be read ([`started_of`]): what tells it from a later
+    /// process given the same pid, whatever its program became (a tool that `exec`s another).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub started: Option<Started>,
+}
+
+/// When a process started: the boot it started in, and the moment after that boot.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Started {
+    /// The kernel's id of the boot (`/proc/sys/kernel/random/boot_id`).
+    pub boot: String,
+    /// Clock ticks after that boot (`/proc/<pid>/stat`, field 22).
+    pub ticks: u64,
+}
+
+/// When `pid` started, where `/proc` tells it (Linux); `None` elsewhere, or when it is gone.
+pub fn started_of(pid: u32) -> Option<Started> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // `pid (comm) state …`: the fields after the last `)` start at the third.
+    let ticks = stat
+        .rsplit_once(')')?
+        .1
+        .split_whitespace()
+        .nth(22 - 3)?
+        .parse()
+        .ok()?;
+    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").ok()?;
+    Some(Started {
+        boot: boot.trim().to_owned(),
+        ticks,
+    })
 }
 
 /// The processes one part of a worker started (a driver, `device.exec`), on disk.
@@ -157,9 +189,16 @@ fn program_of(pid: u32) -> Option<String> {
 
 /// Whether the recorded process still runs its program (not a reused pid).
 pub fn still_runs(entry: &Entry) -> bool {
-    pid_alive(entry.pid)
-        && program_of(entry.pid)
-            .is_some_and(|p| p == entry.program || p.starts_with(&format!("{} ", entry.program)))
+    if !pid_alive(entry.pid) {
+        return false;
+    }
+    match (&entry.started, started_of(entry.pid)) {
+        // The same start on the same boot: ours, whatever it runs now.
+        (Some(recorded), Some(now)) => *recorded == now,
+        // No start time to compare (an entry of an earlier version, or no /proc): its program.
+        _ => program_of(entry.pid)
+            .is_some_and(|p| p == entry.program || p.starts_with(&format!("{} ", entry.program))),
+    }
 }
 
 /// Sends `signal` to `pid`'s process group (and to `pid`, should it have left the group).
@@ -206,4 +245,69 @@ pub async fn reap(ledger: &Ledger, keep: impl Fn(&Entry) -> bool) -> Vec<Entry> 
         stopped.push(entry);
     }
     stopped
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(pid: u32, program: &str, started: Option<Started>) -> Entry {
+        Entry {
+            pid,
+            program: program.into(),
+            args: Vec::new(),
+            role: Role::Exec,
+            device: None,
+            port: None,
+            started,
+        }
+    }
+
+    /// A process is known again by when it started, whatever it runs now: a tool that `exec`s
+    /// another is still ours; a later process given the same pid is not, whatever its program
+    /// (outside trial 12's review: argv[0] alone missed the first and would stop the second).
+    #[test]
+    fn a_process_is_known_by_its_start_whatever_it_runs_now() {
+        let mut child = std::process::Command::new("sh")
+            .args(["-c", "exec sleep 30"])
+            .spawn()
+            .unwrap();
+        let pid = child.id();
+        let Some(started) = started_of(pid) else {
+            // No /proc here: only the program is compared.
+            let _ = child.kill();
+            let _ = child.wait();
+            return;
+        };
+        assert!(still_runs(&entry(pid, "sh", Some(started.clone()))));
+        let later = Started {
+            ticks: started.ticks + 1,
+            ..started.clone()
+        };
+        assert!(
+            !still_runs(&entry(pid, "sh", Some(later))),
+            "not the same start"
+        );
+        let other_boot = Started {
+            boot: "another boot".into(),
+            ..started
+        };
+        assert!(
+            !still_runs(&entry(pid, "sh", Some(other_boot))),
+            "not this boot"
+        );
+        // An entry with no start time (written by an earlier version): its program decides.
+        let _ = child.kill();
+        let _ = child.wait();
+        assert!(!still_runs(&entry(pid, "sh", None)), "gone");
+    }
+
+    /// An entry written before `started` existed reads back without it.
+    #[test]
+    fn an_entry_without_a_start_time_reads_back() {
+        let old = r#"{"pid":7,"program":"adb","args":[],"role":"adb-server","port":5038}"#;
+        let entry: Entry = serde_json::from_str(old).unwrap();
+        assert_eq!(entry.started, None);
+        assert_eq!(entry.role, Role::AdbServer);
+    }
 }

@@ -18,7 +18,7 @@ use tracing::warn;
 use crate::error::ToolError;
 
 pub use simlock_daemon::processes::{
-    Entry, Ledger, Role, pid_alive, reap, signal, still_runs, stop_foreign,
+    Entry, Ledger, Role, pid_alive, reap, signal, started_of, still_runs, stop_foreign,
 };
 
 /// Makes `dir` (and its parents), owner-only.
@@ -130,6 +130,7 @@ impl Runner {
                 role: Role::Tool,
                 device: None,
                 port: None,
+                started: started_of(pid),
             },
         )?;
         if let (Some(text), Some(mut pipe)) = (stdin, child.stdin.take()) {
@@ -236,6 +237,7 @@ impl Runner {
             role,
             device,
             port,
+            started: started_of(pid),
         };
         if let Err(e) = record(&self.ledger, &entry) {
             signal(pid, rustix::process::Signal::KILL);
@@ -431,6 +433,7 @@ mod tests {
             role: Role::Tool,
             device: None,
             port: None,
+            started: None,
         };
         again.record(&stranger).unwrap();
         assert!(reap(&again, |_| false).await.is_empty());

@@ -385,6 +385,7 @@ async fn a_tool_is_recorded_while_it_runs_and_one_left_by_a_crash_is_stopped_at_
             role: Role::Exec,
             device: None,
             port: None,
+            started: simlock_daemon::processes::started_of(left.id()),
         })
         .unwrap();
     let _again = Harness::build(Build {
