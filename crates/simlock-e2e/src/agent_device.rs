@@ -458,6 +458,15 @@ impl Cli {
         path
     }
 
+    /// `agent-device connect` with a remote profile for `platform`, which must succeed.
+    pub async fn connect(&self, platform: &str) -> CliRun {
+        let profile = self.profile(platform);
+        let profile = profile.to_str().expect("a UTF-8 profile path");
+        let connect = self.run(&["connect", "--remote-config", profile]).await;
+        assert_eq!(connect.json["success"], json!(true), "{connect:?}");
+        connect
+    }
+
     /// Runs the CLI with `args` and `--json` (bounded by [`PATIENCE`]). The base URL is always
     /// set: without one the CLI starts a local daemon of its own.
     pub async fn run(&self, args: &[&str]) -> CliRun {

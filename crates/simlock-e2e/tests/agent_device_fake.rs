@@ -105,11 +105,7 @@ async fn a_screenshot_artifact_downloads_through_the_worker_with_the_published_c
     let worker = AdWorker::with_fake(attached_config(), &fake).await;
     let (_, secret) = worker.token("agent").await;
     let cli = Cli::new(&pkg, &worker.base(), &secret);
-    let profile = cli.profile("android");
-    let connect = cli
-        .run(&["connect", "--remote-config", profile.to_str().unwrap()])
-        .await;
-    assert_eq!(connect.json["success"], json!(true), "{connect:?}");
+    cli.connect("android").await;
     // The first device command allocates; the fake then lists the leased emulator.
     let _ = cli.run(&["devices"]).await;
     let lease = worker.leases().await[0]["id"].as_str().unwrap().to_owned();

@@ -1647,11 +1647,7 @@ async fn the_published_cli_lists_its_devices_on_two_workers_and_shows_the_too_ol
         "the CLI shows the refusal and its hint: {unconnected:?}"
     );
     for cli in &clis {
-        let profile = cli.profile("android");
-        let connect = cli
-            .run(&["connect", "--remote-config", profile.to_str().unwrap()])
-            .await;
-        assert_eq!(connect.json["success"], json!(true), "{connect:?}");
+        cli.connect("android").await;
         let _ = cli.run(&["devices"]).await;
     }
     assert_eq!(gw.leases().await.len(), 2);
@@ -1765,6 +1761,29 @@ struct Cable {
     task: tokio::task::JoinHandle<()>,
 }
 
+/// Carries bytes from `from` to `to` until either ends, holding them while `stalled` says so,
+/// and copying each into `tap` when there is one.
+async fn carry(
+    mut from: tokio::net::tcp::OwnedReadHalf,
+    mut to: tokio::net::tcp::OwnedWriteHalf,
+    stalled: &mut tokio::sync::watch::Receiver<bool>,
+    tap: Option<&parking_lot::Mutex<Vec<u8>>>,
+) -> std::io::Result<()> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        let n = from.read(&mut buf).await?;
+        if n == 0 {
+            return Ok(());
+        }
+        let _ = stalled.wait_for(|stalled| !*stalled).await;
+        if let Some(tap) = tap {
+            tap.lock().extend_from_slice(&buf[..n]);
+        }
+        to.write_all(&buf[..n]).await?;
+    }
+}
+
 impl Cable {
     async fn to(target: std::net::SocketAddr) -> Self {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -1782,38 +1801,14 @@ impl Cable {
                 let tap = tapped.clone();
                 let (mut flow_up, mut flow_down) = (stall.subscribe(), stall.subscribe());
                 tokio::spawn(async move {
-                    use tokio::io::{AsyncReadExt, AsyncWriteExt};
                     let Ok(outbound) = tokio::net::TcpStream::connect(target).await else {
                         return;
                     };
-                    let (mut in_read, mut in_write) = inbound.into_split();
-                    let (mut out_read, mut out_write) = outbound.into_split();
-                    let upward = async move {
-                        let mut buf = vec![0u8; 64 * 1024];
-                        loop {
-                            let n = in_read.read(&mut buf).await?;
-                            if n == 0 {
-                                return Ok::<(), std::io::Error>(());
-                            }
-                            let _ = flow_up.wait_for(|stalled| !*stalled).await;
-                            out_write.write_all(&buf[..n]).await?;
-                        }
-                    };
-                    let downward = async move {
-                        let mut buf = vec![0u8; 64 * 1024];
-                        loop {
-                            let n = out_read.read(&mut buf).await?;
-                            if n == 0 {
-                                return Ok::<(), std::io::Error>(());
-                            }
-                            let _ = flow_down.wait_for(|stalled| !*stalled).await;
-                            tap.lock().extend_from_slice(&buf[..n]);
-                            in_write.write_all(&buf[..n]).await?;
-                        }
-                    };
+                    let (in_read, in_write) = inbound.into_split();
+                    let (out_read, out_write) = outbound.into_split();
                     tokio::select! {
-                        _ = upward => {}
-                        _ = downward => {}
+                        _ = carry(in_read, out_write, &mut flow_up, None) => {}
+                        _ = carry(out_read, in_write, &mut flow_down, Some(&tap)) => {}
                         _ = state.wait_for(|up| !*up) => {}
                     }
                 });
@@ -2243,11 +2238,7 @@ async fn the_published_clis_disconnect_on_a_stalled_uplink_ends_the_lease_once_t
     let cable = gw.add_android_worker_via_cable().await;
     let (_, secret) = gw.token().await;
     let cli = Cli::new(&pkg, &gw.base(), &secret);
-    let profile = cli.profile("android");
-    let connect = cli
-        .run(&["connect", "--remote-config", profile.to_str().unwrap()])
-        .await;
-    assert_eq!(connect.json["success"], json!(true), "{connect:?}");
+    cli.connect("android").await;
     let _ = cli.run(&["devices"]).await;
     let lease = gw.leases().await[0]["id"].as_str().unwrap().to_owned();
     cable.stall();
@@ -2384,11 +2375,7 @@ async fn a_published_cli_session_survives_its_workers_uplink_drop_without_alloca
     let cable = gw.add_android_worker_via_cable().await;
     let (_, secret) = gw.token().await;
     let cli = Cli::new(&pkg, &gw.base(), &secret);
-    let profile = cli.profile("android");
-    let connect = cli
-        .run(&["connect", "--remote-config", profile.to_str().unwrap()])
-        .await;
-    assert_eq!(connect.json["success"], json!(true), "{connect:?}");
+    cli.connect("android").await;
     // The first command allocates.
     let _ = cli.run(&["devices"]).await;
     list_the_leased_device(&gw, 0);

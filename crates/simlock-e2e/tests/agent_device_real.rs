@@ -57,11 +57,7 @@ async fn the_published_cli_leases_drives_and_releases_a_device_through_a_worker(
     );
 
     let cli = Cli::new(&pkg, &base, &secret);
-    let profile = cli.profile("android");
-    let connect = cli
-        .run(&["connect", "--remote-config", profile.to_str().unwrap()])
-        .await;
-    assert_eq!(connect.json["success"], json!(true), "{connect:?}");
+    cli.connect("android").await;
 
     // The first device command allocates: a simlock lease owned by the token, with requester
     // and id the lease id the CLI got.
@@ -603,12 +599,8 @@ async fn the_published_cli_through_a_gateway_lands_on_the_capable_worker_heartbe
         "{health:?}"
     );
     let cli = Cli::new(&pkg, &base, &secret);
-    let profile = cli.profile("android");
     for round in 0..5 {
-        let connect = cli
-            .run(&["connect", "--remote-config", profile.to_str().unwrap()])
-            .await;
-        assert_eq!(connect.json["success"], json!(true), "{connect:?}");
+        cli.connect("android").await;
         let _ = cli.run(&["devices"]).await;
         let listed = fleet
             .operator()
@@ -740,11 +732,7 @@ async fn an_agent_of_the_worker_never_reads_the_gateway_agents_session(
     // command's diagnostics, which the CLI fetches and saves, are its own session's, and the
     // gateway agent's request is not among them.
     let cli = Cli::new(pkg, &worker_base, created["secret"].as_str().unwrap());
-    let profile = cli.profile("android");
-    let connect = cli
-        .run(&["connect", "--remote-config", profile.to_str().unwrap()])
-        .await;
-    assert_eq!(connect.json["success"], json!(true), "{connect:?}");
+    cli.connect("android").await;
     let failed = cli.run(&["snapshot"]).await;
     assert_eq!(
         failed.json["error"]["code"],
