@@ -295,15 +295,15 @@ fn gone(pid: i32) -> bool {
     u32::try_from(pid).is_ok_and(|pid| !simlock_daemon::processes::pid_alive(pid))
 }
 
-/// Waits (bounded) until `pid` is gone: init reaps an orphan in its own time.
-async fn until_gone(pid: i32) -> bool {
+/// Waits until `pid` is gone (a killed process ends in its own time; nothing tells us when):
+/// fails the test past [`GUARD`].
+async fn until_gone(pid: i32) {
     within(GUARD, async {
         while !gone(pid) {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     })
     .await;
-    true
 }
 
 /// Outside trial 12: what a tool starts in the background is stopped with it, at its timeout and
@@ -327,10 +327,8 @@ async fn what_a_tool_starts_in_the_background_is_stopped_with_it() {
     .unwrap_err();
     assert_eq!(err.code, ErrorCode::ExecTimeout);
     let child: i32 = drain(&mut pushes).1.trim().parse().unwrap();
-    assert!(
-        until_gone(child).await,
-        "the background child is stopped too"
-    );
+    // The background child is stopped too.
+    until_gone(child).await;
 
     // Ended on its own, a child left behind in the background.
     let (ctx, mut pushes) = agent_with_pushes("agent-a");
@@ -343,7 +341,8 @@ async fn what_a_tool_starts_in_the_background_is_stopped_with_it() {
     .unwrap();
     assert_eq!(out.exit_code, 0);
     let child: i32 = drain(&mut pushes).1.trim().parse().unwrap();
-    assert!(until_gone(child).await, "the straggler is stopped");
+    // The straggler is stopped.
+    until_gone(child).await;
 }
 
 /// A tool runs recorded in the exec process ledger, and is forgotten once it ended; a tool an

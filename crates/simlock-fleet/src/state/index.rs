@@ -268,6 +268,8 @@ pub struct LeaseIndex {
     forwards: BTreeMap<(String, String), ForwardOut>,
     /// The forwards out by expiry, soonest first.
     forward_expiries: BTreeSet<(i64, (String, String))>,
+    /// The (worker, requester) of each forward attempt still to be answered.
+    attempts: HashMap<u64, (String, String)>,
 }
 
 /// The gateway lease id for a worker's lease.
@@ -603,6 +605,7 @@ impl LeaseIndex {
                 expires_at: i64::MIN,
             });
         forward.out.insert(attempt);
+        self.attempts.insert(attempt, key.clone());
         let was = forward.expires_at;
         if expires_at <= was {
             return;
@@ -626,18 +629,19 @@ impl LeaseIndex {
         }
     }
 
-    /// A forward of `requester_id` to `worker_id` was answered. It is settled once none is out
-    /// and no answer is in doubt (a grant ends the doubt: the worker holds one lease of a
-    /// requester). Answers whether a lost answer's grant is still to be found in a view.
+    /// Forward `attempt` was answered. Its requester's forwards to its worker are settled once
+    /// none is out and no answer is in doubt (a grant ends the doubt: the worker holds one lease
+    /// of a requester). Answers its worker, and whether a lost answer's grant is still to be
+    /// found in a view of it; nothing for an attempt it does not know.
     pub fn forward_answered(
         &mut self,
-        worker_id: &str,
-        requester_id: &str,
         attempt: u64,
         answer: ForwardAnswer,
-    ) -> bool {
-        let Some(forward) = self.forwards.get_mut(&key(worker_id, requester_id)) else {
-            return false;
+    ) -> Option<(String, bool)> {
+        let (worker_id, requester_id) = self.attempts.remove(&attempt)?;
+        let Some(forward) = self.forwards.get_mut(&key(&worker_id, &requester_id)) else {
+            // Settled meanwhile (its grant found in a view, or expired).
+            return Some((worker_id, false));
         };
         forward.out.remove(&attempt);
         let granted = match answer {
@@ -656,11 +660,11 @@ impl LeaseIndex {
         };
         let (settled, lost) = (forward.out.is_empty() && !forward.lost, forward.lost);
         if settled {
-            self.forward_settled(worker_id, requester_id);
+            self.forward_settled(&worker_id, &requester_id);
         } else if granted {
-            self.keep_forward(key(worker_id, requester_id));
+            self.keep_forward(key(&worker_id, &requester_id));
         }
-        lost
+        Some((worker_id, lost))
     }
 
     /// Settles the forwards of `requester_id` to `worker_id`: answered, their grant found in a

@@ -468,8 +468,6 @@ pub struct Core {
     stamp: Stamp,
     next_generation: u64,
     next_attempt: u64,
-    /// The forwards whose answers are still to come, by attempt: the worker and the requester.
-    forwards_out: HashMap<u64, (String, String)>,
     last_depth: u32,
     stopping: bool,
     fx: VecDeque<Effect>,
@@ -516,7 +514,6 @@ impl Core {
             stamp: 0,
             next_generation: 1,
             next_attempt: 1,
-            forwards_out: HashMap::new(),
             last_depth: 0,
             stopping: false,
             fx: VecDeque::new(),
@@ -1808,8 +1805,6 @@ impl Core {
         let expires_at = self.orphan_expiry(now.saturating_add(timeout));
         self.index
             .forward_sent(&worker_id, &requester, attempt, expires_at);
-        self.forwards_out
-            .insert(attempt, (worker_id.clone(), requester));
         self.fx.push_back(Effect::Forward {
             attempt,
             worker_id,
@@ -1957,9 +1952,6 @@ impl Core {
         waited: bool,
         now: i64,
     ) {
-        let Some((worker_id, requester)) = self.forwards_out.remove(&attempt) else {
-            return;
-        };
         let answer = match outcome {
             Ok(grant) => ForwardAnswer::Granted {
                 lease: grant.lease.id.to_string(),
@@ -1973,10 +1965,9 @@ impl Core {
             Err(_) => ForwardAnswer::Refused,
         };
         let refused = answer == ForwardAnswer::Refused;
-        let doubt = self
-            .index
-            .forward_answered(&worker_id, &requester, attempt, answer);
-        if doubt && refused {
+        if let Some((worker_id, true)) = self.index.forward_answered(attempt, answer)
+            && refused
+        {
             self.ask_refresh(&worker_id, false, now);
         }
     }
