@@ -20,11 +20,16 @@
 //! core. The daemon's stored uploads are removed after each one, so the disk's write-back of
 //! earlier runs weighs on none of them.
 //!
+//! Last, the floor of this machine: the same upload through one and through two chained byte
+//! relays that copy nothing in user space (`splice(2)`, no HTTP), against straight to the daemon,
+//! six mirrored runs; no relaying path with as many hops can be expected above these ratios.
+//!
 //! For a profiler, `AGENT_DEVICE_BENCH_ONLY=direct|worker|gateway` uploads 40 times on that path
 //! alone and prints no summary.
 //!
 //! The last line is the summary: `agent-device worker_upload_ratio=<x>
-//! gateway_upload_ratio=<x> heartbeat_p99_ms=<x> heartbeat_direct_p99_ms=<x>`.
+//! gateway_upload_ratio=<x> heartbeat_p99_ms=<x> heartbeat_direct_p99_ms=<x>
+//! one_hop_floor_ratio=<x> two_hop_floor_ratio=<x>`.
 #![allow(
     clippy::print_stdout,
     clippy::unwrap_used,
@@ -53,6 +58,8 @@ const SIZE: usize = 256 * MIB;
 const CHUNK: usize = 256 * 1024;
 /// Runs; a multiple of three, so each path stands at the ends of as many runs as the others.
 const RUNS: usize = 6;
+/// Runs of the floor's paths (direct, one relaying hop, two), each at the ends of two.
+const FLOOR_RUNS: usize = 6;
 /// How often a heartbeat is sent beside an upload.
 const BEAT_EVERY: Duration = Duration::from_millis(10);
 
@@ -94,6 +101,8 @@ struct Target {
     lease: Option<String>,
     /// The daemon behind every path, whose CPU is measured.
     daemon_pid: String,
+    /// The daemon's origin in the ticket's URL and what to put in its place (a byte relay's).
+    origin: Option<(String, String)>,
 }
 
 struct Timing {
@@ -227,7 +236,10 @@ async fn upload(
     );
     let ticket: Value =
         serde_json::from_slice(&ticket.into_body().collect().await.unwrap().to_bytes()).unwrap();
-    let url = ticket["upload"]["url"].as_str().unwrap().to_owned();
+    let mut url = ticket["upload"]["url"].as_str().unwrap().to_owned();
+    if let Some((daemon, relay)) = &target.origin {
+        url = url.replace(daemon.as_str(), relay);
+    }
     let mut headers = simlock_e2e::agent_device::ticket_headers(&ticket);
     if let Some(lease) = &target.lease {
         headers.push(("x-agent-device-lease-id".to_owned(), lease.clone()));
@@ -577,18 +589,21 @@ async fn bench() {
         token: endpoint.token.clone(),
         lease: None,
         daemon_pid: daemon_pid.clone(),
+        origin: None,
     };
     let via_worker = Target {
         base: worker_base,
         token: worker_secret,
         lease: None,
         daemon_pid: daemon_pid.clone(),
+        origin: None,
     };
     let via_gateway = Target {
         base: gateway_base,
         token: gateway_secret,
         lease: Some(through[0].clone()),
         daemon_pid: daemon_pid.clone(),
+        origin: None,
     };
     let piece = chunk();
     let mut hasher = Sha256::new();
@@ -769,11 +784,93 @@ async fn bench() {
         quantiles(&beside_gateway.0),
         quantiles(&beside_gateway.1)
     );
+    let (one_hop, two_hop) =
+        floors(&client, &direct, &endpoint, &piece, &sha256, &daemon_tmp).await;
     let (worker_ratio, gateway_ratio) = (median(worker_ratios), median(gateway_ratios));
     let (beat_p99, direct_p99) = (percentile(&beats, 99), percentile(&direct_beats, 99));
     drop(daemon_home);
     fleet.stop().await;
     println!(
-        "agent-device worker_upload_ratio={worker_ratio:.3} gateway_upload_ratio={gateway_ratio:.3} heartbeat_p99_ms={beat_p99:.2} heartbeat_direct_p99_ms={direct_p99:.2}"
+        "agent-device worker_upload_ratio={worker_ratio:.3} gateway_upload_ratio={gateway_ratio:.3} heartbeat_p99_ms={beat_p99:.2} heartbeat_direct_p99_ms={direct_p99:.2} one_hop_floor_ratio={one_hop:.3} two_hop_floor_ratio={two_hop:.3}"
     );
+}
+
+/// What any path of one or two relaying hops can do on this machine: the same upload through one
+/// and through two chained byte relays that copy nothing in user space (no HTTP, `splice(2)`),
+/// against straight to the daemon, mirrored as the main runs are; the median ratios.
+async fn floors(
+    client: &Client<hyper_util::client::legacy::connect::HttpConnector, Body>,
+    direct: &Target,
+    endpoint: &agent_device_host::process::Endpoint,
+    piece: &Bytes,
+    sha256: &str,
+    daemon_tmp: &std::path::Path,
+) -> (f64, f64) {
+    let daemon_origin = format!("127.0.0.1:{}", endpoint.port);
+    let one = splice_relay(daemon_origin.clone());
+    let two = splice_relay(one.clone());
+    let relayed = |origin: &str| Target {
+        base: format!("http://{origin}"),
+        token: endpoint.token.clone(),
+        lease: None,
+        daemon_pid: direct.daemon_pid.clone(),
+        origin: Some((daemon_origin.clone(), origin.to_owned())),
+    };
+    let paths = [direct, &relayed(&one), &relayed(&two)];
+    let mut ratios = (Vec::new(), Vec::new());
+    for run in 0..FLOOR_RUNS {
+        let mut order = [0, 1, 2];
+        order.rotate_left(run % 3);
+        let mut times = [Duration::ZERO; 3];
+        for (n, which) in order.into_iter().chain(order.into_iter().rev()).enumerate() {
+            let timing = upload(client, paths[which], piece, sha256, 900 + 10 * run + n).await;
+            times[which] += timing.total;
+            forget_uploads(daemon_tmp);
+        }
+        let [d, one, two] = times.map(|t| t.as_secs_f64());
+        println!(
+            "floor run {run}: one relaying hop {:.3}, two {:.3} (of direct)",
+            d / one,
+            d / two
+        );
+        ratios.0.push(d / one);
+        ratios.1.push(d / two);
+    }
+    (median(ratios.0), median(ratios.1))
+}
+
+/// A byte relay that copies nothing in user space: socket to pipe to socket with `splice(2)`, a
+/// thread per direction; its address.
+fn splice_relay(upstream: String) -> String {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    std::thread::spawn(move || {
+        for inbound in listener.incoming() {
+            let inbound = inbound.unwrap();
+            let outbound = std::net::TcpStream::connect(&upstream).unwrap();
+            inbound.set_nodelay(true).unwrap();
+            outbound.set_nodelay(true).unwrap();
+            let back = (outbound.try_clone().unwrap(), inbound.try_clone().unwrap());
+            std::thread::spawn(move || splice_pump(&inbound, &outbound));
+            std::thread::spawn(move || splice_pump(&back.0, &back.1));
+        }
+    });
+    addr
+}
+
+/// Moves `from`'s bytes to `to` through a pipe until `from` ends, then ends `to`'s writing.
+fn splice_pump(from: &std::net::TcpStream, to: &std::net::TcpStream) {
+    use rustix::pipe::{SpliceFlags, splice};
+    let (read, write) = rustix::pipe::pipe().unwrap();
+    let _ = rustix::pipe::fcntl_setpipe_size(&write, MIB);
+    while let Ok(n @ 1..) = splice(from, None, &write, None, MIB, SpliceFlags::MOVE) {
+        let mut left = n;
+        while left > 0 {
+            match splice(&read, None, to, None, left, SpliceFlags::MOVE) {
+                Ok(0) | Err(_) => return,
+                Ok(moved) => left -= moved,
+            }
+        }
+    }
+    let _ = to.shutdown(std::net::Shutdown::Write);
 }
