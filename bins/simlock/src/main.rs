@@ -368,13 +368,24 @@ async fn workers(
         Some(WorkersCommand::Drain { id }) => {
             let out = client.worker_drain(id).await?;
             emit(json, &out, |o| {
-                format!("worker {} is drained: it takes no new leases", o.worker_id)
+                let already = if o.changed { "is" } else { "was already" };
+                format!(
+                    "worker {} {already} drained: it takes no new leases",
+                    o.worker_id
+                )
             });
         }
         Some(WorkersCommand::Undrain { id }) => {
             let out = client.worker_undrain(id).await?;
             emit(json, &out, |o| {
-                format!("worker {} takes new leases again", o.worker_id)
+                if o.changed {
+                    format!("worker {} takes new leases again", o.worker_id)
+                } else {
+                    format!(
+                        "worker {} was not drained: it takes new leases",
+                        o.worker_id
+                    )
+                }
             });
         }
         Some(WorkersCommand::Remove { id }) => {

@@ -578,9 +578,26 @@ async fn operators_manage_tokens_workers_events_and_the_daemon() {
 
     let workers = run(&fake, &["--json", "workers"]).await.json();
     assert_eq!(workers["workers"][0]["id"], "fake-worker");
-    let drained = run(&fake, &["workers", "drain", "fake-worker"]).await;
-    assert_eq!(drained.code, 0);
-    assert!(drained.stdout.contains("drained"));
+    // Each answer says whether the call changed the worker.
+    for (command, said) in [
+        (
+            "drain",
+            "worker fake-worker is drained: it takes no new leases",
+        ),
+        (
+            "drain",
+            "worker fake-worker was already drained: it takes no new leases",
+        ),
+        ("undrain", "worker fake-worker takes new leases again"),
+        (
+            "undrain",
+            "worker fake-worker was not drained: it takes new leases",
+        ),
+    ] {
+        let out = run(&fake, &["workers", command, "fake-worker"]).await;
+        assert_eq!(out.code, 0, "{}", out.stderr);
+        assert_eq!(out.stdout.trim(), said);
+    }
     let unknown = run(&fake, &["workers", "undrain", "nope"]).await;
     assert_eq!(unknown.code, 12, "{}", unknown.stderr);
     let connected = run(&fake, &["workers", "remove", "fake-worker"]).await;

@@ -774,6 +774,8 @@ pub struct WorkerDrainOutput {
     pub worker_id: String,
     /// Whether it is drained now.
     pub drained: bool,
+    /// Whether this call changed that (`false`: it already was so).
+    pub changed: bool,
 }
 
 /// `worker.remove`.

@@ -545,7 +545,19 @@ async fn a_drained_worker_takes_no_new_lease_and_still_serves_its_own() {
         .call("worker.drain", json!({"workerId": worker_id}))
         .await
         .unwrap();
-    assert_eq!(drained, json!({"workerId": worker_id, "drained": true}));
+    assert_eq!(
+        drained,
+        json!({"workerId": worker_id, "drained": true, "changed": true})
+    );
+    // Again: nothing changes, and the answer says so.
+    let again = operator
+        .call("worker.drain", json!({"workerId": worker_id}))
+        .await
+        .unwrap();
+    assert_eq!(
+        again,
+        json!({"workerId": worker_id, "drained": true, "changed": false})
+    );
 
     let other = fleet.agent("agent-2").await;
     let err = other
@@ -562,10 +574,14 @@ async fn a_drained_worker_takes_no_new_lease_and_still_serves_its_own() {
         .await
         .unwrap();
 
-    operator
+    let undrained = operator
         .call("worker.undrain", json!({"workerId": worker_id}))
         .await
         .unwrap();
+    assert_eq!(
+        undrained,
+        json!({"workerId": worker_id, "drained": false, "changed": true})
+    );
     other
         .call("lease.request", json!({"platform": "ios"}))
         .await
@@ -581,7 +597,10 @@ async fn a_drained_worker_takes_no_new_lease_and_still_serves_its_own() {
             .call(op, json!({"workerId": "worker-0"}))
             .await
             .unwrap();
-        assert_eq!(answer, json!({"workerId": worker_id, "drained": drained}));
+        assert_eq!(
+            answer,
+            json!({"workerId": worker_id, "drained": drained, "changed": true})
+        );
     }
     fleet.stop().await;
 }

@@ -745,7 +745,8 @@ impl Fleet {
             .map_err(ContractError::from)
     }
 
-    /// Drains or undrains a worker; persisted before answering; idempotent.
+    /// Drains or undrains a worker; persisted before answering; idempotent: whether this call
+    /// changed it.
     ///
     /// # Errors
     /// `UNKNOWN_WORKER`, or `INTERNAL` on a store failure.
@@ -759,7 +760,7 @@ impl Fleet {
             .drain_changes(worker_id, drained)
             .map_err(ContractError::from)?
         {
-            return Ok(drained);
+            return Ok(false);
         }
         // Stored outside the fleet's lock; a failure changes nothing.
         self.db
@@ -781,7 +782,7 @@ impl Fleet {
             self.forget_stored_drain(worker_id);
             return Err(FleetError::UnknownWorker(worker_id.to_owned()).into());
         }
-        Ok(drained)
+        Ok(true)
     }
 
     /// Forgets a disconnected worker (and its drain flag); its stored drain flag goes first.
@@ -1138,8 +1139,8 @@ mod tests {
             "neither view moved"
         );
         assert!(worker_events(&bus).is_empty(), "{:?}", worker_events(&bus));
-        // What changes nothing needs no store, and still answers.
-        assert!(fleet.set_drained("w1", true).unwrap());
+        // What changes nothing needs no store, and still answers (unchanged).
+        assert!(!fleet.set_drained("w1", true).unwrap());
 
         // Once the store takes writes again, the same calls go through.
         heal_store(&db);

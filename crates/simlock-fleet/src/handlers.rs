@@ -150,5 +150,9 @@ fn set_drained(
     let worker_id = fleet.resolve_worker(&name)?;
     fleet
         .set_drained(&worker_id, drained)
-        .map(|drained| WorkerDrainOutput { worker_id, drained })
+        .map(|changed| WorkerDrainOutput {
+            worker_id,
+            drained,
+            changed,
+        })
 }

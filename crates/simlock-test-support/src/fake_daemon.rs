@@ -852,10 +852,11 @@ fn register(router: &mut Router, state: &Arc<State>) {
             };
             s.record(op, &ctx, &input);
             let outcome = if input.worker_id == "fake-worker" {
-                drained.lock().insert(input.worker_id.clone(), !undrain);
+                let before = drained.lock().insert(input.worker_id.clone(), !undrain);
                 Ok(WorkerDrainOutput {
                     worker_id: input.worker_id,
                     drained: !undrain,
+                    changed: before.unwrap_or(false) == undrain,
                 })
             } else {
                 Err(ContractError::new(
