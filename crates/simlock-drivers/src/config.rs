@@ -5,18 +5,61 @@ use serde::{Deserialize, Serialize};
 use simlock_contract::model::Mode;
 use simlock_daemon::config::{DaemonConfig, Section, SectionError, WORKER, above_zero};
 
-/// Which driver serves a platform.
+/// Which driver serves iOS (`drivers.ios.driver`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum DriverChoice {
-    /// The real driver when its tools are found and work, else the virtual one.
+#[serde(rename_all = "kebab-case", try_from = "String")]
+pub enum IosDriverChoice {
+    /// `xcrun simctl` when it is found and works, else the virtual driver.
     Auto,
     /// The virtual driver, always.
     Virtual,
-    /// iOS: `xcrun simctl`; the platform is unavailable (with the reason) when it does not work.
+    /// `xcrun simctl`; iOS is unavailable (with the reason) when it does not work.
     Simctl,
-    /// Android: the SDK's `avdmanager`, `emulator` and `adb`; unavailable when they do not work.
+}
+
+impl TryFrom<String> for IosDriverChoice {
+    type Error = String;
+
+    fn try_from(name: String) -> Result<Self, String> {
+        match name.as_str() {
+            "auto" => Ok(Self::Auto),
+            "virtual" => Ok(Self::Virtual),
+            "simctl" => Ok(Self::Simctl),
+            "android-sdk" => Err("android-sdk drives Android; use auto, simctl or virtual".into()),
+            other => Err(format!(
+                "no iOS driver is called `{other}`; use auto, simctl or virtual"
+            )),
+        }
+    }
+}
+
+/// Which driver serves Android (`drivers.android.driver`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case", try_from = "String")]
+pub enum AndroidDriverChoice {
+    /// The SDK's tools when they are found and work, else the virtual driver.
+    Auto,
+    /// The virtual driver, always.
+    Virtual,
+    /// The SDK's `avdmanager`, `emulator` and `adb`; Android is unavailable (with the reason)
+    /// when they do not work.
     AndroidSdk,
+}
+
+impl TryFrom<String> for AndroidDriverChoice {
+    type Error = String;
+
+    fn try_from(name: String) -> Result<Self, String> {
+        match name.as_str() {
+            "auto" => Ok(Self::Auto),
+            "virtual" => Ok(Self::Virtual),
+            "android-sdk" => Ok(Self::AndroidSdk),
+            "simctl" => Err("simctl drives iOS; use auto, android-sdk or virtual".into()),
+            other => Err(format!(
+                "no Android driver is called `{other}`; use auto, android-sdk or virtual"
+            )),
+        }
+    }
 }
 
 /// `drivers.*`.
@@ -34,7 +77,7 @@ pub struct DriversConfig {
 #[serde(rename_all = "camelCase", default)]
 pub struct IosDriverConfig {
     /// `auto` (default), `simctl` or `virtual`.
-    pub driver: DriverChoice,
+    pub driver: IosDriverChoice,
     /// The `xcrun` program: a path, or a name looked up in `PATH`.
     pub xcrun: String,
     /// The device set simlock owns (`simctl --set`); default `$SIMLOCK_HOME/devices/ios`.
@@ -48,7 +91,7 @@ pub struct IosDriverConfig {
 impl Default for IosDriverConfig {
     fn default() -> Self {
         Self {
-            driver: DriverChoice::Auto,
+            driver: IosDriverChoice::Auto,
             xcrun: "xcrun".into(),
             device_set: None,
             call_timeout_ms: 30_000,
@@ -62,7 +105,7 @@ impl Default for IosDriverConfig {
 #[serde(rename_all = "camelCase", default)]
 pub struct AndroidDriverConfig {
     /// `auto` (default), `android-sdk` or `virtual`.
-    pub driver: DriverChoice,
+    pub driver: AndroidDriverChoice,
     /// The SDK's root; default `$ANDROID_HOME`, else `$ANDROID_SDK_ROOT`.
     pub sdk_root: Option<String>,
     /// The AVD home simlock owns (`ANDROID_AVD_HOME`); default `$SIMLOCK_HOME/devices/android`.
@@ -86,7 +129,7 @@ pub struct AndroidDriverConfig {
 impl Default for AndroidDriverConfig {
     fn default() -> Self {
         Self {
-            driver: DriverChoice::Auto,
+            driver: AndroidDriverChoice::Auto,
             sdk_root: None,
             avd_home: None,
             adb_server_port: 5038,
@@ -109,18 +152,6 @@ impl Section for DriversConfig {
     fn check(&self, _daemon: &DaemonConfig, _mode: Mode) -> Result<(), SectionError> {
         let bad = |msg: String| Err(SectionError::new(msg));
         let (ios, android) = (&self.ios, &self.android);
-        if ios.driver == DriverChoice::AndroidSdk {
-            return bad(
-                "drivers.ios.driver: android-sdk drives Android; use auto, simctl or virtual"
-                    .into(),
-            );
-        }
-        if android.driver == DriverChoice::Simctl {
-            return bad(
-                "drivers.android.driver: simctl drives iOS; use auto, android-sdk or virtual"
-                    .into(),
-            );
-        }
         above_zero(&[
             ("drivers.ios.callTimeoutMs", ios.call_timeout_ms),
             ("drivers.ios.bootTimeoutMs", ios.boot_timeout_ms),
@@ -220,12 +251,46 @@ mod tests {
             assert!(e.contains(&format!("{section}.{key}")), "{e}");
             assert!(ok(&format!("[{section}]\n{key} = 1")));
         }
-        let e = err("[drivers.ios]\ndriver = \"android-sdk\"");
-        assert!(e.contains("drivers.ios.driver"), "{e}");
-        let e = err("[drivers.android]\ndriver = \"simctl\"");
-        assert!(e.contains("drivers.android.driver"), "{e}");
-        let e = err("[drivers.ios]\ndriver = \"xcode\"");
-        assert!(e.contains("drivers.ios.driver"), "{e}");
+        // Each platform's key names its own drivers, and only those.
+        for (text, says) in [
+            (
+                "[drivers.ios]\ndriver = \"android-sdk\"",
+                "drivers.ios.driver: android-sdk drives Android; use auto, simctl or virtual",
+            ),
+            (
+                "[drivers.ios]\ndriver = \"xcode\"",
+                "drivers.ios.driver: no iOS driver is called `xcode`; use auto, simctl or virtual",
+            ),
+            (
+                "[drivers.android]\ndriver = \"simctl\"",
+                "drivers.android.driver: simctl drives iOS; use auto, android-sdk or virtual",
+            ),
+            (
+                "[drivers.android]\ndriver = \"genymotion\"",
+                "drivers.android.driver: no Android driver is called `genymotion`; use auto, android-sdk or virtual",
+            ),
+        ] {
+            assert_eq!(err(text), format!("configuration: {says}"), "{text}");
+        }
+        for (text, ios, android) in [
+            (
+                "driver = \"auto\"",
+                IosDriverChoice::Auto,
+                AndroidDriverChoice::Auto,
+            ),
+            (
+                "driver = \"virtual\"",
+                IosDriverChoice::Virtual,
+                AndroidDriverChoice::Virtual,
+            ),
+        ] {
+            let both = format!("[drivers.ios]\n{text}\n[drivers.android]\n{text}");
+            let drivers = load_with(&both)
+                .unwrap()
+                .section::<DriversConfig>()
+                .unwrap();
+            assert_eq!((drivers.ios.driver, drivers.android.driver), (ios, android));
+        }
         // Paths are text, even when they look like numbers.
         assert_eq!(
             coerce("drivers.ios.deviceSet", "42", &sections()),

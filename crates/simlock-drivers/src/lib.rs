@@ -19,6 +19,8 @@ mod locks;
 pub mod process;
 pub mod select;
 
-pub use config::{AndroidDriverConfig, DriverChoice, DriversConfig, IosDriverConfig};
+pub use config::{
+    AndroidDriverChoice, AndroidDriverConfig, DriversConfig, IosDriverChoice, IosDriverConfig,
+};
 pub use error::ToolError;
 pub use select::{Unavailable, select};

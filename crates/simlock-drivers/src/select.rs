@@ -17,7 +17,7 @@ use simlock_contract::model::{
 use simlock_core::config::VirtualConfig;
 use simlock_core::{Adopted, Driver, DriverError, Estimates, Keep, Observation, VirtualDriver};
 
-use crate::config::{DriverChoice, DriversConfig};
+use crate::config::{AndroidDriverChoice, DriversConfig, IosDriverChoice};
 use tracing::{info, warn};
 
 use crate::android::{AndroidDriver, AndroidSettings, Sdk};
@@ -151,15 +151,9 @@ enum Choice {
 async fn ios(config: &DriversConfig, home: &Path) -> Choice {
     let c = &config.ios;
     let auto = match c.driver {
-        DriverChoice::Virtual => return Choice::Virtual("drivers.ios.driver is virtual".into()),
-        DriverChoice::AndroidSdk => {
-            return Choice::Unavailable(
-                DriverKind::Simctl,
-                "drivers.ios.driver names an Android driver".into(),
-            );
-        }
-        DriverChoice::Auto => true,
-        DriverChoice::Simctl => false,
+        IosDriverChoice::Virtual => return Choice::Virtual("drivers.ios.driver is virtual".into()),
+        IosDriverChoice::Auto => true,
+        IosDriverChoice::Simctl => false,
     };
     let Some(xcrun) = find_program(&c.xcrun) else {
         let why = format!("{} not found", c.xcrun);
@@ -191,17 +185,11 @@ async fn ios(config: &DriversConfig, home: &Path) -> Choice {
 async fn android(config: &DriversConfig, home: &Path) -> Choice {
     let c = &config.android;
     let auto = match c.driver {
-        DriverChoice::Virtual => {
+        AndroidDriverChoice::Virtual => {
             return Choice::Virtual("drivers.android.driver is virtual".into());
         }
-        DriverChoice::Simctl => {
-            return Choice::Unavailable(
-                DriverKind::AndroidSdk,
-                "drivers.android.driver names an iOS driver".into(),
-            );
-        }
-        DriverChoice::Auto => true,
-        DriverChoice::AndroidSdk => false,
+        AndroidDriverChoice::Auto => true,
+        AndroidDriverChoice::AndroidSdk => false,
     };
     let missing = |why: String| {
         if auto {

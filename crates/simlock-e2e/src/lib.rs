@@ -21,7 +21,7 @@ use simlock_contract::model::{Connection, WorkerView};
 use simlock_contract::{ContractError, Hello, PROTOCOL_RANGE};
 use simlock_core::config::CapacityStrategy;
 use simlock_daemon::home::Home;
-use simlock_drivers::DriverChoice;
+use simlock_drivers::{AndroidDriverChoice, IosDriverChoice};
 use simlock_gateway::{GatewayConfig, GatewayOptions, RunningGateway};
 use simlock_wire::{Transport, Unsolicited, WireClient};
 use simlock_worker::{RunningWorker, WorkerConfig, WorkerOptions};
@@ -35,8 +35,8 @@ pub const PATIENCE: Duration = Duration::from_secs(60);
 /// whatever tools the machine has).
 pub fn worker_config(max_running: u32) -> WorkerConfig {
     let mut config = WorkerConfig::default();
-    config.drivers.ios.driver = DriverChoice::Virtual;
-    config.drivers.android.driver = DriverChoice::Virtual;
+    config.drivers.ios.driver = IosDriverChoice::Virtual;
+    config.drivers.android.driver = AndroidDriverChoice::Virtual;
     config.core.capacity.strategy = CapacityStrategy::Fixed;
     config.core.capacity.max_running = max_running;
     config.core.virtual_devices.provision_ms = 20;

@@ -22,7 +22,7 @@ use std::process::{Child, Command, Stdio};
 
 use simlock_contract::model::{DeviceState, LeaseGrant, Platform};
 use simlock_contract::ops::LeaseRequestInput;
-use simlock_drivers::DriverChoice;
+use simlock_drivers::{AndroidDriverChoice, IosDriverChoice};
 use simlock_fake_tools::{Fault, FaultKind, SimState};
 use simlock_worker::WorkerConfig;
 use support::{PATIENCE, Rig, android_access, ios_access, within};
@@ -51,11 +51,15 @@ fn worker_bin() -> PathBuf {
 
 /// The `--set` flags that give the worker binary the rig's configuration.
 fn sets(c: &WorkerConfig) -> Vec<String> {
-    let choice = |d: DriverChoice| match d {
-        DriverChoice::Auto => "auto",
-        DriverChoice::Virtual => "virtual",
-        DriverChoice::Simctl => "simctl",
-        DriverChoice::AndroidSdk => "android-sdk",
+    let ios = |d: IosDriverChoice| match d {
+        IosDriverChoice::Auto => "auto",
+        IosDriverChoice::Virtual => "virtual",
+        IosDriverChoice::Simctl => "simctl",
+    };
+    let android = |d: AndroidDriverChoice| match d {
+        AndroidDriverChoice::Auto => "auto",
+        AndroidDriverChoice::Virtual => "virtual",
+        AndroidDriverChoice::AndroidSdk => "android-sdk",
     };
     let (i, a) = (&c.drivers.ios, &c.drivers.android);
     let mut out = vec![
@@ -66,10 +70,10 @@ fn sets(c: &WorkerConfig) -> Vec<String> {
             "health.recoveryBackoffMs={}",
             c.core.health.recovery_backoff_ms
         ),
-        format!("drivers.ios.driver={}", choice(i.driver)),
+        format!("drivers.ios.driver={}", ios(i.driver)),
         format!("drivers.ios.xcrun={}", i.xcrun),
         format!("drivers.ios.bootTimeoutMs={}", i.boot_timeout_ms),
-        format!("drivers.android.driver={}", choice(a.driver)),
+        format!("drivers.android.driver={}", android(a.driver)),
         format!("drivers.android.adbServerPort={}", a.adb_server_port),
         format!("drivers.android.consolePortMin={}", a.console_port_min),
         format!("drivers.android.consolePortMax={}", a.console_port_max),

@@ -20,7 +20,7 @@ use std::time::Duration;
 use simlock_contract::model::{DeviceAccess, Platform};
 use simlock_core::config::CapacityStrategy;
 use simlock_daemon::home::Home;
-use simlock_drivers::DriverChoice;
+use simlock_drivers::{AndroidDriverChoice, IosDriverChoice};
 use simlock_worker::WorkerConfig;
 
 /// The SDK's adb, else the one on PATH.
@@ -51,12 +51,12 @@ async fn check(platform: Platform) {
     let mut config = WorkerConfig::default();
     config.core.capacity.strategy = CapacityStrategy::Fixed;
     config.core.capacity.max_running = 1;
-    config.drivers.ios.driver = DriverChoice::Virtual;
-    config.drivers.android.driver = DriverChoice::Virtual;
+    config.drivers.ios.driver = IosDriverChoice::Virtual;
+    config.drivers.android.driver = AndroidDriverChoice::Virtual;
     match platform {
-        Platform::Ios => config.drivers.ios.driver = DriverChoice::Simctl,
+        Platform::Ios => config.drivers.ios.driver = IosDriverChoice::Simctl,
         Platform::Android => {
-            config.drivers.android.driver = DriverChoice::AndroidSdk;
+            config.drivers.android.driver = AndroidDriverChoice::AndroidSdk;
             // Not the default 5038, in case another simlock runs here.
             config.drivers.android.adb_server_port = 5098;
         }

@@ -12,7 +12,7 @@
 mod support;
 
 use simlock_contract::model::{DriverKind, DriverStatus, Platform};
-use simlock_drivers::DriverChoice;
+use simlock_drivers::{AndroidDriverChoice, IosDriverChoice};
 use support::Rig;
 
 async fn statuses(rig: &Rig) -> Vec<DriverStatus> {
@@ -36,9 +36,9 @@ fn of(statuses: &[DriverStatus], platform: Platform) -> &DriverStatus {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn auto_takes_the_real_driver_where_the_tools_work_and_says_why_it_did_not_elsewhere() {
     let mut rig = Rig::new(Platform::Android);
-    rig.config.drivers.ios.driver = DriverChoice::Auto;
+    rig.config.drivers.ios.driver = IosDriverChoice::Auto;
     rig.config.drivers.ios.xcrun = rig.dir.path().join("no/xcrun").display().to_string();
-    rig.config.drivers.android.driver = DriverChoice::Auto;
+    rig.config.drivers.android.driver = AndroidDriverChoice::Auto;
     let s = statuses(&rig).await;
     let ios = of(&s, Platform::Ios);
     assert_eq!(ios.driver, DriverKind::Virtual);
@@ -83,9 +83,9 @@ async fn auto_takes_the_real_driver_where_the_tools_work_and_says_why_it_did_not
     );
 
     // The same, chosen explicitly: unavailable, never virtual.
-    rig.config.drivers.ios.driver = DriverChoice::Simctl;
+    rig.config.drivers.ios.driver = IosDriverChoice::Simctl;
     rig.config.drivers.ios.xcrun = rig.dir.path().join("no/xcrun").display().to_string();
-    rig.config.drivers.android.driver = DriverChoice::AndroidSdk;
+    rig.config.drivers.android.driver = AndroidDriverChoice::AndroidSdk;
     let s = statuses(&rig).await;
     for platform in Platform::ALL {
         let st = of(&s, platform);

@@ -12,7 +12,7 @@ use simlock_contract::ops::{LeaseRequestInput, ListKind, ListOutput};
 use simlock_contract::{ContractError, Operation};
 use simlock_core::config::CapacityStrategy;
 use simlock_daemon::home::Home;
-use simlock_drivers::DriverChoice;
+use simlock_drivers::{AndroidDriverChoice, IosDriverChoice};
 use simlock_fake_tools::{FakeMachine, Profile, Tools};
 use simlock_worker::WorkerConfig;
 use simlock_worker::{RunningWorker, WorkerOptions};
@@ -73,18 +73,18 @@ impl Rig {
         config.core.quarantine.retry_backoff_ms = 100;
         config.core.quarantine.max_retry_backoff_ms = 400;
         config.core.quarantine.max_retries = 2;
-        config.drivers.ios.driver = DriverChoice::Virtual;
-        config.drivers.android.driver = DriverChoice::Virtual;
+        config.drivers.ios.driver = IosDriverChoice::Virtual;
+        config.drivers.android.driver = AndroidDriverChoice::Virtual;
         match platform {
             Platform::Ios => {
-                config.drivers.ios.driver = DriverChoice::Simctl;
+                config.drivers.ios.driver = IosDriverChoice::Simctl;
                 config.drivers.ios.xcrun = machine.xcrun().display().to_string();
                 config.drivers.ios.call_timeout_ms = 60_000;
                 config.drivers.ios.boot_timeout_ms = 120_000;
             }
             Platform::Android => {
                 let (min, max) = console_window();
-                config.drivers.android.driver = DriverChoice::AndroidSdk;
+                config.drivers.android.driver = AndroidDriverChoice::AndroidSdk;
                 config.drivers.android.sdk_root = Some(machine.sdk_root().display().to_string());
                 config.drivers.android.adb_server_port = free_port();
                 config.drivers.android.console_port_min = min;
