@@ -55,6 +55,10 @@ pub const STOP_GRACE: Duration = Duration::from_secs(5);
 pub const HEALTH_INTERVAL: Duration = Duration::from_secs(10);
 /// The bound on one `/health` read, and on each call the host makes on its own.
 pub const CALL_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long a connection to the daemon may idle before it is not used again: under Node's
+/// keep-alive timeout (5 s), so a request never goes on a connection the daemon is closing, nor,
+/// after this process was stopped for a while, on one it closed meanwhile.
+const POOL_IDLE: Duration = Duration::from_secs(4);
 /// The bound on a forwarded `/rpc` call, until its answer's head: agent-device's own proxy's
 /// upstream bound. A command the daemon never answers ends there, and its lease's renewals
 /// with it.
@@ -237,7 +241,9 @@ impl AgentDeviceHost {
         });
         let mut connector = HttpConnector::new();
         connector.set_nodelay(true);
-        let client = Client::builder(TokioExecutor::new()).build(connector);
+        let client = Client::builder(TokioExecutor::new())
+            .pool_idle_timeout(POOL_IDLE)
+            .build(connector);
         let (lost, lost_rx) = mpsc::unbounded_channel();
         // An attached daemon is not this host's to restart: it loses nothing through it.
         let lost = matches!(options.daemon, Daemon::Spawn(_)).then_some(lost);
@@ -817,7 +823,7 @@ async fn supervise(
                     .send_replace(DaemonState::Running(daemon.endpoint.clone()));
                 let ended = tokio::select! {
                     status = daemon.child.wait() => Ended::Exited(status.map_or_else(|e| e.to_string(), |s| s.to_string())),
-                    () = unhealthy(&shared.client, &daemon.endpoint, options.health_interval) => Ended::Unhealthy,
+                    () = unhealthy(options.health_interval, health_probe(&daemon.endpoint)) => Ended::Unhealthy,
                     () = stop.cancelled() => Ended::Stop,
                 };
                 if matches!(ended, Ended::Stop) {
@@ -888,32 +894,55 @@ enum Ended {
 }
 
 /// Resolves once `/health` failed twice in a row.
-async fn unhealthy(
-    client: &Client<HttpConnector, Upstream>,
-    endpoint: &Endpoint,
-    interval: Duration,
-) {
+/// Returns once the daemon failed two rounds of health reads in a row, a round every
+/// `interval`. A round whose read fails reads again at once before it counts: a worker that was
+/// stopped (SIGSTOP, a paused VM) or starved of CPU wakes with the bound of a read in flight
+/// already past, though the daemon answered it; the second read, with its own bound, tells a
+/// daemon that answers from one that does not (trial 13: a frozen worker restarted its healthy
+/// daemon and ended the agents' leases).
+async fn unhealthy<Probe, Read>(interval: Duration, mut probe: Probe)
+where
+    Probe: FnMut() -> Read,
+    Read: Future<Output = bool>,
+{
     let mut failures = 0;
     loop {
         tokio::time::sleep(interval).await;
-        let request = proxy::upstream_request(
-            Method::GET,
-            endpoint.port,
-            "/health",
-            http::HeaderMap::new(),
-            upstream(agent_device_front::body::empty()),
-        );
-        let healthy = match request {
-            Some(request) => matches!(
-                tokio::time::timeout(CALL_TIMEOUT, client.request(request)).await,
-                Ok(Ok(response)) if response.status().is_success()
-            ),
-            None => false,
-        };
+        let healthy = probe().await || probe().await;
         failures = if healthy { 0 } else { failures + 1 };
         if failures >= 2 {
             return;
         }
+    }
+}
+
+/// One health read of the daemon at `endpoint`, bounded by [`CALL_TIMEOUT`], each on a
+/// connection of its own: a pooled one the daemon closed while this process was not running
+/// would fail the read for a reason that is not the daemon's.
+fn health_probe(endpoint: &Endpoint) -> impl FnMut() -> BoxFuture<'static, bool> + use<> {
+    let mut connector = HttpConnector::new();
+    connector.set_nodelay(true);
+    let client: Client<HttpConnector, Upstream> = Client::builder(TokioExecutor::new())
+        .pool_max_idle_per_host(0)
+        .build(connector);
+    let port = endpoint.port;
+    move || {
+        let client = client.clone();
+        Box::pin(async move {
+            let Some(request) = proxy::upstream_request(
+                Method::GET,
+                port,
+                "/health",
+                http::HeaderMap::new(),
+                upstream(agent_device_front::body::empty()),
+            ) else {
+                return false;
+            };
+            matches!(
+                tokio::time::timeout(CALL_TIMEOUT, client.request(request)).await,
+                Ok(Ok(response)) if response.status().is_success()
+            )
+        })
     }
 }
 
@@ -1148,6 +1177,53 @@ mod tests {
                 ..
             }
         ));
+    }
+
+    /// `unhealthy` over scripted reads: how many reads it made before it gave up, or `None`
+    /// when it had not within `rounds` rounds.
+    async fn health_rounds(script: &[bool], rounds: u32) -> (Option<usize>, usize) {
+        let reads = Arc::new(AtomicU64::new(0));
+        let probe = {
+            let (reads, script) = (reads.clone(), script.to_vec());
+            move || {
+                let n = reads.fetch_add(1, Ordering::SeqCst);
+                let answer = script
+                    .get(usize::try_from(n).unwrap())
+                    .copied()
+                    .unwrap_or(true);
+                std::future::ready(answer)
+            }
+        };
+        let interval = Duration::from_secs(10);
+        let gave_up =
+            tokio::time::timeout(interval * rounds + interval / 2, unhealthy(interval, probe))
+                .await
+                .is_ok();
+        let reads = usize::try_from(reads.load(Ordering::SeqCst)).unwrap();
+        (gave_up.then_some(reads), reads)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_failed_health_read_counts_only_when_the_read_at_once_after_it_fails_too() {
+        // A worker that wakes from a freeze finds its read in flight past its bound: the read
+        // again at once is answered, and nothing counts.
+        assert_eq!(
+            health_rounds(&[false, true, false, true, false, true], 5).await,
+            (None, 8),
+            "each failed read answered again at once: never down"
+        );
+        // A daemon that answers neither read of a round, two rounds in a row, is down.
+        assert_eq!(health_rounds(&[false; 4], 5).await, (Some(4), 4));
+        // One failed round between answered ones counts for nothing.
+        assert_eq!(
+            health_rounds(&[false, false, true, false, false, true], 6).await,
+            (None, 8)
+        );
+        assert_eq!(
+            health_rounds(&[true, false, false, false, false], 6).await,
+            (Some(5), 5),
+            "two failed rounds in a row after a good one"
+        );
     }
 
     const L: &str = "0123456789abcdef0123456789abcdef";
