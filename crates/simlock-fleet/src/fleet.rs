@@ -190,6 +190,40 @@ pub(crate) struct Shared {
     pub(crate) followers: HashMap<RequestId, Vec<mpsc::UnboundedSender<Update>>>,
 }
 
+/// A change to the stored forwards out ([`Effect::StoreForward`], [`Effect::SettleForward`]).
+enum ForwardRow {
+    Store(StoredForward),
+    Settle {
+        worker_id: String,
+        requester_id: String,
+    },
+}
+
+/// The forwards out's row changes, queued under the fleet's lock in the order of their
+/// decisions and written once it is released, all that are queued in one transaction: a lease
+/// request costs the gateway two row changes, which under the lock held up every other decision
+/// (and one transaction each paid a commit each).
+#[derive(Default)]
+struct ForwardRows {
+    /// Queued in decision order; a leaf lock (taken under the fleet's lock, or under `writing`).
+    queued: Mutex<Vec<ForwardRow>>,
+    /// Held while a batch is written: a decider whose rows another took waits here until they
+    /// are stored.
+    writing: Mutex<()>,
+}
+
+/// What a decision leaves to be done once the fleet's lock is released: its forwards go out
+/// only after the rows queued so far are stored, so a forward is stored before it goes out.
+#[derive(Default)]
+struct AfterLock {
+    rows: bool,
+    forwards: Vec<(
+        Arc<WorkerConn>,
+        u64,
+        simlock_contract::ops::LeaseRequestInput,
+    )>,
+}
+
 /// The fleet of one gateway.
 pub struct Fleet {
     me: Weak<Self>,
@@ -201,6 +235,7 @@ pub struct Fleet {
     /// it is stored and applied, always taken before the fleet's lock: stores happen in the
     /// order of their decisions, and none under the fleet's lock.
     persist: Mutex<()>,
+    forward_rows: ForwardRows,
     pub(crate) bus: Arc<EventBus>,
     pub(crate) clock: SharedClock,
     presence: Presence,
@@ -274,6 +309,7 @@ impl Fleet {
             timing: parts.timing,
             db: parts.db,
             persist: Mutex::new(()),
+            forward_rows: ForwardRows::default(),
             bus: parts.bus,
             clock: parts.clock,
             presence: parts.presence,
@@ -299,17 +335,53 @@ impl Fleet {
 
     // === The one decision section ===
 
-    /// Runs one decision under the lock and carries out its effects.
+    /// Runs one decision under the lock and carries out its effects: under the lock, but for the
+    /// forwards out's rows and the forwards themselves (after it, rows first).
     pub(crate) fn decide<T>(&self, decision: impl FnOnce(&mut Shared, i64) -> T) -> T {
         let mut shared = self.shared.lock();
         let now = self.clock.now_ms();
         let out = decision(&mut shared, now);
-        self.apply(&mut shared);
+        let after = self.apply(&mut shared);
+        drop(shared);
+        if after.rows || !after.forwards.is_empty() {
+            self.store_forward_rows();
+        }
+        for (conn, attempt, input) in after.forwards {
+            self.spawn_forward(conn, attempt, input);
+        }
         out
     }
 
-    /// Carries out every effect the core queued, in order, under the caller's lock.
-    fn apply(&self, shared: &mut Shared) {
+    /// Stores every forward row queued so far, in one transaction; when another decider took
+    /// them, waits until it has stored them.
+    fn store_forward_rows(&self) {
+        let _writing = self.forward_rows.writing.lock();
+        let rows = std::mem::take(&mut *self.forward_rows.queued.lock());
+        if rows.is_empty() {
+            return;
+        }
+        let stored = self.db.with(|c| {
+            let tx = c.transaction()?;
+            for row in &rows {
+                match row {
+                    ForwardRow::Store(forward) => store_forward(&tx, forward)?,
+                    ForwardRow::Settle {
+                        worker_id,
+                        requester_id,
+                    } => settle_forward(&tx, worker_id, requester_id)?,
+                };
+            }
+            tx.commit()
+        });
+        if let Err(e) = stored {
+            warn!(rows = rows.len(), error = %e, "forwarded lease requests could not be stored or settled; should the gateway restart before their answers, a grant one made is listed as its requester's until its TTL, and a lease of a requester whose request was answered may be released");
+        }
+    }
+
+    /// Carries out every effect the core queued, in order, under the caller's lock; what must
+    /// wait for the lock's release is returned.
+    fn apply(&self, shared: &mut Shared) -> AfterLock {
+        let mut after = AfterLock::default();
         while let Some(effect) = shared.core.poll_effect() {
             match effect {
                 Effect::Answer { request, outcome } => {
@@ -344,7 +416,7 @@ impl Fleet {
                     generation,
                     input,
                 } => match shared.conns.get(&generation) {
-                    Some(conn) => self.spawn_forward(conn.clone(), attempt, input),
+                    Some(conn) => after.forwards.push((conn.clone(), attempt, input)),
                     None => {
                         let now = self.clock.now_ms();
                         shared.core.handle_forward_answered(
@@ -411,20 +483,21 @@ impl Fleet {
                     }
                 }
                 Effect::StoreForward(forward) => {
-                    if let Err(e) = self.db.with(|c| store_forward(c, &forward)) {
-                        warn!(worker = %forward.worker_id, requester = %forward.requester_id, error = %e, "a forwarded lease request could not be stored; should the gateway restart before its answer, a grant it made is listed as its requester's until its TTL");
-                    }
+                    self.forward_rows
+                        .queued
+                        .lock()
+                        .push(ForwardRow::Store(forward));
+                    after.rows = true;
                 }
                 Effect::SettleForward {
                     worker_id,
                     requester_id,
                 } => {
-                    if let Err(e) = self
-                        .db
-                        .with(|c| settle_forward(c, &worker_id, &requester_id))
-                    {
-                        warn!(worker = %worker_id, requester = %requester_id, error = %e, "an answered lease request stays stored; after a restart a lease of that requester on that worker not yet known is released");
-                    }
+                    self.forward_rows.queued.lock().push(ForwardRow::Settle {
+                        worker_id,
+                        requester_id,
+                    });
+                    after.rows = true;
                 }
                 Effect::Close { generation, why } => {
                     if let Some(conn) = shared.conns.get(&generation) {
@@ -441,6 +514,7 @@ impl Fleet {
         {
             self.wake.notify_one();
         }
+        after
     }
 
     /// Sleeps until the core's next deadline and ticks then; a decision wakes it to sleep again
@@ -962,16 +1036,16 @@ fn load_forwards(c: &mut rusqlite::Connection) -> rusqlite::Result<Vec<StoredFor
 
 /// Stores a lease request forwarded to a worker.
 fn store_forward(c: &rusqlite::Connection, forward: &StoredForward) -> rusqlite::Result<usize> {
-    c.execute(
+    c.prepare_cached(
         "INSERT OR REPLACE INTO forwards_out \
          (worker_id, requester_id, answered_lease, expires_at) VALUES (?1, ?2, ?3, ?4)",
-        rusqlite::params![
-            forward.worker_id,
-            forward.requester_id,
-            forward.answered_lease,
-            forward.expires_at
-        ],
-    )
+    )?
+    .execute(rusqlite::params![
+        forward.worker_id,
+        forward.requester_id,
+        forward.answered_lease,
+        forward.expires_at
+    ])
 }
 
 /// Deletes a stored forward.
@@ -980,10 +1054,8 @@ fn settle_forward(
     worker_id: &str,
     requester_id: &str,
 ) -> rusqlite::Result<usize> {
-    c.execute(
-        "DELETE FROM forwards_out WHERE worker_id = ?1 AND requester_id = ?2",
-        [worker_id, requester_id],
-    )
+    c.prepare_cached("DELETE FROM forwards_out WHERE worker_id = ?1 AND requester_id = ?2")?
+        .execute([worker_id, requester_id])
 }
 
 /// Deletes what was stored of a worker.
