@@ -272,6 +272,40 @@ pub struct RelayHostLink {
     keep: Duration,
     /// The time the memory reads.
     clock: SharedClock,
+    /// The workers whose last health read went unanswered until its caller gave up, and when:
+    /// health is read elsewhere for [`HEALTH_SKIP_MS`].
+    slow_health: Arc<Mutex<HashMap<String, i64>>>,
+}
+
+/// How long a worker whose health read went unanswered is passed over for health reads, while
+/// another capable worker exists (its uplink is declared dead within 15 s when it is).
+const HEALTH_SKIP_MS: i64 = 30_000;
+
+/// Marks `worker` slow for health reads when dropped before it was answered (the front's
+/// bound passed); an answer clears the mark.
+struct HealthRead {
+    /// The worker read, until the read is answered.
+    worker: Option<String>,
+    slow: Arc<Mutex<HashMap<String, i64>>>,
+    clock: SharedClock,
+}
+
+impl HealthRead {
+    /// The read was answered (well or not): the worker is not slow.
+    fn answered(mut self) {
+        if let Some(worker) = self.worker.take() {
+            self.slow.lock().remove(&worker);
+        }
+    }
+}
+
+impl Drop for HealthRead {
+    fn drop(&mut self) {
+        if let Some(worker) = self.worker.take() {
+            let now = self.clock.now_ms();
+            self.slow.lock().insert(worker, now);
+        }
+    }
 }
 
 impl std::fmt::Debug for RelayHostLink {
@@ -292,6 +326,7 @@ impl RelayHostLink {
             store: None,
             keep,
             clock,
+            slow_health: Arc::default(),
         }
     }
 
@@ -430,6 +465,21 @@ impl RelayHostLink {
         }
     }
 
+    /// The worker a health read goes to: the first capable one not passed over for a health
+    /// read its caller gave up on (a stalled worker not yet declared dead would hold every
+    /// agent's health read to the front's bound, trial 13), else the first.
+    fn health_worker(&self) -> Option<String> {
+        let capable = self.port.capable_workers();
+        let now = self.clock.now_ms();
+        let mut slow = self.slow_health.lock();
+        slow.retain(|_, since| now.saturating_sub(*since) < HEALTH_SKIP_MS);
+        capable
+            .iter()
+            .find(|w| !slow.contains_key(&w.id))
+            .or_else(|| capable.first())
+            .map(|w| w.id.clone())
+    }
+
     fn new_lease_status(&self) -> HostStatus {
         let capable = self.port.capable_workers();
         if capable.is_empty() {
@@ -498,7 +548,7 @@ impl HostLink for RelayHostLink {
             if !is_health {
                 return async { Err(Refusal::TooOld) }.boxed();
             }
-            let Some(worker) = port.capable_workers().into_iter().next() else {
+            let Some(worker) = self.health_worker() else {
                 return async {
                     Err(Refusal::NotAvailable {
                         reason: NO_CAPABLE_WORKER.into(),
@@ -508,7 +558,18 @@ impl HostLink for RelayHostLink {
                 .boxed();
             };
             let tenant = Tenant::through_gateway(&port.gateway_id(), "");
-            return relay(&*port, &worker.id, request, &tenant, None);
+            let read = HealthRead {
+                worker: Some(worker.clone()),
+                slow: self.slow_health.clone(),
+                clock: self.clock.clone(),
+            };
+            let relayed = relay(&*port, &worker, request, &tenant, None);
+            return async move {
+                let answer = relayed.await;
+                read.answered();
+                answer
+            }
+            .boxed();
         };
         let placed = caller.and_then(|c| self.owned(lease, c));
         let (Some(placed), Some(caller)) = (placed, caller) else {
@@ -837,6 +898,101 @@ mod tests {
         fn gateway_id(&self) -> String {
             self.0.gateway_id()
         }
+    }
+
+    /// A fleet whose relays to `stalled` take an hour; the others answer at once.
+    struct OneStalled {
+        fleet: Fleet,
+        stalled: &'static str,
+    }
+
+    impl FleetPort for OneStalled {
+        fn placement(&self, lease: &LeaseId) -> Option<Placement> {
+            self.fleet.placement(lease)
+        }
+        fn device(&self, lease: &LeaseId) -> Option<RecoveredLease> {
+            self.fleet.device(lease)
+        }
+        fn capable_workers(&self) -> Vec<WorkerFacts> {
+            self.fleet.capable_workers()
+        }
+        fn worker(&self, id: &str) -> Option<WorkerFacts> {
+            self.fleet.worker(id)
+        }
+        fn relay(
+            &self,
+            worker: &str,
+            request: Request<Body>,
+            tenant: &Tenant,
+            lease: Option<&LeaseId>,
+        ) -> BoxFuture<'static, Result<Response<Body>, RelayFailure>> {
+            if worker == self.stalled {
+                Slow(Fleet {
+                    placement: Mutex::new(None),
+                    workers: Vec::new(),
+                })
+                .relay(worker, request, tenant, lease)
+            } else {
+                self.fleet.relay(worker, request, tenant, lease)
+            }
+        }
+        fn gateway_id(&self) -> String {
+            self.fleet.gateway_id()
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_worker_that_left_a_health_read_unanswered_is_passed_over_for_health_a_while() {
+        let fleet = OneStalled {
+            fleet: Fleet {
+                placement: Mutex::new(None),
+                workers: vec![
+                    worker("w1", &[Platform::Android], true),
+                    worker("w2", &[Platform::Android], true),
+                ],
+            },
+            stalled: "w1",
+        };
+        let link = RelayHostLink::new(Arc::new(fleet), Duration::from_secs(60), clock());
+        let health = || {
+            link.forward(
+                Request::get(format!("{}/health", crate::PREFIX))
+                    .body(crate::body::empty())
+                    .unwrap(),
+                None,
+                None,
+            )
+        };
+        let answered_by = |response: Response<Body>| async move {
+            let body = crate::body::read_to_bytes(response.into_body(), 1024)
+                .await
+                .unwrap();
+            let body = String::from_utf8(body.to_vec()).unwrap();
+            body.split(' ').next().unwrap().to_owned()
+        };
+        // The first capable worker is read first; its caller gives up on it at its bound.
+        assert!(
+            tokio::time::timeout(Duration::from_secs(1), health())
+                .await
+                .is_err()
+        );
+        // Then the next one is read, at once.
+        let start = tokio::time::Instant::now();
+        let answer = health().await.unwrap();
+        assert_eq!(answered_by(answer).await, "w2");
+        assert_eq!(tokio::time::Instant::now(), start);
+        // One millisecond before the pass-over ends, still the next one; at its end, the first
+        // again.
+        tokio::time::advance(Duration::from_millis(29_999)).await;
+        let answer = health().await.unwrap();
+        assert_eq!(answered_by(answer).await, "w2");
+        tokio::time::advance(Duration::from_millis(1)).await;
+        assert!(
+            tokio::time::timeout(Duration::from_secs(1), health())
+                .await
+                .is_err(),
+            "the first capable worker is read again"
+        );
     }
 
     #[tokio::test(start_paused = true)]
