@@ -235,6 +235,17 @@ enum Route {
     Diagnostics,
 }
 
+/// Whether a path segment, percent-decoded, can name an artifact: not empty, not `.` or `..`,
+/// no slash, backslash or control character (trial 13: `..%2F` reached the daemon, which
+/// answered 500). agent-device's artifact ids are UUIDs.
+fn artifact_id(segment: &str) -> bool {
+    let id = simlock_daemon::http::parse::percent_decode(segment);
+    !matches!(id.as_str(), "" | "." | "..")
+        && !id
+            .chars()
+            .any(|c| c == '/' || c == '\\' || c.is_control() || c == char::REPLACEMENT_CHARACTER)
+}
+
 impl Route {
     fn parse(method: &Method, path: &str) -> Option<Self> {
         let rest = path.strip_prefix(PREFIX)?;
@@ -247,7 +258,7 @@ impl Route {
             (&Method::PUT, ["upload", "direct", id]) if !id.is_empty() => Self::Direct,
             (&Method::POST, ["upload", "finalize"]) => Self::Finalize,
             (&Method::GET, ["artifacts"]) => Self::Artifacts,
-            (&Method::GET, ["artifacts", id]) if !id.is_empty() => Self::Artifact,
+            (&Method::GET, ["artifacts", id]) if artifact_id(id) => Self::Artifact,
             (&Method::GET, ["sessions", s, "requests", r, "diagnostics"])
                 if !s.is_empty() && !r.is_empty() =>
             {
@@ -474,6 +485,9 @@ async fn rpc(
         parts,
         surface,
     };
+    // The call names its own lease; a lease header sent with it must still be one, as on the
+    // other routes.
+    lease_header(&ctx.inner, &ctx.parts.headers).map_err(|r| ctx.fail(r))?;
     let lease = call.lease().map_err(|r| ctx.fail(r))?;
     match call.method.clone() {
         RpcMethod::Allocate => allocate(&ctx, call).await,
@@ -1520,6 +1534,31 @@ fn rpc_result(id: &Value, data: Value) -> Response<Body> {
     )
 }
 
+/// The lease header, where the host link reads it (through a gateway): none when absent or
+/// empty; sent twice, or not a lease id, `BadLeaseHeader` (its value is not repeated). On a
+/// worker it is not read.
+fn lease_header(inner: &Inner, headers: &HeaderMap) -> Result<Option<LeaseId>, Refusal> {
+    if !inner.link.hosts().reads_lease_header() {
+        return Ok(None);
+    }
+    let mut values = headers.get_all(LEASE_HEADER).iter();
+    let (Some(value), None) = (values.next(), values.next()) else {
+        return if headers.contains_key(LEASE_HEADER) {
+            Err(Refusal::BadLeaseHeader)
+        } else {
+            Ok(None)
+        };
+    };
+    if value.is_empty() {
+        return Ok(None);
+    }
+    std::str::from_utf8(value.as_bytes())
+        .ok()
+        .and_then(LeaseId::parse)
+        .map(Some)
+        .ok_or(Refusal::BadLeaseHeader)
+}
+
 /// Uploads, artifacts and diagnostics. Through a gateway the lease header decides where they
 /// go; on a worker it is not read.
 async fn auxiliary(
@@ -1529,32 +1568,17 @@ async fn auxiliary(
     request: Request<Body>,
 ) -> Result<Response<Body>, Failed> {
     let surface = Surface::Route;
-    let lease = if inner.link.hosts().reads_lease_header() {
-        match request
-            .headers()
-            .get(LEASE_HEADER)
-            .map(HeaderValue::as_bytes)
-        {
-            None | Some(b"") => None,
-            Some(raw) => {
-                let lease = std::str::from_utf8(raw)
-                    .ok()
-                    .and_then(LeaseId::parse)
-                    .ok_or_else(|| route_fail(Refusal::BadLeaseHeader))?;
-                inner
-                    .link
-                    .status(StatusScope::Lease {
-                        lease: &lease,
-                        caller: &caller,
-                    })
-                    .serving()
-                    .map_err(route_fail)?;
-                Some(lease)
-            }
-        }
-    } else {
-        None
-    };
+    let lease = lease_header(&inner, request.headers()).map_err(route_fail)?;
+    if let Some(lease) = &lease {
+        inner
+            .link
+            .status(StatusScope::Lease {
+                lease,
+                caller: &caller,
+            })
+            .serving()
+            .map_err(route_fail)?;
+    }
     let request = if route == Route::Preflight {
         // Bounded as agent-device bounds it, before anything is forwarded.
         let (parts, body) = request.into_parts();
@@ -1786,6 +1810,32 @@ mod tests {
             None
         );
         assert_eq!(p(Method::GET, "/v1/agent-device"), None);
+        // An artifact is named by one segment that decodes to a name, never to a path.
+        for id in [
+            "26b1c844-daef-4ba9-8f2a-67f9724c8c31",
+            "shot.png",
+            "a%20b",
+            "...",
+        ] {
+            let path = format!("/v1/agent-device/artifacts/{id}");
+            assert_eq!(p(Method::GET, &path), Some(Route::Artifact), "{id}");
+        }
+        for id in [
+            "",
+            ".",
+            "..",
+            "%2E%2E",
+            "..%2F..%2Fetc",
+            "a%2Fb",
+            "a%5Cb",
+            "a%00b",
+            "a%0Ab",
+            "%FF",
+        ] {
+            let path = format!("/v1/agent-device/artifacts/{id}");
+            assert_eq!(p(Method::GET, &path), None, "{id}");
+        }
+        assert_eq!(p(Method::GET, "/v1/agent-device/artifacts/../x"), None);
     }
 
     #[test]

@@ -1357,7 +1357,57 @@ async fn a_header_naming_another_tokens_lease_or_no_lease_id_is_refused_and_neve
             "never echoed"
         );
     }
+    // On /rpc the call names its own lease; a lease header beside it must still be one
+    // (trial 13: it was ignored there), and a header sent twice is refused on every route.
+    let beat = lease_call("b1", "lease.heartbeat", &on_w1).to_string();
+    let refused = aux(
+        &gw,
+        Method::POST,
+        "rpc",
+        &secret,
+        Some("nope"),
+        beat.clone(),
+    )
+    .await;
+    assert_eq!(
+        refused.json()["error"]["data"]["message"],
+        json!("refused: the x-agent-device-lease-id header is not a lease id"),
+        "{refused:?}"
+    );
+    assert_eq!(refused.json()["id"], json!("b1"));
+    let bearer = format!("Bearer {secret}");
+    for (method, route, body) in [
+        (Method::POST, "rpc", beat.clone()),
+        (Method::GET, "artifacts/a1", String::new()),
+    ] {
+        let twice = Http::new()
+            .send(
+                method,
+                &format!("{}/{route}", gw.base()),
+                &[
+                    ("authorization", bearer.as_str()),
+                    ("content-type", "application/json"),
+                    ("x-agent-device-lease-id", on_w1.as_str()),
+                    ("x-agent-device-lease-id", on_w1.as_str()),
+                ],
+                body,
+            )
+            .await;
+        let said = twice.json();
+        let message = said["error"]["data"]["message"]
+            .as_str()
+            .or(said["error"].as_str())
+            .unwrap_or_default()
+            .to_owned();
+        assert_eq!(
+            message, "refused: the x-agent-device-lease-id header is not a lease id",
+            "{route}: {twice:?}"
+        );
+    }
     assert_eq!((paths(&gw.fakes[0]).len(), paths(&gw.fakes[1]).len()), seen);
+    // A well-formed header beside the call is the call's business: the heartbeat goes on.
+    let beaten = aux(&gw, Method::POST, "rpc", &secret, Some(&on_w1), beat).await;
+    assert_eq!(beaten.status, 200, "{beaten:?}");
     // /health with another token's lease in the header is the proxy's health all the same.
     let health = aux(&gw, Method::GET, "health", &other, Some(&on_w1), "").await;
     assert_eq!(
