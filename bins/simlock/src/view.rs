@@ -529,9 +529,14 @@ pub(crate) fn workers(workers: &[WorkerView]) -> String {
                     .as_ref()
                     .filter(|_| connected)
                     .map_or_else(|| "-".to_owned(), value_name),
-                w.leases
-                    .as_ref()
-                    .map_or_else(|| "-".to_owned(), |l| l.len().to_string()),
+                // The gateway releases some on it once it is back: its devices are held till then.
+                match (w.leases.as_ref(), w.releasing.len()) {
+                    (None, 0) => "-".to_owned(),
+                    (leases, 0) => leases.map_or(0, Vec::len).to_string(),
+                    (leases, releasing) => {
+                        format!("{} ({releasing} releasing)", leases.map_or(0, Vec::len))
+                    }
+                },
                 // What it can serve, as it last said: only while it is reachable.
                 w.capabilities
                     .as_deref()
@@ -901,6 +906,29 @@ mod tests {
         let row = table.lines().nth(2).unwrap();
         assert!(row.ends_with(" agent-device"), "{table}");
         assert!(table.lines().next().unwrap().ends_with("SERVES"), "{table}");
+        // Leases the gateway releases on a worker once it is back are counted beside its own.
+        let mut away = view("b", Connection::Disconnected);
+        away.leases = Some(Vec::new());
+        away.releasing = vec!["w-lease-1".into(), "w-lease-2".into()];
+        let unread = WorkerView {
+            releasing: vec!["w-lease-3".into()],
+            ..view("c", Connection::Disconnected)
+        };
+        let table = workers(&[away, unread, view("a", Connection::Connected)]);
+        let cells = |n: usize| {
+            table
+                .lines()
+                .nth(n)
+                .unwrap()
+                .split("  ")
+                .filter(|c| !c.is_empty())
+                .map(str::trim)
+                .map(str::to_owned)
+                .collect::<Vec<_>>()
+        };
+        assert!(cells(1).contains(&"0 (2 releasing)".to_owned()), "{table}");
+        assert!(cells(2).contains(&"0 (1 releasing)".to_owned()), "{table}");
+        assert!(cells(3).contains(&"-".to_owned()), "{table}");
     }
 
     #[test]

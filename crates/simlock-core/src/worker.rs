@@ -661,6 +661,7 @@ impl Worker {
             host: Some(status.host),
             waiting: status.waiting,
             capabilities: status.capabilities,
+            releasing: Vec::new(),
         }
     }
 

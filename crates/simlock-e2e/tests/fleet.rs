@@ -489,14 +489,33 @@ async fn a_release_while_the_worker_is_away_survives_a_gateway_restart_and_ends_
         .unwrap_err();
     assert_eq!(read.code, ErrorCode::UnknownLease, "{read:?}");
     drop(agent);
+    // An operator sees the release the worker owes, through a gateway restart too.
+    let releasing = |workers: Value| workers["workers"][0]["releasing"].clone();
+    let operator = fleet.operator().await;
+    let workers = operator.call("worker.list", json!({})).await.unwrap();
+    assert_eq!(releasing(workers), json!([worker_lease]));
 
     fleet.restart_gateway(config).await;
+    let workers = fleet
+        .operator()
+        .await
+        .call("worker.list", json!({}))
+        .await
+        .unwrap();
+    assert_eq!(releasing(workers), json!([worker_lease]));
     fleet.restart_worker(0, worker_config(2)).await;
     fleet.wait_connected_holding_none(0).await;
     assert!(
         fleet.worker(0).worker.lease(&worker_lease).is_none(),
         "the worker released it"
     );
+    fleet
+        .wait_until(|f| {
+            f.views_seen_by(simlock_daemon::context::Viewer::ADMIN)
+                .iter()
+                .all(|v| v.releasing.is_empty())
+        })
+        .await;
     let agent = fleet.agent("agent-0").await;
     let listed = agent.call("lease.list", json!({})).await.unwrap();
     assert_eq!(listed, json!({"leases": []}));

@@ -248,6 +248,7 @@ fn worker_view(id: &str, drained: bool) -> WorkerView {
         host: None,
         waiting: None,
         capabilities: None,
+        releasing: Vec::new(),
     }
 }
 

@@ -787,11 +787,16 @@ impl Core {
     }
 
     /// Every view, in id order, with the nested leases and waiting requests `viewer` may see:
-    /// an admin the views as the workers report them; an agent only its own leases (the rule
-    /// of the lease list, [`Self::seen`]) and the requests the gateway forwarded for it.
+    /// an admin the views as the workers report them, and the leases the gateway releases on
+    /// each once it is back (`releasing`); an agent only its own leases (the rule of the lease
+    /// list, [`Self::seen`]) and the requests the gateway forwarded for it.
     pub fn views_seen_by(&self, viewer: Viewer<'_>) -> Vec<WorkerView> {
         if viewer.admin {
-            return self.views();
+            let mut views = self.views();
+            for view in &mut views {
+                view.releasing = self.index.orphans_of(&view.id);
+            }
+            return views;
         }
         self.view_refs()
             .map(|view| {

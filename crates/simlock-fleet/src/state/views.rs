@@ -42,6 +42,7 @@ pub fn blank_view(id: &str, label: Option<String>, now: i64, connection: Connect
         host: None,
         waiting: None,
         capabilities: None,
+        releasing: Vec::new(),
     }
 }
 

@@ -70,6 +70,7 @@ fn view(id: &str, free_ios: u32) -> WorkerView {
         host: None,
         waiting: None,
         capabilities: Some(vec![]),
+        releasing: Vec::new(),
     }
 }
 
