@@ -534,7 +534,8 @@ pub(crate) fn workers(workers: &[WorkerView]) -> String {
                     (None, 0) => "-".to_owned(),
                     (leases, 0) => leases.map_or(0, Vec::len).to_string(),
                     (leases, releasing) => {
-                        format!("{} ({releasing} releasing)", leases.map_or(0, Vec::len))
+                        let held = leases.map_or_else(|| "-".to_owned(), |l| l.len().to_string());
+                        format!("{held} ({releasing} releasing)")
                     }
                 },
                 // What it can serve, as it last said: only while it is reachable.
@@ -927,7 +928,7 @@ mod tests {
                 .collect::<Vec<_>>()
         };
         assert!(cells(1).contains(&"0 (2 releasing)".to_owned()), "{table}");
-        assert!(cells(2).contains(&"0 (1 releasing)".to_owned()), "{table}");
+        assert!(cells(2).contains(&"- (1 releasing)".to_owned()), "{table}");
         assert!(cells(3).contains(&"-".to_owned()), "{table}");
     }
 

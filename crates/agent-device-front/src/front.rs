@@ -235,10 +235,10 @@ enum Route {
     Diagnostics,
 }
 
-/// Whether a path segment, percent-decoded, can name an artifact: not empty, not `.` or `..`,
-/// no slash, backslash or control character (trial 13: `..%2F` reached the daemon, which
-/// answered 500). agent-device's artifact ids are UUIDs.
-fn artifact_id(segment: &str) -> bool {
+/// Whether a path segment, percent-decoded, can name an upload, an artifact, a session or a
+/// request: not empty, not `.` or `..`, no slash, backslash or control character (trial 13:
+/// `..%2F` reached the daemon, which answered 500). agent-device's own ids are UUIDs.
+fn path_name(segment: &str) -> bool {
     let id = simlock_daemon::http::parse::percent_decode(segment);
     !matches!(id.as_str(), "" | "." | "..")
         && !id
@@ -255,12 +255,12 @@ impl Route {
             (&Method::POST, ["rpc"]) => Self::Rpc,
             (&Method::POST, ["upload"]) => Self::Upload,
             (&Method::POST, ["upload", "preflight"]) => Self::Preflight,
-            (&Method::PUT, ["upload", "direct", id]) if !id.is_empty() => Self::Direct,
+            (&Method::PUT, ["upload", "direct", id]) if path_name(id) => Self::Direct,
             (&Method::POST, ["upload", "finalize"]) => Self::Finalize,
             (&Method::GET, ["artifacts"]) => Self::Artifacts,
-            (&Method::GET, ["artifacts", id]) if artifact_id(id) => Self::Artifact,
+            (&Method::GET, ["artifacts", id]) if path_name(id) => Self::Artifact,
             (&Method::GET, ["sessions", s, "requests", r, "diagnostics"])
-                if !s.is_empty() && !r.is_empty() =>
+                if path_name(s) && path_name(r) =>
             {
                 Self::Diagnostics
             }
@@ -1836,6 +1836,22 @@ mod tests {
             assert_eq!(p(Method::GET, &path), None, "{id}");
         }
         assert_eq!(p(Method::GET, "/v1/agent-device/artifacts/../x"), None);
+        // So are an upload's, a session's and a request's.
+        for bad in ["..", "%2E%2E", "a%2Fb", "a%00b"] {
+            assert_eq!(
+                p(
+                    Method::PUT,
+                    &format!("/v1/agent-device/upload/direct/{bad}")
+                ),
+                None
+            );
+            for path in [
+                format!("/v1/agent-device/sessions/{bad}/requests/r1/diagnostics"),
+                format!("/v1/agent-device/sessions/s1/requests/{bad}/diagnostics"),
+            ] {
+                assert_eq!(p(Method::GET, &path), None, "{path}");
+            }
+        }
     }
 
     #[test]

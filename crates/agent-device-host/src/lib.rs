@@ -51,7 +51,9 @@ use crate::supervise::{Phase, Supervision};
 pub const START_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long a daemon gets between SIGTERM and SIGKILL (it drains sessions first: 1–3 s).
 pub const STOP_GRACE: Duration = Duration::from_secs(5);
-/// How often a running daemon's `/health` is read; two failures in a row restart it.
+/// How often a running daemon's `/health` is read; two failed rounds in a row restart it (a
+/// round reads again at once when its first read fails), so a daemon that stopped answering is
+/// restarted within two rounds of two bounded reads: 40 s at most.
 pub const HEALTH_INTERVAL: Duration = Duration::from_secs(10);
 /// The bound on one `/health` read, and on each call the host makes on its own.
 pub const CALL_TIMEOUT: Duration = Duration::from_secs(5);
@@ -893,7 +895,6 @@ enum Ended {
     Stop,
 }
 
-/// Resolves once `/health` failed twice in a row.
 /// Returns once the daemon failed two rounds of health reads in a row, a round every
 /// `interval`. A round whose read fails reads again at once before it counts: a worker that was
 /// stopped (SIGSTOP, a paused VM) or starved of CPU wakes with the bound of a read in flight

@@ -766,10 +766,10 @@ pub struct WorkerView {
     /// What it can serve.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub capabilities: Option<Vec<CapabilityStatus>>,
-    /// On a gateway, to an admin: its leases (by its own lease ids) that the gateway ended while
-    /// the worker was away (released by their holders, a grant whose answer was lost, the
-    /// worker removed) and releases on it once it is back. The worker holds their devices until
-    /// then.
+    /// On a gateway, to an admin: its leases (by its own lease ids) that the gateway ended and is
+    /// releasing on it (released by their holders while it was away, grants whose answers were
+    /// lost, the leases of a worker removed); while it is away, once it is back. The worker holds
+    /// their devices until then.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub releasing: Vec<String>,
 }

@@ -774,8 +774,15 @@ pub struct WorkerDrainOutput {
     pub worker_id: String,
     /// Whether it is drained now.
     pub drained: bool,
-    /// Whether this call changed that (`false`: it already was so).
+    /// Whether this call changed that (`false`: it already was so). A daemon that does not say
+    /// is read as having changed it.
+    #[serde(default = "changed_unless_said")]
     pub changed: bool,
+}
+
+/// [`WorkerDrainOutput::changed`] from a daemon that does not say.
+const fn changed_unless_said() -> bool {
+    true
 }
 
 /// `worker.remove`.

@@ -238,6 +238,10 @@ async fn upload(
         serde_json::from_slice(&ticket.into_body().collect().await.unwrap().to_bytes()).unwrap();
     let mut url = ticket["upload"]["url"].as_str().unwrap().to_owned();
     if let Some((daemon, relay)) = &target.origin {
+        assert!(
+            url.contains(daemon.as_str()),
+            "the ticket names the daemon: {url}"
+        );
         url = url.replace(daemon.as_str(), relay);
     }
     let mut headers = simlock_e2e::agent_device::ticket_headers(&ticket);

@@ -187,7 +187,7 @@ pub(crate) struct Shared {
     /// The live uplinks, by generation.
     conns: HashMap<u64, Arc<WorkerConn>>,
     /// The callers of each waiting request (each request sends them a handful of updates).
-    pub(crate) followers: HashMap<RequestId, Vec<mpsc::UnboundedSender<Update>>>,
+    pub(crate) followers: HashMap<RequestId, Followers>,
 }
 
 /// A change to the stored forwards out ([`Effect::StoreForward`], [`Effect::SettleForward`]).
@@ -212,8 +212,10 @@ struct ForwardRows {
     writing: Mutex<()>,
 }
 
-/// What a decision leaves to be done once the fleet's lock is released: its forwards go out
-/// only after the rows queued so far are stored, so a forward is stored before it goes out.
+/// What a decision leaves to be done once the fleet's lock is released, after the rows queued
+/// so far are stored: a forward is stored before it goes out, and a grant's answer reaches its
+/// waiter only once its forward's settling is stored (a gateway killed between the two would,
+/// after its restart, release the lease its requester was told of).
 #[derive(Default)]
 struct AfterLock {
     rows: bool,
@@ -222,7 +224,13 @@ struct AfterLock {
         u64,
         simlock_contract::ops::LeaseRequestInput,
     )>,
+    answers: Vec<(Followers, Outcome)>,
 }
+
+/// The callers following one lease request.
+type Followers = Vec<mpsc::UnboundedSender<Update>>;
+/// How a lease request ended, for its callers.
+type Outcome = Box<Result<LeaseGrant, ContractError>>;
 
 /// The fleet of one gateway.
 pub struct Fleet {
@@ -345,6 +353,13 @@ impl Fleet {
         drop(shared);
         if after.rows || !after.forwards.is_empty() {
             self.store_forward_rows();
+            // Whoever waits for a change and reads the store sees these rows.
+            self.changes.send_modify(|n| *n = n.wrapping_add(1));
+        }
+        for (followers, outcome) in after.answers {
+            for tx in followers {
+                let _ = tx.send(Update::Done(outcome.clone()));
+            }
         }
         for (conn, attempt, input) in after.forwards {
             self.spawn_forward(conn, attempt, input);
@@ -374,7 +389,19 @@ impl Fleet {
             tx.commit()
         });
         if let Err(e) = stored {
-            warn!(rows = rows.len(), error = %e, "forwarded lease requests could not be stored or settled; should the gateway restart before their answers, a grant one made is listed as its requester's until its TTL, and a lease of a requester whose request was answered may be released");
+            for row in &rows {
+                match row {
+                    ForwardRow::Store(forward) => {
+                        warn!(worker = %forward.worker_id, requester = %forward.requester_id, error = %e, "a forwarded lease request could not be stored; should the gateway restart before its answer, a grant it made is listed as its requester's until its TTL");
+                    }
+                    ForwardRow::Settle {
+                        worker_id,
+                        requester_id,
+                    } => {
+                        warn!(worker = %worker_id, requester = %requester_id, error = %e, "an answered lease request stays stored; after a restart a lease of that requester on that worker not yet known is released");
+                    }
+                }
+            }
         }
     }
 
@@ -386,9 +413,8 @@ impl Fleet {
             match effect {
                 Effect::Answer { request, outcome } => {
                     let outcome = Box::new((*outcome).map_err(ContractError::from));
-                    for tx in shared.followers.remove(&request).unwrap_or_default() {
-                        let _ = tx.send(Update::Done(outcome.clone()));
-                    }
+                    let followers = shared.followers.remove(&request).unwrap_or_default();
+                    after.answers.push((followers, outcome));
                 }
                 Effect::Progress { request, progress } => {
                     if let Some(list) = shared.followers.get_mut(&request) {

@@ -639,3 +639,10 @@ fn a_release_named_killed_is_an_admins_and_absent_or_explicit_is_anyones() {
         json!({"leaseId": "lse_1", "reason": "killed"})
     );
 }
+
+#[test]
+fn a_drain_answer_that_does_not_say_whether_it_changed_reads_as_changed() {
+    let read = |value: Value| serde_json::from_value::<WorkerDrainOutput>(value).unwrap();
+    assert!(read(json!({"workerId": "w1", "drained": true})).changed);
+    assert!(!read(json!({"workerId": "w1", "drained": true, "changed": false})).changed);
+}

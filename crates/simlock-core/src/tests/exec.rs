@@ -361,13 +361,14 @@ async fn a_tool_is_recorded_while_it_runs_and_one_left_by_a_crash_is_stopped_at_
     let grant = within(GUARD, h.lease("agent-a", ios())).await.unwrap();
     let ledger = Ledger::open(&ledger_dir).unwrap();
     let (ctx, mut pushes) = agent_with_pushes("agent-a");
-    let script = format!("ls {} | grep -c json", ledger_dir.display());
-    let out = within(
-        GUARD,
-        h.call::<DeviceExec>(ctx, &exec(grant.lease.id.as_str(), "sh", &[&script])),
-    )
-    .await
-    .unwrap();
+    // The tool reads its stdin first: it is written once the tool is recorded (a tool is
+    // recorded by its pid, after it started).
+    let script = format!("read go; ls {} | grep -c json", ledger_dir.display());
+    let mut input = exec(grant.lease.id.as_str(), "sh", &[&script]);
+    input.stdin = Some("go\n".into());
+    let out = within(GUARD, h.call::<DeviceExec>(ctx, &input))
+        .await
+        .unwrap();
     assert_eq!(out.exit_code, 0);
     assert_eq!(drain(&mut pushes).1.trim(), "1", "recorded while it runs");
     assert!(ledger.entries().is_empty(), "forgotten once it ended");

@@ -156,7 +156,10 @@ pub struct StoredForward {
     pub answered_lease: Option<String>,
     /// Past this (ms), any lease it granted has ended on its worker whatever happened: its
     /// worker's answer bound, then the gateway's longest TTL (nobody renews a grant nobody
-    /// knows of), and a minute for the worker's clock.
+    /// knows of), and a minute for the worker's clock, counted from when it went out. In memory
+    /// it waits while its worker is away and counts again from its return (a request that sat in
+    /// a stopped worker's socket is read, and may be granted, once it runs again); a restarted
+    /// gateway keeps a stored forward until its worker is back, whatever this says.
     pub expires_at: i64,
 }
 
@@ -678,21 +681,63 @@ impl LeaseIndex {
         }
     }
 
-    /// A forward stored before a restart: its answer is lost with the gateway that sent it.
+    /// A forward stored before a restart: its answer is lost with the gateway that sent it. Its
+    /// worker is away until it connects: the forward waits for it ([`Self::arm_forwards`]).
     pub fn restore_forward(&mut self, forward: StoredForward) {
         // Stored already: set directly.
         let key = key(&forward.worker_id, &forward.requester_id);
-        self.forward_expiries
-            .insert((forward.expires_at, key.clone()));
         self.forwards.insert(
             key,
             ForwardOut {
                 out: BTreeSet::new(),
                 lost: true,
                 answered_lease: forward.answered_lease,
-                expires_at: forward.expires_at,
+                expires_at: i64::MAX,
             },
         );
+    }
+
+    /// The keys of `worker_id`'s forwards out.
+    fn forward_keys_of(&self, worker_id: &str) -> Vec<(String, String)> {
+        self.forwards
+            .range(key(worker_id, "")..)
+            .take_while(|((worker, _), _)| worker == worker_id)
+            .map(|(k, _)| k.clone())
+            .collect()
+    }
+
+    /// `worker_id`'s uplink closed: its forwards out are not forgotten while it is away (a
+    /// stopped worker reads what its socket held, and may grant it, whenever it runs again).
+    /// Nothing is stored: a restarted gateway keeps every stored forward until its worker is
+    /// back ([`Self::restore_forward`]).
+    pub fn park_forwards(&mut self, worker_id: &str) {
+        for k in self.forward_keys_of(worker_id) {
+            if let Some(forward) = self.forwards.get_mut(&k) {
+                let was = std::mem::replace(&mut forward.expires_at, i64::MAX);
+                self.forward_expiries.remove(&(was, k));
+            }
+        }
+    }
+
+    /// Each of `worker_id`'s forwards out is kept at least until `expires_at`, the bound of a
+    /// grant the worker makes of one now: it connected (it reads now what it had not read when
+    /// it stopped), or the gateway forgot it (its forwards then go as its orphans do).
+    pub fn arm_forwards(&mut self, worker_id: &str, expires_at: i64) {
+        for k in self.forward_keys_of(worker_id) {
+            if let Some(forward) = self.forwards.get_mut(&k) {
+                let was = forward.expires_at;
+                let at = if was == i64::MAX {
+                    expires_at
+                } else {
+                    was.max(expires_at)
+                };
+                if at != was {
+                    forward.expires_at = at;
+                    self.forward_expiries.remove(&(was, k.clone()));
+                    self.forward_expiries.insert((at, k));
+                }
+            }
+        }
     }
 
     /// Screens the leases a view of `worker_id` lists, learned at `at`, for grants nobody was

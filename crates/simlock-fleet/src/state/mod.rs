@@ -1010,6 +1010,13 @@ impl Core {
         let Some(worker_id) = self.generations.get(&generation).cloned() else {
             return;
         };
+        if !self.workers.contains_key(&worker_id) {
+            return;
+        }
+        // A forward it had not read when it stopped (its process stopped, its machine asleep)
+        // is read, and may be granted, from now on.
+        let back = self.forward_expiry(now);
+        self.index.arm_forwards(&worker_id, back);
         let Some(worker) = self.workers.get_mut(&worker_id) else {
             return;
         };
@@ -1102,6 +1109,9 @@ impl Core {
             worker.view.leases.as_ref().map_or(0, Vec::len),
             worker.known,
         );
+        // Its forwards out wait for it: what it had not read when it stopped it reads, and may
+        // grant, whenever it runs again.
+        self.index.park_forwards(&worker_id);
         self.generations.remove(&generation);
         if !known {
             // No handshake ever passed, and nothing was stored: not a worker to list.
@@ -1807,7 +1817,7 @@ impl Core {
                 dispatched: false,
             }),
         );
-        let expires_at = self.orphan_expiry(now.saturating_add(timeout));
+        let expires_at = self.forward_expiry(now);
         self.index
             .forward_sent(&worker_id, &requester, attempt, expires_at);
         self.fx.push_back(Effect::Forward {
@@ -2068,6 +2078,12 @@ impl Core {
     /// When a lease that becomes an orphan `now` has ended on its worker whatever happens: nobody
     /// renews an orphan, and its last renewal (one in flight when the uplink dropped included)
     /// gave it at most the gateway's longest TTL; a minute is added for the worker's clock.
+    /// When a lease request forwarded (or read by its worker) at `now` has ended whatever it
+    /// granted: the forward's answer bound, then [`Self::orphan_expiry`].
+    fn forward_expiry(&self, now: i64) -> i64 {
+        self.orphan_expiry(now.saturating_add(self.settings.lease_request_timeout_ms))
+    }
+
     fn orphan_expiry(&self, now: i64) -> i64 {
         let max_ttl = i64::try_from(self.settings.limits.max_ttl_ms).unwrap_or(i64::MAX);
         now.saturating_add(max_ttl)
@@ -2532,6 +2548,8 @@ impl Core {
                 }
             }
             self.index.forget_worker(worker_id);
+            let expires_at = self.forward_expiry(now);
+            self.index.arm_forwards(worker_id, expires_at);
             self.fx.push_back(Effect::Forget {
                 worker_id: worker_id.to_owned(),
             });
@@ -2652,6 +2670,8 @@ impl Core {
                 continue;
             };
             self.index.forget_worker(&id);
+            let expires_at = self.forward_expiry(now);
+            self.index.arm_forwards(&id, expires_at);
             self.fx.push_back(Effect::Forget {
                 worker_id: id.clone(),
             });

@@ -160,7 +160,11 @@ fn agent() -> Caller<'static> {
 /// A core with worker `w1` connected, subscribed and read in full, with `slots` free slots.
 /// Answers the core and the uplink's generation.
 fn fleet(slots: u32) -> (Core, u64) {
-    let mut core = Core::new(settings(), Vec::new(), Vec::new(), T0);
+    fleet_with(settings(), slots)
+}
+
+fn fleet_with(settings: Settings, slots: u32) -> (Core, u64) {
+    let mut core = Core::new(settings, Vec::new(), Vec::new(), T0);
     let generation = core.handle_uplink_opened("w1", Some("one".into()), "tok_j".into(), T0);
     let sent = core.handle_probe_sent();
     core.handle_connected(generation, "v".into(), &status(Vec::new(), slots), sent, T0);
@@ -2287,23 +2291,105 @@ fn a_restarted_gateway_releases_the_grants_of_its_stored_forwards_but_the_one_it
     }
 }
 
-/// A forward in doubt whose worker never shows the grant is forgotten once any grant of it
-/// has ended, on time alone.
+/// How long after it goes out (or its worker is back) a forward is kept: the answer bound,
+/// the longest TTL and the clock margin.
+const FORWARD_BOUND: i64 = 5_000 + 60_000 + ORPHAN_CLOCK_MARGIN_MS;
+
+/// A forward in doubt whose worker is away waits for it however long; once the worker has
+/// been forgotten (retention), it is forgotten a bound later, on time alone.
 #[test]
-fn a_forward_in_doubt_is_forgotten_at_its_expiry_on_time_alone() {
+fn a_forward_in_doubt_waits_while_its_worker_is_away_and_goes_a_bound_after_the_worker_does() {
     let (mut core, generation) = fleet(1);
     a_forward_whose_answer_is_lost(&mut core);
     core.handle_uplink_closed(generation, T0);
+    assert!(
+        forward_changes(&core.take_effects()).is_empty(),
+        "nothing stored"
+    );
+    // Retention forgets the worker; its forward then counts down from that moment.
+    let forgotten = T0 + settings().disconnected_retention_ms;
+    core.handle_tick(forgotten);
     core.take_effects();
-    let expiry = stored_forward(T0, None).expires_at;
-    core.handle_tick(T0 + settings().disconnected_retention_ms);
-    core.take_effects();
+    assert!(core.view("w1").is_none(), "the worker is forgotten");
+    let expiry = forgotten + FORWARD_BOUND;
+    assert!(expiry > stored_forward(T0, None).expires_at);
     assert_eq!(core.next_deadline(), Some(expiry), "nothing else is due");
     core.handle_tick(expiry - 1);
     assert!(forward_changes(&core.take_effects()).is_empty());
+    assert_eq!(core.index().forwards_out().len(), 1);
     core.handle_tick(expiry);
     assert_eq!(forward_changes(&core.take_effects()), [forward_settled()]);
     assert!(core.index().forwards_out().is_empty());
+}
+
+/// A worker stopped (SIGSTOP, its machine asleep) with a forward unread in its socket reads it,
+/// and may grant it, whenever it runs again, long past the forward's own bound: the forward is
+/// kept while it is away, its grant is released once a view lists it, and a worker back with
+/// nothing to show has it forgotten a bound after its return.
+#[test]
+fn a_forward_a_stopped_worker_reads_long_after_is_still_screened_once_it_is_back() {
+    let long = Settings {
+        disconnected_retention_ms: 100 * FORWARD_BOUND,
+        ..settings()
+    };
+    for grants in [true, false] {
+        let (mut core, generation) = fleet_with(long.clone(), 1);
+        a_forward_whose_answer_is_lost(&mut core);
+        core.handle_uplink_closed(generation, T0);
+        core.take_effects();
+        let back = T0 + 10 * FORWARD_BOUND;
+        core.handle_tick(back);
+        assert!(forward_changes(&core.take_effects()).is_empty());
+        assert_eq!(core.index().forwards_out().len(), 1, "kept while away");
+        let leases = if grants {
+            vec![record("lse_late", "gw:g1:agent", back)]
+        } else {
+            Vec::new()
+        };
+        let generation = core.handle_uplink_opened("w1", Some("one".into()), "tok_j".into(), back);
+        let sent = core.handle_probe_sent();
+        core.handle_connected(generation, "v".into(), &status(leases, 1), sent, back);
+        let connected = core.take_effects();
+        core.handle_subscribed(generation, back);
+        let subscribed = core.take_effects();
+        if grants {
+            assert_eq!(forward_changes(&connected), [forward_settled()]);
+            assert_eq!(
+                orphan_releases(&subscribed),
+                ["lse_late"],
+                "released, never indexed"
+            );
+            assert!(core.lease("w1.lse_late").is_none());
+            assert!(core.leases(agent().viewer()).is_empty());
+        } else {
+            assert!(forward_changes(&connected).is_empty(), "{connected:?}");
+            let expiry = back + FORWARD_BOUND;
+            core.handle_tick(expiry - 1);
+            assert!(forward_changes(&core.take_effects()).is_empty());
+            core.handle_tick(expiry);
+            assert_eq!(forward_changes(&core.take_effects()), [forward_settled()]);
+        }
+    }
+}
+
+/// After a restart, a stored forward waits for its worker whatever its stored expiry says, and
+/// counts a bound from the worker's return.
+#[test]
+fn a_restored_forward_waits_for_its_worker() {
+    let mut core = Core::new(settings(), Vec::new(), Vec::new(), T0);
+    core.restore_forwards(vec![stored_forward(T0 - 10 * FORWARD_BOUND, None)]);
+    core.handle_tick(T0 + 10 * FORWARD_BOUND);
+    assert!(forward_changes(&core.take_effects()).is_empty());
+    assert_eq!(core.index().forwards_out().len(), 1);
+    let back = T0 + 10 * FORWARD_BOUND;
+    let generation = core.handle_uplink_opened("w1", Some("one".into()), "tok_j".into(), back);
+    let sent = core.handle_probe_sent();
+    core.handle_connected(generation, "v".into(), &status(Vec::new(), 1), sent, back);
+    core.take_effects();
+    core.handle_tick(back + FORWARD_BOUND - 1);
+    assert!(forward_changes(&core.take_effects()).is_empty());
+    core.handle_tick(back + FORWARD_BOUND);
+    assert_eq!(forward_changes(&core.take_effects()), [forward_settled()]);
 }
 
 /// An operator's removal of a worker that is away ends its leases here (`killed` to their
