@@ -709,7 +709,8 @@ impl LeaseIndex {
     /// `worker_id`'s uplink closed: its forwards out are not forgotten while it is away (a
     /// stopped worker reads what its socket held, and may grant it, whenever it runs again).
     /// Nothing is stored: a restarted gateway keeps every stored forward until its worker is
-    /// back ([`Self::restore_forward`]).
+    /// back ([`Self::restore_forward`]). A worker the gateway forgets (retention, an operator's
+    /// removal) keeps them too: should it ever come back, its grants of them are screened.
     pub fn park_forwards(&mut self, worker_id: &str) {
         for k in self.forward_keys_of(worker_id) {
             if let Some(forward) = self.forwards.get_mut(&k) {
@@ -720,8 +721,8 @@ impl LeaseIndex {
     }
 
     /// Each of `worker_id`'s forwards out is kept at least until `expires_at`, the bound of a
-    /// grant the worker makes of one now: it connected (it reads now what it had not read when
-    /// it stopped), or the gateway forgot it (its forwards then go as its orphans do).
+    /// grant the worker makes of one now: it connected, and reads now what it had not read when
+    /// it stopped.
     pub fn arm_forwards(&mut self, worker_id: &str, expires_at: i64) {
         for k in self.forward_keys_of(worker_id) {
             if let Some(forward) = self.forwards.get_mut(&k) {

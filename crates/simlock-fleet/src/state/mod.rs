@@ -448,6 +448,9 @@ pub enum Fault {
     /// A grant whose answer was lost is indexed as its requester's lease when a view lists it
     /// (the forwards out are not screened for).
     LostGrantsIndexed,
+    /// A forward out is forgotten at its bound while its worker is away (a worker stopped with
+    /// the request unread grants it once it runs again, and the grant is indexed).
+    ForwardsForgottenWhileAway,
 }
 
 /// The fleet's state and every decision about it.
@@ -1111,7 +1114,9 @@ impl Core {
         );
         // Its forwards out wait for it: what it had not read when it stopped it reads, and may
         // grant, whenever it runs again.
-        self.index.park_forwards(&worker_id);
+        if !self.broken(Fault::ForwardsForgottenWhileAway) {
+            self.index.park_forwards(&worker_id);
+        }
         self.generations.remove(&generation);
         if !known {
             // No handshake ever passed, and nothing was stored: not a worker to list.
@@ -2548,8 +2553,6 @@ impl Core {
                 }
             }
             self.index.forget_worker(worker_id);
-            let expires_at = self.forward_expiry(now);
-            self.index.arm_forwards(worker_id, expires_at);
             self.fx.push_back(Effect::Forget {
                 worker_id: worker_id.to_owned(),
             });
@@ -2670,8 +2673,6 @@ impl Core {
                 continue;
             };
             self.index.forget_worker(&id);
-            let expires_at = self.forward_expiry(now);
-            self.index.arm_forwards(&id, expires_at);
             self.fx.push_back(Effect::Forget {
                 worker_id: id.clone(),
             });

@@ -49,8 +49,8 @@ use simlock_contract::push::{Progress, Push};
 use simlock_contract::{ContractError, ErrorCode};
 
 use super::{
-    Admitted, Ask, Caller, Core, Effect, Fault, KnownWorker, LeaseTarget, Refresh, RefreshFailure,
-    Release, Settings, Stamp, StoredForward, StoredOrphan,
+    Admitted, Ask, BOOK_RETENTION_MS, Caller, Core, Effect, Fault, KnownWorker, LeaseTarget,
+    Refresh, RefreshFailure, Release, Settings, Stamp, StoredForward, StoredOrphan,
 };
 use crate::error::FleetError;
 
@@ -100,7 +100,14 @@ pub struct SimReport {
     pub deferred_releases: u64,
     /// Grants whose answers were lost with their uplink.
     pub lost_grants: u64,
+    /// Forwards a worker read only once back, long after its uplink dropped (it was stopped
+    /// with them unread), and granted.
+    pub late_grants: u64,
 }
+
+/// How long a stopped worker may sleep before it reads what its socket held: past every bound
+/// of the simulated gateway's (answer bound, longest TTL and clock margin: about 122 s).
+const LONG_PAUSE_MS: i64 = 400_000;
 
 /// The number of seeds from [`SEEDS_VAR`], or `default`.
 pub fn seeds_from_env(default: u64) -> u64 {
@@ -161,6 +168,7 @@ impl SimReport {
         self.asks_after_release += other.asks_after_release;
         self.deferred_releases += other.deferred_releases;
         self.lost_grants += other.lost_grants;
+        self.late_grants += other.late_grants;
     }
 }
 
@@ -253,6 +261,9 @@ struct SimWorker {
     /// When the gateway's view says it was last seen, as it read once its uplink closed (or
     /// the gateway restarted): a disconnected worker is not seen again until it reconnects.
     seen_at: Option<i64>,
+    /// Lease requests that were in its socket, unread, when its uplink dropped: a worker
+    /// stopped (SIGSTOP, its machine asleep) reads them once it runs again.
+    unread: Vec<LeaseRequestInput>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -294,6 +305,8 @@ struct Booked {
     request: RequestId,
     input: LeaseRequestInput,
     outcome: Result<String, ErrorCode>,
+    /// When it was answered: the gateway keeps its record [`BOOK_RETENTION_MS`] from then.
+    answered_at: i64,
 }
 
 struct Sim {
@@ -454,6 +467,7 @@ impl Sim {
                 subscribed: false,
                 released: BTreeSet::new(),
                 seen_at: None,
+                unread: Vec::new(),
             })
             .collect();
         let agents = (0..rng.random_range(2..=6))
@@ -550,6 +564,7 @@ impl Sim {
             930..975 => {
                 let w = self.rng.random_range(0..self.workers.len());
                 if self.workers[w].uplink.is_none() {
+                    self.resume(w, report)?;
                     self.connect(w)
                 } else {
                     Ok(())
@@ -816,6 +831,7 @@ impl Sim {
                 request: request.clone(),
                 input: (**input).clone(),
                 outcome: recorded,
+                answered_at: self.now,
             };
             self.booked.insert((a, key), booked);
         }
@@ -886,6 +902,38 @@ impl Sim {
         self.drain()
     }
 
+    /// Worker `w` runs again: what it had not read when its uplink dropped it reads now, after
+    /// a pause (sometimes far longer than any bound of the gateway's: it was stopped), and may
+    /// grant; nobody hears those answers.
+    fn resume(&mut self, w: usize, report: &mut SimReport) -> Result<(), String> {
+        if self.workers[w].unread.is_empty() {
+            return Ok(());
+        }
+        // Only while nothing is in flight: a message does not sit on a live uplink that long
+        // (its pings would have declared it dead), and the simulation has no pings.
+        if self.net.is_empty() && self.rng.random_bool(0.5) {
+            self.advance_by(LONG_PAUSE_MS, report)?;
+        }
+        for input in std::mem::take(&mut self.workers[w].unread) {
+            if let Ok(grant) = self.grant(w, &input) {
+                let worker_id = self.workers[w].id.clone();
+                self.note(|| {
+                    format!(
+                        "{worker_id} reads a forward late and grants {}",
+                        grant.lease.id
+                    )
+                });
+                report.late_grants += 1;
+                self.lost_grants.insert((
+                    worker_id,
+                    grant.lease.id.to_string(),
+                    grant.lease.granted_at,
+                ));
+            }
+        }
+        Ok(())
+    }
+
     /// The uplink of worker `w` drops: what was on it is lost, the calls out on it fail (some
     /// already carried out by the worker), and the core hears the uplink ended.
     fn disconnect(&mut self, w: usize) -> Result<(), String> {
@@ -907,7 +955,15 @@ impl Sim {
         for msg in lost {
             let call = match msg.kind {
                 Kind::Event(_) => continue,
-                Kind::Call(call) => call,
+                Kind::Call(call) => {
+                    // A worker stopped with it unread reads it once it runs again.
+                    if let Call::Forward { input, .. } = &call
+                        && self.rng.random_ratio(1, 3)
+                    {
+                        self.workers[w].unread.push(input.clone());
+                    }
+                    call
+                }
                 Kind::Answer(answer) => match answer {
                     Answer::Probe { sent, .. } => Call::Probe { sent },
                     Answer::Refresh { sent, catalog, .. } => Call::Refresh { sent, catalog },
@@ -1574,19 +1630,22 @@ impl Sim {
 
     /// Sends an answered idempotency key again: the same outcome, without a new request.
     fn replay(&mut self, a: usize) -> Result<(), String> {
+        let now = self.now;
+        // A record the gateway no longer keeps (a stopped worker's long pause passed) is not
+        // asked again.
         let Some(Booked {
             request,
             mut input,
             outcome,
+            ..
         }) = self
             .booked
             .iter()
-            .find(|((agent, _), _)| *agent == a)
+            .find(|((agent, _), b)| *agent == a && now - b.answered_at < BOOK_RETENTION_MS)
             .map(|(_, v)| v.clone())
         else {
             return Ok(());
         };
-        let now = self.now;
         // Another spec under the same key is a conflict; the same one is replayed.
         let conflict = self.rng.random_ratio(1, 4);
         if conflict {
@@ -2094,6 +2153,7 @@ mod tests {
         assert!(report.asks_after_release > 0, "{report:?}");
         assert!(report.deferred_releases > 0, "{report:?}");
         assert!(report.lost_grants > 0, "{report:?}");
+        assert!(report.late_grants > 0, "{report:?}");
         assert!(
             report.stale_reads > 0,
             "stale view reads happen: {report:?}"
@@ -2165,6 +2225,14 @@ mod tests {
     fn a_core_that_indexes_a_grant_whose_answer_was_lost_fails_with_the_seed_that_shows_it() {
         fails_with(
             Fault::LostGrantsIndexed,
+            "a grant whose answer was lost is never a live lease",
+        );
+    }
+
+    #[test]
+    fn a_core_that_forgets_a_forward_while_its_worker_is_away_fails_with_the_seed_that_shows_it() {
+        fails_with(
+            Fault::ForwardsForgottenWhileAway,
             "a grant whose answer was lost is never a live lease",
         );
     }
