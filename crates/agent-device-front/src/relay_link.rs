@@ -864,49 +864,14 @@ mod tests {
         assert!(link.held(&owner).is_empty(), "a dropped lease is not held");
     }
 
-    /// A fleet whose relays take an hour: any that is tried shows on a paused clock.
-    struct Slow(Fleet);
+    /// A fleet whose relays take an hour (to `only` that worker, or to every one): any that is
+    /// tried shows on a paused clock; the others answer at once.
+    struct Slow {
+        fleet: Fleet,
+        only: Option<&'static str>,
+    }
 
     impl FleetPort for Slow {
-        fn placement(&self, lease: &LeaseId) -> Option<Placement> {
-            self.0.placement(lease)
-        }
-        fn device(&self, lease: &LeaseId) -> Option<RecoveredLease> {
-            self.0.device(lease)
-        }
-        fn capable_workers(&self) -> Vec<WorkerFacts> {
-            self.0.capable_workers()
-        }
-        fn worker(&self, id: &str) -> Option<WorkerFacts> {
-            self.0.worker(id)
-        }
-        fn relay(
-            &self,
-            _: &str,
-            _: Request<Body>,
-            _: &Tenant,
-            _: Option<&LeaseId>,
-        ) -> BoxFuture<'static, Result<Response<Body>, RelayFailure>> {
-            async {
-                tokio::time::sleep(Duration::from_secs(3600)).await;
-                Err(RelayFailure {
-                    message: "the relay's deadline passed".into(),
-                })
-            }
-            .boxed()
-        }
-        fn gateway_id(&self) -> String {
-            self.0.gateway_id()
-        }
-    }
-
-    /// A fleet whose relays to `stalled` take an hour; the others answer at once.
-    struct OneStalled {
-        fleet: Fleet,
-        stalled: &'static str,
-    }
-
-    impl FleetPort for OneStalled {
         fn placement(&self, lease: &LeaseId) -> Option<Placement> {
             self.fleet.placement(lease)
         }
@@ -926,15 +891,16 @@ mod tests {
             tenant: &Tenant,
             lease: Option<&LeaseId>,
         ) -> BoxFuture<'static, Result<Response<Body>, RelayFailure>> {
-            if worker == self.stalled {
-                Slow(Fleet {
-                    placement: Mutex::new(None),
-                    workers: Vec::new(),
-                })
-                .relay(worker, request, tenant, lease)
-            } else {
-                self.fleet.relay(worker, request, tenant, lease)
+            if self.only.is_some_and(|only| only != worker) {
+                return self.fleet.relay(worker, request, tenant, lease);
             }
+            async {
+                tokio::time::sleep(Duration::from_secs(3600)).await;
+                Err(RelayFailure {
+                    message: "the relay's deadline passed".into(),
+                })
+            }
+            .boxed()
         }
         fn gateway_id(&self) -> String {
             self.fleet.gateway_id()
@@ -943,7 +909,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_worker_that_left_a_health_read_unanswered_is_passed_over_for_health_a_while() {
-        let fleet = OneStalled {
+        let fleet = Slow {
             fleet: Fleet {
                 placement: Mutex::new(None),
                 workers: vec![
@@ -951,7 +917,7 @@ mod tests {
                     worker("w2", &[Platform::Android], true),
                 ],
             },
-            stalled: "w1",
+            only: Some("w1"),
         };
         let link = RelayHostLink::new(Arc::new(fleet), Duration::from_secs(60), clock());
         let health = || {
@@ -997,14 +963,17 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_lease_whose_worker_is_disconnected_is_answered_with_no_time_passing() {
-        let fleet = Slow(Fleet {
-            placement: Mutex::new(Some(placement("w2", "tok_a"))),
-            workers: vec![WorkerFacts {
-                connected: false,
-                serves: false,
-                ..worker("w2", &[Platform::Android], true)
-            }],
-        });
+        let fleet = Slow {
+            fleet: Fleet {
+                placement: Mutex::new(Some(placement("w2", "tok_a"))),
+                workers: vec![WorkerFacts {
+                    connected: false,
+                    serves: false,
+                    ..worker("w2", &[Platform::Android], true)
+                }],
+            },
+            only: None,
+        };
         let link = RelayHostLink::new(Arc::new(fleet), Duration::from_secs(60), clock());
         let start = tokio::time::Instant::now();
         let answer = link

@@ -21,15 +21,13 @@ impl TryFrom<String> for IosDriverChoice {
     type Error = String;
 
     fn try_from(name: String) -> Result<Self, String> {
-        match name.as_str() {
-            "auto" => Ok(Self::Auto),
-            "virtual" => Ok(Self::Virtual),
-            "simctl" => Ok(Self::Simctl),
-            "android-sdk" => Err("android-sdk drives Android; use auto, simctl or virtual".into()),
-            other => Err(format!(
-                "no iOS driver is called `{other}`; use auto, simctl or virtual"
-            )),
-        }
+        choice(
+            &name,
+            IOS,
+            Self::Simctl,
+            ANDROID,
+            [Self::Auto, Self::Virtual],
+        )
     }
 }
 
@@ -50,15 +48,55 @@ impl TryFrom<String> for AndroidDriverChoice {
     type Error = String;
 
     fn try_from(name: String) -> Result<Self, String> {
-        match name.as_str() {
-            "auto" => Ok(Self::Auto),
-            "virtual" => Ok(Self::Virtual),
-            "android-sdk" => Ok(Self::AndroidSdk),
-            "simctl" => Err("simctl drives iOS; use auto, android-sdk or virtual".into()),
-            other => Err(format!(
-                "no Android driver is called `{other}`; use auto, android-sdk or virtual"
-            )),
-        }
+        choice(
+            &name,
+            ANDROID,
+            Self::AndroidSdk,
+            IOS,
+            [Self::Auto, Self::Virtual],
+        )
+    }
+}
+
+/// A platform's real driver, as config names it.
+struct RealDriver {
+    platform: &'static str,
+    name: &'static str,
+}
+
+const IOS: RealDriver = RealDriver {
+    platform: "iOS",
+    name: "simctl",
+};
+const ANDROID: RealDriver = RealDriver {
+    platform: "Android",
+    name: "android-sdk",
+};
+
+/// The choice `name` of a platform whose real driver is `own` (`real` its value): `auto` and
+/// `virtual` are `auto_virtual`'s two values; the `other` platform's real driver and any other
+/// name are refused, listing this platform's choices.
+fn choice<T>(
+    name: &str,
+    own: RealDriver,
+    real: T,
+    other: RealDriver,
+    auto_virtual: [T; 2],
+) -> Result<T, String> {
+    let [auto, virtual_driver] = auto_virtual;
+    let choices = format!("use auto, {} or virtual", own.name);
+    match name {
+        "auto" => Ok(auto),
+        "virtual" => Ok(virtual_driver),
+        _ if name == own.name => Ok(real),
+        _ if name == other.name => Err(format!(
+            "{} drives {}; {choices}",
+            other.name, other.platform
+        )),
+        _ => Err(format!(
+            "no {} driver is called `{name}`; {choices}",
+            own.platform
+        )),
     }
 }
 
