@@ -2129,12 +2129,29 @@ fn a_forward_whose_answer_is_lost(core: &mut Core) -> [Vec<Effect>; 2] {
 /// follow (its orphans' releases, the first full read).
 fn reconnected(core: &mut Core, old: u64, leases: Vec<LeaseRecord>) -> (u64, [Vec<Effect>; 2]) {
     core.handle_uplink_closed(old, T0);
-    let generation = core.handle_uplink_opened("w1", Some("one".into()), "tok_j".into(), T0);
+    back_at(core, leases, T0)
+}
+
+/// `w1`, away, connects again at `now` listing `leases`: answers the new generation, the
+/// handshake's effects and those of the subscription.
+fn back_at(core: &mut Core, leases: Vec<LeaseRecord>, now: i64) -> (u64, [Vec<Effect>; 2]) {
+    let generation = core.handle_uplink_opened("w1", Some("one".into()), "tok_j".into(), now);
     let sent = core.handle_probe_sent();
-    core.handle_connected(generation, "v".into(), &status(leases, 1), sent, T0);
+    core.handle_connected(generation, "v".into(), &status(leases, 1), sent, now);
     let connected = core.take_effects();
-    core.handle_subscribed(generation, T0);
+    core.handle_subscribed(generation, now);
     (generation, [connected, core.take_effects()])
+}
+
+/// `agent`'s forward to `w1` is still kept at `expiry - 1` and settled at `expiry`, on time
+/// alone.
+fn forward_forgotten_at(core: &mut Core, expiry: i64) {
+    core.handle_tick(expiry - 1);
+    assert!(forward_changes(&core.take_effects()).is_empty());
+    assert_eq!(core.index().forwards_out().len(), 1);
+    core.handle_tick(expiry);
+    assert_eq!(forward_changes(&core.take_effects()), [forward_settled()]);
+    assert!(core.index().forwards_out().is_empty());
 }
 
 fn orphan_releases(effects: &[Effect]) -> Vec<String> {
@@ -2316,15 +2333,8 @@ fn a_forward_in_doubt_waits_while_its_worker_is_away_even_forgotten() {
     assert!(forward_changes(&core.take_effects()).is_empty());
     assert_eq!(core.index().forwards_out().len(), 1, "kept");
     // Back with nothing to show: forgotten a bound after its return, on time alone.
-    let generation = core.handle_uplink_opened("w1", Some("one".into()), "tok_j".into(), later);
-    let sent = core.handle_probe_sent();
-    core.handle_connected(generation, "v".into(), &status(Vec::new(), 1), sent, later);
-    core.take_effects();
-    core.handle_tick(later + FORWARD_BOUND - 1);
-    assert!(forward_changes(&core.take_effects()).is_empty());
-    core.handle_tick(later + FORWARD_BOUND);
-    assert_eq!(forward_changes(&core.take_effects()), [forward_settled()]);
-    assert!(core.index().forwards_out().is_empty());
+    back_at(&mut core, Vec::new(), later);
+    forward_forgotten_at(&mut core, later + FORWARD_BOUND);
 }
 
 /// A worker stopped (SIGSTOP, its machine asleep) with a forward unread in its socket reads it,
@@ -2351,12 +2361,7 @@ fn a_forward_a_stopped_worker_reads_long_after_is_still_screened_once_it_is_back
         } else {
             Vec::new()
         };
-        let generation = core.handle_uplink_opened("w1", Some("one".into()), "tok_j".into(), back);
-        let sent = core.handle_probe_sent();
-        core.handle_connected(generation, "v".into(), &status(leases, 1), sent, back);
-        let connected = core.take_effects();
-        core.handle_subscribed(generation, back);
-        let subscribed = core.take_effects();
+        let (_, [connected, subscribed]) = back_at(&mut core, leases, back);
         if grants {
             assert_eq!(forward_changes(&connected), [forward_settled()]);
             assert_eq!(
@@ -2368,11 +2373,7 @@ fn a_forward_a_stopped_worker_reads_long_after_is_still_screened_once_it_is_back
             assert!(core.leases(agent().viewer()).is_empty());
         } else {
             assert!(forward_changes(&connected).is_empty(), "{connected:?}");
-            let expiry = back + FORWARD_BOUND;
-            core.handle_tick(expiry - 1);
-            assert!(forward_changes(&core.take_effects()).is_empty());
-            core.handle_tick(expiry);
-            assert_eq!(forward_changes(&core.take_effects()), [forward_settled()]);
+            forward_forgotten_at(&mut core, back + FORWARD_BOUND);
         }
     }
 }
@@ -2387,14 +2388,8 @@ fn a_restored_forward_waits_for_its_worker() {
     assert!(forward_changes(&core.take_effects()).is_empty());
     assert_eq!(core.index().forwards_out().len(), 1);
     let back = T0 + 10 * FORWARD_BOUND;
-    let generation = core.handle_uplink_opened("w1", Some("one".into()), "tok_j".into(), back);
-    let sent = core.handle_probe_sent();
-    core.handle_connected(generation, "v".into(), &status(Vec::new(), 1), sent, back);
-    core.take_effects();
-    core.handle_tick(back + FORWARD_BOUND - 1);
-    assert!(forward_changes(&core.take_effects()).is_empty());
-    core.handle_tick(back + FORWARD_BOUND);
-    assert_eq!(forward_changes(&core.take_effects()), [forward_settled()]);
+    back_at(&mut core, Vec::new(), back);
+    forward_forgotten_at(&mut core, back + FORWARD_BOUND);
 }
 
 /// An operator's removal of a worker that is away ends its leases here (`killed` to their
