@@ -48,6 +48,8 @@ const MIGRATIONS: &[&str] = &[
      PRIMARY KEY (worker_id, worker_lease_id))",
     "CREATE TABLE forwards_out (worker_id TEXT NOT NULL, requester_id TEXT NOT NULL, \
      answered_lease TEXT, expires_at INTEGER NOT NULL, PRIMARY KEY (worker_id, requester_id))",
+    // A restarted gateway keeps every stored forward until its worker is back: no bound is read.
+    "ALTER TABLE forwards_out DROP COLUMN expires_at",
 ];
 
 /// Timing the gateway works with; tests shorten it.
@@ -1046,7 +1048,7 @@ fn settle_orphan(
 /// The stored forwards out, in (worker, requester) order.
 fn load_forwards(c: &mut rusqlite::Connection) -> rusqlite::Result<Vec<StoredForward>> {
     let mut stmt = c.prepare(
-        "SELECT worker_id, requester_id, answered_lease, expires_at FROM forwards_out \
+        "SELECT worker_id, requester_id, answered_lease FROM forwards_out \
          ORDER BY worker_id, requester_id",
     )?;
     let rows = stmt.query_map([], |row| {
@@ -1054,7 +1056,6 @@ fn load_forwards(c: &mut rusqlite::Connection) -> rusqlite::Result<Vec<StoredFor
             worker_id: row.get(0)?,
             requester_id: row.get(1)?,
             answered_lease: row.get(2)?,
-            expires_at: row.get(3)?,
         })
     })?;
     rows.collect()
@@ -1063,14 +1064,13 @@ fn load_forwards(c: &mut rusqlite::Connection) -> rusqlite::Result<Vec<StoredFor
 /// Stores a lease request forwarded to a worker.
 fn store_forward(c: &rusqlite::Connection, forward: &StoredForward) -> rusqlite::Result<usize> {
     c.prepare_cached(
-        "INSERT OR REPLACE INTO forwards_out \
-         (worker_id, requester_id, answered_lease, expires_at) VALUES (?1, ?2, ?3, ?4)",
+        "INSERT OR REPLACE INTO forwards_out (worker_id, requester_id, answered_lease) \
+         VALUES (?1, ?2, ?3)",
     )?
     .execute(rusqlite::params![
         forward.worker_id,
         forward.requester_id,
-        forward.answered_lease,
-        forward.expires_at
+        forward.answered_lease
     ])
 }
 
@@ -1131,6 +1131,32 @@ mod tests {
     use super::*;
 
     const T0: i64 = 1_000_000;
+
+    /// A forward stored by a gateway whose rows held its bound is taken back after the
+    /// migration that drops it.
+    #[test]
+    fn a_forward_stored_with_a_bound_is_taken_back_after_the_bound_is_dropped() {
+        let db = Database::open_in_memory().unwrap();
+        db.migrate("fleet", &MIGRATIONS[..MIGRATIONS.len() - 1])
+            .unwrap();
+        db.with(|c| {
+            c.execute(
+                "INSERT INTO forwards_out (worker_id, requester_id, answered_lease, expires_at) \
+                 VALUES ('w1', 'agent', 'lse_1', 5)",
+                [],
+            )
+        })
+        .unwrap();
+        db.migrate("fleet", MIGRATIONS).unwrap();
+        assert_eq!(
+            db.with(load_forwards).unwrap(),
+            [StoredForward {
+                worker_id: "w1".into(),
+                requester_id: "agent".into(),
+                answered_lease: Some("lse_1".into()),
+            }]
+        );
+    }
 
     /// A fleet over `db` (whose drained set it loads), with an event bus to look at.
     fn fleet(db: &Database) -> (Arc<Fleet>, Arc<EventBus>) {

@@ -154,13 +154,6 @@ pub struct StoredForward {
     /// The worker's id for the lease of the last grant answered to that requester while other
     /// forwards were out: a view may list it, and it is the requester's.
     pub answered_lease: Option<String>,
-    /// Past this (ms), any lease it granted has ended on its worker whatever happened: its
-    /// worker's answer bound, then the gateway's longest TTL (nobody renews a grant nobody
-    /// knows of), and a minute for the worker's clock, counted from when it went out. In memory
-    /// it waits while its worker is away and counts again from its return (a request that sat in
-    /// a stopped worker's socket is read, and may be granted, once it runs again); a restarted
-    /// gateway keeps a stored forward until its worker is back, whatever this says.
-    pub expires_at: i64,
 }
 
 /// The forwards of one requester to one worker, as the index keeps them.
@@ -175,7 +168,12 @@ struct ForwardOut {
     lost: bool,
     /// See [`StoredForward::answered_lease`].
     answered_lease: Option<String>,
-    /// See [`StoredForward::expires_at`].
+    /// Past this (ms), any lease it granted has ended on its worker whatever happened: its
+    /// worker's answer bound, then the gateway's longest TTL (nobody renews a grant nobody
+    /// knows of), and a minute for the worker's clock, counted from when it went out and again
+    /// from its worker's return; `i64::MAX` while its worker is away (a request that sat in a
+    /// stopped worker's socket is read, and may be granted, once it runs again). Not stored: a
+    /// restarted gateway keeps a stored forward until its worker is back.
     expires_at: i64,
 }
 
@@ -598,6 +596,7 @@ impl LeaseIndex {
         expires_at: i64,
     ) {
         let key = key(worker_id, requester_id);
+        let fresh = !self.forwards.contains_key(&key);
         let forward = self
             .forwards
             .entry(key.clone())
@@ -610,13 +609,15 @@ impl LeaseIndex {
         forward.out.insert(attempt);
         self.attempts.insert(attempt, key.clone());
         let was = forward.expires_at;
-        if expires_at <= was {
-            return;
+        if expires_at > was {
+            forward.expires_at = expires_at;
+            self.forward_expiries.remove(&(was, key.clone()));
+            self.forward_expiries.insert((expires_at, key.clone()));
         }
-        forward.expires_at = expires_at;
-        self.forward_expiries.remove(&(was, key.clone()));
-        self.forward_expiries.insert((expires_at, key.clone()));
-        self.keep_forward(key);
+        // Stored as it goes out, once per (worker, requester): the row holds no bound.
+        if fresh {
+            self.keep_forward(key);
+        }
     }
 
     /// Stores the forwards of `key` as they are now.
@@ -624,7 +625,6 @@ impl LeaseIndex {
         if let Some(forward) = self.forwards.get(&key) {
             let stored = StoredForward {
                 answered_lease: forward.answered_lease.clone(),
-                expires_at: forward.expires_at,
                 worker_id: key.0,
                 requester_id: key.1,
             };
@@ -802,7 +802,6 @@ impl LeaseIndex {
                 worker_id: worker_id.clone(),
                 requester_id: requester_id.clone(),
                 answered_lease: out.answered_lease.clone(),
-                expires_at: out.expires_at,
             })
             .collect()
     }

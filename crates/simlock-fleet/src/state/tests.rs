@@ -2104,13 +2104,12 @@ fn forward_settled() -> Effect {
     }
 }
 
-/// The stored forward of `agent`'s request to `w1`, sent at `now`.
-fn stored_forward(now: i64, answered_lease: Option<&str>) -> StoredForward {
+/// The stored forward of `agent`'s request to `w1`.
+fn stored_forward(answered_lease: Option<&str>) -> StoredForward {
     StoredForward {
         worker_id: "w1".into(),
         requester_id: "agent".into(),
         answered_lease: answered_lease.map(str::to_owned),
-        expires_at: now + 5_000 + 60_000 + ORPHAN_CLOCK_MARGIN_MS,
     }
 }
 
@@ -2175,7 +2174,7 @@ fn a_grant_whose_answer_was_lost_with_its_uplink_is_released_when_a_view_lists_i
     let [asked, effects] = a_forward_whose_answer_is_lost(&mut core);
     assert_eq!(
         forward_changes(&asked),
-        [Effect::StoreForward(stored_forward(T0, None))],
+        [Effect::StoreForward(stored_forward(None))],
         "stored as it goes out"
     );
     assert!(matches!(
@@ -2279,7 +2278,7 @@ fn a_restarted_gateway_releases_the_grants_of_its_stored_forwards_but_the_one_it
     let held = record("lse_b", &input.requester_id.unwrap(), T0 + 5_000);
     core.handle_forward_answered(second, "w1", Ok(grant(held.clone())), T0 + 5_000);
     let effects = core.take_effects();
-    let kept = stored_forward(T0 + 5_000, Some("lse_b"));
+    let kept = stored_forward(Some("lse_b"));
     assert_eq!(
         forward_changes(&effects),
         [Effect::StoreForward(kept.clone())],
@@ -2311,6 +2310,18 @@ fn a_restarted_gateway_releases_the_grants_of_its_stored_forwards_but_the_one_it
 /// How long after it goes out (or its worker is back) a forward is kept: the answer bound,
 /// the longest TTL and the clock margin.
 const FORWARD_BOUND: i64 = 5_000 + 60_000 + ORPHAN_CLOCK_MARGIN_MS;
+
+/// A forward in doubt whose worker stays connected (its answer lost to the call's bound, say)
+/// is forgotten a bound after it went out, on time alone.
+#[test]
+fn a_forward_in_doubt_is_forgotten_a_bound_after_it_went_out() {
+    let (mut core, _) = fleet(1);
+    ask(&mut core, 1, ios(), T0).unwrap();
+    let (attempt, _) = forward(&core.take_effects()).expect("forwarded");
+    core.handle_forward_answered(attempt, "w1", Err(ContractError::connection_lost()), T0);
+    core.take_effects();
+    forward_forgotten_at(&mut core, T0 + FORWARD_BOUND);
+}
 
 /// A forward in doubt whose worker is away waits for it however long, the worker forgotten
 /// (retention) included; it is counted again from the worker's return.
@@ -2383,7 +2394,7 @@ fn a_forward_a_stopped_worker_reads_long_after_is_still_screened_once_it_is_back
 #[test]
 fn a_restored_forward_waits_for_its_worker() {
     let mut core = Core::new(settings(), Vec::new(), Vec::new(), T0);
-    core.restore_forwards(vec![stored_forward(T0 - 10 * FORWARD_BOUND, None)]);
+    core.restore_forwards(vec![stored_forward(None)]);
     core.handle_tick(T0 + 10 * FORWARD_BOUND);
     assert!(forward_changes(&core.take_effects()).is_empty());
     assert_eq!(core.index().forwards_out().len(), 1);
