@@ -21,15 +21,18 @@
 //! earlier runs weighs on none of them.
 //!
 //! Last, the floor of this machine: the same upload through one and through two chained byte
-//! relays that copy nothing in user space (`splice(2)`, no HTTP), against straight to the daemon,
-//! six mirrored runs; no relaying path with as many hops can be expected above these ratios.
+//! relays (no HTTP), against straight to the daemon, five mirrored runs; relays of two kinds:
+//! ones that copy nothing in user space (`splice(2)`: no relaying path with as many hops can be
+//! expected above their ratios), and ones that read every byte into a buffer and write it on
+//! (what any relay that looks at its bytes pays at least).
 //!
 //! For a profiler, `AGENT_DEVICE_BENCH_ONLY=direct|worker|gateway` uploads 40 times on that path
 //! alone and prints no summary.
 //!
 //! The last line is the summary: `agent-device worker_upload_ratio=<x>
 //! gateway_upload_ratio=<x> heartbeat_p99_ms=<x> heartbeat_direct_p99_ms=<x>
-//! one_hop_floor_ratio=<x> two_hop_floor_ratio=<x>`.
+//! one_hop_floor_ratio=<x> two_hop_floor_ratio=<x> one_hop_copy_floor_ratio=<x>
+//! two_hop_copy_floor_ratio=<x>`.
 #![allow(
     clippy::print_stdout,
     clippy::unwrap_used,
@@ -58,8 +61,9 @@ const SIZE: usize = 256 * MIB;
 const CHUNK: usize = 256 * 1024;
 /// Runs; a multiple of three, so each path stands at the ends of as many runs as the others.
 const RUNS: usize = 6;
-/// Runs of the floor's paths (direct, one relaying hop, two), each at the ends of two.
-const FLOOR_RUNS: usize = 6;
+/// Runs of the floor's paths (direct, one and two relaying hops of each kind); a multiple of
+/// five, so each path stands at the ends of as many runs as the others.
+const FLOOR_RUNS: usize = 5;
 /// How often a heartbeat is sent beside an upload.
 const BEAT_EVERY: Duration = Duration::from_millis(10);
 
@@ -790,20 +794,29 @@ async fn bench() {
         quantiles(&beside_gateway.0),
         quantiles(&beside_gateway.1)
     );
-    let (one_hop, two_hop) =
-        floors(&client, &direct, &endpoint, &piece, &sha256, &daemon_tmp).await;
+    let floors = floors(&client, &direct, &endpoint, &piece, &sha256, &daemon_tmp).await;
+    let ((one_hop, two_hop), (one_copy, two_copy)) = (floors.splice, floors.copy);
     let (worker_ratio, gateway_ratio) = (median(worker_ratios), median(gateway_ratios));
     let (beat_p99, direct_p99) = (percentile(&beats, 99), percentile(&direct_beats, 99));
     drop(daemon_home);
     fleet.stop().await;
     println!(
-        "agent-device worker_upload_ratio={worker_ratio:.3} gateway_upload_ratio={gateway_ratio:.3} heartbeat_p99_ms={beat_p99:.2} heartbeat_direct_p99_ms={direct_p99:.2} one_hop_floor_ratio={one_hop:.3} two_hop_floor_ratio={two_hop:.3}"
+        "agent-device worker_upload_ratio={worker_ratio:.3} gateway_upload_ratio={gateway_ratio:.3} heartbeat_p99_ms={beat_p99:.2} heartbeat_direct_p99_ms={direct_p99:.2} one_hop_floor_ratio={one_hop:.3} two_hop_floor_ratio={two_hop:.3} one_hop_copy_floor_ratio={one_copy:.3} two_hop_copy_floor_ratio={two_copy:.3}"
     );
 }
 
-/// What any path of one or two relaying hops can do on this machine: the same upload through one
-/// and through two chained byte relays that copy nothing in user space (no HTTP, `splice(2)`),
-/// against straight to the daemon, mirrored as the main runs are; the median ratios.
+/// The floor's medians: direct time / time through one and two chained byte relays of each
+/// kind.
+struct Floors {
+    splice: (f64, f64),
+    copy: (f64, f64),
+}
+
+/// What paths of one or two relaying hops can do on this machine: the same upload through one
+/// and through two chained byte relays, no HTTP, of two kinds: relays that copy nothing in user
+/// space (`splice(2)`), and relays that read every byte into a buffer and write it on (as any
+/// relay that looks at its bytes must), against straight to the daemon, mirrored as the main
+/// runs are; the median ratios.
 async fn floors(
     client: &Client<hyper_util::client::legacy::connect::HttpConnector, Body>,
     direct: &Target,
@@ -811,10 +824,12 @@ async fn floors(
     piece: &Bytes,
     sha256: &str,
     daemon_tmp: &std::path::Path,
-) -> (f64, f64) {
+) -> Floors {
     let daemon_origin = format!("127.0.0.1:{}", endpoint.port);
-    let one = splice_relay(daemon_origin.clone());
-    let two = splice_relay(one.clone());
+    let splice_one = byte_relay(daemon_origin.clone(), Pump::Splice);
+    let splice_two = byte_relay(splice_one.clone(), Pump::Splice);
+    let copy_one = byte_relay(daemon_origin.clone(), Pump::Copy);
+    let copy_two = byte_relay(copy_one.clone(), Pump::Copy);
     let relayed = |origin: &str| Target {
         base: format!("http://{origin}"),
         token: endpoint.token.clone(),
@@ -822,32 +837,51 @@ async fn floors(
         daemon_pid: direct.daemon_pid.clone(),
         origin: Some((daemon_origin.clone(), origin.to_owned())),
     };
-    let paths = [direct, &relayed(&one), &relayed(&two)];
-    let mut ratios = (Vec::new(), Vec::new());
+    let paths = [
+        direct,
+        &relayed(&splice_one),
+        &relayed(&splice_two),
+        &relayed(&copy_one),
+        &relayed(&copy_two),
+    ];
+    let mut ratios: [Vec<f64>; 4] = Default::default();
     for run in 0..FLOOR_RUNS {
-        let mut order = [0, 1, 2];
-        order.rotate_left(run % 3);
-        let mut times = [Duration::ZERO; 3];
+        let mut order = [0, 1, 2, 3, 4];
+        order.rotate_left(run % 5);
+        let mut times = [Duration::ZERO; 5];
         for (n, which) in order.into_iter().chain(order.into_iter().rev()).enumerate() {
             let timing = upload(client, paths[which], piece, sha256, 900 + 10 * run + n).await;
             times[which] += timing.total;
             forget_uploads(daemon_tmp);
         }
-        let [d, one, two] = times.map(|t| t.as_secs_f64());
+        let [d, relays @ ..] = times.map(|t| t.as_secs_f64());
+        let run_ratios = relays.map(|t| d / t);
         println!(
-            "floor run {run}: one relaying hop {:.3}, two {:.3} (of direct)",
-            d / one,
-            d / two
+            "floor run {run}: splice relays one hop {:.3}, two {:.3}; copying relays one hop {:.3}, two {:.3} (of direct)",
+            run_ratios[0], run_ratios[1], run_ratios[2], run_ratios[3]
         );
-        ratios.0.push(d / one);
-        ratios.1.push(d / two);
+        for (all, ratio) in ratios.iter_mut().zip(run_ratios) {
+            all.push(ratio);
+        }
     }
-    (median(ratios.0), median(ratios.1))
+    let [splice_one, splice_two, copy_one, copy_two] = ratios.map(median);
+    Floors {
+        splice: (splice_one, splice_two),
+        copy: (copy_one, copy_two),
+    }
 }
 
-/// A byte relay that copies nothing in user space: socket to pipe to socket with `splice(2)`, a
-/// thread per direction; its address.
-fn splice_relay(upstream: String) -> String {
+/// How a byte relay moves its bytes.
+#[derive(Clone, Copy)]
+enum Pump {
+    /// Socket to pipe to socket with `splice(2)`: nothing copied in user space.
+    Splice,
+    /// Read into a 1 MiB buffer and written on: one copy in and one out of user space per byte.
+    Copy,
+}
+
+/// A byte relay, a thread per direction; its address.
+fn byte_relay(upstream: String, pump: Pump) -> String {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap().to_string();
     std::thread::spawn(move || {
@@ -857,8 +891,12 @@ fn splice_relay(upstream: String) -> String {
             inbound.set_nodelay(true).unwrap();
             outbound.set_nodelay(true).unwrap();
             let back = (outbound.try_clone().unwrap(), inbound.try_clone().unwrap());
-            std::thread::spawn(move || splice_pump(&inbound, &outbound));
-            std::thread::spawn(move || splice_pump(&back.0, &back.1));
+            let run = move |from: &std::net::TcpStream, to: &std::net::TcpStream| match pump {
+                Pump::Splice => splice_pump(from, to),
+                Pump::Copy => copy_pump(from, to),
+            };
+            std::thread::spawn(move || run(&inbound, &outbound));
+            std::thread::spawn(move || run(&back.0, &back.1));
         }
     });
     addr
@@ -876,6 +914,19 @@ fn splice_pump(from: &std::net::TcpStream, to: &std::net::TcpStream) {
                 Ok(0) | Err(_) => return,
                 Ok(moved) => left -= moved,
             }
+        }
+    }
+    let _ = to.shutdown(std::net::Shutdown::Write);
+}
+
+/// Moves `from`'s bytes to `to` through a 1 MiB buffer until `from` ends, then ends `to`'s
+/// writing.
+fn copy_pump(mut from: &std::net::TcpStream, mut to: &std::net::TcpStream) {
+    use std::io::{Read, Write};
+    let mut buffer = vec![0; MIB];
+    while let Ok(n @ 1..) = from.read(&mut buffer) {
+        if to.write_all(&buffer[..n]).is_err() {
+            return;
         }
     }
     let _ = to.shutdown(std::net::Shutdown::Write);
