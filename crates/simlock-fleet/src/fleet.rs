@@ -715,9 +715,15 @@ impl Fleet {
 
     /// The uplink ended. A replaced uplink's late close changes nothing.
     pub(crate) fn detach(&self, conn: &WorkerConn) {
+        // A worker that went silent until its link gave up on it was last seen when it went
+        // silent, up to the PINGs' 15 s before the close.
+        let silent = i64::try_from(conn.link.silent_for().as_millis()).unwrap_or(i64::MAX);
         self.decide(|shared, now| {
             shared.conns.remove(&conn.generation);
-            shared.core.handle_uplink_closed(conn.generation, now);
+            let heard_at = now.saturating_sub(silent);
+            shared
+                .core
+                .handle_uplink_closed(conn.generation, heard_at, now);
         });
     }
 
@@ -1220,7 +1226,7 @@ mod tests {
             shared
                 .core
                 .handle_connected(generation, "t".into(), &status, sent, now);
-            shared.core.handle_uplink_closed(generation, now);
+            shared.core.handle_uplink_closed(generation, now, now);
         });
     }
 
@@ -1317,7 +1323,7 @@ mod tests {
             let generation = shared
                 .core
                 .handle_uplink_opened("w9", None, "tok_j".into(), now);
-            shared.core.handle_uplink_closed(generation, now);
+            shared.core.handle_uplink_closed(generation, now, now);
         });
         first.stop().await;
         drop(first);

@@ -148,6 +148,14 @@ impl LinkHandle {
         })
     }
 
+    /// How long since the peer last sent anything (a frame or a text; since the link started,
+    /// if nothing yet). After a close it stays counted from the last thing heard: a peer that
+    /// went silent until the PINGs gave up was last heard that long before the close.
+    pub fn silent_for(&self) -> std::time::Duration {
+        self.shared()
+            .with(|state, now| now.saturating_duration_since(state.link.last_heard()))
+    }
+
     /// Closes the link: every channel fails `closed`, queued text still goes, then the WebSocket
     /// closes.
     pub fn close(&self) {

@@ -746,6 +746,13 @@ async fn a_dead_uplink_closes_the_link_within_15s() {
         "{:?}",
         started.elapsed()
     );
+    // The worker was last heard before the hole opened, not when the link gave up on it.
+    let silent = ends.gateway.silent_for();
+    assert!(
+        silent >= started.elapsed() && silent <= started.elapsed() + Duration::from_secs(5),
+        "silent for {silent:?}, the hole open for {:?}",
+        started.elapsed()
+    );
     let (mut reader, _writer) = gateway.into_split();
     let mut buf = [0u8; 1];
     assert_eq!(

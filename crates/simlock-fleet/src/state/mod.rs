@@ -182,7 +182,8 @@ pub struct KnownWorker {
     pub id: String,
     /// Its label.
     pub label: Option<String>,
-    /// When its uplink last passed its handshake or closed, ms since the epoch.
+    /// When its worker was last heard from: its uplink's handshake, or the last thing that
+    /// uplink carried before it closed; ms since the epoch.
     pub seen_at: i64,
     /// Whether its uplink was up when this was written.
     pub connected: bool,
@@ -1098,15 +1099,19 @@ impl Core {
         }
     }
 
-    /// An uplink ended. A replaced uplink's late close changes nothing.
-    pub fn handle_uplink_closed(&mut self, generation: u64, now: i64) {
+    /// An uplink ended; its worker was last heard at `heard_at` (a worker that went silent was
+    /// last seen then, not when its link gave up on it). A replaced uplink's late close changes
+    /// nothing.
+    pub fn handle_uplink_closed(&mut self, generation: u64, heard_at: i64, now: i64) {
         let Some((worker_id, worker)) = self.current(generation) else {
             return;
         };
         worker.link = None;
         let was_connected = worker.view.connection == Connection::Connected;
         worker.view.connection = Connection::Disconnected;
-        worker.view.last_seen_at = now;
+        // Never before what was already seen (its handshake), never after the close.
+        let seen_at = heard_at.min(now).max(worker.view.last_seen_at);
+        worker.view.last_seen_at = seen_at;
         let (label, lease_count, known) = (
             worker.view.label.clone(),
             worker.view.leases.as_ref().map_or(0, Vec::len),
@@ -1129,7 +1134,7 @@ impl Core {
             self.fx.push_back(Effect::Remember(KnownWorker {
                 id: worker_id.clone(),
                 label: label.clone(),
-                seen_at: now,
+                seen_at,
                 connected: false,
             }));
             info!(worker = %worker_id, "worker disconnected");

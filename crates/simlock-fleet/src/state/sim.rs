@@ -949,8 +949,10 @@ impl Sim {
         self.net = kept;
         let now = self.now;
         let closed_first = self.rng.random_bool(0.5);
+        // A worker that went silent was last heard before its link gave up on it.
+        let heard_at = now - self.rng.random_range(0..=15_000);
         if closed_first {
-            self.core.handle_uplink_closed(generation, now);
+            self.core.handle_uplink_closed(generation, heard_at, now);
         }
         for msg in lost {
             let call = match msg.kind {
@@ -1036,7 +1038,7 @@ impl Sim {
             self.drain()?;
         }
         if !closed_first {
-            self.core.handle_uplink_closed(generation, now);
+            self.core.handle_uplink_closed(generation, heard_at, now);
         }
         self.drain()?;
         self.workers[w].seen_at = self.core.view(&worker_id).map(|v| v.last_seen_at);

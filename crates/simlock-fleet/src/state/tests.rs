@@ -699,7 +699,7 @@ fn a_lookup_answers_unknown_only_when_the_gateway_can_vouch_for_it() {
         core.lease_target(&lease_id, stranger),
         Err(FleetError::UnknownLease(_))
     ));
-    core.handle_uplink_closed(generation, T0);
+    core.handle_uplink_closed(generation, T0, T0);
     assert!(matches!(
         core.lease_target(&lease_id, agent()),
         Err(FleetError::WorkerUnreachable { message, .. })
@@ -777,7 +777,7 @@ fn a_read_of_a_lease_shows_it_to_its_owner_and_to_nobody_else() {
         core.lease_seen(&lease_id, stranger.viewer()),
         Err(FleetError::UnknownLease(lease_id.clone()))
     );
-    core.handle_uplink_closed(generation, T0);
+    core.handle_uplink_closed(generation, T0, T0);
     assert_eq!(
         core.lease_seen(&lease_id, agent().viewer()).map(|l| l.id),
         Ok(seen.id),
@@ -976,7 +976,7 @@ fn a_stale_uplinks_inputs_change_nothing_and_a_reconnect_closes_the_old_one() {
         Some("one"),
         "the label stays"
     );
-    core.handle_uplink_closed(first, T0);
+    core.handle_uplink_closed(first, T0, T0);
     assert_eq!(core.worker_of_generation(second), Some("w1"));
     core.handle_connected(first, "old".into(), &status(Vec::new(), 1), 0, T0);
     assert_ne!(core.view("w1").unwrap().version.as_deref(), Some("old"));
@@ -1010,7 +1010,7 @@ fn a_disconnected_worker_is_forgotten_after_retention_unless_it_holds_a_live_lea
     let mut held = record("lse_a", &forwarded.requester_id.unwrap(), T0);
     held.ttl_deadline = T0 + 120_000;
     core.handle_forward_answered(attempt, "w1", Ok(grant(held)), T0);
-    core.handle_uplink_closed(generation, T0);
+    core.handle_uplink_closed(generation, T0, T0);
     core.take_effects();
     core.handle_tick(T0 + 60_000);
     assert!(core.view("w1").is_some(), "its lease lives on");
@@ -1020,7 +1020,7 @@ fn a_disconnected_worker_is_forgotten_after_retention_unless_it_holds_a_live_lea
 
     let mut core = Core::new(settings(), vec![("w2".into(), T0)], Vec::new(), T0);
     let generation = core.handle_uplink_opened("w2", None, "tok_j".into(), T0);
-    core.handle_uplink_closed(generation, T0);
+    core.handle_uplink_closed(generation, T0, T0);
     core.handle_tick(T0 + 60_000);
     assert!(
         core.view("w2").is_some_and(|v| v.drained),
@@ -1048,7 +1048,7 @@ fn drain_and_removal_follow_their_rules() {
         core.handle_remove("w1", T0),
         Err(FleetError::WorkerConnected("w1".into()))
     );
-    core.handle_uplink_closed(generation, T0);
+    core.handle_uplink_closed(generation, T0, T0);
     assert_eq!(core.handle_remove("w1", T0), Ok(true));
     assert_eq!(core.handle_remove("w1", T0), Ok(false));
 }
@@ -1312,7 +1312,7 @@ fn an_agent_sees_only_its_own_leases_and_requests_in_the_workers_views_and_the_w
 
     // Once the worker is away, what it last reported waiting is no longer said to wait (its
     // forward failed, a restart ends it); its view keeps its last report.
-    core.handle_uplink_closed(generation, T0 + 1);
+    core.handle_uplink_closed(generation, T0 + 1, T0 + 1);
     core.take_effects();
     let still: Vec<String> = core
         .all_waiting(admin)
@@ -1506,7 +1506,7 @@ fn a_release_whose_caller_hung_up_leaves_the_leases_later_end_told_as_it_is() {
 fn a_drained_worker_forgotten_past_retention_is_not_swept_again() {
     let (mut core, generation) = fleet(1);
     core.handle_drained("w1", true, T0);
-    core.handle_uplink_closed(generation, T0);
+    core.handle_uplink_closed(generation, T0, T0);
     core.take_effects();
     let retention = settings().disconnected_retention_ms;
     core.handle_tick(T0 + retention);
@@ -1553,7 +1553,7 @@ fn a_kept_drain_flag_undrained_is_forgotten_at_the_next_sweep() {
     // Kept past retention by a sweep, and loaded after a restart: each undrained goes.
     let (mut core, generation) = fleet(1);
     core.handle_drained("w1", true, T0);
-    core.handle_uplink_closed(generation, T0);
+    core.handle_uplink_closed(generation, T0, T0);
     core.handle_tick(T0 + retention);
     assert!(core.view("w1").is_some_and(|v| v.drained));
     let mut loaded = Core::new(settings(), vec![("w2".into(), T0)], Vec::new(), T0);
@@ -1643,7 +1643,7 @@ fn a_worker_is_stored_when_its_handshake_passes_and_when_its_uplink_closes() {
     let generation = core.handle_uplink_opened("w1", Some("one".into()), "tok_j".into(), T0);
     let sent = core.handle_probe_sent();
     core.handle_connected(generation, "v".into(), &status(Vec::new(), 1), sent, T0 + 1);
-    core.handle_uplink_closed(generation, T0 + 50);
+    core.handle_uplink_closed(generation, T0 + 50, T0 + 50);
     let known = |seen_at, connected| {
         Effect::Remember(KnownWorker {
             id: "w1".into(),
@@ -1659,11 +1659,41 @@ fn a_worker_is_stored_when_its_handshake_passes_and_when_its_uplink_closes() {
 }
 
 #[test]
+fn a_worker_that_went_silent_was_last_seen_when_it_was_last_heard() {
+    let mut core = Core::new(settings(), Vec::new(), Vec::new(), T0);
+    let generation = core.handle_uplink_opened("w1", None, "tok_j".into(), T0);
+    let sent = core.handle_probe_sent();
+    core.handle_connected(generation, "v".into(), &status(Vec::new(), 1), sent, T0 + 1);
+    core.take_effects();
+    // Heard last at T0 + 2 000; the PINGs gave up 15 s later.
+    core.handle_uplink_closed(generation, T0 + 2_000, T0 + 17_000);
+    assert_eq!(core.view("w1").map(|v| v.last_seen_at), Some(T0 + 2_000));
+    let stored = stored_changes(&core.take_effects());
+    assert!(
+        matches!(&stored[..], [Effect::Remember(k)] if k.seen_at == T0 + 2_000 && !k.connected),
+        "{stored:?}"
+    );
+
+    // Never before its handshake, never after the close.
+    let generation = core.handle_uplink_opened("w1", None, "tok_j".into(), T0 + 20_000);
+    let sent = core.handle_probe_sent();
+    let status = status(Vec::new(), 1);
+    core.handle_connected(generation, "v".into(), &status, sent, T0 + 20_000);
+    core.handle_uplink_closed(generation, T0 + 19_999, T0 + 21_000);
+    assert_eq!(core.view("w1").map(|v| v.last_seen_at), Some(T0 + 20_000));
+    let generation = core.handle_uplink_opened("w1", None, "tok_j".into(), T0 + 30_000);
+    let sent = core.handle_probe_sent();
+    core.handle_connected(generation, "v".into(), &status, sent, T0 + 30_000);
+    core.handle_uplink_closed(generation, T0 + 31_001, T0 + 31_000);
+    assert_eq!(core.view("w1").map(|v| v.last_seen_at), Some(T0 + 31_000));
+}
+
+#[test]
 fn an_uplink_that_closes_before_its_handshake_leaves_no_worker_and_stores_nothing() {
     let mut core = Core::new(settings(), Vec::new(), Vec::new(), T0);
     let generation = core.handle_uplink_opened("w9", None, "tok_j".into(), T0);
     assert!(core.view("w9").is_some(), "listed while its handshake runs");
-    core.handle_uplink_closed(generation, T0 + 10);
+    core.handle_uplink_closed(generation, T0 + 10, T0 + 10);
     assert_eq!(core.view("w9"), None, "a silent join is not a worker");
     let effects = core.take_effects();
     assert!(stored_changes(&effects).is_empty(), "{effects:?}");
@@ -1758,7 +1788,7 @@ fn a_worker_known_before_a_restart_is_listed_away_until_its_retention_passes() {
 #[test]
 fn an_operator_removal_deletes_what_was_stored_of_the_worker() {
     let (mut core, generation) = fleet(1);
-    core.handle_uplink_closed(generation, T0 + 5);
+    core.handle_uplink_closed(generation, T0 + 5, T0 + 5);
     core.take_effects();
     assert_eq!(core.handle_remove("w1", T0 + 6), Ok(true));
     assert_eq!(
@@ -1796,7 +1826,7 @@ fn devices_name_their_worker_and_say_when_it_is_away() {
             Some(worker(Connection::Connected))
         )]
     );
-    core.handle_uplink_closed(generation, T0 + 2);
+    core.handle_uplink_closed(generation, T0 + 2, T0 + 2);
     assert_eq!(
         named(&core),
         [(
@@ -1864,7 +1894,7 @@ fn send_release(core: &mut Core, lease_id: &str, caller: Caller<'_>) -> LeaseTar
 fn a_holders_release_while_its_worker_is_away_is_answered_and_carried_out_once_it_is_back() {
     let (mut core, generation) = fleet(1);
     let lease_id = granted(&mut core);
-    core.handle_uplink_closed(generation, T0);
+    core.handle_uplink_closed(generation, T0, T0);
     core.take_effects();
     let other = Caller {
         principal: "other",
@@ -2067,7 +2097,7 @@ fn a_holders_release_its_worker_did_not_answer_is_carried_out_as_an_orphans() {
 fn an_orphan_of_a_worker_that_never_returns_expires_on_time_alone() {
     let (mut core, generation) = fleet(1);
     let lease_id = granted(&mut core);
-    core.handle_uplink_closed(generation, T0);
+    core.handle_uplink_closed(generation, T0, T0);
     core.handle_release_sent(&lease_id, agent(), LeaseEndReason::Explicit, T0)
         .unwrap();
     core.take_effects();
@@ -2127,7 +2157,7 @@ fn a_forward_whose_answer_is_lost(core: &mut Core) -> [Vec<Effect>; 2] {
 /// generation and the handshake's effects; then the uplink subscribes, and the effects of that
 /// follow (its orphans' releases, the first full read).
 fn reconnected(core: &mut Core, old: u64, leases: Vec<LeaseRecord>) -> (u64, [Vec<Effect>; 2]) {
-    core.handle_uplink_closed(old, T0);
+    core.handle_uplink_closed(old, T0, T0);
     back_at(core, leases, T0)
 }
 
@@ -2329,7 +2359,7 @@ fn a_forward_in_doubt_is_forgotten_a_bound_after_it_went_out() {
 fn a_forward_in_doubt_waits_while_its_worker_is_away_even_forgotten() {
     let (mut core, generation) = fleet(1);
     a_forward_whose_answer_is_lost(&mut core);
-    core.handle_uplink_closed(generation, T0);
+    core.handle_uplink_closed(generation, T0, T0);
     assert!(
         forward_changes(&core.take_effects()).is_empty(),
         "nothing stored"
@@ -2361,7 +2391,7 @@ fn a_forward_a_stopped_worker_reads_long_after_is_still_screened_once_it_is_back
     for grants in [true, false] {
         let (mut core, generation) = fleet_with(long.clone(), 1);
         a_forward_whose_answer_is_lost(&mut core);
-        core.handle_uplink_closed(generation, T0);
+        core.handle_uplink_closed(generation, T0, T0);
         core.take_effects();
         let back = T0 + 10 * FORWARD_BOUND;
         core.handle_tick(back);
@@ -2409,7 +2439,7 @@ fn a_restored_forward_waits_for_its_worker() {
 fn removing_an_away_worker_ends_its_leases_as_orphans() {
     let (mut core, generation) = fleet(1);
     let lease_id = granted(&mut core);
-    core.handle_uplink_closed(generation, T0);
+    core.handle_uplink_closed(generation, T0, T0);
     core.take_effects();
     assert_eq!(core.handle_remove("w1", T0), Ok(true));
     let effects = core.take_effects();

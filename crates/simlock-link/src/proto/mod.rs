@@ -197,7 +197,10 @@ pub struct Link {
     pings_out: VecDeque<(u64, Instant)>,
     /// PINGs sent since anything was last received.
     pings_unanswered: u32,
+    /// When something last arrived, or reading last resumed (silence is counted from then).
     last_rx: Instant,
+    /// When the peer last sent anything (a frame or a text), or the link's start.
+    last_heard: Instant,
     reading_paused: bool,
     srtt: Option<Duration>,
     min_rtt: Option<Duration>,
@@ -258,6 +261,7 @@ impl Link {
             pings_unanswered: 0,
             aborted_unaccepted: VecDeque::new(),
             last_rx: now,
+            last_heard: now,
             reading_paused: false,
             srtt: None,
             min_rtt: None,
@@ -273,6 +277,12 @@ impl Link {
     /// that inflates the smoothed RTT under load.
     pub fn min_rtt(&self) -> Option<Duration> {
         self.min_rtt
+    }
+
+    /// When the peer last sent anything (a frame or a text); the link's start before it sent
+    /// anything. Unlike the silence the PING timer counts, a pause of reading does not move it.
+    pub fn last_heard(&self) -> Instant {
+        self.last_heard
     }
 
     /// Which end this is.
@@ -412,6 +422,7 @@ impl Link {
             return;
         }
         self.last_rx = now;
+        self.last_heard = now;
         self.pings_unanswered = 0;
         self.counters.frames_received += 1;
         let frame = match Frame::decode(&message) {
@@ -445,6 +456,7 @@ impl Link {
             return;
         }
         self.last_rx = now;
+        self.last_heard = now;
         self.pings_unanswered = 0;
         self.counters.texts_received += 1;
         self.events.push_back(Event::Text(text));

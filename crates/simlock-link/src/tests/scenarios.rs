@@ -627,6 +627,13 @@ fn three_missed_pings_close_the_link_within_15s() {
         Some(&CloseReason::Unresponsive)
     );
     assert!(pair.now.duration_since(silent_since) <= Duration::from_secs(15));
+    // The peer was last heard before the silence, not when the link gave up on it.
+    let heard = pair.gateway.last_heard();
+    assert!(heard <= silent_since, "heard after the silence began");
+    assert!(
+        pair.now.duration_since(heard) >= Duration::from_secs(13),
+        "the close does not count as hearing the peer"
+    );
     assert_eq!(
         pair.pings_sent[0] - pings_before,
         3,
@@ -641,6 +648,34 @@ fn three_missed_pings_close_the_link_within_15s() {
         pair.gateway.poll_transmit(pair.now),
         None | Some(Transmit::Close(_))
     ));
+}
+
+#[test]
+fn the_peer_is_heard_by_its_frames_and_texts_only() {
+    let mut pair = pair();
+    let start = pair.now;
+    assert_eq!(
+        pair.gateway.last_heard(),
+        start,
+        "the link's start, before anything"
+    );
+    let _ = open_accepted(&mut pair);
+    let heard = pair.gateway.last_heard();
+    assert!(heard >= start);
+    pair.advance(Duration::from_secs(1)).unwrap();
+    let quiet_from = pair.now;
+    pair.blackhole = true;
+    pair.advance(Duration::from_secs(2)).unwrap();
+    let before = pair.gateway.last_heard();
+    assert!(before <= quiet_from);
+    // Reading resumed after a pause restarts the PING timer's count, not what was heard.
+    pair.gateway.set_reading_paused(pair.now, true);
+    pair.gateway.set_reading_paused(pair.now, false);
+    assert_eq!(pair.gateway.last_heard(), before);
+    // A text heard is heard.
+    let later = pair.now + Duration::from_millis(5);
+    pair.gateway.handle_text(later, "hello".into());
+    assert_eq!(pair.gateway.last_heard(), later);
 }
 
 #[test]
