@@ -222,14 +222,12 @@ impl Router {
             async move {
                 let input = input?;
                 if !ctx.role.allows(O::ROLE) {
+                    // Only an admin operation is ever refused: every role may run an agent's.
                     return Err(ContractError::forbidden(format!(
-                        "Operation {} requires role {}{}",
+                        "Operation {} requires role {} (an operator token, or the daemon's admin secret); this caller has role {}",
                         O::NAME,
                         O::ROLE.as_str(),
-                        match O::ROLE {
-                            Role::Admin => " (an operator token, or the daemon's admin secret)",
-                            Role::Agent => "",
-                        }
+                        ctx.role.as_str()
                     )));
                 }
                 authorize(&ctx, &input)?;

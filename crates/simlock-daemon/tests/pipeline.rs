@@ -144,7 +144,7 @@ async fn bad_input_is_refused_before_the_role_check_and_changes_nothing() {
     assert_eq!(err.code, ErrorCode::Forbidden);
     assert_eq!(
         err.message,
-        "Operation daemon.stop requires role admin (an operator token, or the daemon's admin secret)"
+        "Operation daemon.stop requires role admin (an operator token, or the daemon's admin secret); this caller has role agent"
     );
     assert!(!h.pipeline.shutdown().is_requested());
 }
