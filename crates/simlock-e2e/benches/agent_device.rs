@@ -96,6 +96,7 @@ fn full(bytes: impl Into<Bytes>) -> Body {
         .boxed()
 }
 
+#[derive(Clone)]
 struct Target {
     /// The base the routes hang off: the daemon's root, or a front's `/v1/agent-device`.
     base: String,
@@ -190,6 +191,58 @@ impl Counters {
         self.daemon_switches += other.daemon_switches;
         self.main_ran += other.main_ran;
         self.main_waited += other.main_waited;
+    }
+}
+
+/// The uploading caller: a thread and runtime of its own, with a client of its own, as the CLI
+/// runs in a process of its own. On the bench's runtime its sends would wait behind the
+/// gateway's and the worker's tasks in their run queues (on the paths through them only).
+struct Uploader {
+    jobs: tokio::sync::mpsc::UnboundedSender<(Target, usize, tokio::sync::oneshot::Sender<Timing>)>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Uploader {
+    fn start(piece: Bytes, sha256: String) -> Self {
+        let (jobs, mut queue) = tokio::sync::mpsc::unbounded_channel::<(
+            Target,
+            usize,
+            tokio::sync::oneshot::Sender<Timing>,
+        )>();
+        let thread = std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            runtime.block_on(async move {
+                let client = Client::builder(TokioExecutor::new()).build_http();
+                while let Some((target, attempt, done)) = queue.recv().await {
+                    let timing = upload(&client, &target, &piece, &sha256, attempt).await;
+                    let _ = done.send(timing);
+                }
+            });
+        });
+        Self {
+            jobs,
+            thread: Some(thread),
+        }
+    }
+
+    /// Uploads once on `target`'s path.
+    async fn upload(&self, target: &Target, attempt: usize) -> Timing {
+        let (done, timing) = tokio::sync::oneshot::channel();
+        self.jobs.send((target.clone(), attempt, done)).unwrap();
+        timing.await.expect("the uploader ran")
+    }
+}
+
+impl Drop for Uploader {
+    fn drop(&mut self) {
+        let (jobs, _) = tokio::sync::mpsc::unbounded_channel();
+        drop(std::mem::replace(&mut self.jobs, jobs));
+        if let Some(thread) = self.thread.take() {
+            thread.join().unwrap();
+        }
     }
 }
 
@@ -400,10 +453,8 @@ async fn heartbeats(
 
 /// Runs `upload` while heartbeats run beside it; answers the upload's timing and the beats.
 async fn upload_beside(
-    client: &Client<hyper_util::client::legacy::connect::HttpConnector, Body>,
+    uploader: &Uploader,
     target: &Target,
-    piece: &Bytes,
-    sha256: &str,
     attempt: usize,
     beat: (String, String, Value),
 ) -> (Timing, Vec<f64>) {
@@ -428,7 +479,7 @@ async fn upload_beside(
             let _ = done.send(samples);
         })
     };
-    let timing = upload(client, target, piece, sha256, attempt).await;
+    let timing = uploader.upload(target, attempt).await;
     stop.cancel();
     let samples = beats.await.expect("the heartbeats ended");
     caller.join().unwrap();
@@ -625,9 +676,10 @@ async fn bench() {
         .iter()
         .map(|b| format!("{b:02x}"))
         .collect();
+    let uploader = Uploader::start(piece.clone(), sha256.clone());
     // One of each first, to warm up connections and the daemon.
     for (i, target) in [&direct, &via_worker, &via_gateway].into_iter().enumerate() {
-        let _ = upload(&client, target, &piece, &sha256, i).await;
+        let _ = uploader.upload(target, i).await;
         forget_uploads(&daemon_tmp);
     }
     // For a profiler: `AGENT_DEVICE_BENCH_ONLY=direct|worker|gateway` uploads on that path alone,
@@ -641,7 +693,7 @@ async fn bench() {
         };
         println!("{only} only; this process is {}", std::process::id());
         for n in 0..40 {
-            let timing = upload(&client, target, &piece, &sha256, 1000 + n).await;
+            let timing = uploader.upload(target, 1000 + n).await;
             forget_uploads(&daemon_tmp);
             println!(
                 "{only} PUT {:.0} MiB/s",
@@ -675,33 +727,18 @@ async fn bench() {
         for (n, which) in mirrored.enumerate() {
             let target = [&direct, &via_worker, &via_gateway][which];
             let before = Counters::read(&daemon_pid);
-            let timing = upload(&client, target, &piece, &sha256, attempt + n).await;
+            let timing = uploader.upload(target, attempt + n).await;
             timings[which].add(&timing);
             puts[which].add(&timing);
             cost[which].add(&Counters::read(&daemon_pid).since(&before));
             forget_uploads(&daemon_tmp);
         }
         // Then the heartbeats, paced alike, each beside an upload on its own path.
-        let (_, b) = upload_beside(
-            &client,
-            &direct,
-            &piece,
-            &sha256,
-            attempt + 6,
-            direct_beat.clone(),
-        )
-        .await;
+        let (_, b) = upload_beside(&uploader, &direct, attempt + 6, direct_beat.clone()).await;
         direct_beats.extend(b);
         forget_uploads(&daemon_tmp);
-        let (_, b) = upload_beside(
-            &client,
-            &via_gateway,
-            &piece,
-            &sha256,
-            attempt + 7,
-            gateway_beat.clone(),
-        )
-        .await;
+        let (_, b) =
+            upload_beside(&uploader, &via_gateway, attempt + 7, gateway_beat.clone()).await;
         beats.extend(b);
         forget_uploads(&daemon_tmp);
         // Where the gateway path's heartbeat goes: beside the same upload on the gateway's path,
@@ -714,15 +751,8 @@ async fn bench() {
         .into_iter()
         .enumerate()
         {
-            let (_, b) = upload_beside(
-                &client,
-                &via_gateway,
-                &piece,
-                &sha256,
-                attempt + 8 + n,
-                beat.clone(),
-            )
-            .await;
+            let (_, b) =
+                upload_beside(&uploader, &via_gateway, attempt + 8 + n, beat.clone()).await;
             into.extend(b);
             forget_uploads(&daemon_tmp);
         }
@@ -794,7 +824,7 @@ async fn bench() {
         quantiles(&beside_gateway.0),
         quantiles(&beside_gateway.1)
     );
-    let floors = floors(&client, &direct, &endpoint, &piece, &sha256, &daemon_tmp).await;
+    let floors = floors(&uploader, &direct, &endpoint, &daemon_tmp).await;
     let ((one_hop, two_hop), (one_copy, two_copy)) = (floors.splice, floors.copy);
     let (worker_ratio, gateway_ratio) = (median(worker_ratios), median(gateway_ratios));
     let (beat_p99, direct_p99) = (percentile(&beats, 99), percentile(&direct_beats, 99));
@@ -818,11 +848,9 @@ struct Floors {
 /// relay that looks at its bytes must), against straight to the daemon, mirrored as the main
 /// runs are; the median ratios.
 async fn floors(
-    client: &Client<hyper_util::client::legacy::connect::HttpConnector, Body>,
+    uploader: &Uploader,
     direct: &Target,
     endpoint: &agent_device_host::process::Endpoint,
-    piece: &Bytes,
-    sha256: &str,
     daemon_tmp: &std::path::Path,
 ) -> Floors {
     let daemon_origin = format!("127.0.0.1:{}", endpoint.port);
@@ -850,7 +878,7 @@ async fn floors(
         order.rotate_left(run % 5);
         let mut times = [Duration::ZERO; 5];
         for (n, which) in order.into_iter().chain(order.into_iter().rev()).enumerate() {
-            let timing = upload(client, paths[which], piece, sha256, 900 + 10 * run + n).await;
+            let timing = uploader.upload(paths[which], 900 + 10 * run + n).await;
             times[which] += timing.total;
             forget_uploads(daemon_tmp);
         }
