@@ -96,10 +96,7 @@ pub fn serve_socket(
                             () = &mut session => return,
                             () = stop.cancelled() => {}
                         }
-                        // The client reads the end of the connection; the session ends as its
-                        // calls in flight answer, within the bound.
-                        let _ = shutter.shutdown(std::net::Shutdown::Both);
-                        let _ = tokio::time::timeout(SESSION_CLOSE, session).await;
+                        close_at_stop(session, &shutter, SESSION_CLOSE).await;
                     });
                 }
                 Err(e) => {
@@ -119,3 +116,71 @@ pub fn serve_socket(
 
 /// How long a session whose socket the stop shut down may take to answer its calls in flight.
 const SESSION_CLOSE: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// Ends a socket session at the stop: nothing more its client sends is read (the session reads
+/// the end and ends), the calls in flight still answer (`daemon.stop`'s own reply among them: a
+/// connection shut both ways at once lost it whenever the stop won the race), and the connection
+/// closes once they have, or at `bound`. `shutter` is a second handle on the session's socket.
+async fn close_at_stop(
+    session: impl Future<Output = ()>,
+    shutter: &std::os::unix::net::UnixStream,
+    bound: std::time::Duration,
+) {
+    let _ = shutter.shutdown(std::net::Shutdown::Read);
+    let _ = tokio::time::timeout(bound, session).await;
+    let _ = shutter.shutdown(std::net::Shutdown::Both);
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, reason = "tests")]
+
+    use std::time::Duration;
+
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+
+    use super::*;
+
+    /// A connected pair: the daemon's end, a second handle on it, the client's end.
+    fn connection() -> (UnixStream, std::os::unix::net::UnixStream, UnixStream) {
+        let (daemon, client) = UnixStream::pair().unwrap();
+        let shutter =
+            std::os::unix::net::UnixStream::from(daemon.as_fd().try_clone_to_owned().unwrap());
+        (daemon, shutter, client)
+    }
+
+    #[tokio::test]
+    async fn a_call_in_flight_at_the_stop_still_answers_then_the_connection_ends() {
+        let (daemon, shutter, mut client) = connection();
+        let (mut reading, mut writing) = daemon.into_split();
+        let (answer, answered) = tokio::sync::oneshot::channel::<()>();
+        let session = async move {
+            let mut buf = [0u8; 16];
+            assert_eq!(reading.read(&mut buf).await.unwrap(), 0, "the end is read");
+            answered.await.unwrap();
+            writing.write_all(b"the reply\n").await.unwrap();
+        };
+        let closing = close_at_stop(session, &shutter, Duration::from_secs(3600));
+        tokio::pin!(closing);
+        assert!(futures::poll!(&mut closing).is_pending());
+        // Nothing more the client sends is read.
+        assert!(client.write_all(b"another call\n").await.is_err());
+        // The call in flight answers after the stop began, and its reply arrives, then the end.
+        answer.send(()).unwrap();
+        closing.await;
+        let mut got = String::new();
+        client.read_to_string(&mut got).await.unwrap();
+        assert_eq!(got, "the reply\n");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_session_that_does_not_end_is_closed_at_the_bound() {
+        let (_daemon, shutter, mut client) = connection();
+        let started = tokio::time::Instant::now();
+        close_at_stop(std::future::pending::<()>(), &shutter, SESSION_CLOSE).await;
+        assert_eq!(started.elapsed(), SESSION_CLOSE);
+        let mut got = Vec::new();
+        client.read_to_end(&mut got).await.unwrap();
+        assert!(got.is_empty(), "the client reads the end");
+    }
+}
