@@ -10,7 +10,7 @@ use crate::duration::{parse_ms, timeout_ms, ttl_ms};
 /// Reaches the local daemon's socket, daemon.sock in its home (--home, else $SIMLOCK_HOME, else
 /// ~/.simlock), unless --url names a daemon's HTTP API. Exit codes: 0 ok; 1 failure; 2 usage or bad request;
 /// 10 timeout; 11 no capacity; 12 cannot be served; 13 requester already leased; 14 a held lease
-/// was ended by the daemon.
+/// was ended by the daemon; 130 a lease interrupted before it held one.
 #[derive(Debug, Parser)]
 #[command(name = "simlock", version)]
 pub(crate) struct Cli {

@@ -856,7 +856,13 @@ fn describe_at(table: &str, error: &figment::Error) -> String {
             .chain(e.path.iter().map(String::as_str))
             .collect::<Vec<_>>()
             .join(".");
-        let what = in_config_terms(&simlock_contract::in_json_terms(&e.kind.to_string()));
+        let what = match &e.kind {
+            // figment quotes its list of spellings once more (``a` or `b``).
+            figment::error::Kind::UnknownVariant(found, expected) => {
+                format!("unknown value `{found}`, expected {}", one_of(expected))
+            }
+            kind => in_config_terms(&simlock_contract::in_json_terms(&kind.to_string())),
+        };
         if key.is_empty() {
             parts.push(what)
         } else {
@@ -864,6 +870,16 @@ fn describe_at(table: &str, error: &figment::Error) -> String {
         }
     }
     parts.join("; ")
+}
+
+/// The spellings a key takes, each quoted: `` `a` ``, `` `a` or `b` ``, `` `a`, `b` or `c` ``.
+fn one_of(spellings: &[&str]) -> String {
+    let quoted: Vec<String> = spellings.iter().map(|s| format!("`{s}`")).collect();
+    match quoted.split_last() {
+        None => "nothing".to_owned(),
+        Some((last, [])) => last.clone(),
+        Some((last, rest)) => format!("{} or {last}", rest.join(", ")),
+    }
 }
 
 /// `message` with serde's name of a Rust type a table is read into (`expected struct
@@ -1045,6 +1061,17 @@ mod tests {
     use serde_json::json;
 
     use super::*;
+
+    #[test]
+    fn the_spellings_a_key_takes_are_quoted_once_each() {
+        assert_eq!(one_of(&[]), "nothing");
+        assert_eq!(one_of(&["fixed"]), "`fixed`");
+        assert_eq!(one_of(&["resource", "fixed"]), "`resource` or `fixed`");
+        assert_eq!(
+            one_of(&["auto", "simctl", "virtual"]),
+            "`auto`, `simctl` or `virtual`"
+        );
+    }
 
     #[test]
     fn a_variable_names_its_key_by_the_documented_rule() {

@@ -74,8 +74,8 @@ mod tests {
     fn the_routing_policy_is_read_by_its_spelling_and_another_fails_naming_the_key() {
         let sections = Sections::new().with::<FleetConfig>();
         // A value of the section's type is read on either daemon (ADR 0026), so a spelling
-        // that names no policy fails both, naming the key and the accepted spelling (figment's
-        // words, as for capacity.strategy and drivers.*.driver).
+        // that names no policy fails both, naming the key and the accepted spelling (as for
+        // capacity.strategy and drivers.*.driver).
         for mode in [Mode::Gateway, Mode::Worker] {
             for value in ["round-robin", "Warm-Then-Free", "warm_then_free", ""] {
                 let err = load_text(
@@ -88,7 +88,7 @@ mod tests {
                 assert_eq!(
                     err,
                     format!(
-                        "configuration: gateway.routing: unknown variant: found `{value}`, expected ``warm-then-free``"
+                        "configuration: gateway.routing: unknown value `{value}`, expected `warm-then-free`"
                     )
                 );
             }
