@@ -885,6 +885,10 @@ fn one_of(spellings: &[&str]) -> String {
 /// `message` with serde's name of a Rust type a table is read into (`expected struct
 /// PlatformLimit`) said as a table: the reader knows keys and tables, not our types.
 fn in_config_terms(message: &str) -> String {
+    // A number is a number whichever layer gave it (TOML's are signed, `--set`'s unsigned).
+    let message = &message
+        .replace("invalid value unsigned int `", "invalid value `")
+        .replace("invalid value signed int `", "invalid value `");
     const STRUCT: &str = "expected struct ";
     match message.find(STRUCT) {
         Some(at) => {
@@ -1061,6 +1065,26 @@ mod tests {
     use serde_json::json;
 
     use super::*;
+
+    #[test]
+    fn a_number_out_of_range_reads_alike_from_every_layer() {
+        for (layer, text) in [
+            (
+                "TOML",
+                "invalid value signed int `70000`, expected a whole number from 0 to 65535",
+            ),
+            (
+                "--set",
+                "invalid value unsigned int `70000`, expected a whole number from 0 to 65535",
+            ),
+        ] {
+            assert_eq!(
+                in_config_terms(text),
+                "invalid value `70000`, expected a whole number from 0 to 65535",
+                "{layer}"
+            );
+        }
+    }
 
     #[test]
     fn the_spellings_a_key_takes_are_quoted_once_each() {
