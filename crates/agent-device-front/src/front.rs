@@ -342,19 +342,35 @@ fn absolute(request: Request<Body>) -> Result<Request<Body>, Refusal> {
     Ok(Request::from_parts(parts, body))
 }
 
+/// agent-device's own token header, which its CLI sends beside `Authorization`.
+const TOKEN_HEADER: &str = "x-agent-device-token";
+
 /// The simlock token in `Authorization: Bearer` (what the CLI sends as its daemon token), or
-/// in `x-agent-device-token`.
+/// in `x-agent-device-token` (the CLI sends both, alike). Either sent twice, or the two naming
+/// different secrets, is refused: which one counts would be a guess.
 fn authenticate(tokens: &TokenStore, headers: &HeaderMap) -> Result<Caller, Refusal> {
     let bearer = simlock_daemon::auth::authorization(headers)
         .map_err(|e| Refusal::Unauthenticated(e.message))?
         .filter(|v| !v.is_empty())
         .map(String::from);
-    let header = bearer.or_else(|| {
-        headers
-            .get("x-agent-device-token")
-            .and_then(|v| v.to_str().ok())
-            .map(|t| format!("Bearer {t}"))
-    });
+    let mut tokens_sent = headers.get_all(TOKEN_HEADER).iter();
+    let token = tokens_sent.next().map(|v| v.to_str().unwrap_or_default());
+    let more = tokens_sent.count();
+    if more > 0 {
+        return Err(Refusal::Unauthenticated(format!(
+            "{TOKEN_HEADER}: sent {} times; send it once",
+            more + 1
+        )));
+    }
+    if let (Some(bearer), Some(token)) = (&bearer, token)
+        && simlock_daemon::auth::bearer_secret(Some(bearer))
+            .is_ok_and(|secret| secret != token.trim())
+    {
+        return Err(Refusal::Unauthenticated(format!(
+            "Authorization and {TOKEN_HEADER} name different tokens; send one, or the same in both"
+        )));
+    }
+    let header = bearer.or_else(|| token.map(|t| format!("Bearer {t}")));
     let refused = |e: ContractError| match e.code {
         ErrorCode::Forbidden => Refusal::Forbidden(e.message),
         ErrorCode::Unauthenticated => Refusal::Unauthenticated(e.message),
@@ -1628,7 +1644,7 @@ fn with_credentials(bytes: Bytes, credential: &str) -> Bytes {
         "authorization".into(),
         Value::from(format!("Bearer {credential}")),
     );
-    headers.insert("x-agent-device-token".into(), Value::from(credential));
+    headers.insert(TOKEN_HEADER.into(), Value::from(credential));
     Bytes::from(ticket.to_string())
 }
 
@@ -1706,11 +1722,47 @@ mod tests {
         let bearer = format!("Bearer {secret}");
         assert!(authenticate(&tokens, &with(&[("authorization", bearer.clone())])).is_ok());
         assert!(authenticate(&tokens, &with(&[("x-agent-device-token", secret.clone())])).is_ok());
-        let twice = with(&[("authorization", bearer.clone()), ("authorization", bearer)]);
+        let twice = with(&[
+            ("authorization", bearer.clone()),
+            ("authorization", bearer.clone()),
+        ]);
         assert!(matches!(
             authenticate(&tokens, &twice),
             Err(Refusal::Unauthenticated(message)) if message == "Authorization: sent 2 times; send it once"
         ));
+        // The CLI sends both headers, alike.
+        let both = with(&[
+            ("authorization", bearer.clone()),
+            ("x-agent-device-token", secret.clone()),
+        ]);
+        assert!(authenticate(&tokens, &both).is_ok());
+        let token_twice = with(&[
+            ("x-agent-device-token", secret.clone()),
+            ("x-agent-device-token", secret.clone()),
+        ]);
+        assert!(matches!(
+            authenticate(&tokens, &token_twice),
+            Err(Refusal::Unauthenticated(message)) if message == "x-agent-device-token: sent 2 times; send it once"
+        ));
+        let (other, _) = tokens
+            .create(simlock_contract::model::TokenRole::Agent, None)
+            .unwrap();
+        for pairs in [
+            [
+                ("authorization", bearer.clone()),
+                ("x-agent-device-token", other.clone()),
+            ],
+            [
+                ("authorization", format!("Bearer {other}")),
+                ("x-agent-device-token", secret.clone()),
+            ],
+        ] {
+            assert!(matches!(
+                authenticate(&tokens, &with(&pairs)),
+                Err(Refusal::Unauthenticated(message))
+                    if message == "Authorization and x-agent-device-token name different tokens; send one, or the same in both"
+            ));
+        }
     }
 
     #[test]
