@@ -276,8 +276,26 @@ async fn execute(cli: &Cli) -> Result<u8, ContractError> {
         }
         Command::Leases { all: true } => {
             let list = client.list(ListKind::Leases).await?;
+            // A gateway lists the leases of the workers it has read; an older daemon, or one
+            // whose answer fails, adds no note.
+            let unread = if json {
+                None
+            } else {
+                client
+                    .workers()
+                    .await
+                    .ok()
+                    .and_then(|w| view::unread_leases(&w.workers))
+            };
             emit(json, &list, |list| match list {
-                ListOutput::Leases(leases) => view::leases(leases, view::LeaseScope::Every),
+                ListOutput::Leases(leases) => {
+                    let mut out = view::leases(leases, view::LeaseScope::Every);
+                    if let Some(note) = &unread {
+                        out.push('\n');
+                        out.push_str(note);
+                    }
+                    out
+                }
                 other => serde_json::to_string(other).unwrap_or_default(),
             });
             Ok(0)

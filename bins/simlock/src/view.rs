@@ -206,6 +206,30 @@ pub(crate) fn leases(leases: &[LeaseRecord], scope: LeaseScope<'_>) -> String {
     out
 }
 
+/// What `simlock leases --all` adds below its list on a gateway that has not read some of its
+/// workers' leases (after its restart, until each is back): theirs are not listed, so an empty
+/// list is not read as a fleet with nothing leased. `None` when it read every worker's.
+pub(crate) fn unread_leases(workers: &[WorkerView]) -> Option<String> {
+    let unread: Vec<String> = workers
+        .iter()
+        .filter(|w| w.leases.is_none())
+        .map(|w| {
+            let name = w.label.as_deref().unwrap_or(&w.id);
+            if w.connection == Connection::Connected {
+                name.to_owned()
+            } else {
+                format!("{name} ({})", value_name(&w.connection))
+            }
+        })
+        .collect();
+    (!unread.is_empty()).then(|| {
+        format!(
+            "(not listed: the leases on {}; this gateway has not read them since it started, and lists them once each worker reports)",
+            unread.join(", ")
+        )
+    })
+}
+
 /// A table whose rows each name the worker they are on (its reference, else its id), in a last
 /// WORKER column ([`worker`]); a table where no row names one (a worker's own) has none.
 fn table_with_workers(
@@ -867,6 +891,37 @@ mod tests {
             "mini [63a0ce42] (disconnected)"
         );
         assert!(shared_labels([Some(&mini), Some(&mini)].into_iter()).is_empty());
+    }
+
+    #[test]
+    fn leases_a_gateway_has_not_read_are_named_below_the_list() {
+        let view = |id: &str, label: Option<&str>, connection, read: bool| {
+            let mut view: WorkerView = serde_json::from_value(serde_json::json!({
+                "id": id, "connection": "connected", "drained": false, "lastSeenAt": 0
+            }))
+            .unwrap();
+            view.label = label.map(String::from);
+            view.connection = connection;
+            view.leases = read.then(Vec::new);
+            view
+        };
+        assert_eq!(unread_leases(&[]), None);
+        assert_eq!(
+            unread_leases(&[view("w1", None, Connection::Connected, true)]),
+            None,
+            "every worker's leases read"
+        );
+        assert_eq!(
+            unread_leases(&[
+                view("w1", Some("mini"), Connection::Disconnected, false),
+                view("w2", None, Connection::Connected, true),
+                view("w3", None, Connection::Connected, false),
+            ])
+            .as_deref(),
+            Some(
+                "(not listed: the leases on mini (disconnected), w3; this gateway has not read them since it started, and lists them once each worker reports)"
+            )
+        );
     }
 
     #[test]
