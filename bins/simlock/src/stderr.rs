@@ -1,13 +1,14 @@
 //! What the CLI says on stderr while it works: progress and lease notices, as JSON lines when
 //! stderr is not a terminal (another program reads it), as a spinner and sentences when it is.
 
+use std::fmt::Write as _;
 use std::io::IsTerminal as _;
 use std::time::Duration;
 
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::{Map, Value, json};
 use simlock_client::LeaseNotice;
-use simlock_contract::push::Progress;
+use simlock_contract::push::{Progress, WaitingFor};
 
 use crate::view;
 
@@ -97,8 +98,25 @@ impl Reporter {
 /// A progress in words, for the spinner and for MCP progress notifications.
 pub(crate) fn describe(progress: &Progress) -> String {
     match progress {
-        Progress::Queued { queue_position } => {
-            format!("waiting for a device: position {queue_position} in the queue")
+        Progress::Queued {
+            queue_position,
+            waiting_for,
+        } => {
+            let mut out = format!("waiting for a device: position {queue_position} in the queue");
+            match waiting_for {
+                None => {}
+                Some(WaitingFor::Capacity) => {
+                    out.push_str("; every device that may run is in use");
+                }
+                Some(WaitingFor::Quarantine { retry_at }) => {
+                    let _ = write!(
+                        out,
+                        "; quarantined devices hold the room (their wipe failed; tried again {})",
+                        view::relative(*retry_at)
+                    );
+                }
+            }
+            out
         }
         Progress::Provisioning { eta_ms } => {
             format!("creating a device (about {})", view::duration(*eta_ms))
@@ -109,5 +127,36 @@ pub(crate) fn describe(progress: &Progress) -> String {
         Progress::Reclaiming { eta_ms } => {
             format!("wiping a device (about {})", view::duration(*eta_ms))
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_queued_request_says_why_it_waits_when_the_daemon_tells() {
+        assert_eq!(
+            describe(&Progress::queued(2)),
+            "waiting for a device: position 2 in the queue"
+        );
+        assert_eq!(
+            describe(&Progress::Queued {
+                queue_position: 1,
+                waiting_for: Some(WaitingFor::Capacity),
+            }),
+            "waiting for a device: position 1 in the queue; every device that may run is in use"
+        );
+        let soon = view::now_ms() + 90_000;
+        let said = describe(&Progress::Queued {
+            queue_position: 1,
+            waiting_for: Some(WaitingFor::Quarantine { retry_at: soon }),
+        });
+        assert!(
+            said.starts_with(
+                "waiting for a device: position 1 in the queue; quarantined devices hold the room (their wipe failed; tried again in 1m"
+            ),
+            "{said}"
+        );
     }
 }

@@ -428,9 +428,7 @@ async fn detach_prints_the_grant_and_leaves_the_lease() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_held_lease_is_renewed_then_released_on_sigterm() {
     let fake = fake().await;
-    fake.script_request(RequestScript::Grant(vec![Progress::Queued {
-        queue_position: 1,
-    }]));
+    fake.script_request(RequestScript::Grant(vec![Progress::queued(1)]));
     let mut held = Held::spawn(
         &fake,
         &["lease", "--platform", "ios", "--ttl", "300", "--json"],
@@ -492,9 +490,7 @@ async fn a_held_lease_the_daemon_ends_exits_14() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_interrupt_while_queued_withdraws_the_request_and_exits_130() {
     let fake = fake().await;
-    fake.script_request(RequestScript::Hold(vec![Progress::Queued {
-        queue_position: 4,
-    }]));
+    fake.script_request(RequestScript::Hold(vec![Progress::queued(4)]));
     fake.script_cancel(CancelScript::Cancelled);
     let mut held = Held::spawn(&fake, &["lease", "--platform", "ios", "--json"]);
     let progress = held.stderr_line().await;
@@ -515,9 +511,7 @@ async fn an_interrupt_while_queued_withdraws_the_request_and_exits_130() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_interrupt_that_loses_the_race_with_the_grant_releases_the_lease_and_exits_130() {
     let fake = fake().await;
-    fake.script_request(RequestScript::Hold(vec![Progress::Queued {
-        queue_position: 1,
-    }]));
+    fake.script_request(RequestScript::Hold(vec![Progress::queued(1)]));
     fake.script_cancel(CancelScript::NotFound(Ok(())));
     let mut held = Held::spawn(&fake, &["lease", "--platform", "ios", "--json"]);
     let progress = held.stderr_line().await;

@@ -881,7 +881,7 @@ async fn a_queued_lease_reports_progress_then_is_granted() {
     assert_eq!(progress.progress_token, token);
     assert_eq!(
         progress.message.as_deref(),
-        Some("waiting for a device: position 1 in the queue")
+        Some("waiting for a device: position 1 in the queue; every device that may run is in use")
     );
 
     // The first agent gives its device back; the queued one gets it.

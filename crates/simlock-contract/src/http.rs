@@ -9,7 +9,7 @@ use crate::error::{ContractError, ErrorBody, ErrorCode};
 use crate::ids::RequestId;
 use crate::model::{LeaseGrant, Platform};
 use crate::ops::LeaseRequestInput;
-use crate::push::Progress;
+use crate::push::{Progress, WaitingFor};
 
 /// The body of `POST /v1/lease-requests`: `lease.request`'s input under the HTTP API's names,
 /// `device` for the model and `os` for the OS version; its idempotency key travels in the
@@ -157,6 +157,9 @@ pub struct RequestView {
     /// Its place in the queue, while queued.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub queue_position: Option<u32>,
+    /// Why it gets no device now, while queued, when the daemon can tell.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub waiting_for: Option<WaitingFor>,
     /// Expected seconds until the current stage ends.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub eta_seconds: Option<u64>,
@@ -181,6 +184,7 @@ impl RequestView {
         self.state = state;
         if state != RequestState::Queued {
             self.queue_position = None;
+            self.waiting_for = None;
         }
         if !matches!(
             state,
@@ -196,6 +200,7 @@ impl RequestView {
         match self.state {
             RequestState::Queued => Some(Progress::Queued {
                 queue_position: self.queue_position.unwrap_or(0),
+                waiting_for: self.waiting_for,
             }),
             RequestState::Provisioning => Some(Progress::Provisioning { eta_ms }),
             RequestState::Booting => Some(Progress::Booting { eta_ms }),
@@ -293,6 +298,7 @@ mod tests {
             id: RequestId::from_raw("req_1"),
             state: RequestState::Failed,
             queue_position: None,
+            waiting_for: None,
             eta_seconds: None,
             created_at: 5,
             lease: None,
@@ -317,10 +323,7 @@ mod tests {
             json!({"id": "req_1", "state": "queued", "queuePosition": 3, "createdAt": 1}),
         )
         .unwrap();
-        assert_eq!(
-            view.progress(),
-            Some(Progress::Queued { queue_position: 3 })
-        );
+        assert_eq!(view.progress(), Some(Progress::queued(3)));
         assert_eq!(view.outcome(), None);
         let view: RequestView =
             serde_json::from_value(json!({"id": "req_1", "state": "downloading", "createdAt": 1}))

@@ -21,6 +21,10 @@ pub enum Progress {
     Queued {
         /// 1-based place in the queue.
         queue_position: u32,
+        /// Why no device can be had for it now, when the daemon can tell (a worker does; a
+        /// gateway, and a daemon before this field, send none).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        waiting_for: Option<WaitingFor>,
     },
     /// A device is being created.
     #[serde(rename_all = "camelCase")]
@@ -39,6 +43,33 @@ pub enum Progress {
     Reclaiming {
         /// Expected time to finish.
         eta_ms: u64,
+    },
+}
+
+impl Progress {
+    /// Waiting at `queue_position`, for no reason told.
+    pub const fn queued(queue_position: u32) -> Self {
+        Self::Queued {
+            queue_position,
+            waiting_for: None,
+        }
+    }
+}
+
+/// Why a queued request gets no device now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "reason", rename_all = "camelCase")]
+pub enum WaitingFor {
+    /// The platform's capacity is full with devices in use (leased, starting, being wiped): one
+    /// must end first.
+    Capacity,
+    /// Quarantined devices hold the room a device for it needs: their wipe failed and is tried
+    /// again at `retryAt` (ms since the epoch, the earliest of them); one that fails
+    /// `quarantine.maxRetries` times is deleted, which frees its room.
+    #[serde(rename_all = "camelCase")]
+    Quarantine {
+        /// When the first of them is wiped again.
+        retry_at: i64,
     },
 }
 
@@ -220,7 +251,7 @@ mod tests {
     fn pushes_have_the_original_shape() {
         let push = Push::Progress {
             request_id: 7.into(),
-            progress: Progress::Queued { queue_position: 2 },
+            progress: Progress::queued(2),
         };
         assert_eq!(
             serde_json::to_value(&push).unwrap(),
@@ -229,6 +260,24 @@ mod tests {
         let frame = push.to_frame().unwrap();
         assert_eq!(frame.push, "progress");
         assert_eq!(Push::from_frame(frame).unwrap(), push);
+        for (waiting_for, json) in [
+            (WaitingFor::Capacity, json!({"reason": "capacity"})),
+            (
+                WaitingFor::Quarantine { retry_at: 1_000 },
+                json!({"reason": "quarantine", "retryAt": 1_000}),
+            ),
+        ] {
+            let progress = Progress::Queued {
+                queue_position: 1,
+                waiting_for: Some(waiting_for),
+            };
+            let value = serde_json::to_value(progress).unwrap();
+            assert_eq!(
+                value,
+                json!({"stage": "queued", "queuePosition": 1, "waitingFor": json})
+            );
+            assert_eq!(serde_json::from_value::<Progress>(value).unwrap(), progress);
+        }
     }
 
     #[test]

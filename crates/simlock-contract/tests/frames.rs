@@ -71,7 +71,7 @@ fn push() -> impl Strategy<Value = Push> {
     prop_oneof![
         (frame_id(), 1u32..1000).prop_map(|(id, p)| Push::Progress {
             request_id: id,
-            progress: Progress::Queued { queue_position: p }
+            progress: Progress::queued(p)
         }),
         (frame_id(), any::<u64>()).prop_map(|(id, eta)| Push::Progress {
             request_id: id,

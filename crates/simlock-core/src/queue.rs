@@ -9,6 +9,7 @@
 use simlock_contract::event::GrantSource;
 use simlock_contract::ids::RequestId;
 use simlock_contract::model::{DeviceSpec, RequestedDevice};
+use simlock_contract::push::WaitingFor;
 
 /// Where a waiter is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -83,6 +84,8 @@ pub(crate) struct Waiter {
     pub pending: Option<Pending>,
     /// The queue position it was last told, while queued.
     pub told_position: Option<u32>,
+    /// Why it gets no device, as it was last told, while queued.
+    pub told_waiting: Option<WaitingFor>,
 }
 
 /// The waiter's deadline passed.
@@ -262,6 +265,7 @@ mod tests {
             failures: 0,
             pending: None,
             told_position: None,
+            told_waiting: None,
         }
     }
 

@@ -17,7 +17,7 @@ use simlock_contract::model::{
     LeaseEndReason, LeaseGrant, LeaseRecord, Platform, RequestedDevice, WaitStage, WaitingRequest,
 };
 use simlock_contract::ops::CancelResult;
-use simlock_contract::push::{Progress, Push, UnhealthyReason};
+use simlock_contract::push::{Progress, Push, UnhealthyReason, WaitingFor};
 
 use crate::book::{RecordState, RequestBook, RequestRecord};
 use crate::capacity::{Limits, Usage};
@@ -539,10 +539,12 @@ impl State {
 
     pub(crate) fn take_effects(&mut self) -> Effects {
         for (id, position) in self.queue.moved() {
+            let waiting_for = self.queue.get(&id).and_then(|w| w.told_waiting);
             self.progress(
                 &id,
                 Progress::Queued {
                     queue_position: position,
+                    waiting_for,
                 },
             );
         }
@@ -632,6 +634,7 @@ impl State {
             failures: 0,
             pending: None,
             told_position: None,
+            told_waiting: None,
         });
         if a.no_wait && waiters_ahead {
             // A worker with anyone waiting refuses every noWait request: FIFO stays fair.
@@ -696,10 +699,22 @@ impl State {
     fn queue_again(&mut self, id: &RequestId, now: i64) {
         match self.queue.enqueue(id, now) {
             Some(Ok(position)) => {
+                // A request queued again after failed device work may be served by the next
+                // walk: it is told why it waits only when no device can be had now.
+                let waiting_for = self
+                    .queue
+                    .get(id)
+                    .map(|w| w.spec.clone())
+                    .filter(|spec| self.plan(spec, true).is_none())
+                    .and_then(|spec| self.waiting_for(&spec));
+                if let Some(waiter) = self.queue.get_mut(id) {
+                    waiter.told_waiting = waiting_for;
+                }
                 self.progress(
                     id,
                     Progress::Queued {
                         queue_position: position,
+                        waiting_for,
                     },
                 );
                 self.emit(
@@ -795,8 +810,59 @@ impl State {
                     Some(Err(TimedOut)) => self.time_out(&id, now),
                     None => {}
                 },
-                None => passed_over = true,
+                None => {
+                    passed_over = true;
+                    self.tell_why_waiting(&id, &spec);
+                }
             }
+        }
+    }
+
+    /// Tells a queued waiter that gets no device why, when that changed since it was told.
+    fn tell_why_waiting(&mut self, id: &RequestId, spec: &DeviceSpec) {
+        let waiting_for = self.waiting_for(spec);
+        let Some(waiter) = self.queue.get_mut(id) else {
+            return;
+        };
+        if waiter.stage != Stage::Queued || waiter.told_waiting == waiting_for {
+            return;
+        }
+        waiter.told_waiting = waiting_for;
+        let Some(queue_position) = waiter.told_position else {
+            return;
+        };
+        self.progress(
+            id,
+            Progress::Queued {
+                queue_position,
+                waiting_for,
+            },
+        );
+    }
+
+    /// Why no device of `spec` can be had now ([`Self::plan`] found none): quarantined devices
+    /// hold the room one needs (without them it would fit), or the capacity is full with
+    /// devices in use. `None` while the platform's devices are being swept (a moment).
+    fn waiting_for(&self, spec: &DeviceSpec) -> Option<WaitingFor> {
+        if self.sweeping.contains(&spec.platform) {
+            return None;
+        }
+        let ram = self.settings.limits.ram.as_ref();
+        let mut without = self.usage();
+        let mut retry_at: Option<i64> = None;
+        for d in self.devices.values() {
+            if d.state == DeviceState::Quarantined {
+                without = without.without_running(d.spec.platform, false, ram);
+                if let Some(q) = d.quarantine {
+                    retry_at = Some(retry_at.map_or(q.next_retry_at, |r| r.min(q.next_retry_at)));
+                }
+            }
+        }
+        match retry_at {
+            Some(retry_at) if self.settings.limits.fits(&without, spec.platform) => {
+                Some(WaitingFor::Quarantine { retry_at })
+            }
+            _ => Some(WaitingFor::Capacity),
         }
     }
 

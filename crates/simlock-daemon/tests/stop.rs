@@ -103,7 +103,7 @@ async fn a_stop_ends_every_open_stream_at_once_with_a_last_event() {
     router.handle::<LeaseRequest, _, _>(|ctx, _| async move {
         let queued = Push::Progress {
             request_id: ctx.request_id().clone(),
-            progress: Progress::Queued { queue_position: 1 },
+            progress: Progress::queued(1),
         };
         ctx.push(queued).await;
         std::future::pending::<Result<LeaseGrant, ContractError>>().await

@@ -1270,7 +1270,10 @@ async fn a_waiting_request_is_queued_then_granted_when_a_device_frees_up() {
         matches!(
             queued,
             Push::Progress {
-                progress: simlock_contract::push::Progress::Queued { queue_position: 1 },
+                progress: simlock_contract::push::Progress::Queued {
+                    queue_position: 1,
+                    ..
+                },
                 ..
             }
         ),

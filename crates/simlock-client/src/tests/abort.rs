@@ -19,14 +19,12 @@ fn input() -> LeaseRequestInput {
 
 /// A request the fake holds in the queue, read up to its first progress.
 async fn queued(fake: &FakeDaemon, client: &Client, cancel: CancelScript) -> PendingLease {
-    fake.script_request(RequestScript::Hold(vec![Progress::Queued {
-        queue_position: 1,
-    }]));
+    fake.script_request(RequestScript::Hold(vec![Progress::queued(1)]));
     fake.script_cancel(cancel);
     let mut pending = guard(client.begin_lease_request(input())).await.unwrap();
     assert_eq!(
         guard(pending.next()).await,
-        RequestEvent::Progress(Progress::Queued { queue_position: 1 })
+        RequestEvent::Progress(Progress::queued(1))
     );
     pending
 }
@@ -77,9 +75,7 @@ async fn not_found_answers_the_requests_own_outcome() {
 #[tokio::test]
 async fn an_abort_future_withdraws_a_request_over_the_socket() {
     let fake = socket_fake().await;
-    fake.script_request(RequestScript::Hold(vec![Progress::Queued {
-        queue_position: 3,
-    }]));
+    fake.script_request(RequestScript::Hold(vec![Progress::queued(3)]));
     fake.script_cancel(CancelScript::Cancelled);
     let client = socket_client(&fake, false).await;
     let (tx, rx) = oneshot::channel::<()>();
@@ -100,7 +96,7 @@ async fn an_abort_future_withdraws_a_request_over_the_socket() {
     .await
     .unwrap_err();
     assert_eq!(err.code, ErrorCode::Cancelled);
-    assert_eq!(seen, [Progress::Queued { queue_position: 3 }]);
+    assert_eq!(seen, [Progress::queued(3)]);
     // No requester named: the daemon defaults it to the principal.
     assert_eq!(fake.calls_of("lease.cancel")[0].input, json!({}));
 }

@@ -110,7 +110,7 @@ async fn a_lease_read_answered_with_no_lease_is_an_error_naming_the_operation() 
 async fn the_lease_requests_resource_reports_progress_then_the_grant() {
     let fake = http_fake().await;
     fake.script_request(RequestScript::Hold(vec![
-        Progress::Queued { queue_position: 2 },
+        Progress::queued(2),
         Progress::Booting { eta_ms: 30_000 },
     ]));
     let agent = http_client(&fake, fake.agent_token());
@@ -139,7 +139,7 @@ async fn the_lease_requests_resource_reports_progress_then_the_grant() {
         if progress == (Progress::Booting { eta_ms: 30_000 }) {
             break;
         }
-        assert_eq!(progress, Progress::Queued { queue_position: 2 });
+        assert_eq!(progress, Progress::queued(2));
     }
     assert!(fake.settle_pending(Ok(())));
     let grant = guard(request).await.unwrap().unwrap();
@@ -171,16 +171,14 @@ async fn a_refused_request_fails_with_its_code_over_http() {
 #[tokio::test]
 async fn a_named_requester_goes_through_the_resource_with_its_progress() {
     let fake = http_fake().await;
-    fake.script_request(RequestScript::Hold(vec![Progress::Queued {
-        queue_position: 2,
-    }]));
+    fake.script_request(RequestScript::Hold(vec![Progress::queued(2)]));
     let agent = http_client(&fake, fake.agent_token());
     let mut input = LeaseRequestInput::for_platform(Platform::Ios);
     input.requester_id = Some("agent-3".into());
     let mut pending = guard(agent.begin_lease_request(input)).await.unwrap();
     assert_eq!(
         guard(pending.next()).await,
-        crate::RequestEvent::Progress(Progress::Queued { queue_position: 2 })
+        crate::RequestEvent::Progress(Progress::queued(2))
     );
     assert!(fake.settle_pending(Ok(())));
     let crate::RequestEvent::Done(Ok(grant)) = guard(pending.next()).await else {
@@ -197,9 +195,7 @@ async fn a_named_requester_goes_through_the_resource_with_its_progress() {
 #[tokio::test]
 async fn abort_withdraws_the_resource_when_it_is_still_queued() {
     let fake = http_fake().await;
-    fake.script_request(RequestScript::Hold(vec![Progress::Queued {
-        queue_position: 1,
-    }]));
+    fake.script_request(RequestScript::Hold(vec![Progress::queued(1)]));
     fake.script_cancel(CancelScript::Cancelled);
     let agent = http_client(&fake, fake.agent_token());
     let mut pending =
@@ -208,7 +204,7 @@ async fn abort_withdraws_the_resource_when_it_is_still_queued() {
             .unwrap();
     assert_eq!(
         guard(pending.next()).await,
-        crate::RequestEvent::Progress(Progress::Queued { queue_position: 1 })
+        crate::RequestEvent::Progress(Progress::queued(1))
     );
     assert!(
         pending

@@ -121,10 +121,7 @@ async fn renew_and_release_answer_and_fail_with_typed_errors() {
 #[tokio::test]
 async fn progress_reaches_the_callback_in_order_then_the_grant() {
     let fake = socket_fake().await;
-    let stages = vec![
-        Progress::Queued { queue_position: 2 },
-        Progress::Booting { eta_ms: 30_000 },
-    ];
+    let stages = vec![Progress::queued(2), Progress::Booting { eta_ms: 30_000 }];
     fake.script_request(RequestScript::Grant(stages.clone()));
     let client = socket_client(&fake, false).await;
     let mut input = LeaseRequestInput::for_platform(Platform::Ios);

@@ -209,7 +209,10 @@ fn a_queue_deadline_passed_during_device_work_fails_the_request_when_it_would_wa
     let fx = state.take_effects();
     assert_eq!(
         progress(&fx, &request(2)),
-        [Progress::Queued { queue_position: 1 }]
+        [Progress::Queued {
+            queue_position: 1,
+            waiting_for: Some(WaitingFor::Capacity)
+        }]
     );
     assert_eq!(state.next_deadline(), Some(11_000));
 
@@ -265,7 +268,7 @@ fn failed_device_work_requeues_the_request_in_its_place() {
     assert_eq!(
         progress(&fx, &request(1)),
         [
-            Progress::Queued { queue_position: 1 },
+            Progress::queued(1),
             Progress::Provisioning { eta_ms: 1_500 }
         ]
     );
@@ -314,7 +317,10 @@ fn eviction_takes_the_least_recently_used_idle_device_and_never_a_leased_one() {
     let fx = state.take_effects();
     assert_eq!(
         progress(&fx, &request(4)),
-        [Progress::Queued { queue_position: 2 }]
+        [Progress::Queued {
+            queue_position: 2,
+            waiting_for: Some(WaitingFor::Capacity)
+        }]
     );
     assert!(fx.work.is_empty(), "{:?}", fx.work);
     let leased = state
@@ -666,6 +672,86 @@ fn a_failed_reclaim_quarantines_with_backoff_and_the_device_is_never_granted_mea
 }
 
 #[test]
+fn a_waiter_is_told_when_quarantined_devices_hold_its_room_and_when_that_changes() {
+    let mut state = State::new(settings(1));
+    let first = lease_new(&mut state, 1, spec(Platform::Ios, "A"), 0);
+    let device = first.device.id.clone();
+    // The one slot is leased: the waiter is told the capacity is full.
+    state
+        .admit(admission(2, spec(Platform::Ios, "A"), None), 500)
+        .unwrap();
+    let fx = state.take_effects();
+    assert_eq!(
+        progress(&fx, &request(2)),
+        [Progress::Queued {
+            queue_position: 1,
+            waiting_for: Some(WaitingFor::Capacity)
+        }]
+    );
+    // Released, its wipe fails: the device is quarantined and holds the slot; the waiter is
+    // told so once, with the retry's time.
+    release(&mut state, &first, 1_000);
+    state.take_effects();
+    let failed = || {
+        Err(DriverError {
+            platform: Platform::Ios,
+            message: "erase failed".into(),
+        })
+    };
+    state.reclaimed(&device, failed(), 2_000);
+    let fx = state.take_effects();
+    assert_eq!(
+        progress(&fx, &request(2)),
+        [Progress::Queued {
+            queue_position: 1,
+            waiting_for: Some(WaitingFor::Quarantine { retry_at: 32_000 })
+        }]
+    );
+    // Nothing new to tell: told once.
+    state.tick(3_000);
+    assert!(progress(&state.take_effects(), &request(2)).is_empty());
+    // The retry fails again: the new retry time is told.
+    state.tick(32_000);
+    state.take_effects();
+    state.reclaimed(&device, failed(), 33_000);
+    let fx = state.take_effects();
+    assert_eq!(
+        progress(&fx, &request(2)),
+        [Progress::Queued {
+            queue_position: 1,
+            waiting_for: Some(WaitingFor::Quarantine { retry_at: 93_000 })
+        }]
+    );
+    // A second waiter of another platform, whose room the quarantined iOS device does not hold
+    // (a limit per platform), is told the capacity, not the quarantine.
+    let mut both = settings(1);
+    both.limits = Limits {
+        ios_max: 1,
+        android_max: 1,
+        global_max: 2,
+        ram: None,
+    };
+    let mut state = State::new(both);
+    let ios = lease_new(&mut state, 1, spec(Platform::Ios, "A"), 0);
+    let android = lease_new(&mut state, 2, spec(Platform::Android, "P"), 0);
+    release(&mut state, &ios, 1_000);
+    state.take_effects();
+    state.reclaimed(&ios.device.id, failed(), 2_000);
+    state.take_effects();
+    state
+        .admit(admission(3, spec(Platform::Android, "P"), None), 3_000)
+        .unwrap();
+    assert_eq!(
+        progress(&state.take_effects(), &request(3)),
+        [Progress::Queued {
+            queue_position: 1,
+            waiting_for: Some(WaitingFor::Capacity)
+        }]
+    );
+    drop(android);
+}
+
+#[test]
 fn quarantine_backoff_grows_by_its_multiplier_up_to_its_cap() {
     let q = QuarantineConfig {
         max_retries: 10,
@@ -744,10 +830,7 @@ fn after_a_restart_running_devices_are_adopted_and_a_stopped_leased_one_is_recov
         .unwrap();
     let fx = again.take_effects();
     assert!(!fx.work.iter().any(|w| matches!(w, Work::Provision { .. })));
-    assert_eq!(
-        progress(&fx, &request(3)),
-        [Progress::Queued { queue_position: 1 }]
-    );
+    assert_eq!(progress(&fx, &request(3)), [Progress::queued(1)]);
     again.swept(Platform::Ios, Ok(vec![]), 16);
     let fx = again.take_effects();
     assert!(

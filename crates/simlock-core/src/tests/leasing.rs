@@ -10,7 +10,7 @@ use simlock_contract::ops::{
     CancelResult, LeaseCancel, LeaseCancelInput, LeaseIdInput, LeaseList, LeaseRelease,
     LeaseReleaseAll, LeaseRenew, LeaseRenewInput,
 };
-use simlock_contract::push::Progress;
+use simlock_contract::push::{Progress, WaitingFor};
 use simlock_contract::{ErrorCode, Push};
 
 use super::*;
@@ -81,7 +81,10 @@ async fn waiting_requests_are_granted_in_fifo_order_as_devices_free() {
         next_push(&mut c_pushes).await,
         Push::Progress {
             request_id: 0.into(),
-            progress: Progress::Queued { queue_position: 1 }
+            progress: Progress::Queued {
+                queue_position: 1,
+                waiting_for: Some(WaitingFor::Capacity)
+            }
         }
     );
     let (d, mut d_pushes) = h.spawn_lease("agent-d", ios());
@@ -89,7 +92,10 @@ async fn waiting_requests_are_granted_in_fifo_order_as_devices_free() {
         next_push(&mut d_pushes).await,
         Push::Progress {
             request_id: 0.into(),
-            progress: Progress::Queued { queue_position: 2 }
+            progress: Progress::Queued {
+                queue_position: 2,
+                waiting_for: Some(WaitingFor::Capacity)
+            }
         }
     );
     assert_eq!(
@@ -146,7 +152,10 @@ async fn waiting_requests_are_granted_in_fifo_order_as_devices_free() {
         next_push(&mut d_pushes).await,
         Push::Progress {
             request_id: 0.into(),
-            progress: Progress::Queued { queue_position: 1 }
+            progress: Progress::Queued {
+                queue_position: 1,
+                waiting_for: Some(WaitingFor::Capacity)
+            }
         }
     );
 

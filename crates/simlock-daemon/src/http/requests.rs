@@ -137,6 +137,7 @@ impl RequestBook {
             id: id.clone(),
             state: RequestState::Pending,
             queue_position: None,
+            waiting_for: None,
             eta_seconds: None,
             created_at: self.clock.now_ms(),
             lease: None,
@@ -346,11 +347,16 @@ fn apply_progress(record: &Record, push: &Push) {
     record.progressed.store(true, Ordering::SeqCst);
     record.view.send_modify(|v| {
         v.queue_position = None;
+        v.waiting_for = None;
         v.eta_seconds = None;
         match *progress {
-            Progress::Queued { queue_position } => {
+            Progress::Queued {
+                queue_position,
+                waiting_for,
+            } => {
                 v.state = RequestState::Queued;
                 v.queue_position = Some(queue_position);
+                v.waiting_for = waiting_for;
             }
             Progress::Provisioning { eta_ms } => {
                 v.state = RequestState::Provisioning;
@@ -412,6 +418,7 @@ mod tests {
                 id: RequestId::mint(),
                 state: RequestState::Pending,
                 queue_position: None,
+                waiting_for: None,
                 eta_seconds: None,
                 created_at: 0,
                 lease: None,

@@ -597,9 +597,7 @@ impl Core {
         for (request, position) in self.queue.moved() {
             self.fx.push_back(Effect::Progress {
                 request,
-                progress: Progress::Queued {
-                    queue_position: position,
-                },
+                progress: Progress::queued(position),
             });
         }
         let depth = self.queue.depth();
@@ -1793,9 +1791,7 @@ impl Core {
         } else if let Some(position) = self.queue.announce(id) {
             self.fx.push_back(Effect::Progress {
                 request: id.clone(),
-                progress: Progress::Queued {
-                    queue_position: position,
-                },
+                progress: Progress::queued(position),
             });
             self.event(Event::LeaseQueued {
                 request_id: id.clone(),

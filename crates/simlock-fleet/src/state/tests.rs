@@ -398,7 +398,7 @@ fn a_queued_request_is_told_its_new_place_when_one_ahead_leaves() {
             .filter_map(|e| match e {
                 Effect::Progress {
                     request,
-                    progress: Progress::Queued { queue_position },
+                    progress: Progress::Queued { queue_position, .. },
                 } => Some((request.to_string(), *queue_position)),
                 _ => None,
             })
@@ -432,7 +432,10 @@ fn a_queued_request_times_out_at_its_deadline_and_a_forward_at_the_lease_request
         effects.iter().any(|e| matches!(
             e,
             Effect::Progress {
-                progress: Progress::Queued { queue_position: 1 },
+                progress: Progress::Queued {
+                    queue_position: 1,
+                    waiting_for: None
+                },
                 ..
             }
         )),
