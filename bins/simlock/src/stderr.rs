@@ -108,6 +108,11 @@ pub(crate) fn describe(progress: &Progress) -> String {
                 Some(WaitingFor::Capacity) => {
                     out.push_str("; every device that may run is in use");
                 }
+                Some(WaitingFor::Quarantine { retry_at }) if *retry_at <= view::now_ms() => {
+                    out.push_str(
+                        "; quarantined devices hold the room (their wipe failed; being tried again)",
+                    );
+                }
                 Some(WaitingFor::Quarantine { retry_at }) => {
                     let _ = write!(
                         out,
@@ -157,6 +162,16 @@ mod tests {
                 "waiting for a device: position 1 in the queue; quarantined devices hold the room (their wipe failed; tried again in 1m"
             ),
             "{said}"
+        );
+        // A retry whose time came is under way.
+        assert_eq!(
+            describe(&Progress::Queued {
+                queue_position: 1,
+                waiting_for: Some(WaitingFor::Quarantine {
+                    retry_at: view::now_ms() - 1_000
+                }),
+            }),
+            "waiting for a device: position 1 in the queue; quarantined devices hold the room (their wipe failed; being tried again)"
         );
     }
 }
