@@ -21,8 +21,8 @@ pub enum Progress {
     Queued {
         /// 1-based place in the queue.
         queue_position: u32,
-        /// Why no device can be had for it now, when the daemon can tell (a worker does; a
-        /// gateway, and a daemon before this field, send none).
+        /// Why no device can be had for it now, when the daemon can tell (a daemon before this
+        /// field sends none; a gateway tells it when every worker that could serve it is full).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         waiting_for: Option<WaitingFor>,
     },

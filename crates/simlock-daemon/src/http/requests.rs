@@ -378,6 +378,7 @@ fn settle(record: &Record, outcome: Result<Value, ContractError>, now: i64) {
     *record.settled_at.lock() = Some(now);
     record.view.send_modify(|v| {
         v.queue_position = None;
+        v.waiting_for = None;
         v.eta_seconds = None;
         match outcome {
             Ok(value) => match serde_json::from_value::<LeaseGrant>(value) {
@@ -468,6 +469,31 @@ mod tests {
         let mut all_pending = book(&[], 3);
         all_pending.prune(8, 1_000, 2);
         assert_eq!(ids(&all_pending), ["p0", "p1", "p2"]);
+    }
+
+    #[test]
+    fn a_settled_request_keeps_nothing_of_its_wait() {
+        use simlock_contract::push::WaitingFor;
+        for outcome in [
+            Err(ContractError::new(ErrorCode::QueueTimeout, "no device")),
+            Err(ContractError::new(ErrorCode::Cancelled, "withdrawn")),
+        ] {
+            let record = record();
+            let queued = Push::Progress {
+                request_id: 1.into(),
+                progress: Progress::Queued {
+                    queue_position: 2,
+                    waiting_for: Some(WaitingFor::Capacity),
+                },
+            };
+            apply_progress(&record, &queued);
+            assert_eq!(record.view.borrow().waiting_for, Some(WaitingFor::Capacity));
+            settle(&record, outcome, 10);
+            let view = record.view.borrow();
+            assert!(view.state.is_settled(), "{:?}", view.state);
+            assert_eq!(view.queue_position, None);
+            assert_eq!(view.waiting_for, None, "{:?}", view.state);
+        }
     }
 
     #[test]

@@ -35,7 +35,7 @@ use simlock_contract::model::{
     ProtocolPair, WaitStage, WaitingRequest, WorkerRef, WorkerView,
 };
 use simlock_contract::ops::{CancelResult, LeaseRequestInput, StatusOutput};
-use simlock_contract::push::{Progress, Push};
+use simlock_contract::push::{Progress, Push, WaitingFor};
 use simlock_contract::{ContractError, ErrorCode, ProtocolRange};
 use simlock_daemon::context::Viewer;
 use tracing::{debug, info, warn};
@@ -595,9 +595,13 @@ impl Core {
 
     fn note_depth(&mut self) {
         for (request, position) in self.queue.moved() {
+            let waiting_for = self.queue.get(&request).and_then(|w| w.told_waiting);
             self.fx.push_back(Effect::Progress {
                 request,
-                progress: Progress::queued(position),
+                progress: Progress::Queued {
+                    queue_position: position,
+                    waiting_for,
+                },
             });
         }
         let depth = self.queue.depth();
@@ -1766,17 +1770,22 @@ impl Core {
                     claimed.insert(pick.worker_id.clone());
                     self.forward(&id, pick, generation, now);
                 }
-                _ => self.no_pick(&id, now),
+                _ => {
+                    let waiting_for = routing::waiting_for(&eligible, &waiter.wanted);
+                    self.no_pick(&id, waiting_for, now);
+                }
             }
         }
     }
 
     /// No worker takes `id` in this pass: a `noWait` request fails (after its second walk when
-    /// a stale view refused it), another is announced as queued once.
-    fn no_pick(&mut self, id: &RequestId, now: i64) {
+    /// a stale view refused it), another is announced as queued once, and told again when why
+    /// it waits (`waiting_for`) changed.
+    fn no_pick(&mut self, id: &RequestId, waiting_for: Option<WaitingFor>, now: i64) {
         let Some(waiter) = self.queue.get_mut(id) else {
             return;
         };
+        let told_before = std::mem::replace(&mut waiter.told_waiting, waiting_for);
         let walked_before = std::mem::replace(&mut waiter.walked, true);
         if waiter.no_wait {
             if walked_before || !waiter.second_walk {
@@ -1791,11 +1800,24 @@ impl Core {
         } else if let Some(position) = self.queue.announce(id) {
             self.fx.push_back(Effect::Progress {
                 request: id.clone(),
-                progress: Progress::queued(position),
+                progress: Progress::Queued {
+                    queue_position: position,
+                    waiting_for,
+                },
             });
             self.event(Event::LeaseQueued {
                 request_id: id.clone(),
                 queue_position: position,
+            });
+        } else if told_before != waiting_for
+            && let Some(position) = self.queue.told_position(id)
+        {
+            self.fx.push_back(Effect::Progress {
+                request: id.clone(),
+                progress: Progress::Queued {
+                    queue_position: position,
+                    waiting_for,
+                },
             });
         }
     }

@@ -7,6 +7,7 @@ use std::collections::{BTreeSet, HashMap, VecDeque};
 use simlock_contract::ids::RequestId;
 use simlock_contract::model::LeaseGrant;
 use simlock_contract::ops::LeaseRequestInput;
+use simlock_contract::push::WaitingFor;
 
 use super::routing::{Pick, Wanted};
 use crate::error::FleetError;
@@ -73,6 +74,8 @@ pub struct Waiter {
     told_position: Option<u32>,
     /// Whether a dispatch pass walked it once without a pick.
     pub walked: bool,
+    /// Why it waits, as it was last told.
+    pub told_waiting: Option<WaitingFor>,
 }
 
 impl Waiter {
@@ -102,6 +105,7 @@ impl Waiter {
             last_refusal: None,
             second_walk: false,
             told_position: None,
+            told_waiting: None,
             walked: false,
         }
     }
@@ -349,6 +353,11 @@ impl Queue {
         let position = u32::try_from(at + 1).unwrap_or(u32::MAX);
         waiter.told_position = Some(position);
         Some(position)
+    }
+
+    /// The place `id` was last told, once it was announced.
+    pub fn told_position(&self, id: &RequestId) -> Option<u32> {
+        self.get(id).and_then(|w| w.told_position)
     }
 
     /// The 1-based place of `id` among the waiters not answered yet.

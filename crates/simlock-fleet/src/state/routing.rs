@@ -8,6 +8,7 @@
 use simlock_contract::model::{
     Connection, Device, DeviceState, Health, Platform, PlatformCatalog, RequestedDevice, WorkerView,
 };
+use simlock_contract::push::WaitingFor;
 
 /// What a request asks of a worker, resolved against nothing yet.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -223,6 +224,72 @@ fn free_or_evictable(view: &WorkerView, platform: Platform) -> u32 {
         .saturating_sub(capacity.global.reserved)
         .saturating_add(idle(None));
     platform_free.min(global_free)
+}
+
+/// Why no worker among `views` takes `wanted` now ([`select`] picked none), when it is a
+/// matter of devices: every worker that could serve it has its room full, and quarantined
+/// devices (a wipe that failed) hold some of that room (`quarantine`, with the earliest retry),
+/// or none do (`capacity`). `None` when no worker that could serve it takes requests now, or
+/// one has room (it waits for another reason: a worker's own queue, its health, a refusal).
+pub fn waiting_for(views: &[&WorkerView], wanted: &Wanted) -> Option<WaitingFor> {
+    let servers: Vec<&WorkerView> = views
+        .iter()
+        .copied()
+        .filter(|v| takes_requests(v))
+        .filter(|v| match_request(v, wanted).is_some())
+        .filter(|v| has_capabilities(v, &wanted.requires))
+        .collect();
+    if servers.is_empty()
+        || servers
+            .iter()
+            .any(|v| free_or_evictable(v, wanted.platform) > 0)
+    {
+        return None;
+    }
+    let mut retry_at: Option<i64> = None;
+    for view in servers {
+        let quarantined: Vec<&Device> = view
+            .devices
+            .as_deref()
+            .unwrap_or_default()
+            .iter()
+            .filter(|d| d.state == DeviceState::Quarantined)
+            .collect();
+        let Some(capacity) = view.capacity else {
+            continue;
+        };
+        let count = |only: Option<Platform>| {
+            let n = quarantined
+                .iter()
+                .filter(|d| only.is_none_or(|p| d.spec.platform == p))
+                .count();
+            u32::try_from(n).unwrap_or(u32::MAX)
+        };
+        // Its room with the quarantined devices gone, as `free_or_evictable` counts it.
+        let platform = capacity
+            .platform(wanted.platform)
+            .free()
+            .saturating_add(count(Some(wanted.platform)));
+        let global = capacity
+            .global
+            .max_running
+            .saturating_sub(capacity.global.running)
+            .saturating_sub(capacity.global.reserved)
+            .saturating_add(count(None));
+        if platform.min(global) > 0 {
+            for at in quarantined
+                .iter()
+                .filter_map(|d| d.quarantine_next_retry_at)
+            {
+                retry_at = Some(retry_at.map_or(at, |r| r.min(at)));
+            }
+        }
+    }
+    Some(
+        retry_at.map_or(WaitingFor::Capacity, |retry_at| WaitingFor::Quarantine {
+            retry_at,
+        }),
+    )
 }
 
 /// Why a worker was picked.

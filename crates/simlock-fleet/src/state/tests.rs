@@ -419,6 +419,60 @@ fn a_queued_request_is_told_its_new_place_when_one_ahead_leaves() {
     assert!(queued(&core.take_effects()).is_empty(), "told once");
 }
 
+/// The reasons the queued waiters in `effects` are told, in order.
+fn told_why(effects: &[Effect]) -> Vec<Option<WaitingFor>> {
+    effects
+        .iter()
+        .filter_map(|e| match e {
+            Effect::Progress {
+                progress: Progress::Queued { waiting_for, .. },
+                ..
+            } => Some(*waiting_for),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn a_waiter_is_told_why_no_worker_takes_it_and_told_again_when_that_changes() {
+    let (mut core, generation) = fleet(1);
+    let _held = granted_full(&mut core, generation);
+    let mut waiting = ios();
+    waiting.requester_id = Some("other".into());
+    ask(&mut core, 2, waiting, T0).unwrap();
+    assert_eq!(
+        told_why(&core.take_effects()),
+        [Some(WaitingFor::Capacity)],
+        "the one worker's room is full of leases"
+    );
+    // The lease ended and its device's wipe failed: quarantined, it holds the slot.
+    let mut quarantined = device("d_q", DeviceState::Quarantined);
+    quarantined.quarantine_next_retry_at = Some(T0 + 30_000);
+    let mut read = refresh(Vec::new(), 1);
+    if let Some(capacity) = read.status.capacity.as_mut() {
+        capacity.ios.running = 1;
+        capacity.global.running = 1;
+    }
+    read.devices = Some(vec![quarantined.clone()]);
+    read.status.devices = Some(vec![quarantined]);
+    core.handle_worker_event(
+        generation,
+        event("device.quarantined", serde_json::json!({})),
+        T0 + 1_000,
+    );
+    let sent = refresh_sent(&core.take_effects()).unwrap();
+    core.handle_refreshed(generation, sent, read.clone(), T0 + 1_000);
+    assert_eq!(
+        told_why(&core.take_effects()),
+        [Some(WaitingFor::Quarantine {
+            retry_at: T0 + 30_000
+        })]
+    );
+    // Nothing changed: nothing more is told.
+    core.handle_tick(T0 + 2_000);
+    assert!(told_why(&core.take_effects()).is_empty(), "told once");
+}
+
 #[test]
 fn a_queued_request_times_out_at_its_deadline_and_a_forward_at_the_lease_request_bound() {
     let (mut core, generation) = fleet(1);
@@ -434,7 +488,7 @@ fn a_queued_request_times_out_at_its_deadline_and_a_forward_at_the_lease_request
             Effect::Progress {
                 progress: Progress::Queued {
                     queue_position: 1,
-                    waiting_for: None
+                    waiting_for: Some(WaitingFor::Capacity)
                 },
                 ..
             }
