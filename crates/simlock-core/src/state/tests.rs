@@ -209,10 +209,7 @@ fn a_queue_deadline_passed_during_device_work_fails_the_request_when_it_would_wa
     let fx = state.take_effects();
     assert_eq!(
         progress(&fx, &request(2)),
-        [Progress::Queued {
-            queue_position: 1,
-            waiting_for: Some(WaitingFor::Capacity)
-        }]
+        [queued_for(1, WaitingFor::Capacity)]
     );
     assert_eq!(state.next_deadline(), Some(11_000));
 
@@ -317,10 +314,7 @@ fn eviction_takes_the_least_recently_used_idle_device_and_never_a_leased_one() {
     let fx = state.take_effects();
     assert_eq!(
         progress(&fx, &request(4)),
-        [Progress::Queued {
-            queue_position: 2,
-            waiting_for: Some(WaitingFor::Capacity)
-        }]
+        [queued_for(2, WaitingFor::Capacity)]
     );
     assert!(fx.work.is_empty(), "{:?}", fx.work);
     let leased = state
@@ -599,6 +593,22 @@ fn a_lease_that_ends_during_a_recovery_is_reclaimed_once_the_recovery_ends() {
     assert!(notices(&fx).is_empty(), "nobody holds it any more");
 }
 
+/// The progress of a waiter at `position`, told why it waits.
+fn queued_for(position: u32, waiting_for: WaitingFor) -> Progress {
+    Progress::Queued {
+        queue_position: position,
+        waiting_for: Some(waiting_for),
+    }
+}
+
+/// What the driver answers for a wipe that fails.
+fn erase_failed<T>() -> Result<T, DriverError> {
+    Err(DriverError {
+        platform: Platform::Ios,
+        message: "erase failed".into(),
+    })
+}
+
 /// The attempts and next retry of the first `device.quarantined` in `fx`.
 fn quarantined(fx: &Effects) -> Option<(u32, i64)> {
     fx.events.iter().find_map(|e| match e.event {
@@ -618,13 +628,7 @@ fn a_failed_reclaim_quarantines_with_backoff_and_the_device_is_never_granted_mea
     let device = first.device.id.clone();
     release(&mut state, &first, 1_000);
     state.take_effects();
-    let failed = || {
-        Err(DriverError {
-            platform: Platform::Ios,
-            message: "erase failed".into(),
-        })
-    };
-    state.reclaimed(&device, failed(), 2_000);
+    state.reclaimed(&device, erase_failed(), 2_000);
     let fx = state.take_effects();
     let (attempts, next_retry_at) = quarantined(&fx).unwrap();
     assert_eq!(attempts, 1);
@@ -653,7 +657,7 @@ fn a_failed_reclaim_quarantines_with_backoff_and_the_device_is_never_granted_mea
         DeviceState::Quarantined,
         "still quarantined while it runs"
     );
-    state.reclaimed(&device, failed(), 33_000);
+    state.reclaimed(&device, erase_failed(), 33_000);
     let fx = state.take_effects();
     let (_, next_retry_at) = quarantined(&fx).unwrap();
     assert_eq!(next_retry_at, 33_000 + 60_000, "doubled");
@@ -683,29 +687,17 @@ fn a_waiter_is_told_when_quarantined_devices_hold_its_room_and_when_that_changes
     let fx = state.take_effects();
     assert_eq!(
         progress(&fx, &request(2)),
-        [Progress::Queued {
-            queue_position: 1,
-            waiting_for: Some(WaitingFor::Capacity)
-        }]
+        [queued_for(1, WaitingFor::Capacity)]
     );
     // Released, its wipe fails: the device is quarantined and holds the slot; the waiter is
     // told so once, with the retry's time.
     release(&mut state, &first, 1_000);
     state.take_effects();
-    let failed = || {
-        Err(DriverError {
-            platform: Platform::Ios,
-            message: "erase failed".into(),
-        })
-    };
-    state.reclaimed(&device, failed(), 2_000);
+    state.reclaimed(&device, erase_failed(), 2_000);
     let fx = state.take_effects();
     assert_eq!(
         progress(&fx, &request(2)),
-        [Progress::Queued {
-            queue_position: 1,
-            waiting_for: Some(WaitingFor::Quarantine { retry_at: 32_000 })
-        }]
+        [queued_for(1, WaitingFor::Quarantine { retry_at: 32_000 })]
     );
     // Nothing new to tell: told once.
     state.tick(3_000);
@@ -713,14 +705,11 @@ fn a_waiter_is_told_when_quarantined_devices_hold_its_room_and_when_that_changes
     // The retry fails again: the new retry time is told.
     state.tick(32_000);
     state.take_effects();
-    state.reclaimed(&device, failed(), 33_000);
+    state.reclaimed(&device, erase_failed(), 33_000);
     let fx = state.take_effects();
     assert_eq!(
         progress(&fx, &request(2)),
-        [Progress::Queued {
-            queue_position: 1,
-            waiting_for: Some(WaitingFor::Quarantine { retry_at: 93_000 })
-        }]
+        [queued_for(1, WaitingFor::Quarantine { retry_at: 93_000 })]
     );
     // A second waiter of another platform, whose room the quarantined iOS device does not hold
     // (a limit per platform), is told the capacity, not the quarantine.
@@ -736,17 +725,14 @@ fn a_waiter_is_told_when_quarantined_devices_hold_its_room_and_when_that_changes
     let android = lease_new(&mut state, 2, spec(Platform::Android, "P"), 0);
     release(&mut state, &ios, 1_000);
     state.take_effects();
-    state.reclaimed(&ios.device.id, failed(), 2_000);
+    state.reclaimed(&ios.device.id, erase_failed(), 2_000);
     state.take_effects();
     state
         .admit(admission(3, spec(Platform::Android, "P"), None), 3_000)
         .unwrap();
     assert_eq!(
         progress(&state.take_effects(), &request(3)),
-        [Progress::Queued {
-            queue_position: 1,
-            waiting_for: Some(WaitingFor::Capacity)
-        }]
+        [queued_for(1, WaitingFor::Capacity)]
     );
     drop(android);
 }
@@ -776,16 +762,10 @@ fn past_its_retries_a_quarantined_device_is_deleted() {
     let first = lease_new(&mut state, 1, spec(Platform::Ios, "A"), 0);
     let device = first.device.id.clone();
     release(&mut state, &first, 1);
-    let failed = || {
-        Err(DriverError {
-            platform: Platform::Ios,
-            message: "no".into(),
-        })
-    };
-    state.reclaimed(&device, failed(), 2);
+    state.reclaimed(&device, erase_failed(), 2);
     state.tick(30_002);
     state.take_effects();
-    state.reclaimed(&device, failed(), 30_003);
+    state.reclaimed(&device, erase_failed(), 30_003);
     let fx = state.take_effects();
     assert!(fx.events.iter().any(|e| matches!(
         e.event,

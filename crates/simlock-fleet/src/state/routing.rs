@@ -200,29 +200,35 @@ pub fn fits(device: &Device, wanted: &Wanted, matched: &Match) -> bool {
 /// devices; the worker's cap frees by shutting down any idle device (an idle iPhone makes room
 /// for an Android request).
 fn free_or_evictable(view: &WorkerView, platform: Platform) -> u32 {
+    room(view, platform, |d| d.state == DeviceState::Ready)
+}
+
+/// Running slots free for `platform` on `view`, counting as free the running devices `freed`
+/// picks, each toward its own platform's cap and the worker's.
+fn room(view: &WorkerView, platform: Platform, freed: impl Fn(&Device) -> bool) -> u32 {
     let Some(capacity) = view.capacity else {
         return 0;
     };
-    let idle = |only: Option<Platform>| {
+    let count = |only: Option<Platform>| {
         let count = view
             .devices
             .as_deref()
             .unwrap_or_default()
             .iter()
-            .filter(|d| d.state == DeviceState::Ready && only.is_none_or(|p| d.spec.platform == p))
+            .filter(|d| freed(d) && only.is_none_or(|p| d.spec.platform == p))
             .count();
         u32::try_from(count).unwrap_or(u32::MAX)
     };
     let platform_free = capacity
         .platform(platform)
         .free()
-        .saturating_add(idle(Some(platform)));
+        .saturating_add(count(Some(platform)));
     let global_free = capacity
         .global
         .max_running
         .saturating_sub(capacity.global.running)
         .saturating_sub(capacity.global.reserved)
-        .saturating_add(idle(None));
+        .saturating_add(count(None));
     platform_free.min(global_free)
 }
 
@@ -248,41 +254,21 @@ pub fn waiting_for(views: &[&WorkerView], wanted: &Wanted) -> Option<WaitingFor>
     }
     let mut retry_at: Option<i64> = None;
     for view in servers {
-        let quarantined: Vec<&Device> = view
-            .devices
-            .as_deref()
-            .unwrap_or_default()
-            .iter()
-            .filter(|d| d.state == DeviceState::Quarantined)
-            .collect();
-        let Some(capacity) = view.capacity else {
+        // Its room with its quarantined devices gone, as `free_or_evictable` counts room.
+        let quarantined = |d: &Device| d.state == DeviceState::Quarantined;
+        if room(view, wanted.platform, |d| {
+            d.state == DeviceState::Ready || quarantined(d)
+        }) == 0
+        {
             continue;
-        };
-        let count = |only: Option<Platform>| {
-            let n = quarantined
-                .iter()
-                .filter(|d| only.is_none_or(|p| d.spec.platform == p))
-                .count();
-            u32::try_from(n).unwrap_or(u32::MAX)
-        };
-        // Its room with the quarantined devices gone, as `free_or_evictable` counts it.
-        let platform = capacity
-            .platform(wanted.platform)
-            .free()
-            .saturating_add(count(Some(wanted.platform)));
-        let global = capacity
-            .global
-            .max_running
-            .saturating_sub(capacity.global.running)
-            .saturating_sub(capacity.global.reserved)
-            .saturating_add(count(None));
-        if platform.min(global) > 0 {
-            for at in quarantined
-                .iter()
-                .filter_map(|d| d.quarantine_next_retry_at)
-            {
-                retry_at = Some(retry_at.map_or(at, |r| r.min(at)));
-            }
+        }
+        let devices = view.devices.as_deref().unwrap_or_default();
+        for at in devices
+            .iter()
+            .filter(|d| quarantined(d))
+            .filter_map(|d| d.quarantine_next_retry_at)
+        {
+            retry_at = Some(retry_at.map_or(at, |r| r.min(at)));
         }
     }
     Some(
