@@ -841,29 +841,34 @@ impl State {
     }
 
     /// Why no device of `spec` can be had now ([`Self::plan`] found none): quarantined devices
-    /// hold the room one needs (without them it would fit), or the capacity is full with
-    /// devices in use. `None` while the platform's devices are being swept (a moment).
+    /// hold the room one needs (without them it would fit: those of its platform first, else
+    /// any, for the worker's own cap), with the earliest retry among those, or the capacity is
+    /// full with devices in use. `None` while the platform's devices are being swept (a moment).
     fn waiting_for(&self, spec: &DeviceSpec) -> Option<WaitingFor> {
         if self.sweeping.contains(&spec.platform) {
             return None;
         }
         let ram = self.settings.limits.ram.as_ref();
-        let mut without = self.usage();
-        let mut retry_at: Option<i64> = None;
-        for d in self.devices.values() {
-            if d.state == DeviceState::Quarantined {
+        let quarantined = |only: Option<Platform>| {
+            self.devices.values().filter(move |d| {
+                d.state == DeviceState::Quarantined && only.is_none_or(|p| d.spec.platform == p)
+            })
+        };
+        for only in [Some(spec.platform), None] {
+            let mut without = self.usage();
+            for d in quarantined(only) {
                 without = without.without_running(d.spec.platform, false, ram);
-                if let Some(q) = d.quarantine {
-                    retry_at = Some(retry_at.map_or(q.next_retry_at, |r| r.min(q.next_retry_at)));
-                }
+            }
+            let retry_at = quarantined(only)
+                .filter_map(|d| d.quarantine.map(|q| q.next_retry_at))
+                .min();
+            if let Some(retry_at) = retry_at
+                && self.settings.limits.fits(&without, spec.platform)
+            {
+                return Some(WaitingFor::Quarantine { retry_at });
             }
         }
-        match retry_at {
-            Some(retry_at) if self.settings.limits.fits(&without, spec.platform) => {
-                Some(WaitingFor::Quarantine { retry_at })
-            }
-            _ => Some(WaitingFor::Capacity),
-        }
+        Some(WaitingFor::Capacity)
     }
 
     /// Where a device of `spec` can come from now: a ready one, one being reclaimed, a

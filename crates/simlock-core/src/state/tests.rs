@@ -593,6 +593,18 @@ fn a_lease_that_ends_during_a_recovery_is_reclaimed_once_the_recovery_ends() {
     assert!(notices(&fx).is_empty(), "nobody holds it any more");
 }
 
+/// One device may run per platform, two in all: a platform's cap binds before the worker's.
+fn one_per_platform() -> Settings {
+    let mut both = settings(1);
+    both.limits = Limits {
+        ios_max: 1,
+        android_max: 1,
+        global_max: 2,
+        ram: None,
+    };
+    both
+}
+
 /// The progress of a waiter at `position`, told why it waits.
 fn queued_for(position: u32, waiting_for: WaitingFor) -> Progress {
     Progress::Queued {
@@ -713,14 +725,7 @@ fn a_waiter_is_told_when_quarantined_devices_hold_its_room_and_when_that_changes
     );
     // A second waiter of another platform, whose room the quarantined iOS device does not hold
     // (a limit per platform), is told the capacity, not the quarantine.
-    let mut both = settings(1);
-    both.limits = Limits {
-        ios_max: 1,
-        android_max: 1,
-        global_max: 2,
-        ram: None,
-    };
-    let mut state = State::new(both);
+    let mut state = State::new(one_per_platform());
     let ios = lease_new(&mut state, 1, spec(Platform::Ios, "A"), 0);
     let android = lease_new(&mut state, 2, spec(Platform::Android, "P"), 0);
     release(&mut state, &ios, 1_000);
@@ -735,6 +740,25 @@ fn a_waiter_is_told_when_quarantined_devices_hold_its_room_and_when_that_changes
         [queued_for(1, WaitingFor::Capacity)]
     );
     drop(android);
+
+    // Quarantined devices of another platform do not free the room a request's platform cap
+    // holds: the retry told is its own platform's, not an earlier one of another.
+    let mut state = State::new(one_per_platform());
+    let ios = lease_new(&mut state, 1, spec(Platform::Ios, "A"), 0);
+    let android = lease_new(&mut state, 2, spec(Platform::Android, "P"), 0);
+    release(&mut state, &android, 500);
+    release(&mut state, &ios, 500);
+    state.take_effects();
+    state.reclaimed(&android.device.id, erase_failed(), 1_000);
+    state.reclaimed(&ios.device.id, erase_failed(), 5_000);
+    state.take_effects();
+    state
+        .admit(admission(3, spec(Platform::Ios, "A"), None), 6_000)
+        .unwrap();
+    assert_eq!(
+        progress(&state.take_effects(), &request(3)),
+        [queued_for(1, WaitingFor::Quarantine { retry_at: 35_000 })]
+    );
 }
 
 #[test]

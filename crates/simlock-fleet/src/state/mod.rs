@@ -1111,8 +1111,9 @@ impl Core {
         worker.link = None;
         let was_connected = worker.view.connection == Connection::Connected;
         worker.view.connection = Connection::Disconnected;
-        // Never before what was already seen (its handshake), never after the close.
-        let seen_at = heard_at.min(now).max(worker.view.last_seen_at);
+        // Never before what was already seen (its handshake), never after the close (a clock
+        // stepped back between the two included).
+        let seen_at = heard_at.max(worker.view.last_seen_at).min(now);
         worker.view.last_seen_at = seen_at;
         let (label, lease_count, known) = (
             worker.view.label.clone(),
@@ -1771,7 +1772,14 @@ impl Core {
                     self.forward(&id, pick, generation, now);
                 }
                 _ => {
-                    let waiting_for = routing::waiting_for(&eligible, &waiter.wanted);
+                    // Over the workers this pass gave a request too: one with room left says
+                    // the wait is not for capacity.
+                    let could: Vec<&WorkerView> = views
+                        .iter()
+                        .copied()
+                        .filter(|v| !waiter.excluded.contains(&v.id))
+                        .collect();
+                    let waiting_for = routing::waiting_for(&could, &waiter.wanted);
                     self.no_pick(&id, waiting_for, now);
                 }
             }

@@ -254,21 +254,25 @@ pub fn waiting_for(views: &[&WorkerView], wanted: &Wanted) -> Option<WaitingFor>
     }
     let mut retry_at: Option<i64> = None;
     for view in servers {
-        // Its room with its quarantined devices gone, as `free_or_evictable` counts room.
-        let quarantined = |d: &Device| d.state == DeviceState::Quarantined;
-        if room(view, wanted.platform, |d| {
-            d.state == DeviceState::Ready || quarantined(d)
-        }) == 0
-        {
-            continue;
-        }
+        // Its room with its quarantined devices gone: those of the platform first, else any
+        // (the worker's own cap); the earliest retry among those that would make it.
         let devices = view.devices.as_deref().unwrap_or_default();
-        for at in devices
-            .iter()
-            .filter(|d| quarantined(d))
-            .filter_map(|d| d.quarantine_next_retry_at)
-        {
-            retry_at = Some(retry_at.map_or(at, |r| r.min(at)));
+        for only in [Some(wanted.platform), None] {
+            let quarantined = |d: &Device| {
+                d.state == DeviceState::Quarantined && only.is_none_or(|p| d.spec.platform == p)
+            };
+            let opens = room(view, wanted.platform, |d| {
+                d.state == DeviceState::Ready || quarantined(d)
+            }) > 0;
+            let earliest = devices
+                .iter()
+                .filter(|d| quarantined(d))
+                .filter_map(|d| d.quarantine_next_retry_at)
+                .min();
+            if let (true, Some(at)) = (opens, earliest) {
+                retry_at = Some(retry_at.map_or(at, |r| r.min(at)));
+                break;
+            }
         }
     }
     Some(
