@@ -14,7 +14,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use futures::FutureExt;
 use futures::future::BoxFuture;
-use http::header::{HOST, HeaderValue};
+use http::header::{HOST, HeaderName, HeaderValue};
 use http::{HeaderMap, Method, Request, Response, StatusCode, Uri};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
@@ -353,15 +353,14 @@ fn authenticate(tokens: &TokenStore, headers: &HeaderMap) -> Result<Caller, Refu
         .map_err(|e| Refusal::Unauthenticated(e.message))?
         .filter(|v| !v.is_empty())
         .map(String::from);
-    let mut tokens_sent = headers.get_all(TOKEN_HEADER).iter();
-    let token = tokens_sent.next().map(|v| v.to_str().unwrap_or_default());
-    let more = tokens_sent.count();
-    if more > 0 {
-        return Err(Refusal::Unauthenticated(format!(
-            "{TOKEN_HEADER}: sent {} times; send it once",
-            more + 1
-        )));
-    }
+    let token = simlock_daemon::auth::single_header(
+        headers,
+        &HeaderName::from_static(TOKEN_HEADER),
+        TOKEN_HEADER,
+    )
+    .map_err(|e| Refusal::Unauthenticated(e.message))?
+    .map(|v| v.to_str().unwrap_or_default())
+    .filter(|t| !t.is_empty());
     if let (Some(bearer), Some(token)) = (&bearer, token)
         && simlock_daemon::auth::bearer_secret(Some(bearer))
             .is_ok_and(|secret| secret != token.trim())
@@ -1557,17 +1556,16 @@ fn lease_header(inner: &Inner, headers: &HeaderMap) -> Result<Option<LeaseId>, R
     if !inner.link.hosts().reads_lease_header() {
         return Ok(None);
     }
-    let mut values = headers.get_all(LEASE_HEADER).iter();
-    let (Some(value), None) = (values.next(), values.next()) else {
-        return if headers.contains_key(LEASE_HEADER) {
-            Err(Refusal::BadLeaseHeader)
-        } else {
-            Ok(None)
-        };
-    };
-    if value.is_empty() {
+    // Sent twice is refused as a header that is not a lease id: the value is never echoed.
+    let Some(value) = simlock_daemon::auth::single_header(
+        headers,
+        &HeaderName::from_static(LEASE_HEADER),
+        LEASE_HEADER,
+    )
+    .map_err(|_| Refusal::BadLeaseHeader)?
+    .filter(|v| !v.is_empty()) else {
         return Ok(None);
-    }
+    };
     std::str::from_utf8(value.as_bytes())
         .ok()
         .and_then(LeaseId::parse)
@@ -1713,7 +1711,7 @@ mod tests {
             let mut headers = HeaderMap::new();
             for (name, value) in pairs {
                 headers.append(
-                    http::HeaderName::from_bytes(name.as_bytes()).unwrap(),
+                    HeaderName::from_bytes(name.as_bytes()).unwrap(),
                     HeaderValue::from_str(value).unwrap(),
                 );
             }
@@ -1736,6 +1734,12 @@ mod tests {
             ("x-agent-device-token", secret.clone()),
         ]);
         assert!(authenticate(&tokens, &both).is_ok());
+        // An empty token header is none, beside a bearer as alone.
+        let empty = with(&[
+            ("authorization", bearer.clone()),
+            ("x-agent-device-token", String::new()),
+        ]);
+        assert!(authenticate(&tokens, &empty).is_ok());
         let token_twice = with(&[
             ("x-agent-device-token", secret.clone()),
             ("x-agent-device-token", secret.clone()),

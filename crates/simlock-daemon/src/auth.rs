@@ -106,19 +106,35 @@ pub fn verify_bearer(
 /// missing header).
 ///
 /// # Errors
-/// `BAD_REQUEST` when it is sent more than once: which one counts would be a guess (a proxy
-/// adding its own, a client adding a second), so neither does.
+/// `BAD_REQUEST` when it is sent more than once ([`single_header`]).
 pub fn authorization(headers: &http::HeaderMap) -> Result<Option<&str>, ContractError> {
-    let mut values = headers.get_all(http::header::AUTHORIZATION).iter();
+    Ok(
+        single_header(headers, &http::header::AUTHORIZATION, "Authorization")?
+            .map(|v| v.to_str().unwrap_or_default()),
+    )
+}
+
+/// The one value of header `name` (`label` in messages): `None` when absent.
+///
+/// # Errors
+/// `BAD_REQUEST` `<label>: sent <n> times; send it once` when it is sent more than once: which
+/// one counts would be a guess (a proxy adding its own, a client adding a second), so neither
+/// does.
+pub fn single_header<'a>(
+    headers: &'a http::HeaderMap,
+    name: &http::HeaderName,
+    label: &str,
+) -> Result<Option<&'a http::HeaderValue>, ContractError> {
+    let mut values = headers.get_all(name).iter();
     let first = values.next();
     let more = values.count();
     if more > 0 {
         return Err(ContractError::bad_request(format!(
-            "Authorization: sent {} times; send it once",
+            "{label}: sent {} times; send it once",
             more + 1
         )));
     }
-    Ok(first.map(|v| v.to_str().unwrap_or_default()))
+    Ok(first)
 }
 
 /// The secret of an `Authorization: Bearer <secret>` header, trimmed. The scheme is matched

@@ -861,6 +861,14 @@ fn describe_at(table: &str, error: &figment::Error) -> String {
             figment::error::Kind::UnknownVariant(found, expected) => {
                 format!("unknown value `{found}`, expected {}", one_of(expected))
             }
+            // A number is a number whichever layer gave it (TOML's are signed, `--set`'s
+            // unsigned): its sign is not named.
+            figment::error::Kind::InvalidValue(figment::error::Actual::Signed(n), expected) => {
+                invalid_number(n, expected)
+            }
+            figment::error::Kind::InvalidValue(figment::error::Actual::Unsigned(n), expected) => {
+                invalid_number(n, expected)
+            }
             kind => in_config_terms(&simlock_contract::in_json_terms(&kind.to_string())),
         };
         if key.is_empty() {
@@ -882,13 +890,14 @@ fn one_of(spellings: &[&str]) -> String {
     }
 }
 
+/// `invalid value `<n>`, expected <what>`, in the reader's terms.
+fn invalid_number(n: &impl std::fmt::Display, expected: &str) -> String {
+    simlock_contract::in_json_terms(&format!("invalid value `{n}`, expected {expected}"))
+}
+
 /// `message` with serde's name of a Rust type a table is read into (`expected struct
 /// PlatformLimit`) said as a table: the reader knows keys and tables, not our types.
 fn in_config_terms(message: &str) -> String {
-    // A number is a number whichever layer gave it (TOML's are signed, `--set`'s unsigned).
-    let message = &message
-        .replace("invalid value unsigned int `", "invalid value `")
-        .replace("invalid value signed int `", "invalid value `");
     const STRUCT: &str = "expected struct ";
     match message.find(STRUCT) {
         Some(at) => {
@@ -1068,18 +1077,14 @@ mod tests {
 
     #[test]
     fn a_number_out_of_range_reads_alike_from_every_layer() {
-        for (layer, text) in [
-            (
-                "TOML",
-                "invalid value signed int `70000`, expected a whole number from 0 to 65535",
-            ),
-            (
-                "--set",
-                "invalid value unsigned int `70000`, expected a whole number from 0 to 65535",
-            ),
+        use figment::error::{Actual, Kind};
+        for (layer, actual) in [
+            ("TOML", Actual::Signed(70_000)),
+            ("--set", Actual::Unsigned(70_000)),
         ] {
+            let error = figment::Error::from(Kind::InvalidValue(actual, "u16".into()));
             assert_eq!(
-                in_config_terms(text),
+                describe(&error),
                 "invalid value `70000`, expected a whole number from 0 to 65535",
                 "{layer}"
             );

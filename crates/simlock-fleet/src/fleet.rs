@@ -355,9 +355,10 @@ impl Fleet {
         drop(shared);
         if after.rows || !after.forwards.is_empty() {
             self.store_forward_rows();
-            // Whoever waits for a change and reads the store sees these rows.
-            self.changes.send_modify(|n| *n = n.wrapping_add(1));
         }
+        // Once, after the lock and the rows: whoever waits for a change and reads the store
+        // sees them.
+        self.changes.send_modify(|n| *n = n.wrapping_add(1));
         for (followers, outcome) in after.answers {
             for tx in followers {
                 let _ = tx.send(Update::Done(outcome.clone()));
@@ -534,7 +535,6 @@ impl Fleet {
                 }
             }
         }
-        self.changes.send_modify(|n| *n = n.wrapping_add(1));
         if shared
             .core
             .next_deadline()
