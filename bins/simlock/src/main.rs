@@ -275,18 +275,20 @@ async fn execute(cli: &Cli) -> Result<u8, ContractError> {
             Ok(0)
         }
         Command::Leases { all: true } => {
-            let list = client.list(ListKind::Leases).await?;
             // A gateway lists the leases of the workers it has read; an older daemon, or one
-            // whose answer fails, adds no note.
-            let unread = if json {
-                None
-            } else {
-                client
-                    .workers()
-                    .await
-                    .ok()
-                    .and_then(|w| view::unread_leases(&w.workers))
-            };
+            // whose answer fails, adds no note. Both asked at once.
+            let (list, unread) = tokio::join!(client.list(ListKind::Leases), async {
+                if json {
+                    None
+                } else {
+                    client
+                        .workers()
+                        .await
+                        .ok()
+                        .and_then(|w| view::unread_leases(&w.workers))
+                }
+            });
+            let list = list?;
             emit(json, &list, |list| match list {
                 ListOutput::Leases(leases) => {
                     let mut out = view::leases(leases, view::LeaseScope::Every);

@@ -108,16 +108,15 @@ pub(crate) fn describe(progress: &Progress) -> String {
                 Some(WaitingFor::Capacity) => {
                     out.push_str("; every device that may run is in use");
                 }
-                Some(WaitingFor::Quarantine { retry_at }) if *retry_at <= view::now_ms() => {
-                    out.push_str(
-                        "; quarantined devices hold the room (their wipe failed; being tried again)",
-                    );
-                }
                 Some(WaitingFor::Quarantine { retry_at }) => {
+                    let when = if *retry_at <= view::now_ms() {
+                        "being tried again".to_owned()
+                    } else {
+                        format!("tried again {}", view::relative(*retry_at))
+                    };
                     let _ = write!(
                         out,
-                        "; quarantined devices hold the room (their wipe failed; tried again {})",
-                        view::relative(*retry_at)
+                        "; quarantined devices hold the room (their wipe failed; {when})"
                     );
                 }
             }

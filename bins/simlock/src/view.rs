@@ -554,12 +554,14 @@ pub(crate) fn workers(workers: &[WorkerView]) -> String {
                     .filter(|_| connected)
                     .map_or_else(|| "-".to_owned(), value_name),
                 // The gateway releases some on it once it is back: its devices are held till then.
-                match (w.leases.as_ref(), w.releasing.len()) {
-                    (None, 0) => "-".to_owned(),
-                    (leases, 0) => leases.map_or(0, Vec::len).to_string(),
-                    (leases, releasing) => {
-                        let held = leases.map_or_else(|| "-".to_owned(), |l| l.len().to_string());
-                        format!("{held} ({releasing} releasing)")
+                {
+                    let held = w
+                        .leases
+                        .as_ref()
+                        .map_or_else(|| "-".to_owned(), |l| l.len().to_string());
+                    match w.releasing.len() {
+                        0 => held,
+                        releasing => format!("{held} ({releasing} releasing)"),
                     }
                 },
                 // What it can serve, as it last said: only while it is reachable.
