@@ -820,17 +820,23 @@ impl State {
 
     /// Tells a queued waiter that gets no device why, when that changed since it was told.
     fn tell_why_waiting(&mut self, id: &RequestId, spec: &DeviceSpec) {
+        // Only a waiter told its place is told why (a new one is told both on queueing).
+        let Some(queue_position) = self
+            .queue
+            .get(id)
+            .filter(|w| w.stage == Stage::Queued)
+            .and_then(|w| w.told_position)
+        else {
+            return;
+        };
         let waiting_for = self.waiting_for(spec);
         let Some(waiter) = self.queue.get_mut(id) else {
             return;
         };
-        if waiter.stage != Stage::Queued || waiter.told_waiting == waiting_for {
+        if waiter.told_waiting == waiting_for {
             return;
         }
         waiter.told_waiting = waiting_for;
-        let Some(queue_position) = waiter.told_position else {
-            return;
-        };
         self.progress(
             id,
             Progress::Queued {
@@ -854,8 +860,9 @@ impl State {
                 d.state == DeviceState::Quarantined && only.is_none_or(|p| d.spec.platform == p)
             })
         };
+        let usage = self.usage();
         for only in [Some(spec.platform), None] {
-            let mut without = self.usage();
+            let mut without = usage;
             for d in quarantined(only) {
                 without = without.without_running(d.spec.platform, false, ram);
             }

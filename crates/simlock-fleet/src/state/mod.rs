@@ -1773,13 +1773,17 @@ impl Core {
                 }
                 _ => {
                     // Over the workers this pass gave a request too: one with room left says
-                    // the wait is not for capacity.
-                    let could: Vec<&WorkerView> = views
-                        .iter()
-                        .copied()
-                        .filter(|v| !waiter.excluded.contains(&v.id))
-                        .collect();
-                    let waiting_for = routing::waiting_for(&could, &waiter.wanted);
+                    // the wait is not for capacity. A noWait request is answered, not told.
+                    let waiting_for = if waiter.no_wait {
+                        None
+                    } else {
+                        let could: Vec<&WorkerView> = views
+                            .iter()
+                            .copied()
+                            .filter(|v| !waiter.excluded.contains(&v.id))
+                            .collect();
+                        routing::waiting_for(&could, &waiter.wanted)
+                    };
                     self.no_pick(&id, waiting_for, now);
                 }
             }

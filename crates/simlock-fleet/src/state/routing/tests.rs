@@ -386,3 +386,83 @@ fn an_idle_device_of_another_platform_is_room_under_the_workers_cap() {
     }
     assert_eq!(select(&[&capped], &pixel), None);
 }
+
+/// A worker whose one iOS slot (and its cap) is held by `devices`.
+fn full_with(id: &str, devices: Vec<Device>) -> WorkerView {
+    let mut full = view(id, 1);
+    let running = u32::try_from(devices.len()).unwrap_or(u32::MAX);
+    if let Some(capacity) = full.capacity.as_mut() {
+        capacity.ios.running = 1;
+        capacity.global.running = running;
+        capacity.global.max_running = running;
+    }
+    full.devices = Some(devices);
+    full
+}
+
+fn in_state(state: DeviceState, platform: Platform, retry_at: Option<i64>) -> Device {
+    let mut device = ready_device("iPhone 16", "18.2");
+    device.state = state;
+    device.spec.platform = platform;
+    device.quarantine_next_retry_at = retry_at;
+    device
+}
+
+#[test]
+fn why_no_worker_takes_a_request_is_told_only_when_every_server_is_full() {
+    let iphone = wanted(None, None, &[]);
+    let leased = || in_state(DeviceState::Leased, Platform::Ios, None);
+    let quarantined = |at| in_state(DeviceState::Quarantined, Platform::Ios, Some(at));
+    assert_eq!(waiting_for(&[], &iphone), None, "no worker at all");
+    let mut away = full_with("a", vec![leased()]);
+    away.connection = Connection::Disconnected;
+    assert_eq!(waiting_for(&[&away], &iphone), None, "none takes requests");
+    let full = full_with("a", vec![leased()]);
+    assert_eq!(waiting_for(&[&full], &iphone), Some(WaitingFor::Capacity));
+    let room = view("b", 1);
+    assert_eq!(
+        waiting_for(&[&full, &room], &iphone),
+        None,
+        "another worker has room"
+    );
+    // Quarantined devices holding the room: the earliest retry across the workers.
+    let late = full_with("a", vec![quarantined(9_000)]);
+    let early = full_with("b", vec![quarantined(5_000)]);
+    assert_eq!(
+        waiting_for(&[&late, &early, &full], &iphone),
+        Some(WaitingFor::Quarantine { retry_at: 5_000 })
+    );
+}
+
+#[test]
+fn a_quarantine_of_another_platform_is_told_only_when_the_workers_cap_holds_the_room() {
+    let iphone = wanted(None, None, &[]);
+    // The iOS cap is held by a quarantined iPhone (retry 9 s); an Android device quarantined
+    // earlier (retry 5 s) frees nothing under the iOS cap.
+    let both = full_with(
+        "a",
+        vec![
+            in_state(DeviceState::Quarantined, Platform::Ios, Some(9_000)),
+            in_state(DeviceState::Quarantined, Platform::Android, Some(5_000)),
+        ],
+    );
+    assert_eq!(
+        waiting_for(&[&both], &iphone),
+        Some(WaitingFor::Quarantine { retry_at: 9_000 })
+    );
+    // The iOS cap has room; the worker's cap is held by a quarantined Android device.
+    let mut global = view("b", 2);
+    if let Some(capacity) = global.capacity.as_mut() {
+        capacity.global.running = 1;
+        capacity.global.max_running = 1;
+    }
+    global.devices = Some(vec![in_state(
+        DeviceState::Quarantined,
+        Platform::Android,
+        Some(5_000),
+    )]);
+    assert_eq!(
+        waiting_for(&[&global], &iphone),
+        Some(WaitingFor::Quarantine { retry_at: 5_000 })
+    );
+}
