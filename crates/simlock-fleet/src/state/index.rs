@@ -607,12 +607,10 @@ impl LeaseIndex {
                 expires_at: i64::MIN,
             });
         forward.out.insert(attempt);
+        let later = expires_at > forward.expires_at;
         self.attempts.insert(attempt, key.clone());
-        let was = forward.expires_at;
-        if expires_at > was {
-            forward.expires_at = expires_at;
-            self.forward_expiries.remove(&(was, key.clone()));
-            self.forward_expiries.insert((expires_at, key.clone()));
+        if later {
+            self.set_forward_expiry(&key, expires_at);
         }
         // Stored as it goes out, once per (worker, requester): the row holds no bound.
         if fresh {
@@ -713,10 +711,20 @@ impl LeaseIndex {
     /// removal) keeps them too: should it ever come back, its grants of them are screened.
     pub fn park_forwards(&mut self, worker_id: &str) {
         for k in self.forward_keys_of(worker_id) {
-            if let Some(forward) = self.forwards.get_mut(&k) {
-                let was = std::mem::replace(&mut forward.expires_at, i64::MAX);
-                self.forward_expiries.remove(&(was, k));
-            }
+            self.set_forward_expiry(&k, i64::MAX);
+        }
+    }
+
+    /// Moves the bound of `key`'s forwards out to `at`, in the expiry order; `i64::MAX` parks
+    /// them (kept, in no expiry order).
+    fn set_forward_expiry(&mut self, key: &(String, String), at: i64) {
+        let Some(forward) = self.forwards.get_mut(key) else {
+            return;
+        };
+        let was = std::mem::replace(&mut forward.expires_at, at);
+        self.forward_expiries.remove(&(was, key.clone()));
+        if at != i64::MAX {
+            self.forward_expiries.insert((at, key.clone()));
         }
     }
 
@@ -725,18 +733,16 @@ impl LeaseIndex {
     /// it stopped.
     pub fn arm_forwards(&mut self, worker_id: &str, expires_at: i64) {
         for k in self.forward_keys_of(worker_id) {
-            if let Some(forward) = self.forwards.get_mut(&k) {
-                let was = forward.expires_at;
-                let at = if was == i64::MAX {
-                    expires_at
-                } else {
-                    was.max(expires_at)
-                };
-                if at != was {
-                    forward.expires_at = at;
-                    self.forward_expiries.remove(&(was, k.clone()));
-                    self.forward_expiries.insert((at, k));
-                }
+            let Some(was) = self.forwards.get(&k).map(|f| f.expires_at) else {
+                continue;
+            };
+            let at = if was == i64::MAX {
+                expires_at
+            } else {
+                was.max(expires_at)
+            };
+            if at != was {
+                self.set_forward_expiry(&k, at);
             }
         }
     }
