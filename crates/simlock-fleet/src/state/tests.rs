@@ -165,7 +165,14 @@ fn fleet(slots: u32) -> (Core, u64) {
 
 fn fleet_with(settings: Settings, slots: u32) -> (Core, u64) {
     let mut core = Core::new(settings, Vec::new(), Vec::new(), T0);
-    let generation = core.handle_uplink_opened("w1", Some("one".into()), "tok_j".into(), T0);
+    let generation = connect(&mut core, "w1", slots);
+    (core, generation)
+}
+
+/// Worker `id` connects to `core`, subscribed and read in full, with `slots` free slots.
+/// Answers its uplink's generation.
+fn connect(core: &mut Core, id: &str, slots: u32) -> u64 {
+    let generation = core.handle_uplink_opened(id, Some("one".into()), "tok_j".into(), T0);
     let sent = core.handle_probe_sent();
     core.handle_connected(generation, "v".into(), &status(Vec::new(), slots), sent, T0);
     core.handle_subscribed(generation, T0);
@@ -173,7 +180,7 @@ fn fleet_with(settings: Settings, slots: u32) -> (Core, u64) {
     let sent = refresh_sent(&effects).expect("the first full read is asked");
     core.handle_refreshed(generation, sent, refresh(Vec::new(), slots), T0);
     core.take_effects();
-    (core, generation)
+    generation
 }
 
 fn refresh_sent(effects: &[Effect]) -> Option<Stamp> {
@@ -471,6 +478,39 @@ fn a_waiter_is_told_why_no_worker_takes_it_and_told_again_when_that_changes() {
     // Nothing changed: nothing more is told.
     core.handle_tick(T0 + 2_000);
     assert!(told_why(&core.take_effects()).is_empty(), "told once");
+}
+
+#[test]
+fn a_waiter_left_for_the_next_pass_by_a_worker_with_room_is_not_told_capacity() {
+    let (mut core, generation) = fleet(0);
+    connect(&mut core, "w2", 0);
+    ask(&mut core, 1, ios(), T0).unwrap();
+    let mut second = ios();
+    second.requester_id = Some("other".into());
+    ask(&mut core, 2, second, T0).unwrap();
+    let effects = core.take_effects();
+    assert!(forward(&effects).is_none());
+    assert_eq!(
+        told_why(&effects),
+        [Some(WaitingFor::Capacity), Some(WaitingFor::Capacity)],
+        "neither worker has room"
+    );
+    // Two slots free up on w1: one pass gives it the first request (one forward per worker
+    // per pass); the second, which w2 cannot take, waits for the next pass, not for a device.
+    core.handle_worker_event(
+        generation,
+        event("device.deleted", serde_json::json!({})),
+        T0 + 1_000,
+    );
+    let sent = refresh_sent(&core.take_effects()).unwrap();
+    core.handle_refreshed(generation, sent, refresh(Vec::new(), 2), T0 + 1_000);
+    let effects = core.take_effects();
+    assert!(forward(&effects).is_some(), "{effects:?}");
+    assert_eq!(
+        told_why(&effects),
+        [None],
+        "told again: room is not what it waits for"
+    );
 }
 
 #[test]
