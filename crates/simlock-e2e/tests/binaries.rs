@@ -2155,3 +2155,204 @@ fn a_gateway_lists_a_killed_worker_as_away_and_still_after_its_own_restart() {
     let _ = holder.wait();
     drop(gateway);
 }
+
+/// A file of this repository, by its path from the workspace's root.
+fn repo_file(relative: &str) -> String {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../..")
+        .join(relative);
+    std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+/// A systemd unit's `Key=value` settings, in order.
+fn unit_settings(unit: &str) -> Vec<(String, String)> {
+    unit.lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && !l.starts_with(['#', ';', '[']))
+        .filter_map(|l| l.split_once('='))
+        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        .collect()
+}
+
+/// The values of `key` in `settings`.
+fn unit_values<'a>(settings: &'a [(String, String)], key: &str) -> Vec<&'a str> {
+    settings
+        .iter()
+        .filter(|(k, _)| k == key)
+        .map(|(_, v)| v.as_str())
+        .collect()
+}
+
+/// What a property list holds under `key` up to `end` (the plists here hold no nesting there).
+fn plist_section<'a>(plist: &'a str, key: &str, end: &str) -> &'a str {
+    let after = plist
+        .split_once(&format!("<key>{key}</key>"))
+        .unwrap_or_else(|| panic!("no {key} in the plist"))
+        .1;
+    after.split_once(end).unwrap().0
+}
+
+/// The texts of the `<tag>` elements in `xml`, in order (the plists here hold no escapes).
+fn elements(xml: &str, tag: &str) -> Vec<String> {
+    xml.split(&format!("<{tag}>"))
+        .skip(1)
+        .filter_map(|s| s.split_once(&format!("</{tag}>")))
+        .map(|(value, _)| value.to_owned())
+        .collect()
+}
+
+/// Starts the daemon a service file's command line names, as its service manager would, with
+/// what the file marks as this machine's own replaced: the home (`--home`, or `SIMLOCK_HOME`
+/// for a file that keeps the default home), the HTTP address (loopback, a free port), the
+/// gateway's address and the host name systemd puts for `%H`. Devices are virtual whatever
+/// tools this machine has.
+fn start_as_service(
+    argv: &[String],
+    env: &[(String, String)],
+    home: &Path,
+    gateway: Option<&str>,
+) -> (Child, Value) {
+    let (program, args) = argv.split_first().unwrap();
+    let name = Path::new(program).file_name().unwrap().to_str().unwrap();
+    let mut replaced = Vec::new();
+    let mut args = args.iter();
+    while let Some(arg) = args.next() {
+        let value = match arg.as_str() {
+            "--home" => Some(home.display().to_string()),
+            "--host" => Some("127.0.0.1".to_owned()),
+            "--port" => Some("0".to_owned()),
+            "--gateway" => Some(format!("ws://{}", gateway.unwrap())),
+            _ => None,
+        };
+        replaced.push(arg.replace("%H", "test-host"));
+        if let Some(value) = value {
+            assert!(args.next().is_some(), "{arg} has its value in {argv:?}");
+            replaced.push(value);
+        }
+    }
+    let mut command = Command::new(bin(name));
+    command
+        .args(&replaced)
+        .env("SIMLOCK_HOME", home)
+        .envs(env.iter().map(|(k, v)| (k, v)))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit());
+    let role = name.trim_start_matches("simlock-");
+    if role == "worker" {
+        command.args([
+            "--set",
+            "drivers.ios.driver=virtual",
+            "--set",
+            "drivers.android.driver=virtual",
+        ]);
+    }
+    spawn_ready(&mut command, role)
+}
+
+/// `Environment=` settings of a unit as pairs.
+fn unit_environment(settings: &[(String, String)]) -> Vec<(String, String)> {
+    unit_values(settings, "Environment")
+        .into_iter()
+        .filter_map(|e| e.split_once('='))
+        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        .collect()
+}
+
+/// The service files in `contrib/` (docs/OPERATIONS.md) start what they promise: the gateway's
+/// systemd unit a gateway, a join token minted on it as the guide says, and the Linux worker's
+/// unit (its token from the environment file) and the Mac's LaunchAgent (its token in the
+/// home's `config.toml`) two workers that join it under the labels the files give; each stops
+/// cleanly (exit 0) on the SIGTERM its service manager sends. The worker's unit stops the worker
+/// alone, so that its emulators outlive it and are adopted (ADR 0021).
+#[test]
+fn the_service_files_start_a_gateway_and_workers_that_join_it_and_stop_on_sigterm() {
+    if !enabled() {
+        return;
+    }
+    let gateway_unit = unit_settings(&repo_file("contrib/systemd/simlock-gateway.service"));
+    let worker_unit = unit_settings(&repo_file("contrib/systemd/simlock-worker.service"));
+    let agent_plist = repo_file("contrib/launchd/dev.simlock.worker.plist");
+    assert_eq!(unit_values(&worker_unit, "KillMode"), ["process"]);
+    for unit in [&gateway_unit, &worker_unit] {
+        assert_eq!(unit_values(unit, "RestartPreventExitStatus"), ["2 64"]);
+    }
+    let exec = |unit: &[(String, String)]| -> Vec<String> {
+        let [line] = unit_values(unit, "ExecStart")[..] else {
+            panic!("one ExecStart");
+        };
+        line.split_whitespace().map(String::from).collect()
+    };
+
+    let gateway_home = tempfile::tempdir().unwrap();
+    let (mut gateway, ready) = start_as_service(
+        &exec(&gateway_unit),
+        &unit_environment(&gateway_unit),
+        gateway_home.path(),
+        None,
+    );
+    let address = ready["http"].as_str().unwrap().to_owned();
+    let join = run_cli(
+        gateway_home.path(),
+        &["token", "create", "--role", "worker"],
+        &[],
+    );
+    let join = join.json["secret"].as_str().unwrap().to_owned();
+
+    // The Linux worker: its join token from /etc/simlock/worker.env.
+    let linux_home = tempfile::tempdir().unwrap();
+    let mut env = unit_environment(&worker_unit);
+    env.push(("SIMLOCK_JOIN_TOKEN".to_owned(), join.clone()));
+    let (mut linux, _) =
+        start_as_service(&exec(&worker_unit), &env, linux_home.path(), Some(&address));
+
+    // The Mac's worker: the default home, its join token in that home's config.toml.
+    let mac_home = tempfile::tempdir().unwrap();
+    std::fs::write(
+        mac_home.path().join("config.toml"),
+        format!("[gateway]\ntoken = \"{join}\"\n"),
+    )
+    .unwrap();
+    let variables = plist_section(&agent_plist, "EnvironmentVariables", "</dict>");
+    let env: Vec<(String, String)> = elements(variables, "key")
+        .into_iter()
+        .zip(elements(variables, "string"))
+        .collect();
+    let (mut mac, _) = start_as_service(
+        &elements(
+            plist_section(&agent_plist, "ProgramArguments", "</array>"),
+            "string",
+        ),
+        &env,
+        mac_home.path(),
+        Some(&address),
+    );
+
+    poll("both workers to join under their labels", || {
+        let listed = run_cli(gateway_home.path(), &["workers"], &[]);
+        let mut labels: Vec<String> = listed.json["workers"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter(|w| w["connection"] == "connected")
+            .filter_map(|w| w["label"].as_str().map(String::from))
+            .collect();
+        labels.sort();
+        if labels == ["mac mini 3", "test-host"] {
+            Ok(())
+        } else {
+            Err(listed.json.to_string())
+        }
+    });
+    for (name, child) in [
+        ("the Mac's worker", &mut mac),
+        ("the Linux worker", &mut linux),
+        ("the gateway", &mut gateway),
+    ] {
+        send_signal(child.id(), "-TERM");
+        let status = wait_exit(child);
+        assert!(
+            status.is_some_and(|s| s.success()),
+            "{name} stopped cleanly: {status:?}"
+        );
+    }
+}
