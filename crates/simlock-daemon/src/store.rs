@@ -1,4 +1,5 @@
-//! The SQLite database both daemons keep their state in: WAL, `synchronous = NORMAL` (ADR 0013), migrations in code.
+//! The SQLite database both daemons keep their state in: WAL, `synchronous = NORMAL`
+//! (ADR 0013), migrations in code.
 //!
 //! Each component owns its tables and their migrations; [`Database::migrate`] applies the ones
 //! a component has not seen yet, each in its own transaction, and records them.
