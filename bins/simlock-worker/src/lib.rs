@@ -235,6 +235,8 @@ pub async fn start(options: WorkerOptions) -> Result<RunningWorker, StartError> 
         (true, Some(command)) => {
             let state_dir = base.home.root().join("agent-device");
             let mut host_options = HostOptions::new(command.clone(), state_dir.clone());
+            host_options.session_retention =
+                std::time::Duration::from_millis(config.agent_device.session_retention_ms);
             host_options.daemon = match options.agent_device_attach.clone() {
                 Some(endpoint) => Daemon::Attach(endpoint),
                 None => Daemon::Spawn(agent_device_host::process::DaemonSpec {

@@ -6,11 +6,13 @@ use serde::{Deserialize, Serialize};
 use simlock_contract::model::Mode;
 use simlock_daemon::config::{BOTH, DaemonConfig, Section, SectionError};
 
+use crate::front::AGENT_DEVICE_MAX_TTL_MS;
+
 /// The shortest lease agent-device 0.21.5 takes (its `ttlMs` bounds are 5 000–600 000 ms).
 pub const AGENT_DEVICE_MIN_TTL_MS: u64 = 5_000;
 
 /// `agentDevice.*`: Callstack's agent-device CLI served at `/v1/agent-device`.
-#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", default)]
 pub struct AgentDeviceConfig {
     /// Serve `/v1/agent-device` (both daemons). Off by default: every route answers 404.
@@ -21,12 +23,29 @@ pub struct AgentDeviceConfig {
     /// Worker: the argv that starts an agent-device daemon, e.g.
     /// `["node", "/opt/agent-device/dist/src/internal/daemon.js"]`.
     pub command: Option<Vec<String>>,
+    /// Worker: how long the daemon's session records (its request logs, served as diagnostics)
+    /// are kept once nothing writes to them; at least [`AGENT_DEVICE_MAX_TTL_MS`].
+    pub session_retention_ms: u64,
+}
+
+impl Default for AgentDeviceConfig {
+    fn default() -> Self {
+        Self {
+            enabled: false,
+            lease_ttl_cap_ms: None,
+            command: None,
+            session_retention_ms: 3_600_000,
+        }
+    }
 }
 
 impl Section for AgentDeviceConfig {
     const KEY: &'static str = "agentDevice";
     const MODES: &'static [Mode] = BOTH;
-    const ONLY: &'static [(&'static str, Mode)] = &[("command", Mode::Worker)];
+    const ONLY: &'static [(&'static str, Mode)] = &[
+        ("command", Mode::Worker),
+        ("sessionRetentionMs", Mode::Worker),
+    ];
 
     fn check(&self, daemon: &DaemonConfig, mode: Mode) -> Result<(), SectionError> {
         let max_ttl_ms = daemon.lease.max_ttl_ms;
@@ -41,6 +60,12 @@ impl Section for AgentDeviceConfig {
                     "agentDevice.leaseTtlCapMs ({cap}) is above lease.maxTtlMs ({max_ttl_ms})"
                 )));
             }
+        }
+        if mode == Mode::Worker && self.session_retention_ms < AGENT_DEVICE_MAX_TTL_MS {
+            return Err(SectionError::new(format!(
+                "agentDevice.sessionRetentionMs ({}) is below {AGENT_DEVICE_MAX_TTL_MS}, the longest lease agent-device takes: a live session's records would go",
+                self.session_retention_ms
+            )));
         }
         if self.enabled && max_ttl_ms < AGENT_DEVICE_MIN_TTL_MS {
             return Err(SectionError::new(format!(
@@ -92,6 +117,27 @@ mod tests {
 
     fn load_with(toml: &str, mode: Mode) -> Result<Loaded, ConfigError> {
         load_text(toml, mode, &Sections::new().with::<AgentDeviceConfig>())
+    }
+
+    #[test]
+    fn the_session_retention_is_the_workers_and_at_least_the_longest_lease() {
+        let retention = |ms: u64| format!("[agentDevice]\nsessionRetentionMs = {ms}");
+        let loaded = load_with("", Mode::Worker).unwrap();
+        let config: AgentDeviceConfig = loaded.section().unwrap();
+        assert_eq!(config.session_retention_ms, 3_600_000);
+        assert!(
+            load_with(&retention(600_000), Mode::Worker).is_ok(),
+            "at the bound"
+        );
+        let err = load_with(&retention(599_999), Mode::Worker)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("agentDevice.sessionRetentionMs") && err.contains("600000"),
+            "{err}"
+        );
+        // A gateway keeps no sessions: it does not read the key.
+        assert!(load_with(&retention(1), Mode::Gateway).is_ok());
     }
 
     #[test]

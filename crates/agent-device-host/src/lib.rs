@@ -10,6 +10,7 @@
 
 pub mod process;
 pub mod proxy;
+pub mod sessions;
 pub mod supervise;
 
 use std::collections::{BTreeSet, HashMap};
@@ -55,6 +56,10 @@ pub const STOP_GRACE: Duration = Duration::from_secs(5);
 /// round reads again at once when its first read fails), so a daemon that stopped answering is
 /// restarted within two rounds of two bounded reads: 40 s at most.
 pub const HEALTH_INTERVAL: Duration = Duration::from_secs(10);
+/// How long a session record nothing writes to is kept (`agentDevice.sessionRetentionMs`).
+pub const SESSION_RETENTION: Duration = Duration::from_secs(3600);
+/// The longest wait between two sweeps of the session records.
+const SESSION_SWEEP_MAX_EVERY: Duration = Duration::from_secs(600);
 /// The bound on one `/health` read, and on each call the host makes on its own.
 pub const CALL_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long a connection to the daemon may idle before it is not used again: under Node's
@@ -100,6 +105,9 @@ pub struct HostOptions {
     pub stop_grace: Duration,
     /// How often `/health` is read.
     pub health_interval: Duration,
+    /// A spawned daemon's session records nothing wrote to for this long are removed
+    /// (`agentDevice.sessionRetentionMs`, [`sessions`]).
+    pub session_retention: Duration,
 }
 
 impl HostOptions {
@@ -114,6 +122,7 @@ impl HostOptions {
             start_timeout: START_TIMEOUT,
             stop_grace: STOP_GRACE,
             health_interval: HEALTH_INTERVAL,
+            session_retention: SESSION_RETENTION,
         }
     }
 }
@@ -259,6 +268,12 @@ impl AgentDeviceHost {
         let stop = CancellationToken::new();
         let task = match options.daemon.clone() {
             Daemon::Spawn(spec) => {
+                tokio::spawn(sessions::sweep_until_stopped(
+                    spec.state_dir.clone(),
+                    options.session_retention,
+                    (options.session_retention / 4).min(SESSION_SWEEP_MAX_EVERY),
+                    stop.clone(),
+                ));
                 tokio::spawn(supervise(shared.clone(), spec, options, stop.clone()))
             }
             Daemon::Attach(_) => {
@@ -1486,6 +1501,46 @@ mod tests {
 
     /// How long a test waits for what it expects before it fails.
     const PATIENCE: Duration = Duration::from_secs(30);
+
+    /// A host that spawns its daemon sweeps the sessions an earlier daemon left at once: one
+    /// nothing wrote to for the retention goes, a fresher one stays.
+    #[tokio::test]
+    async fn a_spawning_host_sweeps_old_sessions_when_it_starts() {
+        let dir = tempfile::tempdir().unwrap();
+        let state_dir = dir.path().join("state");
+        let sessions = state_dir.join(sessions::SESSIONS_DIR);
+        let now = std::time::SystemTime::now();
+        for (name, age) in [("old", 7_200), ("fresh", 60)] {
+            std::fs::create_dir_all(sessions.join(name)).unwrap();
+            std::fs::File::open(sessions.join(name))
+                .unwrap()
+                .set_modified(now - Duration::from_secs(age))
+                .unwrap();
+        }
+        let mut options = HostOptions::new(Vec::new(), state_dir.clone());
+        // A daemon that never serves: the sweep does not wait for one.
+        options.daemon = Daemon::Spawn(DaemonSpec {
+            command: vec!["sh".into(), "-c".into(), "exit 3".into()],
+            state_dir,
+            env: Vec::new(),
+        });
+        let host = AgentDeviceHost::start(options).await;
+        #[allow(
+            clippy::disallowed_methods,
+            reason = "a bound on polling a blocking sweep's result, not a timing assertion"
+        )]
+        let deadline = std::time::Instant::now() + PATIENCE;
+        #[allow(
+            clippy::disallowed_methods,
+            reason = "a bound on polling a blocking sweep's result, not a timing assertion"
+        )]
+        while sessions.join("old").exists() {
+            assert!(std::time::Instant::now() < deadline, "the old session went");
+            tokio::task::yield_now().await;
+        }
+        assert!(sessions.join("fresh").exists());
+        host.stop().await;
+    }
 
     fn endpoint_of(fake: &FakeAgentDevice) -> Endpoint {
         Endpoint {
