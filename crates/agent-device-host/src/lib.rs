@@ -268,10 +268,18 @@ impl AgentDeviceHost {
         let stop = CancellationToken::new();
         let task = match options.daemon.clone() {
             Daemon::Spawn(spec) => {
+                let held = {
+                    let shared = shared.clone();
+                    move || {
+                        let leases = shared.leases.lock();
+                        leases.values().filter_map(|l| l.session.clone()).collect()
+                    }
+                };
                 tokio::spawn(sessions::sweep_until_stopped(
                     spec.state_dir.clone(),
                     options.session_retention,
                     (options.session_retention / 4).min(SESSION_SWEEP_MAX_EVERY),
+                    held,
                     stop.clone(),
                 ));
                 tokio::spawn(supervise(shared.clone(), spec, options, stop.clone()))

@@ -22,10 +22,17 @@ pub struct Swept {
 }
 
 /// Removes each session under `state_dir` whose newest write (its directory's, or a file's or
-/// directory's within it) is older than `now - retention`. A session written to since is kept;
-/// one that cannot be read or removed is kept and logged. Nothing outside `sessions/` is touched,
-/// and a missing `sessions/` is an empty one.
-pub fn sweep(state_dir: &Path, retention: Duration, now: SystemTime) -> Swept {
+/// directory's within it) is older than `now - retention`, unless `held` says a lease the host
+/// holds is in it (a lease heartbeated for hours without a command writes nothing there, and
+/// the daemon would not make the directory again). A session written to since is kept; one that
+/// cannot be read or removed is kept and logged. Nothing outside `sessions/` is touched, and a
+/// missing `sessions/` is an empty one.
+pub fn sweep(
+    state_dir: &Path,
+    retention: Duration,
+    now: SystemTime,
+    held: &dyn Fn(&str) -> bool,
+) -> Swept {
     let mut swept = Swept::default();
     let Some(cutoff) = now.checked_sub(retention) else {
         return swept;
@@ -37,6 +44,10 @@ pub fn sweep(state_dir: &Path, retention: Duration, now: SystemTime) -> Swept {
         let path = entry.path();
         // A symlink is not followed: only the daemon's own directories are removed.
         if !entry.file_type().is_ok_and(|t| t.is_dir()) {
+            continue;
+        }
+        if entry.file_name().to_str().is_some_and(held) {
+            swept.kept += 1;
             continue;
         }
         match newest_write(&path) {
@@ -70,17 +81,31 @@ fn newest_write(dir: &Path) -> Option<SystemTime> {
     Some(newest)
 }
 
-/// Sweeps `state_dir` now and then every `every` until `stop`, each sweep on a blocking thread.
+/// Whether the session directory `name` is the one the daemon keeps for `session`: the session
+/// itself, or namespaced under a tenant (`<tenant>_<session>`).
+pub fn names_session(name: &str, session: &str) -> bool {
+    name == session
+        || name
+            .strip_suffix(session)
+            .is_some_and(|tenant| tenant.ends_with('_'))
+}
+
+/// Sweeps `state_dir` now and then every `every` until `stop`, each sweep on a blocking thread;
+/// `held` answers the sessions of the leases held at that moment.
 pub async fn sweep_until_stopped(
     state_dir: std::path::PathBuf,
     retention: Duration,
     every: Duration,
+    held: impl Fn() -> Vec<String> + Send + 'static,
     stop: CancellationToken,
 ) {
     loop {
-        let dir = state_dir.clone();
-        let swept =
-            tokio::task::spawn_blocking(move || sweep(&dir, retention, SystemTime::now())).await;
+        let (dir, sessions) = (state_dir.clone(), held());
+        let swept = tokio::task::spawn_blocking(move || {
+            let held = |name: &str| sessions.iter().any(|s| names_session(name, s));
+            sweep(&dir, retention, SystemTime::now(), &held)
+        })
+        .await;
         match swept {
             Ok(swept) if swept.removed > 0 => {
                 info!(
@@ -153,7 +178,7 @@ mod tests {
         std::fs::write(dir.path().join("daemon.log"), b"").unwrap();
         std::fs::write(dir.path().join("sessions/stray-file"), b"").unwrap();
 
-        let swept = sweep(dir.path(), HOUR, now);
+        let swept = sweep(dir.path(), HOUR, now, &|_| false);
         assert_eq!(
             swept,
             Swept {
@@ -164,18 +189,42 @@ mod tests {
         assert_eq!(sessions(dir.path()), ["fresh", "stray-file", "written"]);
         assert!(dir.path().join("daemon.log").exists());
         // Nothing more past the retention: a second sweep removes nothing.
-        assert_eq!(sweep(dir.path(), HOUR, now).removed, 0);
+        assert_eq!(sweep(dir.path(), HOUR, now, &|_| false).removed, 0);
     }
 
     #[test]
     fn no_sessions_directory_is_an_empty_one_and_a_retention_longer_than_the_clock_removes_nothing()
     {
         let dir = tempfile::tempdir().unwrap();
-        assert_eq!(sweep(dir.path(), HOUR, SystemTime::now()), Swept::default());
+        assert_eq!(
+            sweep(dir.path(), HOUR, SystemTime::now(), &|_| false),
+            Swept::default()
+        );
         session(dir.path(), "old", SystemTime::UNIX_EPOCH + HOUR);
-        let swept = sweep(dir.path(), 2 * HOUR, SystemTime::UNIX_EPOCH + HOUR);
+        let swept = sweep(dir.path(), 2 * HOUR, SystemTime::UNIX_EPOCH + HOUR, &|_| {
+            false
+        });
         assert_eq!(swept.removed, 0);
         assert_eq!(sessions(dir.path()), ["old"]);
+    }
+
+    #[test]
+    fn a_session_a_held_lease_is_in_stays_however_old() {
+        let dir = tempfile::tempdir().unwrap();
+        let now = SystemTime::now();
+        session(dir.path(), "acme_adc-1", now - 5 * HOUR);
+        session(dir.path(), "adc-1", now - 5 * HOUR);
+        session(dir.path(), "acme_adc-2", now - 5 * HOUR);
+        session(dir.path(), "xadc-1", now - 5 * HOUR);
+        let held = |name: &str| names_session(name, "adc-1");
+        assert_eq!(
+            sweep(dir.path(), HOUR, now, &held),
+            Swept {
+                removed: 2,
+                kept: 2
+            }
+        );
+        assert_eq!(sessions(dir.path()), ["acme_adc-1", "adc-1"]);
     }
 
     #[cfg(unix)]
@@ -191,7 +240,7 @@ mod tests {
             dir.path().join("sessions/link"),
         )
         .unwrap();
-        assert_eq!(sweep(dir.path(), HOUR, now).removed, 0);
+        assert_eq!(sweep(dir.path(), HOUR, now, &|_| false).removed, 0);
         assert!(
             elsewhere
                 .path()
