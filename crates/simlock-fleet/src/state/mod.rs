@@ -32,7 +32,7 @@ use simlock_contract::event::{
 use simlock_contract::ids::{LeaseId, RequestId};
 use simlock_contract::model::{
     Connection, Device, EventEnvelope, LeaseEndReason, LeaseGrant, LeaseLimits, LeaseRecord,
-    ProtocolPair, WaitStage, WaitingRequest, WorkerRef, WorkerView,
+    Platform, ProtocolPair, WaitStage, WaitingRequest, WorkerRef, WorkerView,
 };
 use simlock_contract::ops::{CancelResult, LeaseRequestInput, StatusOutput};
 use simlock_contract::push::{Progress, Push, WaitingFor};
@@ -396,6 +396,10 @@ struct Worker {
     /// Whether it is a worker at all: its uplink passed a handshake, or it was stored (known,
     /// or drained). A WebSocket that joined and closed without a handshake leaves nothing.
     known: bool,
+    /// The platforms it answered `NO_CAPACITY` for, each with the view's revision then: its
+    /// view is stale for every request of that platform, not only the refused one's, until a
+    /// read changes it (else each waiter in turn would be sent there and refused).
+    no_room: Vec<(Platform, u64)>,
 }
 
 impl Worker {
@@ -406,6 +410,7 @@ impl Worker {
             revision: revisions.next(),
             retained,
             known,
+            no_room: Vec::new(),
         }
     }
 
@@ -1748,6 +1753,11 @@ impl Core {
                             .is_none_or(|w| w.revision != *revision)
                     })
                 })
+                .filter(|v| {
+                    self.workers
+                        .get(&v.id)
+                        .is_none_or(|w| !w.no_room.contains(&(waiter.wanted.platform, w.revision)))
+                })
                 .collect();
             if eligible.is_empty()
                 && !waiter.excluded.is_empty()
@@ -1946,8 +1956,22 @@ impl Core {
                 }
             }
             Err(err) if err.code == ErrorCode::NoCapacity => {
-                // The view was stale: remember the refusal against it and read it again.
-                let revision = self.workers.get(worker_id).map_or(0, |w| w.revision);
+                // The view was stale: remember the refusal against it, for every request of
+                // the platform, and read it again.
+                let platform = self.queue.get(&id).map(|w| w.wanted.platform);
+                let revision = match self.workers.get_mut(worker_id) {
+                    Some(worker) => {
+                        let revision = worker.revision;
+                        worker.no_room.retain(|(_, r)| *r == revision);
+                        if let Some(platform) = platform
+                            && !worker.no_room.contains(&(platform, revision))
+                        {
+                            worker.no_room.push((platform, revision));
+                        }
+                        revision
+                    }
+                    None => 0,
+                };
                 self.ask_refresh(worker_id, false, now);
                 let Some(waiter) = self.queue.get_mut(&id) else {
                     return;

@@ -594,6 +594,25 @@ fn no_capacity_from_a_stale_view_requeues_and_a_no_wait_request_gets_one_more_wa
 }
 
 #[test]
+fn a_no_capacity_refusal_holds_off_every_request_of_that_platform_until_a_read() {
+    let (mut core, generation) = fleet(1);
+    ask(&mut core, 1, ios(), T0).unwrap();
+    refused(&mut core, ErrorCode::NoCapacity);
+    let sent = refresh_sent(&core.take_effects()).expect("the view is read again");
+    // Another request of the platform is not sent to the worker whose view proved stale
+    // (it would be refused the same way), nor is the first sent again.
+    let mut second = ios();
+    second.requester_id = Some("other".into());
+    ask(&mut core, 2, second, T0).unwrap();
+    let effects = core.take_effects();
+    assert!(forward(&effects).is_none(), "{effects:?}");
+    // The read shows a device freed since: the oldest waiter goes first.
+    core.handle_refreshed(generation, sent, refresh(Vec::new(), 2), T0 + 10);
+    let (_, input) = forward(&core.take_effects()).expect("sent again after the read");
+    assert_eq!(input.platform, Platform::Ios);
+}
+
+#[test]
 fn a_no_capacity_refusal_holds_until_a_read_changes_the_view_it_was_remembered_against() {
     let (mut core, generation) = fleet(2);
     // The worker holds one lease of its own: one slot is free.
