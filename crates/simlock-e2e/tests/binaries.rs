@@ -2201,6 +2201,16 @@ fn elements(xml: &str, tag: &str) -> Vec<String> {
         .collect()
 }
 
+/// A daemon a test started, killed when the test ends however it ends.
+struct Started(Child);
+
+impl Drop for Started {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 /// Starts the daemon a service file's command line names, as its service manager would, with
 /// what the file marks as this machine's own replaced: the home (`--home`, or `SIMLOCK_HOME`
 /// for a file that keeps the default home), the HTTP address (loopback, a free port), the
@@ -2211,7 +2221,7 @@ fn start_as_service(
     env: &[(String, String)],
     home: &Path,
     gateway: Option<&str>,
-) -> (Child, Value) {
+) -> (Started, Value) {
     let (program, args) = argv.split_first().unwrap();
     let name = Path::new(program).file_name().unwrap().to_str().unwrap();
     let mut replaced = Vec::new();
@@ -2246,7 +2256,8 @@ fn start_as_service(
             "drivers.android.driver=virtual",
         ]);
     }
-    spawn_ready(&mut command, role)
+    let (child, ready) = spawn_ready(&mut command, role);
+    (Started(child), ready)
 }
 
 /// `Environment=` settings of a unit as pairs.
@@ -2348,8 +2359,8 @@ fn the_service_files_start_a_gateway_and_workers_that_join_it_and_stop_on_sigter
         ("the Linux worker", &mut linux),
         ("the gateway", &mut gateway),
     ] {
-        send_signal(child.id(), "-TERM");
-        let status = wait_exit(child);
+        send_signal(child.0.id(), "-TERM");
+        let status = wait_exit(&mut child.0);
         assert!(
             status.is_some_and(|s| s.success()),
             "{name} stopped cleanly: {status:?}"
