@@ -1747,6 +1747,13 @@ impl Core {
                 .copied()
                 .filter(|v| !claimed.contains(&v.id) && !waiter.excluded.contains(&v.id))
                 .filter(|v| {
+                    waiter.refusals.get(&v.id).is_none_or(|revision| {
+                        self.workers
+                            .get(&v.id)
+                            .is_none_or(|w| w.revision != *revision)
+                    })
+                })
+                .filter(|v| {
                     self.workers
                         .get(&v.id)
                         .is_none_or(|w| !w.no_room.contains(&(waiter.wanted.platform, w.revision)))
@@ -1951,19 +1958,25 @@ impl Core {
             Err(err) if err.code == ErrorCode::NoCapacity => {
                 // The view was stale: remember the refusal against it, for every request of
                 // the platform, and read it again.
-                if let (Some(worker), Some(waiter)) =
-                    (self.workers.get_mut(worker_id), self.queue.get(&id))
-                {
-                    let stale = (waiter.wanted.platform, worker.revision);
-                    worker.no_room.retain(|(_, r)| *r == stale.1);
-                    if !worker.no_room.contains(&stale) {
-                        worker.no_room.push(stale);
+                let platform = self.queue.get(&id).map(|w| w.wanted.platform);
+                let revision = match self.workers.get_mut(worker_id) {
+                    Some(worker) => {
+                        let revision = worker.revision;
+                        worker.no_room.retain(|(_, r)| *r == revision);
+                        if let Some(platform) = platform
+                            && !worker.no_room.contains(&(platform, revision))
+                        {
+                            worker.no_room.push((platform, revision));
+                        }
+                        revision
                     }
-                }
+                    None => 0,
+                };
                 self.ask_refresh(worker_id, false, now);
                 let Some(waiter) = self.queue.get_mut(&id) else {
                     return;
                 };
+                waiter.refusals.insert(worker_id.to_owned(), revision);
                 if waiter.no_wait && std::mem::replace(&mut waiter.second_walk, true) {
                     self.answer(&id, Err(FleetError::Worker(err)), now);
                 } else {

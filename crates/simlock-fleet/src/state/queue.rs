@@ -61,6 +61,8 @@ pub struct Waiter {
     pub no_wait: bool,
     /// Where it is (it moves through [`Queue::set_stage`], which keeps the queue's count).
     stage: Stage,
+    /// Workers that refused with `NO_CAPACITY`, with the view revision they had then.
+    pub refusals: HashMap<String, u64>,
     /// Workers that can never serve this request (they refused its spec).
     pub excluded: BTreeSet<String>,
     /// The last refusal of the spec, answered when no worker is left.
@@ -98,6 +100,7 @@ impl Waiter {
             created_at,
             deadline,
             stage: Stage::Queued,
+            refusals: HashMap::new(),
             excluded: BTreeSet::new(),
             last_refusal: None,
             second_walk: false,
