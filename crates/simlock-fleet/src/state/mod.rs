@@ -396,10 +396,11 @@ struct Worker {
     /// Whether it is a worker at all: its uplink passed a handshake, or it was stored (known,
     /// or drained). A WebSocket that joined and closed without a handshake leaves nothing.
     known: bool,
-    /// The platforms it answered `NO_CAPACITY` for, each with the view's revision then: its
-    /// view is stale for every request of that platform, not only the refused one's, until a
-    /// read changes it (else each waiter in turn would be sent there and refused).
-    no_room: Vec<(Platform, u64)>,
+    /// The platforms it answered `NO_CAPACITY` for since its last read: its view is stale for
+    /// every request of that platform, not only the refused one's (else each waiter in turn
+    /// would be sent there and refused). The read the refusal asks for clears it, changed or
+    /// not; the refused waiter itself waits for a read that changes the view (`refusals`).
+    no_room: Vec<Platform>,
 }
 
 impl Worker {
@@ -428,6 +429,7 @@ impl Worker {
         if apply_read(&mut self.view, status, devices, now) {
             self.revision = revisions.next();
         }
+        self.no_room.clear();
     }
 
     /// Whether retention's clock runs for it: disconnected, and not a drain flag kept past
@@ -1756,7 +1758,7 @@ impl Core {
                 .filter(|v| {
                     self.workers
                         .get(&v.id)
-                        .is_none_or(|w| !w.no_room.contains(&(waiter.wanted.platform, w.revision)))
+                        .is_none_or(|w| !w.no_room.contains(&waiter.wanted.platform))
                 })
                 .collect();
             if eligible.is_empty()
@@ -1962,11 +1964,10 @@ impl Core {
                 let revision = match self.workers.get_mut(worker_id) {
                     Some(worker) => {
                         let revision = worker.revision;
-                        worker.no_room.retain(|(_, r)| *r == revision);
                         if let Some(platform) = platform
-                            && !worker.no_room.contains(&(platform, revision))
+                            && !worker.no_room.contains(&platform)
                         {
-                            worker.no_room.push((platform, revision));
+                            worker.no_room.push(platform);
                         }
                         revision
                     }

@@ -613,6 +613,27 @@ fn a_no_capacity_refusal_holds_off_every_request_of_that_platform_until_a_read()
 }
 
 #[test]
+fn the_hold_on_other_waiters_ends_with_the_next_read_even_an_unchanged_one() {
+    let (mut core, generation) = fleet(1);
+    ask(&mut core, 1, ios(), T0).unwrap();
+    refused(&mut core, ErrorCode::NoCapacity);
+    let sent = refresh_sent(&core.take_effects()).expect("the view is read again");
+    let mut second = ios();
+    second.requester_id = Some("other".into());
+    ask(&mut core, 2, second, T0).unwrap();
+    assert!(forward(&core.take_effects()).is_none(), "held until the read");
+    // The read shows the same view (say the worker refused while it swept its devices after
+    // a restart): the other waiter is tried, so no platform waits on a view that never moves;
+    // the refused one waits for a read that changes it.
+    core.handle_refreshed(generation, sent, refresh(Vec::new(), 1), T0 + 10);
+    let (_, input) = forward(&core.take_effects()).expect("the other waiter is sent");
+    assert!(
+        input.requester_id.as_deref().is_some_and(|r| r.ends_with("other")),
+        "{input:?}"
+    );
+}
+
+#[test]
 fn a_no_capacity_refusal_holds_until_a_read_changes_the_view_it_was_remembered_against() {
     let (mut core, generation) = fleet(2);
     // The worker holds one lease of its own: one slot is free.
