@@ -8,6 +8,9 @@ use simlock_daemon::config::{BOTH, DaemonConfig, Section, SectionError};
 
 use crate::front::AGENT_DEVICE_MAX_TTL_MS;
 
+/// `agentDevice.sessionRetentionMs` when unset: an hour.
+pub const DEFAULT_SESSION_RETENTION_MS: u64 = 3_600_000;
+
 /// The shortest lease agent-device 0.21.5 takes (its `ttlMs` bounds are 5 000–600 000 ms).
 pub const AGENT_DEVICE_MIN_TTL_MS: u64 = 5_000;
 
@@ -34,7 +37,7 @@ impl Default for AgentDeviceConfig {
             enabled: false,
             lease_ttl_cap_ms: None,
             command: None,
-            session_retention_ms: 3_600_000,
+            session_retention_ms: DEFAULT_SESSION_RETENTION_MS,
         }
     }
 }

@@ -57,9 +57,12 @@ pub const STOP_GRACE: Duration = Duration::from_secs(5);
 /// restarted within two rounds of two bounded reads: 40 s at most.
 pub const HEALTH_INTERVAL: Duration = Duration::from_secs(10);
 /// How long a session record nothing writes to is kept (`agentDevice.sessionRetentionMs`).
-pub const SESSION_RETENTION: Duration = Duration::from_secs(3600);
+pub const SESSION_RETENTION: Duration =
+    Duration::from_millis(agent_device_front::config::DEFAULT_SESSION_RETENTION_MS);
 /// The longest wait between two sweeps of the session records.
 const SESSION_SWEEP_MAX_EVERY: Duration = Duration::from_secs(600);
+/// The shortest wait between two sweeps (a retention of nothing would sweep without pause).
+const SESSION_SWEEP_MIN_EVERY: Duration = Duration::from_secs(1);
 /// The bound on one `/health` read, and on each call the host makes on its own.
 pub const CALL_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long a connection to the daemon may idle before it is not used again: under Node's
@@ -172,6 +175,16 @@ struct HostLease {
 }
 
 impl HostLease {
+    /// Its session as the daemon names it: the one it was made for, else agent-device's default.
+    fn session(&self) -> &str {
+        self.session.as_deref().unwrap_or(DEFAULT_SESSION)
+    }
+}
+
+/// The session agent-device puts a call in when it names none.
+const DEFAULT_SESSION: &str = "default";
+
+impl HostLease {
     fn mapping(&self) -> proxy::LeaseMapping<'_> {
         proxy::LeaseMapping {
             daemon_id: &self.daemon_id,
@@ -268,17 +281,21 @@ impl AgentDeviceHost {
         let stop = CancellationToken::new();
         let task = match options.daemon.clone() {
             Daemon::Spawn(spec) => {
-                let held = {
-                    let shared = shared.clone();
-                    move || {
-                        let leases = shared.leases.lock();
-                        leases.values().filter_map(|l| l.session.clone()).collect()
-                    }
-                };
+                // Read for each session as it is swept, so that one a lease takes meanwhile stays.
+                let held =
+                    {
+                        let shared = shared.clone();
+                        move |name: &str| {
+                            shared.leases.lock().values().any(|l| {
+                                sessions::names_session(name, l.tenant.as_str(), l.session())
+                            })
+                        }
+                    };
                 tokio::spawn(sessions::sweep_until_stopped(
                     spec.state_dir.clone(),
                     options.session_retention,
-                    (options.session_retention / 4).min(SESSION_SWEEP_MAX_EVERY),
+                    (options.session_retention / 4)
+                        .clamp(SESSION_SWEEP_MIN_EVERY, SESSION_SWEEP_MAX_EVERY),
                     held,
                     stop.clone(),
                 ));
@@ -347,7 +364,7 @@ impl AgentDeviceHost {
         };
         // The calls the CLI would make for the lease (`close`, then the release), filled in and
         // rewritten as any caller's.
-        let session = record.session.clone().unwrap_or_else(|| "default".into());
+        let session = record.session();
         let close = json!({
             "jsonrpc": "2.0", "id": format!("simlock-close-{lease}"), "method": "agent_device.command",
             "params": {"session": session, "command": "close", "positionals": [],
@@ -1510,6 +1527,30 @@ mod tests {
     /// How long a test waits for what it expects before it fails.
     const PATIENCE: Duration = Duration::from_secs(30);
 
+    /// A lease made in no named session is in agent-device's default one: its directory is
+    /// the one the sweep keeps for it.
+    #[test]
+    fn a_lease_without_a_session_is_in_the_default_one() {
+        let lease = |session: Option<&str>| HostLease {
+            daemon_id: "d1".into(),
+            tenant: Tenant::on_worker("agent"),
+            run_id: "r1".into(),
+            session: session.map(String::from),
+            caller_tenant: None,
+            device_key: None,
+            backend: None,
+        };
+        let unnamed = lease(None);
+        assert_eq!(unnamed.session(), "default");
+        let dir = format!("{}_default", unnamed.tenant.as_str());
+        assert!(sessions::names_session(
+            &dir,
+            unnamed.tenant.as_str(),
+            unnamed.session()
+        ));
+        assert_eq!(lease(Some("adc-1")).session(), "adc-1");
+    }
+
     /// A host that spawns its daemon sweeps the sessions an earlier daemon left at once: one
     /// nothing wrote to for the retention goes, a fresher one stays.
     #[tokio::test]
@@ -1533,19 +1574,13 @@ mod tests {
             env: Vec::new(),
         });
         let host = AgentDeviceHost::start(options).await;
-        #[allow(
-            clippy::disallowed_methods,
-            reason = "a bound on polling a blocking sweep's result, not a timing assertion"
-        )]
-        let deadline = std::time::Instant::now() + PATIENCE;
-        #[allow(
-            clippy::disallowed_methods,
-            reason = "a bound on polling a blocking sweep's result, not a timing assertion"
-        )]
-        while sessions.join("old").exists() {
-            assert!(std::time::Instant::now() < deadline, "the old session went");
-            tokio::task::yield_now().await;
-        }
+        tokio::time::timeout(PATIENCE, async {
+            while sessions.join("old").exists() {
+                tokio::task::yield_now().await;
+            }
+        })
+        .await
+        .expect("the old session went");
         assert!(sessions.join("fresh").exists());
         host.stop().await;
     }

@@ -81,31 +81,32 @@ fn newest_write(dir: &Path) -> Option<SystemTime> {
     Some(newest)
 }
 
-/// Whether the session directory `name` is the one the daemon keeps for `session`: the session
-/// itself, or namespaced under a tenant (`<tenant>_<session>`).
-pub fn names_session(name: &str, session: &str) -> bool {
+/// Whether the session directory `name` is the one the daemon keeps for `session` of `tenant`:
+/// `<tenant>_<session>` (it scopes a tenant's session as `<tenant>:<session>` and names its
+/// directory with `_` for `:`), or the bare session for a call it took unscoped.
+pub fn names_session(name: &str, tenant: &str, session: &str) -> bool {
     name == session
         || name
-            .strip_suffix(session)
-            .is_some_and(|tenant| tenant.ends_with('_'))
+            .strip_prefix(tenant)
+            .and_then(|rest| rest.strip_prefix('_'))
+            .is_some_and(|rest| rest == session)
 }
 
 /// Sweeps `state_dir` now and then every `every` until `stop`, each sweep on a blocking thread;
-/// `held` answers the sessions of the leases held at that moment.
+/// `held` says whether a lease held at that moment is in a session directory.
 pub async fn sweep_until_stopped(
     state_dir: std::path::PathBuf,
     retention: Duration,
     every: Duration,
-    held: impl Fn() -> Vec<String> + Send + 'static,
+    held: impl Fn(&str) -> bool + Send + Sync + 'static,
     stop: CancellationToken,
 ) {
+    let held = std::sync::Arc::new(held);
     loop {
-        let (dir, sessions) = (state_dir.clone(), held());
-        let swept = tokio::task::spawn_blocking(move || {
-            let held = |name: &str| sessions.iter().any(|s| names_session(name, s));
-            sweep(&dir, retention, SystemTime::now(), &held)
-        })
-        .await;
+        let (dir, held) = (state_dir.clone(), held.clone());
+        let swept =
+            tokio::task::spawn_blocking(move || sweep(&dir, retention, SystemTime::now(), &*held))
+                .await;
         match swept {
             Ok(swept) if swept.removed > 0 => {
                 info!(
@@ -216,11 +217,13 @@ mod tests {
         session(dir.path(), "adc-1", now - 5 * HOUR);
         session(dir.path(), "acme_adc-2", now - 5 * HOUR);
         session(dir.path(), "xadc-1", now - 5 * HOUR);
-        let held = |name: &str| names_session(name, "adc-1");
+        // Another tenant's session of the same name is not the held one.
+        session(dir.path(), "other_adc-1", now - 5 * HOUR);
+        let held = |name: &str| names_session(name, "acme", "adc-1");
         assert_eq!(
             sweep(dir.path(), HOUR, now, &held),
             Swept {
-                removed: 2,
+                removed: 3,
                 kept: 2
             }
         );

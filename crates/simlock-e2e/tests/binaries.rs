@@ -20,6 +20,7 @@ use std::time::Duration;
 
 use serde_json::{Value, json};
 use simlock_e2e::agent_device::{Carried, rpc_answer, stopping_message};
+use simlock_test_support::markdown::workspace_file;
 
 /// Every wait on a process is bounded by this.
 const PATIENCE: Duration = Duration::from_secs(60);
@@ -2156,14 +2157,6 @@ fn a_gateway_lists_a_killed_worker_as_away_and_still_after_its_own_restart() {
     drop(gateway);
 }
 
-/// A file of this repository, by its path from the workspace's root.
-fn repo_file(relative: &str) -> String {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../..")
-        .join(relative);
-    std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
-}
-
 /// A systemd unit's `Key=value` settings, in order.
 fn unit_settings(unit: &str) -> Vec<(String, String)> {
     unit.lines()
@@ -2280,9 +2273,9 @@ fn the_service_files_start_a_gateway_and_workers_that_join_it_and_stop_on_sigter
     if !enabled() {
         return;
     }
-    let gateway_unit = unit_settings(&repo_file("contrib/systemd/simlock-gateway.service"));
-    let worker_unit = unit_settings(&repo_file("contrib/systemd/simlock-worker.service"));
-    let agent_plist = repo_file("contrib/launchd/dev.simlock.worker.plist");
+    let gateway_unit = unit_settings(&workspace_file("contrib/systemd/simlock-gateway.service"));
+    let worker_unit = unit_settings(&workspace_file("contrib/systemd/simlock-worker.service"));
+    let agent_plist = workspace_file("contrib/launchd/dev.simlock.worker.plist");
     assert_eq!(unit_values(&worker_unit, "KillMode"), ["process"]);
     for unit in [&gateway_unit, &worker_unit] {
         assert_eq!(unit_values(unit, "RestartPreventExitStatus"), ["2 64"]);

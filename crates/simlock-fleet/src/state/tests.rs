@@ -621,14 +621,20 @@ fn the_hold_on_other_waiters_ends_with_the_next_read_even_an_unchanged_one() {
     let mut second = ios();
     second.requester_id = Some("other".into());
     ask(&mut core, 2, second, T0).unwrap();
-    assert!(forward(&core.take_effects()).is_none(), "held until the read");
+    assert!(
+        forward(&core.take_effects()).is_none(),
+        "held until the read"
+    );
     // The read shows the same view (say the worker refused while it swept its devices after
     // a restart): the other waiter is tried, so no platform waits on a view that never moves;
     // the refused one waits for a read that changes it.
     core.handle_refreshed(generation, sent, refresh(Vec::new(), 1), T0 + 10);
     let (_, input) = forward(&core.take_effects()).expect("the other waiter is sent");
     assert!(
-        input.requester_id.as_deref().is_some_and(|r| r.ends_with("other")),
+        input
+            .requester_id
+            .as_deref()
+            .is_some_and(|r| r.ends_with("other")),
         "{input:?}"
     );
 }
