@@ -2279,6 +2279,12 @@ fn the_service_files_start_a_gateway_and_workers_that_join_it_and_stop_on_sigter
     assert_eq!(unit_values(&worker_unit, "KillMode"), ["process"]);
     for unit in [&gateway_unit, &worker_unit] {
         assert_eq!(unit_values(unit, "RestartPreventExitStatus"), ["2 64"]);
+        // The home is the directory systemd makes for the unit (the test puts its own there).
+        let [state] = unit_values(unit, "StateDirectory")[..] else {
+            panic!("one StateDirectory");
+        };
+        let home = format!("--home /var/lib/{state} ");
+        assert!(unit_values(unit, "ExecStart")[0].contains(&home), "{home}");
     }
     let exec = |unit: &[(String, String)]| -> Vec<String> {
         let [line] = unit_values(unit, "ExecStart")[..] else {
