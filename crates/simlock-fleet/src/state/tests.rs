@@ -183,6 +183,13 @@ fn connect(core: &mut Core, id: &str, slots: u32) -> u64 {
     generation
 }
 
+/// Worker `generation` sends `event`; the read it asks for answers `read`, at `now`.
+fn read_after(core: &mut Core, generation: u64, event_name: &str, read: Refresh, now: i64) {
+    core.handle_worker_event(generation, event(event_name, serde_json::json!({})), now);
+    let sent = refresh_sent(&core.take_effects()).unwrap();
+    core.handle_refreshed(generation, sent, read, now);
+}
+
 fn refresh_sent(effects: &[Effect]) -> Option<Stamp> {
     effects.iter().find_map(|e| match e {
         Effect::Refresh { sent, .. } => Some(*sent),
@@ -462,13 +469,13 @@ fn a_waiter_is_told_why_no_worker_takes_it_and_told_again_when_that_changes() {
     }
     read.devices = Some(vec![quarantined.clone()]);
     read.status.devices = Some(vec![quarantined]);
-    core.handle_worker_event(
+    read_after(
+        &mut core,
         generation,
-        event("device.quarantined", serde_json::json!({})),
+        "device.quarantined",
+        read.clone(),
         T0 + 1_000,
     );
-    let sent = refresh_sent(&core.take_effects()).unwrap();
-    core.handle_refreshed(generation, sent, read.clone(), T0 + 1_000);
     assert_eq!(
         told_why(&core.take_effects()),
         [Some(WaitingFor::Quarantine {
@@ -497,13 +504,13 @@ fn a_waiter_left_for_the_next_pass_by_a_worker_with_room_is_not_told_capacity() 
     );
     // Two slots free up on w1: one pass gives it the first request (one forward per worker
     // per pass); the second, which w2 cannot take, waits for the next pass, not for a device.
-    core.handle_worker_event(
+    read_after(
+        &mut core,
         generation,
-        event("device.deleted", serde_json::json!({})),
+        "device.deleted",
+        refresh(Vec::new(), 2),
         T0 + 1_000,
     );
-    let sent = refresh_sent(&core.take_effects()).unwrap();
-    core.handle_refreshed(generation, sent, refresh(Vec::new(), 2), T0 + 1_000);
     let effects = core.take_effects();
     assert!(forward(&effects).is_some(), "{effects:?}");
     assert_eq!(
@@ -593,19 +600,28 @@ fn no_capacity_from_a_stale_view_requeues_and_a_no_wait_request_gets_one_more_wa
     );
 }
 
+/// `req_1` is refused `NO_CAPACITY` by `w1`; `req_2` of the same platform, from another
+/// requester, is then not sent there (it would be refused the same way), nor is `req_1` again.
+/// Answers the read the refusal asked for.
+fn refused_then_another_asks(core: &mut Core) -> Stamp {
+    ask(core, 1, ios(), T0).unwrap();
+    refused(core, ErrorCode::NoCapacity);
+    let sent = refresh_sent(&core.take_effects()).expect("the view is read again");
+    let mut second = ios();
+    second.requester_id = Some("other".into());
+    ask(core, 2, second, T0).unwrap();
+    let effects = core.take_effects();
+    assert!(
+        forward(&effects).is_none(),
+        "held until the read: {effects:?}"
+    );
+    sent
+}
+
 #[test]
 fn a_no_capacity_refusal_holds_off_every_request_of_that_platform_until_a_read() {
     let (mut core, generation) = fleet(1);
-    ask(&mut core, 1, ios(), T0).unwrap();
-    refused(&mut core, ErrorCode::NoCapacity);
-    let sent = refresh_sent(&core.take_effects()).expect("the view is read again");
-    // Another request of the platform is not sent to the worker whose view proved stale
-    // (it would be refused the same way), nor is the first sent again.
-    let mut second = ios();
-    second.requester_id = Some("other".into());
-    ask(&mut core, 2, second, T0).unwrap();
-    let effects = core.take_effects();
-    assert!(forward(&effects).is_none(), "{effects:?}");
+    let sent = refused_then_another_asks(&mut core);
     // The read shows a device freed since: the oldest waiter goes first.
     core.handle_refreshed(generation, sent, refresh(Vec::new(), 2), T0 + 10);
     let (_, input) = forward(&core.take_effects()).expect("sent again after the read");
@@ -615,16 +631,7 @@ fn a_no_capacity_refusal_holds_off_every_request_of_that_platform_until_a_read()
 #[test]
 fn the_hold_on_other_waiters_ends_with_the_next_read_even_an_unchanged_one() {
     let (mut core, generation) = fleet(1);
-    ask(&mut core, 1, ios(), T0).unwrap();
-    refused(&mut core, ErrorCode::NoCapacity);
-    let sent = refresh_sent(&core.take_effects()).expect("the view is read again");
-    let mut second = ios();
-    second.requester_id = Some("other".into());
-    ask(&mut core, 2, second, T0).unwrap();
-    assert!(
-        forward(&core.take_effects()).is_none(),
-        "held until the read"
-    );
+    let sent = refused_then_another_asks(&mut core);
     // The read shows the same view (say the worker refused while it swept its devices after
     // a restart): the other waiter is tried, so no platform waits on a view that never moves;
     // the refused one waits for a read that changes it.
@@ -644,13 +651,13 @@ fn a_no_capacity_refusal_holds_until_a_read_changes_the_view_it_was_remembered_a
     let (mut core, generation) = fleet(2);
     // The worker holds one lease of its own: one slot is free.
     let direct = record("lse_d", "someone", T0);
-    core.handle_worker_event(
+    read_after(
+        &mut core,
         generation,
-        event("lease.granted", serde_json::json!({})),
+        "lease.granted",
+        refresh(vec![direct.clone()], 2),
         T0,
     );
-    let sent = refresh_sent(&core.take_effects()).unwrap();
-    core.handle_refreshed(generation, sent, refresh(vec![direct.clone()], 2), T0);
     core.take_effects();
     ask(&mut core, 1, ios(), T0).unwrap();
     refused(&mut core, ErrorCode::NoCapacity);
@@ -669,13 +676,13 @@ fn a_no_capacity_refusal_holds_until_a_read_changes_the_view_it_was_remembered_a
         "the view took the renewal"
     );
     // The lease ended: the next read changes the view, and the worker is tried again.
-    core.handle_worker_event(
+    read_after(
+        &mut core,
         generation,
-        event("lease.released", serde_json::json!({})),
+        "lease.released",
+        refresh(Vec::new(), 2),
         T0 + 600,
     );
-    let sent = refresh_sent(&core.take_effects()).unwrap();
-    core.handle_refreshed(generation, sent, refresh(Vec::new(), 2), T0 + 600);
     assert!(forward(&core.take_effects()).is_some());
 }
 
