@@ -49,7 +49,7 @@ pub use index::{Stamp, StoredForward, StoredOrphan};
 use queue::{Attempt, Booked, Queue, Stage, Waiter};
 use routing::{Assessment, Match, Pick, Wanted, assess, select};
 pub use views::Refresh;
-use views::{apply_read, blank_view, renew_in_place};
+use views::{Granted, apply_read, blank_view, count_grant, renew_in_place};
 
 /// How long an answered request's idempotency key is remembered (10 min).
 pub const BOOK_RETENTION_MS: i64 = 600_000;
@@ -401,6 +401,9 @@ struct Worker {
     /// would be sent there and refused). The read the refusal asks for clears it, changed or
     /// not; the refused waiter itself waits for a read that changes the view (`refusals`).
     no_room: Vec<Platform>,
+    /// The grants heard of since the last read sent after them, counted into the view
+    /// ([`views::count_grant`]) until a read shows them.
+    granted: Vec<Granted>,
 }
 
 impl Worker {
@@ -412,24 +415,36 @@ impl Worker {
             retained,
             known,
             no_room: Vec::new(),
+            granted: Vec::new(),
         }
     }
 
-    /// Folds one read of the worker (its status, its device list when read) into its view
-    /// ([`apply_read`]). The one place a view takes what a refusal is remembered against
-    /// (capacity, devices, health, the leases held, queue depth), so its revision moves
-    /// whenever one of them changes.
+    /// Folds one read of the worker sent at `sent` (its status, its device list when read) into
+    /// its view ([`apply_read`]), with the grants heard of after it was sent counted in: a grant
+    /// heard of before is in what the worker answered, as it grants before it answers. The one
+    /// place a view takes what a refusal is remembered against (capacity, devices, health, the
+    /// leases held, queue depth), so its revision moves whenever one of them changes.
     fn apply_read(
         &mut self,
         revisions: &mut Revisions,
         status: &StatusOutput,
         devices: Option<Vec<Device>>,
+        sent: Stamp,
         now: i64,
     ) {
-        if apply_read(&mut self.view, status, devices, now) {
+        self.granted.retain(|g| g.at > sent);
+        if apply_read(&mut self.view, status, devices, &self.granted, now) {
             self.revision = revisions.next();
         }
         self.no_room.clear();
+    }
+
+    /// The worker granted `device` (heard of at `at`): counted into the view until a read sent
+    /// after `at` shows it ([`views::count_grant`]).
+    fn granted(&mut self, granted: Granted) {
+        let view = &mut self.view;
+        count_grant(view.capacity.as_mut(), view.devices.as_mut(), &granted);
+        self.granted.push(granted);
     }
 
     /// Whether retention's clock runs for it: disconnected, and not a drain flag kept past
@@ -1036,7 +1051,7 @@ impl Core {
         worker.view.connection = Connection::Connected;
         worker.view.protocol = None;
         worker.view.version = Some(version.clone());
-        worker.apply_read(&mut self.revisions, status, None, now);
+        worker.apply_read(&mut self.revisions, status, None, sent, now);
         worker.known = true;
         let label = worker.view.label.clone();
         self.fx.push_back(Effect::Remember(KnownWorker {
@@ -1230,7 +1245,13 @@ impl Core {
                 link.catalog_retried = false;
             }
         }
-        worker.apply_read(&mut self.revisions, &refresh.status, refresh.devices, now);
+        worker.apply_read(
+            &mut self.revisions,
+            &refresh.status,
+            refresh.devices,
+            sent,
+            now,
+        );
         if let Some(catalog) = refresh.catalog {
             worker.view.catalog = Some(catalog);
             worker.view.catalog_read_at = Some(now);
@@ -1929,6 +1950,16 @@ impl Core {
     ) {
         let current = self.queue.by_attempt(attempt).map(|w| w.id.clone());
         self.forward_answered(attempt, &outcome, current.is_some(), now);
+        if let Ok(grant) = &outcome {
+            let granted = Granted {
+                at: self.next_stamp(),
+                device: grant.device.id.clone(),
+                platform: grant.device.spec.platform,
+            };
+            if let Some(worker) = self.workers.get_mut(worker_id) {
+                worker.granted(granted);
+            }
+        }
         let Some(id) = current else {
             if let Ok(grant) = outcome {
                 self.orphaned(worker_id, &grant.lease, now);

@@ -647,6 +647,45 @@ fn the_hold_on_other_waiters_ends_with_the_next_read_even_an_unchanged_one() {
 }
 
 #[test]
+fn a_grant_counts_in_its_workers_view_until_a_read_sent_after_it() {
+    let (mut core, generation) = fleet(1);
+    // A read goes out before the grant is heard of.
+    core.handle_worker_event(
+        generation,
+        event("device.booted", serde_json::json!({})),
+        T0,
+    );
+    let before = refresh_sent(&core.take_effects()).expect("read");
+    granted(&mut core);
+    // The grant took the worker's one slot: the next waiter is not sent there to be refused.
+    let mut second = ios();
+    second.requester_id = Some("other".into());
+    ask(&mut core, 2, second, T0).unwrap();
+    let effects = core.take_effects();
+    assert!(
+        forward(&effects).is_none(),
+        "the grant is counted: {effects:?}"
+    );
+    // The read sent before the grant shows the slot free: the grant still counts.
+    core.handle_refreshed(generation, before, refresh(Vec::new(), 1), T0 + 1);
+    let effects = core.take_effects();
+    assert!(
+        forward(&effects).is_none(),
+        "a read from before: {effects:?}"
+    );
+    // A read sent after it shows the slot free (the lease ended): the waiter goes.
+    read_after(
+        &mut core,
+        generation,
+        "lease.released",
+        refresh(Vec::new(), 1),
+        T0 + 2,
+    );
+    let (_, input) = forward(&core.take_effects()).expect("sent after a read from after");
+    assert_eq!(input.requester_id.as_deref(), Some("gw:g1:other"));
+}
+
+#[test]
 fn a_no_capacity_refusal_holds_until_a_read_changes_the_view_it_was_remembered_against() {
     let (mut core, generation) = fleet(2);
     // The worker holds one lease of its own: one slot is free.

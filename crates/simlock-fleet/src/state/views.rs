@@ -1,12 +1,14 @@
 //! Worker views: what the gateway knows of each worker, folded from its `status.get` and the
 //! refreshes after it. Plain data.
 
+use simlock_contract::ids::DeviceId;
 use simlock_contract::model::{
-    Connection, Device, LeaseLimits, LeaseRecord, PlatformCatalog, WorkerView,
+    Capacity, Connection, Device, DeviceState, LeaseLimits, LeaseRecord, Platform, PlatformCatalog,
+    WorkerView,
 };
 use simlock_contract::ops::StatusOutput;
 
-use super::index::{Renewal, keep_newer_renewal};
+use super::index::{Renewal, Stamp, keep_newer_renewal};
 
 /// What one refresh read from a worker.
 #[derive(Debug, Clone, PartialEq)]
@@ -46,8 +48,66 @@ pub fn blank_view(id: &str, label: Option<String>, now: i64, connection: Connect
     }
 }
 
+/// A grant the gateway heard of (stamped `at`), counted into its worker's view until a read
+/// sent after it shows it: without it, the view read before the grant still shows the slot the
+/// grant took, and the next waiter is sent there only to be refused `NO_CAPACITY`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Granted {
+    /// When the gateway heard of it.
+    pub at: Stamp,
+    /// The device granted.
+    pub device: DeviceId,
+    /// Its platform.
+    pub platform: Platform,
+}
+
+/// Counts `granted` into a view's `capacity` and `devices` as the worker's own read would show
+/// it: the device leased, and, when the list did not show it running (a boot it had reserved a
+/// slot for, or a device it did not list yet), one more running slot. A list that already shows
+/// it leased (a read that saw the grant) changes nothing, so counting twice is counting once.
+pub fn count_grant(
+    capacity: Option<&mut Capacity>,
+    devices: Option<&mut Vec<Device>>,
+    granted: &Granted,
+) {
+    let listed = devices.and_then(|list| list.iter_mut().find(|d| d.id == granted.device));
+    let was = listed.as_ref().map(|d| d.state);
+    if was == Some(DeviceState::Leased) {
+        return;
+    }
+    if let Some(device) = listed {
+        device.state = DeviceState::Leased;
+    }
+    let Some(capacity) = capacity else {
+        return;
+    };
+    let global = &mut capacity.global;
+    let platform = match granted.platform {
+        Platform::Ios => &mut capacity.ios,
+        Platform::Android => &mut capacity.android,
+    };
+    match was {
+        Some(DeviceState::Ready) => {
+            platform.warm = platform.warm.saturating_sub(1);
+            global.warm = global.warm.saturating_sub(1);
+        }
+        Some(state) if state.is_running() => {}
+        Some(DeviceState::Provisioning | DeviceState::Booting) => {
+            platform.reserved = platform.reserved.saturating_sub(1);
+            global.reserved = global.reserved.saturating_sub(1);
+            platform.running = platform.running.saturating_add(1);
+            global.running = global.running.saturating_add(1);
+        }
+        _ => {
+            platform.running = platform.running.saturating_add(1);
+            global.running = global.running.saturating_add(1);
+        }
+    }
+}
+
 /// Folds one read of a worker into `view`: its `status.get`, and its device list when that was
-/// read (it wins over the status's). Answers whether what a refusal is remembered against
+/// read (it wins over the status's), with the grants the gateway heard of that the read may not
+/// show (`granted`, [`count_grant`]). Answers whether what a refusal is remembered against
 /// changed — the capacity, the devices, the health, which leases the worker holds (a renewal is
 /// not a change), the queue depth — compared field by field: a worker that refused a request
 /// with `NO_CAPACITY` is not tried again for it until one of them does.
@@ -55,6 +115,7 @@ pub fn apply_read(
     view: &mut WorkerView,
     status: &StatusOutput,
     devices: Option<Vec<Device>>,
+    granted: &[Granted],
     now: i64,
 ) -> bool {
     let mut changed = false;
@@ -62,8 +123,15 @@ pub fn apply_read(
     changed |= set(&mut view.health, Some(status.daemon.health));
     view.version = Some(status.daemon.version.clone());
     view.host = Some(status.host.clone());
-    if status.capacity.is_some() {
-        changed |= set(&mut view.capacity, status.capacity);
+    let mut capacity = status.capacity.or(view.capacity);
+    let mut devices = devices
+        .or_else(|| status.devices.clone())
+        .or_else(|| view.devices.clone());
+    for grant in granted {
+        count_grant(capacity.as_mut(), devices.as_mut(), grant);
+    }
+    if capacity.is_some() {
+        changed |= set(&mut view.capacity, capacity);
     }
     if let Some(leases) = &status.leases {
         let mut leases = leases.clone();
@@ -72,8 +140,8 @@ pub fn apply_read(
         changed |= !held.iter().map(|l| &l.id).eq(leases.iter().map(|l| &l.id));
         view.leases = Some(leases);
     }
-    if let Some(devices) = devices.or_else(|| status.devices.clone()) {
-        changed |= set(&mut view.devices, Some(devices));
+    if devices.is_some() {
+        changed |= set(&mut view.devices, devices);
     }
     if status.queue_depth.is_some() {
         changed |= set(&mut view.queue_depth, status.queue_depth);
@@ -145,8 +213,14 @@ mod tests {
     fn a_read_changes_the_view_when_what_refusals_depend_on_moves_and_only_then() {
         let mut view = blank_view("w1", None, 0, Connection::Connected);
         let base = status(vec![lease("lse_a", 100, 1100)]);
-        assert!(apply_read(&mut view, &base, None, 10), "the first read");
-        assert!(!apply_read(&mut view, &base, None, 20), "the same read");
+        assert!(
+            apply_read(&mut view, &base, None, &[], 10),
+            "the first read"
+        );
+        assert!(
+            !apply_read(&mut view, &base, None, &[], 20),
+            "the same read"
+        );
         assert_eq!(view.last_seen_at, 20);
 
         // Neither a renewal, nor what no refusal depends on, is a change.
@@ -163,7 +237,7 @@ mod tests {
             default_ttl_ms: 1,
             max_ttl_ms: 2,
         });
-        assert!(!apply_read(&mut view, &other, None, 30));
+        assert!(!apply_read(&mut view, &other, None, &[], 30));
         assert_eq!(view.leases.as_ref().unwrap()[0].ttl_deadline, 1200);
         assert_eq!(view.version.as_deref(), Some("t2"));
         assert!(view.capabilities.as_ref().is_some_and(|c| c.len() == 1));
@@ -191,8 +265,8 @@ mod tests {
             let mut view = view.clone();
             let mut read = other.clone();
             change(&mut read);
-            assert!(apply_read(&mut view, &read, None, 40), "{what}");
-            assert!(!apply_read(&mut view, &read, None, 50), "{what} again");
+            assert!(apply_read(&mut view, &read, None, &[], 40), "{what}");
+            assert!(!apply_read(&mut view, &read, None, &[], 50), "{what} again");
         }
     }
 
@@ -204,6 +278,7 @@ mod tests {
             &mut view,
             &status(Vec::new()),
             Some(listed.clone()),
+            &[],
             10
         ));
         assert_eq!(view.devices.as_ref(), Some(&listed));
@@ -213,12 +288,113 @@ mod tests {
             &mut view,
             &status(Vec::new()),
             Some(listed.clone()),
+            &[],
             20
         ));
         assert_eq!(view.devices.as_ref(), Some(&listed));
         // Without a list read, the status's is taken.
-        assert!(apply_read(&mut view, &status(Vec::new()), None, 30));
+        assert!(apply_read(&mut view, &status(Vec::new()), None, &[], 30));
         assert_eq!(view.devices.as_deref(), Some(&[][..]));
+    }
+
+    /// `dev_1`'s grant, heard of at stamp 5.
+    fn granted() -> Granted {
+        Granted {
+            at: 5,
+            device: DeviceId::from_raw("dev_1"),
+            platform: Platform::Ios,
+        }
+    }
+
+    /// A read's capacity: `running` and `reserved` iOS devices of 4, `warm` of them idle.
+    fn capacity(running: u32, reserved: u32, warm: u32) -> Capacity {
+        let mut capacity = crate::state::tests::status(Vec::new(), 4).capacity.unwrap();
+        capacity.ios.running = running;
+        capacity.ios.reserved = reserved;
+        capacity.ios.warm = warm;
+        capacity.global.running = running;
+        capacity.global.reserved = reserved;
+        capacity.global.warm = warm;
+        capacity
+    }
+
+    #[test]
+    fn a_grant_counts_as_the_workers_next_read_would_show_it_and_counting_twice_is_once() {
+        // (the device as the view lists it, the capacity before, the capacity after)
+        let cases = [
+            // An idle device leased: no more running, one fewer idle.
+            (
+                Some(DeviceState::Ready),
+                capacity(1, 0, 1),
+                capacity(1, 0, 0),
+            ),
+            // A boot the worker had reserved a slot for: the slot runs now.
+            (
+                Some(DeviceState::Booting),
+                capacity(0, 1, 0),
+                capacity(1, 0, 0),
+            ),
+            (
+                Some(DeviceState::Provisioning),
+                capacity(0, 1, 0),
+                capacity(1, 0, 0),
+            ),
+            // Shut down, or not listed yet: one more running.
+            (
+                Some(DeviceState::Shutdown),
+                capacity(0, 0, 0),
+                capacity(1, 0, 0),
+            ),
+            (None, capacity(2, 0, 0), capacity(3, 0, 0)),
+            // A read that saw the grant: nothing moves.
+            (
+                Some(DeviceState::Leased),
+                capacity(1, 0, 0),
+                capacity(1, 0, 0),
+            ),
+        ];
+        for (listed, before, after) in cases {
+            let mut devices: Vec<Device> = listed.map(|s| device("dev_1", s)).into_iter().collect();
+            devices.push(device("dev_2", DeviceState::Ready));
+            let mut capacity = before;
+            count_grant(Some(&mut capacity), Some(&mut devices), &granted());
+            assert_eq!(capacity, after, "{listed:?}");
+            if listed.is_some() {
+                assert_eq!(devices[0].state, DeviceState::Leased, "{listed:?}");
+            }
+            assert_eq!(
+                devices.last().unwrap().state,
+                DeviceState::Ready,
+                "others kept"
+            );
+            count_grant(Some(&mut capacity), Some(&mut devices), &granted());
+            if listed.is_some() {
+                assert_eq!(capacity, after, "{listed:?} counted twice");
+            }
+        }
+    }
+
+    #[test]
+    fn a_read_from_before_a_grant_is_no_change_once_the_grant_is_counted_into_it() {
+        let mut view = blank_view("w1", None, 0, Connection::Connected);
+        let mut read = status(Vec::new());
+        read.capacity = Some(capacity(1, 0, 1));
+        read.devices = Some(vec![device("dev_1", DeviceState::Ready)]);
+        apply_read(&mut view, &read, None, &[], 10);
+        count_grant(view.capacity.as_mut(), view.devices.as_mut(), &granted());
+        // The same read again (sent before the grant): with the grant counted in, no change,
+        // and the view still shows the device leased.
+        assert!(!apply_read(&mut view, &read, None, &[granted()], 20));
+        assert_eq!(view.capacity, Some(capacity(1, 0, 0)));
+        assert_eq!(view.devices.as_ref().unwrap()[0].state, DeviceState::Leased);
+        // A read that saw the grant is the same view.
+        let mut after = read.clone();
+        after.capacity = Some(capacity(1, 0, 0));
+        after.devices = Some(vec![device("dev_1", DeviceState::Leased)]);
+        assert!(!apply_read(&mut view, &after, None, &[], 30));
+        // One that shows it ended (the read sent after the grant, nothing counted) is a change.
+        assert!(apply_read(&mut view, &read, None, &[], 40));
+        assert_eq!(view.devices.as_ref().unwrap()[0].state, DeviceState::Ready);
     }
 
     fn lease(id: &str, renewed_at: i64, deadline: i64) -> LeaseRecord {
