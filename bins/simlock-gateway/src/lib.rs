@@ -206,6 +206,9 @@ pub async fn start(options: GatewayOptions) -> Result<RunningGateway, StartError
         )
         .await?;
     running.started();
+    if let Some(front) = &front {
+        front.resume_releases();
+    }
     Ok(RunningGateway {
         running,
         fleet,

@@ -38,7 +38,7 @@ use crate::body::json as json_response;
 use crate::body::{Guarded, ProgressTail, read_caller_body, read_to_bytes};
 use crate::lease_id::{LEASE_HEADER, LeaseId};
 use crate::leases::{FrontLease, FrontLeases};
-use crate::port::{Caller, HostLink, HostStatus, Hosts, Serving, StatusScope};
+use crate::port::{Caller, HostLink, HostStatus, Hosts, KeptRelease, Serving, StatusScope};
 use crate::renewal::{self, KeepAsk, RenewAsk, Renewal};
 use crate::reply::{Refusal, Surface};
 use crate::rpc::{Answer, MAX_RPC_BODY, Method as RpcMethod, RpcCall, device_key};
@@ -167,6 +167,23 @@ impl Front {
             ended.push(lease);
         }
         ended
+    }
+
+    /// Resumes the releases an earlier run of this daemon answered `released: true` and had
+    /// not carried out (a second gateway restart before the lease's worker was back), each
+    /// until its lease's TTL ([`release_later`]). The composition calls it once the daemon
+    /// serves.
+    pub fn resume_releases(&self) {
+        for kept in self.inner.link.kept_releases() {
+            if !self.inner.releasing.lock().insert(kept.lease.clone()) {
+                continue;
+            }
+            info!(lease = %kept.lease, "a release asked for before a restart is carried out once the lease's worker is back");
+            let inner = self.inner.clone();
+            self.inner
+                .waiting
+                .spawn(async move { resume_release(&inner, kept).await });
+        }
     }
 
     /// The HTTP mount serving `/v1/agent-device/*`.
@@ -1281,7 +1298,8 @@ const RELEASE_LATER_MAX_WAIT: Duration = Duration::from_secs(2);
 /// not know the lease's owner): then a task tries `call` itself with backoff until agent-device
 /// answers it (then the simlock lease is released, as [`release`] does), or the front finds
 /// the lease ended or not the caller's, or the lease's TTL has run out (the worker ends it then
-/// itself), or this daemon stops (the lease is left to its TTL). One such task per lease.
+/// itself), or this daemon stops. The release is kept by the host link until then, so a
+/// restart of this daemon resumes it ([`Front::resume_releases`]). One such task per lease.
 async fn release_later(ctx: &Exchange, call: &RpcCall, lease: &LeaseId) {
     if !ctx.inner.releasing.lock().insert(lease.clone()) {
         return;
@@ -1322,22 +1340,19 @@ async fn release_later(ctx: &Exchange, call: &RpcCall, lease: &LeaseId) {
                 )
             },
         );
-    let deadline = now + Duration::from_millis(ttl);
+    let within = Duration::from_millis(ttl);
+    let deadline = now + within;
     ctx.end(lease);
+    ctx.inner.link.keep_release(lease, within);
     info!(%lease, "the worker holding the lease is away: released once it is back");
     let task = ctx.detached();
     let (body, lease) = (call.to_bytes(), lease.clone());
     ctx.inner.waiting.spawn(async move {
         let mut wait = RELEASE_LATER_FIRST_WAIT;
-        let released = loop {
-            tokio::select! {
-                () = tokio::time::sleep(wait.min(deadline.saturating_duration_since(Instant::now()))) => {}
-                () = task.inner.stop.cancelled() => break false,
+        let outcome = loop {
+            if let Some(end) = later_wait(&task.inner, &mut wait, deadline).await {
+                break end;
             }
-            if Instant::now() >= deadline {
-                break false;
-            }
-            wait = (wait * 2).min(RELEASE_LATER_MAX_WAIT);
             if task.holder_away(&lease) {
                 continue;
             }
@@ -1346,24 +1361,109 @@ async fn release_later(ctx: &Exchange, call: &RpcCall, lease: &LeaseId) {
                     let answer = Answer::read(&bytes);
                     if matches!(answer, Answer::Ok(_)) || answer.lease_gone() {
                         task.release_simlock(&lease).await;
-                        break true;
+                        break Later::Done;
                     }
                     warn!(%lease, ?answer, "agent-device refused a release carried out later");
-                    break false;
+                    break Later::LeftToTtl;
                 }
                 Err((refusal, _)) if refusal.retriable() == Some(true) => {}
                 // Ended meanwhile, or no longer the caller's: nothing is left to release.
                 Err((refusal, _)) => {
                     info!(%lease, %refusal, "a release carried out later found nothing to release");
-                    break true;
+                    break Later::Done;
                 }
             }
         };
-        if !released {
-            info!(%lease, "a release carried out later was left to the lease's TTL");
-        }
-        task.inner.releasing.lock().remove(&lease);
+        later_ended(&task.inner, &lease, outcome);
     });
+}
+
+/// How a release carried out later ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Later {
+    /// Carried out, or nothing was left to release.
+    Done,
+    /// Given up: the lease ends on its TTL.
+    LeftToTtl,
+    /// This daemon stops: the release stays kept for its next run.
+    Stopped,
+}
+
+/// Waits `wait` (then doubled, up to [`RELEASE_LATER_MAX_WAIT`]) before the next try of a
+/// release carried out later; answers how it ends instead when `deadline` passes or the
+/// daemon stops.
+async fn later_wait(inner: &Inner, wait: &mut Duration, deadline: Instant) -> Option<Later> {
+    tokio::select! {
+        () = tokio::time::sleep((*wait).min(deadline.saturating_duration_since(Instant::now()))) => {}
+        () = inner.stop.cancelled() => return Some(Later::Stopped),
+    }
+    if Instant::now() >= deadline {
+        return Some(Later::LeftToTtl);
+    }
+    *wait = (*wait * 2).min(RELEASE_LATER_MAX_WAIT);
+    None
+}
+
+/// A release carried out later ended: settled for good unless the daemon stops, when it stays
+/// kept for the next run ([`Front::resume_releases`]).
+fn later_ended(inner: &Inner, lease: &LeaseId, outcome: Later) {
+    if outcome == Later::LeftToTtl {
+        info!(%lease, "a release carried out later was left to the lease's TTL");
+    }
+    if outcome != Later::Stopped {
+        inner.link.release_settled(lease);
+    }
+    inner.releasing.lock().remove(lease);
+}
+
+/// Carries out a release an earlier run kept ([`Front::resume_releases`]): once the lease's
+/// worker is back (and has reported its leases), the simlock lease is released as its owner;
+/// the worker's host releases agent-device's lease before it reclaims the device. A lease the
+/// index does not hold then ended already. Bounded by the lease's TTL and the daemon's stop.
+async fn resume_release(inner: &Inner, kept: KeptRelease) {
+    let KeptRelease {
+        lease,
+        owner,
+        within,
+    } = kept;
+    let deadline = Instant::now() + within;
+    let caller = Caller {
+        principal: owner,
+        role: simlock_contract::Role::Agent,
+        credential: String::new(),
+    };
+    let input = LeaseIdInput {
+        reason: None,
+        lease_id: lease.as_str().to_owned(),
+    };
+    let mut wait = RELEASE_LATER_FIRST_WAIT;
+    let outcome = loop {
+        if let Some(end) = later_wait(inner, &mut wait, deadline).await {
+            break end;
+        }
+        let scope = StatusScope::Lease {
+            lease: &lease,
+            caller: &caller,
+        };
+        if inner.link.status(scope) == HostStatus::HolderAway {
+            continue;
+        }
+        let ctx = CallCtx::internal(caller.principal.clone(), caller.role, None);
+        match inner.pipeline.call_typed::<LeaseRelease>(ctx, &input).await {
+            Ok(_) => {
+                info!(%lease, "a release asked for before a restart was carried out");
+                break Later::Done;
+            }
+            Err(e) if e.code == ErrorCode::UnknownLease => {
+                info!(%lease, "a release asked for before a restart found the lease ended");
+                break Later::Done;
+            }
+            Err(e) => {
+                debug!(%lease, code = %e.code, message = %e.message, "a release asked for before a restart is tried again");
+            }
+        }
+    };
+    later_ended(inner, &lease, outcome);
 }
 
 /// `devices`: only the devices the token leases. With none held, the empty list, and no host

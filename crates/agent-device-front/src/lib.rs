@@ -26,7 +26,9 @@ pub use front::{
     made_by_a_front, made_by_front,
 };
 pub use lease_id::{LEASE_HEADER, LeaseId};
-pub use port::{Caller, HostLink, HostStatus, Hosts, RecoveredLease, Serving, StatusScope};
+pub use port::{
+    Caller, HostLink, HostStatus, Hosts, KeptRelease, RecoveredLease, Serving, StatusScope,
+};
 pub use relay_link::{FleetPort, RelayHostLink};
 pub use reply::{Refusal, Surface};
 pub use tenant::Tenant;

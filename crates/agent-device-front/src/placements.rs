@@ -9,12 +9,17 @@ use tracing::warn;
 use crate::lease_id::LeaseId;
 use crate::relay_link::{Placement, PlacementStore};
 
-const MIGRATIONS: &[&str] = &["CREATE TABLE agent_device_placements (
+const MIGRATIONS: &[&str] = &[
+    "CREATE TABLE agent_device_placements (
         lease_id TEXT PRIMARY KEY,
         worker_id TEXT NOT NULL,
         owner_id TEXT NOT NULL,
         dropped_at INTEGER
-    );"];
+    );",
+    // A release its holder asked for that the gateway carries out once the lease's worker is
+    // back, kept until then (ms since the epoch; ADR 0030).
+    "ALTER TABLE agent_device_placements ADD COLUMN release_until INTEGER;",
+];
 
 /// [`PlacementStore`] over the daemon's database. A write that fails is logged; the memory in
 /// the process stays right, only a restart would miss it.
@@ -98,6 +103,47 @@ impl PlacementStore for DbPlacements {
         });
     }
 
+    fn releasing(&self, lease: &LeaseId, until: i64) {
+        self.write("keep the release of", |conn| {
+            conn.execute(
+                "UPDATE agent_device_placements SET release_until = ?2 WHERE lease_id = ?1",
+                params![lease.as_str(), until],
+            )
+        });
+    }
+
+    fn release_settled(&self, lease: &LeaseId) {
+        self.write("settle the release of", |conn| {
+            conn.execute(
+                "UPDATE agent_device_placements SET release_until = NULL WHERE lease_id = ?1",
+                params![lease.as_str()],
+            )
+        });
+    }
+
+    fn releases(&self) -> Vec<(LeaseId, i64)> {
+        let loaded = self.db.with(|conn| {
+            let mut statement = conn.prepare(
+                "SELECT lease_id, release_until FROM agent_device_placements
+                 WHERE release_until IS NOT NULL",
+            )?;
+            let rows = statement.query_map([], |row| {
+                Ok((row.get::<_, String>(0)?, row.get::<_, i64>(1)?))
+            })?;
+            rows.collect::<rusqlite::Result<Vec<_>>>()
+        });
+        match loaded {
+            Ok(rows) => rows
+                .into_iter()
+                .filter_map(|(lease, until)| Some((LeaseId::parse(&lease)?, until)))
+                .collect(),
+            Err(e) => {
+                warn!(error = %e, "cannot read the agent-device releases kept");
+                Vec::new()
+            }
+        }
+    }
+
     fn forget(&self, lease: &LeaseId) {
         self.write("forget", |conn| {
             conn.execute(
@@ -160,5 +206,33 @@ mod tests {
         store.forget(&a);
         assert!(!store.holds(&a));
         assert!(store.holds(&b));
+    }
+
+    #[test]
+    fn a_kept_release_survives_a_reopen_until_settled_or_its_lease_is_forgotten() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("state.db");
+        let (a, b, unknown) = (LeaseId::mint(), LeaseId::mint(), LeaseId::mint());
+        let place = Placement {
+            worker: "w1".into(),
+            owner: "tok_1".into(),
+        };
+        {
+            let store = DbPlacements::open(Database::open(&path).unwrap()).unwrap();
+            store.placed(&a, &place);
+            store.placed(&b, &place);
+            store.releasing(&a, 5_000);
+            store.releasing(&b, 6_000);
+            // A lease with no placement keeps nothing.
+            store.releasing(&unknown, 7_000);
+        }
+        let store = DbPlacements::open(Database::open(&path).unwrap()).unwrap();
+        let mut kept = store.releases();
+        kept.sort_by_key(|(_, until)| *until);
+        assert_eq!(kept, vec![(a.clone(), 5_000), (b.clone(), 6_000)]);
+        store.release_settled(&a);
+        store.forget(&b);
+        assert!(store.releases().is_empty());
+        assert!(store.holds(&a), "settling keeps the placement");
     }
 }

@@ -3,6 +3,7 @@
 //! lease on its worker and relays there.
 
 use std::collections::BTreeSet;
+use std::time::Duration;
 
 use futures::future::BoxFuture;
 use http::{Request, Response};
@@ -160,6 +161,37 @@ pub trait HostLink: Send + Sync + 'static {
 
     /// Where the link's leases are held: by its one host, or each by its own.
     fn hosts(&self) -> Hosts;
+
+    /// Keeps the release of `lease` that the front carries out once its holder is back, for
+    /// `within` (the lease's TTL), so a restart of this daemon resumes it
+    /// ([`Self::kept_releases`]). Nothing is kept by default: a worker's own host is never
+    /// away.
+    fn keep_release(&self, lease: &LeaseId, within: Duration) {
+        let _ = (lease, within);
+    }
+
+    /// The release of `lease` kept was carried out, found nothing to release, or ran out of
+    /// time.
+    fn release_settled(&self, lease: &LeaseId) {
+        let _ = lease;
+    }
+
+    /// The releases an earlier run kept and did not settle, still within their time.
+    fn kept_releases(&self) -> Vec<KeptRelease> {
+        Vec::new()
+    }
+}
+
+/// A release an earlier run of the daemon answered and had not carried out
+/// ([`HostLink::kept_releases`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeptRelease {
+    /// The lease.
+    pub lease: LeaseId,
+    /// Its owner (the token's principal that asked for the release).
+    pub owner: String,
+    /// The time left of the lease's TTL, past which the worker ends it itself.
+    pub within: Duration,
 }
 
 /// Where a host link's leases are held, which decides how the front routes and whose word on

@@ -20,7 +20,9 @@ use simlock_contract::model::Platform;
 use simlock_daemon::clock::SharedClock;
 
 use crate::lease_id::LeaseId;
-use crate::port::{Caller, HostLink, HostStatus, Hosts, RecoveredLease, Serving, StatusScope};
+use crate::port::{
+    Caller, HostLink, HostStatus, Hosts, KeptRelease, RecoveredLease, Serving, StatusScope,
+};
 use crate::reply::Refusal;
 use crate::tenant::Tenant;
 use crate::{Body, CAPABILITY};
@@ -104,7 +106,14 @@ pub trait PlacementStore: Send + Sync + 'static {
     fn placed(&self, lease: &LeaseId, placement: &Placement);
     /// The index dropped `lease` at `at`.
     fn dropped(&self, lease: &LeaseId, at: i64);
-    /// `lease` is forgotten.
+    /// `lease`'s holder asked for its release, carried out once its worker is back: kept until
+    /// `until` (ms since the epoch, the lease's TTL), a restart between included.
+    fn releasing(&self, lease: &LeaseId, until: i64);
+    /// The release of `lease` was carried out, or is past keeping.
+    fn release_settled(&self, lease: &LeaseId);
+    /// The releases kept: `(lease, until)`.
+    fn releases(&self) -> Vec<(LeaseId, i64)>;
+    /// `lease` is forgotten (a release kept for it too).
     fn forget(&self, lease: &LeaseId);
 }
 
@@ -219,6 +228,11 @@ impl LeaseMemory {
             .collect();
         held.sort_by(|a, b| a.as_str().cmp(b.as_str()));
         held
+    }
+
+    /// Where `lease` was last placed, dropped or not.
+    pub fn placement(&self, lease: &LeaseId) -> Option<&Placement> {
+        self.entries.get(lease).map(|e| &e.placement)
     }
 
     /// Whether `lease` is remembered as dropped by the index.
@@ -597,6 +611,44 @@ impl HostLink for RelayHostLink {
         vec![CAPABILITY.to_owned()]
     }
 
+    fn keep_release(&self, lease: &LeaseId, within: Duration) {
+        if let Some(store) = &self.store {
+            let within = i64::try_from(within.as_millis()).unwrap_or(i64::MAX);
+            store.releasing(lease, self.clock.now_ms().saturating_add(within));
+        }
+    }
+
+    fn release_settled(&self, lease: &LeaseId) {
+        if let Some(store) = &self.store {
+            store.release_settled(lease);
+        }
+    }
+
+    fn kept_releases(&self) -> Vec<KeptRelease> {
+        let Some(store) = &self.store else {
+            return Vec::new();
+        };
+        let now = self.clock.now_ms();
+        let mut kept = Vec::new();
+        for (lease, until) in store.releases() {
+            let owner = self
+                .memory
+                .lock()
+                .placement(&lease)
+                .map(|p| p.owner.clone());
+            match (owner, u64::try_from(until.saturating_sub(now))) {
+                (Some(owner), Ok(left)) if left > 0 => kept.push(KeptRelease {
+                    lease,
+                    owner,
+                    within: Duration::from_millis(left),
+                }),
+                // Past the lease's TTL: its worker ended it.
+                _ => store.release_settled(&lease),
+            }
+        }
+        kept
+    }
+
     fn hosts(&self) -> Hosts {
         Hosts::PerLease
     }
@@ -801,6 +853,11 @@ mod tests {
             }
             fn placed(&self, _: &LeaseId, _: &Placement) {}
             fn dropped(&self, _: &LeaseId, _: i64) {}
+            fn releasing(&self, _: &LeaseId, _: i64) {}
+            fn release_settled(&self, _: &LeaseId) {}
+            fn releases(&self) -> Vec<(LeaseId, i64)> {
+                Vec::new()
+            }
             fn forget(&self, _: &LeaseId) {}
         }
         let fleet = Fleet {
@@ -813,6 +870,52 @@ mod tests {
             .push((lease(), placement("w2", "tok_a"), dropped));
         RelayHostLink::new(Arc::new(fleet), Duration::from_secs(600), clock())
             .with_store(Arc::new(kept))
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_kept_release_is_given_back_with_its_owner_and_time_left_until_that_runs_out() {
+        use simlock_daemon::store::Database;
+        let dir = tempfile::tempdir().unwrap();
+        let db = || Database::open(&dir.path().join("state.db")).unwrap();
+        let store = crate::placements::DbPlacements::open(db()).unwrap();
+        let (l, other) = (lease(), LeaseId::mint());
+        store.placed(&l, &placement("w2", "tok_a"));
+        // The wall clock both runs read.
+        let now = clock();
+        let link = |store| {
+            let fleet = Fleet {
+                placement: Mutex::new(None),
+                workers: Vec::new(),
+            };
+            RelayHostLink::new(Arc::new(fleet), Duration::from_secs(600), now.clone())
+                .with_store(Arc::new(store))
+        };
+        let first = link(store);
+        assert!(first.kept_releases().is_empty());
+        first.keep_release(&l, Duration::from_secs(5));
+        // A lease the link never placed keeps nothing.
+        first.keep_release(&other, Duration::from_secs(5));
+        drop(first);
+
+        tokio::time::advance(Duration::from_secs(2)).await;
+        let next = link(crate::placements::DbPlacements::open(db()).unwrap());
+        assert_eq!(
+            next.kept_releases(),
+            vec![KeptRelease {
+                lease: l.clone(),
+                owner: "tok_a".into(),
+                within: Duration::from_secs(3),
+            }]
+        );
+        next.release_settled(&l);
+        assert!(next.kept_releases().is_empty(), "settled");
+
+        // One whose time ran out is settled as it is read.
+        next.keep_release(&l, Duration::from_secs(1));
+        tokio::time::advance(Duration::from_millis(1_001)).await;
+        assert!(next.kept_releases().is_empty());
+        let store = crate::placements::DbPlacements::open(db()).unwrap();
+        assert!(store.releases().is_empty(), "and no longer kept");
     }
 
     #[tokio::test]

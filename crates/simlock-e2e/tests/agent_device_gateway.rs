@@ -2334,6 +2334,40 @@ async fn a_release_after_a_gateway_restart_before_the_worker_is_back_is_carried_
     gw.stop().await;
 }
 
+/// The same release, and the gateway restarts once more before the worker is back: the release
+/// it answered is kept in its database and carried out by the next run once the worker is back
+/// (the simlock lease released as its owner; the worker's host releases agent-device's first).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_answered_before_a_second_gateway_restart_is_carried_out_by_the_next_run() {
+    let (mut gw, cable, secret, lease) = a_lease_whose_worker_is_away().await;
+    let http = Http::new();
+    gw.fleet.restart_gateway(enabled_gateway()).await;
+    let released = http
+        .rpc(
+            &gw.base(),
+            &secret,
+            &lease_call("r1", "lease.release", &lease),
+        )
+        .await;
+    assert_eq!(
+        released.json()["result"],
+        json!({"ok": true, "data": {"released": true}}),
+        "{released:?}"
+    );
+    gw.fleet.restart_gateway(enabled_gateway()).await;
+    assert!(gw.fleet.worker(0).worker.lease(&lease).is_some());
+
+    cable.mend();
+    released_on_the_worker(&gw, &lease).await;
+    assert!(gw.leases().await.is_empty());
+    // Settled: a third run has nothing left to carry out.
+    gw.fleet.restart_gateway(enabled_gateway()).await;
+    gw.fleet.wait_connected_holding_none(0).await;
+    let again = received(&gw.fakes[0], "agent_device.lease.release");
+    assert_eq!(again.len(), 1, "released once: {again:?}");
+    gw.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn after_a_gateway_restart_its_leases_answer_retry_until_their_worker_is_back_then_serve_their_owners_only()
  {
