@@ -28,7 +28,6 @@ struct Args {
     set: Vec<String>,
 }
 
-#[allow(clippy::print_stderr, reason = "a usage error goes to the terminal")]
 fn main() -> ExitCode {
     let args = Args::parse();
     let home = args.home.map_or_else(Home::from_env, Home::at);
@@ -43,7 +42,7 @@ fn main() -> ExitCode {
     match launch::parse_sets(&args.set, sections) {
         Ok(sets) => overrides.extend(sets),
         Err(e) => {
-            eprintln!("simlock-gateway: {e}");
+            launch::complain(&format!("simlock-gateway: {e}"));
             return ExitCode::from(EXIT_CONFIG);
         }
     }

@@ -60,7 +60,6 @@ struct Args {
     set: Vec<String>,
 }
 
-#[allow(clippy::print_stderr, reason = "a usage error goes to the terminal")]
 fn main() -> ExitCode {
     let args = Args::parse();
     let mut overrides = flag_overrides(&args);
@@ -69,7 +68,7 @@ fn main() -> ExitCode {
     match launch::parse_sets(&args.set, sections) {
         Ok(sets) => overrides.extend(sets),
         Err(e) => {
-            eprintln!("simlock-worker: {e}");
+            launch::complain(&format!("simlock-worker: {e}"));
             return ExitCode::from(EXIT_CONFIG);
         }
     }

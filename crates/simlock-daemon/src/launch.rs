@@ -4,6 +4,7 @@
 //! last.
 
 use std::future::Future;
+use std::io::Write as _;
 use std::process::ExitCode;
 
 use serde_json::{Value, json};
@@ -15,6 +16,19 @@ use crate::runtime::{Running, StartError};
 
 /// Exit code for a configuration error (EX_USAGE).
 pub const EXIT_CONFIG: u8 = 64;
+
+/// Writes `line` to stdout. A stdout that cannot be written (a closed pipe, a full disk) loses
+/// the line and nothing else: `println!` would panic the daemon.
+pub fn say(line: &str) {
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{line}").and_then(|()| out.flush());
+}
+
+/// Writes `line` to stderr, where a daemon reports what stops it; one that cannot be written
+/// loses the line and nothing else: `eprintln!` would panic the daemon.
+pub fn complain(line: &str) {
+    let _ = writeln!(std::io::stderr().lock(), "{line}");
+}
 
 /// A started daemon, as its binary sees it.
 pub trait Launched: Send + 'static {
@@ -85,7 +99,7 @@ where
     let loaded = match config::load(home.root(), mode, overrides, sections) {
         Ok(loaded) => loaded,
         Err(e) => {
-            eprintln!("{name}: {e}");
+            complain(&format!("{name}: {e}"));
             return ExitCode::from(EXIT_CONFIG);
         }
     };
@@ -96,7 +110,7 @@ where
     let runtime = match runtime() {
         Ok(runtime) => runtime,
         Err(e) => {
-            eprintln!("{name}: cannot start the runtime: {e}");
+            complain(&format!("{name}: cannot start the runtime: {e}"));
             return ExitCode::FAILURE;
         }
     };
@@ -104,7 +118,7 @@ where
         let daemon = match start(home, loaded).await {
             Ok(daemon) => daemon,
             Err(e) => {
-                eprintln!("{name}: {e}");
+                complain(&format!("{name}: {e}"));
                 return None;
             }
         };
@@ -117,7 +131,7 @@ where
             "socket": running.socket_path(),
             "http": running.http_addr().map(|a| a.to_string()),
         });
-        println!("{ready}");
+        say(&ready.to_string());
         let reason = signals.wait(running).await;
         daemon.stop(reason).await;
         Some(reason)

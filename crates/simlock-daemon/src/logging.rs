@@ -41,8 +41,11 @@ pub fn init(level: &str) {
         .and_then(Result::ok)
         .or_else(|| filter(level).ok())
         .unwrap_or_else(|| EnvFilter::new("info"));
+    // A line that cannot be written (a full disk, a closed pipe) is dropped: the subscriber
+    // would otherwise report it with `eprintln!`, which panics the thread that logged.
     let _ = tracing_subscriber::fmt()
         .with_env_filter(chosen)
+        .log_internal_errors(false)
         .with_writer(std::io::stderr)
         .with_ansi(std::io::stderr().is_terminal())
         .try_init();

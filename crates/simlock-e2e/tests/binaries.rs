@@ -420,6 +420,61 @@ fn a_daemon_sent_sighup_stops_cleanly() {
     assert!(!worker.home.path().join("admin.token").exists());
 }
 
+/// Trial 19: a daemon whose output cannot be written (its log on a full disk, here `/dev/full`;
+/// its ready line into a pipe nobody reads) serves, leases and stops as any other: what cannot
+/// be written is dropped. Before, the first log line it could not write panicked the thread
+/// that logged it (that call never answered; at start, the daemon exited 101), and so did a
+/// ready line nobody could read.
+#[test]
+fn a_daemon_whose_output_cannot_be_written_serves_and_stops_cleanly() {
+    if !enabled() {
+        return;
+    }
+    for ready_line_read in [true, false] {
+        let home = tempfile::tempdir().unwrap();
+        std::fs::write(home.path().join("config.toml"), fixed(1)).unwrap();
+        let full = std::fs::OpenOptions::new()
+            .write(true)
+            .open("/dev/full")
+            .unwrap();
+        let mut command = Command::new(bin("simlock-worker"));
+        command
+            .arg("--home")
+            .arg(home.path())
+            .args(["--set", "drivers.ios.driver=virtual"])
+            .args(["--set", "drivers.android.driver=virtual"])
+            // Every call logs.
+            .env("SIMLOCK_LOG", "debug")
+            .stdout(Stdio::piped())
+            .stderr(full);
+        let child = if ready_line_read {
+            spawn_ready(&mut command, "worker").0
+        } else {
+            let mut child = command.spawn().unwrap();
+            drop(child.stdout.take());
+            child
+        };
+        let worker = Worker {
+            child,
+            home,
+            http: None,
+        };
+        wait_until(&worker, "the worker serves", |status| {
+            status["daemon"]["health"] == "running"
+        });
+        for _ in 0..5 {
+            let status = worker.cli(&["status"]);
+            assert_eq!(status.code, 0, "{}", status.stderr);
+        }
+        let leased = worker.cli(&["lease", "--platform", "ios", "--detach", "--requester", "a"]);
+        assert_eq!(leased.code, 0, "{}", leased.stderr);
+        let lease = leased.json["lease"]["id"].as_str().unwrap().to_owned();
+        let released = worker.cli(&["release", &lease]);
+        assert_eq!(released.code, 0, "{}", released.stderr);
+        worker.terminate();
+    }
+}
+
 /// `--home` names the daemon's home as the daemon's own flag does, over `$SIMLOCK_HOME`; a home
 /// with no daemon says where it looked.
 #[test]
