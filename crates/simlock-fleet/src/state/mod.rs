@@ -2046,6 +2046,20 @@ impl Core {
                 waiter.walked = false;
                 self.queue.set_stage(&id, Stage::Queued);
             }
+            Err(err) if err.code == ErrorCode::Internal => {
+                // The worker failed the request (its state store failed, say) or its answer
+                // could not be read: its view is read again (a failed worker says so, and is
+                // passed over), and the waiter tries the others. A grant it may have made is
+                // released as a lost one (ADR 0031).
+                self.ask_refresh(worker_id, false, now);
+                let Some(waiter) = self.queue.get_mut(&id) else {
+                    return;
+                };
+                waiter.excluded.insert(worker_id.to_owned());
+                waiter.last_refusal = Some(FleetError::from_worker(worker_id, err));
+                waiter.walked = false;
+                self.queue.set_stage(&id, Stage::Queued);
+            }
             Err(err) => {
                 self.answer(&id, Err(FleetError::from_worker(worker_id, err)), now);
             }
@@ -2226,6 +2240,22 @@ impl Core {
             },
             Some(worker) if self.live_generation(worker).is_none() => {
                 FleetError::unreachable(worker)
+            }
+            // Connected, but it has not reported its leases: it is starting, or failed (a
+            // worker whose store failed reports its health alone), since this gateway started.
+            Some(worker)
+                if self
+                    .workers
+                    .get(worker)
+                    .is_some_and(|w| w.view.leases.is_none()) =>
+            {
+                FleetError::WorkerUnreachable {
+                    worker_id: worker.to_owned(),
+                    message: format!(
+                        "Worker {worker} has not reported its leases to this gateway (it is \
+                         starting, or failed); retry once it has"
+                    ),
+                }
             }
             _ => FleetError::UnknownLease(lease_id.to_owned()),
         }

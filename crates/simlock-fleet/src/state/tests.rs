@@ -726,6 +726,38 @@ fn a_no_capacity_refusal_holds_until_a_read_changes_the_view_it_was_remembered_a
 }
 
 #[test]
+fn a_forward_a_worker_fails_internally_goes_to_another_and_that_worker_is_read_again() {
+    let (mut core, first) = fleet(1);
+    let second = connect(&mut core, "w2", 1);
+    ask(&mut core, 1, ios(), T0).unwrap();
+    // w1 first (id order); its store failed.
+    refused(&mut core, ErrorCode::Internal);
+    let effects = core.take_effects();
+    let read = effects.iter().find_map(|e| match e {
+        Effect::Refresh { generation, .. } => Some(*generation),
+        _ => None,
+    });
+    assert_eq!(read, Some(first), "w1's view is read again: {effects:?}");
+    assert!(answers(&effects).is_empty(), "{effects:?}");
+    let sent = effects.iter().find_map(|e| match e {
+        Effect::Forward { generation, .. } => Some(*generation),
+        _ => None,
+    });
+    assert_eq!(sent, Some(second), "tried on w2: {effects:?}");
+}
+
+#[test]
+fn a_forward_failed_internally_by_the_only_worker_is_answered_with_its_error() {
+    let (mut core, _) = fleet(1);
+    ask(&mut core, 1, ios(), T0).unwrap();
+    refused(&mut core, ErrorCode::Internal);
+    assert_eq!(
+        answers(&core.take_effects()),
+        [(RequestId::from_raw("req_1"), Err(ErrorCode::Internal))]
+    );
+}
+
+#[test]
 fn a_worker_that_refuses_the_spec_is_not_tried_again_and_its_refusal_is_answered() {
     let (mut core, _) = fleet(1);
     let mut input = ios();
@@ -936,6 +968,24 @@ fn a_read_of_a_lease_answers_as_renew_does_while_its_worker_has_not_reported_sin
         unreachable(core.lease_seen(lease_id, viewer)),
         "not reported"
     );
+
+    // Its handshake passed, but it failed (its store did): it reports its health alone, not
+    // its leases, and the gateway cannot vouch for any (trial 19).
+    let mut failed = status(Vec::new(), 1);
+    failed.daemon.health = Health::Failed;
+    (failed.capacity, failed.devices, failed.leases) = (None, None, None);
+    let sent = core.handle_probe_sent();
+    core.handle_connected(generation, "v".into(), &failed, sent, T0 + 2);
+    for read in [
+        core.lease_seen(lease_id, viewer).map(|_| ()),
+        core.lease_target(lease_id, agent()).map(|_| ()),
+    ] {
+        assert!(
+            matches!(&read, Err(FleetError::WorkerUnreachable { worker_id, message })
+                if worker_id == "w1" && message.contains("has not reported its leases")),
+            "{read:?}"
+        );
+    }
 
     // It reported, without that lease: now the gateway can vouch that it is gone.
     let sent = core.handle_probe_sent();
