@@ -522,6 +522,47 @@ async fn a_release_while_the_worker_is_away_survives_a_gateway_restart_and_ends_
     fleet.stop().await;
 }
 
+/// Trial 19: a holder's release while its worker is away that the gateway cannot store (its
+/// disk full) is not answered as kept: the caller hears why, `INTERNAL`, and that the release is
+/// still carried out once the worker is back unless the gateway restarts first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_while_the_worker_is_away_that_cannot_be_stored_is_not_answered_as_kept() {
+    let mut fleet = TestFleet::start(gateway_config()).await;
+    fleet.add_worker(worker_config(2)).await;
+    let (agent, lease_id) = ios_lease(&fleet, "agent-0").await;
+    let worker_lease = lease_id
+        .split_once('.')
+        .map(|(_, id)| id.to_owned())
+        .unwrap();
+    fleet.stop_worker(0).await;
+    // The gateway's store refuses to keep a release, as a full disk does.
+    let db = simlock_daemon::store::Database::open(&fleet.gateway_home().database()).unwrap();
+    db.with(|c| {
+        c.execute_batch(
+            "CREATE TRIGGER full_disk BEFORE INSERT ON orphan_leases
+             BEGIN SELECT RAISE(FAIL, 'database or disk is full'); END;",
+        )
+    })
+    .unwrap();
+    let refused = agent
+        .call("lease.release", json!({"leaseId": lease_id}))
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code, ErrorCode::Internal, "{refused:?}");
+    assert!(
+        refused.message.contains("could not be stored (")
+            && refused.message.contains("database or disk is full")
+            && refused.message.contains("release it again then"),
+        "{}",
+        refused.message
+    );
+    // Decided all the same: the worker releases it once it is back.
+    fleet.restart_worker(0, worker_config(2)).await;
+    fleet.wait_connected_holding_none(0).await;
+    assert!(fleet.worker(0).worker.lease(&worker_lease).is_none());
+    fleet.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn after_a_gateway_restart_a_lease_whose_worker_is_not_back_reads_as_unreachable_not_gone() {
     let config = gateway_config();

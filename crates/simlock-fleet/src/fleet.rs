@@ -227,6 +227,8 @@ struct AfterLock {
         simlock_contract::ops::LeaseRequestInput,
     )>,
     answers: Vec<(Followers, Outcome)>,
+    /// Why an orphan the decision made could not be stored, if one could not.
+    orphan_unstored: Option<String>,
 }
 
 /// The callers following one lease request.
@@ -348,6 +350,15 @@ impl Fleet {
     /// Runs one decision under the lock and carries out its effects: under the lock, but for the
     /// forwards out's rows and the forwards themselves (after it, rows first).
     pub(crate) fn decide<T>(&self, decision: impl FnOnce(&mut Shared, i64) -> T) -> T {
+        self.decide_storing(decision).0
+    }
+
+    /// [`Self::decide`], answering too why an orphan the decision made could not be stored (a
+    /// full disk), for a caller that must not be told its release is kept when it is not.
+    pub(crate) fn decide_storing<T>(
+        &self,
+        decision: impl FnOnce(&mut Shared, i64) -> T,
+    ) -> (T, Option<String>) {
         let mut shared = self.shared.lock();
         let now = self.clock.now_ms();
         let out = decision(&mut shared, now);
@@ -367,7 +378,7 @@ impl Fleet {
         for (conn, attempt, input) in after.forwards {
             self.spawn_forward(conn, attempt, input);
         }
-        out
+        (out, after.orphan_unstored)
     }
 
     /// Stores every forward row queued so far, in one transaction; when another decider took
@@ -498,6 +509,7 @@ impl Fleet {
                 Effect::StoreOrphan(orphan) => {
                     if let Err(e) = self.db.with(|c| store_orphan(c, &orphan)) {
                         warn!(worker = %orphan.worker_id, lease = %orphan.worker_lease_id, error = %e, "a lease being released could not be stored; a restart before it is released lists it again until its TTL");
+                        after.orphan_unstored.get_or_insert_with(|| e.to_string());
                     }
                 }
                 Effect::SettleOrphan {

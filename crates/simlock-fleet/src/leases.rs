@@ -90,13 +90,24 @@ impl Fleet {
         reason: Option<ReleaseReason>,
     ) -> Result<String, FleetError> {
         let reason_ended = reason.map_or(LeaseEndReason::Explicit, LeaseEndReason::from);
-        let target = match self.decide(|shared, now| {
+        let (decided, unstored) = self.decide_storing(|shared, now| {
             shared
                 .core
                 .handle_release_sent(lease_id, caller, reason_ended, now)
-        })? {
+        });
+        let target = match decided? {
             Release::Send(target) => target,
-            Release::Deferred(lease_id) => return Ok(lease_id),
+            // Not answered as kept when it is not: the caller hears why (trial 19).
+            Release::Deferred(lease_id) => {
+                return match unstored {
+                    None => Ok(lease_id),
+                    Some(e) => Err(FleetError::Store(format!(
+                        "the release of {lease_id} is carried out once its worker is back, but \
+                         could not be stored ({e}): should this gateway restart first, the lease \
+                         is listed again until its TTL; release it again then"
+                    ))),
+                };
+            }
         };
         // A caller that hangs up before the worker answers drops this future: the core hears it.
         let abandoned = Abandoned {
