@@ -293,7 +293,9 @@ impl Renewer {
                         }
                         Err(e) if e.code == ErrorCode::UnknownLease => return self.lost(None),
                         Err(e) if self.client.is_closed() => return Stop::Ended(HoldEnd::Failed(e)),
-                        Err(e) if e.code.is_transport() => {
+                        // A failure that may clear before the TTL: the connection, or the
+                        // daemon's own (its store on a full disk, trial 19).
+                        Err(e) if e.code.is_transport() || e.code == ErrorCode::Internal => {
                             let retry = (self.ttl / 10).clamp(Duration::from_millis(50), Duration::from_secs(5));
                             if now + retry >= deadline {
                                 return Stop::Ended(HoldEnd::Failed(e));

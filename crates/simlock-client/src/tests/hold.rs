@@ -148,6 +148,30 @@ async fn renewals_that_fail_are_said_once_retried_until_the_ttl_and_said_again_w
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_renewal_the_daemon_fails_internally_is_retried_and_the_hold_goes_on_once_it_passes() {
+    let fake = FakeDaemon::new().unwrap();
+    let (client, _cut) = pipe_client(&fake).await;
+    let grant = grant(&client, 30_000).await;
+    let hold = client.hold(grant);
+    let mut renewal = hold.renewal();
+    // A worker whose disk is full answers what its store said.
+    fake.fail_renewals(Some(ContractError::new(
+        ErrorCode::Internal,
+        "the worker's state store failed (state store: database or disk is full)",
+    )));
+    guard_paused(renewal.changed()).await.unwrap();
+    let Renewal::Retrying { error, .. } = renewal.borrow_and_update().clone() else {
+        panic!("not retrying");
+    };
+    assert_eq!(error.code, ErrorCode::Internal);
+    guard_paused(fake.wait_for_calls("lease.renew", 3)).await;
+    fake.fail_renewals(None);
+    guard_paused(renewal.changed()).await.unwrap();
+    assert_eq!(*renewal.borrow_and_update(), Renewal::Renewing);
+    assert_eq!(guard_paused(hold.release()).await, HoldEnd::Released);
+}
+
+#[tokio::test(start_paused = true)]
 async fn renewals_that_fail_until_the_ttl_end_the_hold_with_their_error() {
     let fake = FakeDaemon::new().unwrap();
     let (client, _cut) = pipe_client(&fake).await;
