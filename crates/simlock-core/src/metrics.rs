@@ -1,4 +1,5 @@
-//! The worker's metrics for `/v1/metrics`: leases, the queue, devices by state, capacity.
+//! The worker's metrics for `/v1/metrics`: leases, the queue, devices by state, capacity, and
+//! whether it failed.
 
 use std::sync::{Arc, Weak};
 
@@ -85,6 +86,12 @@ pub fn register_metrics(metrics: &Metrics, worker: &Arc<Worker>) {
                     .collect()
             })
         },
+    );
+    let w = Arc::downgrade(worker);
+    metrics.gauge(
+        "simlock_worker_failed",
+        "1 once a decision could not be stored (a full disk): the worker refuses every decision until it is restarted; else 0.",
+        move || read(&w, |w| vec![(vec![], if w.failed() { 1.0 } else { 0.0 })]),
     );
     let w = Arc::downgrade(worker);
     metrics.gauge(

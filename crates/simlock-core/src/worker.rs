@@ -593,6 +593,12 @@ impl Worker {
         }
     }
 
+    /// Whether a decision could not be stored: the worker refuses every decision until it is
+    /// restarted (its health is `failed`).
+    pub fn failed(&self) -> bool {
+        self.shared.lock().poisoned.is_some()
+    }
+
     /// Every device.
     pub fn devices(&self) -> Vec<Device> {
         self.shared.lock().state.devices()

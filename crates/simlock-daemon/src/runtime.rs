@@ -46,6 +46,15 @@ pub enum StartError {
     /// The state store.
     #[error(transparent)]
     Store(#[from] crate::store::StoreError),
+    /// The state store could not be opened or read at start-up (a full disk, a file that is
+    /// no database).
+    #[error("cannot use the state store {path}: {source}")]
+    Database {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        source: crate::store::StoreError,
+    },
     /// The socket.
     #[error(transparent)]
     Socket(#[from] crate::socket::SocketError),
@@ -158,9 +167,14 @@ impl Base {
             path: home.root().to_owned(),
             source,
         })?;
-        let db = Database::open(&home.database())?;
+        let path = home.database();
+        let unusable = |source| StartError::Database {
+            path: path.clone(),
+            source,
+        };
+        let db = Database::open(&path).map_err(unusable)?;
         // A home is one daemon's: the first to start on it says which kind, for good.
-        match db.meta(HOME_MODE)? {
+        match db.meta(HOME_MODE).map_err(unusable)? {
             Some(owner) if owner != mode.as_str() => {
                 return Err(StartError::HomeOfAnother {
                     path: home.root().to_owned(),
@@ -169,10 +183,10 @@ impl Base {
                 });
             }
             Some(_) => {}
-            None => db.set_meta(HOME_MODE, mode.as_str())?,
+            None => db.set_meta(HOME_MODE, mode.as_str()).map_err(unusable)?,
         }
         let clock = clock.unwrap_or_else(|| TokioClock::system().shared());
-        let instance_id = db.instance_id(uuid_like)?;
+        let instance_id = db.instance_id(uuid_like).map_err(unusable)?;
         let bus = EventBus::new(
             usize::try_from(config.event_buffer.capacity).unwrap_or(1000),
             clock.clone(),

@@ -103,3 +103,31 @@ async fn a_home_is_one_kind_of_daemons_and_the_other_kind_is_refused_there() {
     };
     assert!(err.to_string().contains("belongs to a gateway"), "{err}");
 }
+
+/// Trial 19: a state store the daemon cannot use (here a file that is no database; a full disk
+/// answers the same way) refuses the start naming the file.
+#[test]
+fn a_state_store_that_cannot_be_used_refuses_the_start_naming_its_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let home = Home::at(dir.path().join("home"));
+    std::fs::create_dir_all(home.root()).unwrap();
+    std::fs::write(home.database(), vec![0x5a_u8; 8192]).unwrap();
+    let Err(err) = Base::open(
+        home.clone(),
+        DaemonConfig::default(),
+        Mode::Worker,
+        "test".into(),
+        None,
+    ) else {
+        panic!("a daemon started on a file that is no database");
+    };
+    assert!(matches!(err, StartError::Database { .. }), "{err}");
+    let said = err.to_string();
+    assert!(
+        said.starts_with(&format!(
+            "cannot use the state store {}: state store: ",
+            home.database().display()
+        )),
+        "{said}"
+    );
+}

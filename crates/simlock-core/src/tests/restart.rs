@@ -163,6 +163,9 @@ async fn a_decision_that_cannot_be_stored_is_not_announced_and_the_worker_stops_
     });
     let held = h.lease("agent-a", ios()).await.unwrap();
     let mut events = h.bus.follow();
+    let metrics = simlock_daemon::metrics::Metrics::new();
+    crate::register_metrics(&metrics, &h.worker);
+    assert!(metrics.render().contains("\nsimlock_worker_failed 0\n"));
     // The disk fails under the worker: its lease table is gone.
     db.with(|c| c.execute_batch("DROP TABLE core_leases"))
         .unwrap();
@@ -189,6 +192,8 @@ async fn a_decision_that_cannot_be_stored_is_not_announced_and_the_worker_stops_
             .health,
         Health::Failed
     );
+    let text = metrics.render();
+    assert!(text.contains("\nsimlock_worker_failed 1\n"), "{text}");
     // Release-all too: it does not answer an empty success as if nothing were held.
     let err = h
         .call_raw(admin("op"), "lease.release-all", serde_json::json!({}))
