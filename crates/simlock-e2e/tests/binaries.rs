@@ -475,6 +475,38 @@ fn a_daemon_whose_output_cannot_be_written_serves_and_stops_cleanly() {
     }
 }
 
+/// Trial 19: a worker whose store fails under it (a full disk; here its lease table dropped)
+/// stops deciding: a lease request answers `INTERNAL` naming the store (exit 1), its status
+/// says `failed`, and `leases --all` on it still lists what it holds, without the note a
+/// gateway adds for workers it has not read.
+#[test]
+fn a_worker_whose_store_fails_refuses_decisions_and_says_so() {
+    if !enabled() {
+        return;
+    }
+    let worker = Worker::start(&fixed(2), false);
+    let first = worker.cli(&["lease", "--platform", "ios", "--detach", "--requester", "a"]);
+    assert_eq!(first.code, 0, "{}", first.stderr);
+    let lease = first.json["lease"]["id"].as_str().unwrap().to_owned();
+    let db = simlock_daemon::store::Database::open(&worker.home.path().join("state.db")).unwrap();
+    db.with(|c| c.execute_batch("DROP TABLE core_leases"))
+        .unwrap();
+    let refused = worker.cli(&["lease", "--platform", "ios", "--detach", "--requester", "b"]);
+    assert_eq!(refused.code, 1, "{}", refused.stderr);
+    assert!(
+        refused.stderr.contains("state store failed") && refused.stderr.contains("(INTERNAL)"),
+        "{}",
+        refused.stderr
+    );
+    let status = worker.cli(&["status"]);
+    assert_eq!(status.json["daemon"]["health"], "failed", "{}", status.json);
+    let listed = cli_output(worker.home.path(), &["leases", "--all"], &[]);
+    let listed = String::from_utf8_lossy(&listed.stdout);
+    assert!(listed.contains(&lease), "{listed}");
+    assert!(!listed.contains("not listed"), "{listed}");
+    worker.terminate();
+}
+
 /// `--home` names the daemon's home as the daemon's own flag does, over `$SIMLOCK_HOME`; a home
 /// with no daemon says where it looked.
 #[test]
