@@ -2306,19 +2306,15 @@ async fn the_published_clis_disconnect_on_a_stalled_uplink_ends_the_lease_once_t
     gw.stop().await;
 }
 
-/// After a gateway restart, before the lease's worker is back, the gateway does not know the
-/// simlock lease's owner yet: a release is still answered `released: true`, and carried out by
-/// the front once the worker is back (agent-device's lease, then the simlock lease).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_release_after_a_gateway_restart_before_the_worker_is_back_is_carried_out_once_it_is() {
-    let (mut gw, cable, secret, lease) = a_lease_whose_worker_is_away().await;
-    let http = Http::new();
+/// The gateway restarts while `lease`'s worker is away, and its holder releases it: answered
+/// `released: true` at once.
+async fn restart_then_release(gw: &mut Gw, secret: &str, lease: &str) {
     gw.fleet.restart_gateway(enabled_gateway()).await;
-    let released = http
+    let released = Http::new()
         .rpc(
             &gw.base(),
-            &secret,
-            &lease_call("r1", "lease.release", &lease),
+            secret,
+            &lease_call("r1", "lease.release", lease),
         )
         .await;
     assert_eq!(
@@ -2326,6 +2322,15 @@ async fn a_release_after_a_gateway_restart_before_the_worker_is_back_is_carried_
         json!({"ok": true, "data": {"released": true}}),
         "{released:?}"
     );
+}
+
+/// After a gateway restart, before the lease's worker is back, the gateway does not know the
+/// simlock lease's owner yet: a release is still answered `released: true`, and carried out by
+/// the front once the worker is back (agent-device's lease, then the simlock lease).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_after_a_gateway_restart_before_the_worker_is_back_is_carried_out_once_it_is() {
+    let (mut gw, cable, secret, lease) = a_lease_whose_worker_is_away().await;
+    restart_then_release(&mut gw, &secret, &lease).await;
     assert!(gw.fleet.worker(0).worker.lease(&lease).is_some());
 
     cable.mend();
@@ -2340,20 +2345,7 @@ async fn a_release_after_a_gateway_restart_before_the_worker_is_back_is_carried_
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_release_answered_before_a_second_gateway_restart_is_carried_out_by_the_next_run() {
     let (mut gw, cable, secret, lease) = a_lease_whose_worker_is_away().await;
-    let http = Http::new();
-    gw.fleet.restart_gateway(enabled_gateway()).await;
-    let released = http
-        .rpc(
-            &gw.base(),
-            &secret,
-            &lease_call("r1", "lease.release", &lease),
-        )
-        .await;
-    assert_eq!(
-        released.json()["result"],
-        json!({"ok": true, "data": {"released": true}}),
-        "{released:?}"
-    );
+    restart_then_release(&mut gw, &secret, &lease).await;
     gw.fleet.restart_gateway(enabled_gateway()).await;
     assert!(gw.fleet.worker(0).worker.lease(&lease).is_some());
 

@@ -466,9 +466,7 @@ fn a_daemon_whose_output_cannot_be_written_serves_and_stops_cleanly() {
             let status = worker.cli(&["status"]);
             assert_eq!(status.code, 0, "{}", status.stderr);
         }
-        let leased = worker.cli(&["lease", "--platform", "ios", "--detach", "--requester", "a"]);
-        assert_eq!(leased.code, 0, "{}", leased.stderr);
-        let lease = leased.json["lease"]["id"].as_str().unwrap().to_owned();
+        let lease = detached(&worker, "a");
         let released = worker.cli(&["release", &lease]);
         assert_eq!(released.code, 0, "{}", released.stderr);
         worker.terminate();
@@ -485,9 +483,7 @@ fn a_worker_whose_store_fails_refuses_decisions_and_says_so() {
         return;
     }
     let worker = Worker::start(&fixed(2), false);
-    let first = worker.cli(&["lease", "--platform", "ios", "--detach", "--requester", "a"]);
-    assert_eq!(first.code, 0, "{}", first.stderr);
-    let lease = first.json["lease"]["id"].as_str().unwrap().to_owned();
+    let lease = detached(&worker, "a");
     let db = simlock_daemon::store::Database::open(&worker.home.path().join("state.db")).unwrap();
     db.with(|c| c.execute_batch("DROP TABLE core_leases"))
         .unwrap();
@@ -613,17 +609,22 @@ fn leasing(mut command: Command, requester: &str, extra: &[&str]) -> Child {
 /// A worker with one device, leased (`--detach`) by requester `first`: the worker and the lease.
 fn one_device_leased() -> (Worker, String) {
     let worker = Worker::start(&fixed(1), false);
-    let first = worker.cli(&[
+    let lease = detached(&worker, "first");
+    (worker, lease)
+}
+
+/// An iOS lease for `requester`, granted with `--detach`: its id.
+fn detached(worker: &Worker, requester: &str) -> String {
+    let leased = worker.cli(&[
         "lease",
         "--platform",
         "ios",
         "--detach",
         "--requester",
-        "first",
+        requester,
     ]);
-    assert_eq!(first.code, 0, "{}", first.stderr);
-    let lease = first.json["lease"]["id"].as_str().unwrap().to_owned();
-    (worker, lease)
+    assert_eq!(leased.code, 0, "{}", leased.stderr);
+    leased.json["lease"]["id"].as_str().unwrap().to_owned()
 }
 
 /// What a finished hold wrote on stderr.

@@ -463,13 +463,11 @@ async fn a_gateway_restart_keeps_every_lease() {
     fleet.stop().await;
 }
 
-/// A holder's release while its worker is away is answered at once; the gateway keeps it
-/// through a restart (stored), and the worker releases the lease once it is back. Meanwhile the
-/// lease reads as gone, and no view brings it back.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_release_while_the_worker_is_away_survives_a_gateway_restart_and_ends_the_lease_on_the_worker()
- {
-    let config = gateway_config();
+/// A fleet of one worker (two slots) and an iOS lease of `agent-0` on it, then the worker
+/// stopped: the fleet, the agent's session, the gateway's lease id and the worker's.
+async fn a_lease_whose_worker_stopped(
+    config: &simlock_gateway::GatewayConfig,
+) -> (TestFleet, simlock_e2e::Session, String, String) {
     let mut fleet = TestFleet::start(config.clone()).await;
     fleet.add_worker(worker_config(2)).await;
     let (agent, lease_id) = ios_lease(&fleet, "agent-0").await;
@@ -478,6 +476,17 @@ async fn a_release_while_the_worker_is_away_survives_a_gateway_restart_and_ends_
         .map(|(_, id)| id.to_owned())
         .unwrap();
     fleet.stop_worker(0).await;
+    (fleet, agent, lease_id, worker_lease)
+}
+
+/// A holder's release while its worker is away is answered at once; the gateway keeps it
+/// through a restart (stored), and the worker releases the lease once it is back. Meanwhile the
+/// lease reads as gone, and no view brings it back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_while_the_worker_is_away_survives_a_gateway_restart_and_ends_the_lease_on_the_worker()
+ {
+    let config = gateway_config();
+    let (mut fleet, agent, lease_id, worker_lease) = a_lease_whose_worker_stopped(&config).await;
     let released = agent
         .call("lease.release", json!({"leaseId": lease_id}))
         .await
@@ -527,14 +536,8 @@ async fn a_release_while_the_worker_is_away_survives_a_gateway_restart_and_ends_
 /// still carried out once the worker is back unless the gateway restarts first.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_release_while_the_worker_is_away_that_cannot_be_stored_is_not_answered_as_kept() {
-    let mut fleet = TestFleet::start(gateway_config()).await;
-    fleet.add_worker(worker_config(2)).await;
-    let (agent, lease_id) = ios_lease(&fleet, "agent-0").await;
-    let worker_lease = lease_id
-        .split_once('.')
-        .map(|(_, id)| id.to_owned())
-        .unwrap();
-    fleet.stop_worker(0).await;
+    let (mut fleet, agent, lease_id, worker_lease) =
+        a_lease_whose_worker_stopped(&gateway_config()).await;
     // The gateway's store refuses to keep a release, as a full disk does.
     let db = simlock_daemon::store::Database::open(&fleet.gateway_home().database()).unwrap();
     db.with(|c| {
