@@ -90,24 +90,13 @@ impl Fleet {
         reason: Option<ReleaseReason>,
     ) -> Result<String, FleetError> {
         let reason_ended = reason.map_or(LeaseEndReason::Explicit, LeaseEndReason::from);
-        let (decided, unstored) = self.decide_storing(|shared, now| {
+        let target = match self.decide_release(|shared, now| {
             shared
                 .core
                 .handle_release_sent(lease_id, caller, reason_ended, now)
-        });
-        let target = match decided? {
+        })? {
             Release::Send(target) => target,
-            // Not answered as kept when it is not: the caller hears why (trial 19).
-            Release::Deferred(lease_id) => {
-                return match unstored {
-                    None => Ok(lease_id),
-                    Some(e) => Err(FleetError::Store(format!(
-                        "the release of {lease_id} is carried out once its worker is back, but \
-                         could not be stored ({e}): should this gateway restart first, the lease \
-                         is listed again until its TTL; release it again then"
-                    ))),
-                };
-            }
+            Release::Deferred(lease_id) => return Ok(lease_id),
         };
         // A caller that hangs up before the worker answers drops this future: the core hears it.
         let abandoned = Abandoned {
@@ -124,11 +113,30 @@ impl Fleet {
             .await
             .map(|_| ());
         abandoned.answered();
-        self.decide(|shared, now| {
+        self.decide_release(|shared, now| {
             shared
                 .core
                 .handle_release_answered(&target, reason_ended, outcome, now)
         })
+    }
+
+    /// Runs a release's decision. One that keeps the release to carry out later (its worker
+    /// away, or not answering) and cannot store it (a full disk) is not answered as kept: the
+    /// caller hears why, `INTERNAL` (trial 19).
+    fn decide_release<T>(
+        &self,
+        decision: impl FnOnce(&mut crate::fleet::Shared, i64) -> Result<T, FleetError>,
+    ) -> Result<T, FleetError> {
+        let (decided, unstored) = self.decide_storing(decision);
+        let decided = decided?;
+        match unstored {
+            None => Ok(decided),
+            Some(e) => Err(FleetError::Store(format!(
+                "the release is carried out once its worker is back, but could not be stored \
+                 ({e}): should this gateway restart first, the lease is listed again until its \
+                 TTL; release it again then"
+            ))),
+        }
     }
 
     /// `lease.release-all` through the gateway: every lease it issued, each released on its

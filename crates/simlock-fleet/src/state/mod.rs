@@ -1985,7 +1985,10 @@ impl Core {
                 if let Some((entry, reason)) = ended_first {
                     // Its end event overtook this answer: the caller still gets the grant it
                     // asked for, then its owner the end; the index never holds the dead lease.
+                    // The read that end asked for went out before this grant was counted into
+                    // the view: one more shows the slot free again.
                     self.notify_lost(&entry, reason, None);
+                    self.ask_refresh(worker_id, false, now);
                 }
             }
             Err(err) if err.code == ErrorCode::NoCapacity => {
@@ -2049,16 +2052,31 @@ impl Core {
             Err(err) if err.code == ErrorCode::Internal => {
                 // The worker failed the request (its state store failed, say) or its answer
                 // could not be read: its view is read again (a failed worker says so, and is
-                // passed over), and the waiter tries the others. A grant it may have made is
-                // released as a lost one (ADR 0031).
+                // passed over until it runs again), and the waiter tries the others, that
+                // worker again once its view changes. A grant it may have made is released as
+                // a lost one (ADR 0031). A noWait request no other worker can take now is
+                // answered this error.
+                let revision = self.workers.get(worker_id).map_or(0, |w| w.revision);
                 self.ask_refresh(worker_id, false, now);
+                let elsewhere = self.queue.get(&id).is_some_and(|waiter| {
+                    let others: Vec<&WorkerView> = self
+                        .workers
+                        .values()
+                        .map(|w| &w.view)
+                        .filter(|v| v.id != worker_id && !waiter.excluded.contains(&v.id))
+                        .collect();
+                    select(&others, &waiter.wanted).is_some()
+                });
                 let Some(waiter) = self.queue.get_mut(&id) else {
                     return;
                 };
-                waiter.excluded.insert(worker_id.to_owned());
-                waiter.last_refusal = Some(FleetError::from_worker(worker_id, err));
-                waiter.walked = false;
-                self.queue.set_stage(&id, Stage::Queued);
+                if waiter.no_wait && !elsewhere {
+                    self.answer(&id, Err(FleetError::from_worker(worker_id, err)), now);
+                } else {
+                    waiter.refusals.insert(worker_id.to_owned(), revision);
+                    waiter.walked = false;
+                    self.queue.set_stage(&id, Stage::Queued);
+                }
             }
             Err(err) => {
                 self.answer(&id, Err(FleetError::from_worker(worker_id, err)), now);

@@ -373,7 +373,7 @@ fn an_end_before_its_grants_answer_reaches_the_owner_after_the_grant() {
         ),
         T0,
     );
-    core.take_effects();
+    let before = refresh_sent(&core.take_effects()).expect("the end asks for a read");
     core.handle_forward_answered(
         attempt,
         "w1",
@@ -391,6 +391,13 @@ fn an_end_before_its_grants_answer_reaches_the_owner_after_the_grant() {
         .unwrap();
     assert!(answer < notice, "the grant, then its end: {effects:?}");
     assert!(core.lease("w1.lse_a").is_none());
+    // The grant counts in the view until a read sent after it: the end's read went out
+    // before, so one more is asked for once it is back.
+    core.handle_refreshed(generation, before, refresh(Vec::new(), 1), T0);
+    assert!(
+        refresh_sent(&core.take_effects()).is_some(),
+        "a read after the grant"
+    );
 }
 
 /// A queued request is told its new place once one ahead of it leaves the queue (here, by
@@ -747,14 +754,57 @@ fn a_forward_a_worker_fails_internally_goes_to_another_and_that_worker_is_read_a
 }
 
 #[test]
-fn a_forward_failed_internally_by_the_only_worker_is_answered_with_its_error() {
+fn a_waiter_a_failed_worker_refused_internally_goes_there_again_once_it_runs_again() {
+    let (mut core, generation) = fleet(1);
+    let mut input = ios();
+    input.requester_id = Some("patient".into());
+    ask(&mut core, 1, input, T0).unwrap();
+    refused(&mut core, ErrorCode::Internal);
+    let sent = refresh_sent(&core.take_effects()).expect("w1 is read again");
+    // It failed: it reports its health alone, and gets no request.
+    let mut failed = refresh(Vec::new(), 1);
+    failed.status.daemon.health = Health::Failed;
+    (failed.status.capacity, failed.status.leases) = (None, None);
+    core.handle_refreshed(generation, sent, failed, T0 + 1);
+    let effects = core.take_effects();
+    assert!(forward(&effects).is_none(), "{effects:?}");
+    assert!(answers(&effects).is_empty(), "it waits: {effects:?}");
+    // Restarted with its disk healthy: its view changes, and the waiter goes there again.
+    read_after(
+        &mut core,
+        generation,
+        "lease.expired",
+        refresh(Vec::new(), 1),
+        T0 + 2,
+    );
+    let (_, forwarded) = forward(&core.take_effects()).expect("sent again");
+    assert_eq!(forwarded.requester_id.as_deref(), Some("gw:g1:patient"));
+}
+
+#[test]
+fn a_no_wait_request_a_worker_fails_internally_is_answered_its_error_when_no_other_can_take_it() {
     let (mut core, _) = fleet(1);
-    ask(&mut core, 1, ios(), T0).unwrap();
+    let mut input = ios();
+    input.no_wait = Some(true);
+    ask(&mut core, 1, input.clone(), T0).unwrap();
     refused(&mut core, ErrorCode::Internal);
     assert_eq!(
         answers(&core.take_effects()),
-        [(RequestId::from_raw("req_1"), Err(ErrorCode::Internal))]
+        [(RequestId::from_raw("req_1"), Err(ErrorCode::Internal))],
+        "the worker's error, not NO_CAPACITY"
     );
+    // With another worker that can take it, it goes there.
+    let second = connect(&mut core, "w2", 1);
+    input.requester_id = Some("again".into());
+    ask(&mut core, 2, input, T0).unwrap();
+    refused(&mut core, ErrorCode::Internal);
+    let effects = core.take_effects();
+    assert!(answers(&effects).is_empty(), "{effects:?}");
+    let sent = effects.iter().find_map(|e| match e {
+        Effect::Forward { generation, .. } => Some(*generation),
+        _ => None,
+    });
+    assert_eq!(sent, Some(second), "{effects:?}");
 }
 
 #[test]

@@ -123,12 +123,18 @@ pub fn apply_read(
     changed |= set(&mut view.health, Some(status.daemon.health));
     view.version = Some(status.daemon.version.clone());
     view.host = Some(status.host.clone());
-    let mut capacity = status.capacity.or(view.capacity);
-    let mut devices = devices
-        .or_else(|| status.devices.clone())
-        .or_else(|| view.devices.clone());
-    for grant in granted {
-        count_grant(capacity.as_mut(), devices.as_mut(), grant);
+    // The grants count into what this read carries: the view's own capacity and devices
+    // have them already.
+    let mut capacity = status.capacity;
+    let mut devices = devices.or_else(|| status.devices.clone());
+    if capacity.is_some() || devices.is_some() {
+        let mut listed = devices.clone().or_else(|| view.devices.clone());
+        for grant in granted {
+            count_grant(capacity.as_mut(), listed.as_mut(), grant);
+        }
+        if devices.is_some() {
+            devices = listed;
+        }
     }
     if capacity.is_some() {
         changed |= set(&mut view.capacity, capacity);
@@ -395,6 +401,26 @@ mod tests {
         // One that shows it ended (the read sent after the grant, nothing counted) is a change.
         assert!(apply_read(&mut view, &read, None, &[], 40));
         assert_eq!(view.devices.as_ref().unwrap()[0].state, DeviceState::Ready);
+    }
+
+    #[test]
+    fn a_read_that_carries_no_capacity_leaves_the_counted_one_as_it_is() {
+        let mut view = blank_view("w1", None, 0, Connection::Connected);
+        let mut read = status(Vec::new());
+        read.capacity = Some(capacity(2, 0, 0));
+        apply_read(&mut view, &read, None, &[], 10);
+        // A device it did not list: one more running.
+        let unlisted = Granted {
+            device: DeviceId::from_raw("dev_9"),
+            ..granted()
+        };
+        count_grant(view.capacity.as_mut(), view.devices.as_mut(), &unlisted);
+        assert_eq!(view.capacity, Some(capacity(3, 0, 0)));
+        // A failed worker's read (its health alone): the count is not made again.
+        let mut failed = status(Vec::new());
+        (failed.capacity, failed.devices) = (None, None);
+        apply_read(&mut view, &failed, None, &[unlisted], 20);
+        assert_eq!(view.capacity, Some(capacity(3, 0, 0)));
     }
 
     fn lease(id: &str, renewed_at: i64, deadline: i64) -> LeaseRecord {
