@@ -198,6 +198,9 @@ pub async fn start(options: GatewayOptions) -> Result<RunningGateway, StartError
                         lease_ttl_cap_ms: agent_device_config.lease_ttl_cap_ms,
                         max_ttl_ms,
                     });
+                    // Before it serves: a holder's release of the same lease arriving first
+                    // finds the kept one taken up.
+                    built.resume_releases();
                     mounts.push(built.mount());
                     front = Some(built);
                 }
@@ -206,9 +209,6 @@ pub async fn start(options: GatewayOptions) -> Result<RunningGateway, StartError
         )
         .await?;
     running.started();
-    if let Some(front) = &front {
-        front.resume_releases();
-    }
     Ok(RunningGateway {
         running,
         fleet,

@@ -171,8 +171,8 @@ impl Front {
 
     /// Resumes the releases an earlier run of this daemon answered `released: true` and had
     /// not carried out (a second gateway restart before the lease's worker was back), each
-    /// until its lease's TTL ([`release_later`]). The composition calls it once the daemon
-    /// serves.
+    /// until its lease's TTL ([`release_later`]). The composition calls it before the front
+    /// serves, inside the runtime.
     pub fn resume_releases(&self) {
         for kept in self.inner.link.kept_releases() {
             if !self.inner.releasing.lock().insert(kept.lease.clone()) {
@@ -1271,7 +1271,7 @@ async fn release(ctx: &Exchange, call: RpcCall, lease: &LeaseId) -> Result<Respo
         }
     };
     let Some((parts, bytes)) = answered else {
-        release_later(ctx, &call, lease).await;
+        release_later(ctx, &call, lease).await?;
         return Ok(rpc_result(&call.id, json!({ "released": true })));
     };
     let answer = Answer::read(&bytes);
@@ -1300,9 +1300,13 @@ const RELEASE_LATER_MAX_WAIT: Duration = Duration::from_secs(2);
 /// the lease ended or not the caller's, or the lease's TTL has run out (the worker ends it then
 /// itself), or this daemon stops. The release is kept by the host link until then, so a
 /// restart of this daemon resumes it ([`Front::resume_releases`]). One such task per lease.
-async fn release_later(ctx: &Exchange, call: &RpcCall, lease: &LeaseId) {
+///
+/// # Errors
+/// `refused by simlock` when the release cannot be kept (a full disk): it is still carried out
+/// once the worker is back, unless this daemon restarts first, and the caller hears so.
+async fn release_later(ctx: &Exchange, call: &RpcCall, lease: &LeaseId) -> Result<(), Failed> {
     if !ctx.inner.releasing.lock().insert(lease.clone()) {
-        return;
+        return Ok(());
     }
     let input = LeaseIdInput {
         reason: None,
@@ -1317,8 +1321,20 @@ async fn release_later(ctx: &Exchange, call: &RpcCall, lease: &LeaseId) {
         Ok(_) => {
             info!(%lease, "the worker holding the lease is away: the gateway releases it once it is back");
             ctx.end(lease);
+            // A release an earlier run kept is the fleet's now.
+            ctx.inner.link.release_settled(lease);
             ctx.inner.releasing.lock().remove(lease);
-            return;
+            return Ok(());
+        }
+        // The fleet took the release but could not store it: it says so, and so does the
+        // answer (a `released: true` would promise what a restart loses).
+        Err(e) if e.code == ErrorCode::Internal => {
+            ctx.end(lease);
+            ctx.inner.releasing.lock().remove(lease);
+            return Err(ctx.fail(Refusal::Simlock {
+                message: e.message,
+                code: e.code,
+            }));
         }
         // `UNKNOWN_LEASE` too: a gateway that restarted cannot vouch for a lease whose id its
         // agent chose before that worker reported; the task finds out.
@@ -1343,7 +1359,7 @@ async fn release_later(ctx: &Exchange, call: &RpcCall, lease: &LeaseId) {
     let within = Duration::from_millis(ttl);
     let deadline = now + within;
     ctx.end(lease);
-    ctx.inner.link.keep_release(lease, within);
+    let kept = ctx.inner.link.keep_release(lease, within);
     info!(%lease, "the worker holding the lease is away: released once it is back");
     let task = ctx.detached();
     let (body, lease) = (call.to_bytes(), lease.clone());
@@ -1376,6 +1392,15 @@ async fn release_later(ctx: &Exchange, call: &RpcCall, lease: &LeaseId) {
         };
         later_ended(&task.inner, &lease, outcome);
     });
+    if kept {
+        return Ok(());
+    }
+    Err(ctx.fail(Refusal::Simlock {
+        message: "the release is carried out once the lease's worker is back, but could not \
+                  be stored: should this gateway restart first, the lease is held until its TTL"
+            .into(),
+        code: ErrorCode::Internal,
+    }))
 }
 
 /// How a release carried out later ended.
@@ -1385,8 +1410,9 @@ enum Later {
     Done,
     /// Given up: the lease ends on its TTL.
     LeftToTtl,
-    /// This daemon stops: the release stays kept for its next run.
-    Stopped,
+    /// Not done here: this daemon stops, or the fleet took the release without storing it
+    /// (a full disk). It stays kept for the next run.
+    Kept,
 }
 
 /// Waits `wait` (then doubled, up to [`RELEASE_LATER_MAX_WAIT`]) before the next try of a
@@ -1395,7 +1421,7 @@ enum Later {
 async fn later_wait(inner: &Inner, wait: &mut Duration, deadline: Instant) -> Option<Later> {
     tokio::select! {
         () = tokio::time::sleep((*wait).min(deadline.saturating_duration_since(Instant::now()))) => {}
-        () = inner.stop.cancelled() => return Some(Later::Stopped),
+        () = inner.stop.cancelled() => return Some(Later::Kept),
     }
     if Instant::now() >= deadline {
         return Some(Later::LeftToTtl);
@@ -1410,7 +1436,7 @@ fn later_ended(inner: &Inner, lease: &LeaseId, outcome: Later) {
     if outcome == Later::LeftToTtl {
         info!(%lease, "a release carried out later was left to the lease's TTL");
     }
-    if outcome != Later::Stopped {
+    if outcome != Later::Kept {
         inner.link.release_settled(lease);
     }
     inner.releasing.lock().remove(lease);
@@ -1437,6 +1463,9 @@ async fn resume_release(inner: &Inner, kept: KeptRelease) {
         lease_id: lease.as_str().to_owned(),
     };
     let mut wait = RELEASE_LATER_FIRST_WAIT;
+    // The fleet took the release without storing it: a later `UNKNOWN_LEASE` is that release,
+    // held in memory only, and the row stays for the next run.
+    let mut unstored = false;
     let outcome = loop {
         if let Some(end) = later_wait(inner, &mut wait, deadline).await {
             break end;
@@ -1454,12 +1483,19 @@ async fn resume_release(inner: &Inner, kept: KeptRelease) {
                 info!(%lease, "a release asked for before a restart was carried out");
                 break Later::Done;
             }
+            Err(e) if e.code == ErrorCode::UnknownLease && unstored => break Later::Kept,
             Err(e) if e.code == ErrorCode::UnknownLease => {
                 info!(%lease, "a release asked for before a restart found the lease ended");
                 break Later::Done;
             }
-            Err(e) => {
+            Err(e) if e.code == ErrorCode::Internal => unstored = true,
+            // Its worker away again, or the daemon stopping: tried again.
+            Err(e) if e.code.is_transport() || e.code == ErrorCode::WorkerUnreachable => {
                 debug!(%lease, code = %e.code, message = %e.message, "a release asked for before a restart is tried again");
+            }
+            Err(e) => {
+                warn!(%lease, code = %e.code, message = %e.message, "a release asked for before a restart was refused; the lease ends on its TTL");
+                break Later::Done;
             }
         }
     };

@@ -103,13 +103,24 @@ impl PlacementStore for DbPlacements {
         });
     }
 
-    fn releasing(&self, lease: &LeaseId, until: i64) {
-        self.write("keep the release of", |conn| {
+    fn releasing(&self, lease: &LeaseId, until: i64) -> bool {
+        let kept = self.db.with(|conn| {
             conn.execute(
                 "UPDATE agent_device_placements SET release_until = ?2 WHERE lease_id = ?1",
                 params![lease.as_str(), until],
             )
         });
+        match kept {
+            Ok(1) => true,
+            Ok(_) => {
+                warn!(%lease, "no placement to keep the release of an agent-device lease with");
+                false
+            }
+            Err(e) => {
+                warn!(%lease, error = %e, "cannot keep the release of an agent-device lease");
+                false
+            }
+        }
     }
 
     fn release_settled(&self, lease: &LeaseId) {
@@ -221,10 +232,10 @@ mod tests {
             let store = DbPlacements::open(Database::open(&path).unwrap()).unwrap();
             store.placed(&a, &place);
             store.placed(&b, &place);
-            store.releasing(&a, 5_000);
-            store.releasing(&b, 6_000);
-            // A lease with no placement keeps nothing.
-            store.releasing(&unknown, 7_000);
+            assert!(store.releasing(&a, 5_000));
+            assert!(store.releasing(&b, 6_000));
+            // A lease with no placement keeps nothing, and says so.
+            assert!(!store.releasing(&unknown, 7_000));
         }
         let store = DbPlacements::open(Database::open(&path).unwrap()).unwrap();
         let mut kept = store.releases();

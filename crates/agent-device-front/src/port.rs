@@ -164,10 +164,12 @@ pub trait HostLink: Send + Sync + 'static {
 
     /// Keeps the release of `lease` that the front carries out once its holder is back, for
     /// `within` (the lease's TTL), so a restart of this daemon resumes it
-    /// ([`Self::kept_releases`]). Nothing is kept by default: a worker's own host is never
-    /// away.
-    fn keep_release(&self, lease: &LeaseId, within: Duration) {
+    /// ([`Self::kept_releases`]). Answers whether it is kept (false: a full disk, or no
+    /// placement to keep it with). Nothing needs keeping by default: a worker's own host is
+    /// never away.
+    fn keep_release(&self, lease: &LeaseId, within: Duration) -> bool {
         let _ = (lease, within);
+        true
     }
 
     /// The release of `lease` kept was carried out, found nothing to release, or ran out of

@@ -107,8 +107,9 @@ pub trait PlacementStore: Send + Sync + 'static {
     /// The index dropped `lease` at `at`.
     fn dropped(&self, lease: &LeaseId, at: i64);
     /// `lease`'s holder asked for its release, carried out once its worker is back: kept until
-    /// `until` (ms since the epoch, the lease's TTL), a restart between included.
-    fn releasing(&self, lease: &LeaseId, until: i64);
+    /// `until` (ms since the epoch, the lease's TTL), a restart between included. Answers
+    /// whether it was kept (false: the write failed, or `lease` has no placement).
+    fn releasing(&self, lease: &LeaseId, until: i64) -> bool;
     /// The release of `lease` was carried out, or is past keeping.
     fn release_settled(&self, lease: &LeaseId);
     /// The releases kept: `(lease, until)`.
@@ -611,11 +612,12 @@ impl HostLink for RelayHostLink {
         vec![CAPABILITY.to_owned()]
     }
 
-    fn keep_release(&self, lease: &LeaseId, within: Duration) {
-        if let Some(store) = &self.store {
-            let within = i64::try_from(within.as_millis()).unwrap_or(i64::MAX);
-            store.releasing(lease, self.clock.now_ms().saturating_add(within));
-        }
+    fn keep_release(&self, lease: &LeaseId, within: Duration) -> bool {
+        let Some(store) = &self.store else {
+            return true;
+        };
+        let within = i64::try_from(within.as_millis()).unwrap_or(i64::MAX);
+        store.releasing(lease, self.clock.now_ms().saturating_add(within))
     }
 
     fn release_settled(&self, lease: &LeaseId) {
@@ -853,7 +855,9 @@ mod tests {
             }
             fn placed(&self, _: &LeaseId, _: &Placement) {}
             fn dropped(&self, _: &LeaseId, _: i64) {}
-            fn releasing(&self, _: &LeaseId, _: i64) {}
+            fn releasing(&self, _: &LeaseId, _: i64) -> bool {
+                true
+            }
             fn release_settled(&self, _: &LeaseId) {}
             fn releases(&self) -> Vec<(LeaseId, i64)> {
                 Vec::new()
@@ -892,9 +896,9 @@ mod tests {
         };
         let first = link(store);
         assert!(first.kept_releases().is_empty());
-        first.keep_release(&l, Duration::from_secs(5));
-        // A lease the link never placed keeps nothing.
-        first.keep_release(&other, Duration::from_secs(5));
+        assert!(first.keep_release(&l, Duration::from_secs(5)));
+        // A lease the link never placed keeps nothing, and says so.
+        assert!(!first.keep_release(&other, Duration::from_secs(5)));
         drop(first);
 
         tokio::time::advance(Duration::from_secs(2)).await;
@@ -911,7 +915,7 @@ mod tests {
         assert!(next.kept_releases().is_empty(), "settled");
 
         // One whose time ran out is settled as it is read.
-        next.keep_release(&l, Duration::from_secs(1));
+        assert!(next.keep_release(&l, Duration::from_secs(1)));
         tokio::time::advance(Duration::from_millis(1_001)).await;
         assert!(next.kept_releases().is_empty());
         let store = crate::placements::DbPlacements::open(db()).unwrap();

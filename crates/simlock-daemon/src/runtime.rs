@@ -191,7 +191,7 @@ impl Base {
             usize::try_from(config.event_buffer.capacity).unwrap_or(1000),
             clock.clone(),
         );
-        let tokens = TokenStore::open(db.clone(), clock.clone())?;
+        let tokens = TokenStore::open(db.clone(), clock.clone()).map_err(unusable)?;
         let metrics = Metrics::new();
         bus.register_metrics(&metrics);
         Ok(Self {
