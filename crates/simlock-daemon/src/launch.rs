@@ -103,7 +103,8 @@ where
             return ExitCode::from(EXIT_CONFIG);
         }
     };
-    crate::logging::init(&loaded.config.log.level);
+    // Held to the end: dropping it writes out the lines still queued.
+    let _logging = crate::logging::init(&loaded.config.log.level);
     for warning in &loaded.warnings {
         tracing::warn!("{warning}");
     }

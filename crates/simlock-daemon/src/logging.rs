@@ -31,27 +31,43 @@ fn is_level(word: &str) -> bool {
     LEVELS.iter().any(|level| level.eq_ignore_ascii_case(word))
 }
 
+/// Log lines waiting for standard error; past them, new lines are dropped.
+const BUFFERED_LINES: usize = 10_000;
+
 /// Installs the subscriber once; later calls do nothing. `level` is `log.level`, which the
 /// configuration checked; `SIMLOCK_LOG` wins over it when it is a filter, and is warned about
 /// (once the subscriber is in place) when it is not.
-pub fn init(level: &str) {
+///
+/// Lines go to standard error from a thread of their own, through a bounded queue that drops
+/// what does not fit: a standard error nobody reads (a stalled pipe, a stuck journal) or that
+/// cannot be written (a full disk) never holds up the daemon (trials 19, 20). Keep the answer
+/// until the process ends: dropping it writes out what is queued (for at most a second).
+#[must_use]
+pub fn init(level: &str) -> Option<tracing_appender::non_blocking::WorkerGuard> {
     let from_env = std::env::var("SIMLOCK_LOG").ok().map(|f| filter(&f));
     let refused = from_env.as_ref().and_then(|f| f.as_ref().err().cloned());
     let chosen = from_env
         .and_then(Result::ok)
         .or_else(|| filter(level).ok())
         .unwrap_or_else(|| EnvFilter::new("info"));
+    let (writer, guard) = tracing_appender::non_blocking::NonBlockingBuilder::default()
+        .buffered_lines_limit(BUFFERED_LINES)
+        .lossy(true)
+        .thread_name("simlock-log")
+        .finish(std::io::stderr());
     // A line that cannot be written (a full disk, a closed pipe) is dropped: the subscriber
     // would otherwise report it with `eprintln!`, which panics the thread that logged.
-    let _ = tracing_subscriber::fmt()
+    let installed = tracing_subscriber::fmt()
         .with_env_filter(chosen)
         .log_internal_errors(false)
-        .with_writer(std::io::stderr)
+        .with_writer(writer)
         .with_ansi(std::io::stderr().is_terminal())
-        .try_init();
+        .try_init()
+        .is_ok();
     if let Some(why) = refused {
         tracing::warn!("SIMLOCK_LOG: {why}; log.level ({level}) is used instead");
     }
+    installed.then_some(guard)
 }
 
 #[cfg(test)]

@@ -473,6 +473,46 @@ fn a_daemon_whose_output_cannot_be_written_serves_and_stops_cleanly() {
     }
 }
 
+/// Trial 20: a daemon whose standard error nobody reads (a pipe whose reader stalls: a stuck
+/// journal, a paused pager) serves on; its log lines past what the pipe and its queue hold are
+/// dropped. Before, the first log line the full pipe refused blocked the thread that wrote it,
+/// and then every call.
+#[test]
+fn a_daemon_whose_log_nobody_reads_serves_on_and_stops() {
+    if !enabled() {
+        return;
+    }
+    let home = tempfile::tempdir().unwrap();
+    std::fs::write(home.path().join("config.toml"), fixed(1)).unwrap();
+    let (unread, stalled) = rustix::pipe::pipe().unwrap();
+    // The smallest pipe: a few calls' worth of log fills it.
+    rustix::pipe::fcntl_setpipe_size(&stalled, 4096).unwrap();
+    let mut command = Command::new(bin("simlock-worker"));
+    command
+        .arg("--home")
+        .arg(home.path())
+        .args(["--set", "drivers.ios.driver=virtual"])
+        .args(["--set", "drivers.android.driver=virtual"])
+        .env("SIMLOCK_LOG", "debug")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::from(stalled));
+    let (child, _) = spawn_ready(&mut command, "worker");
+    let worker = Worker {
+        child,
+        home,
+        http: None,
+    };
+    for _ in 0..60 {
+        let status = worker.cli(&["status"]);
+        assert_eq!(status.code, 0, "{}", status.stderr);
+    }
+    let lease = detached(&worker, "a");
+    let released = worker.cli(&["release", &lease]);
+    assert_eq!(released.code, 0, "{}", released.stderr);
+    worker.terminate();
+    drop(unread);
+}
+
 /// Trial 19: a worker whose store fails under it (a full disk; here its lease table dropped)
 /// stops deciding: a lease request answers `INTERNAL` naming the store (exit 1), its status
 /// says `failed`, and `leases --all` on it still lists what it holds, without the note a
