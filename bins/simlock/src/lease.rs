@@ -190,14 +190,19 @@ pub(crate) async fn run(
         });
     }
     if args.detach {
-        crate::emit(json, &grant, view::grant);
+        if !crate::emit(json, &grant, view::grant) {
+            return Ok(unreported(&client, &lease_id).await);
+        }
         return Ok(0);
     }
     // Hold first, then print: a notice that comes once the grant is out is not missed.
     let mut hold = client.hold(grant.clone());
     let mut notices = hold.notices();
     let mut renewals = hold.renewal();
-    crate::emit(json, hold.grant(), view::grant);
+    if !crate::emit(json, hold.grant(), view::grant) {
+        drop(hold);
+        return Ok(unreported(&client, &lease_id).await);
+    }
     let renewal = Duration::from_millis(hold.grant().lease.ttl_ms / 3);
     reporter.say(&format!(
         "holding lease {lease_id}: renewing every {}; Ctrl-C releases it{}",
@@ -277,6 +282,21 @@ pub(crate) async fn run(
             }
         }
     }
+}
+
+/// A grant whose report could not be written (stdout on a full disk, a closed pipe): nobody
+/// can use or release a lease they were not told of, so it is given back. Exit 1.
+async fn unreported(client: &Client, lease_id: &str) -> u8 {
+    match client.release(lease_id).await {
+        Ok(_) => eprintln!(
+            "simlock: lease {lease_id} was granted, but its grant could not be written; it was released"
+        ),
+        Err(e) => eprintln!(
+            "simlock: lease {lease_id} was granted, but its grant could not be written, and it could \
+             not be released ({e}); it expires on its TTL"
+        ),
+    }
+    1
 }
 
 /// How connecting again for a hold turned out.

@@ -70,8 +70,16 @@ fn main() -> ExitCode {
     });
     // Background work (a hold's event stream) must not keep the process alive.
     runtime.shutdown_background();
+    // A command whose result could not be written did not do its job for its caller.
+    if code == 0 && OUTPUT_LOST.load(std::sync::atomic::Ordering::SeqCst) {
+        return ExitCode::from(1);
+    }
     ExitCode::from(code)
 }
+
+/// Set once a result could not be written to stdout (a full disk, a closed pipe): the command
+/// then exits 1, not 0.
+static OUTPUT_LOST: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 /// Whether a command line that did not parse asked for `--json` (before any `--`).
 fn asks_for_json(args: impl IntoIterator<Item = std::ffi::OsString>) -> bool {
@@ -112,20 +120,31 @@ pub(crate) fn out_line(text: &str) -> std::io::Result<()> {
     out.flush()
 }
 
-/// Prints a result: its JSON with `--json`, else the human view.
-pub(crate) fn emit<T: Serialize>(json: bool, value: &T, human: impl FnOnce(&T) -> String) {
+/// Prints a result: its JSON with `--json`, else the human view. Answers whether it was
+/// written; one that could not be is said on stderr, and the command exits 1.
+pub(crate) fn emit<T: Serialize>(json: bool, value: &T, human: impl FnOnce(&T) -> String) -> bool {
     let text = if json {
         match serde_json::to_value(value) {
             Ok(value) => value.to_string(),
             Err(e) => {
                 eprintln!("simlock: the result could not be encoded: {e}");
-                return;
+                return false;
             }
         }
     } else {
         human(value)
     };
-    let _ = out_line(&text);
+    match out_line(&text) {
+        Ok(()) => true,
+        Err(e) => {
+            OUTPUT_LOST.store(true, std::sync::atomic::Ordering::SeqCst);
+            let _ = writeln!(
+                std::io::stderr(),
+                "simlock: the result could not be written to standard output: {e}"
+            );
+            false
+        }
+    }
 }
 
 /// Where a command connects: a daemon's HTTP API (`--url`), else the local socket.

@@ -513,6 +513,58 @@ fn a_daemon_whose_log_nobody_reads_serves_on_and_stops() {
     drop(unread);
 }
 
+/// Trial 20: a CLI whose result cannot be written (stdout on a full disk, here `/dev/full`)
+/// exits 1 saying so, not 0; a lease granted with `--detach` whose grant it could not write is
+/// given back (nobody was told its id).
+#[test]
+fn a_cli_whose_result_cannot_be_written_exits_1_and_gives_back_an_unreported_grant() {
+    if !enabled() {
+        return;
+    }
+    let worker = Worker::start(&fixed(1), false);
+    let to_full = |args: &[&str]| {
+        let full = std::fs::OpenOptions::new()
+            .write(true)
+            .open("/dev/full")
+            .unwrap();
+        wait_bounded(
+            Command::new(bin("simlock"))
+                .env("SIMLOCK_HOME", worker.home.path())
+                .env_remove("SIMLOCK_URL")
+                .env_remove("SIMLOCK_TOKEN")
+                .args(args)
+                .stdin(Stdio::null())
+                .stdout(full)
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap(),
+        )
+    };
+    let status = to_full(&["status"]);
+    assert_eq!(status.status.code(), Some(1), "{status:?}");
+    let said = String::from_utf8_lossy(&status.stderr);
+    assert!(
+        said.contains("the result could not be written to standard output"),
+        "{said}"
+    );
+    for json in [false, true] {
+        let mut args = vec!["lease", "--platform", "ios", "--detach", "--requester", "a"];
+        if json {
+            args.insert(0, "--json");
+        }
+        let leased = to_full(&args);
+        assert_eq!(leased.status.code(), Some(1), "{leased:?}");
+        let said = String::from_utf8_lossy(&leased.stderr);
+        assert!(
+            said.contains("was granted, but its grant could not be written; it was released"),
+            "{said}"
+        );
+        let held = worker.cli(&["leases", "--all"]);
+        assert_eq!(held.json["leases"], json!([]), "{}", held.json);
+    }
+    worker.terminate();
+}
+
 /// Trial 19: a worker whose store fails under it (a full disk; here its lease table dropped)
 /// stops deciding: a lease request answers `INTERNAL` naming the store (exit 1), its status
 /// says `failed`, and `leases --all` on it still lists what it holds, without the note a
