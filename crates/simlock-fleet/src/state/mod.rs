@@ -2865,7 +2865,7 @@ fn assessment_error(assessment: &Assessment, wanted: &Wanted) -> Option<FleetErr
     match assessment {
         Assessment::Serviceable => None,
         Assessment::NoWorker => Some(FleetError::NoCapacity(
-            "No worker of this gateway that can serve this request takes requests now: each is away or drained",
+            "No worker of this gateway that can serve this request takes requests now: each is away, drained or failed",
         )),
         Assessment::NoDriver => Some(FleetError::NoDriver(platform)),
         Assessment::UnknownModel => Some(FleetError::UnknownModel {

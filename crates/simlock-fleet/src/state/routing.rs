@@ -173,11 +173,13 @@ pub fn holder(view: &WorkerView, capability: &str) -> Holder {
     }
 }
 
-/// Whether the worker takes new requests at all: connected, not drained, and the gateway holds
-/// its capacity and its catalog.
+/// Whether the worker takes new requests at all: connected, not drained, not failed (its store
+/// did: it decides nothing until it is restarted), and the gateway holds its capacity and its
+/// catalog.
 pub fn takes_requests(view: &WorkerView) -> bool {
     view.connection == Connection::Connected
         && !view.drained
+        && view.health != Some(Health::Failed)
         && view.capacity.is_some()
         && view.catalog_read_at.is_some()
 }

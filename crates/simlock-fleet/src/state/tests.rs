@@ -769,6 +769,15 @@ fn a_waiter_a_failed_worker_refused_internally_goes_there_again_once_it_runs_aga
     let effects = core.take_effects();
     assert!(forward(&effects).is_none(), "{effects:?}");
     assert!(answers(&effects).is_empty(), "it waits: {effects:?}");
+    // A new request that only it could serve is refused at once, saying why (trial 20).
+    let mut another = ios();
+    another.requester_id = Some("another".into());
+    assert_eq!(
+        ask(&mut core, 2, another, T0 + 1),
+        Err(FleetError::NoCapacity(
+            "No worker of this gateway that can serve this request takes requests now: each is away, drained or failed"
+        ))
+    );
     // Restarted with its disk healthy: its view changes, and the waiter goes there again.
     read_after(
         &mut core,
