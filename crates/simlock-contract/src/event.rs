@@ -205,6 +205,13 @@ pub enum Event {
         /// Why (a signal, `daemon.stop`).
         reason: String,
     },
+    /// A worker could not store a decision (a full disk) and decides nothing more until it is
+    /// restarted: its health is `failed`.
+    #[serde(rename = "daemon.failed")]
+    DaemonFailed {
+        /// The store's error.
+        error: String,
+    },
     /// A lease request was admitted.
     #[serde(rename = "lease.requested")]
     LeaseRequested {

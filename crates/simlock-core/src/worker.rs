@@ -364,6 +364,13 @@ impl Worker {
         if let Err(e) = stored {
             error!(error = %e, "a decision could not be stored; the worker stops deciding until it is restarted");
             shared.poisoned = Some(e.to_string());
+            // Said at once, so a gateway reads the failed health now, not at its next read.
+            self.bus.emit(
+                simlock_contract::event::EventModule::Daemon,
+                &simlock_contract::event::Event::DaemonFailed {
+                    error: e.to_string(),
+                },
+            );
             drop(shared.state.take_effects());
             // Every caller still waiting hears why, instead of waiting for an outcome that
             // will not come.

@@ -171,9 +171,17 @@ async fn a_decision_that_cannot_be_stored_is_not_announced_and_the_worker_stops_
         .unwrap();
     let err = h.lease("agent-b", android()).await.unwrap_err();
     assert_eq!(err.code, ErrorCode::Internal);
+    let said: Vec<_> = std::iter::from_fn(|| events.try_recv().ok()).collect();
     assert!(
-        !std::iter::from_fn(|| events.try_recv().ok()).any(|e| e.event == "lease.granted"),
+        !said.iter().any(|e| e.event == "lease.granted"),
         "no grant is announced for a decision that is not on disk"
+    );
+    let failed = said.iter().find(|e| e.event == "daemon.failed");
+    assert!(
+        failed.is_some_and(|e| e.payload["error"]
+            .as_str()
+            .is_some_and(|error| error.contains("core_leases"))),
+        "the failure is told at once: {said:?}"
     );
     // Every later decision is refused, naming the store, and status says the worker failed.
     let err = h

@@ -1452,7 +1452,10 @@ impl Core {
                 });
                 self.ask_refresh(&worker_id, false, now);
             }
-            Some(Event::CapabilityChanged { .. }) => self.ask_refresh(&worker_id, false, now),
+            // Its health changed: read now, so requests go elsewhere (trial 20).
+            Some(Event::CapabilityChanged { .. } | Event::DaemonFailed { .. }) => {
+                self.ask_refresh(&worker_id, false, now);
+            }
             _ if envelope.event.starts_with("lease.") || envelope.event.starts_with("device.") => {
                 self.ask_refresh(&worker_id, false, now);
             }

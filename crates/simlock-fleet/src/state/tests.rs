@@ -791,6 +791,20 @@ fn a_waiter_a_failed_worker_refused_internally_goes_there_again_once_it_runs_aga
 }
 
 #[test]
+fn a_worker_that_says_it_failed_is_read_again_at_once() {
+    let (mut core, generation) = fleet(1);
+    core.handle_worker_event(
+        generation,
+        event(
+            "daemon.failed",
+            serde_json::json!({"error": "state store: database or disk is full"}),
+        ),
+        T0,
+    );
+    assert!(refresh_sent(&core.take_effects()).is_some());
+}
+
+#[test]
 fn a_no_wait_request_a_worker_fails_internally_is_answered_its_error_when_no_other_can_take_it() {
     let (mut core, _) = fleet(1);
     let mut input = ios();
