@@ -251,21 +251,28 @@ pub(crate) async fn run(
                 }
             }
             Ok(()) = renewals.changed() => {
-                let said = match &*renewals.borrow_and_update() {
-                    Renewal::Retrying { error, deadline } => format!(
-                        "renewing lease {lease_id} failed: {} ({}); retrying until its TTL runs out in {}",
-                        error.message,
-                        error.code,
-                        view::duration(
-                            u64::try_from(
-                                deadline.saturating_duration_since(tokio::time::Instant::now()).as_millis()
-                            )
-                            .unwrap_or(u64::MAX)
+                let (said, fields) = match &*renewals.borrow_and_update() {
+                    Renewal::Retrying { error, deadline } => {
+                        let left = u64::try_from(
+                            deadline.saturating_duration_since(tokio::time::Instant::now()).as_millis()
                         )
+                        .unwrap_or(u64::MAX);
+                        (
+                            format!(
+                                "renewing lease {lease_id} failed: {} ({}); retrying until its TTL runs out in {}",
+                                error.message,
+                                error.code,
+                                view::duration(left)
+                            ),
+                            serde_json::json!({"leaseId": lease_id, "state": "retrying", "error": error.to_body(), "expiresInMs": left}),
+                        )
+                    }
+                    Renewal::Renewing => (
+                        format!("renewed lease {lease_id} again"),
+                        serde_json::json!({"leaseId": lease_id, "state": "renewing"}),
                     ),
-                    Renewal::Renewing => format!("renewed lease {lease_id} again"),
                 };
-                reporter.say(&said);
+                reporter.renewal(&said, fields);
             }
             () = release_now => {
                 let end = tokio::select! {

@@ -67,6 +67,16 @@ impl Reporter {
         }
     }
 
+    /// Says how renewing a held lease goes: `text` to a person, `{"renewal": fields}` to a
+    /// program reading stderr (so a log shows renewals failing before the lease is lost).
+    pub(crate) fn renewal(&self, text: &str, fields: Value) {
+        if self.is_terminal() {
+            self.say(text);
+        } else {
+            eprintln!("{}", json!({ "renewal": fields }));
+        }
+    }
+
     /// Shows a lease notice.
     pub(crate) fn notice(&self, notice: &LeaseNotice) {
         if !self.is_terminal() {

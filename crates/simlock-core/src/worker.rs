@@ -382,7 +382,8 @@ impl Worker {
                     let _ = tx.send(Update::Done(Box::new(Err(failure.clone()))));
                 }
             }
-            return Err(e.into());
+            // The caller of this decision hears what every later one will.
+            return Err(CoreError::Internal(failure.message));
         }
         let fx = shared.state.take_effects();
         for event in fx.events {

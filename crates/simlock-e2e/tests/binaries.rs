@@ -595,6 +595,36 @@ fn a_worker_whose_store_fails_refuses_decisions_and_says_so() {
     worker.terminate();
 }
 
+/// Trial 20: a held lease whose renewals fail (its worker's store failed) says so on stderr
+/// as they start failing, as a JSON line when stderr is a program's, and keeps trying until the
+/// TTL, then exits 1.
+#[test]
+fn a_hold_whose_renewals_fail_says_so_as_json_and_tries_until_the_ttl() {
+    if !enabled() {
+        return;
+    }
+    let worker = Worker::start(&fixed(1), false);
+    let (mut hold, lease) = hold(&worker, "a", &["--ttl", "1500"]);
+    let db = simlock_daemon::store::Database::open(&worker.home.path().join("state.db")).unwrap();
+    db.with(|c| c.execute_batch("DROP TABLE core_leases"))
+        .unwrap();
+    let exited = wait_exit(&mut hold);
+    assert_eq!(exited.and_then(|s| s.code()), Some(1), "{exited:?}");
+    let said = stderr_of(&mut hold);
+    let retrying = said
+        .lines()
+        .filter_map(|line| serde_json::from_str::<Value>(line).ok())
+        .find(|line| line["renewal"]["state"] == "retrying")
+        .unwrap_or_else(|| panic!("no renewal line: {said}"));
+    assert_eq!(retrying["renewal"]["leaseId"], lease.as_str(), "{retrying}");
+    assert_eq!(
+        retrying["renewal"]["error"]["code"], "INTERNAL",
+        "{retrying}"
+    );
+    assert!(said.contains("could not be renewed"), "{said}");
+    worker.terminate();
+}
+
 /// `--home` names the daemon's home as the daemon's own flag does, over `$SIMLOCK_HOME`; a home
 /// with no daemon says where it looked.
 #[test]

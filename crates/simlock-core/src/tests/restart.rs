@@ -170,7 +170,12 @@ async fn a_decision_that_cannot_be_stored_is_not_announced_and_the_worker_stops_
     db.with(|c| c.execute_batch("DROP TABLE core_leases"))
         .unwrap();
     let err = h.lease("agent-b", android()).await.unwrap_err();
-    assert_eq!(err.code, ErrorCode::Internal);
+    assert_store_failed(&err);
+    assert!(
+        err.message.contains("restart the worker"),
+        "{}",
+        err.message
+    );
     let said: Vec<_> = std::iter::from_fn(|| events.try_recv().ok()).collect();
     assert!(
         !said.iter().any(|e| e.event == "lease.granted"),
