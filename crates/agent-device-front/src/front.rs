@@ -171,7 +171,7 @@ impl Front {
 
     /// Resumes the releases an earlier run of this daemon answered `released: true` and had
     /// not carried out (a second gateway restart before the lease's worker was back), each
-    /// until its lease's TTL ([`release_later`]). The composition calls it before the front
+    /// until its lease's TTL (`release_later`). The composition calls it before the front
     /// serves, inside the runtime.
     pub fn resume_releases(&self) {
         for kept in self.inner.link.kept_releases() {
