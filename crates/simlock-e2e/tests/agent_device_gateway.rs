@@ -2216,7 +2216,7 @@ async fn a_release_the_gateway_cannot_store_is_refused_saying_so_and_still_carri
         .unwrap_or_default()
         .to_owned();
     assert!(
-        message.starts_with("refused by simlock: the release is carried out once its worker is back, but could not be stored (")
+        message.starts_with("refused by simlock: the release is carried out once its worker is back, but could not be stored yet (")
             && message.contains("database or disk is full"),
         "{refused:?}"
     );

@@ -553,16 +553,34 @@ async fn a_release_while_the_worker_is_away_that_cannot_be_stored_is_not_answere
         .unwrap_err();
     assert_eq!(refused.code, ErrorCode::Internal, "{refused:?}");
     assert!(
-        refused.message.contains("could not be stored (")
+        refused.message.contains("could not be stored yet (")
             && refused.message.contains("database or disk is full")
+            && refused
+                .message
+                .contains("it is stored once the disk has room")
             && refused.message.contains("release it again then"),
         "{}",
         refused.message
     );
-    // Decided all the same: the worker releases it once it is back.
+    assert!(fleet.gateway().fleet.stored_orphans().unwrap().is_empty());
+    // The disk has room again: the gateway's next decision (here another agent's request)
+    // stores the release, so a restart now keeps it.
+    db.with(|c| c.execute_batch("DROP TRIGGER full_disk"))
+        .unwrap();
+    let other = fleet.agent("agent-1").await;
+    let _ = other
+        .call("lease.request", json!({"platform": "ios", "noWait": true}))
+        .await;
+    let stored = fleet.gateway().fleet.stored_orphans().unwrap();
+    assert_eq!(stored.len(), 1, "{stored:?}");
+    assert_eq!(stored[0].worker_lease_id, worker_lease);
+    // Decided all the same: the worker releases it once it is back, and the row goes.
     fleet.restart_worker(0, worker_config(2)).await;
     fleet.wait_connected_holding_none(0).await;
     assert!(fleet.worker(0).worker.lease(&worker_lease).is_none());
+    fleet
+        .wait_until(|f| f.stored_orphans().unwrap().is_empty())
+        .await;
     fleet.stop().await;
 }
 

@@ -190,6 +190,9 @@ pub(crate) struct Shared {
     conns: HashMap<u64, Arc<WorkerConn>>,
     /// The callers of each waiting request (each request sends them a handful of updates).
     pub(crate) followers: HashMap<RequestId, Followers>,
+    /// Orphans whose rows could not be written (a full disk): written again with every
+    /// decision until they are, or until they settle.
+    unstored_orphans: Vec<StoredOrphan>,
 }
 
 /// A change to the stored forwards out ([`Effect::StoreForward`], [`Effect::SettleForward`]).
@@ -329,6 +332,7 @@ impl Fleet {
                 core,
                 conns: HashMap::new(),
                 followers: HashMap::new(),
+                unstored_orphans: Vec::new(),
             }),
             changes: watch::Sender::new(0),
             dropped: tokio::sync::broadcast::channel(DROPPED_BUFFER).0,
@@ -423,6 +427,18 @@ impl Fleet {
     /// wait for the lock's release is returned.
     fn apply(&self, shared: &mut Shared) -> AfterLock {
         let mut after = AfterLock::default();
+        if !shared.unstored_orphans.is_empty() {
+            // What a full disk refused before: written now that it may have room.
+            let unstored = std::mem::take(&mut shared.unstored_orphans);
+            for orphan in unstored {
+                match self.db.with(|c| store_orphan(c, &orphan)) {
+                    Ok(_) => {
+                        info!(worker = %orphan.worker_id, lease = %orphan.worker_lease_id, "a lease being released is stored now");
+                    }
+                    Err(_) => shared.unstored_orphans.push(orphan),
+                }
+            }
+        }
         while let Some(effect) = shared.core.poll_effect() {
             match effect {
                 Effect::Answer { request, outcome } => {
@@ -508,14 +524,18 @@ impl Fleet {
                 }
                 Effect::StoreOrphan(orphan) => {
                     if let Err(e) = self.db.with(|c| store_orphan(c, &orphan)) {
-                        warn!(worker = %orphan.worker_id, lease = %orphan.worker_lease_id, error = %e, "a lease being released could not be stored; a restart before it is released lists it again until its TTL");
+                        warn!(worker = %orphan.worker_id, lease = %orphan.worker_lease_id, error = %e, "a lease being released could not be stored yet (stored once there is room); a restart before lists it again until its TTL");
                         after.orphan_unstored.get_or_insert_with(|| e.to_string());
+                        shared.unstored_orphans.push(orphan);
                     }
                 }
                 Effect::SettleOrphan {
                     worker_id,
                     worker_lease_id,
                 } => {
+                    shared.unstored_orphans.retain(|o| {
+                        o.worker_id != worker_id || o.worker_lease_id != worker_lease_id
+                    });
                     if let Err(e) = self
                         .db
                         .with(|c| settle_orphan(c, &worker_id, &worker_lease_id))

@@ -133,8 +133,8 @@ impl Fleet {
             None => Ok(decided),
             Some(e) => Err(FleetError::Store(format!(
                 "the release is carried out once its worker is back, but could not be stored \
-                 ({e}): should this gateway restart first, the lease is listed again until its \
-                 TTL; release it again then"
+                 yet ({e}); it is stored once the disk has room: should this gateway restart \
+                 before, the lease is listed again until its TTL; release it again then"
             ))),
         }
     }
