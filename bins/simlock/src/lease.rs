@@ -295,13 +295,13 @@ pub(crate) async fn run(
 /// can use or release a lease they were not told of, so it is given back. Exit 1.
 async fn unreported(client: &Client, lease_id: &str) -> u8 {
     match client.release(lease_id).await {
-        Ok(_) => eprintln!(
+        Ok(_) => crate::say_err(&format!(
             "simlock: lease {lease_id} was granted, but its grant could not be written; it was released"
-        ),
-        Err(e) => eprintln!(
+        )),
+        Err(e) => crate::say_err(&format!(
             "simlock: lease {lease_id} was granted, but its grant could not be written, and it could \
              not be released ({e}); it expires on its TTL"
-        ),
+        )),
     }
     1
 }

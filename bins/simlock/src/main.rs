@@ -116,7 +116,9 @@ pub(crate) fn fail(json: bool, err: &ContractError) -> u8 {
 /// is answered so a loop can stop.
 pub(crate) fn out_line(text: &str) -> std::io::Result<()> {
     let mut out = std::io::stdout().lock();
-    writeln!(out, "{text}")?;
+    // One write: a result that fits a pipe's atomic write (4 KiB) reaches its reader whole or
+    // not at all, so a grant is never half told (then given back as unreported).
+    out.write_all(format!("{text}\n").as_bytes())?;
     out.flush()
 }
 
@@ -136,15 +138,21 @@ pub(crate) fn emit<T: Serialize>(json: bool, value: &T, human: impl FnOnce(&T) -
     };
     match out_line(&text) {
         Ok(()) => true,
+        // Its reader went away (`| head`): nobody is owed it; a grant is still given back.
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => false,
         Err(e) => {
             OUTPUT_LOST.store(true, std::sync::atomic::Ordering::SeqCst);
-            let _ = writeln!(
-                std::io::stderr(),
+            say_err(&format!(
                 "simlock: the result could not be written to standard output: {e}"
-            );
+            ));
             false
         }
     }
+}
+
+/// Writes `line` to stderr; one that cannot be written (a full disk) is lost, never a panic.
+pub(crate) fn say_err(line: &str) {
+    let _ = writeln!(std::io::stderr(), "{line}");
 }
 
 /// Where a command connects: a daemon's HTTP API (`--url`), else the local socket.

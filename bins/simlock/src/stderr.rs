@@ -73,7 +73,7 @@ impl Reporter {
         if self.is_terminal() {
             self.say(text);
         } else {
-            eprintln!("{}", json!({ "renewal": fields }));
+            crate::say_err(&json!({ "renewal": fields }).to_string());
         }
     }
 

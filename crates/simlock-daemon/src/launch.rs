@@ -103,7 +103,7 @@ where
             return ExitCode::from(EXIT_CONFIG);
         }
     };
-    // Held to the end: dropping it writes out the lines still queued.
+    // Held to the end: dropping it writes out the lines still queued (bounded).
     let _logging = crate::logging::init(&loaded.config.log.level);
     for warning in &loaded.warnings {
         tracing::warn!("{warning}");

@@ -1,6 +1,7 @@
 //! Logging for the daemons: `tracing` to stderr, filtered by `log.level` or `SIMLOCK_LOG`.
 
 use std::io::IsTerminal as _;
+use std::time::Duration;
 
 use tracing_subscriber::EnvFilter;
 
@@ -41,20 +42,16 @@ const BUFFERED_LINES: usize = 10_000;
 /// Lines go to standard error from a thread of their own, through a bounded queue that drops
 /// what does not fit: a standard error nobody reads (a stalled pipe, a stuck journal) or that
 /// cannot be written (a full disk) never holds up the daemon (trials 19, 20). Keep the answer
-/// until the process ends: dropping it writes out what is queued (for at most a second).
+/// until the process ends: dropping it writes out what is queued ([`LogFlush`]).
 #[must_use]
-pub fn init(level: &str) -> Option<tracing_appender::non_blocking::WorkerGuard> {
+pub fn init(level: &str) -> Option<LogFlush> {
     let from_env = std::env::var("SIMLOCK_LOG").ok().map(|f| filter(&f));
     let refused = from_env.as_ref().and_then(|f| f.as_ref().err().cloned());
     let chosen = from_env
         .and_then(Result::ok)
         .or_else(|| filter(level).ok())
         .unwrap_or_else(|| EnvFilter::new("info"));
-    let (writer, guard) = tracing_appender::non_blocking::NonBlockingBuilder::default()
-        .buffered_lines_limit(BUFFERED_LINES)
-        .lossy(true)
-        .thread_name("simlock-log")
-        .finish(std::io::stderr());
+    let (writer, flush) = queued(std::io::stderr(), BUFFERED_LINES);
     // A line that cannot be written (a full disk, a closed pipe) is dropped: the subscriber
     // would otherwise report it with `eprintln!`, which panics the thread that logged.
     let installed = tracing_subscriber::fmt()
@@ -67,12 +64,82 @@ pub fn init(level: &str) -> Option<tracing_appender::non_blocking::WorkerGuard> 
     if let Some(why) = refused {
         tracing::warn!("SIMLOCK_LOG: {why}; log.level ({level}) is used instead");
     }
-    installed.then_some(guard)
+    installed.then_some(flush)
+}
+
+/// How long a stop waits for the queued log lines to be written.
+const FLUSH_BOUND: Duration = Duration::from_millis(1500);
+
+/// `out` behind a queue of `lines` lines written by a thread of its own; a line that does not
+/// fit is dropped.
+fn queued<W: std::io::Write + Send + 'static>(
+    out: W,
+    lines: usize,
+) -> (tracing_appender::non_blocking::NonBlocking, LogFlush) {
+    let (writer, guard) = tracing_appender::non_blocking::NonBlockingBuilder::default()
+        .buffered_lines_limit(lines)
+        .lossy(true)
+        .thread_name("simlock-log")
+        .finish(out);
+    (writer, LogFlush(Some(guard)))
+}
+
+/// Writes out the log lines still queued when dropped, waiting at most [`FLUSH_BOUND`]: a log
+/// nobody reads holds up no stop. (The queue's own guard, past a queue full for 100 ms, says so
+/// with `println!`, which blocks on a stalled stdout and panics on a closed one: it is dropped
+/// on a thread of its own.)
+#[derive(Debug)]
+pub struct LogFlush(Option<tracing_appender::non_blocking::WorkerGuard>);
+
+impl Drop for LogFlush {
+    fn drop(&mut self) {
+        let Some(guard) = self.0.take() else {
+            return;
+        };
+        let (done, flushed) = std::sync::mpsc::channel();
+        let flushing = std::thread::Builder::new()
+            .name("simlock-log-flush".into())
+            .spawn(move || {
+                drop(guard);
+                let _ = done.send(());
+            });
+        if flushing.is_ok() {
+            let _ = flushed.recv_timeout(FLUSH_BOUND);
+        }
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A writer that never returns: a pipe nobody reads.
+    struct Stalled(std::sync::mpsc::Receiver<()>);
+
+    impl std::io::Write for Stalled {
+        fn write(&mut self, _: &[u8]) -> std::io::Result<usize> {
+            let _ = self.0.recv();
+            Err(std::io::ErrorKind::BrokenPipe.into())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn a_stop_behind_a_log_nobody_reads_ends_and_lines_past_the_queue_are_dropped() {
+        use tracing_subscriber::fmt::MakeWriter as _;
+        // Kept, never sent: the writer waits for ever.
+        let (_never, stalled) = std::sync::mpsc::channel();
+        let (writer, flush) = queued(Stalled(stalled), 2);
+        for _ in 0..10 {
+            let mut line = writer.make_writer();
+            std::io::Write::write_all(&mut line, b"a line\n").unwrap();
+        }
+        assert!(writer.error_counter().dropped_lines() > 0, "past the queue");
+        // The queue is full and its writer stuck: dropping the flush returns all the same.
+        drop(flush);
+    }
 
     #[test]
     fn a_filter_is_read_and_one_that_is_not_says_why() {

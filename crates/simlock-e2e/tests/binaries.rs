@@ -562,6 +562,30 @@ fn a_cli_whose_result_cannot_be_written_exits_1_and_gives_back_an_unreported_gra
         let held = worker.cli(&["leases", "--all"]);
         assert_eq!(held.json["leases"], json!([]), "{}", held.json);
     }
+    // A reader that went away (`| head`): nobody is owed a status, so no failure; a grant
+    // nobody read is given back all the same.
+    let to_closed = |args: &[&str]| {
+        let (reader, writer) = rustix::pipe::pipe().unwrap();
+        drop(reader);
+        wait_bounded(
+            Command::new(bin("simlock"))
+                .env("SIMLOCK_HOME", worker.home.path())
+                .env_remove("SIMLOCK_URL")
+                .env_remove("SIMLOCK_TOKEN")
+                .args(args)
+                .stdin(Stdio::null())
+                .stdout(Stdio::from(writer))
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap(),
+        )
+    };
+    let status = to_closed(&["status"]);
+    assert_eq!(status.status.code(), Some(0), "{status:?}");
+    let leased = to_closed(&["lease", "--platform", "ios", "--detach", "--requester", "b"]);
+    assert_eq!(leased.status.code(), Some(1), "{leased:?}");
+    let held = worker.cli(&["leases", "--all"]);
+    assert_eq!(held.json["leases"], json!([]), "{}", held.json);
     worker.terminate();
 }
 
