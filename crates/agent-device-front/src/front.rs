@@ -1328,7 +1328,7 @@ async fn release_later(ctx: &Exchange, call: &RpcCall, lease: &LeaseId) -> Resul
         }
         // The fleet took the release but could not store it: it says so, and so does the
         // answer (a `released: true` would promise what a restart loses).
-        Err(e) if e.code == ErrorCode::Internal => {
+        Err(e) if e.is_release_not_stored() => {
             ctx.end(lease);
             ctx.inner.releasing.lock().remove(lease);
             return Err(ctx.fail(Refusal::Simlock {
@@ -1488,9 +1488,13 @@ async fn resume_release(inner: &Inner, kept: KeptRelease) {
                 info!(%lease, "a release asked for before a restart found the lease ended");
                 break Later::Done;
             }
-            Err(e) if e.code == ErrorCode::Internal => unstored = true,
-            // Its worker away again, or the daemon stopping: tried again.
-            Err(e) if e.code.is_transport() || e.code == ErrorCode::WorkerUnreachable => {
+            Err(e) if e.is_release_not_stored() => unstored = true,
+            // Its worker away again, failed (until it is restarted), or the daemon stopping:
+            // tried again.
+            Err(e)
+                if e.code.is_transport()
+                    || matches!(e.code, ErrorCode::WorkerUnreachable | ErrorCode::Internal) =>
+            {
                 debug!(%lease, code = %e.code, message = %e.message, "a release asked for before a restart is tried again");
             }
             Err(e) => {

@@ -248,6 +248,24 @@ impl ContractError {
         Self::new(ErrorCode::Internal, message)
     }
 
+    /// `INTERNAL` for a release a gateway took (the lease ended there, its worker releases it
+    /// once back) but could not store: `details.releaseStored` is `false`, which
+    /// [`Self::is_release_not_stored`] reads.
+    pub fn release_not_stored(message: impl Into<String>) -> Self {
+        Self::internal(message).with_details(json!({ "releaseStored": false }))
+    }
+
+    /// Whether this is [`Self::release_not_stored`]'s error: the release was taken, not lost.
+    pub fn is_release_not_stored(&self) -> bool {
+        self.code == ErrorCode::Internal
+            && self
+                .details
+                .as_ref()
+                .and_then(|d| d.get("releaseStored"))
+                .and_then(Value::as_bool)
+                == Some(false)
+    }
+
     /// `UNKNOWN_LEASE` naming the lease.
     pub fn unknown_lease(lease_id: &str) -> Self {
         Self::new(ErrorCode::UnknownLease, format!("Unknown lease {lease_id}"))
@@ -367,6 +385,19 @@ pub fn error_chain(error: &dyn std::error::Error) -> String {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn a_release_not_stored_reads_back_as_such_through_its_wire_form_and_nothing_else_does() {
+        let said = ContractError::release_not_stored("taken, not stored");
+        assert!(said.is_release_not_stored());
+        let wire = serde_json::to_value(said.to_body()).unwrap();
+        let read = ContractError::from_body(serde_json::from_value(wire).unwrap());
+        assert!(read.is_release_not_stored(), "{read:?}");
+        assert!(!ContractError::internal("taken, not stored").is_release_not_stored());
+        let mut other = ContractError::release_not_stored("x");
+        other.code = ErrorCode::WorkerUnreachable;
+        assert!(!other.is_release_not_stored());
+    }
     use super::*;
 
     #[test]

@@ -16,7 +16,7 @@ use crate::push::UnhealthyReason;
 /// The module that records an event ([`EventEnvelope::module`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum EventModule {
-    /// The daemon itself: start and stop.
+    /// The daemon itself: start, stop, and a worker's store failure.
     Daemon,
     /// A worker's leases and its queue.
     LeaseLifecycle,

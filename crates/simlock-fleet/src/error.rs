@@ -131,6 +131,10 @@ pub enum FleetError {
     /// The gateway's store failed.
     #[error("store: {0}")]
     Store(String),
+    /// A release the gateway took (the lease ended here; its worker releases it once back) but
+    /// could not store (a full disk).
+    #[error("{0}")]
+    ReleaseNotStored(String),
 }
 
 /// Whether a worker's error means its uplink is lost rather than an answer. This is the one
@@ -316,6 +320,7 @@ impl From<FleetError> for ContractError {
             )
             .with_details(json!({ "workerId": worker_id, "releasedLeaseIds": released })),
             FleetError::Store(message) => Self::internal(message),
+            FleetError::ReleaseNotStored(message) => Self::release_not_stored(message),
         }
     }
 }

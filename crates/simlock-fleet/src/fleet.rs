@@ -428,14 +428,18 @@ impl Fleet {
     fn apply(&self, shared: &mut Shared) -> AfterLock {
         let mut after = AfterLock::default();
         if !shared.unstored_orphans.is_empty() {
-            // What a full disk refused before: written now that it may have room.
-            let unstored = std::mem::take(&mut shared.unstored_orphans);
-            for orphan in unstored {
-                match self.db.with(|c| store_orphan(c, &orphan)) {
-                    Ok(_) => {
-                        info!(worker = %orphan.worker_id, lease = %orphan.worker_lease_id, "a lease being released is stored now");
-                    }
-                    Err(_) => shared.unstored_orphans.push(orphan),
+            // What a full disk refused before, written again in one transaction (one failed
+            // commit per decision while the disk stays full).
+            let written = self.db.with(|c| {
+                let tx = c.transaction()?;
+                for orphan in &shared.unstored_orphans {
+                    store_orphan(&tx, orphan)?;
+                }
+                tx.commit()
+            });
+            if written.is_ok() {
+                for orphan in std::mem::take(&mut shared.unstored_orphans) {
+                    info!(worker = %orphan.worker_id, lease = %orphan.worker_lease_id, "a lease being released is stored now");
                 }
             }
         }
@@ -526,6 +530,11 @@ impl Fleet {
                     if let Err(e) = self.db.with(|c| store_orphan(c, &orphan)) {
                         warn!(worker = %orphan.worker_id, lease = %orphan.worker_lease_id, error = %e, "a lease being released could not be stored yet (stored once there is room); a restart before lists it again until its TTL");
                         after.orphan_unstored.get_or_insert_with(|| e.to_string());
+                        // One pending row per lease: the newest.
+                        shared.unstored_orphans.retain(|o| {
+                            o.worker_id != orphan.worker_id
+                                || o.worker_lease_id != orphan.worker_lease_id
+                        });
                         shared.unstored_orphans.push(orphan);
                     }
                 }

@@ -131,7 +131,7 @@ impl Fleet {
         let decided = decided?;
         match unstored {
             None => Ok(decided),
-            Some(e) => Err(FleetError::Store(format!(
+            Some(e) => Err(FleetError::ReleaseNotStored(format!(
                 "the release is carried out once its worker is back, but could not be stored \
                  yet ({e}); it is stored once the disk has room: should this gateway restart \
                  before, the lease is listed again until its TTL; release it again then"
