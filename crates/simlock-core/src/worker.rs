@@ -374,9 +374,7 @@ impl Worker {
             drop(shared.state.take_effects());
             // Every caller still waiting hears why, instead of waiting for an outcome that
             // will not come.
-            let failure = ContractError::internal(format!(
-                "the worker's state store failed ({e}); restart the worker once the disk is healthy"
-            ));
+            let failure = ContractError::internal(store_failed(&e.to_string()));
             for (_, list) in shared.followers.drain() {
                 for tx in list {
                     let _ = tx.send(Update::Done(Box::new(Err(failure.clone()))));
@@ -418,9 +416,7 @@ impl Worker {
     ) -> Result<T, CoreError> {
         let mut shared = self.shared.lock();
         if let Some(why) = &shared.poisoned {
-            return Err(CoreError::Internal(format!(
-                "the worker's state store failed ({why}); restart the worker once the disk is healthy"
-            )));
+            return Err(CoreError::Internal(store_failed(why)));
         }
         let now = self.clock.now_ms();
         let outcome = decision(&mut shared, now);
@@ -1181,4 +1177,9 @@ async fn bounded<T>(
             message: format!("{what} took longer than {} s", bound.as_secs()),
         })
     })
+}
+
+/// What every decision answers once one could not be stored (`why`, the store's error).
+fn store_failed(why: &str) -> String {
+    format!("the worker's state store failed ({why}); restart the worker once the disk is healthy")
 }
