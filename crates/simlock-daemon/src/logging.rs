@@ -84,7 +84,7 @@ fn queued<W: std::io::Write + Send + 'static>(
     (writer, LogFlush(Some(guard)))
 }
 
-/// Writes out the log lines still queued when dropped, waiting at most [`FLUSH_BOUND`]: a log
+/// Writes out the log lines still queued when dropped, waiting at most 1.5 s: a log
 /// nobody reads holds up no stop. (The queue's own guard, past a queue full for 100 ms, says so
 /// with `println!`, which blocks on a stalled stdout and panics on a closed one: it is dropped
 /// on a thread of its own.)
