@@ -2190,27 +2190,38 @@ async fn released_on_the_worker(gw: &Gw, lease: &str) {
     assert_eq!(released.len(), 1, "released once: {released:?}");
 }
 
+/// The gateway's store refuses `what` (`INSERT ON <table>`, …), as a full disk does, and the
+/// holder releases `lease`: the answer.
+async fn release_on_a_full_disk(
+    gw: &Gw,
+    secret: &str,
+    lease: &str,
+    what: &str,
+) -> simlock_e2e::agent_device::Answer {
+    let db = simlock_daemon::store::Database::open(&gw.fleet.gateway_home().database()).unwrap();
+    db.with(|c| {
+        c.execute_batch(&format!(
+            "CREATE TRIGGER full_disk BEFORE {what}
+             BEGIN SELECT RAISE(FAIL, 'database or disk is full'); END;"
+        ))
+    })
+    .unwrap();
+    Http::new()
+        .rpc(
+            &gw.base(),
+            secret,
+            &lease_call("r1", "lease.release", lease),
+        )
+        .await
+}
+
 /// Trial 19: the same release when the gateway cannot store it (its disk full) is not answered
 /// `released: true`: the caller hears why. The gateway still carries it out once the worker is
 /// back (it holds it in memory).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_release_the_gateway_cannot_store_is_refused_saying_so_and_still_carried_out() {
     let (gw, cable, secret, lease) = a_lease_whose_worker_is_away().await;
-    let db = simlock_daemon::store::Database::open(&gw.fleet.gateway_home().database()).unwrap();
-    db.with(|c| {
-        c.execute_batch(
-            "CREATE TRIGGER full_disk BEFORE INSERT ON orphan_leases
-             BEGIN SELECT RAISE(FAIL, 'database or disk is full'); END;",
-        )
-    })
-    .unwrap();
-    let refused = Http::new()
-        .rpc(
-            &gw.base(),
-            &secret,
-            &lease_call("r1", "lease.release", &lease),
-        )
-        .await;
+    let refused = release_on_a_full_disk(&gw, &secret, &lease, "INSERT ON orphan_leases").await;
     let message = refused.json()["error"]["data"]["message"]
         .as_str()
         .unwrap_or_default()
@@ -2232,21 +2243,13 @@ async fn a_release_the_gateway_cannot_store_is_refused_saying_so_and_still_carri
 async fn a_release_after_a_restart_the_front_cannot_keep_is_refused_saying_so_and_carried_out() {
     let (mut gw, cable, secret, lease) = a_lease_whose_worker_is_away().await;
     gw.fleet.restart_gateway(enabled_gateway()).await;
-    let db = simlock_daemon::store::Database::open(&gw.fleet.gateway_home().database()).unwrap();
-    db.with(|c| {
-        c.execute_batch(
-            "CREATE TRIGGER full_disk BEFORE UPDATE OF release_until ON agent_device_placements
-             BEGIN SELECT RAISE(FAIL, 'database or disk is full'); END;",
-        )
-    })
-    .unwrap();
-    let refused = Http::new()
-        .rpc(
-            &gw.base(),
-            &secret,
-            &lease_call("r1", "lease.release", &lease),
-        )
-        .await;
+    let refused = release_on_a_full_disk(
+        &gw,
+        &secret,
+        &lease,
+        "UPDATE OF release_until ON agent_device_placements",
+    )
+    .await;
     assert_eq!(
         refused.json()["error"]["data"]["message"],
         "refused by simlock: the release is carried out once the lease's worker is back, but could not be stored: should this gateway restart first, the lease is held until its TTL",

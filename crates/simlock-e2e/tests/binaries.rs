@@ -527,18 +527,7 @@ fn a_cli_whose_result_cannot_be_written_exits_1_and_gives_back_an_unreported_gra
             .write(true)
             .open("/dev/full")
             .unwrap();
-        wait_bounded(
-            Command::new(bin("simlock"))
-                .env("SIMLOCK_HOME", worker.home.path())
-                .env_remove("SIMLOCK_URL")
-                .env_remove("SIMLOCK_TOKEN")
-                .args(args)
-                .stdin(Stdio::null())
-                .stdout(full)
-                .stderr(Stdio::piped())
-                .spawn()
-                .unwrap(),
-        )
+        cli_into(&worker, args, Stdio::from(full))
     };
     let status = to_full(&["status"]);
     assert_eq!(status.status.code(), Some(1), "{status:?}");
@@ -567,18 +556,7 @@ fn a_cli_whose_result_cannot_be_written_exits_1_and_gives_back_an_unreported_gra
     let to_closed = |args: &[&str]| {
         let (reader, writer) = rustix::pipe::pipe().unwrap();
         drop(reader);
-        wait_bounded(
-            Command::new(bin("simlock"))
-                .env("SIMLOCK_HOME", worker.home.path())
-                .env_remove("SIMLOCK_URL")
-                .env_remove("SIMLOCK_TOKEN")
-                .args(args)
-                .stdin(Stdio::null())
-                .stdout(Stdio::from(writer))
-                .stderr(Stdio::piped())
-                .spawn()
-                .unwrap(),
-        )
+        cli_into(&worker, args, Stdio::from(writer))
     };
     let status = to_closed(&["status"]);
     assert_eq!(status.status.code(), Some(0), "{status:?}");
@@ -587,6 +565,29 @@ fn a_cli_whose_result_cannot_be_written_exits_1_and_gives_back_an_unreported_gra
     let held = worker.cli(&["leases", "--all"]);
     assert_eq!(held.json["leases"], json!([]), "{}", held.json);
     worker.terminate();
+}
+
+/// The CLI on `worker`'s socket with `args`, its stdout into `stdout` (bounded).
+fn cli_into(worker: &Worker, args: &[&str], stdout: Stdio) -> Output {
+    wait_bounded(
+        Command::new(bin("simlock"))
+            .env("SIMLOCK_HOME", worker.home.path())
+            .env_remove("SIMLOCK_URL")
+            .env_remove("SIMLOCK_TOKEN")
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(stdout)
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    )
+}
+
+/// `worker`'s store fails under it, as on a full disk: its lease table is gone.
+fn fail_store(worker: &Worker) {
+    let db = simlock_daemon::store::Database::open(&worker.home.path().join("state.db")).unwrap();
+    db.with(|c| c.execute_batch("DROP TABLE core_leases"))
+        .unwrap();
 }
 
 /// Trial 19: a worker whose store fails under it (a full disk; here its lease table dropped)
@@ -600,9 +601,7 @@ fn a_worker_whose_store_fails_refuses_decisions_and_says_so() {
     }
     let worker = Worker::start(&fixed(2), false);
     let lease = detached(&worker, "a");
-    let db = simlock_daemon::store::Database::open(&worker.home.path().join("state.db")).unwrap();
-    db.with(|c| c.execute_batch("DROP TABLE core_leases"))
-        .unwrap();
+    fail_store(&worker);
     let refused = worker.cli(&["lease", "--platform", "ios", "--detach", "--requester", "b"]);
     assert_eq!(refused.code, 1, "{}", refused.stderr);
     assert!(
@@ -629,9 +628,7 @@ fn a_hold_whose_renewals_fail_says_so_as_json_and_tries_until_the_ttl() {
     }
     let worker = Worker::start(&fixed(1), false);
     let (mut hold, lease) = hold(&worker, "a", &["--ttl", "1500"]);
-    let db = simlock_daemon::store::Database::open(&worker.home.path().join("state.db")).unwrap();
-    db.with(|c| c.execute_batch("DROP TABLE core_leases"))
-        .unwrap();
+    fail_store(&worker);
     let exited = wait_exit(&mut hold);
     assert_eq!(exited.and_then(|s| s.code()), Some(1), "{exited:?}");
     let said = stderr_of(&mut hold);
