@@ -127,13 +127,13 @@ pub fn apply_read(
     // have them already.
     let mut capacity = status.capacity;
     let mut devices = devices.or_else(|| status.devices.clone());
-    if capacity.is_some() || devices.is_some() {
-        let mut listed = devices.clone().or_else(|| view.devices.clone());
+    if !granted.is_empty() && (capacity.is_some() || devices.is_some()) {
+        // A read without a list of its own is counted against the view's (a copy: the view's
+        // list is not this read's).
+        let mut views_list = devices.is_none().then(|| view.devices.clone()).flatten();
         for grant in granted {
-            count_grant(capacity.as_mut(), listed.as_mut(), grant);
-        }
-        if devices.is_some() {
-            devices = listed;
+            let list = devices.as_mut().or(views_list.as_mut());
+            count_grant(capacity.as_mut(), list, grant);
         }
     }
     if capacity.is_some() {
