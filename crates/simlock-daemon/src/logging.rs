@@ -81,15 +81,20 @@ fn queued<W: std::io::Write + Send + 'static>(
         .lossy(true)
         .thread_name("simlock-log")
         .finish(out);
-    (writer, LogFlush(Some(guard)))
+    (writer, LogFlush(Some(Box::new(guard))))
 }
 
 /// Writes out the log lines still queued when dropped, waiting at most 1.5 s: a log
 /// nobody reads holds up no stop. (The queue's own guard, past a queue full for 100 ms, says so
 /// with `println!`, which blocks on a stalled stdout and panics on a closed one: it is dropped
 /// on a thread of its own.)
-#[derive(Debug)]
-pub struct LogFlush(Option<tracing_appender::non_blocking::WorkerGuard>);
+pub struct LogFlush(Option<Box<dyn Send>>);
+
+impl std::fmt::Debug for LogFlush {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LogFlush").finish_non_exhaustive()
+    }
+}
 
 impl Drop for LogFlush {
     fn drop(&mut self) {
@@ -139,6 +144,21 @@ mod tests {
         assert!(writer.error_counter().dropped_lines() > 0, "past the queue");
         // The queue is full and its writer stuck: dropping the flush returns all the same.
         drop(flush);
+    }
+
+    /// A guard whose drop never returns, as the queue's own does on a stdout nobody reads.
+    struct BlocksOnDrop(std::sync::mpsc::Receiver<()>);
+
+    impl Drop for BlocksOnDrop {
+        fn drop(&mut self) {
+            let _ = self.0.recv();
+        }
+    }
+
+    #[test]
+    fn a_flush_whose_guard_never_returns_holds_up_no_stop() {
+        let (_never, blocked) = std::sync::mpsc::channel();
+        drop(LogFlush(Some(Box::new(BlocksOnDrop(blocked)))));
     }
 
     #[test]
