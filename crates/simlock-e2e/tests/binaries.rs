@@ -153,6 +153,11 @@ fn run_cli(home: &Path, args: &[&str], env: &[(&str, &str)]) -> Cli {
 /// Runs the CLI against the daemon whose home is `home` (bounded), with nothing from the
 /// test's environment but `env`.
 fn cli_output(home: &Path, args: &[&str], env: &[(&str, &str)]) -> Output {
+    cli_output_into(home, args, env, Stdio::piped())
+}
+
+/// [`cli_output`] with its stdout going into `stdout`.
+fn cli_output_into(home: &Path, args: &[&str], env: &[(&str, &str)], stdout: Stdio) -> Output {
     let mut command = Command::new(bin("simlock"));
     command
         .env("SIMLOCK_HOME", home)
@@ -166,7 +171,7 @@ fn cli_output(home: &Path, args: &[&str], env: &[(&str, &str)]) -> Output {
     wait_bounded(
         command
             .stdin(Stdio::null())
-            .stdout(Stdio::piped())
+            .stdout(stdout)
             .stderr(Stdio::piped())
             .spawn()
             .unwrap(),
@@ -527,7 +532,7 @@ fn a_cli_whose_result_cannot_be_written_exits_1_and_gives_back_an_unreported_gra
             .write(true)
             .open("/dev/full")
             .unwrap();
-        cli_into(&worker, args, Stdio::from(full))
+        cli_output_into(worker.home.path(), args, &[], Stdio::from(full))
     };
     let status = to_full(&["status"]);
     assert_eq!(status.status.code(), Some(1), "{status:?}");
@@ -556,7 +561,7 @@ fn a_cli_whose_result_cannot_be_written_exits_1_and_gives_back_an_unreported_gra
     let to_closed = |args: &[&str]| {
         let (reader, writer) = rustix::pipe::pipe().unwrap();
         drop(reader);
-        cli_into(&worker, args, Stdio::from(writer))
+        cli_output_into(worker.home.path(), args, &[], Stdio::from(writer))
     };
     let status = to_closed(&["status"]);
     assert_eq!(status.status.code(), Some(0), "{status:?}");
@@ -565,22 +570,6 @@ fn a_cli_whose_result_cannot_be_written_exits_1_and_gives_back_an_unreported_gra
     let held = worker.cli(&["leases", "--all"]);
     assert_eq!(held.json["leases"], json!([]), "{}", held.json);
     worker.terminate();
-}
-
-/// The CLI on `worker`'s socket with `args`, its stdout into `stdout` (bounded).
-fn cli_into(worker: &Worker, args: &[&str], stdout: Stdio) -> Output {
-    wait_bounded(
-        Command::new(bin("simlock"))
-            .env("SIMLOCK_HOME", worker.home.path())
-            .env_remove("SIMLOCK_URL")
-            .env_remove("SIMLOCK_TOKEN")
-            .args(args)
-            .stdin(Stdio::null())
-            .stdout(stdout)
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap(),
-    )
 }
 
 /// `worker`'s store fails under it, as on a full disk: its lease table is gone.
