@@ -14,7 +14,7 @@ use std::process::{ExitStatus, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
-use simlock_daemon::processes::{Entry, Ledger, Role, started_of};
+use simlock_daemon::processes::{Entry, Expected, Ledger, Role};
 
 use crate::config::ToolConfig;
 use simlock_contract::push::{OutputStream, Push};
@@ -53,11 +53,36 @@ pub(crate) async fn run(ctx: CallCtx, run: Run) -> Result<i32, CoreError> {
 
 async fn run_to_end(ctx: CallCtx, run: Run) -> Result<i32, CoreError> {
     let env = run.target.environment();
+    let not_recorded = |e: std::io::Error| {
+        CoreError::Internal(format!(
+            "{} could not be recorded in the exec process ledger: {e}",
+            run.tool_name
+        ))
+    };
+    // Written before the tool starts, so that a worker killed before it knew the pid finds the
+    // tool again by the tag in its environment.
+    let expected = match &run.ledger {
+        Some(ledger) => Some(
+            ledger
+                .expect(&Entry {
+                    pid: 0,
+                    program: run.tool.command.clone(),
+                    args: run.tool.args.iter().chain(&run.args).cloned().collect(),
+                    role: Role::Exec,
+                    device: Some(run.target.device_id.to_string()),
+                    port: None,
+                    started: None,
+                })
+                .map_err(not_recorded)?,
+        ),
+        None => None,
+    };
     let mut command = Command::new(&run.tool.command);
     command
         .args(&run.tool.args)
         .args(&run.args)
         .envs(&env)
+        .envs(expected.as_ref().map(Expected::env))
         .stdin(if run.stdin.is_some() {
             Stdio::piped()
         } else {
@@ -78,23 +103,11 @@ async fn run_to_end(ctx: CallCtx, run: Run) -> Result<i32, CoreError> {
         leader: group_of(&child),
         ledger: run.ledger.clone(),
     };
-    if let (Some(ledger), Some(pid)) = (&run.ledger, child.id()) {
-        let entry = Entry {
-            pid,
-            program: run.tool.command.clone(),
-            args: run.tool.args.iter().chain(&run.args).cloned().collect(),
-            role: Role::Exec,
-            device: Some(run.target.device_id.to_string()),
-            port: None,
-            started: started_of(pid),
-        };
-        if let Err(e) = ledger.record(&entry) {
-            drop(group);
-            return Err(CoreError::Internal(format!(
-                "{} could not be recorded in the exec process ledger: {e}",
-                run.tool_name
-            )));
-        }
+    if let (Some(expected), Some(pid)) = (expected, child.id())
+        && let Err(e) = expected.started(pid)
+    {
+        drop(group);
+        return Err(not_recorded(e));
     }
     // Every pre-spawn failure is ruled out: the process exists.
     ctx.push(Push::Started {

@@ -7,10 +7,18 @@
 //! start each part stops what it does not adopt, by pid, after checking the pid still runs the
 //! recorded program (a pid can be reused). Every such process leads a process group of its own,
 //! so stopping it stops its children too.
+//!
+//! A pid exists only once the process does, so a worker killed between starting a process and
+//! recording its pid would leave it unknown. Each process is therefore **expected** first
+//! ([`Ledger::expect`]): what it will be is written before it starts, with a tag that the
+//! process carries in its environment ([`PROCESS_TAG_ENV`]). The next [`Ledger::open`] finds an
+//! expected process that was never recorded by that tag and records it by pid (ADR 0035).
 
 use std::io;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
@@ -81,6 +89,12 @@ pub fn started_of(pid: u32) -> Option<Started> {
     })
 }
 
+/// The environment variable that carries an expected process's tag ([`Ledger::expect`]).
+pub const PROCESS_TAG_ENV: &str = "SIMLOCK_PROCESS_TAG";
+
+/// The name of an expected process's file: `expected-<tag>.json`.
+const EXPECTED_PREFIX: &str = "expected-";
+
 /// The processes one part of a worker started (a driver, `device.exec`), on disk.
 #[derive(Debug)]
 pub struct Ledger {
@@ -88,15 +102,19 @@ pub struct Ledger {
 }
 
 impl Ledger {
-    /// The ledger in `dir` (created, mode 0700).
+    /// The ledger in `dir` (created, mode 0700). Every process an earlier run expected and
+    /// never recorded (it was killed in between) is looked for by its tag, recorded by pid if
+    /// it runs, and no longer expected.
     ///
     /// # Errors
     /// When the directory cannot be made.
     pub fn open(dir: &Path) -> io::Result<Self> {
         make_private_dir(dir)?;
-        Ok(Self {
+        let ledger = Self {
             dir: dir.to_path_buf(),
-        })
+        };
+        ledger.find_expected();
+        Ok(ledger)
     }
 
     fn path(&self, pid: u32) -> PathBuf {
@@ -114,6 +132,32 @@ impl Ledger {
         std::fs::rename(&tmp, self.path(entry.pid))
     }
 
+    /// Writes what a process about to start will be (`entry`; its `pid` and `started` are not
+    /// known yet and are ignored) before it starts. Give the process [`Expected::env`]; once it started,
+    /// [`Expected::started`] records it by pid. Dropped unrecorded (the start failed), it is no
+    /// longer expected.
+    ///
+    /// # Errors
+    /// When it cannot be written: the process must not start then.
+    pub fn expect(&self, entry: &Entry) -> io::Result<Expected<'_>> {
+        let tag = next_tag();
+        let file = self.dir.join(format!("{EXPECTED_PREFIX}{tag}.json"));
+        let written = ExpectedFile {
+            tag: tag.clone(),
+            entry: entry.clone(),
+        };
+        let text = serde_json::to_vec(&written).map_err(io::Error::other)?;
+        let tmp = self.dir.join(format!(".{EXPECTED_PREFIX}{tag}.tmp"));
+        std::fs::write(&tmp, text)?;
+        std::fs::rename(&tmp, &file)?;
+        Ok(Expected {
+            ledger: self,
+            file: Some(file),
+            tag,
+            entry: entry.clone(),
+        })
+    }
+
     /// Forgets a process that ended.
     pub fn forget(&self, pid: u32) {
         let _ = std::fs::remove_file(self.path(pid));
@@ -126,13 +170,172 @@ impl Ledger {
         };
         let mut entries: Vec<Entry> = dir
             .filter_map(Result::ok)
-            .filter(|e| e.file_name().to_string_lossy().ends_with(".json"))
+            .filter(|e| {
+                let name = e.file_name();
+                let name = name.to_string_lossy();
+                name.ends_with(".json") && !name.starts_with(EXPECTED_PREFIX)
+            })
             .filter_map(|e| std::fs::read(e.path()).ok())
             .filter_map(|bytes| serde_json::from_slice(&bytes).ok())
             .collect();
         entries.sort_by_key(|e| e.pid);
         entries
     }
+
+    /// Records, by pid, every process an earlier run expected and did not record: each group
+    /// leader whose environment carries the expected tag (a process the expected one started
+    /// in its own group goes with that group). An expected file is then removed, found or not.
+    fn find_expected(&self) {
+        let Ok(dir) = std::fs::read_dir(&self.dir) else {
+            return;
+        };
+        let files: Vec<PathBuf> = dir
+            .filter_map(Result::ok)
+            .filter(|e| {
+                let name = e.file_name();
+                let name = name.to_string_lossy();
+                name.starts_with(EXPECTED_PREFIX) && name.ends_with(".json")
+            })
+            .map(|e| e.path())
+            .collect();
+        if files.is_empty() {
+            return;
+        }
+        let running = tagged_group_leaders();
+        for file in files {
+            let expected = std::fs::read(&file)
+                .ok()
+                .and_then(|bytes| serde_json::from_slice::<ExpectedFile>(&bytes).ok());
+            if let Some(expected) = expected {
+                for &(pid, _) in running.iter().filter(|(_, tag)| *tag == expected.tag) {
+                    let entry = Entry {
+                        pid,
+                        started: started_of(pid),
+                        ..expected.entry.clone()
+                    };
+                    tracing::info!(pid, program = %entry.program, role = ?entry.role, "found a process an earlier run started and did not record");
+                    if let Err(e) = self.record(&entry) {
+                        tracing::warn!(pid, error = %e, "could not record a process found again");
+                    }
+                }
+            }
+            let _ = std::fs::remove_file(&file);
+        }
+    }
+}
+
+/// A process written to its ledger before it starts ([`Ledger::expect`]).
+#[derive(Debug)]
+pub struct Expected<'a> {
+    ledger: &'a Ledger,
+    /// Removed when this is dropped, unless taken out first.
+    file: Option<PathBuf>,
+    tag: String,
+    entry: Entry,
+}
+
+impl Expected<'_> {
+    /// The environment variable to give the process: what finds it again.
+    pub fn env(&self) -> (&'static str, &str) {
+        (PROCESS_TAG_ENV, &self.tag)
+    }
+
+    /// Records the started process by its pid (and its start time), and answers the entry.
+    ///
+    /// # Errors
+    /// When the entry cannot be written: the caller stops the process then. The expected file
+    /// stays, so that a worker killed before it could finds the process again.
+    pub fn started(mut self, pid: u32) -> io::Result<Entry> {
+        let entry = Entry {
+            pid,
+            started: started_of(pid),
+            ..self.entry.clone()
+        };
+        if let Err(e) = self.ledger.record(&entry) {
+            self.file = None;
+            return Err(e);
+        }
+        Ok(entry)
+    }
+}
+
+impl Drop for Expected<'_> {
+    fn drop(&mut self) {
+        if let Some(file) = self.file.take() {
+            let _ = std::fs::remove_file(file);
+        }
+    }
+}
+
+/// What an expected file holds.
+#[derive(Debug, Serialize, Deserialize)]
+struct ExpectedFile {
+    tag: String,
+    entry: Entry,
+}
+
+/// A tag no other process of this machine carries: this process's pid and start, and a count.
+fn next_tag() -> String {
+    static RUN: OnceLock<u128> = OnceLock::new();
+    static COUNT: AtomicU64 = AtomicU64::new(0);
+    let run = RUN.get_or_init(|| {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos())
+    });
+    format!(
+        "{}-{run:x}-{}",
+        std::process::id(),
+        COUNT.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+/// Every process group leader that carries a tag, with its tag: from `/proc` (Linux), else
+/// from `ps` (macOS prints the environment of the user's own processes with `-E`).
+fn tagged_group_leaders() -> Vec<(u32, String)> {
+    let needle = format!("{PROCESS_TAG_ENV}=");
+    if let Ok(dir) = std::fs::read_dir("/proc") {
+        return dir
+            .filter_map(Result::ok)
+            .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+            .filter(|&pid| group_of(pid) == Some(pid))
+            .filter_map(|pid| {
+                let environ = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
+                let tag = environ
+                    .split(|b| *b == 0)
+                    .find_map(|var| var.strip_prefix(needle.as_bytes()))?;
+                Some((pid, String::from_utf8_lossy(tag).into_owned()))
+            })
+            .collect();
+    }
+    let Ok(out) = std::process::Command::new("ps")
+        .args(["-axwwE", "-o", "pid=,pgid=,command="])
+        .stderr(Stdio::null())
+        .output()
+    else {
+        return Vec::new();
+    };
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|line| {
+            let mut fields = line.split_whitespace();
+            let pid: u32 = fields.next()?.parse().ok()?;
+            let pgid: u32 = fields.next()?.parse().ok()?;
+            let tag = fields.find_map(|f| f.strip_prefix(needle.as_str()))?;
+            (pid == pgid).then(|| (pid, tag.to_owned()))
+        })
+        .collect()
+}
+
+/// The process group of `pid`, from `/proc/<pid>/stat` (its fifth field).
+fn group_of(pid: u32) -> Option<u32> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat.rsplit_once(')')?
+        .1
+        .split_whitespace()
+        .nth(5 - 3)?
+        .parse()
+        .ok()
 }
 
 /// Makes `dir` (and its parents), owner-only.
@@ -250,6 +453,7 @@ pub async fn reap(ledger: &Ledger, keep: impl Fn(&Entry) -> bool) -> Vec<Entry> 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::unix::process::CommandExt as _;
 
     fn entry(pid: u32, program: &str, started: Option<Started>) -> Entry {
         Entry {
@@ -300,6 +504,96 @@ mod tests {
         let _ = child.kill();
         let _ = child.wait();
         assert!(!still_runs(&entry(pid, "sh", None)), "gone");
+    }
+
+    fn expected_files(dir: &Path) -> Vec<String> {
+        std::fs::read_dir(dir)
+            .unwrap()
+            .filter_map(Result::ok)
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| n.contains(EXPECTED_PREFIX))
+            .collect()
+    }
+
+    /// A worker killed after starting a process and before recording its pid (here: the
+    /// `Expected` never dropped nor recorded) leaves it expected; the next open finds it by its
+    /// tag, records it by pid with what was expected, and a reap stops its whole group.
+    #[tokio::test]
+    async fn a_process_started_and_never_recorded_is_found_again_by_its_tag() {
+        let dir = tempfile::tempdir().unwrap();
+        let ledger = Ledger::open(dir.path()).unwrap();
+        let expected = ledger
+            .expect(&Entry {
+                device: Some("avd".into()),
+                port: Some(5554),
+                ..entry(0, "sh", None)
+            })
+            .unwrap();
+        let (key, tag) = expected.env();
+        // A leader and a child of its group, both carrying the tag.
+        let mut leader = std::process::Command::new("sh")
+            .args(["-c", "sleep 30 & wait"])
+            .env(key, tag)
+            .process_group(0)
+            .spawn()
+            .unwrap();
+        let pid = leader.id();
+        // What SIGKILL leaves: no drop, no record.
+        std::mem::forget(expected);
+        assert!(ledger.entries().is_empty());
+        assert_eq!(expected_files(dir.path()).len(), 1);
+
+        let again = Ledger::open(dir.path()).unwrap();
+        let entries = again.entries();
+        assert_eq!(entries.len(), 1, "the leader alone: {entries:?}");
+        assert_eq!(entries[0].pid, pid);
+        assert_eq!(entries[0].role, Role::Exec);
+        assert_eq!(entries[0].device.as_deref(), Some("avd"));
+        assert_eq!(entries[0].port, Some(5554));
+        assert_eq!(entries[0].started, started_of(pid));
+        assert!(expected_files(dir.path()).is_empty(), "no longer expected");
+        assert!(still_runs(&entries[0]));
+
+        let stopped = reap(&again, |_| false).await;
+        assert_eq!(stopped.len(), 1);
+        let _ = leader.wait();
+        assert!(again.entries().is_empty());
+    }
+
+    /// An expected process that never started (or ended before the next open) is only no
+    /// longer expected; one that started is recorded by pid and no longer expected; one whose
+    /// start failed (dropped) too.
+    #[test]
+    fn an_expected_process_is_recorded_once_started_and_dropped_otherwise() {
+        let dir = tempfile::tempdir().unwrap();
+        let ledger = Ledger::open(dir.path()).unwrap();
+        std::mem::forget(ledger.expect(&entry(0, "never-ran", None)).unwrap());
+        let again = Ledger::open(dir.path()).unwrap();
+        assert!(again.entries().is_empty());
+        assert!(expected_files(dir.path()).is_empty());
+
+        drop(again.expect(&entry(0, "failed-to-start", None)).unwrap());
+        assert!(expected_files(dir.path()).is_empty());
+
+        let expected = again.expect(&entry(0, "tool", None)).unwrap();
+        let recorded = expected.started(std::process::id()).unwrap();
+        assert_eq!(recorded.pid, std::process::id());
+        assert_eq!(recorded.started, started_of(std::process::id()));
+        assert_eq!(again.entries(), vec![recorded]);
+        assert!(expected_files(dir.path()).is_empty());
+    }
+
+    /// A pid that cannot be recorded is an error, and the process stays expected: a worker
+    /// killed before it stopped that process finds it again.
+    #[test]
+    fn a_start_that_cannot_be_recorded_stays_expected() {
+        let dir = tempfile::tempdir().unwrap();
+        let ledger = Ledger::open(dir.path()).unwrap();
+        // A directory where the entry's file would go: the rename onto it fails.
+        std::fs::create_dir(dir.path().join("4000000.json")).unwrap();
+        let expected = ledger.expect(&entry(0, "tool", None)).unwrap();
+        assert!(expected.started(4_000_000).is_err());
+        assert_eq!(expected_files(dir.path()).len(), 1);
     }
 
     /// An entry written before `started` existed reads back without it.

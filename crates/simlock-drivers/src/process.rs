@@ -18,7 +18,7 @@ use tracing::warn;
 use crate::error::ToolError;
 
 pub use simlock_daemon::processes::{
-    Entry, Ledger, Role, pid_alive, reap, signal, started_of, still_runs, stop_foreign,
+    Entry, Expected, Ledger, Role, pid_alive, reap, signal, started_of, still_runs, stop_foreign,
 };
 
 /// Makes `dir` (and its parents), owner-only.
@@ -38,10 +38,10 @@ pub fn open_ledger(dir: &Path) -> Result<Ledger, ToolError> {
     Ledger::open(dir).map_err(|e| ToolError::io("opening the process ledger", e))
 }
 
-/// Records `entry` in `ledger`.
-fn record(ledger: &Ledger, entry: &Entry) -> Result<(), ToolError> {
+/// Writes `entry` to `ledger` as expected, before its process starts.
+fn expect<'a>(ledger: &'a Ledger, entry: &Entry) -> Result<Expected<'a>, ToolError> {
     ledger
-        .record(entry)
+        .expect(entry)
         .map_err(|e| ToolError::io("writing the process ledger", e))
 }
 
@@ -106,8 +106,22 @@ impl Runner {
         timeout: Duration,
     ) -> Result<Output, ToolError> {
         let line = command_line(program, args);
+        let expected = expect(
+            &self.ledger,
+            &Entry {
+                pid: 0,
+                program: program.display().to_string(),
+                args: args.to_vec(),
+                role: Role::Tool,
+                device: None,
+                port: None,
+                started: None,
+            },
+        )?;
         let mut command = self.command(program, args);
+        let (key, tag) = expected.env();
         command
+            .env(key, tag)
             .stdin(if stdin.is_some() {
                 Stdio::piped()
             } else {
@@ -121,18 +135,11 @@ impl Runner {
             source,
         })?;
         let pid = child.id().unwrap_or_default();
-        record(
-            &self.ledger,
-            &Entry {
-                pid,
-                program: program.display().to_string(),
-                args: args.to_vec(),
-                role: Role::Tool,
-                device: None,
-                port: None,
-                started: started_of(pid),
-            },
-        )?;
+        if let Err(e) = expected.started(pid) {
+            // Dropping the child kills the tool alone; its group goes too.
+            signal(pid, rustix::process::Signal::KILL);
+            return Err(ToolError::io("writing the process ledger", e));
+        }
         if let (Some(text), Some(mut pipe)) = (stdin, child.stdin.take()) {
             let text = text.to_owned();
             tokio::spawn(async move {
@@ -218,9 +225,23 @@ impl Runner {
         let err_file = log_file
             .try_clone()
             .map_err(|e| ToolError::io(format!("opening {}", log.display()), e))?;
+        let expected = expect(
+            &self.ledger,
+            &Entry {
+                pid: 0,
+                program: program.display().to_string(),
+                args: args.to_vec(),
+                role,
+                device,
+                port,
+                started: None,
+            },
+        )?;
         let mut command = self.command(program, args);
+        let (key, tag) = expected.env();
         command
             .envs(extra_env.iter().cloned())
+            .env(key, tag)
             .stdin(Stdio::null())
             .stdout(log_file)
             .stderr(err_file)
@@ -230,19 +251,13 @@ impl Runner {
             source,
         })?;
         let pid = child.id().unwrap_or_default();
-        let entry = Entry {
-            pid,
-            program: program.display().to_string(),
-            args: args.to_vec(),
-            role,
-            device,
-            port,
-            started: started_of(pid),
+        let entry = match expected.started(pid) {
+            Ok(entry) => entry,
+            Err(e) => {
+                signal(pid, rustix::process::Signal::KILL);
+                return Err(ToolError::io("writing the process ledger", e));
+            }
         };
-        if let Err(e) = record(&self.ledger, &entry) {
-            signal(pid, rustix::process::Signal::KILL);
-            return Err(e);
-        }
         let (tx, rx) = watch::channel(None);
         let ledger = self.ledger.clone();
         tokio::spawn(async move {
@@ -364,6 +379,42 @@ mod tests {
             .await
             .unwrap_err();
         assert!(matches!(err, ToolError::Spawn { .. }), "{err}");
+    }
+
+    /// Every process carries the tag that finds it again after a crash, and nothing stays
+    /// expected once it was recorded.
+    #[tokio::test]
+    async fn a_tool_carries_its_tag_and_leaves_nothing_expected() {
+        let dir = tempfile::tempdir().unwrap();
+        let ledger = Arc::new(Ledger::open(&dir.path().join("l")).unwrap());
+        let runner = Runner::new(ledger.clone(), Vec::new());
+        let out = runner
+            .run(
+                Path::new("sh"),
+                &["-c".into(), "echo \"$SIMLOCK_PROCESS_TAG\"".into()],
+                None,
+                Duration::from_secs(10),
+            )
+            .await
+            .unwrap();
+        assert!(!out.stdout.trim().is_empty(), "{out:?}");
+        let log = dir.path().join("log");
+        let spawned = runner
+            .spawn(&Start {
+                program: Path::new("sh"),
+                args: &["-c".into(), "echo \"tag=$SIMLOCK_PROCESS_TAG\"".into()],
+                env: &[],
+                log: &log,
+                role: Role::Emulator,
+                device: None,
+                port: None,
+            })
+            .unwrap();
+        assert!(spawned.wait_exit(Duration::from_secs(30)).await);
+        let logged = std::fs::read_to_string(&log).unwrap();
+        assert!(logged.trim().len() > "tag=".len(), "{logged}");
+        let left = std::fs::read_dir(dir.path().join("l")).unwrap().count();
+        assert_eq!(left, 0, "nothing recorded, nothing expected");
     }
 
     #[tokio::test]
