@@ -1463,8 +1463,6 @@ async fn resume_release(inner: &Inner, kept: KeptRelease) {
         lease_id: lease.as_str().to_owned(),
     };
     let mut wait = RELEASE_LATER_FIRST_WAIT;
-    // The fleet took the release without storing it: a later `UNKNOWN_LEASE` is that release,
-    // held in memory only, and the row stays for the next run.
     let mut unstored = false;
     let outcome = loop {
         if let Some(end) = later_wait(inner, &mut wait, deadline).await {
@@ -1478,32 +1476,72 @@ async fn resume_release(inner: &Inner, kept: KeptRelease) {
             continue;
         }
         let ctx = CallCtx::internal(caller.principal.clone(), caller.role, None);
-        match inner.pipeline.call_typed::<LeaseRelease>(ctx, &input).await {
-            Ok(_) => {
-                info!(%lease, "a release asked for before a restart was carried out");
-                break Later::Done;
+        let tried = inner
+            .pipeline
+            .call_typed::<LeaseRelease>(ctx, &input)
+            .await
+            .map(|_| ());
+        match resumed_release_next(&tried, unstored) {
+            Resumed::Ended(outcome) => {
+                match &tried {
+                    Ok(()) => {
+                        info!(%lease, "a release asked for before a restart was carried out");
+                    }
+                    Err(e) if outcome == Later::Done && e.code == ErrorCode::UnknownLease => {
+                        info!(%lease, "a release asked for before a restart found the lease ended");
+                    }
+                    Err(e) if outcome == Later::Done => {
+                        warn!(%lease, code = %e.code, message = %e.message, "a release asked for before a restart was refused; the lease ends on its TTL");
+                    }
+                    Err(_) => {}
+                }
+                break outcome;
             }
-            Err(e) if e.code == ErrorCode::UnknownLease && unstored => break Later::Kept,
-            Err(e) if e.code == ErrorCode::UnknownLease => {
-                info!(%lease, "a release asked for before a restart found the lease ended");
-                break Later::Done;
-            }
-            Err(e) if e.is_release_not_stored() => unstored = true,
-            // Its worker away again, failed (until it is restarted), or the daemon stopping:
-            // tried again.
-            Err(e)
-                if e.code.is_transport()
-                    || matches!(e.code, ErrorCode::WorkerUnreachable | ErrorCode::Internal) =>
-            {
-                debug!(%lease, code = %e.code, message = %e.message, "a release asked for before a restart is tried again");
-            }
-            Err(e) => {
-                warn!(%lease, code = %e.code, message = %e.message, "a release asked for before a restart was refused; the lease ends on its TTL");
-                break Later::Done;
+            Resumed::Again { unstored: now } => {
+                if let Err(e) = &tried {
+                    debug!(%lease, code = %e.code, message = %e.message, "a release asked for before a restart is tried again");
+                }
+                unstored = now;
             }
         }
     };
     later_ended(inner, &lease, outcome);
+}
+
+/// What a resumed release does after one try.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Resumed {
+    /// It ends so.
+    Ended(Later),
+    /// It is tried again; `unstored` once the fleet took it without storing it.
+    Again { unstored: bool },
+}
+
+/// The rules of a resumed release ([`resume_release`]), after a try that answered `tried`;
+/// `unstored` says whether an earlier try was taken without being stored.
+///
+/// - Carried out: done.
+/// - Taken without being stored (a full disk): tried again, and from then on an
+///   `UNKNOWN_LEASE` is that release, held in memory only: the row stays kept for the next run.
+/// - `UNKNOWN_LEASE` otherwise: the lease ended already; done.
+/// - Its worker away again or failed (`WORKER_UNREACHABLE`, `INTERNAL`), or a transport
+///   failure: tried again.
+/// - Any other refusal: given up (the lease ends on its TTL); nothing a later try could mend.
+fn resumed_release_next(tried: &Result<(), ContractError>, unstored: bool) -> Resumed {
+    let Err(e) = tried else {
+        return Resumed::Ended(Later::Done);
+    };
+    if e.code == ErrorCode::UnknownLease {
+        return Resumed::Ended(if unstored { Later::Kept } else { Later::Done });
+    }
+    if e.is_release_not_stored() {
+        return Resumed::Again { unstored: true };
+    }
+    if e.code.is_transport() || matches!(e.code, ErrorCode::WorkerUnreachable | ErrorCode::Internal)
+    {
+        return Resumed::Again { unstored };
+    }
+    Resumed::Ended(Later::Done)
 }
 
 /// `devices`: only the devices the token leases. With none held, the empty list, and no host
@@ -1789,6 +1827,55 @@ fn with_credentials(bytes: Bytes, credential: &str) -> Bytes {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every rule of a release resumed after a restart, one try at a time; the not-stored
+    /// then `UNKNOWN_LEASE` sequence keeps the row.
+    #[test]
+    fn a_resumed_release_ends_keeps_or_tries_again_by_its_answer() {
+        let refused = |code: ErrorCode| Err(ContractError::new(code, "refused"));
+        let not_stored = Err(ContractError::release_not_stored("not stored"));
+        for unstored in [false, true] {
+            assert_eq!(
+                resumed_release_next(&Ok(()), unstored),
+                Resumed::Ended(Later::Done),
+                "carried out"
+            );
+            assert_eq!(
+                resumed_release_next(&not_stored, unstored),
+                Resumed::Again { unstored: true },
+                "taken, not stored: tried again"
+            );
+            for again in [
+                ErrorCode::WorkerUnreachable,
+                ErrorCode::Internal,
+                ErrorCode::DaemonConnectionLost,
+                ErrorCode::DaemonStopping,
+            ] {
+                assert_eq!(
+                    resumed_release_next(&refused(again), unstored),
+                    Resumed::Again { unstored },
+                    "{again}: tried again, what was not stored still remembered"
+                );
+            }
+            for gives_up in [ErrorCode::Forbidden, ErrorCode::BadRequest] {
+                assert_eq!(
+                    resumed_release_next(&refused(gives_up), unstored),
+                    Resumed::Ended(Later::Done),
+                    "{gives_up}: nothing a later try mends"
+                );
+            }
+        }
+        assert_eq!(
+            resumed_release_next(&refused(ErrorCode::UnknownLease), false),
+            Resumed::Ended(Later::Done),
+            "the lease ended already"
+        );
+        assert_eq!(
+            resumed_release_next(&refused(ErrorCode::UnknownLease), true),
+            Resumed::Ended(Later::Kept),
+            "the fleet holds the unstored release in memory only: the row stays kept"
+        );
+    }
 
     #[test]
     fn a_healthy_answer_is_kept_for_ten_minutes_and_no_other_is_kept() {
