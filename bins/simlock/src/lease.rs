@@ -19,7 +19,7 @@ use crate::Target;
 use crate::cli::LeaseArgs;
 use crate::identity;
 use crate::pidwatch::Bound;
-use crate::stderr::Reporter;
+use crate::stderr::{RenewalLine, Reporter};
 use crate::view;
 
 /// The exit code of a held lease the daemon ended.
@@ -133,7 +133,7 @@ pub(crate) async fn run(
             outcome = client.request_lease(input, |p| reporter.progress(p), withdraw()) => outcome,
             () = signals.nth(2) => {
                 reporter.done();
-                eprintln!("simlock: interrupted again; the daemon may still grant the request, and the lease then expires on its TTL");
+                crate::say_err("simlock: interrupted again; the daemon may still grant the request, and the lease then expires on its TTL");
                 return Ok(EXIT_INTERRUPTED);
             }
         };
@@ -238,7 +238,7 @@ pub(crate) async fn run(
                         }
                         Reconnected::Ended(end) => return Ok(ended(&lease_id, end, Ending::Holding)),
                         Reconnected::Interrupted => {
-                            eprintln!("simlock: interrupted while connecting again; lease {lease_id} expires on its TTL");
+                            crate::say_err(&format!("simlock: interrupted while connecting again; lease {lease_id} expires on its TTL"));
                             return Ok(EXIT_INTERRUPTED);
                         }
                     }
@@ -264,12 +264,18 @@ pub(crate) async fn run(
                                 error.code,
                                 view::duration(left)
                             ),
-                            serde_json::json!({"leaseId": lease_id, "state": "retrying", "error": error.to_body(), "expiresInMs": left}),
+                            RenewalLine::Retrying {
+                                lease_id: grant.lease.id.clone(),
+                                error: error.to_body(),
+                                expires_in_ms: left,
+                            },
                         )
                     }
                     Renewal::Renewing => (
                         format!("renewed lease {lease_id} again"),
-                        serde_json::json!({"leaseId": lease_id, "state": "renewing"}),
+                        RenewalLine::Renewing {
+                            lease_id: grant.lease.id.clone(),
+                        },
                     ),
                 };
                 reporter.renewal(&said, fields);
@@ -278,7 +284,7 @@ pub(crate) async fn run(
                 let end = tokio::select! {
                     end = hold.release() => end,
                     () = signals.nth(2) => {
-                        eprintln!("simlock: interrupted again; lease {lease_id} expires on its TTL");
+                        crate::say_err(&format!("simlock: interrupted again; lease {lease_id} expires on its TTL"));
                         return Ok(EXIT_INTERRUPTED);
                     }
                 };
@@ -408,7 +414,9 @@ fn ended(lease_id: &str, end: HoldEnd, ending: Ending) -> u8 {
         HoldEnd::Released => 0,
         HoldEnd::Lost(LeaseLost { reason, .. }) => {
             let why = reason.map_or_else(|| "it is gone".to_owned(), |r| view::value_name(&r));
-            eprintln!("simlock: the daemon ended lease {lease_id} ({why})");
+            crate::say_err(&format!(
+                "simlock: the daemon ended lease {lease_id} ({why})"
+            ));
             EXIT_LEASE_LOST
         }
         HoldEnd::Failed(err) => {
@@ -416,11 +424,11 @@ fn ended(lease_id: &str, end: HoldEnd, ending: Ending) -> u8 {
                 Ending::Holding => "could not be renewed",
                 Ending::Releasing => "could not be released",
             };
-            eprintln!(
+            crate::say_err(&format!(
                 "simlock: lease {lease_id} {what}: {} ({}); it expires on its TTL if it has not \
                  already",
                 err.message, err.code
-            );
+            ));
             err.code.exit_code()
         }
     }

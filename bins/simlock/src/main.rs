@@ -1,12 +1,6 @@
 //! The simlock command-line interface, for agents and operators: composition of clap, the
 //! typed client and the views. Results go to stdout (one JSON document with `--json`), messages
 //! and progress to stderr; the exit code comes from the contract's error table.
-// A CLI's output is its interface: printing to stdout and stderr is the point.
-#![allow(
-    clippy::print_stdout,
-    clippy::print_stderr,
-    reason = "a CLI prints its results and messages"
-)]
 
 mod cli;
 mod duration;
@@ -57,7 +51,7 @@ fn main() -> ExitCode {
     {
         Ok(runtime) => runtime,
         Err(e) => {
-            eprintln!("simlock: cannot start: {e}");
+            say_err(&format!("simlock: cannot start: {e}"));
             return ExitCode::from(1);
         }
     };
@@ -105,7 +99,7 @@ fn usage_message(e: &clap::Error) -> String {
 /// (`{"error": {code, message, details?}}`, the contract's error body); answers the exit code
 /// from the error table.
 pub(crate) fn fail(json: bool, err: &ContractError) -> u8 {
-    eprintln!("simlock: {} ({})", err.message, err.code);
+    say_err(&format!("simlock: {} ({})", err.message, err.code));
     if json {
         let _ = out_line(&json!({ "error": err.to_body() }).to_string());
     }
@@ -129,7 +123,7 @@ pub(crate) fn emit<T: Serialize>(json: bool, value: &T, human: impl FnOnce(&T) -
         match serde_json::to_value(value) {
             Ok(value) => value.to_string(),
             Err(e) => {
-                eprintln!("simlock: the result could not be encoded: {e}");
+                say_err(&format!("simlock: the result could not be encoded: {e}"));
                 return false;
             }
         }
@@ -394,9 +388,9 @@ async fn token(json: bool, client: &Client, command: &TokenCommand) -> Result<u8
                 if json {
                     emit(json, &out, |_| String::new());
                 } else {
-                    eprintln!(
+                    say_err(&format!(
                         "simlock: no token {id} is known to this daemon; nothing was revoked"
-                    );
+                    ));
                 }
                 return Ok(1);
             }
@@ -504,7 +498,9 @@ async fn events(
                 }
             }
             Some(Ok(FollowItem::Lagged { missed })) => {
-                eprintln!("simlock: fell behind; {missed} event(s) were skipped");
+                say_err(&format!(
+                    "simlock: fell behind; {missed} event(s) were skipped"
+                ));
             }
             Some(Err(e)) => return Err(e),
             None => return Ok(0),

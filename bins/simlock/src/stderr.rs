@@ -6,11 +6,38 @@ use std::io::IsTerminal as _;
 use std::time::Duration;
 
 use indicatif::{ProgressBar, ProgressStyle};
+use serde::Serialize;
 use serde_json::{Map, Value, json};
 use simlock_client::LeaseNotice;
+use simlock_contract::ErrorBody;
+use simlock_contract::ids::LeaseId;
 use simlock_contract::push::{Progress, WaitingFor};
 
 use crate::view;
+
+/// How renewing a held lease goes, as a program reading stderr reads it:
+/// `{"renewal": {"state": "retrying", "leaseId", "error", "expiresInMs"}}`, then
+/// `{"renewal": {"state": "renewing", "leaseId"}}` once a renewal goes through again.
+#[derive(Debug, Clone, Serialize)]
+#[serde(tag = "state", rename_all = "camelCase")]
+pub(crate) enum RenewalLine {
+    /// A renewal failed and is tried again until the lease's TTL runs out.
+    #[serde(rename_all = "camelCase")]
+    Retrying {
+        /// The lease.
+        lease_id: LeaseId,
+        /// Why the last renewal failed.
+        error: ErrorBody,
+        /// How long the lease has left.
+        expires_in_ms: u64,
+    },
+    /// Renewals go through again.
+    #[serde(rename_all = "camelCase")]
+    Renewing {
+        /// The lease.
+        lease_id: LeaseId,
+    },
+}
 
 /// Where progress goes.
 #[derive(Debug)]
@@ -46,7 +73,7 @@ impl Reporter {
         match self {
             Self::Lines => {
                 let value = serde_json::to_value(progress).unwrap_or_default();
-                eprintln!("{}", json!({ "progress": value }));
+                crate::say_err(&format!("{}", json!({ "progress": value })));
             }
             Self::Spinner(bar) => bar.set_message(describe(progress)),
         }
@@ -63,17 +90,17 @@ impl Reporter {
     /// above a running spinner.
     pub(crate) fn say(&self, text: &str) {
         if let Self::Spinner(bar) = self {
-            bar.suspend(|| eprintln!("{text}"));
+            bar.suspend(|| crate::say_err(text));
         }
     }
 
-    /// Says how renewing a held lease goes: `text` to a person, `{"renewal": fields}` to a
+    /// Says how renewing a held lease goes: `text` to a person, `{"renewal": line}` to a
     /// program reading stderr (so a log shows renewals failing before the lease is lost).
-    pub(crate) fn renewal(&self, text: &str, fields: Value) {
+    pub(crate) fn renewal(&self, text: &str, line: RenewalLine) {
         if self.is_terminal() {
             self.say(text);
         } else {
-            crate::say_err(&json!({ "renewal": fields }).to_string());
+            crate::say_err(&json!({ "renewal": line }).to_string());
         }
     }
 
@@ -87,7 +114,7 @@ impl Reporter {
             if let Ok(Value::Object(payload)) = push.payload() {
                 fields.extend(payload);
             }
-            eprintln!("{}", json!({ "notice": fields }));
+            crate::say_err(&format!("{}", json!({ "notice": fields })));
             return;
         }
         let line = match notice {

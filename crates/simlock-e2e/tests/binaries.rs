@@ -572,6 +572,62 @@ fn a_cli_whose_result_cannot_be_written_exits_1_and_gives_back_an_unreported_gra
     worker.terminate();
 }
 
+/// A hold whose stderr cannot be written (a full disk, here `/dev/full`, or a reader that went
+/// away) waits in the queue, is granted, holds and releases on SIGTERM as any other: its
+/// progress and notices are lost, never a panic that leaves the lease to its TTL. Before, its
+/// first progress line panicked it (exit 101).
+#[test]
+fn a_hold_whose_stderr_cannot_be_written_waits_holds_and_releases() {
+    if !enabled() {
+        return;
+    }
+    let (worker, first) = one_device_leased();
+    let full = || {
+        Stdio::from(
+            std::fs::OpenOptions::new()
+                .write(true)
+                .open("/dev/full")
+                .unwrap(),
+        )
+    };
+    let closed = || {
+        let (reader, writer) = rustix::pipe::pipe().unwrap();
+        drop(reader);
+        Stdio::from(writer)
+    };
+    let mut previous = first;
+    for (requester, stderr) in [("full", full()), ("closed", closed())] {
+        let mut hold = leasing_into(on_socket(worker.home.path()), requester, &[], stderr);
+        wait_until(&worker, "the hold waits in the queue", |status| {
+            waiting_requesters(status).contains(&requester.to_owned())
+        });
+        worker.cli(&["release", &previous]);
+        let stdout = hold.stdout.take().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut line = String::new();
+            let _ = BufReader::new(stdout).read_line(&mut line);
+            let _ = tx.send(line);
+        });
+        let line = rx
+            .recv_timeout(PATIENCE)
+            .expect("the grant, once the device is free");
+        let grant: Value = serde_json::from_str(&line).expect(&line);
+        let lease = grant["lease"]["id"].as_str().unwrap().to_owned();
+        assert!(hold.try_wait().unwrap().is_none(), "the hold holds");
+        send_signal(hold.id(), "-TERM");
+        let exited = wait_exit(&mut hold);
+        assert!(
+            exited.is_some_and(|s| s.success()),
+            "{requester}: {exited:?}"
+        );
+        let leases = worker.cli(&["leases", "--all"]).json.to_string();
+        assert!(!leases.contains(&lease), "released: {leases}");
+        previous = detached(&worker, &format!("{requester}-next"));
+    }
+    worker.terminate();
+}
+
 /// `worker`'s store fails under it, as on a full disk: its lease table is gone.
 fn fail_store(worker: &Worker) {
     let db = simlock_daemon::store::Database::open(&worker.home.path().join("state.db")).unwrap();
@@ -705,7 +761,12 @@ fn on_socket(home: &Path) -> Command {
 /// Runs `simlock [connection…] --json lease --platform ios --requester <requester> <extra>…`
 /// as `command` sets it up, until its grant is printed: the holding process and the lease id.
 fn held(command: Command, requester: &str, extra: &[&str]) -> (Child, String) {
-    let mut hold = leasing(command, requester, extra);
+    held_into(command, requester, extra, Stdio::piped())
+}
+
+/// As [`held`], its stderr going to `stderr`.
+fn held_into(command: Command, requester: &str, extra: &[&str], stderr: Stdio) -> (Child, String) {
+    let mut hold = leasing_into(command, requester, extra, stderr);
     let stdout = hold.stdout.take().unwrap();
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
@@ -720,7 +781,12 @@ fn held(command: Command, requester: &str, extra: &[&str]) -> (Child, String) {
 
 /// `simlock [connection…] --json lease --platform ios --requester <requester> <extra>…` started
 /// as `command` sets it up, its output piped.
-fn leasing(mut command: Command, requester: &str, extra: &[&str]) -> Child {
+fn leasing(command: Command, requester: &str, extra: &[&str]) -> Child {
+    leasing_into(command, requester, extra, Stdio::piped())
+}
+
+/// As [`leasing`], its stderr going to `stderr`.
+fn leasing_into(mut command: Command, requester: &str, extra: &[&str], stderr: Stdio) -> Child {
     command
         .args([
             "--json",
@@ -733,7 +799,7 @@ fn leasing(mut command: Command, requester: &str, extra: &[&str]) -> Child {
         .args(extra)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
+        .stderr(stderr)
         .spawn()
         .unwrap()
 }

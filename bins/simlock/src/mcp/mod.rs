@@ -120,11 +120,11 @@ pub(crate) async fn run(target: Target, args: &McpArgs) -> Result<u8, ContractEr
     let requester = identity::from_environment(args.requester.as_deref());
     let parent = Bound::parent();
     let signals = Signals::listen()?;
-    eprintln!(
+    crate::say_err(&format!(
         "simlock mcp: serving on stdio; leases are for {} ({}) and end with this session",
         requester.id(),
         requester.source()
-    );
+    ));
     let session = Session::new(target, requester);
     let server = SimlockMcp {
         session: Arc::clone(&session),
@@ -137,7 +137,7 @@ pub(crate) async fn run(target: Target, args: &McpArgs) -> Result<u8, ContractEr
     let end = match started {
         // The client left before the handshake finished: nothing was leased.
         Some(Err(e)) => {
-            eprintln!("simlock mcp: the session did not start: {e}");
+            crate::say_err(&format!("simlock mcp: the session did not start: {e}"));
             return Ok(0);
         }
         None => return Ok(0),
@@ -154,7 +154,7 @@ pub(crate) async fn run(target: Target, args: &McpArgs) -> Result<u8, ContractEr
         }
     };
     let released = session.close().await;
-    eprintln!(
+    crate::say_err(&format!(
         "simlock mcp: the session ended ({}); released {}",
         match end {
             End::Closed => "stdin closed",
@@ -166,6 +166,6 @@ pub(crate) async fn run(target: Target, args: &McpArgs) -> Result<u8, ContractEr
         } else {
             released.join(", ")
         }
-    );
+    ));
     Ok(0)
 }

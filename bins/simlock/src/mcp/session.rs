@@ -385,10 +385,10 @@ impl Session {
             .await
             .is_err()
         {
-            eprintln!(
+            crate::say_err(&format!(
                 "simlock mcp: the session's releases did not finish within {}; leases left expire on their TTL",
                 view::duration(u64::try_from(CLOSE_BOUND.as_millis()).unwrap_or(u64::MAX))
-            );
+            ));
         }
         self.with_book(|b| {
             before
