@@ -132,15 +132,21 @@ pub(crate) fn emit<T: Serialize>(json: bool, value: &T, human: impl FnOnce(&T) -
     };
     match out_line(&text) {
         Ok(()) => true,
-        // Its reader went away (`| head`): nobody is owed it; a grant is still given back.
-        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => false,
         Err(e) => {
-            OUTPUT_LOST.store(true, std::sync::atomic::Ordering::SeqCst);
-            say_err(&format!(
-                "simlock: the result could not be written to standard output: {e}"
-            ));
+            output_failed(&e, "the result");
             false
         }
+    }
+}
+
+/// `what` could not be written to stdout: its reader went away (`| head`: nobody is owed it,
+/// so no failure), or it failed (a full disk: said on stderr, and the command exits 1).
+fn output_failed(e: &std::io::Error, what: &str) {
+    if e.kind() != std::io::ErrorKind::BrokenPipe {
+        OUTPUT_LOST.store(true, std::sync::atomic::Ordering::SeqCst);
+        say_err(&format!(
+            "simlock: {what} could not be written to standard output: {e}"
+        ));
     }
 }
 
@@ -533,13 +539,13 @@ async fn env(json: bool, client: &Client, lease_id: &str) -> Result<u8, Contract
         ));
     };
     let environment = access.environment(lease_id, &lease.device_id);
-    if json {
-        let _ = out_line(&json!({ "environment": environment }).to_string());
-    } else {
-        for (key, value) in &environment {
-            let _ = out_line(&format!("export {key}={}", view::shell_quote(value)));
-        }
-    }
+    emit(json, &json!({ "environment": environment }), |_| {
+        environment
+            .iter()
+            .map(|(key, value)| format!("export {key}={}", view::shell_quote(value)))
+            .collect::<Vec<_>>()
+            .join("\n")
+    });
     Ok(0)
 }
 
@@ -562,23 +568,28 @@ async fn exec(
     loop {
         match stream.next().await {
             Some(Ok(ExecEvent::Output { stream, chunk })) => {
-                if json {
-                    let _ = out_line(
-                        &json!({ "output": { "stream": stream, "chunk": chunk } }).to_string(),
-                    );
+                let written = if json {
+                    out_line(&json!({ "output": { "stream": stream, "chunk": chunk } }).to_string())
                 } else if stream == OutputStream::Stderr {
+                    // What stderr cannot take is lost, as every line the CLI says there.
                     let mut err = std::io::stderr().lock();
-                    let _ = err.write_all(chunk.as_bytes());
-                    let _ = err.flush();
+                    let _ = err.write_all(chunk.as_bytes()).and_then(|()| err.flush());
+                    Ok(())
                 } else {
                     let mut out = std::io::stdout().lock();
-                    let _ = out.write_all(chunk.as_bytes());
-                    let _ = out.flush();
+                    out.write_all(chunk.as_bytes()).and_then(|()| out.flush())
+                };
+                if let Err(e) = written {
+                    // Nobody reads the tool's output any more: the CLI stops following it (the
+                    // tool runs on to its end or its time limit, as for any caller that leaves),
+                    // exiting 1 unless the reader went away.
+                    output_failed(&e, "the tool's output");
+                    return Ok(0);
                 }
             }
             Some(Ok(ExecEvent::Exit { exit_code })) => {
-                if json {
-                    let _ = out_line(&json!({ "exitCode": exit_code }).to_string());
+                if json && let Err(e) = out_line(&json!({ "exitCode": exit_code }).to_string()) {
+                    output_failed(&e, "the tool's exit code");
                 }
                 return Ok(u8::try_from(exit_code).unwrap_or(1));
             }

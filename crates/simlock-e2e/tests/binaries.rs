@@ -556,6 +556,28 @@ fn a_cli_whose_result_cannot_be_written_exits_1_and_gives_back_an_unreported_gra
         let held = worker.cli(&["leases", "--all"]);
         assert_eq!(held.json["leases"], json!([]), "{}", held.json);
     }
+    // `env` and `exec` too: their output lost is a failure, said on stderr.
+    let lease = detached(&worker, "env");
+    for (args, what) in [
+        (vec!["env", lease.as_str()], "the result"),
+        (
+            vec!["exec", lease.as_str(), "echo", "hi"],
+            "the tool's output",
+        ),
+        (
+            vec!["--json", "exec", lease.as_str(), "echo", "hi"],
+            "the tool's output",
+        ),
+    ] {
+        let lost = to_full(&args);
+        assert_eq!(lost.status.code(), Some(1), "{args:?}: {lost:?}");
+        let said = String::from_utf8_lossy(&lost.stderr);
+        assert!(
+            said.contains(&format!("{what} could not be written to standard output")),
+            "{args:?}: {said}"
+        );
+    }
+    worker.cli(&["release", &lease]);
     // A reader that went away (`| head`): nobody is owed a status, so no failure; a grant
     // nobody read is given back all the same.
     let to_closed = |args: &[&str]| {
@@ -565,6 +587,11 @@ fn a_cli_whose_result_cannot_be_written_exits_1_and_gives_back_an_unreported_gra
     };
     let status = to_closed(&["status"]);
     assert_eq!(status.status.code(), Some(0), "{status:?}");
+    let lease = detached(&worker, "exec");
+    let exec = to_closed(&["exec", &lease, "echo", "hi"]);
+    assert_eq!(exec.status.code(), Some(0), "{exec:?}");
+    assert!(exec.stderr.is_empty(), "{exec:?}");
+    worker.cli(&["release", &lease]);
     let leased = to_closed(&["lease", "--platform", "ios", "--detach", "--requester", "b"]);
     assert_eq!(leased.status.code(), Some(1), "{leased:?}");
     let held = worker.cli(&["leases", "--all"]);
