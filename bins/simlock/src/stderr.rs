@@ -145,6 +145,11 @@ pub(crate) fn describe(progress: &Progress) -> String {
                 Some(WaitingFor::Capacity) => {
                     out.push_str("; every device that may run is in use");
                 }
+                Some(WaitingFor::NoWorker) => {
+                    out.push_str(
+                        "; no worker that can serve it takes requests now (each is away, drained or failed)",
+                    );
+                }
                 Some(WaitingFor::Quarantine { retry_at }) => {
                     let when = if *retry_at <= view::now_ms() {
                         "being tried again".to_owned()
@@ -187,6 +192,13 @@ mod tests {
                 waiting_for: Some(WaitingFor::Capacity),
             }),
             "waiting for a device: position 1 in the queue; every device that may run is in use"
+        );
+        assert_eq!(
+            describe(&Progress::Queued {
+                queue_position: 3,
+                waiting_for: Some(WaitingFor::NoWorker),
+            }),
+            "waiting for a device: position 3 in the queue; no worker that can serve it takes requests now (each is away, drained or failed)"
         );
         let soon = view::now_ms() + 90_000;
         let said = describe(&Progress::Queued {

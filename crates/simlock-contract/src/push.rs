@@ -71,6 +71,9 @@ pub enum WaitingFor {
         /// When the first of them is wiped again.
         retry_at: i64,
     },
+    /// Through a gateway: no worker that could serve it takes requests now (each is away, its
+    /// uplink down; drained; or failed, its state store did). It waits for one to come back.
+    NoWorker,
 }
 
 /// Which stream an `output` chunk came from.
@@ -266,6 +269,7 @@ mod tests {
                 WaitingFor::Quarantine { retry_at: 1_000 },
                 json!({"reason": "quarantine", "retryAt": 1_000}),
             ),
+            (WaitingFor::NoWorker, json!({"reason": "noWorker"})),
         ] {
             let progress = Progress::Queued {
                 queue_position: 1,

@@ -234,11 +234,12 @@ fn room(view: &WorkerView, platform: Platform, freed: impl Fn(&Device) -> bool) 
     platform_free.min(global_free)
 }
 
-/// Why no worker among `views` takes `wanted` now ([`select`] picked none), when it is a
-/// matter of devices: every worker that could serve it has its room full, and quarantined
-/// devices (a wipe that failed) hold some of that room (`quarantine`, with the earliest retry),
-/// or none do (`capacity`). `None` when no worker that could serve it takes requests now, or
-/// one has room (it waits for another reason: a worker's own queue, its health, a refusal).
+/// Why no worker among `views` takes `wanted` now ([`select`] picked none): no worker that
+/// could serve it takes requests (`noWorker`: each is away, drained or failed); or, a matter of
+/// devices, every worker that could serve it has its room full, and quarantined devices (a wipe
+/// that failed) hold some of that room (`quarantine`, with the earliest retry), or none do
+/// (`capacity`). `None` when one has room (it waits for another reason: a worker's own queue, a
+/// refusal).
 pub fn waiting_for(views: &[&WorkerView], wanted: &Wanted) -> Option<WaitingFor> {
     let servers: Vec<&WorkerView> = views
         .iter()
@@ -247,10 +248,12 @@ pub fn waiting_for(views: &[&WorkerView], wanted: &Wanted) -> Option<WaitingFor>
         .filter(|v| match_request(v, wanted).is_some())
         .filter(|v| has_capabilities(v, &wanted.requires))
         .collect();
-    if servers.is_empty()
-        || servers
-            .iter()
-            .any(|v| free_or_evictable(v, wanted.platform) > 0)
+    if servers.is_empty() {
+        return Some(WaitingFor::NoWorker);
+    }
+    if servers
+        .iter()
+        .any(|v| free_or_evictable(v, wanted.platform) > 0)
     {
         return None;
     }

@@ -492,6 +492,9 @@ fn a_waiter_is_told_why_no_worker_takes_it_and_told_again_when_that_changes() {
     // Nothing changed: nothing more is told.
     core.handle_tick(T0 + 2_000);
     assert!(told_why(&core.take_effects()).is_empty(), "told once");
+    // Its one worker goes away: it waits for a worker to come back, and is told so.
+    core.handle_uplink_closed(generation, T0 + 3_000, T0 + 3_000);
+    assert_eq!(told_why(&core.take_effects()), [Some(WaitingFor::NoWorker)]);
 }
 
 #[test]

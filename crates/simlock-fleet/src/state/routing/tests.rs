@@ -409,14 +409,26 @@ fn in_state(state: DeviceState, platform: Platform, retry_at: Option<i64>) -> De
 }
 
 #[test]
-fn why_no_worker_takes_a_request_is_told_only_when_every_server_is_full() {
+fn why_no_worker_takes_a_request_is_told_when_none_takes_requests_or_every_server_is_full() {
     let iphone = wanted(None, None, &[]);
     let leased = || in_state(DeviceState::Leased, Platform::Ios, None);
     let quarantined = |at| in_state(DeviceState::Quarantined, Platform::Ios, Some(at));
-    assert_eq!(waiting_for(&[], &iphone), None, "no worker at all");
+    assert_eq!(
+        waiting_for(&[], &iphone),
+        Some(WaitingFor::NoWorker),
+        "no worker at all"
+    );
     let mut away = full_with("a", vec![leased()]);
     away.connection = Connection::Disconnected;
-    assert_eq!(waiting_for(&[&away], &iphone), None, "none takes requests");
+    let mut drained = view("b", 1);
+    drained.drained = true;
+    let mut failed = view("c", 1);
+    failed.health = Some(Health::Failed);
+    assert_eq!(
+        waiting_for(&[&away, &drained, &failed], &iphone),
+        Some(WaitingFor::NoWorker),
+        "none takes requests: away, drained, failed"
+    );
     let full = full_with("a", vec![leased()]);
     assert_eq!(waiting_for(&[&full], &iphone), Some(WaitingFor::Capacity));
     let room = view("b", 1);
