@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::io::AsyncWriteExt;
-use tokio::process::Command;
+use tokio::process::{Child, Command};
 use tokio::sync::watch;
 use tracing::warn;
 
@@ -38,11 +38,11 @@ pub fn open_ledger(dir: &Path) -> Result<Ledger, ToolError> {
     Ledger::open(dir).map_err(|e| ToolError::io("opening the process ledger", e))
 }
 
-/// Writes `entry` to `ledger` as expected, before its process starts.
-fn expect<'a>(ledger: &'a Ledger, entry: &Entry) -> Result<Expected<'a>, ToolError> {
-    ledger
-        .expect(entry)
-        .map_err(|e| ToolError::io("writing the process ledger", e))
+/// What a process about to start will be, beside its command line.
+struct Expecting {
+    role: Role,
+    device: Option<String>,
+    port: Option<u16>,
 }
 
 /// How long a killed tool call may take to be reaped (SIGKILL cannot be caught; only a process
@@ -93,6 +93,47 @@ impl Runner {
         command
     }
 
+    /// Starts `program args` as `configure` sets it up, expected in the ledger before it
+    /// starts and recorded by pid once it did; one that cannot be recorded is killed.
+    fn start(
+        &self,
+        program: &Path,
+        args: &[String],
+        what: Expecting,
+        configure: impl FnOnce(&mut Command),
+    ) -> Result<(Child, Entry), ToolError> {
+        let ledger_failed = |e| ToolError::io("writing the process ledger", e);
+        let expected = self
+            .ledger
+            .expect(&Entry {
+                pid: 0,
+                program: program.display().to_string(),
+                args: args.to_vec(),
+                role: what.role,
+                device: what.device,
+                port: what.port,
+                started: None,
+            })
+            .map_err(ledger_failed)?;
+        let mut command = self.command(program, args);
+        let (key, tag) = expected.env();
+        command.env(key, tag);
+        configure(&mut command);
+        let child = command.spawn().map_err(|source| ToolError::Spawn {
+            program: program.display().to_string(),
+            source,
+        })?;
+        let pid = child.id().unwrap_or_default();
+        match expected.started(pid) {
+            Ok(entry) => Ok((child, entry)),
+            Err(e) => {
+                // The whole group, not the tool alone.
+                signal(pid, rustix::process::Signal::KILL);
+                Err(ledger_failed(e))
+            }
+        }
+    }
+
     /// Runs `program args` to its end, feeding `stdin`, and answers what it printed; a
     /// failure exit is [`ToolError::Failed`]. Past `timeout` the process group is killed.
     ///
@@ -106,40 +147,22 @@ impl Runner {
         timeout: Duration,
     ) -> Result<Output, ToolError> {
         let line = command_line(program, args);
-        let expected = expect(
-            &self.ledger,
-            &Entry {
-                pid: 0,
-                program: program.display().to_string(),
-                args: args.to_vec(),
-                role: Role::Tool,
-                device: None,
-                port: None,
-                started: None,
-            },
-        )?;
-        let mut command = self.command(program, args);
-        let (key, tag) = expected.env();
-        command
-            .env(key, tag)
-            .stdin(if stdin.is_some() {
-                Stdio::piped()
-            } else {
-                Stdio::null()
-            })
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .kill_on_drop(true);
-        let mut child = command.spawn().map_err(|source| ToolError::Spawn {
-            program: program.display().to_string(),
-            source,
+        let what = Expecting {
+            role: Role::Tool,
+            device: None,
+            port: None,
+        };
+        let (mut child, Entry { pid, .. }) = self.start(program, args, what, |command| {
+            command
+                .stdin(if stdin.is_some() {
+                    Stdio::piped()
+                } else {
+                    Stdio::null()
+                })
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .kill_on_drop(true);
         })?;
-        let pid = child.id().unwrap_or_default();
-        if let Err(e) = expected.started(pid) {
-            // Dropping the child kills the tool alone; its group goes too.
-            signal(pid, rustix::process::Signal::KILL);
-            return Err(ToolError::io("writing the process ledger", e));
-        }
         if let (Some(text), Some(mut pipe)) = (stdin, child.stdin.take()) {
             let text = text.to_owned();
             tokio::spawn(async move {
@@ -225,39 +248,16 @@ impl Runner {
         let err_file = log_file
             .try_clone()
             .map_err(|e| ToolError::io(format!("opening {}", log.display()), e))?;
-        let expected = expect(
-            &self.ledger,
-            &Entry {
-                pid: 0,
-                program: program.display().to_string(),
-                args: args.to_vec(),
-                role,
-                device,
-                port,
-                started: None,
-            },
-        )?;
-        let mut command = self.command(program, args);
-        let (key, tag) = expected.env();
-        command
-            .envs(extra_env.iter().cloned())
-            .env(key, tag)
-            .stdin(Stdio::null())
-            .stdout(log_file)
-            .stderr(err_file)
-            .kill_on_drop(false);
-        let mut child = command.spawn().map_err(|source| ToolError::Spawn {
-            program: program.display().to_string(),
-            source,
+        let what = Expecting { role, device, port };
+        let (mut child, entry) = self.start(program, args, what, |command| {
+            command
+                .envs(extra_env.iter().cloned())
+                .stdin(Stdio::null())
+                .stdout(log_file)
+                .stderr(err_file)
+                .kill_on_drop(false);
         })?;
-        let pid = child.id().unwrap_or_default();
-        let entry = match expected.started(pid) {
-            Ok(entry) => entry,
-            Err(e) => {
-                signal(pid, rustix::process::Signal::KILL);
-                return Err(ToolError::io("writing the process ledger", e));
-            }
-        };
+        let pid = entry.pid;
         let (tx, rx) = watch::channel(None);
         let ledger = self.ledger.clone();
         tokio::spawn(async move {
@@ -339,6 +339,18 @@ pub fn command_line(program: &Path, args: &[String]) -> String {
 mod tests {
     use super::*;
 
+    /// `sh -c script` run to its end (within 10 s).
+    async fn sh(runner: &Runner, script: &str) -> Result<Output, ToolError> {
+        runner
+            .run(
+                Path::new("sh"),
+                &["-c".into(), script.into()],
+                None,
+                Duration::from_secs(10),
+            )
+            .await
+    }
+
     #[tokio::test]
     async fn a_call_past_its_bound_is_killed_and_forgotten() {
         let dir = tempfile::tempdir().unwrap();
@@ -355,15 +367,7 @@ mod tests {
             .unwrap_err();
         assert!(matches!(err, ToolError::Timeout { .. }), "{err}");
         assert!(ledger.entries().is_empty());
-        let err = runner
-            .run(
-                Path::new("sh"),
-                &["-c".into(), "echo no >&2; exit 3".into()],
-                None,
-                Duration::from_secs(10),
-            )
-            .await
-            .unwrap_err();
+        let err = sh(&runner, "echo no >&2; exit 3").await.unwrap_err();
         assert!(
             matches!(err, ToolError::Failed { code: Some(3), .. }),
             "{err}"
@@ -388,15 +392,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let ledger = Arc::new(Ledger::open(&dir.path().join("l")).unwrap());
         let runner = Runner::new(ledger.clone(), Vec::new());
-        let out = runner
-            .run(
-                Path::new("sh"),
-                &["-c".into(), "echo \"$SIMLOCK_PROCESS_TAG\"".into()],
-                None,
-                Duration::from_secs(10),
-            )
-            .await
-            .unwrap();
+        let out = sh(&runner, "echo \"$SIMLOCK_PROCESS_TAG\"").await.unwrap();
         assert!(!out.stdout.trim().is_empty(), "{out:?}");
         let log = dir.path().join("log");
         let spawned = runner
