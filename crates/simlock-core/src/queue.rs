@@ -9,7 +9,7 @@
 use simlock_contract::event::GrantSource;
 use simlock_contract::ids::RequestId;
 use simlock_contract::model::{DeviceSpec, RequestedDevice};
-use simlock_contract::push::WaitingFor;
+use simlock_contract::push::{Progress, WaitingFor};
 
 /// Where a waiter is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -86,6 +86,9 @@ pub(crate) struct Waiter {
     pub told_position: Option<u32>,
     /// Why it gets no device, as it was last told, while queued.
     pub told_waiting: Option<WaitingFor>,
+    /// The last progress its callers were told: what a caller that joins it later (an
+    /// idempotent repeat) is told at once.
+    pub told: Option<Progress>,
 }
 
 /// The waiter's deadline passed.
@@ -266,6 +269,7 @@ mod tests {
             pending: None,
             told_position: None,
             told_waiting: None,
+            told: None,
         }
     }
 

@@ -149,8 +149,9 @@ pub(crate) struct Admission {
 pub(crate) enum Admitted {
     /// An idempotent repeat of a settled request: its recorded outcome.
     Replay(Box<Result<LeaseGrant, ContractError>>),
-    /// Follow this request's updates until it settles.
-    Follow(RequestId),
+    /// Follow this request's updates until it settles; an idempotent repeat of an open
+    /// request first hears where it stands (the last progress told).
+    Follow(RequestId, Option<Progress>),
 }
 
 /// What a following caller hears about its request.
@@ -344,6 +345,9 @@ impl State {
     }
 
     fn progress(&mut self, id: &RequestId, progress: Progress) {
+        if let Some(waiter) = self.queue.get_mut(id) {
+            waiter.told = Some(progress.clone());
+        }
         self.fx
             .updates
             .push((id.clone(), Update::Progress(progress)));
@@ -579,7 +583,10 @@ impl State {
                 });
             }
             return Ok(match (record.state, &record.grant, &record.failure) {
-                (RecordState::Open, _, _) => Admitted::Follow(record.id.clone()),
+                (RecordState::Open, _, _) => Admitted::Follow(
+                    record.id.clone(),
+                    self.queue.get(&record.id).and_then(|w| w.told.clone()),
+                ),
                 (_, Some(grant), _) => Admitted::Replay(Box::new(Ok(grant.clone()))),
                 (_, None, Some(failure)) => Admitted::Replay(Box::new(Err(failure.clone()))),
                 (_, None, None) => Admitted::Replay(Box::new(Err(CoreError::Internal(format!(
@@ -635,6 +642,7 @@ impl State {
             pending: None,
             told_position: None,
             told_waiting: None,
+            told: None,
         });
         if a.no_wait && waiters_ahead {
             // A worker with anyone waiting refuses every noWait request: FIFO stays fair.
@@ -644,7 +652,7 @@ impl State {
                 RejectionReason::NoWait,
                 now,
             );
-            return Ok(Admitted::Follow(id));
+            return Ok(Admitted::Follow(id, None));
         }
         self.dispatch(now);
         if self.queue.get(&id).is_some_and(|w| w.stage == Stage::New) {
@@ -659,7 +667,7 @@ impl State {
                 self.queue_again(&id, now);
             }
         }
-        Ok(Admitted::Follow(id))
+        Ok(Admitted::Follow(id, None))
     }
 
     /// Why a new request may not be admitted (the `lease.rejected` reason and the error): the

@@ -769,8 +769,11 @@ impl Worker {
         let admitted = self.decide(|shared, now| {
             Ok(match shared.state.admit(admission, now)? {
                 Admitted::Replay(outcome) => Admit::Replay(outcome),
-                Admitted::Follow(id) => {
+                Admitted::Follow(id, told) => {
                     let (tx, rx) = mpsc::unbounded_channel();
+                    if let Some(progress) = told {
+                        let _ = tx.send(Update::Progress(progress));
+                    }
                     shared.followers.entry(id).or_default().push(tx);
                     Admit::Follow(rx)
                 }

@@ -1104,3 +1104,51 @@ fn arbitrary_paths_queries_and_headers_get_a_well_formed_answer_from_both_daemon
     }
     assert_eq!(PANICS.load(Ordering::SeqCst), 0, "something panicked");
 }
+
+/// `POST /v1/lease-requests` with `idempotency-key: key`, answered within the bound.
+async fn keyed_request(addr: SocketAddr, token: &str, key: &str) -> Answer {
+    let mut request = request(
+        "POST",
+        "/v1/lease-requests",
+        Some(token),
+        Some(&json!({"platform": "ios", "requesterId": "retrying"})),
+    );
+    request
+        .headers_mut()
+        .insert("idempotency-key", http::HeaderValue::from_str(key).unwrap());
+    try_send(addr, request).await.unwrap()
+}
+
+/// Outside trial 21: an agent retrying a queued request with its idempotency key (its first
+/// answer was lost) hears at once where the original stands, on a worker and on a gateway;
+/// the retry used to hang until the original's state changed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_of_a_queued_request_answers_at_once_on_both_daemons() {
+    let (worker, _dir) = http_worker().await;
+    let mut fleet = TestFleet::start(gateway_config()).await;
+    fleet.add_worker(worker_config(2)).await;
+    let gateway = fleet.gateway().running.http_addr().unwrap();
+    let on_worker = worker.running.http_addr().unwrap();
+    for (addr, tokens) in [
+        (on_worker, &worker.running.base.tokens),
+        (gateway, &fleet.gateway().running.base.tokens),
+    ] {
+        let ((a, _), (b, _)) = (agent(tokens), agent(tokens));
+        // Both devices taken, so the keyed request waits.
+        lease_request(addr, &a, true).await;
+        lease_request(addr, &b, true).await;
+        let first = keyed_request(addr, &a, "rep-1").await;
+        assert_eq!(first.status, 201, "{first:?}");
+        assert_eq!(first.body["request"]["state"], "queued", "{first:?}");
+        let again = keyed_request(addr, &a, "rep-1").await;
+        assert_eq!(again.status, 201, "{again:?}");
+        assert_eq!(again.body["request"]["state"], "queued", "{again:?}");
+        assert_eq!(
+            again.body["request"]["queuePosition"], first.body["request"]["queuePosition"],
+            "{again:?}"
+        );
+        assert_ne!(again.body["request"]["id"], first.body["request"]["id"]);
+    }
+    fleet.stop().await;
+    worker.stop("test").await;
+}

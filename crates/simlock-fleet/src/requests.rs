@@ -44,7 +44,14 @@ impl Fleet {
         let replay = self
             .decide(|shared, now| -> Result<_, FleetError> {
                 match shared.core.handle_lease_request(ask, now)? {
-                    Admitted::New(id) | Admitted::Joined(id) => {
+                    Admitted::New(id) => {
+                        shared.followers.entry(id).or_default().push(tx);
+                        Ok(None)
+                    }
+                    Admitted::Joined(id, told) => {
+                        if let Some(progress) = told {
+                            let _ = tx.send(Update::Progress(progress));
+                        }
                         shared.followers.entry(id).or_default().push(tx);
                         Ok(None)
                     }

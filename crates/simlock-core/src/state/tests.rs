@@ -148,7 +148,7 @@ fn a_new_device_is_provisioned_booted_then_granted_and_every_step_is_stored() {
     let id = request(1);
     assert!(matches!(
         state.admit(admission(1, spec(Platform::Ios, "A"), None), 0),
-        Ok(Admitted::Follow(ref r)) if *r == id
+        Ok(Admitted::Follow(ref r, _)) if *r == id
     ));
     let writes = state.take_writes();
     assert_eq!(writes.requests.len(), 1, "recorded before anything else");
@@ -860,4 +860,34 @@ fn after_a_restart_running_devices_are_adopted_and_a_stopped_leased_one_is_recov
         "a leased one that stopped is recovered under its lease"
     );
     assert!(matches!(notices(&fx)[..], [Push::DeviceUnhealthy { .. }]));
+}
+
+/// Outside trial 21: a repeat of a queued request (a retry after a timeout, same idempotency
+/// key) is told at once where the original stands; it used to hear nothing until the
+/// original's state changed, so an HTTP retry hung.
+#[test]
+fn a_repeat_of_a_queued_request_is_told_where_it_stands_at_once() {
+    let mut state = State::new(settings(1));
+    state
+        .admit(admission(1, spec(Platform::Ios, "A"), None), 0)
+        .unwrap();
+    let mut second = admission(2, spec(Platform::Ios, "A"), None);
+    second.idempotency_key = Some("k".into());
+    state.admit(second.clone(), 0).unwrap();
+    let fx = state.take_effects();
+    assert_eq!(
+        progress(&fx, &request(2)),
+        [queued_for(2, WaitingFor::Capacity)]
+    );
+    let repeat = Admission {
+        request_id: request(3),
+        ..second
+    };
+    match state.admit(repeat, 1_000) {
+        Ok(Admitted::Follow(id, told)) => {
+            assert_eq!(id, request(2), "the original is followed");
+            assert_eq!(told, Some(queued_for(2, WaitingFor::Capacity)));
+        }
+        other => panic!("{other:?}"),
+    }
 }

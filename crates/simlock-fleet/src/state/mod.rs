@@ -127,8 +127,9 @@ pub struct Ask {
 pub enum Admitted {
     /// A new waiter: follow it until it is answered.
     New(RequestId),
-    /// A repeat of a request still waiting (same idempotency key): follow that one.
-    Joined(RequestId),
+    /// A repeat of a request still waiting (same idempotency key): follow that one, first
+    /// told where it stands (its queue position and why it waits, once it was queued).
+    Joined(RequestId, Option<Progress>),
     /// A repeat of an answered request: its outcome.
     Replay(Box<Result<LeaseGrant, FleetError>>),
 }
@@ -1603,7 +1604,18 @@ impl Core {
             }
             return Ok(match &booked.outcome {
                 Some(outcome) => Admitted::Replay(Box::new(outcome.clone())),
-                None => Admitted::Joined(booked.request.clone()),
+                None => Admitted::Joined(
+                    booked.request.clone(),
+                    self.queue
+                        .told_position(&booked.request)
+                        .map(|queue_position| Progress::Queued {
+                            queue_position,
+                            waiting_for: self
+                                .queue
+                                .get(&booked.request)
+                                .and_then(|w| w.told_waiting),
+                        }),
+                ),
             });
         }
         let wanted = Wanted::of(&input);

@@ -1616,7 +1616,7 @@ impl Sim {
                     input: Box::new(input),
                 };
             }
-            Ok(Admitted::Joined(_) | Admitted::Replay(_)) => {}
+            Ok(Admitted::Joined(..) | Admitted::Replay(_)) => {}
             Err(FleetError::RequesterHoldsLease { lease_id, .. }) => {
                 report.refusals += 1;
                 if self.gone.contains(&lease_id) {
@@ -1694,7 +1694,7 @@ impl Sim {
             principal: self.agents[a].name.clone(),
         };
         match self.core.handle_lease_request(ask, now) {
-            Ok(Admitted::Joined(joined)) if joined == *request => {}
+            Ok(Admitted::Joined(joined, _)) if joined == *request => {}
             other => {
                 return Err(format!(
                     "a repeat of waiting {request} under its key answered {other:?}"

@@ -892,6 +892,29 @@ fn cancelling_answers_a_queued_request_refuses_another_principal_and_leaves_a_fo
     );
 }
 
+/// Outside trial 21: a repeat of a queued request (a retry after a timeout) is told at once
+/// where the original stands; it used to hear nothing until the original's state changed.
+#[test]
+fn a_repeat_of_a_queued_request_is_told_where_it_stands_at_once() {
+    let (mut core, generation) = fleet(1);
+    let _held = granted_full(&mut core, generation);
+    let mut input = ios();
+    input.requester_id = Some("other".into());
+    input.idempotency_key = Some("k1".into());
+    ask(&mut core, 2, input.clone(), T0).unwrap();
+    core.take_effects();
+    assert_eq!(
+        ask(&mut core, 3, input, T0 + 1_000),
+        Ok(Admitted::Joined(
+            RequestId::from_raw("req_2"),
+            Some(Progress::Queued {
+                queue_position: 1,
+                waiting_for: Some(WaitingFor::Capacity),
+            })
+        ))
+    );
+}
+
 #[test]
 fn an_idempotency_key_joins_replays_and_refuses_a_conflict_or_another_principal() {
     let (mut core, _) = fleet(1);
@@ -901,7 +924,8 @@ fn an_idempotency_key_joins_replays_and_refuses_a_conflict_or_another_principal(
     let (attempt, forwarded) = forward(&core.take_effects()).unwrap();
     assert_eq!(
         ask(&mut core, 2, input.clone(), T0),
-        Ok(Admitted::Joined(RequestId::from_raw("req_1")))
+        Ok(Admitted::Joined(RequestId::from_raw("req_1"), None)),
+        "forwarded: nothing to tell yet"
     );
     core.handle_forward_answered(
         attempt,
