@@ -346,7 +346,7 @@ impl State {
 
     fn progress(&mut self, id: &RequestId, progress: Progress) {
         if let Some(waiter) = self.queue.get_mut(id) {
-            waiter.told = Some(progress.clone());
+            waiter.told = Some(progress);
         }
         self.fx
             .updates
@@ -585,7 +585,7 @@ impl State {
             return Ok(match (record.state, &record.grant, &record.failure) {
                 (RecordState::Open, _, _) => Admitted::Follow(
                     record.id.clone(),
-                    self.queue.get(&record.id).and_then(|w| w.told.clone()),
+                    self.queue.get(&record.id).and_then(|w| w.told),
                 ),
                 (_, Some(grant), _) => Admitted::Replay(Box::new(Ok(grant.clone()))),
                 (_, None, Some(failure)) => Admitted::Replay(Box::new(Err(failure.clone()))),
