@@ -59,8 +59,15 @@ pub(crate) fn timestamp(ts_ms: i64) -> String {
     format!("{year:04}-{month:02}-{day:02}T{h:02}:{m:02}:{s:02}.{ms:03}Z")
 }
 
-/// Rows under headers, columns padded to their widest cell.
+/// Rows under headers, columns padded to their widest cell. A cell's control characters are
+/// shown escaped (`\n`, `\u{1b}`): a value from a daemon's records cannot forge a row or
+/// send escape sequences to the terminal.
 pub(crate) fn table(headers: &[&str], rows: &[Vec<String>]) -> String {
+    let rows: Vec<Vec<String>> = rows
+        .iter()
+        .map(|row| row.iter().map(|cell| visible(cell)).collect())
+        .collect();
+    let rows = rows.as_slice();
     let mut widths: Vec<usize> = headers.iter().map(|h| h.chars().count()).collect();
     for row in rows {
         for (i, cell) in row.iter().enumerate() {
@@ -87,6 +94,22 @@ pub(crate) fn table(headers: &[&str], rows: &[Vec<String>]) -> String {
         out.push_str(&line(row.iter().map(String::as_str).collect()));
     }
     out
+}
+
+/// `text` with each control character escaped as Rust writes it (`\n`, `\u{1b}`).
+fn visible(text: &str) -> String {
+    if !text.chars().any(char::is_control) {
+        return text.to_owned();
+    }
+    text.chars()
+        .map(|c| {
+            if c.is_control() {
+                c.escape_default().to_string()
+            } else {
+                c.to_string()
+            }
+        })
+        .collect()
 }
 
 fn or_dash(value: Option<&str>) -> String {
@@ -600,6 +623,23 @@ pub(crate) fn event(event: &EventEnvelope) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A cell cannot forge a row or reach the terminal with an escape sequence.
+    #[test]
+    fn a_cells_control_characters_are_shown_escaped() {
+        let rows = vec![vec![
+            "lse_1".to_owned(),
+            "evil\nlse_fake  root\u{1b}[31mRED\u{0}".to_owned(),
+        ]];
+        let out = table(&["LEASE", "REQUESTER"], &rows);
+        assert_eq!(out.lines().count(), 2, "{out}");
+        assert!(!out.chars().any(|c| c.is_control() && c != '\n'), "{out:?}");
+        assert!(
+            out.ends_with("evil\\nlse_fake  root\\u{1b}[31mRED\\u{0}"),
+            "{out}"
+        );
+        assert_eq!(visible("Zoë 🦀"), "Zoë 🦀");
+    }
 
     /// A running worker's status with nothing in it but `uplink`.
     fn worker_status(uplink: Option<simlock_contract::model::UplinkStatus>) -> StatusOutput {

@@ -194,6 +194,18 @@ pub fn filter_relay_headers(
         .collect()
 }
 
+/// garde rule: text that holds no control character (C0, DEL or C1: a newline, an escape, a
+/// NUL…), so that what a caller names (a requester, a label) cannot forge a line or send
+/// escape sequences to whoever reads it in a terminal or a log.
+pub fn printable<T: AsRef<str> + ?Sized>(text: &T, _: &()) -> garde::Result {
+    match text.as_ref().chars().position(char::is_control) {
+        Some(at) => Err(Error::new(format!(
+            "must not hold control characters (one at character {at})"
+        ))),
+        None => Ok(()),
+    }
+}
+
 /// garde rule: exec arguments, at most 256, each at most 8192 bytes.
 pub fn exec_args(args: &[String], _: &()) -> garde::Result {
     if args.len() > MAX_ARGS {

@@ -237,15 +237,15 @@ pub struct LeaseRequestInput {
     #[garde(skip)]
     pub platform: Platform,
     /// A model name or alias (case-insensitive).
-    #[garde(inner(length(chars, min = 1, max = bounds::MAX_MODEL)))]
+    #[garde(inner(length(chars, min = 1, max = bounds::MAX_MODEL), custom(bounds::printable)))]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub model: Option<String>,
     /// An exact OS version.
-    #[garde(inner(length(chars, min = 1, max = bounds::MAX_OS_VERSION)))]
+    #[garde(inner(length(chars, min = 1, max = bounds::MAX_OS_VERSION), custom(bounds::printable)))]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub os_version: Option<String>,
     /// Who the lease is for; defaults to the session's principal.
-    #[garde(inner(length(chars, min = 1, max = bounds::MAX_REQUESTER)))]
+    #[garde(inner(length(chars, min = 1, max = bounds::MAX_REQUESTER), custom(bounds::printable)))]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub requester_id: Option<String>,
     /// Refuse with `NO_CAPACITY` instead of waiting.
@@ -261,11 +261,11 @@ pub struct LeaseRequestInput {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ttl_ms: Option<u64>,
     /// A repeat with the same key and requester returns the same outcome.
-    #[garde(inner(length(chars, min = 1, max = bounds::MAX_IDEMPOTENCY_KEY)))]
+    #[garde(inner(length(chars, min = 1, max = bounds::MAX_IDEMPOTENCY_KEY), custom(bounds::printable)))]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub idempotency_key: Option<String>,
     /// The owner to record (the gateway's uplink only).
-    #[garde(inner(length(chars, min = 1, max = bounds::MAX_REQUESTER)))]
+    #[garde(inner(length(chars, min = 1, max = bounds::MAX_REQUESTER), custom(bounds::printable)))]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub owner: Option<String>,
     /// The id the lease must have.
@@ -363,7 +363,7 @@ impl LeaseIdInput {
 #[serde(rename_all = "camelCase")]
 pub struct LeaseCancelInput {
     /// Whose pending request; defaults to the session's principal.
-    #[garde(inner(length(chars, min = 1, max = bounds::MAX_REQUESTER)))]
+    #[garde(inner(length(chars, min = 1, max = bounds::MAX_REQUESTER), custom(bounds::printable)))]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub requester_id: Option<String>,
 }
@@ -389,7 +389,7 @@ pub struct ExecInput {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stdin: Option<String>,
     /// The requester the lease must belong to (admin sessions only).
-    #[garde(inner(length(chars, min = 1, max = bounds::MAX_REQUESTER)))]
+    #[garde(inner(length(chars, min = 1, max = bounds::MAX_REQUESTER), custom(bounds::printable)))]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub requester_id: Option<String>,
 }
@@ -418,7 +418,7 @@ pub struct TokenCreateInput {
     #[garde(skip)]
     pub role: TokenRole,
     /// A label for people.
-    #[garde(inner(length(chars, min = 1, max = bounds::MAX_LABEL)))]
+    #[garde(inner(length(chars, min = 1, max = bounds::MAX_LABEL), custom(bounds::printable)))]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub label: Option<String>,
 }

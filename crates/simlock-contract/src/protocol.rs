@@ -42,7 +42,7 @@ impl ProtocolRange {
 #[serde(rename_all = "camelCase")]
 pub struct Hello {
     /// The client's own version, for logs.
-    #[garde(inner(length(chars, min = 1, max = 64)))]
+    #[garde(inner(length(chars, min = 1, max = 64), custom(crate::bounds::printable)))]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub client_version: Option<String>,
     /// A single protocol version (same as a range of one).
@@ -54,7 +54,7 @@ pub struct Hello {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub protocol_range: Option<ProtocolRange>,
     /// Who the client says it is (socket only; HTTP principals come from tokens).
-    #[garde(inner(length(chars, min = 1, max = 256)))]
+    #[garde(inner(length(chars, min = 1, max = 256), custom(crate::bounds::printable)))]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub principal: Option<String>,
     /// An operator token's secret, asking for the admin role.

@@ -175,6 +175,69 @@ fn wrong_types_name_the_field() {
     );
 }
 
+/// Outside trial 21: what a caller names may not hold control characters (an agent's
+/// requester id forged a row, and sent escape codes, to an operator's `leases --all`); any
+/// other character, accents and emoji included, is taken.
+#[test]
+fn names_refuse_control_characters_and_take_any_other_text() {
+    let request = json!({"platform": "android"});
+    for field in [
+        "model",
+        "osVersion",
+        "requesterId",
+        "idempotencyKey",
+        "owner",
+    ] {
+        for bad in [
+            "a\nb",
+            "red\u{1b}[31m",
+            "nul\u{0}",
+            "del\u{7f}",
+            "c1\u{85}",
+            "tab\t",
+        ] {
+            check_bound(
+                "lease.request",
+                &request,
+                field,
+                json!("Zoë 🦀 x"),
+                json!(bad),
+            );
+        }
+    }
+    check_bound(
+        "lease.cancel",
+        &json!({}),
+        "requesterId",
+        json!("é"),
+        json!("a\rb"),
+    );
+    check_bound(
+        "device.exec",
+        &json!({"leaseId": "lse_1", "tool": "x"}),
+        "requesterId",
+        json!("é"),
+        json!("a\u{1b}b"),
+    );
+    check_bound(
+        "token.create",
+        &json!({"role": "agent"}),
+        "label",
+        json!("ci runner · 2"),
+        json!("x\ny"),
+    );
+    let err = crate::decode_input::<LeaseRequestInput>(Some(
+        json!({"platform": "ios", "requesterId": "evil\nlse_fake"}),
+    ))
+    .unwrap_err();
+    assert_eq!(err.code, ErrorCode::BadRequest);
+    assert!(
+        err.message.contains("requesterId") && err.message.contains("control characters"),
+        "{}",
+        err.message
+    );
+}
+
 #[test]
 fn lease_request_bounds() {
     let base = json!({"platform": "android"});
