@@ -842,6 +842,24 @@ async fn refused_uplinks_get_their_statuses_and_change_no_view() {
         .await,
         403
     );
+    // Who dials is checked before what it sends (outside trial 21): without a worker token,
+    // a missing or bad worker id is not the refusal's reason.
+    assert_eq!(uplink_status(&uplink, &[]).await, 401);
+    assert_eq!(
+        uplink_status(&uplink, &[("authorization", &agent_bearer)]).await,
+        403
+    );
+    assert_eq!(
+        uplink_status(
+            &uplink,
+            &[
+                ("x-simlock-worker-id", "bad.id"),
+                ("authorization", &agent_bearer)
+            ]
+        )
+        .await,
+        403
+    );
     assert_eq!(
         uplink_status(&uplink, &[("authorization", &join_bearer)]).await,
         400
@@ -884,7 +902,15 @@ async fn refused_uplinks_get_their_statuses_and_change_no_view() {
         .iter()
         .filter(|e| e["event"] == "worker.rejected")
         .collect();
-    assert_eq!(rejected.len(), 3, "401s and 403s are recorded");
+    assert_eq!(rejected.len(), 6, "401s and 403s are recorded");
+    assert_eq!(
+        rejected
+            .iter()
+            .filter(|e| e["payload"]["workerId"] == "w1")
+            .count(),
+        3,
+        "named by a valid worker id, when one was sent: {rejected:?}"
+    );
     fleet.stop().await;
 }
 

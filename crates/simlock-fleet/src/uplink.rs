@@ -79,19 +79,15 @@ impl UplinkMount {
             return error(&simlock_daemon::http::body::stopping_error());
         }
         let headers = request.headers();
+        // Who dials is checked first: a caller without a worker token learns nothing of what
+        // an uplink needs. The worker's headers only name it in the refusal's event.
         let worker_id = headers
             .get("x-simlock-worker-id")
             .and_then(|v| v.to_str().ok())
+            .filter(|id| bounds::is_worker_id(id))
             .map(str::to_owned);
-        let label = match worker_label(headers.get("x-simlock-worker-label")) {
-            Ok(label) => label,
-            Err(err) => return error(&err),
-        };
-        let Some(worker_id) = worker_id.filter(|id| bounds::is_worker_id(id)) else {
-            return error(&ContractError::bad_request(
-                "x-simlock-worker-id: required, 1-128 characters of letters, digits, '_' or '-'",
-            ));
-        };
+        let label = worker_label(headers.get("x-simlock-worker-label"));
+        let named = label.as_ref().ok().and_then(Option::as_deref);
         let token = match simlock_daemon::auth::authorization(headers)
             .and_then(|authorization| verify_bearer(&self.tokens, authorization))
         {
@@ -99,22 +95,27 @@ impl UplinkMount {
             Err(err) => {
                 self.rejected(
                     UplinkRejection::Unauthenticated,
-                    Some(&worker_id),
-                    label.as_deref(),
+                    worker_id.as_deref(),
+                    named,
                 );
                 return error(&err);
             }
         };
         if token.role != TokenRole::Worker {
-            self.rejected(
-                UplinkRejection::Forbidden,
-                Some(&worker_id),
-                label.as_deref(),
-            );
+            self.rejected(UplinkRejection::Forbidden, worker_id.as_deref(), named);
             return error(&ContractError::forbidden(
                 "Only a worker (join) token may open an uplink",
             ));
         }
+        let label = match label {
+            Ok(label) => label,
+            Err(err) => return error(&err),
+        };
+        let Some(worker_id) = worker_id else {
+            return error(&ContractError::bad_request(
+                "x-simlock-worker-id: required, 1-128 characters of letters, digits, '_' or '-'",
+            ));
+        };
         let is_upgrade = headers
             .get(header::UPGRADE)
             .and_then(|v| v.to_str().ok())

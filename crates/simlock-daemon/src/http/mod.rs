@@ -450,9 +450,8 @@ fn asks_for_websocket(request: &Request<Incoming>) -> bool {
 /// `BAD_REQUEST` for a value that is not visible ASCII: dropping it would make a retry a new
 /// request.
 fn idempotency_key(request: &Request<Incoming>) -> Result<Option<String>, ContractError> {
-    request
-        .headers()
-        .get("idempotency-key")
+    let name = http::HeaderName::from_static("idempotency-key");
+    crate::auth::single_header(request.headers(), &name, "Idempotency-Key")?
         .map(|v| {
             v.to_str().map(String::from).map_err(|_| {
                 ContractError::bad_request("Idempotency-Key: must be visible ASCII text")
