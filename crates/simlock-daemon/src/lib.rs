@@ -10,6 +10,7 @@
 //! - [`store`], [`home`], [`config`], [`clock`]: state, files, configuration and time.
 //! - [`socket`]: the unix socket host.
 
+pub mod accept;
 pub mod auth;
 pub mod capabilities;
 pub mod clock;

@@ -9,7 +9,7 @@ use simlock_wire::{Origin, Transport, serve};
 use tokio::net::{UnixListener, UnixStream};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
-use tracing::{debug, info, warn};
+use tracing::{info, warn};
 
 use crate::home::MAX_SOCKET_PATH;
 use crate::pipeline::Pipeline;
@@ -68,6 +68,7 @@ pub fn serve_socket(
     tokio::spawn(async move {
         info!("listening on the unix socket");
         let mut sessions = tokio::task::JoinSet::new();
+        let mut failures = crate::accept::AcceptFailures::default();
         loop {
             let accepted = tokio::select! {
                 () = shutdown.cancelled() => break,
@@ -76,6 +77,7 @@ pub fn serve_socket(
             };
             match accepted {
                 Ok((stream, _)) => {
+                    crate::accept::after_success(&mut failures, "socket");
                     // A second handle on the socket, to shut it down at the stop.
                     let shutter = match stream.as_fd().try_clone_to_owned() {
                         Ok(fd) => std::os::unix::net::UnixStream::from(fd),
@@ -100,9 +102,10 @@ pub fn serve_socket(
                     });
                 }
                 Err(e) => {
-                    warn!(error = %e, "socket accept failed");
-                    debug!("backing off accept for 50 ms");
-                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                    tokio::select! {
+                        () = shutdown.cancelled() => break,
+                        () = crate::accept::after_failure(&mut failures, "socket", &e) => {}
+                    }
                 }
             }
         }

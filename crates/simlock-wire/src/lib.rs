@@ -19,7 +19,7 @@ pub use client::{
 };
 pub use codec::{Line, LineCodec};
 pub use session::{
-    CallContext, Closed, Connection, Identity, Origin, Service, SessionConfig, serve,
-    serve_attached,
+    CallContext, Closed, Connection, HELLO_TIMEOUT, Identity, Origin, Service, SessionConfig,
+    serve, serve_attached,
 };
 pub use transport::Transport;

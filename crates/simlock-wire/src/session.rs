@@ -221,6 +221,11 @@ pub trait Service: Send + Sync + 'static {
     }
 }
 
+/// How long a new connection may take to send its `hello` (as HTTP bounds a request's head):
+/// one that sends nothing holds a descriptor for no one. After `hello`, a connection may idle
+/// for as long as it likes (a held lease's).
+pub const HELLO_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+
 /// What a session says about the daemon in `hello`.
 #[derive(Debug, Clone)]
 pub struct SessionConfig {
@@ -300,10 +305,21 @@ pub async fn serve_attached(
     });
 
     let mut state = State::Greeting;
+    let greeting_by = tokio::time::Instant::now() + HELLO_TIMEOUT;
     loop {
+        let greeting = matches!(state, State::Greeting);
         let line = tokio::select! {
             () = closed.cancelled() => break,
             line = lines.next() => line,
+            () = tokio::time::sleep_until(greeting_by), if greeting => {
+                let err = ContractError::new(
+                    ErrorCode::HandshakeRequired,
+                    format!("No hello within {} s: closing", HELLO_TIMEOUT.as_secs()),
+                );
+                conn.reply(&Reply::err(None, &err)).await;
+                debug!(connection = conn.id, "no hello within the bound; closed");
+                break;
+            }
         };
         let bytes = match line {
             None => break,

@@ -503,6 +503,55 @@ async fn losing_the_connection_fails_every_pending_call() {
     );
 }
 
+/// Outside trial 21: a connection that never says `hello` is closed after
+/// [`simlock_wire::HELLO_TIMEOUT`], told why; one that said it may idle for longer.
+#[tokio::test(start_paused = true)]
+async fn a_connection_without_hello_is_closed_at_the_bound_and_a_greeted_one_may_idle() {
+    let service = Arc::new(TestService::default());
+    let (silent_server, silent_client) = tokio::io::duplex(4096);
+    let (greeted_server, greeted_client) = tokio::io::duplex(4096);
+    for server in [silent_server, greeted_server] {
+        let (r, w) = tokio::io::split(server);
+        tokio::spawn(serve(
+            Transport::server_io(r, w),
+            Origin::Socket,
+            service.clone(),
+            config(),
+        ));
+    }
+    let (r, mut w) = tokio::io::split(greeted_client);
+    let mut greeted = BufReader::new(r);
+    w.write_all(b"{\"id\":0,\"type\":\"hello\",\"payload\":{\"protocolVersion\":2}}\n")
+        .await
+        .unwrap();
+    let mut line = String::new();
+    greeted.read_line(&mut line).await.unwrap();
+    assert!(line.contains("\"ok\":true"), "{line}");
+
+    let (r, _silent_w) = tokio::io::split(silent_client);
+    let mut silent = BufReader::new(r);
+    let before = tokio::time::Instant::now();
+    line.clear();
+    silent.read_line(&mut line).await.unwrap();
+    assert_eq!(before.elapsed(), simlock_wire::HELLO_TIMEOUT);
+    let reply: Value = serde_json::from_str(&line).unwrap();
+    assert_eq!(reply["error"]["code"], "HANDSHAKE_REQUIRED", "{reply}");
+    line.clear();
+    assert_eq!(silent.read_line(&mut line).await.unwrap(), 0, "closed");
+
+    // Long past the bound, the greeted connection still answers.
+    tokio::time::sleep(simlock_wire::HELLO_TIMEOUT * 10).await;
+    w.write_all(b"{\"id\":1,\"type\":\"echo\",\"payload\":{\"a\":1}}\n")
+        .await
+        .unwrap();
+    line.clear();
+    greeted.read_line(&mut line).await.unwrap();
+    assert!(
+        line.contains("\"id\":1") && line.contains("\"ok\":true"),
+        "{line}"
+    );
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_push_waits_while_the_reader_does_not_read() {
     let service = Arc::new(TestService::default());

@@ -32,7 +32,7 @@ use tokio::net::TcpListener;
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
-use tracing::{debug, info, warn};
+use tracing::{debug, info};
 
 use self::body::{
     Body, error, error_with_status, json as json_response, read_json, sse, sse_event,
@@ -143,6 +143,7 @@ pub fn serve_http(
             info!(%addr, "listening for {scheme}");
         }
         let mut connections = tokio::task::JoinSet::new();
+        let mut failures = crate::accept::AcceptFailures::default();
         loop {
             let accepted = tokio::select! {
                 () = shutdown.cancelled() => break,
@@ -151,11 +152,14 @@ pub fn serve_http(
             let (stream, peer) = match accepted {
                 Ok(found) => found,
                 Err(e) => {
-                    warn!(error = %e, "HTTP accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    tokio::select! {
+                        () = shutdown.cancelled() => break,
+                        () = crate::accept::after_failure(&mut failures, "HTTP", &e) => {}
+                    }
                     continue;
                 }
             };
+            crate::accept::after_success(&mut failures, "HTTP");
             let _ = stream.set_nodelay(true);
             let app = app.clone();
             let shutdown = shutdown.clone();
