@@ -142,6 +142,7 @@ pub async fn start(options: GatewayOptions) -> Result<RunningGateway, StartError
     let fleet = Fleet::start(FleetParts {
         gateway_id: base.instance_id.clone(),
         limits,
+        max_waiting: base.config.lease.max_waiting,
         timing,
         db: base.db.clone(),
         bus: base.bus.clone(),

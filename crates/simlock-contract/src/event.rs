@@ -82,11 +82,13 @@ pub enum RejectionReason {
     Killed,
     /// No worker known to a gateway can serve its spec.
     UnresolvableSpec,
+    /// The queue held `lease.maxWaiting` requests already.
+    QueueFull,
 }
 
 impl RejectionReason {
     /// Every reason.
-    pub const ALL: [Self; 10] = [
+    pub const ALL: [Self; 11] = [
         Self::NoWait,
         Self::AlreadyLeased,
         Self::LeaseIdTaken,
@@ -97,6 +99,7 @@ impl RejectionReason {
         Self::NoWorker,
         Self::Killed,
         Self::UnresolvableSpec,
+        Self::QueueFull,
     ];
 
     /// As the wire spells it.
@@ -112,6 +115,7 @@ impl RejectionReason {
             Self::NoWorker => "no-worker",
             Self::Killed => "killed",
             Self::UnresolvableSpec => "unresolvable-spec",
+            Self::QueueFull => "queue-full",
         }
     }
 }

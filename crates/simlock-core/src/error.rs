@@ -29,6 +29,12 @@ pub enum CoreError {
         /// Whether other requests were already waiting.
         waiters_ahead: bool,
     },
+    /// The queue holds `lease.maxWaiting` requests already.
+    #[error("the queue is full ({max_waiting} requests wait)")]
+    QueueFull {
+        /// `lease.maxWaiting`.
+        max_waiting: usize,
+    },
     /// The request waited past its deadline.
     #[error("request {request_id} timed out in the queue")]
     QueueTimeout {
@@ -169,6 +175,14 @@ impl From<CoreError> for ContractError {
                     "No device is free now and the request would not wait"
                 },
             ),
+            CoreError::QueueFull { max_waiting } => Self::new(
+                ErrorCode::NoCapacity,
+                format!(
+                    "No device is free now, and the queue is full (it holds at most \
+                     {max_waiting} waiting requests, lease.maxWaiting); try again later"
+                ),
+            )
+            .with_details(serde_json::json!({ "maxWaiting": max_waiting })),
             CoreError::QueueTimeout {
                 request_id,
                 timeout_ms,

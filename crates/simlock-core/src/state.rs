@@ -39,6 +39,8 @@ pub(crate) struct Settings {
     pub max_ttl_ms: u64,
     pub retention_ms: u64,
     pub max_records: usize,
+    /// `lease.maxWaiting`: the most requests the queue holds.
+    pub max_waiting: usize,
     pub idle: IdleConfig,
     pub limits: Limits,
     pub estimates: BTreeMap<Platform, Estimates>,
@@ -656,11 +658,24 @@ impl State {
         }
         self.dispatch(now);
         if self.queue.get(&id).is_some_and(|w| w.stage == Stage::New) {
+            // Queued ones only: this one is new.
+            let waiting = usize::try_from(self.queue.depth()).unwrap_or(usize::MAX);
             if a.no_wait {
                 self.fail(
                     &id,
                     CoreError::NoCapacity { waiters_ahead },
                     RejectionReason::NoWait,
+                    now,
+                );
+            } else if waiting >= self.settings.max_waiting {
+                // Each waiter costs every decision a little: the queue's bound keeps one
+                // caller from slowing the worker for everyone.
+                self.fail(
+                    &id,
+                    CoreError::QueueFull {
+                        max_waiting: self.settings.max_waiting,
+                    },
+                    RejectionReason::QueueFull,
                     now,
                 );
             } else {

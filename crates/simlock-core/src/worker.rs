@@ -220,6 +220,7 @@ impl Worker {
             retention_ms: parts.config.lease.request_retention_ms,
             max_records: usize::try_from(parts.config.lease.max_request_records)
                 .unwrap_or(usize::MAX),
+            max_waiting: usize::try_from(parts.config.lease.max_waiting).unwrap_or(usize::MAX),
             idle: parts.core.idle,
             limits: Limits::from_config(&parts.core.capacity, &*parts.system),
             estimates: drivers.iter().map(|(p, d)| (*p, d.estimates())).collect(),

@@ -73,6 +73,9 @@ pub struct LeaseConfig {
     pub request_retention_ms: u64,
     /// At most this many request records are kept.
     pub max_request_records: u32,
+    /// At most this many lease requests wait in the queue; one more is refused `NO_CAPACITY`
+    /// (the queue is full) instead of queued: 1000.
+    pub max_waiting: u32,
 }
 
 impl Default for LeaseConfig {
@@ -82,6 +85,7 @@ impl Default for LeaseConfig {
             max_ttl_ms: 14_400_000,
             request_retention_ms: 600_000,
             max_request_records: 10_000,
+            max_waiting: 1_000,
         }
     }
 }
@@ -767,6 +771,7 @@ pub fn validate(config: &DaemonConfig, mode: Mode) -> Result<(), ConfigError> {
     above_zero(&[
         ("lease.defaultTtlMs", config.lease.default_ttl_ms),
         ("lease.maxTtlMs", config.lease.max_ttl_ms),
+        ("lease.maxWaiting", u64::from(config.lease.max_waiting)),
         (
             "eventBuffer.capacity",
             u64::from(config.event_buffer.capacity),
@@ -1341,6 +1346,7 @@ mod tests {
                 ("[lease]\ndefaultTtlMs = 0", "lease.defaultTtlMs"),
                 ("[lease]\ndefaultTtlMs = 1\nmaxTtlMs = 0", "lease.maxTtlMs"),
                 ("[eventBuffer]\ncapacity = 0", "eventBuffer.capacity"),
+                ("[lease]\nmaxWaiting = 0", "lease.maxWaiting"),
             ] {
                 let err = load_with(toml, &[], mode).unwrap_err().to_string();
                 assert_eq!(err, format!("configuration: {key} must be above 0"));
@@ -1348,6 +1354,7 @@ mod tests {
             for toml in [
                 "[lease]\ndefaultTtlMs = 1\nmaxTtlMs = 1",
                 "[eventBuffer]\ncapacity = 1",
+                "[lease]\nmaxWaiting = 1",
             ] {
                 assert!(load_with(toml, &[], mode).is_ok(), "{toml}");
             }

@@ -270,6 +270,45 @@ fn two_requesters_get_two_devices_and_at_capacity_no_wait_exits_11() {
     assert_eq!(c.json["error"]["code"], "NO_CAPACITY");
 }
 
+/// Outside trial 21 (ADR 0036): past `lease.maxWaiting` waiting requests, one more that would
+/// wait exits 11 at once saying the queue is full; the waiting one is untouched.
+#[test]
+fn a_request_past_a_full_queue_exits_11_saying_so() {
+    if !enabled() {
+        return;
+    }
+    let worker = Worker::start(&format!("{}[lease]\nmaxWaiting = 1\n", fixed(1)), false);
+    let first = detached(&worker, "first");
+    let mut waiting = leasing(on_socket(worker.home.path()), "waiting", &[]);
+    wait_until(&worker, "the request waits", |status| {
+        waiting_requesters(status) == ["waiting"]
+    });
+    let refused = worker.cli(&[
+        "lease",
+        "--platform",
+        "ios",
+        "--detach",
+        "--requester",
+        "late",
+    ]);
+    assert_eq!(refused.code, 11, "{}", refused.stderr);
+    assert_eq!(refused.json["error"]["code"], "NO_CAPACITY");
+    assert!(
+        refused
+            .stderr
+            .contains("the queue is full (it holds at most 1 waiting requests"),
+        "{}",
+        refused.stderr
+    );
+    assert_eq!(
+        waiting_requesters(&worker.cli(&["status"]).json),
+        ["waiting"]
+    );
+    worker.cli(&["release", &first]);
+    send_signal(waiting.id(), "-TERM");
+    wait_exit(&mut waiting);
+}
+
 #[test]
 fn a_waiting_request_is_granted_in_fifo_order_and_a_timeout_exits_10() {
     if !enabled() {

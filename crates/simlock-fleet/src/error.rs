@@ -67,6 +67,12 @@ pub enum FleetError {
     /// No worker can take the request now (`message` says which way).
     #[error("{0}")]
     NoCapacity(&'static str),
+    /// The fleet queue holds `lease.maxWaiting` requests already.
+    #[error("the queue is full ({max_waiting} requests wait)")]
+    QueueFull {
+        /// `lease.maxWaiting`.
+        max_waiting: u32,
+    },
     /// No known worker serves the platform.
     #[error("no worker serves {}", .0.as_str())]
     NoDriver(Platform),
@@ -248,6 +254,15 @@ impl From<FleetError> for ContractError {
             )
             .with_details(json!({ "requestId": request_id })),
             FleetError::NoCapacity(message) => Self::new(ErrorCode::NoCapacity, message),
+            FleetError::QueueFull { max_waiting } => Self::new(
+                ErrorCode::NoCapacity,
+                format!(
+                    "No worker connected to this gateway has a device free now, and the queue \
+                     is full (it holds at most {max_waiting} waiting requests, \
+                     lease.maxWaiting); try again later"
+                ),
+            )
+            .with_details(serde_json::json!({ "maxWaiting": max_waiting })),
             FleetError::NoDriver(platform) => Self::new(
                 ErrorCode::NoDriver,
                 format!(

@@ -104,6 +104,8 @@ pub struct FleetParts {
     pub gateway_id: String,
     /// The gateway's lease limits.
     pub limits: LeaseLimits,
+    /// `lease.maxWaiting`: the most requests the fleet queue holds.
+    pub max_waiting: u32,
     /// Timing.
     pub timing: FleetTiming,
     /// The state store (drained set).
@@ -313,6 +315,7 @@ impl Fleet {
             refresh_gap_ms: millis(parts.timing.refresh_gap),
             lease_request_timeout_ms: millis(parts.timing.lease_request_timeout),
             disconnected_retention_ms: millis(parts.timing.disconnected_retention),
+            max_waiting: parts.max_waiting,
         };
         let mut core = Core::new(settings, drained, known, parts.clock.now_ms());
         core.restore_orphans(orphans);
@@ -1215,6 +1218,7 @@ mod tests {
                 default_ttl_ms: 1000,
                 max_ttl_ms: 60_000,
             },
+            max_waiting: 1_000,
             timing: FleetTiming::from_config(&FleetConfig::default()),
             db: db.clone(),
             bus: bus.clone(),

@@ -16,6 +16,7 @@ fn settings(max: u32) -> Settings {
         max_ttl_ms: 14_400_000,
         retention_ms: 600_000,
         max_records: 10_000,
+        max_waiting: 1_000,
         idle: IdleConfig {
             shutdown_after_ms: 600_000,
             delete_after_ms: 3_600_000,
@@ -890,4 +891,63 @@ fn a_repeat_of_a_queued_request_is_told_where_it_stands_at_once() {
         }
         other => panic!("{other:?}"),
     }
+}
+
+/// Outside trial 21: one caller queueing thousands of requests slowed every decision of the
+/// worker. The queue holds `lease.maxWaiting`; one more that would wait is refused
+/// `NO_CAPACITY` (queue full, with the bound), announced as `queue-full`; a request a device can
+/// serve at once is not refused.
+#[test]
+fn a_request_past_a_full_queue_is_refused_and_one_served_at_once_is_not() {
+    // One iPhone at a time, and room for an Android device beside it.
+    let mut state = State::new(Settings {
+        max_waiting: 2,
+        limits: Limits {
+            ios_max: 1,
+            android_max: 1,
+            global_max: 2,
+            ram: None,
+        },
+        ..settings(1)
+    });
+    state
+        .admit(admission(1, spec(Platform::Ios, "A"), None), 0)
+        .unwrap();
+    for n in [2, 3] {
+        state
+            .admit(admission(n, spec(Platform::Ios, "A"), None), 0)
+            .unwrap();
+        let fx = state.take_effects();
+        assert_eq!(outcome(&fx, &request(n)), None, "{n} waits");
+    }
+    state
+        .admit(admission(4, spec(Platform::Ios, "A"), None), 0)
+        .unwrap();
+    let fx = state.take_effects();
+    let err = outcome(&fx, &request(4)).unwrap().unwrap_err();
+    assert_eq!(err.code, ErrorCode::NoCapacity);
+    assert!(err.message.contains("the queue is full"), "{}", err.message);
+    assert_eq!(err.details.unwrap()["maxWaiting"], 2);
+    assert!(fx.events.iter().any(|e| matches!(
+        &e.event,
+        Event::LeaseRejected {
+            reason: RejectionReason::QueueFull,
+            ..
+        }
+    )));
+    assert_eq!(
+        state.queue.depth(),
+        2,
+        "the refused one left nothing queued"
+    );
+    // An Android device can be had now: the full queue does not refuse it.
+    state
+        .admit(admission(5, spec(Platform::Android, "A"), None), 0)
+        .unwrap();
+    let fx = state.take_effects();
+    assert_eq!(outcome(&fx, &request(5)), None);
+    assert!(matches!(
+        progress(&fx, &request(5)).as_slice(),
+        [Progress::Provisioning { .. }]
+    ));
 }

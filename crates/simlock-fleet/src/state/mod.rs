@@ -73,6 +73,8 @@ pub struct Settings {
     pub lease_request_timeout_ms: i64,
     /// A disconnected worker's view is forgotten after this long, ms.
     pub disconnected_retention_ms: i64,
+    /// `lease.maxWaiting`: the most requests the fleet queue holds.
+    pub max_waiting: u32,
 }
 
 /// Who calls, for ownership checks.
@@ -1857,6 +1859,13 @@ impl Core {
                     now,
                 );
             }
+        } else if !walked_before
+            && self.queue.depth().saturating_sub(1) >= self.settings.max_waiting
+        {
+            // A new request would wait behind a full queue: each waiter costs every pass a
+            // little, and the bound keeps one caller from slowing the gateway for everyone.
+            let max_waiting = self.settings.max_waiting;
+            self.answer(id, Err(FleetError::QueueFull { max_waiting }), now);
         } else if let Some(position) = self.queue.announce(id) {
             self.fx.push_back(Effect::Progress {
                 request: id.clone(),
@@ -2903,6 +2912,9 @@ fn assessment_error(assessment: &Assessment, wanted: &Wanted) -> Option<FleetErr
 
 /// How `lease.rejected` names a refusal.
 fn rejection_reason(err: &FleetError) -> RejectionReason {
+    if matches!(err, FleetError::QueueFull { .. }) {
+        return RejectionReason::QueueFull;
+    }
     match err.code() {
         ErrorCode::NoCapacity => RejectionReason::NoWorker,
         ErrorCode::QueueTimeout => RejectionReason::Timeout,

@@ -456,6 +456,7 @@ impl Sim {
             refresh_gap_ms: pick(&mut rng, &[0, 10, 50, 200]),
             lease_request_timeout_ms: rng.random_range(200..2000),
             disconnected_retention_ms: rng.random_range(2000..20_000),
+            max_waiting: rng.random_range(2..40),
         };
         let workers = (0..rng.random_range(1..=3))
             .map(|n| SimWorker {

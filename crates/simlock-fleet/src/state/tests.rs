@@ -23,6 +23,7 @@ fn settings() -> Settings {
         refresh_gap_ms: 0,
         lease_request_timeout_ms: 5_000,
         disconnected_retention_ms: 60_000,
+        max_waiting: 1_000,
     }
 }
 
@@ -2830,4 +2831,47 @@ fn a_second_lease_of_a_requester_on_one_worker_is_released_not_indexed() {
     assert!(core.lease("w1.lse_old").is_none());
     assert!(core.lease(&lease_id).is_some(), "the answered one stays");
     assert_eq!(core.leases(agent().viewer()).len(), 1);
+}
+
+/// Outside trial 21: each waiter costs every pass a little, so one caller queueing thousands
+/// slowed the gateway for everyone. The queue holds `lease.maxWaiting`; one more that would
+/// wait is answered `NO_CAPACITY` (queue full) at once, and a place that frees takes the next.
+#[test]
+fn a_request_past_a_full_queue_is_refused_at_once_and_a_freed_place_takes_the_next() {
+    let bounded = Settings {
+        max_waiting: 2,
+        ..settings()
+    };
+    let (mut core, generation) = fleet_with(bounded, 1);
+    let _held = granted_full(&mut core, generation);
+    let waiting = |core: &mut Core, n: u32| {
+        let mut input = ios();
+        input.requester_id = Some(format!("waiter-{n}"));
+        ask(core, n, input, T0).unwrap();
+        core.take_effects()
+    };
+    for n in [2, 3] {
+        assert!(answers(&waiting(&mut core, n)).is_empty(), "{n} waits");
+    }
+    assert_eq!(core.queue_depth(), 2);
+    let effects = waiting(&mut core, 4);
+    assert_eq!(
+        answers(&effects),
+        [(RequestId::from_raw("req_4"), Err(ErrorCode::NoCapacity))]
+    );
+    let refused = effects.iter().find_map(|e| match e {
+        Effect::Answer { outcome, .. } => (**outcome).clone().err(),
+        _ => None,
+    });
+    let err = ContractError::from(refused.unwrap());
+    assert!(err.message.contains("the queue is full"), "{}", err.message);
+    assert_eq!(err.details.unwrap()["maxWaiting"], 2);
+    assert_eq!(core.queue_depth(), 2, "the refused one left nothing");
+    core.handle_cancel("waiter-2", agent(), T0).unwrap();
+    core.take_effects();
+    assert!(
+        answers(&waiting(&mut core, 5)).is_empty(),
+        "a freed place takes the next"
+    );
+    assert_eq!(core.queue_depth(), 2);
 }
