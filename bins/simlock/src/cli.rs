@@ -84,6 +84,14 @@ pub(crate) enum Command {
         #[arg(long)]
         all: bool,
     },
+    /// Withdraw a waiting lease request (one whose `simlock lease` was killed, for example).
+    Cancel {
+        /// Whose request (default: the requester `simlock lease` would use here:
+        /// $SIMLOCK_AGENT_ID when not blank, else the agent's session id, else the parent
+        /// process). Operators may withdraw anyone's.
+        #[arg(long, value_name = "ID", value_parser = requester_arg)]
+        requester: Option<String>,
+    },
     /// The daemon's status.
     Status,
     /// What devices can be had.
@@ -294,6 +302,7 @@ impl Command {
             | Self::Stop => true,
             Self::Lease(_)
             | Self::Renew { .. }
+            | Self::Cancel { .. }
             | Self::Status
             | Self::Catalog { .. }
             | Self::Env { .. }

@@ -20,7 +20,7 @@ use serde::Serialize;
 use serde_json::{Value, json};
 use simlock_client::client::{admin_secret_in, home_from_env};
 use simlock_client::{Client, ConnectOptions, ExecEvent, FollowItem};
-use simlock_contract::ops::{ExecInput, LeaseIdInput, ListKind, ListOutput};
+use simlock_contract::ops::{CancelResult, ExecInput, LeaseIdInput, ListKind, ListOutput};
 use simlock_contract::push::OutputStream;
 use simlock_contract::{ContractError, ErrorCode};
 
@@ -258,6 +258,21 @@ async fn execute(cli: &Cli) -> Result<u8, ContractError> {
                     view::relative(r.ttl_deadline),
                     view::duration(r.ttl_ms)
                 )
+            });
+            Ok(0)
+        }
+        Command::Cancel { requester } => {
+            let requester = identity::from_environment(requester.as_deref()).id();
+            let out = client.cancel(Some(requester.clone())).await?;
+            emit(json, &out, |o| match o.result {
+                CancelResult::Cancelled => {
+                    format!("withdrew the waiting lease request of {requester}")
+                }
+                CancelResult::NotFound => format!("{requester} has no waiting lease request"),
+                CancelResult::NotCancellable => format!(
+                    "the request of {requester} is being served already (a device is being \
+                     made ready for it): release its lease once it is granted"
+                ),
             });
             Ok(0)
         }

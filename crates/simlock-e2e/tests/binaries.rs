@@ -309,6 +309,38 @@ fn a_request_past_a_full_queue_exits_11_saying_so() {
     wait_exit(&mut waiting);
 }
 
+/// Outside trial 21: a `simlock lease` killed with SIGKILL while it waits leaves its request
+/// queued (a closed connection ends nothing it started); `simlock cancel` withdraws it, so the
+/// next device does not go to nobody.
+#[test]
+fn simlock_cancel_withdraws_the_waiting_request_of_a_killed_lease() {
+    if !enabled() {
+        return;
+    }
+    let (worker, first) = one_device_leased();
+    let mut ghost = leasing(on_socket(worker.home.path()), "ghost", &[]);
+    wait_until(&worker, "the request waits", |status| {
+        waiting_requesters(status) == ["ghost"]
+    });
+    send_signal(ghost.id(), "-KILL");
+    wait_exit(&mut ghost);
+    assert_eq!(
+        waiting_requesters(&worker.cli(&["status"]).json),
+        ["ghost"],
+        "killed, it still waits"
+    );
+    let cancelled = worker.cli(&["cancel", "--requester", "ghost"]);
+    assert_eq!(cancelled.code, 0, "{}", cancelled.stderr);
+    assert_eq!(cancelled.json["result"], "cancelled");
+    assert!(waiting_requesters(&worker.cli(&["status"]).json).is_empty());
+    let again = run_cli_human(worker.home.path(), &["cancel", "--requester", "ghost"]);
+    assert_eq!(again, (0, "ghost has no waiting lease request\n".to_owned()));
+    worker.cli(&["release", &first]);
+    let next = detached(&worker, "next");
+    assert!(!next.is_empty(), "the freed device went to the next request");
+    worker.terminate();
+}
+
 #[test]
 fn a_waiting_request_is_granted_in_fifo_order_and_a_timeout_exits_10() {
     if !enabled() {
