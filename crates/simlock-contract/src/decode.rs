@@ -75,6 +75,18 @@ pub fn in_json_terms(message: &str) -> String {
             out.replace_range(at..at + said.len(), &format!("expected {json}"));
         }
     }
+    // A whole number too large for 64 bits reaches serde as a float: said as what it is.
+    if let Some(rest) = out
+        .split_once("invalid type: floating point `")
+        .map(|(_, r)| r)
+        && let Some(number) = rest.split_once('`').map(|(n, _)| n)
+        && let Ok(value) = number.parse::<f64>()
+        && value.fract() == 0.0
+        && value.abs() >= 9.2e18
+        && out.contains("expected a whole number")
+    {
+        out = format!("{out} (this one is too large: at most {})", u64::MAX);
+    }
     out
 }
 
@@ -295,6 +307,13 @@ mod tests {
         assert_eq!(
             message(serde_json::json!({"offset": 1.5})),
             "offset: invalid type: floating point `1.5`, expected a whole number"
+        );
+        // Outside trial 21: a whole number past 64 bits is read as a float; said so.
+        let huge: Value = serde_json::from_str(r#"{"ttlMs": 18446744073709551616}"#).unwrap();
+        assert_eq!(
+            message(huge),
+            "ttlMs: invalid type: floating point `1.8446744073709552e+19`, expected a whole \
+             number, 0 or more (this one is too large: at most 18446744073709551615)"
         );
         assert_eq!(
             message(serde_json::json!({"ratio": "x"})),

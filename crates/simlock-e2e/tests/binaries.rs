@@ -334,10 +334,16 @@ fn simlock_cancel_withdraws_the_waiting_request_of_a_killed_lease() {
     assert_eq!(cancelled.json["result"], "cancelled");
     assert!(waiting_requesters(&worker.cli(&["status"]).json).is_empty());
     let again = run_cli_human(worker.home.path(), &["cancel", "--requester", "ghost"]);
-    assert_eq!(again, (0, "ghost has no waiting lease request\n".to_owned()));
+    assert_eq!(
+        again,
+        (0, "ghost has no waiting lease request\n".to_owned())
+    );
     worker.cli(&["release", &first]);
     let next = detached(&worker, "next");
-    assert!(!next.is_empty(), "the freed device went to the next request");
+    assert!(
+        !next.is_empty(),
+        "the freed device went to the next request"
+    );
     worker.terminate();
 }
 
