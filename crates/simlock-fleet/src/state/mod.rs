@@ -1774,6 +1774,18 @@ impl Core {
                 self.answer(&id, Err(timeout), now);
                 continue;
             }
+            // The one-lease rule, learned after the request came: a worker that was away (a
+            // gateway restart) is back and lists a lease of this requester. Forwarded, the
+            // request would be refused by that worker, or granted a second lease by another;
+            // and a forward whose answer a restart lost would take that lease for its grant.
+            if let Some(held) = self.index.by_requester(&waiter.requester) {
+                let held = FleetError::RequesterHoldsLease {
+                    requester_id: waiter.requester.clone(),
+                    lease_id: held.lease_id.clone(),
+                };
+                self.answer(&id, Err(held), now);
+                continue;
+            }
             let views: Vec<&WorkerView> = self.workers.values().map(|w| &w.view).collect();
             // A drain or a lost uplink can leave a waiting spec that no known worker serves.
             if let Some(err) = assessment_error(&assess(&views, &waiter.wanted), &waiter.wanted)

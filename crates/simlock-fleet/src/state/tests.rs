@@ -2875,3 +2875,37 @@ fn a_request_past_a_full_queue_is_refused_at_once_and_a_freed_place_takes_the_ne
     );
     assert_eq!(core.queue_depth(), 2);
 }
+
+/// Found by the simulation (seed 6428 of a longer run): a request admitted while its
+/// requester's lease was out of sight (its worker away after a gateway restart) is answered
+/// `REQUESTER_ALREADY_LEASED` once a view shows that lease, not forwarded. Forwarded, it would
+/// be refused there or granted a second lease elsewhere; and after one more restart its stored
+/// forward took the requester's own lease for a lost grant and released it.
+#[test]
+fn a_waiter_whose_requester_turns_out_to_hold_a_lease_is_answered_already_leased() {
+    let (mut core, generation) = fleet(0);
+    ask(&mut core, 1, ios(), T0).unwrap();
+    let effects = core.take_effects();
+    assert!(
+        forward(&effects).is_none() && answers(&effects).is_empty(),
+        "it waits"
+    );
+    let held = record("lse_old", "gw:g1:agent", T0 - 60_000);
+    read_after(
+        &mut core,
+        generation,
+        "device.ready",
+        refresh(vec![held], 1),
+        T0 + 1_000,
+    );
+    let effects = core.take_effects();
+    assert!(forward(&effects).is_none(), "{effects:?}");
+    assert_eq!(
+        answers(&effects),
+        [(
+            RequestId::from_raw("req_1"),
+            Err(ErrorCode::RequesterAlreadyLeased)
+        )]
+    );
+    assert!(core.lease("w1.lse_old").is_some(), "its lease is indexed");
+}
