@@ -94,7 +94,7 @@ impl RequestBook {
     }
 
     /// Removes a record and what indexes it.
-    fn forget(&mut self, id: &RequestId) {
+    pub(crate) fn forget(&mut self, id: &RequestId) {
         let Some(record) = self.records.remove(id) else {
             return;
         };

@@ -678,6 +678,10 @@ impl State {
                     RejectionReason::QueueFull,
                     now,
                 );
+                // Refused before it got in, as a refusal at admission is: no record, so a
+                // repeat with the same key, once there is room, is a new request.
+                self.book.forget(&id);
+                self.dirty.requests.insert(id.clone());
             } else {
                 self.queue_again(&id, now);
             }

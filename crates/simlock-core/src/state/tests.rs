@@ -920,9 +920,9 @@ fn a_request_past_a_full_queue_is_refused_and_one_served_at_once_is_not() {
         let fx = state.take_effects();
         assert_eq!(outcome(&fx, &request(n)), None, "{n} waits");
     }
-    state
-        .admit(admission(4, spec(Platform::Ios, "A"), None), 0)
-        .unwrap();
+    let mut keyed = admission(4, spec(Platform::Ios, "A"), None);
+    keyed.idempotency_key = Some("k4".into());
+    state.admit(keyed.clone(), 0).unwrap();
     let fx = state.take_effects();
     let err = outcome(&fx, &request(4)).unwrap().unwrap_err();
     assert_eq!(err.code, ErrorCode::NoCapacity);
@@ -940,6 +940,15 @@ fn a_request_past_a_full_queue_is_refused_and_one_served_at_once_is_not() {
         2,
         "the refused one left nothing queued"
     );
+    assert!(state.book.get(&request(4)).is_none(), "nor a record");
+    assert!(
+        state
+            .take_writes()
+            .requests
+            .iter()
+            .any(|(id, row)| *id == request(4) && row.is_none()),
+        "and none is stored"
+    );
     // An Android device can be had now: the full queue does not refuse it.
     state
         .admit(admission(5, spec(Platform::Android, "A"), None), 0)
@@ -950,4 +959,17 @@ fn a_request_past_a_full_queue_is_refused_and_one_served_at_once_is_not() {
         progress(&fx, &request(5)).as_slice(),
         [Progress::Provisioning { .. }]
     ));
+    // Its key was not kept with the refusal: once there is room, a repeat is a new request.
+    state.cancel("agent-2", agent("agent-2"), 1).unwrap();
+    state.take_effects();
+    let repeat = Admission {
+        request_id: request(6),
+        ..keyed
+    };
+    match state.admit(repeat, 2) {
+        Ok(Admitted::Follow(id, None)) => assert_eq!(id, request(6)),
+        other => panic!("{other:?}"),
+    }
+    let fx = state.take_effects();
+    assert_eq!(outcome(&fx, &request(6)), None, "it waits");
 }

@@ -618,16 +618,24 @@ impl Core {
         }
     }
 
+    /// Tells waiter `request`'s callers `progress`, and keeps it for a repeat that joins later.
+    fn tell(&mut self, request: RequestId, progress: Progress) {
+        if let Some(waiter) = self.queue.get_mut(&request) {
+            waiter.told = Some(progress);
+        }
+        self.fx.push_back(Effect::Progress { request, progress });
+    }
+
     fn note_depth(&mut self) {
         for (request, position) in self.queue.moved() {
             let waiting_for = self.queue.get(&request).and_then(|w| w.told_waiting);
-            self.fx.push_back(Effect::Progress {
+            self.tell(
                 request,
-                progress: Progress::Queued {
+                Progress::Queued {
                     queue_position: position,
                     waiting_for,
                 },
-            });
+            );
         }
         let depth = self.queue.depth();
         if depth != self.last_depth {
@@ -1608,15 +1616,13 @@ impl Core {
                 Some(outcome) => Admitted::Replay(Box::new(outcome.clone())),
                 None => Admitted::Joined(
                     booked.request.clone(),
-                    self.queue
-                        .told_position(&booked.request)
-                        .map(|queue_position| Progress::Queued {
-                            queue_position,
-                            waiting_for: self
-                                .queue
-                                .get(&booked.request)
-                                .and_then(|w| w.told_waiting),
-                        }),
+                    self.queue.get(&booked.request).map(|w| {
+                        // Forwarded before anything was told: at the head, handed to a worker.
+                        w.told.unwrap_or(Progress::Queued {
+                            queue_position: w.told_position_or_first(),
+                            waiting_for: None,
+                        })
+                    }),
                 ),
             });
         }
@@ -1712,7 +1718,13 @@ impl Core {
         if let Err(err) = &outcome {
             self.rejected(Some(id), &waiter.requester, &waiter.wanted, err);
         }
-        self.queue.book.settle(id, &outcome, now);
+        if matches!(outcome, Err(FleetError::QueueFull { .. })) {
+            // Refused before it got in, as a refusal at admission is: a repeat with the same
+            // key, once there is room, is a new request.
+            self.queue.book.forget(id);
+        } else {
+            self.queue.book.settle(id, &outcome, now);
+        }
         self.fx.push_back(Effect::Answer {
             request: id.clone(),
             outcome: Box::new(outcome),
@@ -1861,6 +1873,7 @@ impl Core {
         };
         let told_before = std::mem::replace(&mut waiter.told_waiting, waiting_for);
         let walked_before = std::mem::replace(&mut waiter.walked, true);
+        let entered_before = std::mem::replace(&mut waiter.entered, true);
         if waiter.no_wait {
             if walked_before || !waiter.second_walk {
                 self.answer(
@@ -1871,21 +1884,22 @@ impl Core {
                     now,
                 );
             }
-        } else if !walked_before
+        } else if !entered_before
             && self.queue.depth().saturating_sub(1) >= self.settings.max_waiting
         {
             // A new request would wait behind a full queue: each waiter costs every pass a
-            // little, and the bound keeps one caller from slowing the gateway for everyone.
+            // little, and the bound keeps one caller from slowing the gateway for everyone. One
+            // that waited before (back from a worker that refused it) keeps its place.
             let max_waiting = self.settings.max_waiting;
             self.answer(id, Err(FleetError::QueueFull { max_waiting }), now);
         } else if let Some(position) = self.queue.announce(id) {
-            self.fx.push_back(Effect::Progress {
-                request: id.clone(),
-                progress: Progress::Queued {
+            self.tell(
+                id.clone(),
+                Progress::Queued {
                     queue_position: position,
                     waiting_for,
                 },
-            });
+            );
             self.event(Event::LeaseQueued {
                 request_id: id.clone(),
                 queue_position: position,
@@ -1893,13 +1907,13 @@ impl Core {
         } else if told_before != waiting_for
             && let Some(position) = self.queue.told_position(id)
         {
-            self.fx.push_back(Effect::Progress {
-                request: id.clone(),
-                progress: Progress::Queued {
+            self.tell(
+                id.clone(),
+                Progress::Queued {
                     queue_position: position,
                     waiting_for,
                 },
-            });
+            );
         }
     }
 
@@ -1911,6 +1925,7 @@ impl Core {
         let Some(waiter) = self.queue.get_mut(id) else {
             return;
         };
+        waiter.entered = true;
         let input = forward_input(&prefix, waiter, &pick.matched);
         let requester = waiter.requester.clone();
         let worker_id = pick.worker_id.clone();
@@ -1969,7 +1984,7 @@ impl Core {
         self.dispatched(attempt);
         if let Some(waiter) = self.queue.by_attempt(attempt) {
             let request = waiter.id.clone();
-            self.fx.push_back(Effect::Progress { request, progress });
+            self.tell(request, progress);
         }
     }
 

@@ -7,7 +7,7 @@ use std::collections::{BTreeSet, HashMap, VecDeque};
 use simlock_contract::ids::RequestId;
 use simlock_contract::model::LeaseGrant;
 use simlock_contract::ops::LeaseRequestInput;
-use simlock_contract::push::WaitingFor;
+use simlock_contract::push::{Progress, WaitingFor};
 
 use super::routing::{Pick, Wanted};
 use crate::error::FleetError;
@@ -76,9 +76,21 @@ pub struct Waiter {
     pub walked: bool,
     /// Why it waits, as it was last told.
     pub told_waiting: Option<WaitingFor>,
+    /// Whether it got past admission: queued, or forwarded, once. Only a request that has not
+    /// is held to `lease.maxWaiting` (one that comes back from a worker keeps its place).
+    pub entered: bool,
+    /// The last progress its callers were told: what an idempotent repeat that joins it hears
+    /// at once.
+    pub told: Option<Progress>,
 }
 
 impl Waiter {
+    /// The place it was last told, else the first (a waiter forwarded before it was ever
+    /// announced is at the head of the queue, handed to a worker).
+    pub fn told_position_or_first(&self) -> u32 {
+        self.told_position.unwrap_or(1)
+    }
+
     /// A new waiter for `input`, arrived at `created_at`.
     pub fn new(
         id: RequestId,
@@ -107,6 +119,8 @@ impl Waiter {
             told_position: None,
             told_waiting: None,
             walked: false,
+            entered: false,
+            told: None,
         }
     }
 
@@ -235,6 +249,14 @@ impl Book {
         let key = (requester, key);
         self.waiting.insert(booked.request.clone(), key.clone());
         self.records.insert(key, booked);
+    }
+
+    /// Forgets the key of `id`, if one names it: a refusal that is not the request's outcome
+    /// (the queue was full), which a repeat with the same key must not replay.
+    pub fn forget(&mut self, id: &RequestId) {
+        if let Some(key) = self.waiting.remove(id) {
+            self.records.remove(&key);
+        }
     }
 
     /// Records the outcome of `id`, if a key names it.

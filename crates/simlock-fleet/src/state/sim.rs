@@ -103,6 +103,8 @@ pub struct SimReport {
     /// Forwards a worker read only once back, long after its uplink dropped (it was stopped
     /// with them unread), and granted.
     pub late_grants: u64,
+    /// New requests refused because the queue held `lease.maxWaiting`.
+    pub queue_full: u64,
 }
 
 /// How long a stopped worker may sleep before it reads what its socket held: past every bound
@@ -169,6 +171,7 @@ impl SimReport {
         self.deferred_releases += other.deferred_releases;
         self.lost_grants += other.lost_grants;
         self.late_grants += other.late_grants;
+        self.queue_full += other.queue_full;
     }
 }
 
@@ -327,6 +330,12 @@ struct Sim {
     next_event: u64,
     /// Every request answered, by any incarnation.
     answered: BTreeSet<RequestId>,
+    /// Requests told a progress (queued, or a worker's report).
+    entered: BTreeSet<RequestId>,
+    /// Requests forwarded to a worker at least once.
+    forwarded: BTreeSet<RequestId>,
+    /// Requests refused for a full queue.
+    queue_full: u64,
     /// Outcomes of idempotency keys, per incarnation: (agent, key) -> the request, its input
     /// and its outcome.
     booked: BTreeMap<(usize, String), Booked>,
@@ -499,6 +508,9 @@ impl Sim {
             next_request: 0,
             next_event: 0,
             answered: BTreeSet::new(),
+            entered: BTreeSet::new(),
+            forwarded: BTreeSet::new(),
+            queue_full: 0,
             booked: BTreeMap::new(),
             granted: BTreeMap::new(),
             live: BTreeMap::new(),
@@ -529,6 +541,7 @@ impl Sim {
         report.orphans += self.orphans;
         report.deferred_releases += self.deferred.len() as u64;
         report.lost_grants += self.lost_grants.len() as u64;
+        report.queue_full += self.queue_full;
         outcome
     }
 
@@ -615,6 +628,19 @@ impl Sim {
                 generation,
                 input,
             } => {
+                // The waiting request of the agent it is for (requester `gw:<gateway>:<agent>`).
+                let agent = input
+                    .requester_id
+                    .as_deref()
+                    .and_then(|r| r.rsplit(':').next());
+                if let Some(request) = self.agents.iter().find_map(|a| match &a.state {
+                    AgentState::Waiting { request, .. } if Some(a.name.as_str()) == agent => {
+                        Some(request.clone())
+                    }
+                    _ => None,
+                }) {
+                    self.forwarded.insert(request);
+                }
                 let w = self
                     .worker_index(&worker_id)
                     .ok_or("a forward to no worker")?;
@@ -768,10 +794,10 @@ impl Sim {
                     }
                 }
             }
-            Effect::Progress { .. }
-            | Effect::Event(_)
-            | Effect::Relay(_)
-            | Effect::Dropped { .. } => {}
+            Effect::Progress { request, .. } => {
+                self.entered.insert(request);
+            }
+            Effect::Event(_) | Effect::Relay(_) | Effect::Dropped { .. } => {}
         }
         Ok(())
     }
@@ -806,6 +832,15 @@ impl Sim {
         request: &RequestId,
         outcome: Result<LeaseGrant, FleetError>,
     ) -> Result<(), String> {
+        let queue_full = matches!(outcome, Err(FleetError::QueueFull { .. }));
+        if queue_full && (self.entered.contains(request) || self.forwarded.contains(request)) {
+            return Err(format!(
+                "only a new request is held to the queue's bound: {request}, told where it waits or forwarded, was answered QueueFull"
+            ));
+        }
+        if queue_full {
+            self.queue_full += 1;
+        }
         if !self.answered.insert(request.clone()) {
             return Err(format!(
                 "no waiter answered twice: {request} answered again"
@@ -824,7 +859,9 @@ impl Sim {
             Ok(grant) => Ok(grant.lease.id.to_string()),
             Err(err) => Err(err.code()),
         };
+        // A request refused for a full queue is not kept under its key (it never got in).
         if let Some(a) = agent
+            && !queue_full
             && let AgentState::Waiting { input, .. } = &self.agents[a].state
             && let Some(key) = input.idempotency_key.clone()
         {
@@ -2156,6 +2193,7 @@ mod tests {
         assert!(report.asks_after_release > 0, "{report:?}");
         assert!(report.deferred_releases > 0, "{report:?}");
         assert!(report.lost_grants > 0, "{report:?}");
+        assert!(report.queue_full > 0, "{report:?}");
         assert!(report.late_grants > 0, "{report:?}");
         assert!(
             report.stale_reads > 0,

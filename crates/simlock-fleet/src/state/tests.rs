@@ -925,8 +925,24 @@ fn an_idempotency_key_joins_replays_and_refuses_a_conflict_or_another_principal(
     let (attempt, forwarded) = forward(&core.take_effects()).unwrap();
     assert_eq!(
         ask(&mut core, 2, input.clone(), T0),
-        Ok(Admitted::Joined(RequestId::from_raw("req_1"), None)),
-        "forwarded: nothing to tell yet"
+        Ok(Admitted::Joined(
+            RequestId::from_raw("req_1"),
+            Some(Progress::Queued {
+                queue_position: 1,
+                waiting_for: None
+            })
+        )),
+        "forwarded before anything was told: at the head, handed to a worker"
+    );
+    core.handle_forward_progress(attempt, Progress::Booting { eta_ms: 900 });
+    core.take_effects();
+    assert_eq!(
+        ask(&mut core, 3, input.clone(), T0),
+        Ok(Admitted::Joined(
+            RequestId::from_raw("req_1"),
+            Some(Progress::Booting { eta_ms: 900 })
+        )),
+        "the worker's last report"
     );
     core.handle_forward_answered(
         attempt,
@@ -2854,7 +2870,13 @@ fn a_request_past_a_full_queue_is_refused_at_once_and_a_freed_place_takes_the_ne
         assert!(answers(&waiting(&mut core, n)).is_empty(), "{n} waits");
     }
     assert_eq!(core.queue_depth(), 2);
-    let effects = waiting(&mut core, 4);
+    let effects = {
+        let mut input = ios();
+        input.requester_id = Some("waiter-4".into());
+        input.idempotency_key = Some("k4".into());
+        ask(&mut core, 4, input, T0).unwrap();
+        core.take_effects()
+    };
     assert_eq!(
         answers(&effects),
         [(RequestId::from_raw("req_4"), Err(ErrorCode::NoCapacity))]
@@ -2869,11 +2891,53 @@ fn a_request_past_a_full_queue_is_refused_at_once_and_a_freed_place_takes_the_ne
     assert_eq!(core.queue_depth(), 2, "the refused one left nothing");
     core.handle_cancel("waiter-2", agent(), T0).unwrap();
     core.take_effects();
-    assert!(
-        answers(&waiting(&mut core, 5)).is_empty(),
-        "a freed place takes the next"
+    // The refusal was not kept under its key: a repeat, once there is room, is a new request.
+    let mut repeat = ios();
+    repeat.requester_id = Some("waiter-4".into());
+    repeat.idempotency_key = Some("k4".into());
+    assert_eq!(
+        ask(&mut core, 5, repeat, T0),
+        Ok(Admitted::New(RequestId::from_raw("req_5")))
     );
+    assert!(answers(&core.take_effects()).is_empty(), "it waits");
     assert_eq!(core.queue_depth(), 2);
+}
+
+/// Review of ADR 0036: a request that waited keeps its place when it comes back from a worker
+/// that refused it (a stale view), even with the queue full meanwhile; only a new one is held
+/// to the bound.
+#[test]
+fn a_waiter_back_from_a_refusing_worker_keeps_its_place_in_a_full_queue() {
+    let bounded = Settings {
+        max_waiting: 1,
+        ..settings()
+    };
+    let (mut core, generation) = fleet_with(bounded, 1);
+    ask(&mut core, 1, ios(), T0).unwrap();
+    let (attempt, _) = forward(&core.take_effects()).expect("forwarded at once");
+    // The worker's room is taken meanwhile (by a caller of its own).
+    read_after(
+        &mut core,
+        generation,
+        "device.ready",
+        refresh(Vec::new(), 0),
+        T0,
+    );
+    core.take_effects();
+    let mut second = ios();
+    second.requester_id = Some("second".into());
+    ask(&mut core, 2, second, T0).unwrap();
+    assert!(answers(&core.take_effects()).is_empty(), "the second waits");
+    assert_eq!(core.queue_depth(), 1, "full");
+    core.handle_forward_answered(
+        attempt,
+        "w1",
+        Err(ContractError::new(ErrorCode::NoCapacity, "taken meanwhile")),
+        T0,
+    );
+    let effects = core.take_effects();
+    assert!(answers(&effects).is_empty(), "{effects:?}");
+    assert_eq!(core.queue_depth(), 2, "back in the queue past the bound");
 }
 
 /// Found by the simulation (seed 6428 of a longer run): a request admitted while its
