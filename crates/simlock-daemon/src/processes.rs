@@ -109,11 +109,17 @@ impl Ledger {
     /// # Errors
     /// When the directory cannot be made.
     pub fn open(dir: &Path) -> io::Result<Self> {
+        Self::open_in_run(dir, Some(&run_prefix()))
+    }
+
+    /// [`Self::open`] for a run whose tags start with `this_run` (`None`: as a new process,
+    /// for which every expected file is an earlier run's).
+    fn open_in_run(dir: &Path, this_run: Option<&str>) -> io::Result<Self> {
         make_private_dir(dir)?;
         let ledger = Self {
             dir: dir.to_path_buf(),
         };
-        ledger.find_expected();
+        ledger.find_expected(this_run);
         Ok(ledger)
     }
 
@@ -185,7 +191,7 @@ impl Ledger {
     /// Records, by pid, every process an earlier run expected and did not record: each group
     /// leader whose environment carries the expected tag (a process the expected one started
     /// in its own group goes with that group). An expected file is then removed, found or not.
-    fn find_expected(&self) {
+    fn find_expected(&self, this_run: Option<&str>) {
         let Ok(dir) = std::fs::read_dir(&self.dir) else {
             return;
         };
@@ -206,17 +212,44 @@ impl Ledger {
             let expected = std::fs::read(&file)
                 .ok()
                 .and_then(|bytes| serde_json::from_slice::<ExpectedFile>(&bytes).ok());
-            if let Some(expected) = expected {
-                for &(pid, _) in running.iter().filter(|(_, tag)| *tag == expected.tag) {
-                    let entry = Entry {
+            let Some(expected) = expected else {
+                let _ = std::fs::remove_file(&file);
+                continue;
+            };
+            // One of this run's, still starting: not an earlier run's to take.
+            if this_run.is_some_and(|prefix| expected.tag.starts_with(prefix)) {
+                continue;
+            }
+            let mut found: Vec<(u32, Option<Started>)> = running
+                .iter()
+                .filter(|(_, tag)| *tag == expected.tag)
+                .map(|&(pid, _)| (pid, started_of(pid)))
+                .collect();
+            // The expected process is the one that started first; another leader with its tag
+            // is a descendant that left its group (a daemon it forked): a tool, to be stopped,
+            // never a device to adopt.
+            found.sort_by_key(|(pid, started)| (started.as_ref().map(|s| s.ticks), *pid));
+            for (index, (pid, started)) in found.into_iter().enumerate() {
+                let entry = if index == 0 {
+                    Entry {
                         pid,
-                        started: started_of(pid),
+                        started,
                         ..expected.entry.clone()
-                    };
-                    tracing::info!(pid, program = %entry.program, role = ?entry.role, "found a process an earlier run started and did not record");
-                    if let Err(e) = self.record(&entry) {
-                        tracing::warn!(pid, error = %e, "could not record a process found again");
                     }
+                } else {
+                    Entry {
+                        pid,
+                        program: program_of(pid).unwrap_or_default(),
+                        args: Vec::new(),
+                        role: Role::Tool,
+                        device: None,
+                        port: None,
+                        started,
+                    }
+                };
+                tracing::info!(pid, program = %entry.program, role = ?entry.role, "found a process an earlier run started and did not record");
+                if let Err(e) = self.record(&entry) {
+                    tracing::warn!(pid, error = %e, "could not record a process found again");
                 }
             }
             let _ = std::fs::remove_file(&file);
@@ -274,18 +307,23 @@ struct ExpectedFile {
     entry: Entry,
 }
 
-/// A tag no other process of this machine carries: this process's pid and start, and a count.
+/// What every tag of this run starts with: 64 random bits, drawn once per process (a tool
+/// that reads its own tag cannot guess an earlier run's, nor forge one of this run's that a
+/// later open would take).
+fn run_prefix() -> String {
+    static RUN: OnceLock<String> = OnceLock::new();
+    RUN.get_or_init(|| format!("{:016x}-", rand::random::<u64>()))
+        .clone()
+}
+
+/// A tag no other process of this machine carries: this run's prefix, 64 more random bits, and
+/// a count.
 fn next_tag() -> String {
-    static RUN: OnceLock<u128> = OnceLock::new();
     static COUNT: AtomicU64 = AtomicU64::new(0);
-    let run = RUN.get_or_init(|| {
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos())
-    });
     format!(
-        "{}-{run:x}-{}",
-        std::process::id(),
+        "{}{:016x}-{}",
+        run_prefix(),
+        rand::random::<u64>(),
         COUNT.fetch_add(1, Ordering::Relaxed)
     )
 }
@@ -543,7 +581,7 @@ mod tests {
         assert!(ledger.entries().is_empty());
         assert_eq!(expected_files(dir.path()).len(), 1);
 
-        let again = Ledger::open(dir.path()).unwrap();
+        let again = Ledger::open_in_run(dir.path(), None).unwrap();
         let entries = again.entries();
         assert_eq!(entries.len(), 1, "the leader alone: {entries:?}");
         assert_eq!(entries[0].pid, pid);
@@ -568,7 +606,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let ledger = Ledger::open(dir.path()).unwrap();
         std::mem::forget(ledger.expect(&entry(0, "never-ran", None)).unwrap());
-        let again = Ledger::open(dir.path()).unwrap();
+        let again = Ledger::open_in_run(dir.path(), None).unwrap();
         assert!(again.entries().is_empty());
         assert!(expected_files(dir.path()).is_empty());
 
@@ -581,6 +619,58 @@ mod tests {
         assert_eq!(recorded.started, started_of(std::process::id()));
         assert_eq!(again.entries(), vec![recorded]);
         assert!(expected_files(dir.path()).is_empty());
+    }
+
+    /// An open in the same run leaves this run's expected files alone (their processes are
+    /// still starting); two leaders carrying one tag: the first started is the expected
+    /// process, the other (a descendant that left its group) only a tool to stop.
+    #[tokio::test]
+    async fn an_expected_file_is_an_earlier_runs_only_and_goes_to_the_first_leader() {
+        let dir = tempfile::tempdir().unwrap();
+        let ledger = Ledger::open(dir.path()).unwrap();
+        let expected = ledger
+            .expect(&Entry {
+                device: Some("avd".into()),
+                role: Role::Emulator,
+                ..entry(0, "sleep", None)
+            })
+            .unwrap();
+        let (key, tag) = expected.env();
+        let spawn = || {
+            std::process::Command::new("sleep")
+                .arg("30")
+                .env(key, tag)
+                .process_group(0)
+                .spawn()
+                .unwrap()
+        };
+        let mut first = spawn();
+        // The second starts at least one clock tick later.
+        let started = started_of(first.id());
+        let mut second = loop {
+            let mut candidate = spawn();
+            if started.is_none() || started_of(candidate.id()) != started {
+                break candidate;
+            }
+            let _ = candidate.kill();
+            let _ = candidate.wait();
+        };
+        let same_run = Ledger::open(dir.path()).unwrap();
+        assert!(same_run.entries().is_empty());
+        assert_eq!(expected_files(dir.path()).len(), 1, "left to this run");
+        std::mem::forget(expected);
+
+        let next_run = Ledger::open_in_run(dir.path(), None).unwrap();
+        let entries = next_run.entries();
+        let of = |pid: u32| entries.iter().find(|e| e.pid == pid).unwrap();
+        assert_eq!(entries.len(), 2, "{entries:?}");
+        assert_eq!(of(first.id()).role, Role::Emulator);
+        assert_eq!(of(first.id()).device.as_deref(), Some("avd"));
+        assert_eq!(of(second.id()).role, Role::Tool);
+        assert_eq!(of(second.id()).device, None);
+        assert_eq!(reap(&next_run, |_| false).await.len(), 2);
+        let _ = first.wait();
+        let _ = second.wait();
     }
 
     /// A pid that cannot be recorded is an error, and the process stays expected: a worker
