@@ -71,8 +71,8 @@ fn main() -> ExitCode {
     ExitCode::from(code)
 }
 
-/// Set once a result could not be written to stdout (a full disk, a closed pipe): the command
-/// then exits 1, not 0.
+/// Set once a result could not be written to stdout (a full disk; not a reader that went away,
+/// which nobody is owed a status for): the command then exits 1, not 0.
 static OUTPUT_LOST: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 /// Whether a command line that did not parse asked for `--json` (before any `--`).

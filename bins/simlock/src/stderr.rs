@@ -141,7 +141,7 @@ pub(crate) fn describe(progress: &Progress) -> String {
         } => {
             let mut out = format!("waiting for a device: position {queue_position} in the queue");
             match waiting_for {
-                None => {}
+                None | Some(WaitingFor::Unknown) => {}
                 Some(WaitingFor::Capacity) => {
                     out.push_str("; every device that may run is in use");
                 }

@@ -200,7 +200,8 @@ pub fn filter_relay_headers(
 pub fn printable<T: AsRef<str> + ?Sized>(text: &T, _: &()) -> garde::Result {
     match text.as_ref().chars().position(char::is_control) {
         Some(at) => Err(Error::new(format!(
-            "must not hold control characters (one at character {at})"
+            "must not hold control characters (character {} is one)",
+            at + 1
         ))),
         None => Ok(()),
     }

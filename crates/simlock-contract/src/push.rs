@@ -74,6 +74,10 @@ pub enum WaitingFor {
     /// Through a gateway: no worker that could serve it takes requests now (each is away, its
     /// uplink down; drained; or failed, its state store did). It waits for one to come back.
     NoWorker,
+    /// A reason this side does not know (a newer daemon's): read, so that a client keeps
+    /// following its request, and never sent.
+    #[serde(other)]
+    Unknown,
 }
 
 /// Which stream an `output` chunk came from.
@@ -296,5 +300,24 @@ mod tests {
             payload: json!({"requestId": 1, "status": 204, "headers": [["a", "b"]]}),
         };
         assert!(Push::from_frame(frame).is_ok());
+    }
+
+    /// A reason a newer daemon tells, which this side does not know, reads as `Unknown`: a
+    /// client goes on following its request.
+    #[test]
+    fn an_unknown_reason_to_wait_reads_as_unknown() {
+        let progress: Progress = serde_json::from_value(json!({
+            "stage": "queued",
+            "queuePosition": 3,
+            "waitingFor": {"reason": "somethingNew", "extra": 1}
+        }))
+        .unwrap();
+        assert_eq!(
+            progress,
+            Progress::Queued {
+                queue_position: 3,
+                waiting_for: Some(WaitingFor::Unknown)
+            }
+        );
     }
 }

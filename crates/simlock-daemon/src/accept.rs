@@ -5,9 +5,10 @@
 //! A failed accept leaves the connection in the backlog, so trying again at once fails again:
 //! the listener waits 50 ms, doubling up to 1 s while the failures go on, and back to 50 ms
 //! after an accept succeeds. The first failure of a run is logged as a warning; later ones are
-//! counted and summed up at most every 10 s; the first success after them says how many there
-//! were. A client that holds a daemon at its descriptor limit costs a line every 10 s, not 20 a
-//! second (outside trial 21).
+//! counted and summed up at most every 10 s; the first success 10 s after the last failure ends
+//! the run and says how many there were. A daemon held at its descriptor limit costs a line
+//! every 10 s, not 20 a second (outside trial 21), also while freed descriptors let accepts
+//! through between failures.
 
 use std::time::Duration;
 
@@ -20,7 +21,11 @@ pub const MAX_WAIT: Duration = Duration::from_secs(1);
 /// How often a run of failures is summed up in the log.
 pub const SUMMARY_EVERY: Duration = Duration::from_secs(10);
 
-/// A run of failed accepts on one listener.
+/// Failed accepts on one listener, and what was said of them.
+///
+/// A run of failures ends at the first accept that follows [`SUMMARY_EVERY`] without a
+/// failure: at its descriptor limit a busy daemon alternates (each freed descriptor lets one
+/// accept through), and that is one run, not one per freed descriptor.
 #[derive(Debug, Default)]
 pub struct AcceptFailures {
     run: Option<Run>,
@@ -30,9 +35,12 @@ pub struct AcceptFailures {
 struct Run {
     started: Instant,
     failures: u64,
+    last_failure: Instant,
     logged_at: Instant,
     logged_failures: u64,
     wait: Duration,
+    /// An accept went through since the last failure: the next wait starts over.
+    accepted_since: bool,
 }
 
 /// What to log about a failed accept.
@@ -65,7 +73,7 @@ pub struct Failed {
 pub struct Recovered {
     /// How many accepts failed.
     pub failures: u64,
-    /// How long the run lasted.
+    /// How long the run lasted, to its last failure.
     pub for_ms: u64,
 }
 
@@ -76,9 +84,11 @@ impl AcceptFailures {
             self.run = Some(Run {
                 started: now,
                 failures: 1,
+                last_failure: now,
                 logged_at: now,
                 logged_failures: 1,
                 wait: FIRST_WAIT,
+                accepted_since: false,
             });
             return Failed {
                 say: Say::First,
@@ -86,7 +96,12 @@ impl AcceptFailures {
             };
         };
         run.failures += 1;
-        run.wait = (run.wait * 2).min(MAX_WAIT);
+        run.last_failure = now;
+        run.wait = if std::mem::take(&mut run.accepted_since) {
+            FIRST_WAIT
+        } else {
+            (run.wait * 2).min(MAX_WAIT)
+        };
         let say = if now.saturating_duration_since(run.logged_at) >= SUMMARY_EVERY {
             let failures = run.failures - run.logged_failures;
             run.logged_at = now;
@@ -104,11 +119,17 @@ impl AcceptFailures {
         }
     }
 
-    /// An accept succeeded at `now`: the run of failures before it, if any, ended.
+    /// An accept succeeded at `now`: the next failure waits [`FIRST_WAIT`] again, and a run
+    /// with no failure for [`SUMMARY_EVERY`] ended.
     pub fn accepted(&mut self, now: Instant) -> Option<Recovered> {
+        let run = self.run.as_mut()?;
+        run.accepted_since = true;
+        if now.saturating_duration_since(run.last_failure) < SUMMARY_EVERY {
+            return None;
+        }
         self.run.take().map(|run| Recovered {
             failures: run.failures,
-            for_ms: millis(now.saturating_duration_since(run.started)),
+            for_ms: millis(run.last_failure.saturating_duration_since(run.started)),
         })
     }
 }
@@ -151,10 +172,11 @@ mod tests {
     use super::*;
 
     /// A run of failures: one line at once, waits doubling to the cap, a summary once
-    /// [`SUMMARY_EVERY`] passed (counting what it did not say), and the success after it says
-    /// how many failed; the next run starts afresh.
+    /// [`SUMMARY_EVERY`] passed (counting what it did not say); accepts between failures keep
+    /// the run (only the wait starts over); the first accept 10 s after the last failure ends
+    /// it, saying how many failed; the next run starts afresh.
     #[test]
-    fn a_run_of_failures_backs_off_says_little_and_ends_with_a_success() {
+    fn a_run_of_failures_backs_off_says_little_and_ends_with_a_quiet_success() {
         let t0 = Instant::now();
         let mut failures = AcceptFailures::default();
         assert_eq!(failures.accepted(t0), None, "no run, nothing to say");
@@ -174,14 +196,24 @@ mod tests {
             waits.push(failed.wait.as_millis());
         }
         assert_eq!(waits, [100, 200, 400, 800, 1000, 1000]);
+        // A freed descriptor lets one through: the run goes on, its wait starts over.
+        assert_eq!(failures.accepted(at + Duration::from_millis(1)), None);
+        let failed = failures.failed(at + Duration::from_millis(2));
+        assert_eq!(
+            failed,
+            Failed {
+                say: Say::Nothing,
+                wait: FIRST_WAIT
+            }
+        );
         let later = t0 + SUMMARY_EVERY;
         assert_eq!(
             failures.failed(later).say,
             Say::Still {
-                failures: 7,
+                failures: 8,
                 for_ms: 10_000
             },
-            "the six unsaid and this one"
+            "the seven unsaid and this one"
         );
         assert_eq!(
             failures.failed(later + Duration::from_millis(1)).say,
@@ -190,14 +222,18 @@ mod tests {
         );
         assert_eq!(
             failures.accepted(later + Duration::from_secs(1)),
-            Some(Recovered {
-                failures: 9,
-                for_ms: 11_000
-            })
+            None,
+            "not quiet for long enough"
         );
         assert_eq!(
-            failures.failed(later + Duration::from_secs(2)).wait,
-            FIRST_WAIT
+            failures.accepted(later + Duration::from_millis(1) + SUMMARY_EVERY),
+            Some(Recovered {
+                failures: 10,
+                for_ms: 10_001
+            })
         );
+        let next = failures.failed(later + SUMMARY_EVERY * 2);
+        assert_eq!(next.say, Say::First);
+        assert_eq!(next.wait, FIRST_WAIT);
     }
 }

@@ -226,6 +226,9 @@ pub trait Service: Send + Sync + 'static {
 /// for as long as it likes (a held lease's).
 pub const HELLO_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
 
+/// How long the answer that closes an ungreeted connection may take to be written.
+const HELLO_CLOSE: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// What a session says about the daemon in `hello`.
 #[derive(Debug, Clone)]
 pub struct SessionConfig {
@@ -306,6 +309,8 @@ pub async fn serve_attached(
 
     let mut state = State::Greeting;
     let greeting_by = tokio::time::Instant::now() + HELLO_TIMEOUT;
+    // A client that was never greeted and stopped reading: nothing of it is waited for.
+    let mut stalled = false;
     loop {
         let greeting = matches!(state, State::Greeting);
         let line = tokio::select! {
@@ -316,7 +321,8 @@ pub async fn serve_attached(
                     ErrorCode::HandshakeRequired,
                     format!("No hello within {} s: closing", HELLO_TIMEOUT.as_secs()),
                 );
-                conn.reply(&Reply::err(None, &err)).await;
+                let bound = tokio::time::Instant::now() + HELLO_CLOSE;
+                stalled = !reply_within(&conn, &Reply::err(None, &err), Some(bound)).await;
                 debug!(connection = conn.id, "no hello within the bound; closed");
                 break;
             }
@@ -330,7 +336,16 @@ pub async fn serve_attached(
             Some(Ok(Line::TooLong)) => {
                 let err: ContractError =
                     BadFrame::TooLong(simlock_contract::bounds::MAX_CALL_LINE).into();
-                conn.reply(&Reply::err(None, &err)).await;
+                if !reply_within(
+                    &conn,
+                    &Reply::err(None, &err),
+                    greeting.then_some(greeting_by),
+                )
+                .await
+                {
+                    stalled = true;
+                    break;
+                }
                 continue;
             }
             Some(Ok(Line::Frame(bytes))) => bytes,
@@ -338,8 +353,11 @@ pub async fn serve_attached(
         let call = match Call::parse(&bytes) {
             Ok(call) => call,
             Err(bad) => {
-                conn.reply(&Reply::err(None, &ContractError::from(bad)))
-                    .await;
+                let reply = Reply::err(None, &ContractError::from(bad));
+                if !reply_within(&conn, &reply, greeting.then_some(greeting_by)).await {
+                    stalled = true;
+                    break;
+                }
                 continue;
             }
         };
@@ -369,8 +387,30 @@ pub async fn serve_attached(
     closed.cancel();
     service.closed(&conn);
     drop(conn);
+    if stalled {
+        // Never greeted, so no call runs: what is left to write has no reader.
+        writer.abort();
+        return;
+    }
     // The writer ends once every call still running has written its reply.
     let _ = writer.await;
+}
+
+/// Writes `reply`; before `hello`, only until the greeting's deadline (`by`): a client that
+/// sends bad lines without reading the answers is not waited for past it. Answers whether it
+/// was written in time.
+async fn reply_within(
+    conn: &Arc<Connection>,
+    reply: &Reply,
+    by: Option<tokio::time::Instant>,
+) -> bool {
+    match by {
+        None => {
+            conn.reply(reply).await;
+            true
+        }
+        Some(by) => tokio::time::timeout_at(by, conn.reply(reply)).await.is_ok(),
+    }
 }
 
 /// Handles the first call. `None` closes the connection.

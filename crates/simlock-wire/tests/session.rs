@@ -552,6 +552,32 @@ async fn a_connection_without_hello_is_closed_at_the_bound_and_a_greeted_one_may
     );
 }
 
+/// Review: a client that sends bad lines before `hello` and never reads the answers is not
+/// waited for past the greeting's deadline: the session closes.
+#[tokio::test(start_paused = true)]
+async fn a_client_that_sends_bad_lines_and_never_reads_is_closed_at_the_hello_bound() {
+    let (server, client) = tokio::io::duplex(64);
+    let (r, w) = tokio::io::split(server);
+    let session = tokio::spawn(serve(
+        Transport::server_io(r, w),
+        Origin::Socket,
+        Arc::new(TestService::default()),
+        config(),
+    ));
+    let (_unread, mut w) = tokio::io::split(client);
+    tokio::spawn(async move {
+        for _ in 0..10_000 {
+            if w.write_all(b"not json\n").await.is_err() {
+                return;
+            }
+        }
+    });
+    tokio::time::timeout(simlock_wire::HELLO_TIMEOUT * 2, session)
+        .await
+        .expect("the session ended at the bound")
+        .unwrap();
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_push_waits_while_the_reader_does_not_read() {
     let service = Arc::new(TestService::default());

@@ -236,6 +236,15 @@ fn names_refuse_control_characters_and_take_any_other_text() {
         "{}",
         err.message
     );
+    for field in ["principal", "clientVersion"] {
+        let hello = |value: &str| {
+            crate::decode_input::<Hello>(Some(json!({ field: value, "protocolVersion": 2 })))
+        };
+        assert!(hello("agent · 1").is_ok(), "{field}");
+        let err = hello("agent\u{1b}[2J").unwrap_err();
+        assert_eq!(err.code, ErrorCode::BadRequest);
+        assert!(err.message.contains(field), "{}", err.message);
+    }
 }
 
 #[test]

@@ -1856,7 +1856,13 @@ impl Core {
                             .copied()
                             .filter(|v| !waiter.excluded.contains(&v.id))
                             .collect();
+                        // A worker that refused its spec takes requests still: the wait is not
+                        // for a worker to come back.
+                        let refused_by_one_serving = views
+                            .iter()
+                            .any(|v| waiter.excluded.contains(&v.id) && routing::takes_requests(v));
                         routing::waiting_for(&could, &waiter.wanted)
+                            .filter(|why| *why != WaitingFor::NoWorker || !refused_by_one_serving)
                     };
                     self.no_pick(&id, waiting_for, now);
                 }

@@ -2973,3 +2973,18 @@ fn a_waiter_whose_requester_turns_out_to_hold_a_lease_is_answered_already_leased
     );
     assert!(core.lease("w1.lse_old").is_some(), "its lease is indexed");
 }
+
+/// Review: a waiter a connected worker refused (its spec) while the others are away does not
+/// wait "for a worker to come back" (`noWorker`): one that takes requests is there.
+#[test]
+fn a_waiter_refused_by_a_serving_worker_is_not_told_no_worker() {
+    let (mut core, _) = fleet(1);
+    let away = connect(&mut core, "w2", 0);
+    core.handle_uplink_closed(away, T0, T0);
+    core.take_effects();
+    ask(&mut core, 1, ios(), T0).unwrap();
+    refused(&mut core, ErrorCode::RuntimeMissing);
+    let told = told_why(&core.take_effects());
+    assert!(!told.is_empty(), "it waits, and is told so");
+    assert!(!told.contains(&Some(WaitingFor::NoWorker)), "{told:?}");
+}
