@@ -346,14 +346,12 @@ fn tagged_group_leaders() -> Vec<(u32, String)> {
             })
             .collect();
     }
-    let Ok(out) = std::process::Command::new("ps")
-        .args(["-axwwE", "-o", "pid=,pgid=,command="])
-        .stderr(Stdio::null())
-        .output()
-    else {
+    let mut ps = std::process::Command::new("ps");
+    ps.args(["-axwwE", "-o", "pid=,pgid=,command="]);
+    let Some(out) = bounded_output(ps) else {
         return Vec::new();
     };
-    String::from_utf8_lossy(&out.stdout)
+    String::from_utf8_lossy(&out)
         .lines()
         .filter_map(|line| {
             let mut fields = line.split_whitespace();
@@ -419,13 +417,45 @@ fn program_of(pid: u32) -> Option<String> {
             .map(|a| String::from_utf8_lossy(a).into_owned());
     }
     // Where there is no /proc (macOS): ask ps.
-    let out = std::process::Command::new("ps")
-        .args(["-o", "command=", "-p", &pid.to_string()])
-        .stderr(Stdio::null())
-        .output()
-        .ok()?;
-    let text = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+    let mut ps = std::process::Command::new("ps");
+    ps.args(["-o", "command=", "-p", &pid.to_string()]);
+    let out = bounded_output(ps)?;
+    let text = String::from_utf8_lossy(&out).trim().to_owned();
     (!text.is_empty()).then_some(text)
+}
+
+/// How long a `ps` may take before it is given up on (and killed).
+const PS_BOUND: Duration = Duration::from_secs(5);
+
+/// What `command` printed, or `None` when it could not run or took longer than [`PS_BOUND`]
+/// (it is killed then): every wait on another process is bounded.
+fn bounded_output(command: std::process::Command) -> Option<Vec<u8>> {
+    output_within(command, PS_BOUND)
+}
+
+/// What `command` printed, or `None` when it could not run or took longer than `bound`.
+fn output_within(mut command: std::process::Command, bound: Duration) -> Option<Vec<u8>> {
+    let child = command
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .ok()?;
+    let pid = child.id();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(child.wait_with_output());
+    });
+    match rx.recv_timeout(bound) {
+        Ok(Ok(out)) => Some(out.stdout),
+        Ok(Err(_)) => None,
+        Err(_) => {
+            if let Some(p) = to_pid(pid) {
+                let _ = rustix::process::kill_process(p, rustix::process::Signal::KILL);
+            }
+            None
+        }
+    }
 }
 
 /// Whether the recorded process still runs its program (not a reused pid).
@@ -684,6 +714,22 @@ mod tests {
         let expected = ledger.expect(&entry(0, "tool", None)).unwrap();
         assert!(expected.started(4_000_000).is_err());
         assert_eq!(expected_files(dir.path()).len(), 1);
+    }
+
+    /// `ps` (where there is no `/proc`) is waited for within a bound, and killed past it.
+    #[test]
+    fn a_helper_command_is_read_within_its_bound_and_killed_past_it() {
+        let mut echo = std::process::Command::new("sh");
+        echo.args(["-c", "echo hi"]);
+        assert_eq!(
+            output_within(echo, Duration::from_secs(30)).as_deref(),
+            Some(&b"hi\n"[..])
+        );
+        let missing = std::process::Command::new("/nonexistent/ps");
+        assert_eq!(output_within(missing, Duration::from_secs(30)), None);
+        let mut slow = std::process::Command::new("sleep");
+        slow.arg("30");
+        assert_eq!(output_within(slow, Duration::from_millis(50)), None);
     }
 
     /// An entry written before `started` existed reads back without it.
