@@ -718,7 +718,7 @@ mod tests {
 
     /// `ps` (where there is no `/proc`) is waited for within a bound, and killed past it.
     #[test]
-    fn a_helper_command_is_read_within_its_bound_and_killed_past_it() {
+    fn a_helper_command_is_read_within_its_bound_and_given_up_on_past_it() {
         let mut echo = std::process::Command::new("sh");
         echo.args(["-c", "echo hi"]);
         assert_eq!(
