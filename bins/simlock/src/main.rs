@@ -71,6 +71,10 @@ fn main() -> ExitCode {
     ExitCode::from(code)
 }
 
+/// What `exec` exits with when its output's reader went away before the tool ended: what a
+/// program killed by SIGPIPE exits with in a shell (128 + 13).
+const EXIT_BROKEN_PIPE: u8 = 141;
+
 /// Set once a result could not be written to stdout (a full disk; not a reader that went away,
 /// which nobody is owed a status for): the command then exits 1, not 0.
 static OUTPUT_LOST: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
@@ -596,8 +600,13 @@ async fn exec(
                 };
                 if let Err(e) = written {
                     // Nobody reads the tool's output any more: the CLI stops following it (the
-                    // tool runs on to its end or its time limit, as for any caller that leaves),
-                    // exiting 1 unless the reader went away.
+                    // tool runs on to its end or its time limit, as for any caller that leaves).
+                    // Its exit code is not known: a reader that went away gets what a program
+                    // killed by SIGPIPE exits with (a pipeline with pipefail does not pass),
+                    // another failure 1, said.
+                    if e.kind() == std::io::ErrorKind::BrokenPipe {
+                        return Ok(EXIT_BROKEN_PIPE);
+                    }
                     output_failed(&e, "the tool's output");
                     return Ok(0);
                 }

@@ -4,6 +4,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;
 
 use serde_json::Value;
+use simlock_contract::bounds;
 use simlock_contract::model::{
     Connection, Device, DeviceAccess, EventEnvelope, LeaseGrant, LeaseRecord, PlatformCapacity,
     TokenRecord, WaitStage, WaitingRequest, WorkerRef, WorkerView,
@@ -59,9 +60,9 @@ pub(crate) fn timestamp(ts_ms: i64) -> String {
     format!("{year:04}-{month:02}-{day:02}T{h:02}:{m:02}:{s:02}.{ms:03}Z")
 }
 
-/// Rows under headers, columns padded to their widest cell. A cell's control characters are
-/// shown escaped (`\n`, `\u{1b}`): a value from a daemon's records cannot forge a row or
-/// send escape sequences to the terminal.
+/// Rows under headers, columns padded to their widest cell. A cell's control and invisible
+/// characters are shown escaped (`\n`, `\u{1b}`, `\u{200b}`): a value from a daemon's
+/// records cannot forge a row, send escape sequences to the terminal, or pass for another.
 pub(crate) fn table(headers: &[&str], rows: &[Vec<String>]) -> String {
     let rows: Vec<Vec<String>> = rows
         .iter()
@@ -96,14 +97,15 @@ pub(crate) fn table(headers: &[&str], rows: &[Vec<String>]) -> String {
     out
 }
 
-/// `text` with each control character escaped as Rust writes it (`\n`, `\u{1b}`).
+/// `text` with each control or invisible character ([`bounds::is_hidden`]) escaped as Rust
+/// writes it (`\n`, `\u{1b}`, `\u{200b}`).
 fn visible(text: &str) -> String {
-    if !text.chars().any(char::is_control) {
+    if !text.chars().any(bounds::is_hidden) {
         return text.to_owned();
     }
     text.chars()
         .map(|c| {
-            if c.is_control() {
+            if bounds::is_hidden(c) {
                 c.escape_default().to_string()
             } else {
                 c.to_string()
@@ -639,6 +641,7 @@ mod tests {
             "{out}"
         );
         assert_eq!(visible("Zoë 🦀"), "Zoë 🦀");
+        assert_eq!(visible("agent-1\u{200b}"), "agent-1\\u{200b}");
     }
 
     /// A running worker's status with nothing in it but `uplink`.

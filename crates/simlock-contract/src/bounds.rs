@@ -194,13 +194,32 @@ pub fn filter_relay_headers(
         .collect()
 }
 
-/// garde rule: text that holds no control character (C0, DEL or C1: a newline, an escape, a
-/// NUL…), so that what a caller names (a requester, a label) cannot forge a line or send
-/// escape sequences to whoever reads it in a terminal or a log.
+/// Whether `c` is a character a name must not hold: a control character (C0, DEL or C1: a
+/// newline, an escape, a NUL…), or one that shows nothing or turns the text around (zero-width
+/// spaces and joiners, direction marks and overrides, line and paragraph separators, the byte
+/// order mark, the soft hyphen): with them, one name could pass for another in a listing.
+pub fn is_hidden(c: char) -> bool {
+    c.is_control()
+        || matches!(
+            c,
+            '\u{ad}'
+                | '\u{61c}'
+                | '\u{180e}'
+                | '\u{200b}'..='\u{200f}'
+                | '\u{2028}'..='\u{202e}'
+                | '\u{2060}'..='\u{206f}'
+                | '\u{feff}'
+                | '\u{fff9}'..='\u{fffb}'
+        )
+}
+
+/// garde rule: text that holds no hidden character ([`is_hidden`]), so that what a caller
+/// names (a requester, a label) cannot forge a line, send escape sequences to whoever reads it
+/// in a terminal or a log, or pass for another name.
 pub fn printable<T: AsRef<str> + ?Sized>(text: &T, _: &()) -> garde::Result {
-    match text.as_ref().chars().position(char::is_control) {
+    match text.as_ref().chars().position(is_hidden) {
         Some(at) => Err(Error::new(format!(
-            "must not hold control characters (character {} is one)",
+            "must not hold control characters or invisible ones (character {} is one)",
             at + 1
         ))),
         None => Ok(()),

@@ -76,16 +76,15 @@ pub fn in_json_terms(message: &str) -> String {
         }
     }
     // A whole number too large for 64 bits reaches serde as a float: said as what it is.
-    if let Some(rest) = out
-        .split_once("invalid type: floating point `")
-        .map(|(_, r)| r)
-        && let Some(number) = rest.split_once('`').map(|(n, _)| n)
+    const FLOAT: &str = "invalid type: floating point `";
+    if let Some(at) = out.find(FLOAT)
+        && let Some(number) = out[at + FLOAT.len()..].split_once('`').map(|(n, _)| n)
         && let Ok(value) = number.parse::<f64>()
         && value.fract() == 0.0
         && value >= 1.8e19
         && out.ends_with("expected a whole number, 0 or more")
     {
-        out = format!("{out} (this one is too large)");
+        out.replace_range(at.., "too large: expected a whole number, 0 or more");
     }
     out
 }
@@ -312,8 +311,7 @@ mod tests {
         let huge: Value = serde_json::from_str(r#"{"ttlMs": 18446744073709551616}"#).unwrap();
         assert_eq!(
             message(huge),
-            "ttlMs: invalid type: floating point `1.8446744073709552e+19`, expected a whole \
-             number, 0 or more (this one is too large)"
+            "ttlMs: too large: expected a whole number, 0 or more"
         );
         assert_eq!(
             message(serde_json::json!({"ratio": "x"})),

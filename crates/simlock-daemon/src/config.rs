@@ -828,13 +828,16 @@ pub fn validate(config: &DaemonConfig, mode: Mode) -> Result<(), ConfigError> {
             if config.gateway.ca_file.as_deref() == Some("") {
                 return bad("gateway.caFile must name a file".into());
             }
-            if let Some(label) = &config.gateway.label
-                && label.chars().count() > simlock_contract::bounds::MAX_LABEL
-            {
-                return bad(format!(
-                    "gateway.label: at most {} characters",
-                    simlock_contract::bounds::MAX_LABEL
-                ));
+            if let Some(label) = &config.gateway.label {
+                if label.chars().count() > simlock_contract::bounds::MAX_LABEL {
+                    return bad(format!(
+                        "gateway.label: at most {} characters",
+                        simlock_contract::bounds::MAX_LABEL
+                    ));
+                }
+                if let Err(e) = simlock_contract::bounds::printable(label, &()) {
+                    return bad(format!("gateway.label: {e}"));
+                }
             }
             for cap in &config.capabilities {
                 if !simlock_contract::bounds::is_capability_name(cap) {
@@ -1377,6 +1380,15 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("gateway.label"), "{err}");
+        // Outside trial 22: a label shows in every listing; a control character in it is
+        // refused at start-up, as the gateway refuses it on the uplink.
+        let err = load_with("[gateway]\nlabel = \"mini\\n3\"", &[], Mode::Worker)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("gateway.label") && err.contains("control characters"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -9,7 +9,7 @@ use simlock_wire::{Origin, Transport, serve};
 use tokio::net::{UnixListener, UnixStream};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
-use tracing::{info, warn};
+use tracing::info;
 
 use crate::home::MAX_SOCKET_PATH;
 use crate::pipeline::Pipeline;
@@ -77,15 +77,21 @@ pub fn serve_socket(
             };
             match accepted {
                 Ok((stream, _)) => {
-                    crate::accept::after_success(&mut failures, "socket");
-                    // A second handle on the socket, to shut it down at the stop.
+                    // A second handle on the socket, to shut it down at the stop. Out of
+                    // descriptors, it fails as an accept does: the connection is closed, and the
+                    // listener backs off and sums it up as for a failed accept.
                     let shutter = match stream.as_fd().try_clone_to_owned() {
                         Ok(fd) => std::os::unix::net::UnixStream::from(fd),
                         Err(e) => {
-                            warn!(error = %e, "a socket connection could not be kept; closed");
+                            drop(stream);
+                            tokio::select! {
+                                () = shutdown.cancelled() => break,
+                                () = crate::accept::after_failure(&mut failures, "socket", &e) => {}
+                            }
                             continue;
                         }
                     };
+                    crate::accept::after_success(&mut failures, "socket");
                     let (r, w) = stream.into_split();
                     let pipeline = pipeline.clone();
                     let config = pipeline.session_config();

@@ -794,7 +794,7 @@ async fn uplink_status(url: &str, headers: &[(&'static str, &str)]) -> u16 {
     for (name, value) in headers {
         request
             .headers_mut()
-            .insert(*name, http::HeaderValue::from_str(value).unwrap());
+            .append(*name, http::HeaderValue::from_str(value).unwrap());
     }
     match tokio_tungstenite::connect_async(request).await {
         Ok(_) => 101,
@@ -862,6 +862,32 @@ async fn refused_uplinks_get_their_statuses_and_change_no_view() {
     );
     assert_eq!(
         uplink_status(&uplink, &[("authorization", &join_bearer)]).await,
+        400
+    );
+    // A worker id sent twice, or an authorization sent twice: a malformed head, answered 400
+    // and not recorded as a refusal of who dials.
+    assert_eq!(
+        uplink_status(
+            &uplink,
+            &[
+                ("x-simlock-worker-id", "w1"),
+                ("x-simlock-worker-id", "w2"),
+                ("authorization", &join_bearer)
+            ]
+        )
+        .await,
+        400
+    );
+    assert_eq!(
+        uplink_status(
+            &uplink,
+            &[
+                ("x-simlock-worker-id", "w1"),
+                ("authorization", &join_bearer),
+                ("authorization", &join_bearer)
+            ]
+        )
+        .await,
         400
     );
     assert_eq!(

@@ -1152,3 +1152,24 @@ async fn a_retry_of_a_queued_request_answers_at_once_on_both_daemons() {
     fleet.stop().await;
     worker.stop("test").await;
 }
+
+/// Outside trial 22: through a gateway, a retry of a request its worker is provisioning a
+/// device for answers at once with the worker's last report, as on a worker; it used to wait
+/// for the next stage.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_of_a_request_being_provisioned_answers_at_once_through_a_gateway() {
+    let mut fleet = TestFleet::start(gateway_config()).await;
+    let mut slow = worker_config(2);
+    // Longer than the test: the request stays provisioning.
+    slow.core.virtual_devices.provision_ms = 600_000;
+    fleet.add_worker(slow).await;
+    let gateway = fleet.gateway().running.http_addr().unwrap();
+    let (a, _) = agent(&fleet.gateway().running.base.tokens);
+    let first = keyed_request(gateway, &a, "prov-1").await;
+    assert_eq!(first.status, 201, "{first:?}");
+    assert_eq!(first.body["request"]["state"], "provisioning", "{first:?}");
+    let again = keyed_request(gateway, &a, "prov-1").await;
+    assert_eq!(again.status, 201, "{again:?}");
+    assert_eq!(again.body["request"]["state"], "provisioning", "{again:?}");
+    fleet.stop().await;
+}

@@ -9,12 +9,12 @@ use std::sync::Arc;
 
 use futures::FutureExt;
 use futures::future::BoxFuture;
-use http::{HeaderValue, Request, Response, StatusCode, header};
+use http::{HeaderName, HeaderValue, Request, Response, StatusCode, header};
 use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
 use simlock_contract::event::{Event, EventModule, UplinkRejection};
 use simlock_contract::model::TokenRole;
-use simlock_contract::{ContractError, bounds};
+use simlock_contract::{ContractError, ErrorCode, bounds};
 use simlock_daemon::auth::verify_bearer;
 use simlock_daemon::http::Mount;
 use simlock_daemon::http::body::{Body, empty, error, error_with_status};
@@ -81,8 +81,13 @@ impl UplinkMount {
         let headers = request.headers();
         // Who dials is checked first: a caller without a worker token learns nothing of what
         // an uplink needs. The worker's headers only name it in the refusal's event.
-        let worker_id = headers
-            .get("x-simlock-worker-id")
+        let worker_header = HeaderName::from_static("x-simlock-worker-id");
+        let worker_id =
+            simlock_daemon::auth::single_header(headers, &worker_header, "x-simlock-worker-id");
+        let sent_twice = worker_id.as_ref().err().cloned();
+        let worker_id = worker_id
+            .ok()
+            .flatten()
             .and_then(|v| v.to_str().ok())
             .filter(|id| bounds::is_worker_id(id))
             .map(str::to_owned);
@@ -93,11 +98,15 @@ impl UplinkMount {
         {
             Ok(token) => token,
             Err(err) => {
-                self.rejected(
-                    UplinkRejection::Unauthenticated,
-                    worker_id.as_deref(),
-                    named,
-                );
+                // A refusal of who dials is recorded; a malformed head (a header sent twice)
+                // is only answered.
+                if err.code == ErrorCode::Unauthenticated {
+                    self.rejected(
+                        UplinkRejection::Unauthenticated,
+                        worker_id.as_deref(),
+                        named,
+                    );
+                }
                 return error(&err);
             }
         };
@@ -106,6 +115,9 @@ impl UplinkMount {
             return error(&ContractError::forbidden(
                 "Only a worker (join) token may open an uplink",
             ));
+        }
+        if let Some(err) = sent_twice {
+            return error(&err);
         }
         let label = match label {
             Ok(label) => label,
@@ -252,6 +264,11 @@ fn worker_label(header: Option<&HeaderValue>) -> Result<Option<String>, Contract
             bounds::MAX_LABEL
         )));
     }
+    if let Err(e) = bounds::printable(&label, &()) {
+        return Err(ContractError::bad_request(format!(
+            "x-simlock-worker-label: {e}"
+        )));
+    }
     Ok(Some(label).filter(|l| !l.is_empty()))
 }
 
@@ -299,7 +316,7 @@ mod tests {
         let at = "é".repeat(bounds::MAX_LABEL);
         assert_eq!(label(&at).unwrap(), Some(at.clone()));
         let err = label(&format!("{at}x")).unwrap_err();
-        assert_eq!(err.code, simlock_contract::ErrorCode::BadRequest);
+        assert_eq!(err.code, ErrorCode::BadRequest);
         assert!(
             err.message.starts_with("x-simlock-worker-label"),
             "{}",
@@ -307,5 +324,13 @@ mod tests {
         );
         assert_eq!(worker_label(None).unwrap(), None);
         assert_eq!(label("").unwrap(), None);
+        // Outside trial 22: a label shows in every listing and event; no control characters.
+        let err = label("mini\n3").unwrap_err();
+        assert_eq!(err.code, ErrorCode::BadRequest);
+        assert!(
+            err.message.contains("control characters"),
+            "{}",
+            err.message
+        );
     }
 }

@@ -195,6 +195,10 @@ fn names_refuse_control_characters_and_take_any_other_text() {
             "del\u{7f}",
             "c1\u{85}",
             "tab\t",
+            "agent-1\u{200b}",
+            "\u{202e}RTL",
+            "\u{feff}bom",
+            "line\u{2028}sep",
         ] {
             check_bound(
                 "lease.request",

@@ -457,9 +457,16 @@ fn idempotency_key(request: &Request<Incoming>) -> Result<Option<String>, Contra
     let name = http::HeaderName::from_static("idempotency-key");
     crate::auth::single_header(request.headers(), &name, "Idempotency-Key")?
         .map(|v| {
-            v.to_str().map(String::from).map_err(|_| {
-                ContractError::bad_request("Idempotency-Key: must be visible ASCII text")
-            })
+            // Visible ASCII only: not a space either (a header value may hold one).
+            v.to_str()
+                .ok()
+                .filter(|key| key.bytes().all(|b| b.is_ascii_graphic()))
+                .map(String::from)
+                .ok_or_else(|| {
+                    ContractError::bad_request(
+                        "Idempotency-Key: must be visible ASCII text (no spaces)",
+                    )
+                })
         })
         .transpose()
 }
