@@ -390,6 +390,24 @@ pub fn received(fake: &agent_device_fake::FakeAgentDevice, method: &str) -> Vec<
         .collect()
 }
 
+/// What the fake agent-device daemon received from callers, without what simlock sends it at
+/// times of its own, which a test may straddle: the worker's health probes (every 10 s,
+/// `GET /health`) and the front's heartbeats after a command (`<id>:keep`).
+pub fn callers_requests(
+    fake: &agent_device_fake::FakeAgentDevice,
+) -> Vec<agent_device_fake::RecordedRequest> {
+    fake.requests()
+        .into_iter()
+        .filter(|r| !(r.method == "GET" && r.path == "/health"))
+        .filter(|r| {
+            !serde_json::from_slice::<Value>(&r.body)
+                .ok()
+                .and_then(|b| b["id"].as_str().map(|id| id.ends_with(":keep")))
+                .unwrap_or(false)
+        })
+        .collect()
+}
+
 /// How many heartbeats callers sent `fake`: not the front's own after a command (`<id>:keep`,
 /// `RpcCall::heartbeat_after`), which follow each command's answer at a time of their own.
 pub fn callers_heartbeats(fake: &agent_device_fake::FakeAgentDevice) -> usize {

@@ -20,8 +20,8 @@ use http::Method;
 use serde_json::{Value, json};
 use simlock_e2e::PATIENCE;
 use simlock_e2e::agent_device::{
-    AdWorker, Carried, Cli, Http, attached_config, callers_heartbeats, real_package, received,
-    rpc_answer, rpc_call, stopping_message,
+    AdWorker, Carried, Cli, Http, attached_config, callers_heartbeats, callers_requests,
+    real_package, received, rpc_answer, rpc_call, stopping_message,
 };
 
 fn allocate_call(id: &str, session: &str) -> Value {
@@ -892,7 +892,7 @@ async fn a_websocket_upgrade_on_an_agent_device_route_is_refused_and_nothing_is_
     let worker = AdWorker::with_fake(attached_config(), &fake).await;
     let (_, secret) = worker.token("agent").await;
     let bearer = format!("Bearer {secret}");
-    let seen = fake.requests().len();
+    let seen = callers_requests(&fake).len();
     for (method, route, token) in [
         (Method::GET, "health", None),
         (Method::POST, "rpc", Some(bearer.as_str())),
@@ -917,7 +917,11 @@ async fn a_websocket_upgrade_on_an_agent_device_route_is_refused_and_nothing_is_
             "{route}"
         );
     }
-    assert_eq!(fake.requests().len(), seen, "nothing reached agent-device");
+    assert_eq!(
+        callers_requests(&fake).len(),
+        seen,
+        "nothing reached agent-device"
+    );
     worker.stop().await;
     fake.stop().await;
 }
@@ -1018,7 +1022,7 @@ async fn on_a_worker_the_lease_header_is_not_read() {
     let http = Http::new();
     let others = allocate(&http, &worker, &other, "s9").await;
     let bearer = format!("Bearer {secret}");
-    let before = fake.requests().len();
+    let before = callers_requests(&fake).len();
     for header in [Some(others.as_str()), Some("NOT-A-LEASE"), None] {
         let mut headers = vec![("authorization", bearer.as_str())];
         if let Some(value) = header {
@@ -1037,7 +1041,7 @@ async fn on_a_worker_the_lease_header_is_not_read() {
             "{header:?}: forwarded as ever: {answer:?}"
         );
     }
-    assert_eq!(fake.requests().len(), before + 3);
+    assert_eq!(callers_requests(&fake).len(), before + 3);
     worker.stop().await;
     fake.stop().await;
 }

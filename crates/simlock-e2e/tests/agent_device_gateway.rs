@@ -21,7 +21,8 @@ use serde_json::{Value, json};
 use simlock_contract::model::Platform;
 use simlock_daemon::clock::{Clock, SharedClock, TokioClock};
 use simlock_e2e::agent_device::{
-    Http, callers_heartbeats, received, rpc_call, stopping_message, ticket_headers,
+    Http, callers_heartbeats, callers_requests, received, rpc_call, stopping_message,
+    ticket_headers,
 };
 use simlock_e2e::{PATIENCE, TestFleet, gateway_config, worker_config};
 use simlock_gateway::GatewayConfig;
@@ -2026,10 +2027,10 @@ async fn while_the_uplink_is_down_the_lease_answers_retry_at_once_and_afterwards
 
     cable.cut();
     gw.wait_connection(0, Connection::Disconnected).await;
-    let seen = gw.fakes[0].requests().len();
+    let seen = callers_requests(&gw.fakes[0]).len();
     every_call_answers_retry(&gw, &secret, &lease).await;
     assert_eq!(
-        gw.fakes[0].requests().len(),
+        callers_requests(&gw.fakes[0]).len(),
         seen,
         "nothing was relayed to the away worker"
     );
