@@ -1851,18 +1851,7 @@ impl Core {
                     let waiting_for = if waiter.no_wait {
                         None
                     } else {
-                        let could: Vec<&WorkerView> = views
-                            .iter()
-                            .copied()
-                            .filter(|v| !waiter.excluded.contains(&v.id))
-                            .collect();
-                        // A worker that refused its spec takes requests still: the wait is not
-                        // for a worker to come back.
-                        let refused_by_one_serving = views
-                            .iter()
-                            .any(|v| waiter.excluded.contains(&v.id) && routing::takes_requests(v));
-                        routing::waiting_for(&could, &waiter.wanted)
-                            .filter(|why| *why != WaitingFor::NoWorker || !refused_by_one_serving)
+                        routing::waiting_for(&views, &waiter.excluded, &waiter.wanted)
                     };
                     self.no_pick(&id, waiting_for, now);
                 }

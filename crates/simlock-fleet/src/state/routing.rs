@@ -236,12 +236,17 @@ fn room(view: &WorkerView, platform: Platform, freed: impl Fn(&Device) -> bool) 
 
 /// Why no worker among `views` takes `wanted` now ([`select`] picked none): no worker that
 /// could serve it takes requests (`noWorker`: each is away, drained or failed); or, a matter of
-/// devices, every worker that could serve it has its room full, and quarantined devices (a wipe
-/// that failed) hold some of that room (`quarantine`, with the earliest retry), or none do
-/// (`capacity`). `None` when one has room (it waits for another reason: a worker's own queue, a
+/// devices, every worker that could serve it, but those in `excluded` (they refused its spec),
+/// has its room full, and quarantined devices (a wipe that failed) hold some of that room
+/// (`quarantine`, with the earliest retry), or none do (`capacity`). `None` when one has room,
+/// or only excluded ones take requests (it waits for another reason: a worker's own queue, a
 /// refusal).
-pub fn waiting_for(views: &[&WorkerView], wanted: &Wanted) -> Option<WaitingFor> {
-    let servers: Vec<&WorkerView> = views
+pub fn waiting_for(
+    views: &[&WorkerView],
+    excluded: &std::collections::BTreeSet<String>,
+    wanted: &Wanted,
+) -> Option<WaitingFor> {
+    let mut servers: Vec<&WorkerView> = views
         .iter()
         .copied()
         .filter(|v| takes_requests(v))
@@ -251,9 +256,11 @@ pub fn waiting_for(views: &[&WorkerView], wanted: &Wanted) -> Option<WaitingFor>
     if servers.is_empty() {
         return Some(WaitingFor::NoWorker);
     }
-    if servers
-        .iter()
-        .any(|v| free_or_evictable(v, wanted.platform) > 0)
+    servers.retain(|v| !excluded.contains(&v.id));
+    if servers.is_empty()
+        || servers
+            .iter()
+            .any(|v| free_or_evictable(v, wanted.platform) > 0)
     {
         return None;
     }

@@ -1,6 +1,6 @@
 //! Routing stages and the fast-fail table, one behaviour per test.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use simlock_contract::ids::DeviceId;
 use simlock_contract::model::{
@@ -414,7 +414,7 @@ fn why_no_worker_takes_a_request_is_told_when_none_takes_requests_or_every_serve
     let leased = || in_state(DeviceState::Leased, Platform::Ios, None);
     let quarantined = |at| in_state(DeviceState::Quarantined, Platform::Ios, Some(at));
     assert_eq!(
-        waiting_for(&[], &iphone),
+        waiting_for(&[], &BTreeSet::new(), &iphone),
         Some(WaitingFor::NoWorker),
         "no worker at all"
     );
@@ -425,15 +425,28 @@ fn why_no_worker_takes_a_request_is_told_when_none_takes_requests_or_every_serve
     let mut failed = view("c", 1);
     failed.health = Some(Health::Failed);
     assert_eq!(
-        waiting_for(&[&away, &drained, &failed], &iphone),
+        waiting_for(&[&away, &drained, &failed], &BTreeSet::new(), &iphone),
         Some(WaitingFor::NoWorker),
         "none takes requests: away, drained, failed"
     );
+    // One that takes requests refused its spec: the wait is not for a worker to come back.
+    let refusing = view("d", 1);
+    assert_eq!(
+        waiting_for(
+            &[&away, &refusing],
+            &BTreeSet::from(["d".to_owned()]),
+            &iphone
+        ),
+        None
+    );
     let full = full_with("a", vec![leased()]);
-    assert_eq!(waiting_for(&[&full], &iphone), Some(WaitingFor::Capacity));
+    assert_eq!(
+        waiting_for(&[&full], &BTreeSet::new(), &iphone),
+        Some(WaitingFor::Capacity)
+    );
     let room = view("b", 1);
     assert_eq!(
-        waiting_for(&[&full, &room], &iphone),
+        waiting_for(&[&full, &room], &BTreeSet::new(), &iphone),
         None,
         "another worker has room"
     );
@@ -441,7 +454,7 @@ fn why_no_worker_takes_a_request_is_told_when_none_takes_requests_or_every_serve
     let late = full_with("a", vec![quarantined(9_000)]);
     let early = full_with("b", vec![quarantined(5_000)]);
     assert_eq!(
-        waiting_for(&[&late, &early, &full], &iphone),
+        waiting_for(&[&late, &early, &full], &BTreeSet::new(), &iphone),
         Some(WaitingFor::Quarantine { retry_at: 5_000 })
     );
 }
@@ -459,7 +472,7 @@ fn a_quarantine_of_another_platform_is_told_only_when_the_workers_cap_holds_the_
         ],
     );
     assert_eq!(
-        waiting_for(&[&both], &iphone),
+        waiting_for(&[&both], &BTreeSet::new(), &iphone),
         Some(WaitingFor::Quarantine { retry_at: 9_000 })
     );
     // The iOS cap has room; the worker's cap is held by a quarantined Android device.
@@ -474,7 +487,7 @@ fn a_quarantine_of_another_platform_is_told_only_when_the_workers_cap_holds_the_
         Some(5_000),
     )]);
     assert_eq!(
-        waiting_for(&[&global], &iphone),
+        waiting_for(&[&global], &BTreeSet::new(), &iphone),
         Some(WaitingFor::Quarantine { retry_at: 5_000 })
     );
 }
