@@ -132,10 +132,30 @@ impl Ledger {
     /// # Errors
     /// When the entry cannot be written.
     pub fn record(&self, entry: &Entry) -> io::Result<()> {
-        let text = serde_json::to_vec(entry).map_err(io::Error::other)?;
-        let tmp = self.dir.join(format!(".{}.tmp", entry.pid));
+        self.write(&entry.pid.to_string(), entry)
+    }
+
+    /// Writes `value` as `<name>.json`, whole or not at all (through `.<name>.tmp`).
+    fn write(&self, name: &str, value: &impl Serialize) -> io::Result<()> {
+        let text = serde_json::to_vec(value).map_err(io::Error::other)?;
+        let tmp = self.dir.join(format!(".{name}.tmp"));
         std::fs::write(&tmp, text)?;
-        std::fs::rename(&tmp, self.path(entry.pid))
+        std::fs::rename(&tmp, self.dir.join(format!("{name}.json")))
+    }
+
+    /// The `.json` files of the ledger whose names `keep` takes.
+    fn files(&self, keep: impl Fn(&str) -> bool) -> Vec<PathBuf> {
+        let Ok(dir) = std::fs::read_dir(&self.dir) else {
+            return Vec::new();
+        };
+        dir.filter_map(Result::ok)
+            .filter(|e| {
+                let name = e.file_name();
+                let name = name.to_string_lossy();
+                name.ends_with(".json") && keep(&name)
+            })
+            .map(|e| e.path())
+            .collect()
     }
 
     /// Writes what a process about to start will be (`entry`; its `pid` and `started` are not
@@ -147,15 +167,13 @@ impl Ledger {
     /// When it cannot be written: the process must not start then.
     pub fn expect(&self, entry: &Entry) -> io::Result<Expected<'_>> {
         let tag = next_tag();
-        let file = self.dir.join(format!("{EXPECTED_PREFIX}{tag}.json"));
+        let name = format!("{EXPECTED_PREFIX}{tag}");
         let written = ExpectedFile {
             tag: tag.clone(),
             entry: entry.clone(),
         };
-        let text = serde_json::to_vec(&written).map_err(io::Error::other)?;
-        let tmp = self.dir.join(format!(".{EXPECTED_PREFIX}{tag}.tmp"));
-        std::fs::write(&tmp, text)?;
-        std::fs::rename(&tmp, &file)?;
+        self.write(&name, &written)?;
+        let file = self.dir.join(format!("{name}.json"));
         Ok(Expected {
             ledger: self,
             file: Some(file),
@@ -171,17 +189,10 @@ impl Ledger {
 
     /// Every recorded process.
     pub fn entries(&self) -> Vec<Entry> {
-        let Ok(dir) = std::fs::read_dir(&self.dir) else {
-            return Vec::new();
-        };
-        let mut entries: Vec<Entry> = dir
-            .filter_map(Result::ok)
-            .filter(|e| {
-                let name = e.file_name();
-                let name = name.to_string_lossy();
-                name.ends_with(".json") && !name.starts_with(EXPECTED_PREFIX)
-            })
-            .filter_map(|e| std::fs::read(e.path()).ok())
+        let mut entries: Vec<Entry> = self
+            .files(|name| !name.starts_with(EXPECTED_PREFIX))
+            .into_iter()
+            .filter_map(|path| std::fs::read(path).ok())
             .filter_map(|bytes| serde_json::from_slice(&bytes).ok())
             .collect();
         entries.sort_by_key(|e| e.pid);
@@ -192,18 +203,7 @@ impl Ledger {
     /// leader whose environment carries the expected tag (a process the expected one started
     /// in its own group goes with that group). An expected file is then removed, found or not.
     fn find_expected(&self, this_run: Option<&str>) {
-        let Ok(dir) = std::fs::read_dir(&self.dir) else {
-            return;
-        };
-        let files: Vec<PathBuf> = dir
-            .filter_map(Result::ok)
-            .filter(|e| {
-                let name = e.file_name();
-                let name = name.to_string_lossy();
-                name.starts_with(EXPECTED_PREFIX) && name.ends_with(".json")
-            })
-            .map(|e| e.path())
-            .collect();
+        let files = self.files(|name| name.starts_with(EXPECTED_PREFIX));
         if files.is_empty() {
             return;
         }
