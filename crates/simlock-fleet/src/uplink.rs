@@ -81,18 +81,12 @@ impl UplinkMount {
         let headers = request.headers();
         // Who dials is checked first: a caller without a worker token learns nothing of what
         // an uplink needs. The worker's headers only name it in the refusal's event.
-        let worker_header = HeaderName::from_static("x-simlock-worker-id");
-        let worker_id =
-            simlock_daemon::auth::single_header(headers, &worker_header, "x-simlock-worker-id");
-        let sent_twice = worker_id.as_ref().err().cloned();
-        let worker_id = worker_id
-            .ok()
-            .flatten()
-            .and_then(|v| v.to_str().ok())
-            .filter(|id| bounds::is_worker_id(id))
-            .map(str::to_owned);
+        let worker_id = worker_id(headers);
         let label = worker_label(headers.get("x-simlock-worker-label"));
-        let named = label.as_ref().ok().and_then(Option::as_deref);
+        let (named_id, named) = (
+            worker_id.as_ref().ok().map(String::as_str),
+            label.as_ref().ok().and_then(Option::as_deref),
+        );
         let token = match simlock_daemon::auth::authorization(headers)
             .and_then(|authorization| verify_bearer(&self.tokens, authorization))
         {
@@ -101,32 +95,20 @@ impl UplinkMount {
                 // A refusal of who dials is recorded; a malformed head (a header sent twice)
                 // is only answered.
                 if err.code == ErrorCode::Unauthenticated {
-                    self.rejected(
-                        UplinkRejection::Unauthenticated,
-                        worker_id.as_deref(),
-                        named,
-                    );
+                    self.rejected(UplinkRejection::Unauthenticated, named_id, named);
                 }
                 return error(&err);
             }
         };
         if token.role != TokenRole::Worker {
-            self.rejected(UplinkRejection::Forbidden, worker_id.as_deref(), named);
+            self.rejected(UplinkRejection::Forbidden, named_id, named);
             return error(&ContractError::forbidden(
                 "Only a worker (join) token may open an uplink",
             ));
         }
-        if let Some(err) = sent_twice {
-            return error(&err);
-        }
-        let label = match label {
-            Ok(label) => label,
-            Err(err) => return error(&err),
-        };
-        let Some(worker_id) = worker_id else {
-            return error(&ContractError::bad_request(
-                "x-simlock-worker-id: required, 1-128 characters of letters, digits, '_' or '-'",
-            ));
+        let (worker_id, label) = match (worker_id, label) {
+            (Ok(worker_id), Ok(label)) => (worker_id, label),
+            (Err(err), _) | (_, Err(err)) => return error(&err),
         };
         let is_upgrade = headers
             .get(header::UPGRADE)
@@ -253,6 +235,20 @@ fn refuse_websocket_version(headers: &http::HeaderMap) -> Option<Response<Body>>
 
 /// The worker's label: percent-decoded, at most the contract's label bound (a peer's text that
 /// ends up in views and events).
+/// The worker's id (`x-simlock-worker-id`): sent once, and an id.
+fn worker_id(headers: &http::HeaderMap) -> Result<String, ContractError> {
+    let name = HeaderName::from_static("x-simlock-worker-id");
+    simlock_daemon::auth::single_header(headers, &name, "x-simlock-worker-id")?
+        .and_then(|v| v.to_str().ok())
+        .filter(|id| bounds::is_worker_id(id))
+        .map(str::to_owned)
+        .ok_or_else(|| {
+            ContractError::bad_request(
+                "x-simlock-worker-id: required, 1-128 characters of letters, digits, '_' or '-'",
+            )
+        })
+}
+
 fn worker_label(header: Option<&HeaderValue>) -> Result<Option<String>, ContractError> {
     let Some(raw) = header else { return Ok(None) };
     let label = raw.to_str().map(percent_decode).map_err(|_| {
