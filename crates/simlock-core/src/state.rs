@@ -658,8 +658,6 @@ impl State {
         }
         self.dispatch(now);
         if self.queue.get(&id).is_some_and(|w| w.stage == Stage::New) {
-            // Queued ones only: this one is new.
-            let waiting = usize::try_from(self.queue.depth()).unwrap_or(usize::MAX);
             if a.no_wait {
                 self.fail(
                     &id,
@@ -667,7 +665,10 @@ impl State {
                     RejectionReason::NoWait,
                     now,
                 );
-            } else if waiting >= self.settings.max_waiting {
+            } else if usize::try_from(self.queue.depth()).unwrap_or(usize::MAX)
+                >= self.settings.max_waiting
+            {
+                // Queued ones only: this one is new.
                 // Each waiter costs every decision a little: the queue's bound keeps one
                 // caller from slowing the worker for everyone.
                 self.fail(

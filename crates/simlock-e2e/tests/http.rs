@@ -1119,6 +1119,17 @@ async fn keyed_request(addr: SocketAddr, token: &str, key: &str) -> Answer {
     try_send(addr, request).await.unwrap()
 }
 
+/// A keyed lease request, then its retry (same key): both answered `201` in `state`.
+async fn keyed_twice(addr: SocketAddr, token: &str, key: &str, state: &str) -> (Answer, Answer) {
+    let first = keyed_request(addr, token, key).await;
+    let again = keyed_request(addr, token, key).await;
+    for answer in [&first, &again] {
+        assert_eq!(answer.status, 201, "{answer:?}");
+        assert_eq!(answer.body["request"]["state"], state, "{answer:?}");
+    }
+    (first, again)
+}
+
 /// Outside trial 21: an agent retrying a queued request with its idempotency key (its first
 /// answer was lost) hears at once where the original stands, on a worker and on a gateway;
 /// the retry used to hang until the original's state changed.
@@ -1137,12 +1148,7 @@ async fn a_retry_of_a_queued_request_answers_at_once_on_both_daemons() {
         // Both devices taken, so the keyed request waits.
         lease_request(addr, &a, true).await;
         lease_request(addr, &b, true).await;
-        let first = keyed_request(addr, &a, "rep-1").await;
-        assert_eq!(first.status, 201, "{first:?}");
-        assert_eq!(first.body["request"]["state"], "queued", "{first:?}");
-        let again = keyed_request(addr, &a, "rep-1").await;
-        assert_eq!(again.status, 201, "{again:?}");
-        assert_eq!(again.body["request"]["state"], "queued", "{again:?}");
+        let (first, again) = keyed_twice(addr, &a, "rep-1", "queued").await;
         assert_eq!(
             again.body["request"]["queuePosition"], first.body["request"]["queuePosition"],
             "{again:?}"
@@ -1165,11 +1171,6 @@ async fn a_retry_of_a_request_being_provisioned_answers_at_once_through_a_gatewa
     fleet.add_worker(slow).await;
     let gateway = fleet.gateway().running.http_addr().unwrap();
     let (a, _) = agent(&fleet.gateway().running.base.tokens);
-    let first = keyed_request(gateway, &a, "prov-1").await;
-    assert_eq!(first.status, 201, "{first:?}");
-    assert_eq!(first.body["request"]["state"], "provisioning", "{first:?}");
-    let again = keyed_request(gateway, &a, "prov-1").await;
-    assert_eq!(again.status, 201, "{again:?}");
-    assert_eq!(again.body["request"]["state"], "provisioning", "{again:?}");
+    keyed_twice(gateway, &a, "prov-1", "provisioning").await;
     fleet.stop().await;
 }
