@@ -183,6 +183,13 @@ impl ErrorCode {
     pub const fn is_transport(self) -> bool {
         matches!(self.kind(), ErrorKind::Transport)
     }
+
+    /// Whether only a request that was admitted and waited can end with this code (it timed
+    /// out in the queue, or was cancelled): an outcome, never a refusal of a submission. An
+    /// idempotent repeat of such a request is answered with the request's end, not refused.
+    pub const fn ends_an_admitted_request(self) -> bool {
+        matches!(self, Self::QueueTimeout | Self::Cancelled)
+    }
 }
 
 impl fmt::Display for ErrorCode {

@@ -1159,6 +1159,76 @@ async fn a_retry_of_a_queued_request_answers_at_once_on_both_daemons() {
     worker.stop("test").await;
 }
 
+/// Outside trial 22: a retry (same idempotency key) of a request that timed out in the queue is
+/// answered `201` with that request's end, `failed` with `QUEUE_TIMEOUT`, as a retry of a
+/// cancelled one is answered `cancelled`; it used to be refused `500` as if the retry itself had
+/// failed. On a worker and on a gateway.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_of_a_request_that_timed_out_or_was_cancelled_answers_its_end() {
+    let (worker, _dir) = http_worker().await;
+    let mut fleet = TestFleet::start(gateway_config()).await;
+    fleet.add_worker(worker_config(2)).await;
+    let gateway = fleet.gateway().running.http_addr().unwrap();
+    let on_worker = worker.running.http_addr().unwrap();
+    for (addr, tokens) in [
+        (on_worker, &worker.running.base.tokens),
+        (gateway, &fleet.gateway().running.base.tokens),
+    ] {
+        let ((a, _), (b, _), (c, _)) = (agent(tokens), agent(tokens), agent(tokens));
+        // Both devices taken, so keyed requests wait.
+        lease_request(addr, &a, true).await;
+        lease_request(addr, &b, true).await;
+        let keyed = |key: &'static str, body: Value| {
+            let mut request = request("POST", "/v1/lease-requests", Some(&c), Some(&body));
+            request
+                .headers_mut()
+                .insert("idempotency-key", http::HeaderValue::from_static(key));
+            request
+        };
+        let settle = |id: String| {
+            let c = c.clone();
+            simlock_e2e::relay::patient("the request's end", async move {
+                loop {
+                    let path = format!("/v1/lease-requests/{id}?wait=30");
+                    let polled = send(addr, "GET", &path, Some(&c), None).await;
+                    assert_eq!(polled.status, 200, "{polled:?}");
+                    if ["failed", "cancelled"]
+                        .contains(&polled.body["request"]["state"].as_str().unwrap())
+                    {
+                        return polled;
+                    }
+                }
+            })
+        };
+        let body = json!({"platform": "ios", "requesterId": "late", "timeoutMs": 50});
+        let first = try_send(addr, keyed("late-1", body.clone())).await.unwrap();
+        assert_eq!(first.status, 201, "{first:?}");
+        let ended = settle(first.body["request"]["id"].as_str().unwrap().to_owned()).await;
+        assert_eq!(ended.body["request"]["state"], "failed", "{ended:?}");
+        let again = try_send(addr, keyed("late-1", body)).await.unwrap();
+        assert_eq!(again.status, 201, "{again:?}");
+        assert_eq!(again.body["request"]["state"], "failed", "{again:?}");
+        assert_eq!(
+            again.body["request"]["error"]["code"], "QUEUE_TIMEOUT",
+            "{again:?}"
+        );
+
+        let body = json!({"platform": "ios", "requesterId": "quitter"});
+        let first = try_send(addr, keyed("quit-1", body.clone())).await.unwrap();
+        assert_eq!(first.status, 201, "{first:?}");
+        let id = first.body["request"]["id"].as_str().unwrap().to_owned();
+        let path = format!("/v1/lease-requests/{id}");
+        let cancelled = send(addr, "DELETE", &path, Some(&c), None).await;
+        assert_eq!(cancelled.status, 204, "{cancelled:?}");
+        settle(id).await;
+        let again = try_send(addr, keyed("quit-1", body)).await.unwrap();
+        assert_eq!(again.status, 201, "{again:?}");
+        assert_eq!(again.body["request"]["state"], "cancelled", "{again:?}");
+    }
+    fleet.stop().await;
+    worker.stop("test").await;
+}
+
 /// Outside trial 22: through a gateway, a retry of a request its worker is provisioning a
 /// device for answers at once with the worker's last report, as on a worker; it used to wait
 /// for the next stage.

@@ -184,7 +184,12 @@ impl RequestBook {
                 || ContractError::internal("request failed"),
                 ContractError::from_body,
             );
-            return Submitted::Refused(err);
+            // A failure only a waiting request can have is the end of an earlier request this
+            // one repeats (its idempotency key): answered as that request's view, as a
+            // cancelled one is, not as a refusal of this submission.
+            if !err.code.ends_an_admitted_request() {
+                return Submitted::Refused(err);
+            }
         }
         let mut records = self.records.lock();
         let settled_at = *record.settled_at.lock();
