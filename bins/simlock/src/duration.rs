@@ -18,30 +18,45 @@ pub(crate) const SHAPES: &str = "15m, 90s, 1h30m, 2d, 500ms or a number of milli
 /// number of milliseconds. Surrounding spaces are ignored; spaces inside are not allowed.
 ///
 /// # Errors
-/// A message naming the text and the shapes a duration may take.
+/// A message naming the text and the shapes a duration may take, or saying that it is too
+/// large (past 64 bits of milliseconds, some 584 million years).
 pub(crate) fn parse_ms(text: &str) -> Result<u64, String> {
+    match parse_wide(text)? {
+        Some(ms) => Ok(ms),
+        None => Err(format!("{text:?} is too large for a duration")),
+    }
+}
+
+/// [`parse_ms`], with `None` for a well-formed duration too large for 64 bits of milliseconds,
+/// so that a caller with a bound can say it is past that bound.
+fn parse_wide(text: &str) -> Result<Option<u64>, String> {
     let bad = || format!("{text:?} is not a duration like {SHAPES}");
     let trimmed = text.trim();
     if trimmed.is_empty() {
         return Err(bad());
     }
     if trimmed.bytes().all(|b| b.is_ascii_digit()) {
-        return trimmed.parse().map_err(|_| bad());
+        // Only digits: a parse failure is an overflow.
+        return Ok(trimmed.parse().ok());
     }
     let mut rest = trimmed;
-    let mut total: u64 = 0;
+    let mut total: Option<u64> = Some(0);
     while !rest.is_empty() {
         let digits = rest.bytes().take_while(u8::is_ascii_digit).count();
         if digits == 0 {
             return Err(bad());
         }
         let (number, after) = rest.split_at(digits);
-        let n: u64 = number.parse().map_err(|_| bad())?;
         let Some((unit, factor)) = UNITS.iter().find(|(unit, _)| after.starts_with(unit)) else {
             return Err(bad());
         };
-        let part = n.checked_mul(*factor).ok_or_else(bad)?;
-        total = total.checked_add(part).ok_or_else(bad)?;
+        let part = number
+            .parse::<u64>()
+            .ok()
+            .and_then(|n| n.checked_mul(*factor));
+        total = total
+            .zip(part)
+            .and_then(|(total, part)| total.checked_add(part));
         rest = &after[unit.len()..];
     }
     Ok(total)
@@ -94,9 +109,11 @@ impl Width {
         Ok(ms)
     }
 
-    /// A typed duration: [`parse_ms`], then [`Self::check`].
+    /// A typed duration: [`parse_ms`], then [`Self::check`]; one too large for 64 bits is past
+    /// the bound as any other.
     pub(crate) fn parse(self, text: &str) -> Result<u64, String> {
-        self.check(parse_ms(text)?, &format!("{text:?}"))
+        let ms = parse_wide(text)?.unwrap_or(u64::MAX);
+        self.check(ms, &format!("{text:?}"))
     }
 }
 
@@ -176,11 +193,34 @@ mod tests {
     }
 
     #[test]
-    fn an_overflow_is_refused_not_wrapped() {
-        assert!(parse_ms("18446744073709551615").is_ok());
-        assert!(parse_ms("18446744073709551616").is_err());
-        assert!(parse_ms("213503982335d").is_err());
-        assert!(parse_ms("213503982334d1d").is_err());
+    fn an_overflow_is_refused_as_too_large_not_wrapped() {
+        assert_eq!(parse_ms("18446744073709551615"), Ok(u64::MAX));
+        for text in [
+            "18446744073709551616",
+            "99999999999999999999999",
+            "213503982335d",
+            "213503982334d1d",
+            "99999999999999999999999s",
+        ] {
+            assert_eq!(
+                parse_ms(text),
+                Err(format!("{text:?} is too large for a duration")),
+            );
+        }
+        // A malformed text stays malformed, however large its numbers.
+        assert!(
+            parse_ms("99999999999999999999999x")
+                .unwrap_err()
+                .contains(SHAPES)
+        );
+        // Against a bound, too large is past it.
+        assert_eq!(
+            ttl_ms("99999999999999999999999"),
+            Err(
+                "\"99999999999999999999999\" is longer than the longest TTL simlock takes, 31d"
+                    .to_owned()
+            )
+        );
     }
 
     #[test]
