@@ -460,9 +460,15 @@ impl State {
         lease_id: &str,
         caller: Caller<'_>,
         requester: Option<&str>,
+        now: i64,
     ) -> Result<ExecTarget, CoreError> {
         let unknown = || CoreError::UnknownLease(lease_id.to_owned());
-        let lease = self.leases.get(lease_id).ok_or_else(unknown)?;
+        // Past its deadline a lease is over, whether or not the tick has ended it yet.
+        let lease = self
+            .leases
+            .get(lease_id)
+            .filter(|lease| lease.ttl_deadline > now)
+            .ok_or_else(unknown)?;
         let allowed = if caller.admin {
             lease.requester_id == requester.unwrap_or(caller.principal)
         } else {
@@ -569,6 +575,8 @@ impl State {
     /// `NO_CAPACITY` for `noWait`). One serialized decision.
     pub(crate) fn admit(&mut self, a: Admission, now: i64) -> Result<Admitted, CoreError> {
         self.prune(now);
+        // A requester whose lease is past its deadline holds none.
+        self.expire_due(now);
         if let Some(key) = &a.idempotency_key
             && let Some(record) = self.book.by_key(&a.requester_id, key)
         {
@@ -1765,6 +1773,7 @@ impl State {
         if ttl_ms.is_some() {
             check_ttl(&self.settings, ttl_ms)?;
         }
+        self.expire_due(now);
         let lease = self.visible(lease_id, caller)?;
         let width = ttl_ms.unwrap_or(lease.ttl_ms);
         lease.ttl_ms = width;
@@ -1793,6 +1802,7 @@ impl State {
         except: Option<u64>,
         now: i64,
     ) -> Result<LeaseRecord, CoreError> {
+        self.expire_due(now);
         self.visible(lease_id, caller)?;
         self.end_lease(lease_id, reason, except, now)
             .ok_or_else(|| CoreError::UnknownLease(lease_id.to_owned()))
@@ -1902,6 +1912,21 @@ impl State {
 
     /// Does what is due at `now`: expiries, queue timeouts, idle tiers, book pruning.
     pub(crate) fn tick(&mut self, now: i64) {
+        self.expire_due(now);
+        for id in self.queue.due(now) {
+            self.time_out(&id, now);
+        }
+        self.retries(now);
+        self.idle_tiers(now);
+        self.prune(now);
+        self.dispatch(now);
+    }
+
+    /// Ends every lease whose deadline is at or before `now` (reason `expired`). [`Self::tick`]
+    /// does it when the deadline comes; a decision about leases does it first as well, since
+    /// the tick may not have run yet (a process stopped past a deadline resumes with messages
+    /// and its timer both due): no lease acts, or is renewed, past its deadline.
+    fn expire_due(&mut self, now: i64) {
         let expired: Vec<String> = self
             .leases
             .values()
@@ -1911,13 +1936,6 @@ impl State {
         for id in expired {
             self.end_lease(&id, LeaseEndReason::Expired, None, now);
         }
-        for id in self.queue.due(now) {
-            self.time_out(&id, now);
-        }
-        self.retries(now);
-        self.idle_tiers(now);
-        self.prune(now);
-        self.dispatch(now);
     }
 
     /// Starts what waited out its backoff: a quarantined device's next reclaim, a crashed

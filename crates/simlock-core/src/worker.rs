@@ -913,10 +913,12 @@ impl Worker {
     /// `FORBIDDEN`, `UNKNOWN_LEASE`, `UNKNOWN_PASSTHROUGH_TOOL`, `EXEC_TIMEOUT`, `INTERNAL`.
     pub async fn exec(&self, ctx: &CallCtx, input: ExecInput) -> Result<ExecOutput, ContractError> {
         Self::authorize_exec(ctx, &input)?;
+        let now = self.clock.now_ms();
         let target = self.shared.lock().state.exec_target(
             &input.lease_id,
             Self::caller(ctx),
             input.requester_id.as_deref(),
+            now,
         )?;
         let Some(tool) = self.core.exec.tools.get(&input.tool).cloned() else {
             return Err(CoreError::UnknownTool {

@@ -973,3 +973,101 @@ fn a_request_past_a_full_queue_is_refused_and_one_served_at_once_is_not() {
     let fx = state.take_effects();
     assert_eq!(outcome(&fx, &request(6)), None, "it waits");
 }
+
+/// Whether the effects announce that `lease` expired.
+fn expired(fx: &Effects, lease: &LeaseGrant) -> bool {
+    fx.events.iter().any(|e| {
+        matches!(&e.event, Event::LeaseExpired { lease_id, .. } if lease_id == lease.lease.id.as_str())
+    })
+}
+
+/// Outside trial 23: a renewal held up in a stopped worker (SIGSTOP) reached the core after
+/// the lease's deadline, before the expiry timer ran, and brought the lease back for a whole
+/// TTL although its holder had been told the renewal failed. A decision about a lease at `now`
+/// first ends what is past its deadline: the late renewal, a late release and a late exec
+/// find no lease, the lease ends `expired` (its device reclaimed), and its requester may lease
+/// again.
+#[test]
+fn nothing_renews_releases_or_runs_on_a_lease_past_its_deadline_before_the_tick_ends_it() {
+    let ttl = 900_000;
+    let past = |grant: &LeaseGrant| grant.lease.ttl_deadline + 1;
+
+    // A renewal at the deadline or later: UNKNOWN_LEASE, and the lease expired, not renewed.
+    for late in [0, 1, 20_000] {
+        let mut state = State::new(settings(1));
+        let grant = lease_new(&mut state, 1, spec(Platform::Ios, "A"), 0);
+        assert_eq!(grant.lease.ttl_deadline, ttl);
+        let owner = agent(&grant.lease.owner_id);
+        let at = grant.lease.ttl_deadline + late;
+        let err = state
+            .renew(grant.lease.id.as_str(), Some(ttl as u64), owner, at)
+            .unwrap_err();
+        assert!(matches!(err, CoreError::UnknownLease(_)), "{err:?}");
+        assert!(state.lease(grant.lease.id.as_str()).is_none());
+        let fx = state.take_effects();
+        assert!(expired(&fx, &grant), "{fx:?}");
+        assert!(
+            !fx.events
+                .iter()
+                .any(|e| matches!(e.event, Event::LeaseRenewed { .. })),
+            "{fx:?}"
+        );
+    }
+
+    // A renewal a moment before the deadline still renews.
+    let mut state = State::new(settings(1));
+    let grant = lease_new(&mut state, 1, spec(Platform::Ios, "A"), 0);
+    let owner = agent(&grant.lease.owner_id);
+    let renewed = state
+        .renew(grant.lease.id.as_str(), None, owner, ttl - 1)
+        .unwrap();
+    assert_eq!(renewed.ttl_deadline, 2 * ttl - 1);
+
+    // A late release: the lease ended by its deadline, not by the release.
+    let mut state = State::new(settings(1));
+    let grant = lease_new(&mut state, 1, spec(Platform::Ios, "A"), 0);
+    let owner = agent(&grant.lease.owner_id);
+    let err = state
+        .release(
+            grant.lease.id.as_str(),
+            LeaseEndReason::Explicit,
+            owner,
+            None,
+            past(&grant),
+        )
+        .unwrap_err();
+    assert!(matches!(err, CoreError::UnknownLease(_)), "{err:?}");
+    assert!(expired(&state.take_effects(), &grant));
+
+    // A late exec finds no lease; the state is unchanged by the look.
+    let mut state = State::new(settings(1));
+    let grant = lease_new(&mut state, 1, spec(Platform::Ios, "A"), 0);
+    let owner = agent(&grant.lease.owner_id);
+    let err = state
+        .exec_target(grant.lease.id.as_str(), owner, None, past(&grant))
+        .unwrap_err();
+    assert!(matches!(err, CoreError::UnknownLease(_)), "{err:?}");
+    assert!(
+        state
+            .exec_target(grant.lease.id.as_str(), owner, None, ttl - 1)
+            .is_ok()
+    );
+
+    // Its requester asks again after the deadline: not "already leased", but queued for the
+    // device its old lease frees (reclaiming).
+    let mut state = State::new(settings(1));
+    let grant = lease_new(&mut state, 1, spec(Platform::Ios, "A"), 0);
+    let again = Admission {
+        request_id: request(2),
+        ..admission(1, spec(Platform::Ios, "A"), None)
+    };
+    assert!(state.admit(again, past(&grant)).is_ok());
+    let fx = state.take_effects();
+    assert!(expired(&fx, &grant), "{fx:?}");
+    assert!(
+        fx.work
+            .iter()
+            .any(|w| matches!(w, Work::Reclaim { device, .. } if *device == grant.lease.device_id)),
+        "{fx:?}"
+    );
+}
