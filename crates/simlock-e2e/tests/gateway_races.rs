@@ -500,3 +500,44 @@ async fn a_grant_whose_answer_was_lost_with_its_uplink_is_released_once_the_work
     fleet.stop().await;
     real.stop("test").await;
 }
+
+/// Outside trial 23: a queued `simlock lease` (which follows its request's event stream) was
+/// not told when its only worker was drained: the stream sent an event only when the state,
+/// the queue position or the ETA changed, not when only why it waits did. Now it hears
+/// `noWorker`, then `capacity` again once the worker is undrained.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_queued_request_s_stream_tells_when_only_why_it_waits_changes() {
+    use simlock_client::RequestEvent;
+    use simlock_contract::push::{Progress, WaitingFor};
+
+    let mut fleet = TestFleet::start(gateway_config()).await;
+    fleet.add_worker(worker_config(1)).await;
+    let worker_id = fleet.worker_id(0);
+    let (holder, waiter) = (http_agent(&fleet).await, http_agent(&fleet).await);
+    let operator = http_operator(&fleet).await;
+    let grant = patient(
+        "the grant",
+        holder.request_lease(ios(), |_| {}, std::future::pending()),
+    )
+    .await
+    .unwrap();
+    let mut pending = waiter.begin_lease_request(ios()).await.unwrap();
+    let mut next_waiting_for = async || match patient("progress", pending.next()).await {
+        RequestEvent::Progress(Progress::Queued {
+            queue_position,
+            waiting_for,
+        }) => (queue_position, waiting_for),
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(next_waiting_for().await, (1, Some(WaitingFor::Capacity)));
+    operator.worker_drain(&worker_id).await.unwrap();
+    assert_eq!(next_waiting_for().await, (1, Some(WaitingFor::NoWorker)));
+    operator.worker_undrain(&worker_id).await.unwrap();
+    assert_eq!(next_waiting_for().await, (1, Some(WaitingFor::Capacity)));
+    holder.release(grant.lease.id.as_str()).await.unwrap();
+    match patient("the grant", pending.next()).await {
+        RequestEvent::Done(Ok(_)) => {}
+        other => panic!("{other:?}"),
+    }
+    fleet.stop().await;
+}

@@ -793,24 +793,19 @@ fn request_events(
         Ok(rx) => rx,
         Err(err) => return error(&err),
     };
+    // An event for every change of the view (state, position, why it waits, ETA), none for a
+    // push that changed nothing.
     let events = futures::stream::unfold((rx, None, false), |(mut rx, last, done)| async move {
         if done {
             return None;
         }
         loop {
             let view = rx.borrow_and_update().clone();
-            if last != Some((view.state, view.queue_position, view.eta_seconds)) {
+            if last.as_ref() != Some(&view) {
                 let value = serde_json::to_value(&view).unwrap_or(Value::Null);
                 let bytes = sse_event(view.state.as_str(), &value);
                 let settled = view.state.is_settled();
-                return Some((
-                    bytes,
-                    (
-                        rx,
-                        Some((view.state, view.queue_position, view.eta_seconds)),
-                        settled,
-                    ),
-                ));
+                return Some((bytes, (rx, Some(view), settled)));
             }
             if rx.changed().await.is_err() {
                 return None;
