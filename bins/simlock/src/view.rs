@@ -10,6 +10,7 @@ use simlock_contract::model::{
     TokenRecord, WaitStage, WaitingRequest, WorkerRef, WorkerView,
 };
 use simlock_contract::ops::{CatalogOutput, StatusOutput};
+use simlock_contract::push::WaitingFor;
 
 /// Now, in ms since the epoch.
 pub(crate) fn now_ms() -> i64 {
@@ -373,9 +374,11 @@ fn serves(capabilities: &[simlock_contract::model::CapabilityStatus]) -> String 
 }
 
 /// The requests without a lease yet, one line each in queue order (at most ten):
-/// `1. agent-c  ios iPhone 16  queued for 12s`.
+/// `1. agent-c  ios iPhone 16  queued for 12s: every device is in use`, or
+/// `- agent-b  ios  starting on mini for 3s`.
 fn waiting(list: &[WaitingRequest]) -> Vec<String> {
     const WAITING_SHOWN: usize = 10;
+    let shared = shared_labels(list.iter().map(|w| w.worker.as_ref()));
     let mut lines: Vec<String> = list
         .iter()
         .take(WAITING_SHOWN)
@@ -392,14 +395,23 @@ fn waiting(list: &[WaitingRequest]) -> Vec<String> {
                 WaitStage::Queued => "queued",
                 WaitStage::Starting => "starting",
             };
-            let worker = w
-                .worker_id
-                .as_deref()
-                .map(|id| format!(" on {id}"))
-                .unwrap_or_default();
+            let on = if w.worker.is_some() || w.worker_id.is_some() {
+                format!(
+                    " on {}",
+                    worker(w.worker.as_ref(), w.worker_id.as_deref(), &shared)
+                )
+            } else {
+                String::new()
+            };
+            let why = match w.waiting_for {
+                None | Some(WaitingFor::Unknown) => "",
+                Some(WaitingFor::Capacity) => ": every device is in use",
+                Some(WaitingFor::Quarantine { .. }) => ": quarantined devices hold the room",
+                Some(WaitingFor::NoWorker) => ": no worker that can serve it takes requests",
+            };
             let waited = u64::try_from(now_ms().saturating_sub(w.created_at)).unwrap_or(0);
             format!(
-                "{place} {}  {asked}  {stage}{worker} for {}",
+                "{place} {}  {asked}  {stage}{on} for {}{why}",
                 w.requester_id,
                 duration(waited)
             )
@@ -692,6 +704,26 @@ mod tests {
         assert!(
             lines[2].starts_with("          2. agent-c  ios iPhone 16  queued for 1"),
             "{out}"
+        );
+        // Why a queued one waits, and the worker a starting one is on, by its label.
+        let mut why = w("req_3", "agent-d", Some(1), None);
+        why.waiting_for = Some(WaitingFor::NoWorker);
+        let mut on = w("req_4", "agent-e", None, None);
+        on.worker_id = Some("5f0e-uuid".into());
+        on.worker = Some(WorkerRef {
+            id: "5f0e-uuid".into(),
+            label: Some("mini".into()),
+            connection: Some(Connection::Connected),
+        });
+        let lines = waiting(&[why, on]);
+        assert!(
+            lines[0].starts_with("1. agent-d  ios  queued for 1")
+                && lines[0].ends_with(": no worker that can serve it takes requests"),
+            "{lines:?}"
+        );
+        assert!(
+            lines[1].starts_with("- agent-e  ios  starting on mini for 1"),
+            "{lines:?}"
         );
         let many: Vec<WaitingRequest> = (0..12)
             .map(|n| w(&format!("req_{n}"), "a", Some(n), None))

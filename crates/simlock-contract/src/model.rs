@@ -385,9 +385,16 @@ pub struct WaitingRequest {
     /// Its 1-based place in the queue.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub queue_position: Option<u32>,
+    /// Why a queued one waits, as it was last told (absent from daemons before this field).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub waiting_for: Option<crate::push::WaitingFor>,
     /// The worker it waits on (gateway lists only).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub worker_id: Option<String>,
+    /// That worker's id, label and how its uplink stands (gateway lists only; absent from
+    /// gateways before this field).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub worker: Option<WorkerRef>,
 }
 
 /// What one platform offers on a worker (or, on a gateway, across workers).

@@ -426,7 +426,11 @@ impl State {
                 queue_position: (w.stage == Stage::Queued)
                     .then(|| self.queue.position(&w.id))
                     .flatten(),
+                waiting_for: (w.stage == Stage::Queued)
+                    .then_some(w.told_waiting)
+                    .flatten(),
                 worker_id: None,
+                worker: None,
             })
             .collect()
     }

@@ -880,6 +880,13 @@ fn a_repeat_of_a_queued_request_is_told_where_it_stands_at_once() {
         progress(&fx, &request(2)),
         [queued_for(2, WaitingFor::Capacity)]
     );
+    // The operator's list says why it waits, as it was told.
+    let listed = state.waiting(Caller::ADMIN);
+    let queued = listed.iter().find(|w| w.id == request(2)).expect("listed");
+    assert_eq!(
+        (queued.queue_position, queued.waiting_for),
+        (Some(2), Some(WaitingFor::Capacity))
+    );
     let repeat = Admission {
         request_id: request(3),
         ..second

@@ -797,14 +797,18 @@ impl Core {
                     WaitStage::Starting
                 },
                 queue_position: w.is_queued().then_some(position),
+                waiting_for: w.is_queued().then_some(w.told_waiting).flatten(),
                 worker_id: w.attempt().map(|a| a.worker_id.clone()),
+                worker: w.attempt().map(|a| self.worker_ref(&a.worker_id)),
             })
             .collect()
     }
 
     /// Every request waiting, as far as `viewer` may see them: the fleet queue's (an agent its
-    /// own), then each connected worker's own with its worker's id (an agent only those the gateway
-    /// forwarded for a pending request of its own).
+    /// own), then each connected worker's own with its worker (an agent only those the gateway
+    /// forwarded for a pending request of its own). A worker's request that is the gateway's
+    /// forward of a fleet request starting on that worker is that request, listed once, as the
+    /// fleet queue's.
     pub fn all_waiting(&self, viewer: Viewer<'_>) -> Vec<WaitingRequest> {
         let mut waiting = self.waiting_seen_by(viewer);
         // A worker that is away says nothing of what waits on it now: the gateway's forward of
@@ -815,14 +819,27 @@ impl Core {
             .filter(|view| view.connection == Connection::Connected);
         for view in connected {
             for w in view.waiting.as_deref().unwrap_or_default() {
-                if self.may_see_forwarded(viewer, &w.requester_id) {
+                if self.may_see_forwarded(viewer, &w.requester_id)
+                    && !self.is_starting_forward(&view.id, &w.requester_id)
+                {
                     let mut w = w.clone();
                     w.worker_id = Some(view.id.clone());
+                    w.worker = Some(self.worker_ref(&view.id));
                     waiting.push(w);
                 }
             }
         }
         waiting
+    }
+
+    /// Whether `worker_requester`, waiting on worker `worker_id`, is this gateway's forward of
+    /// a fleet request whose attempt is on that worker now.
+    fn is_starting_forward(&self, worker_id: &str, worker_requester: &str) -> bool {
+        worker_requester
+            .strip_prefix(self.prefix.as_str())
+            .and_then(|requester| self.queue.pending_of(requester))
+            .and_then(|w| w.attempt())
+            .is_some_and(|a| a.worker_id == worker_id)
     }
 
     /// Every view, in id order, with the nested leases and waiting requests `viewer` may see:

@@ -1567,7 +1567,9 @@ fn an_agent_sees_only_its_own_leases_and_requests_in_the_workers_views_and_the_w
             created_at: T0,
             stage: WaitStage::Queued,
             queue_position: Some(1),
+            waiting_for: None,
             worker_id: None,
+            worker: None,
         },
         WaitingRequest {
             id: RequestId::from_raw("req_w2"),
@@ -1576,7 +1578,9 @@ fn an_agent_sees_only_its_own_leases_and_requests_in_the_workers_views_and_the_w
             created_at: T0,
             stage: WaitStage::Queued,
             queue_position: Some(2),
+            waiting_for: None,
             worker_id: None,
+            worker: None,
         },
     ]);
     core.handle_refreshed(generation, sent, full, T0);
@@ -2987,4 +2991,60 @@ fn a_waiter_refused_by_a_serving_worker_is_not_told_no_worker() {
     let told = told_why(&core.take_effects());
     assert!(!told.is_empty(), "it waits, and is told so");
     assert!(!told.contains(&Some(WaitingFor::NoWorker)), "{told:?}");
+}
+
+/// Outside trial 23: while a request forwarded to a worker was being started there, the
+/// gateway's waiting list held it twice: the fleet queue's entry and the worker's own, under
+/// the gateway's internal requester (`gw:<id>:<requester>`). It is listed once, as the fleet's,
+/// with its worker's label; a queued request says why it waits.
+#[test]
+fn a_request_starting_on_a_worker_is_listed_once_with_its_worker_and_a_queued_one_with_why() {
+    let (mut core, generation) = fleet(1);
+    ask(&mut core, 1, ios(), T0).unwrap();
+    let (_attempt, input) = forward(&core.take_effects()).expect("forwarded");
+    let forwarded = input.requester_id.unwrap();
+    // The worker reports the forward as its own request, starting, and no room for another.
+    let mut read = refresh(Vec::new(), 0);
+    read.status.waiting = Some(vec![WaitingRequest {
+        id: RequestId::from_raw("req_on_w1"),
+        requester_id: forwarded.clone(),
+        spec: requested_ios(),
+        created_at: T0,
+        stage: WaitStage::Starting,
+        queue_position: None,
+        waiting_for: None,
+        worker_id: None,
+        worker: None,
+    }]);
+    read_after(&mut core, generation, "lease.requested", read, T0);
+    core.take_effects();
+    for viewer in [Viewer::ADMIN, agent().viewer()] {
+        let all = core.all_waiting(viewer);
+        assert_eq!(all.len(), 1, "{all:?}");
+        assert_eq!(all[0].id, RequestId::from_raw("req_1"));
+        assert_eq!(all[0].stage, WaitStage::Starting);
+        let worker = all[0].worker.as_ref().expect("its worker");
+        assert_eq!((worker.id.as_str(), worker.name()), ("w1", "one"));
+    }
+    // The worker's view itself still says what the worker reported.
+    assert_eq!(core.views()[0].waiting.as_deref().map(<[_]>::len), Some(1));
+
+    // A second request waits for the device the first is starting on; once the only worker is
+    // drained, for a worker that takes requests.
+    let mut second = ios();
+    second.requester_id = Some("second".into());
+    ask(&mut core, 2, second, T0).unwrap();
+    core.take_effects();
+    let queued = |core: &Core| {
+        core.waiting()
+            .into_iter()
+            .find(|w| w.id == RequestId::from_raw("req_2"))
+            .expect("queued")
+    };
+    assert_eq!(queued(&core).stage, WaitStage::Queued);
+    assert_eq!(queued(&core).waiting_for, Some(WaitingFor::Capacity));
+    assert_eq!(queued(&core).worker, None);
+    core.handle_drained("w1", true, T0);
+    core.take_effects();
+    assert_eq!(queued(&core).waiting_for, Some(WaitingFor::NoWorker));
 }
