@@ -545,8 +545,8 @@ pub(crate) fn tokens(tokens: &[TokenRecord]) -> String {
     table(&["TOKEN", "ROLE", "LABEL", "CREATED"], &rows)
 }
 
-/// `3 (2 connected, 1 disconnected)`: how many workers a gateway knows, and how many of them
-/// it can reach.
+/// `3 (2 connected, 1 disconnected; 1 drained)`: how many workers a gateway knows, how many
+/// of them it can reach, and how many take no new requests because an operator drained them.
 fn worker_count(workers: &[WorkerView]) -> String {
     let connected = workers
         .iter()
@@ -558,6 +558,10 @@ fn worker_count(workers: &[WorkerView]) -> String {
         if n > 0 {
             let _ = write!(out, ", {n} {}", value_name(&away));
         }
+    }
+    let drained = workers.iter().filter(|w| w.drained).count();
+    if drained > 0 {
+        let _ = write!(out, "; {drained} drained");
     }
     out.push(')');
     out
@@ -1019,6 +1023,12 @@ mod tests {
                 view("c", Connection::Connected),
             ]),
             "3 (2 connected, 1 disconnected)"
+        );
+        let mut drained = view("d", Connection::Connected);
+        drained.drained = true;
+        assert_eq!(
+            worker_count(&[view("a", Connection::Connected), drained]),
+            "2 (2 connected; 1 drained)"
         );
         let mut away = view("b", Connection::Disconnected);
         let agent_device = simlock_contract::model::CapabilityStatus {
