@@ -355,7 +355,14 @@ async fn execute(cli: &Cli) -> Result<u8, ContractError> {
         Command::Leases { all: false } => {
             let list = client.leases().await?;
             let scope = lease_scope(&client);
-            emit(json, &list, |l| view::leases(&l.leases, scope));
+            emit(json, &list, |l| {
+                let mut out = view::leases(&l.leases, scope);
+                if let Some(note) = view::unread_workers(&l.unread_workers) {
+                    out.push('\n');
+                    out.push_str(&note);
+                }
+                out
+            });
             Ok(0)
         }
         Command::Token(command) => token(json, &client, command).await,

@@ -236,16 +236,25 @@ pub(crate) fn leases(leases: &[LeaseRecord], scope: LeaseScope<'_>) -> String {
 /// workers' leases (after its restart, until each is back): theirs are not listed, so an empty
 /// list is not read as a fleet with nothing leased. `None` when it read every worker's.
 pub(crate) fn unread_leases(workers: &[WorkerView]) -> Option<String> {
+    unread_note(
+        workers
+            .iter()
+            .filter(|w| w.leases.is_none())
+            .map(|w| (w.label.as_deref().unwrap_or(&w.id), Some(w.connection))),
+    )
+}
+
+/// The same note for `simlock leases` from the list's own `unreadWorkers` (any caller's: an
+/// agent's own lease on such a worker is missing from its list too).
+pub(crate) fn unread_workers(workers: &[WorkerRef]) -> Option<String> {
+    unread_note(workers.iter().map(|w| (w.name(), w.connection)))
+}
+
+fn unread_note<'a>(workers: impl Iterator<Item = (&'a str, Option<Connection>)>) -> Option<String> {
     let unread: Vec<String> = workers
-        .iter()
-        .filter(|w| w.leases.is_none())
-        .map(|w| {
-            let name = w.label.as_deref().unwrap_or(&w.id);
-            if w.connection == Connection::Connected {
-                name.to_owned()
-            } else {
-                format!("{name} ({})", value_name(&w.connection))
-            }
+        .map(|(name, connection)| match connection {
+            Some(Connection::Connected) | None => name.to_owned(),
+            Some(away) => format!("{name} ({})", value_name(&away)),
         })
         .collect();
     (!unread.is_empty()).then(|| {
@@ -1001,6 +1010,19 @@ mod tests {
             .as_deref(),
             Some(
                 "(not listed: the leases on mini (disconnected), w3; this gateway has not read them since it started, and lists them once each worker reports)"
+            )
+        );
+        // The same from a lease list's own `unreadWorkers`, which any caller gets.
+        assert_eq!(unread_workers(&[]), None);
+        let away = WorkerRef {
+            id: "w1".into(),
+            label: Some("mini".into()),
+            connection: Some(Connection::Disconnected),
+        };
+        assert_eq!(
+            unread_workers(&[away]).as_deref(),
+            Some(
+                "(not listed: the leases on mini (disconnected); this gateway has not read them since it started, and lists them once each worker reports)"
             )
         );
     }

@@ -686,6 +686,15 @@ pub struct LeaseCancelOutput {
 pub struct LeaseListOutput {
     /// The leases.
     pub leases: Vec<LeaseRecord>,
+    /// On a gateway, the workers whose leases it has not read since it started (each away
+    /// since): their leases, the caller's included, are not in `leases` until each reports.
+    /// Empty on a worker.
+    #[serde(
+        rename = "unreadWorkers",
+        default,
+        skip_serializing_if = "Vec::is_empty"
+    )]
+    pub unread_workers: Vec<crate::model::WorkerRef>,
 }
 
 /// `lease.get`.

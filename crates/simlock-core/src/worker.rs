@@ -869,7 +869,10 @@ impl Worker {
     /// `lease.list`: admins see every lease, agents their own.
     pub fn lease_list(&self, ctx: &CallCtx) -> LeaseListOutput {
         let leases = self.shared.lock().state.visible_leases(Self::caller(ctx));
-        LeaseListOutput { leases }
+        LeaseListOutput {
+            leases,
+            unread_workers: Vec::new(),
+        }
     }
 
     /// `lease.get`: the lease as `lease.list` shows it to `ctx`'s caller.

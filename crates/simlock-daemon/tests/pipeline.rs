@@ -55,7 +55,12 @@ fn harness(gate: StartupGate) -> Harness {
     let h = handled.clone();
     router.handle::<LeaseList, _, _>(move |_, _| {
         h.fetch_add(1, Ordering::SeqCst);
-        async move { Ok(LeaseListOutput { leases: vec![] }) }
+        async move {
+            Ok(LeaseListOutput {
+                leases: vec![],
+                unread_workers: vec![],
+            })
+        }
     });
     router.handle::<StatusGet, _, _>(|_, _| async move {
         Err(ContractError::internal("status is only probed"))

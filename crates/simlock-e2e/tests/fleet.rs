@@ -612,6 +612,18 @@ async fn after_a_gateway_restart_a_lease_whose_worker_is_not_back_reads_as_unrea
         "the read answers as renew does"
     );
     assert_eq!(read.details.unwrap()["workerId"], worker_id.as_str());
+    // Its owner's list does not hold it, and says which worker's leases it lacks.
+    let listed = session.call("lease.list", json!({})).await.unwrap();
+    assert_eq!(listed["leases"], json!([]), "{listed}");
+    assert_eq!(
+        listed["unreadWorkers"][0]["id"],
+        worker_id.as_str(),
+        "{listed}"
+    );
+    assert_eq!(
+        listed["unreadWorkers"][0]["connection"], "disconnected",
+        "{listed}"
+    );
     fleet.stop().await;
 }
 

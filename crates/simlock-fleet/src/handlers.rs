@@ -5,8 +5,8 @@ use std::sync::Arc;
 use simlock_contract::ops::ConfigView;
 use simlock_contract::ops::{
     CatalogGet, ConfigGet, DeviceExec, LeaseCancel, LeaseCancelOutput, LeaseGet, LeaseGetOutput,
-    LeaseList, LeaseListOutput, LeaseRelease, LeaseReleaseAll, LeaseRenew, LeaseRequest, ListGet,
-    ListKind, ListOutput, ReleaseAllOutput, StatusGet, WorkerDrain, WorkerDrainOutput, WorkerList,
+    LeaseList, LeaseRelease, LeaseReleaseAll, LeaseRenew, LeaseRequest, ListGet, ListKind,
+    ListOutput, ReleaseAllOutput, StatusGet, WorkerDrain, WorkerDrainOutput, WorkerList,
     WorkerListOutput, WorkerRemove, WorkerRemoveOutput, WorkerUndrain,
 };
 use simlock_contract::{ContractError, ErrorCode, Role};
@@ -89,8 +89,8 @@ pub fn register(
     );
     let f = fleet.clone();
     router.handle::<LeaseList, _, _>(move |ctx, _| {
-        let leases = f.leases(&ctx);
-        async move { Ok(LeaseListOutput { leases }) }
+        let output = f.lease_list(&ctx);
+        async move { Ok(output) }
     });
     let f = fleet.clone();
     router.handle::<LeaseGet, _, _>(move |ctx, input| {

@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use simlock_contract::model::{LeaseEndReason, LeaseRecord, ReleaseReason};
 use simlock_contract::ops::{
-    DeviceExec, ExecInput, ExecOutput, LeaseIdInput, LeaseRelease, LeaseReleaseOutput, LeaseRenew,
-    LeaseRenewInput,
+    DeviceExec, ExecInput, ExecOutput, LeaseIdInput, LeaseListOutput, LeaseRelease,
+    LeaseReleaseOutput, LeaseRenew, LeaseRenewInput,
 };
 use simlock_contract::{ContractError, Operation, Push};
 use simlock_daemon::context::CallCtx;
@@ -261,6 +261,16 @@ impl Fleet {
     /// they are, with the worker's id, for admins. An agent sees only the gateway leases it owns.
     pub fn leases(&self, ctx: &CallCtx) -> Vec<LeaseRecord> {
         self.shared.lock().core.leases(ctx.viewer())
+    }
+
+    /// `lease.list`: the leases the caller may see, and the workers whose leases are not read
+    /// yet (so that a lease of the caller's on a worker that is away is not silently missing).
+    pub fn lease_list(&self, ctx: &CallCtx) -> LeaseListOutput {
+        let shared = self.shared.lock();
+        LeaseListOutput {
+            leases: shared.core.leases(ctx.viewer()),
+            unread_workers: shared.core.unread_workers(),
+        }
     }
 }
 

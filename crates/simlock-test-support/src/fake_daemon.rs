@@ -783,7 +783,12 @@ fn register(router: &mut Router, state: &Arc<State>) {
             .into_iter()
             .filter(|l| ctx.role == Role::Admin || l.owner_id == ctx.principal)
             .collect();
-        async move { Ok(LeaseListOutput { leases }) }
+        async move {
+            Ok(LeaseListOutput {
+                leases,
+                unread_workers: Vec::new(),
+            })
+        }
     });
     let s = state.clone();
     router.handle::<LeaseGet, _, _>(move |ctx, input| {

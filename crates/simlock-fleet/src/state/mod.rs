@@ -697,6 +697,16 @@ impl Core {
         }
     }
 
+    /// The workers whose leases this gateway has not read since it started (each away since,
+    /// or not yet read): their leases are in no list until each reports.
+    pub fn unread_workers(&self) -> Vec<WorkerRef> {
+        self.workers
+            .iter()
+            .filter(|(_, w)| w.view.leases.is_none())
+            .map(|(id, _)| self.worker_ref(id))
+            .collect()
+    }
+
     /// The uplink of `worker_id` that takes calls: attached and connected (handshake passed).
     pub fn live_generation(&self, worker_id: &str) -> Option<u64> {
         let worker = self.workers.get(worker_id)?;

@@ -2104,6 +2104,20 @@ fn a_worker_known_before_a_restart_is_listed_away_until_its_retention_passes() {
         core.worker_ref("w1").is_away(),
         "its devices and leases say so"
     );
+    // Neither worker's leases are read: every lease list says which are missing (trial 23: an
+    // agent's own lease on such a worker vanished from its list without a word).
+    let unread: Vec<(String, Option<Connection>)> = core
+        .unread_workers()
+        .into_iter()
+        .map(|w| (w.name().to_owned(), w.connection))
+        .collect();
+    assert_eq!(
+        unread,
+        [
+            ("one".to_owned(), Some(Connection::Disconnected)),
+            ("w2".to_owned(), Some(Connection::Disconnected)),
+        ]
+    );
 
     // w1's retention passes: it is forgotten, and so is what was stored of it.
     core.handle_tick(T0 - 1000 + retention);
@@ -3026,6 +3040,7 @@ fn a_request_starting_on_a_worker_is_listed_once_with_its_worker_and_a_queued_on
         let worker = all[0].worker.as_ref().expect("its worker");
         assert_eq!((worker.id.as_str(), worker.name()), ("w1", "one"));
     }
+    assert!(core.unread_workers().is_empty(), "its leases were read");
     // The worker's view itself still says what the worker reported.
     assert_eq!(core.views()[0].waiting.as_deref().map(<[_]>::len), Some(1));
 
