@@ -198,6 +198,7 @@ pub async fn start(options: GatewayOptions) -> Result<RunningGateway, StartError
                         tokens,
                         lease_ttl_cap_ms: agent_device_config.lease_ttl_cap_ms,
                         max_ttl_ms,
+                        queue_wait_ms: agent_device_config.queue_wait_ms,
                     });
                     // Before it serves: a holder's release of the same lease arriving first
                     // finds the kept one taken up.

@@ -333,10 +333,11 @@ pub async fn start(options: WorkerOptions) -> Result<RunningWorker, StartError> 
         );
         (host.clone(), link)
     });
-    let (tokens, cap, max_ttl) = (
+    let (tokens, cap, max_ttl, queue_wait) = (
         base.tokens.clone(),
         config.agent_device.lease_ttl_cap_ms,
         base.config.lease.max_ttl_ms,
+        config.agent_device.queue_wait_ms,
     );
     let mut agent_device = None;
     let running = base
@@ -350,6 +351,7 @@ pub async fn start(options: WorkerOptions) -> Result<RunningWorker, StartError> 
                 tokens,
                 lease_ttl_cap_ms: cap,
                 max_ttl_ms: max_ttl,
+                queue_wait_ms: queue_wait,
             });
             let mount = front.mount();
             agent_device = Some(AgentDevice { host, front });

@@ -4,12 +4,20 @@
 
 use serde::{Deserialize, Serialize};
 use simlock_contract::model::Mode;
-use simlock_daemon::config::{BOTH, DaemonConfig, Section, SectionError};
+use simlock_daemon::config::{BOTH, DaemonConfig, Section, SectionError, above_zero};
 
 use crate::front::AGENT_DEVICE_MAX_TTL_MS;
 
 /// `agentDevice.sessionRetentionMs` when unset: an hour.
 pub const DEFAULT_SESSION_RETENTION_MS: u64 = 3_600_000;
+
+/// `agentDevice.queueWaitMs` when unset: 4 minutes, so that the refusal reaches the CLI (which
+/// gives up on a request after 330 s) with time left for a device to be made ready.
+pub const DEFAULT_QUEUE_WAIT_MS: u64 = 240_000;
+
+/// The longest `agentDevice.queueWaitMs`: agent-device 0.21.5 gives up on a request after
+/// 330 s, and the wait must end before that with room for the answer.
+pub const MAX_QUEUE_WAIT_MS: u64 = 300_000;
 
 /// The shortest lease agent-device 0.21.5 takes (its `ttlMs` bounds are 5 000–600 000 ms).
 pub const AGENT_DEVICE_MIN_TTL_MS: u64 = 5_000;
@@ -29,6 +37,9 @@ pub struct AgentDeviceConfig {
     /// Worker: how long the daemon's session records (its request logs, served as diagnostics)
     /// are kept once nothing writes to them; at least [`AGENT_DEVICE_MAX_TTL_MS`].
     pub session_retention_ms: u64,
+    /// How long an allocate waits in simlock's queue for a device before it is refused, saying
+    /// so (both daemons); at most [`MAX_QUEUE_WAIT_MS`].
+    pub queue_wait_ms: u64,
 }
 
 impl Default for AgentDeviceConfig {
@@ -38,6 +49,7 @@ impl Default for AgentDeviceConfig {
             lease_ttl_cap_ms: None,
             command: None,
             session_retention_ms: DEFAULT_SESSION_RETENTION_MS,
+            queue_wait_ms: DEFAULT_QUEUE_WAIT_MS,
         }
     }
 }
@@ -52,6 +64,13 @@ impl Section for AgentDeviceConfig {
 
     fn check(&self, daemon: &DaemonConfig, mode: Mode) -> Result<(), SectionError> {
         let max_ttl_ms = daemon.lease.max_ttl_ms;
+        above_zero(&[("agentDevice.queueWaitMs", self.queue_wait_ms)])?;
+        if self.queue_wait_ms > MAX_QUEUE_WAIT_MS {
+            return Err(SectionError::new(format!(
+                "agentDevice.queueWaitMs ({}) is above {MAX_QUEUE_WAIT_MS}: agent-device gives up on a request after 330 s, before the refusal would reach it",
+                self.queue_wait_ms
+            )));
+        }
         if let Some(cap) = self.lease_ttl_cap_ms {
             if cap < AGENT_DEVICE_MIN_TTL_MS {
                 return Err(SectionError::new(format!(
@@ -120,6 +139,25 @@ mod tests {
 
     fn load_with(toml: &str, mode: Mode) -> Result<Loaded, ConfigError> {
         load_text(toml, mode, &Sections::new().with::<AgentDeviceConfig>())
+    }
+
+    #[test]
+    fn the_queue_wait_is_above_zero_and_ends_before_the_cli_gives_up() {
+        let wait = |ms: u64| format!("[agentDevice]\nqueueWaitMs = {ms}");
+        for mode in [Mode::Worker, Mode::Gateway] {
+            let config: AgentDeviceConfig = load_with("", mode).unwrap().section().unwrap();
+            assert_eq!(config.queue_wait_ms, 240_000);
+            let config: AgentDeviceConfig =
+                load_with(&wait(300_000), mode).unwrap().section().unwrap();
+            assert_eq!(config.queue_wait_ms, 300_000, "at the bound");
+            for (ms, said) in [(0, "must be above 0"), (300_001, "above 300000")] {
+                let err = load_with(&wait(ms), mode).unwrap_err().to_string();
+                assert!(
+                    err.contains("agentDevice.queueWaitMs") && err.contains(said),
+                    "{err}"
+                );
+            }
+        }
     }
 
     #[test]

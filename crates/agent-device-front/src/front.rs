@@ -67,6 +67,8 @@ pub struct FrontOptions {
     pub lease_ttl_cap_ms: Option<u64>,
     /// This daemon's `lease.maxTtlMs`.
     pub max_ttl_ms: u64,
+    /// `agentDevice.queueWaitMs`.
+    pub queue_wait_ms: u64,
 }
 
 impl std::fmt::Debug for FrontOptions {
@@ -74,6 +76,7 @@ impl std::fmt::Debug for FrontOptions {
         f.debug_struct("FrontOptions")
             .field("lease_ttl_cap_ms", &self.lease_ttl_cap_ms)
             .field("max_ttl_ms", &self.max_ttl_ms)
+            .field("queue_wait_ms", &self.queue_wait_ms)
             .finish_non_exhaustive()
     }
 }
@@ -98,6 +101,7 @@ struct Inner {
     tokens: Arc<TokenStore>,
     lease_ttl_cap_ms: Option<u64>,
     max_ttl_ms: u64,
+    queue_wait_ms: u64,
     leases: FrontLeases,
     /// Releases a gateway carries out once the worker holding their lease is back
     /// ([`release_later`]).
@@ -121,6 +125,7 @@ impl Front {
                 tokens: options.tokens,
                 lease_ttl_cap_ms: options.lease_ttl_cap_ms,
                 max_ttl_ms: options.max_ttl_ms,
+                queue_wait_ms: options.queue_wait_ms,
                 leases: FrontLeases::default(),
                 releasing: parking_lot::Mutex::default(),
                 health: parking_lot::Mutex::default(),
@@ -977,14 +982,15 @@ async fn allocate(ctx: &Exchange, mut call: RpcCall) -> Result<Response<Body>, F
     input.lease_id = Some(lease.to_string());
     input.ttl_ms = Some(inner.ceiling(serving.lease_max_ttl_ms));
     input.requires = inner.link.lease_requires();
+    // The CLI waits 330 s for its answer and says only that it timed out: the queue wait ends
+    // before that, with a refusal that says why.
+    input.timeout_ms = Some(inner.queue_wait_ms);
     let grant = wait_for_grant(inner, &ctx.caller, input, &lease)
         .await
-        .map_err(|e| {
-            if e.code == ErrorCode::Cancelled {
-                ctx.fail(stopping())
-            } else {
-                ctx.fail(Refusal::from_simlock(&e))
-            }
+        .map_err(|e| match e.code {
+            ErrorCode::Cancelled => ctx.fail(stopping()),
+            ErrorCode::QueueTimeout => ctx.fail(Refusal::queue_wait(inner.queue_wait_ms)),
+            _ => ctx.fail(Refusal::from_simlock(&e)),
         })?;
     let serving = match ctx.serving(&lease) {
         Ok(serving) => serving,

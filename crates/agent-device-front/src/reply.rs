@@ -101,6 +101,17 @@ pub enum Refusal {
 }
 
 impl Refusal {
+    /// An allocate that waited `wait_ms` in simlock's queue and got no device (`QUEUE_TIMEOUT`).
+    pub fn queue_wait(wait_ms: u64) -> Self {
+        Self::Simlock {
+            message: format!(
+                "no device became free within {} in simlock's queue (agentDevice.queueWaitMs); try again later",
+                simlock_contract::duration::text(wait_ms)
+            ),
+            code: ErrorCode::QueueTimeout,
+        }
+    }
+
     /// simlock refused a call the front made for the caller.
     pub fn from_simlock(err: &ContractError) -> Self {
         Self::Simlock {

@@ -800,6 +800,39 @@ async fn an_allocate_waits_for_a_device_and_one_whose_caller_hangs_up_is_withdra
     fake.stop().await;
 }
 
+/// Outside trial 23: an allocate queued behind busy devices got no answer until the CLI gave
+/// up (330 s) with only `Daemon request timed out`. It waits `agentDevice.queueWaitMs` in the
+/// queue, then is refused saying why, and its request leaves the queue.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_allocate_that_waits_past_the_queue_wait_is_refused_saying_so() {
+    let fake = FakeAgentDevice::start(FakeOptions::default()).unwrap();
+    let mut config = attached_config();
+    config.core.capacity.max_running = 1;
+    config.agent_device.queue_wait_ms = 300;
+    let worker = AdWorker::with_fake(config, &fake).await;
+    let (_, alice) = worker.token("agent").await;
+    let (_, bob) = worker.token("agent").await;
+    let http = Http::new();
+    allocate(&http, &worker, &alice, "s1").await;
+    let refused = tokio::time::timeout(
+        PATIENCE,
+        http.rpc(&worker.base(), &bob, &allocate_call("b1", "s2")),
+    )
+    .await
+    .expect("answered within the bound");
+    let error = &refused.json()["error"];
+    assert_eq!(
+        error["data"]["message"],
+        "refused by simlock: no device became free within 300ms in simlock's queue (agentDevice.queueWaitMs); try again later",
+        "{refused:?}"
+    );
+    assert!(waiting(&worker, 0).await, "nothing is left waiting");
+    assert_eq!(worker.leases().await.len(), 1, "Alice's only");
+    assert_eq!(fake.leases().len(), 1);
+    worker.stop().await;
+    fake.stop().await;
+}
+
 /// Whether `n` requests wait on the worker.
 async fn waiting(worker: &AdWorker, n: usize) -> bool {
     let status = worker
