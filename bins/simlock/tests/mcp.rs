@@ -750,6 +750,36 @@ async fn a_session_whose_stdin_closes_releases_its_lease() {
     worker.stop().await;
 }
 
+/// Outside trial 24: a session that ended while its worker restarted gave up at once and left
+/// its lease held for its whole TTL. Its end asks again (within its 15 s bound) until the
+/// worker is back, and releases the lease then.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_that_ends_while_its_worker_restarts_releases_its_lease_once_it_is_back() {
+    let mut worker = Worker::start(worker_config(1)).await;
+    let mut agent = Launch::on(worker.home())
+        .session("ends-in-restart")
+        .start()
+        .await;
+    let id = lease_id(
+        &agent
+            .ok("lease_simulator", json!({"platform": "ios", "ttl": "10m"}))
+            .await,
+    );
+    worker.halt().await;
+    agent.notice("lease-reconnecting").await;
+    // The session ends while the worker is down; it comes back while the end waits.
+    let closing = tokio::spawn(agent.close_stdin());
+    worker.resume(worker_config(1)).await;
+    let status = bounded("the session's end", closing).await.unwrap();
+    assert!(status.success(), "{status}");
+    let operator = worker.operator().await;
+    assert!(
+        leases(&operator).await.is_empty(),
+        "lease {id} was released"
+    );
+    worker.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_ends_the_session_and_releases_its_lease() {
     let worker = Worker::start(worker_config(1)).await;

@@ -11,6 +11,7 @@ mod tools;
 
 use std::sync::Arc;
 
+use book::Standing;
 use rmcp::model::{
     CallToolRequestParams, CallToolResponse, Implementation, ListToolsResult,
     PaginatedRequestParams, ServerCapabilities, ServerConfig,
@@ -153,19 +154,70 @@ pub(crate) async fn run(target: Target, args: &McpArgs) -> Result<u8, ContractEr
             end
         }
     };
-    let released = session.close().await;
+    let held = session.close().await;
     crate::say_err(&format!(
-        "simlock mcp: the session ended ({}); released {}",
+        "simlock mcp: the session ended ({}); {}",
         match end {
             End::Closed => "stdin closed",
             End::Signalled => "signalled",
             End::Orphaned => "the agent exited",
         },
-        if released.is_empty() {
-            "nothing".to_owned()
-        } else {
-            released.join(", ")
-        }
+        closing_words(&held)
     ));
     Ok(0)
+}
+
+/// What the end of a session did with the leases it held: released, ended by the daemon
+/// already, or left held (the daemon did not answer within the close bound, or refused).
+fn closing_words(held: &[(String, Standing)]) -> String {
+    if held.is_empty() {
+        return "it held no lease".to_owned();
+    }
+    let ids = |pick: fn(&Standing) -> bool| {
+        held.iter()
+            .filter(|(_, standing)| pick(standing))
+            .map(|(id, _)| id.as_str())
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let released = ids(|s| *s == Standing::Released);
+    let ended = ids(|s| matches!(s, Standing::Lost(_)));
+    let kept = ids(|s| matches!(s, Standing::Held | Standing::Failed(_)));
+    let mut parts = Vec::new();
+    if !released.is_empty() {
+        parts.push(format!("released {released}"));
+    }
+    if !ended.is_empty() {
+        parts.push(format!("{ended} had ended already"));
+    }
+    if !kept.is_empty() {
+        parts.push(format!(
+            "could not release {kept}: it ends on its TTL, or `simlock release <id>` ends it"
+        ));
+    }
+    parts.join("; ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_closing_line_says_what_became_of_each_lease() {
+        let lost = ContractError::connection_lost();
+        assert_eq!(closing_words(&[]), "it held no lease");
+        assert_eq!(
+            closing_words(&[("lse_a".into(), Standing::Released)]),
+            "released lse_a"
+        );
+        assert_eq!(
+            closing_words(&[
+                ("lse_a".into(), Standing::Released),
+                ("lse_b".into(), Standing::Lost(None)),
+                ("lse_c".into(), Standing::Failed(lost)),
+                ("lse_d".into(), Standing::Held),
+            ]),
+            "released lse_a; lse_b had ended already; could not release lse_c, lse_d: it ends on its TTL, or `simlock release <id>` ends it"
+        );
+    }
 }

@@ -211,6 +211,12 @@ impl Session {
                             health = hold.notices();
                             renewals = hold.renewal();
                         }
+                        // The session ended while it connected again: it releases the lease.
+                        Err(HoldEnd::Failed(_)) if self.closing.is_cancelled() => {
+                            let end = self.release_at_close(None, &lease_id).await;
+                            self.settled(&lease_id, &end).await;
+                            return;
+                        }
                         Err(end) => {
                             self.settled(&lease_id, &end).await;
                             return;
@@ -243,13 +249,46 @@ impl Session {
                     }
                 },
                 Step::Release(None) => {
-                    let end = hold.release().await;
+                    let end = self.release_at_close(Some(hold), &lease_id).await;
                     self.settled(&lease_id, &end).await;
                     return;
                 }
                 Step::Health(Some(notice)) => self.tell_health(&notice).await,
                 Step::Health(None) => {}
                 Step::Renewal(renewal) => self.tell_renewal(&lease_id, &renewal).await,
+            }
+        }
+    }
+
+    /// The session ends: releases `lease_id`, through its hold when it has one. While the daemon
+    /// cannot be reached (a worker or gateway restarting) it asks again, on a new connection
+    /// when the old one closed, backing off up to a second, until the daemon answers or the
+    /// close bound ([`CLOSE_BOUND`]) ends the process; the hold renews meanwhile.
+    async fn release_at_close(&self, hold: Option<LeaseHold>, lease_id: &str) -> HoldEnd {
+        let _renewing = match hold {
+            Some(hold) => match hold.release_or_keep().await {
+                Ok(end) => return end,
+                Err((kept, _)) => Some(kept),
+            },
+            None => None,
+        };
+        let mut pause = Duration::from_millis(100);
+        loop {
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(Duration::from_secs(1));
+            let Ok(client) = self.client().await else {
+                continue;
+            };
+            match client.release(lease_id).await {
+                Ok(_) => return HoldEnd::Released,
+                Err(e) if e.code == ErrorCode::UnknownLease => {
+                    return HoldEnd::Lost(LeaseLost {
+                        lease_id: lease_id.to_owned(),
+                        reason: None,
+                    });
+                }
+                Err(e) if e.code.is_transport() => {}
+                Err(e) => return HoldEnd::Failed(e),
             }
         }
     }
@@ -375,8 +414,8 @@ impl Session {
     }
 
     /// Ends the session: withdraws pending requests and releases every held lease, waiting at
-    /// most [`CLOSE_BOUND`]. Answers the leases that were released.
-    pub(crate) async fn close(&self) -> Vec<String> {
+    /// most [`CLOSE_BOUND`]. Answers the leases it held, each with how it stands now.
+    pub(crate) async fn close(&self) -> Vec<(String, Standing)> {
         let before: Vec<String> =
             self.with_book(|b| b.held().map(|e| e.lease_id().to_owned()).collect());
         self.closing.cancel();
@@ -393,9 +432,12 @@ impl Session {
         self.with_book(|b| {
             before
                 .into_iter()
-                .filter(|id| {
-                    b.entries()
-                        .any(|e| e.lease_id() == id && e.standing == Standing::Released)
+                .map(|id| {
+                    let standing = b
+                        .entries()
+                        .find(|e| e.lease_id() == id)
+                        .map_or(Standing::Held, |e| e.standing.clone());
+                    (id, standing)
                 })
                 .collect()
         })
