@@ -11,6 +11,17 @@ use simlock_daemon::store::StoreError;
 
 use crate::driver::DriverError;
 
+/// What a requester already holds or waits for, as a refusal of its next request tells it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Held {
+    /// A lease of the asking owner's.
+    Lease(String),
+    /// A pending request of the asking owner's.
+    Pending(String),
+    /// A lease or a pending request of another owner's: its id is not told.
+    Foreign,
+}
+
 /// Why a worker operation failed.
 #[derive(Debug, thiserror::Error)]
 pub enum CoreError {
@@ -48,10 +59,8 @@ pub enum CoreError {
     RequesterAlreadyLeased {
         /// The requester.
         requester_id: String,
-        /// The lease it holds.
-        existing_lease_id: Option<String>,
-        /// The request it has pending.
-        pending_request_id: Option<String>,
+        /// What it holds or waits for, named to its owner only.
+        held: Held,
     },
     /// The idempotency key was used for a different request.
     #[error("idempotency conflict")]
@@ -191,23 +200,24 @@ impl From<CoreError> for ContractError {
                 format!("Request {request_id} got no device within timeoutMs ({timeout_ms} ms)"),
             )
             .with_details(json!({ "requestId": request_id })),
-            CoreError::RequesterAlreadyLeased {
-                requester_id,
-                existing_lease_id,
-                pending_request_id,
-            } => {
-                let message = match (&existing_lease_id, &pending_request_id) {
-                    (Some(lease), _) => {
+            CoreError::RequesterAlreadyLeased { requester_id, held } => {
+                let message = match &held {
+                    Held::Lease(lease) => {
                         format!("Requester {requester_id} already holds lease {lease}")
                     }
-                    (None, Some(request)) => {
+                    Held::Pending(request) => {
                         format!("Requester {requester_id} already has a pending request {request}")
                     }
-                    (None, None) => format!("Requester {requester_id} already has a lease"),
+                    Held::Foreign => format!(
+                        "Requester {requester_id} already holds a lease or waits for one, for \
+                         another owner: choose another requesterId"
+                    ),
                 };
-                let details = match existing_lease_id {
-                    Some(lease) => json!({ "requesterId": requester_id, "existingLeaseId": lease }),
-                    None => json!({ "requesterId": requester_id }),
+                let details = match held {
+                    Held::Lease(lease) => {
+                        json!({ "requesterId": requester_id, "existingLeaseId": lease })
+                    }
+                    Held::Pending(_) | Held::Foreign => json!({ "requesterId": requester_id }),
                 };
                 Self::new(ErrorCode::RequesterAlreadyLeased, message).with_details(details)
             }
@@ -352,8 +362,7 @@ mod tests {
     fn already_leased_names_the_lease_in_message_and_details() {
         let err = ContractError::from(CoreError::RequesterAlreadyLeased {
             requester_id: "agent-1".into(),
-            existing_lease_id: Some("lse_1".into()),
-            pending_request_id: None,
+            held: Held::Lease("lse_1".into()),
         });
         assert_eq!(err.code, ErrorCode::RequesterAlreadyLeased);
         assert!(err.message.contains("lse_1"), "{}", err.message);
@@ -361,6 +370,13 @@ mod tests {
             err.details,
             Some(json!({"requesterId": "agent-1", "existingLeaseId": "lse_1"}))
         );
+        // Another owner's lease or request is not named.
+        let err = ContractError::from(CoreError::RequesterAlreadyLeased {
+            requester_id: "agent-1".into(),
+            held: Held::Foreign,
+        });
+        assert!(!err.message.contains("lse_"), "{}", err.message);
+        assert_eq!(err.details, Some(json!({"requesterId": "agent-1"})));
     }
 
     #[test]

@@ -22,7 +22,7 @@ use simlock_contract::push::{Progress, Push, UnhealthyReason, WaitingFor};
 use crate::book::{RecordState, RequestBook, RequestRecord};
 use crate::capacity::{Limits, Usage};
 use crate::driver::{Adopted, DriverError, Estimates, Keep, Observation, RunState};
-use crate::error::CoreError;
+use crate::error::{CoreError, Held};
 use crate::queue::{LeaseTerms, Pending, Source, Stage, TimedOut, WaitQueue, Waiter};
 
 /// The module of lease and queue events.
@@ -706,25 +706,32 @@ impl State {
     /// one-lease rule (a lease or a pending request of the requester), or a chosen lease id
     /// that is held or promised.
     fn refusal(&self, a: &Admission) -> Option<(RejectionReason, CoreError)> {
-        let already = |existing_lease_id, pending_request_id| CoreError::RequesterAlreadyLeased {
+        // A lease's or a request's id is told to its owner only.
+        let already = |owner: &str, held: Held| CoreError::RequesterAlreadyLeased {
             requester_id: a.requester_id.clone(),
-            existing_lease_id,
-            pending_request_id,
+            held: if owner == a.terms.owner_id {
+                held
+            } else {
+                Held::Foreign
+            },
         };
         if let Some(lease) = self
             .leases
             .values()
             .find(|l| l.requester_id == a.requester_id)
         {
-            let existing = lease.id.as_str().to_owned();
+            let held = Held::Lease(lease.id.as_str().to_owned());
             return Some((
                 RejectionReason::AlreadyLeased,
-                already(Some(existing), None),
+                already(&lease.owner_id, held),
             ));
         }
         if let Some(waiter) = self.queue.of_requester(&a.requester_id) {
-            let pending = waiter.id.to_string();
-            return Some((RejectionReason::AlreadyLeased, already(None, Some(pending))));
+            let held = Held::Pending(waiter.id.to_string());
+            return Some((
+                RejectionReason::AlreadyLeased,
+                already(&waiter.terms.owner_id, held),
+            ));
         }
         let chosen = a.terms.chosen_id.as_ref()?;
         (self.leases.contains_key(chosen) || self.queue.holds_chosen_id(chosen)).then(|| {

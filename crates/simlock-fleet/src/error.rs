@@ -37,12 +37,12 @@ pub enum FleetError {
         message: String,
     },
     /// The requester holds a lease through this gateway.
-    #[error("requester {requester_id} holds lease {lease_id}")]
+    #[error("requester {requester_id} holds a lease")]
     RequesterHoldsLease {
         /// The requester.
         requester_id: String,
-        /// The lease it holds.
-        lease_id: String,
+        /// The lease it holds; `None` when it is another owner's, whose lease id is not told.
+        lease_id: Option<String>,
     },
     /// The requester has a request pending at this gateway.
     #[error("requester {0} has a pending request")]
@@ -222,12 +222,23 @@ impl From<FleetError> for ContractError {
             }
             FleetError::RequesterHoldsLease {
                 requester_id,
-                lease_id,
+                lease_id: Some(lease_id),
             } => Self::new(
                 ErrorCode::RequesterAlreadyLeased,
                 format!("Requester {requester_id} already holds lease {lease_id}"),
             )
             .with_details(json!({ "requesterId": requester_id, "existingLeaseId": lease_id })),
+            FleetError::RequesterHoldsLease {
+                requester_id,
+                lease_id: None,
+            } => Self::new(
+                ErrorCode::RequesterAlreadyLeased,
+                format!(
+                    "Requester {requester_id} already holds a lease, another owner's: choose \
+                     another requesterId"
+                ),
+            )
+            .with_details(json!({ "requesterId": requester_id })),
             FleetError::RequesterPending(requester_id) => Self::new(
                 ErrorCode::RequesterAlreadyLeased,
                 format!("Requester {requester_id} already has a pending request"),
@@ -372,11 +383,20 @@ mod tests {
     fn refusals_keep_the_gateways_messages_and_details() {
         let held: ContractError = FleetError::RequesterHoldsLease {
             requester_id: "a".into(),
-            lease_id: "w1.lse_1".into(),
+            lease_id: Some("w1.lse_1".into()),
         }
         .into();
         assert_eq!(held.code, ErrorCode::RequesterAlreadyLeased);
         assert_eq!(held.details.unwrap()["existingLeaseId"], "w1.lse_1");
+        // Another owner's lease is not named.
+        let foreign: ContractError = FleetError::RequesterHoldsLease {
+            requester_id: "a".into(),
+            lease_id: None,
+        }
+        .into();
+        assert_eq!(foreign.code, ErrorCode::RequesterAlreadyLeased);
+        assert!(!foreign.message.contains("lse"), "{}", foreign.message);
+        assert_eq!(foreign.details, Some(json!({"requesterId": "a"})));
         let missing = capability_missing("gpu");
         assert_eq!(
             missing.message,

@@ -1078,3 +1078,47 @@ fn nothing_renews_releases_or_runs_on_a_lease_past_its_deadline_before_the_tick_
         "{fx:?}"
     );
 }
+
+/// Outside trial 24: a requester id is one namespace for every token, so a token naming a
+/// requester another token's lease (or waiting request) has is refused; the refusal used to
+/// name that lease's id. It names the ids of the asking owner's own only.
+#[test]
+fn a_requester_held_for_another_owner_is_refused_without_naming_its_lease_or_request() {
+    let mut state = State::new(settings(1));
+    let grant = lease_new(&mut state, 1, spec(Platform::Ios, "A"), 0);
+    let theirs = |n: u32, owner: &str| {
+        let mut a = admission(n, spec(Platform::Ios, "A"), None);
+        a.requester_id = grant.lease.requester_id.clone();
+        a.principal = owner.into();
+        a.terms.owner_id = owner.into();
+        a
+    };
+    let held = |result: Result<Admitted, CoreError>| match result {
+        Err(CoreError::RequesterAlreadyLeased { held, .. }) => held,
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(
+        held(state.admit(theirs(2, "agent-1"), 1)),
+        Held::Lease(grant.lease.id.to_string()),
+        "its owner is told which lease"
+    );
+    assert_eq!(held(state.admit(theirs(3, "intruder"), 1)), Held::Foreign);
+
+    // The same for a waiting request.
+    let mut state = State::new(settings(1));
+    lease_new(&mut state, 1, spec(Platform::Ios, "A"), 0);
+    state
+        .admit(admission(2, spec(Platform::Ios, "A"), None), 0)
+        .unwrap();
+    let mut again = admission(3, spec(Platform::Ios, "A"), None);
+    again.requester_id = "agent-2".into();
+    again.principal = "agent-2".into();
+    again.terms.owner_id = "agent-2".into();
+    assert_eq!(
+        held(state.admit(again.clone(), 1)),
+        Held::Pending("req_2".into())
+    );
+    again.principal = "intruder".into();
+    again.terms.owner_id = "intruder".into();
+    assert_eq!(held(state.admit(again, 1)), Held::Foreign);
+}

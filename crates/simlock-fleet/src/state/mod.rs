@@ -1654,7 +1654,7 @@ impl Core {
             });
         }
         let wanted = Wanted::of(&input);
-        if let Err(refusal) = self.refusal(&input, &requester, &wanted) {
+        if let Err(refusal) = self.refusal(&input, &requester, &principal, &wanted) {
             self.rejected(None, &requester, &wanted, &refusal);
             return Err(refusal);
         }
@@ -1690,16 +1690,19 @@ impl Core {
     }
 
     /// Why a new request is refused before it is queued, if it is.
+    /// A lease another owner holds for the same requester is named without its id: a lease id
+    /// is told only to its owner.
     fn refusal(
         &self,
         input: &LeaseRequestInput,
         requester: &str,
+        principal: &str,
         wanted: &Wanted,
     ) -> Result<(), FleetError> {
         if let Some(existing) = self.index.by_requester(requester) {
             return Err(FleetError::RequesterHoldsLease {
                 requester_id: requester.to_owned(),
-                lease_id: existing.lease_id.clone(),
+                lease_id: (existing.owner_id == principal).then(|| existing.lease_id.clone()),
             });
         }
         if self.queue.pending_of(requester).is_some() {
@@ -1820,7 +1823,7 @@ impl Core {
             if let Some(held) = self.index.by_requester(&waiter.requester) {
                 let held = FleetError::RequesterHoldsLease {
                     requester_id: waiter.requester.clone(),
-                    lease_id: held.lease_id.clone(),
+                    lease_id: (held.owner_id == waiter.owner).then(|| held.lease_id.clone()),
                 };
                 self.answer(&id, Err(held), now);
                 continue;

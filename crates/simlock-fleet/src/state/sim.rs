@@ -1657,7 +1657,9 @@ impl Sim {
             Ok(Admitted::Joined(..) | Admitted::Replay(_)) => {}
             Err(FleetError::RequesterHoldsLease { lease_id, .. }) => {
                 report.refusals += 1;
-                if self.gone.contains(&lease_id) {
+                if let Some(lease_id) = lease_id
+                    && self.gone.contains(&lease_id)
+                {
                     return Err(format!(
                         "a released lease never comes back from a stale view: a request was refused naming {lease_id}, declared ended"
                     ));

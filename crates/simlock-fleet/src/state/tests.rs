@@ -313,8 +313,27 @@ fn a_grant_is_indexed_in_the_decision_that_answers_it() {
     // One lease per requester.
     assert!(matches!(
         ask(&mut core, 2, ios(), T0),
-        Err(FleetError::RequesterHoldsLease { lease_id, .. }) if lease_id == "w1.lse_a"
+        Err(FleetError::RequesterHoldsLease { lease_id: Some(lease_id), .. }) if lease_id == "w1.lse_a"
     ));
+    // Another principal naming the same requester is refused too, and not told the lease's id
+    // (outside trial 24).
+    let mut same_requester = ios();
+    same_requester.requester_id = Some("agent".into());
+    let refused = core.handle_lease_request(
+        Ask {
+            request_id: RequestId::from_raw("req_3"),
+            input: same_requester,
+            principal: "someone-else".into(),
+        },
+        T0,
+    );
+    assert!(
+        matches!(
+            refused,
+            Err(FleetError::RequesterHoldsLease { lease_id: None, .. })
+        ),
+        "{refused:?}"
+    );
 }
 
 #[test]
