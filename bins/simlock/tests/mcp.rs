@@ -992,6 +992,14 @@ async fn bad_arguments_and_refusals_are_tool_errors_not_crashes() {
         text,
         "ttl: \"1000d\" is longer than the longest TTL simlock takes, 31d (BAD_REQUEST)"
     );
+    // Text without a unit is refused: "15" could mean minutes (outside trial 24).
+    let (text, _) = agent
+        .fails("lease_simulator", json!({"platform": "ios", "ttl": "15"}))
+        .await;
+    assert_eq!(
+        text,
+        "ttl: \"15\" has no unit: write it like 15m, 90s or 500ms (a JSON number is milliseconds) (BAD_REQUEST)"
+    );
     let (text, _) = agent
         .fails(
             "lease_simulator",

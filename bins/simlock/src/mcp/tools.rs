@@ -89,6 +89,15 @@ impl DurationArg {
     fn millis(&self, field: &str, width: duration::Width) -> Result<u64, ContractError> {
         let parsed = match self {
             Self::Millis(ms) => width.check(*ms, &ms.to_string()),
+            // A model writing "15" may mean minutes as well as milliseconds: text needs a unit
+            // (outside trial 24: "15" leased for 15 ms, renewed every 5 ms, then lost).
+            Self::Text(text)
+                if !text.trim().is_empty() && text.trim().bytes().all(|b| b.is_ascii_digit()) =>
+            {
+                Err(format!(
+                    "{text:?} has no unit: write it like 15m, 90s or 500ms (a JSON number is milliseconds)"
+                ))
+            }
             Self::Text(text) => width.parse(text),
         };
         parsed.map_err(|e| bad_request(&format!("{field}: {e}")))
@@ -113,7 +122,8 @@ pub(crate) struct LeaseArgs {
     /// An exact OS version (runtime), e.g. "18.2"; default: the platform's default runtime.
     #[serde(default)]
     pub(crate) os: Option<String>,
-    /// How long the lease lasts between renewals: "15m", "1h", or milliseconds. This session
+    /// How long the lease lasts between renewals: "15m", "1h" (text needs a unit), or a number
+    /// of milliseconds. This session
     /// renews it every third of that until it is released; default: the daemon's.
     #[serde(default)]
     pub(crate) ttl: Option<DurationArg>,
