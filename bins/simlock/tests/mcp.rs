@@ -1209,6 +1209,27 @@ async fn a_server_whose_connection_settings_are_wrong_does_not_start() {
         assert!(stderr.contains(said), "{stderr}");
         assert!(!stderr.contains("serving on stdio"), "{stderr}");
     }
+    // A requester no daemon takes (outside trial 24: the server started, and every lease was
+    // refused for a reason the model could not mend).
+    for (requester, said) in [
+        ("a\u{1b}b".to_owned(), "control"),
+        ("r".repeat(217), "longer than 216 characters"),
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_simlock"))
+            .env("SIMLOCK_HOME", home.path())
+            .args(["mcp", "--requester", &requester])
+            .stdin(Stdio::null())
+            .output()
+            .await
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{stderr}");
+        assert!(
+            stderr.contains("the requester (named explicitly)") && stderr.contains(said),
+            "{stderr}"
+        );
+        assert!(!stderr.contains("serving on stdio"), "{stderr}");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -22,6 +22,9 @@ pub const LEASE_ID_PATTERN: &str = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,159}$";
 pub const WORKER_ID_PATTERN: &str = r"^[A-Za-z0-9_-]{1,128}$";
 /// Requester ids, principals and owners: at most this many characters.
 pub const MAX_REQUESTER: usize = 256;
+/// What a gateway puts before a requester on its workers (`gw:` + its instance id, a UUID, +
+/// `:`): through a gateway a requester may be [`MAX_REQUESTER`] less this long (ADR 0009).
+pub const GATEWAY_REQUESTER_PREFIX: usize = 40;
 /// A model name or alias: at most this many characters.
 pub const MAX_MODEL: usize = 256;
 /// An OS version: at most this many characters.

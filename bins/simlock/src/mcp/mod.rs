@@ -119,6 +119,10 @@ pub(crate) async fn run(target: Target, args: &McpArgs) -> Result<u8, ContractEr
     // model could mend: it stops the server at start.
     target.check()?;
     let requester = identity::from_environment(args.requester.as_deref());
+    // So is a requester no daemon takes: every lease would be refused.
+    check_requester(&requester.id()).map_err(|why| {
+        ContractError::bad_request(format!("the requester ({}) {why}", requester.source()))
+    })?;
     let parent = Bound::parent();
     let signals = Signals::listen()?;
     crate::say_err(&format!(
@@ -167,6 +171,19 @@ pub(crate) async fn run(target: Target, args: &McpArgs) -> Result<u8, ContractEr
     Ok(0)
 }
 
+/// Why no daemon would take `id` as a lease's requester, if none would: a gateway adds its
+/// prefix (ADR 0009), so a requester may be as long as the contract's bound less that.
+fn check_requester(id: &str) -> Result<(), String> {
+    let longest = simlock_contract::bounds::MAX_REQUESTER
+        - simlock_contract::bounds::GATEWAY_REQUESTER_PREFIX;
+    if id.chars().count() > longest {
+        return Err(format!(
+            "is longer than {longest} characters, the longest a daemon takes (through a gateway)"
+        ));
+    }
+    simlock_contract::bounds::printable(id, &()).map_err(|e| e.to_string())
+}
+
 /// What the end of a session did with the leases it held: released, ended by the daemon
 /// already, or left held (the daemon did not answer within the close bound, or refused).
 fn closing_words(held: &[(String, Standing)]) -> String {
@@ -201,6 +218,16 @@ fn closing_words(held: &[(String, Standing)]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_requester_no_daemon_takes_is_refused_at_start() {
+        assert_eq!(check_requester("claude-code:6f1c"), Ok(()));
+        assert_eq!(check_requester(&"a".repeat(216)), Ok(()));
+        let long = check_requester(&"a".repeat(217)).unwrap_err();
+        assert!(long.contains("216"), "{long}");
+        let control = check_requester("a\u{1b}b").unwrap_err();
+        assert!(control.contains("control"), "{control}");
+    }
 
     #[test]
     fn the_closing_line_says_what_became_of_each_lease() {
