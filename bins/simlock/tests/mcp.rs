@@ -992,6 +992,17 @@ async fn bad_arguments_and_refusals_are_tool_errors_not_crashes() {
         text,
         "ttl: \"1000d\" is longer than the longest TTL simlock takes, 31d (BAD_REQUEST)"
     );
+    // A lease id that is none is refused without being echoed (outside trial 24: a 9 MB one
+    // came back twice).
+    for tool in ["lease_status", "release_simulator", "device_access"] {
+        for bad in ["x".repeat(100_000), String::new(), "lse x".into()] {
+            let (text, _) = agent.fails(tool, json!({"leaseId": bad})).await;
+            assert!(
+                text.starts_with("leaseId: not a lease id") && text.len() < 200,
+                "{tool}: {text}"
+            );
+        }
+    }
     // Text without a unit is refused: "15" could mean minutes (outside trial 24).
     let (text, _) = agent
         .fails("lease_simulator", json!({"platform": "ios", "ttl": "15"}))

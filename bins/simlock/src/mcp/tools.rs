@@ -148,6 +148,21 @@ pub(crate) struct LeaseIdArgs {
     pub(crate) lease_id: Option<String>,
 }
 
+/// Reads the arguments of a tool about one lease. A `leaseId` that is no lease id is refused
+/// without being echoed back (a long one would flood the model's context).
+fn lease_args(tool: &str, arguments: Value) -> Result<LeaseIdArgs, ContractError> {
+    let args: LeaseIdArgs = parse(tool, arguments)?;
+    if let Some(id) = &args.lease_id
+        && !simlock_contract::bounds::LEASE_ID_RE.is_match(id)
+    {
+        return Err(bad_request(
+            "leaseId: not a lease id (letters, digits, '.', '_' and '-', at most 160 characters, \
+             as lease_simulator answered it)",
+        ));
+    }
+    Ok(args)
+}
+
 /// `list_devices`'s arguments.
 #[derive(Debug, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
@@ -314,13 +329,13 @@ async fn lease(
 }
 
 async fn release(session: &Arc<Session>, arguments: Value) -> Result<Value, ContractError> {
-    let args: LeaseIdArgs = parse(RELEASE, arguments)?;
+    let args = lease_args(RELEASE, arguments)?;
     let lease_id = session.release(args.lease_id.as_deref()).await?;
     Ok(json!({ "leaseId": lease_id, "released": true }))
 }
 
 async fn status(session: &Arc<Session>, arguments: Value) -> Result<Value, ContractError> {
-    let args: LeaseIdArgs = parse(STATUS, arguments)?;
+    let args = lease_args(STATUS, arguments)?;
     let picked = session.with_book(|b| b.pick(args.lease_id.as_deref()).cloned());
     let entry = match picked {
         Ok(entry) => entry,
@@ -413,7 +428,7 @@ fn held(session: &Arc<Session>, arguments: Value) -> Result<Value, ContractError
 }
 
 fn access(session: &Arc<Session>, arguments: Value) -> Result<Value, ContractError> {
-    let args: LeaseIdArgs = parse(ACCESS, arguments)?;
+    let args = lease_args(ACCESS, arguments)?;
     let entry = session.with_book(|b| b.pick_held(args.lease_id.as_deref()).cloned())?;
     Ok(access_of(&entry.grant))
 }
