@@ -1244,3 +1244,91 @@ async fn a_retry_of_a_request_being_provisioned_answers_at_once_through_a_gatewa
     keyed_twice(gateway, &a, "prov-1", "provisioning").await;
     fleet.stop().await;
 }
+
+/// The events of `GET path` (an event stream that ends by itself), each its `data` as JSON,
+/// read to the stream's end within the bound; `started` fires once the stream's head came.
+async fn stream_events(
+    addr: SocketAddr,
+    path: String,
+    token: String,
+    started: tokio::sync::oneshot::Sender<()>,
+) -> Vec<Value> {
+    let exchange = async {
+        let stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+            .await
+            .unwrap();
+        tokio::spawn(connection);
+        let response = sender
+            .send_request(request("GET", &path, Some(&token), None))
+            .await
+            .unwrap();
+        assert_eq!(response.status(), 200);
+        let _ = started.send(());
+        let bytes = response.into_body().collect().await.unwrap().to_bytes();
+        String::from_utf8_lossy(&bytes)
+            .lines()
+            .filter_map(|line| line.strip_prefix("data: "))
+            .map(|data| serde_json::from_str(data).unwrap())
+            .collect::<Vec<Value>>()
+    };
+    tokio::time::timeout(PATIENCE, exchange)
+        .await
+        .expect("the stream ended within the bound")
+}
+
+/// Outside trial 24: a gateway's event stream ended a cancelled request with a view without
+/// its `error` (its `GET` and a worker's stream had it). Every cancelled view carries it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancelled_request_s_stream_ends_with_its_error_on_both_daemons() {
+    let (worker, _dir) = http_worker().await;
+    let mut fleet = TestFleet::start(gateway_config()).await;
+    fleet.add_worker(worker_config(2)).await;
+    let gateway = fleet.gateway().running.http_addr().unwrap();
+    let on_worker = worker.running.http_addr().unwrap();
+    for (addr, tokens) in [
+        (on_worker, &worker.running.base.tokens),
+        (gateway, &fleet.gateway().running.base.tokens),
+    ] {
+        let ((a, _), (b, _), (c, _)) = (agent(tokens), agent(tokens), agent(tokens));
+        lease_request(addr, &a, true).await;
+        lease_request(addr, &b, true).await;
+        let queued = lease_request(addr, &c, false).await;
+        let id = queued["id"].as_str().unwrap().to_owned();
+        let (started, head) = tokio::sync::oneshot::channel();
+        let events = tokio::spawn(stream_events(
+            addr,
+            format!("/v1/lease-requests/{id}/events"),
+            c.clone(),
+            started,
+        ));
+        head.await.unwrap();
+        let deleted = send(
+            addr,
+            "DELETE",
+            &format!("/v1/lease-requests/{id}"),
+            Some(&c),
+            None,
+        )
+        .await;
+        assert_eq!(deleted.status, 204, "{deleted:?}");
+        let events = events.await.unwrap();
+        let last = events.last().expect("an event");
+        assert_eq!(last["state"], "cancelled", "{events:?}");
+        assert_eq!(last["error"]["code"], "CANCELLED", "{events:?}");
+        let polled = send(
+            addr,
+            "GET",
+            &format!("/v1/lease-requests/{id}"),
+            Some(&c),
+            None,
+        )
+        .await;
+        assert_eq!(
+            &polled.body["request"], last,
+            "the stream's end is the request's view"
+        );
+    }
+    fleet.stop().await;
+    worker.stop("test").await;
+}

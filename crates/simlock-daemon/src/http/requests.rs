@@ -283,9 +283,18 @@ impl RequestBook {
             .map_err(|e| ContractError::internal(format!("invalid lease.cancel output: {e}")))?;
         match outcome.result {
             CancelResult::Cancelled => {
+                // Settled here when the operation's own end has not come yet (a gateway answers
+                // the cancel first): with its error, as every cancelled view has.
                 record.view.send_modify(|v| {
                     if !v.state.is_settled() {
                         v.enter(RequestState::Cancelled);
+                        v.error = Some(
+                            ContractError::new(
+                                ErrorCode::Cancelled,
+                                format!("Request {id} was cancelled"),
+                            )
+                            .to_body(),
+                        );
                     }
                 });
                 Ok(())
@@ -401,7 +410,10 @@ fn settle(record: &Record, outcome: Result<Value, ContractError>, now: i64) {
             },
             Err(err) if v.state == RequestState::Cancelled || err.code == ErrorCode::Cancelled => {
                 v.state = RequestState::Cancelled;
-                v.error = Some(err.to_body());
+                // A cancel that settled the view first keeps what it said.
+                if v.error.is_none() {
+                    v.error = Some(err.to_body());
+                }
             }
             Err(err) => {
                 debug!(code = %err.code, "lease request failed");
