@@ -780,6 +780,56 @@ async fn a_session_that_ends_while_its_worker_restarts_releases_its_lease_once_i
     worker.stop().await;
 }
 
+/// Outside trial 24: a session killed with SIGKILL leaves its lease to its TTL; the next
+/// session of the same requester was refused REQUESTER_ALREADY_LEASED and could not release
+/// that lease ("not one of this session's leases"). The refusal says how, and it can; a session
+/// of another requester still cannot.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_an_earlier_session_of_the_requester_left_can_be_released_by_the_next() {
+    let worker = Worker::start(worker_config(2)).await;
+    let mut first = Launch::on(worker.home())
+        .session("same-agent")
+        .start()
+        .await;
+    let id = lease_id(
+        &first
+            .ok("lease_simulator", json!({"platform": "ios", "ttl": "10m"}))
+            .await,
+    );
+    first.child.start_kill().unwrap();
+    let _ = first.child.wait().await;
+
+    let other = Launch::on(worker.home())
+        .session("another-agent")
+        .start()
+        .await;
+    let (text, _) = other
+        .fails("release_simulator", json!({"leaseId": id}))
+        .await;
+    assert!(text.contains("UNKNOWN_LEASE"), "{text}");
+
+    let next = Launch::on(worker.home())
+        .session("same-agent")
+        .start()
+        .await;
+    let (text, _) = next
+        .fails("lease_simulator", json!({"platform": "ios"}))
+        .await;
+    assert!(
+        text.contains("REQUESTER_ALREADY_LEASED")
+            && text.contains(&format!("release_simulator with leaseId {id} ends it now")),
+        "{text}"
+    );
+    let released = next.ok("release_simulator", json!({"leaseId": id})).await;
+    assert_eq!(released, json!({"leaseId": id, "released": true}));
+    assert!(leases(&worker.operator().await).await.is_empty());
+    // And it may lease again.
+    next.ok("lease_simulator", json!({"platform": "ios"})).await;
+    assert!(next.close_stdin().await.success());
+    assert!(other.close_stdin().await.success());
+    worker.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_ends_the_session_and_releases_its_lease() {
     let worker = Worker::start(worker_config(1)).await;

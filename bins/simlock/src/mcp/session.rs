@@ -126,7 +126,10 @@ impl Session {
                     let _ = sink.try_send(*p);
                 }
             };
-            let grant = client.request_lease(input, on_progress, abort).await?;
+            let grant = client
+                .request_lease(input, on_progress, abort)
+                .await
+                .map_err(|e| session.explain_left_over(e))?;
             if session.closing.is_cancelled() {
                 let _ = client.release(grant.lease.id.as_str()).await;
                 return Err(ending());
@@ -379,7 +382,18 @@ impl Session {
     /// `UNKNOWN_LEASE` when the lease is not this session's, already ended (saying why), or the
     /// daemon no longer knows it; the release's own failure.
     pub(crate) async fn release(&self, lease_id: Option<&str>) -> Result<String, ContractError> {
-        let lease_id = self.book.lock().pick_held(lease_id)?.lease_id().to_owned();
+        let picked = self
+            .book
+            .lock()
+            .pick_held(lease_id)
+            .map(|e| e.lease_id().to_owned());
+        let lease_id = match (picked, lease_id) {
+            (Ok(id), _) => id,
+            (Err(not_ours), Some(named)) if not_ours.code == ErrorCode::UnknownLease => {
+                return self.release_left_over(named, not_ours).await;
+            }
+            (Err(e), _) => return Err(e),
+        };
         let asks = self.releases.lock().get(&lease_id).cloned();
         let (tx, rx) = oneshot::channel();
         let sent = match asks {
@@ -398,6 +412,47 @@ impl Session {
                 }))
             }
         }
+    }
+
+    /// Releases `lease_id`, which this session does not hold, when it is a lease of this
+    /// session's requester that an earlier session left (one killed before it released): the
+    /// agent can end it by name instead of waiting out its TTL. Any other lease is `not_ours`.
+    async fn release_left_over(
+        &self,
+        lease_id: &str,
+        not_ours: ContractError,
+    ) -> Result<String, ContractError> {
+        let requester = self.requester.id();
+        match self.record(lease_id).await? {
+            Some(record) if record.requester_id == requester => {
+                let client = self.client().await?;
+                client.release(lease_id).await?;
+                Ok(lease_id.to_owned())
+            }
+            _ => Err(not_ours),
+        }
+    }
+
+    /// `err` with what to do when it is `REQUESTER_ALREADY_LEASED` for a lease this session
+    /// does not hold: an earlier session of its requester left it.
+    fn explain_left_over(&self, mut err: ContractError) -> ContractError {
+        let left = err
+            .details
+            .as_ref()
+            .and_then(|d| d.get("existingLeaseId"))
+            .and_then(Value::as_str)
+            .filter(|id| self.book.lock().pick(Some(id)).is_err())
+            .map(str::to_owned);
+        if err.code == ErrorCode::RequesterAlreadyLeased
+            && let Some(id) = left
+        {
+            err.message = format!(
+                "{}: an earlier session of this requester left it (ended without releasing it); \
+                 release_simulator with leaseId {id} ends it now",
+                err.message
+            );
+        }
+        err
     }
 
     /// The daemon's current record of a held lease (`None`: the daemon no longer lists it).

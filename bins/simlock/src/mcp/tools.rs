@@ -201,7 +201,9 @@ pub(crate) fn definitions() -> Result<Vec<Tool>, ContractError> {
         Tool::new(
             RELEASE,
             "Release a lease this session holds (default: its only one), giving the device back \
-             to be wiped and reused. A session releases only its own leases.",
+             to be wiped and reused. A session releases only its own leases, and those an \
+             earlier session of the same agent left (the REQUESTER_ALREADY_LEASED refusal of \
+             lease_simulator names such a lease).",
             schema(schema_for_input::<LeaseIdArgs>())?,
         )
         .with_title("Release a device")
