@@ -30,6 +30,9 @@ use crate::view;
 pub(crate) const CLOSE_BOUND: Duration = Duration::from_secs(15);
 /// Progress notifications a slow client may leave unsent before newer ones are dropped.
 const PROGRESS_QUEUE: usize = 16;
+/// How often a wait with nothing new is told again: MCP clients commonly give up on a call
+/// after 60 s without a progress notification, and a queue can hold a request far longer.
+pub(crate) const PROGRESS_AGAIN: Duration = Duration::from_secs(20);
 
 /// A request to a hold's task to release its lease; it answers how the hold ended.
 type ReleaseAsk = oneshot::Sender<HoldEnd>;
@@ -150,18 +153,15 @@ impl Session {
         peer: Peer<RoleServer>,
         token: ProgressToken,
     ) -> mpsc::Sender<Progress> {
-        let (tx, mut rx) = mpsc::channel::<Progress>(PROGRESS_QUEUE);
-        self.tasks.spawn(async move {
-            let mut count = 0.0_f64;
-            while let Some(progress) = rx.recv().await {
-                count += 1.0;
-                let note = ProgressNotificationParam::new(token.clone(), count)
-                    .with_message(crate::stderr::describe(&progress));
-                if peer.notify_progress(note).await.is_err() {
-                    return;
+        let (tx, rx) = mpsc::channel::<Progress>(PROGRESS_QUEUE);
+        self.tasks
+            .spawn(pace(rx, PROGRESS_AGAIN, move |count, message| {
+                let (peer, token) = (peer.clone(), token.clone());
+                async move {
+                    let note = ProgressNotificationParam::new(token, count).with_message(message);
+                    peer.notify_progress(note).await.is_ok()
                 }
-            }
-        });
+            }));
         tx
     }
 
@@ -594,6 +594,120 @@ impl Session {
 }
 
 /// `CANCELLED` for a request that comes as the session ends.
+/// Sends each progress of `rx` through `send` (its count, rising, and its words), and the last
+/// one again, with how long it has stood, after `again` with nothing new; until `rx` ends or
+/// `send` answers false (the client is gone).
+async fn pace<F, Fut>(mut rx: mpsc::Receiver<Progress>, again: Duration, mut send: F)
+where
+    F: FnMut(f64, String) -> Fut,
+    Fut: Future<Output = bool>,
+{
+    /// The last progress, when it came, and when it was last told.
+    struct Standing {
+        progress: Progress,
+        since: tokio::time::Instant,
+        told: tokio::time::Instant,
+    }
+    let mut count = 0.0_f64;
+    let mut last: Option<Standing> = None;
+    loop {
+        let repeat_at = last.as_ref().map(|l| l.told + again);
+        let next = tokio::select! {
+            progress = rx.recv() => match progress {
+                Some(progress) => Some(progress),
+                None => return,
+            },
+            () = async {
+                match repeat_at {
+                    Some(at) => tokio::time::sleep_until(at).await,
+                    None => std::future::pending().await,
+                }
+            } => None,
+        };
+        let now = tokio::time::Instant::now();
+        let message = match (next, last.as_mut()) {
+            (Some(progress), _) => {
+                last = Some(Standing {
+                    progress,
+                    since: now,
+                    told: now,
+                });
+                crate::stderr::describe(&progress)
+            }
+            (None, Some(standing)) => {
+                standing.told = now;
+                let stood = u64::try_from(now.duration_since(standing.since).as_millis())
+                    .unwrap_or(u64::MAX);
+                format!(
+                    "{} (so for {})",
+                    crate::stderr::describe(&standing.progress),
+                    view::duration(stood)
+                )
+            }
+            (None, None) => continue,
+        };
+        count += 1.0;
+        if !send(count, message).await {
+            return;
+        }
+    }
+}
+
 fn ending() -> ContractError {
     ContractError::new(ErrorCode::Cancelled, "The MCP session is ending")
+}
+
+#[cfg(test)]
+mod tests {
+    use simlock_contract::push::WaitingFor;
+
+    use super::*;
+
+    /// Outside trial 24: a long wait in the queue sent one progress notification, and MCP
+    /// clients that give up after 60 s without one gave up on the call. The last progress is
+    /// told again every 20 s with nothing new, with how long it has stood; each count rises.
+    #[tokio::test(start_paused = true)]
+    async fn a_wait_with_nothing_new_is_told_again_every_interval() {
+        let (tx, rx) = mpsc::channel(4);
+        let sent = Arc::new(Mutex::new(Vec::new()));
+        let log = Arc::clone(&sent);
+        let pacing = tokio::spawn(pace(rx, PROGRESS_AGAIN, move |count, message| {
+            log.lock()
+                .push((count, message, tokio::time::Instant::now()));
+            async { true }
+        }));
+        let start = tokio::time::Instant::now();
+        let queued = Progress::Queued {
+            queue_position: 2,
+            waiting_for: Some(WaitingFor::Capacity),
+        };
+        tx.send(queued).await.unwrap();
+        tokio::time::sleep(Duration::from_secs(45)).await;
+        tx.send(Progress::Booting { eta_ms: 20_000 }).await.unwrap();
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        drop(tx);
+        pacing.await.unwrap();
+        let sent = sent.lock();
+        let at: Vec<(f64, u64)> = sent
+            .iter()
+            .map(|(count, _, when)| (*count, when.duration_since(start).as_secs()))
+            .collect();
+        assert_eq!(at, [(1.0, 0), (2.0, 20), (3.0, 40), (4.0, 45)]);
+        assert_eq!(sent[0].1, crate::stderr::describe(&queued));
+        assert_eq!(
+            sent[2].1,
+            format!("{} (so for 40s)", crate::stderr::describe(&queued))
+        );
+        assert!(sent[3].1.starts_with("booting"), "{}", sent[3].1);
+    }
+
+    /// A client that is gone ends the pacing.
+    #[tokio::test(start_paused = true)]
+    async fn a_gone_client_ends_the_pacing() {
+        let (tx, rx) = mpsc::channel(4);
+        tx.send(Progress::Booting { eta_ms: 1 }).await.unwrap();
+        let pacing = tokio::spawn(pace(rx, PROGRESS_AGAIN, |_, _| async { false }));
+        pacing.await.unwrap();
+        drop(tx);
+    }
 }
