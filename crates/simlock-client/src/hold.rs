@@ -291,7 +291,10 @@ impl Renewer {
                                 was_failing
                             });
                         }
-                        Err(e) if e.code == ErrorCode::UnknownLease => return self.lost(None),
+                        Err(e) if e.code == ErrorCode::UnknownLease => {
+                            let reason = self.why_gone(now >= deadline).await;
+                            return self.lost(reason);
+                        }
                         Err(e) if self.client.is_closed() => return Stop::Ended(HoldEnd::Failed(e)),
                         // A failure that may clear before the TTL: the connection, or the
                         // daemon's own (its store on a full disk, trial 19).
@@ -314,6 +317,24 @@ impl Renewer {
                 }
             }
         }
+    }
+
+    /// Why the lease a renewal found gone ended: as its `lease-lost` said, when that came
+    /// already (a push read before the renewal's answer, outside trial 24: a holder stopped past
+    /// its deadline said only that the daemon no longer knew the lease); else `expired` when
+    /// its deadline as this hold knows it had passed (the daemon's own came a little earlier);
+    /// else not known.
+    async fn why_gone(&mut self, past_deadline: bool) -> Option<LeaseEndReason> {
+        loop {
+            match tokio::time::timeout(Duration::ZERO, next_notice(&mut self.notices)).await {
+                Ok(Some(Ok(LeaseNotice::Lost { reason, .. }))) => return Some(reason),
+                Ok(Some(Ok(health))) => {
+                    let _ = self.health.send(health);
+                }
+                Ok(_) | Err(_) => break,
+            }
+        }
+        past_deadline.then_some(LeaseEndReason::Expired)
     }
 
     fn lost(&self, reason: Option<LeaseEndReason>) -> Stop {

@@ -126,6 +126,8 @@ struct State {
     unlisted: AtomicBool,
     /// What every `lease.renew` answers instead of renewing, while set.
     renew_fails: Mutex<Option<ContractError>>,
+    /// How long a renewal waits before it is answered.
+    renew_delay: Mutex<std::time::Duration>,
     next_lease: AtomicU64,
     calls: watch::Sender<Vec<Recorded>>,
 }
@@ -329,6 +331,7 @@ impl FakeDaemon {
             leases: Mutex::new(BTreeMap::new()),
             unlisted: AtomicBool::new(false),
             renew_fails: Mutex::new(None),
+            renew_delay: Mutex::new(std::time::Duration::ZERO),
             next_lease: AtomicU64::new(0),
             calls,
         });
@@ -527,6 +530,12 @@ impl FakeDaemon {
     /// lease's worker out of reach); `None` renews again.
     pub fn fail_renewals(&self, error: Option<ContractError>) {
         *self.state.renew_fails.lock() = error;
+    }
+
+    /// Answers each renewal `delay` after it came (on tokio's clock), as a daemon that a stop
+    /// or a stall held up; its outcome is decided when it came.
+    pub fn delay_renewals(&self, delay: std::time::Duration) {
+        *self.state.renew_delay.lock() = delay;
     }
 
     /// While `unlisted`, the lists (`lease.list`, `list.get`, `status.get`) leave every lease
@@ -762,7 +771,11 @@ fn register(router: &mut Router, state: &Arc<State>) {
             s.leases.lock().insert(lease.id.to_string(), lease.clone());
             lease
         });
-        futures::future::Either::Right(async move { outcome })
+        let delay = *s.renew_delay.lock();
+        futures::future::Either::Right(async move {
+            tokio::time::sleep(delay).await;
+            outcome
+        })
     });
     let s = state.clone();
     router.handle::<LeaseRelease, _, _>(move |ctx, input| {

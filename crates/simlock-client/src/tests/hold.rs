@@ -107,6 +107,29 @@ async fn unknown_lease_on_a_renewal_means_the_lease_is_lost() {
     assert_eq!(Instant::now() - start, Duration::from_secs(10));
 }
 
+/// Outside trial 24: a holder stopped (SIGSTOP) past its lease's deadline renews late and finds
+/// the lease gone; it said only that the daemon no longer knew it. Past the deadline it knows,
+/// the lease expired.
+#[tokio::test(start_paused = true)]
+async fn unknown_lease_on_a_renewal_past_the_deadline_means_it_expired() {
+    let fake = FakeDaemon::new().unwrap();
+    let (client, _cut) = pipe_client(&fake).await;
+    let grant = grant(&client, 30_000).await;
+    let lease_id = grant.lease.id.to_string();
+    assert!(fake.forget_lease(&lease_id));
+    // The renewal sent at 10 s is answered at 40 s, past the deadline, as a holder stopped
+    // meanwhile reads it.
+    fake.delay_renewals(Duration::from_secs(30));
+    let mut hold = client.hold(grant);
+    assert_eq!(
+        guard_paused(hold.ended()).await,
+        HoldEnd::Lost(LeaseLost {
+            lease_id,
+            reason: Some(LeaseEndReason::Expired)
+        })
+    );
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_lost_connection_fails_the_hold() {
     let fake = FakeDaemon::new().unwrap();
