@@ -1130,24 +1130,62 @@ async fn keyed_twice(addr: SocketAddr, token: &str, key: &str, state: &str) -> (
     (first, again)
 }
 
+/// A worker serving HTTP and a gateway with a worker of its own, each with two devices per
+/// platform: the two daemons the lease-request resource's tests run against alike.
+struct BothDaemons {
+    worker: simlock_worker::RunningWorker,
+    _dir: tempfile::TempDir,
+    fleet: TestFleet,
+}
+
+impl BothDaemons {
+    async fn start() -> Self {
+        let (worker, _dir) = http_worker().await;
+        let mut fleet = TestFleet::start(gateway_config()).await;
+        fleet.add_worker(worker_config(2)).await;
+        Self {
+            worker,
+            _dir,
+            fleet,
+        }
+    }
+
+    /// On each daemon, both iOS devices leased by agents of their own, so that a new iOS
+    /// request waits: the daemon's address and a fresh agent token.
+    async fn busy(&self) -> Vec<(SocketAddr, String)> {
+        let mut busy = Vec::new();
+        for (addr, tokens) in [
+            (
+                self.worker.running.http_addr().unwrap(),
+                &self.worker.running.base.tokens,
+            ),
+            (
+                self.fleet.gateway().running.http_addr().unwrap(),
+                &self.fleet.gateway().running.base.tokens,
+            ),
+        ] {
+            let ((a, _), (b, _), (c, _)) = (agent(tokens), agent(tokens), agent(tokens));
+            lease_request(addr, &a, true).await;
+            lease_request(addr, &b, true).await;
+            busy.push((addr, c));
+        }
+        busy
+    }
+
+    async fn stop(self) {
+        self.fleet.stop().await;
+        self.worker.stop("test").await;
+    }
+}
+
 /// Outside trial 21: an agent retrying a queued request with its idempotency key (its first
 /// answer was lost) hears at once where the original stands, on a worker and on a gateway;
 /// the retry used to hang until the original's state changed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_retry_of_a_queued_request_answers_at_once_on_both_daemons() {
-    let (worker, _dir) = http_worker().await;
-    let mut fleet = TestFleet::start(gateway_config()).await;
-    fleet.add_worker(worker_config(2)).await;
-    let gateway = fleet.gateway().running.http_addr().unwrap();
-    let on_worker = worker.running.http_addr().unwrap();
-    for (addr, tokens) in [
-        (on_worker, &worker.running.base.tokens),
-        (gateway, &fleet.gateway().running.base.tokens),
-    ] {
-        let ((a, _), (b, _)) = (agent(tokens), agent(tokens));
-        // Both devices taken, so the keyed request waits.
-        lease_request(addr, &a, true).await;
-        lease_request(addr, &b, true).await;
+    let both = BothDaemons::start().await;
+    // Both devices taken, so the keyed request waits.
+    for (addr, a) in both.busy().await {
         let (first, again) = keyed_twice(addr, &a, "rep-1", "queued").await;
         assert_eq!(
             again.body["request"]["queuePosition"], first.body["request"]["queuePosition"],
@@ -1155,8 +1193,7 @@ async fn a_retry_of_a_queued_request_answers_at_once_on_both_daemons() {
         );
         assert_ne!(again.body["request"]["id"], first.body["request"]["id"]);
     }
-    fleet.stop().await;
-    worker.stop("test").await;
+    both.stop().await;
 }
 
 /// Outside trial 22: a retry (same idempotency key) of a request that timed out in the queue is
@@ -1165,19 +1202,9 @@ async fn a_retry_of_a_queued_request_answers_at_once_on_both_daemons() {
 /// failed. On a worker and on a gateway.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_retry_of_a_request_that_timed_out_or_was_cancelled_answers_its_end() {
-    let (worker, _dir) = http_worker().await;
-    let mut fleet = TestFleet::start(gateway_config()).await;
-    fleet.add_worker(worker_config(2)).await;
-    let gateway = fleet.gateway().running.http_addr().unwrap();
-    let on_worker = worker.running.http_addr().unwrap();
-    for (addr, tokens) in [
-        (on_worker, &worker.running.base.tokens),
-        (gateway, &fleet.gateway().running.base.tokens),
-    ] {
-        let ((a, _), (b, _), (c, _)) = (agent(tokens), agent(tokens), agent(tokens));
-        // Both devices taken, so keyed requests wait.
-        lease_request(addr, &a, true).await;
-        lease_request(addr, &b, true).await;
+    let both = BothDaemons::start().await;
+    // Both devices taken, so keyed requests wait.
+    for (addr, c) in both.busy().await {
         let keyed = |key: &'static str, body: Value| {
             let mut request = request("POST", "/v1/lease-requests", Some(&c), Some(&body));
             request
@@ -1225,8 +1252,7 @@ async fn a_retry_of_a_request_that_timed_out_or_was_cancelled_answers_its_end() 
         assert_eq!(again.status, 201, "{again:?}");
         assert_eq!(again.body["request"]["state"], "cancelled", "{again:?}");
     }
-    fleet.stop().await;
-    worker.stop("test").await;
+    both.stop().await;
 }
 
 /// Outside trial 22: through a gateway, a retry of a request its worker is provisioning a
@@ -1281,18 +1307,8 @@ async fn stream_events(
 /// its `error` (its `GET` and a worker's stream had it). Every cancelled view carries it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cancelled_request_s_stream_ends_with_its_error_on_both_daemons() {
-    let (worker, _dir) = http_worker().await;
-    let mut fleet = TestFleet::start(gateway_config()).await;
-    fleet.add_worker(worker_config(2)).await;
-    let gateway = fleet.gateway().running.http_addr().unwrap();
-    let on_worker = worker.running.http_addr().unwrap();
-    for (addr, tokens) in [
-        (on_worker, &worker.running.base.tokens),
-        (gateway, &fleet.gateway().running.base.tokens),
-    ] {
-        let ((a, _), (b, _), (c, _)) = (agent(tokens), agent(tokens), agent(tokens));
-        lease_request(addr, &a, true).await;
-        lease_request(addr, &b, true).await;
+    let both = BothDaemons::start().await;
+    for (addr, c) in both.busy().await {
         let queued = lease_request(addr, &c, false).await;
         let id = queued["id"].as_str().unwrap().to_owned();
         let (started, head) = tokio::sync::oneshot::channel();
@@ -1329,6 +1345,5 @@ async fn a_cancelled_request_s_stream_ends_with_its_error_on_both_daemons() {
             "the stream's end is the request's view"
         );
     }
-    fleet.stop().await;
-    worker.stop("test").await;
+    both.stop().await;
 }
