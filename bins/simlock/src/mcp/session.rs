@@ -593,7 +593,6 @@ impl Session {
     }
 }
 
-/// `CANCELLED` for a request that comes as the session ends.
 /// Sends each progress of `rx` through `send` (its count, rising, and its words), and the last
 /// one again, with how long it has stood, after `again` with nothing new; until `rx` ends or
 /// `send` answers false (the client is gone).
@@ -653,6 +652,7 @@ where
     }
 }
 
+/// `CANCELLED` for a request that comes as the session ends.
 fn ending() -> ContractError {
     ContractError::new(ErrorCode::Cancelled, "The MCP session is ending")
 }
@@ -707,7 +707,11 @@ mod tests {
         let (tx, rx) = mpsc::channel(4);
         tx.send(Progress::Booting { eta_ms: 1 }).await.unwrap();
         let pacing = tokio::spawn(pace(rx, PROGRESS_AGAIN, |_, _| async { false }));
-        pacing.await.unwrap();
+        // Within one interval (paused time): a pacing that went on would tell it again.
+        tokio::time::timeout(PROGRESS_AGAIN, pacing)
+            .await
+            .expect("the pacing ended")
+            .unwrap();
         drop(tx);
     }
 }
