@@ -115,6 +115,18 @@ impl Width {
         let ms = parse_wide(text)?.unwrap_or(u64::MAX);
         self.check(ms, &format!("{text:?}"))
     }
+
+    /// [`Self::parse`] for text that must name its unit (an MCP argument, where a JSON number
+    /// is the way to give milliseconds): a bare number could mean minutes as well.
+    pub(crate) fn parse_with_unit(self, text: &str) -> Result<u64, String> {
+        let trimmed = text.trim();
+        if !trimmed.is_empty() && trimmed.bytes().all(|b| b.is_ascii_digit()) {
+            return Err(format!(
+                "{text:?} has no unit: write it like 15m, 90s or 500ms (a JSON number is milliseconds)"
+            ));
+        }
+        self.parse(text)
+    }
 }
 
 /// `--ttl` for clap: [`Width::Ttl`].
@@ -156,6 +168,17 @@ mod tests {
             Width::Ttl.check(2_678_400_001, "2678400001"),
             Err("2678400001 is longer than the longest TTL simlock takes, 31d".to_owned())
         );
+    }
+
+    #[test]
+    fn text_that_must_name_its_unit_refuses_a_bare_number() {
+        assert_eq!(Width::Ttl.parse_with_unit("15m"), Ok(900_000));
+        assert_eq!(Width::Ttl.parse_with_unit(" 500ms "), Ok(500));
+        assert_eq!(
+            Width::Ttl.parse_with_unit("15"),
+            Err("\"15\" has no unit: write it like 15m, 90s or 500ms (a JSON number is milliseconds)".to_owned())
+        );
+        assert!(Width::Ttl.parse_with_unit("").unwrap_err().contains(SHAPES));
     }
 
     #[test]

@@ -1045,13 +1045,21 @@ async fn bad_arguments_and_refusals_are_tool_errors_not_crashes() {
     // A lease id that is none is refused without being echoed (outside trial 24: a 9 MB one
     // came back twice).
     for tool in ["lease_status", "release_simulator", "device_access"] {
-        for bad in ["x".repeat(100_000), String::new(), "lse x".into()] {
+        for bad in [
+            "x".repeat(161),
+            "x".repeat(100_000),
+            String::new(),
+            "lse x".into(),
+        ] {
             let (text, _) = agent.fails(tool, json!({"leaseId": bad})).await;
             assert!(
                 text.starts_with("leaseId: not a lease id") && text.len() < 200,
                 "{tool}: {text}"
             );
         }
+        // At the bound it is a lease id, only not this session's.
+        let (text, _) = agent.fails(tool, json!({"leaseId": "x".repeat(160)})).await;
+        assert!(text.contains("UNKNOWN_LEASE"), "{tool}: {text}");
     }
     // Text without a unit is refused: "15" could mean minutes (outside trial 24).
     let (text, _) = agent
