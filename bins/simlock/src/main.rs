@@ -321,22 +321,15 @@ async fn execute(cli: &Cli) -> Result<u8, ContractError> {
             Ok(0)
         }
         Command::Leases { all: true } => {
-            // A gateway lists the leases of the workers it has read; a worker (whose own view
-            // has no leases while it is failed), an older daemon, or one whose answer fails,
-            // adds no note. The list and the note asked at once.
+            // A gateway lists the leases of the workers it has read and names the others in
+            // `lease.list`'s `unreadWorkers`; a worker, an older gateway, or one whose answer
+            // fails, adds no note. The list and the note asked at once.
             let (list, unread) = tokio::join!(client.list(ListKind::Leases), async {
                 if json {
                     return None;
                 }
-                let status = client.status().await.ok()?;
-                if status.daemon.mode != simlock_contract::model::Mode::Gateway {
-                    return None;
-                }
-                client
-                    .workers()
-                    .await
-                    .ok()
-                    .and_then(|w| view::unread_leases(&w.workers))
+                let own = client.leases().await.ok()?;
+                view::unread_workers(&own.unread_workers)
             });
             let list = list?;
             emit(json, &list, |list| match list {

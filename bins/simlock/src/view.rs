@@ -232,29 +232,16 @@ pub(crate) fn leases(leases: &[LeaseRecord], scope: LeaseScope<'_>) -> String {
     out
 }
 
-/// What `simlock leases --all` adds below its list on a gateway that has not read some of its
-/// workers' leases (after its restart, until each is back): theirs are not listed, so an empty
-/// list is not read as a fleet with nothing leased. `None` when it read every worker's.
-pub(crate) fn unread_leases(workers: &[WorkerView]) -> Option<String> {
-    unread_note(
-        workers
-            .iter()
-            .filter(|w| w.leases.is_none())
-            .map(|w| (w.label.as_deref().unwrap_or(&w.id), Some(w.connection))),
-    )
-}
-
-/// The same note for `simlock leases` from the list's own `unreadWorkers` (any caller's: an
-/// agent's own lease on such a worker is missing from its list too).
+/// What `simlock leases` adds below its list on a gateway that has not read some of its
+/// workers' leases (after its restart, until each is back), from the list's `unreadWorkers`:
+/// their leases are not listed (the caller's own included), so an empty list is not read as a
+/// fleet with nothing leased. `None` when it read every worker's.
 pub(crate) fn unread_workers(workers: &[WorkerRef]) -> Option<String> {
-    unread_note(workers.iter().map(|w| (w.name(), w.connection)))
-}
-
-fn unread_note<'a>(workers: impl Iterator<Item = (&'a str, Option<Connection>)>) -> Option<String> {
     let unread: Vec<String> = workers
-        .map(|(name, connection)| match connection {
-            Some(Connection::Connected) | None => name.to_owned(),
-            Some(away) => format!("{name} ({})", value_name(&away)),
+        .iter()
+        .map(|w| match w.connection {
+            Some(Connection::Connected) | None => w.name().to_owned(),
+            Some(away) => format!("{} ({})", w.name(), value_name(&away)),
         })
         .collect();
     (!unread.is_empty()).then(|| {
@@ -985,44 +972,20 @@ mod tests {
 
     #[test]
     fn leases_a_gateway_has_not_read_are_named_below_the_list() {
-        let view = |id: &str, label: Option<&str>, connection, read: bool| {
-            let mut view: WorkerView = serde_json::from_value(serde_json::json!({
-                "id": id, "connection": "connected", "drained": false, "lastSeenAt": 0
-            }))
-            .unwrap();
-            view.label = label.map(String::from);
-            view.connection = connection;
-            view.leases = read.then(Vec::new);
-            view
+        let worker = |id: &str, label: Option<&str>, connection| WorkerRef {
+            id: id.into(),
+            label: label.map(String::from),
+            connection: Some(connection),
         };
-        assert_eq!(unread_leases(&[]), None);
+        assert_eq!(unread_workers(&[]), None, "every worker's leases read");
         assert_eq!(
-            unread_leases(&[view("w1", None, Connection::Connected, true)]),
-            None,
-            "every worker's leases read"
-        );
-        assert_eq!(
-            unread_leases(&[
-                view("w1", Some("mini"), Connection::Disconnected, false),
-                view("w2", None, Connection::Connected, true),
-                view("w3", None, Connection::Connected, false),
+            unread_workers(&[
+                worker("w1", Some("mini"), Connection::Disconnected),
+                worker("w3", None, Connection::Connected),
             ])
             .as_deref(),
             Some(
                 "(not listed: the leases on mini (disconnected), w3; this gateway has not read them since it started, and lists them once each worker reports)"
-            )
-        );
-        // The same from a lease list's own `unreadWorkers`, which any caller gets.
-        assert_eq!(unread_workers(&[]), None);
-        let away = WorkerRef {
-            id: "w1".into(),
-            label: Some("mini".into()),
-            connection: Some(Connection::Disconnected),
-        };
-        assert_eq!(
-            unread_workers(&[away]).as_deref(),
-            Some(
-                "(not listed: the leases on mini (disconnected); this gateway has not read them since it started, and lists them once each worker reports)"
             )
         );
     }
