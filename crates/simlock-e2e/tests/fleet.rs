@@ -828,102 +828,41 @@ async fn refused_uplinks_get_their_statuses_and_change_no_view() {
         .unwrap();
     let agent_bearer = format!("Bearer {}", agent_token["secret"].as_str().unwrap());
     let join_bearer = format!("Bearer {}", fleet.join_token);
-    assert_eq!(
-        uplink_status(
-            &uplink,
-            &[
-                ("x-simlock-worker-id", "w1"),
-                ("authorization", "Bearer slk_nope")
-            ]
-        )
-        .await,
-        401
-    );
-    assert_eq!(
-        uplink_status(&uplink, &[("x-simlock-worker-id", "w1")]).await,
-        401
-    );
-    assert_eq!(
-        uplink_status(
-            &uplink,
-            &[
-                ("x-simlock-worker-id", "w1"),
-                ("authorization", &agent_bearer)
-            ]
-        )
-        .await,
-        403
-    );
-    // Who dials is checked before what it sends (outside trial 21): without a worker token,
-    // a missing or bad worker id is not the refusal's reason.
-    assert_eq!(uplink_status(&uplink, &[]).await, 401);
-    assert_eq!(
-        uplink_status(&uplink, &[("authorization", &agent_bearer)]).await,
-        403
-    );
-    assert_eq!(
-        uplink_status(
-            &uplink,
-            &[
-                ("x-simlock-worker-id", "bad.id"),
-                ("authorization", &agent_bearer)
-            ]
-        )
-        .await,
-        403
-    );
-    assert_eq!(
-        uplink_status(&uplink, &[("authorization", &join_bearer)]).await,
-        400
-    );
-    // A worker id sent twice, or an authorization sent twice: a malformed head, answered 400
-    // and not recorded as a refusal of who dials.
-    assert_eq!(
-        uplink_status(
-            &uplink,
-            &[
-                ("x-simlock-worker-id", "w1"),
-                ("x-simlock-worker-id", "w2"),
-                ("authorization", &join_bearer)
-            ]
-        )
-        .await,
-        400
-    );
-    assert_eq!(
-        uplink_status(
-            &uplink,
-            &[
-                ("x-simlock-worker-id", "w1"),
-                ("authorization", &join_bearer),
-                ("authorization", &join_bearer)
-            ]
-        )
-        .await,
-        400
-    );
-    assert_eq!(
-        uplink_status(
-            &uplink,
-            &[
-                ("x-simlock-worker-id", "bad.id"),
-                ("authorization", &join_bearer)
-            ]
-        )
-        .await,
-        400
-    );
-    assert_eq!(
-        uplink_status(
-            &format!("{base}/v1/elsewhere"),
-            &[
-                ("x-simlock-worker-id", "w1"),
-                ("authorization", &join_bearer)
-            ]
-        )
-        .await,
-        404
-    );
+    let (agent, join) = (agent_bearer.as_str(), join_bearer.as_str());
+    let (id, auth) = ("x-simlock-worker-id", "authorization");
+    let uplink_path = uplink.as_str();
+    let elsewhere = format!("{base}/v1/elsewhere");
+    for (url, headers, status) in [
+        (
+            uplink_path,
+            vec![(id, "w1"), (auth, "Bearer slk_nope")],
+            401,
+        ),
+        (uplink_path, vec![(id, "w1")], 401),
+        (uplink_path, vec![(id, "w1"), (auth, agent)], 403),
+        // Who dials is checked before what it sends (outside trial 21): without a worker
+        // token, a missing or bad worker id is not the refusal's reason.
+        (uplink_path, vec![], 401),
+        (uplink_path, vec![(auth, agent)], 403),
+        (uplink_path, vec![(id, "bad.id"), (auth, agent)], 403),
+        (uplink_path, vec![(auth, join)], 400),
+        // A worker id sent twice, or an authorization sent twice: a malformed head, answered
+        // 400 and not recorded as a refusal of who dials.
+        (uplink_path, vec![(id, "w1"), (id, "w2"), (auth, join)], 400),
+        (
+            uplink_path,
+            vec![(id, "w1"), (auth, join), (auth, join)],
+            400,
+        ),
+        (uplink_path, vec![(id, "bad.id"), (auth, join)], 400),
+        (elsewhere.as_str(), vec![(id, "w1"), (auth, join)], 404),
+    ] {
+        assert_eq!(
+            uplink_status(url, &headers).await,
+            status,
+            "{url} {headers:?}"
+        );
+    }
     assert!(
         fleet.gateway().fleet.views().is_empty(),
         "no refused uplink made a view"
