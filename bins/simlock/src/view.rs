@@ -137,7 +137,7 @@ pub(crate) fn grant(grant: &LeaseGrant) -> String {
         let _ = write!(
             out,
             "\non worker {}",
-            worker.label.as_deref().unwrap_or(&worker.id)
+            visible(worker.label.as_deref().unwrap_or(&worker.id))
         );
     }
     if let Some(address) = &grant.device.address {
@@ -240,8 +240,8 @@ pub(crate) fn unread_workers(workers: &[WorkerRef]) -> Option<String> {
     let unread: Vec<String> = workers
         .iter()
         .map(|w| match w.connection {
-            Some(Connection::Connected) | None => w.name().to_owned(),
-            Some(away) => format!("{} ({})", w.name(), value_name(&away)),
+            Some(Connection::Connected) | None => visible(w.name()),
+            Some(away) => format!("{} ({})", visible(w.name()), value_name(&away)),
         })
         .collect();
     (!unread.is_empty()).then(|| {
@@ -392,10 +392,8 @@ fn waiting(list: &[WaitingRequest]) -> Vec<String> {
                 WaitStage::Starting => "starting",
             };
             let on = if w.worker.is_some() || w.worker_id.is_some() {
-                format!(
-                    " on {}",
-                    worker(w.worker.as_ref(), w.worker_id.as_deref(), &shared)
-                )
+                let name = worker(w.worker.as_ref(), w.worker_id.as_deref(), &shared);
+                format!(" on {}", visible(&name))
             } else {
                 String::new()
             };
@@ -407,8 +405,9 @@ fn waiting(list: &[WaitingRequest]) -> Vec<String> {
             };
             let waited = u64::try_from(now_ms().saturating_sub(w.created_at)).unwrap_or(0);
             format!(
-                "{place} {}  {asked}  {stage}{on} for {}{why}",
-                w.requester_id,
+                "{place} {}  {}  {stage}{on} for {}{why}",
+                visible(&w.requester_id),
+                visible(&asked),
                 duration(waited)
             )
         })
@@ -715,7 +714,18 @@ mod tests {
             label: Some("mini".into()),
             connection: Some(Connection::Connected),
         });
-        let lines = waiting(&[why, on]);
+        let mut forged = w("req_5", "agent-f\u{1b}[2K\rroot", Some(2), None);
+        forged.worker = Some(WorkerRef {
+            id: "w9".into(),
+            label: Some("lab\u{7}".into()),
+            connection: Some(Connection::Connected),
+        });
+        let lines = waiting(&[why, on, forged]);
+        // What a daemon sent is printed with its hidden characters escaped, as tables do.
+        assert!(
+            lines[2].starts_with("2. agent-f\\u{1b}[2K\\rroot  ios  queued on lab\\u{7} for"),
+            "{lines:?}"
+        );
         assert!(
             lines[0].starts_with("1. agent-d  ios  queued for 1")
                 && lines[0].ends_with(": no worker that can serve it takes requests"),
