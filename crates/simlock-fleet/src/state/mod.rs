@@ -1748,13 +1748,7 @@ impl Core {
         if let Err(err) = &outcome {
             self.rejected(Some(id), &waiter.requester, &waiter.wanted, err);
         }
-        if matches!(outcome, Err(FleetError::QueueFull { .. })) {
-            // Refused before it got in, as a refusal at admission is: a repeat with the same
-            // key, once there is room, is a new request.
-            self.queue.book.forget(id);
-        } else {
-            self.queue.book.settle(id, &outcome, now);
-        }
+        self.queue.book.settle(id, &outcome, now);
         self.fx.push_back(Effect::Answer {
             request: id.clone(),
             outcome: Box::new(outcome),
@@ -1916,6 +1910,9 @@ impl Core {
             // little, and the bound keeps one caller from slowing the gateway for everyone. One
             // that waited before (back from a worker that refused it) keeps its place.
             let max_waiting = self.settings.max_waiting;
+            // Refused before it got in, as a refusal at admission is: its key keeps nothing, so
+            // a repeat once there is room is a new request (settling a forgotten key is a no-op).
+            self.queue.book.forget(id);
             self.answer(id, Err(FleetError::QueueFull { max_waiting }), now);
         } else if let Some(position) = self.queue.announce(id) {
             self.tell(
