@@ -78,8 +78,16 @@ pub struct Recovered {
 }
 
 impl AcceptFailures {
-    /// An accept failed at `now`.
+    /// An accept failed at `now`. A failure [`SUMMARY_EVERY`] or more after the last one
+    /// starts a run of its own (the earlier one ended quietly, though no accept said so).
     pub fn failed(&mut self, now: Instant) -> Failed {
+        if self
+            .run
+            .as_ref()
+            .is_some_and(|run| now.saturating_duration_since(run.last_failure) >= SUMMARY_EVERY)
+        {
+            self.run = None;
+        }
         let Some(run) = &mut self.run else {
             self.run = Some(Run {
                 started: now,
@@ -235,5 +243,36 @@ mod tests {
         let next = failures.failed(later + SUMMARY_EVERY * 2);
         assert_eq!(next.say, Say::First);
         assert_eq!(next.wait, FIRST_WAIT);
+    }
+
+    /// A failure long after the last one, with no accept since that said the run had ended
+    /// (accepts came only right after it), starts a run of its own: it is not "still failing"
+    /// for an hour. Just under the quiet span it still belongs to the run.
+    #[test]
+    fn a_failure_after_a_quiet_span_starts_a_new_run_even_without_an_accept_that_ended_the_last() {
+        let t0 = Instant::now();
+        let mut failures = AcceptFailures::default();
+        assert_eq!(failures.failed(t0).say, Say::First);
+        let just_under = t0 + SUMMARY_EVERY - Duration::from_millis(1);
+        assert_eq!(failures.failed(just_under).say, Say::Nothing);
+        assert_eq!(
+            failures.accepted(just_under + Duration::from_millis(1)),
+            None
+        );
+        let hour_later = just_under + Duration::from_secs(3600);
+        assert_eq!(
+            failures.failed(hour_later),
+            Failed {
+                say: Say::First,
+                wait: FIRST_WAIT
+            }
+        );
+        assert_eq!(
+            failures
+                .failed(hour_later + SUMMARY_EVERY - Duration::from_millis(1))
+                .say,
+            Say::Nothing,
+            "just under the span: the same run"
+        );
     }
 }
