@@ -203,23 +203,27 @@ impl Ledger {
     /// leader whose environment carries the expected tag (a process the expected one started
     /// in its own group goes with that group). An expected file is then removed, found or not.
     fn find_expected(&self, this_run: Option<&str>) {
-        let files = self.files(|name| name.starts_with(EXPECTED_PREFIX));
-        if files.is_empty() {
-            return;
-        }
-        let running = tagged_group_leaders();
-        for file in files {
+        let mut earlier = Vec::new();
+        for file in self.files(|name| name.starts_with(EXPECTED_PREFIX)) {
             let expected = std::fs::read(&file)
                 .ok()
                 .and_then(|bytes| serde_json::from_slice::<ExpectedFile>(&bytes).ok());
-            let Some(expected) = expected else {
-                let _ = std::fs::remove_file(&file);
-                continue;
-            };
-            // One of this run's, still starting: not an earlier run's to take.
-            if this_run.is_some_and(|prefix| expected.tag.starts_with(prefix)) {
-                continue;
+            match expected {
+                None => {
+                    let _ = std::fs::remove_file(&file);
+                }
+                // One of this run's, still starting: not an earlier run's to take.
+                Some(expected)
+                    if this_run.is_some_and(|prefix| expected.tag.starts_with(prefix)) => {}
+                Some(expected) => earlier.push((file, expected)),
             }
+        }
+        // The scan of every process's environment only when an earlier run left one.
+        if earlier.is_empty() {
+            return;
+        }
+        let running = tagged_group_leaders();
+        for (file, expected) in earlier {
             let mut found: Vec<(u32, Option<Started>)> = running
                 .iter()
                 .filter(|(_, tag)| *tag == expected.tag)
@@ -228,7 +232,10 @@ impl Ledger {
             // The expected process is the one that started first; another leader with its tag
             // is a descendant that left its group (a daemon it forked): a tool, to be stopped,
             // never a device to adopt.
-            found.sort_by_key(|(pid, started)| (started.as_ref().map(|s| s.ticks), *pid));
+            // One whose start cannot be read (gone since the scan) sorts last, never first.
+            found.sort_by_key(|(pid, started)| {
+                (started.is_none(), started.as_ref().map(|s| s.ticks), *pid)
+            });
             for (index, (pid, started)) in found.into_iter().enumerate() {
                 let entry = if index == 0 {
                     Entry {
@@ -677,14 +684,18 @@ mod tests {
         let mut first = spawn();
         // The second starts at least one clock tick later.
         let started = started_of(first.id());
-        let mut second = loop {
-            let mut candidate = spawn();
-            if started.is_none() || started_of(candidate.id()) != started {
-                break candidate;
-            }
-            let _ = candidate.kill();
-            let _ = candidate.wait();
-        };
+        // Bounded: a clock tick is 10 ms, and each try spawns a process.
+        let mut second = (0..10_000)
+            .find_map(|_| {
+                let mut candidate = spawn();
+                if started.is_none() || started_of(candidate.id()) != started {
+                    return Some(candidate);
+                }
+                let _ = candidate.kill();
+                let _ = candidate.wait();
+                None
+            })
+            .expect("a process started a clock tick after the first");
         let same_run = Ledger::open(dir.path()).unwrap();
         assert!(same_run.entries().is_empty());
         assert_eq!(expected_files(dir.path()).len(), 1, "left to this run");
