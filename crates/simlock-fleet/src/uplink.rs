@@ -82,7 +82,7 @@ impl UplinkMount {
         // Who dials is checked first: a caller without a worker token learns nothing of what
         // an uplink needs. The worker's headers only name it in the refusal's event.
         let worker_id = worker_id(headers);
-        let label = worker_label(headers.get("x-simlock-worker-label"));
+        let label = worker_label(headers);
         let (named_id, named) = (
             worker_id.as_ref().ok().map(String::as_str),
             label.as_ref().ok().and_then(Option::as_deref),
@@ -233,8 +233,6 @@ fn refuse_websocket_version(headers: &http::HeaderMap) -> Option<Response<Body>>
     Some(response)
 }
 
-/// The worker's label: percent-decoded, at most the contract's label bound (a peer's text that
-/// ends up in views and events).
 /// The worker's id (`x-simlock-worker-id`): sent once, and an id.
 fn worker_id(headers: &http::HeaderMap) -> Result<String, ContractError> {
     let name = HeaderName::from_static("x-simlock-worker-id");
@@ -249,8 +247,15 @@ fn worker_id(headers: &http::HeaderMap) -> Result<String, ContractError> {
         })
 }
 
-fn worker_label(header: Option<&HeaderValue>) -> Result<Option<String>, ContractError> {
-    let Some(raw) = header else { return Ok(None) };
+/// The worker's label (`x-simlock-worker-label`, optional): sent at most once, percent-decoded,
+/// at most the contract's label bound and printable (a peer's text that ends up in views and
+/// events).
+fn worker_label(headers: &http::HeaderMap) -> Result<Option<String>, ContractError> {
+    let name = HeaderName::from_static("x-simlock-worker-label");
+    let Some(raw) = simlock_daemon::auth::single_header(headers, &name, "x-simlock-worker-label")?
+    else {
+        return Ok(None);
+    };
     let label = raw.to_str().map(percent_decode).map_err(|_| {
         ContractError::bad_request("x-simlock-worker-label: must be percent-encoded text")
     })?;
@@ -304,7 +309,18 @@ mod tests {
     use super::*;
 
     fn label(text: &str) -> Result<Option<String>, ContractError> {
-        worker_label(Some(&HeaderValue::from_str(&percent_encode(text)).unwrap()))
+        labels(&[text])
+    }
+
+    fn labels(texts: &[&str]) -> Result<Option<String>, ContractError> {
+        let mut headers = http::HeaderMap::new();
+        for text in texts {
+            headers.append(
+                "x-simlock-worker-label",
+                HeaderValue::from_str(&percent_encode(text)).unwrap(),
+            );
+        }
+        worker_label(&headers)
     }
 
     #[test]
@@ -318,7 +334,11 @@ mod tests {
             "{}",
             err.message
         );
-        assert_eq!(worker_label(None).unwrap(), None);
+        assert_eq!(labels(&[]).unwrap(), None);
+        // Sent twice, as the worker id: which one counts would be a guess.
+        let err = labels(&["a", "b"]).unwrap_err();
+        assert_eq!(err.code, ErrorCode::BadRequest);
+        assert!(err.message.contains("sent 2 times"), "{}", err.message);
         assert_eq!(label("").unwrap(), None);
         // Outside trial 22: a label shows in every listing and event; no control characters.
         let err = label("mini\n3").unwrap_err();
