@@ -229,6 +229,18 @@ pub fn printable<T: AsRef<str> + ?Sized>(text: &T, _: &()) -> garde::Result {
     }
 }
 
+/// A worker's label, wherever it is given (its configuration, its uplink's header): at most
+/// [`MAX_LABEL`] characters, [`printable`]. The message says what is wrong, without the key.
+///
+/// # Errors
+/// What is wrong with it.
+pub fn label(text: &str) -> Result<(), String> {
+    if text.chars().count() > MAX_LABEL {
+        return Err(format!("at most {MAX_LABEL} characters"));
+    }
+    printable(text, &()).map_err(|e| e.to_string())
+}
+
 /// garde rule: exec arguments, at most 256, each at most 8192 bytes.
 pub fn exec_args(args: &[String], _: &()) -> garde::Result {
     if args.len() > MAX_ARGS {

@@ -828,16 +828,10 @@ pub fn validate(config: &DaemonConfig, mode: Mode) -> Result<(), ConfigError> {
             if config.gateway.ca_file.as_deref() == Some("") {
                 return bad("gateway.caFile must name a file".into());
             }
-            if let Some(label) = &config.gateway.label {
-                if label.chars().count() > simlock_contract::bounds::MAX_LABEL {
-                    return bad(format!(
-                        "gateway.label: at most {} characters",
-                        simlock_contract::bounds::MAX_LABEL
-                    ));
-                }
-                if let Err(e) = simlock_contract::bounds::printable(label, &()) {
-                    return bad(format!("gateway.label: {e}"));
-                }
+            if let Some(label) = &config.gateway.label
+                && let Err(e) = simlock_contract::bounds::label(label)
+            {
+                return bad(format!("gateway.label: {e}"));
             }
             for cap in &config.capabilities {
                 if !simlock_contract::bounds::is_capability_name(cap) {

@@ -259,17 +259,8 @@ fn worker_label(headers: &http::HeaderMap) -> Result<Option<String>, ContractErr
     let label = raw.to_str().map(percent_decode).map_err(|_| {
         ContractError::bad_request("x-simlock-worker-label: must be percent-encoded text")
     })?;
-    if label.chars().count() > bounds::MAX_LABEL {
-        return Err(ContractError::bad_request(format!(
-            "x-simlock-worker-label: at most {} characters",
-            bounds::MAX_LABEL
-        )));
-    }
-    if let Err(e) = bounds::printable(&label, &()) {
-        return Err(ContractError::bad_request(format!(
-            "x-simlock-worker-label: {e}"
-        )));
-    }
+    bounds::label(&label)
+        .map_err(|e| ContractError::bad_request(format!("x-simlock-worker-label: {e}")))?;
     Ok(Some(label).filter(|l| !l.is_empty()))
 }
 
