@@ -43,20 +43,17 @@ impl Fleet {
         // Admission and following happen in one decision: nothing the core answers is missed.
         let replay = self
             .decide(|shared, now| -> Result<_, FleetError> {
-                match shared.core.handle_lease_request(ask, now)? {
-                    Admitted::New(id) => {
-                        shared.followers.entry(id).or_default().push(tx);
-                        Ok(None)
-                    }
-                    Admitted::Joined(id, told) => {
-                        if let Some(progress) = told {
-                            let _ = tx.send(Update::Progress(progress));
-                        }
-                        shared.followers.entry(id).or_default().push(tx);
-                        Ok(None)
-                    }
-                    Admitted::Replay(outcome) => Ok(Some(outcome)),
+                let (id, told) = match shared.core.handle_lease_request(ask, now)? {
+                    Admitted::New(id) => (id, None),
+                    // A repeat hears at once where the request it follows stands.
+                    Admitted::Joined(id, told) => (id, told),
+                    Admitted::Replay(outcome) => return Ok(Some(outcome)),
+                };
+                if let Some(progress) = told {
+                    let _ = tx.send(Update::Progress(progress));
                 }
+                shared.followers.entry(id).or_default().push(tx);
+                Ok(None)
             })
             .map_err(ContractError::from)?;
         if let Some(outcome) = replay {
