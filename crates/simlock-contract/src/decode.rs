@@ -77,11 +77,13 @@ pub fn in_json_terms(message: &str) -> String {
     }
     // A whole number too large for 64 bits reaches serde as a float: said as what it is.
     const FLOAT: &str = "invalid type: floating point `";
+    /// 2^64, the first whole number past `u64`.
+    const PAST_U64: f64 = 18_446_744_073_709_551_616.0;
     if let Some(at) = out.find(FLOAT)
         && let Some(number) = out[at + FLOAT.len()..].split_once('`').map(|(n, _)| n)
         && let Ok(value) = number.parse::<f64>()
         && value.fract() == 0.0
-        && value >= 1.8e19
+        && value >= PAST_U64
         && out.ends_with("expected a whole number, 0 or more")
     {
         out.replace_range(at.., "too large: expected a whole number, 0 or more");
@@ -313,6 +315,9 @@ mod tests {
             message(huge),
             "ttlMs: too large: expected a whole number, 0 or more"
         );
+        // A float under 2^64 written as one is not called too large.
+        let under: Value = serde_json::from_str(r#"{"ttlMs": 1.8e19}"#).unwrap();
+        assert!(!message(under).contains("too large"));
         assert_eq!(
             message(serde_json::json!({"ratio": "x"})),
             "ratio: invalid type: string \"x\", expected a number"
