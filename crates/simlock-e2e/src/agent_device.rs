@@ -400,12 +400,14 @@ pub fn callers_requests(
         .into_iter()
         .filter(|r| !(r.method == "GET" && r.path == "/health"))
         .filter(|r| {
-            !serde_json::from_slice::<Value>(&r.body)
-                .ok()
-                .and_then(|b| b["id"].as_str().map(|id| id.ends_with(":keep")))
-                .unwrap_or(false)
+            !serde_json::from_slice::<Value>(&r.body).is_ok_and(|body| is_front_keep(&body))
         })
         .collect()
+}
+
+/// Whether an RPC body is one of the front's own heartbeats after a command (`<id>:keep`).
+fn is_front_keep(body: &Value) -> bool {
+    body["id"].as_str().is_some_and(|id| id.ends_with(":keep"))
 }
 
 /// How many heartbeats callers sent `fake`: not the front's own after a command (`<id>:keep`,
@@ -413,7 +415,7 @@ pub fn callers_requests(
 pub fn callers_heartbeats(fake: &agent_device_fake::FakeAgentDevice) -> usize {
     received(fake, "agent_device.lease.heartbeat")
         .iter()
-        .filter(|b| !b["id"].as_str().is_some_and(|id| id.ends_with(":keep")))
+        .filter(|body| !is_front_keep(body))
         .count()
 }
 
