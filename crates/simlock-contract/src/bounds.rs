@@ -197,23 +197,75 @@ pub fn filter_relay_headers(
         .collect()
 }
 
-/// Whether `c` is a character a name must not hold: a control character (C0, DEL or C1: a
-/// newline, an escape, a NUL…), or one that shows nothing or turns the text around (zero-width
-/// spaces and joiners, direction marks and overrides, line and paragraph separators, the byte
-/// order mark, the soft hyphen): with them, one name could pass for another in a listing.
+/// Whether `c` is a character a name must not hold, by its Unicode general category: a control
+/// character (`Cc`: C0, DEL or C1, a newline, an escape, a NUL…), a format character (`Cf`: one
+/// that shows nothing or turns the text around: zero-width spaces and joiners, direction marks
+/// and overrides, the byte order mark, the soft hyphen, tag characters…), or a line or paragraph
+/// separator: with them, one name could pass for another in a listing.
 pub fn is_hidden(c: char) -> bool {
-    c.is_control()
-        || matches!(
-            c,
-            '\u{ad}'
-                | '\u{61c}'
-                | '\u{180e}'
-                | '\u{200b}'..='\u{200f}'
-                | '\u{2028}'..='\u{202e}'
-                | '\u{2060}'..='\u{206f}'
-                | '\u{feff}'
-                | '\u{fff9}'..='\u{fffb}'
-        )
+    use unicode_general_category::{GeneralCategory, get_general_category};
+    matches!(
+        get_general_category(c),
+        GeneralCategory::Control
+            | GeneralCategory::Format
+            | GeneralCategory::LineSeparator
+            | GeneralCategory::ParagraphSeparator
+    )
+}
+
+#[cfg(test)]
+mod hidden_tests {
+    use super::is_hidden;
+
+    /// What the former hand-written table held is still hidden, and so are the format
+    /// characters it missed (tag characters); the characters right outside its ranges, and
+    /// names' ordinary text, are not.
+    #[test]
+    fn hidden_characters_are_told_by_their_category_and_their_neighbours_pass() {
+        for c in [
+            '\u{0}',
+            '\n',
+            '\u{1b}',
+            '\u{7f}',
+            '\u{85}',
+            '\u{ad}',
+            '\u{61c}',
+            '\u{180e}',
+            '\u{200b}',
+            '\u{200f}',
+            '\u{2028}',
+            '\u{2029}',
+            '\u{202a}',
+            '\u{202e}',
+            '\u{2060}',
+            '\u{206f}',
+            '\u{feff}',
+            '\u{fff9}',
+            '\u{fffb}',
+            '\u{e0001}',
+            '\u{e0041}',
+            '\u{e007f}',
+        ] {
+            assert!(is_hidden(c), "{:?} is hidden", c);
+        }
+        for c in [
+            'a',
+            'é',
+            'Ω',
+            '·',
+            '🦀',
+            ' ',
+            '-',
+            '\u{2010}',
+            '\u{2027}',
+            '\u{202f}',
+            '\u{2070}',
+            '\u{fffc}',
+            '\u{1f4bb}',
+        ] {
+            assert!(!is_hidden(c), "{:?} is shown", c);
+        }
+    }
 }
 
 /// garde rule: text that holds no hidden character ([`is_hidden`]), so that what a caller
